@@ -1,0 +1,424 @@
+"""Model loading, and the tiny demo models stepline builds itself.
+
+Every model — a built-in demo, a local directory or a Hugging Face repo — is loaded
+through ``mlx_lm.load``, so the demo models exercise exactly the code path of a real
+checkpoint. The demos are built on first use, deterministically from a seed and a
+built-in corpus, into the standard mlx-lm layout (config.json, model.safetensors,
+tokenizer.json, tokenizer_config.json with a ChatML chat template,
+special_tokens_map.json), so the demo command and the tests need no network.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+if TYPE_CHECKING:  # mlx_lm imports transformers (~1 s); load it only when loading a model
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+DEFAULT_DEMO = "stepline-demo"
+
+# Bump when the build recipe changes, so caches built by an older stepline are not reused.
+_BUILD_VERSION = 1
+_CORPUS_PATH = Path(__file__).with_name("demo_corpus.txt")
+
+ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)  # ids 0, 1, 2 in the demo tokenizer
+
+# ChatML. Any role renders the same way; content may be a string or OpenAI-style parts.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}"
+    "{%- else %}{%- for part in message['content'] %}"
+    "{%- if part['type'] == 'text' %}{{- part['text'] }}{%- endif %}"
+    "{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+@dataclass(frozen=True)
+class DemoSpec:
+    """How to build one demo model; the same spec always gives bit-identical files."""
+
+    arch: str  # mlx-lm model_type (module name under mlx_lm.models)
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    max_position_embeddings: int
+    seed: int
+    vocab_size: int = 1024  # BPE training target; the model uses the tokenizer's real size
+    # Normal std of the weight matrices, found by trying: outside a model's good range,
+    # greedy decoding of the random model falls into a loop of one or two tokens.
+    init_std: float = 0.02
+    extra: tuple[tuple[str, Any], ...] = ()  # architecture-specific config.json keys
+
+
+DEMO_MODELS: dict[str, DemoSpec] = {
+    "stepline-demo": DemoSpec(
+        arch="llama",
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=2048,
+        seed=0,
+    ),
+    # Gated-delta (ArraysCache) layers interleaved with full-attention (KVCache) layers.
+    "stepline-demo-hybrid": DemoSpec(
+        arch="qwen3_next",
+        hidden_size=64,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=2048,
+        seed=1,
+        init_std=0.04,
+        extra=(
+            ("full_attention_interval", 2),
+            ("head_dim", 16),
+            ("partial_rotary_factor", 0.25),
+            ("linear_num_value_heads", 4),
+            ("linear_num_key_heads", 2),
+            ("linear_key_head_dim", 16),
+            ("linear_value_head_dim", 16),
+            ("linear_conv_kernel_dim", 4),
+            ("num_experts", 4),
+            ("num_experts_per_tok", 2),
+            ("decoder_sparse_step", 1),
+            ("mlp_only_layers", []),
+            ("moe_intermediate_size", 32),
+            ("shared_expert_intermediate_size", 64),
+            ("norm_topk_prob", True),
+        ),
+    ),
+    # Sliding-window (RotatingKVCache) layers interleaved with global (KVCache) layers.
+    "stepline-demo-sliding": DemoSpec(
+        arch="gemma3_text",
+        hidden_size=64,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=2048,
+        seed=2,
+        init_std=0.04,
+        extra=(
+            ("sliding_window", 16),
+            ("sliding_window_pattern", 2),
+            ("head_dim", 16),
+            ("query_pre_attn_scalar", 16),
+            ("rope_local_base_freq", 10000.0),
+        ),
+    ),
+    "stepline-demo-large": DemoSpec(
+        arch="llama",
+        hidden_size=512,
+        num_layers=8,
+        num_heads=8,
+        num_kv_heads=4,
+        intermediate_size=1536,
+        max_position_embeddings=8192,
+        seed=3,
+        init_std=0.06,
+    ),
+}
+
+
+class ModelNotFoundError(Exception):
+    """No model could be found under the given name; the message lists what was tried."""
+
+
+@dataclass(frozen=True, eq=False)
+class LoadedModel:
+    """A model ready to run: the mlx-lm module, its tokenizer and where it came from."""
+
+    model: nn.Module
+    tokenizer: TokenizerWrapper
+    name: str
+    path: Path
+    max_context: int  # config max_position_embeddings
+
+
+def _cache_root(cache_dir: str | Path | None) -> Path:
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    env = os.environ.get("STEPLINE_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    return Path.home() / ".cache" / "stepline"
+
+
+def _spec_hash(spec: DemoSpec) -> str:
+    recipe = {
+        "build_version": _BUILD_VERSION,
+        "spec": dataclasses.asdict(spec),
+        # Text, not bytes: a CRLF checkout trains the same tokenizer, so it hashes the same.
+        "corpus": hashlib.sha256(_CORPUS_PATH.read_text(encoding="utf-8").encode()).hexdigest(),
+    }
+    blob = json.dumps(recipe, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:12]
+
+
+def demo_model_path(name: str = DEFAULT_DEMO, cache_dir: str | Path | None = None) -> Path:
+    """Return the directory of demo model ``name``, building it there on first use.
+
+    The directory is ``<cache_dir or $STEPLINE_CACHE_DIR or ~/.cache/stepline>/models/
+    <name>-<spec hash>``. It is built in a temporary directory next to it and renamed
+    into place, so a directory that exists is complete and concurrent first uses are
+    safe (one build wins, the others are discarded).
+
+    Raises ModelNotFoundError if ``name`` is not in DEMO_MODELS.
+    """
+    spec = DEMO_MODELS.get(name)
+    if spec is None:
+        raise ModelNotFoundError(
+            f"unknown demo model {name!r}; the demo models are {', '.join(DEMO_MODELS)}"
+        )
+    models_dir = _cache_root(cache_dir) / "models"
+    final = models_dir / f"{name}-{_spec_hash(spec)}"
+    if final.is_dir():
+        return final
+    models_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-building-", dir=models_dir))
+    try:
+        _build(spec, tmp)
+        os.replace(tmp, final)
+    except OSError:
+        # Another process renamed its build into place first (ENOTEMPTY/EEXIST): use that.
+        if not final.is_dir():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _train_tokenizer_json(vocab_size: int) -> str:
+    """Train the demo byte-level BPE on the built-in corpus; deterministic for one corpus."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    # Byte-level with no normalizer: any unicode string encodes and decodes back exactly.
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=1,
+        show_progress=False,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    paragraphs = _CORPUS_PATH.read_text(encoding="utf-8").split("\n\n")
+    tokenizer.train_from_iterator(paragraphs, trainer=trainer)
+    return tokenizer.to_str(pretty=True)
+
+
+def _tokenizer_files(max_context: int) -> dict[str, Any]:
+    added = {
+        str(i): {
+            "content": token,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+        for i, token in enumerate(SPECIAL_TOKENS)
+    }
+    tokenizer_config = {
+        "add_bos_token": False,
+        "add_prefix_space": False,
+        "added_tokens_decoder": added,
+        "additional_special_tokens": [IM_START, IM_END],
+        "bos_token": None,
+        "chat_template": CHAT_TEMPLATE,
+        # Off, or decode() would rewrite " ." to "." and text would not round-trip.
+        "clean_up_tokenization_spaces": False,
+        "eos_token": IM_END,
+        "model_max_length": max_context,
+        "pad_token": ENDOFTEXT,
+        "split_special_tokens": False,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "unk_token": None,
+    }
+    special_tokens_map = {
+        "additional_special_tokens": [IM_START, IM_END],
+        "eos_token": IM_END,
+        "pad_token": ENDOFTEXT,
+    }
+    return {
+        "tokenizer_config.json": tokenizer_config,
+        "special_tokens_map.json": special_tokens_map,
+    }
+
+
+def _model_config(spec: DemoSpec, vocab_size: int) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "model_type": spec.arch,
+        "hidden_size": spec.hidden_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "intermediate_size": spec.intermediate_size,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "vocab_size": vocab_size,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        # Untied: with tied embeddings a random model mostly echoes its input token.
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "bos_token_id": None,
+        "eos_token_id": [SPECIAL_TOKENS.index(IM_END), SPECIAL_TOKENS.index(ENDOFTEXT)],
+        "pad_token_id": SPECIAL_TOKENS.index(ENDOFTEXT),
+    }
+    config.update(dict(spec.extra))
+    return config
+
+
+def _init_weights(model: nn.Module, spec: DemoSpec) -> None:
+    """Replace every parameter with a seeded value, independent of MLX's global RNG."""
+    # gemma-style RMSNorm multiplies by (1 + weight), so its neutral weight is 0.
+    norm_value = 0.0 if spec.arch.startswith("gemma") else 1.0
+    params = dict(tree_flatten(model.parameters()))
+    names = sorted(params)
+    keys = mx.random.split(mx.random.key(spec.seed), len(names))
+    new = {}
+    for i, name in enumerate(names):
+        shape, leaf = params[name].shape, name.rsplit(".", 1)[-1]
+        if "norm" in name and len(shape) == 1:
+            value = mx.full(shape, norm_value)
+        elif leaf == "A_log":  # gated-delta decay rates, kept in log space like the reference
+            value = mx.log(mx.random.uniform(1.0, 16.0, shape, key=keys[i]))
+        elif leaf == "dt_bias":
+            value = mx.ones(shape)
+        elif leaf == "bias":
+            value = mx.zeros(shape)
+        else:
+            value = spec.init_std * mx.random.normal(shape, key=keys[i])
+        new[name] = value.astype(mx.float32)
+    # Nothing stops a random model from ranking EOS first; zeroing the special tokens'
+    # output rows keeps greedy decoding of ordinary prompts going instead of stopping.
+    head = new["lm_head.weight"]
+    new["lm_head.weight"] = head.at[mx.arange(len(SPECIAL_TOKENS))].multiply(0.0)
+    model.update(tree_unflatten(list(new.items())))
+    mx.eval(model.parameters())
+
+
+def _build(spec: DemoSpec, out: Path) -> None:
+    from mlx_lm.utils import save_config, save_model
+
+    tokenizer_json = _train_tokenizer_json(spec.vocab_size)
+    vocab_size = len(json.loads(tokenizer_json)["model"]["vocab"])
+    config = _model_config(spec, vocab_size)
+
+    arch = importlib.import_module(f"mlx_lm.models.{spec.arch}")
+    model = arch.Model(arch.ModelArgs.from_dict(config))
+    _init_weights(model, spec)
+
+    save_model(out, model)
+    save_config(dict(config), config_path=out / "config.json")
+    (out / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
+    for filename, content in _tokenizer_files(spec.max_position_embeddings).items():
+        (out / filename).write_text(json.dumps(content, indent=2) + "\n", encoding="utf-8")
+
+
+def _hf_offline() -> bool:
+    # huggingface_hub reads HF_HUB_OFFLINE once at import; read it again so a later
+    # setting (a test, a CLI flag) still counts.
+    from huggingface_hub import constants
+
+    env = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    return constants.is_offline_mode() or env.upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def _resolve_hf(repo_id: str) -> tuple[Path | None, str]:
+    """Local snapshot of Hugging Face repo ``repo_id`` (downloading if online), or why not."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+    from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError:
+        return None, "not a valid repo id"
+    offline = _hf_offline()
+    try:
+        path = snapshot_download(
+            repo_id, allow_patterns=DEFAULT_ALLOW_PATTERNS, local_files_only=offline
+        )
+    # The hub client raises many types (HTTP, connection, cache misses); all mean "not here".
+    except Exception as e:
+        if offline:
+            return (
+                None,
+                "not in the local Hugging Face cache; HF_HUB_OFFLINE is set, unset it to download",
+            )
+        first_line = (str(e).splitlines() or [""])[0]
+        return None, f"download failed: {type(e).__name__}: {first_line}"
+    return Path(path), ""
+
+
+def _load_dir(path: Path, name: str) -> LoadedModel:
+    from mlx_lm.utils import load
+
+    if not (path / "config.json").is_file():
+        raise ModelNotFoundError(
+            f"{name!r}: local path {path} exists but has no config.json; "
+            "point at a directory in mlx-lm / Hugging Face layout"
+        )
+    model, tokenizer, config = load(str(path), return_config=True)
+    max_context = config.get("max_position_embeddings") or config.get("text_config", {}).get(
+        "max_position_embeddings"
+    )
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        name=name,
+        path=path,
+        # A config without it is rare; 4096 is a conservative context for such a model.
+        max_context=int(max_context or 4096),
+    )
+
+
+def load_model(name_or_path: str | None = None) -> LoadedModel:
+    """Load a model by demo name, local directory or Hugging Face repo id, in that order.
+
+    ``None`` or a DEMO_MODELS name builds (once) and loads that demo; an existing local
+    directory is loaded with mlx_lm; anything else is treated as a Hugging Face repo id
+    and downloaded unless HF_HUB_OFFLINE is set (then only the local HF cache is used).
+
+    Raises ModelNotFoundError naming every place tried when none has the model; errors
+    from mlx_lm for a model that was found (e.g. an unsupported architecture) propagate.
+    """
+    name = DEFAULT_DEMO if name_or_path is None else name_or_path
+    if name in DEMO_MODELS:
+        return _load_dir(demo_model_path(name), name)
+    local = Path(name).expanduser()
+    if local.is_dir():
+        return _load_dir(local.resolve(), name)
+    local_note = "exists but is not a directory" if local.exists() else "not found"
+    hf_path, reason = _resolve_hf(name)
+    if hf_path is None:
+        raise ModelNotFoundError(
+            f"model {name!r} not found: tried local path {local.resolve()} ({local_note}), "
+            f"Hugging Face id {name!r} ({reason}); demo models are {', '.join(DEMO_MODELS)}"
+        )
+    return _load_dir(hf_path, name)

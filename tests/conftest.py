@@ -1,0 +1,54 @@
+"""Shared fixtures. The demo models are built once per session into a temporary cache."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+# Loads OpenBLAS before anything imports MLX (see engine/_blas.py).
+import stepline.engine  # noqa: F401
+
+if TYPE_CHECKING:
+    from stepline.engine.models import LoadedModel
+
+
+def _load(name: str) -> LoadedModel:
+    # Imported here so test runs that need no model never pay for importing mlx_lm.
+    from stepline.engine.models import load_model
+
+    return load_model(name)
+
+
+@pytest.fixture(scope="session")
+def model_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A fresh stepline cache for the session, set as $STEPLINE_CACHE_DIR while it runs."""
+    path = tmp_path_factory.mktemp("stepline-cache")
+    previous = os.environ.get("STEPLINE_CACHE_DIR")
+    os.environ["STEPLINE_CACHE_DIR"] = str(path)
+    yield path
+    if previous is None:
+        os.environ.pop("STEPLINE_CACHE_DIR", None)
+    else:
+        os.environ["STEPLINE_CACHE_DIR"] = previous
+
+
+@pytest.fixture(scope="session")
+def demo(model_cache_dir: Path) -> LoadedModel:
+    """The tiny llama demo model (plain KVCache layers)."""
+    return _load("stepline-demo")
+
+
+@pytest.fixture(scope="session")
+def demo_hybrid(model_cache_dir: Path) -> LoadedModel:
+    """The tiny qwen3_next demo model (ArraysCache and KVCache layers)."""
+    return _load("stepline-demo-hybrid")
+
+
+@pytest.fixture(scope="session")
+def demo_sliding(model_cache_dir: Path) -> LoadedModel:
+    """The tiny gemma3_text demo model (RotatingKVCache and KVCache layers)."""
+    return _load("stepline-demo-sliding")
