@@ -1,0 +1,524 @@
+"""Batched per-request sampling: one (B, V) logits array, one `RowSampling` per row, one eval.
+
+Every row of a decode batch belongs to a different request with its own parameters. `Sampler`
+turns the whole batch into tokens with vectorised MLX ops and a single `mx.eval` (a second one
+only in the rare case described under `_NUM_CANDIDATES`):
+
+1. penalties (only rows that ask for them), on the raw logits;
+2. greedy rows (temperature 0): argmax of the penalised logits, no filters;
+3. other rows: temperature, then top-k, top-p and min-p as one per-row threshold, then
+   Gumbel-max: argmax(logits / T + g), g ~ Gumbel(0, 1), which draws exactly from
+   softmax(logits / T) restricted to the tokens that pass the filters.
+
+The noise of a row comes from its own key: `(seed, position)` for seeded rows, so a seeded
+request gives the same tokens alone or in any batch; the sampler's own stream otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+# top-k / top-p thresholds come from each row's best _NUM_CANDIDATES tokens (a partition and a
+# small sort, instead of sorting the whole vocabulary, which is ~90 ms for 32 x 32000 on CPU).
+# A row whose nucleus is wider than that, or whose top_k is larger, is redone with a full sort
+# after the first eval; which rows that happens to depends only on the row itself.
+_NUM_CANDIDATES = 1024
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class RowSampling:
+    """How to sample one row. Invalid values raise `ValueError` naming the field and its range."""
+
+    temperature: float = 1.0  # 0 => greedy (argmax)
+    top_p: float = 1.0  # (0, 1]; 1 disables
+    top_k: int = 0  # 0 disables
+    min_p: float = 0.0  # [0, 1); 0 disables
+    seed: int | None = None  # None => the sampler's shared random stream
+    presence_penalty: float = 0.0  # OpenAI: subtracted once from every token generated so far
+    frequency_penalty: float = 0.0  # OpenAI: subtracted once per time a token was generated
+    repetition_penalty: float = 1.0  # HF/mlx-lm, over prompt + generated tokens; > 1 penalises
+    logprobs: int | None = None  # None => none; k >= 0 => chosen token's logprob + top k
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(
+                f"temperature must be a finite number >= 0 (0 means greedy), got {self.temperature}"
+            )
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (1 disables it), got {self.top_p}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not 0 <= self.min_p < 1:
+            raise ValueError(f"min_p must be in [0, 1) (0 disables it), got {self.min_p}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(
+                    f"{name} must be a finite number (0 disables it), got {getattr(self, name)}"
+                )
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError(
+                "repetition_penalty must be a finite number > 0 (1 disables it), "
+                f"got {self.repetition_penalty}"
+            )
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+            raise ValueError(f"logprobs must be None or an integer >= 0, got {self.logprobs!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether sampling this row reads its `RowHistory` (it has a penalty)."""
+        return (
+            self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1
+        )
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    token_id: int
+    logprob: float  # log-softmax of the raw (unpenalised, untempered) logits
+    top: tuple[tuple[int, float], ...]  # top-k (token_id, logprob) by logprob, descending
+
+
+@dataclass(frozen=True)
+class SampleOutput:
+    tokens: list[int]  # one per row
+    logprobs: list[TokenLogprobs | None]  # per row; None where not requested
+
+
+class RowHistory:
+    """The tokens one request has seen, as penalties need them.
+
+    The executor makes one at admission for a request whose `RowSampling.needs_history`
+    (`RowHistory(prompt_ids)`) and calls `append(token)` after each sampled token, so that when
+    the token at position t is sampled the history holds the prompt and generated tokens 0..t-1.
+    `append` is O(1); the sampler reads the sets below, so its cost per step is the number of
+    distinct tokens, paid only by rows with a penalty. Requests without penalties need none.
+    """
+
+    __slots__ = ("_seen", "_counts", "_num_generated", "_max_id")
+
+    def __init__(self, prompt_ids: Iterable[int] = ()) -> None:
+        self._seen: set[int] = set(prompt_ids)  # distinct prompt + generated ids (repetition)
+        self._counts: dict[int, int] = {}  # generated id -> times generated (presence, frequency)
+        self._num_generated = 0
+        self._max_id = max(self._seen, default=-1)  # to reject ids outside the vocabulary
+
+    def append(self, token_id: int) -> None:
+        self._seen.add(token_id)
+        self._counts[token_id] = self._counts.get(token_id, 0) + 1
+        self._num_generated += 1
+        self._max_id = max(self._max_id, token_id)
+
+    @property
+    def seen_ids(self) -> set[int]:
+        """Distinct token ids of the prompt and the generated tokens (do not mutate)."""
+        return self._seen
+
+    @property
+    def generated_counts(self) -> dict[int, int]:
+        """Generated token id -> how many times it was generated (do not mutate)."""
+        return self._counts
+
+    @property
+    def num_generated(self) -> int:
+        return self._num_generated
+
+    @property
+    def max_token_id(self) -> int:
+        return self._max_id
+
+
+class Sampler:
+    """Samples one token per row of a logits batch. Not thread-safe: the executor's thread owns it.
+
+    `seed` seeds the shared stream that rows without their own seed draw from, so a whole run
+    is reproducible given the same sampler seed and the same sequence of batches.
+    """
+
+    def __init__(self, seed: int = 0) -> None:
+        self._rng = random.Random(seed)  # the shared stream: one 64-bit key per unseeded row
+        self._gumbel_by_vocab: dict[int, Callable[[mx.array], mx.array]] = {}
+
+    def sample(
+        self,
+        logits: mx.array,
+        rows: Sequence[RowSampling],
+        positions: Sequence[int],
+        histories: Sequence[RowHistory | None] | None = None,
+    ) -> SampleOutput:
+        """Sample one token per row of `logits` (B, V), row i with `rows[i]`.
+
+        `positions[i]` is the index of the token being sampled in row i's output (0 for its first
+        token); with `rows[i].seed` it fixes the row's randomness. `histories[i]` must be given
+        for every row whose `needs_history`. Returns Python ints, computed with one `mx.eval`
+        (plus one for the rare rows whose top-p/top-k reaches past `_NUM_CANDIDATES` tokens).
+
+        Raises ValueError if the lengths disagree with the batch, a row with a penalty has no
+        history, or a history holds a token id outside the vocabulary.
+        """
+        num_rows, _ = _check_batch(logits, rows, positions, histories)
+        penalised_rows = [i for i, r in enumerate(rows) if r.needs_history]
+        logprob_rows = [i for i, r in enumerate(rows) if r.logprobs is not None]
+        sampled_rows = [i for i, r in enumerate(rows) if not r.is_greedy]
+
+        if not penalised_rows and not logprob_rows and not sampled_rows:
+            tokens = mx.argmax(logits, axis=-1)
+            mx.eval(tokens)
+            return SampleOutput(tokens=tokens.tolist(), logprobs=[None] * num_rows)
+
+        raw = logits.astype(mx.float32)
+        penalised = raw
+        if penalised_rows:
+            assert histories is not None  # _check_batch made sure
+            penalised = _apply_penalties(raw, rows, penalised_rows, histories)
+
+        draw: _Draw | None = None
+        if sampled_rows:
+            draw = self._draw(penalised, [rows[i] for i in sampled_rows], sampled_rows, positions)
+        if draw is not None and len(sampled_rows) == num_rows:
+            tokens = draw.tokens
+        else:
+            tokens = mx.argmax(penalised, axis=-1)
+            if draw is not None:
+                tokens[mx.array(draw.row_index)] = draw.tokens
+
+        to_eval = [tokens]
+        if draw is not None and draw.covered is not None:
+            to_eval.append(draw.covered)
+        lp = _Logprobs.build(raw, tokens, rows, logprob_rows) if logprob_rows else None
+        if lp is not None:
+            to_eval.extend(lp.arrays())
+        mx.eval(*to_eval)
+        token_list: list[int] = tokens.tolist()
+
+        if draw is not None and draw.covered is not None and not draw.covered.all().item():
+            redone = draw.redo_uncovered()  # rows whose filter reached past the candidates
+            if lp is not None:
+                lp.retake_chosen(redone)
+            mx.eval(*[tok for _, tok in redone], *(lp.arrays() if lp is not None else []))
+            for row, tok in redone:
+                token_list[row] = tok.item()
+        per_row = lp.to_python(token_list, num_rows) if lp is not None else [None] * num_rows
+        return SampleOutput(tokens=token_list, logprobs=per_row)
+
+    def _draw(
+        self,
+        penalised: mx.array,
+        rows: list[RowSampling],
+        row_index: list[int],
+        positions: Sequence[int],
+    ) -> _Draw:
+        """Build (lazily) the tokens of the non-greedy rows `row_index` of the batch."""
+        vocab = penalised.shape[-1]
+        x = penalised if len(row_index) == penalised.shape[0] else penalised[mx.array(row_index)]
+        temperature = mx.array([r.temperature for r in rows], dtype=mx.float32)[:, None]
+        # Shifting by the max first keeps x / T finite for tiny T and makes the top token 0.
+        z = (x - x.max(axis=-1, keepdims=True)) / temperature
+
+        keys = [
+            _seeded_key(r.seed, positions[i]) if r.seed is not None else self._shared_key()
+            for r, i in zip(rows, row_index, strict=True)
+        ]
+        noise = self._gumbel(vocab)(mx.array(keys, dtype=mx.uint32))
+        filters = _Filters.build(rows)
+        draw = _Draw(z=z, noise=noise, filters=filters, row_index=row_index)
+        draw.sample()
+        return draw
+
+    def _shared_key(self) -> tuple[int, int]:
+        bits = self._rng.getrandbits(64)
+        return bits >> 32, bits & 0xFFFFFFFF
+
+    def _gumbel(self, vocab: int) -> Callable[[mx.array], mx.array]:
+        # One vectorised random call for all rows, each row from its own key.
+        fn = self._gumbel_by_vocab.get(vocab)
+        if fn is None:
+            fn = mx.vmap(lambda key: mx.random.gumbel((vocab,), key=key))
+            self._gumbel_by_vocab[vocab] = fn
+        return fn
+
+
+# -- the pieces ---------------------------------------------------------------------------------
+
+
+@dataclass
+class _Filters:
+    """Per-row filter parameters of the sampled rows, as (n, 1) arrays."""
+
+    top_k: mx.array  # int32, 0 = off
+    top_p: mx.array  # float32, 1 = off
+    min_p: mx.array  # float32, 0 = off
+    any_rank_filter: bool  # some row has top_k or top_p: thresholds need the sorted best tokens
+    any_min_p: bool
+    any_nucleus_over_vocab: bool  # some row has top_p without top_k: needs the full logsumexp
+
+    @classmethod
+    def build(cls, rows: list[RowSampling]) -> _Filters:
+        def col(values: list, dtype: mx.Dtype) -> mx.array:
+            return mx.array(values, dtype=dtype)[:, None]
+
+        return cls(
+            top_k=col([r.top_k for r in rows], mx.int32),
+            top_p=col([r.top_p for r in rows], mx.float32),
+            min_p=col([r.min_p for r in rows], mx.float32),
+            any_rank_filter=any(r.top_k > 0 or r.top_p < 1 for r in rows),
+            any_min_p=any(r.min_p > 0 for r in rows),
+            any_nucleus_over_vocab=any(r.top_k == 0 and r.top_p < 1 for r in rows),
+        )
+
+    def take(self, index: mx.array) -> _Filters:
+        return _Filters(
+            top_k=self.top_k[index],
+            top_p=self.top_p[index],
+            min_p=self.min_p[index],
+            any_rank_filter=self.any_rank_filter,
+            any_min_p=self.any_min_p,
+            any_nucleus_over_vocab=False,  # only used with the full sort, which needs no logsumexp
+        )
+
+
+@dataclass
+class _Draw:
+    """The sampled rows of one batch: tempered logits z, their noise, and the tokens drawn."""
+
+    z: mx.array  # (n, V) penalised logits / T, shifted so each row's max is 0
+    noise: mx.array  # (n, V) Gumbel noise, from each row's own key
+    filters: _Filters
+    row_index: list[int]  # batch row of each sampled row
+    tokens: mx.array | None = None  # (n,) uint32
+    covered: mx.array | None = None  # (n,) bool: thresholds were exact; None if no rank filter
+
+    def sample(self) -> None:
+        vocab = self.z.shape[-1]
+        threshold = mx.log(self.filters.min_p)  # min-p: p / p_max >= min_p; log(0) = -inf
+        if self.filters.any_rank_filter:
+            num = min(vocab, _NUM_CANDIDATES)
+            if num == vocab:
+                best = -mx.sort(-self.z, axis=-1)
+            else:
+                # The num smallest of -z, sorted ascending, are the num largest of z, descending.
+                best = -mx.sort(mx.partition(-self.z, kth=num - 1, axis=-1)[:, :num], axis=-1)
+            lse = (
+                mx.logsumexp(self.z, axis=-1, keepdims=True)
+                if num < vocab and self.filters.any_nucleus_over_vocab
+                else None
+            )
+            rank_threshold, self.covered = _rank_threshold(best, lse, self.filters, vocab)
+            threshold = mx.maximum(threshold, rank_threshold)
+        self.tokens = _gumbel_argmax(self.z, self.noise, threshold)
+
+    def redo_uncovered(self) -> list[tuple[int, mx.array]]:
+        """Resample, with a full sort, the rows whose filters reached past the candidates.
+
+        Returns (batch row, lazy token) pairs. Call only after `covered` was evaluated.
+        """
+        assert self.covered is not None
+        local = [j for j, ok in enumerate(self.covered.tolist()) if not ok]
+        index = mx.array(local)
+        z = self.z[index]
+        filters = self.filters.take(index)
+        best = -mx.sort(-z, axis=-1)
+        rank_threshold, _ = _rank_threshold(best, None, filters, z.shape[-1])
+        threshold = mx.maximum(mx.log(filters.min_p), rank_threshold)
+        tokens = _gumbel_argmax(z, self.noise[index], threshold)
+        return [(self.row_index[j], tokens[k]) for k, j in enumerate(local)]
+
+
+def _gumbel_argmax(z: mx.array, noise: mx.array, threshold: mx.array) -> mx.array:
+    """argmax(z + noise) over the tokens with z >= threshold: a draw from softmax(z) restricted."""
+    return mx.argmax(mx.where(z >= threshold, z + noise, -mx.inf), axis=-1)
+
+
+def _rank_threshold(
+    best: mx.array, lse: mx.array | None, filters: _Filters, vocab: int
+) -> tuple[mx.array, mx.array]:
+    """The (n, 1) top-k/top-p threshold on z, and (n,) whether it is exact.
+
+    `best` holds each row's num best z values in descending order (num = V for a full sort);
+    `lse` is logsumexp(z) over the whole row, needed when num < V for rows with top_p but no
+    top_k. Top-p is taken over the top-k survivors, renormalised. Tokens tied with the threshold
+    are kept. Rows with neither filter get -inf.
+    """
+    num = best.shape[-1]
+    rank = mx.arange(num)[None, :]
+    k = mx.where(filters.top_k > 0, mx.minimum(filters.top_k, vocab), vocab)
+    k_on = k < vocab
+    p_on = filters.top_p < 1
+
+    in_top_k = rank < k
+    masked = mx.where(in_top_k, best, -mx.inf)
+    log_norm = mx.logsumexp(masked, axis=-1, keepdims=True)
+    if lse is not None:
+        log_norm = mx.where(k <= num, log_norm, lse)
+    probs = mx.exp(masked - log_norm)
+    mass_before = mx.cumsum(probs, axis=-1, inclusive=False)
+    # Nucleus: the smallest prefix whose mass reaches top_p; the top token always stays.
+    keep = in_top_k & ((mass_before < filters.top_p) | ~p_on)
+    num_keep = keep.sum(axis=-1, keepdims=True).astype(mx.int32)
+    threshold = mx.take_along_axis(best, mx.maximum(num_keep - 1, 0), axis=-1)
+    threshold = mx.where(k_on | p_on, threshold, -mx.inf)
+
+    mass_all = mass_before[:, -1:] + probs[:, -1:]
+    covered = (k <= num) | ~p_on | (mass_all >= filters.top_p)
+    covered = covered & ((k <= num) | ~k_on)
+    return threshold, covered[:, 0]
+
+
+def _apply_penalties(
+    raw: mx.array,
+    rows: Sequence[RowSampling],
+    penalised_rows: list[int],
+    histories: Sequence[RowHistory | None],
+) -> mx.array:
+    """Repetition penalty (mlx-lm: logit > 0 divided, else multiplied) over prompt + generated
+    tokens, then presence and frequency penalties (OpenAI) over generated tokens."""
+    num_rows, vocab = raw.shape
+    rep_index: list[mx.array] = []
+    rep_factor: list[mx.array] = []
+    add_index: list[mx.array] = []
+    add_delta: list[mx.array] = []
+    for i in penalised_rows:
+        row, history = rows[i], histories[i]
+        assert history is not None  # _check_batch made sure
+        offset = i * vocab  # indices into the flattened (B * V) logits
+        if row.repetition_penalty != 1 and history.seen_ids:
+            ids = mx.array(list(history.seen_ids), dtype=mx.int32)
+            rep_index.append(ids + offset)
+            rep_factor.append(mx.full(ids.shape, row.repetition_penalty, dtype=mx.float32))
+        counts = history.generated_counts
+        if (row.presence_penalty != 0 or row.frequency_penalty != 0) and counts:
+            add_index.append(mx.array(list(counts.keys()), dtype=mx.int32) + offset)
+            times = mx.array(list(counts.values()), dtype=mx.float32)
+            add_delta.append(-(row.presence_penalty + row.frequency_penalty * times))
+
+    flat = raw.reshape(-1)
+    if rep_index:
+        index = mx.concatenate(rep_index)
+        factor = mx.concatenate(rep_factor)
+        scale = mx.where(flat[index] > 0, 1 / factor, factor)
+        flat = flat.at[index].multiply(scale)  # indices are distinct within and across rows
+    if add_index:
+        flat = flat.at[mx.concatenate(add_index)].add(mx.concatenate(add_delta))
+    return flat.reshape(num_rows, vocab)
+
+
+@dataclass
+class _Logprobs:
+    """Logprobs of the raw logits for the rows that asked, as lazy arrays until `to_python`."""
+
+    row_index: list[int]
+    top_counts: list[int]  # per row, how many alternatives it asked for (capped at V)
+    log_softmax: mx.array  # (r, V)
+    chosen: mx.array  # (r,)
+    top_ids: mx.array | None  # (r, k_max), descending by logprob
+    top_values: mx.array | None
+
+    @classmethod
+    def build(
+        cls, raw: mx.array, tokens: mx.array, rows: Sequence[RowSampling], row_index: list[int]
+    ) -> _Logprobs:
+        vocab = raw.shape[-1]
+        index = mx.array(row_index)
+        x = raw if len(row_index) == raw.shape[0] else raw[index]
+        log_softmax = x - mx.logsumexp(x, axis=-1, keepdims=True)
+        chosen = mx.take_along_axis(log_softmax, tokens[index][:, None], axis=-1)[:, 0]
+        top_counts = [min(rows[i].logprobs or 0, vocab) for i in row_index]
+        k_max = max(top_counts)
+        top_ids = top_values = None
+        if k_max > 0:
+            ids = mx.argpartition(-log_softmax, kth=k_max - 1, axis=-1)[:, :k_max]
+            values = mx.take_along_axis(log_softmax, ids, axis=-1)
+            order = mx.argsort(-values, axis=-1)
+            top_ids = mx.take_along_axis(ids, order, axis=-1)
+            top_values = mx.take_along_axis(values, order, axis=-1)
+        return cls(row_index, top_counts, log_softmax, chosen, top_ids, top_values)
+
+    def arrays(self) -> list[mx.array]:
+        return [a for a in (self.chosen, self.top_ids, self.top_values) if a is not None]
+
+    def retake_chosen(self, redone: list[tuple[int, mx.array]]) -> None:
+        """Point `chosen` at the tokens of rows that were resampled."""
+        position = {row: j for j, row in enumerate(self.row_index)}
+        for row, token in redone:
+            if row in position:
+                j = position[row]
+                self.chosen[j] = self.log_softmax[j, token]
+
+    def to_python(self, tokens: list[int], num_rows: int) -> list[TokenLogprobs | None]:
+        chosen = self.chosen.tolist()
+        ids = self.top_ids.tolist() if self.top_ids is not None else None
+        values = self.top_values.tolist() if self.top_values is not None else None
+        out: list[TokenLogprobs | None] = [None] * num_rows
+        for j, row in enumerate(self.row_index):
+            k = self.top_counts[j]
+            top = tuple(zip(ids[j][:k], values[j][:k], strict=True)) if k else ()
+            out[row] = TokenLogprobs(token_id=tokens[row], logprob=chosen[j], top=top)
+        return out
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+def _check_batch(
+    logits: mx.array,
+    rows: Sequence[RowSampling],
+    positions: Sequence[int],
+    histories: Sequence[RowHistory | None] | None,
+) -> tuple[int, int]:
+    if logits.ndim != 2:
+        raise ValueError(f"logits must be (batch, vocab), got shape {logits.shape}")
+    num_rows, vocab = logits.shape
+    if len(rows) != num_rows or len(positions) != num_rows:
+        raise ValueError(
+            f"logits has {num_rows} rows but got {len(rows)} RowSampling and "
+            f"{len(positions)} positions; pass one of each per row"
+        )
+    if histories is not None and len(histories) != num_rows:
+        raise ValueError(f"logits has {num_rows} rows but got {len(histories)} histories")
+    for i, row in enumerate(rows):
+        if not row.needs_history:
+            continue
+        history = histories[i] if histories is not None else None
+        if history is None:
+            raise ValueError(f"row {i} has a penalty but no RowHistory; pass histories[{i}]")
+        if history.max_token_id >= vocab:
+            raise ValueError(
+                f"row {i}'s history holds token id {history.max_token_id}, outside the "
+                f"vocabulary of {vocab} logits"
+            )
+    return num_rows, vocab
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def _seeded_key(seed: int, position: int) -> tuple[int, int]:
+    """The random key of a seeded row: a function of (seed, position) only.
+
+    Distinct positions of one seed give distinct keys (splitmix64 is a bijection); the pair
+    is an `mx.random.key`-shaped (hi, lo) uint32 pair.
+    """
+    mixed = _splitmix64(_splitmix64(seed & _MASK64) ^ (position & _MASK64))
+    return mixed >> 32, mixed & 0xFFFFFFFF
