@@ -1,0 +1,1 @@
+"""stepline.actors"""

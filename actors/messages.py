@@ -1,0 +1,52 @@
+"""Typed messages between the actors. Each ask carries its own reply future."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from anyio.streams.memory import MemoryObjectSendStream
+
+from stepline.engine.work import TokenLogprob
+from stepline.events.models import FinishReason, RequestParams
+
+
+# --- to the step loop ---------------------------------------------------------
+@dataclass(frozen=True)
+class Submit:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: RequestParams
+    checkpoints: tuple[int, ...]
+    logprobs: int | None
+    actor: MemoryObjectSendStream  # the request actor's inbox
+    reply: asyncio.Future  # set to None when admitted, or to the AdmissionError
+
+
+@dataclass(frozen=True)
+class Cancel:
+    request_id: str
+
+
+# --- step loop -> request actor --------------------------------------------------
+@dataclass(frozen=True)
+class Progress:
+    num_computed_tokens: int  # prompt tokens in the cache so far
+    num_prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class NewTokens:
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...]  # one per token where asked for, else empty
+    finish: FinishReason | None  # set when the step loop ends the request (length, stop token)
+    stop_token: bool  # the last token is a stop token: count it, do not print it
+    reply: asyncio.Future  # set to True if a stop string ended the request
+
+
+@dataclass(frozen=True)
+class Finish:
+    """The request ended without new tokens (cancelled, error)."""
+
+    reason: FinishReason
+    message: str | None = None

@@ -1,0 +1,82 @@
+"""Engine metrics in Prometheus form, one registry per engine."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from stepline.events.fold import RequestState, Status
+from stepline.events.models import FinishReason
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class EngineMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.waiting = Gauge(
+            "stepline_requests_waiting", "Admitted, not yet prefilling", registry=r
+        )
+        self.prefilling = Gauge("stepline_requests_prefilling", "Mid-prefill", registry=r)
+        self.running = Gauge("stepline_requests_decoding", "Generating tokens", registry=r)
+        self.healthy = Gauge("stepline_healthy", "1 while the executor is alive", registry=r)
+        self.healthy.set(1)
+        self.requests = Counter(
+            "stepline_requests", "Requests ended, by finish reason", ["reason"], registry=r
+        )
+        self.admissions = Counter("stepline_requests_admitted", "Requests admitted", registry=r)
+        self.steps = Counter("stepline_steps", "Steps run", registry=r)
+        self.budget_use = Histogram(
+            "stepline_step_budget_use",
+            "Fraction of max_step_tokens each step used",
+            buckets=(0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0),
+            registry=r,
+        )
+        self.step_seconds = Histogram(
+            "stepline_step_seconds", "MLX time of one step", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.scheduled_tokens = Counter(
+            "stepline_scheduled_tokens", "Tokens computed (prefill + decode)", registry=r
+        )
+        self.generated_tokens = Counter("stepline_generated_tokens", "Tokens sampled", registry=r)
+        self.ttft = Histogram(
+            "stepline_time_to_first_token_seconds",
+            "Admission to first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "stepline_inter_token_latency_seconds",
+            "Time between a request's tokens",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.event_log_lag = Gauge(
+            "stepline_event_log_lag_events", "Events recorded, not yet written", registry=r
+        )
+
+    def admitted(self) -> None:
+        self.admissions.inc()
+
+    def finished(self, reason: FinishReason) -> None:
+        self.requests.labels(reason=str(reason)).inc()
+
+    def step(self, num_tokens: int, budget: int, seconds: float) -> None:
+        self.steps.inc()
+        self.budget_use.observe(num_tokens / budget)
+        self.step_seconds.observe(seconds)
+        self.scheduled_tokens.inc(num_tokens)
+
+    def token(self, latency: float, first: bool) -> None:
+        self.generated_tokens.inc()
+        (self.ttft if first else self.itl).observe(latency)
+
+    def gauges(self, states: Iterable[RequestState], log_lag: int) -> None:
+        counts = dict.fromkeys(Status, 0)
+        for s in states:
+            counts[s.status] += 1
+        self.waiting.set(counts[Status.WAITING])
+        self.prefilling.set(counts[Status.PREFILLING])
+        self.running.set(counts[Status.DECODING])
+        self.event_log_lag.set(log_lag)

@@ -1,0 +1,154 @@
+"""The request actor: one per request, from admission to its terminal event.
+
+It owns what is not the model's: the incremental detokenizer (never splits a UTF-8
+character), stop strings (matched on text, never emitted), and the client's output
+stream. It never blocks on a slow client: the output stream's buffer is sized to
+the most outputs a request can produce.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import anyio
+import structlog
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from stepline.actors.messages import Finish, NewTokens, Progress
+from stepline.engine.work import TokenLogprob
+from stepline.events.models import FinishReason
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """One increment of a request's output."""
+
+    request_id: str
+    text: str  # new text since the previous output ("" for progress-only outputs)
+    token_ids: tuple[int, ...]  # new token ids since the previous output
+    finish_reason: str | None  # "stop", "length", "cancelled", "error" on the last output
+    num_prompt_tokens: int
+    num_output_tokens: int  # generated so far, in total
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_computed_tokens: int = 0  # prompt tokens prefilled so far (progress of long prompts)
+    logprobs: tuple[TokenLogprob, ...] = ()
+    error: str | None = None  # what went wrong, when finish_reason is "error"
+
+    @property
+    def is_progress(self) -> bool:
+        return not self.token_ids and self.finish_reason is None
+
+
+class StopMatcher:
+    """Finds stop strings in streamed text; holds back text that may begin one."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = tuple(s for s in stops if s)
+        self._held = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """Add text; return (text safe to emit, whether a stop string was found)."""
+        if not self.stops:
+            return text, False
+        pending = self._held + text
+        hits = [i for i in (pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self._held = ""
+            return pending[: min(hits)], True
+        hold = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(pending)), hold, -1):
+                if pending.endswith(s[:n]):
+                    hold = n
+                    break
+        self._held = pending[len(pending) - hold :] if hold else ""
+        return pending[: len(pending) - hold], False
+
+    def flush(self) -> str:
+        held, self._held = self._held, ""
+        return held
+
+
+class RequestActor:
+    def __init__(
+        self,
+        request_id: str,
+        *,
+        num_prompt_tokens: int,
+        num_cached_tokens: int,
+        stop: tuple[str, ...],
+        detokenizer_factory: Callable[[], object],
+        inbox: MemoryObjectReceiveStream,
+        output: MemoryObjectSendStream[RequestOutput],
+    ):
+        self.request_id = request_id
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_cached_tokens = num_cached_tokens
+        self._detok = detokenizer_factory()
+        self._stops = StopMatcher(stop)
+        self._inbox = inbox
+        self._output = output
+        self._num_output_tokens = 0
+        self._log = log.bind(request_id=request_id)
+
+    def _out(self, text: str, token_ids=(), finish=None, **kw) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            text=text,
+            token_ids=tuple(token_ids),
+            finish_reason=None if finish is None else str(finish),
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_output_tokens=self._num_output_tokens,
+            num_cached_tokens=self.num_cached_tokens,
+            **kw,
+        )
+
+    def _on_tokens(self, msg: NewTokens) -> RequestOutput:
+        self._num_output_tokens += len(msg.token_ids)
+        printable = msg.token_ids[:-1] if msg.stop_token else msg.token_ids
+        for t in printable:
+            self._detok.add_token(t)
+        finish = msg.finish
+        if finish is not None:
+            self._detok.finalize()
+        text, hit = self._stops.feed(self._detok.last_segment)
+        if hit:
+            finish = FinishReason.STOP
+        elif finish is not None:
+            text += self._stops.flush()  # a partial stop string at the end is ordinary text
+        if not msg.reply.done():
+            msg.reply.set_result(hit)
+        return self._out(
+            text,
+            msg.token_ids,
+            finish,
+            num_computed_tokens=self.num_prompt_tokens,
+            logprobs=msg.logprobs,
+        )
+
+    async def run(self) -> None:
+        """Serve the inbox until the request ends; then close the client's stream."""
+        async with self._inbox, self._output:
+            async for msg in self._inbox:
+                if isinstance(msg, Progress):
+                    out = self._out("", num_computed_tokens=msg.num_computed_tokens)
+                elif isinstance(msg, NewTokens):
+                    try:
+                        out = self._on_tokens(msg)
+                    except Exception as exc:  # a detokenizer bug ends this request only
+                        self._log.exception("request_actor_failed")
+                        if not msg.reply.done():
+                            msg.reply.set_exception(exc)
+                        out = self._out("", finish=FinishReason.ERROR, error=repr(exc))
+                else:
+                    assert isinstance(msg, Finish)
+                    out = self._out("", finish=msg.reason, error=msg.message)
+                try:
+                    self._output.send_nowait(out)
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    pass  # the client left; its Cancel is on the way to the step loop
+                if out.finish_reason is not None:
+                    return

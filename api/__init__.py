@@ -1,0 +1,17 @@
+"""stepline's ways in: the Python async API, the HTTP server, the CLI."""
+
+from stepline.actors.request import RequestOutput
+from stepline.actors.step_loop import EngineDeadError
+from stepline.api.engine import Engine, RequestStream, SamplingParams
+from stepline.engine.policy import AdmissionError, ContextLengthExceededError, EmptyPromptError
+
+__all__ = [
+    "AdmissionError",
+    "ContextLengthExceededError",
+    "EmptyPromptError",
+    "Engine",
+    "EngineDeadError",
+    "RequestOutput",
+    "RequestStream",
+    "SamplingParams",
+]

@@ -1,0 +1,126 @@
+"""The `stepline` command: generate, serve, replay."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import anyio
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        default=None,
+        help="demo name, mlx-lm directory or HF id "
+        "(default: the built-in demo model, built on first use)",
+    )
+    p.add_argument("--max-step-tokens", type=int, default=512, help="token budget of one step")
+    p.add_argument("--max-num-seqs", type=int, default=32, help="most requests running at once")
+    p.add_argument(
+        "--long-prefill-cap",
+        type=int,
+        default=None,
+        help="most prompt tokens one request gets per step (default: the budget)",
+    )
+    p.add_argument("--event-log", default=None, help="append-only JSON-lines event log file")
+    p.add_argument(
+        "--log-prompts",
+        default="true",
+        choices=["true", "false"],
+        help="store prompt token ids in the event log (false: counts and a hash)",
+    )
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        max_step_tokens=args.max_step_tokens,
+        max_num_seqs=args.max_num_seqs,
+        long_prefill_cap=args.long_prefill_cap,
+        event_log=args.event_log,
+        log_prompts=args.log_prompts == "true",
+    )
+
+
+async def _generate(args: argparse.Namespace) -> int:
+    from stepline.api import Engine, SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+    )
+    async with Engine.open(args.model, **_engine_kwargs(args)) as engine:
+        t0 = time.perf_counter()
+        first = None
+        last = None
+        source = (
+            {"prompt": args.prompt}
+            if args.raw
+            else {"messages": [{"role": "user", "content": args.prompt}]}
+        )
+        async for out in engine.generate(**source, params=params):
+            if out.token_ids and first is None:
+                first = time.perf_counter()
+            print(out.text, end="", flush=True)
+            last = out
+        t1 = time.perf_counter()
+    assert last is not None
+    ttft = (first - t0) if first else float("nan")
+    decode_s = t1 - first if first else float("nan")
+    tps = (last.num_output_tokens - 1) / decode_s if decode_s and last.num_output_tokens > 1 else 0
+    print(
+        f"\n[{engine.model_name}] prompt {last.num_prompt_tokens} tokens, output "
+        f"{last.num_output_tokens} tokens ({last.finish_reason}), TTFT {ttft * 1000:.1f} ms, "
+        f"{tps:.1f} tokens/s",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="stepline", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for one prompt, streaming it")
+    g.add_argument("prompt", help="the user message (or the raw prompt with --raw)")
+    g.add_argument("--raw", action="store_true", help="send the prompt as is, no chat template")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.7)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--ignore-eos", action="store_true", help="generate max-tokens tokens")
+    _add_engine_args(g)
+
+    try:
+        from stepline.api.server import add_serve_parser
+    except ImportError:
+        add_serve_parser = None
+    if add_serve_parser is not None:
+        add_serve_parser(sub, _add_engine_args, _engine_kwargs)
+    try:
+        from stepline.api.replay_cmd import add_replay_parser
+    except ImportError:
+        add_replay_parser = None
+    if add_replay_parser is not None:
+        add_replay_parser(sub)
+
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "generate":
+            return anyio.run(_generate, args)
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # a clear one-line error, not a traceback, for the user's mistakes
+        from stepline.engine.models import ModelNotFoundError
+
+        if isinstance(exc, (ModelNotFoundError, ValueError)):
+            print(f"stepline: error: {exc}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

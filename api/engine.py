@@ -1,0 +1,361 @@
+"""The Python async API.
+
+    async with Engine.open("stepline-demo", max_step_tokens=512) as engine:
+        async for out in engine.generate(messages=[...], params=SamplingParams(max_tokens=64)):
+            print(out.text, end="")
+
+Many `generate` calls run concurrently and share each step. Leaving the loop early
+(break, an exception, task cancellation) cancels the request; its cache is freed
+at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import structlog
+from anyio.streams.memory import MemoryObjectReceiveStream
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from stepline.actors.executor import Executor
+from stepline.actors.messages import Cancel, Submit
+from stepline.actors.metrics import EngineMetrics
+from stepline.actors.request import RequestActor, RequestOutput
+from stepline.actors.step_loop import ModelLimits, StepLoop
+from stepline.engine.policy import SchedulerConfig
+from stepline.events.models import LogHeader, RequestParams
+
+log = structlog.get_logger(__name__)
+
+
+class SamplingParams(BaseModel):
+    """How to sample one request. Invalid values raise pydantic's ValidationError (a ValueError)
+    whose message names the field and the allowed range."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_tokens: int = Field(256, ge=1, description="most tokens to generate (>= 1)")
+    temperature: float = Field(1.0, description="0 = greedy; >= 0")
+    top_p: float = Field(1.0, description="nucleus mass in (0, 1]")
+    top_k: int = Field(0, ge=0, description="0 = off")
+    min_p: float = Field(0.0, ge=0.0, lt=1.0, description="0 = off")
+    seed: int | None = Field(None, description="same seed + same prompt = same tokens")
+    stop: tuple[str, ...] = Field((), description="stop strings, never emitted")
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    logprobs: int | None = Field(None, ge=0, le=20, description="top-k logprobs per token")
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, v: float) -> float:
+        if math.isnan(v) or v < 0 or math.isinf(v):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {v}")
+        return v
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p(cls, v: float) -> float:
+        if math.isnan(v) or not 0 < v <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {v}")
+        return v
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop(cls, v: Any) -> Any:
+        return (v,) if isinstance(v, str) else v
+
+    def to_record(self) -> RequestParams:
+        return RequestParams(**self.model_dump(exclude={"logprobs"}))
+
+
+class RequestStream:
+    """The outputs of one request. Async-iterate it; `aclose()` (or `async with`) cancels it."""
+
+    def __init__(self, request_id: str, outputs: MemoryObjectReceiveStream, cancel: Callable):
+        self.request_id = request_id
+        self._outputs = outputs
+        self._cancel = cancel
+        self.finished = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            out = await self._outputs.receive()
+        except (anyio.EndOfStream, anyio.ClosedResourceError):
+            self.finished = True
+            self._outputs.close()
+            raise StopAsyncIteration from None
+        if out.finish_reason is not None:
+            self.finished = True
+            self._outputs.close()
+        return out
+
+    async def aclose(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self._cancel()
+        self._outputs.close()
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def __del__(self) -> None:
+        if not self.finished:  # dropped without being read to the end: cancel it
+            self.finished = True
+            try:
+                self._cancel()
+            except Exception:  # noqa: BLE001 - the engine may be gone already
+                pass
+
+
+class Engine:
+    """One model, one step loop, one executor thread. Create with `Engine.open(...)`."""
+
+    def __init__(self, *, loaded, step_loop: StepLoop, executor: Executor, tg, config: dict):
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self.model_name: str = loaded.name
+        self.max_context: int = loaded.max_context
+        args = getattr(loaded.model, "args", None)
+        self.vocab_size: int = getattr(args, "vocab_size", None) or len(loaded.tokenizer._tokenizer)
+        self.config = config
+        self.metrics: EngineMetrics = step_loop.metrics
+        self._step_loop = step_loop
+        self._executor = executor
+        self._tg = tg
+        self._closed = False
+
+    @classmethod
+    @asynccontextmanager
+    async def open(
+        cls,
+        model: str | None = None,
+        *,
+        max_step_tokens: int = 512,
+        max_num_seqs: int = 32,
+        long_prefill_cap: int | None = None,
+        max_kv_tokens: int | None = None,
+        event_log: str | Path | None = None,
+        event_log_rotate_bytes: int | None = None,
+        log_prompts: bool = True,
+        seed: int = 0,
+        on_checkpoint: Callable | None = None,
+    ) -> AsyncIterator[Engine]:
+        """Load `model` (a demo name, a local mlx-lm directory or a Hugging Face id; None = the
+        demo model) and serve it until the block exits.
+
+        Raises ModelNotFoundError if the model cannot be found, ValueError for a bad config.
+        `on_checkpoint(request_id, offset, cache)` runs on the executor thread.
+        """
+        sched = SchedulerConfig(
+            max_step_tokens=max_step_tokens,
+            max_num_seqs=max_num_seqs,
+            long_prefill_cap=long_prefill_cap,
+            max_kv_tokens=max_kv_tokens,
+        )
+        from stepline.engine.models import load_model  # MLX: imported only when serving
+        from stepline.engine.runner import ModelRunner
+        from stepline.events.log import EventLogWriter
+
+        executor = Executor()
+        writer = None
+        try:
+            loaded = await executor.call(load_model, model)
+            runner = await executor.call(
+                lambda: ModelRunner(loaded, seed=seed, on_checkpoint=on_checkpoint)
+            )
+            config = {
+                "model": loaded.name,
+                "max_step_tokens": max_step_tokens,
+                "max_num_seqs": max_num_seqs,
+                "long_prefill_cap": long_prefill_cap,
+                "max_kv_tokens": max_kv_tokens,
+                "seed": seed,
+            }
+            if event_log is not None:
+                header = LogHeader(
+                    created=time.time(), model=loaded.name, config=config, log_prompts=log_prompts
+                )
+                writer = EventLogWriter(event_log, header, rotate_bytes=event_log_rotate_bytes)
+            eos = frozenset(loaded.tokenizer.eos_token_ids or ())
+            step_loop = StepLoop(
+                executor=executor,
+                runner=runner,
+                config=sched,
+                limits=ModelLimits(max_context=loaded.max_context, eos_token_ids=eos),
+                event_log=writer,
+                log_prompts=log_prompts,
+            )
+            async with anyio.create_task_group() as tg:
+                loop_scope = anyio.CancelScope()
+
+                async def run_loop(*, task_status=anyio.TASK_STATUS_IGNORED) -> None:
+                    with loop_scope:
+                        await step_loop.run(task_status=task_status)
+
+                await tg.start(run_loop)
+                engine = cls(
+                    loaded=loaded, step_loop=step_loop, executor=executor, tg=tg, config=config
+                )
+                try:
+                    yield engine
+                finally:
+                    engine._closed = True
+                    loop_scope.cancel()
+                    with anyio.CancelScope(shield=True):
+                        await step_loop.shutdown()  # every request still running: cancelled
+                    step_loop.inbox.close()
+        finally:
+            if writer is not None:
+                writer.close()
+            executor.close()
+
+    # -- requests -------------------------------------------------------------
+
+    def encode(
+        self,
+        prompt: str | Sequence[int] | None = None,
+        messages: Sequence[dict] | None = None,
+    ) -> list[int]:
+        """Token ids for a raw prompt, token ids, or chat messages (chat template applied)."""
+        if (prompt is None) == (messages is None):
+            raise ValueError("pass exactly one of prompt= or messages=")
+        if messages is not None:
+            text = self.render_chat(messages)
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt))
+        ids = list(prompt)
+        vocab = self.vocab_size
+        for t in ids:
+            if not isinstance(t, int) or not 0 <= t < vocab:
+                raise ValueError(
+                    f"token id {t!r} is not in the model's vocabulary (0..{vocab - 1})"
+                )
+        return ids
+
+    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+        """The chat template's rendering of `messages`. Raises ValueError on malformed messages."""
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content'")
+        return self.tokenizer.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    async def submit(
+        self,
+        prompt: str | Sequence[int] | None = None,
+        *,
+        messages: Sequence[dict] | None = None,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        checkpoints: Sequence[int] = (),
+    ) -> RequestStream:
+        """Admit one request and return its output stream.
+
+        Raises ValueError for a malformed prompt, AdmissionError (EmptyPromptError,
+        ContextLengthExceededError, EngineDeadError, ...) if the engine cannot serve it.
+        """
+        if self._closed:
+            raise RuntimeError("the engine is closed")
+        params = params or SamplingParams()
+        ids = self.encode(prompt, messages)
+        rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
+        inbox_tx, inbox_rx = anyio.create_memory_object_stream(8)
+        # Sized to the most outputs a request can produce: the actor never blocks on a slow client.
+        out_tx, out_rx = anyio.create_memory_object_stream[RequestOutput](
+            len(ids) + params.max_tokens + 8
+        )
+        reply = asyncio.get_running_loop().create_future()
+        await self._step_loop.inbox.send(
+            Submit(
+                request_id=rid,
+                prompt_token_ids=tuple(ids),
+                params=params.to_record(),
+                checkpoints=tuple(checkpoints),
+                logprobs=params.logprobs,
+                actor=inbox_tx,
+                reply=reply,
+            )
+        )
+        try:
+            await reply
+        except BaseException:
+            for s in (inbox_tx, inbox_rx, out_tx, out_rx):
+                s.close()
+            raise
+        actor = RequestActor(
+            rid,
+            num_prompt_tokens=len(ids),
+            num_cached_tokens=0,
+            stop=params.stop,
+            detokenizer_factory=lambda: self.tokenizer.detokenizer,
+            inbox=inbox_rx,
+            output=out_tx,
+        )
+        self._tg.start_soon(actor.run, name=f"request-{rid}")
+        return RequestStream(rid, out_rx, cancel=lambda: self._send_cancel(rid))
+
+    def _send_cancel(self, request_id: str) -> None:
+        if self._closed:
+            return
+        try:
+            self._step_loop.inbox.send_nowait(Cancel(request_id))
+        except anyio.WouldBlock:
+            self._tg.start_soon(self._step_loop.inbox.send, Cancel(request_id))
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            pass
+
+    async def generate(
+        self,
+        prompt: str | Sequence[int] | None = None,
+        *,
+        messages: Sequence[dict] | None = None,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        checkpoints: Sequence[int] = (),
+    ) -> AsyncIterator[RequestOutput]:
+        """Submit a request and yield its outputs as they come; the last has a finish_reason.
+
+        Raises as `submit` does, on the first iteration.
+        """
+        stream = await self.submit(
+            prompt, messages=messages, params=params, request_id=request_id, checkpoints=checkpoints
+        )
+        async with stream:
+            async for out in stream:
+                yield out
+
+    # -- health ---------------------------------------------------------------
+
+    @property
+    def healthy(self) -> bool:
+        return self._step_loop.dead_reason is None and not self._closed
+
+    @property
+    def unhealthy_reason(self) -> str | None:
+        return self._step_loop.dead_reason
+
+    @property
+    def step_loop(self) -> StepLoop:
+        """For inspection and tests: the live scheduling state is `step_loop.states`."""
+        return self._step_loop

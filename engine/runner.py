@@ -1,0 +1,262 @@
+"""The MLX work of one step: prefill chunks, one batched decode, sampling.
+
+Runs only on the executor's thread. Each request prefills into its own mlx-lm
+prompt cache; when its prompt is done the cache is merged into the decode batch
+(`BatchKVCache`, `BatchRotatingKVCache`, `ArraysCache` via mlx-lm's own
+`merge`/`extend`/`filter`). Intermediate chunks run the model body only: no
+logits. A final chunk computes logits for its last position only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import structlog
+from mlx_lm.models.cache import make_prompt_cache
+
+from stepline.engine.models import LoadedModel
+from stepline.engine.policy import ScheduledChunk
+from stepline.engine.sampling import RowHistory, RowSampling, Sampler
+from stepline.engine.work import NewRequest, StepResult, StepWork, TokenLogprob
+
+log = structlog.get_logger(__name__)
+
+Cache = list[Any]  # one mlx-lm cache object per layer
+# Called on the executor thread when prefill reaches a checkpoint:
+# (request_id, offset, snapshot of that request's cache at exactly offset tokens).
+CheckpointHook = Callable[[str, int, Cache], None]
+
+
+def _copy_tree(x: Any) -> Any:
+    if isinstance(x, mx.array):
+        return mx.array(x)  # a new array: later in-place updates of the live cache miss it
+    if isinstance(x, list):
+        return [_copy_tree(v) for v in x]
+    if isinstance(x, tuple):
+        return tuple(_copy_tree(v) for v in x)
+    return x
+
+
+def snapshot_cache(cache: Cache) -> Cache:
+    """An independent copy of a per-request cache (any mlx-lm cache kind)."""
+    copies = []
+    for layer in cache:
+        copy = type(layer).__new__(type(layer))
+        copy.__dict__.update(layer.__dict__)
+        copy.state = _copy_tree(layer.state)
+        copies.append(copy)
+    mx.eval([c.state for c in copies])
+    return copies
+
+
+@dataclass
+class _Seq:
+    """Executor-side state of one request."""
+
+    request_id: str
+    prompt: mx.array  # (L,) int32
+    sampling: RowSampling
+    history: RowHistory | None
+    logprobs: int | None
+    cache: Cache | None  # own cache while prefilling; None once merged into the batch
+    num_generated: int = 0
+    last_token: int = -1
+    checkpoints: list[int] = field(default_factory=list)
+
+
+class ModelRunner:
+    def __init__(
+        self, loaded: LoadedModel, *, seed: int = 0, on_checkpoint: CheckpointHook | None = None
+    ):
+        self.model = loaded.model
+        self.loaded = loaded
+        self.sampler = Sampler(seed=seed)
+        self.on_checkpoint = on_checkpoint
+        self._seqs: dict[str, _Seq] = {}
+        self._batch_ids: list[str] = []  # decode batch rows, in order
+        self._batch_cache: Cache | None = None
+        self._split_head = self._check_split_head()
+
+    # -- forward passes -------------------------------------------------------
+
+    def _check_split_head(self) -> bool:
+        """Whether `model.model` + the output head reproduce `model(...)` for this architecture.
+
+        If they do, prefill chunks skip the vocabulary projection for every position but
+        the last one needed; otherwise we fall back to the full forward.
+        """
+        body = getattr(self.model, "model", None)
+        if body is None or not callable(body):
+            return False
+        try:
+            tokens = mx.array([[1, 2, 3, 4]])
+            full = self.model(tokens, cache=make_prompt_cache(self.model))[:, -1, :]
+            split = self._head(body(tokens, cache=make_prompt_cache(self.model))[:, -1:, :])
+            return bool(mx.allclose(full, split[:, -1, :], atol=1e-4, rtol=1e-4).item())
+        except Exception as exc:  # noqa: BLE001 - any mismatch means: use the full forward
+            log.info("split_head_unavailable", reason=repr(exc))
+            return False
+
+    def _head(self, hidden: mx.array) -> mx.array:
+        args = getattr(self.model, "args", None)
+        if getattr(args, "tie_word_embeddings", False) or not hasattr(self.model, "lm_head"):
+            return self.model.model.embed_tokens.as_linear(hidden)
+        return self.model.lm_head(hidden)
+
+    def _forward(self, tokens: mx.array, cache: Cache, *, logits: bool) -> mx.array | None:
+        """Run `tokens` (1, L) through the model into `cache`; last-position logits if asked."""
+        if self._split_head:
+            hidden = self.model.model(tokens, cache=cache)
+            return self._head(hidden[:, -1:, :])[:, -1, :] if logits else None
+        out = self.model(tokens, cache=cache)
+        return out[:, -1, :] if logits else None
+
+    # -- request lifecycle ----------------------------------------------------
+
+    def _admit(self, new: NewRequest) -> None:
+        p = new.params
+        sampling = RowSampling(
+            temperature=p.temperature,
+            top_p=p.top_p,
+            top_k=p.top_k,
+            min_p=p.min_p,
+            seed=p.seed,
+            presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty,
+            repetition_penalty=p.repetition_penalty,
+            logprobs=new.logprobs,
+        )
+        needs_history = (
+            p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
+        )
+        self._seqs[new.request_id] = _Seq(
+            request_id=new.request_id,
+            prompt=mx.array(new.prompt_token_ids, dtype=mx.int32),
+            sampling=sampling,
+            history=RowHistory(new.prompt_token_ids) if needs_history else None,
+            logprobs=new.logprobs,
+            cache=make_prompt_cache(self.model),
+        )
+
+    def _free(self, request_ids: Sequence[str]) -> None:
+        gone = {rid for rid in request_ids if self._seqs.pop(rid, None) is not None}
+        if not gone.intersection(self._batch_ids):
+            return
+        keep = [i for i, rid in enumerate(self._batch_ids) if rid not in gone]
+        self._batch_ids = [self._batch_ids[i] for i in keep]
+        if not keep:
+            self._batch_cache = None
+            return
+        for layer in self._batch_cache:
+            layer.filter(keep)
+
+    def _join_batch(self, seqs: list[_Seq]) -> None:
+        """Merge finished prefills into the decode batch."""
+        if not seqs:
+            return
+        merged = [
+            type(layers[0]).merge(list(layers))
+            for layers in zip(*(s.cache for s in seqs), strict=True)
+        ]
+        if self._batch_cache is None:
+            self._batch_cache = merged
+        else:
+            for mine, theirs in zip(self._batch_cache, merged, strict=True):
+                mine.extend(theirs)
+        self._batch_ids.extend(s.request_id for s in seqs)
+        for s in seqs:
+            s.cache = None
+
+    # -- one step -------------------------------------------------------------
+
+    def _prefill(self, chunk: ScheduledChunk) -> mx.array | None:
+        seq = self._seqs[chunk.request_id]
+        pos = chunk.start
+        logits = None
+        # Split at checkpoints so the cache can be snapshotted at exactly each offset.
+        for end in (*chunk.checkpoints, chunk.end):
+            if end == pos:
+                continue
+            last = end == chunk.end and chunk.is_final
+            logits = self._forward(seq.prompt[None, pos:end], seq.cache, logits=last)
+            if end in chunk.checkpoints:
+                mx.eval([c.state for c in seq.cache])
+                seq.checkpoints.append(end)
+                if self.on_checkpoint is not None:
+                    self.on_checkpoint(seq.request_id, end, snapshot_cache(seq.cache))
+            pos = end
+        if logits is None:
+            mx.eval([c.state for c in seq.cache])  # bound the lazy graph between steps
+        return logits
+
+    def run(self, work: StepWork) -> StepResult:
+        t0 = time.perf_counter()
+        self._free(work.free)
+        for new in work.admit:
+            self._admit(new)
+        plan = work.plan
+        if set(plan.decodes) != set(self._batch_ids):
+            raise RuntimeError(
+                f"plan decodes {sorted(plan.decodes)} but the batch holds {sorted(self._batch_ids)}"
+            )
+
+        rows: list[mx.array] = []
+        row_seqs: list[_Seq] = []
+        joining: list[_Seq] = []
+        for seq in self._seqs.values():
+            seq.checkpoints.clear()
+        for chunk in plan.chunks:
+            logits = self._prefill(chunk)
+            if chunk.is_final:
+                rows.append(logits)
+                seq = self._seqs[chunk.request_id]
+                row_seqs.append(seq)
+                joining.append(seq)
+
+        if self._batch_ids:
+            batch = [self._seqs[rid] for rid in self._batch_ids]
+            inputs = mx.array([[s.last_token] for s in batch], dtype=mx.int32)
+            rows.append(self.model(inputs, cache=self._batch_cache)[:, -1, :])
+            row_seqs.extend(batch)
+
+        tokens: dict[str, int] = {}
+        logprobs: dict[str, TokenLogprob] = {}
+        if rows:
+            out = self.sampler.sample(
+                mx.concatenate(rows, axis=0) if len(rows) > 1 else rows[0],
+                [s.sampling for s in row_seqs],
+                positions=[s.num_generated for s in row_seqs],
+                histories=[s.history for s in row_seqs],
+            )
+            for seq, token, lp in zip(row_seqs, out.tokens, out.logprobs, strict=True):
+                seq.last_token = token
+                seq.num_generated += 1
+                if seq.history is not None:
+                    seq.history.append(token)
+                tokens[seq.request_id] = token
+                if lp is not None:
+                    logprobs[seq.request_id] = TokenLogprob(lp.token_id, lp.logprob, lp.top)
+        self._join_batch(joining)
+        return StepResult(
+            tokens=tokens,
+            logprobs=logprobs,
+            checkpoints={
+                s.request_id: tuple(s.checkpoints) for s in self._seqs.values() if s.checkpoints
+            },
+            seconds=time.perf_counter() - t0,
+        )
+
+    def free(self, request_ids: Sequence[str]) -> None:
+        self._free(request_ids)
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self._seqs)
+
+    @property
+    def num_batch_rows(self) -> int:
+        return len(self._batch_ids)

@@ -1,0 +1,287 @@
+"""The engine as a Python user meets it: concurrency, cancellation, bad input, failure."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+import anyio
+import pydantic
+import pytest
+
+from stepline.actors.executor import Executor, ExecutorDeadError
+from stepline.api import (
+    ContextLengthExceededError,
+    EmptyPromptError,
+    Engine,
+    EngineDeadError,
+    SamplingParams,
+)
+from stepline.events.fold import Status, fold
+from stepline.events.log import read_events
+from stepline.events.models import Admitted, Terminal
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+def long_prompt(n: int) -> list[int]:
+    return [3 + (i * 37) % 250 for i in range(n)]
+
+
+async def collect(stream):
+    return [out async for out in stream]
+
+
+async def wait_until(predicate, within: float = 10.0) -> None:
+    """Poll another actor's state with a deadline (it changes on the step loop, not here)."""
+    with anyio.fail_after(within):
+        while not predicate():  # noqa: ASYNC110 - no event to wait on: the state is the step loop's
+            await anyio.sleep(0.005)
+
+
+async def tokens_of(stream) -> list[int]:
+    return [t for o in await collect(stream) for t in o.token_ids]
+
+
+async def test_generate_streams_text_and_ends_with_one_finish(model_cache_dir):
+    async with Engine.open(max_step_tokens=64, max_num_seqs=4) as engine:
+        outs = [
+            o
+            async for o in engine.generate(
+                messages=[{"role": "user", "content": "hi"}],
+                params=SamplingParams(max_tokens=10, temperature=0.7, seed=1, ignore_eos=True),
+            )
+        ]
+    assert [o.finish_reason for o in outs].count("length") == 1
+    assert outs[-1].finish_reason == "length" and outs[-1].num_output_tokens == 10
+    tokens = [t for o in outs for t in o.token_ids]
+    assert len(tokens) == 10
+    assert "".join(o.text for o in outs) == engine.tokenizer.decode(tokens)
+
+
+async def test_same_seed_gives_the_same_text_even_in_a_different_batch(model_cache_dir):
+    params = SamplingParams(max_tokens=16, temperature=1.0, seed=42, ignore_eos=True)
+    prompt = "the same question"
+    async with Engine.open(max_step_tokens=64, max_num_seqs=8) as engine:
+        alone = [
+            t
+            for o in await collect(await engine.submit(prompt, params=params))
+            for t in o.token_ids
+        ]
+        streams = [await engine.submit(prompt, params=params)]
+        streams += [
+            await engine.submit(f"noise {i}", params=params.model_copy(update={"seed": i}))
+            for i in range(5)
+        ]
+        crowded = await tokens_of(streams[0])
+        for s in streams[1:]:
+            await collect(s)
+        unseeded = [
+            [
+                t
+                for o in await collect(
+                    await engine.submit(prompt, params=params.model_copy(update={"seed": None}))
+                )
+                for t in o.token_ids
+            ]
+            for _ in range(2)
+        ]
+    assert alone == crowded
+    assert unseeded[0] != unseeded[1]
+
+
+async def test_32_concurrent_requests_each_reach_exactly_one_terminal(tmp_path, model_cache_dir):
+    log = tmp_path / "run.jsonl"
+    async with Engine.open(max_step_tokens=64, max_num_seqs=8, event_log=log) as engine:
+        finals = []
+
+        async def one(i: int) -> None:
+            params = SamplingParams(max_tokens=4 + i % 5, temperature=0.8, seed=i)
+            outs = await collect(await engine.submit(long_prompt(10 + 7 * i), params=params))
+            finals.append([o.finish_reason for o in outs if o.finish_reason])
+
+        with anyio.fail_after(120):
+            async with anyio.create_task_group() as tg:
+                for i in range(32):
+                    tg.start_soon(one, i)
+    assert len(finals) == 32 and all(len(f) == 1 for f in finals)
+    events = list(read_events(log))
+    terminals = [e for e in events if isinstance(e, Terminal)]
+    admitted = {e.request_id for e in events if isinstance(e, Admitted)}
+    assert len(admitted) == 32
+    assert sorted(t.request_id for t in terminals) == sorted(admitted)
+
+
+async def test_folding_the_log_rebuilds_the_live_state_at_every_step(tmp_path, model_cache_dir):
+    log = tmp_path / "run.jsonl"
+    live: dict[int, dict] = {}
+    async with Engine.open(max_step_tokens=32, max_num_seqs=4, event_log=log) as engine:
+        engine.step_loop.on_step = lambda loop: live.__setitem__(loop.step, dict(loop.states))
+        streams = [
+            await engine.submit(long_prompt(n), params=GREEDY, checkpoints=(n // 2,))
+            for n in (70, 5, 33, 100)
+        ]
+        for s in streams[:3]:
+            await collect(s)
+        await streams[3].aclose()  # one cancelled mid-prefill too
+        await wait_until(lambda: engine.step_loop.states[streams[3].request_id].is_finished)
+        final = dict(engine.step_loop.states)
+    events = list(read_events(log))
+    assert fold(events) == final
+    partial_seen = False
+    for step, states in live.items():
+        assert fold(events, until_step=step) == states, f"step {step}"
+        partial_seen |= any(s.status is Status.PREFILLING for s in states.values())
+    assert partial_seen  # the check covered partial prefill progress
+
+
+async def test_breaking_out_mid_decode_cancels_and_frees_the_slot(tmp_path, model_cache_dir):
+    async with Engine.open(
+        max_step_tokens=32, max_num_seqs=4, event_log=tmp_path / "l.jsonl"
+    ) as engine:
+        other = await engine.submit(
+            "bystander", params=SamplingParams(max_tokens=40, ignore_eos=True)
+        )
+        stream = await engine.submit(
+            "hello", params=SamplingParams(max_tokens=500, ignore_eos=True)
+        )
+        async for out in stream:
+            if out.num_output_tokens >= 3:
+                break
+        await stream.aclose()
+        loop = engine.step_loop
+        await wait_until(lambda: loop.states[stream.request_id].is_finished)
+        assert loop.states[stream.request_id].finish_reason == "cancelled"
+        outs = await collect(other)  # the bystander is unaffected
+        assert outs[-1].finish_reason == "length" and outs[-1].num_output_tokens == 40
+        await wait_until(lambda: loop.runner.num_sequences == 0)
+
+
+async def test_cancelling_mid_prefill_frees_the_slot_within_a_step(model_cache_dir):
+    async with Engine.open(max_step_tokens=16, max_num_seqs=4) as engine:
+        loop = engine.step_loop
+
+        async def consume(stream):
+            async for _ in stream:
+                pass
+
+        stream = await engine.submit(long_prompt(1500), params=GREEDY)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(consume, stream)
+            await wait_until(lambda: loop.states[stream.request_id].status is Status.PREFILLING)
+            step_at_cancel = loop.step
+            tg.cancel_scope.cancel()  # the consuming task is cancelled
+        await stream.aclose()
+        await wait_until(lambda: loop.states[stream.request_id].is_finished)
+        state = loop.states[stream.request_id]
+        assert state.finish_reason == "cancelled"
+        assert state.num_computed_tokens < 1500
+        assert state.finished_step <= step_at_cancel + 2
+        await wait_until(lambda: loop.runner.num_sequences == 0)
+
+
+@pytest.mark.parametrize(
+    "make, error",
+    [
+        (lambda: SamplingParams(max_tokens=0), pydantic.ValidationError),
+        (lambda: SamplingParams(temperature=math.nan), pydantic.ValidationError),
+        (lambda: SamplingParams(temperature=-0.5), pydantic.ValidationError),
+        (lambda: SamplingParams(top_p=0.0), pydantic.ValidationError),
+        (lambda: SamplingParams(top_p=1.5), pydantic.ValidationError),
+    ],
+)
+def test_bad_sampling_params_name_the_field(make, error):
+    with pytest.raises(error) as err:
+        make()
+    field = str(err.value).split("\n")[1]
+    assert field in ("max_tokens", "temperature", "top_p")
+
+
+async def test_bad_requests_are_refused_clearly_and_the_engine_serves_on(tmp_path, model_cache_dir):
+    log = tmp_path / "l.jsonl"
+    async with Engine.open(max_step_tokens=64, max_num_seqs=4, event_log=log) as engine:
+        with pytest.raises(EmptyPromptError, match="empty"):
+            await engine.submit([], params=GREEDY)
+        with pytest.raises(ContextLengthExceededError, match=str(engine.max_context)):
+            await engine.submit(long_prompt(engine.max_context + 5), params=GREEDY)
+        with pytest.raises(ValueError, match="vocabulary"):
+            await engine.submit([1, 2, 10**9], params=GREEDY)
+        with pytest.raises(ValueError, match="exactly one"):
+            await engine.submit("a", messages=[{"role": "user", "content": "b"}])
+        outs = await collect(await engine.submit("still serving", params=GREEDY))
+        assert outs[-1].finish_reason == "length"
+    rejected = [e for e in read_events(log) if isinstance(e, Terminal) and e.reason == "rejected"]
+    assert len(rejected) == 2 and "shorten the prompt" in rejected[1].message
+
+
+async def test_a_dead_executor_ends_every_request_with_an_error_and_refuses_new_ones(
+    model_cache_dir,
+):
+    async with Engine.open(max_step_tokens=16, max_num_seqs=4) as engine:
+        loop = engine.step_loop
+        streams = [
+            await engine.submit(
+                long_prompt(n), params=SamplingParams(max_tokens=200, ignore_eos=True)
+            )
+            for n in (3, 400)
+        ]
+        await wait_until(lambda: loop.step >= 3)
+
+        def broken(work):
+            raise RuntimeError("simulated MLX failure")
+
+        loop.runner.run = broken
+        with anyio.fail_after(10):
+            results = [await collect(s) for s in streams]
+        assert [r[-1].finish_reason for r in results] == ["error", "error"]
+        assert "simulated MLX failure" in results[0][-1].error
+        assert not engine.healthy and "simulated MLX failure" in engine.unhealthy_reason
+        with pytest.raises(EngineDeadError, match="unhealthy"):
+            await engine.submit("anyone there?", params=GREEDY)
+
+
+async def test_the_executor_runs_one_job_at_a_time_on_one_thread():
+    executor = Executor()
+    active = 0
+    overlaps = 0
+    threads = set()
+
+    def job(i: int) -> int:
+        nonlocal active, overlaps
+        active += 1
+        overlaps += active > 1
+        threads.add(threading.get_ident())
+        time.sleep(0.001)
+        active -= 1
+        return i
+
+    results = []
+
+    async def ask(i: int) -> None:
+        results.append(await executor.call(job, i))
+
+    async with anyio.create_task_group() as tg:
+        for i in range(64):
+            tg.start_soon(ask, i)
+    assert sorted(results) == list(range(64))
+    assert overlaps == 0 and threads == {executor.thread_id}
+
+    def fail():
+        raise ValueError("bad job")
+
+    with pytest.raises(ValueError, match="bad job"):
+        await executor.call(fail)
+    executor.mark_dead(RuntimeError("gone"))
+    with pytest.raises(ExecutorDeadError):
+        await executor.call(job, 0)
+    executor.close()
+
+
+async def test_mlx_work_happens_on_the_executor_thread(model_cache_dir):
+    seen = set()
+    async with Engine.open(
+        max_step_tokens=16, max_num_seqs=2, on_checkpoint=lambda *a: seen.add(threading.get_ident())
+    ) as engine:
+        await collect(await engine.submit(long_prompt(40), params=GREEDY, checkpoints=(8, 20)))
+        assert seen == {engine.step_loop.executor.thread_id}

@@ -1,0 +1,159 @@
+"""Chunked prefill, batching and checkpoints compute exactly what mlx-lm computes alone."""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+
+from stepline.api import Engine, SamplingParams
+from stepline.engine.policy import ScheduledChunk, StepPlan
+from stepline.engine.runner import ModelRunner
+from stepline.engine.work import NewRequest, StepWork
+from stepline.events.models import RequestParams
+
+GREEDY = RequestParams(max_tokens=64, temperature=0, top_p=1, top_k=0, min_p=0, seed=None)
+
+
+@pytest.fixture(params=["demo", "demo_hybrid"])
+def loaded(request):
+    return request.getfixturevalue(request.param)
+
+
+def prompt_ids(n: int, seed: int = 0, vocab: int = 300) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+def mlx_lm_greedy(loaded, prompt: list[int], n: int) -> list[int]:
+    """mlx-lm's own single-request generation: the reference."""
+    steps = generate_step(
+        mx.array(prompt), loaded.model, max_tokens=n, sampler=lambda x: mx.argmax(x, axis=-1)
+    )
+    return [int(tok) for tok, _ in steps]
+
+
+def full_prefill_logits(loaded, prompt: list[int]) -> mx.array:
+    cache = make_prompt_cache(loaded.model)
+    return loaded.model(mx.array(prompt)[None], cache=cache)[:, -1, :]
+
+
+class CapturingRunner(ModelRunner):
+    """A real runner that also keeps the logits rows it sampled from."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.sampled_logits: list[mx.array] = []
+        sample = self.sampler.sample
+
+        def spy(logits, *args, **kwargs):
+            self.sampled_logits.append(logits)
+            return sample(logits, *args, **kwargs)
+
+        self.sampler.sample = spy
+
+
+def run_chunked(runner: ModelRunner, prompt: list[int], chunk: int, checkpoints=()) -> int:
+    """Prefill `prompt` in chunks of `chunk` (ending at checkpoints); return the first token."""
+    rid = "r"
+    new = NewRequest(rid, tuple(prompt), GREEDY)
+    start, step, token = 0, 0, None
+    while start < len(prompt):
+        end = min(start + chunk, len(prompt))
+        c = ScheduledChunk(
+            rid, start, end, tuple(k for k in checkpoints if start < k <= end), end == len(prompt)
+        )
+        step += 1
+        plan = StepPlan(step=step, chunks=(c,), num_scheduled_tokens={rid: end - start})
+        result = runner.run(StepWork(plan=plan, admit=(new,) if start == 0 else ()))
+        token = result.tokens.get(rid)
+        assert (token is not None) == c.is_final  # intermediate chunks sample nothing
+        start = end
+    return token
+
+
+def decode(runner: ModelRunner, rid: str, n: int, first_step: int = 1000) -> list[int]:
+    tokens = []
+    for i in range(n):
+        plan = StepPlan(step=first_step + i, decodes=(rid,), num_scheduled_tokens={rid: 1})
+        tokens.append(runner.run(StepWork(plan=plan)).tokens[rid])
+    return tokens
+
+
+@pytest.mark.parametrize("chunk,length", [(1, 9), (7, 50), (7, 36), (64, 129), (64, 200)])
+def test_chunked_prefill_gives_the_same_logits_and_tokens_as_mlx_lm(loaded, chunk, length):
+    prompt = prompt_ids(length, seed=length)
+    runner = CapturingRunner(loaded)
+    first = run_chunked(runner, prompt, chunk)
+    assert len(runner.sampled_logits) == 1  # logits exist only for the final chunk
+    assert mx.allclose(runner.sampled_logits[0], full_prefill_logits(loaded, prompt), atol=1e-4)
+    ours = [first, *decode(runner, "r", 7)]
+    assert ours == mlx_lm_greedy(loaded, prompt, 8)
+
+
+async def test_a_batch_of_mixed_lengths_gives_each_request_its_solo_tokens(loaded, model_cache_dir):
+    lengths = [5, 37, 120, 64, 1, 250]
+    prompts = [prompt_ids(n, seed=i) for i, n in enumerate(lengths)]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    async with Engine.open(loaded.name, max_step_tokens=48, max_num_seqs=8) as engine:
+        streams = [await engine.submit(p, params=params) for p in prompts]
+        results = []
+        for s in streams:
+            results.append([t async for out in s for t in out.token_ids])
+        shared_steps = engine.step_loop.step
+    assert shared_steps < sum(len(p) // 48 + 10 for p in prompts)  # they really shared steps
+    for prompt, tokens in zip(prompts, results, strict=True):
+        assert tokens == mlx_lm_greedy(loaded, prompt, 10)
+
+
+def _layer_arrays(layer) -> list[mx.array]:
+    """The arrays that define a cache layer's contents, independent of buffer padding."""
+    if hasattr(layer, "keys") and layer.keys is not None:
+        n = layer.offset
+        return [layer.keys[..., :n, :], layer.values[..., :n, :]]
+    if hasattr(layer, "cache"):
+        return [a for a in layer.cache if a is not None]
+    raise AssertionError(f"unknown cache kind {type(layer).__name__}")
+
+
+def test_checkpoint_snapshots_equal_a_fresh_prefill_of_exactly_that_prefix(loaded):
+    prompt = prompt_ids(90, seed=3)
+    checkpoints = (5, 13, 30, 61, 90)
+    snaps: dict[int, list] = {}
+    runner = ModelRunner(loaded, on_checkpoint=lambda rid, k, cache: snaps.setdefault(k, cache))
+    run_chunked(runner, prompt, chunk=8, checkpoints=checkpoints)  # resumes cross every one
+    decode(runner, "r", 3)  # the live cache moves on; snapshots must not
+    assert sorted(snaps) == list(checkpoints)
+    for k, snap in snaps.items():
+        fresh = make_prompt_cache(loaded.model)
+        loaded.model(mx.array(prompt[:k])[None], cache=fresh)
+        for got, want in zip(snap, fresh, strict=True):
+            assert type(got) is type(want)
+            for a, b in zip(_layer_arrays(got), _layer_arrays(want), strict=True):
+                assert a.shape == b.shape and mx.allclose(a, b, atol=1e-4)
+        # and the snapshot continues exactly as the fresh cache does
+        nxt = mx.array([[prompt[k - 1]]])
+        assert mx.allclose(loaded.model(nxt, cache=snap), loaded.model(nxt, cache=fresh), atol=1e-4)
+
+
+async def test_checkpoints_emit_events_and_reach_the_hook_while_still_prefilling(demo_hybrid):
+    seen: list[tuple[str, int, int]] = []  # (request, offset, status when the hook ran)
+    prompt = prompt_ids(100, seed=9)
+
+    async with Engine.open(
+        "stepline-demo-hybrid",
+        max_step_tokens=16,
+        max_num_seqs=4,
+        on_checkpoint=lambda rid, k, cache: seen.append((rid, k, len(cache))),
+    ) as engine:
+        stream = await engine.submit(
+            prompt, params=SamplingParams(max_tokens=1), checkpoints=(10, 40)
+        )
+        outs = [o async for o in stream]
+        state = engine.step_loop.states[stream.request_id]
+    assert [k for _, k, _ in seen] == [10, 40]
+    assert state.checkpoints_reached == (10, 40)
+    assert any(o.is_progress and o.num_computed_tokens == 16 for o in outs)
