@@ -42,6 +42,38 @@ class RequestOutput:
         return not self.token_ids and self.finish_reason is None
 
 
+class IncrementalDetokenizer:
+    """Streams text that always equals `decode(all tokens so far)`, never half a character.
+
+    Decodes a short window: the tokens since the last emitted boundary (`prefix`) with and
+    without the newest ones (`read`), and emits the difference once it does not end in an
+    incomplete UTF-8 sequence. Unlike mlx-lm's streaming detokenizers it keeps a leading
+    space, so the stream matches the tokenizer's own `decode`.
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str]):
+        self._decode = decode
+        self._tokens: list[int] = []
+        self._prefix = 0  # window start
+        self._read = 0  # tokens whose text has been emitted
+
+    def add(self, token_id: int) -> str:
+        self._tokens.append(token_id)
+        before = self._decode(self._tokens[self._prefix : self._read])
+        after = self._decode(self._tokens[self._prefix :])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self._prefix, self._read = self._read, len(self._tokens)
+            return after[len(before) :]
+        return ""
+
+    def finalize(self) -> str:
+        """Whatever is left (an incomplete character decodes as U+FFFD, as decode does)."""
+        before = self._decode(self._tokens[self._prefix : self._read])
+        after = self._decode(self._tokens[self._prefix :])
+        self._prefix = self._read = len(self._tokens)
+        return after[len(before) :]
+
+
 class StopMatcher:
     """Finds stop strings in streamed text; holds back text that may begin one."""
 
@@ -80,14 +112,14 @@ class RequestActor:
         num_prompt_tokens: int,
         num_cached_tokens: int,
         stop: tuple[str, ...],
-        detokenizer_factory: Callable[[], object],
+        decode: Callable[[list[int]], str],
         inbox: MemoryObjectReceiveStream,
         output: MemoryObjectSendStream[RequestOutput],
     ):
         self.request_id = request_id
         self.num_prompt_tokens = num_prompt_tokens
         self.num_cached_tokens = num_cached_tokens
-        self._detok = detokenizer_factory()
+        self._detok = IncrementalDetokenizer(decode)
         self._stops = StopMatcher(stop)
         self._inbox = inbox
         self._output = output
@@ -109,12 +141,11 @@ class RequestActor:
     def _on_tokens(self, msg: NewTokens) -> RequestOutput:
         self._num_output_tokens += len(msg.token_ids)
         printable = msg.token_ids[:-1] if msg.stop_token else msg.token_ids
-        for t in printable:
-            self._detok.add_token(t)
+        text = "".join(self._detok.add(t) for t in printable)
         finish = msg.finish
         if finish is not None:
-            self._detok.finalize()
-        text, hit = self._stops.feed(self._detok.last_segment)
+            text += self._detok.finalize()
+        text, hit = self._stops.feed(text)
         if hit:
             finish = FinishReason.STOP
         elif finish is not None:

@@ -308,7 +308,7 @@ class Engine:
             num_prompt_tokens=len(ids),
             num_cached_tokens=0,
             stop=params.stop,
-            detokenizer_factory=lambda: self.tokenizer.detokenizer,
+            decode=self.tokenizer.decode,
             inbox=inbox_rx,
             output=out_tx,
         )

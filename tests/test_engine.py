@@ -11,6 +11,7 @@ import pydantic
 import pytest
 
 from stepline.actors.executor import Executor, ExecutorDeadError
+from stepline.actors.request import IncrementalDetokenizer
 from stepline.api import (
     ContextLengthExceededError,
     EmptyPromptError,
@@ -285,3 +286,51 @@ async def test_mlx_work_happens_on_the_executor_thread(model_cache_dir):
     ) as engine:
         await collect(await engine.submit(long_prompt(40), params=GREEDY, checkpoints=(8, 20)))
         assert seen == {engine.step_loop.executor.thread_id}
+
+
+async def test_stop_strings_end_the_text_before_them_and_are_never_emitted(model_cache_dir):
+    base = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    async with Engine.open(max_step_tokens=64, max_num_seqs=4) as engine:
+        full = "".join(o.text for o in await collect(await engine.submit("tell me", params=base)))
+        stop = full[12:15]
+        cut = full.find(stop)
+        outs = await collect(
+            await engine.submit("tell me", params=base.model_copy(update={"stop": ("zzzq", stop)}))
+        )
+    assert outs[-1].finish_reason == "stop"
+    assert "".join(o.text for o in outs) == full[:cut]
+
+
+async def test_a_stop_token_ends_the_request_and_is_counted_but_not_printed(model_cache_dir):
+    base = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    async with Engine.open(max_step_tokens=64, max_num_seqs=4) as engine:
+        ids = await tokens_of(await engine.submit("count", params=base))
+        stop_id = ids[6]
+        first = ids.index(stop_id)
+        outs = await collect(
+            await engine.submit(
+                "count", params=base.model_copy(update={"stop_token_ids": (stop_id,)})
+            )
+        )
+    got = [t for o in outs for t in o.token_ids]
+    assert got == ids[: first + 1] and outs[-1].finish_reason == "stop"
+    assert "".join(o.text for o in outs) == engine.tokenizer.decode(ids[:first])
+
+
+async def test_streamed_text_never_splits_a_utf8_character(model_cache_dir):
+    async with Engine.open(max_step_tokens=64, max_num_seqs=4) as engine:
+        # The demo tokenizer is byte-level: an emoji is several tokens.
+        emoji = "héllo 👋🏽 世界 ✓"
+        ids = engine.tokenizer.encode(emoji, add_special_tokens=False)
+        assert len(ids) > len(emoji)
+        detok = IncrementalDetokenizer(engine.tokenizer.decode)
+        pieces = [detok.add(t) for t in ids] + [detok.finalize()]
+        assert "".join(pieces) == emoji and all("\ufffd" not in p for p in pieces)
+        assert any(p == "" for p in pieces)  # held back mid-character
+        params = SamplingParams(max_tokens=60, temperature=1.0, seed=7, ignore_eos=True)
+        outs = await collect(await engine.submit(emoji, params=params))
+    tokens = [t for o in outs for t in o.token_ids]
+    whole = engine.tokenizer.decode(tokens)
+    assert "".join(o.text for o in outs) == whole
+    if "\ufffd" not in whole:
+        assert all("\ufffd" not in o.text for o in outs)
