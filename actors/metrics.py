@@ -52,6 +52,20 @@ class EngineMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.prefix_hits = Counter(
+            "stepline_prefix_cache_hits", "Requests that started from a cached prefix", registry=r
+        )
+        self.prefix_misses = Counter(
+            "stepline_prefix_cache_misses", "Requests with no usable cached prefix", registry=r
+        )
+        self.prefix_cached_tokens = Counter(
+            "stepline_prefix_cache_tokens", "Prompt tokens served from the cache", registry=r
+        )
+        self.prefix_evictions = Gauge(
+            "stepline_prefix_cache_evictions", "Entries evicted since start", registry=r
+        )
+        self.prefix_bytes = Gauge("stepline_prefix_cache_bytes", "Bytes held", registry=r)
+        self.prefix_entries = Gauge("stepline_prefix_cache_entries", "Entries held", registry=r)
         self.event_log_lag = Gauge(
             "stepline_event_log_lag_events", "Events recorded, not yet written", registry=r
         )
@@ -61,6 +75,19 @@ class EngineMetrics:
 
     def finished(self, reason: FinishReason) -> None:
         self.requests.labels(reason=str(reason)).inc()
+
+    def prefix_lookup(self, num_cached_tokens: int) -> None:
+        if num_cached_tokens:
+            self.prefix_hits.inc()
+            self.prefix_cached_tokens.inc(num_cached_tokens)
+        else:
+            self.prefix_misses.inc()
+
+    def prefix_cache(self, counters) -> None:
+        if counters is not None:
+            self.prefix_bytes.set(counters.nbytes)
+            self.prefix_entries.set(counters.entries)
+            self.prefix_evictions.set(counters.evictions)
 
     def step(self, num_tokens: int, budget: int, seconds: float) -> None:
         self.steps.inc()

@@ -31,7 +31,7 @@ from stepline.engine.policy import (
     check_admissible,
     schedule,
 )
-from stepline.engine.work import NewRequest, StepResult, StepWork
+from stepline.engine.work import NewRequest, PrefixLookup, StepResult, StepWork
 from stepline.events.fold import RequestState, Status, apply
 from stepline.events.models import (
     Admitted,
@@ -45,6 +45,9 @@ from stepline.events.models import (
 )
 
 log = structlog.get_logger(__name__)
+
+
+_REUSABLE = (FinishReason.STOP, FinishReason.LENGTH)  # ended cleanly: cache worth keeping
 
 
 class EngineDeadError(AdmissionError):
@@ -132,7 +135,19 @@ class StepLoop:
             )
             msg.reply.set_exception(exc)
             return
-        self._admit_event(msg)
+        found = await self._run_executor(
+            self.runner.lookup_prefix, msg.request_id, msg.prompt_token_ids
+        )
+        if found is None:  # the executor died just now
+            exc = EngineDeadError(f"the engine is unhealthy: {self.dead_reason}")
+            self._admit_event(msg)
+            self._record(
+                Terminal, request_id=msg.request_id, reason=FinishReason.REJECTED, message=str(exc)
+            )
+            msg.reply.set_exception(exc)
+            return
+        self._admit_event(msg, found)
+        self.metrics.prefix_lookup(found.num_tokens)
         self._actors[msg.request_id] = msg.actor
         self._pending[msg.request_id] = NewRequest(
             request_id=msg.request_id,
@@ -141,9 +156,9 @@ class StepLoop:
             logprobs=msg.logprobs,
         )
         self.metrics.admitted()
-        msg.reply.set_result(None)
+        msg.reply.set_result(found.num_tokens)
 
-    def _admit_event(self, msg: Submit) -> None:
+    def _admit_event(self, msg: Submit, found: PrefixLookup | None = None) -> None:
         ids = msg.prompt_token_ids
         digest = hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()
         self._record(
@@ -153,6 +168,8 @@ class StepLoop:
             prompt_token_ids=ids if self._log_prompts else None,
             prompt_sha256=digest,
             checkpoints=tuple(sorted({c for c in msg.checkpoints if 0 < c <= len(ids)})),
+            num_cached_tokens=found.num_tokens if found else 0,
+            cache_source=found.source if found else None,
             params=msg.params,
         )
 
@@ -242,7 +259,8 @@ class StepLoop:
             self._pending.pop(c.request_id) for c in plan.chunks if c.request_id in self._pending
         )
         frees, self._to_free = tuple(self._to_free), []
-        work = StepWork(plan=plan, admit=admit, free=frees)
+        retire = frozenset(r for r in frees if self.states[r].finish_reason in _REUSABLE)
+        work = StepWork(plan=plan, admit=admit, free=frees, retire=retire)
         result = await self._run_executor(self.runner.run, work)
         if result is None:
             return
@@ -251,6 +269,7 @@ class StepLoop:
             await self._handle(msg)
         await self._commit(plan, result)
         self.metrics.step(plan.num_tokens, self.config.max_step_tokens, result.seconds)
+        self.metrics.prefix_cache(result.prefix_cache)
 
     async def _run_executor(self, fn: Callable, *args: Any) -> Any:
         try:

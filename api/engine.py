@@ -158,13 +158,17 @@ class Engine:
         log_prompts: bool = True,
         seed: int = 0,
         on_checkpoint: Callable | None = None,
+        prefix_cache_gb: float = 1.0,
     ) -> AsyncIterator[Engine]:
         """Load `model` (a demo name, a local mlx-lm directory or a Hugging Face id; None = the
         demo model) and serve it until the block exits.
 
         Raises ModelNotFoundError if the model cannot be found, ValueError for a bad config.
         `on_checkpoint(request_id, offset, cache)` runs on the executor thread.
+        `prefix_cache_gb` bounds the prefix cache's memory (0 turns it off).
         """
+        if not prefix_cache_gb >= 0:
+            raise ValueError(f"prefix_cache_gb must be >= 0, got {prefix_cache_gb}")
         sched = SchedulerConfig(
             max_step_tokens=max_step_tokens,
             max_num_seqs=max_num_seqs,
@@ -180,7 +184,12 @@ class Engine:
         try:
             loaded = await executor.call(load_model, model)
             runner = await executor.call(
-                lambda: ModelRunner(loaded, seed=seed, on_checkpoint=on_checkpoint)
+                lambda: ModelRunner(
+                    loaded,
+                    seed=seed,
+                    on_checkpoint=on_checkpoint,
+                    prefix_cache_bytes=int(prefix_cache_gb * 2**30),
+                )
             )
             config = {
                 "model": loaded.name,
@@ -189,6 +198,7 @@ class Engine:
                 "long_prefill_cap": long_prefill_cap,
                 "max_kv_tokens": max_kv_tokens,
                 "seed": seed,
+                "prefix_cache_gb": prefix_cache_gb,
             }
             if event_log is not None:
                 header = LogHeader(
@@ -261,6 +271,30 @@ class Engine:
             list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
         )
 
+    def chat_checkpoints(self, messages: Sequence[dict], ids: Sequence[int]) -> list[int]:
+        """Token offsets of chat boundaries in `ids`: the end of the system prompt, the end
+        of the turns before the last user message, and the end of the prompt itself.
+
+        Found from the chat template's rendering of message prefixes; a boundary whose
+        tokens are not an exact prefix of `ids` is left out, never guessed.
+        """
+        cuts = set()
+        if messages and messages[0].get("role") in ("system", "developer"):
+            cuts.add(1)
+        users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
+        if users and users[-1] > 0:
+            cuts.add(users[-1])
+        found = [len(ids)]
+        for n in sorted(cuts):
+            try:
+                text = self.render_chat(messages[:n], add_generation_prompt=False)
+            except Exception:  # noqa: BLE001 - a template may refuse a partial chat
+                continue
+            prefix = self.tokenizer.encode(text, add_special_tokens=False)
+            if 0 < len(prefix) < len(ids) and list(ids[: len(prefix)]) == prefix:
+                found.append(len(prefix))
+        return found
+
     async def submit(
         self,
         prompt: str | Sequence[int] | None = None,
@@ -279,6 +313,8 @@ class Engine:
             raise RuntimeError("the engine is closed")
         params = params or SamplingParams()
         ids = self.encode(prompt, messages)
+        if messages is not None:
+            checkpoints = (*checkpoints, *self.chat_checkpoints(messages, ids))
         rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
         inbox_tx, inbox_rx = anyio.create_memory_object_stream(8)
         # Sized to the most outputs a request can produce: the actor never blocks on a slow client.
@@ -298,7 +334,7 @@ class Engine:
             )
         )
         try:
-            await reply
+            num_cached = await reply
         except BaseException:
             for s in (inbox_tx, inbox_rx, out_tx, out_rx):
                 s.close()
@@ -306,7 +342,7 @@ class Engine:
         actor = RequestActor(
             rid,
             num_prompt_tokens=len(ids),
-            num_cached_tokens=0,
+            num_cached_tokens=num_cached,
             stop=params.stop,
             decode=self.tokenizer.decode,
             inbox=inbox_rx,

@@ -16,12 +16,20 @@ from typing import Any
 
 import mlx.core as mx
 import structlog
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from stepline.engine.models import LoadedModel
 from stepline.engine.policy import ScheduledChunk
+from stepline.engine.prefix_cache import PrefixCache, share_cache
 from stepline.engine.sampling import RowHistory, RowSampling, Sampler
-from stepline.engine.work import NewRequest, StepResult, StepWork, TokenLogprob
+from stepline.engine.work import (
+    NewRequest,
+    PrefixCacheCounters,
+    PrefixLookup,
+    StepResult,
+    StepWork,
+    TokenLogprob,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -47,7 +55,12 @@ def snapshot_cache(cache: Cache) -> Cache:
     for layer in cache:
         copy = type(layer).__new__(type(layer))
         copy.__dict__.update(layer.__dict__)
-        copy.state = _copy_tree(layer.state)
+        if type(layer) is KVCache and layer.keys is not None:
+            # Only the tokens it holds, not the rest of its 256-token growth block.
+            n = layer.offset
+            copy.state = (mx.array(layer.keys[..., :n, :]), mx.array(layer.values[..., :n, :]), n)
+        else:
+            copy.state = _copy_tree(layer.state)
         copies.append(copy)
     mx.eval([c.state for c in copies])
     return copies
@@ -63,19 +76,33 @@ class _Seq:
     history: RowHistory | None
     logprobs: int | None
     cache: Cache | None  # own cache while prefilling; None once merged into the batch
-    num_generated: int = 0
-    last_token: int = -1
+    output: list[int] = field(default_factory=list)
     checkpoints: list[int] = field(default_factory=list)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.output)
+
+    @property
+    def last_token(self) -> int:
+        return self.output[-1]
 
 
 class ModelRunner:
     def __init__(
-        self, loaded: LoadedModel, *, seed: int = 0, on_checkpoint: CheckpointHook | None = None
+        self,
+        loaded: LoadedModel,
+        *,
+        seed: int = 0,
+        on_checkpoint: CheckpointHook | None = None,
+        prefix_cache_bytes: int = 0,
     ):
         self.model = loaded.model
         self.loaded = loaded
         self.sampler = Sampler(seed=seed)
         self.on_checkpoint = on_checkpoint
+        self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
+        self._hits: dict[str, Cache] = {}  # request_id -> cache found at submission
         self._seqs: dict[str, _Seq] = {}
         self._batch_ids: list[str] = []  # decode batch rows, in order
         self._batch_cache: Cache | None = None
@@ -139,10 +166,37 @@ class ModelRunner:
             sampling=sampling,
             history=RowHistory(new.prompt_token_ids) if needs_history else None,
             logprobs=new.logprobs,
-            cache=make_prompt_cache(self.model),
+            cache=self._hits.pop(new.request_id, None) or make_prompt_cache(self.model),
         )
 
-    def _free(self, request_ids: Sequence[str]) -> None:
+    def lookup_prefix(self, request_id: str, prompt: Sequence[int]) -> PrefixLookup:
+        """Find the longest cached prefix of `prompt`; the request will start from it."""
+        hit = self.prefix_cache.lookup(prompt) if self.prefix_cache is not None else None
+        if hit is None:
+            return PrefixLookup(0, None)
+        self._hits[request_id] = hit.cache
+        return PrefixLookup(hit.num_tokens, hit.source)
+
+    def _retire(self, seq: _Seq) -> None:
+        """Offer a finished request's cache (prompt + all but its last token) for reuse."""
+        if self.prefix_cache is None or seq.cache is not None or seq.num_generated < 1:
+            return
+        row = self._batch_ids.index(seq.request_id)
+        cache = [layer.extract(row) for layer in self._batch_cache]
+        tokens = [*seq.prompt.tolist(), *seq.output[:-1]]
+        # Every layer that counts tokens must hold exactly these (a wrapped sliding window
+        # does not: it lost its oldest tokens, and cannot serve as a prefix of anything).
+        offsets = {c.offset for c in cache if isinstance(getattr(c, "offset", None), int)}
+        if offsets <= {len(tokens)} and all(
+            getattr(c, "max_size", len(tokens) + 1) > len(tokens) for c in cache
+        ):
+            self.prefix_cache.insert(tokens, cache)
+
+    def _free(self, request_ids: Sequence[str], retire: frozenset[str] = frozenset()) -> None:
+        for rid in request_ids:
+            self._hits.pop(rid, None)
+            if rid in retire and rid in self._seqs:
+                self._retire(self._seqs[rid])
         gone = {rid for rid in request_ids if self._seqs.pop(rid, None) is not None}
         if not gone.intersection(self._batch_ids):
             return
@@ -186,8 +240,11 @@ class ModelRunner:
             if end in chunk.checkpoints:
                 mx.eval([c.state for c in seq.cache])
                 seq.checkpoints.append(end)
+                snapshot = snapshot_cache(seq.cache)
+                if self.prefix_cache is not None:
+                    self.prefix_cache.insert(seq.prompt[:end].tolist(), snapshot)
                 if self.on_checkpoint is not None:
-                    self.on_checkpoint(seq.request_id, end, snapshot_cache(seq.cache))
+                    self.on_checkpoint(seq.request_id, end, share_cache(snapshot))
             pos = end
         if logits is None:
             mx.eval([c.state for c in seq.cache])  # bound the lazy graph between steps
@@ -195,7 +252,7 @@ class ModelRunner:
 
     def run(self, work: StepWork) -> StepResult:
         t0 = time.perf_counter()
-        self._free(work.free)
+        self._free(work.free, work.retire)
         for new in work.admit:
             self._admit(new)
         plan = work.plan
@@ -233,8 +290,7 @@ class ModelRunner:
                 histories=[s.history for s in row_seqs],
             )
             for seq, token, lp in zip(row_seqs, out.tokens, out.logprobs, strict=True):
-                seq.last_token = token
-                seq.num_generated += 1
+                seq.output.append(token)
                 if seq.history is not None:
                     seq.history.append(token)
                 tokens[seq.request_id] = token
@@ -248,7 +304,14 @@ class ModelRunner:
                 s.request_id: tuple(s.checkpoints) for s in self._seqs.values() if s.checkpoints
             },
             seconds=time.perf_counter() - t0,
+            prefix_cache=self._prefix_counters(),
         )
+
+    def _prefix_counters(self) -> PrefixCacheCounters | None:
+        if self.prefix_cache is None:
+            return None
+        st = self.prefix_cache.stats
+        return PrefixCacheCounters(nbytes=st.nbytes, entries=st.entries, evictions=st.evictions)
 
     def free(self, request_ids: Sequence[str]) -> None:
         self._free(request_ids)

@@ -24,6 +24,8 @@ class StepWork:
     plan: StepPlan
     admit: tuple[NewRequest, ...] = ()  # requests first scheduled in this step
     free: tuple[str, ...] = ()  # requests to drop before the step runs (finished, cancelled)
+    # of those, the ones that finished normally: their caches go to the prefix cache
+    retire: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -42,3 +44,17 @@ class StepResult:
     # request_id -> checkpoint offsets snapshotted this step, in order
     checkpoints: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     seconds: float = 0.0  # wall time of the MLX work
+    prefix_cache: PrefixCacheCounters | None = None  # after this step
+
+
+@dataclass(frozen=True)
+class PrefixCacheCounters:
+    nbytes: int
+    entries: int
+    evictions: int  # since the engine started
+
+
+@dataclass(frozen=True)
+class PrefixLookup:
+    num_tokens: int  # prompt tokens already in the cache the request starts from
+    source: str | None  # where they came from ("memory"), None on a miss

@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict
+
 from stepline.events.models import (
     Admitted,
     CheckpointReached,
