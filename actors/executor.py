@@ -1,10 +1,16 @@
 """The executor actor: the one place MLX work happens, serialised on one OS thread.
 
 Metal command buffers must not be encoded from two threads at once, and anyio's
-`to_thread.run_sync` gives no same-thread guarantee, so the executor owns one
-`threading.Thread`. Callers `await executor.call(fn, ...)`: each ask carries its
-own reply future; if the thread dies, every pending and later ask fails with
-ExecutorDeadError (nobody waits on a reply that will never come).
+`to_thread.run_sync` gives no same-thread guarantee, so MLX work runs on a
+dedicated `threading.Thread`. Callers `await executor.call(fn, ...)`: each ask
+carries its own reply future; once an executor is dead, every later ask fails
+with ExecutorDeadError (nobody waits on a reply that will never come).
+
+The thread is one per process, started on first use and never stopped: MLX keeps
+per-thread state whose teardown at thread exit can abort the process (see
+ml-explore/mlx#3126), and several engines in one process must not encode MLX
+work concurrently either. Each Executor is still its own actor with its own
+health; they only share the thread.
 """
 
 from __future__ import annotations
@@ -26,10 +32,11 @@ class ExecutorDeadError(RuntimeError):
 
 
 class _Job:
-    __slots__ = ("fn", "args", "loop", "future")
+    __slots__ = ("owner", "fn", "args", "loop", "future", "barrier")
 
-    def __init__(self, fn: Callable[..., Any], args: tuple, loop, future):
-        self.fn, self.args, self.loop, self.future = fn, args, loop, future
+    def __init__(self, owner, fn, args, loop, future, barrier=False):
+        self.owner, self.fn, self.args, self.loop, self.future = owner, fn, args, loop, future
+        self.barrier = barrier  # runs even for a dead executor: it only marks a point in the queue
 
 
 def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
@@ -41,14 +48,47 @@ def _settle(future: asyncio.Future, result: Any, error: BaseException | None) ->
         future.set_result(result)
 
 
-class Executor:
-    """Runs callables one at a time on a dedicated thread named `stepline-executor`."""
+class _MLXThread:
+    """The process's MLX thread: runs jobs one at a time, forever."""
 
-    def __init__(self, name: str = "stepline-executor"):
-        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+    _instance: _MLXThread | None = None
+    _lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._main, name="stepline-executor", daemon=True)
+        self.thread.start()
+
+    @classmethod
+    def get(cls) -> _MLXThread:
+        with cls._lock:
+            if cls._instance is None:
+                cls._instance = cls()
+            return cls._instance
+
+    def _main(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job.owner.dead is not None and not job.barrier:
+                result, error = None, ExecutorDeadError(f"the executor died: {job.owner.dead}")
+            else:
+                try:
+                    result, error = job.fn(*job.args), None
+                except BaseException as exc:  # noqa: BLE001 - reported to the caller, never lost
+                    result, error = None, exc
+            try:
+                job.loop.call_soon_threadsafe(_settle, job.future, result, error)
+            except RuntimeError:  # the caller's event loop is closed: nobody to tell
+                pass
+            del job, result, error  # drop MLX references here, on this thread
+
+
+class Executor:
+    """Runs callables one at a time on the MLX thread (named `stepline-executor`)."""
+
+    def __init__(self) -> None:
+        self._thread = _MLXThread.get()
         self._dead: BaseException | None = None
-        self._thread.start()
 
     @property
     def dead(self) -> BaseException | None:
@@ -57,26 +97,7 @@ class Executor:
 
     @property
     def thread_id(self) -> int | None:
-        return self._thread.ident
-
-    def _main(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            if self._dead is not None:
-                job.loop.call_soon_threadsafe(
-                    _settle, job.future, None, ExecutorDeadError(str(self._dead))
-                )
-                continue
-            try:
-                result, error = job.fn(*job.args), None
-            except BaseException as exc:  # noqa: BLE001 - reported to the caller, never lost
-                result, error = None, exc
-            try:
-                job.loop.call_soon_threadsafe(_settle, job.future, result, error)
-            except RuntimeError:  # the caller's event loop is closed: nobody to tell
-                pass
+        return self._thread.thread.ident
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn(*args)` on the executor thread and return its result.
@@ -85,14 +106,25 @@ class Executor:
         """
         if self._dead is not None:
             raise ExecutorDeadError(f"the executor died: {self._dead}")
-        if not self._thread.is_alive():
-            raise ExecutorDeadError("the executor thread has stopped")
+        return await self._put(fn, args, barrier=False)
+
+    async def _put(self, fn: Callable[..., T], args: tuple, *, barrier: bool) -> T:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._jobs.put(_Job(fn, args, loop, future))
+        # A caller cancelled mid-job never reads its result: mark it read, not "never retrieved".
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())
+        self._thread.jobs.put(_Job(self, fn, args, loop, future, barrier))
         # Shield: a cancelled caller must not leave the thread mid-job with nobody
         # owning the result; the job finishes and its result is dropped.
         return await asyncio.shield(future)
+
+    async def drain(self) -> None:
+        """Wait until every job queued so far has finished (also for a dead executor).
+
+        An engine does this before it returns, so no MLX work of its is still running
+        when the interpreter shuts down.
+        """
+        await self._put(lambda: None, (), barrier=True)
 
     def mark_dead(self, error: BaseException) -> None:
         """Refuse all further work (after a job failed and left MLX state unknown)."""
@@ -100,8 +132,7 @@ class Executor:
             self._dead = error
             log.error("executor_dead", error=repr(error))
 
-    def close(self, timeout: float | None = 30.0) -> None:
-        """Stop the thread after the jobs already queued."""
-        if self._thread.is_alive():
-            self._jobs.put(None)
-            self._thread.join(timeout)
+    def close(self) -> None:
+        """Refuse further work. The shared thread stays: see the module docstring."""
+        if self._dead is None:
+            self._dead = RuntimeError("the executor is closed")
