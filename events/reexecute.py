@@ -1,0 +1,293 @@
+"""Re-execution: feed a recorded run back through a fresh engine and compare its tokens.
+
+The recorded requests (prompts, sampling parameters and seeds, checkpoints) are submitted in
+their arrival order to an engine with the recorded budget (`max_step_tokens`,
+`max_num_seqs`, `long_prefill_cap`, from the log header's `config`). Tokens are compared
+request by request; the first divergence names the request, the position and both tokens.
+
+This module imports without MLX; the engine is imported when `reexecute` runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import inspect
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from stepline.events.log import read_events, read_header
+from stepline.events.models import (
+    Admitted,
+    Decoding,
+    FinishReason,
+    LogHeader,
+    RequestParams,
+    Terminal,
+)
+
+
+class _Report(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Divergence(_Report):
+    request_id: str
+    position: int  # index into the request's output tokens
+    recorded: int | None  # None: the recorded run had ended here
+    reexecuted: int | None  # None: the re-execution ended here
+
+
+class RequestComparison(_Report):
+    request_id: str
+    outcome: Literal["same", "diverged", "skipped"]
+    num_recorded_tokens: int
+    num_reexecuted_tokens: int = 0
+    recorded_finish: FinishReason | None = None
+    reexecuted_finish: str | None = None
+    divergence: Divergence | None = None
+    note: str | None = None  # why skipped, or what else differed
+
+
+class ReexecuteReport(_Report):
+    path: str
+    model: str | None
+    cannot_run: str | None = None  # why re-execution was impossible; nothing was run
+    num_requests: int = 0
+    num_same: int = 0
+    num_diverged: int = 0
+    num_skipped: int = 0
+    first_divergence: Divergence | None = None  # in arrival order
+    requests: tuple[RequestComparison, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        """True when it ran and every compared request reproduced."""
+        return self.cannot_run is None and self.num_diverged == 0
+
+    def describe(self) -> list[str]:
+        if self.cannot_run:
+            return [f"cannot re-execute {self.path}: {self.cannot_run}"]
+        lines = [
+            f"re-executed {self.num_requests} requests of {self.path} with {self.model}: "
+            f"{self.num_same} same, {self.num_diverged} diverged, {self.num_skipped} skipped"
+        ]
+        d = self.first_divergence
+        if d is not None:
+            lines.append(
+                f"first divergence: request {d.request_id} at output position {d.position}: "
+                f"recorded {_tok(d.recorded)}, re-executed {_tok(d.reexecuted)}"
+            )
+        for r in self.requests:
+            if r.outcome != "same":
+                note = f" ({r.note})" if r.note else ""
+                lines.append(f"  {r.request_id}: {r.outcome}{note}")
+        return lines
+
+
+def _tok(token: int | None) -> str:
+    return "(end)" if token is None else str(token)
+
+
+@dataclasses.dataclass
+class RecordedRequest:
+    admitted: Admitted
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    finish: FinishReason | None = None
+
+
+@dataclasses.dataclass
+class RecordedRun:
+    header: LogHeader
+    requests: list[RecordedRequest]  # in arrival order
+
+
+def load_recorded_run(path: str | Path) -> RecordedRun:
+    """Every admitted request of the log with its recorded output tokens and finish reason."""
+    header = read_header(path)
+    by_id: dict[str, RecordedRequest] = {}
+    for event in read_events(path):
+        if isinstance(event, Admitted):
+            by_id.setdefault(event.request_id, RecordedRequest(event))
+        elif isinstance(event, Decoding):
+            rec = by_id.get(event.request_id)
+            if rec is not None and rec.finish is None:
+                rec.output_token_ids.extend(event.token_ids)
+        elif isinstance(event, Terminal):
+            rec = by_id.get(event.request_id)
+            if rec is not None and rec.finish is None:
+                rec.finish = event.reason
+    ordered = sorted(by_id.values(), key=lambda r: r.admitted.seq)
+    return RecordedRun(header=header, requests=ordered)
+
+
+def why_cannot_run(run: RecordedRun, model: str | None) -> str | None:
+    """The reason re-execution is impossible for this log, or None."""
+    if not run.header.log_prompts or any(r.admitted.prompt_token_ids is None for r in run.requests):
+        return (
+            "the log was written with log_prompts=False, so it holds only each prompt's "
+            "token count and SHA-256, not its tokens; record the run again with "
+            "--log-prompts=true to make it re-executable"
+        )
+    if model is None:
+        return "the log does not name its model: pass --model"
+    return None
+
+
+def _skip_reason(rec: RecordedRequest) -> str | None:
+    p = rec.admitted.params
+    if rec.finish is FinishReason.REJECTED:
+        return "rejected when recorded"
+    if p.temperature > 0 and p.seed is None:
+        return "sampled without a seed, so not reproducible"
+    if rec.finish is not FinishReason.STOP and rec.finish is not FinishReason.LENGTH:
+        if not rec.output_token_ids:
+            return "produced no token when recorded"
+    return None
+
+
+def _first_divergence(rid: str, recorded: list[int], got: list[int]) -> Divergence | None:
+    for i, (a, b) in enumerate(zip(recorded, got, strict=False)):
+        if a != b:
+            return Divergence(request_id=rid, position=i, recorded=a, reexecuted=b)
+    if len(recorded) != len(got):
+        n = min(len(recorded), len(got))
+        return Divergence(
+            request_id=rid,
+            position=n,
+            recorded=recorded[n] if n < len(recorded) else None,
+            reexecuted=got[n] if n < len(got) else None,
+        )
+    return None
+
+
+def _accepted(target: Any, values: dict[str, Any]) -> dict[str, Any]:
+    """The items of `values` that `target` (a pydantic model, dataclass or callable) accepts."""
+    if hasattr(target, "model_fields"):
+        names = set(target.model_fields)
+    elif dataclasses.is_dataclass(target):
+        names = {f.name for f in dataclasses.fields(target)}
+    else:
+        params = inspect.signature(target).parameters
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            return dict(values)
+        names = set(params)
+    return {k: v for k, v in values.items() if k in names}
+
+
+def _replay_params(rec: RecordedRequest) -> RequestParams:
+    """The recorded params; a request cut short (cancelled, error, crash) is asked only for
+    as many tokens as it produced, since only those can be compared."""
+    p = rec.admitted.params
+    if rec.finish in (FinishReason.STOP, FinishReason.LENGTH):
+        return p
+    return p.model_copy(update={"max_tokens": len(rec.output_token_ids)})
+
+
+async def reexecute(path: str | Path, model: str | None = None) -> ReexecuteReport:
+    """Run the log's requests again through a fresh engine and compare tokens.
+
+    `model` overrides the log's model. Returns a report with `cannot_run` set (and nothing
+    run) when the log cannot be re-executed, e.g. when it was written with log_prompts=False.
+    Raises what `read_events` raises for an unreadable log.
+    """
+    run = load_recorded_run(path)
+    model = model or run.header.model or run.header.config.get("model")
+    reason = why_cannot_run(run, model)
+    if reason is not None:
+        return ReexecuteReport(path=str(path), model=model, cannot_run=reason)
+
+    from stepline.api import Engine, SamplingParams  # MLX: only when it really runs
+
+    engine_options = _accepted(
+        Engine.open, {k: v for k, v in run.header.config.items() if k not in ("model", "event_log")}
+    )
+    comparisons: dict[str, RequestComparison] = {}
+    to_run = []
+    for rec in run.requests:
+        rid = rec.admitted.request_id
+        skip = _skip_reason(rec)
+        if skip is not None:
+            comparisons[rid] = RequestComparison(
+                request_id=rid,
+                outcome="skipped",
+                num_recorded_tokens=len(rec.output_token_ids),
+                recorded_finish=rec.finish,
+                note=skip,
+            )
+        else:
+            to_run.append(rec)
+
+    async with Engine.open(model, **engine_options, event_log=None) as engine:
+        results: dict[str, tuple[list[int], str | None, str | None]] = {}
+
+        async def consume(rid: str, stream: Any) -> None:
+            tokens: list[int] = []
+            finish: str | None = None
+            async for out in stream:
+                tokens.extend(out.token_ids)
+                if out.finish_reason is not None:
+                    finish = str(out.finish_reason)
+            results[rid] = (tokens, finish, None)
+
+        tasks = []
+        for rec in to_run:  # submitted one after another: the recorded arrival order
+            rid = rec.admitted.request_id
+            params = _replay_params(rec)
+            try:
+                stream = await engine.submit(
+                    rec.admitted.prompt_token_ids,
+                    params=SamplingParams(**_accepted(SamplingParams, params.model_dump())),
+                    request_id=rid,
+                    checkpoints=rec.admitted.checkpoints,
+                )
+            except Exception as exc:  # rejected now, though admitted when recorded
+                results[rid] = ([], None, f"not admitted on re-execution: {exc}")
+                continue
+            tasks.append(asyncio.create_task(consume(rid, stream)))
+        await asyncio.gather(*tasks)
+
+    first: Divergence | None = None
+    for rec in to_run:
+        rid = rec.admitted.request_id
+        tokens, finish, error = results[rid]
+        divergence = _first_divergence(rid, rec.output_token_ids, tokens)
+        note = error
+        if (
+            divergence is None
+            and error is None
+            and rec.finish
+            in (
+                FinishReason.STOP,
+                FinishReason.LENGTH,
+            )
+        ):
+            if finish is not None and finish != rec.finish.value:
+                note = f"same tokens, but finished {finish} instead of {rec.finish.value}"
+        diverged = divergence is not None or note is not None
+        if divergence is not None and first is None:
+            first = divergence
+        comparisons[rid] = RequestComparison(
+            request_id=rid,
+            outcome="diverged" if diverged else "same",
+            num_recorded_tokens=len(rec.output_token_ids),
+            num_reexecuted_tokens=len(tokens),
+            recorded_finish=rec.finish,
+            reexecuted_finish=finish,
+            divergence=divergence,
+            note=note,
+        )
+
+    ordered = tuple(comparisons[r.admitted.request_id] for r in run.requests)
+    return ReexecuteReport(
+        path=str(path),
+        model=model,
+        num_requests=len(ordered),
+        num_same=sum(c.outcome == "same" for c in ordered),
+        num_diverged=sum(c.outcome == "diverged" for c in ordered),
+        num_skipped=sum(c.outcome == "skipped" for c in ordered),
+        first_divergence=first,
+        requests=ordered,
+    )
