@@ -69,6 +69,8 @@ class _MLXThread:
     def _main(self) -> None:
         while True:
             job = self.jobs.get()
+            result: Any = None
+            error: BaseException | None = None
             if job.owner.dead is not None and not job.barrier:
                 result, error = None, ExecutorDeadError(f"the executor died: {job.owner.dead}")
             else:

@@ -121,30 +121,23 @@ class StepLoop:
         if msg.request_id in self.states:
             msg.reply.set_exception(AdmissionError(f"request id {msg.request_id!r} is in use"))
             return
-        p = msg.params
         try:
             if self.dead_reason is not None:
                 raise EngineDeadError(f"the engine is unhealthy: {self.dead_reason}")
             check_admissible(
-                len(msg.prompt_token_ids), p.max_tokens, self.limits.max_context, self.config
+                len(msg.prompt_token_ids),
+                msg.params.max_tokens,
+                self.limits.max_context,
+                self.config,
             )
         except AdmissionError as exc:
-            self._admit_event(msg)
-            self._record(
-                Terminal, request_id=msg.request_id, reason=FinishReason.REJECTED, message=str(exc)
-            )
-            msg.reply.set_exception(exc)
+            self._reject(msg, exc)
             return
         found = await self._run_executor(
             self.runner.lookup_prefix, msg.request_id, msg.prompt_token_ids
         )
         if found is None:  # the executor died just now
-            exc = EngineDeadError(f"the engine is unhealthy: {self.dead_reason}")
-            self._admit_event(msg)
-            self._record(
-                Terminal, request_id=msg.request_id, reason=FinishReason.REJECTED, message=str(exc)
-            )
-            msg.reply.set_exception(exc)
+            self._reject(msg, EngineDeadError(f"the engine is unhealthy: {self.dead_reason}"))
             return
         self._admit_event(msg, found)
         self.metrics.prefix_lookup(found.num_tokens)
@@ -152,11 +145,20 @@ class StepLoop:
         self._pending[msg.request_id] = NewRequest(
             request_id=msg.request_id,
             prompt_token_ids=msg.prompt_token_ids,
-            params=p,
+            params=msg.params,
             logprobs=msg.logprobs,
         )
         self.metrics.admitted()
         msg.reply.set_result(found.num_tokens)
+
+    def _reject(self, msg: Submit, exc: AdmissionError) -> None:
+        """Log the request as admitted and at once rejected (so the log shows what was
+        refused, and why), and raise `exc` in the submitter."""
+        self._admit_event(msg)
+        self._record(
+            Terminal, request_id=msg.request_id, reason=FinishReason.REJECTED, message=str(exc)
+        )
+        msg.reply.set_exception(exc)
 
     def _admit_event(self, msg: Submit, found: PrefixLookup | None = None) -> None:
         ids = msg.prompt_token_ids
