@@ -213,15 +213,23 @@ class StepLoop:
         task_status.started()
         async with self._inbox:
             while True:
-                if not self._unfinished() and not self._to_free:
-                    try:
-                        msg = await self._inbox.receive()  # idle: sleep until work arrives
-                    except anyio.EndOfStream:
-                        return
-                    await self._handle(msg)
-                for msg in self._drain():
-                    await self._handle(msg)
-                await self._step()
+                try:
+                    if not self._unfinished() and not self._to_free:
+                        try:
+                            msg = await self._inbox.receive()  # idle: sleep until work arrives
+                        except anyio.EndOfStream:
+                            return
+                        await self._handle(msg)
+                    for msg in self._drain():
+                        await self._handle(msg)
+                    await self._step()
+                except Exception as exc:
+                    # A bug here must not leave clients waiting on streams that never end:
+                    # fail like a dead executor (every request ends with an error).
+                    log.exception("step_loop_failed")
+                    self.executor.mark_dead(exc)
+                    self._in_step = False
+                    await self._die(exc)
 
     async def _step(self) -> None:
         plan = schedule(self.states, self.config, self.step + 1)

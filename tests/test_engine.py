@@ -242,6 +242,22 @@ async def test_a_dead_executor_ends_every_request_with_an_error_and_refuses_new_
             await engine.submit("anyone there?", params=GREEDY)
 
 
+async def test_a_bug_in_the_step_loop_fails_requests_instead_of_hanging_them(model_cache_dir):
+    async with Engine.open(max_step_tokens=16, max_num_seqs=4) as engine:
+        stream = await engine.submit("hello", params=SamplingParams(max_tokens=100))
+        loop = engine.step_loop
+        await wait_until(lambda: loop.step >= 2)
+
+        def broken(*args):
+            raise KeyError("a bug in the commit")
+
+        loop._finish_reason = broken
+        with anyio.fail_after(10):
+            outs = await collect(stream)
+        assert outs[-1].finish_reason == "error" and "a bug in the commit" in outs[-1].error
+        assert not engine.healthy
+
+
 async def test_the_executor_runs_one_job_at_a_time_on_one_thread():
     executor = Executor()
     active = 0
