@@ -66,6 +66,15 @@ class EngineMetrics:
         )
         self.prefix_bytes = Gauge("stepline_prefix_cache_bytes", "Bytes held", registry=r)
         self.prefix_entries = Gauge("stepline_prefix_cache_entries", "Entries held", registry=r)
+        self.prefix_disk_bytes = Gauge(
+            "stepline_prefix_cache_disk_bytes", "Disk tier: file bytes held", registry=r
+        )
+        self.prefix_disk_entries = Gauge(
+            "stepline_prefix_cache_disk_entries", "Disk tier: entries held", registry=r
+        )
+        self.prefix_disk_evictions = Gauge(
+            "stepline_prefix_cache_disk_evictions", "Disk tier: files evicted", registry=r
+        )
         self.event_log_lag = Gauge(
             "stepline_event_log_lag_events", "Events recorded, not yet written", registry=r
         )
@@ -88,6 +97,9 @@ class EngineMetrics:
             self.prefix_bytes.set(counters.nbytes)
             self.prefix_entries.set(counters.entries)
             self.prefix_evictions.set(counters.evictions)
+            self.prefix_disk_bytes.set(counters.disk_nbytes)
+            self.prefix_disk_entries.set(counters.disk_entries)
+            self.prefix_disk_evictions.set(counters.disk_evictions)
 
     def step(self, num_tokens: int, budget: int, seconds: float) -> None:
         self.steps.inc()

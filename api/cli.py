@@ -31,6 +31,26 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         choices=["true", "false"],
         help="store prompt token ids in the event log (false: counts and a hash)",
     )
+    p.add_argument(
+        "--event-log-rotate-mb",
+        type=float,
+        default=None,
+        help="start a new event-log file (run.1.jsonl, ...) past this size",
+    )
+    p.add_argument(
+        "--prefix-cache-gb", type=float, default=1.0, help="prefix cache memory (0: off)"
+    )
+    p.add_argument(
+        "--prefix-cache-dir",
+        default=None,
+        help="keep prefix-cache entries as files here too, reused after a restart",
+    )
+    p.add_argument(
+        "--prefix-cache-disk-gb",
+        type=float,
+        default=10.0,
+        help="most disk the prefix cache's files may use (oldest used evicted first)",
+    )
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
@@ -39,7 +59,13 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_seqs=args.max_num_seqs,
         long_prefill_cap=args.long_prefill_cap,
         event_log=args.event_log,
+        event_log_rotate_bytes=(
+            int(args.event_log_rotate_mb * 2**20) if args.event_log_rotate_mb else None
+        ),
         log_prompts=args.log_prompts == "true",
+        prefix_cache_gb=args.prefix_cache_gb,
+        prefix_cache_dir=args.prefix_cache_dir,
+        prefix_cache_disk_gb=args.prefix_cache_disk_gb,
     )
 
 
@@ -116,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # a clear one-line error, not a traceback, for the user's mistakes
         from stepline.engine.models import ModelNotFoundError
 
-        if isinstance(exc, (ModelNotFoundError, ValueError)):
+        if isinstance(exc, (ModelNotFoundError, ValueError, FileExistsError, PermissionError)):
             print(f"stepline: error: {exc}", file=sys.stderr)
             return 2
         raise

@@ -159,6 +159,8 @@ class Engine:
         seed: int = 0,
         on_checkpoint: Callable | None = None,
         prefix_cache_gb: float = 1.0,
+        prefix_cache_dir: str | Path | None = None,
+        prefix_cache_disk_gb: float = 10.0,
     ) -> AsyncIterator[Engine]:
         """Load `model` (a demo name, a local mlx-lm directory or a Hugging Face id; None = the
         demo model) and serve it until the block exits.
@@ -166,9 +168,14 @@ class Engine:
         Raises ModelNotFoundError if the model cannot be found, ValueError for a bad config.
         `on_checkpoint(request_id, offset, cache)` runs on the executor thread.
         `prefix_cache_gb` bounds the prefix cache's memory (0 turns it off).
+        `prefix_cache_dir` adds a disk tier: entries are also written there (in the
+        background, as safetensors files, at most `prefix_cache_disk_gb` of them, oldest
+        used evicted first) and reused by a later engine on the same model and directory.
         """
         if not prefix_cache_gb >= 0:
             raise ValueError(f"prefix_cache_gb must be >= 0, got {prefix_cache_gb}")
+        if not prefix_cache_disk_gb >= 0:
+            raise ValueError(f"prefix_cache_disk_gb must be >= 0, got {prefix_cache_disk_gb}")
         sched = SchedulerConfig(
             max_step_tokens=max_step_tokens,
             max_num_seqs=max_num_seqs,
@@ -181,6 +188,7 @@ class Engine:
 
         executor = Executor()
         writer = None
+        runner = None
         try:
             loaded = await executor.call(load_model, model)
             runner = await executor.call(
@@ -189,6 +197,8 @@ class Engine:
                     seed=seed,
                     on_checkpoint=on_checkpoint,
                     prefix_cache_bytes=int(prefix_cache_gb * 2**30),
+                    prefix_cache_dir=prefix_cache_dir,
+                    prefix_cache_disk_bytes=int(prefix_cache_disk_gb * 2**30),
                 )
             )
             config = {
@@ -199,6 +209,8 @@ class Engine:
                 "max_kv_tokens": max_kv_tokens,
                 "seed": seed,
                 "prefix_cache_gb": prefix_cache_gb,
+                "prefix_cache_dir": str(prefix_cache_dir) if prefix_cache_dir is not None else None,
+                "prefix_cache_disk_gb": prefix_cache_disk_gb,
             }
             if event_log is not None:
                 header = LogHeader(
@@ -234,9 +246,14 @@ class Engine:
                         await step_loop.shutdown()  # every request still running: cancelled
                     step_loop.inbox.close()
         finally:
+            with anyio.CancelScope(shield=True):
+                await executor.drain()
+                if runner is not None and runner.prefix_cache is not None:
+                    # Let queued disk writes finish (file I/O only: no MLX on this thread).
+                    await anyio.to_thread.run_sync(runner.prefix_cache.close)
+            executor.close()
             if writer is not None:
                 writer.close()
-            executor.close()
 
     # -- requests -------------------------------------------------------------
 

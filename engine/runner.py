@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -20,7 +21,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from stepline.engine.models import LoadedModel
 from stepline.engine.policy import ScheduledChunk
-from stepline.engine.prefix_cache import PrefixCache, share_cache
+from stepline.engine.prefix_cache import PrefixCache, model_fingerprint, share_cache
 from stepline.engine.sampling import RowHistory, RowSampling, Sampler
 from stepline.engine.work import (
     NewRequest,
@@ -96,12 +97,22 @@ class ModelRunner:
         seed: int = 0,
         on_checkpoint: CheckpointHook | None = None,
         prefix_cache_bytes: int = 0,
+        prefix_cache_dir: str | Path | None = None,
+        prefix_cache_disk_bytes: int = 0,
     ):
         self.model = loaded.model
         self.loaded = loaded
         self.sampler = Sampler(seed=seed)
         self.on_checkpoint = on_checkpoint
-        self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
+        self.prefix_cache = None
+        if prefix_cache_bytes > 0 or prefix_cache_dir is not None:
+            self.prefix_cache = PrefixCache(
+                prefix_cache_bytes,
+                disk_dir=prefix_cache_dir,
+                disk_max_bytes=prefix_cache_disk_bytes,
+                # Files are only ever used for the same weights (checked on every read).
+                model_id=model_fingerprint(loaded.path) if prefix_cache_dir is not None else "",
+            )
         self._hits: dict[str, Cache] = {}  # request_id -> cache found at submission
         self._seqs: dict[str, _Seq] = {}
         self._batch_ids: list[str] = []  # decode batch rows, in order
@@ -311,10 +322,18 @@ class ModelRunner:
         if self.prefix_cache is None:
             return None
         st = self.prefix_cache.stats
-        return PrefixCacheCounters(nbytes=st.nbytes, entries=st.entries, evictions=st.evictions)
+        disk = self.prefix_cache.disk.stats if self.prefix_cache.disk is not None else None
+        return PrefixCacheCounters(
+            nbytes=st.nbytes,
+            entries=st.entries,
+            evictions=st.evictions,
+            disk_nbytes=disk.nbytes if disk else 0,
+            disk_entries=disk.entries if disk else 0,
+            disk_evictions=disk.evictions if disk else 0,
+        )
 
-    def free(self, request_ids: Sequence[str]) -> None:
-        self._free(request_ids)
+    def free(self, request_ids: Sequence[str], retire: frozenset[str] = frozenset()) -> None:
+        self._free(request_ids, retire)
 
     @property
     def num_sequences(self) -> int:

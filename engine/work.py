@@ -52,9 +52,12 @@ class PrefixCacheCounters:
     nbytes: int
     entries: int
     evictions: int  # since the engine started
+    disk_nbytes: int = 0  # disk tier: file bytes held
+    disk_entries: int = 0
+    disk_evictions: int = 0  # files removed to stay under the cap, since the engine started
 
 
 @dataclass(frozen=True)
 class PrefixLookup:
     num_tokens: int  # prompt tokens already in the cache the request starts from
-    source: str | None  # where they came from ("memory"), None on a miss
+    source: str | None  # where they came from ("memory" or "disk"), None on a miss

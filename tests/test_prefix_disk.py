@@ -1,0 +1,308 @@
+"""The prefix cache's disk tier: entries outlive the engine, and a bad file is never used."""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import ArraysCache, KVCache, load_prompt_cache, make_prompt_cache
+from structlog.testing import capture_logs
+
+import stepline.engine.prefix_cache as prefix_cache
+from stepline.api import Engine, SamplingParams
+from stepline.engine.prefix_cache import (
+    WRITER_THREAD_NAME,
+    PrefixCache,
+    entry_file_name,
+    model_fingerprint,
+)
+from stepline.engine.runner import snapshot_cache
+from stepline.events.log import read_events
+from stepline.events.models import Admitted
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
+MODELS = ["stepline-demo", "stepline-demo-hybrid"]
+
+
+def ids(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 1000) for _ in range(n)]
+
+
+SYSTEM = ids(40, 1)
+FIRST = [7, *ids(5, 2)]  # the two questions differ from their first token on
+SECOND = [8, *ids(5, 3)]
+
+
+def open_engine(model: str, cache_dir: Path | None, **kw):
+    kw = {"max_step_tokens": 16, "max_num_seqs": 4, **kw}
+    return Engine.open(model, prefix_cache_dir=cache_dir, **kw)
+
+
+async def run(engine: Engine, prompt, checkpoints=(), request_id=None):
+    stream = await engine.submit(
+        prompt, params=GREEDY, checkpoints=checkpoints, request_id=request_id
+    )
+    outs = [o async for o in stream]
+    tokens = [t for o in outs for t in o.token_ids]
+    logprobs = [lp.logprob for o in outs for lp in o.logprobs]
+    return tokens, logprobs, outs[-1].num_cached_tokens
+
+
+async def cold(model: str, prompt):
+    async with Engine.open(model, prefix_cache_gb=0, max_step_tokens=16, max_num_seqs=4) as e:
+        tokens, logprobs, cached = await run(e, prompt)
+    assert cached == 0
+    return tokens, logprobs
+
+
+def same(warm, cold_run) -> None:
+    assert warm[0] == cold_run[0]
+    assert mx.allclose(mx.array(warm[1]), mx.array(cold_run[1]), atol=1e-4)
+
+
+async def flush(engine: Engine) -> None:
+    """Wait for the disk writes so far (on the executor, which owns the cache)."""
+    loop = engine.step_loop
+    assert await loop.executor.call(loop.runner.prefix_cache.flush, 30.0)
+
+
+def admitted(log: Path, request_id: str) -> Admitted:
+    events = read_events(log)
+    return next(e for e in events if isinstance(e, Admitted) and e.request_id == request_id)
+
+
+def files(directory: Path) -> list[Path]:
+    return sorted(directory.glob("*.safetensors"))
+
+
+def skipped(logs: list[dict]) -> list[dict]:
+    return [e for e in logs if e["event"] == "prefix_cache_file_skipped"]
+
+
+# -- through the engine ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model", MODELS)
+async def test_entries_survive_an_engine_restart_and_compute_what_a_cold_run_does(
+    model, model_cache_dir, tmp_path
+):
+    cache_dir = tmp_path / "prefix-cache"
+    async with open_engine(model, cache_dir) as engine:
+        await run(engine, SYSTEM + FIRST, checkpoints=(40,))
+    # No waiting for the writes here: a new engine on the directory lets them land first.
+
+    log = tmp_path / "events.jsonl"
+    async with open_engine(model, cache_dir, event_log=log) as engine:
+        warm = await run(engine, SYSTEM + SECOND, request_id="after-restart")
+        again = await run(engine, SYSTEM + SECOND, request_id="from-memory")
+    assert warm[2] == 40
+    assert admitted(log, "after-restart").cache_source == "disk"
+    assert admitted(log, "from-memory").cache_source == "memory"
+    assert again[2] > 0
+    same(warm, await cold(model, SYSTEM + SECOND))
+
+
+async def test_a_truncated_file_is_skipped_with_a_warning_and_the_request_runs_cold(
+    model_cache_dir, tmp_path
+):
+    cache_dir = tmp_path / "prefix-cache"
+    async with open_engine("stepline-demo", cache_dir) as engine:
+        await run(engine, SYSTEM + FIRST, checkpoints=(40,))
+        await flush(engine)
+    assert files(cache_dir)
+    for path in files(cache_dir):
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])  # a crash mid-copy
+
+    with capture_logs() as logs:
+        async with open_engine("stepline-demo", cache_dir) as engine:
+            warm = await run(engine, SYSTEM + SECOND)
+            await flush(engine)
+    assert warm[2] == 0
+    assert skipped(logs) and all(e["log_level"] == "warning" for e in skipped(logs))
+    assert all("truncated" in e["reason"] for e in skipped(logs))
+    same(warm, await cold("stepline-demo", SYSTEM + SECOND))
+    # The torn files are gone; the new request's own entries took their place.
+    assert all(
+        prefix_cache.read_entry_info(p, _model_id("stepline-demo")) for p in files(cache_dir)
+    )
+
+
+async def test_a_file_damaged_while_the_engine_runs_is_skipped_and_the_request_runs_cold(
+    model_cache_dir, tmp_path
+):
+    cache_dir = tmp_path / "prefix-cache"
+    # No memory tier: every hit has to come from a file.
+    async with open_engine("stepline-demo", cache_dir, prefix_cache_gb=0) as engine:
+        await run(engine, SYSTEM + FIRST, checkpoints=(40,))
+        await flush(engine)
+        for path in files(cache_dir):
+            data = bytearray(path.read_bytes())
+            data[-100] ^= 0xFF  # one flipped byte in the tensor data
+            path.write_bytes(bytes(data))
+        with capture_logs() as logs:
+            warm = await run(engine, SYSTEM + SECOND)
+    assert warm[2] == 0
+    assert [e["reason"] for e in skipped(logs)] == ["its data does not match its crc32"]
+    same(warm, await cold("stepline-demo", SYSTEM + SECOND))
+
+
+async def test_disk_files_are_written_by_the_writer_thread_not_the_executor(
+    model_cache_dir, tmp_path, monkeypatch
+):
+    writers: list[str] = []
+    write = prefix_cache.write_entry_file
+
+    def recording_write(payload):
+        writers.append(threading.current_thread().name)
+        return write(payload)
+
+    monkeypatch.setattr(prefix_cache, "write_entry_file", recording_write)
+    async with open_engine("stepline-demo-hybrid", tmp_path) as engine:
+        await run(engine, SYSTEM + FIRST, checkpoints=(20, 40))
+        await flush(engine)
+    assert len(writers) >= 2  # at least the two checkpoints
+    assert set(writers) == {WRITER_THREAD_NAME}
+
+
+# -- the cache itself -----------------------------------------------------------------
+
+
+def _model_id(name: str) -> str:
+    from stepline.engine.models import demo_model_path
+
+    return model_fingerprint(demo_model_path(name))
+
+
+def entry(model, prompt: list[int]):
+    cache = make_prompt_cache(model)
+    model(mx.array(prompt)[None], cache=cache)
+    return snapshot_cache(cache)
+
+
+def test_the_size_cap_evicts_the_least_recently_used_file(demo, tmp_path):
+    prompts = [[k, *ids(29, k)] for k in (10, 11, 12)]  # no prefix shared
+    probe = PrefixCache(0, disk_dir=tmp_path / "probe", disk_max_bytes=1 << 30, model_id="m")
+    probe.insert(prompts[0], entry(demo.model, prompts[0]))
+    probe.flush()
+    size = probe.disk.stats.nbytes
+
+    pc = PrefixCache(0, disk_dir=tmp_path / "capped", disk_max_bytes=int(size * 2.5), model_id="m")
+    a, b, c = prompts
+    pc.insert(a, entry(demo.model, a))
+    pc.insert(b, entry(demo.model, b))
+    pc.flush()
+    assert pc.lookup([*a, 1]).num_tokens == 30  # a is now used more recently than b
+    pc.insert(c, entry(demo.model, c))
+    pc.flush()
+
+    assert pc.disk.stats.evictions == 1
+    assert pc.lookup([*b, 1]) is None
+    assert pc.lookup([*a, 1]).source == "disk" and pc.lookup([*c, 1]).source == "disk"
+    pc.flush()
+    assert sum(p.stat().st_size for p in files(tmp_path / "capped")) <= size * 2.5
+    assert len(files(tmp_path / "capped")) == 2
+
+
+def test_after_a_restart_the_index_is_rebuilt_and_files_are_read_on_a_hit(demo, tmp_path):
+    prompt = ids(50, 13)
+    first = PrefixCache(0, disk_dir=tmp_path, disk_max_bytes=1 << 30, model_id="m")
+    first.insert(prompt[:20], entry(demo.model, prompt[:20]))
+    first.insert(prompt[:50], entry(demo.model, prompt[:50]))
+    first.close()
+
+    again = PrefixCache(1 << 30, disk_dir=tmp_path, disk_max_bytes=1 << 30, model_id="m")
+    again.flush()
+    # One trimmable entry serves every shorter prefix: the 20-token file was redundant.
+    assert again.disk.stats.entries == 1 and len(files(tmp_path)) == 1
+    hit = again.lookup(prompt[:33] + [5, 5])
+    assert (hit.num_tokens, hit.source) == (33, "disk")
+    assert all(layer.offset == 33 for layer in hit.cache)
+    assert again.lookup(prompt[:10] + [5]).source == "memory"  # loaded once, then kept
+
+
+def test_a_hybrid_file_is_used_only_at_its_own_offset(demo_hybrid, tmp_path):
+    prompt = ids(50, 14)
+    first = PrefixCache(0, disk_dir=tmp_path, disk_max_bytes=1 << 30, model_id="h")
+    first.insert(prompt[:20], entry(demo_hybrid.model, prompt[:20]))
+    first.insert(prompt[:50], entry(demo_hybrid.model, prompt[:50]))
+    first.close()
+
+    again = PrefixCache(0, disk_dir=tmp_path, disk_max_bytes=1 << 30, model_id="h")
+    assert again.lookup(prompt[:40] + [5, 5]).num_tokens == 20
+    assert again.lookup(prompt).num_tokens == 20  # 50 would leave nothing to compute
+    assert again.lookup([*prompt, 5]).num_tokens == 50
+    assert again.lookup(prompt[:15]) is None
+
+
+def test_a_file_from_another_model_is_never_used(demo, tmp_path):
+    prompt = ids(30, 15)
+    theirs = PrefixCache(0, disk_dir=tmp_path, disk_max_bytes=1 << 30, model_id="model-a")
+    theirs.insert(prompt, entry(demo.model, prompt))
+    theirs.close()
+    (path,) = files(tmp_path)
+
+    ours = PrefixCache(0, disk_dir=tmp_path, disk_max_bytes=1 << 30, model_id="model-b")
+    assert ours.lookup([*prompt, 1]) is None
+    # Not even under the name our own entry for these tokens would have.
+    os.replace(path, tmp_path / entry_file_name("model-b", prompt))
+    ours = PrefixCache(0, disk_dir=tmp_path, disk_max_bytes=1 << 30, model_id="model-b")
+    assert ours.lookup([*prompt, 1]) is None
+    assert ours.disk.stats.entries == 0
+    assert len(files(tmp_path)) == 1  # another model's file: left alone, not deleted
+
+
+def test_models_are_told_apart_by_their_weights_not_their_names(demo, demo_hybrid):
+    assert model_fingerprint(demo.path) == model_fingerprint(str(demo.path))
+    assert model_fingerprint(demo.path) != model_fingerprint(demo_hybrid.path)
+
+
+def test_a_file_holding_other_tokens_than_its_index_entry_is_not_used(demo, tmp_path):
+    one, two = ids(30, 16), ids(30, 17)
+    pc = PrefixCache(0, disk_dir=tmp_path, disk_max_bytes=1 << 30, model_id="m")
+    pc.insert(one, entry(demo.model, one))
+    pc.insert(two, entry(demo.model, two))
+    pc.flush()
+    # As if the two token lists hashed to one file name: one entry's file holds the other.
+    os.replace(tmp_path / entry_file_name("m", two), tmp_path / entry_file_name("m", one))
+    with capture_logs() as logs:
+        assert pc.lookup([*one, 1]) is None
+    assert "other tokens" in skipped(logs)[0]["reason"]
+
+
+def test_files_are_mlx_lm_prompt_cache_files_and_keep_bfloat16(tmp_path):
+    kv = KVCache()
+    kv.state = (
+        mx.random.normal((1, 2, 12, 8)).astype(mx.bfloat16),
+        mx.random.normal((1, 2, 12, 8)).astype(mx.bfloat16),
+        12,
+    )
+    rec = ArraysCache(2)
+    rec.state = ([None, mx.random.normal((1, 3, 4)).astype(mx.bfloat16)], None, None)
+    cache = [kv, rec]
+    tokens = ids(12, 18)
+    pc = PrefixCache(0, disk_dir=tmp_path, disk_max_bytes=1 << 30, model_id="m")
+    pc.insert(tokens, cache)
+    pc.close()
+
+    (path,) = files(tmp_path)
+    loaded, metadata = load_prompt_cache(str(path), return_metadata=True)
+    assert metadata["tokens"] == ",".join(map(str, tokens))
+    hit = PrefixCache(0, disk_dir=tmp_path, disk_max_bytes=1 << 30, model_id="m").lookup(
+        [*tokens, 1]
+    )
+    for got in (loaded, hit.cache):
+        for (name, want), (_, have) in zip(
+            tree_flatten([c.state for c in cache]),
+            tree_flatten([c.state for c in got]),
+            strict=True,
+        ):
+            if isinstance(want, mx.array):
+                assert have.dtype == mx.bfloat16 and mx.array_equal(want, have), name
+            else:
+                assert want == have, name
