@@ -133,6 +133,7 @@ class StepLoop:
         except AdmissionError as exc:
             self._reject(msg, exc)
             return
+        await self._free_now()  # so requests that just finished can serve this one's prefix
         found = await self._run_executor(
             self.runner.lookup_prefix, msg.request_id, msg.prompt_token_ids
         )
@@ -235,8 +236,7 @@ class StepLoop:
         plan = schedule(self.states, self.config, self.step + 1)
         if plan.is_empty:
             if self._to_free:
-                frees, self._to_free = tuple(self._to_free), []
-                await self._run_executor(self.runner.free, frees)
+                await self._free_now()
             elif self._unfinished():
                 # Nothing fits now (cannot happen with the policy's admission rules,
                 # but never spin): wait for the next message.
@@ -268,8 +268,7 @@ class StepLoop:
         admit = tuple(
             self._pending.pop(c.request_id) for c in plan.chunks if c.request_id in self._pending
         )
-        frees, self._to_free = tuple(self._to_free), []
-        retire = frozenset(r for r in frees if self.states[r].finish_reason in _REUSABLE)
+        frees, retire = self._take_frees()
         work = StepWork(plan=plan, admit=admit, free=frees, retire=retire)
         result = await self._run_executor(self.runner.run, work)
         if result is None:
@@ -280,6 +279,16 @@ class StepLoop:
         await self._commit(plan, result)
         self.metrics.step(plan.num_tokens, self.config.max_step_tokens, result.seconds)
         self.metrics.prefix_cache(result.prefix_cache)
+
+    def _take_frees(self) -> tuple[tuple[str, ...], frozenset[str]]:
+        """Requests ended since the executor last heard, and those whose caches are worth
+        keeping (they ended cleanly)."""
+        frees, self._to_free = tuple(self._to_free), []
+        return frees, frozenset(r for r in frees if self.states[r].finish_reason in _REUSABLE)
+
+    async def _free_now(self) -> None:
+        if self._to_free:
+            await self._run_executor(self.runner.free, *self._take_frees())
 
     async def _run_executor(self, fn: Callable, *args: Any) -> Any:
         try:

@@ -153,3 +153,14 @@ async def test_concurrent_requests_sharing_one_entry_do_not_disturb_each_other(
     for i, q in enumerate(questions):
         assert results[i][2] == 48
         same(results[i], await cold(model, system + q))
+
+
+async def test_a_follow_up_reuses_the_previous_answer_as_soon_as_it_finished(model_cache_dir):
+    prompt = ids(30, 50)
+    async with Engine.open("stepline-demo", max_step_tokens=64, max_num_seqs=4) as engine:
+        first = await run(engine, prompt)
+        follow_up = prompt + first[0] + ids(5, 51)
+        warm = await run(engine, follow_up)
+    # the finished request's cache holds its prompt and all but its last token
+    assert warm[2] == len(prompt) + len(first[0]) - 1
+    same(warm, await cold("stepline-demo", follow_up))
