@@ -505,9 +505,12 @@ class OpenAIServing:
     # -- /v1/chat/completions --
 
     async def chat(self, request: Request) -> Response:
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        return await self._handle(request, f"chatcmpl-{uuid.uuid4().hex}", self._chat)
+
+    async def _handle(self, request: Request, rid: str, handler) -> Response:
+        """Run `handler`; any error response it raises carries the request id."""
         try:
-            return await self._chat(request, rid)
+            return await handler(request, rid)
         except RequestError as exc:
             err = APIError(400, exc.message, param=exc.param, code=exc.code)
             err.request_id = rid
@@ -618,16 +621,7 @@ class OpenAIServing:
     # -- /v1/completions --
 
     async def completions(self, request: Request) -> Response:
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        try:
-            return await self._completions(request, rid)
-        except RequestError as exc:
-            err = APIError(400, exc.message, param=exc.param, code=exc.code)
-            err.request_id = rid
-            raise err from None
-        except APIError as exc:
-            exc.request_id = rid
-            raise
+        return await self._handle(request, f"cmpl-{uuid.uuid4().hex}", self._completions)
 
     async def _completions(self, request: Request, rid: str) -> Response:
         req = await self._parse(request, CompletionRequest)

@@ -40,29 +40,18 @@ Cache = list[Any]  # one mlx-lm cache object per layer
 CheckpointHook = Callable[[str, int, Cache], None]
 
 
-def _copy_tree(x: Any) -> Any:
-    if isinstance(x, mx.array):
-        return mx.array(x)  # a new array: later in-place updates of the live cache miss it
-    if isinstance(x, list):
-        return [_copy_tree(v) for v in x]
-    if isinstance(x, tuple):
-        return tuple(_copy_tree(v) for v in x)
-    return x
-
-
 def snapshot_cache(cache: Cache) -> Cache:
-    """An independent copy of a per-request cache (any mlx-lm cache kind)."""
-    copies = []
-    for layer in cache:
-        copy = type(layer).__new__(type(layer))
-        copy.__dict__.update(layer.__dict__)
+    """An independent copy of a per-request cache (any mlx-lm cache kind), evaluated.
+
+    It views the live cache's arrays (copy-on-write, see `share_cache`), so it costs no
+    copy until the live cache writes on; KVCache views keep only the tokens held, not
+    the rest of the 256-token growth block.
+    """
+    copies = share_cache(cache)
+    for layer in copies:
         if type(layer) is KVCache and layer.keys is not None:
-            # Only the tokens it holds, not the rest of its 256-token growth block.
             n = layer.offset
-            copy.state = (mx.array(layer.keys[..., :n, :]), mx.array(layer.values[..., :n, :]), n)
-        else:
-            copy.state = _copy_tree(layer.state)
-        copies.append(copy)
+            layer.keys, layer.values = layer.keys[..., :n, :], layer.values[..., :n, :]
     mx.eval([c.state for c in copies])
     return copies
 
