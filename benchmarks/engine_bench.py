@@ -1,0 +1,1033 @@
+"""Engine benchmark (issue 2): stepline's engine vs mlx-lm on the same model and workload.
+
+    .venv/bin/python benchmarks/engine_bench.py                  # full run
+    .venv/bin/python benchmarks/engine_bench.py --quick          # ~25 s smoke run
+    .venv/bin/python benchmarks/engine_bench.py --json out.json  # also write every figure
+
+Four measurements, each repeated `--repeats` times (median reported). Within a repeat the
+systems being compared run back to back, and every ratio is the median of those paired,
+per-repeat ratios, so that load drifting on a shared machine cancels as far as it can. Each
+measurement also records how many cores other processes kept busy meanwhile, and is taken
+again (`--retries`) while that exceeds `--max-foreign-cores`: on 2 cores, one busy neighbour
+slows OpenBLAS-threaded MLX by 10-50x. Every repeat uses freshly opened engines and fresh
+random prompts (no prefix-cache hits).
+
+1. Head-of-line: 4 requests decode; once they are steady a long prompt arrives. The long
+   request's TTFT, and the decoders' inter-token latency (ITL) inside the prefill window
+   (an interval that overlaps [arrival, long request's first token]) and outside it.
+   stepline with `--max-step-tokens` (512) vs mlx-lm's `BatchGenerator` with its default
+   `prefill_step_size` (2048); BatchGenerator token times are the returns of `next()`.
+2. Decode throughput at batch 1, 8, 32 (greedy, ignore_eos, steady state: from the moment
+   every request has `warm` tokens to the first request's last token) vs a bare mlx-lm loop
+   over the same merged `BatchKVCache` (the limit), and BatchGenerator for reference.
+3. Event-log cost: stepline's batch-8 throughput with the event log on vs off.
+4. OpenBLAS: prefill tokens/s of one prompt with and without the preload, each in a fresh
+   subprocess (the preload must precede `import mlx`): STEPLINE_NO_OPENBLAS=1 turns it off;
+   a third variant pins OpenBLAS to one thread (OPENBLAS_NUM_THREADS=1).
+
+A profile pass (stepline at batch 8 and 32, instrumented) splits a decode step's wall time
+into the executor's `runner.run` (forward, sampling) and the asyncio side (schedule, events,
+request actors, the thread hop), next to the bare loop's step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib.metadata
+import itertools
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import stepline.engine  # noqa: F401 - loads OpenBLAS; must precede the first `import mlx`
+
+# isort: split
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import make_prompt_cache
+
+from stepline.api import Engine, SamplingParams
+from stepline.engine import _blas
+from stepline.engine.models import load_model
+
+DEFAULT_MODEL = "stepline-demo-large"
+EVENT_LOG_PAIRS = 2  # on/off pairs per repeat: the difference sought is small
+NUM_DECODERS = 4  # head-of-line: requests decoding when the long prompt arrives
+DECODER_MAX_TOKENS = 2048  # head-of-line decoders: more than they get to make; then cancelled
+FIRST_TOKEN_ID = 3  # the demo tokenizers' ids 0..2 are special tokens
+
+
+@dataclass(frozen=True)
+class Workload:
+    repeats: int = 3
+    max_step_tokens: int = 512  # stepline's token budget per step
+    bg_prefill_step: int = 2048  # BatchGenerator's prefill_step_size (its default)
+    hol_cap: int | None = 384  # also run head-of-line with this long_prefill_cap (None: skip)
+    short_prompt: int = 32  # decoders' prompt tokens
+    long_prompt: int = 4000  # head-of-line: the prompt that arrives
+    warm_tokens: int = 8  # tokens each request makes before anything is measured
+    after_tokens: int = 8  # head-of-line: decoder tokens after the long request's first
+    batches: tuple[int, ...] = (1, 8, 32)
+    decode_tokens: int = 128  # measured decode steps per request (after warm_tokens)
+    event_log_batch: int = 8
+    blas_prompt: int = 512  # OpenBLAS section; the reference BLAS does ~40 tokens/s here
+    profile: bool = True
+    max_foreign_cores: float = 0.25  # measure again while other processes keep more busy
+    retries: int = 2
+
+
+QUICK = Workload(
+    repeats=1,
+    long_prompt=1000,
+    warm_tokens=4,
+    after_tokens=4,
+    batches=(1, 8),
+    decode_tokens=16,
+    blas_prompt=128,
+)
+
+
+# -- small helpers ---------------------------------------------------------------------------
+
+
+_PROMPTS = random.Random(0)  # one stream for the whole run: no two prompts share a prefix
+
+
+def make_prompt(num_tokens: int, vocab: int) -> list[int]:
+    """A fresh random prompt: never a prefix-cache hit, so every run prefills in full."""
+    return [_PROMPTS.randrange(FIRST_TOKEN_ID, vocab) for _ in range(num_tokens)]
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100), linear interpolation; nan for no values."""
+    if not values:
+        return float("nan")
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def median(values: Sequence[float]) -> float:
+    values = [v for v in values if v == v]  # drop nan
+    return statistics.median(values) if values else float("nan")
+
+
+def split_itl(
+    times: Sequence[float], start: int, window: tuple[float, float], tol: float = 1e-3
+) -> tuple[list[float], list[float]]:
+    """(inside, outside) inter-token intervals of one request's token `times`, from index
+    `start` on. An interval is inside when it overlaps the window; `tol` keeps the interval
+    that starts with the long request's own final step (its tokens land microseconds apart)
+    outside."""
+    t_arrive, t_first = window
+    inside: list[float] = []
+    outside: list[float] = []
+    for k in range(max(start, 1), len(times)):
+        gap = times[k] - times[k - 1]
+        overlaps = times[k] > t_arrive and times[k - 1] < t_first - tol
+        (inside if overlaps else outside).append(gap)
+    return inside, outside
+
+
+def steady_throughput(times: Sequence[Sequence[float]], warm: int) -> tuple[float, int, float]:
+    """(tokens/s, tokens, seconds) from the moment every request has `warm` tokens to the
+    first request's last token."""
+    t0 = max(ts[warm - 1] for ts in times)
+    t1 = min(ts[-1] for ts in times)
+    n = sum(1 for ts in times for t in ts if t0 < t <= t1)
+    return (n / (t1 - t0) if t1 > t0 else float("nan")), n, t1 - t0
+
+
+def loadavg() -> float:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return float("nan")
+
+
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _busy_ticks() -> tuple[int, int]:
+    """(CPU ticks every process has been busy, ticks of this one and its waited-for children)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    busy = sum(fields) - fields[3] - fields[4]  # all but idle and iowait
+    with open("/proc/self/stat") as f:
+        own = f.read().rsplit(")", 1)[1].split()
+    return busy, sum(int(x) for x in own[11:15])  # utime, stime, cutime, cstime
+
+
+class CpuMeter:
+    """How many cores *other* processes kept busy while a measurement ran (Linux only;
+    nan elsewhere): on a shared machine, the figure to read the others against."""
+
+    def __enter__(self) -> CpuMeter:
+        self.foreign_cores = float("nan")
+        try:
+            self._start = (time.perf_counter(), *_busy_ticks())
+        except OSError:
+            self._start = None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._start is None:
+            return
+        t0, busy0, own0 = self._start
+        busy1, own1 = _busy_ticks()
+        seconds = time.perf_counter() - t0
+        self.foreign_cores = max(0, (busy1 - busy0) - (own1 - own0)) / _TICK / seconds
+
+
+def thread_cpu_seconds() -> dict[int, float]:
+    """CPU seconds of each thread of this process, by native thread id (Linux only)."""
+    out: dict[int, float] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # the thread ended
+        out[int(tid)] = (int(fields[11]) + int(fields[12])) / _TICK
+    return out
+
+
+# -- stepline --------------------------------------------------------------------------------
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+
+class TokenTimes:
+    """Arrival times of each stream's tokens, as its client sees them."""
+
+    def __init__(self, n: int):
+        self.times: list[list[float]] = [[] for _ in range(n)]
+        self._changed = asyncio.Event()
+
+    async def consume(self, i: int, stream: Any, stop: asyncio.Event | None = None) -> None:
+        async with stream:
+            async for out in stream:
+                if out.token_ids:
+                    self.times[i].append(time.perf_counter())
+                    self._changed.set()
+                if stop is not None and stop.is_set():
+                    break  # leaving the loop cancels the request
+
+    async def wait_until(self, pred: Callable[[], bool]) -> None:
+        while not pred():
+            self._changed.clear()
+            await self._changed.wait()
+
+
+class StepMarks:
+    """Wall-clock end of every step, through the step loop's inspection hook."""
+
+    def __init__(self, engine: Engine):
+        self.ends: list[float] = []
+        self._loop = engine.step_loop
+
+    def __enter__(self) -> StepMarks:
+        self._loop.on_step = lambda _: self.ends.append(time.perf_counter())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._loop.on_step = None
+
+    def count(self, t0: float, t1: float) -> int:
+        return sum(1 for t in self.ends if t0 < t <= t1)
+
+
+async def hol_stepline(engine: Engine, w: Workload, vocab: int) -> dict:
+    decoders = [make_prompt(w.short_prompt, vocab) for i in range(NUM_DECODERS)]
+    long_prompt = make_prompt(w.long_prompt, vocab)
+    tt = TokenTimes(NUM_DECODERS + 1)
+    stop = asyncio.Event()
+    with StepMarks(engine) as marks:
+        tasks = []
+        for i, p in enumerate(decoders):
+            stream = await engine.submit(p, params=greedy(DECODER_MAX_TOKENS))
+            tasks.append(asyncio.create_task(tt.consume(i, stream, stop)))
+        await tt.wait_until(lambda: all(len(t) >= w.warm_tokens for t in tt.times[:-1]))
+        t_arrive = time.perf_counter()
+        stream = await engine.submit(long_prompt, params=greedy(1))
+        tasks.append(asyncio.create_task(tt.consume(NUM_DECODERS, stream)))
+        await tt.wait_until(lambda: bool(tt.times[-1]))
+        t_first = tt.times[-1][0]
+        counts = [len(t) for t in tt.times[:-1]]
+        await tt.wait_until(
+            lambda: all(
+                len(t) >= c + w.after_tokens for t, c in zip(tt.times, counts, strict=False)
+            )
+        )
+        stop.set()
+        await asyncio.gather(*tasks)
+    return _hol_figures(
+        tt.times[:-1], w.warm_tokens, (t_arrive, t_first), steps=marks.count(t_arrive, t_first)
+    )
+
+
+def _hol_figures(
+    decoder_times: list[list[float]], warm: int, window: tuple[float, float], steps: int
+) -> dict:
+    inside: list[float] = []
+    outside: list[float] = []
+    for times in decoder_times:
+        i, o = split_itl(times, warm, window)
+        inside += i
+        outside += o
+    return {
+        "ttft_s": window[1] - window[0],
+        "itl_inside_p50_ms": 1e3 * percentile(inside, 50),
+        "itl_inside_p99_ms": 1e3 * percentile(inside, 99),
+        "itl_inside_max_ms": 1e3 * max(inside, default=float("nan")),
+        "itl_outside_p50_ms": 1e3 * percentile(outside, 50),
+        "itl_outside_p99_ms": 1e3 * percentile(outside, 99),
+        "num_inside": len(inside),
+        "num_outside": len(outside),
+        "steps_in_window": steps,
+    }
+
+
+async def decode_stepline(engine: Engine, batch: int, w: Workload, vocab: int) -> dict:
+    tt = TokenTimes(batch)
+    with StepMarks(engine) as marks:
+        tasks = []
+        for i in range(batch):
+            prompt = make_prompt(w.short_prompt, vocab)
+            stream = await engine.submit(prompt, params=greedy(w.warm_tokens + w.decode_tokens))
+            tasks.append(asyncio.create_task(tt.consume(i, stream)))
+        await asyncio.gather(*tasks)
+    tps, n, seconds = steady_throughput(tt.times, w.warm_tokens)
+    t0 = max(ts[w.warm_tokens - 1] for ts in tt.times)
+    ends = [t for t in marks.ends if t0 <= t <= t0 + seconds]
+    gaps = [b - a for a, b in itertools.pairwise(ends)]
+    return {
+        "tokens_per_s": tps,
+        "tokens": n,
+        "seconds": seconds,
+        "step_ms": 1e3 * seconds / len(ends) if ends else float("nan"),
+        "step_ms_median": 1e3 * median(gaps),
+    }
+
+
+# -- mlx-lm ----------------------------------------------------------------------------------
+
+
+def hol_batchgen(model: Any, w: Workload, vocab: int) -> dict:
+    decoders = [make_prompt(w.short_prompt, vocab) for i in range(NUM_DECODERS)]
+    long_prompt = make_prompt(w.long_prompt, vocab)
+    gen = BatchGenerator(model, prefill_step_size=w.bg_prefill_step)  # no stop tokens
+    try:
+        uids = gen.insert(decoders, max_tokens=[DECODER_MAX_TOKENS] * NUM_DECODERS)
+        times: dict[int, list[float]] = {u: [] for u in uids}
+
+        def step() -> list[Any]:
+            _, responses = gen.next()
+            now = time.perf_counter()
+            for r in responses:
+                times.setdefault(r.uid, []).append(now)
+            return responses
+
+        while any(len(times[u]) < w.warm_tokens for u in uids):
+            step()
+        t_arrive = time.perf_counter()
+        (long_uid,) = gen.insert([long_prompt], max_tokens=[1])
+        steps = 0
+        while not times.get(long_uid):
+            step()
+            steps += 1
+        t_first = times[long_uid][0]
+        counts = {u: len(times[u]) for u in uids}
+        while any(len(times[u]) < counts[u] + w.after_tokens for u in uids):
+            step()
+        gen.remove(uids)
+    finally:
+        gen.close()
+    return _hol_figures([times[u] for u in uids], w.warm_tokens, (t_arrive, t_first), steps)
+
+
+def decode_batchgen(model: Any, batch: int, w: Workload, vocab: int) -> dict:
+    prompts = [make_prompt(w.short_prompt, vocab) for _ in range(batch)]
+    gen = BatchGenerator(model, prefill_step_size=w.bg_prefill_step, completion_batch_size=batch)
+    try:
+        uids = gen.insert(prompts, max_tokens=[w.warm_tokens + w.decode_tokens] * batch)
+        times: dict[int, list[float]] = {u: [] for u in uids}
+        done = 0
+        while done < batch:
+            _, responses = gen.next()
+            now = time.perf_counter()
+            for r in responses:
+                times[r.uid].append(now)
+                done += r.finish_reason is not None
+    finally:
+        gen.close()
+    tps, n, seconds = steady_throughput(list(times.values()), w.warm_tokens)
+    return {"tokens_per_s": tps, "tokens": n, "seconds": seconds}
+
+
+def decode_bare(model: Any, batch: int, w: Workload, vocab: int) -> dict:
+    """The limit: per-request prefill, caches merged as the engine merges them, then
+    `model -> argmax -> eval` and nothing else per step."""
+    caches, first = [], []
+    for _ in range(batch):
+        prompt = make_prompt(w.short_prompt, vocab)
+        cache = make_prompt_cache(model)
+        logits = model(mx.array(prompt)[None], cache=cache)
+        first.append(mx.argmax(logits[:, -1, :], axis=-1))
+        caches.append(cache)
+    cache = [type(layers[0]).merge(list(layers)) for layers in zip(*caches, strict=True)]
+    tokens = mx.concatenate(first)[:, None]
+    mx.eval(tokens, [c.state for c in cache])
+
+    def run(num_steps: int) -> float:
+        nonlocal tokens
+        t0 = time.perf_counter()
+        for _ in range(num_steps):
+            logits = model(tokens, cache=cache)
+            tokens = mx.argmax(logits[:, -1, :], axis=-1)[:, None]
+            mx.eval(tokens)
+        return time.perf_counter() - t0
+
+    run(w.warm_tokens - 1)
+    seconds = run(w.decode_tokens)
+    return {
+        "tokens_per_s": batch * w.decode_tokens / seconds,
+        "tokens": batch * w.decode_tokens,
+        "seconds": seconds,
+        "step_ms": 1e3 * seconds / w.decode_tokens,
+    }
+
+
+# -- profile: where a stepline decode step goes -----------------------------------------------
+
+
+class _EvalForward:
+    """Stands in for the model in the runner: evaluates each forward on the spot, so that
+    the forward's compute is timed apart from sampling (profile only: one extra sync)."""
+
+    def __init__(self, model: Any, seconds: list[float]):
+        self._model = model
+        self._seconds = seconds
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        out = self._model(*args, **kwargs)
+        mx.eval(out)
+        self._seconds.append(time.perf_counter() - t0)
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+
+def _timed(fn: Callable, into: list[float]) -> Callable:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            into.append(time.perf_counter() - t0)
+
+    return wrapper
+
+
+def _timed_async(fn: Callable, into: list[float]) -> Callable:
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return await fn(*args, **kwargs)
+        finally:
+            into.append(time.perf_counter() - t0)
+
+    return wrapper
+
+
+TIMED = ("executor_call", "commit", "run", "forward", "sample")  # what `instrumented` times
+
+
+@contextlib.contextmanager
+def instrumented(engine: Engine, cpu_at: tuple[int, int]):
+    """Time, per step: the executor round trip and the commit (events, request actors,
+    clients) on the asyncio side; runner.run, the forward and the sampler on the executor
+    thread. Also snapshot every thread's CPU time as steps `cpu_at` begin (into
+    `timings["cpu"]`). Patches instance attributes of this engine only, and restores them."""
+    loop, runner = engine.step_loop, engine.step_loop.runner
+    timings: dict[str, Any] = {k: [] for k in TIMED}
+    timings["cpu"] = []
+    run = runner.run
+
+    def run_with_cpu(*args: Any) -> Any:
+        if len(timings["run"]) in cpu_at:
+            timings["cpu"].append(thread_cpu_seconds())
+        return run(*args)
+
+    saved = [
+        (loop, "_run_executor", loop._run_executor),
+        (loop, "_commit", loop._commit),
+        (runner, "run", runner.run),
+        (runner.sampler, "sample", runner.sampler.sample),
+        (runner, "model", runner.model),
+    ]
+    loop._run_executor = _timed_async(loop._run_executor, timings["executor_call"])
+    loop._commit = _timed_async(loop._commit, timings["commit"])
+    runner.run = _timed(run_with_cpu, timings["run"])
+    runner.sampler.sample = _timed(runner.sampler.sample, timings["sample"])
+    runner.model = _EvalForward(runner.model, timings["forward"])
+    try:
+        yield timings
+    finally:
+        for obj, name, value in saved:
+            setattr(obj, name, value)
+
+
+def _thread_kind(native_id: int, names: dict[int, str]) -> str:
+    name = names.get(native_id)
+    if name is None:
+        return "native"  # MLX's stream thread, OpenBLAS's workers
+    return {"MainThread": "asyncio"}.get(name, name.removeprefix("stepline-"))
+
+
+async def profile_stepline(engine: Engine, batch: int, w: Workload, vocab: int) -> dict:
+    # Steady steps: decode only, every row present (admission takes a step or two).
+    first, last = w.warm_tokens + 2, w.warm_tokens + w.decode_tokens - 2
+    with instrumented(engine, cpu_at=(first, last)) as timings:
+        figures = await decode_stepline(engine, batch, w, vocab)
+    names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+    cpu_ms: dict[str, float] = {}
+    if len(timings["cpu"]) == 2:
+        cpu0, cpu1 = timings["cpu"]
+        for tid, seconds in cpu1.items():
+            kind = _thread_kind(tid, names)
+            used = 1e3 * (seconds - cpu0.get(tid, 0.0)) / (last - first)
+            cpu_ms[kind] = cpu_ms.get(kind, 0.0) + used
+    ms = {k: 1e3 * median(timings[k][first:last]) for k in TIMED}
+    wall = figures["step_ms_median"]
+    return {
+        "batch": batch,
+        "step_wall_ms": wall,
+        "runner_run_ms": ms["run"],
+        "forward_ms": ms["forward"],
+        "sampler_ms": ms["sample"],
+        "runner_other_ms": ms["run"] - ms["forward"] - ms["sample"],
+        "executor_hop_ms": ms["executor_call"] - ms["run"],
+        "commit_ms": ms["commit"],
+        "loop_other_ms": wall - ms["executor_call"] - ms["commit"],
+        "cpu_ms_per_step": {k: v for k, v in cpu_ms.items() if v >= 0.01},
+    }
+
+
+# -- OpenBLAS: one fresh process per variant ---------------------------------------------------
+
+
+REFERENCE_BLAS = "reference BLAS (STEPLINE_NO_OPENBLAS=1)"
+BLAS_VARIANTS: dict[str, dict[str, str]] = {
+    "OpenBLAS preloaded (the default)": {},
+    "OpenBLAS preloaded, OPENBLAS_NUM_THREADS=1": {"OPENBLAS_NUM_THREADS": "1"},
+    REFERENCE_BLAS: {"STEPLINE_NO_OPENBLAS": "1"},
+}
+
+
+def blas_worker(model_name: str, prompt_tokens: int, decode_tokens: int) -> dict:
+    """Prefill one prompt (and decode a few tokens at batch 1) in this process."""
+    model = load_model(model_name).model
+    vocab = model.args.vocab_size
+    warm = make_prompt(16, vocab)
+    mx.eval(model(mx.array(warm)[None], cache=make_prompt_cache(model)))
+    prompt = mx.array(make_prompt(prompt_tokens, vocab))[None]
+    cache = make_prompt_cache(model)
+    t0 = time.perf_counter()
+    logits = model(prompt, cache=cache)
+    mx.eval(logits, [c.state for c in cache])
+    prefill_s = time.perf_counter() - t0
+    token = mx.argmax(logits[:, -1, :], axis=-1)[:, None]
+    t0 = time.perf_counter()
+    for _ in range(decode_tokens):
+        token = mx.argmax(model(token, cache=cache)[:, -1, :], axis=-1)[:, None]
+        mx.eval(token)
+    decode_s = time.perf_counter() - t0
+    path, reason = _blas.status()
+    return {
+        "prefill_tokens_per_s": prompt_tokens / prefill_s,
+        "decode_b1_tokens_per_s": decode_tokens / decode_s,
+        "openblas": path,
+        "openblas_status": reason,
+    }
+
+
+def run_blas_variant(model_name: str, w: Workload, env_extra: dict[str, str]) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("STEPLINE_NO_OPENBLAS",)}
+    env.update(env_extra)
+    cmd = [
+        sys.executable,
+        __file__,
+        "--blas-worker",
+        "--model",
+        model_name,
+        "--blas-prompt",
+        str(w.blas_prompt),
+    ]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"OpenBLAS worker failed ({out.returncode}):\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# -- the run ---------------------------------------------------------------------------------
+
+
+def log_size(folder: Path) -> int:
+    """Bytes of every event log written under `folder`."""
+    return sum(p.stat().st_size for p in folder.glob("events*.jsonl"))
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')} load {loadavg():.1f}] {msg}", file=sys.stderr, flush=True)
+
+
+class Measure:
+    """Runs one measurement; runs it again (up to `retries` times) while other processes keep
+    more than `max_foreign_cores` busy, and keeps the least disturbed run."""
+
+    def __init__(self, w: Workload):
+        self.max_foreign = w.max_foreign_cores
+        self.attempts = 1 + w.retries
+
+    def _better(self, best: dict | None, figures: dict, meter: CpuMeter, attempt: int) -> dict:
+        figures = {**figures, "foreign_cores": meter.foreign_cores, "attempts": attempt}
+        if best is None or meter.foreign_cores < best["foreign_cores"]:
+            return figures
+        return best
+
+    def _again(self, meter: CpuMeter, attempt: int) -> bool:
+        again = meter.foreign_cores > self.max_foreign and attempt < self.attempts
+        if again:
+            log(f"  other processes kept {meter.foreign_cores:.2f} cores busy: measuring again")
+        return again
+
+    def run(self, fn: Callable[..., dict], *args: Any) -> dict:
+        best = None
+        for attempt in range(1, self.attempts + 1):
+            with CpuMeter() as meter:
+                figures = fn(*args)
+            best = self._better(best, figures, meter, attempt)
+            if not self._again(meter, attempt):
+                break
+        assert best is not None
+        return best
+
+    async def arun(self, fn: Callable[..., Any], *args: Any) -> dict:
+        best = None
+        for attempt in range(1, self.attempts + 1):
+            with CpuMeter() as meter:
+                figures = await fn(*args)
+            best = self._better(best, figures, meter, attempt)
+            if not self._again(meter, attempt):
+                break
+        assert best is not None
+        return best
+
+
+@contextlib.asynccontextmanager
+async def fresh_engines(model_name: str, w: Workload, vocab: int, **variants: dict):
+    """One warmed-up engine per variant (keyword arguments to Engine.open), all closed on
+    exit. Fresh for each repeat: the step loop keeps every finished request's state, and a
+    long history slows every step (see the profile), which is not what is measured here."""
+    opts = {"max_step_tokens": w.max_step_tokens, "max_num_seqs": 32}
+    async with contextlib.AsyncExitStack() as stack:
+        engines = {}
+        for name, extra in variants.items():
+            engines[name] = await stack.enter_async_context(
+                Engine.open(model_name, **opts, **extra)
+            )
+            # Warm-up: first calls allocate and build what later ones reuse.
+            await decode_stepline(engines[name], 2, replace(w, decode_tokens=4), vocab)
+        yield engines
+
+
+async def run_all(model_name: str, w: Workload) -> dict:
+    model = load_model(model_name).model  # the mlx-lm side's copy, used on this thread
+    vocab = model.args.vocab_size
+    raw: dict[str, Any] = {
+        "hol": {"stepline": [], "batchgen": [], "stepline_cap": []},
+        "decode": {str(b): {"stepline": [], "bare": [], "batchgen": []} for b in w.batches},
+        "event_log": {"off": [], "on": []},
+        "blas": {name: [] for name in BLAS_VARIANTS},
+        "profile": [],
+    }
+    m = Measure(w)
+    decode_bare(model, 2, replace(w, decode_tokens=4), vocab)  # warm-up
+    decode_batchgen(model, 2, replace(w, decode_tokens=4), vocab)
+    cap = {"capped": {"long_prefill_cap": w.hol_cap}} if w.hol_cap is not None else {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rep in range(w.repeats):
+            async with fresh_engines(model_name, w, vocab, engine={}, **cap) as engines:
+                engine = engines["engine"]
+                raw["engine_config"] = engine.config
+                log(f"repeat {rep + 1}/{w.repeats}: head-of-line")
+                hol = raw["hol"]
+                hol["stepline"].append(await m.arun(hol_stepline, engine, w, vocab))
+                hol["batchgen"].append(m.run(hol_batchgen, model, w, vocab))
+                if "capped" in engines:
+                    hol["stepline_cap"].append(
+                        await m.arun(hol_stepline, engines["capped"], w, vocab)
+                    )
+                for b in w.batches:
+                    log(f"repeat {rep + 1}/{w.repeats}: decode batch {b}")
+                    d = raw["decode"][str(b)]
+                    d["stepline"].append(await m.arun(decode_stepline, engine, b, w, vocab))
+                    d["bare"].append(m.run(decode_bare, model, b, w, vocab))
+                    d["batchgen"].append(m.run(decode_batchgen, model, b, w, vocab))
+            log(f"repeat {rep + 1}/{w.repeats}: event log")
+            log_path = Path(tmp) / f"events-{rep}.jsonl"
+            pair = {"off": {}, "on": {"event_log": log_path}}
+            async with fresh_engines(model_name, w, vocab, **pair) as engines:
+                for k in range(EVENT_LOG_PAIRS):
+                    order = ["off", "on"] if (rep + k) % 2 == 0 else ["on", "off"]
+                    for side in order:  # alternating: neither side always runs second
+                        raw["event_log"][side].append(
+                            await m.arun(
+                                decode_stepline, engines[side], w.event_log_batch, w, vocab
+                            )
+                        )
+        if w.profile:
+            log_path = Path(tmp) / "events-profile.jsonl"
+            pair = {"off": {}, "on": {"event_log": log_path}}
+            async with fresh_engines(model_name, w, vocab, **pair) as engines:
+                await _profile(engines, w, vocab, raw, m)
+        raw["event_log_bytes"] = log_size(Path(tmp))
+    for rep in range(w.repeats):
+        for name, env in BLAS_VARIANTS.items():
+            log(f"repeat {rep + 1}/{w.repeats}: BLAS {name}")
+            raw["blas"][name].append(m.run(run_blas_variant, model_name, w, env))
+    return raw
+
+
+async def _profile(engines: dict[str, Engine], w: Workload, vocab: int, raw: dict, m: Measure):
+    runs = [(b, "off") for b in w.batches if b in (8, 32)] + [(w.event_log_batch, "on")]
+    for b, event_log in runs:
+        log(f"profile batch {b}, event log {event_log}")
+        try:
+            prof = await m.arun(profile_stepline, engines[event_log], b, w, vocab)
+        except AttributeError as exc:  # the engine's internals moved: report the rest
+            log(f"profile skipped: {exc!r}")
+            return
+        bare = raw["decode"].get(str(b), {}).get("bare", [])
+        prof["bare_step_ms"] = median([r["step_ms"] for r in bare])
+        prof["event_log"] = event_log
+        raw["profile"].append(prof)
+
+
+def paired(a: list[dict], b: list[dict], key: str, key_b: str | None = None) -> float:
+    """Median over repeats of a[i][key] / b[i][key_b]."""
+    return median([x[key] / y[key_b or key] for x, y in zip(a, b, strict=True)])
+
+
+def _med(rows: list[dict], key: str) -> float:
+    return median([r[key] for r in rows])
+
+
+def _foreign(rows: list[dict]) -> dict:
+    values = [r["foreign_cores"] for r in rows if r.get("foreign_cores") == r.get("foreign_cores")]
+    return {"median": median(values), "max": max(values, default=float("nan"))}
+
+
+def summarize(raw: dict, w: Workload) -> dict:
+    hol_s, hol_b = raw["hol"]["stepline"], raw["hol"]["batchgen"]
+    summary: dict[str, Any] = {
+        "hol": {
+            "stepline": {k: _med(hol_s, k) for k in hol_s[0]},
+            "batchgen": {k: _med(hol_b, k) for k in hol_b[0]},
+            "ttft_ratio": paired(hol_s, hol_b, "ttft_s"),
+            "itl_inside_p99_ratio": paired(hol_s, hol_b, "itl_inside_p99_ms"),
+            "foreign_cores": _foreign(hol_s + hol_b),
+        },
+        "decode": {},
+    }
+    hol_c = raw["hol"]["stepline_cap"]
+    if hol_c:
+        summary["hol"]["stepline_cap"] = {k: _med(hol_c, k) for k in hol_c[0]}
+        summary["hol"]["cap_ttft_ratio"] = paired(hol_c, hol_b, "ttft_s")
+        summary["hol"]["cap_itl_inside_p99_ratio"] = paired(hol_c, hol_b, "itl_inside_p99_ms")
+    decode_rows: list[dict] = []
+    for b, d in raw["decode"].items():
+        decode_rows += d["stepline"] + d["bare"] + d["batchgen"]
+        summary["decode"][b] = {
+            "stepline": _med(d["stepline"], "tokens_per_s"),
+            "bare": _med(d["bare"], "tokens_per_s"),
+            "batchgen": _med(d["batchgen"], "tokens_per_s"),
+            "stepline_vs_bare": paired(d["stepline"], d["bare"], "tokens_per_s"),
+            "batchgen_vs_bare": paired(d["batchgen"], d["bare"], "tokens_per_s"),
+            "stepline_step_ms": _med(d["stepline"], "step_ms"),
+            "stepline_step_ms_median": _med(d["stepline"], "step_ms_median"),
+            "bare_step_ms": _med(d["bare"], "step_ms"),
+        }
+    summary["decode_foreign_cores"] = _foreign(decode_rows)
+    on, off = raw["event_log"]["on"], raw["event_log"]["off"]
+    summary["event_log"] = {
+        "off": _med(off, "tokens_per_s"),
+        "on": _med(on, "tokens_per_s"),
+        "on_vs_off": paired(on, off, "tokens_per_s"),
+        "off_step_ms_median": _med(off, "step_ms_median"),
+        "off_spread": (max(r["tokens_per_s"] for r in off) - min(r["tokens_per_s"] for r in off))
+        / _med(off, "tokens_per_s"),
+        "on_step_ms_median": _med(on, "step_ms_median"),
+        "bytes_written": raw["event_log_bytes"],
+        "foreign_cores": _foreign(on + off),
+    }
+    reference = raw["blas"][REFERENCE_BLAS]
+    summary["blas"] = {
+        name: {
+            "prefill_tokens_per_s": _med(rows, "prefill_tokens_per_s"),
+            "decode_b1_tokens_per_s": _med(rows, "decode_b1_tokens_per_s"),
+            "prefill_vs_reference": paired(rows, reference, "prefill_tokens_per_s"),
+            "status": rows[0]["openblas_status"],
+        }
+        for name, rows in raw["blas"].items()
+    }
+    summary["blas_foreign_cores"] = _foreign([r for rows in raw["blas"].values() for r in rows])
+    summary["profile"] = raw["profile"]
+    rows = [r for r in _all_rows(raw) if "attempts" in r]
+    summary["measurements"] = len(rows)
+    summary["measured_again"] = sum(r["attempts"] > 1 for r in rows)
+    summary["still_disturbed"] = sum(r["foreign_cores"] > w.max_foreign_cores for r in rows)
+    return summary
+
+
+def _all_rows(node: Any) -> list[dict]:
+    if isinstance(node, dict):
+        if "foreign_cores" in node:
+            return [node]
+        return [r for v in node.values() for r in _all_rows(v)]
+    if isinstance(node, list):
+        return [r for v in node for r in _all_rows(v)]
+    return []
+
+
+def verdict(ok: bool) -> str:
+    return "MET" if ok else "MISSED"
+
+
+def _busy(f: dict) -> str:
+    return f"other processes kept {f['median']:.2f} cores busy (median; max {f['max']:.2f})"
+
+
+def print_table(s: dict, w: Workload, env: dict) -> None:
+    p = print
+    p(f"\nstepline engine benchmark: {env['model']}, {env['cpus']} CPUs, {env['platform']}")
+    p(f"mlx {env['mlx']}, mlx-lm {env['mlx_lm']}, OpenBLAS: {env['openblas']}")
+    p(f"stepline engine config: {env['engine_config']}")
+    p(
+        f"medians of {w.repeats} repeat(s); a ratio is the median of the per-repeat ratios of "
+        "runs made back to back"
+    )
+    p(
+        f"{s['measurements']} measurements; {s['measured_again']} measured again because other "
+        f"processes kept > {w.max_foreign_cores} cores busy; {s['still_disturbed']} still "
+        f"disturbed after {w.retries} retries"
+    )
+
+    h = s["hol"]
+    ours, bg = h["stepline"], h["batchgen"]
+    p(
+        f"\n1. Head-of-line: {NUM_DECODERS} requests decode ({w.short_prompt}-token prompts); "
+        f"a {w.long_prompt}-token prompt arrives"
+    )
+    p(
+        f"   stepline max_step_tokens={w.max_step_tokens}; mlx-lm BatchGenerator "
+        f"prefill_step_size={w.bg_prefill_step}; {_busy(h['foreign_cores'])}"
+    )
+    cap = h.get("stepline_cap")
+    cap_head = f"{'cap ' + str(w.hol_cap):>10}{'ratio':>7}" if cap else ""
+    p(f"   {'':38}{'stepline':>10}{'BatchGen':>10}{'ratio':>7}  {'target':16}{cap_head}")
+    ratios = {"ttft_s": h["ttft_ratio"], "itl_inside_p99_ms": h["itl_inside_p99_ratio"]}
+    cap_ratios = {
+        "ttft_s": h.get("cap_ttft_ratio"),
+        "itl_inside_p99_ms": h.get("cap_itl_inside_p99_ratio"),
+    }
+    targets = {
+        "ttft_s": f"<= 1.25 {verdict(h['ttft_ratio'] <= 1.25)}",
+        "itl_inside_p99_ms": f"<= 0.25 {verdict(h['itl_inside_p99_ratio'] <= 0.25)}",
+    }
+    for label, key in [
+        ("long request TTFT (s)", "ttft_s"),
+        ("decoders' ITL p50 inside window (ms)", "itl_inside_p50_ms"),
+        ("decoders' ITL p99 inside window (ms)", "itl_inside_p99_ms"),
+        ("decoders' ITL p50 outside (ms)", "itl_outside_p50_ms"),
+        ("decoders' ITL p99 outside (ms)", "itl_outside_p99_ms"),
+        ("steps (next() calls) in window", "steps_in_window"),
+    ]:
+        ratio = ratios.get(key, ours[key] / bg[key] if bg[key] else float("nan"))
+        line = (
+            f"   {label:38}{ours[key]:10.1f}{bg[key]:10.1f}{ratio:7.2f}  {targets.get(key, ''):16}"
+        )
+        if cap:
+            cap_ratio = cap_ratios.get(key) or (cap[key] / bg[key] if bg[key] else float("nan"))
+            line += f"{cap[key]:10.1f}{cap_ratio:7.2f}"
+        p(line.rstrip())
+    p(
+        f"   ITL samples per run (inside/outside): stepline {ours['num_inside']:.0f}/"
+        f"{ours['num_outside']:.0f}, BatchGenerator {bg['num_inside']:.0f}/{bg['num_outside']:.0f}"
+    )
+    if cap:
+        p(
+            f"   cap {w.hol_cap}: the same stepline engine with long_prefill_cap={w.hol_cap} "
+            "(for reference; not the configuration the targets name)"
+        )
+
+    p(
+        f"\n2. Decode throughput, tokens/s (greedy, ignore_eos, {w.decode_tokens} steps after "
+        f"{w.warm_tokens} warm-up tokens); {_busy(s['decode_foreign_cores'])}"
+    )
+    p(
+        f"   {'batch':>5}{'stepline':>10}{'bare loop':>11}{'ours/bare':>11}{'BatchGen':>10}"
+        f"{'BG/bare':>9}{'ours ms/step':>14}{'(median)':>10}{'bare ms/step':>14}"
+    )
+    for b, d in s["decode"].items():
+        target = f"  >= 0.9 {verdict(d['stepline_vs_bare'] >= 0.9)}" if b == "8" else ""
+        p(
+            f"   {b:>5}{d['stepline']:10.1f}{d['bare']:11.1f}{d['stepline_vs_bare']:11.2f}"
+            f"{d['batchgen']:10.1f}{d['batchgen_vs_bare']:9.2f}{d['stepline_step_ms']:14.2f}"
+            f"{d['stepline_step_ms_median']:10.2f}{d['bare_step_ms']:14.2f}{target}"
+        )
+
+    e = s["event_log"]
+    cost = 1 - e["on_vs_off"]  # > 0: the log slows the engine down
+    p(
+        f"\n3. Event-log cost, batch {w.event_log_batch} ({EVENT_LOG_PAIRS} on/off pairs per "
+        f"repeat, fresh engines); {_busy(e['foreign_cores'])}"
+    )
+    p(
+        f"   off {e['off']:.1f} tok/s, on {e['on']:.1f} tok/s: on/off {e['on_vs_off']:.3f}, "
+        f"{'the log costs' if cost >= 0 else 'the logged engine was faster by'} "
+        f"{100 * abs(cost):.1f}% (target <= 3% {verdict(cost <= 0.03)}); "
+        f"run-to-run spread of 'off' alone {100 * e['off_spread']:.1f}%"
+    )
+    p(
+        f"   median step {e['off_step_ms_median']:.2f} ms off, {e['on_step_ms_median']:.2f} ms on; "
+        f"{e['bytes_written'] / 1e3:.0f} kB of log written"
+    )
+
+    p(
+        f"\n4. BLAS: one {w.blas_prompt}-token prompt's prefill, a fresh process per variant; "
+        f"{_busy(s['blas_foreign_cores'])}"
+    )
+    p(f"   {'variant':42}{'prefill tok/s':>14}{'vs reference':>14}{'decode b1 tok/s':>17}")
+    for name, r in s["blas"].items():
+        p(
+            f"   {name:42}{r['prefill_tokens_per_s']:14.1f}{r['prefill_vs_reference']:13.1f}x"
+            f"{r['decode_b1_tokens_per_s']:17.1f}"
+        )
+
+    if s["profile"]:
+        p("\n5. Where a stepline decode step goes (an instrumented run; ms per step, medians).")
+        p("   executor thread: run = forward (evaluated on the spot) + sampler + other;")
+        p("   asyncio thread: hop = executor call minus run; commit = events, request actors,")
+        p("   clients; loop = the rest (schedule, step record, metrics). bare = bare loop step.")
+        cols = [
+            ("batch", "batch", "d"),
+            ("log", "event_log", "s"),
+            ("wall", "step_wall_ms", ".2f"),
+            ("run", "runner_run_ms", ".2f"),
+            ("forward", "forward_ms", ".2f"),
+            ("sampler", "sampler_ms", ".2f"),
+            ("run other", "runner_other_ms", ".2f"),
+            ("hop", "executor_hop_ms", ".2f"),
+            ("commit", "commit_ms", ".2f"),
+            ("loop", "loop_other_ms", ".2f"),
+            ("bare", "bare_step_ms", ".2f"),
+        ]
+        p("   " + "".join(f"{name:>10}" for name, _, _ in cols))
+        for r in s["profile"]:
+            p("   " + "".join(f"{r[key]:>10{fmt}}" for _, key, fmt in cols))
+        p("   CPU ms per step by thread (native = MLX's stream thread + OpenBLAS's workers):")
+        for r in s["profile"]:
+            cpu = ", ".join(f"{k} {v:.2f}" for k, v in sorted(r["cpu_ms_per_step"].items()))
+            p(f"   batch {r['batch']}, event log {r['event_log']}: {cpu}")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default=DEFAULT_MODEL, help="demo name, directory or HF id")
+    ap.add_argument("--quick", action="store_true", help="~1 minute smoke run")
+    ap.add_argument("--repeats", type=int, help="repeats per measurement (default 3; quick 1)")
+    ap.add_argument("--long-prompt", type=int, help="head-of-line prompt tokens (default 4000)")
+    ap.add_argument("--max-step-tokens", type=int, help="stepline's budget (default 512)")
+    ap.add_argument("--json", type=Path, help="also write every figure here")
+    ap.add_argument(
+        "--max-foreign-cores",
+        type=float,
+        help="measure again while other processes keep more cores busy (default 0.25)",
+    )
+    ap.add_argument("--retries", type=int, help="most times to measure again (default 2)")
+    ap.add_argument("--blas-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--blas-prompt", type=int, help="OpenBLAS prompt tokens (default 512)")
+    args = ap.parse_args(argv)
+
+    w = QUICK if args.quick else Workload()
+    overrides = {
+        "repeats": args.repeats,
+        "long_prompt": args.long_prompt,
+        "max_step_tokens": args.max_step_tokens,
+        "blas_prompt": args.blas_prompt,
+        "max_foreign_cores": args.max_foreign_cores,
+        "retries": args.retries,
+    }
+    w = replace(w, **{k: v for k, v in overrides.items() if v is not None})
+
+    if args.blas_worker:
+        print(json.dumps(blas_worker(args.model, w.blas_prompt, decode_tokens=16)))
+        return
+
+    env = {
+        "model": args.model,
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "mlx": importlib.metadata.version("mlx"),
+        "mlx_lm": importlib.metadata.version("mlx-lm"),
+        "openblas": _blas.status()[1],
+        "command": " ".join([os.path.relpath(sys.executable), *sys.argv]),
+        "load_start": loadavg(),
+    }
+    t0 = time.perf_counter()
+    raw = asyncio.run(run_all(args.model, w))
+    env["load_end"] = loadavg()
+    env["seconds"] = time.perf_counter() - t0
+    env["engine_config"] = raw.pop("engine_config", {})
+    summary = summarize(raw, w)
+    print_table(summary, w, env)
+    print(f"\n({env['seconds']:.0f} s; command: {env['command']})")
+    if args.json is not None:
+        args.json.write_text(
+            json.dumps(
+                {"env": env, "workload": asdict(w), "summary": summary, "raw": raw},
+                indent=2,
+                default=str,
+            )
+            + "\n"
+        )
+
+
+if __name__ == "__main__":
+    main()
