@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +49,8 @@ log = structlog.get_logger(__name__)
 
 
 _REUSABLE = (FinishReason.STOP, FinishReason.LENGTH)  # ended cleanly: cache worth keeping
+_KEEP_FINISHED = 1024  # ended requests' states kept for inspection
+_KEEP_IDS = 100_000  # request ids refused as reused within this many requests
 
 
 class EngineDeadError(AdmissionError):
@@ -82,10 +85,16 @@ class StepLoop:
         self._log_prompts = log_prompts
         self.inbox: MemoryObjectSendStream
         self.inbox, self._inbox = anyio.create_memory_object_stream(inbox_size)
-        self.states: dict[str, RequestState] = {}  # the fold of every event recorded
+        # The scheduling state: the fold of every event recorded, for requests not yet
+        # ended. Ended ones move to `finished` (the most recent few, for inspection), so a
+        # step's work does not grow with the number of requests ever served.
+        self.states: dict[str, RequestState] = {}
+        self.finished: OrderedDict[str, RequestState] = OrderedDict()
+        self._recent_ids: OrderedDict[str, None] = OrderedDict()  # to refuse reused ids
         self._actors: dict[str, MemoryObjectSendStream] = {}
         self._pending: dict[str, NewRequest] = {}  # admitted, not yet given to the executor
-        self._to_free: list[str] = []  # ended since the last step: the executor drops them
+        # ended since the executor last heard -> whether its cache is worth keeping
+        self._to_free: dict[str, bool] = {}
         self._seq = 0
         self.step = 0  # number of the last step run
         self._in_step = False  # between planning a step and the end of its commit
@@ -101,15 +110,31 @@ class StepLoop:
         step = self.step if self._in_step else self.step + 1
         event = cls(seq=self._seq, ts=time.time(), step=step, **fields)
         if event.request_id is not None:
-            self.states[event.request_id] = apply(self.states.get(event.request_id), event)
+            state = apply(self.states.get(event.request_id), event)
+            if state.is_finished:
+                self.states.pop(event.request_id, None)
+                self._remember(self.finished, event.request_id, state, _KEEP_FINISHED)
+            else:
+                self.states[event.request_id] = state
         if self._event_log is not None:
             self._event_log.append(event)
         return event
 
     # -- inbox ----------------------------------------------------------------
 
+    @staticmethod
+    def _remember(recent: OrderedDict, key: str, value: Any, limit: int) -> None:
+        recent[key] = value
+        recent.move_to_end(key)
+        while len(recent) > limit:
+            recent.popitem(last=False)
+
+    def state_of(self, request_id: str) -> RequestState | None:
+        """A request's state: live, or ended recently (the log has every one)."""
+        return self.states.get(request_id) or self.finished.get(request_id)
+
     def _unfinished(self) -> list[RequestState]:
-        return [s for s in self.states.values() if not s.is_finished]
+        return list(self.states.values())
 
     async def _handle(self, msg: Submit | Cancel) -> None:
         if isinstance(msg, Submit):
@@ -118,9 +143,12 @@ class StepLoop:
             await self._cancel(msg.request_id)
 
     async def _submit(self, msg: Submit) -> None:
-        if msg.request_id in self.states:
-            msg.reply.set_exception(AdmissionError(f"request id {msg.request_id!r} is in use"))
+        if msg.request_id in self._recent_ids:
+            msg.reply.set_exception(
+                AdmissionError(f"request id {msg.request_id!r} was already used: send a new one")
+            )
             return
+        self._remember(self._recent_ids, msg.request_id, None, _KEEP_IDS)
         try:
             if self.dead_reason is not None:
                 raise EngineDeadError(f"the engine is unhealthy: {self.dead_reason}")
@@ -177,16 +205,15 @@ class StepLoop:
         )
 
     async def _cancel(self, request_id: str) -> None:
-        state = self.states.get(request_id)
-        if state is None or state.is_finished:
-            return
+        if request_id not in self.states:
+            return  # ended already, or never admitted
         await self._end(request_id, FinishReason.CANCELLED, "cancelled by the client")
 
     async def _end(self, request_id: str, reason: FinishReason, message: str | None) -> None:
         """Record the terminal event, free the request's slot, tell its actor."""
         self._record(Terminal, request_id=request_id, reason=reason, message=message)
         if self._pending.pop(request_id, None) is None:
-            self._to_free.append(request_id)
+            self._to_free[request_id] = reason in _REUSABLE
         actor = self._actors.pop(request_id, None)
         if actor is not None:
             with anyio.CancelScope(shield=True):
@@ -283,8 +310,8 @@ class StepLoop:
     def _take_frees(self) -> tuple[tuple[str, ...], frozenset[str]]:
         """Requests ended since the executor last heard, and those whose caches are worth
         keeping (they ended cleanly)."""
-        frees, self._to_free = tuple(self._to_free), []
-        return frees, frozenset(r for r in frees if self.states[r].finish_reason in _REUSABLE)
+        frees, self._to_free = self._to_free, {}
+        return tuple(frees), frozenset(r for r, reusable in frees.items() if reusable)
 
     async def _free_now(self) -> None:
         if self._to_free:
@@ -312,7 +339,7 @@ class StepLoop:
     async def _commit(self, plan: StepPlan, result: StepResult) -> None:
         for chunk in plan.chunks:
             rid = chunk.request_id
-            if self.states[rid].is_finished:
+            if rid not in self.states:
                 continue  # cancelled while the step ran
             pos = chunk.start
             for offset in (*chunk.checkpoints, chunk.end):
@@ -330,9 +357,9 @@ class StepLoop:
         loop = asyncio.get_running_loop()
         now = time.time()
         for rid, token in result.tokens.items():
-            state = self.states[rid]
-            if state.is_finished:
-                continue
+            state = self.states.get(rid)
+            if state is None:
+                continue  # cancelled while the step ran
             first = state.num_output_tokens == 0
             self._record(Decoding, request_id=rid, token_ids=(token,))
             state = self.states[rid]
@@ -363,7 +390,7 @@ class StepLoop:
                 # The actor already sent its last output and ends by itself.
                 self._actors.pop(rid).close()
                 self._record(Terminal, request_id=rid, reason=finish, message=None)
-                self._to_free.append(rid)
+                self._to_free[rid] = True
                 self.metrics.finished(finish)
         self.metrics.gauges(self.states.values(), getattr(self._event_log, "lag", 0))
 

@@ -410,5 +410,6 @@ class Engine:
 
     @property
     def step_loop(self) -> StepLoop:
-        """For inspection and tests: the live scheduling state is `step_loop.states`."""
+        """For inspection and tests: the live scheduling state is `step_loop.states`; any
+        recent request's state is `step_loop.state_of(request_id)`."""
         return self._step_loop

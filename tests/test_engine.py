@@ -126,13 +126,16 @@ async def test_folding_the_log_rebuilds_the_live_state_at_every_step(tmp_path, m
         for s in streams[:3]:
             await collect(s)
         await streams[3].aclose()  # one cancelled mid-prefill too
-        await wait_until(lambda: engine.step_loop.states[streams[3].request_id].is_finished)
-        final = dict(engine.step_loop.states)
+        loop = engine.step_loop
+        await wait_until(lambda: loop.state_of(streams[3].request_id).is_finished)
+        ended = {s.request_id: loop.state_of(s.request_id) for s in streams}
     events = list(read_events(log))
-    assert fold(events) == final
+    assert fold(events) == ended  # every request's final state, from the log alone
     partial_seen = False
     for step, states in live.items():
-        assert fold(events, until_step=step) == states, f"step {step}"
+        # the live scheduling state is the fold, for the requests not yet ended
+        folded = fold(events, until_step=step)
+        assert {r: s for r, s in folded.items() if not s.is_finished} == states, f"step {step}"
         partial_seen |= any(s.status is Status.PREFILLING for s in states.values())
     assert partial_seen  # the check covered partial prefill progress
 
@@ -152,8 +155,8 @@ async def test_breaking_out_mid_decode_cancels_and_frees_the_slot(tmp_path, mode
                 break
         await stream.aclose()
         loop = engine.step_loop
-        await wait_until(lambda: loop.states[stream.request_id].is_finished)
-        assert loop.states[stream.request_id].finish_reason == "cancelled"
+        await wait_until(lambda: loop.state_of(stream.request_id).is_finished)
+        assert loop.state_of(stream.request_id).finish_reason == "cancelled"
         outs = await collect(other)  # the bystander is unaffected
         assert outs[-1].finish_reason == "length" and outs[-1].num_output_tokens == 40
         await wait_until(lambda: loop.runner.num_sequences == 0)
@@ -170,12 +173,12 @@ async def test_cancelling_mid_prefill_frees_the_slot_within_a_step(model_cache_d
         stream = await engine.submit(long_prompt(1500), params=GREEDY)
         async with anyio.create_task_group() as tg:
             tg.start_soon(consume, stream)
-            await wait_until(lambda: loop.states[stream.request_id].status is Status.PREFILLING)
+            await wait_until(lambda: loop.state_of(stream.request_id).status is Status.PREFILLING)
             step_at_cancel = loop.step
             tg.cancel_scope.cancel()  # the consuming task is cancelled
         await stream.aclose()
-        await wait_until(lambda: loop.states[stream.request_id].is_finished)
-        state = loop.states[stream.request_id]
+        await wait_until(lambda: loop.state_of(stream.request_id).is_finished)
+        state = loop.state_of(stream.request_id)
         assert state.finish_reason == "cancelled"
         assert state.num_computed_tokens < 1500
         assert state.finished_step <= step_at_cancel + 2
@@ -256,6 +259,19 @@ async def test_a_bug_in_the_step_loop_fails_requests_instead_of_hanging_them(mod
             outs = await collect(stream)
         assert outs[-1].finish_reason == "error" and "a bug in the commit" in outs[-1].error
         assert not engine.healthy
+
+
+async def test_ended_requests_leave_the_scheduling_state_and_ids_are_not_reused(
+    model_cache_dir,
+):
+    async with Engine.open(max_step_tokens=32, max_num_seqs=4) as engine:
+        loop = engine.step_loop
+        for i in range(6):
+            await collect(await engine.submit(f"q{i}", params=GREEDY, request_id=f"id-{i}"))
+        assert loop.states == {}  # a step's work does not grow with requests served
+        assert loop.state_of("id-3").finish_reason == "length"
+        with pytest.raises(ValueError, match="already used"):
+            await engine.submit("again", params=GREEDY, request_id="id-3")
 
 
 async def test_the_executor_runs_one_job_at_a_time_on_one_thread():

@@ -153,7 +153,7 @@ async def test_checkpoints_emit_events_and_reach_the_hook_while_still_prefilling
             prompt, params=SamplingParams(max_tokens=1), checkpoints=(10, 40)
         )
         outs = [o async for o in stream]
-        state = engine.step_loop.states[stream.request_id]
+        state = engine.step_loop.state_of(stream.request_id)
     assert [k for _, k, _ in seen] == [10, 40]
     assert state.checkpoints_reached == (10, 40)
     assert any(o.is_progress and o.num_computed_tokens == 16 for o in outs)

@@ -670,7 +670,7 @@ async def test_disconnecting_mid_stream_cancels_the_request_and_spares_the_other
         survivor = await other
     terminal = await wait_for_terminal(served, rid)
     assert terminal.reason == "cancelled"
-    state = served.engine.step_loop.states[rid]
+    state = served.engine.step_loop.state_of(rid)
     assert state.is_finished and state.num_output_tokens < 1500
     assert survivor.data[-1] == "[DONE]"
     assert finish_reasons(survivor.data) in (["stop"], ["length"])
@@ -688,7 +688,7 @@ async def test_disconnecting_mid_prefill_cancels_before_any_token(served):
                         break
     terminal = await wait_for_terminal(served, rid)
     assert terminal.reason == "cancelled"
-    assert served.engine.step_loop.states[rid].num_output_tokens == 0
+    assert served.engine.step_loop.state_of(rid).num_output_tokens == 0
 
 
 async def test_disconnecting_from_a_non_streaming_request_cancels_it(served):
