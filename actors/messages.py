@@ -41,7 +41,8 @@ class NewTokens:
     logprobs: tuple[TokenLogprob, ...]  # one per token where asked for, else empty
     finish: FinishReason | None  # set when the step loop ends the request (length, stop token)
     stop_token: bool  # the last token is a stop token: count it, do not print it
-    reply: asyncio.Future  # set to True if a stop string ended the request
+    # for requests with stop strings: set to True if one ended the request; else None
+    reply: asyncio.Future | None
 
 
 @dataclass(frozen=True)

@@ -150,7 +150,7 @@ class RequestActor:
             finish = FinishReason.STOP
         elif finish is not None:
             text += self._stops.flush()  # a partial stop string at the end is ordinary text
-        if not msg.reply.done():
+        if msg.reply is not None and not msg.reply.done():
             msg.reply.set_result(hit)
         return self._out(
             text,
@@ -171,7 +171,7 @@ class RequestActor:
                         out = self._on_tokens(msg)
                     except Exception as exc:  # a detokenizer bug ends this request only
                         self._log.exception("request_actor_failed")
-                        if not msg.reply.done():
+                        if msg.reply is not None and not msg.reply.done():
                             msg.reply.set_exception(exc)
                         out = self._out("", finish=FinishReason.ERROR, error=repr(exc))
                 else:

@@ -221,11 +221,13 @@ class StepLoop:
             actor.close()
         self.metrics.finished(reason)
 
-    async def _tell(self, actor: MemoryObjectSendStream, msg: Any) -> None:
+    async def _tell(self, actor: MemoryObjectSendStream, msg: Any) -> bool:
+        """Send `msg`; False if the actor is gone (it failed, or the engine is closing)."""
         try:
             await actor.send(msg)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-            pass  # the actor is gone already (its task group is shutting down)
+            return False
+        return True
 
     def _drain(self) -> list[Submit | Cancel]:
         msgs = []
@@ -355,19 +357,20 @@ class StepLoop:
 
         asks: list[tuple[str, asyncio.Future, FinishReason | None]] = []
         loop = asyncio.get_running_loop()
-        now = time.time()
         for rid, token in result.tokens.items():
-            state = self.states.get(rid)
-            if state is None:
+            before = self.states.get(rid)
+            if before is None:
                 continue  # cancelled while the step ran
-            first = state.num_output_tokens == 0
             self._record(Decoding, request_id=rid, token_ids=(token,))
             state = self.states[rid]
-            self.metrics.token(now - (state.admitted_ts if first else state.last_token_ts), first)
+            first = before.num_output_tokens == 0
+            since = before.admitted_ts if first else before.last_token_ts
+            self.metrics.token(state.last_token_ts - since, first)
             finish = self._finish_reason(state, token)
-            reply = loop.create_future()
+            # Only an actor with stop strings can end its request: only it is asked.
+            reply = loop.create_future() if state.params.stop else None
             lp = result.logprobs.get(rid)
-            await self._tell(
+            delivered = await self._tell(
                 self._actors[rid],
                 NewTokens(
                     token_ids=(token,),
@@ -377,7 +380,12 @@ class StepLoop:
                     reply=reply,
                 ),
             )
-            asks.append((rid, reply, finish))
+            if not delivered:  # the actor failed earlier and is gone
+                await self._end(rid, FinishReason.ERROR, "the request's actor failed")
+            elif reply is not None:
+                asks.append((rid, reply, finish))
+            elif finish is not None:
+                self._finished(rid, finish)
         for rid, reply, finish in asks:
             try:
                 stop_string = await reply
@@ -387,12 +395,15 @@ class StepLoop:
             if finish is None and stop_string:
                 finish = FinishReason.STOP
             if finish is not None:
-                # The actor already sent its last output and ends by itself.
-                self._actors.pop(rid).close()
-                self._record(Terminal, request_id=rid, reason=finish, message=None)
-                self._to_free[rid] = True
-                self.metrics.finished(finish)
+                self._finished(rid, finish)
         self.metrics.gauges(self.states.values(), getattr(self._event_log, "lag", 0))
+
+    def _finished(self, rid: str, reason: FinishReason) -> None:
+        """The request ended cleanly; its actor already sent its last output and stops."""
+        self._actors.pop(rid).close()
+        self._record(Terminal, request_id=rid, reason=reason, message=None)
+        self._to_free[rid] = True
+        self.metrics.finished(reason)
 
     def _finish_reason(self, state: RequestState, token: int) -> FinishReason | None:
         p = state.params

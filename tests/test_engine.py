@@ -274,6 +274,42 @@ async def test_ended_requests_leave_the_scheduling_state_and_ids_are_not_reused(
             await engine.submit("again", params=GREEDY, request_id="id-3")
 
 
+async def test_a_failing_request_actor_ends_only_its_request(model_cache_dir):
+    async with Engine.open(max_step_tokens=32, max_num_seqs=4) as engine:
+        other = await engine.submit("fine", params=SamplingParams(max_tokens=30, ignore_eos=True))
+        real_decode = engine.tokenizer.decode
+
+        def broken(ids):
+            raise UnicodeError("detokenizer bug")
+
+        engine.tokenizer.decode = broken  # only the next request's actor gets it
+        doomed = await engine.submit("x", params=SamplingParams(max_tokens=500, ignore_eos=True))
+        engine.tokenizer.decode = real_decode
+        with anyio.fail_after(10):
+            outs = await collect(doomed)
+        assert outs[-1].finish_reason == "error" and "detokenizer bug" in outs[-1].error
+        loop = engine.step_loop
+        await wait_until(lambda: loop.state_of(doomed.request_id).is_finished)
+        assert loop.state_of(doomed.request_id).finish_reason == "error"
+        assert loop.state_of(doomed.request_id).num_output_tokens < 10  # stopped promptly
+        assert (await collect(other))[-1].finish_reason == "length"
+        assert engine.healthy
+
+
+async def test_latency_metrics_measure_the_gaps_between_tokens(model_cache_dir):
+    async with Engine.open(max_step_tokens=32, max_num_seqs=4) as engine:
+        await collect(
+            await engine.submit("hi", params=SamplingParams(max_tokens=20, ignore_eos=True))
+        )
+        state = engine.step_loop.state_of(next(iter(engine.step_loop.finished)))
+        samples = {m.name: m.samples for m in engine.metrics.registry.collect()}
+    itl = {
+        s.name.rsplit("_", 1)[-1]: s.value for s in samples["stepline_inter_token_latency_seconds"]
+    }
+    assert itl["count"] == 19
+    assert itl["sum"] == pytest.approx(state.last_token_ts - state.first_token_ts, rel=1e-6)
+
+
 async def test_the_executor_runs_one_job_at_a_time_on_one_thread():
     executor = Executor()
     active = 0
