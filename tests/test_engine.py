@@ -162,6 +162,20 @@ async def test_breaking_out_mid_decode_cancels_and_frees_the_slot(tmp_path, mode
         await wait_until(lambda: loop.runner.num_sequences == 0)
 
 
+async def test_just_breaking_out_of_generate_cancels_the_request(model_cache_dir):
+    async with Engine.open(max_step_tokens=32, max_num_seqs=4) as engine:
+        loop = engine.step_loop
+        params = SamplingParams(max_tokens=500, ignore_eos=True)
+        async for out in engine.generate("hello", params=params):
+            if out.num_output_tokens >= 2:
+                rid = out.request_id
+                break  # no aclose(): what users write
+        await wait_until(lambda: loop.state_of(rid).is_finished)
+        assert loop.state_of(rid).finish_reason == "cancelled"
+        assert loop.state_of(rid).num_output_tokens < 50
+        await wait_until(lambda: loop.runner.num_sequences == 0)
+
+
 async def test_cancelling_mid_prefill_frees_the_slot_within_a_step(model_cache_dir):
     async with Engine.open(max_step_tokens=16, max_num_seqs=4) as engine:
         loop = engine.step_loop
