@@ -36,6 +36,18 @@ from stepline.events.models import LogHeader, RequestParams
 log = structlog.get_logger(__name__)
 
 
+def _warn_without_openblas() -> None:
+    """Say so when MLX runs on its reference BLAS (7-20x slower on Linux): it is silent
+    otherwise, and the usual cause (importing mlx before stepline) is easy to fix."""
+    import sys
+
+    from stepline.engine._blas import status
+
+    loaded, reason = status()
+    if sys.platform.startswith("linux") and loaded is None and "disabled" not in reason:
+        log.warning("openblas_not_loaded", reason=reason, effect="matrix products 7-20x slower")
+
+
 class SamplingParams(BaseModel):
     """How to sample one request. Invalid values raise pydantic's ValidationError (a ValueError)
     whose message names the field and the allowed range."""
@@ -186,6 +198,7 @@ class Engine:
         from stepline.engine.runner import ModelRunner
         from stepline.events.log import EventLogWriter
 
+        _warn_without_openblas()
         executor = Executor()
         writer = None
         runner = None
