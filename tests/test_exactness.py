@@ -157,3 +157,41 @@ async def test_checkpoints_emit_events_and_reach_the_hook_while_still_prefilling
     assert [k for _, k, _ in seen] == [10, 40]
     assert state.checkpoints_reached == (10, 40)
     assert any(o.is_progress and o.num_computed_tokens == 16 for o in outs)
+
+
+@pytest.mark.parametrize("name", ["demo", "demo_hybrid", "demo_sliding"])
+@pytest.mark.parametrize("cached", [0, 10])
+def test_final_chunks_of_different_lengths_batched_in_one_step_match_solo(request, name, cached):
+    loaded = request.getfixturevalue(name)
+    prompts = [prompt_ids(n, seed=n) for n in (3, 20, 41, 9)]  # the sliding window is 16
+    runner = CapturingRunner(loaded)
+    # some requests carry an earlier chunk first, so the batch merges caches of unequal lengths
+    news = [NewRequest(f"r{i}", tuple(p), GREEDY) for i, p in enumerate(prompts)]
+    starts = {f"r{i}": min(cached, len(p) - 1) for i, p in enumerate(prompts)}
+    first = [
+        ScheduledChunk(n.request_id, 0, starts[n.request_id], (), False)
+        for n in news
+        if starts[n.request_id]
+    ]
+    if first:
+        plan = StepPlan(step=1, chunks=tuple(first), num_scheduled_tokens={})
+        runner.run(StepWork(plan=plan, admit=tuple(news)))
+    finals = tuple(
+        ScheduledChunk(n.request_id, starts[n.request_id], len(n.prompt_token_ids), (), True)
+        for n in news
+    )
+    plan = StepPlan(step=2, chunks=finals, num_scheduled_tokens={})
+    result = runner.run(StepWork(plan=plan, admit=() if first else tuple(news)))
+    logits = runner.sampled_logits[-1]
+    assert logits.shape[0] == len(prompts)  # one forward pass, one row each
+    for i, p in enumerate(prompts):
+        assert mx.allclose(logits[i : i + 1], full_prefill_logits(loaded, p), atol=1e-4), i
+    # and they decode on, batched, exactly as mlx-lm does alone
+    steps = [result.tokens[f"r{i}"] for i in range(len(prompts))]
+    rids = tuple(f"r{i}" for i in range(len(prompts)))
+    for step in range(3):
+        plan = StepPlan(step=3 + step, decodes=rids, num_scheduled_tokens={})
+        out = runner.run(StepWork(plan=plan)).tokens
+        steps = [*steps, *[out[r] for r in rids]]
+    for i, p in enumerate(prompts):
+        assert steps[i :: len(prompts)] == mlx_lm_greedy(loaded, p, 4), i
