@@ -208,84 +208,47 @@ class ModelRunner:
         for layer in self._batch_cache:
             layer.filter(keep)
 
-    def _join_batch(self, merged: Cache, seqs: list[_Seq]) -> None:
-        """Add finished prefills (their caches already merged, in `seqs` order) to the
-        decode batch."""
+    def _join_batch(self, seqs: list[_Seq]) -> None:
+        """Merge finished prefills into the decode batch."""
+        if not seqs:
+            return
+        merged = [
+            type(layers[0]).merge(list(layers))
+            for layers in zip(*(s.cache for s in seqs), strict=True)
+        ]
         if self._batch_cache is None:
             self._batch_cache = merged
         else:
             for mine, theirs in zip(self._batch_cache, merged, strict=True):
                 mine.extend(theirs)
         self._batch_ids.extend(s.request_id for s in seqs)
+        for s in seqs:
+            s.cache = None
 
     # -- one step -------------------------------------------------------------
 
-    def _snapshot(self, seq: _Seq, offset: int, cache: Cache) -> None:
-        """Checkpoint: `cache` holds exactly `offset` prompt tokens of `seq`."""
-        seq.checkpoints.append(offset)
-        snapshot = snapshot_cache(cache)
-        if self.prefix_cache is not None:
-            self.prefix_cache.insert(seq.prompt[:offset].tolist(), snapshot)
-        if self.on_checkpoint is not None:
-            self.on_checkpoint(seq.request_id, offset, share_cache(snapshot))
-
-    def _prefill(self, chunk: ScheduledChunk) -> int | None:
-        """Run `chunk` on its request's own cache, split at checkpoints so the cache can be
-        snapshotted at exactly each one. A final chunk's last segment, the one whose
-        logits are needed, is left for `_prefill_last`: returns where it starts."""
+    def _prefill(self, chunk: ScheduledChunk) -> mx.array | None:
         seq = self._seqs[chunk.request_id]
         pos = chunk.start
-        for end in sorted({*chunk.checkpoints, chunk.end}):
-            if chunk.is_final and end == chunk.end:
-                return pos
-            self._forward(seq.prompt[None, pos:end], seq.cache, logits=False)
-            mx.eval([c.state for c in seq.cache])  # bound the lazy graph; snapshots need it
+        logits = None
+        # Split at checkpoints so the cache can be snapshotted at exactly each offset.
+        for end in (*chunk.checkpoints, chunk.end):
+            if end == pos:
+                continue
+            last = end == chunk.end and chunk.is_final
+            logits = self._forward(seq.prompt[None, pos:end], seq.cache, logits=last)
             if end in chunk.checkpoints:
-                self._snapshot(seq, end, seq.cache)
+                mx.eval([c.state for c in seq.cache])
+                seq.checkpoints.append(end)
+                snapshot = snapshot_cache(seq.cache)
+                if self.prefix_cache is not None:
+                    self.prefix_cache.insert(seq.prompt[:end].tolist(), snapshot)
+                if self.on_checkpoint is not None:
+                    self.on_checkpoint(seq.request_id, end, share_cache(snapshot))
             pos = end
-        return None
-
-    def _prefill_last(self, last: list[tuple[_Seq, int, ScheduledChunk]]) -> tuple[mx.array, Cache]:
-        """The last segments of this step's final chunks, in one forward pass.
-
-        Their caches are merged (mlx-lm's `merge`, left-padded to align), the segments
-        right-padded to one width (`prepare(lengths=, right_padding=)`, then `finalize()`
-        turns that padding into left padding). Returns each row's last-position logits
-        and the merged cache, which joins the decode batch after this step's decode.
-        """
-        seqs = [seq for seq, _, _ in last]
-        lengths = [chunk.end - start for _, start, chunk in last]
-        width = max(lengths)
-        padding = [width - n for n in lengths]
-        merged = [
-            type(layers[0]).merge(list(layers))
-            for layers in zip(*(s.cache for s in seqs), strict=True)
-        ]
-        for s in seqs:
-            s.cache = None
-        inputs = mx.stack(
-            [
-                mx.pad(seq.prompt[start : chunk.end], (0, width - (chunk.end - start)))
-                for seq, start, chunk in last
-            ]
-        )
-        if any(padding):
-            for c in merged:
-                c.prepare(lengths=lengths, right_padding=padding)
-        rows = mx.arange(len(last))
-        ends = mx.array(lengths) - 1
-        if self._split_head:
-            hidden = self.model.model(inputs, cache=merged)
-            logits = self._head(hidden[rows, ends][:, None, :])[:, 0, :]
-        else:
-            logits = self.model(inputs, cache=merged)[rows, ends]
-        if any(padding):
-            for c in merged:
-                c.finalize()
-        for i, (seq, _, chunk) in enumerate(last):
-            if chunk.end in chunk.checkpoints:  # a checkpoint at the end of the prompt
-                self._snapshot(seq, chunk.end, [c.extract(i) for c in merged])
-        return logits, merged
+        if logits is None:
+            mx.eval([c.state for c in seq.cache])  # bound the lazy graph between steps
+        return logits
 
     def run(self, work: StepWork) -> StepResult:
         t0 = time.perf_counter()
@@ -300,18 +263,16 @@ class ModelRunner:
 
         rows: list[mx.array] = []
         row_seqs: list[_Seq] = []
+        joining: list[_Seq] = []
         for seq in self._seqs.values():
             seq.checkpoints.clear()
-        last = []
         for chunk in plan.chunks:
-            start = self._prefill(chunk)
-            if start is not None:
-                last.append((self._seqs[chunk.request_id], start, chunk))
-        joining: Cache | None = None
-        if last:
-            logits, joining = self._prefill_last(last)
-            rows.append(logits)
-            row_seqs.extend(seq for seq, _, _ in last)
+            logits = self._prefill(chunk)
+            if chunk.is_final:
+                rows.append(logits)
+                seq = self._seqs[chunk.request_id]
+                row_seqs.append(seq)
+                joining.append(seq)
 
         if self._batch_ids:
             batch = [self._seqs[rid] for rid in self._batch_ids]
@@ -335,8 +296,7 @@ class ModelRunner:
                 tokens[seq.request_id] = token
                 if lp is not None:
                     logprobs[seq.request_id] = TokenLogprob(lp.token_id, lp.logprob, lp.top)
-        if joining is not None:
-            self._join_batch(joining, [seq for seq, _, _ in last])
+        self._join_batch(joining)
         return StepResult(
             tokens=tokens,
             logprobs=logprobs,
