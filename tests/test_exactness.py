@@ -161,7 +161,7 @@ async def test_checkpoints_emit_events_and_reach_the_hook_while_still_prefilling
 
 @pytest.mark.parametrize("name", ["demo", "demo_hybrid", "demo_sliding"])
 @pytest.mark.parametrize("cached", [0, 10])
-def test_final_chunks_of_different_lengths_batched_in_one_step_match_solo(request, name, cached):
+def test_final_chunks_of_different_lengths_in_one_step_match_solo(request, name, cached):
     loaded = request.getfixturevalue(name)
     prompts = [prompt_ids(n, seed=n) for n in (3, 20, 41, 9)]  # the sliding window is 16
     runner = CapturingRunner(loaded)
@@ -183,7 +183,7 @@ def test_final_chunks_of_different_lengths_batched_in_one_step_match_solo(reques
     plan = StepPlan(step=2, chunks=finals, num_scheduled_tokens={})
     result = runner.run(StepWork(plan=plan, admit=() if first else tuple(news)))
     logits = runner.sampled_logits[-1]
-    assert logits.shape[0] == len(prompts)  # one forward pass, one row each
+    assert logits.shape[0] == len(prompts)  # sampled together, one row each
     for i, p in enumerate(prompts):
         assert mx.allclose(logits[i : i + 1], full_prefill_logits(loaded, p), atol=1e-4), i
     # and they decode on, batched, exactly as mlx-lm does alone
