@@ -343,4 +343,5 @@ def test_the_log_imports_without_mlx() -> None:
     code = (
         "import sys, stepline.events.log; assert not any(m.startswith('mlx') for m in sys.modules)"
     )
-    subprocess.run([sys.executable, "-c", code], check=True)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
