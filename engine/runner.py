@@ -64,7 +64,6 @@ class _Seq:
     prompt: mx.array  # (L,) int32
     sampling: RowSampling
     history: RowHistory | None
-    logprobs: int | None
     cache: Cache | None  # own cache while prefilling; None once merged into the batch
     output: list[int] = field(default_factory=list)
     checkpoints: list[int] = field(default_factory=list)
@@ -157,15 +156,11 @@ class ModelRunner:
             repetition_penalty=p.repetition_penalty,
             logprobs=new.logprobs,
         )
-        needs_history = (
-            p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
-        )
         self._seqs[new.request_id] = _Seq(
             request_id=new.request_id,
             prompt=mx.array(new.prompt_token_ids, dtype=mx.int32),
             sampling=sampling,
-            history=RowHistory(new.prompt_token_ids) if needs_history else None,
-            logprobs=new.logprobs,
+            history=RowHistory(new.prompt_token_ids) if sampling.needs_history else None,
             cache=self._hits.pop(new.request_id, None) or make_prompt_cache(self.model),
         )
 
@@ -327,7 +322,3 @@ class ModelRunner:
     @property
     def num_sequences(self) -> int:
         return len(self._seqs)
-
-    @property
-    def num_batch_rows(self) -> int:
-        return len(self._batch_ids)
