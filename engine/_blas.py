@@ -49,7 +49,10 @@ def _cache_dir() -> Path:
 
 def _patched_copy(openblas: Path, gfortran: Path) -> Path:
     """A copy of `openblas` whose libgfortran dependency is `gfortran`'s absolute path."""
-    key = hashlib.sha256(f"{openblas.resolve()}|{gfortran.resolve()}".encode()).hexdigest()[:16]
+    # The file's size and mtime are in the key: an upgraded wheel must not reuse an old copy.
+    st = openblas.resolve().stat()
+    ident = f"{openblas.resolve()}|{st.st_size}|{st.st_mtime_ns}|{gfortran.resolve()}"
+    key = hashlib.sha256(ident.encode()).hexdigest()[:16]
     target = _cache_dir() / key / "libopenblas.so.0"
     if target.exists():
         return target
@@ -64,6 +67,53 @@ def _patched_copy(openblas: Path, gfortran: Path) -> Path:
     )
     os.replace(tmp, target)  # atomic: concurrent first runs race safely
     return target
+
+
+_AVX512_CORES = ("SKYLAKEX", "COOPERLAKE", "SAPPHIRERAPIDS")
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _unfit_for_cpu(lib: ctypes.CDLL) -> str | None:
+    """Why this OpenBLAS (loaded locally, not yet global) would crash here, or None.
+
+    A build without DYNAMIC_ARCH runs one target's kernels everywhere: cmeel-openblas
+    0.3.31 is built for SKYLAKEX and dies of SIGILL in its first product on a CPU
+    without AVX-512 (seen on a Zen 3 EPYC VM). Its core name says which kernels run.
+    """
+    flags = _cpu_flags()
+    if not flags or "avx512f" in flags:
+        return None
+    try:
+        lib.openblas_get_corename.restype = ctypes.c_char_p
+        core = (lib.openblas_get_corename() or b"").decode(errors="replace")
+    except AttributeError:
+        return None
+    if core.upper() in _AVX512_CORES:
+        return f"OpenBLAS runs {core} kernels, which need AVX-512; this CPU lacks it"
+    return None
+
+
+def _load(path: Path) -> None:
+    """Load OpenBLAS for MLX (RTLD_GLOBAL), unless it would crash on this CPU."""
+    local = ctypes.CDLL(str(path), mode=ctypes.RTLD_LOCAL)
+    unfit = _unfit_for_cpu(local)
+    if unfit is not None:
+        raise _Unfit(f"{unfit}: install cmeel-openblas==0.3.29")
+    ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+
+
+class _Unfit(Exception):
+    pass
 
 
 def preload_openblas() -> str | None:
@@ -88,8 +138,11 @@ def preload_openblas() -> str | None:
         _reason = "cmeel-openblas is not installed"
         return None
     try:
-        ctypes.CDLL(str(openblas), mode=ctypes.RTLD_GLOBAL)
+        _load(openblas)
         _loaded = str(openblas)
+    except _Unfit as exc:
+        _reason = str(exc)
+        return None
     except OSError as first:
         gfortran = _find("mlx_cpu.libs/libgfortran*.so*") or _find("numpy.libs/libgfortran*.so*")
         if gfortran is None:
@@ -97,8 +150,11 @@ def preload_openblas() -> str | None:
             return None
         try:
             patched = _patched_copy(openblas, gfortran)
-            ctypes.CDLL(str(patched), mode=ctypes.RTLD_GLOBAL)
+            _load(patched)
             _loaded = str(patched)
+        except _Unfit as exc:
+            _reason = str(exc)
+            return None
         except (OSError, subprocess.CalledProcessError) as second:
             _reason = f"{first}; patched copy failed too: {second}"
             return None
