@@ -158,6 +158,19 @@ class EmptyPromptError(AdmissionError):
     pass
 
 
+class QueueFullError(AdmissionError):
+    """The waiting queue is full: try again later (HTTP 429 with Retry-After)."""
+
+    def __init__(self, num_waiting: int, max_waiting: int, retry_after_s: float = 1.0):
+        self.num_waiting = num_waiting
+        self.max_waiting = max_waiting
+        self.retry_after_s = retry_after_s
+        super().__init__(
+            f"the engine's waiting queue is full ({num_waiting} of {max_waiting} requests "
+            "waiting): retry later"
+        )
+
+
 class ContextLengthExceededError(AdmissionError):
     def __init__(self, num_prompt_tokens: int, max_context: int):
         self.num_prompt_tokens = num_prompt_tokens
