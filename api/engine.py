@@ -137,6 +137,7 @@ class RequestStream:
                 self._cancel()
             except Exception:  # noqa: BLE001 - the engine may be gone already
                 pass
+        self._outputs.close()
 
 
 class Engine:
@@ -359,22 +360,23 @@ class Engine:
             len(ids) + params.max_tokens + 8
         )
         reply = asyncio.get_running_loop().create_future()
-        await self._step_loop.inbox.send(
-            Submit(
-                request_id=rid,
-                prompt_token_ids=tuple(ids),
-                params=params.to_record(),
-                checkpoints=tuple(checkpoints),
-                logprobs=params.logprobs,
-                actor=inbox_tx,
-                reply=reply,
-            )
+        submit = Submit(
+            request_id=rid,
+            prompt_token_ids=tuple(ids),
+            params=params.to_record(),
+            checkpoints=tuple(checkpoints),
+            logprobs=params.logprobs,
+            actor=inbox_tx,
+            reply=reply,
         )
         try:
+            await self._step_loop.inbox.send(submit)
             await reply
         except BaseException:
-            if reply.done() and not reply.cancelled() and reply.exception() is None:
-                self._send_cancel(rid)  # admitted just as the submitter was cancelled
+            # Cancelled at any point: a reply still pending is cancelled (the step loop then
+            # skips the request); one that admitted it already gets a cancel on its heels.
+            if not reply.cancel() and not reply.cancelled() and reply.exception() is None:
+                self._send_cancel(rid)
             for s in (inbox_tx, inbox_rx, out_tx, out_rx):
                 s.close()
             raise
