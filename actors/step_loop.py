@@ -14,7 +14,7 @@ import asyncio
 import hashlib
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +27,7 @@ from stepline.actors.messages import Cancel, Finish, NewTokens, Progress, Submit
 from stepline.actors.metrics import EngineMetrics
 from stepline.engine.policy import (
     AdmissionError,
+    QueueFullError,
     SchedulerConfig,
     StepPlan,
     check_admissible,
@@ -152,6 +153,7 @@ class StepLoop:
         try:
             if self.dead_reason is not None:
                 raise EngineDeadError(f"the engine is unhealthy: {self.dead_reason}")
+            self._check_queue()
             check_admissible(
                 len(msg.prompt_token_ids),
                 msg.params.max_tokens,
@@ -179,6 +181,12 @@ class StepLoop:
         )
         self.metrics.admitted()
         msg.reply.set_result(found.num_tokens)
+
+    def _check_queue(self) -> None:
+        """Raise QueueFullError if `max_waiting` requests already wait for their first chunk."""
+        num_waiting = sum(1 for s in self.states.values() if s.status is Status.WAITING)
+        if num_waiting >= self.config.max_waiting:
+            raise QueueFullError(num_waiting, self.config.max_waiting)
 
     def _reject(self, msg: Submit, exc: AdmissionError) -> None:
         """Log the request as admitted and at once rejected (so the log shows what was
@@ -254,12 +262,12 @@ class StepLoop:
                         await self._handle(msg)
                     await self._step()
                 except Exception as exc:
-                    # A bug here must not leave clients waiting on streams that never end:
-                    # fail like a dead executor (every request ends with an error).
+                    # A bug in this loop's own code (the executor's faults are caught where it
+                    # is called). Its scheduling state is in doubt, so the engine stops
+                    # serving, but says what failed: no client waits on a stream that never ends.
                     log.exception("step_loop_failed")
-                    self.executor.mark_dead(exc)
                     self._in_step = False
-                    await self._die(exc)
+                    await self._die(f"step loop failed: {exc!r}")
 
     async def _step(self) -> None:
         plan = schedule(self.states, self.config, self.step + 1)
@@ -305,9 +313,20 @@ class StepLoop:
         # Cancels that arrived during the step win over its results.
         for msg in self._drain():
             await self._handle(msg)
+        await self._end_failed(result.failed)
         await self._commit(plan, result)
         self.metrics.step(plan.num_tokens, self.config.max_step_tokens, result.seconds)
         self.metrics.prefix_cache(result.prefix_cache)
+        self.metrics.memory(result.memory)
+
+    async def _end_failed(self, failed: Mapping[str, str]) -> None:
+        """End the requests the executor could not serve (it already dropped their state);
+        the step's results for the others stand."""
+        for rid, what in failed.items():
+            if rid in self.states:  # else: cancelled while the step ran
+                log.error("request_failed", request_id=rid, what=what)
+                await self._end(rid, FinishReason.ERROR, what)
+            self._to_free.pop(rid, None)
 
     def _take_frees(self) -> tuple[tuple[str, ...], frozenset[str]]:
         """Requests ended since the executor last heard, and those whose caches are worth
@@ -323,15 +342,16 @@ class StepLoop:
         try:
             return await self.executor.call(fn, *args)
         except ExecutorDeadError as exc:
-            await self._die(exc)
+            await self._die(f"executor failed: {exc!r}")
         except Exception as exc:
             self.executor.mark_dead(exc)
-            await self._die(exc)
+            await self._die(f"executor failed: {exc!r}")
         return None
 
-    async def _die(self, exc: BaseException) -> None:
-        """The executor failed: end every in-flight request with an error; admit no more."""
-        self.dead_reason = f"executor failed: {exc!r}"
+    async def _die(self, reason: str) -> None:
+        """The engine cannot go on (`reason` says what failed: the executor or this loop):
+        end every in-flight request with an error; admit no more."""
+        self.dead_reason = reason
         log.error("engine_dead", reason=self.dead_reason)
         self.metrics.healthy.set(0)
         for state in self._unfinished():
