@@ -6,7 +6,7 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from stepline.api import AdmissionError, Engine, SamplingParams
+from stepline.api import Engine, KVBudgetExceededError, QueueFullError, SamplingParams
 from stepline.engine.memory import (
     KVFootprint,
     default_kv_budget_bytes,
@@ -15,7 +15,6 @@ from stepline.engine.memory import (
     measure_kv_footprint,
     weights_bytes,
 )
-from stepline.engine.policy import QueueFullError
 from stepline.events.fold import Status
 
 import mlx.core as mx  # isort: skip  # after stepline.engine, which loads OpenBLAS first
@@ -98,7 +97,7 @@ async def test_a_tiny_kv_budget_makes_requests_wait_and_refuses_one_that_never_f
         assert max(running_kv) <= budget_tokens  # 2 fit at a time (80 tokens each); 2 waited
         assert any(n == 160 for n in running_kv)
 
-        with pytest.raises(AdmissionError) as err:
+        with pytest.raises(KVBudgetExceededError) as err:
             await engine.submit(prompt_of(20), params=p.model_copy(update={"max_tokens": 300}))
         message = str(err.value)
         assert "320 tokens" in message and f"{budget_tokens} tokens" in message
