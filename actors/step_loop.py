@@ -324,7 +324,7 @@ class StepLoop:
         the step's results for the others stand."""
         for rid, what in failed.items():
             if rid in self.states:  # else: cancelled while the step ran
-                log.error("request_failed", request_id=rid, what=what)
+                log.error("request_ended_by_fault", request_id=rid, what=what)
                 await self._end(rid, FinishReason.ERROR, what)
             self._to_free.pop(rid, None)
 

@@ -47,9 +47,11 @@ def read_memory_counters() -> MemoryCounters:
 
 
 def machine_memory_bytes() -> int:
-    """The memory MLX may use: Metal's recommended working set on macOS, else physical RAM."""
-    info: dict[str, Any] = mx.device_info()
-    for key in ("max_recommended_working_set_size", "memory_size"):
+    """The memory MLX may use: Metal's recommended working set on macOS, the GPU's memory
+    on CUDA, else physical RAM."""
+    device_info = getattr(mx, "device_info", None) or mx.metal.device_info  # MLX < 0.30
+    info: dict[str, Any] = device_info()
+    for key in ("max_recommended_working_set_size", "memory_size", "total_memory"):
         if info.get(key):
             return int(info[key])
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
