@@ -20,7 +20,11 @@ class EngineMetrics:
         )
         self.prefilling = Gauge("stepline_requests_prefilling", "Mid-prefill", registry=r)
         self.running = Gauge("stepline_requests_decoding", "Generating tokens", registry=r)
-        self.healthy = Gauge("stepline_healthy", "1 while the executor is alive", registry=r)
+        self.healthy = Gauge(
+            "stepline_healthy",
+            "1 while the engine serves (executor and step loop alive)",
+            registry=r,
+        )
         self.healthy.set(1)
         self.requests = Counter(
             "stepline_requests", "Requests ended, by finish reason", ["reason"], registry=r
