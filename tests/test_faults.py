@@ -13,7 +13,12 @@ import anyio
 import pytest
 
 from stepline.api import Engine, EngineDeadError, SamplingParams
-from stepline.engine.work import CHECKPOINT_FAILED, PREFILL_FAILED, SAMPLING_FAILED
+from stepline.engine.work import (
+    ADMISSION_FAILED,
+    CHECKPOINT_FAILED,
+    PREFILL_FAILED,
+    SAMPLING_FAILED,
+)
 from stepline.events.log import read_events
 from stepline.events.models import CheckpointReached, ChunkPrefilled, Terminal
 
@@ -259,4 +264,18 @@ async def test_values_past_the_vocabulary_are_refused_and_the_engine_serves_on(m
         for p in ok:
             outs = await collect(await engine.submit("still serving", params=p))
             assert outs[-1].finish_reason in ("length", "stop")
+        assert engine.healthy
+
+
+async def test_params_that_skipped_validation_end_their_request_not_the_engine(model_cache_dir):
+    # model_construct skips pydantic's checks: the executor's own RowSampling still refuses
+    # the value, and that fault is pinned on the request.
+    unchecked = SamplingParams.model_construct(
+        **{**SamplingParams().model_dump(), "repetition_penalty": math.inf, "max_tokens": 4}
+    )
+    async with Engine.open(max_step_tokens=32, max_num_seqs=4) as engine:
+        other = await engine.submit("fine", params=params(1))
+        outs = await collect(await engine.submit("bad", params=unchecked))
+        assert outs[-1].finish_reason == "error" and outs[-1].error == ADMISSION_FAILED
+        assert (await collect(other))[-1].finish_reason == "length"
         assert engine.healthy
