@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import structlog
 import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -29,6 +30,8 @@ from stepline.api.http_guard import (
 )
 from stepline.api.log_config import LOG_FORMATS, LOG_LEVELS, configure_logging
 from stepline.api.server import DEFAULT_MAX_BODY_BYTES, create_app, loading_app
+
+log = structlog.get_logger(__name__)
 
 DEFAULT_LIMIT_CONCURRENCY = 1024  # connections or requests; each connection is a file
 DEFAULT_TIMEOUT_KEEP_ALIVE_S = 5.0  # uvicorn's default
@@ -208,6 +211,9 @@ async def _serve(args: argparse.Namespace, sock: socket.socket, engine_kwargs: d
             # MLX, mlx-lm and transformers take seconds to import: not on the event loop,
             # which answers /health meanwhile.
             await anyio.to_thread.run_sync(_import_engine_modules)
+            # After that import: mlx_lm.utils sets the limit to (2048, 4096) when imported.
+            soft, hard = raise_open_file_limit()
+            log.info("open_file_limit", soft=soft, hard=hard)
             async with Engine.open(args.model, **engine_kwargs) as engine:
                 names = args.served_model_name or [engine.model_name]
                 switch.app = create_app(
@@ -252,7 +258,6 @@ def run_serve(args: argparse.Namespace) -> int:
         )
         return 1
     configure_logging(args.log_format, args.log_level)
-    raise_open_file_limit()
     # uvloop (and httptools, which uvicorn picks by itself) cut the HTTP layer's CPU per
     # token when installed (`uvicorn[standard]`); plain asyncio and h11 work the same.
     use_uvloop = importlib.util.find_spec("uvloop") is not None
