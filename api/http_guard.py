@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import resource
 import time
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -100,15 +101,16 @@ class RateLimitedExceptionHandler:
     (EMFILE: too many open files) repeat for every connection attempt; logged each time, they
     fill a disk in minutes."""
 
-    def __init__(self, interval_s: float = 1.0):
+    def __init__(self, interval_s: float = 1.0, clock: Callable[[], float] = time.monotonic):
         self.interval_s = interval_s
+        self._clock = clock
         self._last: dict[tuple[str, str], float] = {}
         self._suppressed: dict[tuple[str, str], int] = {}
 
     def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
         exc = context.get("exception")
         key = (str(context.get("message", "")), type(exc).__name__ if exc else "")
-        now = time.monotonic()
+        now = self._clock()
         if now - self._last.get(key, -float("inf")) < self.interval_s:
             self._suppressed[key] = self._suppressed.get(key, 0) + 1
             return
