@@ -12,12 +12,14 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import anyio
 import httpx
 import pytest
 import pytest_asyncio
 
+import stepline.engine
 from stepline.api import Engine
 from stepline.api.http_guard import RateLimitedExceptionHandler
 from stepline.api.serve_cmd import serve_in_process
@@ -418,3 +420,15 @@ async def test_past_the_concurrency_limit_requests_get_503_until_connections_clo
                 answered = await poll_health(http, 200)
     assert refused.status_code == 503
     assert answered.json()["status"] == "ok"
+
+
+async def test_the_length_bound_never_refuses_a_prompt_that_fits(served):
+    """A text is refused unread only if it has at least max_context tokens: the bound (its
+    length over the longest vocabulary entry) must never exceed the real token count."""
+    engine = served.engine
+    corpus = (Path(stepline.engine.__file__).parent / "demo_corpus.txt").read_text()
+    texts = [corpus[i : i + 3000] for i in range(0, len(corpus), 7919)][:50]
+    texts += [" " * 3000, "\n" * 3000, "a" * 3000, "é🍞" * 1000, "<|im_start|>" * 200]
+    for text in texts:
+        num_tokens = len(engine.tokenizer.encode(text, add_special_tokens=False))
+        assert num_tokens >= math.ceil(len(text) / engine.max_chars_per_token), text[:40]
