@@ -121,4 +121,5 @@ class RateLimitedExceptionHandler:
             message=key[0],
             error=repr(exc) if exc else None,
             left_out_since_last=left_out,
+            exc_info=exc,  # the traceback, as asyncio's own handler would log it
         )
