@@ -414,7 +414,9 @@ class Engine:
         """Admit one request and return its output stream.
 
         Raises ValueError for a malformed prompt, AdmissionError (EmptyPromptError,
-        ContextLengthExceededError, EngineDeadError, ...) if the engine cannot serve it.
+        ContextLengthExceededError — PromptTooLongError when the text's length alone proves
+        it —, EngineDeadError, ...) if the engine cannot serve it. The prompt is tokenized on
+        a worker thread.
         """
         if self._closed:
             raise RuntimeError("the engine is closed")

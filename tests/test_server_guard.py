@@ -20,7 +20,7 @@ import pytest
 import pytest_asyncio
 
 import stepline.engine
-from stepline.api import Engine
+from stepline.api import Engine, PromptTooLongError
 from stepline.api.http_guard import RateLimitedExceptionHandler
 from stepline.api.serve_cmd import serve_in_process
 from stepline.api.server import create_app
@@ -432,3 +432,11 @@ async def test_the_length_bound_never_refuses_a_prompt_that_fits(served):
     for text in texts:
         num_tokens = len(engine.tokenizer.encode(text, add_special_tokens=False))
         assert num_tokens >= math.ceil(len(text) / engine.max_chars_per_token), text[:40]
+
+
+async def test_the_python_api_refuses_a_text_too_long_for_the_context_unread(served):
+    text = "bread " * (served.engine.max_context * served.engine.max_chars_per_token)
+    with pytest.raises(PromptTooLongError, match="at least"):
+        await served.engine.submit(text)
+    with pytest.raises(PromptTooLongError):
+        await served.engine.submit(messages=[{"role": "user", "content": text}])
