@@ -2,7 +2,7 @@
 
 from stepline.actors.request import RequestOutput
 from stepline.actors.step_loop import EngineDeadError
-from stepline.api.engine import Engine, RequestStream, SamplingParams
+from stepline.api.engine import Engine, PromptTooLongError, RequestStream, SamplingParams
 from stepline.engine.policy import (
     AdmissionError,
     ContextLengthExceededError,
@@ -18,6 +18,7 @@ __all__ = [
     "Engine",
     "EngineDeadError",
     "KVBudgetExceededError",
+    "PromptTooLongError",
     "QueueFullError",
     "RequestOutput",
     "RequestStream",

@@ -86,7 +86,8 @@ class OpenAIServing(Serving):
         req = await self.parse(request, ChatCompletionRequest)
         num_logprobs = req.num_logprobs
         messages = req.engine_messages()
-        ids = self.encode(messages=messages)
+        # Chat boundaries (end of the system prompt, of earlier turns) feed the prefix cache.
+        ids, checkpoints = await self.prepare(messages=messages)
         max_tokens = self.max_tokens(
             req.requested_max_tokens,
             len(ids),
@@ -95,11 +96,9 @@ class OpenAIServing(Serving):
             param="max_completion_tokens" if req.max_completion_tokens else "max_tokens",
         )
         params = self.sampling(req, max_tokens, num_logprobs)
-        # Chat boundaries (end of the system prompt, of earlier turns) feed the prefix cache.
-        checkpoints = self.engine.chat_checkpoints(messages, ids)
         stream = await self.submit(rid, ids, params, "messages", checkpoints)
         created = now()
-        model = self.engine.model_name
+        model = self.response_model(req.model)
         if req.stream:
             return self.stream_response(
                 rid, stream, lambda emit: self._chat_stream(emit, stream, req, rid, created)
@@ -129,7 +128,7 @@ class OpenAIServing(Serving):
     async def _chat_stream(
         self, emit: Emit, stream: RequestStream, req: ChatCompletionRequest, rid: str, created: int
     ) -> None:
-        model = self.engine.model_name
+        model = self.response_model(req.model)
         exclude = None if req.include_usage else {"usage"}
         want_logprobs = req.logprobs
 
@@ -154,7 +153,7 @@ class OpenAIServing(Serving):
                 await emit(PING)  # a long prompt is prefilling: keep proxies from timing out
                 continue
             if out.finish_reason not in (None, "stop", "length"):
-                await self.stream_error(emit, out)
+                await self.stream_error(emit, rid, out)
                 return
             frames = []  # this output's frames, sent in one write
             if not started:
@@ -179,7 +178,7 @@ class OpenAIServing(Serving):
                 await emit(b"".join(frames))
             if out.finish_reason is not None:
                 return
-        await self.stream_error(emit, None)
+        await self.stream_error(emit, rid, None)
 
     # -- /v1/completions --
 
@@ -188,7 +187,7 @@ class OpenAIServing(Serving):
 
     async def _completions(self, request: Request, rid: str) -> Response:
         req = await self.parse(request, CompletionRequest)
-        ids = self.encode(prompt=req.engine_prompt())
+        ids, _ = await self.prepare(prompt=req.engine_prompt())
         max_tokens = self.max_tokens(
             req.max_tokens, len(ids), default=DEFAULT_COMPLETION_MAX_TOKENS, prompt_param="prompt"
         )
@@ -207,7 +206,7 @@ class OpenAIServing(Serving):
         body = Completion(
             id=rid,
             created=created,
-            model=self.engine.model_name,
+            model=self.response_model(req.model),
             choices=[
                 CompletionChoice(
                     text="".join(o.text for o in outs),
@@ -222,7 +221,7 @@ class OpenAIServing(Serving):
     async def _completion_stream(
         self, emit: Emit, stream: RequestStream, req: CompletionRequest, rid: str, created: int
     ) -> None:
-        model = self.engine.model_name
+        model = self.response_model(req.model)
         exclude = None if req.include_usage else {"usage"}
         want_logprobs = req.logprobs is not None
         offset = 0
@@ -249,7 +248,7 @@ class OpenAIServing(Serving):
                 await emit(PING)
                 continue
             if out.finish_reason not in (None, "stop", "length"):
-                await self.stream_error(emit, out)
+                await self.stream_error(emit, rid, out)
                 return
             frames = []  # this output's frames, sent in one write
             if want_logprobs and out.logprobs:
@@ -270,12 +269,13 @@ class OpenAIServing(Serving):
                 await emit(b"".join(frames))
             if out.finish_reason is not None:
                 return
-        await self.stream_error(emit, None)
+        await self.stream_error(emit, rid, None)
 
     # -- the rest --
 
     def models(self) -> ModelList:
+        """The served model under its first name (the others are accepted as `model` too)."""
         card = ModelCard(
-            id=self.engine.model_name, created=self.created, max_model_len=self.engine.max_context
+            id=self.model_name, created=self.created, max_model_len=self.engine.max_context
         )
         return ModelList(data=[card])
