@@ -1,18 +1,26 @@
 """Event models: one frozen pydantic model per kind, one discriminated union.
 
 Every event carries a monotonically increasing sequence number (`seq`, contiguous
-from 1 within one log), a wall-clock timestamp, the engine step it belongs to and
-the request id (the `step` record belongs to no request).
+from 1 within one run of the engine), a wall-clock timestamp, the engine step it belongs
+to and the request id (the `step` and `step-finished` records belong to no request).
+
+Schema history: 2 added the run id and the prompt-digest salt to the header, `log_outputs`,
+`Decoding.num_tokens` (token ids may be left out) and `StepFinished`. Every addition has a
+default that describes a version-1 log correctly, so the 1 -> 2 upcaster changes nothing.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import secrets
+from collections.abc import Sequence
 from enum import StrEnum
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 class FinishReason(StrEnum):
@@ -58,7 +66,9 @@ class Admitted(_Event):
     num_prompt_tokens: int
     # The prompt's token ids, or None when the engine runs with log_prompts=False.
     prompt_token_ids: tuple[int, ...] | None
-    prompt_sha256: str  # hash of the token ids, always present
+    # prompt_digest(salt, token ids) with the run header's salt (plain SHA-256 when the
+    # header has no salt: schema 1), always present
+    prompt_sha256: str
     checkpoints: tuple[int, ...] = ()  # prompt offsets where the cache is snapshotted
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     cache_source: str | None = None  # where they came from (e.g. "memory", "disk")
@@ -105,7 +115,25 @@ class Decoding(_Event):
 
     type: Literal["decoding"] = "decoding"
     request_id: str
-    token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...] | None  # None when the log leaves outputs out (log_outputs)
+    num_tokens: int  # len(token_ids); filled in from token_ids when not given
+
+    @model_validator(mode="before")
+    @classmethod
+    def _count_tokens(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "num_tokens" not in data:
+            ids = data.get("token_ids")
+            if ids is not None:
+                data = {**data, "num_tokens": len(ids)}
+        return data
+
+    @model_validator(mode="after")
+    def _check_count(self) -> Decoding:
+        if self.token_ids is not None and self.num_tokens != len(self.token_ids):
+            raise ValueError(
+                f"num_tokens {self.num_tokens} does not match {len(self.token_ids)} token ids"
+            )
+        return self
 
 
 class Terminal(_Event):
@@ -117,15 +145,34 @@ class Terminal(_Event):
     message: str | None = None  # for error / rejected: what went wrong
 
 
+class StepFinished(_Event):
+    """The executor finished the step: how long it took, and how long the scheduler thought."""
+
+    type: Literal["step-finished"] = "step-finished"
+    request_id: None = None
+    seconds: float  # the executor's measured wall time of the step
+    predicted_seconds: float | None = None  # the scheduler's cost-model prediction, if any
+
+
 Event = Annotated[
-    Admitted | StepPlanned | ChunkPrefilled | CheckpointReached | Decoding | Terminal,
+    Admitted
+    | StepPlanned
+    | StepFinished
+    | ChunkPrefilled
+    | CheckpointReached
+    | Decoding
+    | Terminal,
     Field(discriminator="type"),
 ]
 EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
 
 
 class LogHeader(BaseModel):
-    """First line of every log file."""
+    """First line of every log file, and of every run appended to a log.
+
+    A log may hold several runs (a restart appends a new one); each starts with its own
+    header, and every file a run rotates into starts with that same header.
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -134,4 +181,31 @@ class LogHeader(BaseModel):
     created: float
     model: str | None = None
     config: dict = Field(default_factory=dict)  # the engine config the run used
-    log_prompts: bool = True
+    log_prompts: bool = True  # prompt token ids stored (else only count and digest)
+    log_outputs: bool = True  # output token ids stored (else only their count)
+    run_id: str | None = None  # names the run; None in logs written before runs had ids
+    salt: str | None = None  # hex key of this run's prompt digests; None: unsalted SHA-256
+
+
+def new_run_id() -> str:
+    """A fresh random run id (12 hex digits)."""
+    return secrets.token_hex(6)
+
+
+def new_salt() -> str:
+    """A fresh random salt for prompt digests (32 hex digits)."""
+    return secrets.token_hex(16)
+
+
+def prompt_digest(salt: str | None, token_ids: Sequence[int]) -> str:
+    """The hex digest logged as `Admitted.prompt_sha256`: HMAC-SHA256 of the comma-joined
+    token ids keyed with the run's `salt` (plain SHA-256 when `salt` is None, as in schema 1).
+
+    The salt lives in the log's header, so equal prompts in different logs get different
+    digests and precomputed tables are useless; whoever holds the log (and so its salt) can
+    still test a guessed prompt against it.
+    """
+    data = ",".join(map(str, token_ids)).encode()
+    if salt is None:
+        return hashlib.sha256(data).hexdigest()
+    return hmac.new(bytes.fromhex(salt), data, hashlib.sha256).hexdigest()
