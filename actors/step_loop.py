@@ -11,7 +11,6 @@ with the same `apply` replay uses, so folding its log rebuilds exactly this stat
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -41,8 +40,10 @@ from stepline.events.models import (
     Decoding,
     FinishReason,
     StepEntry,
+    StepFinished,
     StepPlanned,
     Terminal,
+    prompt_digest,
 )
 
 log = structlog.get_logger(__name__)
@@ -191,7 +192,7 @@ class StepLoop:
 
     def _admit_event(self, msg: Submit, found: PrefixLookup | None = None) -> None:
         ids = msg.prompt_token_ids
-        digest = hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()
+        digest = prompt_digest(getattr(self._event_log, "salt", None), ids)
         self._record(
             Admitted,
             request_id=msg.request_id,
@@ -302,6 +303,7 @@ class StepLoop:
         result = await self._run_executor(self.runner.run, work)
         if result is None:
             return
+        self._record(StepFinished, seconds=result.seconds)
         # Cancels that arrived during the step win over its results.
         for msg in self._drain():
             await self._handle(msg)

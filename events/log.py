@@ -137,7 +137,6 @@ class EventLogWriter:
         self._header_line = header.model_dump_json().encode() + b"\n"
         self._file: IO[bytes] | None = None
         self._file_bytes = 0
-        self._num_unflushed = 0  # events written to the file's buffer since the last flush
         if existing:
             self._open_to_append(existing)  # on the caller's thread: errors reach the caller
         else:
@@ -259,25 +258,24 @@ class EventLogWriter:
             self._file_index -= 1
             self._open_next_file(mode="wb")
             return
-        self._file = open(last, "ab", buffering=1 << 16)  # closed in _close_file
+        self._file = open(last, "ab", buffering=0)  # closed in _close_file
         size = last.stat().st_size
         # A torn last line (a kill mid-write) is closed off, not removed: it stays the last
         # line of the previous run, which the reader skips with a warning.
         prefix = b"\n" if size > data_end else b""
-        self._file.write(prefix + self._header_line)
-        self._file.flush()
+        _write_or_raise(self._file, prefix + self._header_line)
         self._file_bytes = size + len(prefix) + len(self._header_line)
 
     def _open_next_file(self, mode: str = "xb") -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
-            self._num_unflushed = 0  # closing flushed them
         path = rotated_path(self.path, self._file_index)
-        self._file = open(path, mode, buffering=1 << 16)  # closed in _close_file
+        # Unbuffered: each batch is one write, so after an error the writer knows exactly
+        # which events reached the file and which were lost.
+        self._file = open(path, mode, buffering=0)  # closed in _close_file
         self._file_index += 1
-        self._file.write(self._header_line)
-        self._file.flush()
+        _write_or_raise(self._file, self._header_line)
         self._file_bytes = len(self._header_line)
 
     def _run(self) -> None:
@@ -293,50 +291,74 @@ class EventLogWriter:
 
     def _handle(self, batch: list[Any]) -> bool:
         """Write a batch in order; returns True when the stop sentinel was met."""
+        lines: list[bytes] = []  # serialised, not yet written to the current file
+        pending = 0  # their bytes
         for item in batch:
             if item is _STOP:
-                self._flush_file()
+                self._write_lines(lines)
                 self._close_file()
                 return True
             if isinstance(item, threading.Event):
-                self._flush_file()
+                self._write_lines(lines)
+                lines, pending = [], 0
                 item.set()
                 continue
             if self._error is None:
                 try:
-                    self._write(item)
-                    self._num_unflushed += 1
+                    line = self._serialise(item)
+                    if self._must_rotate(self._file_bytes + pending):
+                        self._write_lines(lines)
+                        lines, pending = [], 0
+                        if self._error is None:
+                            self._open_next_file()
+                    lines.append(line)
+                    pending += len(line)
                 except Exception as exc:  # disk full, permissions, ...: never crash the engine
-                    self._fail(exc)
+                    self._fail(exc, lost=len(lines))
+                    lines, pending = [], 0
             if self._error is not None:
                 self._num_dropped += 1
             self._num_done += 1
-        self._flush_file()  # so that a crash loses at most the batch in flight
+        self._write_lines(lines)  # so that a crash loses at most the batch in flight
         return False
 
-    def _write(self, event: Event) -> None:
+    def _serialise(self, event: Event) -> bytes:
         if not self.header.log_outputs and isinstance(event, Decoding) and event.token_ids:
             event = event.model_copy(update={"token_ids": None})
         elif not self.header.log_prompts and isinstance(event, Admitted):
             event = event.model_copy(update={"prompt_token_ids": None})
-        line = event.model_dump_json().encode() + b"\n"
-        if (
-            self.rotate_bytes is not None
-            and self._file_bytes >= self.rotate_bytes
-            and self._file_bytes > len(self._header_line)
-        ):
-            self._open_next_file()
-        assert self._file is not None
-        self._file.write(line)
-        self._file_bytes += len(line)
+        return event.model_dump_json().encode() + b"\n"
 
-    def _flush_file(self) -> None:
-        if self._error is None and self._file is not None:
-            try:
-                self._file.flush()
-                self._num_unflushed = 0
-            except Exception as exc:
-                self._fail(exc)
+    def _must_rotate(self, size: int) -> bool:
+        """Whether a file of `size` bytes is full (a file always takes one event at least)."""
+        return (
+            self.rotate_bytes is not None
+            and size >= self.rotate_bytes
+            and size > len(self._header_line)
+        )
+
+    def _write_lines(self, lines: list[bytes]) -> None:
+        """Write `lines` to the current file in one go; on an error, count the lines that did
+        not reach it in full as dropped (a partly written one is a torn last line)."""
+        if not lines or self._error is not None:
+            return
+        assert self._file is not None
+        data = b"".join(lines)
+        written = 0
+        try:
+            written = _write_all(self._file, data)
+        except _PartialWrite as partial:
+            written = partial.written
+            complete, total = 0, 0
+            for line in lines:
+                total += len(line)
+                if total > written:
+                    break
+                complete += 1
+            self._file_bytes += written
+            self._fail(partial.error, lost=len(lines) - complete)
+            return
+        self._file_bytes += written
 
     def _close_file(self) -> None:
         if self._file is not None:
@@ -344,21 +366,47 @@ class EventLogWriter:
                 self._file.close()
             except Exception as exc:
                 if self._error is None:
-                    self._fail(exc)
+                    self._fail(exc, lost=0)
             self._file = None
 
-    def _fail(self, exc: Exception) -> None:
+    def _fail(self, exc: BaseException, *, lost: int) -> None:
+        """Become degraded: `lost` events already taken from the queue did not make it."""
         self._error = exc
-        # Events in the buffer that failed are as lost as those that will be dropped.
-        self._num_dropped += self._num_unflushed
-        self._num_unflushed = 0
+        self._num_dropped += lost
         log.error(
             "event_log_write_failed",
             path=str(rotated_path(self.path, max(self._file_index - 1, 0))),
             error=repr(exc),
-            lost_in_buffer=self._num_dropped,
             note="the log is degraded: later events are dropped; the engine keeps running",
         )
+
+
+def _write_or_raise(file: Any, data: bytes) -> None:
+    try:
+        _write_all(file, data)
+    except _PartialWrite as partial:
+        raise partial.error from None
+
+
+class _PartialWrite(Exception):
+    def __init__(self, written: int, error: BaseException) -> None:
+        self.written, self.error = written, error
+        super().__init__(f"wrote {written} bytes, then {error!r}")
+
+
+def _write_all(file: Any, data: bytes) -> int:
+    """Write all of `data` to an unbuffered file; raises _PartialWrite on an error."""
+    written = 0
+    view = memoryview(data)
+    try:
+        while written < len(data):
+            n = file.write(view[written:])
+            if not n:
+                raise OSError(f"the file took no bytes ({n!r})")
+            written += n
+    except OSError as exc:
+        raise _PartialWrite(written, exc) from exc
+    return written
 
 
 def _complete_bytes(path: Path) -> int:
@@ -375,5 +423,3 @@ def _complete_bytes(path: Path) -> int:
                 return start + newline + 1
             pos = start
     return 0
-
-

@@ -128,7 +128,6 @@ def existing_set(path: Path) -> list[Path]:
         index += 1
 
 
-
 def _v1_to_v2(raw: dict[str, Any]) -> dict[str, Any]:
     # Schema 2 only added fields whose defaults describe a version-1 log (no run id, no salt,
     # outputs logged, Decoding.num_tokens counted from its ids) and a new event kind.
@@ -173,4 +172,3 @@ def first_error(exc: ValidationError) -> str:
     err = exc.errors(include_url=False)[0]
     where = ".".join(str(p) for p in err["loc"])
     return f"{where}: {err['msg']}" if where else err["msg"]
-
