@@ -141,7 +141,7 @@ def _collect(
     return visible, lo, hi
 
 
-def _decode_runs(row: _Row) -> tuple[list[tuple[int, int, int]], list[int]]:
+def _decode_runs(row: _Row, merge: bool = True) -> tuple[list[tuple[int, int, int]], list[int]]:
     """Consecutive decode steps merged: (from, to, tokens); and steps where a first token
     came with the final prefill chunk (drawn as a marker on that chunk)."""
     runs: list[tuple[int, int, int]] = []
@@ -150,7 +150,7 @@ def _decode_runs(row: _Row) -> tuple[list[tuple[int, int, int]], list[int]]:
         if step in row.prefill:
             first_tokens.append(step)
             continue
-        if runs and runs[-1][1] + 1 >= step:
+        if merge and runs and runs[-1][1] + 1 >= step:
             a, _, tokens = runs[-1]
             runs[-1] = (a, step, tokens + n)
         else:
@@ -317,7 +317,8 @@ def render_svg(
                     f"<title>{rid}: prefill [{a}, {b}) of {row.num_prompt_tokens} "
                     f"at step {step}</title></rect>"
                 )
-        runs, first_tokens = _decode_runs(row)
+        # On a time axis a run of decode steps is not one bar: idle time may lie between them.
+        runs, first_tokens = _decode_runs(row, merge=not time_axis)
         for a, b, n in runs:
             a, b = max(a, lo), min(b, hi)
             if b >= a:
