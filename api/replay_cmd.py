@@ -150,6 +150,7 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
 
     # The view first: it fails on an unknown request id before any file is written.
     report: BaseModel | None = None
+    text: Callable[[Any], list[str]] = _text_summary
     code = EXIT_OK
     if args.reexecute:
         rx = asyncio.run(reexecute(args.log, model=args.model, run=run))

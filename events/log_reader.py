@@ -138,9 +138,9 @@ def read_run_events(
     for (file_path, line_no, line), following in _with_next(_lines(files)):
         header_now = current.header if current is not None else None
         if _is_header_line(line_no, line):
-            if not line.strip():
-                raise LogCorruptError(file_path, line_no, "the file is empty (no header)")
             try:
+                if not line.strip():
+                    raise LogCorruptError(file_path, line_no, "the file is empty (no header)")
                 header, version = parse_header_line(file_path, line, line_no)
             except LogCorruptError as exc:
                 if not _starts_new_run(following, header_now):
@@ -194,9 +194,11 @@ def read_runs(path: str | Path) -> list[LogRun]:
             continue
         current = runs[-1].header if runs else None
         try:
+            if not line.strip():
+                raise LogCorruptError(file_path, line_no, "the file is empty (no header)")
             header, _ = parse_header_line(file_path, line, line_no)
         except LogCorruptError:
-            if _starts_new_run(following, current) and line.strip():
+            if _starts_new_run(following, current):
                 continue  # torn; read_events warns about it
             raise
         if line_no == 1 and header == current:

@@ -31,6 +31,7 @@ from stepline.events.models import (
     FinishReason,
     LogHeader,
     RequestParams,
+    StepFinished,
     Terminal,
     new_run_id,
     new_salt,
@@ -282,3 +283,41 @@ def test_importing_the_log_fold_and_models_loads_no_mlx_and_no_openblas() -> Non
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_an_empty_last_file_left_by_a_kill_while_rotating_is_skipped(tmp_path: Path) -> None:
+    path = tmp_path / "run.jsonl"
+    write_run(path, run_header(), [decoding(1, "r", 1)])
+    (tmp_path / "run.1.jsonl").write_bytes(b"")  # created, killed before its header
+
+    with pytest.warns(TornLineWarning, match=r"run\.1\.jsonl:1"):
+        assert [e.seq for e in read_events(path)] == [1]
+    assert len(read_runs(path)) == 1
+    write_run(path, run_header(), [decoding(1, "r", 2)])  # and a restart writes it afresh
+    assert [run.index for run, _ in read_run_events(path)] == [1, 2]
+
+
+async def test_an_engine_logging_no_outputs_writes_counts_salted_digests_and_step_times(
+    tmp_path: Path, model_cache_dir
+) -> None:
+    from stepline.api import Engine, SamplingParams
+
+    path = tmp_path / "run.jsonl"
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    async with Engine.open(event_log=path, log_prompts=False, log_outputs=False) as engine:
+        stream = await engine.submit(list(range(5, 25)), params=params, request_id="q")
+        tokens = [t async for out in stream for t in out.token_ids]
+        live = engine.step_loop.state_of("q")
+
+    (run,) = read_runs(path)
+    assert (run.header.log_prompts, run.header.log_outputs) == (False, False)
+    events = list(read_events(path))
+    assert not any(
+        isinstance(e, Decoding) and e.token_ids is not None for e in events
+    )  # not one output id written
+    assert fold(events)["q"] == live and live.num_output_tokens == len(tokens) == 6
+    (adm,) = [e for e in events if isinstance(e, Admitted)]
+    assert adm.prompt_sha256 == prompt_digest(run.header.salt, range(5, 25))
+    assert adm.prompt_sha256 != prompt_digest(None, range(5, 25))
+    steps = [e for e in events if isinstance(e, StepFinished)]
+    assert steps and all(s.seconds > 0 for s in steps)  # every step's executor time
