@@ -348,7 +348,10 @@ def _text_summary(s: Summary) -> list[str]:
     h = s.header
     config = ", ".join(f"{k}={v}" for k, v in sorted(h.config.items()))
     outcomes = ", ".join(f"{n} {k}" for k, n in s.outcomes.items()) or "none"
-    steps = f"steps {s.first_step}..{s.last_step}" if s.num_steps else "no steps"
+    if len(s.runs) > 1:
+        steps = "steps"  # numbered afresh in each run
+    else:
+        steps = f"steps {s.first_step}..{s.last_step}" if s.num_steps else "no steps"
     u = s.budget_utilisation
     lines = [
         f"log {s.files[0]} ({len(s.files)} file{'s' * (len(s.files) != 1)}), "
@@ -422,7 +425,8 @@ def _run_lines(s: Summary) -> list[str]:
         outcomes = ", ".join(f"{n} {k}" for k, n in r.outcomes.items()) or "none"
         lines.append(
             f"  run {r.index} ({r.run_id or 'no id'}), started {_when(r.created)}: "
-            f"{r.num_events} events, {r.num_steps} steps, {r.num_requests} requests ({outcomes})"
+            f"{r.num_events} events, {r.num_steps} step{'s' * (r.num_steps != 1)}, "
+            f"{r.num_requests} request{'s' * (r.num_requests != 1)} ({outcomes})"
         )
     return lines
 
