@@ -86,8 +86,8 @@ class EventLogWriter:
     The header is written at construction, so a bad path fails there, not later.
 
     The header's promises are kept here: with `log_prompts` false an `Admitted` event is
-    written without its prompt ids, with `log_outputs` false a `Decoding` event without its
-    token ids (its `num_tokens` stays).
+    written without its prompt ids, with `log_outputs` false a `Decoding` event with the
+    count of its tokens (`token_count`) in place of their ids.
 
     A write error on the thread (disk full, the file gone) never reaches the caller: the
     writer becomes *degraded* — `error` holds the exception, one structlog error says why,
@@ -324,7 +324,7 @@ class EventLogWriter:
 
     def _serialise(self, event: Event) -> bytes:
         if not self.header.log_outputs and isinstance(event, Decoding) and event.token_ids:
-            event = event.model_copy(update={"token_ids": None})
+            event = event.model_copy(update={"token_ids": None, "token_count": event.num_tokens})
         elif not self.header.log_prompts and isinstance(event, Admitted):
             event = event.model_copy(update={"prompt_token_ids": None})
         return event.model_dump_json().encode() + b"\n"

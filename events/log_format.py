@@ -130,21 +130,29 @@ def existing_set(path: Path) -> list[Path]:
 
 def _v1_to_v2(raw: dict[str, Any]) -> dict[str, Any]:
     # Schema 2 only added fields whose defaults describe a version-1 log (no run id, no salt,
-    # outputs logged, Decoding.num_tokens counted from its ids) and a new event kind.
+    # outputs logged, no Decoding.token_count since ids are there) and a new event kind.
     return raw
 
 
 _UPCASTERS[1] = _v1_to_v2
+_NO_OP_UPCASTERS = {1}  # upcasters that change nothing: their records parse as they are
+
+
+def needs_upcast(version: int) -> bool:
+    """Whether records of `version` must go through upcasters (else: parse them directly)."""
+    return any(
+        v not in _NO_OP_UPCASTERS or _UPCASTERS.get(v) is not _v1_to_v2
+        for v in range(version, SCHEMA_VERSION)
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # The header line.
 
 
-def looks_like_header(line: bytes) -> bool:
-    """Cheap test for a header line: the writer puts `type` first in a header, never in an
-    event (whose first field is `seq`)."""
-    return line.startswith((b'{"type":"header"', b'{"type": "header"'))
+# How a header line starts: the writer puts `type` first in a header, never in an event
+# (whose first field is `seq`); the second form is json.dumps's, for hand-made logs.
+HEADER_PREFIXES = (b'{"type":"header"', b'{"type": "header"')
 
 
 def parse_header_line(path: Path, line: bytes, line_no: int = 1) -> tuple[LogHeader, int]:

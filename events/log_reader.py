@@ -15,16 +15,18 @@ from __future__ import annotations
 import json
 import warnings
 from collections.abc import Iterator
+from operator import itemgetter
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from stepline.events.log_format import (
+    HEADER_PREFIXES,
     LogCorruptError,
     TornLineWarning,
     first_error,
     log_files,
-    looks_like_header,
+    needs_upcast,
     parse_header_line,
     upcast,
 )
@@ -62,6 +64,7 @@ def _lines(files: list[Path]) -> Iterator[_Line]:
 
 
 def _with_next(lines: Iterator[_Line]) -> Iterator[tuple[_Line, _Line | None]]:
+    """Each line with the one after it (None after the last)."""
     pending = next(lines, None)
     while pending is not None:
         following = next(lines, None)
@@ -70,12 +73,12 @@ def _with_next(lines: Iterator[_Line]) -> Iterator[tuple[_Line, _Line | None]]:
 
 
 def _is_header_line(line_no: int, line: bytes) -> bool:
-    return line_no == 1 or looks_like_header(line)
+    return line_no == 1 or line.startswith(HEADER_PREFIXES)
 
 
-def _parse_event(path: Path, line_no: int, line: bytes, version: int) -> Event:
+def _parse_event(path: Path, line_no: int, line: bytes, version: int, upcast_it: bool) -> Event:
     try:
-        if version == SCHEMA_VERSION:
+        if not upcast_it:
             return EVENT_ADAPTER.validate_json(line)
         raw = json.loads(line)
         if not isinstance(raw, dict):
@@ -134,14 +137,21 @@ def read_run_events(
     if not files:
         raise FileNotFoundError(f"no event log at {path}")
     current: LogRun | None = None
-    version = SCHEMA_VERSION
-    for (file_path, line_no, line), following in _with_next(_lines(files)):
-        header_now = current.header if current is not None else None
-        if _is_header_line(line_no, line):
+    version, upcast_it = SCHEMA_VERSION, False
+    validate = EVENT_ADAPTER.validate_json
+    lines = _lines(files)
+    item = next(lines, None)
+    while item is not None:  # one line of lookahead: is a bad line the last of its run?
+        following = next(lines, None)
+        file_path, line_no, line = item
+        item = following
+        if line_no == 1 or line.startswith(HEADER_PREFIXES):
+            header_now = current.header if current is not None else None
             try:
                 if not line.strip():
                     raise LogCorruptError(file_path, line_no, "the file is empty (no header)")
                 header, version = parse_header_line(file_path, line, line_no)
+                upcast_it = needs_upcast(version)
             except LogCorruptError as exc:
                 if not _starts_new_run(following, header_now):
                     raise
@@ -158,9 +168,15 @@ def read_run_events(
         if run is not None and current.index != run:
             continue
         try:
-            event = _parse_event(file_path, line_no, line, version)
+            if upcast_it:
+                event = _parse_event(file_path, line_no, line, version, upcast_it)
+            else:
+                try:
+                    event = validate(line)
+                except ValidationError:  # say what is wrong, with the line's place
+                    event = _parse_event(file_path, line_no, line, version, upcast_it)
         except LogCorruptError as exc:
-            if not _starts_new_run(following, header_now):
+            if not _starts_new_run(following, current.header):
                 raise
             _torn(file_path, line_no, line, strict, exc)
             continue
@@ -175,8 +191,7 @@ def read_events(
     The events of every run, one run after the other (sequence numbers start again at 1 in
     each run): use `read_run_events` to tell them apart. Raises what `read_run_events` raises.
     """
-    for _, event in read_run_events(path, strict=strict, run=run):
-        yield event
+    return map(itemgetter(1), read_run_events(path, strict=strict, run=run))
 
 
 def read_runs(path: str | Path) -> list[LogRun]:

@@ -5,7 +5,7 @@ from 1 within one run of the engine), a wall-clock timestamp, the engine step it
 to and the request id (the `step` and `step-finished` records belong to no request).
 
 Schema history: 2 added the run id and the prompt-digest salt to the header, `log_outputs`,
-`Decoding.num_tokens` (token ids may be left out) and `StepFinished`. Every addition has a
+`Decoding.token_count` (token ids may be left out) and `StepFinished`. Every addition has a
 default that describes a version-1 log correctly, so the 1 -> 2 upcaster changes nothing.
 """
 
@@ -16,9 +16,9 @@ import hmac
 import secrets
 from collections.abc import Sequence
 from enum import StrEnum
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 SCHEMA_VERSION = 2
 
@@ -116,24 +116,13 @@ class Decoding(_Event):
     type: Literal["decoding"] = "decoding"
     request_id: str
     token_ids: tuple[int, ...] | None  # None when the log leaves outputs out (log_outputs)
-    num_tokens: int  # len(token_ids); filled in from token_ids when not given
+    token_count: int | None = None  # how many tokens, when token_ids is None
 
-    @model_validator(mode="before")
-    @classmethod
-    def _count_tokens(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "num_tokens" not in data:
-            ids = data.get("token_ids")
-            if ids is not None:
-                data = {**data, "num_tokens": len(ids)}
-        return data
-
-    @model_validator(mode="after")
-    def _check_count(self) -> Decoding:
-        if self.token_ids is not None and self.num_tokens != len(self.token_ids):
-            raise ValueError(
-                f"num_tokens {self.num_tokens} does not match {len(self.token_ids)} token ids"
-            )
-        return self
+    @property
+    def num_tokens(self) -> int:
+        """How many tokens were sampled, whether or not their ids are in the log."""
+        ids = self.token_ids
+        return len(ids) if ids is not None else (self.token_count or 0)
 
 
 class Terminal(_Event):
