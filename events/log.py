@@ -82,8 +82,9 @@ class EventLogWriter:
     """Appends events to a JSON-lines log from a dedicated writer thread.
 
     `append` never does I/O or serialisation on the caller's thread (the asyncio step loop):
-    it puts the event on a queue, and the writer thread serialises, writes and flushes.
-    The header is written at construction, so a bad path fails there, not later.
+    it puts the event on a queue, and the writer thread serialises each batch and writes it
+    with one unbuffered write. The header is written at construction, so a bad path fails
+    there, not later.
 
     The header's promises are kept here: with `log_prompts` false an `Admitted` event is
     written without its prompt ids, with `log_outputs` false a `Decoding` event with the
@@ -91,9 +92,10 @@ class EventLogWriter:
 
     A write error on the thread (disk full, the file gone) never reaches the caller: the
     writer becomes *degraded* — `error` holds the exception, one structlog error says why,
-    and every later event is dropped and counted in `num_dropped` (with those written to
-    the file's buffer but lost with it). It does not recover: the log ends at the error,
-    and a restart appends a new run.
+    and every later event is dropped and counted in `num_dropped` (with those of the failed
+    write that did not reach the file in full; a line cut short is the run's torn last
+    line). It does not recover: the log ends at the error (resuming later would leave a gap
+    in the run's sequence numbers), and a restart appends a new run.
 
     An existing log (or a rotated file of it) raises FileExistsError at construction,
     unless `append` (a new run is added after the last one, in the last file, and rotation
