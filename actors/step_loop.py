@@ -13,7 +13,6 @@ first chunk is scheduled; the executor only stores the arrays.
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -43,7 +42,15 @@ from stepline.engine.prefix_index import (
 )
 from stepline.engine.work import Housekeeping, NewRequest, StepResult, StepWork
 from stepline.events.fold import RequestState, Status
-from stepline.events.models import Admitted, FinishReason, StepEntry, StepPlanned, Terminal
+from stepline.events.models import (
+    Admitted,
+    FinishReason,
+    StepEntry,
+    StepFinished,
+    StepPlanned,
+    Terminal,
+    prompt_digest,
+)
 
 __all__ = ["EngineDeadError", "ModelLimits", "StepLoop"]
 
@@ -180,7 +187,7 @@ class StepLoop:
 
     def _admit_event(self, msg: Submit) -> None:
         ids = msg.prompt_token_ids
-        digest = hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()
+        digest = prompt_digest(getattr(self._event_log, "salt", None), ids)
         self._record(
             Admitted,
             request_id=msg.request_id,
@@ -329,6 +336,7 @@ class StepLoop:
         result = await self._run_executor(self.runner.run, work)
         if result is None:
             return
+        self._record(StepFinished, seconds=result.seconds)
         # Cancels that arrived during the step win over its results.
         for msg in self._drain():
             await self._handle(msg)

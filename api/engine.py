@@ -32,7 +32,7 @@ from stepline.actors.step_loop import ModelLimits, StepLoop
 from stepline.api.params import SamplingParams
 from stepline.engine.policy import ContextLengthExceededError, SchedulerConfig
 from stepline.engine.prefix_index import PrefixIndex
-from stepline.events.models import FinishReason, LogHeader
+from stepline.events.models import FinishReason, LogHeader, new_run_id, new_salt
 
 __all__ = ["Engine", "PromptTooLongError", "RequestStream", "SamplingParams"]
 
@@ -145,6 +145,7 @@ class Engine:
         event_log: str | Path | None = None,
         event_log_rotate_bytes: int | None = None,
         log_prompts: bool = True,
+        log_outputs: bool = True,
         seed: int = 0,
         on_checkpoint: Callable | None = None,
         prefix_cache_gb: float = 1.0,
@@ -246,9 +247,18 @@ class Engine:
             }
             if event_log is not None:
                 header = LogHeader(
-                    created=time.time(), model=loaded.name, config=config, log_prompts=log_prompts
+                    created=time.time(),
+                    model=loaded.name,
+                    config=config,
+                    log_prompts=log_prompts,
+                    log_outputs=log_outputs,
+                    run_id=new_run_id(),
+                    salt=new_salt(),
                 )
-                writer = EventLogWriter(event_log, header, rotate_bytes=event_log_rotate_bytes)
+                # A restart with the same path appends a new run to the log.
+                writer = EventLogWriter(
+                    event_log, header, rotate_bytes=event_log_rotate_bytes, append=True
+                )
             eos = frozenset(loaded.tokenizer.eos_token_ids or ())
             index = None
             if runner.store is not None:
