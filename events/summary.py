@@ -207,6 +207,7 @@ class _Summariser:
             self.step_finished(event)
         elif kind is ChunkPrefilled:
             self.num_prefilled += event.end - event.start
+            self.num_cached += event.num_cached_tokens  # the first chunk says what it reused
             t = self.tracks.get(event.request_id)
             if t is not None:
                 t.num_computed = max(t.num_computed, event.end)

@@ -44,6 +44,8 @@ class ChunkRecord(Report):
     ts: float
     start: int
     end: int
+    num_cached_tokens: int = 0  # on a request's first chunk: prompt tokens it reused
+    cache_source: str | None = None
 
 
 class CheckpointRecord(Report):
@@ -138,7 +140,15 @@ def _share(event: StepPlanned, request_id: str) -> StepShare | None:
 def _note(life: _Life, event: Event) -> None:
     at = {"seq": event.seq, "step": event.step, "ts": event.ts}
     if isinstance(event, ChunkPrefilled):
-        life.chunks.append(ChunkRecord(**at, start=event.start, end=event.end))
+        life.chunks.append(
+            ChunkRecord(
+                **at,
+                start=event.start,
+                end=event.end,
+                num_cached_tokens=event.num_cached_tokens,
+                cache_source=event.cache_source,
+            )
+        )
     elif isinstance(event, CheckpointReached):
         life.checkpoints.append(CheckpointRecord(**at, offset=event.offset))
     elif isinstance(event, Decoding):
@@ -194,6 +204,9 @@ def _timeline(
     request_id: str, run: int, life: _Life, outputs_logged: bool, later_run: bool
 ) -> RequestTimeline:
     admitted, tokens, terminal = life.admitted, life.tokens, life.terminal
+    first_chunk = (
+        life.chunks[0] if life.chunks else ChunkRecord(seq=0, step=0, ts=0, start=0, end=0)
+    )
     t0 = admitted.ts
     itls = tuple(b.ts - a.ts for a, b in zip(tokens, tokens[1:], strict=False))
     first_scheduled = (
@@ -203,8 +216,9 @@ def _timeline(
         request_id=request_id,
         run=run,
         num_prompt_tokens=admitted.num_prompt_tokens,
-        num_cached_tokens=admitted.num_cached_tokens,
-        cache_source=admitted.cache_source,
+        # Logs of schema 1 recorded a cache hit on `admitted`, newer ones on the first chunk.
+        num_cached_tokens=admitted.num_cached_tokens or first_chunk.num_cached_tokens,
+        cache_source=admitted.cache_source or first_chunk.cache_source,
         checkpoints=admitted.checkpoints,
         params=admitted.params,
         prompt_logged=admitted.prompt_token_ids is not None,
