@@ -529,6 +529,20 @@ class Engine:
     def unhealthy_reason(self) -> str | None:
         return self._step_loop.dead_reason
 
+    async def wait_unhealthy(self) -> str:
+        """Wait until the engine can serve no more (its executor or step loop failed);
+        return why."""
+        await self._step_loop.died.wait()
+        return self._step_loop.dead_reason or "unknown"
+
+    @property
+    def event_log_problem(self) -> str | None:
+        """Why the event log stopped writing (the engine serves on without it), or None."""
+        writer = self._step_loop.event_log
+        if writer is None or not writer.degraded:
+            return None
+        return f"{writer.error_message}; {writer.num_dropped} events dropped"
+
     @property
     def step_loop(self) -> StepLoop:
         """For inspection and tests: the live scheduling state is `step_loop.states`; any

@@ -98,7 +98,11 @@ def create_app(
     @app.get("/health")
     async def health() -> JSONResponse:
         if engine.healthy:
-            return JSONResponse({"status": "ok", "model": serving.model_name})
+            body = {"status": "ok", "model": serving.model_name}
+            if (problem := engine.event_log_problem) is not None:
+                # Still serving (200), but the record of what it serves is lost: say so.
+                body.update(status="degraded", event_log=problem)
+            return JSONResponse(body)
         reason = engine.unhealthy_reason or "the engine is shut down"
         return JSONResponse({"status": "unhealthy", "reason": reason}, status_code=503)
 
