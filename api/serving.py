@@ -22,9 +22,10 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
 from stepline.actors.step_loop import EngineDeadError
-from stepline.api.engine import PromptTooLongError, SamplingParams
+from stepline.api.engine import SamplingParams
 from stepline.api.errors import APIError, context_error, validation_error
 from stepline.api.openai_schema import RequestError, now
+from stepline.api.prompts import PromptTooLongError
 from stepline.api.sse import DONE, Emit, EventStreamResponse, error_frame
 from stepline.engine.policy import ContextLengthExceededError, QueueFullError
 
