@@ -440,3 +440,19 @@ async def test_the_python_api_refuses_a_text_too_long_for_the_context_unread(ser
         await served.engine.submit(text)
     with pytest.raises(PromptTooLongError):
         await served.engine.submit(messages=[{"role": "user", "content": text}])
+
+
+async def test_a_body_trickled_too_slowly_gets_408(served):
+    app = create_app(served.engine, body_timeout_s=0.5)
+    async with serve_in_process(app) as url:
+        host, port = url.removeprefix("http://").split(":")
+        with anyio.fail_after(10):
+            async with await anyio.connect_tcp(host, int(port)) as conn:
+                await conn.send(
+                    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                    b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"
+                )
+                answer = b""
+                while b"request_timeout" not in answer:
+                    answer += await conn.receive()
+    assert answer.startswith(b"HTTP/1.1 408 ")
