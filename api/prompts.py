@@ -36,6 +36,7 @@ class Prompts:
         self.vocab_size = vocab_size
         self.max_context = max_context
         self._max_chars_per_token: int | None = None
+        self._specials: list[tuple[int, str]] | None = None
         self._limiter = anyio.CapacityLimiter(MAX_CONCURRENT_PREPARE)
 
     def prepare(
@@ -44,7 +45,9 @@ class Prompts:
         messages: Sequence[dict] | None = None,
     ) -> tuple[list[int], list[int]]:
         """A prompt's token ids and its chat checkpoints (none for a raw prompt): the chat
-        template is rendered once for the whole conversation and once for each boundary.
+        template is rendered once for the whole conversation (and once for each boundary's
+        prefix), and the whole is tokenized once (a boundary's prefix again only when no
+        special token follows it).
 
         CPU work that can take seconds for a long prompt: `prepare_async` runs it off the event
         loop. Raises ValueError for a malformed prompt or messages (a template's own error
@@ -120,9 +123,9 @@ class Prompts:
         of the turns before the last user message, and the end of the prompt itself.
 
         Found from the chat template's rendering of message prefixes; a boundary whose
-        tokens are not an exact prefix of `ids` is left out, never guessed. `text`, the
-        rendering of `messages` if the caller has it, lets a prefix whose rendering is not a
-        prefix of the whole text be left out without tokenizing it.
+        tokens are not an exact prefix of `ids` is left out, never guessed. With `text`, the
+        rendering of `messages`, a boundary followed by a special token (`<|im_start|>`) is
+        found without tokenizing its prefix again (`_split_offset`).
         """
         cuts = set()
         if messages and messages[0].get("role") in ("system", "developer"):
@@ -136,9 +139,55 @@ class Prompts:
                 prefix_text = self.render_chat(messages[:n], add_generation_prompt=False)
             except Exception:  # noqa: BLE001 - a template may refuse a partial chat
                 continue
-            if text is not None and not text.startswith(prefix_text):
-                continue
+            if text is not None:
+                if not text.startswith(prefix_text):
+                    continue
+                k = self._split_offset(text, ids, len(prefix_text))
+                if k is not None:
+                    if 0 < k < len(ids):
+                        found.append(k)
+                    continue
             prefix = self.tokenizer.encode(prefix_text, add_special_tokens=False)
             if 0 < len(prefix) < len(ids) and list(ids[: len(prefix)]) == prefix:
                 found.append(len(prefix))
         return found
+
+    def _split_offset(self, text: str, ids: Sequence[int], at: int) -> int | None:
+        """The number of tokens of `text[:at]` within `ids` (the tokens of `text`), when a
+        special token starts at `at`; None otherwise.
+
+        A tokenizer splits its input at special tokens first and tokenizes the pieces between
+        them on their own, so the tokens before the special token at `at` are exactly those of
+        `text[:at]`; and each occurrence of its text before `at` is one of its ids in `ids`.
+        """
+        for token_id, content in self._special_tokens():
+            if text.startswith(content, at):
+                nth = text.count(content, 0, at)
+                seen = 0
+                for k, t in enumerate(ids):
+                    if t == token_id:
+                        if seen == nth:
+                            return k
+                        seen += 1
+                return None
+        return None
+
+    def _special_tokens(self) -> list[tuple[int, str]]:
+        """(id, text) of the special tokens the tokenizer splits text at as they are (not
+        normalized, not eating the whitespace before them); none when one's text contains
+        another's (then counting occurrences could miscount)."""
+        if self._specials is None:
+            hf = getattr(self.tokenizer, "_tokenizer", self.tokenizer)
+            decoder = getattr(hf, "added_tokens_decoder", None) or {}
+            specials = [
+                (token_id, tok.content)
+                for token_id, tok in decoder.items()
+                if getattr(tok, "special", False)
+                and tok.content
+                and not getattr(tok, "lstrip", True)
+                and not getattr(tok, "normalized", True)
+            ]
+            texts = [content for _, content in specials]
+            nested = any(a != b and a in b for a in texts for b in texts)
+            self._specials = [] if nested else specials
+        return self._specials
