@@ -22,7 +22,6 @@ from pathlib import Path
 import anyio
 import structlog
 from anyio.streams.memory import MemoryObjectReceiveStream
-from jinja2 import TemplateError
 
 from stepline.actors.executor import Executor
 from stepline.actors.messages import Cancel, Submit
@@ -30,27 +29,14 @@ from stepline.actors.metrics import EngineMetrics
 from stepline.actors.request import RequestActor, RequestOutput
 from stepline.actors.step_loop import ModelLimits, StepLoop
 from stepline.api.params import SamplingParams
-from stepline.engine.policy import ContextLengthExceededError, SchedulerConfig
+from stepline.api.prompts import Prompts, PromptTooLongError
+from stepline.engine.policy import SchedulerConfig
 from stepline.engine.prefix_index import PrefixIndex
 from stepline.events.models import FinishReason, LogHeader, new_run_id, new_salt
 
 __all__ = ["Engine", "PromptTooLongError", "RequestStream", "SamplingParams"]
 
 log = structlog.get_logger(__name__)
-
-MAX_CONCURRENT_PREPARE = 4  # prompts tokenized at once, each on a worker thread
-
-
-class PromptTooLongError(ContextLengthExceededError):
-    """The prompt's text alone proves it longer than the context: `num_prompt_tokens` is a
-    lower bound, found without tokenizing it."""
-
-    def __init__(self, num_prompt_tokens: int, max_context: int):
-        super().__init__(num_prompt_tokens, max_context)
-        self.args = (
-            f"the prompt has at least {num_prompt_tokens} tokens but the model's context is "
-            f"{max_context} tokens: shorten the prompt",
-        )
 
 
 def _warn_without_openblas() -> None:
@@ -129,8 +115,9 @@ class Engine:
         self._executor = executor
         self._tg = tg
         self._closed = False
-        self._max_chars_per_token: int | None = None
-        self._prepare_limiter = anyio.CapacityLimiter(MAX_CONCURRENT_PREPARE)
+        self.prompts = Prompts(
+            loaded.tokenizer, vocab_size=self.vocab_size, max_context=self.max_context
+        )
 
     @classmethod
     @asynccontextmanager
@@ -303,50 +290,23 @@ class Engine:
             if writer is not None:
                 writer.close()
 
-    # -- requests -------------------------------------------------------------
+    # -- prompts: stepline.api.prompts does the work --------------------------
 
     def prepare(
         self,
         prompt: str | Sequence[int] | None = None,
         messages: Sequence[dict] | None = None,
     ) -> tuple[list[int], list[int]]:
-        """A prompt's token ids and its chat checkpoints (none for a raw prompt): the chat
-        template is rendered once for the whole conversation and once for each boundary.
-
-        CPU work that can take seconds for a long prompt: `prepare_async` runs it off the event
-        loop. Raises ValueError for a malformed prompt or messages (a template's own error
-        included), and PromptTooLongError when the text is too long for the context even before
-        it is tokenized.
-        """
-        if (prompt is None) == (messages is None):
-            raise ValueError("pass exactly one of prompt= or messages=")
-        if messages is not None:
-            text = self.render_chat(messages)
-            self._check_text_length(text)
-            ids = list(self.tokenizer.encode(text, add_special_tokens=False))
-            return ids, self.chat_checkpoints(messages, ids, text)
-        if isinstance(prompt, str):
-            self._check_text_length(prompt)
-            return list(self.tokenizer.encode(prompt)), []
-        ids = list(prompt)  # type: ignore[arg-type]
-        vocab = self.vocab_size
-        for t in ids:
-            if not isinstance(t, int) or not 0 <= t < vocab:
-                raise ValueError(
-                    f"token id {t!r} is not in the model's vocabulary (0..{vocab - 1})"
-                )
-        return ids, []
+        """See `Prompts.prepare`: token ids and chat checkpoints (CPU work, on this thread)."""
+        return self.prompts.prepare(prompt, messages)
 
     async def prepare_async(
         self,
         prompt: str | Sequence[int] | None = None,
         messages: Sequence[dict] | None = None,
     ) -> tuple[list[int], list[int]]:
-        """`prepare` on a worker thread (tokenizers are pure CPU, no MLX, and release the GIL
-        while they encode), at most `MAX_CONCURRENT_PREPARE` at once."""
-        return await anyio.to_thread.run_sync(
-            self.prepare, prompt, messages, limiter=self._prepare_limiter
-        )
+        """See `Prompts.prepare_async`: `prepare` on a worker thread."""
+        return await self.prompts.prepare_async(prompt, messages)
 
     def encode(
         self,
@@ -354,71 +314,22 @@ class Engine:
         messages: Sequence[dict] | None = None,
     ) -> list[int]:
         """Token ids for a raw prompt, token ids, or chat messages (chat template applied)."""
-        return self.prepare(prompt, messages)[0]
+        return self.prompts.prepare(prompt, messages)[0]
+
+    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+        """The chat template's rendering of `messages` (see `Prompts.render_chat`)."""
+        return self.prompts.render_chat(messages, add_generation_prompt)
+
+    def chat_checkpoints(self, messages: Sequence[dict], ids: Sequence[int]) -> list[int]:
+        """Token offsets of chat boundaries in `ids` (see `Prompts.chat_checkpoints`)."""
+        return self.prompts.chat_checkpoints(messages, ids)
 
     @property
     def max_chars_per_token(self) -> int:
-        """An upper bound on the characters one token stands for: its longest vocabulary entry
-        (byte-level entries spell each byte as one character, so an entry is never shorter
-        than its text), times 4 when the tokenizer normalizes text first (Unicode composition
-        can merge up to ~4 characters into one)."""
-        if self._max_chars_per_token is None:
-            hf = getattr(self.tokenizer, "_tokenizer", self.tokenizer)
-            longest = max((len(k) for k in hf.get_vocab()), default=1)
-            backend = getattr(hf, "backend_tokenizer", None)
-            normalizes = backend is None or backend.normalizer is not None
-            self._max_chars_per_token = max(1, longest) * (4 if normalizes else 1)
-        return self._max_chars_per_token
+        """An upper bound on the characters one token stands for (`Prompts`)."""
+        return self.prompts.max_chars_per_token
 
-    def _check_text_length(self, text: str) -> None:
-        # Every token stands for at most max_chars_per_token characters, so a text this long
-        # has at least this many tokens: refuse it before spending seconds tokenizing it.
-        at_least = -(-len(text) // self.max_chars_per_token)
-        if at_least >= self.max_context:
-            raise PromptTooLongError(at_least, self.max_context)
-
-    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
-        """The chat template's rendering of `messages`. Raises ValueError on malformed messages
-        (a template that refuses them included)."""
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content'")
-        try:
-            return self.tokenizer.apply_chat_template(
-                list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
-            )
-        except TemplateError as exc:
-            raise ValueError(f"the chat template refused the messages: {exc}") from exc
-
-    def chat_checkpoints(
-        self, messages: Sequence[dict], ids: Sequence[int], text: str | None = None
-    ) -> list[int]:
-        """Token offsets of chat boundaries in `ids`: the end of the system prompt, the end
-        of the turns before the last user message, and the end of the prompt itself.
-
-        Found from the chat template's rendering of message prefixes; a boundary whose
-        tokens are not an exact prefix of `ids` is left out, never guessed. `text`, the
-        rendering of `messages` if the caller has it, lets a prefix whose rendering is not a
-        prefix of the whole text be left out without tokenizing it.
-        """
-        cuts = set()
-        if messages and messages[0].get("role") in ("system", "developer"):
-            cuts.add(1)
-        users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
-        if users and users[-1] > 0:
-            cuts.add(users[-1])
-        found = [len(ids)]
-        for n in sorted(cuts):
-            try:
-                prefix_text = self.render_chat(messages[:n], add_generation_prompt=False)
-            except Exception:  # noqa: BLE001 - a template may refuse a partial chat
-                continue
-            if text is not None and not text.startswith(prefix_text):
-                continue
-            prefix = self.tokenizer.encode(prefix_text, add_special_tokens=False)
-            if 0 < len(prefix) < len(ids) and list(ids[: len(prefix)]) == prefix:
-                found.append(len(prefix))
-        return found
+    # -- requests -------------------------------------------------------------
 
     async def submit(
         self,

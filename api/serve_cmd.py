@@ -30,6 +30,7 @@ from stepline.api.http_guard import (
 )
 from stepline.api.log_config import LOG_FORMATS, LOG_LEVELS, configure_logging
 from stepline.api.server import DEFAULT_MAX_BODY_BYTES, create_app, loading_app
+from stepline.api.serving import DEFAULT_BODY_TIMEOUT_S
 
 log = structlog.get_logger(__name__)
 
@@ -228,6 +229,7 @@ async def _serve(args: argparse.Namespace, sock: socket.socket, engine_kwargs: d
                     served_model_names=names,
                     allowed_origins=args.allowed_origins or (),
                     metrics_public=args.metrics_public,
+                    body_timeout_s=args.timeout_request_body,
                 )
                 print(
                     f"stepline: loaded {engine.model_name} from {engine.loaded.path} in "
@@ -356,6 +358,13 @@ def add_serve_parser(
         help="close a connection that has not sent a whole request head this many seconds "
         "after connecting or after its last response "
         f"(default: {DEFAULT_TIMEOUT_REQUEST_HEAD_S:g})",
+    )
+    p.add_argument(
+        "--timeout-request-body",
+        type=float,
+        default=DEFAULT_BODY_TIMEOUT_S,
+        help="answer 408 to a request whose body has not arrived whole this many seconds "
+        f"after its head (default: {DEFAULT_BODY_TIMEOUT_S:g})",
     )
     p.add_argument(
         "--log-format",

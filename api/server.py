@@ -25,6 +25,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from stepline.api.errors import APIError
 from stepline.api.openai_serving import OpenAIServing
+from stepline.api.serving import DEFAULT_BODY_TIMEOUT_S
 
 if TYPE_CHECKING:
     from stepline.api.engine import Engine
@@ -42,6 +43,7 @@ def create_app(
     served_model_names: Sequence[str] = (),
     allowed_origins: Sequence[str] = (),
     metrics_public: bool = False,
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
 ) -> FastAPI:
     """The HTTP app serving `engine`.
 
@@ -49,13 +51,15 @@ def create_app(
     `Authorization: Bearer <api_key>` or `x-api-key: <api_key>` (401 otherwise): the API,
     /docs, /redoc and /openapi.json alike. `served_model_names`: the names clients may send as
     `model` (the first is listed; default: the engine's model name). `allowed_origins`: the
-    web origins allowed to call it from a browser (CORS); none by default.
+    web origins allowed to call it from a browser (CORS); none by default. A body must
+    arrive whole within `body_timeout_s` (408 otherwise).
     """
     serving = OpenAIServing(
         engine,
         max_body_bytes=max_body_bytes,
         heartbeat_s=heartbeat_s,
         served_model_names=served_model_names,
+        body_timeout_s=body_timeout_s,
     )
     app = FastAPI(title="stepline", summary="OpenAI-compatible LLM server", version="0.1.0")
     app.state.serving = serving
