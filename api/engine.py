@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -138,6 +139,14 @@ class RequestStream:
                 pass
 
 
+def launch_rank() -> int:
+    """This process's rank, as `mlx.launch` or `mpirun` set it (0 when not launched)."""
+    for name in ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return 0
+
+
 class Engine:
     """One model, one step loop, one executor thread. Create with `Engine.open(...)`."""
 
@@ -173,6 +182,7 @@ class Engine:
         prefix_cache_gb: float = 1.0,
         prefix_cache_dir: str | Path | None = None,
         prefix_cache_disk_gb: float = 10.0,
+        parallel: str | None = None,
     ) -> AsyncIterator[Engine]:
         """Load `model` (a demo name, a local mlx-lm directory or a Hugging Face id; None = the
         demo model) and serve it until the block exits.
@@ -183,6 +193,10 @@ class Engine:
         `prefix_cache_dir` adds a disk tier: entries are also written there (in the
         background, as safetensors files, at most `prefix_cache_disk_gb` of them, oldest
         used evicted first) and reused by a later engine on the same model and directory.
+        `parallel` ("tensor" or "pipeline") splits the model across the ranks of an
+        `mlx.launch` job (engine/distributed.py); the block runs on rank 0 only: on the other
+        ranks `open` serves rank 0 and then ends the process (`os._exit`). Raises
+        DistributedError (a ValueError) when the model or the launch cannot be split so.
         """
         if not prefix_cache_gb >= 0:
             raise ValueError(f"prefix_cache_gb must be >= 0, got {prefix_cache_gb}")
@@ -202,8 +216,15 @@ class Engine:
         executor = Executor()
         writer = None
         runner = None
+        topology = None
         try:
-            loaded = await executor.call(load_model, model)
+            if parallel is None:
+                loaded = await executor.call(load_model, model)
+            else:
+                from stepline.engine import distributed
+
+                loaded, topology = await executor.call(distributed.load_sharded, model, parallel)
+                prefix_cache_dir = topology.prefix_cache_dir(prefix_cache_dir)
             runner = await executor.call(
                 lambda: ModelRunner(
                     loaded,
@@ -214,6 +235,10 @@ class Engine:
                     prefix_cache_disk_bytes=int(prefix_cache_disk_gb * 2**30),
                 )
             )
+            if topology is not None:
+                runner = await executor.call(distributed.DistributedRunner, runner, topology)
+                if topology.rank > 0:
+                    await executor.call(runner.follow)  # ends the process when rank 0 stops
             config = {
                 "model": loaded.name,
                 "max_step_tokens": max_step_tokens,
@@ -224,6 +249,7 @@ class Engine:
                 "prefix_cache_gb": prefix_cache_gb,
                 "prefix_cache_dir": str(prefix_cache_dir) if prefix_cache_dir is not None else None,
                 "prefix_cache_disk_gb": prefix_cache_disk_gb,
+                "distributed": topology.as_config() if topology is not None else None,
             }
             if event_log is not None:
                 header = LogHeader(
@@ -260,6 +286,8 @@ class Engine:
                     step_loop.inbox.close()
         finally:
             with anyio.CancelScope(shield=True):
+                if topology is not None and runner is not None and executor.dead is None:
+                    await executor.call(runner.close)  # the other ranks exit
                 await executor.drain()
                 if runner is not None and runner.prefix_cache is not None:
                     # Let queued disk writes finish (file I/O only: no MLX on this thread).

@@ -10,7 +10,7 @@ logits. A final chunk computes logits for its last position only.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -318,6 +318,23 @@ class ModelRunner:
 
     def free(self, request_ids: Sequence[str], retire: frozenset[str] = frozenset()) -> None:
         self._free(request_ids, retire)
+
+    def adopt_tokens(self, tokens: Mapping[str, int]) -> int:
+        """Make each `tokens[request_id]` that request's last sampled token (a distributed
+        rank > 0 takes rank 0's samples, so every rank's cache holds the streamed tokens).
+        Returns how many differed from this runner's own samples."""
+        changed = 0
+        for rid, token in tokens.items():
+            seq = self._seqs.get(rid)
+            if seq is None or not seq.output or seq.output[-1] == token:
+                continue
+            seq.output[-1] = token
+            if seq.history is not None:
+                seq.history = RowHistory(seq.prompt.tolist())
+                for t in seq.output:
+                    seq.history.append(t)
+            changed += 1
+        return changed
 
     @property
     def num_sequences(self) -> int:
