@@ -26,6 +26,7 @@ collective cannot be interrupted, and the peers then see the connection close.
 
 from __future__ import annotations
 
+import atexit
 import os
 import pickle
 import signal
@@ -234,6 +235,12 @@ class Watchdog:
         os._exit(EXIT_HUNG)
 
 
+def _exit_failed() -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
+
+
 def _is_comm_error(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and str(exc).startswith(("[ring]", "[jaccl]", "[mpi]"))
 
@@ -348,6 +355,7 @@ class DistributedRunner:
         else:
             self.broken = f"rank 0 failed mid-call, so the ranks are out of step: {exc!r}"
         log.error("distributed_group_broken", reason=self.broken)
+        atexit.register(_exit_failed)  # however the process ends now, it ends as a failure
         if self.exit_grace_s >= 0:
             threading.Thread(target=self._exit_later, name="stepline-exit", daemon=True).start()
 
