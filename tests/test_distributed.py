@@ -108,9 +108,7 @@ def _output(tmp_path: Path, rank: int = 0) -> str:
 # -- same tokens as one process -----------------------------------------------------------
 
 
-def test_tensor_parallel_run_under_mlx_launch_gives_single_process_outputs(
-    model_cache_dir, tmp_path
-):
+def test_tensor_parallel_run_under_mlx_launch_gives_single_process_outputs(demo, tmp_path):
     out, event_log = tmp_path / "out.json", tmp_path / "run.jsonl"
     launch = Path(sys.executable).with_name("mlx.launch")
     argv = [str(launch), "--backend", "ring", "-n", "2", "--starting-port", str(_free_port_pair())]
@@ -137,7 +135,7 @@ def test_tensor_parallel_run_under_mlx_launch_gives_single_process_outputs(
     assert sum(e.type == "checkpoint-reached" for e in events) == 1
 
 
-def test_pipeline_parallel_run_gives_single_process_outputs(model_cache_dir, tmp_path, ranks):
+def test_pipeline_parallel_run_gives_single_process_outputs(demo_hybrid, tmp_path, ranks):
     # qwen3_next: mlx-lm splits it by pipeline only; it mixes ArraysCache and KVCache layers.
     out = tmp_path / "out.json"
     ranks += _start_ranks(tmp_path, [str(WORKER), "stepline-demo-hybrid", "pipeline", str(out)])
@@ -199,9 +197,9 @@ def _sse_data(raw: bytes) -> list:
 
 
 async def test_a_killed_rank_ends_every_request_with_an_error_and_the_job_exits(
-    model_cache_dir, tmp_path, ranks
+    demo, tmp_path, ranks
 ):
-    url = _serve(tmp_path, ranks, env={"STEPLINE_DIST_EXIT_S": "3"})
+    url = _serve(tmp_path, ranks, env={"STEPLINE_DIST_EXIT_S": "1"})
     body = {
         "model": "stepline-demo",
         "messages": [{"role": "user", "content": "tell me everything"}],
@@ -238,7 +236,7 @@ async def test_a_killed_rank_ends_every_request_with_an_error_and_the_job_exits(
     assert ranks[1].wait(timeout=5) == -signal.SIGKILL
 
 
-async def test_sigterm_on_rank_0_shuts_every_rank_down(model_cache_dir, tmp_path, ranks):
+async def test_sigterm_on_rank_0_shuts_every_rank_down(demo, tmp_path, ranks):
     url = _serve(tmp_path, ranks)
     async with httpx.AsyncClient(base_url=url, timeout=60) as http:
         r = await http.post(
