@@ -273,6 +273,8 @@ class Engine:
                         await step_loop.run(task_status=task_status)
 
                 await tg.start(run_loop)
+                if topology is not None:  # pings the other ranks while no request runs
+                    tg.start_soon(runner.keep_alive, executor, loop_scope)
                 engine = cls(
                     loaded=loaded, step_loop=step_loop, executor=executor, tg=tg, config=config
                 )
@@ -443,11 +445,12 @@ class Engine:
 
     @property
     def healthy(self) -> bool:
-        return self._step_loop.dead_reason is None and not self._closed
+        return self.unhealthy_reason is None and not self._closed
 
     @property
     def unhealthy_reason(self) -> str | None:
-        return self._step_loop.dead_reason
+        dead = None if self._closed else self._executor.dead  # e.g. a rank lost while idle
+        return self._step_loop.dead_reason or (f"executor failed: {dead!r}" if dead else None)
 
     @property
     def step_loop(self) -> StepLoop:

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import anyio
 import mlx.core as mx
 import numpy as np
 import structlog
@@ -250,7 +251,7 @@ def _is_comm_error(exc: BaseException) -> bool:
 
 @dataclass(frozen=True)
 class _Call:
-    method: str  # "run", "free", "lookup_prefix" or "stop"
+    method: str  # "run", "free", "lookup_prefix", "ping" or "stop"
     args: tuple
     tokens: Mapping[str, int]  # rank 0's samples of its last step, for the others to adopt
     expect: PrefixLookup | None = None  # rank 0's result of a lookup_prefix
@@ -279,6 +280,13 @@ class DistributedRunner:
         self.exit_grace_s = (
             exit_grace_s if exit_grace_s is not None else float(env.get("STEPLINE_DIST_EXIT_S", 5))
         )
+        self.ping_s = float(env.get("STEPLINE_DIST_PING_S", 5))
+        if not self.ping_s < self.timeout_s:
+            raise DistributedError(
+                f"STEPLINE_DIST_PING_S ({self.ping_s:g}) must be below STEPLINE_DIST_TIMEOUT_S "
+                f"({self.timeout_s:g}): the other ranks take silence for a hung rank 0"
+            )
+        self._last_call = time.monotonic()
         self._watchdog = Watchdog(self.timeout_s, topology.rank)
         self._tokens: dict[str, int] = {}  # rank 0: samples not yet sent to the others
         self.broken: str | None = None
@@ -329,8 +337,9 @@ class DistributedRunner:
     def _drive(self, method: str, args: tuple) -> Any:
         if self.broken is not None:
             raise RankLostError(self.broken)
-        local = getattr(self.runner, method)
+        local = getattr(self.runner, method) if method != "ping" else lambda: None
         tokens, self._tokens = self._tokens, {}
+        self._last_call = time.monotonic()
         try:
             with self._watchdog.guard(method):
                 if method == "lookup_prefix":  # no collective inside: run it first, send its answer
@@ -366,6 +375,25 @@ class DistributedRunner:
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(30)
         os._exit(1)
+
+    def ping(self) -> None:
+        """A call that does nothing on any rank: it shows every rank still answers."""
+        self._drive("ping", ())
+
+    async def keep_alive(self, executor: Any, scope: anyio.CancelScope) -> None:
+        """Ping the other ranks whenever no call went to them for `ping_s` seconds, until
+        `scope` is cancelled: a rank lost while no request runs is found in bounded time,
+        and the others know rank 0 still lives. A failed ping kills `executor`, so that the
+        engine reports unhealthy and refuses new requests."""
+        while not scope.cancel_called and self.broken is None:
+            await anyio.sleep(min(self.ping_s, 0.25))
+            if time.monotonic() - self._last_call >= self.ping_s and not scope.cancel_called:
+                try:
+                    await executor.call(self.ping)
+                except RankLostError as exc:
+                    executor.mark_dead(exc)
+                except Exception:  # noqa: BLE001 - the executor died of something else
+                    return
 
     def run(self, work: StepWork) -> StepResult:
         result: StepResult = self._drive("run", (work,))
@@ -403,7 +431,8 @@ class DistributedRunner:
         status, why = 0, "rank 0 stopped"
         while True:
             try:
-                head = self._receive_head()  # unbounded: rank 0 may be idle for hours
+                with self._watchdog.guard("waiting for rank 0 (it pings when idle)"):
+                    head = self._receive_head()
                 with self._watchdog.guard("a call from rank 0"):
                     call = self._receive_rest(head)
                     self.num_adopted += self.runner.adopt_tokens(call.tokens)
@@ -424,6 +453,8 @@ class DistributedRunner:
         os._exit(status)
 
     def _follow(self, call: _Call) -> None:
+        if call.method == "ping":
+            return
         if call.method != "lookup_prefix":
             getattr(self.runner, call.method)(*call.args)
             return

@@ -247,3 +247,19 @@ async def test_sigterm_on_rank_0_shuts_every_rank_down(demo, tmp_path, ranks):
     ranks[0].send_signal(signal.SIGTERM)
     assert ranks[0].wait(timeout=30) == 0, _output(tmp_path)
     assert ranks[1].wait(timeout=10) == 0, _output(tmp_path, 1)
+
+
+async def test_a_rank_lost_while_no_request_runs_is_found_by_the_ping(demo, tmp_path, ranks):
+    env = {"STEPLINE_DIST_PING_S": "0.5", "STEPLINE_DIST_EXIT_S": "3"}
+    url = _serve(tmp_path, ranks, env=env)
+    ranks[1].kill()
+    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+        with anyio.fail_after(20):
+            while (health := await http.get("/health")).status_code == 200:  # noqa: ASYNC110 - another process
+                await anyio.sleep(0.1)
+        refused = await http.post(
+            "/v1/completions", json={"model": "stepline-demo", "prompt": "Once", "max_tokens": 5}
+        )
+    assert health.status_code == 503 and "rank 1 is lost" in health.json()["reason"]
+    assert refused.status_code == 503
+    assert ranks[0].wait(timeout=30) != 0
