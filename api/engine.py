@@ -224,14 +224,16 @@ class Engine:
                 from stepline.engine import distributed
 
                 loaded, topology = await executor.call(distributed.load_sharded, model, parallel)
-                prefix_cache_dir = topology.prefix_cache_dir(prefix_cache_dir)
             runner = await executor.call(
                 lambda: ModelRunner(
                     loaded,
                     seed=seed,
                     on_checkpoint=on_checkpoint,
                     prefix_cache_bytes=int(prefix_cache_gb * 2**30),
-                    prefix_cache_dir=prefix_cache_dir,
+                    # Each rank's shards in a directory of their own.
+                    prefix_cache_dir=topology.prefix_cache_dir(prefix_cache_dir)
+                    if topology is not None
+                    else prefix_cache_dir,
                     prefix_cache_disk_bytes=int(prefix_cache_disk_gb * 2**30),
                 )
             )

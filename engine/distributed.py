@@ -127,7 +127,8 @@ def load_sharded(name_or_path: str | None, parallel: str) -> tuple[LoadedModel, 
         path = Path(name).expanduser().resolve()
     else:
         path = None  # a Hugging Face id
-    model = config = None
+    model: Any = None
+    config: dict[str, Any] = {}
     if path is not None:
         model, config = load_model(path, lazy=True, strict=False)
         _check_supported(name, config.get("model_type", "?"), _supported(model), parallel)
@@ -435,7 +436,10 @@ class DistributedRunner:
                     head = self._receive_head()
                 with self._watchdog.guard("a call from rank 0"):
                     call = self._receive_rest(head)
-                    self.num_adopted += self.runner.adopt_tokens(call.tokens)
+                    adopted = self.runner.adopt_tokens(call.tokens)
+                    if adopted:  # float rounding differed between the ranks: rank 0 decides
+                        self.num_adopted += adopted
+                        log.warning("distributed_samples_adopted", rank=rank, count=adopted)
                     if call.method == "stop":
                         break
                     self._follow(call)

@@ -24,6 +24,7 @@ import pytest
 
 from stepline.api import Engine
 from stepline.events.log import read_events, read_header
+from stepline.events.reexecute import reexecute
 
 HERE = Path(__file__).parent
 WORKER = HERE / "distributed_worker.py"
@@ -133,6 +134,9 @@ def test_tensor_parallel_run_under_mlx_launch_gives_single_process_outputs(demo,
     header, events = read_header(event_log), list(read_events(event_log))
     assert header.config["distributed"] == {"ranks": 2, "backend": "ring", "parallel": "tensor"}
     assert sum(e.type == "checkpoint-reached" for e in events) == 1
+    # The log of a distributed run re-executes on one process, to the same tokens.
+    report = anyio.run(reexecute, event_log)
+    assert report.ok and report.num_same == 4, report.describe()
 
 
 def test_pipeline_parallel_run_gives_single_process_outputs(demo_hybrid, tmp_path, ranks):
