@@ -51,6 +51,13 @@ async def workload(engine: Engine) -> dict:
             SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True),
             (24,),
         ),
+        # Its admission and lookup carry ~5 KB of token ids: more than one all_sum's buffer.
+        (
+            "long",
+            [3 + i * 131 % 980 for i in range(1800)],
+            SamplingParams(max_tokens=3, temperature=0),
+            (),
+        ),
     ]
     results: dict[str, dict] = {}
 
