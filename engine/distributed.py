@@ -94,12 +94,19 @@ def _backend_name() -> str:
     return "unknown"
 
 
-def _supported(model: Any) -> tuple[str, ...]:
-    """The parallel modes mlx-lm implements for this model's architecture."""
+def _supported(config: dict[str, Any]) -> tuple[str, ...]:
+    """The parallel modes mlx-lm implements for this architecture, from its classes alone:
+    no model is built (a refused load must leave no MLX state behind, see load_sharded)."""
+    from mlx_lm.utils import _get_classes
+
+    model_class, _ = _get_classes(config)
+    module = sys.modules[model_class.__module__]
     modes = []
-    if hasattr(model, "shard"):
+    if hasattr(model_class, "shard"):
         modes.append("tensor")
-    if hasattr(getattr(model, "model", None), "pipeline"):
+    # The pipeline lives on the inner model class (`model.model.pipeline`).
+    inner = [c for c in vars(module).values() if isinstance(c, type) and c is not model_class]
+    if any(hasattr(c, "pipeline") and c.__module__ == module.__name__ for c in inner):
         modes.append("pipeline")
     return tuple(modes)
 
@@ -114,7 +121,7 @@ def load_sharded(name_or_path: str | None, parallel: str) -> tuple[LoadedModel, 
     Raises DistributedError when `parallel` is not a mode, the model's architecture does
     not support it, or the job has one rank; ModelNotFoundError as `load_model` does.
     """
-    from mlx_lm.utils import load_model, load_tokenizer, sharded_load
+    from mlx_lm.utils import load_config, load_model, load_tokenizer, sharded_load
 
     if parallel not in PARALLEL_MODES:
         raise DistributedError(
@@ -127,11 +134,11 @@ def load_sharded(name_or_path: str | None, parallel: str) -> tuple[LoadedModel, 
         path = Path(name).expanduser().resolve()
     else:
         path = None  # a Hugging Face id
-    model: Any = None
-    config: dict[str, Any] = {}
     if path is not None:
-        model, config = load_model(path, lazy=True, strict=False)
-        _check_supported(name, config.get("model_type", "?"), _supported(model), parallel)
+        config = load_config(path)
+        problem = _unsupported(name, config.get("model_type", "?"), _supported(config), parallel)
+        if problem is not None:
+            raise DistributedError(problem)
     group = mx.distributed.init()
     if group.size() < 2:
         raise DistributedError(
@@ -153,7 +160,9 @@ def load_sharded(name_or_path: str | None, parallel: str) -> tuple[LoadedModel, 
 
         path = Path(snapshot_download(name, allow_patterns=["*.json"]))
     else:
-        # What sharded_load does after its download, for a directory that has every file.
+        # What sharded_load does after its download, for a directory that has every file:
+        # load lazily, split, then read only this rank's weights.
+        model, config = load_model(path, lazy=True, strict=False)
         tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
         if tensor_group is not None:
             model.shard(tensor_group)
@@ -175,17 +184,15 @@ def load_sharded(name_or_path: str | None, parallel: str) -> tuple[LoadedModel, 
     return loaded, topology
 
 
-def _check_supported(name: str, arch: str, supported: tuple[str, ...], parallel: str) -> None:
+def _unsupported(name: str, arch: str, supported: tuple[str, ...], parallel: str) -> str | None:
     if parallel in supported:
-        return
+        return None
     hint = (
         f"it supports {' and '.join(supported)} parallelism: use --parallel {supported[0]}"
         if supported
         else "mlx-lm implements neither tensor nor pipeline parallelism for it"
     )
-    raise DistributedError(
-        f"model {name!r} (architecture {arch}) cannot be split by {parallel} parallelism; {hint}"
-    )
+    return f"model {name!r} (architecture {arch}) cannot be split by {parallel} parallelism; {hint}"
 
 
 # -- bounding collectives ---------------------------------------------------------------
