@@ -17,11 +17,14 @@ rounding differs between ranks (different chips, more than two ranks summing).
 Failure: MLX raises ("[ring] connection to a peer was lost") within about a second when a
 peer process ends; such an error, or any error in the middle of a call (the ranks' next
 collectives would no longer match), breaks the group for good: every later call raises
-`RankLostError`, and the process ends itself `exit_grace_s` later (MLX cannot re-form a
-group: only a restart of the job recovers). A peer that hangs is not an error in MLX: its
-collective blocks forever. A watchdog thread bounds every call instead; past
-`STEPLINE_DIST_TIMEOUT_S` it ends the process (`os._exit`), because a thread blocked in a
-collective cannot be interrupted, and the peers then see the connection close.
+`RankLostError`, and the process ends itself `STEPLINE_DIST_EXIT_S` later (MLX cannot
+re-form a group: only a restart of the job recovers). A peer that hangs is not an error in
+MLX: its collective blocks forever. A watchdog thread bounds every call, and a follower's
+wait for the next one, instead; past `STEPLINE_DIST_TIMEOUT_S` it ends the process
+(`os._exit`), because a thread blocked in a collective cannot be interrupted, and the
+peers then see the connection close. While no request runs, rank 0 pings the others every
+`STEPLINE_DIST_PING_S`, so a lost rank is found, and a live rank 0 is not taken for a
+hung one.
 """
 
 from __future__ import annotations
