@@ -165,7 +165,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         results = {f"{n} rank{'s' * (n > 1)}": _run(n, args, Path(tmp)) for n in (1, 2)}
     print(
-        f"{args.model}: {args.requests} requests x {args.prompt_tokens} prompt tokens, "
+        f"{args.model}: {args.requests} request(s) x {args.prompt_tokens} prompt tokens, "
         f"{args.max_tokens} output tokens each, greedy"
     )
     for name, r in results.items():
