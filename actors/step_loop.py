@@ -371,7 +371,8 @@ class StepLoop:
             if rid in self.states:  # else: cancelled while the step ran
                 log.error("request_ended_by_fault", request_id=rid, what=what)
                 await self._end(rid, FinishReason.ERROR, what)
-            self._to_free.pop(rid, None)
+            # Its free still goes out: a no-op here, but other ranks of a distributed
+            # engine still hold the request.
 
     def _token_metrics(self, before: dict[str, RequestState]) -> None:
         for rid, was in before.items():

@@ -84,6 +84,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         default=10.0,
         help="most disk the prefix cache's files may use (oldest used evicted first)",
     )
+    p.add_argument(
+        "--parallel",
+        choices=["tensor", "pipeline"],
+        default=None,
+        help="split the model across the ranks of an mlx.launch job (rank 0 serves)",
+    )
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
@@ -104,6 +110,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         prefix_cache_gb=args.prefix_cache_gb,
         prefix_cache_dir=args.prefix_cache_dir,
         prefix_cache_disk_gb=args.prefix_cache_disk_gb,
+        parallel=args.parallel,
     )
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -99,6 +100,14 @@ class RequestStream:
         self._outputs.close()
 
 
+def launch_rank() -> int:
+    """This process's rank, as `mlx.launch` or `mpirun` set it (0 when not launched)."""
+    for name in ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return 0
+
+
 class Engine:
     """One model, one step loop, one executor thread. Create with `Engine.open(...)`."""
 
@@ -141,6 +150,7 @@ class Engine:
         max_kv_gb: float | None = None,
         max_waiting: int = 1024,
         mlx_cache_gb: float | None = None,
+        parallel: str | None = None,
     ) -> AsyncIterator[Engine]:
         """Load `model` (a demo name, a local mlx-lm directory or a Hugging Face id; None = the
         demo model) and serve it until the block exits.
@@ -157,6 +167,10 @@ class Engine:
         that never can is refused (AdmissionError naming the numbers). `mlx_cache_gb` limits
         MLX's buffer cache (default: 10% of the machine's memory). At most `max_waiting`
         requests wait for their first chunk; past that `submit` raises QueueFullError.
+        `parallel` ("tensor" or "pipeline") splits the model across the ranks of an
+        `mlx.launch` job (engine/distributed.py); the block runs on rank 0 only: on the other
+        ranks `open` serves rank 0 and then ends the process (`os._exit`). Raises
+        DistributedError (a ValueError) when the model or the launch cannot be split so.
         """
         if max_kv_tokens is not None and max_kv_gb is not None:
             raise ValueError("pass max_kv_tokens or max_kv_gb, not both")
@@ -184,15 +198,24 @@ class Engine:
         executor = Executor()
         writer = None
         runner = None
+        topology = None
         try:
-            loaded = await executor.call(load_model, model)
+            if parallel is None:
+                loaded = await executor.call(load_model, model)
+            else:
+                from stepline.engine import distributed
+
+                loaded, topology = await executor.call(distributed.load_sharded, model, parallel)
             runner = await executor.call(
                 lambda: ModelRunner(
                     loaded,
                     seed=seed,
                     on_checkpoint=on_checkpoint,
                     prefix_cache_bytes=int(prefix_cache_gb * 2**30),
-                    prefix_cache_dir=prefix_cache_dir,
+                    # Each rank's shards in a directory of their own.
+                    prefix_cache_dir=topology.prefix_cache_dir(prefix_cache_dir)
+                    if topology is not None
+                    else prefix_cache_dir,
                     prefix_cache_disk_bytes=int(prefix_cache_disk_gb * 2**30),
                 )
             )
@@ -219,6 +242,11 @@ class Engine:
                 kv_tokens_per_seq=memory.footprint.tokens_per_seq(),
                 kv_bytes_per_token=memory.footprint.bytes_per_token,
             )
+            # After the memory plan: its forward pass runs on every rank, in step.
+            if topology is not None:
+                runner = await executor.call(distributed.DistributedRunner, runner, topology)
+                if topology.rank > 0:
+                    await executor.call(runner.follow)  # ends the process when rank 0 stops
             config = {
                 "model": loaded.name,
                 "max_step_tokens": max_step_tokens,
@@ -231,6 +259,7 @@ class Engine:
                 "prefix_cache_gb": prefix_cache_gb,
                 "prefix_cache_dir": str(prefix_cache_dir) if prefix_cache_dir is not None else None,
                 "prefix_cache_disk_gb": prefix_cache_disk_gb,
+                "distributed": topology.as_config() if topology is not None else None,
             }
             if event_log is not None:
                 header = LogHeader(
@@ -269,6 +298,8 @@ class Engine:
                         await step_loop.run(task_status=task_status)
 
                 await tg.start(run_loop)
+                if topology is not None:  # pings the other ranks while no request runs
+                    tg.start_soon(runner.keep_alive, executor, loop_scope)
                 engine = cls(
                     loaded=loaded, step_loop=step_loop, executor=executor, tg=tg, config=config
                 )
@@ -282,6 +313,8 @@ class Engine:
                     step_loop.inbox.close()
         finally:
             with anyio.CancelScope(shield=True):
+                if topology is not None and runner is not None and executor.dead is None:
+                    await executor.call(runner.close)  # the other ranks exit
                 await executor.drain()
                 if runner is not None and runner.store is not None:
                     # Let queued disk writes finish (file I/O only: no MLX on this thread).
@@ -434,11 +467,12 @@ class Engine:
 
     @property
     def healthy(self) -> bool:
-        return self._step_loop.dead_reason is None and not self._closed
+        return self.unhealthy_reason is None and not self._closed
 
     @property
     def unhealthy_reason(self) -> str | None:
-        return self._step_loop.dead_reason
+        dead = None if self._closed else self._executor.dead  # e.g. a rank lost while idle
+        return self._step_loop.dead_reason or (f"executor failed: {dead!r}" if dead else None)
 
     async def wait_unhealthy(self) -> str:
         """Wait until the engine can serve no more (its executor or step loop failed);

@@ -23,6 +23,7 @@ import structlog
 import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from stepline.api.engine import launch_rank
 from stepline.api.http_guard import (
     RateLimitedExceptionHandler,
     head_deadline_protocol,
@@ -259,10 +260,19 @@ async def _serve(args: argparse.Namespace, sock: socket.socket, engine_kwargs: d
         raise
 
 
+async def _serve_other_rank(model: str | None, engine_kwargs: dict) -> None:
+    from stepline.api.engine import Engine
+
+    async with Engine.open(model, **engine_kwargs):  # ends the process when rank 0 stops
+        raise AssertionError("only rank 0 runs an engine's block")
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """`stepline serve`: listen, load the model, serve it until Ctrl-C. Returns the exit
     status."""
     engine_kwargs = args.engine_kwargs(args)
+    if engine_kwargs.get("parallel") and launch_rank() > 0:  # no HTTP: it mirrors rank 0
+        anyio.run(_serve_other_rank, args.model, engine_kwargs)
     try:
         sock = bind_socket(args.host, args.port)
     except OSError as exc:

@@ -10,7 +10,7 @@ logits. A final chunk computes logits for its last position only.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,6 +70,14 @@ def snapshot_cache(cache: Cache) -> Cache:
 
 class _CheckpointFailed(Exception):
     """Raised from `_prefill` when a checkpoint failed (its cause says how)."""
+
+
+def is_collective_error(exc: BaseException) -> bool:
+    """MLX's distributed backends say so when a peer is lost ("[ring] connection to a peer
+    was lost"); such an error is the group's, not a request's."""
+    return isinstance(exc, RuntimeError) and str(exc).startswith(
+        ("[ring]", "[jaccl]", "[mpi]", "[nccl]")
+    )
 
 
 @dataclass
@@ -367,6 +375,8 @@ class ModelRunner:
             out = self._sample_rows(logits, seqs)
             return list(zip(seqs, out.tokens, out.logprobs, strict=True))
         except Exception as exc:
+            if is_collective_error(exc):
+                raise
             log.warning("batched_sampling_failed", error=repr(exc), num_rows=len(seqs))
 
         alone: list[tuple[_Seq, mx.array]] = []
@@ -399,7 +409,13 @@ class ModelRunner:
         )
 
     def _fail(self, failed: dict[str, str], request_id: str, what: str, exc: BaseException) -> None:
-        """End one request's executor state after a fault pinned on it; the step goes on."""
+        """End one request's executor state after a fault pinned on it; the step goes on.
+
+        A failed collective (a distributed rank lost) is nobody's request's fault, and
+        MLX's next collective after one hangs: it is raised, never retried.
+        """
+        if is_collective_error(exc):
+            raise exc
         log.error("request_failed", request_id=request_id, what=what, error=repr(exc), exc_info=exc)
         failed[request_id] = what
         self._free([request_id])
@@ -421,6 +437,23 @@ class ModelRunner:
     def disk_entries(self) -> list:
         """The disk tier's entries at start, to seed the step loop's index."""
         return self.store.disk_entries() if self.store is not None else []
+
+    def adopt_tokens(self, tokens: Mapping[str, int]) -> int:
+        """Make each `tokens[request_id]` that request's last sampled token (a distributed
+        rank > 0 takes rank 0's samples, so every rank's cache holds the streamed tokens).
+        Returns how many differed from this runner's own samples."""
+        changed = 0
+        for rid, token in tokens.items():
+            seq = self._seqs.get(rid)
+            if seq is None or not seq.output or seq.output[-1] == token:
+                continue
+            seq.output[-1] = token
+            if seq.history is not None:
+                seq.history = RowHistory(seq.prompt.tolist())
+                for t in seq.output:
+                    seq.history.append(t)
+            changed += 1
+        return changed
 
     @property
     def num_sequences(self) -> int:
