@@ -30,6 +30,7 @@ from stepline.actors.messages import Cancel, Submit
 from stepline.actors.metrics import EngineMetrics
 from stepline.actors.request import RequestActor, RequestOutput
 from stepline.actors.step_loop import ModelLimits, StepLoop
+from stepline.engine.grammar import GrammarCompiler
 from stepline.engine.policy import SchedulerConfig
 from stepline.events.models import LogHeader, RequestParams
 
@@ -67,6 +68,7 @@ class SamplingParams(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0)
     logprobs: int | None = Field(None, ge=0, le=20, description="top-k logprobs per token")
+    grammar: str | None = Field(None, description="llguidance grammar (stepline.engine.grammar)")
 
     @field_validator("temperature")
     @classmethod
@@ -154,6 +156,8 @@ class Engine:
         self._executor = executor
         self._tg = tg
         self._closed = False
+        # Compiles constrained requests' grammars; shared with the executor's runner.
+        self.grammars: GrammarCompiler = step_loop.runner.grammars
 
     @classmethod
     @asynccontextmanager
@@ -336,13 +340,17 @@ class Engine:
     ) -> RequestStream:
         """Admit one request and return its output stream.
 
-        Raises ValueError for a malformed prompt, AdmissionError (EmptyPromptError,
+        Raises ValueError for a malformed prompt (GrammarError for a grammar that does not
+        compile), AdmissionError (EmptyPromptError,
         ContextLengthExceededError, EngineDeadError, ...) if the engine cannot serve it.
         """
         if self._closed:
             raise RuntimeError("the engine is closed")
         params = params or SamplingParams()
         ids = self.encode(prompt, messages)
+        if params.grammar is not None:
+            # Off the step loop and the executor: the runner's lookup is then a cache hit.
+            await anyio.to_thread.run_sync(self.grammars.compile, params.grammar)
         if messages is not None:
             checkpoints = (*checkpoints, *self.chat_checkpoints(messages, ids))
         rid = request_id or f"req-{uuid.uuid4().hex[:16]}"

@@ -19,6 +19,8 @@ import mlx.core as mx
 import structlog
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+from stepline.engine.constraints import advance, apply_grammar_masks
+from stepline.engine.grammar import GrammarCompiler
 from stepline.engine.models import LoadedModel
 from stepline.engine.policy import ScheduledChunk
 from stepline.engine.prefix_cache import PrefixCache, model_fingerprint, share_cache
@@ -67,6 +69,7 @@ class _Seq:
     cache: Cache | None  # own cache while prefilling; None once merged into the batch
     output: list[int] = field(default_factory=list)
     checkpoints: list[int] = field(default_factory=list)
+    constraint: Any = None  # llguidance matcher of a grammar-constrained request
 
     @property
     def num_generated(self) -> int:
@@ -87,6 +90,7 @@ class ModelRunner:
         prefix_cache_bytes: int = 0,
         prefix_cache_dir: str | Path | None = None,
         prefix_cache_disk_bytes: int = 0,
+        grammars: GrammarCompiler | None = None,
     ):
         self.model = loaded.model
         self.loaded = loaded
@@ -106,6 +110,10 @@ class ModelRunner:
         self._batch_ids: list[str] = []  # decode batch rows, in order
         self._batch_cache: Cache | None = None
         self._split_head = self._check_split_head()
+        vocab = getattr(getattr(self.model, "args", None), "vocab_size", None)
+        self.grammars = grammars or GrammarCompiler(
+            loaded.tokenizer, vocab or len(loaded.tokenizer)
+        )
 
     # -- forward passes -------------------------------------------------------
 
@@ -162,6 +170,7 @@ class ModelRunner:
             sampling=sampling,
             history=RowHistory(new.prompt_token_ids) if sampling.needs_history else None,
             cache=self._hits.pop(new.request_id, None) or make_prompt_cache(self.model),
+            constraint=self.grammars.matcher(p.grammar) if p.grammar is not None else None,
         )
 
     def lookup_prefix(self, request_id: str, prompt: Sequence[int]) -> PrefixLookup:
@@ -278,8 +287,14 @@ class ModelRunner:
         tokens: dict[str, int] = {}
         logprobs: dict[str, TokenLogprob] = {}
         if rows:
+            logits = mx.concatenate(rows, axis=0) if len(rows) > 1 else rows[0]
+            constrained = [i for i, s in enumerate(row_seqs) if s.constraint is not None]
+            if constrained:
+                logits = apply_grammar_masks(
+                    logits, constrained, [row_seqs[i].constraint for i in constrained]
+                )
             out = self.sampler.sample(
-                mx.concatenate(rows, axis=0) if len(rows) > 1 else rows[0],
+                logits,
                 [s.sampling for s in row_seqs],
                 positions=[s.num_generated for s in row_seqs],
                 histories=[s.history for s in row_seqs],
@@ -288,6 +303,8 @@ class ModelRunner:
                 seq.output.append(token)
                 if seq.history is not None:
                     seq.history.append(token)
+                if seq.constraint is not None:
+                    advance(seq.constraint, token)
                 tokens[seq.request_id] = token
                 if lp is not None:
                     logprobs[seq.request_id] = TokenLogprob(lp.token_id, lp.logprob, lp.top)
