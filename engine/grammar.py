@@ -49,16 +49,28 @@ def json_object_grammar() -> str:
     return json_schema_grammar({"type": "object"})
 
 
+def markup(tokenizer: Any, text: str) -> str:
+    """`text` as a Lark terminal: the token itself (`<[id]>`) when the tokenizer has it as one
+    added token (llguidance treats every added token as special, never as its letters), else
+    the quoted text."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    added = getattr(tokenizer, "get_added_vocab", dict)()
+    if len(ids) == 1 and added.get(text) == ids[0]:
+        return f"<[{ids[0]}]>"
+    return json.dumps(text)
+
+
 def tool_call_grammar(
     tools: Sequence[tuple[str, dict[str, Any]]],
     *,
-    start: str = "<tool_call>",
-    end: str = "</tool_call>",
+    start: str = '"<tool_call>"',
+    end: str = '"</tool_call>"',
     parallel: bool = True,
 ) -> str:
     """One tool call (or several, if `parallel`) of one of `tools` ((name, parameters schema)),
     each `start\\n{"name": NAME, "arguments": {...}}\\nend`, the format of Qwen-style templates
-    and of mlx-lm's `json_tools` parser. Raises GrammarError for a malformed schema."""
+    and of mlx-lm's `json_tools` parser. `start` and `end` are Lark terminals (see `markup`).
+    Raises GrammarError for a malformed schema."""
     if not tools:
         raise GrammarError("no tool to call: `tools` is empty")
     alternatives = [
@@ -73,11 +85,7 @@ def tool_call_grammar(
     schema = alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
     body = json.dumps({**schema, "x-guidance": _JSON_OPTIONS})
     call = 'call ("\\n" call)*' if parallel else "call"
-    lark = (
-        f"start: {call}\n"
-        f"call: {json.dumps(start + chr(10))} args {json.dumps(chr(10) + end)}\n"
-        f"args: %json {body}\n"
-    )
+    lark = f'start: {call}\ncall: {start} "\\n" args "\\n" {end}\nargs: %json {body}\n'
     return llguidance.LLMatcher.grammar_from_lark(lark)
 
 
