@@ -54,7 +54,7 @@ def markup(tokenizer: Any, text: str) -> str:
     added token (llguidance treats every added token as special, never as its letters), else
     the quoted text."""
     ids = tokenizer.encode(text, add_special_tokens=False)
-    added = getattr(tokenizer, "get_added_vocab", dict)()
+    added: dict[str, int] = getattr(tokenizer, "get_added_vocab", dict)()
     if len(ids) == 1 and added.get(text) == ids[0]:
         return f"<[{ids[0]}]>"
     return json.dumps(text)
