@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_engine_args(g)
 
     try:
-        from stepline.api.server import add_serve_parser
+        from stepline.api.serve_cmd import add_serve_parser
     except ImportError:
         add_serve_parser = None
     if add_serve_parser is not None:
