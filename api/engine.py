@@ -278,12 +278,14 @@ class Engine:
         self,
         prompt: str | Sequence[int] | None = None,
         messages: Sequence[dict] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        """Token ids for a raw prompt, token ids, or chat messages (chat template applied)."""
+        """Token ids for a raw prompt, token ids, or chat messages (chat template applied, with
+        `template_kwargs` such as `tools` or `enable_thinking`)."""
         if (prompt is None) == (messages is None):
             raise ValueError("pass exactly one of prompt= or messages=")
         if messages is not None:
-            text = self.render_chat(messages)
+            text = self.render_chat(messages, template_kwargs=template_kwargs)
             return list(self.tokenizer.encode(text, add_special_tokens=False))
         if isinstance(prompt, str):
             return list(self.tokenizer.encode(prompt))
@@ -296,16 +298,29 @@ class Engine:
                 )
         return ids
 
-    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+    def render_chat(
+        self,
+        messages: Sequence[dict],
+        add_generation_prompt: bool = True,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
         """The chat template's rendering of `messages`. Raises ValueError on malformed messages."""
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content'")
         return self.tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+            list(messages),
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **(template_kwargs or {}),
         )
 
-    def chat_checkpoints(self, messages: Sequence[dict], ids: Sequence[int]) -> list[int]:
+    def chat_checkpoints(
+        self,
+        messages: Sequence[dict],
+        ids: Sequence[int],
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
         """Token offsets of chat boundaries in `ids`: the end of the system prompt, the end
         of the turns before the last user message, and the end of the prompt itself.
 
@@ -321,7 +336,9 @@ class Engine:
         found = [len(ids)]
         for n in sorted(cuts):
             try:
-                text = self.render_chat(messages[:n], add_generation_prompt=False)
+                text = self.render_chat(
+                    messages[:n], add_generation_prompt=False, template_kwargs=template_kwargs
+                )
             except Exception:  # noqa: BLE001 - a template may refuse a partial chat
                 continue
             prefix = self.tokenizer.encode(text, add_special_tokens=False)

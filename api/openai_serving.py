@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING
 from fastapi import Request
 from fastapi.responses import Response
 
+from stepline.api import openai_agents
+from stepline.api.model_output import OutputSplitter, split_output
 from stepline.api.openai_schema import (
-    AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
@@ -85,8 +86,9 @@ class OpenAIServing(Serving):
     async def _chat(self, request: Request, rid: str) -> Response:
         req = await self.parse(request, ChatCompletionRequest)
         num_logprobs = req.num_logprobs
+        agent = openai_agents.chat_plan(req, self.engine.tokenizer)
         messages = req.engine_messages()
-        ids = self.encode(messages=messages)
+        ids = self.encode(messages=messages, template_kwargs=agent.template_kwargs)
         max_tokens = self.max_tokens(
             req.requested_max_tokens,
             len(ids),
@@ -95,17 +97,29 @@ class OpenAIServing(Serving):
             param="max_completion_tokens" if req.max_completion_tokens else "max_tokens",
         )
         params = self.sampling(req, max_tokens, num_logprobs)
+        if agent.grammar is not None:
+            params = params.model_copy(update={"grammar": agent.grammar})
         # Chat boundaries (end of the system prompt, of earlier turns) feed the prefix cache.
-        checkpoints = self.engine.chat_checkpoints(messages, ids)
+        checkpoints = self.engine.chat_checkpoints(messages, ids, agent.template_kwargs)
         stream = await self.submit(rid, ids, params, "messages", checkpoints)
         created = now()
         model = self.engine.model_name
+        fmt = agent.output_format(
+            self.engine.tokenizer,
+            reasoning=self.reasoning,
+            prompt_text=self.engine.tokenizer.decode(ids[-8:]),
+        )
+        tools = agent.openai_tools or None
         if req.stream:
+            splitter = OutputSplitter(fmt, tools)
             return self.stream_response(
-                rid, stream, lambda emit: self._chat_stream(emit, stream, req, rid, created)
+                rid,
+                stream,
+                lambda emit: self._chat_stream(emit, stream, req, rid, created, splitter),
             )
         outs = await self.collect(request, stream)
         last = outs[-1]
+        split = split_output("".join(o.text for o in outs), fmt, tools)
         logprobs = None
         if num_logprobs is not None:
             logprobs = ChatLogprobs(
@@ -117,9 +131,11 @@ class OpenAIServing(Serving):
             model=model,
             choices=[
                 ChatChoice(
-                    message=AssistantMessage(content="".join(o.text for o in outs)),
+                    message=openai_agents.message(split),
                     logprobs=logprobs,
-                    finish_reason=last.finish_reason,
+                    finish_reason=openai_agents.finish_reason(
+                        last.finish_reason, len(split.tool_calls)
+                    ),
                 )
             ],
             usage=Usage.of(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens),
@@ -127,7 +143,13 @@ class OpenAIServing(Serving):
         return json_response(body, headers={"x-request-id": rid})
 
     async def _chat_stream(
-        self, emit: Emit, stream: RequestStream, req: ChatCompletionRequest, rid: str, created: int
+        self,
+        emit: Emit,
+        stream: RequestStream,
+        req: ChatCompletionRequest,
+        rid: str,
+        created: int,
+        splitter: OutputSplitter,
     ) -> None:
         model = self.engine.model_name
         exclude = None if req.include_usage else {"usage"}
@@ -160,12 +182,20 @@ class OpenAIServing(Serving):
             if not started:
                 started = True
                 frames.append(chunk(ChatDelta(role="assistant", content="")))
-            if want_logprobs and out.logprobs:
-                frames.append(chunk(ChatDelta(content=out.text), lps=out.logprobs))
-            elif out.text:
-                frames.append(text_frame(out.text))
+            piece = splitter.feed(out.text)
             if out.finish_reason is not None:
-                frames.append(chunk(ChatDelta(), finish=out.finish_reason))
+                piece.extend(splitter.finish())
+            if want_logprobs and out.logprobs:
+                frames.append(chunk(ChatDelta(content=piece.content), lps=out.logprobs))
+                piece.content = ""
+            if piece.content and not piece.reasoning and not piece.tool_calls:
+                frames.append(text_frame(piece.content))  # the common case, pre-encoded
+            else:
+                first = splitter.num_tool_calls - len(piece.tool_calls)
+                frames.extend(chunk(d) for d in openai_agents.deltas(piece, first))
+            if out.finish_reason is not None:
+                reason = openai_agents.finish_reason(out.finish_reason, splitter.num_tool_calls)
+                frames.append(chunk(ChatDelta(), finish=reason))
                 if req.include_usage:
                     usage = Usage.of(
                         out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens
@@ -188,11 +218,14 @@ class OpenAIServing(Serving):
 
     async def _completions(self, request: Request, rid: str) -> Response:
         req = await self.parse(request, CompletionRequest)
+        grammar = openai_agents.completion_grammar(req, self.engine.tokenizer)
         ids = self.encode(prompt=req.engine_prompt())
         max_tokens = self.max_tokens(
             req.max_tokens, len(ids), default=DEFAULT_COMPLETION_MAX_TOKENS, prompt_param="prompt"
         )
         params = self.sampling(req, max_tokens, req.logprobs)
+        if grammar is not None:
+            params = params.model_copy(update={"grammar": grammar})
         stream = await self.submit(rid, ids, params, "prompt")
         created = now()
         if req.stream:

@@ -58,6 +58,7 @@ class Serving:
         self.heartbeat_s = heartbeat_s
         self.created = now()
         self._token_text: dict[int, str] = {}
+        self.reasoning = False  # split <think> blocks into reasoning (--reasoning-parser)
 
     # -- request side --
 
@@ -173,10 +174,12 @@ class Serving:
         except RuntimeError as exc:  # the engine is closed: the server is shutting down
             raise APIError(503, str(exc), code="shutting_down") from None
 
-    def encode(self, *, prompt: str | list[int] | None = None, messages=None) -> list[int]:
+    def encode(
+        self, *, prompt: str | list[int] | None = None, messages=None, template_kwargs=None
+    ) -> list[int]:
         param = "prompt" if messages is None else "messages"
         try:
-            return self.engine.encode(prompt, messages)
+            return self.engine.encode(prompt, messages, template_kwargs)
         except (ValueError, TemplateError) as exc:
             raise APIError(400, f"{param}: {exc}", param=param) from None
 
