@@ -2,6 +2,7 @@
 the OpenAI-style error handlers, and the probes (/health, /metrics).
 
     POST /v1/chat/completions, POST /v1/completions   (streaming with server-sent events, or not)
+    POST /v1/messages, POST /v1/messages/count_tokens  (Anthropic, in `anthropic_serving`)
     GET  /v1/models, GET /health, GET /metrics
 
 Errors are OpenAI-style `{"error": {"message", "type", "param", "code"}}` bodies. The handlers
@@ -19,6 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from stepline.api.anthropic_serving import AnthropicServing, anthropic_router
 from stepline.api.errors import APIError
 from stepline.api.openai_serving import OpenAIServing
 
@@ -42,6 +44,8 @@ def create_app(
     serving = OpenAIServing(engine, max_body_bytes=max_body_bytes, heartbeat_s=heartbeat_s)
     app = FastAPI(title="stepline", summary="OpenAI-compatible LLM server", version="0.1.0")
     app.state.serving = serving
+    anthropic = AnthropicServing(engine, max_body_bytes=max_body_bytes, heartbeat_s=heartbeat_s)
+    app.include_router(anthropic_router(anthropic, api_key=api_key))  # /v1/messages
 
     def check_key(request: Request) -> None:
         if api_key is None:
