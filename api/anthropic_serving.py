@@ -46,7 +46,7 @@ class AnthropicServing(Serving):
             tools=schema.tool_specs(req),
             tool_choice=choice,
             parallel_tool_calls=parallel,
-            template_kwargs=schema.template_kwargs(req),
+            template_kwargs={**self.default_template_kwargs, **schema.template_kwargs(req)},
         )
 
     async def count_tokens(self, request: Request) -> Response:

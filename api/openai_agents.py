@@ -61,9 +61,12 @@ def tool_choice_name(choice: Any) -> str | None:
     )
 
 
-def chat_plan(req: ChatCompletionRequest, tokenizer: Any) -> AgentPlan:
+def chat_plan(
+    req: ChatCompletionRequest, tokenizer: Any, defaults: dict[str, Any] | None = None
+) -> AgentPlan:
+    """The plan of a chat request; `defaults` are the server's template kwargs."""
     schema, json_object = response_format_schema(req.response_format)
-    kwargs = dict(req.chat_template_kwargs or {})
+    kwargs = {**(defaults or {}), **(req.chat_template_kwargs or {})}
     if req.reasoning_effort is not None:
         kwargs["reasoning_effort"] = req.reasoning_effort
     return plan(

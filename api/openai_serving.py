@@ -86,7 +86,7 @@ class OpenAIServing(Serving):
     async def _chat(self, request: Request, rid: str) -> Response:
         req = await self.parse(request, ChatCompletionRequest)
         num_logprobs = req.num_logprobs
-        agent = openai_agents.chat_plan(req, self.engine.tokenizer)
+        agent = openai_agents.chat_plan(req, self.engine.tokenizer, self.default_template_kwargs)
         messages = req.engine_messages()
         ids = self.encode(messages=messages, template_kwargs=agent.template_kwargs)
         max_tokens = self.max_tokens(

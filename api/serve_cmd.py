@@ -18,6 +18,7 @@ import anyio
 import uvicorn
 from fastapi import FastAPI
 
+from stepline.api.agent_options import add_agent_args, agent_options
 from stepline.api.server import DEFAULT_MAX_BODY_BYTES, create_app
 
 
@@ -116,7 +117,12 @@ async def _serve(args: argparse.Namespace, sock: socket.socket, engine_kwargs: d
     from stepline.api.engine import Engine
 
     async with Engine.open(args.model, **engine_kwargs) as engine:
-        app = create_app(engine, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
+        app = create_app(
+            engine,
+            api_key=args.api_key,
+            max_body_bytes=args.max_body_bytes,
+            **agent_options(args),
+        )
         config = uvicorn.Config(app, lifespan="off", log_level="info", timeout_graceful_shutdown=5)
         server = _Server(config, own_signals=True)
         url = _url(args.host, sock.getsockname()[1])
@@ -176,5 +182,6 @@ def add_serve_parser(
         default=DEFAULT_MAX_BODY_BYTES,
         help=f"largest request body accepted, else 413 (default: {DEFAULT_MAX_BODY_BYTES})",
     )
+    add_agent_args(p)  # --reasoning-parser, --chat-template, --default-chat-template-kwargs
     p.set_defaults(func=run_serve, engine_kwargs=engine_kwargs)
     return p

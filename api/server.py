@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from stepline.api.agent_options import configure
 from stepline.api.anthropic_serving import AnthropicServing, anthropic_router
 from stepline.api.errors import APIError
 from stepline.api.openai_serving import OpenAIServing
@@ -37,15 +38,26 @@ def create_app(
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     heartbeat_s: float = DEFAULT_HEARTBEAT_S,
+    reasoning_parser: str | None = None,
+    chat_template: str | None = None,
+    default_chat_template_kwargs: dict | None = None,
 ) -> FastAPI:
     """The HTTP app serving `engine`. With `api_key`, every /v1 route wants
     `Authorization: Bearer <api_key>` (401 otherwise); /health and /metrics stay open for
-    probes and scrapers."""
+    probes and scrapers. The last three are the agent options (`agent_options.configure`);
+    raises ValueError if the model cannot honour them."""
     serving = OpenAIServing(engine, max_body_bytes=max_body_bytes, heartbeat_s=heartbeat_s)
     app = FastAPI(title="stepline", summary="OpenAI-compatible LLM server", version="0.1.0")
     app.state.serving = serving
     anthropic = AnthropicServing(engine, max_body_bytes=max_body_bytes, heartbeat_s=heartbeat_s)
     app.include_router(anthropic_router(anthropic, api_key=api_key))  # /v1/messages
+    for front in (serving, anthropic):
+        front.reasoning, front.default_template_kwargs = configure(
+            engine.tokenizer,
+            reasoning_parser=reasoning_parser,
+            chat_template=chat_template,
+            default_chat_template_kwargs=default_chat_template_kwargs,
+        )
 
     def check_key(request: Request) -> None:
         if api_key is None:

@@ -59,6 +59,7 @@ class Serving:
         self.created = now()
         self._token_text: dict[int, str] = {}
         self.reasoning = False  # split <think> blocks into reasoning (--reasoning-parser)
+        self.default_template_kwargs: dict[str, Any] = {}  # --default-chat-template-kwargs
 
     # -- request side --
 

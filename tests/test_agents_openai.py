@@ -249,3 +249,55 @@ async def test_completions_take_a_json_schema_too(client):
         },
     )
     jsonschema.validate(json.loads(r.choices[0].text), PERSON)
+
+
+async def test_chat_template_kwargs_reach_the_template(client):
+    ask = [{"role": "user", "content": "hi"}]
+    on = await client.chat.completions.create(model="stepline-demo", messages=ask, max_tokens=1)
+    off = await client.chat.completions.create(
+        model="stepline-demo",
+        messages=ask,
+        max_tokens=1,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
+    # thinking off: the template closes an empty think block after the generation prompt
+    assert off.usage.prompt_tokens > on.usage.prompt_tokens
+
+
+# DeepSeek-R1 style: the generation prompt opens the think block, the model closes it.
+R1_TEMPLATE = (
+    "{%- for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n<think>\n{%- endif %}"
+)
+
+
+@asynccontextmanager
+async def serve_reasoning() -> AsyncIterator[str]:
+    async with Engine.open("stepline-demo", max_step_tokens=256) as engine:
+        app = create_app(engine, reasoning_parser="deepseek_r1", chat_template=R1_TEMPLATE)
+        async with serve_in_process(app) as url:
+            yield url
+
+
+async def test_the_reasoning_parser_puts_an_open_think_block_in_reasoning_content(demo):
+    url, close = await hold_open(serve_reasoning())
+    try:
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as c:
+            ask = [{"role": "user", "content": "Why is the sky blue?"}]
+            r = await c.chat.completions.create(
+                model="stepline-demo", messages=ask, max_tokens=8, temperature=0
+            )
+            stream = await c.chat.completions.create(
+                model="stepline-demo", messages=ask, max_tokens=8, temperature=0, stream=True
+            )
+            streamed = [
+                (getattr(ch.choices[0].delta, "reasoning_content", None) or "")
+                async for ch in stream
+                if ch.choices
+            ]
+    finally:
+        await close()
+    # the random model never closes the block: all it wrote is reasoning
+    reasoning = r.choices[0].message.reasoning_content
+    assert reasoning and r.choices[0].message.content == ""
+    assert "".join(streamed) == reasoning
