@@ -3,7 +3,8 @@
 Each constrained row's matcher (llguidance) fills its row of a packed bitmask (32 tokens per
 int32) on the CPU, in llguidance's own threads; the mask is unpacked with MLX and applied to
 exactly those rows (disallowed tokens get -inf), so the sampler that follows draws only
-tokens the grammar allows. Rows without a constraint are not read, copied or touched.
+tokens the grammar allows. Rows without a constraint are not read, copied or touched. The
+masks are computed while the step's forward pass evaluates, so they mostly hide behind it.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ def apply_grammar_masks(logits: mx.array, rows: Sequence[int], matchers: Sequenc
     if not rows:
         return logits
     num_rows, vocab = logits.shape
+    # The forward pass runs (on MLX's stream) while llguidance computes the masks here.
+    mx.async_eval(logits)
     bitmask = allocate_token_bitmask(len(rows), vocab)
     fill_next_token_bitmask_par(_ll_executor(), [(m, i) for i, m in enumerate(matchers)], bitmask)
     packed = mx.array(bitmask.view(np.uint32))
