@@ -304,20 +304,23 @@ async def test_the_reasoning_parser_puts_an_open_think_block_in_reasoning_conten
 
 
 async def test_langchain_bind_tools_and_with_structured_output_work(client):
+    import httpx
     from langchain_openai import ChatOpenAI
 
-    llm = ChatOpenAI(
-        model="stepline-demo",
-        base_url=str(client.base_url),
-        api_key="unused",  # type: ignore[arg-type]
-        temperature=0,
-        max_retries=0,
-    )
-    tool = {"type": "function", "function": TOOLS[0]["function"]}
-    called = await llm.bind_tools([tool], tool_choice="required").ainvoke("Weather in Paris?")
+    async with httpx.AsyncClient() as http:  # our own, so that it is closed
+        llm = ChatOpenAI(
+            model="stepline-demo",
+            base_url=str(client.base_url),
+            api_key="unused",  # type: ignore[arg-type]
+            temperature=0,
+            max_retries=0,
+            http_async_client=http,
+        )
+        tool = {"type": "function", "function": TOOLS[0]["function"]}
+        called = await llm.bind_tools([tool], tool_choice="required").ainvoke("Weather in Paris?")
+        structured = llm.with_structured_output(Person, method="json_schema")
+        person = await structured.ainvoke("A person?")
     [call] = called.tool_calls
     assert call["name"] == "get_weather"
     jsonschema.validate(call["args"], WEATHER_ARGS)
-
-    person = await llm.with_structured_output(Person, method="json_schema").ainvoke("A person?")
     assert isinstance(person, Person)
