@@ -100,3 +100,20 @@ async def test_a_grammar_that_does_not_compile_is_refused_at_submission(model_ca
             await engine.submit("hi", params=SamplingParams(grammar=grammar))
         text, _ = await text_of(engine, SamplingParams(max_tokens=3, temperature=0))
     assert text  # and the engine serves on
+
+
+async def test_cancelling_a_constrained_request_mid_decode_leaves_the_engine_serving(
+    model_cache_dir,
+):
+    forced = SamplingParams(max_tokens=60, temperature=0, grammar=json_schema_grammar(PERSON))
+    async with Engine.open(max_step_tokens=64) as engine:
+        stream = await engine.submit(messages=[{"role": "user", "content": "hi"}], params=forced)
+        async for out in stream:
+            if out.num_output_tokens >= 3:
+                break
+        await stream.aclose()
+        # the same prompt again: a prefix-cache hit, and its grammar starts from the beginning
+        text, last = await text_of(engine, forced)
+        assert engine.step_loop.states.keys() == set()
+    jsonschema.validate(json.loads(text), PERSON)
+    assert last.finish_reason == "stop" and last.num_cached_tokens > 0
