@@ -90,7 +90,7 @@ class AnthropicServing(Serving):
         )
         tools = agent.openai_tools or None
         if req.stream:
-            produce = _Stream(self, req, rid, stream, OutputSplitter(fmt, tools))
+            produce = _Stream(self, req, rid, stream, OutputSplitter(fmt, tools, stream=True))
             return EventStreamResponse(
                 produce.run,
                 headers={"x-request-id": rid, "request-id": rid},
@@ -148,13 +148,13 @@ def _blocks(split: OutputDelta) -> list[dict[str, Any]]:
         blocks.append({"type": "text", "text": split.content})
     for call in split.tool_calls:
         blocks.append(
-            {"type": "tool_use", "id": _tool_id(call), "name": call.name, "input": call.input}
+            {"type": "tool_use", "id": _tool_id(call.id), "name": call.name, "input": call.input}
         )
     return blocks
 
 
-def _tool_id(call: ToolCall) -> str:
-    return "toolu_" + call.id.removeprefix("call_")
+def _tool_id(call_id: str) -> str:
+    return "toolu_" + call_id.removeprefix("call_")
 
 
 class _Stream:
@@ -284,14 +284,17 @@ class _Stream:
             if self.open != "text":
                 frames += self._open("text", {"type": "text", "text": ""})
             frames.append(self._delta({"type": "text_delta", "text": piece.content}))
-        for call in piece.tool_calls:
-            self.calls.append(call)
-            frames += self._open(
-                "tool_use",
-                {"type": "tool_use", "id": _tool_id(call), "name": call.name, "input": {}},
-            )
-            frames.append(self._delta({"type": "input_json_delta", "partial_json": call.arguments}))
-            frames += self._close()
+        for d in piece.tool_call_deltas:
+            if d.id is not None:
+                block = {"type": "tool_use", "id": _tool_id(d.id), "name": d.name, "input": {}}
+                frames += self._open("tool_use", block)
+            if d.arguments:
+                frames.append(
+                    self._delta({"type": "input_json_delta", "partial_json": d.arguments})
+                )
+            if d.done:
+                frames += self._close()
+        self.calls.extend(piece.tool_calls)
         return frames
 
 

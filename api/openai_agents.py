@@ -110,19 +110,21 @@ def finish_reason(reason: str, num_tool_calls: int) -> str:
     return "tool_calls" if reason == "stop" and num_tool_calls else reason
 
 
-def deltas(out: OutputDelta, first_index: int) -> list[ChatDelta]:
-    """The stream deltas of one split piece: reasoning, then content, then each tool call as a
-    header (id, type, name) and its arguments."""
+def deltas(out: OutputDelta) -> list[ChatDelta]:
+    """The stream deltas of one split piece: reasoning, then content, then the tool calls'
+    pieces (the first of a call has its id, type and name; the rest add arguments text)."""
     found = []
     if out.reasoning:
         found.append(ChatDelta(reasoning_content=out.reasoning))
     if out.content:
         found.append(ChatDelta(content=out.content))
-    for i, call in enumerate(out.tool_calls, start=first_index):
-        head = DeltaToolCall(
-            index=i, id=call.id, type="function", function=DeltaFunction(name=call.name)
-        )
-        found.append(ChatDelta(tool_calls=[head]))
-        args = DeltaToolCall(index=i, function=DeltaFunction(arguments=call.arguments))
-        found.append(ChatDelta(tool_calls=[args]))
+    for d in out.tool_call_deltas:
+        if d.id is not None:
+            head = DeltaToolCall(
+                index=d.index, id=d.id, type="function", function=DeltaFunction(name=d.name)
+            )
+            found.append(ChatDelta(tool_calls=[head]))
+        if d.arguments:
+            args = DeltaToolCall(index=d.index, function=DeltaFunction(arguments=d.arguments))
+            found.append(ChatDelta(tool_calls=[args]))
     return found

@@ -111,7 +111,7 @@ class OpenAIServing(Serving):
         )
         tools = agent.openai_tools or None
         if req.stream:
-            splitter = OutputSplitter(fmt, tools)
+            splitter = OutputSplitter(fmt, tools, stream=True)
             return self.stream_response(
                 rid,
                 stream,
@@ -188,11 +188,10 @@ class OpenAIServing(Serving):
             if want_logprobs and out.logprobs:
                 frames.append(chunk(ChatDelta(content=piece.content), lps=out.logprobs))
                 piece.content = ""
-            if piece.content and not piece.reasoning and not piece.tool_calls:
+            if piece.content and not piece.reasoning and not piece.tool_call_deltas:
                 frames.append(text_frame(piece.content))  # the common case, pre-encoded
             else:
-                first = splitter.num_tool_calls - len(piece.tool_calls)
-                frames.extend(chunk(d) for d in openai_agents.deltas(piece, first))
+                frames.extend(chunk(d) for d in openai_agents.deltas(piece))
             if out.finish_reason is not None:
                 reason = openai_agents.finish_reason(out.finish_reason, splitter.num_tool_calls)
                 frames.append(chunk(ChatDelta(), finish=reason))

@@ -212,7 +212,7 @@ async def test_a_streamed_forced_tool_use_sends_input_json_deltas(client):
             if e.type == "content_block_delta" and e.delta.type == "input_json_delta"
         ]
         final = await stream.get_final_message()
-    assert deltas and final.stop_reason == "tool_use"
+    assert len(deltas) > 3 and final.stop_reason == "tool_use"  # input streams as written
     [use] = [b for b in final.content if b.type == "tool_use"]
     jsonschema.validate(json.loads("".join(deltas)), WEATHER["input_schema"])
     assert use.input == json.loads("".join(deltas))

@@ -156,9 +156,11 @@ async def test_streamed_tool_calls_arrive_as_openai_deltas_and_validate(client):
     )
     calls: dict[int, dict] = {}
     finish = None
+    num_argument_deltas = 0
     async for chunk in stream:
         choice = chunk.choices[0]
         for d in choice.delta.tool_calls or []:
+            num_argument_deltas += bool(d.function.arguments)
             call = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
             call["id"] = call["id"] or d.id
             call["name"] += d.function.name or ""
@@ -167,6 +169,7 @@ async def test_streamed_tool_calls_arrive_as_openai_deltas_and_validate(client):
     assert finish == "tool_calls"
     assert list(calls) == [0]
     assert calls[0]["id"].startswith("call_")
+    assert num_argument_deltas > 3  # the arguments stream as they are written
     jsonschema.validate(json.loads(calls[0]["arguments"]), schema_of(calls[0]["name"]))
 
 

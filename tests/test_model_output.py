@@ -13,6 +13,7 @@ QWEN = OutputFormat(
     think=("<think>", "</think>"),
     tools=("<tool_call>", "</tool_call>"),
     tool_parser=json_tools.parse_tool_call,
+    json_calls=True,
 )
 ANSWER = (
     "<think>I should look it up.</think>Let me check."
@@ -22,7 +23,7 @@ ANSWER = (
 
 
 def feed_in_pieces(text: str, size: int, fmt: OutputFormat = QWEN):
-    splitter = OutputSplitter(fmt)
+    splitter = OutputSplitter(fmt, stream=True)
     pieces = [splitter.feed(text[i : i + size]) for i in range(0, len(text), size)]
     return [*pieces, splitter.finish()]
 
@@ -77,3 +78,30 @@ def test_a_tool_call_cut_short_by_the_token_limit_is_returned_as_text():
 
     assert out.tool_calls == []
     assert out.content == 'Sure.<tool_call>\n{"name": "get_wea'
+
+
+@pytest.mark.parametrize("size", [1, 4, 9])
+def test_streamed_tool_arguments_grow_piece_by_piece_and_add_up_to_the_call(size):
+    pieces = feed_in_pieces(ANSWER, size)
+    deltas = [d for p in pieces for d in p.tool_call_deltas]
+    calls = [c for p in pieces for c in p.tool_calls]
+
+    for index, call in enumerate(calls):
+        mine = [d for d in deltas if d.index == index]
+        assert (mine[0].id, mine[0].name) == (call.id, call.name)
+        assert "".join(d.arguments for d in mine) == call.arguments
+        assert [d.done for d in mine] == [False] * (len(mine) - 1) + [True]
+    assert json.loads(calls[0].arguments) == {"city": "Paris"}
+    # the weather call's arguments came in several pieces, before its block closed
+    assert size > 4 or len([d for d in deltas if d.index == 0 and d.arguments]) > 2
+
+
+def test_a_block_in_another_key_order_is_sent_whole_when_it_closes():
+    text = '<tool_call>\n{"arguments": {"x": 1}, "name": "f"}\n</tool_call>'
+
+    deltas = [d for p in feed_in_pieces(text, 2) for d in p.tool_call_deltas]
+
+    assert [(d.name, d.arguments, d.done) for d in deltas] == [
+        ("f", "", False),
+        (None, '{"x": 1}', True),
+    ]
