@@ -127,6 +127,13 @@ def plan(
             code="unsupported_parameter",
         )
     if tools:
+        if "tools" not in _template_source(tokenizer):
+            raise RequestError(
+                "this model's chat template does not render tools, so the model would never "
+                "see them: remove `tools`",
+                param="tools",
+                code="unsupported_parameter",
+            )
         kwargs["tools"] = [t.openai() for t in tools]
     grammar = None
     if forced:
@@ -161,8 +168,7 @@ def check_template_kwargs(tokenizer: Any, kwargs: dict[str, Any]) -> None:
 
     mlx-lm passes `enable_thinking` under the name the template uses for it.
     """
-    source = getattr(tokenizer, "chat_template", None)
-    source = source if isinstance(source, str) else json.dumps(source or "")
+    source = _template_source(tokenizer)
     for key in kwargs:
         if key in ("tools", "add_generation_prompt", "messages", "tokenize"):
             raise RequestError(
@@ -177,3 +183,8 @@ def check_template_kwargs(tokenizer: Any, kwargs: dict[str, Any]) -> None:
                 param="chat_template_kwargs" if key != "reasoning_effort" else key,
                 code="unsupported_parameter",
             )
+
+
+def _template_source(tokenizer: Any) -> str:
+    source = getattr(tokenizer, "chat_template", None)
+    return source if isinstance(source, str) else json.dumps(source or "")
