@@ -92,14 +92,14 @@ class EngineMetrics:
         else:
             self.prefix_misses.inc()
 
-    def prefix_cache(self, counters) -> None:
-        if counters is not None:
-            self.prefix_bytes.set(counters.nbytes)
-            self.prefix_entries.set(counters.entries)
-            self.prefix_evictions.set(counters.evictions)
-            self.prefix_disk_bytes.set(counters.disk_nbytes)
-            self.prefix_disk_entries.set(counters.disk_entries)
-            self.prefix_disk_evictions.set(counters.disk_evictions)
+    def prefix_cache(self, index, report) -> None:
+        """From the step loop's index (memory tier) and the store's last report (disk)."""
+        self.prefix_bytes.set(index.nbytes)
+        self.prefix_entries.set(index.num_memory_entries)
+        self.prefix_evictions.set(index.evictions)
+        self.prefix_disk_bytes.set(report.disk_nbytes)
+        self.prefix_disk_entries.set(report.disk_entries)
+        self.prefix_disk_evictions.set(report.disk_evictions)
 
     def step(self, num_tokens: int, budget: int, seconds: float) -> None:
         self.steps.inc()

@@ -32,7 +32,8 @@ from stepline.actors.request import RequestActor, RequestOutput
 from stepline.actors.step_loop import ModelLimits, StepLoop
 from stepline.engine.grammar import GrammarCompiler
 from stepline.engine.policy import SchedulerConfig
-from stepline.events.models import LogHeader, RequestParams
+from stepline.engine.prefix_index import PrefixIndex
+from stepline.events.models import FinishReason, LogHeader, RequestParams
 
 log = structlog.get_logger(__name__)
 
@@ -138,6 +139,7 @@ class RequestStream:
                 self._cancel()
             except Exception:  # noqa: BLE001 - the engine may be gone already
                 pass
+        self._outputs.close()
 
 
 class Engine:
@@ -235,6 +237,11 @@ class Engine:
                 )
                 writer = EventLogWriter(event_log, header, rotate_bytes=event_log_rotate_bytes)
             eos = frozenset(loaded.tokenizer.eos_token_ids or ())
+            index = None
+            if runner.store is not None:
+                index = PrefixIndex(int(prefix_cache_gb * 2**30))
+                for info in await executor.call(runner.disk_entries):
+                    index.add_disk(info.tokens, info.trimmable)
             step_loop = StepLoop(
                 executor=executor,
                 runner=runner,
@@ -242,6 +249,7 @@ class Engine:
                 limits=ModelLimits(max_context=loaded.max_context, eos_token_ids=eos),
                 event_log=writer,
                 log_prompts=log_prompts,
+                prefix_index=index,
             )
             async with anyio.create_task_group() as tg:
                 loop_scope = anyio.CancelScope()
@@ -265,9 +273,9 @@ class Engine:
         finally:
             with anyio.CancelScope(shield=True):
                 await executor.drain()
-                if runner is not None and runner.prefix_cache is not None:
+                if runner is not None and runner.store is not None:
                     # Let queued disk writes finish (file I/O only: no MLX on this thread).
-                    await anyio.to_thread.run_sync(runner.prefix_cache.close)
+                    await anyio.to_thread.run_sync(runner.store.close)
             executor.close()
             if writer is not None:
                 writer.close()
@@ -377,42 +385,47 @@ class Engine:
             len(ids) + params.max_tokens + 8
         )
         reply = asyncio.get_running_loop().create_future()
-        await self._step_loop.inbox.send(
-            Submit(
-                request_id=rid,
-                prompt_token_ids=tuple(ids),
-                params=params.to_record(),
-                checkpoints=tuple(checkpoints),
-                logprobs=params.logprobs,
-                actor=inbox_tx,
-                reply=reply,
-            )
+        submit = Submit(
+            request_id=rid,
+            prompt_token_ids=tuple(ids),
+            params=params.to_record(),
+            checkpoints=tuple(checkpoints),
+            logprobs=params.logprobs,
+            actor=inbox_tx,
+            reply=reply,
         )
         try:
-            num_cached = await reply
+            await self._step_loop.inbox.send(submit)
+            await reply
         except BaseException:
+            # Cancelled at any point: a reply still pending is cancelled (the step loop then
+            # skips the request); one that admitted it already gets a cancel on its heels.
+            if not reply.cancel() and not reply.cancelled() and reply.exception() is None:
+                self._send_cancel(rid)
             for s in (inbox_tx, inbox_rx, out_tx, out_rx):
                 s.close()
             raise
         actor = RequestActor(
             rid,
             num_prompt_tokens=len(ids),
-            num_cached_tokens=num_cached,
+            num_cached_tokens=0,  # the step loop says otherwise when its first chunk runs
             stop=params.stop,
             decode=self.tokenizer.decode,
             inbox=inbox_rx,
             output=out_tx,
+            on_end=lambda reason: self._send_cancel(rid, reason),
         )
         self._tg.start_soon(actor.run, name=f"request-{rid}")
         return RequestStream(rid, out_rx, cancel=lambda: self._send_cancel(rid))
 
-    def _send_cancel(self, request_id: str) -> None:
+    def _send_cancel(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> None:
         if self._closed:
             return
+        msg = Cancel(request_id, reason)
         try:
-            self._step_loop.inbox.send_nowait(Cancel(request_id))
+            self._step_loop.inbox.send_nowait(msg)
         except anyio.WouldBlock:
-            self._tg.start_soon(self._step_loop.inbox.send, Cancel(request_id))
+            self._tg.start_soon(self._step_loop.inbox.send, msg)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
             pass
 

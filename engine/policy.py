@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from stepline.engine.prefix_index import PrefixPlan
 from stepline.events.fold import RequestState, Status
 
 
@@ -77,8 +78,8 @@ def kv_tokens_needed(state: RequestState) -> int:
     return state.num_prompt_tokens + state.params.max_tokens
 
 
-def _chunk(state: RequestState, num_tokens: int) -> ScheduledChunk:
-    start = state.num_computed_tokens
+def _chunk(state: RequestState, num_tokens: int, start: int | None = None) -> ScheduledChunk:
+    start = state.num_computed_tokens if start is None else start
     end = start + num_tokens
     return ScheduledChunk(
         request_id=state.request_id,
@@ -89,8 +90,18 @@ def _chunk(state: RequestState, num_tokens: int) -> ScheduledChunk:
     )
 
 
-def schedule(states: Mapping[str, RequestState], config: SchedulerConfig, step: int) -> StepPlan:
-    """Build step `step`'s plan from every unfinished request's state."""
+def schedule(
+    states: Mapping[str, RequestState],
+    config: SchedulerConfig,
+    step: int,
+    prefix: PrefixPlan | None = None,
+) -> StepPlan:
+    """Build step `step`'s plan from every unfinished request's state.
+
+    `prefix` says where waiting requests start (their cache hits) and which of them wait
+    for a prefix another request is computing (`engine.prefix_index.plan_prefixes`).
+    """
+    prefix = prefix or PrefixPlan()
     live = sorted((s for s in states.values() if not s.is_finished), key=lambda s: s.admitted_seq)
     budget = config.max_step_tokens
     decodes: list[str] = []
@@ -113,7 +124,7 @@ def schedule(states: Mapping[str, RequestState], config: SchedulerConfig, step: 
     num_running = len(running)
     kv_used = sum(kv_tokens_needed(s) for s in running)
     for s in live:
-        if s.status is not Status.WAITING:
+        if s.status is not Status.WAITING or s.request_id in prefix.deferred:
             continue
         if budget <= 0 or num_running >= config.max_num_seqs:
             break
@@ -122,8 +133,9 @@ def schedule(states: Mapping[str, RequestState], config: SchedulerConfig, step: 
             and kv_used + kv_tokens_needed(s) > config.max_kv_tokens
         ):
             break  # admit in order: a big request is not overtaken forever by small ones
-        n = min(s.num_prompt_tokens - s.num_computed_tokens, budget, config.chunk_cap)
-        chunks.append(_chunk(s, n))
+        start = prefix.cached.get(s.request_id, s.num_computed_tokens)
+        n = min(s.num_prompt_tokens - start, budget, config.chunk_cap)
+        chunks.append(_chunk(s, n, start))
         num_scheduled[s.request_id] = n
         budget -= n
         num_running += 1

@@ -23,12 +23,13 @@ from stepline.engine.constraints import advance, apply_grammar_masks
 from stepline.engine.grammar import GrammarCompiler
 from stepline.engine.models import LoadedModel
 from stepline.engine.policy import ScheduledChunk
-from stepline.engine.prefix_cache import PrefixCache, model_fingerprint, share_cache
+from stepline.engine.prefix_cache import PrefixStore, share_cache
+from stepline.engine.prefix_disk import model_fingerprint
 from stepline.engine.sampling import RowHistory, RowSampling, Sampler
 from stepline.engine.work import (
+    Housekeeping,
     NewRequest,
-    PrefixCacheCounters,
-    PrefixLookup,
+    PrefixReport,
     StepResult,
     StepWork,
     TokenLogprob,
@@ -96,16 +97,15 @@ class ModelRunner:
         self.loaded = loaded
         self.sampler = Sampler(seed=seed)
         self.on_checkpoint = on_checkpoint
-        self.prefix_cache = None
+        # The prefix cache's arrays; which entry serves whom is the step loop's index's call.
+        self.store: PrefixStore | None = None
         if prefix_cache_bytes > 0 or prefix_cache_dir is not None:
-            self.prefix_cache = PrefixCache(
-                prefix_cache_bytes,
+            self.store = PrefixStore(
                 disk_dir=prefix_cache_dir,
                 disk_max_bytes=prefix_cache_disk_bytes,
                 # Files are only ever used for the same weights (checked on every read).
                 model_id=model_fingerprint(loaded.path) if prefix_cache_dir is not None else "",
             )
-        self._hits: dict[str, Cache] = {}  # request_id -> cache found at submission
         self._seqs: dict[str, _Seq] = {}
         self._batch_ids: list[str] = []  # decode batch rows, in order
         self._batch_cache: Cache | None = None
@@ -169,21 +169,18 @@ class ModelRunner:
             prompt=mx.array(new.prompt_token_ids, dtype=mx.int32),
             sampling=sampling,
             history=RowHistory(new.prompt_token_ids) if sampling.needs_history else None,
-            cache=self._hits.pop(new.request_id, None) or make_prompt_cache(self.model),
+            cache=self._start_cache(new),
             constraint=self.grammars.matcher(p.grammar) if p.grammar is not None else None,
         )
 
-    def lookup_prefix(self, request_id: str, prompt: Sequence[int]) -> PrefixLookup:
-        """Find the longest cached prefix of `prompt`; the request will start from it."""
-        hit = self.prefix_cache.lookup(prompt) if self.prefix_cache is not None else None
-        if hit is None:
-            return PrefixLookup(0, None)
-        self._hits[request_id] = hit.cache
-        return PrefixLookup(hit.num_tokens, hit.source)
+    def _start_cache(self, new: NewRequest) -> Cache:
+        if new.prefix is None or self.store is None:
+            return make_prompt_cache(self.model)
+        return self.store.get(new.prefix, new.num_cached_tokens)
 
     def _retire(self, seq: _Seq) -> None:
         """Offer a finished request's cache (prompt + all but its last token) for reuse."""
-        if self.prefix_cache is None or seq.cache is not None or seq.num_generated < 1:
+        if self.store is None or seq.cache is not None or seq.num_generated < 1:
             return
         row = self._batch_ids.index(seq.request_id)
         cache = [layer.extract(row) for layer in self._batch_cache]
@@ -194,11 +191,10 @@ class ModelRunner:
         if offsets <= {len(tokens)} and all(
             getattr(c, "max_size", len(tokens) + 1) > len(tokens) for c in cache
         ):
-            self.prefix_cache.insert(tokens, cache)
+            self.store.put(tokens, cache)
 
     def _free(self, request_ids: Sequence[str], retire: frozenset[str] = frozenset()) -> None:
         for rid in request_ids:
-            self._hits.pop(rid, None)
             if rid in retire and rid in self._seqs:
                 self._retire(self._seqs[rid])
         gone = {rid for rid in request_ids if self._seqs.pop(rid, None) is not None}
@@ -245,8 +241,8 @@ class ModelRunner:
                 mx.eval([c.state for c in seq.cache])
                 seq.checkpoints.append(end)
                 snapshot = snapshot_cache(seq.cache)
-                if self.prefix_cache is not None:
-                    self.prefix_cache.insert(seq.prompt[:end].tolist(), snapshot)
+                if self.store is not None:
+                    self.store.put(seq.prompt[:end].tolist(), snapshot)
                 if self.on_checkpoint is not None:
                     self.on_checkpoint(seq.request_id, end, share_cache(snapshot))
             pos = end
@@ -254,9 +250,23 @@ class ModelRunner:
             mx.eval([c.state for c in seq.cache])  # bound the lazy graph between steps
         return logits
 
+    def housekeep(self, work: Housekeeping) -> StepResult:
+        """Free ended requests, drop and load prefix-cache entries; no forward pass."""
+        t0 = time.perf_counter()
+        self._housekeep(work)
+        return StepResult(seconds=time.perf_counter() - t0, prefix=self._prefix_report())
+
+    def _housekeep(self, work: Housekeeping) -> None:
+        if self.store is not None:
+            for tokens in work.drop_entries:
+                self.store.drop(tokens)
+            for tokens in work.promote:
+                self.store.promote(tokens)
+        self._free(work.free, work.retire)
+
     def run(self, work: StepWork) -> StepResult:
         t0 = time.perf_counter()
-        self._free(work.free, work.retire)
+        self._housekeep(work)
         for new in work.admit:
             self._admit(new)
         plan = work.plan
@@ -316,25 +326,26 @@ class ModelRunner:
                 s.request_id: tuple(s.checkpoints) for s in self._seqs.values() if s.checkpoints
             },
             seconds=time.perf_counter() - t0,
-            prefix_cache=self._prefix_counters(),
+            prefix=self._prefix_report(),
         )
 
-    def _prefix_counters(self) -> PrefixCacheCounters | None:
-        if self.prefix_cache is None:
+    def _prefix_report(self) -> PrefixReport | None:
+        if self.store is None:
             return None
-        st = self.prefix_cache.stats
-        disk = self.prefix_cache.disk.stats if self.prefix_cache.disk is not None else None
-        return PrefixCacheCounters(
-            nbytes=st.nbytes,
-            entries=st.entries,
-            evictions=st.evictions,
+        report = self.store.take_report()
+        disk = self.store.disk.stats if self.store.disk is not None else None
+        return PrefixReport(
+            new=tuple(report.new),
+            disk_added=tuple(report.disk_added),
+            disk_removed=tuple(report.disk_removed),
             disk_nbytes=disk.nbytes if disk else 0,
             disk_entries=disk.entries if disk else 0,
             disk_evictions=disk.evictions if disk else 0,
         )
 
-    def free(self, request_ids: Sequence[str], retire: frozenset[str] = frozenset()) -> None:
-        self._free(request_ids, retire)
+    def disk_entries(self) -> list:
+        """The disk tier's entries at start, to seed the step loop's index."""
+        return self.store.disk_entries() if self.store is not None else []
 
     @property
     def num_sequences(self) -> int:
