@@ -44,6 +44,7 @@ class AgentPlan:
     grammar: str | None = None
     parse_tools: bool = False  # split tool-call blocks out of the output
     tools: tuple[ToolSpec, ...] = ()
+    grammar_param: str = "response_format"  # the request field the grammar comes from
 
     def output_format(self, tokenizer: Any, *, reasoning: bool, prompt_text: str) -> OutputFormat:
         return OutputFormat.of(

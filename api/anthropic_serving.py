@@ -80,7 +80,9 @@ class AnthropicServing(Serving):
         except ValidationError as exc:
             raise validation_error(exc) from None
         checkpoints = self.engine.chat_checkpoints(messages, ids, agent.template_kwargs)
-        stream = await self.submit(rid, ids, params, "messages", checkpoints)
+        stream = await self.submit(
+            rid, ids, params, "messages", checkpoints, grammar_param=agent.grammar_param
+        )
         # Thinking splits out when the request turns it on, or the server's parser is on.
         reasoning = self.reasoning or (req.thinking is not None and req.thinking.type == "enabled")
         fmt = agent.output_format(

@@ -101,7 +101,9 @@ class OpenAIServing(Serving):
             params = params.model_copy(update={"grammar": agent.grammar})
         # Chat boundaries (end of the system prompt, of earlier turns) feed the prefix cache.
         checkpoints = self.engine.chat_checkpoints(messages, ids, agent.template_kwargs)
-        stream = await self.submit(rid, ids, params, "messages", checkpoints)
+        stream = await self.submit(
+            rid, ids, params, "messages", checkpoints, grammar_param=agent.grammar_param
+        )
         created = now()
         model = self.engine.model_name
         fmt = agent.output_format(

@@ -19,6 +19,7 @@ from stepline.api.engine import SamplingParams
 from stepline.api.errors import APIError, context_error, validation_error
 from stepline.api.openai_schema import RequestError, now
 from stepline.api.sse import DONE, Emit, EventStreamResponse, error_frame
+from stepline.engine.grammar import GrammarError
 from stepline.engine.policy import ContextLengthExceededError
 
 if TYPE_CHECKING:
@@ -161,6 +162,7 @@ class Serving:
         params: SamplingParams,
         prompt_param: str,
         checkpoints: Sequence[int] = (),
+        grammar_param: str = "response_format",
     ) -> RequestStream:
         try:
             return await self.engine.submit(
@@ -170,6 +172,8 @@ class Serving:
             raise context_error(exc, prompt_param) from None
         except EngineDeadError as exc:
             raise APIError(503, str(exc), code="engine_unhealthy") from None
+        except GrammarError as exc:  # a schema llguidance cannot compile
+            raise APIError(400, str(exc), param=grammar_param, code="invalid_schema") from None
         except ValueError as exc:  # AdmissionError (empty prompt, KV too small), bad token ids
             raise APIError(400, str(exc), param=prompt_param) from None
         except RuntimeError as exc:  # the engine is closed: the server is shutting down

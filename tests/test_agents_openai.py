@@ -327,3 +327,17 @@ async def test_langchain_bind_tools_and_with_structured_output_work(client):
     assert call["name"] == "get_weather"
     jsonschema.validate(call["args"], WEATHER_ARGS)
     assert isinstance(person, Person)
+
+
+async def test_a_schema_that_does_not_compile_is_a_400_naming_response_format(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        await client.chat.completions.create(
+            model="stepline-demo",
+            messages=[{"role": "user", "content": "hi"}],
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "nonsense"}},
+            },
+        )
+    assert err.value.body["param"] == "response_format"
+    assert "nonsense" in err.value.body["message"]
