@@ -117,3 +117,21 @@ async def test_cancelling_a_constrained_request_mid_decode_leaves_the_engine_ser
         assert engine.step_loop.states.keys() == set()
     jsonschema.validate(json.loads(text), PERSON)
     assert last.finish_reason == "stop" and last.num_cached_tokens > 0
+
+
+async def test_a_constrained_run_reexecutes_to_the_same_tokens_from_its_log(
+    tmp_path, model_cache_dir
+):
+    from stepline.events.reexecute import reexecute
+
+    log = tmp_path / "run.jsonl"
+    forced = SamplingParams(
+        max_tokens=150, temperature=0.9, seed=5, grammar=json_schema_grammar(PERSON)
+    )
+    async with Engine.open(max_step_tokens=64, event_log=log) as engine:
+        text, _ = await text_of(engine, forced)
+    jsonschema.validate(json.loads(text), PERSON)
+
+    report = await reexecute(log)
+
+    assert (report.num_same, report.num_diverged, report.num_skipped) == (1, 0, 0)
