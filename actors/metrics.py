@@ -20,7 +20,11 @@ class EngineMetrics:
         )
         self.prefilling = Gauge("stepline_requests_prefilling", "Mid-prefill", registry=r)
         self.running = Gauge("stepline_requests_decoding", "Generating tokens", registry=r)
-        self.healthy = Gauge("stepline_healthy", "1 while the executor is alive", registry=r)
+        self.healthy = Gauge(
+            "stepline_healthy",
+            "1 while the engine serves (executor and step loop alive)",
+            registry=r,
+        )
         self.healthy.set(1)
         self.requests = Counter(
             "stepline_requests", "Requests ended, by finish reason", ["reason"], registry=r
@@ -75,6 +79,13 @@ class EngineMetrics:
         self.prefix_disk_evictions = Gauge(
             "stepline_prefix_cache_disk_evictions", "Disk tier: files evicted", registry=r
         )
+        self.mlx_active = Gauge(
+            "stepline_mlx_active_bytes", "MLX memory held by live arrays", registry=r
+        )
+        self.mlx_cache = Gauge(
+            "stepline_mlx_cache_bytes", "MLX buffer cache: freed memory kept for reuse", registry=r
+        )
+        self.mlx_peak = Gauge("stepline_mlx_peak_bytes", "MLX peak active memory", registry=r)
         self.event_log_lag = Gauge(
             "stepline_event_log_lag_events", "Events recorded, not yet written", registry=r
         )
@@ -100,6 +111,12 @@ class EngineMetrics:
         self.prefix_disk_bytes.set(report.disk_nbytes)
         self.prefix_disk_entries.set(report.disk_entries)
         self.prefix_disk_evictions.set(report.disk_evictions)
+
+    def memory(self, counters) -> None:
+        if counters is not None:
+            self.mlx_active.set(counters.active)
+            self.mlx_cache.set(counters.cache)
+            self.mlx_peak.set(counters.peak)
 
     def step(self, num_tokens: int, budget: int, seconds: float) -> None:
         self.steps.inc()

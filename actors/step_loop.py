@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import anyio
@@ -28,6 +28,7 @@ from stepline.actors.messages import Cancel, Finish, Submit
 from stepline.actors.metrics import EngineMetrics
 from stepline.engine.policy import (
     AdmissionError,
+    QueueFullError,
     SchedulerConfig,
     StepPlan,
     check_admissible,
@@ -35,7 +36,6 @@ from stepline.engine.policy import (
 )
 from stepline.engine.prefix_index import (
     Candidate,
-    EntryInfo,
     PrefixIndex,
     PrefixPlan,
     Tokens,
@@ -148,6 +148,7 @@ class StepLoop:
         try:
             if self.dead_reason is not None:
                 raise EngineDeadError(f"the engine is unhealthy: {self.dead_reason}")
+            self._check_queue()
             check_admissible(
                 len(msg.prompt_token_ids),
                 msg.params.max_tokens,
@@ -161,6 +162,12 @@ class StepLoop:
         self._requests[msg.request_id] = msg
         self.metrics.admitted()
         msg.reply.set_result(None)
+
+    def _check_queue(self) -> None:
+        """Raise QueueFullError if `max_waiting` requests already wait for their first chunk."""
+        num_waiting = sum(1 for s in self.states.values() if s.status is Status.WAITING)
+        if num_waiting >= self.config.max_waiting:
+            raise QueueFullError(num_waiting, self.config.max_waiting)
 
     def _reject(self, msg: Submit, exc: AdmissionError) -> None:
         """Log the request as admitted and at once rejected (so the log shows what was
@@ -237,12 +244,12 @@ class StepLoop:
                         await self._handle(msg)
                     await self._step()
                 except Exception as exc:
-                    # A bug here must not leave clients waiting on streams that never end:
-                    # fail like a dead executor (every request ends with an error).
+                    # A bug in this loop's own code (the executor's faults are caught where it
+                    # is called). Its scheduling state is in doubt, so the engine stops
+                    # serving, but says what failed: no client waits on a stream that never ends.
                     log.exception("step_loop_failed")
-                    self.executor.mark_dead(exc)
                     self.recorder.in_step = False
-                    await self._die(exc)
+                    await self._die(f"step loop failed: {exc!r}")
 
     async def _step(self) -> None:
         if self._waiting() and any(self._to_free.values()):
@@ -330,6 +337,7 @@ class StepLoop:
             rid: "disk" if rid in self._disk_tries else m.source
             for rid, m in prefix.matches.items()
         }
+        await self._end_failed(result.failed)
         before = {rid: self.states[rid] for rid in result.tokens if rid in self.states}
         deliveries = commit(self.recorder, plan, result, self.limits, sources)
         self._update_index(result)
@@ -338,7 +346,17 @@ class StepLoop:
         for new in admit:
             self.metrics.prefix_lookup(new.num_cached_tokens)
         self.metrics.step(plan.num_tokens, self.config.max_step_tokens, result.seconds)
+        self.metrics.memory(result.memory)
         self.metrics.gauges(self.states.values(), getattr(self._event_log, "lag", 0))
+
+    async def _end_failed(self, failed: Mapping[str, str]) -> None:
+        """End the requests the executor could not serve (it already dropped their state);
+        the step's results for the others stand."""
+        for rid, what in failed.items():
+            if rid in self.states:  # else: cancelled while the step ran
+                log.error("request_ended_by_fault", request_id=rid, what=what)
+                await self._end(rid, FinishReason.ERROR, what)
+            self._to_free.pop(rid, None)
 
     def _token_metrics(self, before: dict[str, RequestState]) -> None:
         for rid, was in before.items():
@@ -406,15 +424,16 @@ class StepLoop:
         try:
             return await self.executor.call(fn, *args)
         except ExecutorDeadError as exc:
-            await self._die(exc)
+            await self._die(f"executor failed: {exc!r}")
         except Exception as exc:
             self.executor.mark_dead(exc)
-            await self._die(exc)
+            await self._die(f"executor failed: {exc!r}")
         return None
 
-    async def _die(self, exc: BaseException) -> None:
-        """The executor failed: end every in-flight request with an error; admit no more."""
-        self.dead_reason = f"executor failed: {exc!r}"
+    async def _die(self, reason: str) -> None:
+        """The engine cannot go on (`reason` says what failed: the executor or this loop):
+        end every in-flight request with an error; admit no more."""
+        self.dead_reason = reason
         log.error("engine_dead", reason=self.dead_reason)
         self.metrics.healthy.set(0)
         for rid in list(self.states):
@@ -425,9 +444,3 @@ class StepLoop:
         """End every request still in flight (engine closing)."""
         for rid in list(self.states):
             await self._end(rid, FinishReason.CANCELLED, "the engine is shutting down")
-
-
-def seed_index(index: PrefixIndex, entries: list[EntryInfo]) -> None:
-    """Tell a new index what the store's disk tier already holds."""
-    for info in entries:
-        index.add_disk(info.tokens, info.trimmable)

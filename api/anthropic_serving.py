@@ -10,7 +10,6 @@ order: message_start, then per block content_block_start / _delta... / _stop, me
 
 from __future__ import annotations
 
-import hmac
 import uuid
 from typing import TYPE_CHECKING, Any
 
@@ -52,7 +51,7 @@ class AnthropicServing(Serving):
     async def count_tokens(self, request: Request) -> Response:
         req = await self.parse(request, schema.CountTokensRequest)
         agent = self._plan(req)
-        ids = self.encode(
+        ids, _ = await self.prepare(
             messages=schema.engine_messages(req), template_kwargs=agent.template_kwargs
         )
         return JSONResponse({"input_tokens": len(ids)})
@@ -61,7 +60,9 @@ class AnthropicServing(Serving):
         req = await self.parse(request, schema.MessagesRequest)
         agent = self._plan(req)
         messages = schema.engine_messages(req)
-        ids = self.encode(messages=messages, template_kwargs=agent.template_kwargs)
+        ids, checkpoints = await self.prepare(
+            messages=messages, template_kwargs=agent.template_kwargs
+        )
         max_tokens = self.max_tokens(
             req.max_tokens, len(ids), default=None, prompt_param="messages"
         )
@@ -79,7 +80,6 @@ class AnthropicServing(Serving):
             )
         except ValidationError as exc:
             raise validation_error(exc) from None
-        checkpoints = self.engine.chat_checkpoints(messages, ids, agent.template_kwargs)
         stream = await self.submit(
             rid, ids, params, "messages", checkpoints, grammar_param=agent.grammar_param
         )
@@ -106,7 +106,7 @@ class AnthropicServing(Serving):
         stop_reason, stop_sequence = self.stop_reason(req, outs, split.tool_calls)
         body = schema.MessageResponse(
             id=rid,
-            model=self.engine.model_name,
+            model=self.response_model(req.model),
             content=_blocks(split),
             stop_reason=stop_reason,
             stop_sequence=stop_sequence,
@@ -236,7 +236,7 @@ class _Stream:
     def _message_start(self, out: RequestOutput) -> bytes:
         message = schema.MessageResponse(
             id=self.rid,
-            model=self.serving.engine.model_name,
+            model=self.serving.response_model(self.req.model),
             content=[],
             stop_reason=None,
             stop_sequence=None,
@@ -308,27 +308,18 @@ def _error_event(status: int, message: str) -> bytes:
 def error_response(err: APIError) -> JSONResponse:
     kind = schema.ERROR_TYPES.get(err.status_code, "api_error")
     body = schema.ErrorResponse(error=schema.ErrorBody(type=kind, message=err.detail.message))
-    headers = {"request-id": err.request_id} if err.request_id else None
+    headers = dict(err.headers)  # e.g. retry-after
+    if err.request_id:
+        headers["request-id"] = headers["x-request-id"] = err.request_id
     return JSONResponse(body.model_dump(), status_code=err.status_code, headers=headers)
 
 
-def anthropic_router(serving: AnthropicServing, *, api_key: str | None) -> APIRouter:
-    """The Anthropic routes; with `api_key`, they want it as `x-api-key` (or a Bearer token)."""
+def anthropic_router(serving: AnthropicServing) -> APIRouter:
+    """The Anthropic routes (the app's key check covers them: `x-api-key` or a Bearer token)."""
     router = APIRouter()
-
-    def authorized(request: Request) -> bool:
-        if api_key is None:
-            return True
-        sent = request.headers.get("x-api-key")
-        if sent is None:
-            scheme, _, token = request.headers.get("authorization", "").partition(" ")
-            sent = token.strip() if scheme.lower() == "bearer" else ""
-        return hmac.compare_digest(sent.encode(), api_key.encode())
 
     async def answer(request: Request, rid: str, handler) -> Response:
         try:
-            if not authorized(request):
-                raise APIError(401, "invalid x-api-key: send the key the server was started with")
             return await handler(request, rid)
         except RequestError as exc:
             err = APIError(400, exc.message, param=exc.param, code=exc.code)

@@ -12,7 +12,7 @@ at the next step.
 from __future__ import annotations
 
 import asyncio
-import math
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -23,19 +23,36 @@ from typing import Any
 import anyio
 import structlog
 from anyio.streams.memory import MemoryObjectReceiveStream
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from jinja2 import TemplateError
 
 from stepline.actors.executor import Executor
 from stepline.actors.messages import Cancel, Submit
 from stepline.actors.metrics import EngineMetrics
 from stepline.actors.request import RequestActor, RequestOutput
 from stepline.actors.step_loop import ModelLimits, StepLoop
+from stepline.api.params import SamplingParams
 from stepline.engine.grammar import GrammarCompiler
-from stepline.engine.policy import SchedulerConfig
+from stepline.engine.policy import ContextLengthExceededError, SchedulerConfig
 from stepline.engine.prefix_index import PrefixIndex
-from stepline.events.models import FinishReason, LogHeader, RequestParams
+from stepline.events.models import FinishReason, LogHeader
+
+__all__ = ["Engine", "PromptTooLongError", "RequestStream", "SamplingParams"]
 
 log = structlog.get_logger(__name__)
+
+MAX_CONCURRENT_PREPARE = 4  # prompts tokenized at once, each on a worker thread
+
+
+class PromptTooLongError(ContextLengthExceededError):
+    """The prompt's text alone proves it longer than the context: `num_prompt_tokens` is a
+    lower bound, found without tokenizing it."""
+
+    def __init__(self, num_prompt_tokens: int, max_context: int):
+        super().__init__(num_prompt_tokens, max_context)
+        self.args = (
+            f"the prompt has at least {num_prompt_tokens} tokens but the model's context is "
+            f"{max_context} tokens: shorten the prompt",
+        )
 
 
 def _warn_without_openblas() -> None:
@@ -48,50 +65,6 @@ def _warn_without_openblas() -> None:
     loaded, reason = status()
     if sys.platform.startswith("linux") and loaded is None and "disabled" not in reason:
         log.warning("openblas_not_loaded", reason=reason, effect="matrix products 7-20x slower")
-
-
-class SamplingParams(BaseModel):
-    """How to sample one request. Invalid values raise pydantic's ValidationError (a ValueError)
-    whose message names the field and the allowed range."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    max_tokens: int = Field(256, ge=1, description="most tokens to generate (>= 1)")
-    temperature: float = Field(1.0, description="0 = greedy; >= 0")
-    top_p: float = Field(1.0, description="nucleus mass in (0, 1]")
-    top_k: int = Field(0, ge=0, description="0 = off")
-    min_p: float = Field(0.0, ge=0.0, lt=1.0, description="0 = off")
-    seed: int | None = Field(None, description="same seed + same prompt = same tokens")
-    stop: tuple[str, ...] = Field((), description="stop strings, never emitted")
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(1.0, gt=0.0)
-    logprobs: int | None = Field(None, ge=0, le=20, description="top-k logprobs per token")
-    grammar: str | None = Field(None, description="llguidance grammar (stepline.engine.grammar)")
-
-    @field_validator("temperature")
-    @classmethod
-    def _temperature(cls, v: float) -> float:
-        if math.isnan(v) or v < 0 or math.isinf(v):
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {v}")
-        return v
-
-    @field_validator("top_p")
-    @classmethod
-    def _top_p(cls, v: float) -> float:
-        if math.isnan(v) or not 0 < v <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {v}")
-        return v
-
-    @field_validator("stop", mode="before")
-    @classmethod
-    def _stop(cls, v: Any) -> Any:
-        return (v,) if isinstance(v, str) else v
-
-    def to_record(self) -> RequestParams:
-        return RequestParams(**self.model_dump(exclude={"logprobs"}))
 
 
 class RequestStream:
@@ -158,6 +131,8 @@ class Engine:
         self._executor = executor
         self._tg = tg
         self._closed = False
+        self._max_chars_per_token: int | None = None
+        self._prepare_limiter = anyio.CapacityLimiter(MAX_CONCURRENT_PREPARE)
         # Compiles constrained requests' grammars; shared with the executor's runner.
         self.grammars: GrammarCompiler = step_loop.runner.grammars
 
@@ -179,6 +154,9 @@ class Engine:
         prefix_cache_gb: float = 1.0,
         prefix_cache_dir: str | Path | None = None,
         prefix_cache_disk_gb: float = 10.0,
+        max_kv_gb: float | None = None,
+        max_waiting: int = 1024,
+        mlx_cache_gb: float | None = None,
     ) -> AsyncIterator[Engine]:
         """Load `model` (a demo name, a local mlx-lm directory or a Hugging Face id; None = the
         demo model) and serve it until the block exits.
@@ -189,7 +167,19 @@ class Engine:
         `prefix_cache_dir` adds a disk tier: entries are also written there (in the
         background, as safetensors files, at most `prefix_cache_disk_gb` of them, oldest
         used evicted first) and reused by a later engine on the same model and directory.
+        Memory guard: running requests' KV (prompt + max_tokens each, measured per token at
+        load) must fit in `max_kv_tokens`, or `max_kv_gb` (default: 70% of the machine's
+        memory less the weights and the prefix cache); requests wait until it does, and one
+        that never can is refused (AdmissionError naming the numbers). `mlx_cache_gb` limits
+        MLX's buffer cache (default: 10% of the machine's memory). At most `max_waiting`
+        requests wait for their first chunk; past that `submit` raises QueueFullError.
         """
+        if max_kv_tokens is not None and max_kv_gb is not None:
+            raise ValueError("pass max_kv_tokens or max_kv_gb, not both")
+        if max_kv_gb is not None and not max_kv_gb > 0:
+            raise ValueError(f"max_kv_gb must be > 0, got {max_kv_gb}")
+        if mlx_cache_gb is not None and not mlx_cache_gb >= 0:
+            raise ValueError(f"mlx_cache_gb must be >= 0, got {mlx_cache_gb}")
         if not prefix_cache_gb >= 0:
             raise ValueError(f"prefix_cache_gb must be >= 0, got {prefix_cache_gb}")
         if not prefix_cache_disk_gb >= 0:
@@ -199,7 +189,9 @@ class Engine:
             max_num_seqs=max_num_seqs,
             long_prefill_cap=long_prefill_cap,
             max_kv_tokens=max_kv_tokens,
+            max_waiting=max_waiting,
         )
+        from stepline.engine.memory import plan_memory
         from stepline.engine.models import load_model  # MLX: imported only when serving
         from stepline.engine.runner import ModelRunner
         from stepline.events.log import EventLogWriter
@@ -220,12 +212,37 @@ class Engine:
                     prefix_cache_disk_bytes=int(prefix_cache_disk_gb * 2**30),
                 )
             )
+            memory = await executor.call(
+                lambda: plan_memory(
+                    loaded.model,
+                    max_kv_tokens=max_kv_tokens,
+                    max_kv_gb=max_kv_gb,
+                    mlx_cache_gb=mlx_cache_gb,
+                    prefix_cache_bytes=int(prefix_cache_gb * 2**30),
+                )
+            )
+            log.info(
+                "memory_budgets",
+                max_kv_tokens=memory.max_kv_tokens,
+                kv_gb=round(memory.kv_budget_bytes / 2**30, 3),
+                kv_bytes_per_token=memory.footprint.bytes_per_token,
+                kv_bytes_per_seq=memory.footprint.bytes_per_seq,
+                mlx_cache_gb=round(memory.buffer_cache_bytes / 2**30, 3),
+            )
+            sched = dataclasses.replace(
+                sched,
+                max_kv_tokens=memory.max_kv_tokens,
+                kv_tokens_per_seq=memory.footprint.tokens_per_seq(),
+                kv_bytes_per_token=memory.footprint.bytes_per_token,
+            )
             config = {
                 "model": loaded.name,
                 "max_step_tokens": max_step_tokens,
                 "max_num_seqs": max_num_seqs,
                 "long_prefill_cap": long_prefill_cap,
-                "max_kv_tokens": max_kv_tokens,
+                "max_kv_tokens": memory.max_kv_tokens,  # resolved: re-execution gets the same
+                "max_waiting": max_waiting,
+                "mlx_cache_gb": mlx_cache_gb,
                 "seed": seed,
                 "prefix_cache_gb": prefix_cache_gb,
                 "prefix_cache_dir": str(prefix_cache_dir) if prefix_cache_dir is not None else None,
@@ -282,29 +299,81 @@ class Engine:
 
     # -- requests -------------------------------------------------------------
 
-    def encode(
+    def prepare(
         self,
         prompt: str | Sequence[int] | None = None,
         messages: Sequence[dict] | None = None,
         template_kwargs: dict[str, Any] | None = None,
-    ) -> list[int]:
-        """Token ids for a raw prompt, token ids, or chat messages (chat template applied, with
-        `template_kwargs` such as `tools` or `enable_thinking`)."""
+    ) -> tuple[list[int], list[int]]:
+        """A prompt's token ids and its chat checkpoints (none for a raw prompt): the chat
+        template is rendered once for the whole conversation and once for each boundary,
+        with `template_kwargs` (such as `tools` or `enable_thinking`).
+
+        CPU work that can take seconds for a long prompt: `prepare_async` runs it off the event
+        loop. Raises ValueError for a malformed prompt or messages (a template's own error
+        included), and PromptTooLongError when the text is too long for the context even before
+        it is tokenized.
+        """
         if (prompt is None) == (messages is None):
             raise ValueError("pass exactly one of prompt= or messages=")
         if messages is not None:
             text = self.render_chat(messages, template_kwargs=template_kwargs)
-            return list(self.tokenizer.encode(text, add_special_tokens=False))
+            self._check_text_length(text)
+            ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+            return ids, self.chat_checkpoints(messages, ids, text, template_kwargs)
         if isinstance(prompt, str):
-            return list(self.tokenizer.encode(prompt))
-        ids = list(prompt)
+            self._check_text_length(prompt)
+            return list(self.tokenizer.encode(prompt)), []
+        ids = list(prompt)  # type: ignore[arg-type]
         vocab = self.vocab_size
         for t in ids:
             if not isinstance(t, int) or not 0 <= t < vocab:
                 raise ValueError(
                     f"token id {t!r} is not in the model's vocabulary (0..{vocab - 1})"
                 )
-        return ids
+        return ids, []
+
+    async def prepare_async(
+        self,
+        prompt: str | Sequence[int] | None = None,
+        messages: Sequence[dict] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> tuple[list[int], list[int]]:
+        """`prepare` on a worker thread (tokenizers are pure CPU, no MLX, and release the GIL
+        while they encode), at most `MAX_CONCURRENT_PREPARE` at once."""
+        return await anyio.to_thread.run_sync(
+            self.prepare, prompt, messages, template_kwargs, limiter=self._prepare_limiter
+        )
+
+    def encode(
+        self,
+        prompt: str | Sequence[int] | None = None,
+        messages: Sequence[dict] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """Token ids for a raw prompt, token ids, or chat messages (chat template applied)."""
+        return self.prepare(prompt, messages, template_kwargs)[0]
+
+    @property
+    def max_chars_per_token(self) -> int:
+        """An upper bound on the characters one token stands for: its longest vocabulary entry
+        (byte-level entries spell each byte as one character, so an entry is never shorter
+        than its text), times 4 when the tokenizer normalizes text first (Unicode composition
+        can merge up to ~4 characters into one)."""
+        if self._max_chars_per_token is None:
+            hf = getattr(self.tokenizer, "_tokenizer", self.tokenizer)
+            longest = max((len(k) for k in hf.get_vocab()), default=1)
+            backend = getattr(hf, "backend_tokenizer", None)
+            normalizes = backend is None or backend.normalizer is not None
+            self._max_chars_per_token = max(1, longest) * (4 if normalizes else 1)
+        return self._max_chars_per_token
+
+    def _check_text_length(self, text: str) -> None:
+        # Every token stands for at most max_chars_per_token characters, so a text this long
+        # has at least this many tokens: refuse it before spending seconds tokenizing it.
+        at_least = -(-len(text) // self.max_chars_per_token)
+        if at_least >= self.max_context:
+            raise PromptTooLongError(at_least, self.max_context)
 
     def render_chat(
         self,
@@ -312,28 +381,35 @@ class Engine:
         add_generation_prompt: bool = True,
         template_kwargs: dict[str, Any] | None = None,
     ) -> str:
-        """The chat template's rendering of `messages`. Raises ValueError on malformed messages."""
+        """The chat template's rendering of `messages`. Raises ValueError on malformed messages
+        (a template that refuses them included)."""
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content'")
-        return self.tokenizer.apply_chat_template(
-            list(messages),
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-            **(template_kwargs or {}),
-        )
+        try:
+            return self.tokenizer.apply_chat_template(
+                list(messages),
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                **(template_kwargs or {}),
+            )
+        except TemplateError as exc:
+            raise ValueError(f"the chat template refused the messages: {exc}") from exc
 
     def chat_checkpoints(
         self,
         messages: Sequence[dict],
         ids: Sequence[int],
+        text: str | None = None,
         template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """Token offsets of chat boundaries in `ids`: the end of the system prompt, the end
         of the turns before the last user message, and the end of the prompt itself.
 
         Found from the chat template's rendering of message prefixes; a boundary whose
-        tokens are not an exact prefix of `ids` is left out, never guessed.
+        tokens are not an exact prefix of `ids` is left out, never guessed. `text`, the
+        rendering of `messages` if the caller has it, lets a prefix whose rendering is not a
+        prefix of the whole text be left out without tokenizing it.
         """
         cuts = set()
         if messages and messages[0].get("role") in ("system", "developer"):
@@ -344,12 +420,14 @@ class Engine:
         found = [len(ids)]
         for n in sorted(cuts):
             try:
-                text = self.render_chat(
+                prefix_text = self.render_chat(
                     messages[:n], add_generation_prompt=False, template_kwargs=template_kwargs
                 )
             except Exception:  # noqa: BLE001 - a template may refuse a partial chat
                 continue
-            prefix = self.tokenizer.encode(text, add_special_tokens=False)
+            if text is not None and not text.startswith(prefix_text):
+                continue
+            prefix = self.tokenizer.encode(prefix_text, add_special_tokens=False)
             if 0 < len(prefix) < len(ids) and list(ids[: len(prefix)]) == prefix:
                 found.append(len(prefix))
         return found
@@ -362,22 +440,32 @@ class Engine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         checkpoints: Sequence[int] = (),
+        template_kwargs: dict[str, Any] | None = None,
     ) -> RequestStream:
-        """Admit one request and return its output stream.
+        """Admit one request and return its output stream. `template_kwargs` go to the chat
+        template with `messages`; `params.grammar` constrains the output (compiled here, on a
+        worker thread).
 
         Raises ValueError for a malformed prompt (GrammarError for a grammar that does not
-        compile), AdmissionError (EmptyPromptError,
-        ContextLengthExceededError, EngineDeadError, ...) if the engine cannot serve it.
+        compile) or a `top_k` / stop token id outside the model's vocabulary, AdmissionError
+        (EmptyPromptError, ContextLengthExceededError — PromptTooLongError when the text's
+        length alone proves it —, EngineDeadError, ...) if the engine cannot serve it. The
+        prompt is tokenized on a worker thread.
         """
         if self._closed:
             raise RuntimeError("the engine is closed")
         params = params or SamplingParams()
-        ids = self.encode(prompt, messages)
+        params.check_vocabulary(self.vocab_size)
         if params.grammar is not None:
             # Off the step loop and the executor: the runner's lookup is then a cache hit.
             await anyio.to_thread.run_sync(self.grammars.compile, params.grammar)
-        if messages is not None:
-            checkpoints = (*checkpoints, *self.chat_checkpoints(messages, ids))
+        ids, chat_checkpoints = await self.prepare_async(prompt, messages, template_kwargs)
+        checkpoints = (*checkpoints, *chat_checkpoints)
+        room = self.max_context - len(ids)
+        if 0 < room < params.max_tokens:
+            # It ends at the context anyway; recording that keeps the KV guard from
+            # reserving (or refusing it for) tokens it can never generate.
+            params = params.model_copy(update={"max_tokens": room})
         rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
         inbox_tx, inbox_rx = anyio.create_memory_object_stream(8)
         # Sized to the most outputs a request can produce: the actor never blocks on a slow client.
@@ -437,13 +525,19 @@ class Engine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         checkpoints: Sequence[int] = (),
+        template_kwargs: dict[str, Any] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its outputs as they come; the last has a finish_reason.
 
         Raises as `submit` does, on the first iteration.
         """
         stream = await self.submit(
-            prompt, messages=messages, params=params, request_id=request_id, checkpoints=checkpoints
+            prompt,
+            messages=messages,
+            params=params,
+            request_id=request_id,
+            checkpoints=checkpoints,
+            template_kwargs=template_kwargs,
         )
         async with stream:
             async for out in stream:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
@@ -31,8 +31,17 @@ class RequestError(ValueError):
 # -- requests -------------------------------------------------------------------------------
 
 
+MAX_TEMPERATURE = 100.0
+MAX_REPETITION_PENALTY = 10.0
+MAX_STOP = 64  # stop strings, and stop token ids, per request
+# A stop string is never empty: "" would match before every token.
+StopString = Annotated[str, Field(min_length=1)]
+TokenId = Annotated[int, Field(ge=0)]
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+    # allow_inf_nan=False: a non-finite number is a 400 even if it got past the JSON parser.
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Request):
@@ -61,17 +70,21 @@ class _SamplingFields(_Request):
     """Fields shared by /v1/chat/completions and /v1/completions."""
 
     model: str | None = None  # None: the model this server serves
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0)
+    # Every numeric field is bounded here (non-finite numbers are refused by the model config);
+    # the bounds that need the model (top_k, stop_token_ids within the vocabulary) are checked
+    # where a request becomes SamplingParams (serving.Serving.sampling).
+    max_tokens: int | None = Field(None, ge=1)  # and at most the context's room: checked later
+    # 0 = greedy, and so is anything below 1e-5 (dividing logits by ~0 overflows).
+    temperature: float | None = Field(None, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1)  # extension; -1 or 0 = off (vLLM's convention too)
     min_p: float | None = Field(None, ge=0.0, lt=1.0)  # extension
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None  # extension
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP)] | None = None  # ext.
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0)  # extension
+    repetition_penalty: float | None = Field(None, gt=0.0, le=MAX_REPETITION_PENALTY)  # extension
     ignore_eos: bool = False  # extension: always generate max_tokens (benchmarks)
     stream: bool = False
     stream_options: StreamOptions | None = None

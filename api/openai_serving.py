@@ -88,7 +88,10 @@ class OpenAIServing(Serving):
         num_logprobs = req.num_logprobs
         agent = openai_agents.chat_plan(req, self.engine.tokenizer, self.default_template_kwargs)
         messages = req.engine_messages()
-        ids = self.encode(messages=messages, template_kwargs=agent.template_kwargs)
+        # Chat boundaries (end of the system prompt, of earlier turns) feed the prefix cache.
+        ids, checkpoints = await self.prepare(
+            messages=messages, template_kwargs=agent.template_kwargs
+        )
         max_tokens = self.max_tokens(
             req.requested_max_tokens,
             len(ids),
@@ -99,13 +102,11 @@ class OpenAIServing(Serving):
         params = self.sampling(req, max_tokens, num_logprobs)
         if agent.grammar is not None:
             params = params.model_copy(update={"grammar": agent.grammar})
-        # Chat boundaries (end of the system prompt, of earlier turns) feed the prefix cache.
-        checkpoints = self.engine.chat_checkpoints(messages, ids, agent.template_kwargs)
         stream = await self.submit(
             rid, ids, params, "messages", checkpoints, grammar_param=agent.grammar_param
         )
         created = now()
-        model = self.engine.model_name
+        model = self.response_model(req.model)
         fmt = agent.output_format(
             self.engine.tokenizer,
             reasoning=self.reasoning,
@@ -153,7 +154,7 @@ class OpenAIServing(Serving):
         created: int,
         splitter: OutputSplitter,
     ) -> None:
-        model = self.engine.model_name
+        model = self.response_model(req.model)
         exclude = None if req.include_usage else {"usage"}
         want_logprobs = req.logprobs
 
@@ -178,7 +179,7 @@ class OpenAIServing(Serving):
                 await emit(PING)  # a long prompt is prefilling: keep proxies from timing out
                 continue
             if out.finish_reason not in (None, "stop", "length"):
-                await self.stream_error(emit, out)
+                await self.stream_error(emit, rid, out)
                 return
             frames = []  # this output's frames, sent in one write
             if not started:
@@ -210,7 +211,7 @@ class OpenAIServing(Serving):
                 await emit(b"".join(frames))
             if out.finish_reason is not None:
                 return
-        await self.stream_error(emit, None)
+        await self.stream_error(emit, rid, None)
 
     # -- /v1/completions --
 
@@ -220,7 +221,7 @@ class OpenAIServing(Serving):
     async def _completions(self, request: Request, rid: str) -> Response:
         req = await self.parse(request, CompletionRequest)
         grammar = openai_agents.completion_grammar(req, self.engine.tokenizer)
-        ids = self.encode(prompt=req.engine_prompt())
+        ids, _ = await self.prepare(prompt=req.engine_prompt())
         max_tokens = self.max_tokens(
             req.max_tokens, len(ids), default=DEFAULT_COMPLETION_MAX_TOKENS, prompt_param="prompt"
         )
@@ -241,7 +242,7 @@ class OpenAIServing(Serving):
         body = Completion(
             id=rid,
             created=created,
-            model=self.engine.model_name,
+            model=self.response_model(req.model),
             choices=[
                 CompletionChoice(
                     text="".join(o.text for o in outs),
@@ -256,7 +257,7 @@ class OpenAIServing(Serving):
     async def _completion_stream(
         self, emit: Emit, stream: RequestStream, req: CompletionRequest, rid: str, created: int
     ) -> None:
-        model = self.engine.model_name
+        model = self.response_model(req.model)
         exclude = None if req.include_usage else {"usage"}
         want_logprobs = req.logprobs is not None
         offset = 0
@@ -283,7 +284,7 @@ class OpenAIServing(Serving):
                 await emit(PING)
                 continue
             if out.finish_reason not in (None, "stop", "length"):
-                await self.stream_error(emit, out)
+                await self.stream_error(emit, rid, out)
                 return
             frames = []  # this output's frames, sent in one write
             if want_logprobs and out.logprobs:
@@ -304,12 +305,13 @@ class OpenAIServing(Serving):
                 await emit(b"".join(frames))
             if out.finish_reason is not None:
                 return
-        await self.stream_error(emit, None)
+        await self.stream_error(emit, rid, None)
 
     # -- the rest --
 
     def models(self) -> ModelList:
+        """The served model under its first name (the others are accepted as `model` too)."""
         card = ModelCard(
-            id=self.engine.model_name, created=self.created, max_model_len=self.engine.max_context
+            id=self.model_name, created=self.created, max_model_len=self.engine.max_context
         )
         return ModelList(data=[card])

@@ -21,12 +21,23 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from stepline.engine.constraints import advance, apply_grammar_masks
 from stepline.engine.grammar import GrammarCompiler
+from stepline.engine.memory import read_memory_counters
 from stepline.engine.models import LoadedModel
 from stepline.engine.policy import ScheduledChunk
 from stepline.engine.prefix_cache import PrefixStore, share_cache
 from stepline.engine.prefix_disk import model_fingerprint
-from stepline.engine.sampling import RowHistory, RowSampling, Sampler
+from stepline.engine.sampling import (
+    RowHistory,
+    RowSampling,
+    SampleOutput,
+    Sampler,
+    TokenLogprobs,
+)
 from stepline.engine.work import (
+    ADMISSION_FAILED,
+    CHECKPOINT_FAILED,
+    PREFILL_FAILED,
+    SAMPLING_FAILED,
     Housekeeping,
     NewRequest,
     PrefixReport,
@@ -57,6 +68,10 @@ def snapshot_cache(cache: Cache) -> Cache:
             layer.keys, layer.values = layer.keys[..., :n, :], layer.values[..., :n, :]
     mx.eval([c.state for c in copies])
     return copies
+
+
+class _CheckpointFailed(Exception):
+    """Raised from `_prefill` when a checkpoint failed (its cause says how)."""
 
 
 @dataclass
@@ -239,12 +254,10 @@ class ModelRunner:
             logits = self._forward(seq.prompt[None, pos:end], seq.cache, logits=last)
             if end in chunk.checkpoints:
                 mx.eval([c.state for c in seq.cache])
-                seq.checkpoints.append(end)
-                snapshot = snapshot_cache(seq.cache)
-                if self.store is not None:
-                    self.store.put(seq.prompt[:end].tolist(), snapshot)
-                if self.on_checkpoint is not None:
-                    self.on_checkpoint(seq.request_id, end, share_cache(snapshot))
+                try:
+                    self._checkpoint(seq, end)
+                except Exception as exc:
+                    raise _CheckpointFailed from exc
             pos = end
         if logits is None:
             mx.eval([c.state for c in seq.cache])  # bound the lazy graph between steps
@@ -264,61 +277,71 @@ class ModelRunner:
                 self.store.promote(tokens)
         self._free(work.free, work.retire)
 
+    def _checkpoint(self, seq: _Seq, end: int) -> None:
+        """Snapshot `seq`'s cache at `end` prompt tokens: the prefix cache, then the hook."""
+        seq.checkpoints.append(end)
+        snapshot = snapshot_cache(seq.cache)
+        if self.store is not None:
+            self.store.put(seq.prompt[:end].tolist(), snapshot)
+        if self.on_checkpoint is not None:
+            self.on_checkpoint(seq.request_id, end, share_cache(snapshot))
+
     def run(self, work: StepWork) -> StepResult:
+        """Run one step. A fault pinned on one request (its set-up, its prefill chunk, its
+        checkpoint, its sampling row) drops that request and is reported in
+        `StepResult.failed`; the rest of the step goes on. Any other fault (the batched
+        decode forward, the plan disagreeing with the batch) raises."""
         t0 = time.perf_counter()
         self._housekeep(work)
+        failed: dict[str, str] = {}
         for new in work.admit:
-            self._admit(new)
+            try:
+                self._admit(new)
+            except Exception as exc:
+                self._fail(failed, new.request_id, ADMISSION_FAILED, exc)
         plan = work.plan
         if set(plan.decodes) != set(self._batch_ids):
             raise RuntimeError(
                 f"plan decodes {sorted(plan.decodes)} but the batch holds {sorted(self._batch_ids)}"
             )
 
-        rows: list[mx.array] = []
-        row_seqs: list[_Seq] = []
-        joining: list[_Seq] = []
         for seq in self._seqs.values():
             seq.checkpoints.clear()
+        finals: list[tuple[_Seq, mx.array]] = []  # final chunks: (request, last-position logits)
         for chunk in plan.chunks:
-            logits = self._prefill(chunk)
+            if chunk.request_id in failed:
+                continue
+            try:
+                logits = self._prefill(chunk)
+            except _CheckpointFailed as exc:
+                self._fail(failed, chunk.request_id, CHECKPOINT_FAILED, exc.__cause__ or exc)
+                continue
+            except Exception as exc:
+                self._fail(failed, chunk.request_id, PREFILL_FAILED, exc)
+                continue
             if chunk.is_final:
-                rows.append(logits)
-                seq = self._seqs[chunk.request_id]
-                row_seqs.append(seq)
-                joining.append(seq)
+                assert logits is not None
+                finals.append((self._seqs[chunk.request_id], logits))
 
-        if self._batch_ids:
-            batch = [self._seqs[rid] for rid in self._batch_ids]
+        decoded: mx.array | None = None  # (B, V) last-position logits of the decode batch
+        batch = [self._seqs[rid] for rid in self._batch_ids]
+        if batch:
             inputs = mx.array([[s.last_token] for s in batch], dtype=mx.int32)
-            rows.append(self.model(inputs, cache=self._batch_cache)[:, -1, :])
-            row_seqs.extend(batch)
+            decoded = self.model(inputs, cache=self._batch_cache)[:, -1, :]
 
+        sampled = self._sample(finals, batch, decoded, failed)
         tokens: dict[str, int] = {}
         logprobs: dict[str, TokenLogprob] = {}
-        if rows:
-            logits = mx.concatenate(rows, axis=0) if len(rows) > 1 else rows[0]
-            constrained = [i for i, s in enumerate(row_seqs) if s.constraint is not None]
-            if constrained:
-                logits = apply_grammar_masks(
-                    logits, constrained, [row_seqs[i].constraint for i in constrained]
-                )
-            out = self.sampler.sample(
-                logits,
-                [s.sampling for s in row_seqs],
-                positions=[s.num_generated for s in row_seqs],
-                histories=[s.history for s in row_seqs],
-            )
-            for seq, token, lp in zip(row_seqs, out.tokens, out.logprobs, strict=True):
-                seq.output.append(token)
-                if seq.history is not None:
-                    seq.history.append(token)
-                if seq.constraint is not None:
-                    advance(seq.constraint, token)
-                tokens[seq.request_id] = token
-                if lp is not None:
-                    logprobs[seq.request_id] = TokenLogprob(lp.token_id, lp.logprob, lp.top)
-        self._join_batch(joining)
+        for seq, token, lp in sampled:
+            seq.output.append(token)
+            if seq.history is not None:
+                seq.history.append(token)
+            if seq.constraint is not None:
+                advance(seq.constraint, token)
+            tokens[seq.request_id] = token
+            if lp is not None:
+                logprobs[seq.request_id] = TokenLogprob(lp.token_id, lp.logprob, lp.top)
+        self._join_batch([seq for seq, _ in finals if seq.request_id not in failed])
         return StepResult(
             tokens=tokens,
             logprobs=logprobs,
@@ -327,7 +350,74 @@ class ModelRunner:
             },
             seconds=time.perf_counter() - t0,
             prefix=self._prefix_report(),
+            failed=failed,
+            memory=read_memory_counters(),
         )
+
+    def _sample(
+        self,
+        finals: list[tuple[_Seq, mx.array]],
+        batch: list[_Seq],
+        decoded: mx.array | None,
+        failed: dict[str, str],
+    ) -> list[tuple[_Seq, int, TokenLogprobs | None]]:
+        """One token for every final chunk and every decode row, sampled as one batch.
+
+        If the batch fails, find out whose fault it is: each final chunk's logits and the
+        decode batch are evaluated on their own, then each row is sampled alone. A row that
+        still fails ends its request (`failed`); a decode batch that fails raises.
+        """
+        rows = [logits for _, logits in finals]
+        if decoded is not None:
+            rows.append(decoded)
+        seqs = [seq for seq, _ in finals] + batch
+        if not rows:
+            return []
+        try:
+            logits = mx.concatenate(rows, axis=0) if len(rows) > 1 else rows[0]
+            out = self._sample_rows(logits, seqs)
+            return list(zip(seqs, out.tokens, out.logprobs, strict=True))
+        except Exception as exc:
+            log.warning("batched_sampling_failed", error=repr(exc), num_rows=len(seqs))
+
+        alone: list[tuple[_Seq, mx.array]] = []
+        for seq, logits in finals:
+            try:
+                mx.eval(logits)
+            except Exception as exc:  # the final chunk's forward failed, lazily
+                self._fail(failed, seq.request_id, PREFILL_FAILED, exc)
+                continue
+            alone.append((seq, logits))
+        if decoded is not None:
+            mx.eval(decoded)  # the batched decode forward: not one request's fault
+            alone.extend((seq, decoded[i : i + 1]) for i, seq in enumerate(batch))
+        sampled = []
+        for seq, logits in alone:
+            try:
+                out = self._sample_rows(logits, [seq])
+            except Exception as exc:
+                self._fail(failed, seq.request_id, SAMPLING_FAILED, exc)
+                continue
+            sampled.append((seq, out.tokens[0], out.logprobs[0]))
+        return sampled
+
+    def _sample_rows(self, logits: mx.array, seqs: list[_Seq]) -> SampleOutput:
+        constrained = [i for i, s in enumerate(seqs) if s.constraint is not None]
+        if constrained:  # grammar masks on those rows only
+            matchers = [seqs[i].constraint for i in constrained]
+            logits = apply_grammar_masks(logits, constrained, matchers)
+        return self.sampler.sample(
+            logits,
+            [s.sampling for s in seqs],
+            positions=[s.num_generated for s in seqs],
+            histories=[s.history for s in seqs],
+        )
+
+    def _fail(self, failed: dict[str, str], request_id: str, what: str, exc: BaseException) -> None:
+        """End one request's executor state after a fault pinned on it; the step goes on."""
+        log.error("request_failed", request_id=request_id, what=what, error=repr(exc), exc_info=exc)
+        failed[request_id] = what
+        self._free([request_id])
 
     def _prefix_report(self) -> PrefixReport | None:
         if self.store is None:

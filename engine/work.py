@@ -56,6 +56,26 @@ class StepResult:
     checkpoints: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     seconds: float = 0.0  # wall time of the MLX work
     prefix: PrefixReport | None = None  # what the prefix store did in this step
+    # request_id -> what failed (one of the *_FAILED messages): the executor dropped the
+    # request's state; the step's other work stands. The exception went to the log.
+    failed: Mapping[str, str] = field(default_factory=dict)
+    memory: MemoryCounters | None = None  # MLX's allocator after this step
+
+
+# What a request fault says (stable, for the terminal event; the detail goes to the log).
+ADMISSION_FAILED = "the executor could not set up this request"
+PREFILL_FAILED = "the forward pass of this request's prompt failed"
+CHECKPOINT_FAILED = "this request's checkpoint (snapshot or on_checkpoint hook) failed"
+SAMPLING_FAILED = "sampling this request's next token failed"
+
+
+@dataclass(frozen=True)
+class MemoryCounters:
+    """MLX's own allocator counters, in bytes (read on the executor thread)."""
+
+    active: int  # held by live arrays
+    cache: int  # freed buffers MLX keeps for reuse
+    peak: int  # most active memory since the engine started (or the last reset)
 
 
 @dataclass(frozen=True)
