@@ -13,7 +13,6 @@ first chunk is scheduled; the executor only stores the arrays.
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -43,7 +42,15 @@ from stepline.engine.prefix_index import (
 )
 from stepline.engine.work import Housekeeping, NewRequest, StepResult, StepWork
 from stepline.events.fold import RequestState, Status
-from stepline.events.models import Admitted, FinishReason, StepEntry, StepPlanned, Terminal
+from stepline.events.models import (
+    Admitted,
+    FinishReason,
+    StepEntry,
+    StepFinished,
+    StepPlanned,
+    Terminal,
+    prompt_digest,
+)
 
 __all__ = ["EngineDeadError", "ModelLimits", "StepLoop"]
 
@@ -93,6 +100,7 @@ class StepLoop:
         self._drops: list[Tokens] = []  # prefix entries the index let go, for the store
         self._disk_tries: set[str] = set()  # requests a disk entry was loaded for
         self.dead_reason: str | None = None
+        self.died = anyio.Event()  # set when the engine can serve no more (dead_reason says why)
         self.on_step: Callable[[StepLoop], None] | None = None  # test/inspection hook
 
     # -- state ---------------------------------------------------------------
@@ -105,6 +113,11 @@ class StepLoop:
     @property
     def finished(self) -> OrderedDict[str, RequestState]:
         return self.recorder.finished
+
+    @property
+    def event_log(self) -> Any:
+        """The event log's writer (events.log.EventLogWriter), or None."""
+        return self._event_log
 
     @property
     def step(self) -> int:
@@ -180,7 +193,7 @@ class StepLoop:
 
     def _admit_event(self, msg: Submit) -> None:
         ids = msg.prompt_token_ids
-        digest = hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()
+        digest = prompt_digest(getattr(self._event_log, "salt", None), ids)
         self._record(
             Admitted,
             request_id=msg.request_id,
@@ -329,6 +342,7 @@ class StepLoop:
         result = await self._run_executor(self.runner.run, work)
         if result is None:
             return
+        self._record(StepFinished, seconds=result.seconds)
         # Cancels that arrived during the step win over its results.
         for msg in self._drain():
             await self._handle(msg)
@@ -348,6 +362,7 @@ class StepLoop:
         self.metrics.step(plan.num_tokens, self.config.max_step_tokens, result.seconds)
         self.metrics.memory(result.memory)
         self.metrics.gauges(self.states.values(), getattr(self._event_log, "lag", 0))
+        self.metrics.event_log(self._event_log)
 
     async def _end_failed(self, failed: Mapping[str, str]) -> None:
         """End the requests the executor could not serve (it already dropped their state);
@@ -434,6 +449,7 @@ class StepLoop:
         """The engine cannot go on (`reason` says what failed: the executor or this loop):
         end every in-flight request with an error; admit no more."""
         self.dead_reason = reason
+        self.died.set()
         log.error("engine_dead", reason=self.dead_reason)
         self.metrics.healthy.set(0)
         for rid in list(self.states):

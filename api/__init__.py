@@ -2,7 +2,8 @@
 
 from stepline.actors.request import RequestOutput
 from stepline.actors.step_loop import EngineDeadError
-from stepline.api.engine import Engine, PromptTooLongError, RequestStream, SamplingParams
+from stepline.api.engine import Engine, RequestStream, SamplingParams
+from stepline.api.prompts import PromptTooLongError
 from stepline.engine.policy import (
     AdmissionError,
     ContextLengthExceededError,

@@ -59,6 +59,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="store prompt token ids in the event log (false: counts and a hash)",
     )
     p.add_argument(
+        "--log-outputs",
+        default="true",
+        choices=["true", "false"],
+        help="store output token ids in the event log (false: only how many)",
+    )
+    p.add_argument(
         "--event-log-rotate-mb",
         type=float,
         default=None,
@@ -94,6 +100,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
             int(args.event_log_rotate_mb * 2**20) if args.event_log_rotate_mb else None
         ),
         log_prompts=args.log_prompts == "true",
+        log_outputs=args.log_outputs == "true",
         prefix_cache_gb=args.prefix_cache_gb,
         prefix_cache_dir=args.prefix_cache_dir,
         prefix_cache_disk_gb=args.prefix_cache_disk_gb,

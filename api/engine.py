@@ -23,7 +23,6 @@ from typing import Any
 import anyio
 import structlog
 from anyio.streams.memory import MemoryObjectReceiveStream
-from jinja2 import TemplateError
 
 from stepline.actors.executor import Executor
 from stepline.actors.messages import Cancel, Submit
@@ -31,28 +30,15 @@ from stepline.actors.metrics import EngineMetrics
 from stepline.actors.request import RequestActor, RequestOutput
 from stepline.actors.step_loop import ModelLimits, StepLoop
 from stepline.api.params import SamplingParams
+from stepline.api.prompts import Prompts, PromptTooLongError
 from stepline.engine.grammar import GrammarCompiler
-from stepline.engine.policy import ContextLengthExceededError, SchedulerConfig
+from stepline.engine.policy import SchedulerConfig
 from stepline.engine.prefix_index import PrefixIndex
-from stepline.events.models import FinishReason, LogHeader
+from stepline.events.models import FinishReason, LogHeader, new_run_id, new_salt
 
 __all__ = ["Engine", "PromptTooLongError", "RequestStream", "SamplingParams"]
 
 log = structlog.get_logger(__name__)
-
-MAX_CONCURRENT_PREPARE = 4  # prompts tokenized at once, each on a worker thread
-
-
-class PromptTooLongError(ContextLengthExceededError):
-    """The prompt's text alone proves it longer than the context: `num_prompt_tokens` is a
-    lower bound, found without tokenizing it."""
-
-    def __init__(self, num_prompt_tokens: int, max_context: int):
-        super().__init__(num_prompt_tokens, max_context)
-        self.args = (
-            f"the prompt has at least {num_prompt_tokens} tokens but the model's context is "
-            f"{max_context} tokens: shorten the prompt",
-        )
 
 
 def _warn_without_openblas() -> None:
@@ -131,8 +117,9 @@ class Engine:
         self._executor = executor
         self._tg = tg
         self._closed = False
-        self._max_chars_per_token: int | None = None
-        self._prepare_limiter = anyio.CapacityLimiter(MAX_CONCURRENT_PREPARE)
+        self.prompts = Prompts(
+            loaded.tokenizer, vocab_size=self.vocab_size, max_context=self.max_context
+        )
         # Compiles constrained requests' grammars; shared with the executor's runner.
         self.grammars: GrammarCompiler = step_loop.runner.grammars
 
@@ -149,6 +136,7 @@ class Engine:
         event_log: str | Path | None = None,
         event_log_rotate_bytes: int | None = None,
         log_prompts: bool = True,
+        log_outputs: bool = True,
         seed: int = 0,
         on_checkpoint: Callable | None = None,
         prefix_cache_gb: float = 1.0,
@@ -250,9 +238,18 @@ class Engine:
             }
             if event_log is not None:
                 header = LogHeader(
-                    created=time.time(), model=loaded.name, config=config, log_prompts=log_prompts
+                    created=time.time(),
+                    model=loaded.name,
+                    config=config,
+                    log_prompts=log_prompts,
+                    log_outputs=log_outputs,
+                    run_id=new_run_id(),
+                    salt=new_salt(),
                 )
-                writer = EventLogWriter(event_log, header, rotate_bytes=event_log_rotate_bytes)
+                # A restart with the same path appends a new run to the log.
+                writer = EventLogWriter(
+                    event_log, header, rotate_bytes=event_log_rotate_bytes, append=True
+                )
             eos = frozenset(loaded.tokenizer.eos_token_ids or ())
             index = None
             if runner.store is not None:
@@ -297,7 +294,7 @@ class Engine:
             if writer is not None:
                 writer.close()
 
-    # -- requests -------------------------------------------------------------
+    # -- prompts: stepline.api.prompts does the work --------------------------
 
     def prepare(
         self,
@@ -305,33 +302,8 @@ class Engine:
         messages: Sequence[dict] | None = None,
         template_kwargs: dict[str, Any] | None = None,
     ) -> tuple[list[int], list[int]]:
-        """A prompt's token ids and its chat checkpoints (none for a raw prompt): the chat
-        template is rendered once for the whole conversation and once for each boundary,
-        with `template_kwargs` (such as `tools` or `enable_thinking`).
-
-        CPU work that can take seconds for a long prompt: `prepare_async` runs it off the event
-        loop. Raises ValueError for a malformed prompt or messages (a template's own error
-        included), and PromptTooLongError when the text is too long for the context even before
-        it is tokenized.
-        """
-        if (prompt is None) == (messages is None):
-            raise ValueError("pass exactly one of prompt= or messages=")
-        if messages is not None:
-            text = self.render_chat(messages, template_kwargs=template_kwargs)
-            self._check_text_length(text)
-            ids = list(self.tokenizer.encode(text, add_special_tokens=False))
-            return ids, self.chat_checkpoints(messages, ids, text, template_kwargs)
-        if isinstance(prompt, str):
-            self._check_text_length(prompt)
-            return list(self.tokenizer.encode(prompt)), []
-        ids = list(prompt)  # type: ignore[arg-type]
-        vocab = self.vocab_size
-        for t in ids:
-            if not isinstance(t, int) or not 0 <= t < vocab:
-                raise ValueError(
-                    f"token id {t!r} is not in the model's vocabulary (0..{vocab - 1})"
-                )
-        return ids, []
+        """See `Prompts.prepare`: token ids and chat checkpoints (CPU work, on this thread)."""
+        return self.prompts.prepare(prompt, messages, template_kwargs)
 
     async def prepare_async(
         self,
@@ -339,11 +311,8 @@ class Engine:
         messages: Sequence[dict] | None = None,
         template_kwargs: dict[str, Any] | None = None,
     ) -> tuple[list[int], list[int]]:
-        """`prepare` on a worker thread (tokenizers are pure CPU, no MLX, and release the GIL
-        while they encode), at most `MAX_CONCURRENT_PREPARE` at once."""
-        return await anyio.to_thread.run_sync(
-            self.prepare, prompt, messages, template_kwargs, limiter=self._prepare_limiter
-        )
+        """See `Prompts.prepare_async`: `prepare` on a worker thread."""
+        return await self.prompts.prepare_async(prompt, messages, template_kwargs)
 
     def encode(
         self,
@@ -352,28 +321,7 @@ class Engine:
         template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """Token ids for a raw prompt, token ids, or chat messages (chat template applied)."""
-        return self.prepare(prompt, messages, template_kwargs)[0]
-
-    @property
-    def max_chars_per_token(self) -> int:
-        """An upper bound on the characters one token stands for: its longest vocabulary entry
-        (byte-level entries spell each byte as one character, so an entry is never shorter
-        than its text), times 4 when the tokenizer normalizes text first (Unicode composition
-        can merge up to ~4 characters into one)."""
-        if self._max_chars_per_token is None:
-            hf = getattr(self.tokenizer, "_tokenizer", self.tokenizer)
-            longest = max((len(k) for k in hf.get_vocab()), default=1)
-            backend = getattr(hf, "backend_tokenizer", None)
-            normalizes = backend is None or backend.normalizer is not None
-            self._max_chars_per_token = max(1, longest) * (4 if normalizes else 1)
-        return self._max_chars_per_token
-
-    def _check_text_length(self, text: str) -> None:
-        # Every token stands for at most max_chars_per_token characters, so a text this long
-        # has at least this many tokens: refuse it before spending seconds tokenizing it.
-        at_least = -(-len(text) // self.max_chars_per_token)
-        if at_least >= self.max_context:
-            raise PromptTooLongError(at_least, self.max_context)
+        return self.prompts.prepare(prompt, messages, template_kwargs)[0]
 
     def render_chat(
         self,
@@ -381,56 +329,19 @@ class Engine:
         add_generation_prompt: bool = True,
         template_kwargs: dict[str, Any] | None = None,
     ) -> str:
-        """The chat template's rendering of `messages`. Raises ValueError on malformed messages
-        (a template that refuses them included)."""
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content'")
-        try:
-            return self.tokenizer.apply_chat_template(
-                list(messages),
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-                **(template_kwargs or {}),
-            )
-        except TemplateError as exc:
-            raise ValueError(f"the chat template refused the messages: {exc}") from exc
+        """The chat template's rendering of `messages` (see `Prompts.render_chat`)."""
+        return self.prompts.render_chat(messages, add_generation_prompt, template_kwargs)
 
-    def chat_checkpoints(
-        self,
-        messages: Sequence[dict],
-        ids: Sequence[int],
-        text: str | None = None,
-        template_kwargs: dict[str, Any] | None = None,
-    ) -> list[int]:
-        """Token offsets of chat boundaries in `ids`: the end of the system prompt, the end
-        of the turns before the last user message, and the end of the prompt itself.
+    def chat_checkpoints(self, messages: Sequence[dict], ids: Sequence[int]) -> list[int]:
+        """Token offsets of chat boundaries in `ids` (see `Prompts.chat_checkpoints`)."""
+        return self.prompts.chat_checkpoints(messages, ids)
 
-        Found from the chat template's rendering of message prefixes; a boundary whose
-        tokens are not an exact prefix of `ids` is left out, never guessed. `text`, the
-        rendering of `messages` if the caller has it, lets a prefix whose rendering is not a
-        prefix of the whole text be left out without tokenizing it.
-        """
-        cuts = set()
-        if messages and messages[0].get("role") in ("system", "developer"):
-            cuts.add(1)
-        users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
-        if users and users[-1] > 0:
-            cuts.add(users[-1])
-        found = [len(ids)]
-        for n in sorted(cuts):
-            try:
-                prefix_text = self.render_chat(
-                    messages[:n], add_generation_prompt=False, template_kwargs=template_kwargs
-                )
-            except Exception:  # noqa: BLE001 - a template may refuse a partial chat
-                continue
-            if text is not None and not text.startswith(prefix_text):
-                continue
-            prefix = self.tokenizer.encode(prefix_text, add_special_tokens=False)
-            if 0 < len(prefix) < len(ids) and list(ids[: len(prefix)]) == prefix:
-                found.append(len(prefix))
-        return found
+    @property
+    def max_chars_per_token(self) -> int:
+        """An upper bound on the characters one token stands for (`Prompts`)."""
+        return self.prompts.max_chars_per_token
+
+    # -- requests -------------------------------------------------------------
 
     async def submit(
         self,
@@ -552,6 +463,20 @@ class Engine:
     @property
     def unhealthy_reason(self) -> str | None:
         return self._step_loop.dead_reason
+
+    async def wait_unhealthy(self) -> str:
+        """Wait until the engine can serve no more (its executor or step loop failed);
+        return why."""
+        await self._step_loop.died.wait()
+        return self._step_loop.dead_reason or "unknown"
+
+    @property
+    def event_log_problem(self) -> str | None:
+        """Why the event log stopped writing (the engine serves on without it), or None."""
+        writer = self._step_loop.event_log
+        if writer is None or not writer.degraded:
+            return None
+        return f"{writer.error_message}; {writer.num_dropped} events dropped"
 
     @property
     def step_loop(self) -> StepLoop:

@@ -31,12 +31,18 @@ from stepline.api.http_guard import (
 )
 from stepline.api.log_config import LOG_FORMATS, LOG_LEVELS, configure_logging
 from stepline.api.server import DEFAULT_MAX_BODY_BYTES, create_app, loading_app
+from stepline.api.serving import DEFAULT_BODY_TIMEOUT_S
 
 log = structlog.get_logger(__name__)
 
 DEFAULT_LIMIT_CONCURRENCY = 1024  # connections or requests; each connection is a file
 DEFAULT_TIMEOUT_KEEP_ALIVE_S = 5.0  # uvicorn's default
 DEFAULT_TIMEOUT_REQUEST_HEAD_S = 10.0  # a slow client on a bad link sends a head in < 1 s
+UNHEALTHY_EXIT_DELAY_S = 1.0  # streams get their error frames, probes see 503, then exit
+
+
+class EngineFailed(RuntimeError):
+    """The engine failed while serving: `stepline serve` exits with status 1."""
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -224,6 +230,7 @@ async def _serve(args: argparse.Namespace, sock: socket.socket, engine_kwargs: d
                     served_model_names=names,
                     allowed_origins=args.allowed_origins or (),
                     metrics_public=args.metrics_public,
+                    body_timeout_s=args.timeout_request_body,
                     **agent_options(args),
                 )
                 print(
@@ -239,7 +246,15 @@ async def _serve(args: argparse.Namespace, sock: socket.socket, engine_kwargs: d
                 if args.api_key and os.environ.get("STEPLINE_API_KEY") != args.api_key:
                     print("stepline: set STEPLINE_API_KEY to the key for the curl line below")
                 print(f"try:\n  {_curl_line(url, names[0], args.api_key)}", flush=True)
-                await anyio.sleep_forever()
+                reason = await engine.wait_unhealthy()
+                if args.stay_up_when_unhealthy:
+                    await anyio.sleep_forever()
+                # Every request has ended with an error; /health says 503 meanwhile. Exit
+                # non-zero after a moment, so a supervisor restarts a healthy server.
+                log.error("engine_unhealthy_exiting", reason=reason)
+                print(f"stepline: error: the engine failed ({reason}); exiting", file=sys.stderr)
+                await anyio.sleep(UNHEALTHY_EXIT_DELAY_S)
+                raise EngineFailed(reason)
     except BaseExceptionGroup as group:  # one failure (a model not found): raise it alone
         if len(group.exceptions) == 1:
             raise group.exceptions[0] from None
@@ -265,6 +280,8 @@ def run_serve(args: argparse.Namespace) -> int:
     use_uvloop = importlib.util.find_spec("uvloop") is not None
     try:
         anyio.run(_serve, args, sock, engine_kwargs, backend_options={"use_uvloop": use_uvloop})
+    except EngineFailed:
+        return 1
     finally:
         sock.close()
     return 0
@@ -285,6 +302,12 @@ def add_serve_parser(
     add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000; 0 = any)")
+    p.add_argument(
+        "--stay-up-when-unhealthy",
+        action="store_true",
+        help="keep the process up (answering 503) after the engine fails, instead of exiting "
+        "with status 1 so that a supervisor restarts it",
+    )
     p.add_argument(
         "--api-key",
         default=os.environ.get("STEPLINE_API_KEY") or None,
@@ -337,6 +360,13 @@ def add_serve_parser(
         help="close a connection that has not sent a whole request head this many seconds "
         "after connecting or after its last response "
         f"(default: {DEFAULT_TIMEOUT_REQUEST_HEAD_S:g})",
+    )
+    p.add_argument(
+        "--timeout-request-body",
+        type=float,
+        default=DEFAULT_BODY_TIMEOUT_S,
+        help="answer 408 to a request whose body has not arrived whole this many seconds "
+        f"after its head (default: {DEFAULT_BODY_TIMEOUT_S:g})",
     )
     p.add_argument(
         "--log-format",

@@ -28,6 +28,7 @@ from stepline.api.agent_options import configure
 from stepline.api.anthropic_serving import AnthropicServing, anthropic_router, error_response
 from stepline.api.errors import APIError
 from stepline.api.openai_serving import OpenAIServing
+from stepline.api.serving import DEFAULT_BODY_TIMEOUT_S
 
 if TYPE_CHECKING:
     from stepline.api.engine import Engine
@@ -45,6 +46,7 @@ def create_app(
     served_model_names: Sequence[str] = (),
     allowed_origins: Sequence[str] = (),
     metrics_public: bool = False,
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
     reasoning_parser: str | None = None,
     chat_template: str | None = None,
     default_chat_template_kwargs: dict | None = None,
@@ -55,15 +57,16 @@ def create_app(
     `Authorization: Bearer <api_key>` or `x-api-key: <api_key>` (401 otherwise): the API,
     /docs, /redoc and /openapi.json alike. `served_model_names`: the names clients may send as
     `model` (the first is listed; default: the engine's model name). `allowed_origins`: the
-    web origins allowed to call it from a browser (CORS); none by default. The last three
-    are the agent options (`agent_options.configure`); raises ValueError if the model cannot
-    honour them.
+    web origins allowed to call it from a browser (CORS); none by default. A body must
+    arrive whole within `body_timeout_s` (408 otherwise). The last three are the agent
+    options (`agent_options.configure`); raises ValueError if the model cannot honour them.
     """
     serving = OpenAIServing(
         engine,
         max_body_bytes=max_body_bytes,
         heartbeat_s=heartbeat_s,
         served_model_names=served_model_names,
+        body_timeout_s=body_timeout_s,
     )
     app = FastAPI(title="stepline", summary="OpenAI-compatible LLM server", version="0.1.0")
     app.state.serving = serving
@@ -72,6 +75,7 @@ def create_app(
         max_body_bytes=max_body_bytes,
         heartbeat_s=heartbeat_s,
         served_model_names=served_model_names,
+        body_timeout_s=body_timeout_s,
     )
     for front in (serving, anthropic):
         front.reasoning, front.default_template_kwargs = configure(
@@ -121,7 +125,11 @@ def create_app(
     @app.get("/health")
     async def health() -> JSONResponse:
         if engine.healthy:
-            return JSONResponse({"status": "ok", "model": serving.model_name})
+            body = {"status": "ok", "model": serving.model_name}
+            if (problem := engine.event_log_problem) is not None:
+                # Still serving (200), but the record of what it serves is lost: say so.
+                body.update(status="degraded", event_log=problem)
+            return JSONResponse(body)
         reason = engine.unhealthy_reason or "the engine is shut down"
         return JSONResponse({"status": "unhealthy", "reason": reason}, status_code=503)
 

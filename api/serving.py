@@ -22,9 +22,10 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
 from stepline.actors.step_loop import EngineDeadError
-from stepline.api.engine import PromptTooLongError, SamplingParams
+from stepline.api.engine import SamplingParams
 from stepline.api.errors import APIError, context_error, validation_error
 from stepline.api.openai_schema import RequestError, now
+from stepline.api.prompts import PromptTooLongError
 from stepline.api.sse import DONE, Emit, EventStreamResponse, error_frame
 from stepline.engine.grammar import GrammarError
 from stepline.engine.policy import ContextLengthExceededError, QueueFullError
@@ -38,6 +39,7 @@ log = structlog.get_logger(__name__)
 # Below this, a temperature is greedy: dividing logits by 1e-308 overflows to inf/nan.
 GREEDY_TEMPERATURE = 1e-5
 JSON_MEDIA_TYPES = ("application/json",)
+DEFAULT_BODY_TIMEOUT_S = 60.0  # 4 MiB at 1 Mbit/s takes 34 s
 
 
 class ServedRequest(Protocol):
@@ -88,9 +90,11 @@ class Serving:
         max_body_bytes: int,
         heartbeat_s: float,
         served_model_names: Sequence[str] = (),
+        body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
     ):
         self.engine = engine
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
         self.heartbeat_s = heartbeat_s
         self.served_model_names: tuple[str, ...] = tuple(served_model_names) or (engine.model_name,)
         self.created = now()
@@ -111,8 +115,9 @@ class Serving:
 
     async def read_body(self, request: Request) -> bytes:
         """The body, if it is JSON (415 otherwise: a page cannot send JSON cross-site without
-        a CORS preflight) and within the size limit (413). A client that hangs up while
-        sending it gets its request logged as cancelled and answered 499."""
+        a CORS preflight), within the size limit (413), and whole within `body_timeout_s`
+        (408). A client that hangs up while sending it gets its request logged as cancelled
+        and answered 499."""
         media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
         if media_type not in JSON_MEDIA_TYPES:
             raise APIError(
@@ -132,11 +137,19 @@ class Serving:
             raise too_large
         chunks, size = [], 0
         try:
-            async for chunk in request.stream():  # also bounds bodies sent without a length
-                size += len(chunk)
-                if size > limit:
-                    raise too_large
-                chunks.append(chunk)
+            # A body trickled byte by byte would hold its connection and task forever.
+            with anyio.fail_after(self.body_timeout_s):
+                async for chunk in request.stream():  # also bounds bodies sent without a length
+                    size += len(chunk)
+                    if size > limit:
+                        raise too_large
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise APIError(
+                408,
+                f"the request body did not arrive within {self.body_timeout_s:g} s",
+                code="request_timeout",
+            ) from None
         except ClientDisconnect:
             log.info("request_cancelled", reason="client disconnected while sending the body")
             raise APIError(499, "the client closed the connection", code="client_closed") from None

@@ -25,7 +25,7 @@ from stepline.engine.memory import read_memory_counters
 from stepline.engine.models import LoadedModel
 from stepline.engine.policy import ScheduledChunk
 from stepline.engine.prefix_cache import PrefixStore, share_cache
-from stepline.engine.prefix_disk import model_fingerprint
+from stepline.engine.prefix_files import model_fingerprint
 from stepline.engine.sampling import (
     RowHistory,
     RowSampling,

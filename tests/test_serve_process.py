@@ -251,3 +251,49 @@ def test_models_lists_the_first_served_name_and_every_name_is_accepted(served_pr
     assert other.status_code == 200
     assert unknown.status_code == 404
     assert "'gpt-4o'" in unknown.json()["error"]["message"]
+
+
+_FAILING_SERVE = """
+import sys
+from stepline.api.cli import main
+from stepline.engine.runner import ModelRunner
+
+real_run = ModelRunner.run
+
+
+def run(self, work):  # the device fails for good after a few steps
+    if work.plan.step >= 3:
+        raise RuntimeError("simulated device failure")
+    return real_run(self, work)
+
+
+ModelRunner.run = run
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_serve_exits_with_status_1_when_its_engine_fails_so_a_supervisor_restarts_it(demo):
+    argv = [sys.executable, "-c", _FAILING_SERVE, "serve", "--port", "0"]
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        lines = _read_lines(proc)
+        deadline = time.monotonic() + 60
+        url = ""
+        while "serving" not in (line := _next_line(lines, deadline)):
+            if m := re.search(r"(http://127\.0\.0\.1:\d+)/health answers 503", line):
+                url = m.group(1)
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 20}, timeout=30)
+        assert r.status_code >= 500  # its request ends with the failure
+        assert proc.wait(timeout=30) == 1
+        assert "the engine failed" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        proc.stderr.close()

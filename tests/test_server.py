@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import json
 import uuid
 import warnings
@@ -842,3 +843,34 @@ async def test_serve_prints_a_curl_line_that_streams():
     body = json.loads(line.split("-d '", 1)[1].rstrip("'"))
     assert body["stream"] is True and body["model"] == "stepline-demo"
     assert DONE == b"data: [DONE]\n\n"
+
+
+async def test_a_failed_event_log_shows_on_health_and_metrics_while_serving_goes_on(tmp_path):
+    class FullDisk:
+        def __init__(self, real) -> None:
+            self.real = real
+
+        def write(self, data) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def close(self) -> None:
+            self.real.close()
+
+    async with open_served(tmp_path / "events.jsonl") as served:
+        writer = served.engine.step_loop.event_log
+        async with served.client() as client:
+            assert (await client.get("/health")).json()["status"] == "ok"
+            writer._file = FullDisk(writer._file)  # a disk that fills up now
+            for _ in range(2):
+                r = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3})
+                assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+            health = await client.get("/health")
+            metrics = (await client.get("/metrics")).text
+    assert health.status_code == 200  # still serving
+    body = health.json()
+    assert body["status"] == "degraded" and "No space left" in body["event_log"]
+    assert "stepline_event_log_degraded 1.0" in metrics
+    dropped = next(
+        line for line in metrics.splitlines() if line.startswith("stepline_event_log_dropped")
+    )
+    assert float(dropped.split()[-1]) > 0

@@ -440,3 +440,67 @@ async def test_the_python_api_refuses_a_text_too_long_for_the_context_unread(ser
         await served.engine.submit(text)
     with pytest.raises(PromptTooLongError):
         await served.engine.submit(messages=[{"role": "user", "content": text}])
+
+
+async def test_a_body_trickled_too_slowly_gets_408(served):
+    app = create_app(served.engine, body_timeout_s=0.5)
+    async with serve_in_process(app) as url:
+        host, port = url.removeprefix("http://").split(":")
+        with anyio.fail_after(10):
+            async with await anyio.connect_tcp(host, int(port)) as conn:
+                await conn.send(
+                    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                    b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"
+                )
+                answer = b""
+                while b"request_timeout" not in answer:
+                    answer += await conn.receive()
+    assert answer.startswith(b"HTTP/1.1 408 ")
+
+
+class CountingTokenizer:
+    """The engine's tokenizer, counting `encode` calls."""
+
+    def __init__(self, tokenizer):
+        self._inner = tokenizer
+        self.num_encodes = 0
+
+    def encode(self, *args, **kwargs):
+        self.num_encodes += 1
+        return self._inner.encode(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+CHATS = [
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}],
+    [
+        {"role": "system", "content": "You bake."},
+        {"role": "user", "content": "Rye?"},
+        {"role": "assistant", "content": "Sour."},
+        {"role": "user", "content": "Spelt?"},
+    ],
+    [
+        {"role": "user", "content": "A literal <|im_start|> and <|im_end|> in text"},
+        {"role": "assistant", "content": "ok <|im_start|>"},
+        {"role": "user", "content": "again\n"},
+    ],
+    [{"role": "user", "content": "only one turn"}],
+]
+
+
+@pytest.mark.parametrize("messages", CHATS)
+async def test_chat_checkpoints_from_one_tokenization_equal_those_from_tokenizing_prefixes(
+    served, messages
+):
+    from stepline.api.prompts import Prompts
+
+    engine = served.engine
+    counting = CountingTokenizer(engine.tokenizer)
+    prompts = Prompts(counting, vocab_size=engine.vocab_size, max_context=engine.max_context)
+    ids, fast = prompts.prepare(messages=messages)
+    assert counting.num_encodes == 1  # the whole conversation, once: no prefix tokenized again
+    exact = prompts.chat_checkpoints(messages, ids)  # without the text: prefixes tokenized
+    assert sorted(fast) == sorted(exact)
+    assert ids == engine.encode(messages=messages)
