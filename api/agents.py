@@ -71,11 +71,14 @@ def openai_tools(tools: Any, param: str = "tools") -> tuple[ToolSpec, ...]:
                 "only function tools are supported",
                 param=f"{param}.{i}",
             )
-        specs.append(_spec(fn.get("name"), fn.get("description"), fn.get("parameters"), i, param))
-    return _unique(specs, param)
+        specs.append(
+            tool_spec(fn.get("name"), fn.get("description"), fn.get("parameters"), i, param)
+        )
+    return unique_tools(specs, param)
 
 
-def _spec(name: Any, description: Any, parameters: Any, i: int, param: str) -> ToolSpec:
+def tool_spec(name: Any, description: Any, parameters: Any, i: int, param: str) -> ToolSpec:
+    """Tool `i` of request field `param`, checked. Raises RequestError if malformed."""
     if not isinstance(name, str) or not name:
         raise RequestError(f"{param}[{i}] needs a non-empty string name", param=f"{param}.{i}")
     if parameters is None:
@@ -87,7 +90,8 @@ def _spec(name: Any, description: Any, parameters: Any, i: int, param: str) -> T
     return ToolSpec(name, description if isinstance(description, str) else None, parameters)
 
 
-def _unique(specs: list[ToolSpec], param: str) -> tuple[ToolSpec, ...]:
+def unique_tools(specs: list[ToolSpec], param: str) -> tuple[ToolSpec, ...]:
+    """`specs`, if no two share a name. Raises RequestError otherwise."""
     names = [s.name for s in specs]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from stepline.api.agents import ToolSpec, _spec, _unique
+from stepline.api.agents import ToolSpec, tool_spec, unique_tools
 from stepline.api.openai_schema import RequestError
 
 
@@ -104,8 +104,8 @@ def tool_specs(req: _Base) -> tuple[ToolSpec, ...]:
                 f"tools[{i}] is a server tool ({tool.type}): only custom tools are supported",
                 param=f"tools.{i}",
             )
-        specs.append(_spec(tool.name, tool.description, tool.input_schema, i, "tools"))
-    return _unique(specs, "tools")
+        specs.append(tool_spec(tool.name, tool.description, tool.input_schema, i, "tools"))
+    return unique_tools(specs, "tools")
 
 
 def tool_choice(req: _Base) -> tuple[str | None, bool]:
