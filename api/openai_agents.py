@@ -93,10 +93,11 @@ def completion_grammar(req: CompletionRequest, tokenizer: Any) -> str | None:
     return plan(tokenizer, schema=schema, json_object=json_object).grammar
 
 
-def message(out: OutputDelta) -> AssistantMessage:
+def message(out: OutputDelta, *, parallel: bool = True) -> AssistantMessage:
+    """The assistant message of a whole answer; without `parallel`, only its first call."""
     calls = [
         ToolCallOut(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
-        for c in out.tool_calls
+        for c in out.tool_calls[: None if parallel else 1]
     ]
     return AssistantMessage(
         content=out.content if out.content or not calls else None,
@@ -110,15 +111,18 @@ def finish_reason(reason: str, num_tool_calls: int) -> str:
     return "tool_calls" if reason == "stop" and num_tool_calls else reason
 
 
-def deltas(out: OutputDelta) -> list[ChatDelta]:
+def deltas(out: OutputDelta, *, parallel: bool = True) -> list[ChatDelta]:
     """The stream deltas of one split piece: reasoning, then content, then the tool calls'
-    pieces (the first of a call has its id, type and name; the rest add arguments text)."""
+    pieces (the first of a call has its id, type and name; the rest add arguments text);
+    without `parallel`, those of the first call only."""
     found = []
     if out.reasoning:
         found.append(ChatDelta(reasoning_content=out.reasoning))
     if out.content:
         found.append(ChatDelta(content=out.content))
     for d in out.tool_call_deltas:
+        if d.index > 0 and not parallel:
+            continue
         if d.id is not None:
             head = DeltaToolCall(
                 index=d.index, id=d.id, type="function", function=DeltaFunction(name=d.name)

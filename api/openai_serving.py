@@ -134,7 +134,7 @@ class OpenAIServing(Serving):
             model=model,
             choices=[
                 ChatChoice(
-                    message=openai_agents.message(split),
+                    message=openai_agents.message(split, parallel=req.parallel_tool_calls),
                     logprobs=logprobs,
                     finish_reason=openai_agents.finish_reason(
                         last.finish_reason, len(split.tool_calls)
@@ -194,7 +194,8 @@ class OpenAIServing(Serving):
             if piece.content and not piece.reasoning and not piece.tool_call_deltas:
                 frames.append(text_frame(piece.content))  # the common case, pre-encoded
             else:
-                frames.extend(chunk(d) for d in openai_agents.deltas(piece))
+                pieces = openai_agents.deltas(piece, parallel=req.parallel_tool_calls)
+                frames.extend(chunk(d) for d in pieces)
             if out.finish_reason is not None:
                 reason = openai_agents.finish_reason(out.finish_reason, splitter.num_tool_calls)
                 frames.append(chunk(ChatDelta(), finish=reason))

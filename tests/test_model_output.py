@@ -105,3 +105,24 @@ def test_a_block_in_another_key_order_is_sent_whole_when_it_closes():
         ("f", "", False),
         (None, '{"x": 1}', True),
     ]
+
+
+def test_without_parallel_tool_calls_only_the_first_call_is_returned():
+    from stepline.api import openai_agents
+    from stepline.api.model_output import OutputDelta, ToolCall, ToolCallDelta
+
+    two = OutputDelta(
+        tool_calls=[ToolCall("call_a", "f", "{}"), ToolCall("call_b", "g", "{}")],
+        tool_call_deltas=[
+            ToolCallDelta(0, id="call_a", name="f"),
+            ToolCallDelta(0, arguments="{}", done=True),
+            ToolCallDelta(1, id="call_b", name="g"),
+            ToolCallDelta(1, arguments="{}", done=True),
+        ],
+    )
+
+    [call] = openai_agents.message(two, parallel=False).tool_calls or []
+    assert call.id == "call_a"
+    streamed = openai_agents.deltas(two, parallel=False)
+    assert {d.tool_calls[0].index for d in streamed if d.tool_calls} == {0}
+    assert len(openai_agents.message(two).tool_calls or []) == 2
