@@ -19,6 +19,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import anyio
 import structlog
@@ -31,6 +32,7 @@ from stepline.actors.request import RequestActor, RequestOutput
 from stepline.actors.step_loop import ModelLimits, StepLoop
 from stepline.api.params import SamplingParams
 from stepline.api.prompts import Prompts, PromptTooLongError
+from stepline.engine.grammar import GrammarCompiler
 from stepline.engine.policy import SchedulerConfig
 from stepline.engine.prefix_index import PrefixIndex
 from stepline.events.models import FinishReason, LogHeader, new_run_id, new_salt
@@ -127,6 +129,8 @@ class Engine:
         self.prompts = Prompts(
             loaded.tokenizer, vocab_size=self.vocab_size, max_context=self.max_context
         )
+        # Compiles constrained requests' grammars; shared with the executor's runner.
+        self.grammars: GrammarCompiler = step_loop.runner.grammars
 
     @classmethod
     @asynccontextmanager
@@ -329,29 +333,37 @@ class Engine:
         self,
         prompt: str | Sequence[int] | None = None,
         messages: Sequence[dict] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> tuple[list[int], list[int]]:
         """See `Prompts.prepare`: token ids and chat checkpoints (CPU work, on this thread)."""
-        return self.prompts.prepare(prompt, messages)
+        return self.prompts.prepare(prompt, messages, template_kwargs)
 
     async def prepare_async(
         self,
         prompt: str | Sequence[int] | None = None,
         messages: Sequence[dict] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> tuple[list[int], list[int]]:
         """See `Prompts.prepare_async`: `prepare` on a worker thread."""
-        return await self.prompts.prepare_async(prompt, messages)
+        return await self.prompts.prepare_async(prompt, messages, template_kwargs)
 
     def encode(
         self,
         prompt: str | Sequence[int] | None = None,
         messages: Sequence[dict] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """Token ids for a raw prompt, token ids, or chat messages (chat template applied)."""
-        return self.prompts.prepare(prompt, messages)[0]
+        return self.prompts.prepare(prompt, messages, template_kwargs)[0]
 
-    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+    def render_chat(
+        self,
+        messages: Sequence[dict],
+        add_generation_prompt: bool = True,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
         """The chat template's rendering of `messages` (see `Prompts.render_chat`)."""
-        return self.prompts.render_chat(messages, add_generation_prompt)
+        return self.prompts.render_chat(messages, add_generation_prompt, template_kwargs)
 
     def chat_checkpoints(self, messages: Sequence[dict], ids: Sequence[int]) -> list[int]:
         """Token offsets of chat boundaries in `ids` (see `Prompts.chat_checkpoints`)."""
@@ -372,20 +384,26 @@ class Engine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         checkpoints: Sequence[int] = (),
+        template_kwargs: dict[str, Any] | None = None,
     ) -> RequestStream:
-        """Admit one request and return its output stream.
+        """Admit one request and return its output stream. `template_kwargs` go to the chat
+        template with `messages`; `params.grammar` constrains the output (compiled here, on a
+        worker thread).
 
-        Raises ValueError for a malformed prompt or a `top_k` / stop token id outside the
-        model's vocabulary, AdmissionError (EmptyPromptError,
-        ContextLengthExceededError — PromptTooLongError when the text's length alone proves
-        it —, EngineDeadError, ...) if the engine cannot serve it. The prompt is tokenized on
-        a worker thread.
+        Raises ValueError for a malformed prompt (GrammarError for a grammar that does not
+        compile) or a `top_k` / stop token id outside the model's vocabulary, AdmissionError
+        (EmptyPromptError, ContextLengthExceededError — PromptTooLongError when the text's
+        length alone proves it —, EngineDeadError, ...) if the engine cannot serve it. The
+        prompt is tokenized on a worker thread.
         """
         if self._closed:
             raise RuntimeError("the engine is closed")
         params = params or SamplingParams()
         params.check_vocabulary(self.vocab_size)
-        ids, chat_checkpoints = await self.prepare_async(prompt, messages)
+        if params.grammar is not None:
+            # Off the step loop and the executor: the runner's lookup is then a cache hit.
+            await anyio.to_thread.run_sync(self.grammars.compile, params.grammar)
+        ids, chat_checkpoints = await self.prepare_async(prompt, messages, template_kwargs)
         checkpoints = (*checkpoints, *chat_checkpoints)
         room = self.max_context - len(ids)
         if 0 < room < params.max_tokens:
@@ -451,13 +469,19 @@ class Engine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         checkpoints: Sequence[int] = (),
+        template_kwargs: dict[str, Any] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its outputs as they come; the last has a finish_reason.
 
         Raises as `submit` does, on the first iteration.
         """
         stream = await self.submit(
-            prompt, messages=messages, params=params, request_id=request_id, checkpoints=checkpoints
+            prompt,
+            messages=messages,
+            params=params,
+            request_id=request_id,
+            checkpoints=checkpoints,
+            template_kwargs=template_kwargs,
         )
         async with stream:
             async for out in stream:

@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING
 from fastapi import Request
 from fastapi.responses import Response
 
+from stepline.api import openai_agents
+from stepline.api.model_output import OutputSplitter, split_output
 from stepline.api.openai_schema import (
-    AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
@@ -85,9 +86,12 @@ class OpenAIServing(Serving):
     async def _chat(self, request: Request, rid: str) -> Response:
         req = await self.parse(request, ChatCompletionRequest)
         num_logprobs = req.num_logprobs
+        agent = openai_agents.chat_plan(req, self.engine.tokenizer, self.default_template_kwargs)
         messages = req.engine_messages()
         # Chat boundaries (end of the system prompt, of earlier turns) feed the prefix cache.
-        ids, checkpoints = await self.prepare(messages=messages)
+        ids, checkpoints = await self.prepare(
+            messages=messages, template_kwargs=agent.template_kwargs
+        )
         max_tokens = self.max_tokens(
             req.requested_max_tokens,
             len(ids),
@@ -96,15 +100,29 @@ class OpenAIServing(Serving):
             param="max_completion_tokens" if req.max_completion_tokens else "max_tokens",
         )
         params = self.sampling(req, max_tokens, num_logprobs)
-        stream = await self.submit(rid, ids, params, "messages", checkpoints)
+        if agent.grammar is not None:
+            params = params.model_copy(update={"grammar": agent.grammar})
+        stream = await self.submit(
+            rid, ids, params, "messages", checkpoints, grammar_param=agent.grammar_param
+        )
         created = now()
         model = self.response_model(req.model)
+        fmt = agent.output_format(
+            self.engine.tokenizer,
+            reasoning=self.reasoning,
+            prompt_text=self.engine.tokenizer.decode(ids[-8:]),
+        )
+        tools = agent.openai_tools or None
         if req.stream:
+            splitter = OutputSplitter(fmt, tools, stream=True)
             return self.stream_response(
-                rid, stream, lambda emit: self._chat_stream(emit, stream, req, rid, created)
+                rid,
+                stream,
+                lambda emit: self._chat_stream(emit, stream, req, rid, created, splitter),
             )
         outs = await self.collect(request, stream)
         last = outs[-1]
+        split = split_output("".join(o.text for o in outs), fmt, tools)
         logprobs = None
         if num_logprobs is not None:
             logprobs = ChatLogprobs(
@@ -116,9 +134,11 @@ class OpenAIServing(Serving):
             model=model,
             choices=[
                 ChatChoice(
-                    message=AssistantMessage(content="".join(o.text for o in outs)),
+                    message=openai_agents.message(split, parallel=req.parallel_tool_calls),
                     logprobs=logprobs,
-                    finish_reason=last.finish_reason,
+                    finish_reason=openai_agents.finish_reason(
+                        last.finish_reason, len(split.tool_calls)
+                    ),
                 )
             ],
             usage=Usage.of(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens),
@@ -126,7 +146,13 @@ class OpenAIServing(Serving):
         return json_response(body, headers={"x-request-id": rid})
 
     async def _chat_stream(
-        self, emit: Emit, stream: RequestStream, req: ChatCompletionRequest, rid: str, created: int
+        self,
+        emit: Emit,
+        stream: RequestStream,
+        req: ChatCompletionRequest,
+        rid: str,
+        created: int,
+        splitter: OutputSplitter,
     ) -> None:
         model = self.response_model(req.model)
         exclude = None if req.include_usage else {"usage"}
@@ -159,12 +185,20 @@ class OpenAIServing(Serving):
             if not started:
                 started = True
                 frames.append(chunk(ChatDelta(role="assistant", content="")))
-            if want_logprobs and out.logprobs:
-                frames.append(chunk(ChatDelta(content=out.text), lps=out.logprobs))
-            elif out.text:
-                frames.append(text_frame(out.text))
+            piece = splitter.feed(out.text)
             if out.finish_reason is not None:
-                frames.append(chunk(ChatDelta(), finish=out.finish_reason))
+                piece.extend(splitter.finish())
+            if want_logprobs and out.logprobs:
+                frames.append(chunk(ChatDelta(content=piece.content), lps=out.logprobs))
+                piece.content = ""
+            if piece.content and not piece.reasoning and not piece.tool_call_deltas:
+                frames.append(text_frame(piece.content))  # the common case, pre-encoded
+            else:
+                pieces = openai_agents.deltas(piece, parallel=req.parallel_tool_calls)
+                frames.extend(chunk(d) for d in pieces)
+            if out.finish_reason is not None:
+                reason = openai_agents.finish_reason(out.finish_reason, splitter.num_tool_calls)
+                frames.append(chunk(ChatDelta(), finish=reason))
                 if req.include_usage:
                     usage = Usage.of(
                         out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens
@@ -187,11 +221,14 @@ class OpenAIServing(Serving):
 
     async def _completions(self, request: Request, rid: str) -> Response:
         req = await self.parse(request, CompletionRequest)
+        grammar = openai_agents.completion_grammar(req, self.engine.tokenizer)
         ids, _ = await self.prepare(prompt=req.engine_prompt())
         max_tokens = self.max_tokens(
             req.max_tokens, len(ids), default=DEFAULT_COMPLETION_MAX_TOKENS, prompt_param="prompt"
         )
         params = self.sampling(req, max_tokens, req.logprobs)
+        if grammar is not None:
+            params = params.model_copy(update={"grammar": grammar})
         stream = await self.submit(rid, ids, params, "prompt")
         created = now()
         if req.stream:

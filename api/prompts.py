@@ -43,11 +43,13 @@ class Prompts:
         self,
         prompt: str | Sequence[int] | None = None,
         messages: Sequence[dict] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> tuple[list[int], list[int]]:
         """A prompt's token ids and its chat checkpoints (none for a raw prompt): the chat
         template is rendered once for the whole conversation (and once for each boundary's
         prefix), and the whole is tokenized once (a boundary's prefix again only when no
-        special token follows it).
+        special token follows it). `template_kwargs` (`tools`, `enable_thinking`, ...) go to
+        every rendering.
 
         CPU work that can take seconds for a long prompt: `prepare_async` runs it off the event
         loop. Raises ValueError for a malformed prompt or messages (a template's own error
@@ -57,10 +59,10 @@ class Prompts:
         if (prompt is None) == (messages is None):
             raise ValueError("pass exactly one of prompt= or messages=")
         if messages is not None:
-            text = self.render_chat(messages)
+            text = self.render_chat(messages, template_kwargs=template_kwargs)
             self.check_text_length(text)
             ids = list(self.tokenizer.encode(text, add_special_tokens=False))
-            return ids, self.chat_checkpoints(messages, ids, text)
+            return ids, self.chat_checkpoints(messages, ids, text, template_kwargs)
         if isinstance(prompt, str):
             self.check_text_length(prompt)
             return list(self.tokenizer.encode(prompt)), []
@@ -77,10 +79,13 @@ class Prompts:
         self,
         prompt: str | Sequence[int] | None = None,
         messages: Sequence[dict] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> tuple[list[int], list[int]]:
         """`prepare` on a worker thread (tokenizers are pure CPU, no MLX, and release the GIL
         while they encode), at most `MAX_CONCURRENT_PREPARE` at once."""
-        return await anyio.to_thread.run_sync(self.prepare, prompt, messages, limiter=self._limiter)
+        return await anyio.to_thread.run_sync(
+            self.prepare, prompt, messages, template_kwargs, limiter=self._limiter
+        )
 
     @property
     def max_chars_per_token(self) -> int:
@@ -103,7 +108,12 @@ class Prompts:
         if at_least >= self.max_context:
             raise PromptTooLongError(at_least, self.max_context)
 
-    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+    def render_chat(
+        self,
+        messages: Sequence[dict],
+        add_generation_prompt: bool = True,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
         """The chat template's rendering of `messages`. Raises ValueError on malformed messages
         (a template that refuses them included)."""
         for i, m in enumerate(messages):
@@ -111,13 +121,20 @@ class Prompts:
                 raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content'")
         try:
             return self.tokenizer.apply_chat_template(
-                list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+                list(messages),
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                **(template_kwargs or {}),
             )
         except TemplateError as exc:
             raise ValueError(f"the chat template refused the messages: {exc}") from exc
 
     def chat_checkpoints(
-        self, messages: Sequence[dict], ids: Sequence[int], text: str | None = None
+        self,
+        messages: Sequence[dict],
+        ids: Sequence[int],
+        text: str | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """Token offsets of chat boundaries in `ids`: the end of the system prompt, the end
         of the turns before the last user message, and the end of the prompt itself.
@@ -136,7 +153,9 @@ class Prompts:
         found = [len(ids)]
         for n in sorted(cuts):
             try:
-                prefix_text = self.render_chat(messages[:n], add_generation_prompt=False)
+                prefix_text = self.render_chat(
+                    messages[:n], add_generation_prompt=False, template_kwargs=template_kwargs
+                )
             except Exception:  # noqa: BLE001 - a template may refuse a partial chat
                 continue
             if text is not None:

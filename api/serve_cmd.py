@@ -23,6 +23,7 @@ import structlog
 import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from stepline.api.agent_options import add_agent_args, agent_options
 from stepline.api.engine import launch_rank
 from stepline.api.http_guard import (
     RateLimitedExceptionHandler,
@@ -231,6 +232,7 @@ async def _serve(args: argparse.Namespace, sock: socket.socket, engine_kwargs: d
                     allowed_origins=args.allowed_origins or (),
                     metrics_public=args.metrics_public,
                     body_timeout_s=args.timeout_request_body,
+                    **agent_options(args),
                 )
                 print(
                     f"stepline: loaded {engine.model_name} from {engine.loaded.path} in "
@@ -383,5 +385,6 @@ def add_serve_parser(
         help="console (readable) or json (one JSON object a line) (default: console)",
     )
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="(default: info)")
+    add_agent_args(p)  # --reasoning-parser, --chat-template, --default-chat-template-kwargs
     p.set_defaults(func=run_serve, engine_kwargs=engine_kwargs)
     return p

@@ -2,6 +2,7 @@
 the OpenAI-style error handlers, and the probes (/health, /metrics).
 
     POST /v1/chat/completions, POST /v1/completions   (streaming with server-sent events, or not)
+    POST /v1/messages, POST /v1/messages/count_tokens  (Anthropic, in `anthropic_serving`)
     GET  /v1/models, GET /v1/models/{name}, GET /health, GET /metrics, GET /docs, GET /redoc
 
 Errors are OpenAI-style `{"error": {"message", "type", "param", "code"}}` bodies. The handlers
@@ -23,6 +24,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from stepline.api.agent_options import configure
+from stepline.api.anthropic_serving import AnthropicServing, anthropic_router, error_response
 from stepline.api.errors import APIError
 from stepline.api.openai_serving import OpenAIServing
 from stepline.api.serving import DEFAULT_BODY_TIMEOUT_S
@@ -44,6 +47,9 @@ def create_app(
     allowed_origins: Sequence[str] = (),
     metrics_public: bool = False,
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+    reasoning_parser: str | None = None,
+    chat_template: str | None = None,
+    default_chat_template_kwargs: dict | None = None,
 ) -> FastAPI:
     """The HTTP app serving `engine`.
 
@@ -52,7 +58,8 @@ def create_app(
     /docs, /redoc and /openapi.json alike. `served_model_names`: the names clients may send as
     `model` (the first is listed; default: the engine's model name). `allowed_origins`: the
     web origins allowed to call it from a browser (CORS); none by default. A body must
-    arrive whole within `body_timeout_s` (408 otherwise).
+    arrive whole within `body_timeout_s` (408 otherwise). The last three are the agent
+    options (`agent_options.configure`); raises ValueError if the model cannot honour them.
     """
     serving = OpenAIServing(
         engine,
@@ -63,6 +70,20 @@ def create_app(
     )
     app = FastAPI(title="stepline", summary="OpenAI-compatible LLM server", version="0.1.0")
     app.state.serving = serving
+    anthropic = AnthropicServing(
+        engine,
+        max_body_bytes=max_body_bytes,
+        heartbeat_s=heartbeat_s,
+        served_model_names=served_model_names,
+        body_timeout_s=body_timeout_s,
+    )
+    for front in (serving, anthropic):
+        front.reasoning, front.default_template_kwargs = configure(
+            engine.tokenizer,
+            reasoning_parser=reasoning_parser,
+            chat_template=chat_template,
+            default_chat_template_kwargs=default_chat_template_kwargs,
+        )
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -85,6 +106,8 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await serving.completions(request)
+
+    app.include_router(anthropic_router(anthropic))  # /v1/messages, /v1/messages/count_tokens
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
@@ -150,7 +173,9 @@ class RequireKey:
             "`Authorization: Bearer <key>`",
             code="invalid_api_key",
         )
-        await error.response()(scope, receive, send)
+        anthropic = scope["path"].startswith("/v1/messages")  # Anthropic clients, its error shape
+        response = error_response(error) if anthropic else error.response()
+        await response(scope, receive, send)
 
     def _has_key(self, scope: Scope) -> bool:
         headers = Headers(scope=scope)

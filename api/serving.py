@@ -27,6 +27,7 @@ from stepline.api.errors import APIError, context_error, validation_error
 from stepline.api.openai_schema import RequestError, now
 from stepline.api.prompts import PromptTooLongError
 from stepline.api.sse import DONE, Emit, EventStreamResponse, error_frame
+from stepline.engine.grammar import GrammarError
 from stepline.engine.policy import ContextLengthExceededError, QueueFullError
 
 if TYPE_CHECKING:
@@ -98,6 +99,8 @@ class Serving:
         self.served_model_names: tuple[str, ...] = tuple(served_model_names) or (engine.model_name,)
         self.created = now()
         self._token_text: dict[int, str] = {}
+        self.reasoning = False  # split <think> blocks into reasoning (--reasoning-parser)
+        self.default_template_kwargs: dict[str, Any] = {}  # --default-chat-template-kwargs
 
     @property
     def model_name(self) -> str:
@@ -177,12 +180,16 @@ class Serving:
         return req
 
     async def prepare(
-        self, *, prompt: str | list[int] | None = None, messages: list[dict] | None = None
+        self,
+        *,
+        prompt: str | list[int] | None = None,
+        messages: list[dict] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> tuple[list[int], list[int]]:
         """Token ids and chat checkpoints, computed off the event loop."""
         param = "prompt" if messages is None else "messages"
         try:
-            return await self.engine.prepare_async(prompt, messages)
+            return await self.engine.prepare_async(prompt, messages, template_kwargs)
         except PromptTooLongError as exc:
             raise APIError(
                 400,
@@ -276,6 +283,7 @@ class Serving:
         params: SamplingParams,
         prompt_param: str,
         checkpoints: Sequence[int] = (),
+        grammar_param: str = "response_format",
     ) -> RequestStream:
         try:
             return await self.engine.submit(
@@ -301,6 +309,8 @@ class Serving:
                 "the engine is unavailable: it failed and must be restarted",
                 code="engine_unhealthy",
             ) from None
+        except GrammarError as exc:  # a schema llguidance cannot compile
+            raise APIError(400, str(exc), param=grammar_param, code="invalid_schema") from None
         except ValueError as exc:  # AdmissionError (empty prompt, KV too small), bad token ids
             raise APIError(400, str(exc), param=prompt_param) from None
         except RuntimeError:  # the engine is closed: the server is shutting down

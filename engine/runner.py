@@ -19,6 +19,8 @@ import mlx.core as mx
 import structlog
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+from stepline.engine.constraints import advance, apply_grammar_masks
+from stepline.engine.grammar import GrammarCompiler
 from stepline.engine.memory import read_memory_counters
 from stepline.engine.models import LoadedModel
 from stepline.engine.policy import ScheduledChunk
@@ -91,6 +93,7 @@ class _Seq:
     cache: Cache | None  # own cache while prefilling; None once merged into the batch
     output: list[int] = field(default_factory=list)
     checkpoints: list[int] = field(default_factory=list)
+    constraint: Any = None  # llguidance matcher of a grammar-constrained request
 
     @property
     def num_generated(self) -> int:
@@ -111,6 +114,7 @@ class ModelRunner:
         prefix_cache_bytes: int = 0,
         prefix_cache_dir: str | Path | None = None,
         prefix_cache_disk_bytes: int = 0,
+        grammars: GrammarCompiler | None = None,
     ):
         self.model = loaded.model
         self.loaded = loaded
@@ -129,6 +133,10 @@ class ModelRunner:
         self._batch_ids: list[str] = []  # decode batch rows, in order
         self._batch_cache: Cache | None = None
         self._split_head = self._check_split_head()
+        vocab = getattr(getattr(self.model, "args", None), "vocab_size", None)
+        self.grammars = grammars or GrammarCompiler(
+            loaded.tokenizer, vocab or len(loaded.tokenizer)
+        )
 
     # -- forward passes -------------------------------------------------------
 
@@ -185,6 +193,7 @@ class ModelRunner:
             sampling=sampling,
             history=RowHistory(new.prompt_token_ids) if sampling.needs_history else None,
             cache=self._start_cache(new),
+            constraint=self.grammars.matcher(p.grammar) if p.grammar is not None else None,
         )
 
     def _start_cache(self, new: NewRequest) -> Cache:
@@ -335,6 +344,8 @@ class ModelRunner:
             seq.output.append(token)
             if seq.history is not None:
                 seq.history.append(token)
+            if seq.constraint is not None:
+                advance(seq.constraint, token)
             tokens[seq.request_id] = token
             if lp is not None:
                 logprobs[seq.request_id] = TokenLogprob(lp.token_id, lp.logprob, lp.top)
@@ -401,6 +412,10 @@ class ModelRunner:
         return sampled
 
     def _sample_rows(self, logits: mx.array, seqs: list[_Seq]) -> SampleOutput:
+        constrained = [i for i, s in enumerate(seqs) if s.constraint is not None]
+        if constrained:  # grammar masks on those rows only
+            matchers = [seqs[i].constraint for i in constrained]
+            logits = apply_grammar_masks(logits, constrained, matchers)
         return self.sampler.sample(
             logits,
             [s.sampling for s in seqs],

@@ -56,6 +56,7 @@ class RequestParams(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    grammar: str | None = None  # llguidance grammar the output must follow (engine/grammar.py)
 
 
 class Admitted(_Event):
