@@ -18,7 +18,7 @@ protect: a lone prompt prefills in chunks as big as the token rules allow.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from stepline.engine.cost_model import StepCost, StepFeatures
 from stepline.events.fold import RequestState, Status
@@ -130,19 +130,16 @@ def schedule(
     decodes: list[str] = []
     chunks: list[ScheduledChunk] = []
     num_scheduled: dict[str, int] = {}
-    features = StepFeatures()
 
     running = [s for s in live if s.status in (Status.DECODING, Status.PREFILLING)]
+    context = 0
     for s in running:
         if s.status is Status.DECODING and budget > 0:
             decodes.append(s.request_id)
             num_scheduled[s.request_id] = 1
             budget -= 1
-            features = replace(
-                features,
-                decode_rows=features.decode_rows + 1,
-                decode_context=features.decode_context + decode_context(s),
-            )
+            context += decode_context(s)
+    features = StepFeatures(decode_rows=len(decodes), decode_context=context)
     timed = cost is not None and config.max_step_ms is not None and bool(decodes)
     seconds = 0.0
     if timed:
