@@ -9,10 +9,11 @@ A chunk is min(remaining prompt, budget left, long-prefill cap).
 With a cost model (`StepCost`, fitted by engine/cost_model.py) and decode rows to protect,
 chunks are also sized so that the step's predicted time stays under `max_step_ms`: they
 shrink as their context grows and as decode rows are added. The oldest prefill always
-gets at least one token, so nothing starves; and when decode rows alone take more than
-half the target, the prefill still gets as much time as they do (under load the target
-cannot hold, and prompts must not wait forever). With nobody decoding there is nobody to
-protect: a lone prompt prefills in chunks as big as the token rules allow.
+gets at least one token, so nothing starves; and when the step's overheads (decode rows,
+a chunk's fixed cost) take more than half the target, the prefill's own work still gets
+as much time as they do (under load the target cannot hold, and prompts must not wait
+forever). With nobody decoding there is nobody to protect: a lone prompt prefills in
+chunks as big as the token rules allow.
 """
 
 from __future__ import annotations
@@ -144,8 +145,10 @@ def schedule(
     seconds = 0.0
     if timed:
         assert cost is not None and config.max_step_ms is not None
-        # Decode rows alone over half the target: prefill still gets as much time as they do.
-        seconds = max(config.max_step_ms / 1e3, 2 * cost.predict(features))
+        # Under load the target cannot hold: the prefill's own work still gets as much time
+        # as the step's overheads (its decode rows, a chunk's fixed cost), so a prompt's
+        # time to first token stays within twice its bare prefill time.
+        seconds = max(config.max_step_ms / 1e3, 2 * (cost.predict(features) + cost.per_chunk))
 
     def chunk_size(s: RequestState) -> int:
         """Tokens for this request's next chunk: the token rules, then the time left."""

@@ -266,8 +266,8 @@ def test_the_oldest_prefill_moves_even_when_decodes_fill_the_target():
     sim.add("long", 1000, max_tokens=1)
     sim.add("next", 1000, max_tokens=1)
     plan = sim.run_step()
-    # The prefill gets as much time as the 31 decode rows (124 ms): 124 tokens, and the
-    # request behind it waits.
+    # The prefill's work gets as much time as the 31 decode rows (124 ms): 124 tokens, and
+    # the request behind it waits.
     assert [(c.request_id, c.num_tokens) for c in plan.chunks] == [("long", 124)]
     assert plan.predicted_seconds == pytest.approx(0.248)
 
@@ -337,9 +337,20 @@ def test_a_step_with_decode_rows_is_never_predicted_over_the_target(load):
     assert plan.predicted_seconds == pytest.approx(cost.predict(plan.features))
     if not plan.decodes:
         return
-    limit = max(config.max_step_ms / 1e3, 2 * decode_only.predicted_seconds)
+    limit = max(config.max_step_ms / 1e3, 2 * (decode_only.predicted_seconds + cost.per_chunk))
     if plan.predicted_seconds > limit * (1 + 1e-9):
         # only the one-token floor of the oldest prefill may go over
         assert [c.num_tokens for c in plan.chunks] == [1]
     if prefilling:
         assert plan.chunks  # the oldest prefill always moves
+
+
+def test_under_load_a_chunk_still_gets_as_much_work_as_the_steps_overheads():
+    # Every forward costs 80 ms of fixed overhead and 4 decode rows 100 ms: a 100 ms target
+    # cannot hold, and chunks sized to it would be nearly all overhead.
+    loaded = StepCost(per_chunk=0.08, per_prefill_token=0.001, per_decode_row=0.025)
+    sim = Sim(TIMED, loaded)
+    _decoders(sim, 4)
+    sim.add("long", 4000, max_tokens=1)
+    (chunk,) = sim.run_step().chunks
+    assert chunk.num_tokens == 180  # 180 ms of work beside 100 + 80 ms of overheads
