@@ -25,6 +25,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 from stepline.actors.executor import Executor, ExecutorDeadError
 from stepline.actors.messages import Cancel, Finish, NewTokens, Progress, Submit
 from stepline.actors.metrics import EngineMetrics
+from stepline.engine.cost_model import CostModel
 from stepline.engine.policy import (
     AdmissionError,
     SchedulerConfig,
@@ -75,12 +76,14 @@ class StepLoop:
         metrics: EngineMetrics | None = None,
         log_prompts: bool = True,
         inbox_size: int = 256,
+        cost_model: CostModel | None = None,  # learns step times; None: tokens only
     ):
         self.executor = executor
         self.runner = runner
         self.config = config
         self.limits = limits
         self.metrics = metrics or EngineMetrics()
+        self.cost_model = cost_model
         self._event_log = event_log
         self._log_prompts = log_prompts
         self.inbox: MemoryObjectSendStream
@@ -262,7 +265,8 @@ class StepLoop:
                     await self._die(exc)
 
     async def _step(self) -> None:
-        plan = schedule(self.states, self.config, self.step + 1)
+        cost = self.cost_model.cost if self.cost_model is not None else None
+        plan = schedule(self.states, self.config, self.step + 1, cost)
         if plan.is_empty:
             if self._to_free:
                 await self._free_now()
@@ -302,6 +306,8 @@ class StepLoop:
         result = await self._run_executor(self.runner.run, work)
         if result is None:
             return
+        if self.cost_model is not None:
+            self.cost_model.observe(plan.features, result.seconds)
         # Cancels that arrived during the step win over its results.
         for msg in self._drain():
             await self._handle(msg)

@@ -24,6 +24,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="most prompt tokens one request gets per step (default: the budget)",
     )
+    p.add_argument(
+        "--max-step-ms",
+        type=float,
+        default=100.0,
+        help="target time of a step while requests decode: prefill chunks are sized to keep "
+        "each step under it, by a step-time model learned online (0: tokens only)",
+    )
     p.add_argument("--event-log", default=None, help="append-only JSON-lines event log file")
     p.add_argument(
         "--log-prompts",
@@ -58,6 +65,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         max_step_tokens=args.max_step_tokens,
         max_num_seqs=args.max_num_seqs,
         long_prefill_cap=args.long_prefill_cap,
+        max_step_ms=args.max_step_ms or None,
         event_log=args.event_log,
         event_log_rotate_bytes=(
             int(args.event_log_rotate_mb * 2**20) if args.event_log_rotate_mb else None

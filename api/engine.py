@@ -30,7 +30,8 @@ from stepline.actors.messages import Cancel, Submit
 from stepline.actors.metrics import EngineMetrics
 from stepline.actors.request import RequestActor, RequestOutput
 from stepline.actors.step_loop import ModelLimits, StepLoop
-from stepline.engine.policy import SchedulerConfig
+from stepline.engine.cost_model import CostModel
+from stepline.engine.policy import DEFAULT_MAX_STEP_MS, SchedulerConfig
 from stepline.events.models import LogHeader, RequestParams
 
 log = structlog.get_logger(__name__)
@@ -46,6 +47,11 @@ def _warn_without_openblas() -> None:
     loaded, reason = status()
     if sys.platform.startswith("linux") and loaded is None and "disabled" not in reason:
         log.warning("openblas_not_loaded", reason=reason, effect="matrix products 7-20x slower")
+
+
+def _vocab_size(loaded: Any) -> int:
+    args = getattr(loaded.model, "args", None)
+    return getattr(args, "vocab_size", None) or len(loaded.tokenizer._tokenizer)
 
 
 class SamplingParams(BaseModel):
@@ -146,8 +152,7 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.model_name: str = loaded.name
         self.max_context: int = loaded.max_context
-        args = getattr(loaded.model, "args", None)
-        self.vocab_size: int = getattr(args, "vocab_size", None) or len(loaded.tokenizer._tokenizer)
+        self.vocab_size: int = _vocab_size(loaded)
         self.config = config
         self.metrics: EngineMetrics = step_loop.metrics
         self._step_loop = step_loop
@@ -165,6 +170,7 @@ class Engine:
         max_num_seqs: int = 32,
         long_prefill_cap: int | None = None,
         max_kv_tokens: int | None = None,
+        max_step_ms: float | None = DEFAULT_MAX_STEP_MS,
         event_log: str | Path | None = None,
         event_log_rotate_bytes: int | None = None,
         log_prompts: bool = True,
@@ -183,6 +189,9 @@ class Engine:
         `prefix_cache_dir` adds a disk tier: entries are also written there (in the
         background, as safetensors files, at most `prefix_cache_disk_gb` of them, oldest
         used evicted first) and reused by a later engine on the same model and directory.
+        `max_step_ms` is the target time of a step while requests decode: prefill chunks
+        are sized by a step-time model (seeded by a short warm-up here, then learned from
+        measured steps) to keep each step under it. None schedules by tokens only.
         """
         if not prefix_cache_gb >= 0:
             raise ValueError(f"prefix_cache_gb must be >= 0, got {prefix_cache_gb}")
@@ -193,6 +202,7 @@ class Engine:
             max_num_seqs=max_num_seqs,
             long_prefill_cap=long_prefill_cap,
             max_kv_tokens=max_kv_tokens,
+            max_step_ms=max_step_ms,
         )
         from stepline.engine.models import load_model  # MLX: imported only when serving
         from stepline.engine.runner import ModelRunner
@@ -220,6 +230,7 @@ class Engine:
                 "max_num_seqs": max_num_seqs,
                 "long_prefill_cap": long_prefill_cap,
                 "max_kv_tokens": max_kv_tokens,
+                "max_step_ms": max_step_ms,
                 "seed": seed,
                 "prefix_cache_gb": prefix_cache_gb,
                 "prefix_cache_dir": str(prefix_cache_dir) if prefix_cache_dir is not None else None,
@@ -230,6 +241,14 @@ class Engine:
                     created=time.time(), model=loaded.name, config=config, log_prompts=log_prompts
                 )
                 writer = EventLogWriter(event_log, header, rotate_bytes=event_log_rotate_bytes)
+            cost_model = None
+            if max_step_ms is not None:
+                from stepline.engine.warmup import measure_step_costs
+
+                samples = await executor.call(
+                    measure_step_costs, runner, sched, _vocab_size(loaded), loaded.max_context
+                )
+                cost_model = CostModel(seed=samples)
             eos = frozenset(loaded.tokenizer.eos_token_ids or ())
             step_loop = StepLoop(
                 executor=executor,
@@ -238,6 +257,7 @@ class Engine:
                 limits=ModelLimits(max_context=loaded.max_context, eos_token_ids=eos),
                 event_log=writer,
                 log_prompts=log_prompts,
+                cost_model=cost_model,
             )
             async with anyio.create_task_group() as tg:
                 loop_scope = anyio.CancelScope()
