@@ -25,6 +25,7 @@ from stepline.actors.commit import Delivery, ModelLimits, Recorder, commit
 from stepline.actors.executor import Executor, ExecutorDeadError
 from stepline.actors.messages import Cancel, Finish, Submit
 from stepline.actors.metrics import EngineMetrics
+from stepline.engine.cost_model import CostModel
 from stepline.engine.policy import (
     AdmissionError,
     QueueFullError,
@@ -77,12 +78,14 @@ class StepLoop:
         log_prompts: bool = True,
         inbox_size: int = 256,
         prefix_index: PrefixIndex | None = None,
+        cost_model: CostModel | None = None,  # learns step times; None: tokens only
     ):
         self.executor = executor
         self.runner = runner
         self.config = config
         self.limits = limits
         self.metrics = metrics or EngineMetrics()
+        self.cost_model = cost_model
         self._event_log = event_log
         self._log_prompts = log_prompts
         self.inbox: MemoryObjectSendStream
@@ -270,7 +273,8 @@ class StepLoop:
             # start from one (the next turn of a chat).
             await self._housekeep()
         prefix = self._plan_prefixes()
-        plan = schedule(self.states, self.config, self.step + 1, prefix)
+        cost = self.cost_model.cost if self.cost_model is not None else None
+        plan = schedule(self.states, self.config, self.step + 1, cost, prefix)
         if plan.is_empty:
             if self._to_free or self._drops or prefix.promote:
                 await self._housekeep(prefix.promote)
@@ -342,7 +346,9 @@ class StepLoop:
         result = await self._run_executor(self.runner.run, work)
         if result is None:
             return
-        self._record(StepFinished, seconds=result.seconds)
+        self._record(StepFinished, seconds=result.seconds, predicted_seconds=plan.predicted_seconds)
+        if self.cost_model is not None:
+            self.cost_model.observe(plan.features, result.seconds)
         # Cancels that arrived during the step win over its results.
         for msg in self._drain():
             await self._handle(msg)

@@ -51,6 +51,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="limit of MLX's buffer cache (freed memory kept for reuse; default: 10%% of memory)",
     )
+    p.add_argument(
+        "--max-step-ms",
+        type=float,
+        default=100.0,
+        help="target time of a step while requests decode: prefill chunks are sized to keep "
+        "each step under it, by a step-time model learned online (0: tokens only)",
+    )
     p.add_argument("--event-log", default=None, help="append-only JSON-lines event log file")
     p.add_argument(
         "--log-prompts",
@@ -101,6 +108,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         max_kv_tokens=args.max_kv_tokens,
         max_waiting=args.max_waiting,
         mlx_cache_gb=args.mlx_cache_gb,
+        max_step_ms=args.max_step_ms or None,
         event_log=args.event_log,
         event_log_rotate_bytes=(
             int(args.event_log_rotate_mb * 2**20) if args.event_log_rotate_mb else None

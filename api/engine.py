@@ -32,8 +32,9 @@ from stepline.actors.request import RequestActor, RequestOutput
 from stepline.actors.step_loop import ModelLimits, StepLoop
 from stepline.api.params import SamplingParams
 from stepline.api.prompts import Prompts, PromptTooLongError
+from stepline.engine.cost_model import CostModel
 from stepline.engine.grammar import GrammarCompiler
-from stepline.engine.policy import SchedulerConfig
+from stepline.engine.policy import DEFAULT_MAX_STEP_MS, SchedulerConfig
 from stepline.engine.prefix_index import PrefixIndex
 from stepline.events.models import FinishReason, LogHeader, new_run_id, new_salt
 
@@ -52,6 +53,11 @@ def _warn_without_openblas() -> None:
     loaded, reason = status()
     if sys.platform.startswith("linux") and loaded is None and "disabled" not in reason:
         log.warning("openblas_not_loaded", reason=reason, effect="matrix products 7-20x slower")
+
+
+def _vocab_size(loaded: Any) -> int:
+    args = getattr(loaded.model, "args", None)
+    return getattr(args, "vocab_size", None) or len(loaded.tokenizer._tokenizer)
 
 
 class RequestStream:
@@ -118,8 +124,7 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.model_name: str = loaded.name
         self.max_context: int = loaded.max_context
-        args = getattr(loaded.model, "args", None)
-        self.vocab_size: int = getattr(args, "vocab_size", None) or len(loaded.tokenizer._tokenizer)
+        self.vocab_size: int = _vocab_size(loaded)
         self.config = config
         self.metrics: EngineMetrics = step_loop.metrics
         self._step_loop = step_loop
@@ -142,6 +147,7 @@ class Engine:
         max_num_seqs: int = 32,
         long_prefill_cap: int | None = None,
         max_kv_tokens: int | None = None,
+        max_step_ms: float | None = DEFAULT_MAX_STEP_MS,
         event_log: str | Path | None = None,
         event_log_rotate_bytes: int | None = None,
         log_prompts: bool = True,
@@ -175,6 +181,9 @@ class Engine:
         `mlx.launch` job (engine/distributed.py); the block runs on rank 0 only: on the other
         ranks `open` serves rank 0 and then ends the process (`os._exit`). Raises
         DistributedError (a ValueError) when the model or the launch cannot be split so.
+        `max_step_ms` is the target time of a step while requests decode: prefill chunks
+        are sized by a step-time model (seeded by a short warm-up here, then learned from
+        measured steps) to keep each step under it. None schedules by tokens only.
         """
         if max_kv_tokens is not None and max_kv_gb is not None:
             raise ValueError("pass max_kv_tokens or max_kv_gb, not both")
@@ -192,6 +201,7 @@ class Engine:
             long_prefill_cap=long_prefill_cap,
             max_kv_tokens=max_kv_tokens,
             max_waiting=max_waiting,
+            max_step_ms=max_step_ms,
         )
         from stepline.engine.memory import plan_memory
         from stepline.engine.models import load_model  # MLX: imported only when serving
@@ -259,6 +269,7 @@ class Engine:
                 "max_kv_tokens": memory.max_kv_tokens,  # resolved: re-execution gets the same
                 "max_waiting": max_waiting,
                 "mlx_cache_gb": mlx_cache_gb,
+                "max_step_ms": max_step_ms,
                 "seed": seed,
                 "prefix_cache_gb": prefix_cache_gb,
                 "prefix_cache_dir": str(prefix_cache_dir) if prefix_cache_dir is not None else None,
@@ -279,6 +290,14 @@ class Engine:
                 writer = EventLogWriter(
                     event_log, header, rotate_bytes=event_log_rotate_bytes, append=True
                 )
+            cost_model = None
+            if max_step_ms is not None:
+                from stepline.engine.warmup import measure_step_costs
+
+                samples = await executor.call(
+                    measure_step_costs, runner, sched, _vocab_size(loaded), loaded.max_context
+                )
+                cost_model = CostModel(seed=samples)
             eos = frozenset(loaded.tokenizer.eos_token_ids or ())
             index = None
             if runner.store is not None:
@@ -293,6 +312,7 @@ class Engine:
                 event_log=writer,
                 log_prompts=log_prompts,
                 prefix_index=index,
+                cost_model=cost_model,
             )
             async with anyio.create_task_group() as tg:
                 loop_scope = anyio.CancelScope()
