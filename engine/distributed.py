@@ -307,6 +307,11 @@ class DistributedRunner:
         step's work (entries to use, drop and load) reaches every rank."""
         return self.runner.store
 
+    @property
+    def grammars(self) -> Any:
+        """Rank 0's grammar compiler (requests' grammars travel in their parameters)."""
+        return self.runner.grammars
+
     def disk_entries(self) -> list:
         """Rank 0's disk tier, to seed its index (local: no collective)."""
         return list(self.runner.disk_entries())

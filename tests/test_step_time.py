@@ -34,7 +34,8 @@ async def test_the_warm_up_learns_a_cost_model_and_leaves_no_trace(tmp_path, mod
         loop = engine.step_loop
         assert loop.cost_model is not None and loop.cost_model.cost is not None
         assert loop.runner.num_sequences == 0  # its requests are gone
-        assert loop.runner.prefix_cache.stats.entries == 0  # and none went to the prefix cache
+        assert len(loop.runner.store) == 0  # and none went to the prefix cache
+        assert loop.index.num_entries == 0
         assert engine.config["max_step_ms"] == 100.0
         out = [o async for o in engine.generate(_prompt(40), params=SamplingParams(max_tokens=4))]
         assert out[-1].finish_reason is not None
