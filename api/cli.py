@@ -8,6 +8,8 @@ import time
 
 import anyio
 
+from stepline.api.config import EngineConfig
+
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
@@ -100,7 +102,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(
+    options = EngineConfig(
         max_step_tokens=args.max_step_tokens,
         max_num_seqs=args.max_num_seqs,
         long_prefill_cap=args.long_prefill_cap,
@@ -109,16 +111,19 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         max_waiting=args.max_waiting,
         mlx_cache_gb=args.mlx_cache_gb,
         max_step_ms=args.max_step_ms or None,
+        prefix_cache_gb=args.prefix_cache_gb,
+        prefix_cache_dir=args.prefix_cache_dir,
+        prefix_cache_disk_gb=args.prefix_cache_disk_gb,
+        parallel=args.parallel,
+    )
+    return dict(
+        **options.open_kwargs(),
         event_log=args.event_log,
         event_log_rotate_bytes=(
             int(args.event_log_rotate_mb * 2**20) if args.event_log_rotate_mb else None
         ),
         log_prompts=args.log_prompts == "true",
         log_outputs=args.log_outputs == "true",
-        prefix_cache_gb=args.prefix_cache_gb,
-        prefix_cache_dir=args.prefix_cache_dir,
-        prefix_cache_disk_gb=args.prefix_cache_disk_gb,
-        parallel=args.parallel,
     )
 
 

@@ -30,6 +30,7 @@ from stepline.actors.messages import Cancel, Submit
 from stepline.actors.metrics import EngineMetrics
 from stepline.actors.request import RequestActor, RequestOutput
 from stepline.actors.step_loop import ModelLimits, StepLoop
+from stepline.api.config import EngineConfig
 from stepline.api.params import SamplingParams
 from stepline.api.prompts import Prompts, PromptTooLongError
 from stepline.engine.cost_model import CostModel
@@ -185,16 +186,21 @@ class Engine:
         are sized by a step-time model (seeded by a short warm-up here, then learned from
         measured steps) to keep each step under it. None schedules by tokens only.
         """
-        if max_kv_tokens is not None and max_kv_gb is not None:
-            raise ValueError("pass max_kv_tokens or max_kv_gb, not both")
-        if max_kv_gb is not None and not max_kv_gb > 0:
-            raise ValueError(f"max_kv_gb must be > 0, got {max_kv_gb}")
-        if mlx_cache_gb is not None and not mlx_cache_gb >= 0:
-            raise ValueError(f"mlx_cache_gb must be >= 0, got {mlx_cache_gb}")
-        if not prefix_cache_gb >= 0:
-            raise ValueError(f"prefix_cache_gb must be >= 0, got {prefix_cache_gb}")
-        if not prefix_cache_disk_gb >= 0:
-            raise ValueError(f"prefix_cache_disk_gb must be >= 0, got {prefix_cache_disk_gb}")
+        options = EngineConfig(
+            max_step_tokens=max_step_tokens,
+            max_num_seqs=max_num_seqs,
+            long_prefill_cap=long_prefill_cap,
+            max_step_ms=max_step_ms,
+            max_kv_tokens=max_kv_tokens,
+            max_kv_gb=max_kv_gb,
+            max_waiting=max_waiting,
+            mlx_cache_gb=mlx_cache_gb,
+            seed=seed,
+            prefix_cache_gb=prefix_cache_gb,
+            prefix_cache_dir=str(prefix_cache_dir) if prefix_cache_dir is not None else None,
+            prefix_cache_disk_gb=prefix_cache_disk_gb,
+            parallel=parallel,
+        )
         sched = SchedulerConfig(
             max_step_tokens=max_step_tokens,
             max_num_seqs=max_num_seqs,
@@ -263,17 +269,11 @@ class Engine:
                     await executor.call(runner.follow)  # ends the process when rank 0 stops
             config = {
                 "model": loaded.name,
-                "max_step_tokens": max_step_tokens,
-                "max_num_seqs": max_num_seqs,
-                "long_prefill_cap": long_prefill_cap,
-                "max_kv_tokens": memory.max_kv_tokens,  # resolved: re-execution gets the same
-                "max_waiting": max_waiting,
-                "mlx_cache_gb": mlx_cache_gb,
-                "max_step_ms": max_step_ms,
-                "seed": seed,
-                "prefix_cache_gb": prefix_cache_gb,
-                "prefix_cache_dir": str(prefix_cache_dir) if prefix_cache_dir is not None else None,
-                "prefix_cache_disk_gb": prefix_cache_disk_gb,
+                # The options as given, with the KV budget as resolved (re-execution gets the
+                # same), and the topology of a distributed run.
+                **options.model_copy(
+                    update={"max_kv_tokens": memory.max_kv_tokens, "max_kv_gb": None}
+                ).model_dump(),
                 "distributed": topology.as_config() if topology is not None else None,
             }
             if event_log is not None:

@@ -223,10 +223,12 @@ async def reexecute(
         return ReexecuteReport(path=str(path), model=model, cannot_run=reason)
 
     from stepline.api import Engine, SamplingParams  # MLX: only when it really runs
+    from stepline.api.config import EngineConfig
 
-    engine_options = _accepted(
-        Engine.open,
-        {k: v for k, v in recorded.header.config.items() if k not in ("model", "event_log")},
+    # Configured as the recorded run was, on one process (a distributed run's tokens are
+    # the same as one process's).
+    engine_options = EngineConfig.from_header(recorded.header.config).model_copy(
+        update={"parallel": None}
     )
     comparisons: dict[str, RequestComparison] = {}
     to_run = []
@@ -244,7 +246,7 @@ async def reexecute(
         else:
             to_run.append(rec)
 
-    async with Engine.open(model, **engine_options, event_log=None) as engine:
+    async with Engine.open(model, **engine_options.open_kwargs(), event_log=None) as engine:
         results: dict[str, tuple[list[int], str | None, str | None]] = {}
 
         async def consume(rid: str, stream: Any) -> None:
