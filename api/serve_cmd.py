@@ -31,6 +31,7 @@ from stepline.api.http_guard import (
     raise_open_file_limit,
 )
 from stepline.api.log_config import LOG_FORMATS, LOG_LEVELS, configure_logging
+from stepline.api.resume import DEFAULT_GRACE_S
 from stepline.api.server import DEFAULT_MAX_BODY_BYTES, create_app, loading_app
 from stepline.api.serving import DEFAULT_BODY_TIMEOUT_S
 
@@ -232,6 +233,7 @@ async def _serve(args: argparse.Namespace, sock: socket.socket, engine_kwargs: d
                     allowed_origins=args.allowed_origins or (),
                     metrics_public=args.metrics_public,
                     body_timeout_s=args.timeout_request_body,
+                    resume_grace_s=args.resume_grace_s,
                     **agent_options(args),
                 )
                 print(
@@ -386,5 +388,13 @@ def add_serve_parser(
     )
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="(default: info)")
     add_agent_args(p)  # --reasoning-parser, --chat-template, --default-chat-template-kwargs
+    p.add_argument(
+        "--resume-grace-s",
+        type=float,
+        default=DEFAULT_GRACE_S,
+        help="a resumable stream whose client went away runs on this long for a reconnect "
+        "(GET /v1/requests/{id}/stream) and stays resumable this long after it ended "
+        f"(default: {DEFAULT_GRACE_S:g})",
+    )
     p.set_defaults(func=run_serve, engine_kwargs=engine_kwargs)
     return p

@@ -3,6 +3,7 @@ the OpenAI-style error handlers, and the probes (/health, /metrics).
 
     POST /v1/chat/completions, POST /v1/completions   (streaming with server-sent events, or not)
     POST /v1/messages, POST /v1/messages/count_tokens  (Anthropic, in `anthropic_serving`)
+    GET  /v1/requests/{id}/stream                      (resume a stream, in `resume`)
     GET  /v1/models, GET /v1/models/{name}, GET /health, GET /metrics, GET /docs, GET /redoc
 
 Errors are OpenAI-style `{"error": {"message", "type", "param", "code"}}` bodies. The handlers
@@ -28,6 +29,7 @@ from stepline.api.agent_options import configure
 from stepline.api.anthropic_serving import AnthropicServing, anthropic_router, error_response
 from stepline.api.errors import APIError
 from stepline.api.openai_serving import OpenAIServing
+from stepline.api.resume import DEFAULT_GRACE_S, ResumeRegistry, resume_response
 from stepline.api.serving import DEFAULT_BODY_TIMEOUT_S
 
 if TYPE_CHECKING:
@@ -50,6 +52,7 @@ def create_app(
     reasoning_parser: str | None = None,
     chat_template: str | None = None,
     default_chat_template_kwargs: dict | None = None,
+    resume_grace_s: float = DEFAULT_GRACE_S,
 ) -> FastAPI:
     """The HTTP app serving `engine`.
 
@@ -60,6 +63,8 @@ def create_app(
     web origins allowed to call it from a browser (CORS); none by default. A body must
     arrive whole within `body_timeout_s` (408 otherwise). The last three are the agent
     options (`agent_options.configure`); raises ValueError if the model cannot honour them.
+    A resumable stream whose client went away is cancelled if nobody reconnects within
+    `resume_grace_s`, and can be resumed until `resume_grace_s` after it ended.
     """
     serving = OpenAIServing(
         engine,
@@ -70,6 +75,7 @@ def create_app(
     )
     app = FastAPI(title="stepline", summary="OpenAI-compatible LLM server", version="0.1.0")
     app.state.serving = serving
+    serving.resume = ResumeRegistry(resume_grace_s)
     anthropic = AnthropicServing(
         engine,
         max_body_bytes=max_body_bytes,
@@ -106,6 +112,10 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await serving.completions(request)
+
+    @app.get("/v1/requests/{request_id}/stream")
+    async def resume_stream(request: Request, request_id: str) -> Response:
+        return resume_response(serving.resume, request_id, request.headers, heartbeat_s)
 
     app.include_router(anthropic_router(anthropic))  # /v1/messages, /v1/messages/count_tokens
 
