@@ -236,33 +236,32 @@ async def run_producer(
 
 
 class ResumableStreamResponse(Response):
-    """The response of a resumable stream: it runs the producer into the record, follows the
-    record while its client stays, and after a disconnect keeps the producer running until
-    it ends or nobody has reconnected for the grace."""
+    """The response of a resumable stream: `run` writes the record (and finishes it) in this
+    request's task; this response follows the record while its client stays, and after a
+    disconnect lets `run` go on until it ends or nobody has reconnected for the grace (then
+    `run` is cancelled: it cancels the engine request)."""
 
     def __init__(
         self,
         record: StreamRecord,
-        produce: Producer,
+        run: Callable[[], Awaitable[None]],
         *,
         headers: dict[str, str],
         heartbeat_s: float,
-        on_close: Callable[[], Awaitable[None]],
     ):
         # No Response.__init__ (it would set `content-length: 0`); the follower sends the head.
         self.status_code = 200
         self.background = None
         self.init_headers(headers)
         self.record = record
-        self.produce = produce
+        self.run = run
         self.stream_headers = headers
         self.heartbeat_s = heartbeat_s
-        self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         record = self.record
         async with anyio.create_task_group() as tg:
-            tg.start_soon(run_producer, record, self.produce, self.on_close)
+            tg.start_soon(self.run)
             record.attach()
             await follower_response(record, -1, self.stream_headers, self.heartbeat_s)(
                 scope, receive, send

@@ -31,6 +31,7 @@ from stepline.api.http_guard import (
     raise_open_file_limit,
 )
 from stepline.api.log_config import LOG_FORMATS, LOG_LEVELS, configure_logging
+from stepline.api.responses_serving import DEFAULT_TTL_S
 from stepline.api.resume import DEFAULT_GRACE_S
 from stepline.api.server import DEFAULT_MAX_BODY_BYTES, create_app, loading_app
 from stepline.api.serving import DEFAULT_BODY_TIMEOUT_S
@@ -234,6 +235,7 @@ async def _serve(args: argparse.Namespace, sock: socket.socket, engine_kwargs: d
                     metrics_public=args.metrics_public,
                     body_timeout_s=args.timeout_request_body,
                     resume_grace_s=args.resume_grace_s,
+                    responses_ttl_s=args.responses_ttl_s,
                     **agent_options(args),
                 )
                 print(
@@ -395,6 +397,13 @@ def add_serve_parser(
         help="a resumable stream whose client went away runs on this long for a reconnect "
         "(GET /v1/requests/{id}/stream) and stays resumable this long after it ended "
         f"(default: {DEFAULT_GRACE_S:g})",
+    )
+    p.add_argument(
+        "--responses-ttl-s",
+        type=float,
+        default=DEFAULT_TTL_S,
+        help="keep a /v1/responses response (for retrieve, streaming it again and "
+        f"previous_response_id) this long after it ended (default: {DEFAULT_TTL_S:g})",
     )
     p.set_defaults(func=run_serve, engine_kwargs=engine_kwargs)
     return p

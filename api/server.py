@@ -4,6 +4,8 @@ the OpenAI-style error handlers, and the probes (/health, /metrics).
     POST /v1/chat/completions, POST /v1/completions   (streaming with server-sent events, or not)
     POST /v1/messages, POST /v1/messages/count_tokens  (Anthropic, in `anthropic_serving`)
     GET  /v1/requests/{id}/stream                      (resume a stream, in `resume`)
+    POST /v1/responses, GET|DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel
+                                                       (OpenAI Responses, `responses_serving`)
     GET  /v1/models, GET /v1/models/{name}, GET /health, GET /metrics, GET /docs, GET /redoc
 
 Errors are OpenAI-style `{"error": {"message", "type", "param", "code"}}` bodies. The handlers
@@ -29,6 +31,7 @@ from stepline.api.agent_options import configure
 from stepline.api.anthropic_serving import AnthropicServing, anthropic_router, error_response
 from stepline.api.errors import APIError
 from stepline.api.openai_serving import OpenAIServing
+from stepline.api.responses_serving import DEFAULT_TTL_S, ResponsesServing, responses_router
 from stepline.api.resume import DEFAULT_GRACE_S, ResumeRegistry, resume_response
 from stepline.api.serving import DEFAULT_BODY_TIMEOUT_S
 
@@ -53,6 +56,7 @@ def create_app(
     chat_template: str | None = None,
     default_chat_template_kwargs: dict | None = None,
     resume_grace_s: float = DEFAULT_GRACE_S,
+    responses_ttl_s: float = DEFAULT_TTL_S,
 ) -> FastAPI:
     """The HTTP app serving `engine`.
 
@@ -64,7 +68,8 @@ def create_app(
     arrive whole within `body_timeout_s` (408 otherwise). The last three are the agent
     options (`agent_options.configure`); raises ValueError if the model cannot honour them.
     A resumable stream whose client went away is cancelled if nobody reconnects within
-    `resume_grace_s`, and can be resumed until `resume_grace_s` after it ended.
+    `resume_grace_s`, and can be resumed until `resume_grace_s` after it ended. A stored
+    /v1/responses response is kept `responses_ttl_s` after it ended.
     """
     serving = OpenAIServing(
         engine,
@@ -76,6 +81,15 @@ def create_app(
     app = FastAPI(title="stepline", summary="OpenAI-compatible LLM server", version="0.1.0")
     app.state.serving = serving
     serving.resume = ResumeRegistry(resume_grace_s)
+    responses = ResponsesServing(
+        engine,
+        max_body_bytes=max_body_bytes,
+        heartbeat_s=heartbeat_s,
+        served_model_names=served_model_names,
+        body_timeout_s=body_timeout_s,
+        ttl_s=responses_ttl_s,
+    )
+    responses.resume = serving.resume
     anthropic = AnthropicServing(
         engine,
         max_body_bytes=max_body_bytes,
@@ -83,7 +97,7 @@ def create_app(
         served_model_names=served_model_names,
         body_timeout_s=body_timeout_s,
     )
-    for front in (serving, anthropic):
+    for front in (serving, anthropic, responses):
         front.reasoning, front.default_template_kwargs = configure(
             engine.tokenizer,
             reasoning_parser=reasoning_parser,
@@ -117,6 +131,7 @@ def create_app(
     async def resume_stream(request: Request, request_id: str) -> Response:
         return resume_response(serving.resume, request_id, request.headers, heartbeat_s)
 
+    app.include_router(responses_router(responses))  # /v1/responses[/{id}[/cancel]]
     app.include_router(anthropic_router(anthropic))  # /v1/messages, /v1/messages/count_tokens
 
     @app.get("/v1/models")

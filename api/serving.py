@@ -31,6 +31,7 @@ from stepline.api.resume import (
     ResumableStreamResponse,
     ResumeRegistry,
     key_of,
+    run_producer,
     wants_resumable,
 )
 from stepline.api.sse import DONE, Emit, EventStreamResponse, error_frame
@@ -398,10 +399,9 @@ class Serving:
             record = self.resume.open(rid, key_of(resumable_from.headers))
             return ResumableStreamResponse(
                 record,
-                guarded,
+                lambda: run_producer(record, guarded, stream.aclose),
                 headers=headers,
                 heartbeat_s=self.heartbeat_s,
-                on_close=stream.aclose,
             )
         return EventStreamResponse(
             lambda emit: guarded(FrameCounter().wrap(emit)),
