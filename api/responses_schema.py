@@ -2,8 +2,8 @@
 object (`ResponseObject`) and the stream's events (`event_frame`).
 
 Text in, text out: `input` is a string or a list of messages (`content` a string or
-`input_text`/`output_text` parts); `tools` and a `text.format` other than `text` are refused
-with a 400 that says so.
+`input_text`/`output_text` parts); structured output with `text.format` (`json_schema`,
+`json_object`); `tools` are refused with a 400 that says so.
 """
 
 from __future__ import annotations
@@ -40,7 +40,10 @@ class InputMessage(_Request):
 
 
 class TextFormat(_Request):
-    type: str = "text"
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
 
 
 class TextOptions(_Request):
@@ -73,12 +76,12 @@ class ResponsesRequest(_Request):
                 param="tools",
                 code="unsupported_parameter",
             )
-        if self.text is not None and self.text.format.type != "text":
+        fmt = self.text_format
+        if fmt is not None and fmt.type == "json_schema" and fmt.schema_ is None:
             raise RequestError(
-                "text.format must be `text` on /v1/responses here: use /v1/chat/completions "
-                "with response_format for structured output",
-                param="text.format",
-                code="unsupported_parameter",
+                "text.format.schema must be a JSON schema object, as in "
+                '{"type": "json_schema", "name": ..., "schema": {...}}',
+                param="text.format.schema",
             )
         if self.background and not self.store:
             raise RequestError(
@@ -86,6 +89,10 @@ class ResponsesRequest(_Request):
                 param="store",
                 code="invalid_value",
             )
+
+    @property
+    def text_format(self) -> TextFormat | None:
+        return None if self.text is None else self.text.format
 
     def messages(self) -> list[dict[str, str]]:
         """`input` as chat messages (developer messages become system ones)."""

@@ -23,6 +23,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from starlette.background import BackgroundTask
 
+from stepline.api.agents import plan
 from stepline.api.engine import SamplingParams
 from stepline.api.errors import APIError
 from stepline.api.responses_schema import (
@@ -33,6 +34,7 @@ from stepline.api.responses_schema import (
     ResponseObject,
     ResponsesRequest,
     ResponseUsage,
+    TextFormat,
     event_frame,
 )
 from stepline.api.resume import (
@@ -151,7 +153,20 @@ class ResponsesServing(Serving):
             fields["top_p"] = req.top_p
         if req.seed is not None:
             fields["seed"] = req.seed
-        stream = await self.submit(rid, ids, SamplingParams(**fields), "input", checkpoints)
+        fmt = req.text_format
+        if fmt is not None and fmt.type != "text":
+            grammar = plan(
+                self.engine.tokenizer, schema=fmt.schema_, json_object=fmt.type == "json_object"
+            ).grammar
+            fields["grammar"] = grammar
+        stream = await self.submit(
+            rid,
+            ids,
+            SamplingParams(**fields),
+            "input",
+            checkpoints,
+            grammar_param="text.format.schema",
+        )
         response = ResponseObject(
             id=rid,
             status="queued" if req.background else "in_progress",
@@ -164,6 +179,7 @@ class ResponsesServing(Serving):
             top_p=req.top_p,
             metadata=req.metadata or {},
             store=req.store,
+            text={"format": (fmt or TextFormat()).model_dump(by_alias=True, exclude_none=True)},
         )
         # Not background: a disconnect cancels at once, unless the client asked to resume.
         grace = self.resume.grace_s if wants_resumable(request.headers) else 0.0

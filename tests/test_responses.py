@@ -5,11 +5,13 @@ with `starting_after`, cancel, `previous_response_id`, and privacy between API k
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import anyio
+import jsonschema
 import openai
 import pytest
 import pytest_asyncio
@@ -236,7 +238,29 @@ async def test_a_response_is_private_to_the_key_that_created_it(served):
         assert (await mine.responses.retrieve(response.id)).id == response.id
 
 
-async def test_tools_and_structured_output_are_refused_with_a_clear_400(served):
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+async def test_text_format_json_schema_gives_output_that_validates(served):
+    async with served.client() as client:
+        response = await client.responses.create(
+            model=MODEL,
+            input="Describe a person.",
+            text={"format": {"type": "json_schema", "name": "person", "schema": PERSON}},
+            temperature=0.7,
+            extra_body={"seed": 1},
+        )
+    assert response.status == "completed"
+    jsonschema.validate(json.loads(response.output_text), PERSON)
+    assert response.text.format.type == "json_schema"
+
+
+async def test_tools_are_refused_with_a_clear_400(served):
     async with served.client() as client:
         with pytest.raises(openai.BadRequestError, match="tools are not supported"):
             await client.responses.create(
@@ -246,5 +270,5 @@ async def test_tools_and_structured_output_are_refused_with_a_clear_400(served):
             )
         with pytest.raises(openai.BadRequestError, match="text.format"):
             await client.responses.create(
-                model=MODEL, input="Hi.", text={"format": {"type": "json_object"}}
+                model=MODEL, input="Hi.", text={"format": {"type": "xml"}}
             )
