@@ -261,6 +261,12 @@ class ResponsesServing(Serving):
                 await stream.aclose()
             self._end(stored, msg, part, None, cancelled=True, emit=emit)
             raise
+        except Exception:  # a bug: the response still ends, as failed, never hangs its readers
+            log.exception("response_failed", request_id=resp.id)
+            with anyio.CancelScope(shield=True):
+                await stream.aclose()
+            self._end(stored, msg, part, None, cancelled=False, emit=emit)
+            return
         await stream.aclose()  # cancels the engine request if it still runs
         self._end(stored, msg, part, last, cancelled=cancelled, emit=emit)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -17,6 +18,10 @@ import pytest
 import pytest_asyncio
 
 from stepline.api import Engine
+from stepline.api.errors import APIError
+from stepline.api.responses_schema import ResponseObject
+from stepline.api.responses_serving import ResponseStore, StoredResponse
+from stepline.api.resume import StreamRecord
 from stepline.api.serve_cmd import serve_in_process
 from stepline.api.server import create_app
 
@@ -75,6 +80,17 @@ async def poll_until_done(client: openai.AsyncOpenAI, rid: str):
             if response.status in TERMINAL:
                 return response
             await anyio.sleep(0.05)
+
+
+async def wait_finished(engine: Engine, rid: str):
+    """The request's state once it has ended (polled: a cancel ends a request outside a
+    step, so no step hook would see it)."""
+    with anyio.fail_after(10):
+        while True:
+            state = engine.step_loop.state_of(rid)
+            if state is not None and state.is_finished:
+                return state
+            await anyio.sleep(0.02)
 
 
 LONG = {"ignore_eos": True}  # generate max_output_tokens whatever the model says
@@ -192,8 +208,8 @@ async def test_cancelling_a_background_response_stops_it(served):
         events = [e async for e in stream]
     assert cancelled.status == again.status == "cancelled"
     assert events[-1].type == "response.cancelled"
-    state = engine.step_loop.state_of(started.id)  # the response id is the engine request id
-    assert state is not None and state.finish_reason == "cancelled"
+    state = await wait_finished(engine, started.id)  # the response id is the request id
+    assert state.finish_reason == "cancelled"
 
 
 async def test_previous_response_id_continues_the_conversation(served):
@@ -272,3 +288,45 @@ async def test_tools_are_refused_with_a_clear_400(served):
             await client.responses.create(
                 model=MODEL, input="Hi.", text={"format": {"type": "xml"}}
             )
+
+
+async def test_a_foreground_stream_is_cancelled_when_its_client_goes_away(served):
+    engine = served.engine
+    async with served.client() as client:
+        stream = await client.responses.create(
+            model=MODEL,
+            input="Tell me about teff.",
+            max_output_tokens=engine.max_context - 64,
+            stream=True,
+            extra_body=LONG,
+        )
+        rid = None
+        async for event in stream:
+            rid = event.response.id if event.type == "response.created" else rid
+            if event.type == "response.output_text.delta":
+                break
+        await stream.close()
+        state = await wait_finished(engine, rid)
+        stored = await client.responses.retrieve(rid)
+    assert state.finish_reason == "cancelled"
+    assert stored.status == "cancelled"
+
+
+async def test_stored_responses_expire_after_the_ttl_and_are_bounded():
+    store = ResponseStore(ttl_s=60, max_count=2)
+
+    def ended(rid: str, ago_s: float) -> StoredResponse:
+        response = ResponseObject(id=rid, status="completed", model=MODEL)
+        stored = StoredResponse(response, "key", StreamRecord(rid, "key", None), [])
+        stored.ended_at = time.monotonic() - ago_s
+        return stored
+
+    store.put(ended("resp_old", 61))
+    store.put(ended("resp_a", 3))
+    store.put(ended("resp_b", 2))
+    store.put(ended("resp_c", 1))
+    with pytest.raises(APIError, match="No response with id 'resp_old'"):
+        store.get("resp_old", "key")  # past its TTL
+    with pytest.raises(APIError):
+        store.get("resp_a", "key")  # the oldest past the count
+    assert store.get("resp_c", "key").response.id == "resp_c"
