@@ -54,6 +54,7 @@ log = structlog.get_logger(__name__)
 
 DEFAULT_TTL_S = 3600.0
 DEFAULT_MAX_COUNT = 1000
+ANY_OWNER = ""  # a response recovered from the log: its key is not recorded (see `recover`)
 
 
 @dataclass
@@ -85,7 +86,7 @@ class ResponseStore:
         """Raises APIError 404 if there is none for this key (never, expired, or another's)."""
         self._sweep()
         stored = self._items.get(rid)
-        if stored is None or stored.owner != owner:
+        if stored is None or stored.owner not in (owner, ANY_OWNER):
             raise APIError(
                 404,
                 f"No response with id {rid!r} found: responses are kept {self.ttl_s:g} s after "
@@ -131,6 +132,13 @@ class ResponsesServing(Serving):
                     400,
                     f"response {req.previous_response_id!r} is still in progress: wait for it "
                     "to end before continuing from it",
+                    param="previous_response_id",
+                )
+            if prev.response.status not in ("completed", "incomplete"):
+                raise APIError(
+                    400,
+                    f"response {req.previous_response_id!r} is {prev.response.status}: only a "
+                    "completed (or incomplete) response can be continued",
                     param="previous_response_id",
                 )
             history = prev.messages
@@ -309,6 +317,29 @@ class ResponsesServing(Serving):
         stored.scope = None
         stored.record.finish()
         stored.ended.set()
+
+    def recover(self, rid: str, admitted_at: float) -> None:
+        """Store `rid` as failed: the event log says the server stopped before it ended
+        (`responses_recovery`). Which key created it is not in the log, so any key reads
+        it; it holds no input and no output, only the failure."""
+        response = ResponseObject(
+            id=rid,
+            created_at=int(admitted_at),
+            status="failed",
+            background=True,
+            model=self.model_name,
+            error=ResponseError(
+                code="server_restarted",
+                message="the server stopped before this response finished and its output is "
+                "lost: create it again",
+            ),
+        )
+        record = StreamRecord(rid, ANY_OWNER, None)
+        record.append_event(event_frame("response.failed", 0, response=response))
+        record.finish()
+        stored = StoredResponse(response, ANY_OWNER, record, [], ended_at=time.monotonic())
+        stored.ended.set()
+        self.store.put(stored)
 
     # -- by id --
 

@@ -31,6 +31,7 @@ from stepline.api.http_guard import (
     raise_open_file_limit,
 )
 from stepline.api.log_config import LOG_FORMATS, LOG_LEVELS, configure_logging
+from stepline.api.responses_recovery import interrupted_responses
 from stepline.api.responses_serving import DEFAULT_TTL_S
 from stepline.api.resume import DEFAULT_GRACE_S
 from stepline.api.server import DEFAULT_MAX_BODY_BYTES, create_app, loading_app
@@ -226,6 +227,12 @@ async def _serve(args: argparse.Namespace, sock: socket.socket, engine_kwargs: d
             log.info("open_file_limit", soft=soft, hard=hard)
             async with Engine.open(args.model, **engine_kwargs) as engine:
                 names = args.served_model_name or [engine.model_name]
+                interrupted: list[tuple[str, float]] = []
+                if args.event_log is not None:  # background responses a crash cut off
+                    since = time.time() - args.responses_ttl_s
+                    interrupted = await anyio.to_thread.run_sync(
+                        functools.partial(interrupted_responses, args.event_log, since=since)
+                    )
                 switch.app = create_app(
                     engine,
                     api_key=args.api_key,
@@ -236,6 +243,7 @@ async def _serve(args: argparse.Namespace, sock: socket.socket, engine_kwargs: d
                     body_timeout_s=args.timeout_request_body,
                     resume_grace_s=args.resume_grace_s,
                     responses_ttl_s=args.responses_ttl_s,
+                    interrupted_responses=interrupted,
                     **agent_options(args),
                 )
                 print(

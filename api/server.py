@@ -57,6 +57,7 @@ def create_app(
     default_chat_template_kwargs: dict | None = None,
     resume_grace_s: float = DEFAULT_GRACE_S,
     responses_ttl_s: float = DEFAULT_TTL_S,
+    interrupted_responses: Sequence[tuple[str, float]] = (),
 ) -> FastAPI:
     """The HTTP app serving `engine`.
 
@@ -69,7 +70,8 @@ def create_app(
     options (`agent_options.configure`); raises ValueError if the model cannot honour them.
     A resumable stream whose client went away is cancelled if nobody reconnects within
     `resume_grace_s`, and can be resumed until `resume_grace_s` after it ended. A stored
-    /v1/responses response is kept `responses_ttl_s` after it ended.
+    /v1/responses response is kept `responses_ttl_s` after it ended; `interrupted_responses`
+    ((id, admitted at) from `responses_recovery`) are answered as failed by the restart.
     """
     serving = OpenAIServing(
         engine,
@@ -90,6 +92,8 @@ def create_app(
         ttl_s=responses_ttl_s,
     )
     responses.resume = serving.resume
+    for rid, admitted_at in interrupted_responses:
+        responses.recover(rid, admitted_at)
     anthropic = AnthropicServing(
         engine,
         max_body_bytes=max_body_bytes,
