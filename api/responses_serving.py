@@ -67,6 +67,8 @@ class StoredResponse:
     scope: anyio.CancelScope | None = None  # the producer's, while it runs
     ended_at: float | None = None
     ended: anyio.Event = field(default_factory=anyio.Event)
+    # Held so that dropping the HTTP task's references does not cancel the engine request.
+    stream: RequestStream | None = None
 
 
 class ResponseStore:
@@ -192,7 +194,7 @@ class ResponsesServing(Serving):
         # Not background: a disconnect cancels at once, unless the client asked to resume.
         grace = self.resume.grace_s if wants_resumable(request.headers) else 0.0
         record = StreamRecord(rid, owner, None if req.background else grace)
-        stored = StoredResponse(response, owner, record, turn)
+        stored = StoredResponse(response, owner, record, turn, stream=stream)
         if req.store:
             self.store.put(stored)
         headers = {"x-request-id": rid}
@@ -264,9 +266,12 @@ class ResponsesServing(Serving):
                         part.text += out.text
                         emit("response.output_text.delta", **where, delta=out.text, logprobs=[])
             cancelled = scope.cancelled_caught
-        except anyio.get_cancelled_exc_class():  # abandoned, or the server shuts down
-            with anyio.CancelScope(shield=True):
-                await stream.aclose()
+        except anyio.get_cancelled_exc_class():
+            if not resp.background:  # its client went away (and did not come back)
+                with anyio.CancelScope(shield=True):
+                    await stream.aclose()
+            # else the server shuts down: the engine's shutdown, right after, ends the request
+            # and its log says so, which a restart reads (`responses_recovery`).
             self._end(stored, msg, part, None, cancelled=True, emit=emit)
             raise
         except Exception:  # a bug: the response still ends, as failed, never hangs its readers
@@ -315,6 +320,7 @@ class ResponsesServing(Serving):
             emit("response.failed", response=resp)
         stored.ended_at = time.monotonic()
         stored.scope = None
+        stored.stream = None
         stored.record.finish()
         stored.ended.set()
 

@@ -82,3 +82,24 @@ async def test_a_background_response_cut_off_by_a_crash_reports_failed_after_the
 
 async def test_no_log_yet_means_nothing_was_cut_off(tmp_path):
     assert interrupted_responses(tmp_path / "none.jsonl", since=0) == []
+
+
+async def test_a_background_response_cut_off_by_a_graceful_shutdown_is_recovered_too(
+    demo, tmp_path
+):
+    log = tmp_path / "events.jsonl"
+    async with Engine.open(MODEL, max_step_tokens=128, event_log=log) as engine:
+        async with (
+            serve_in_process(create_app(engine), graceful_shutdown_s=0.2) as url,
+            client(url, "sk-a") as c,
+        ):
+            running = await c.responses.create(
+                model=MODEL,
+                input="Tell me about oats.",
+                max_output_tokens=engine.max_context - 64,
+                background=True,
+                extra_body={"ignore_eos": True},
+            )
+            await wait_admitted(log, running.id)
+        # The server stopped; the engine stops now, with the response still running.
+    assert [rid for rid, _ in interrupted_responses(log, since=0)] == [running.id]
