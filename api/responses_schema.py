@@ -47,7 +47,7 @@ class TextFormat(_Request):
 
 
 class TextOptions(_Request):
-    format: TextFormat = TextFormat()
+    format: TextFormat = Field(default_factory=lambda: TextFormat.model_validate({}))
 
 
 class ResponsesRequest(_Request):

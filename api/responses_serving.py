@@ -34,7 +34,6 @@ from stepline.api.responses_schema import (
     ResponseObject,
     ResponsesRequest,
     ResponseUsage,
-    TextFormat,
     event_frame,
 )
 from stepline.api.resume import (
@@ -189,7 +188,11 @@ class ResponsesServing(Serving):
             top_p=req.top_p,
             metadata=req.metadata or {},
             store=req.store,
-            text={"format": (fmt or TextFormat()).model_dump(by_alias=True, exclude_none=True)},
+            text={
+                "format": {"type": "text"}
+                if fmt is None
+                else fmt.model_dump(by_alias=True, exclude_none=True)
+            },
         )
         # Not background: a disconnect cancels at once, unless the client asked to resume.
         grace = self.resume.grace_s if wants_resumable(request.headers) else 0.0

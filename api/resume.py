@@ -17,7 +17,8 @@ from __future__ import annotations
 import hashlib
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
 
 import anyio
 import structlog
@@ -244,7 +245,7 @@ class ResumableStreamResponse(Response):
     def __init__(
         self,
         record: StreamRecord,
-        run: Callable[[], Awaitable[None]],
+        run: Callable[[], Coroutine[Any, Any, None]],
         *,
         headers: dict[str, str],
         heartbeat_s: float,
