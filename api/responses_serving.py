@@ -368,7 +368,6 @@ class ResponsesServing(Serving):
                 f"starting_after must be an event's sequence_number, got {after!r}",
                 param="starting_after",
             ) from None
-        stored.record.attach()
         return follower_response(
             stored.record, starting_after, {"x-request-id": rid}, self.heartbeat_s
         )

@@ -15,7 +15,6 @@ is dropped `grace_s` after its request ended (lazily, on the next lookup).
 from __future__ import annotations
 
 import hashlib
-import math
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
@@ -125,26 +124,25 @@ class StreamRecord:
             self.ended_at = time.monotonic()
             self._notify()
 
-    def attach(self) -> None:
+    async def follow(self, emit: Emit, after: int = -1) -> None:
+        """Send every frame after number `after`, then the live ones until the record ends;
+        counted as a follower meanwhile."""
         self.num_followers += 1
         self._notify()
-
-    async def detach(self) -> None:
-        self.num_followers -= 1
-        self._notify()
-
-    async def follow(self, emit: Emit, after: int = -1) -> None:
-        """Send every frame after number `after`, then the live ones until the record ends."""
-        i = after + 1
-        while True:
-            if i < len(self.frames):
-                batch = self.frames[i:]
-                i += len(batch)
-                await emit(b"".join(batch))
-            elif self.done:
-                return
-            else:
-                await self.changed()
+        try:
+            i = after + 1
+            while True:
+                if i < len(self.frames):
+                    batch = self.frames[i:]
+                    i += len(batch)
+                    await emit(b"".join(batch))
+                elif self.done:
+                    return
+                else:
+                    await self.changed()
+        finally:
+            self.num_followers -= 1
+            self._notify()
 
     async def wait_done_or_abandoned(self) -> bool:
         """Wait until the stream ends (False) or nobody followed it for `grace_s` (True)."""
@@ -263,7 +261,6 @@ class ResumableStreamResponse(Response):
         record = self.record
         async with anyio.create_task_group() as tg:
             tg.start_soon(self.run)
-            record.attach()
             await follower_response(record, -1, self.stream_headers, self.heartbeat_s)(
                 scope, receive, send
             )
@@ -276,19 +273,23 @@ class ResumableStreamResponse(Response):
 def follower_response(
     record: StreamRecord, after: int, headers: dict[str, str], heartbeat_s: float
 ) -> EventStreamResponse:
-    """A response that follows `record` from after frame `after`; the caller has attached."""
+    """A response that follows `record` from after frame `after`."""
+
+    async def nothing() -> None:
+        pass
+
     return EventStreamResponse(
         lambda emit: record.follow(emit, after),
         headers=headers,
         heartbeat_s=heartbeat_s,
-        on_close=record.detach,
+        on_close=nothing,
     )
 
 
-def last_event_id(headers: Headers, query: str | None = None) -> int:
-    """The `Last-Event-ID` header (or `query`) as a frame number; -1 when absent (from the
-    start). Raises APIError 400 if it is not a number."""
-    value = query if query is not None else headers.get("last-event-id")
+def last_event_id(headers: Headers) -> int:
+    """The `Last-Event-ID` header as a frame number; -1 when absent (from the start).
+    Raises APIError 400 if it is not a number >= -1."""
+    value = headers.get("last-event-id")
     if value is None or value.strip() == "":
         return -1
     try:
@@ -297,7 +298,7 @@ def last_event_id(headers: Headers, query: str | None = None) -> int:
         raise APIError(
             400, f"Last-Event-ID must be a frame number, got {value!r}", code="invalid_value"
         ) from None
-    if n < -1 or not math.isfinite(n):
+    if n < -1:
         raise APIError(400, f"Last-Event-ID must be >= -1, got {n}", code="invalid_value")
     return n
 
@@ -309,5 +310,4 @@ def resume_response(
     one), then the live stream. Raises APIError 404 (see `ResumeRegistry.get`), 400."""
     after = last_event_id(headers)
     record = registry.get(rid, key_of(headers))
-    record.attach()
     return follower_response(record, after, {"x-request-id": rid}, heartbeat_s)
