@@ -175,8 +175,14 @@ def create_app(
         app.add_middleware(
             CORSMiddleware,
             allow_origins=list(allowed_origins),
-            allow_methods=["GET", "POST"],
-            allow_headers=["authorization", "content-type", "x-api-key"],
+            allow_methods=["GET", "POST", "DELETE"],
+            allow_headers=[
+                "authorization",
+                "content-type",
+                "x-api-key",
+                "last-event-id",
+                "x-stepline-resumable",
+            ],
             expose_headers=["x-request-id", "retry-after"],
         )
     return app
