@@ -46,6 +46,7 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    resumable: bool = False  # stepline: a dropped connection may reconnect (api/resume.py)
 
 
 class ContentPart(BaseModel):
@@ -138,6 +139,10 @@ class _SamplingFields(_Request):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def resumable(self) -> bool:
+        return self.stream_options is not None and self.stream_options.resumable
 
 
 class ChatCompletionRequest(_SamplingFields):

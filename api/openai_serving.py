@@ -119,6 +119,7 @@ class OpenAIServing(Serving):
                 rid,
                 stream,
                 lambda emit: self._chat_stream(emit, stream, req, rid, created, splitter),
+                resumable_from=self.asks_resumable(request, req.resumable),
             )
         outs = await self.collect(request, stream)
         last = outs[-1]
@@ -233,7 +234,10 @@ class OpenAIServing(Serving):
         created = now()
         if req.stream:
             return self.stream_response(
-                rid, stream, lambda emit: self._completion_stream(emit, stream, req, rid, created)
+                rid,
+                stream,
+                lambda emit: self._completion_stream(emit, stream, req, rid, created),
+                resumable_from=self.asks_resumable(request, req.resumable),
             )
         outs = await self.collect(request, stream)
         last = outs[-1]

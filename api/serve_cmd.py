@@ -31,6 +31,9 @@ from stepline.api.http_guard import (
     raise_open_file_limit,
 )
 from stepline.api.log_config import LOG_FORMATS, LOG_LEVELS, configure_logging
+from stepline.api.responses_recovery import interrupted_responses
+from stepline.api.responses_serving import DEFAULT_TTL_S
+from stepline.api.resume import DEFAULT_GRACE_S
 from stepline.api.server import DEFAULT_MAX_BODY_BYTES, create_app, loading_app
 from stepline.api.serving import DEFAULT_BODY_TIMEOUT_S
 
@@ -224,6 +227,12 @@ async def _serve(args: argparse.Namespace, sock: socket.socket, engine_kwargs: d
             log.info("open_file_limit", soft=soft, hard=hard)
             async with Engine.open(args.model, **engine_kwargs) as engine:
                 names = args.served_model_name or [engine.model_name]
+                interrupted: list[tuple[str, float]] = []
+                if args.event_log is not None:  # background responses a crash cut off
+                    since = time.time() - args.responses_ttl_s
+                    interrupted = await anyio.to_thread.run_sync(
+                        functools.partial(interrupted_responses, args.event_log, since=since)
+                    )
                 switch.app = create_app(
                     engine,
                     api_key=args.api_key,
@@ -232,6 +241,9 @@ async def _serve(args: argparse.Namespace, sock: socket.socket, engine_kwargs: d
                     allowed_origins=args.allowed_origins or (),
                     metrics_public=args.metrics_public,
                     body_timeout_s=args.timeout_request_body,
+                    resume_grace_s=args.resume_grace_s,
+                    responses_ttl_s=args.responses_ttl_s,
+                    interrupted_responses=interrupted,
                     **agent_options(args),
                 )
                 print(
@@ -386,5 +398,20 @@ def add_serve_parser(
     )
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="(default: info)")
     add_agent_args(p)  # --reasoning-parser, --chat-template, --default-chat-template-kwargs
+    p.add_argument(
+        "--resume-grace-s",
+        type=float,
+        default=DEFAULT_GRACE_S,
+        help="a resumable stream whose client went away runs on this long for a reconnect "
+        "(GET /v1/requests/{id}/stream) and stays resumable this long after it ended "
+        f"(default: {DEFAULT_GRACE_S:g})",
+    )
+    p.add_argument(
+        "--responses-ttl-s",
+        type=float,
+        default=DEFAULT_TTL_S,
+        help="keep a /v1/responses response (for retrieve, streaming it again and "
+        f"previous_response_id) this long after it ended (default: {DEFAULT_TTL_S:g})",
+    )
     p.set_defaults(func=run_serve, engine_kwargs=engine_kwargs)
     return p

@@ -3,6 +3,9 @@ the OpenAI-style error handlers, and the probes (/health, /metrics).
 
     POST /v1/chat/completions, POST /v1/completions   (streaming with server-sent events, or not)
     POST /v1/messages, POST /v1/messages/count_tokens  (Anthropic, in `anthropic_serving`)
+    GET  /v1/requests/{id}/stream                      (resume a stream, in `resume`)
+    POST /v1/responses, GET|DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel
+                                                       (OpenAI Responses, `responses_serving`)
     GET  /v1/models, GET /v1/models/{name}, GET /health, GET /metrics, GET /docs, GET /redoc
 
 Errors are OpenAI-style `{"error": {"message", "type", "param", "code"}}` bodies. The handlers
@@ -28,6 +31,8 @@ from stepline.api.agent_options import configure
 from stepline.api.anthropic_serving import AnthropicServing, anthropic_router, error_response
 from stepline.api.errors import APIError
 from stepline.api.openai_serving import OpenAIServing
+from stepline.api.responses_serving import DEFAULT_TTL_S, ResponsesServing, responses_router
+from stepline.api.resume import DEFAULT_GRACE_S, ResumeRegistry, resume_response
 from stepline.api.serving import DEFAULT_BODY_TIMEOUT_S
 
 if TYPE_CHECKING:
@@ -50,6 +55,9 @@ def create_app(
     reasoning_parser: str | None = None,
     chat_template: str | None = None,
     default_chat_template_kwargs: dict | None = None,
+    resume_grace_s: float = DEFAULT_GRACE_S,
+    responses_ttl_s: float = DEFAULT_TTL_S,
+    interrupted_responses: Sequence[tuple[str, float]] = (),
 ) -> FastAPI:
     """The HTTP app serving `engine`.
 
@@ -60,6 +68,10 @@ def create_app(
     web origins allowed to call it from a browser (CORS); none by default. A body must
     arrive whole within `body_timeout_s` (408 otherwise). The last three are the agent
     options (`agent_options.configure`); raises ValueError if the model cannot honour them.
+    A resumable stream whose client went away is cancelled if nobody reconnects within
+    `resume_grace_s`, and can be resumed until `resume_grace_s` after it ended. A stored
+    /v1/responses response is kept `responses_ttl_s` after it ended; `interrupted_responses`
+    ((id, admitted at) from `responses_recovery`) are answered as failed by the restart.
     """
     serving = OpenAIServing(
         engine,
@@ -70,6 +82,18 @@ def create_app(
     )
     app = FastAPI(title="stepline", summary="OpenAI-compatible LLM server", version="0.1.0")
     app.state.serving = serving
+    serving.resume = ResumeRegistry(resume_grace_s)
+    responses = ResponsesServing(
+        engine,
+        max_body_bytes=max_body_bytes,
+        heartbeat_s=heartbeat_s,
+        served_model_names=served_model_names,
+        body_timeout_s=body_timeout_s,
+        ttl_s=responses_ttl_s,
+    )
+    responses.resume = serving.resume
+    for rid, admitted_at in interrupted_responses:
+        responses.recover(rid, admitted_at)
     anthropic = AnthropicServing(
         engine,
         max_body_bytes=max_body_bytes,
@@ -77,7 +101,7 @@ def create_app(
         served_model_names=served_model_names,
         body_timeout_s=body_timeout_s,
     )
-    for front in (serving, anthropic):
+    for front in (serving, anthropic, responses):
         front.reasoning, front.default_template_kwargs = configure(
             engine.tokenizer,
             reasoning_parser=reasoning_parser,
@@ -107,6 +131,11 @@ def create_app(
     async def completions(request: Request) -> Response:
         return await serving.completions(request)
 
+    @app.get("/v1/requests/{request_id}/stream")
+    async def resume_stream(request: Request, request_id: str) -> Response:
+        return resume_response(serving.resume, request_id, request.headers, heartbeat_s)
+
+    app.include_router(responses_router(responses))  # /v1/responses[/{id}[/cancel]]
     app.include_router(anthropic_router(anthropic))  # /v1/messages, /v1/messages/count_tokens
 
     @app.get("/v1/models")
@@ -146,8 +175,14 @@ def create_app(
         app.add_middleware(
             CORSMiddleware,
             allow_origins=list(allowed_origins),
-            allow_methods=["GET", "POST"],
-            allow_headers=["authorization", "content-type", "x-api-key"],
+            allow_methods=["GET", "POST", "DELETE"],
+            allow_headers=[
+                "authorization",
+                "content-type",
+                "x-api-key",
+                "last-event-id",
+                "x-stepline-resumable",
+            ],
             expose_headers=["x-request-id", "retry-after"],
         )
     return app

@@ -26,6 +26,14 @@ from stepline.api.engine import SamplingParams
 from stepline.api.errors import APIError, context_error, validation_error
 from stepline.api.openai_schema import RequestError, now
 from stepline.api.prompts import PromptTooLongError
+from stepline.api.resume import (
+    FrameCounter,
+    ResumableStreamResponse,
+    ResumeRegistry,
+    key_of,
+    run_producer,
+    wants_resumable,
+)
 from stepline.api.sse import DONE, Emit, EventStreamResponse, error_frame
 from stepline.engine.grammar import GrammarError
 from stepline.engine.policy import ContextLengthExceededError, QueueFullError
@@ -101,6 +109,7 @@ class Serving:
         self._token_text: dict[int, str] = {}
         self.reasoning = False  # split <think> blocks into reasoning (--reasoning-parser)
         self.default_template_kwargs: dict[str, Any] = {}  # --default-chat-template-kwargs
+        self.resume = ResumeRegistry()  # resumable streams' records (create_app shares one)
 
     @property
     def model_name(self) -> str:
@@ -367,8 +376,16 @@ class Serving:
         return outs
 
     def stream_response(
-        self, rid: str, stream: RequestStream, produce: Callable[[Emit], Awaitable[None]]
-    ) -> EventStreamResponse:
+        self,
+        rid: str,
+        stream: RequestStream,
+        produce: Callable[[Emit], Awaitable[None]],
+        *,
+        resumable_from: Request | None = None,
+    ) -> Response:
+        """The stream's response; its frames are numbered (`id: N`). `resumable_from`: the
+        HTTP request, when it asked for a resumable stream (see `resume`)."""
+
         async def guarded(emit: Emit) -> None:
             try:
                 await produce(emit)
@@ -377,12 +394,26 @@ class Serving:
                 await emit(error_frame(f"internal error (request id {rid})", code="server_error"))
                 await emit(DONE)
 
+        headers = {"x-request-id": rid}
+        if resumable_from is not None:
+            record = self.resume.open(rid, key_of(resumable_from.headers))
+            return ResumableStreamResponse(
+                record,
+                lambda: run_producer(record, guarded, stream.aclose),
+                headers=headers,
+                heartbeat_s=self.heartbeat_s,
+            )
         return EventStreamResponse(
-            guarded,
-            headers={"x-request-id": rid},
+            lambda emit: guarded(FrameCounter().wrap(emit)),
+            headers=headers,
             heartbeat_s=self.heartbeat_s,
             on_close=stream.aclose,
         )
+
+    @staticmethod
+    def asks_resumable(request: Request, in_body: bool) -> Request | None:
+        """`request` if it asked for a resumable stream (in its body or by header)."""
+        return request if in_body or wants_resumable(request.headers) else None
 
     async def stream_error(self, emit: Emit, rid: str, out: RequestOutput | None) -> None:
         if out is None:

@@ -196,7 +196,8 @@ def _serve(tmp_path: Path, ranks: list, env: dict | None = None) -> str:
 
 
 def _sse_data(raw: bytes) -> list:
-    frames = [f for f in raw.decode().split("\n\n") if f.startswith("data: ")]
+    # Each event is `id: N` then its `data: ` line.
+    frames = [f.partition("\n")[2] for f in raw.decode().split("\n\n") if f.startswith("id: ")]
     return [f[6:] if f[6:] == "[DONE]" else json.loads(f[6:]) for f in frames]
 
 

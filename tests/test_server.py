@@ -129,11 +129,14 @@ class SSE:
 
     @property
     def data(self) -> list[dict | str]:
-        """The `data:` payloads in order (JSON parsed; "[DONE]" as is); pings skipped."""
+        """The `data:` payloads in order (JSON parsed; "[DONE]" as is); pings skipped. Every
+        event carries an `id:` line, numbered from 0 without a gap."""
         out: list[dict | str] = []
         for frame in self.frames:
             if frame == PING.rstrip(b"\n"):
                 continue
+            id_line, _, frame = frame.partition(b"\n")
+            assert id_line == b"id: %d" % len(out), id_line
             assert frame.startswith(b"data: ") and b"\n" not in frame, frame
             payload = frame[len(b"data: ") :]
             out.append("[DONE]" if payload == b"[DONE]" else json.loads(payload))
@@ -310,7 +313,7 @@ async def test_chat_stream_frames_are_role_deltas_one_finish_usage_and_done(serv
     assert sse.status == 200
     assert sse.headers["content-type"] == "text/event-stream; charset=utf-8"
     rid = sse.headers["x-request-id"]
-    assert sse.raw.endswith(b"\n\ndata: [DONE]\n\n")
+    assert sse.raw.endswith(b"\n\nid: %d\ndata: [DONE]\n\n" % (len(sse.frames) - 1))
     data = sse.data
     assert data[-1] == "[DONE]"
     chunks = data[:-1]
@@ -389,7 +392,7 @@ async def test_a_long_prompt_gets_ping_comments_while_it_prefills(served):
     async with served.client() as http:
         sse = await stream_sse(http, "/v1/completions", body)
     frames = sse.frames
-    first_data = next(i for i, f in enumerate(frames) if f.startswith(b"data: "))
+    first_data = next(i for i, f in enumerate(frames) if f.startswith(b"id: 0\ndata: "))
     assert first_data >= 2  # 1,000 tokens at 128 a step: several chunks before the first token
     assert all(f == b": ping" for f in frames[:first_data])
     assert sse.data[-1] == "[DONE]"

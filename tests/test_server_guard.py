@@ -338,6 +338,21 @@ async def test_no_cors_headers_unless_the_origin_is_allowed(served):
     assert "access-control-allow-origin" not in other.headers
 
 
+async def test_an_allowed_origin_may_resume_streams_and_delete_responses(served):
+    preflight = {
+        "origin": "https://ok.example",
+        "access-control-request-method": "GET",
+        "access-control-request-headers": "authorization, last-event-id, x-stepline-resumable",
+    }
+    async with served.client(served.public_metrics_url) as http:
+        resume = await http.options("/v1/requests/chatcmpl-x/stream", headers=preflight)
+        delete = await http.options(
+            "/v1/responses/resp_x",
+            headers={**preflight, "access-control-request-method": "DELETE"},
+        )
+    assert resume.status_code == 200 and delete.status_code == 200
+
+
 async def test_served_model_names_are_aliases_and_the_first_is_listed(served):
     async with served.client(served.named_url) as http:
         listed = (await http.get("/v1/models")).json()
