@@ -439,10 +439,11 @@ def print_summary(s: dict[str, Any]) -> None:
         f"5xx: {s['num_5xx']} (HTTP {s['num_http_5xx']}, in-stream error frames "
         f"{s['num_error_frames']})"
     )
+    in_log = "n/a" if s["unterminated_log"] is None else s["unterminated_log"]
     print(
         f"unterminated: {s['unterminated_total']} (clients {s['unterminated_client']}, "
-        f"event log {'n/a' if s['unterminated_log'] is None else s['unterminated_log']}; /metrics still counts {s['held_after_drain']} "
-        f"running after the drain, {s['drain_probes']} probe requests sent)"
+        f"event log {in_log}; /metrics still counts {s['held_after_drain']} running after "
+        f"the drain, {s['drain_probes']} probe requests sent)"
     )
     for name in ("log_verify_before_stop", "log_verify_after_stop"):
         if s[name] is not None:
