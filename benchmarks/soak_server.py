@@ -115,10 +115,14 @@ async def scrape(client: httpx.AsyncClient, base_url: str) -> dict[str, float]:
 
 
 def mlx_memory(metrics: dict[str, float]) -> dict[str, float | None]:
-    """MLX active / cache / peak bytes from the server's `stepline_mlx_*` gauges, if any."""
-    mlx = {k: v for k, v in metrics.items() if k.startswith("stepline_mlx_")}
+    """MLX active / cache / peak bytes from the server's `stepline_mlx_*` gauges, if any.
+    The gauges' exact names are the server's; each part is the shortest name that holds it
+    (`stepline_mlx_cache_bytes` before a `..._cache_limit_bytes`)."""
+    mlx = sorted(
+        (k for k in metrics if k.startswith("stepline_mlx_") and "limit" not in k), key=len
+    )
     return {
-        part: next((v for k, v in mlx.items() if part in k), None)
+        part: next((metrics[k] for k in mlx if part in k), None)
         for part in ("active", "cache", "peak")
     }
 
