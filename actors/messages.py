@@ -25,7 +25,11 @@ class Submit:
 
 @dataclass(frozen=True)
 class Cancel:
+    """End a request: the client went away (cancelled), or its actor found a stop string
+    (stop: the few tokens computed past it are never shown)."""
+
     request_id: str
+    reason: FinishReason = FinishReason.CANCELLED
 
 
 # --- step loop -> request actor --------------------------------------------------
@@ -36,13 +40,16 @@ class Progress:
 
 
 @dataclass(frozen=True)
+class CacheHit:
+    num_cached_tokens: int  # prompt tokens the request started with from the prefix cache
+
+
+@dataclass(frozen=True)
 class NewTokens:
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...]  # one per token where asked for, else empty
     finish: FinishReason | None  # set when the step loop ends the request (length, stop token)
     stop_token: bool  # the last token is a stop token: count it, do not print it
-    # for requests with stop strings: set to True if one ended the request; else None
-    reply: asyncio.Future | None
 
 
 @dataclass(frozen=True)

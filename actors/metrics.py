@@ -20,7 +20,11 @@ class EngineMetrics:
         )
         self.prefilling = Gauge("stepline_requests_prefilling", "Mid-prefill", registry=r)
         self.running = Gauge("stepline_requests_decoding", "Generating tokens", registry=r)
-        self.healthy = Gauge("stepline_healthy", "1 while the executor is alive", registry=r)
+        self.healthy = Gauge(
+            "stepline_healthy",
+            "1 while the engine serves (executor and step loop alive)",
+            registry=r,
+        )
         self.healthy.set(1)
         self.requests = Counter(
             "stepline_requests", "Requests ended, by finish reason", ["reason"], registry=r
@@ -75,6 +79,13 @@ class EngineMetrics:
         self.prefix_disk_evictions = Gauge(
             "stepline_prefix_cache_disk_evictions", "Disk tier: files evicted", registry=r
         )
+        self.mlx_active = Gauge(
+            "stepline_mlx_active_bytes", "MLX memory held by live arrays", registry=r
+        )
+        self.mlx_cache = Gauge(
+            "stepline_mlx_cache_bytes", "MLX buffer cache: freed memory kept for reuse", registry=r
+        )
+        self.mlx_peak = Gauge("stepline_mlx_peak_bytes", "MLX peak active memory", registry=r)
         self.event_log_lag = Gauge(
             "stepline_event_log_lag_events", "Events recorded, not yet written", registry=r
         )
@@ -92,14 +103,20 @@ class EngineMetrics:
         else:
             self.prefix_misses.inc()
 
-    def prefix_cache(self, counters) -> None:
+    def prefix_cache(self, index, report) -> None:
+        """From the step loop's index (memory tier) and the store's last report (disk)."""
+        self.prefix_bytes.set(index.nbytes)
+        self.prefix_entries.set(index.num_memory_entries)
+        self.prefix_evictions.set(index.evictions)
+        self.prefix_disk_bytes.set(report.disk_nbytes)
+        self.prefix_disk_entries.set(report.disk_entries)
+        self.prefix_disk_evictions.set(report.disk_evictions)
+
+    def memory(self, counters) -> None:
         if counters is not None:
-            self.prefix_bytes.set(counters.nbytes)
-            self.prefix_entries.set(counters.entries)
-            self.prefix_evictions.set(counters.evictions)
-            self.prefix_disk_bytes.set(counters.disk_nbytes)
-            self.prefix_disk_entries.set(counters.disk_entries)
-            self.prefix_disk_evictions.set(counters.disk_evictions)
+            self.mlx_active.set(counters.active)
+            self.mlx_cache.set(counters.cache)
+            self.mlx_peak.set(counters.peak)
 
     def step(self, num_tokens: int, budget: int, seconds: float) -> None:
         self.steps.inc()

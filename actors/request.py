@@ -15,7 +15,7 @@ import anyio
 import structlog
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from stepline.actors.messages import Finish, NewTokens, Progress
+from stepline.actors.messages import CacheHit, Finish, NewTokens, Progress
 from stepline.engine.work import TokenLogprob
 from stepline.events.models import FinishReason
 
@@ -115,6 +115,7 @@ class RequestActor:
         decode: Callable[[list[int]], str],
         inbox: MemoryObjectReceiveStream,
         output: MemoryObjectSendStream[RequestOutput],
+        on_end: Callable[[FinishReason], None] = lambda reason: None,
     ):
         self.request_id = request_id
         self.num_prompt_tokens = num_prompt_tokens
@@ -123,6 +124,7 @@ class RequestActor:
         self._stops = StopMatcher(stop)
         self._inbox = inbox
         self._output = output
+        self._on_end = on_end  # tells the step loop the actor ended the request itself
         self._num_output_tokens = 0
         self._log = log.bind(request_id=request_id)
 
@@ -146,12 +148,13 @@ class RequestActor:
         if finish is not None:
             text += self._detok.finalize()
         text, hit = self._stops.feed(text)
-        if hit:
+        if hit and finish is None:
+            finish = FinishReason.STOP
+            self._on_end(FinishReason.STOP)  # tokens computed meanwhile are never shown
+        elif hit:
             finish = FinishReason.STOP
         elif finish is not None:
             text += self._stops.flush()  # a partial stop string at the end is ordinary text
-        if msg.reply is not None and not msg.reply.done():
-            msg.reply.set_result(hit)
         return self._out(
             text,
             msg.token_ids,
@@ -164,6 +167,9 @@ class RequestActor:
         """Serve the inbox until the request ends; then close the client's stream."""
         async with self._inbox, self._output:
             async for msg in self._inbox:
+                if isinstance(msg, CacheHit):
+                    self.num_cached_tokens = msg.num_cached_tokens
+                    continue
                 if isinstance(msg, Progress):
                     out = self._out("", num_computed_tokens=msg.num_computed_tokens)
                 elif isinstance(msg, NewTokens):
@@ -171,8 +177,7 @@ class RequestActor:
                         out = self._on_tokens(msg)
                     except Exception as exc:  # a detokenizer bug ends this request only
                         self._log.exception("request_actor_failed")
-                        if msg.reply is not None and not msg.reply.done():
-                            msg.reply.set_exception(exc)
+                        self._on_end(FinishReason.ERROR)
                         out = self._out("", finish=FinishReason.ERROR, error=repr(exc))
                 else:
                     assert isinstance(msg, Finish)

@@ -1,66 +1,60 @@
 """The step-loop actor: the engine's central loop.
 
-    plan = schedule(states, config, step)
-    result = await executor.call(runner.run, work)
-    commit(plan, result)  -> events -> states, tokens -> request actors
+    prefix = plan_prefixes(...)                     where waiting requests start
+    plan = schedule(states, config, step, prefix)   pure
+    result = await executor.call(runner.run, work)  MLX, on the executor thread
+    deliveries = commit(recorder, plan, result)     events -> states; then tell the actors
 
-Its scheduling state (`states`) changes only by applying the events it records,
-with the same `apply` replay uses, so folding its log rebuilds exactly this state.
+Its scheduling state (`states`) changes only by applying the events it records, with
+the same `apply` replay uses, so folding its log rebuilds exactly this state. It owns
+the prefix index: which cached prefix a request starts from is decided here, when its
+first chunk is scheduled; the executor only stores the arrays.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
-import time
 from collections import OrderedDict
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import anyio
 import structlog
 from anyio.streams.memory import MemoryObjectSendStream
 
+from stepline.actors.commit import Delivery, ModelLimits, Recorder, commit
 from stepline.actors.executor import Executor, ExecutorDeadError
-from stepline.actors.messages import Cancel, Finish, NewTokens, Progress, Submit
+from stepline.actors.messages import Cancel, Finish, Submit
 from stepline.actors.metrics import EngineMetrics
 from stepline.engine.policy import (
     AdmissionError,
+    QueueFullError,
     SchedulerConfig,
     StepPlan,
     check_admissible,
     schedule,
 )
-from stepline.engine.work import NewRequest, PrefixLookup, StepResult, StepWork
-from stepline.events.fold import RequestState, Status, apply
-from stepline.events.models import (
-    Admitted,
-    CheckpointReached,
-    ChunkPrefilled,
-    Decoding,
-    FinishReason,
-    StepEntry,
-    StepPlanned,
-    Terminal,
+from stepline.engine.prefix_index import (
+    Candidate,
+    PrefixIndex,
+    PrefixPlan,
+    Tokens,
+    plan_prefixes,
 )
+from stepline.engine.work import Housekeeping, NewRequest, StepResult, StepWork
+from stepline.events.fold import RequestState, Status
+from stepline.events.models import Admitted, FinishReason, StepEntry, StepPlanned, Terminal
+
+__all__ = ["EngineDeadError", "ModelLimits", "StepLoop"]
 
 log = structlog.get_logger(__name__)
 
-
 _REUSABLE = (FinishReason.STOP, FinishReason.LENGTH)  # ended cleanly: cache worth keeping
-_KEEP_FINISHED = 1024  # ended requests' states kept for inspection
 _KEEP_IDS = 100_000  # request ids refused as reused within this many requests
 
 
 class EngineDeadError(AdmissionError):
     """The engine can serve no request: its executor failed."""
-
-
-@dataclass(frozen=True)
-class ModelLimits:
-    max_context: int  # prompt + output tokens the model supports
-    eos_token_ids: frozenset[int]
 
 
 class StepLoop:
@@ -75,6 +69,7 @@ class StepLoop:
         metrics: EngineMetrics | None = None,
         log_prompts: bool = True,
         inbox_size: int = 256,
+        prefix_index: PrefixIndex | None = None,
     ):
         self.executor = executor
         self.runner = runner
@@ -85,73 +80,75 @@ class StepLoop:
         self._log_prompts = log_prompts
         self.inbox: MemoryObjectSendStream
         self.inbox, self._inbox = anyio.create_memory_object_stream(inbox_size)
-        # The scheduling state: the fold of every event recorded, for requests not yet
-        # ended. Ended ones move to `finished` (the most recent few, for inspection), so a
-        # step's work does not grow with the number of requests ever served.
-        self.states: dict[str, RequestState] = {}
-        self.finished: OrderedDict[str, RequestState] = OrderedDict()
+        self.recorder = Recorder(event_log)
+        self.recorder.on_terminal = self._ended
+        self.index = prefix_index  # None: no prefix cache
+        # Live requests' submissions: prompt, logprobs, actor inbox. One entry per
+        # request in `states`; everything else about a request is in its state.
+        self._requests: dict[str, Submit] = {}
+        self._closing: dict[str, MemoryObjectSendStream] = {}  # ended: last message pending
         self._recent_ids: OrderedDict[str, None] = OrderedDict()  # to refuse reused ids
-        self._actors: dict[str, MemoryObjectSendStream] = {}
-        self._pending: dict[str, NewRequest] = {}  # admitted, not yet given to the executor
         # ended since the executor last heard -> whether its cache is worth keeping
         self._to_free: dict[str, bool] = {}
-        self._seq = 0
-        self.step = 0  # number of the last step run
-        self._in_step = False  # between planning a step and the end of its commit
+        self._drops: list[Tokens] = []  # prefix entries the index let go, for the store
+        self._disk_tries: set[str] = set()  # requests a disk entry was loaded for
         self.dead_reason: str | None = None
         self.on_step: Callable[[StepLoop], None] | None = None  # test/inspection hook
 
-    # -- events ---------------------------------------------------------------
+    # -- state ---------------------------------------------------------------
 
-    def _record(self, cls: type, **fields: Any) -> Any:
-        self._seq += 1
-        # Events between steps N and N+1 belong to step N+1, so that folding the log up to
-        # step N gives exactly the state the loop had when step N ended.
-        step = self.step if self._in_step else self.step + 1
-        event = cls(seq=self._seq, ts=time.time(), step=step, **fields)
-        if event.request_id is not None:
-            state = apply(self.states.get(event.request_id), event)
-            if state.is_finished:
-                self.states.pop(event.request_id, None)
-                self._remember(self.finished, event.request_id, state, _KEEP_FINISHED)
-            else:
-                self.states[event.request_id] = state
-        if self._event_log is not None:
-            self._event_log.append(event)
-        return event
+    @property
+    def states(self) -> dict[str, RequestState]:
+        """Unfinished requests' states: the fold of every event recorded."""
+        return self.recorder.states
 
-    # -- inbox ----------------------------------------------------------------
+    @property
+    def finished(self) -> OrderedDict[str, RequestState]:
+        return self.recorder.finished
 
-    @staticmethod
-    def _remember(recent: OrderedDict, key: str, value: Any, limit: int) -> None:
-        recent[key] = value
-        recent.move_to_end(key)
-        while len(recent) > limit:
-            recent.popitem(last=False)
+    @property
+    def step(self) -> int:
+        return self.recorder.step
 
     def state_of(self, request_id: str) -> RequestState | None:
         """A request's state: live, or ended recently (the log has every one)."""
         return self.states.get(request_id) or self.finished.get(request_id)
 
-    def _unfinished(self) -> list[RequestState]:
-        return list(self.states.values())
+    def _record(self, cls: type, **fields: Any) -> Any:
+        return self.recorder.record(cls, **fields)
+
+    def _ended(self, rid: str, reason: FinishReason) -> None:
+        """Every terminal event comes through here: free the request's slot."""
+        submit = self._requests.pop(rid, None)
+        if submit is not None:
+            self._closing[rid] = submit.actor  # closed once its last message is sent
+            self._to_free[rid] = reason in _REUSABLE
+        self._disk_tries.discard(rid)
+        self.metrics.finished(reason)
+
+    # -- inbox ----------------------------------------------------------------
 
     async def _handle(self, msg: Submit | Cancel) -> None:
         if isinstance(msg, Submit):
-            await self._submit(msg)
+            self._submit(msg)
         else:
-            await self._cancel(msg.request_id)
+            await self._cancel(msg)
 
-    async def _submit(self, msg: Submit) -> None:
+    def _submit(self, msg: Submit) -> None:
+        if msg.reply.done():  # the submitter was cancelled before we got here
+            return
         if msg.request_id in self._recent_ids:
             msg.reply.set_exception(
                 AdmissionError(f"request id {msg.request_id!r} was already used: send a new one")
             )
             return
-        self._remember(self._recent_ids, msg.request_id, None, _KEEP_IDS)
+        self._recent_ids[msg.request_id] = None
+        while len(self._recent_ids) > _KEEP_IDS:
+            self._recent_ids.popitem(last=False)
         try:
             if self.dead_reason is not None:
                 raise EngineDeadError(f"the engine is unhealthy: {self.dead_reason}")
+            self._check_queue()
             check_admissible(
                 len(msg.prompt_token_ids),
                 msg.params.max_tokens,
@@ -161,24 +158,16 @@ class StepLoop:
         except AdmissionError as exc:
             self._reject(msg, exc)
             return
-        await self._free_now()  # so requests that just finished can serve this one's prefix
-        found = await self._run_executor(
-            self.runner.lookup_prefix, msg.request_id, msg.prompt_token_ids
-        )
-        if found is None:  # the executor died just now
-            self._reject(msg, EngineDeadError(f"the engine is unhealthy: {self.dead_reason}"))
-            return
-        self._admit_event(msg, found)
-        self.metrics.prefix_lookup(found.num_tokens)
-        self._actors[msg.request_id] = msg.actor
-        self._pending[msg.request_id] = NewRequest(
-            request_id=msg.request_id,
-            prompt_token_ids=msg.prompt_token_ids,
-            params=msg.params,
-            logprobs=msg.logprobs,
-        )
+        self._admit_event(msg)
+        self._requests[msg.request_id] = msg
         self.metrics.admitted()
-        msg.reply.set_result(found.num_tokens)
+        msg.reply.set_result(None)
+
+    def _check_queue(self) -> None:
+        """Raise QueueFullError if `max_waiting` requests already wait for their first chunk."""
+        num_waiting = sum(1 for s in self.states.values() if s.status is Status.WAITING)
+        if num_waiting >= self.config.max_waiting:
+            raise QueueFullError(num_waiting, self.config.max_waiting)
 
     def _reject(self, msg: Submit, exc: AdmissionError) -> None:
         """Log the request as admitted and at once rejected (so the log shows what was
@@ -189,7 +178,7 @@ class StepLoop:
         )
         msg.reply.set_exception(exc)
 
-    def _admit_event(self, msg: Submit, found: PrefixLookup | None = None) -> None:
+    def _admit_event(self, msg: Submit) -> None:
         ids = msg.prompt_token_ids
         digest = hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()
         self._record(
@@ -199,27 +188,28 @@ class StepLoop:
             prompt_token_ids=ids if self._log_prompts else None,
             prompt_sha256=digest,
             checkpoints=tuple(sorted({c for c in msg.checkpoints if 0 < c <= len(ids)})),
-            num_cached_tokens=found.num_tokens if found else 0,
-            cache_source=found.source if found else None,
             params=msg.params,
         )
 
-    async def _cancel(self, request_id: str) -> None:
-        if request_id not in self.states:
+    async def _cancel(self, msg: Cancel) -> None:
+        if msg.request_id not in self.states:
             return  # ended already, or never admitted
-        await self._end(request_id, FinishReason.CANCELLED, "cancelled by the client")
+        message = "cancelled by the client" if msg.reason is FinishReason.CANCELLED else None
+        await self._end(msg.request_id, msg.reason, message)
 
     async def _end(self, request_id: str, reason: FinishReason, message: str | None) -> None:
-        """Record the terminal event, free the request's slot, tell its actor."""
-        self._record(Terminal, request_id=request_id, reason=reason, message=message)
-        if self._pending.pop(request_id, None) is None:
-            self._to_free[request_id] = reason in _REUSABLE
-        actor = self._actors.pop(request_id, None)
-        if actor is not None:
+        """End a request the step did not end: record its terminal event, tell its actor."""
+        actor = self._requests[request_id].actor if request_id in self._requests else None
+        if actor is not None and reason is not FinishReason.STOP:
             with anyio.CancelScope(shield=True):
                 await self._tell(actor, Finish(reason, message))
+        self._record(Terminal, request_id=request_id, reason=reason, message=message)
+        self._close_ended()
+
+    def _close_ended(self) -> None:
+        for actor in self._closing.values():
             actor.close()
-        self.metrics.finished(reason)
+        self._closing.clear()
 
     async def _tell(self, actor: MemoryObjectSendStream, msg: Any) -> bool:
         """Send `msg`; False if the actor is gone (it failed, or the engine is closing)."""
@@ -244,7 +234,7 @@ class StepLoop:
         async with self._inbox:
             while True:
                 try:
-                    if not self._unfinished() and not self._to_free:
+                    if not self.states and not self._to_free and not self._drops:
                         try:
                             msg = await self._inbox.receive()  # idle: sleep until work arrives
                         except anyio.EndOfStream:
@@ -254,33 +244,69 @@ class StepLoop:
                         await self._handle(msg)
                     await self._step()
                 except Exception as exc:
-                    # A bug here must not leave clients waiting on streams that never end:
-                    # fail like a dead executor (every request ends with an error).
+                    # A bug in this loop's own code (the executor's faults are caught where it
+                    # is called). Its scheduling state is in doubt, so the engine stops
+                    # serving, but says what failed: no client waits on a stream that never ends.
                     log.exception("step_loop_failed")
-                    self.executor.mark_dead(exc)
-                    self._in_step = False
-                    await self._die(exc)
+                    self.recorder.in_step = False
+                    await self._die(f"step loop failed: {exc!r}")
 
     async def _step(self) -> None:
-        plan = schedule(self.states, self.config, self.step + 1)
+        if self._waiting() and any(self._to_free.values()):
+            # Finished requests become prefix-cache entries first: a waiting request may
+            # start from one (the next turn of a chat).
+            await self._housekeep()
+        prefix = self._plan_prefixes()
+        plan = schedule(self.states, self.config, self.step + 1, prefix)
         if plan.is_empty:
-            if self._to_free:
-                await self._free_now()
-            elif self._unfinished():
+            if self._to_free or self._drops or prefix.promote:
+                await self._housekeep(prefix.promote)
+            elif self.states:
                 # Nothing fits now (cannot happen with the policy's admission rules,
                 # but never spin): wait for the next message.
                 await self._handle(await self._inbox.receive())
             return
-        self.step += 1
-        self._in_step = True
+        self.recorder.step += 1
+        self.recorder.in_step = True
         try:
-            await self._run_step(plan)
+            await self._run_step(plan, prefix)
         finally:
-            self._in_step = False
+            self.recorder.in_step = False
         if self.on_step is not None:
             self.on_step(self)
 
-    async def _run_step(self, plan: StepPlan) -> None:
+    def _waiting(self) -> bool:
+        return any(s.status is Status.WAITING for s in self.states.values())
+
+    def _plan_prefixes(self) -> PrefixPlan:
+        if self.index is None or not self._waiting():
+            return PrefixPlan()
+        running: list[Candidate] = []
+        waiting: list[Candidate] = []
+        for s in sorted(self.states.values(), key=lambda s: s.admitted_seq):
+            submit = self._requests[s.request_id]
+            if s.status is Status.WAITING:
+                if len(waiting) < self.config.max_num_seqs:
+                    waiting.append(self._candidate(s, submit, waiting=True))
+            elif s.status is Status.PREFILLING and any(
+                c > s.num_computed_tokens for c in s.checkpoints
+            ):
+                running.append(self._candidate(s, submit, waiting=False))
+        prefix = plan_prefixes([*running, *waiting], self.index)
+        self._disk_tries.update(prefix.loading)
+        return prefix
+
+    def _candidate(self, s: RequestState, submit: Submit, *, waiting: bool) -> Candidate:
+        return Candidate(
+            request_id=s.request_id,
+            prompt=submit.prompt_token_ids,
+            num_computed_tokens=s.num_computed_tokens,
+            checkpoints=s.checkpoints,
+            waiting=waiting,
+            allow_disk=s.request_id not in self._disk_tries,
+        )
+
+    async def _run_step(self, plan: StepPlan, prefix: PrefixPlan) -> None:
         self._record(
             StepPlanned,
             entries=tuple(
@@ -295,126 +321,126 @@ class StepLoop:
             max_num_seqs=self.config.max_num_seqs,
         )
         admit = tuple(
-            self._pending.pop(c.request_id) for c in plan.chunks if c.request_id in self._pending
+            self._new_request(c.request_id, prefix)
+            for c in plan.chunks
+            if self.states[c.request_id].status is Status.WAITING
         )
-        frees, retire = self._take_frees()
-        work = StepWork(plan=plan, admit=admit, free=frees, retire=retire)
+        work = StepWork(plan=plan, admit=admit, **self._housekeeping(prefix.promote).__dict__)
         result = await self._run_executor(self.runner.run, work)
         if result is None:
             return
         # Cancels that arrived during the step win over its results.
         for msg in self._drain():
             await self._handle(msg)
-        await self._commit(plan, result)
+        # A request that waited while its entry was loaded from disk was served from disk.
+        sources = {
+            rid: "disk" if rid in self._disk_tries else m.source
+            for rid, m in prefix.matches.items()
+        }
+        await self._end_failed(result.failed)
+        before = {rid: self.states[rid] for rid in result.tokens if rid in self.states}
+        deliveries = commit(self.recorder, plan, result, self.limits, sources)
+        self._update_index(result)
+        await self._deliver(deliveries)
+        self._token_metrics(before)
+        for new in admit:
+            self.metrics.prefix_lookup(new.num_cached_tokens)
         self.metrics.step(plan.num_tokens, self.config.max_step_tokens, result.seconds)
-        self.metrics.prefix_cache(result.prefix_cache)
+        self.metrics.memory(result.memory)
+        self.metrics.gauges(self.states.values(), getattr(self._event_log, "lag", 0))
 
-    def _take_frees(self) -> tuple[tuple[str, ...], frozenset[str]]:
-        """Requests ended since the executor last heard, and those whose caches are worth
-        keeping (they ended cleanly)."""
+    async def _end_failed(self, failed: Mapping[str, str]) -> None:
+        """End the requests the executor could not serve (it already dropped their state);
+        the step's results for the others stand."""
+        for rid, what in failed.items():
+            if rid in self.states:  # else: cancelled while the step ran
+                log.error("request_ended_by_fault", request_id=rid, what=what)
+                await self._end(rid, FinishReason.ERROR, what)
+            self._to_free.pop(rid, None)
+
+    def _token_metrics(self, before: dict[str, RequestState]) -> None:
+        for rid, was in before.items():
+            now = self.state_of(rid)
+            if now is None or now.last_token_ts is None:
+                continue
+            first = was.num_output_tokens == 0
+            since = was.admitted_ts if first else was.last_token_ts
+            self.metrics.token(now.last_token_ts - (since or now.last_token_ts), first)
+
+    def _new_request(self, rid: str, prefix: PrefixPlan) -> NewRequest:
+        submit = self._requests[rid]
+        match = prefix.matches.get(rid)
+        if match is not None and self.index is not None:
+            self.index.touch(match.tokens)
+        return NewRequest(
+            request_id=rid,
+            prompt_token_ids=submit.prompt_token_ids,
+            params=submit.params,
+            logprobs=submit.logprobs,
+            prefix=match.tokens if match is not None else None,
+            num_cached_tokens=match.num_tokens if match is not None else 0,
+        )
+
+    def _housekeeping(self, promote: tuple[Tokens, ...] = ()) -> Housekeeping:
+        """What the executor must do before the next step: frees, retirements, entry
+        drops and loads. Taken once: the executor will have done it."""
         frees, self._to_free = self._to_free, {}
-        return tuple(frees), frozenset(r for r, reusable in frees.items() if reusable)
+        drops, self._drops = self._drops, []
+        return Housekeeping(
+            free=tuple(frees),
+            retire=frozenset(r for r, reusable in frees.items() if reusable),
+            drop_entries=tuple(drops),
+            promote=promote,
+        )
 
-    async def _free_now(self) -> None:
-        if self._to_free:
-            await self._run_executor(self.runner.free, *self._take_frees())
+    async def _housekeep(self, promote: tuple[Tokens, ...] = ()) -> None:
+        result = await self._run_executor(self.runner.housekeep, self._housekeeping(promote))
+        if result is not None:
+            self._update_index(result)
+
+    def _update_index(self, result: StepResult) -> None:
+        report = result.prefix
+        if report is None or self.index is None:
+            return
+        self._drops.extend(self.index.apply(report.new, report.disk_added, report.disk_removed))
+        self.metrics.prefix_cache(self.index, report)
+
+    async def _deliver(self, deliveries: list[Delivery]) -> None:
+        for rid, msg in deliveries:
+            submit = self._requests.get(rid)
+            actor = submit.actor if submit is not None else self._closing.get(rid)
+            if actor is None:
+                continue
+            if not await self._tell(actor, msg):
+                # The actor is gone: it ended the request itself (a stop string, or it
+                # failed) and its message is on the way, or it failed silently.
+                for pending in self._drain():
+                    await self._handle(pending)
+                if rid in self.states:
+                    await self._end(rid, FinishReason.ERROR, "the request's actor failed")
+        self._close_ended()
 
     async def _run_executor(self, fn: Callable, *args: Any) -> Any:
         try:
             return await self.executor.call(fn, *args)
         except ExecutorDeadError as exc:
-            await self._die(exc)
+            await self._die(f"executor failed: {exc!r}")
         except Exception as exc:
             self.executor.mark_dead(exc)
-            await self._die(exc)
+            await self._die(f"executor failed: {exc!r}")
         return None
 
-    async def _die(self, exc: BaseException) -> None:
-        """The executor failed: end every in-flight request with an error; admit no more."""
-        self.dead_reason = f"executor failed: {exc!r}"
+    async def _die(self, reason: str) -> None:
+        """The engine cannot go on (`reason` says what failed: the executor or this loop):
+        end every in-flight request with an error; admit no more."""
+        self.dead_reason = reason
         log.error("engine_dead", reason=self.dead_reason)
         self.metrics.healthy.set(0)
-        for state in self._unfinished():
-            await self._end(state.request_id, FinishReason.ERROR, self.dead_reason)
+        for rid in list(self.states):
+            await self._end(rid, FinishReason.ERROR, self.dead_reason)
         self._to_free.clear()
-
-    async def _commit(self, plan: StepPlan, result: StepResult) -> None:
-        for chunk in plan.chunks:
-            rid = chunk.request_id
-            if rid not in self.states:
-                continue  # cancelled while the step ran
-            pos = chunk.start
-            for offset in (*chunk.checkpoints, chunk.end):
-                if offset > pos:
-                    self._record(ChunkPrefilled, request_id=rid, start=pos, end=offset)
-                    pos = offset
-                if offset in result.checkpoints.get(rid, ()):
-                    self._record(CheckpointReached, request_id=rid, offset=offset)
-            if not chunk.is_final:
-                await self._tell(
-                    self._actors[rid], Progress(chunk.end, self.states[rid].num_prompt_tokens)
-                )
-
-        asks: list[tuple[str, asyncio.Future, FinishReason | None]] = []
-        loop = asyncio.get_running_loop()
-        for rid, token in result.tokens.items():
-            before = self.states.get(rid)
-            if before is None:
-                continue  # cancelled while the step ran
-            self._record(Decoding, request_id=rid, token_ids=(token,))
-            state = self.states[rid]
-            first = before.num_output_tokens == 0
-            since = before.admitted_ts if first else before.last_token_ts
-            self.metrics.token(state.last_token_ts - since, first)
-            finish = self._finish_reason(state, token)
-            # Only an actor with stop strings can end its request: only it is asked.
-            reply = loop.create_future() if state.params.stop else None
-            lp = result.logprobs.get(rid)
-            delivered = await self._tell(
-                self._actors[rid],
-                NewTokens(
-                    token_ids=(token,),
-                    logprobs=(lp,) if lp is not None else (),
-                    finish=finish,
-                    stop_token=finish is FinishReason.STOP,
-                    reply=reply,
-                ),
-            )
-            if not delivered:  # the actor failed earlier and is gone
-                await self._end(rid, FinishReason.ERROR, "the request's actor failed")
-            elif reply is not None:
-                asks.append((rid, reply, finish))
-            elif finish is not None:
-                self._finished(rid, finish)
-        for rid, reply, finish in asks:
-            try:
-                stop_string = await reply
-            except Exception as exc:  # the actor failed on this request
-                await self._end(rid, FinishReason.ERROR, f"request actor failed: {exc!r}")
-                continue
-            if finish is None and stop_string:
-                finish = FinishReason.STOP
-            if finish is not None:
-                self._finished(rid, finish)
-        self.metrics.gauges(self.states.values(), getattr(self._event_log, "lag", 0))
-
-    def _finished(self, rid: str, reason: FinishReason) -> None:
-        """The request ended cleanly; its actor already sent its last output and stops."""
-        self._actors.pop(rid).close()
-        self._record(Terminal, request_id=rid, reason=reason, message=None)
-        self._to_free[rid] = True
-        self.metrics.finished(reason)
-
-    def _finish_reason(self, state: RequestState, token: int) -> FinishReason | None:
-        p = state.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.limits.eos_token_ids):
-            return FinishReason.STOP
-        limit = min(p.max_tokens, self.limits.max_context - state.num_prompt_tokens)
-        if state.num_output_tokens >= limit:
-            return FinishReason.LENGTH
-        return None
 
     async def shutdown(self) -> None:
         """End every request still in flight (engine closing)."""
-        for state in self._unfinished():
-            await self._end(state.request_id, FinishReason.CANCELLED, "the engine is shutting down")
+        for rid in list(self.states):
+            await self._end(rid, FinishReason.CANCELLED, "the engine is shutting down")

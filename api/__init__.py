@@ -3,7 +3,13 @@
 from stepline.actors.request import RequestOutput
 from stepline.actors.step_loop import EngineDeadError
 from stepline.api.engine import Engine, RequestStream, SamplingParams
-from stepline.engine.policy import AdmissionError, ContextLengthExceededError, EmptyPromptError
+from stepline.engine.policy import (
+    AdmissionError,
+    ContextLengthExceededError,
+    EmptyPromptError,
+    KVBudgetExceededError,
+    QueueFullError,
+)
 
 __all__ = [
     "AdmissionError",
@@ -11,6 +17,8 @@ __all__ = [
     "EmptyPromptError",
     "Engine",
     "EngineDeadError",
+    "KVBudgetExceededError",
+    "QueueFullError",
     "RequestOutput",
     "RequestStream",
     "SamplingParams",

@@ -24,6 +24,33 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="most prompt tokens one request gets per step (default: the budget)",
     )
+    kv = p.add_mutually_exclusive_group()
+    kv.add_argument(
+        "--max-kv-gb",
+        type=float,
+        default=None,
+        help="memory for running requests' KV (prompt + max_tokens each); requests wait for "
+        "room, one that can never fit is refused (default: 70%% of memory less the weights "
+        "and the prefix cache)",
+    )
+    kv.add_argument(
+        "--max-kv-tokens",
+        type=int,
+        default=None,
+        help="the same budget in tokens (instead of --max-kv-gb)",
+    )
+    p.add_argument(
+        "--max-waiting",
+        type=int,
+        default=1024,
+        help="most requests waiting to start; past it new ones are refused (HTTP 429)",
+    )
+    p.add_argument(
+        "--mlx-cache-gb",
+        type=float,
+        default=None,
+        help="limit of MLX's buffer cache (freed memory kept for reuse; default: 10%% of memory)",
+    )
     p.add_argument("--event-log", default=None, help="append-only JSON-lines event log file")
     p.add_argument(
         "--log-prompts",
@@ -58,6 +85,10 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         max_step_tokens=args.max_step_tokens,
         max_num_seqs=args.max_num_seqs,
         long_prefill_cap=args.long_prefill_cap,
+        max_kv_gb=args.max_kv_gb,
+        max_kv_tokens=args.max_kv_tokens,
+        max_waiting=args.max_waiting,
+        mlx_cache_gb=args.mlx_cache_gb,
         event_log=args.event_log,
         event_log_rotate_bytes=(
             int(args.event_log_rotate_mb * 2**20) if args.event_log_rotate_mb else None
@@ -120,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_engine_args(g)
 
     try:
-        from stepline.api.server import add_serve_parser
+        from stepline.api.serve_cmd import add_serve_parser
     except ImportError:
         add_serve_parser = None
     if add_serve_parser is not None:
@@ -142,8 +173,11 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # a clear one-line error, not a traceback, for the user's mistakes
         from stepline.engine.models import ModelNotFoundError
 
-        if isinstance(exc, (ModelNotFoundError, ValueError, FileExistsError, PermissionError)):
-            print(f"stepline: error: {exc}", file=sys.stderr)
+        error: BaseException = exc
+        while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+            error = error.exceptions[0]  # raised through the engine's task group
+        if isinstance(error, (ModelNotFoundError, ValueError, FileExistsError, PermissionError)):
+            print(f"stepline: error: {error}", file=sys.stderr)
             return 2
         raise
 

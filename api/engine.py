@@ -12,26 +12,28 @@ at the next step.
 from __future__ import annotations
 
 import asyncio
-import math
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
 
 import anyio
 import structlog
 from anyio.streams.memory import MemoryObjectReceiveStream
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from stepline.actors.executor import Executor
 from stepline.actors.messages import Cancel, Submit
 from stepline.actors.metrics import EngineMetrics
 from stepline.actors.request import RequestActor, RequestOutput
 from stepline.actors.step_loop import ModelLimits, StepLoop
+from stepline.api.params import SamplingParams
 from stepline.engine.policy import SchedulerConfig
-from stepline.events.models import LogHeader, RequestParams
+from stepline.engine.prefix_index import PrefixIndex
+from stepline.events.models import FinishReason, LogHeader
+
+__all__ = ["Engine", "RequestStream", "SamplingParams"]
 
 log = structlog.get_logger(__name__)
 
@@ -46,49 +48,6 @@ def _warn_without_openblas() -> None:
     loaded, reason = status()
     if sys.platform.startswith("linux") and loaded is None and "disabled" not in reason:
         log.warning("openblas_not_loaded", reason=reason, effect="matrix products 7-20x slower")
-
-
-class SamplingParams(BaseModel):
-    """How to sample one request. Invalid values raise pydantic's ValidationError (a ValueError)
-    whose message names the field and the allowed range."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    max_tokens: int = Field(256, ge=1, description="most tokens to generate (>= 1)")
-    temperature: float = Field(1.0, description="0 = greedy; >= 0")
-    top_p: float = Field(1.0, description="nucleus mass in (0, 1]")
-    top_k: int = Field(0, ge=0, description="0 = off")
-    min_p: float = Field(0.0, ge=0.0, lt=1.0, description="0 = off")
-    seed: int | None = Field(None, description="same seed + same prompt = same tokens")
-    stop: tuple[str, ...] = Field((), description="stop strings, never emitted")
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(1.0, gt=0.0)
-    logprobs: int | None = Field(None, ge=0, le=20, description="top-k logprobs per token")
-
-    @field_validator("temperature")
-    @classmethod
-    def _temperature(cls, v: float) -> float:
-        if math.isnan(v) or v < 0 or math.isinf(v):
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {v}")
-        return v
-
-    @field_validator("top_p")
-    @classmethod
-    def _top_p(cls, v: float) -> float:
-        if math.isnan(v) or not 0 < v <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {v}")
-        return v
-
-    @field_validator("stop", mode="before")
-    @classmethod
-    def _stop(cls, v: Any) -> Any:
-        return (v,) if isinstance(v, str) else v
-
-    def to_record(self) -> RequestParams:
-        return RequestParams(**self.model_dump(exclude={"logprobs"}))
 
 
 class RequestStream:
@@ -136,6 +95,7 @@ class RequestStream:
                 self._cancel()
             except Exception:  # noqa: BLE001 - the engine may be gone already
                 pass
+        self._outputs.close()
 
 
 class Engine:
@@ -173,6 +133,9 @@ class Engine:
         prefix_cache_gb: float = 1.0,
         prefix_cache_dir: str | Path | None = None,
         prefix_cache_disk_gb: float = 10.0,
+        max_kv_gb: float | None = None,
+        max_waiting: int = 1024,
+        mlx_cache_gb: float | None = None,
     ) -> AsyncIterator[Engine]:
         """Load `model` (a demo name, a local mlx-lm directory or a Hugging Face id; None = the
         demo model) and serve it until the block exits.
@@ -183,7 +146,19 @@ class Engine:
         `prefix_cache_dir` adds a disk tier: entries are also written there (in the
         background, as safetensors files, at most `prefix_cache_disk_gb` of them, oldest
         used evicted first) and reused by a later engine on the same model and directory.
+        Memory guard: running requests' KV (prompt + max_tokens each, measured per token at
+        load) must fit in `max_kv_tokens`, or `max_kv_gb` (default: 70% of the machine's
+        memory less the weights and the prefix cache); requests wait until it does, and one
+        that never can is refused (AdmissionError naming the numbers). `mlx_cache_gb` limits
+        MLX's buffer cache (default: 10% of the machine's memory). At most `max_waiting`
+        requests wait for their first chunk; past that `submit` raises QueueFullError.
         """
+        if max_kv_tokens is not None and max_kv_gb is not None:
+            raise ValueError("pass max_kv_tokens or max_kv_gb, not both")
+        if max_kv_gb is not None and not max_kv_gb > 0:
+            raise ValueError(f"max_kv_gb must be > 0, got {max_kv_gb}")
+        if mlx_cache_gb is not None and not mlx_cache_gb >= 0:
+            raise ValueError(f"mlx_cache_gb must be >= 0, got {mlx_cache_gb}")
         if not prefix_cache_gb >= 0:
             raise ValueError(f"prefix_cache_gb must be >= 0, got {prefix_cache_gb}")
         if not prefix_cache_disk_gb >= 0:
@@ -193,7 +168,9 @@ class Engine:
             max_num_seqs=max_num_seqs,
             long_prefill_cap=long_prefill_cap,
             max_kv_tokens=max_kv_tokens,
+            max_waiting=max_waiting,
         )
+        from stepline.engine.memory import plan_memory
         from stepline.engine.models import load_model  # MLX: imported only when serving
         from stepline.engine.runner import ModelRunner
         from stepline.events.log import EventLogWriter
@@ -214,12 +191,37 @@ class Engine:
                     prefix_cache_disk_bytes=int(prefix_cache_disk_gb * 2**30),
                 )
             )
+            memory = await executor.call(
+                lambda: plan_memory(
+                    loaded.model,
+                    max_kv_tokens=max_kv_tokens,
+                    max_kv_gb=max_kv_gb,
+                    mlx_cache_gb=mlx_cache_gb,
+                    prefix_cache_bytes=int(prefix_cache_gb * 2**30),
+                )
+            )
+            log.info(
+                "memory_budgets",
+                max_kv_tokens=memory.max_kv_tokens,
+                kv_gb=round(memory.kv_budget_bytes / 2**30, 3),
+                kv_bytes_per_token=memory.footprint.bytes_per_token,
+                kv_bytes_per_seq=memory.footprint.bytes_per_seq,
+                mlx_cache_gb=round(memory.buffer_cache_bytes / 2**30, 3),
+            )
+            sched = dataclasses.replace(
+                sched,
+                max_kv_tokens=memory.max_kv_tokens,
+                kv_tokens_per_seq=memory.footprint.tokens_per_seq(),
+                kv_bytes_per_token=memory.footprint.bytes_per_token,
+            )
             config = {
                 "model": loaded.name,
                 "max_step_tokens": max_step_tokens,
                 "max_num_seqs": max_num_seqs,
                 "long_prefill_cap": long_prefill_cap,
-                "max_kv_tokens": max_kv_tokens,
+                "max_kv_tokens": memory.max_kv_tokens,  # resolved: re-execution gets the same
+                "max_waiting": max_waiting,
+                "mlx_cache_gb": mlx_cache_gb,
                 "seed": seed,
                 "prefix_cache_gb": prefix_cache_gb,
                 "prefix_cache_dir": str(prefix_cache_dir) if prefix_cache_dir is not None else None,
@@ -231,6 +233,11 @@ class Engine:
                 )
                 writer = EventLogWriter(event_log, header, rotate_bytes=event_log_rotate_bytes)
             eos = frozenset(loaded.tokenizer.eos_token_ids or ())
+            index = None
+            if runner.store is not None:
+                index = PrefixIndex(int(prefix_cache_gb * 2**30))
+                for info in await executor.call(runner.disk_entries):
+                    index.add_disk(info.tokens, info.trimmable)
             step_loop = StepLoop(
                 executor=executor,
                 runner=runner,
@@ -238,6 +245,7 @@ class Engine:
                 limits=ModelLimits(max_context=loaded.max_context, eos_token_ids=eos),
                 event_log=writer,
                 log_prompts=log_prompts,
+                prefix_index=index,
             )
             async with anyio.create_task_group() as tg:
                 loop_scope = anyio.CancelScope()
@@ -261,9 +269,9 @@ class Engine:
         finally:
             with anyio.CancelScope(shield=True):
                 await executor.drain()
-                if runner is not None and runner.prefix_cache is not None:
+                if runner is not None and runner.store is not None:
                     # Let queued disk writes finish (file I/O only: no MLX on this thread).
-                    await anyio.to_thread.run_sync(runner.prefix_cache.close)
+                    await anyio.to_thread.run_sync(runner.store.close)
             executor.close()
             if writer is not None:
                 writer.close()
@@ -336,13 +344,20 @@ class Engine:
     ) -> RequestStream:
         """Admit one request and return its output stream.
 
-        Raises ValueError for a malformed prompt, AdmissionError (EmptyPromptError,
+        Raises ValueError for a malformed prompt or a `top_k` / stop token id outside the
+        model's vocabulary, AdmissionError (EmptyPromptError,
         ContextLengthExceededError, EngineDeadError, ...) if the engine cannot serve it.
         """
         if self._closed:
             raise RuntimeError("the engine is closed")
         params = params or SamplingParams()
+        params.check_vocabulary(self.vocab_size)
         ids = self.encode(prompt, messages)
+        room = self.max_context - len(ids)
+        if 0 < room < params.max_tokens:
+            # It ends at the context anyway; recording that keeps the KV guard from
+            # reserving (or refusing it for) tokens it can never generate.
+            params = params.model_copy(update={"max_tokens": room})
         if messages is not None:
             checkpoints = (*checkpoints, *self.chat_checkpoints(messages, ids))
         rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
@@ -352,42 +367,47 @@ class Engine:
             len(ids) + params.max_tokens + 8
         )
         reply = asyncio.get_running_loop().create_future()
-        await self._step_loop.inbox.send(
-            Submit(
-                request_id=rid,
-                prompt_token_ids=tuple(ids),
-                params=params.to_record(),
-                checkpoints=tuple(checkpoints),
-                logprobs=params.logprobs,
-                actor=inbox_tx,
-                reply=reply,
-            )
+        submit = Submit(
+            request_id=rid,
+            prompt_token_ids=tuple(ids),
+            params=params.to_record(),
+            checkpoints=tuple(checkpoints),
+            logprobs=params.logprobs,
+            actor=inbox_tx,
+            reply=reply,
         )
         try:
-            num_cached = await reply
+            await self._step_loop.inbox.send(submit)
+            await reply
         except BaseException:
+            # Cancelled at any point: a reply still pending is cancelled (the step loop then
+            # skips the request); one that admitted it already gets a cancel on its heels.
+            if not reply.cancel() and not reply.cancelled() and reply.exception() is None:
+                self._send_cancel(rid)
             for s in (inbox_tx, inbox_rx, out_tx, out_rx):
                 s.close()
             raise
         actor = RequestActor(
             rid,
             num_prompt_tokens=len(ids),
-            num_cached_tokens=num_cached,
+            num_cached_tokens=0,  # the step loop says otherwise when its first chunk runs
             stop=params.stop,
             decode=self.tokenizer.decode,
             inbox=inbox_rx,
             output=out_tx,
+            on_end=lambda reason: self._send_cancel(rid, reason),
         )
         self._tg.start_soon(actor.run, name=f"request-{rid}")
         return RequestStream(rid, out_rx, cancel=lambda: self._send_cancel(rid))
 
-    def _send_cancel(self, request_id: str) -> None:
+    def _send_cancel(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> None:
         if self._closed:
             return
+        msg = Cancel(request_id, reason)
         try:
-            self._step_loop.inbox.send_nowait(Cancel(request_id))
+            self._step_loop.inbox.send_nowait(msg)
         except anyio.WouldBlock:
-            self._tg.start_soon(self._step_loop.inbox.send, Cancel(request_id))
+            self._tg.start_soon(self._step_loop.inbox.send, msg)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
             pass
 

@@ -165,3 +165,33 @@ def preload_openblas() -> str | None:
 def status() -> tuple[str | None, str]:
     """(path loaded or None, reason)."""
     return _loaded, _reason
+
+
+class _PreloadBeforeMLX:
+    """A meta-path finder that loads OpenBLAS just before `mlx` is first imported.
+
+    It finds nothing itself (returns None), so the import then proceeds as usual.
+    """
+
+    def find_spec(self, name: str, path: object = None, target: object = None) -> None:
+        if name == "mlx" or name.startswith("mlx."):
+            _remove_hook()
+            preload_openblas()
+        return None
+
+
+_hook = _PreloadBeforeMLX()
+
+
+def _remove_hook() -> None:
+    if _hook in sys.meta_path:
+        sys.meta_path.remove(_hook)
+
+
+def install_preload_hook() -> None:
+    """Load OpenBLAS when MLX is first imported (at once if it already is: then too late,
+    and `status()` says so)."""
+    if "mlx" in sys.modules or "mlx.core" in sys.modules:
+        preload_openblas()
+    elif _hook not in sys.meta_path:
+        sys.meta_path.insert(0, _hook)

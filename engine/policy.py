@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from stepline.engine.prefix_index import PrefixPlan
 from stepline.events.fold import RequestState, Status
 
 
@@ -21,6 +22,10 @@ class SchedulerConfig:
     max_num_seqs: int = 32  # most requests running (prefilling or decoding) at once
     long_prefill_cap: int | None = None  # most prompt tokens one request gets per step
     max_kv_tokens: int | None = None  # KV capacity in tokens; None = unbounded
+    # fixed KV cost of each running request (recurrent state), in units of one token's KV
+    kv_tokens_per_seq: int = 0
+    kv_bytes_per_token: int = 0  # one token's KV in bytes, for messages (0 = not measured)
+    max_waiting: int = 1024  # most requests waiting for their first chunk; beyond: QueueFullError
 
     def __post_init__(self) -> None:
         if self.max_step_tokens < 1:
@@ -36,6 +41,10 @@ class SchedulerConfig:
             raise ValueError(f"long_prefill_cap must be >= 1, got {self.long_prefill_cap}")
         if self.max_kv_tokens is not None and self.max_kv_tokens < 1:
             raise ValueError(f"max_kv_tokens must be >= 1, got {self.max_kv_tokens}")
+        if self.kv_tokens_per_seq < 0 or self.kv_bytes_per_token < 0:
+            raise ValueError("kv_tokens_per_seq and kv_bytes_per_token must be >= 0")
+        if self.max_waiting < 1:
+            raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
 
     @property
     def chunk_cap(self) -> int:
@@ -72,13 +81,14 @@ class StepPlan:
         return not self.decodes and not self.chunks
 
 
-def kv_tokens_needed(state: RequestState) -> int:
-    """KV a request may grow to: its prompt plus every token it may generate."""
-    return state.num_prompt_tokens + state.params.max_tokens
+def kv_tokens_needed(state: RequestState, config: SchedulerConfig) -> int:
+    """KV a request may grow to, in tokens: its prompt plus every token it may generate,
+    plus its fixed per-request state."""
+    return state.num_prompt_tokens + state.params.max_tokens + config.kv_tokens_per_seq
 
 
-def _chunk(state: RequestState, num_tokens: int) -> ScheduledChunk:
-    start = state.num_computed_tokens
+def _chunk(state: RequestState, num_tokens: int, start: int | None = None) -> ScheduledChunk:
+    start = state.num_computed_tokens if start is None else start
     end = start + num_tokens
     return ScheduledChunk(
         request_id=state.request_id,
@@ -89,8 +99,18 @@ def _chunk(state: RequestState, num_tokens: int) -> ScheduledChunk:
     )
 
 
-def schedule(states: Mapping[str, RequestState], config: SchedulerConfig, step: int) -> StepPlan:
-    """Build step `step`'s plan from every unfinished request's state."""
+def schedule(
+    states: Mapping[str, RequestState],
+    config: SchedulerConfig,
+    step: int,
+    prefix: PrefixPlan | None = None,
+) -> StepPlan:
+    """Build step `step`'s plan from every unfinished request's state.
+
+    `prefix` says where waiting requests start (their cache hits) and which of them wait
+    for a prefix another request is computing (`engine.prefix_index.plan_prefixes`).
+    """
+    prefix = prefix or PrefixPlan()
     live = sorted((s for s in states.values() if not s.is_finished), key=lambda s: s.admitted_seq)
     budget = config.max_step_tokens
     decodes: list[str] = []
@@ -111,23 +131,24 @@ def schedule(states: Mapping[str, RequestState], config: SchedulerConfig, step: 
             budget -= n
 
     num_running = len(running)
-    kv_used = sum(kv_tokens_needed(s) for s in running)
+    kv_used = sum(kv_tokens_needed(s, config) for s in running)
     for s in live:
-        if s.status is not Status.WAITING:
+        if s.status is not Status.WAITING or s.request_id in prefix.deferred:
             continue
         if budget <= 0 or num_running >= config.max_num_seqs:
             break
         if (
             config.max_kv_tokens is not None
-            and kv_used + kv_tokens_needed(s) > config.max_kv_tokens
+            and kv_used + kv_tokens_needed(s, config) > config.max_kv_tokens
         ):
             break  # admit in order: a big request is not overtaken forever by small ones
-        n = min(s.num_prompt_tokens - s.num_computed_tokens, budget, config.chunk_cap)
-        chunks.append(_chunk(s, n))
+        start = prefix.cached.get(s.request_id, s.num_computed_tokens)
+        n = min(s.num_prompt_tokens - start, budget, config.chunk_cap)
+        chunks.append(_chunk(s, n, start))
         num_scheduled[s.request_id] = n
         budget -= n
         num_running += 1
-        kv_used += kv_tokens_needed(s)
+        kv_used += kv_tokens_needed(s, config)
 
     return StepPlan(
         step=step, decodes=tuple(decodes), chunks=tuple(chunks), num_scheduled_tokens=num_scheduled
@@ -146,11 +167,34 @@ def check_admissible(
         raise EmptyPromptError("the prompt is empty: send at least one token")
     if num_prompt_tokens >= max_context:
         raise ContextLengthExceededError(num_prompt_tokens, max_context)
-    if config.max_kv_tokens is not None and num_prompt_tokens + max_tokens > config.max_kv_tokens:
-        raise AdmissionError(
-            f"the prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) needs more KV "
-            f"than the engine holds ({config.max_kv_tokens} tokens): shorten the prompt or lower "
-            "max_tokens"
+    needed = num_prompt_tokens + max_tokens + config.kv_tokens_per_seq
+    if config.max_kv_tokens is not None and needed > config.max_kv_tokens:
+        raise KVBudgetExceededError(needed, num_prompt_tokens, max_tokens, config)
+
+
+class KVBudgetExceededError(AdmissionError):
+    """The request's KV can never fit in the engine's KV budget, even with nothing else running."""
+
+    def __init__(
+        self, needed: int, num_prompt_tokens: int, max_tokens: int, config: SchedulerConfig
+    ):
+        assert config.max_kv_tokens is not None
+        self.num_kv_tokens = needed
+        self.max_kv_tokens = config.max_kv_tokens
+
+        def size(tokens: int) -> str:
+            per = config.kv_bytes_per_token
+            return f"{tokens} tokens, {tokens * per / 2**30:.3g} GB" if per else f"{tokens} tokens"
+
+        fixed = (
+            f" plus its fixed state ({config.kv_tokens_per_seq} tokens' worth)"
+            if config.kv_tokens_per_seq
+            else ""
+        )
+        super().__init__(
+            f"the prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}){fixed} needs "
+            f"KV for {size(needed)}, more than the engine holds ({size(config.max_kv_tokens)}, "
+            "max_kv_tokens / --max-kv-gb): shorten the prompt or lower max_tokens"
         )
 
 

@@ -19,14 +19,26 @@ import mlx.core as mx
 import structlog
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+from stepline.engine.memory import read_memory_counters
 from stepline.engine.models import LoadedModel
 from stepline.engine.policy import ScheduledChunk
-from stepline.engine.prefix_cache import PrefixCache, model_fingerprint, share_cache
-from stepline.engine.sampling import RowHistory, RowSampling, Sampler
+from stepline.engine.prefix_cache import PrefixStore, share_cache
+from stepline.engine.prefix_disk import model_fingerprint
+from stepline.engine.sampling import (
+    RowHistory,
+    RowSampling,
+    SampleOutput,
+    Sampler,
+    TokenLogprobs,
+)
 from stepline.engine.work import (
+    ADMISSION_FAILED,
+    CHECKPOINT_FAILED,
+    PREFILL_FAILED,
+    SAMPLING_FAILED,
+    Housekeeping,
     NewRequest,
-    PrefixCacheCounters,
-    PrefixLookup,
+    PrefixReport,
     StepResult,
     StepWork,
     TokenLogprob,
@@ -54,6 +66,10 @@ def snapshot_cache(cache: Cache) -> Cache:
             layer.keys, layer.values = layer.keys[..., :n, :], layer.values[..., :n, :]
     mx.eval([c.state for c in copies])
     return copies
+
+
+class _CheckpointFailed(Exception):
+    """Raised from `_prefill` when a checkpoint failed (its cause says how)."""
 
 
 @dataclass
@@ -92,16 +108,15 @@ class ModelRunner:
         self.loaded = loaded
         self.sampler = Sampler(seed=seed)
         self.on_checkpoint = on_checkpoint
-        self.prefix_cache = None
+        # The prefix cache's arrays; which entry serves whom is the step loop's index's call.
+        self.store: PrefixStore | None = None
         if prefix_cache_bytes > 0 or prefix_cache_dir is not None:
-            self.prefix_cache = PrefixCache(
-                prefix_cache_bytes,
+            self.store = PrefixStore(
                 disk_dir=prefix_cache_dir,
                 disk_max_bytes=prefix_cache_disk_bytes,
                 # Files are only ever used for the same weights (checked on every read).
                 model_id=model_fingerprint(loaded.path) if prefix_cache_dir is not None else "",
             )
-        self._hits: dict[str, Cache] = {}  # request_id -> cache found at submission
         self._seqs: dict[str, _Seq] = {}
         self._batch_ids: list[str] = []  # decode batch rows, in order
         self._batch_cache: Cache | None = None
@@ -161,20 +176,17 @@ class ModelRunner:
             prompt=mx.array(new.prompt_token_ids, dtype=mx.int32),
             sampling=sampling,
             history=RowHistory(new.prompt_token_ids) if sampling.needs_history else None,
-            cache=self._hits.pop(new.request_id, None) or make_prompt_cache(self.model),
+            cache=self._start_cache(new),
         )
 
-    def lookup_prefix(self, request_id: str, prompt: Sequence[int]) -> PrefixLookup:
-        """Find the longest cached prefix of `prompt`; the request will start from it."""
-        hit = self.prefix_cache.lookup(prompt) if self.prefix_cache is not None else None
-        if hit is None:
-            return PrefixLookup(0, None)
-        self._hits[request_id] = hit.cache
-        return PrefixLookup(hit.num_tokens, hit.source)
+    def _start_cache(self, new: NewRequest) -> Cache:
+        if new.prefix is None or self.store is None:
+            return make_prompt_cache(self.model)
+        return self.store.get(new.prefix, new.num_cached_tokens)
 
     def _retire(self, seq: _Seq) -> None:
         """Offer a finished request's cache (prompt + all but its last token) for reuse."""
-        if self.prefix_cache is None or seq.cache is not None or seq.num_generated < 1:
+        if self.store is None or seq.cache is not None or seq.num_generated < 1:
             return
         row = self._batch_ids.index(seq.request_id)
         cache = [layer.extract(row) for layer in self._batch_cache]
@@ -185,11 +197,10 @@ class ModelRunner:
         if offsets <= {len(tokens)} and all(
             getattr(c, "max_size", len(tokens) + 1) > len(tokens) for c in cache
         ):
-            self.prefix_cache.insert(tokens, cache)
+            self.store.put(tokens, cache)
 
     def _free(self, request_ids: Sequence[str], retire: frozenset[str] = frozenset()) -> None:
         for rid in request_ids:
-            self._hits.pop(rid, None)
             if rid in retire and rid in self._seqs:
                 self._retire(self._seqs[rid])
         gone = {rid for rid in request_ids if self._seqs.pop(rid, None) is not None}
@@ -234,64 +245,92 @@ class ModelRunner:
             logits = self._forward(seq.prompt[None, pos:end], seq.cache, logits=last)
             if end in chunk.checkpoints:
                 mx.eval([c.state for c in seq.cache])
-                seq.checkpoints.append(end)
-                snapshot = snapshot_cache(seq.cache)
-                if self.prefix_cache is not None:
-                    self.prefix_cache.insert(seq.prompt[:end].tolist(), snapshot)
-                if self.on_checkpoint is not None:
-                    self.on_checkpoint(seq.request_id, end, share_cache(snapshot))
+                try:
+                    self._checkpoint(seq, end)
+                except Exception as exc:
+                    raise _CheckpointFailed from exc
             pos = end
         if logits is None:
             mx.eval([c.state for c in seq.cache])  # bound the lazy graph between steps
         return logits
 
-    def run(self, work: StepWork) -> StepResult:
+    def housekeep(self, work: Housekeeping) -> StepResult:
+        """Free ended requests, drop and load prefix-cache entries; no forward pass."""
         t0 = time.perf_counter()
+        self._housekeep(work)
+        return StepResult(seconds=time.perf_counter() - t0, prefix=self._prefix_report())
+
+    def _housekeep(self, work: Housekeeping) -> None:
+        if self.store is not None:
+            for tokens in work.drop_entries:
+                self.store.drop(tokens)
+            for tokens in work.promote:
+                self.store.promote(tokens)
         self._free(work.free, work.retire)
+
+    def _checkpoint(self, seq: _Seq, end: int) -> None:
+        """Snapshot `seq`'s cache at `end` prompt tokens: the prefix cache, then the hook."""
+        seq.checkpoints.append(end)
+        snapshot = snapshot_cache(seq.cache)
+        if self.store is not None:
+            self.store.put(seq.prompt[:end].tolist(), snapshot)
+        if self.on_checkpoint is not None:
+            self.on_checkpoint(seq.request_id, end, share_cache(snapshot))
+
+    def run(self, work: StepWork) -> StepResult:
+        """Run one step. A fault pinned on one request (its set-up, its prefill chunk, its
+        checkpoint, its sampling row) drops that request and is reported in
+        `StepResult.failed`; the rest of the step goes on. Any other fault (the batched
+        decode forward, the plan disagreeing with the batch) raises."""
+        t0 = time.perf_counter()
+        self._housekeep(work)
+        failed: dict[str, str] = {}
         for new in work.admit:
-            self._admit(new)
+            try:
+                self._admit(new)
+            except Exception as exc:
+                self._fail(failed, new.request_id, ADMISSION_FAILED, exc)
         plan = work.plan
         if set(plan.decodes) != set(self._batch_ids):
             raise RuntimeError(
                 f"plan decodes {sorted(plan.decodes)} but the batch holds {sorted(self._batch_ids)}"
             )
 
-        rows: list[mx.array] = []
-        row_seqs: list[_Seq] = []
-        joining: list[_Seq] = []
         for seq in self._seqs.values():
             seq.checkpoints.clear()
+        finals: list[tuple[_Seq, mx.array]] = []  # final chunks: (request, last-position logits)
         for chunk in plan.chunks:
-            logits = self._prefill(chunk)
+            if chunk.request_id in failed:
+                continue
+            try:
+                logits = self._prefill(chunk)
+            except _CheckpointFailed as exc:
+                self._fail(failed, chunk.request_id, CHECKPOINT_FAILED, exc.__cause__ or exc)
+                continue
+            except Exception as exc:
+                self._fail(failed, chunk.request_id, PREFILL_FAILED, exc)
+                continue
             if chunk.is_final:
-                rows.append(logits)
-                seq = self._seqs[chunk.request_id]
-                row_seqs.append(seq)
-                joining.append(seq)
+                assert logits is not None
+                finals.append((self._seqs[chunk.request_id], logits))
 
-        if self._batch_ids:
-            batch = [self._seqs[rid] for rid in self._batch_ids]
+        decoded: mx.array | None = None  # (B, V) last-position logits of the decode batch
+        batch = [self._seqs[rid] for rid in self._batch_ids]
+        if batch:
             inputs = mx.array([[s.last_token] for s in batch], dtype=mx.int32)
-            rows.append(self.model(inputs, cache=self._batch_cache)[:, -1, :])
-            row_seqs.extend(batch)
+            decoded = self.model(inputs, cache=self._batch_cache)[:, -1, :]
 
+        sampled = self._sample(finals, batch, decoded, failed)
         tokens: dict[str, int] = {}
         logprobs: dict[str, TokenLogprob] = {}
-        if rows:
-            out = self.sampler.sample(
-                mx.concatenate(rows, axis=0) if len(rows) > 1 else rows[0],
-                [s.sampling for s in row_seqs],
-                positions=[s.num_generated for s in row_seqs],
-                histories=[s.history for s in row_seqs],
-            )
-            for seq, token, lp in zip(row_seqs, out.tokens, out.logprobs, strict=True):
-                seq.output.append(token)
-                if seq.history is not None:
-                    seq.history.append(token)
-                tokens[seq.request_id] = token
-                if lp is not None:
-                    logprobs[seq.request_id] = TokenLogprob(lp.token_id, lp.logprob, lp.top)
-        self._join_batch(joining)
+        for seq, token, lp in sampled:
+            seq.output.append(token)
+            if seq.history is not None:
+                seq.history.append(token)
+            tokens[seq.request_id] = token
+            if lp is not None:
+                logprobs[seq.request_id] = TokenLogprob(lp.token_id, lp.logprob, lp.top)
+        self._join_batch([seq for seq, _ in finals if seq.request_id not in failed])
         return StepResult(
             tokens=tokens,
             logprobs=logprobs,
@@ -299,25 +338,89 @@ class ModelRunner:
                 s.request_id: tuple(s.checkpoints) for s in self._seqs.values() if s.checkpoints
             },
             seconds=time.perf_counter() - t0,
-            prefix_cache=self._prefix_counters(),
+            prefix=self._prefix_report(),
+            failed=failed,
+            memory=read_memory_counters(),
         )
 
-    def _prefix_counters(self) -> PrefixCacheCounters | None:
-        if self.prefix_cache is None:
+    def _sample(
+        self,
+        finals: list[tuple[_Seq, mx.array]],
+        batch: list[_Seq],
+        decoded: mx.array | None,
+        failed: dict[str, str],
+    ) -> list[tuple[_Seq, int, TokenLogprobs | None]]:
+        """One token for every final chunk and every decode row, sampled as one batch.
+
+        If the batch fails, find out whose fault it is: each final chunk's logits and the
+        decode batch are evaluated on their own, then each row is sampled alone. A row that
+        still fails ends its request (`failed`); a decode batch that fails raises.
+        """
+        rows = [logits for _, logits in finals]
+        if decoded is not None:
+            rows.append(decoded)
+        seqs = [seq for seq, _ in finals] + batch
+        if not rows:
+            return []
+        try:
+            logits = mx.concatenate(rows, axis=0) if len(rows) > 1 else rows[0]
+            out = self._sample_rows(logits, seqs)
+            return list(zip(seqs, out.tokens, out.logprobs, strict=True))
+        except Exception as exc:
+            log.warning("batched_sampling_failed", error=repr(exc), num_rows=len(seqs))
+
+        alone: list[tuple[_Seq, mx.array]] = []
+        for seq, logits in finals:
+            try:
+                mx.eval(logits)
+            except Exception as exc:  # the final chunk's forward failed, lazily
+                self._fail(failed, seq.request_id, PREFILL_FAILED, exc)
+                continue
+            alone.append((seq, logits))
+        if decoded is not None:
+            mx.eval(decoded)  # the batched decode forward: not one request's fault
+            alone.extend((seq, decoded[i : i + 1]) for i, seq in enumerate(batch))
+        sampled = []
+        for seq, logits in alone:
+            try:
+                out = self._sample_rows(logits, [seq])
+            except Exception as exc:
+                self._fail(failed, seq.request_id, SAMPLING_FAILED, exc)
+                continue
+            sampled.append((seq, out.tokens[0], out.logprobs[0]))
+        return sampled
+
+    def _sample_rows(self, logits: mx.array, seqs: list[_Seq]) -> SampleOutput:
+        return self.sampler.sample(
+            logits,
+            [s.sampling for s in seqs],
+            positions=[s.num_generated for s in seqs],
+            histories=[s.history for s in seqs],
+        )
+
+    def _fail(self, failed: dict[str, str], request_id: str, what: str, exc: BaseException) -> None:
+        """End one request's executor state after a fault pinned on it; the step goes on."""
+        log.error("request_failed", request_id=request_id, what=what, error=repr(exc), exc_info=exc)
+        failed[request_id] = what
+        self._free([request_id])
+
+    def _prefix_report(self) -> PrefixReport | None:
+        if self.store is None:
             return None
-        st = self.prefix_cache.stats
-        disk = self.prefix_cache.disk.stats if self.prefix_cache.disk is not None else None
-        return PrefixCacheCounters(
-            nbytes=st.nbytes,
-            entries=st.entries,
-            evictions=st.evictions,
+        report = self.store.take_report()
+        disk = self.store.disk.stats if self.store.disk is not None else None
+        return PrefixReport(
+            new=tuple(report.new),
+            disk_added=tuple(report.disk_added),
+            disk_removed=tuple(report.disk_removed),
             disk_nbytes=disk.nbytes if disk else 0,
             disk_entries=disk.entries if disk else 0,
             disk_evictions=disk.evictions if disk else 0,
         )
 
-    def free(self, request_ids: Sequence[str], retire: frozenset[str] = frozenset()) -> None:
-        self._free(request_ids, retire)
+    def disk_entries(self) -> list:
+        """The disk tier's entries at start, to seed the step loop's index."""
+        return self.store.disk_entries() if self.store is not None else []
 
     @property
     def num_sequences(self) -> int:

@@ -5,7 +5,8 @@ turns the whole batch into tokens with vectorised MLX ops and a single `mx.eval`
 only in the rare case described under `_NUM_CANDIDATES`):
 
 1. penalties (only rows that ask for them), on the raw logits;
-2. greedy rows (temperature 0): argmax of the penalised logits, no filters;
+2. greedy rows (temperature below `GREEDY_TEMPERATURE`, e.g. 0): argmax of the penalised
+   logits, no filters;
 3. other rows: temperature, then top-k, top-p and min-p as one per-row threshold, then
    Gumbel-max: argmax(logits / T + g), g ~ Gumbel(0, 1), which draws exactly from
    softmax(logits / T) restricted to the tokens that pass the filters.
@@ -23,6 +24,13 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from stepline.engine.sampling_limits import (
+    GREEDY_TEMPERATURE,
+    MAX_INT32,
+    MAX_REPETITION_PENALTY,
+    PENALTY_RANGE,
+)
+
 # top-k / top-p thresholds come from each row's best _NUM_CANDIDATES tokens (a partition and a
 # small sort, instead of sorting the whole vocabulary, which is ~90 ms for 32 x 32000 on CPU).
 # A row whose nucleus is wider than that, or whose top_k is larger, is redone with a full sort
@@ -34,11 +42,15 @@ _MASK64 = (1 << 64) - 1
 
 @dataclass(frozen=True)
 class RowSampling:
-    """How to sample one row. Invalid values raise `ValueError` naming the field and its range."""
+    """How to sample one row. Invalid values raise `ValueError` naming the field and its range.
 
-    temperature: float = 1.0  # 0 => greedy (argmax)
+    NaN and infinities are refused everywhere. `top_k=-1` means off, like 0 (it is stored as 0);
+    a temperature below `GREEDY_TEMPERATURE` is greedy.
+    """
+
+    temperature: float = 1.0  # < GREEDY_TEMPERATURE (e.g. 0) => greedy (argmax)
     top_p: float = 1.0  # (0, 1]; 1 disables
-    top_k: int = 0  # 0 disables
+    top_k: int = 0  # 0 or -1 disables; at most MAX_INT32
     min_p: float = 0.0  # [0, 1); 0 disables
     seed: int | None = None  # None => the sampler's shared random stream
     presence_penalty: float = 0.0  # OpenAI: subtracted once from every token generated so far
@@ -47,34 +59,46 @@ class RowSampling:
     logprobs: int | None = None  # None => none; k >= 0 => chosen token's logprob + top k
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+        if not (_is_number(self.temperature) and self.temperature >= 0):
             raise ValueError(
                 f"temperature must be a finite number >= 0 (0 means greedy), got {self.temperature}"
             )
-        if not 0 < self.top_p <= 1:
+        if not (_is_number(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1] (1 disables it), got {self.top_p}")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        if not 0 <= self.min_p < 1:
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= MAX_INT32:
+            raise ValueError(
+                f"top_k must be an integer in [-1, {MAX_INT32}] (0 or -1 disables it), "
+                f"got {self.top_k!r}"
+            )
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        if not (_is_number(self.min_p) and 0 <= self.min_p < 1):
             raise ValueError(f"min_p must be in [0, 1) (0 disables it), got {self.min_p}")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        low, high = PENALTY_RANGE
         for name in ("presence_penalty", "frequency_penalty"):
-            if not math.isfinite(getattr(self, name)):
+            value = getattr(self, name)
+            if not (_is_number(value) and low <= value <= high):
                 raise ValueError(
-                    f"{name} must be a finite number (0 disables it), got {getattr(self, name)}"
+                    f"{name} must be a number in [{low:g}, {high:g}] (0 disables it), got {value}"
                 )
-        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+        if not (
+            _is_number(self.repetition_penalty)
+            and 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY
+        ):
             raise ValueError(
-                "repetition_penalty must be a finite number > 0 (1 disables it), "
-                f"got {self.repetition_penalty}"
+                f"repetition_penalty must be a number in (0, {MAX_REPETITION_PENALTY:g}] "
+                f"(1 disables it), got {self.repetition_penalty}"
             )
-        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+        if self.logprobs is not None and (
+            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_INT32
+        ):
             raise ValueError(f"logprobs must be None or an integer >= 0, got {self.logprobs!r}")
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def needs_history(self) -> bool:
@@ -505,6 +529,11 @@ def _check_batch(
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    """A finite int or float (not a bool, not NaN or an infinity)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _splitmix64(x: int) -> int:

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from stepline.engine.policy import StepPlan
+from stepline.engine.prefix_index import EntryInfo, Tokens
 from stepline.events.models import RequestParams
 
 
@@ -17,15 +18,25 @@ class NewRequest:
     prompt_token_ids: tuple[int, ...]
     params: RequestParams
     logprobs: int | None = None  # None: no logprobs; k: chosen token's + top k
+    prefix: Tokens | None = None  # the prefix-cache entry it starts from, if any
+    num_cached_tokens: int = 0  # of that entry, the tokens it uses (<= len(prefix))
 
 
 @dataclass(frozen=True)
-class StepWork:
-    plan: StepPlan
-    admit: tuple[NewRequest, ...] = ()  # requests first scheduled in this step
-    free: tuple[str, ...] = ()  # requests to drop before the step runs (finished, cancelled)
+class Housekeeping:
+    """What the executor does before a step's work (or alone, when there is none)."""
+
+    free: tuple[str, ...] = ()  # requests to drop (finished, cancelled)
     # of those, the ones that finished normally: their caches go to the prefix cache
     retire: frozenset[str] = frozenset()
+    drop_entries: tuple[Tokens, ...] = ()  # prefix-cache entries the index let go
+    promote: tuple[Tokens, ...] = ()  # disk entries to load into memory
+
+
+@dataclass(frozen=True)
+class StepWork(Housekeeping):
+    plan: StepPlan = field(default_factory=lambda: StepPlan(step=0))
+    admit: tuple[NewRequest, ...] = ()  # requests first scheduled in this step
 
 
 @dataclass(frozen=True)
@@ -44,20 +55,36 @@ class StepResult:
     # request_id -> checkpoint offsets snapshotted this step, in order
     checkpoints: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     seconds: float = 0.0  # wall time of the MLX work
-    prefix_cache: PrefixCacheCounters | None = None  # after this step
+    prefix: PrefixReport | None = None  # what the prefix store did in this step
+    # request_id -> what failed (one of the *_FAILED messages): the executor dropped the
+    # request's state; the step's other work stands. The exception went to the log.
+    failed: Mapping[str, str] = field(default_factory=dict)
+    memory: MemoryCounters | None = None  # MLX's allocator after this step
+
+
+# What a request fault says (stable, for the terminal event; the detail goes to the log).
+ADMISSION_FAILED = "the executor could not set up this request"
+PREFILL_FAILED = "the forward pass of this request's prompt failed"
+CHECKPOINT_FAILED = "this request's checkpoint (snapshot or on_checkpoint hook) failed"
+SAMPLING_FAILED = "sampling this request's next token failed"
 
 
 @dataclass(frozen=True)
-class PrefixCacheCounters:
-    nbytes: int
-    entries: int
-    evictions: int  # since the engine started
-    disk_nbytes: int = 0  # disk tier: file bytes held
+class MemoryCounters:
+    """MLX's own allocator counters, in bytes (read on the executor thread)."""
+
+    active: int  # held by live arrays
+    cache: int  # freed buffers MLX keeps for reuse
+    peak: int  # most active memory since the engine started (or the last reset)
+
+
+@dataclass(frozen=True)
+class PrefixReport:
+    """The prefix store's changes, for the step loop's index, and its disk tier's counters."""
+
+    new: tuple[EntryInfo, ...] = ()  # entries now held in memory
+    disk_added: tuple[EntryInfo, ...] = ()
+    disk_removed: tuple[Tokens, ...] = ()
+    disk_nbytes: int = 0
     disk_entries: int = 0
-    disk_evictions: int = 0  # files removed to stay under the cap, since the engine started
-
-
-@dataclass(frozen=True)
-class PrefixLookup:
-    num_tokens: int  # prompt tokens already in the cache the request starts from
-    source: str | None  # where they came from ("memory" or "disk"), None on a miss
+    disk_evictions: int = 0

@@ -39,6 +39,7 @@ class RequestState(BaseModel):
     num_prompt_tokens: int
     num_computed_tokens: int  # prompt tokens in the cache (cached prefix included)
     num_cached_tokens: int
+    cache_source: str | None = None  # "memory" or "disk" for a prefix-cache hit
     prompt_token_ids: tuple[int, ...] | None
     checkpoints: tuple[int, ...]
     checkpoints_reached: tuple[int, ...] = ()
@@ -77,6 +78,7 @@ def apply(state: RequestState | None, event: Event) -> RequestState:
             num_prompt_tokens=event.num_prompt_tokens,
             num_computed_tokens=computed,
             num_cached_tokens=event.num_cached_tokens,
+            cache_source=event.cache_source,
             prompt_token_ids=event.prompt_token_ids,
             checkpoints=event.checkpoints,
             params=event.params,
@@ -89,6 +91,18 @@ def apply(state: RequestState | None, event: Event) -> RequestState:
     if state.is_finished:
         raise FoldError(f"{event.type} after terminal for {state.request_id} (seq {event.seq})")
     if isinstance(event, ChunkPrefilled):
+        if event.num_cached_tokens:
+            if state.status is not Status.WAITING or state.num_computed_tokens:
+                raise FoldError(
+                    f"cache hit for {state.request_id} after its prefill began (seq {event.seq})"
+                )
+            state = state.model_copy(
+                update={
+                    "num_computed_tokens": event.num_cached_tokens,
+                    "num_cached_tokens": event.num_cached_tokens,
+                    "cache_source": event.cache_source,
+                }
+            )
         if event.start != state.num_computed_tokens or event.end <= event.start:
             raise FoldError(
                 f"chunk [{event.start}, {event.end}) of {state.request_id} does not continue "

@@ -60,8 +60,10 @@ class Admitted(_Event):
     prompt_token_ids: tuple[int, ...] | None
     prompt_sha256: str  # hash of the token ids, always present
     checkpoints: tuple[int, ...] = ()  # prompt offsets where the cache is snapshotted
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    cache_source: str | None = None  # where they came from (e.g. "memory", "disk")
+    # Logs before the prefix lookup moved to scheduling time recorded cache hits here;
+    # now the first `chunk-prefilled` event does, and these stay 0 / None.
+    num_cached_tokens: int = 0
+    cache_source: str | None = None
     params: RequestParams
 
 
@@ -84,12 +86,18 @@ class StepPlanned(_Event):
 
 
 class ChunkPrefilled(_Event):
-    """Prompt tokens [start, end) of the request were computed into its cache."""
+    """Prompt tokens [start, end) of the request were computed into its cache.
+
+    A request's first chunk says how many prompt tokens it started with from the prefix
+    cache (then `start` equals that number) and where they came from.
+    """
 
     type: Literal["chunk-prefilled"] = "chunk-prefilled"
     request_id: str
     start: int
     end: int
+    num_cached_tokens: int = 0
+    cache_source: str | None = None  # "memory" or "disk" when num_cached_tokens > 0
 
 
 class CheckpointReached(_Event):

@@ -10,6 +10,7 @@ import anyio
 import pydantic
 import pytest
 
+import stepline.actors.step_loop as step_loop_module
 from stepline.actors.executor import Executor, ExecutorDeadError
 from stepline.actors.request import IncrementalDetokenizer
 from stepline.api import (
@@ -259,7 +260,9 @@ async def test_a_dead_executor_ends_every_request_with_an_error_and_refuses_new_
             await engine.submit("anyone there?", params=GREEDY)
 
 
-async def test_a_bug_in_the_step_loop_fails_requests_instead_of_hanging_them(model_cache_dir):
+async def test_a_bug_in_the_step_loop_fails_requests_instead_of_hanging_them(
+    model_cache_dir, monkeypatch
+):
     async with Engine.open(max_step_tokens=16, max_num_seqs=4) as engine:
         stream = await engine.submit("hello", params=SamplingParams(max_tokens=100))
         loop = engine.step_loop
@@ -268,7 +271,7 @@ async def test_a_bug_in_the_step_loop_fails_requests_instead_of_hanging_them(mod
         def broken(*args):
             raise KeyError("a bug in the commit")
 
-        loop._finish_reason = broken
+        monkeypatch.setattr(step_loop_module, "commit", broken)
         with anyio.fail_after(10):
             outs = await collect(stream)
         assert outs[-1].finish_reason == "error" and "a bug in the commit" in outs[-1].error

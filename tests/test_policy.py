@@ -9,6 +9,7 @@ import pytest
 from stepline.engine.policy import (
     ContextLengthExceededError,
     EmptyPromptError,
+    KVBudgetExceededError,
     SchedulerConfig,
     StepPlan,
     check_admissible,
@@ -196,3 +197,23 @@ def test_config_rejects_nonsense():
         SchedulerConfig(max_num_seqs=0)
     with pytest.raises(ValueError, match="every running request decodes"):
         SchedulerConfig(max_step_tokens=16, max_num_seqs=32)
+
+
+def test_a_fixed_per_request_kv_cost_counts_against_the_budget():
+    # 20 + 10 tokens each fit twice in 70, but not with 10 tokens' worth of recurrent state each
+    sim = Sim(SchedulerConfig(max_step_tokens=64, max_kv_tokens=70, kv_tokens_per_seq=10))
+    sim.add("a", 20, max_tokens=10)
+    sim.add("b", 20, max_tokens=10)
+    plan = sim.run_step()
+    assert list(plan.num_scheduled_tokens) == ["a"]
+    assert sim.states["b"].status is Status.WAITING
+
+
+def test_a_request_past_the_kv_budget_is_refused_in_tokens_and_gb():
+    config = SchedulerConfig(max_kv_tokens=2**20, kv_bytes_per_token=2048)  # 2 GB
+    with pytest.raises(KVBudgetExceededError) as err:
+        check_admissible(2**20, 1, 2**22, config)
+    assert (err.value.num_kv_tokens, err.value.max_kv_tokens) == (2**20 + 1, 2**20)
+    assert "1048577 tokens, 2 GB" in str(err.value) and "1048576 tokens, 2 GB" in str(err.value)
+    with pytest.raises(ValueError, match="max_waiting"):
+        SchedulerConfig(max_waiting=0)

@@ -13,17 +13,13 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, KVCache, load_prompt_cache, make_prompt_cache
 from structlog.testing import capture_logs
 
-import stepline.engine.prefix_cache as prefix_cache
+import stepline.engine.prefix_disk as prefix_cache
 from stepline.api import Engine, SamplingParams
-from stepline.engine.prefix_cache import (
-    WRITER_THREAD_NAME,
-    PrefixCache,
-    entry_file_name,
-    model_fingerprint,
-)
+from stepline.engine.prefix_cache import PrefixCache
+from stepline.engine.prefix_disk import WRITER_THREAD_NAME, entry_file_name, model_fingerprint
 from stepline.engine.runner import snapshot_cache
 from stepline.events.log import read_events
-from stepline.events.models import Admitted
+from stepline.events.models import ChunkPrefilled
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
 MODELS = ["stepline-demo", "stepline-demo-hybrid"]
@@ -69,12 +65,13 @@ def same(warm, cold_run) -> None:
 async def flush(engine: Engine) -> None:
     """Wait for the disk writes so far (on the executor, which owns the cache)."""
     loop = engine.step_loop
-    assert await loop.executor.call(loop.runner.prefix_cache.flush, 30.0)
+    assert await loop.executor.call(loop.runner.store.flush, 30.0)
 
 
-def admitted(log: Path, request_id: str) -> Admitted:
+def first_chunk(log: Path, request_id: str) -> ChunkPrefilled:
+    """The event that records where a request's cached prefix came from."""
     events = read_events(log)
-    return next(e for e in events if isinstance(e, Admitted) and e.request_id == request_id)
+    return next(e for e in events if isinstance(e, ChunkPrefilled) and e.request_id == request_id)
 
 
 def files(directory: Path) -> list[Path]:
@@ -102,8 +99,8 @@ async def test_entries_survive_an_engine_restart_and_compute_what_a_cold_run_doe
         warm = await run(engine, SYSTEM + SECOND, request_id="after-restart")
         again = await run(engine, SYSTEM + SECOND, request_id="from-memory")
     assert warm[2] == 40
-    assert admitted(log, "after-restart").cache_source == "disk"
-    assert admitted(log, "from-memory").cache_source == "memory"
+    assert first_chunk(log, "after-restart").cache_source == "disk"
+    assert first_chunk(log, "from-memory").cache_source == "memory"
     assert again[2] > 0
     same(warm, await cold(model, SYSTEM + SECOND))
 

@@ -315,11 +315,21 @@ def test_logprobs_of_a_token_resampled_past_the_candidates_belong_to_that_token(
         ("temperature", math.nan),
         ("top_p", 0.0),
         ("top_p", 1.5),
-        ("top_k", -1),
+        ("top_p", math.nan),
+        ("top_k", -2),
+        ("top_k", 2**31),
+        ("top_k", 1.5),
         ("min_p", 1.0),
         ("min_p", -0.1),
+        ("min_p", math.nan),
         ("repetition_penalty", 0.0),
+        ("repetition_penalty", math.inf),
+        ("repetition_penalty", 10.5),
+        ("repetition_penalty", math.nan),
         ("presence_penalty", math.inf),
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -2.5),
+        ("frequency_penalty", math.nan),
         ("logprobs", -1),
     ],
 )
@@ -338,3 +348,15 @@ def test_history_counts_what_the_executor_appends():
     assert history.seen_ids == {5, 6, 7}
     assert history.generated_counts == {7: 2, 5: 1}
     assert history.num_generated == 3
+
+
+def test_top_k_minus_one_means_off_like_zero():
+    assert RowSampling(top_k=-1) == RowSampling(top_k=0)
+
+
+def test_a_temperature_below_the_greedy_epsilon_samples_greedily():
+    logits = random_logits(4, 64, seed=3)
+    tiny = Sampler(seed=0).sample(logits, [RowSampling(temperature=1e-6)] * 4, [0] * 4)
+    greedy = Sampler(seed=0).sample(logits, [RowSampling(temperature=0)] * 4, [0] * 4)
+    assert tiny.tokens == greedy.tokens == mx.argmax(logits, axis=-1).tolist()
+    assert RowSampling(temperature=sampling.GREEDY_TEMPERATURE).is_greedy is False

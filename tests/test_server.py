@@ -29,18 +29,9 @@ from stepline.api.openai_schema import (
     ChatDelta,
     RequestError,
 )
-from stepline.api.server import (
-    DONE,
-    PING,
-    EventStreamResponse,
-    TextFrames,
-    add_serve_parser,
-    bind_socket,
-    create_app,
-    run_serve,
-    serve_in_process,
-    sse,
-)
+from stepline.api.serve_cmd import add_serve_parser, bind_socket, run_serve, serve_in_process
+from stepline.api.server import create_app
+from stepline.api.sse import DONE, PING, EventStreamResponse, TextFrames, sse
 from stepline.events.log import TornLineWarning, read_events
 from stepline.events.models import Terminal
 
@@ -822,7 +813,7 @@ async def test_serve_reports_a_port_in_use_before_loading_any_model(capsys):
 
 
 async def test_serve_prints_a_curl_line_that_streams():
-    from stepline.api.server import _curl_line
+    from stepline.api.serve_cmd import _curl_line
 
     line = _curl_line("http://127.0.0.1:8000", "stepline-demo", api_key=None)
     assert line.startswith("curl -N http://127.0.0.1:8000/v1/chat/completions")

@@ -1,0 +1,281 @@
+"""The OpenAI endpoints' handlers: /v1/chat/completions, /v1/completions, /v1/models.
+
+Every request gets an id (`chatcmpl-<hex>` / `cmpl-<hex>`) that is its id in the engine's
+event log, returned as the body's `id` and the `x-request-id` header. A client that
+disconnects cancels its request (its cache is freed within one step).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from stepline.api.openai_schema import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatDelta,
+    ChatLogprobs,
+    ChatTokenLogprob,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    TopLogprob,
+    Usage,
+    now,
+)
+from stepline.api.serving import Serving, json_response
+from stepline.api.sse import DONE, PING, Emit, TextFrames, sse
+
+if TYPE_CHECKING:
+    from stepline.api.engine import RequestStream
+    from stepline.engine.work import TokenLogprob
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class OpenAIServing(Serving):
+    """Turns OpenAI requests into engine requests and engine outputs into OpenAI responses."""
+
+    def _chat_logprobs(self, lps: Sequence[TokenLogprob]) -> list[ChatTokenLogprob]:
+        out = []
+        for lp in lps:
+            token = self.token_text(lp.token_id)
+            top = [
+                TopLogprob(token=(t := self.token_text(i)), logprob=v, bytes=list(t.encode()))
+                for i, v in lp.top
+            ]
+            out.append(
+                ChatTokenLogprob(
+                    token=token, logprob=lp.logprob, bytes=list(token.encode()), top_logprobs=top
+                )
+            )
+        return out
+
+    def _completion_logprobs(
+        self, lps: Sequence[TokenLogprob], text_offset: int
+    ) -> CompletionLogprobs:
+        tokens = [self.token_text(lp.token_id) for lp in lps]
+        offsets = []
+        for t in tokens:
+            offsets.append(text_offset)
+            text_offset += len(t)
+        return CompletionLogprobs(
+            tokens=tokens,
+            token_logprobs=[lp.logprob for lp in lps],
+            top_logprobs=[{self.token_text(i): v for i, v in lp.top} for lp in lps],
+            text_offset=offsets,
+        )
+
+    # -- /v1/chat/completions --
+
+    async def chat(self, request: Request) -> Response:
+        return await self.handle(request, f"chatcmpl-{uuid.uuid4().hex}", self._chat)
+
+    async def _chat(self, request: Request, rid: str) -> Response:
+        req = await self.parse(request, ChatCompletionRequest)
+        num_logprobs = req.num_logprobs
+        messages = req.engine_messages()
+        ids = self.encode(messages=messages)
+        max_tokens = self.max_tokens(
+            req.requested_max_tokens,
+            len(ids),
+            default=None,
+            prompt_param="messages",
+            param="max_completion_tokens" if req.max_completion_tokens else "max_tokens",
+        )
+        params = self.sampling(req, max_tokens, num_logprobs)
+        # Chat boundaries (end of the system prompt, of earlier turns) feed the prefix cache.
+        checkpoints = self.engine.chat_checkpoints(messages, ids)
+        stream = await self.submit(rid, ids, params, "messages", checkpoints)
+        created = now()
+        model = self.engine.model_name
+        if req.stream:
+            return self.stream_response(
+                rid, stream, lambda emit: self._chat_stream(emit, stream, req, rid, created)
+            )
+        outs = await self.collect(request, stream)
+        last = outs[-1]
+        logprobs = None
+        if num_logprobs is not None:
+            logprobs = ChatLogprobs(
+                content=self._chat_logprobs([lp for o in outs for lp in o.logprobs])
+            )
+        body = ChatCompletion(
+            id=rid,
+            created=created,
+            model=model,
+            choices=[
+                ChatChoice(
+                    message=AssistantMessage(content="".join(o.text for o in outs)),
+                    logprobs=logprobs,
+                    finish_reason=last.finish_reason,
+                )
+            ],
+            usage=Usage.of(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens),
+        )
+        return json_response(body, headers={"x-request-id": rid})
+
+    async def _chat_stream(
+        self, emit: Emit, stream: RequestStream, req: ChatCompletionRequest, rid: str, created: int
+    ) -> None:
+        model = self.engine.model_name
+        exclude = None if req.include_usage else {"usage"}
+        want_logprobs = req.logprobs
+
+        def chunk(delta: ChatDelta, finish: str | None = None, lps=()) -> bytes:
+            logprobs = ChatLogprobs(content=self._chat_logprobs(lps)) if want_logprobs else None
+            choice = ChatChunkChoice(delta=delta, logprobs=logprobs, finish_reason=finish)
+            body = ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice])
+            return sse(body, exclude=exclude)
+
+        text_frame = TextFrames(
+            ChatCompletionChunk(
+                id=rid,
+                created=created,
+                model=model,
+                choices=[ChatChunkChoice(delta=ChatDelta(content=TextFrames.SENTINEL))],
+            ),
+            exclude=exclude,
+        )
+        started = False
+        async for out in stream:
+            if out.is_progress:
+                await emit(PING)  # a long prompt is prefilling: keep proxies from timing out
+                continue
+            if out.finish_reason not in (None, "stop", "length"):
+                await self.stream_error(emit, out)
+                return
+            frames = []  # this output's frames, sent in one write
+            if not started:
+                started = True
+                frames.append(chunk(ChatDelta(role="assistant", content="")))
+            if want_logprobs and out.logprobs:
+                frames.append(chunk(ChatDelta(content=out.text), lps=out.logprobs))
+            elif out.text:
+                frames.append(text_frame(out.text))
+            if out.finish_reason is not None:
+                frames.append(chunk(ChatDelta(), finish=out.finish_reason))
+                if req.include_usage:
+                    usage = Usage.of(
+                        out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens
+                    )
+                    body = ChatCompletionChunk(
+                        id=rid, created=created, model=model, choices=[], usage=usage
+                    )
+                    frames.append(sse(body))
+                frames.append(DONE)
+            if frames:
+                await emit(b"".join(frames))
+            if out.finish_reason is not None:
+                return
+        await self.stream_error(emit, None)
+
+    # -- /v1/completions --
+
+    async def completions(self, request: Request) -> Response:
+        return await self.handle(request, f"cmpl-{uuid.uuid4().hex}", self._completions)
+
+    async def _completions(self, request: Request, rid: str) -> Response:
+        req = await self.parse(request, CompletionRequest)
+        ids = self.encode(prompt=req.engine_prompt())
+        max_tokens = self.max_tokens(
+            req.max_tokens, len(ids), default=DEFAULT_COMPLETION_MAX_TOKENS, prompt_param="prompt"
+        )
+        params = self.sampling(req, max_tokens, req.logprobs)
+        stream = await self.submit(rid, ids, params, "prompt")
+        created = now()
+        if req.stream:
+            return self.stream_response(
+                rid, stream, lambda emit: self._completion_stream(emit, stream, req, rid, created)
+            )
+        outs = await self.collect(request, stream)
+        last = outs[-1]
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs = self._completion_logprobs([lp for o in outs for lp in o.logprobs], 0)
+        body = Completion(
+            id=rid,
+            created=created,
+            model=self.engine.model_name,
+            choices=[
+                CompletionChoice(
+                    text="".join(o.text for o in outs),
+                    logprobs=logprobs,
+                    finish_reason=last.finish_reason,
+                )
+            ],
+            usage=Usage.of(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens),
+        )
+        return json_response(body, headers={"x-request-id": rid})
+
+    async def _completion_stream(
+        self, emit: Emit, stream: RequestStream, req: CompletionRequest, rid: str, created: int
+    ) -> None:
+        model = self.engine.model_name
+        exclude = None if req.include_usage else {"usage"}
+        want_logprobs = req.logprobs is not None
+        offset = 0
+
+        def chunk(text: str, finish: str | None = None, lps=()) -> bytes:
+            logprobs = self._completion_logprobs(lps, offset) if want_logprobs else None
+            choice = CompletionChoice(text=text, logprobs=logprobs, finish_reason=finish)
+            return sse(
+                Completion(id=rid, created=created, model=model, choices=[choice]),
+                exclude=exclude,
+            )
+
+        text_frame = TextFrames(
+            Completion(
+                id=rid,
+                created=created,
+                model=model,
+                choices=[CompletionChoice(text=TextFrames.SENTINEL)],
+            ),
+            exclude=exclude,
+        )
+        async for out in stream:
+            if out.is_progress:
+                await emit(PING)
+                continue
+            if out.finish_reason not in (None, "stop", "length"):
+                await self.stream_error(emit, out)
+                return
+            frames = []  # this output's frames, sent in one write
+            if want_logprobs and out.logprobs:
+                frames.append(chunk(out.text, lps=out.logprobs))
+            elif out.text:
+                frames.append(text_frame(out.text))
+            offset += len(out.text)
+            if out.finish_reason is not None:
+                frames.append(chunk("", finish=out.finish_reason))
+                if req.include_usage:
+                    usage = Usage.of(
+                        out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens
+                    )
+                    body = Completion(id=rid, created=created, model=model, choices=[], usage=usage)
+                    frames.append(sse(body))
+                frames.append(DONE)
+            if frames:
+                await emit(b"".join(frames))
+            if out.finish_reason is not None:
+                return
+        await self.stream_error(emit, None)
+
+    # -- the rest --
+
+    def models(self) -> ModelList:
+        card = ModelCard(
+            id=self.engine.model_name, created=self.created, max_model_len=self.engine.max_context
+        )
+        return ModelList(data=[card])

@@ -1,0 +1,79 @@
+"""How to sample one request, as the Python API takes it: bounded where it enters."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from stepline.engine.sampling_limits import MAX_INT32, MAX_REPETITION_PENALTY, PENALTY_RANGE
+from stepline.events.models import RequestParams
+
+
+class SamplingParams(BaseModel):
+    """How to sample one request. Invalid values raise pydantic's ValidationError (a ValueError)
+    whose message names the field and the allowed range; NaN and infinities are refused
+    everywhere. A temperature below 1e-5 samples greedily (argmax), like 0. `top_k` and
+    `stop_token_ids` are also checked against the model's vocabulary by `Engine.submit`."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    max_tokens: int = Field(256, ge=1, description="most tokens to generate (>= 1)")
+    temperature: float = Field(1.0, ge=0.0, description="0 (or below 1e-5) = greedy; >= 0")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus mass in (0, 1]")
+    top_k: int = Field(
+        0, ge=-1, le=MAX_INT32, description="0 or -1 = off; at most the vocabulary size"
+    )
+    min_p: float = Field(0.0, ge=0.0, lt=1.0, description="0 = off")
+    seed: int | None = Field(None, description="same seed + same prompt = same tokens")
+    stop: tuple[str, ...] = Field((), description="stop strings, never emitted; none empty")
+    stop_token_ids: tuple[int, ...] = Field((), description="token ids in the vocabulary")
+    ignore_eos: bool = False
+    presence_penalty: float = Field(0.0, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
+    frequency_penalty: float = Field(0.0, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
+    repetition_penalty: float = Field(
+        1.0, gt=0.0, le=MAX_REPETITION_PENALTY, description="1 = off; > 1 penalises"
+    )
+    logprobs: int | None = Field(None, ge=0, le=20, description="top-k logprobs per token")
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: int) -> int:
+        return 0 if v == -1 else v  # both mean off; one spelling in the log
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop(cls, v: Any) -> Any:
+        return (v,) if isinstance(v, str) else v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_not_empty(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if any(s == "" for s in v):
+            raise ValueError("stop strings must not be empty (an empty one would match at once)")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        bad = [t for t in v if not 0 <= t <= MAX_INT32]
+        if bad:
+            raise ValueError(f"stop_token_ids must be token ids >= 0, got {bad[0]}")
+        return v
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """Raise ValueError if `top_k` or a stop token id lies outside a `vocab_size` vocabulary."""
+        if self.top_k > vocab_size:
+            raise ValueError(
+                f"top_k must be at most the model's vocabulary size ({vocab_size}), or 0 / -1 "
+                f"for off; got {self.top_k}"
+            )
+        bad = [t for t in self.stop_token_ids if t >= vocab_size]
+        if bad:
+            raise ValueError(
+                f"stop_token_ids must be in the model's vocabulary (0..{vocab_size - 1}), "
+                f"got {bad[0]}"
+            )
+
+    def to_record(self) -> RequestParams:
+        return RequestParams(**self.model_dump(exclude={"logprobs"}))

@@ -1,0 +1,146 @@
+"""Memory budgets measured against MLX's own counters: the machine's memory, the model's KV
+footprint per token, the budget in tokens the scheduler's admission control works with, and
+MLX's buffer cache limit.
+
+MLX calls here run on the executor thread (like all MLX work); `kv_tokens_for_budget` and
+`default_kv_budget_bytes` are plain arithmetic.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import make_prompt_cache
+
+from stepline.engine.work import MemoryCounters
+
+# With no --max-kv-gb: the KV of running requests may use this fraction of the machine's
+# memory, less the weights and the prefix cache, but never less than _MIN_KV_FRACTION of it.
+DEFAULT_MEMORY_FRACTION = 0.7
+_MIN_KV_FRACTION = 0.1
+# With no --mlx-cache-gb: MLX keeps at most this fraction of the machine's memory in freed
+# buffers for reuse (its own default is the whole memory limit, which looks like a leak).
+DEFAULT_BUFFER_CACHE_FRACTION = 0.1
+
+
+@dataclass(frozen=True)
+class KVFootprint:
+    """What one request's cache costs, measured on the model's own `make_prompt_cache`."""
+
+    bytes_per_token: int  # KV layers (full, sliding, quantized): grows with every token
+    bytes_per_seq: int  # recurrent state (ArraysCache): a fixed cost per request
+
+    def tokens_per_seq(self) -> int:
+        """The fixed per-request cost in units of one token's KV (rounded up)."""
+        return math.ceil(self.bytes_per_seq / max(self.bytes_per_token, 1))
+
+
+def read_memory_counters() -> MemoryCounters:
+    return MemoryCounters(
+        active=mx.get_active_memory(), cache=mx.get_cache_memory(), peak=mx.get_peak_memory()
+    )
+
+
+def machine_memory_bytes() -> int:
+    """The memory MLX may use: Metal's recommended working set on macOS, the GPU's memory
+    on CUDA, else physical RAM."""
+    device_info = getattr(mx, "device_info", None) or mx.metal.device_info  # MLX < 0.30
+    info: dict[str, Any] = device_info()
+    for key in ("max_recommended_working_set_size", "memory_size", "total_memory"):
+        if info.get(key):
+            return int(info[key])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def weights_bytes(model: Any) -> int:
+    return sum(a.nbytes for _, a in tree_flatten(model.parameters()))
+
+
+def measure_kv_footprint(model: Any) -> KVFootprint:
+    """Forward a few tokens into a fresh prompt cache and read each layer's arrays.
+
+    A layer with keys (KVCache, RotatingKVCache, QuantizedKVCache) costs its allocated
+    bytes divided by its allocated token slots (the token axis is -2 of every array), per
+    token: a sliding window is counted as if it never wrapped, an overestimate. Any other
+    layer (ArraysCache's recurrent state) costs its bytes once per request.
+    """
+    cache = make_prompt_cache(model)
+    model(mx.array([[1, 2, 3, 4]]), cache=cache)
+    mx.eval([layer.state for layer in cache])
+    per_token = 0.0
+    per_seq = 0
+    for layer in cache:
+        if getattr(layer, "keys", None) is not None:
+            arrays = [a for _, a in tree_flatten([layer.keys, layer.values])]
+            per_token += sum(a.nbytes / a.shape[-2] for a in arrays)
+        else:
+            per_seq += sum(
+                a.nbytes for _, a in tree_flatten(layer.state) if isinstance(a, mx.array)
+            )
+    return KVFootprint(bytes_per_token=math.ceil(per_token), bytes_per_seq=per_seq)
+
+
+def kv_tokens_for_budget(budget_bytes: float, footprint: KVFootprint) -> int:
+    """How many tokens of KV fit in `budget_bytes` (at least 1)."""
+    return max(1, int(budget_bytes // max(footprint.bytes_per_token, 1)))
+
+
+def default_kv_budget_bytes(machine: int, weights: int, prefix_cache: int) -> int:
+    """The KV budget when none is given: a fraction of the machine's memory, less the
+    weights and the prefix cache's budget, and at least a tenth of the memory."""
+    return int(
+        max(machine * DEFAULT_MEMORY_FRACTION - weights - prefix_cache, machine * _MIN_KV_FRACTION)
+    )
+
+
+def set_buffer_cache_limit(limit_bytes: int) -> int:
+    """Limit the freed buffers MLX keeps for reuse; returns the previous limit."""
+    return int(mx.set_cache_limit(limit_bytes))
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The engine's memory budgets, resolved at load."""
+
+    footprint: KVFootprint
+    kv_budget_bytes: int  # what max_kv_tokens was derived from (or stands for)
+    max_kv_tokens: int
+    buffer_cache_bytes: int  # MLX's buffer cache limit, now set
+
+
+def plan_memory(
+    model: Any,
+    *,
+    max_kv_tokens: int | None,
+    max_kv_gb: float | None,
+    mlx_cache_gb: float | None,
+    prefix_cache_bytes: int,
+) -> MemoryPlan:
+    """Measure the model's KV footprint, turn the KV budget into tokens, and limit MLX's
+    buffer cache. `max_kv_tokens` wins if given; else `max_kv_gb`; else a default fraction
+    of the machine's memory. Runs on the executor thread."""
+    footprint = measure_kv_footprint(model)
+    machine = machine_memory_bytes()
+    if max_kv_tokens is not None:
+        budget = max_kv_tokens * footprint.bytes_per_token
+    elif max_kv_gb is not None:
+        budget = int(max_kv_gb * 2**30)
+    else:
+        budget = default_kv_budget_bytes(machine, weights_bytes(model), prefix_cache_bytes)
+    cache_limit = (
+        int(mlx_cache_gb * 2**30)
+        if mlx_cache_gb is not None
+        else int(machine * DEFAULT_BUFFER_CACHE_FRACTION)
+    )
+    set_buffer_cache_limit(cache_limit)
+    return MemoryPlan(
+        footprint=footprint,
+        kv_budget_bytes=budget,
+        max_kv_tokens=max_kv_tokens or kv_tokens_for_budget(budget, footprint),
+        buffer_cache_bytes=cache_limit,
+    )

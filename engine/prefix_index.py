@@ -1,0 +1,349 @@
+"""The prefix index: which cached prefix a prompt may start from. MLX-free.
+
+The step loop owns it and consults it when it schedules a request's first chunk; the
+executor only stores the arrays (`prefix_cache.PrefixStore`) and reports what it added
+or lost. One token trie holds every entry, in memory, on disk or both, and one rule
+says where an entry may be used:
+
+- an entry holding exactly the first k tokens of the prompt is usable at k, for every
+  cache kind (its state is the state after exactly those k tokens);
+- an entry sharing only its first m < k tokens with the prompt is usable at m only if
+  every layer can be cut back (`trimmable`: attention caches, sliding windows that
+  have not wrapped). Recurrent state (`ArraysCache`) exists only at the offset it was
+  taken at: such an entry is never used anywhere else;
+- at least one prompt token is always left to compute (the first output token needs
+  its logits).
+
+The memory tier has a byte budget, least recently used out; the index decides what is
+evicted and the step loop tells the store. The disk tier's budget is the store's (it
+owns the files); the index only mirrors which entries are on disk.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+Tokens = tuple[int, ...]
+
+
+@dataclass
+class IndexEntry:
+    tokens: Tokens
+    trimmable: bool  # usable at any shorter common prefix, not only at its own length
+    nbytes: int = 0  # memory tier bytes, 0 when not in memory
+    in_memory: bool = False
+    on_disk: bool = False
+
+
+@dataclass(frozen=True)
+class EntryInfo:
+    """An entry the executor's store now holds in memory (or on disk)."""
+
+    tokens: Tokens
+    nbytes: int
+    trimmable: bool
+
+
+@dataclass(frozen=True)
+class Match:
+    tokens: Tokens  # the entry's key
+    num_tokens: int  # prompt tokens it serves (<= len(tokens))
+    source: Literal["memory", "disk"]
+
+
+@dataclass
+class _Node:
+    children: dict[int, _Node] = field(default_factory=dict)
+    entry: IndexEntry | None = None
+    num_trimmable: int = 0  # trimmable entries at this node or below
+
+
+class TokenTrie:
+    """Entries keyed by their tokens; answers 'the longest usable prefix' in one walk."""
+
+    def __init__(self) -> None:
+        self.root = _Node()
+
+    def _path(self, tokens: Sequence[int]) -> list[_Node] | None:
+        nodes = [self.root]
+        for tok in tokens:
+            nxt = nodes[-1].children.get(tok)
+            if nxt is None:
+                return None
+            nodes.append(nxt)
+        return nodes
+
+    def add(self, entry: IndexEntry) -> None:
+        nodes = [self.root]
+        for tok in entry.tokens:
+            nodes.append(nodes[-1].children.setdefault(tok, _Node()))
+        assert nodes[-1].entry is None, "remove the old entry first"
+        nodes[-1].entry = entry
+        if entry.trimmable:
+            for node in nodes:
+                node.num_trimmable += 1
+
+    def remove(self, tokens: Tokens) -> None:
+        nodes = self._path(tokens)
+        if nodes is None or nodes[-1].entry is None:
+            return
+        if nodes[-1].entry.trimmable:
+            for node in nodes:
+                node.num_trimmable -= 1
+        nodes[-1].entry = None
+        for depth in range(len(tokens), 0, -1):  # prune the branch that is now empty
+            node = nodes[depth]
+            if node.children or node.entry is not None:
+                break
+            del nodes[depth - 1].children[tokens[depth - 1]]
+
+    def has_trimmable_extension(self, tokens: Sequence[int]) -> bool:
+        """Whether a trimmable entry holds `tokens` and more (so it can serve `tokens`)."""
+        nodes = self._path(tokens)
+        if nodes is None:
+            return False
+        node = nodes[-1]
+        own = 1 if node.entry is not None and node.entry.trimmable else 0
+        return node.num_trimmable - own > 0
+
+    def trimmable_prefixes(self, tokens: Sequence[int]) -> list[IndexEntry]:
+        nodes = self._path(tokens) or []
+        return [n.entry for n in nodes[:-1] if n.entry is not None and n.entry.trimmable]
+
+    def best(self, wanted: Sequence[int]) -> tuple[int, IndexEntry] | None:
+        """The longest usable prefix of `wanted`: an exact entry, or a trimmable one cut back."""
+        nodes = [self.root]
+        exact: tuple[int, IndexEntry] | None = None
+        for tok in wanted:
+            nxt = nodes[-1].children.get(tok)
+            if nxt is None:
+                break
+            nodes.append(nxt)
+            if nxt.entry is not None:
+                exact = (len(nodes) - 1, nxt.entry)
+        floor = exact[0] if exact else 0
+        for depth in range(len(nodes) - 1, floor, -1):
+            if nodes[depth].num_trimmable:
+                node = nodes[depth]
+                while node.entry is None or not node.entry.trimmable:
+                    node = next(c for c in node.children.values() if c.num_trimmable)
+                return depth, node.entry
+        return exact
+
+
+class PrefixIndex:
+    """Every cached prefix, with the memory tier's LRU and byte budget."""
+
+    def __init__(self, max_bytes: int):
+        if max_bytes < 0:
+            raise ValueError(f"prefix cache max_bytes must be >= 0, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self._trie = TokenTrie()
+        self._entries: dict[Tokens, IndexEntry] = {}
+        self._lru: OrderedDict[Tokens, None] = OrderedDict()  # memory entries, oldest first
+        self.nbytes = 0  # memory tier
+        self.evictions = 0  # memory tier, since start
+        self.version = 0  # bumped on every change: a lookup result is valid until it moves
+
+    @property
+    def num_memory_entries(self) -> int:
+        return len(self._lru)
+
+    @property
+    def num_entries(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, tokens: Tokens) -> bool:
+        return tokens in self._entries
+
+    def entry(self, tokens: Tokens) -> IndexEntry | None:
+        return self._entries.get(tokens)
+
+    # -- lookups --------------------------------------------------------------
+
+    def best(self, prompt: Sequence[int]) -> Match | None:
+        """The longest usable cached prefix of `prompt` (at most len(prompt) - 1 tokens)."""
+        if len(prompt) < 2 or not self._entries:
+            return None
+        found = self._trie.best(prompt[: len(prompt) - 1])
+        if found is None:
+            return None
+        n, entry = found
+        return Match(entry.tokens, n, "memory" if entry.in_memory else "disk")
+
+    def touch(self, tokens: Tokens) -> None:
+        if tokens in self._lru:
+            self._lru.move_to_end(tokens)
+
+    # -- what the store reports -----------------------------------------------
+
+    def add_memory(self, info: EntryInfo) -> list[Tokens]:
+        """Index an entry the store now holds in memory; returns the memory entries the
+        store must drop (evicted, made redundant, or this one if it exceeds the budget)."""
+        drops: list[Tokens] = []
+        if info.nbytes > self.max_bytes:  # never fits: not kept in memory (disk may keep it)
+            self._drop_memory(info.tokens)
+            self.version += 1
+            return [info.tokens]
+        entry = self._get_or_add(info.tokens, info.trimmable)
+        if entry.in_memory:
+            self.nbytes -= entry.nbytes
+        entry.in_memory, entry.nbytes = True, info.nbytes
+        self.nbytes += info.nbytes
+        self._lru[info.tokens] = None
+        self._lru.move_to_end(info.tokens)
+        if info.trimmable:  # its trimmable prefixes are redundant: it serves them all
+            for shorter in self._trie.trimmable_prefixes(info.tokens):
+                if shorter.in_memory:
+                    self._drop_memory(shorter.tokens)
+                    drops.append(shorter.tokens)
+        while self.nbytes > self.max_bytes and self._lru:
+            oldest = next(iter(self._lru))
+            self._drop_memory(oldest)
+            self.evictions += 1
+            drops.append(oldest)
+        self.version += 1
+        return drops
+
+    def remove_memory(self, tokens: Tokens) -> None:
+        self._drop_memory(tokens)
+        self.version += 1
+
+    def add_disk(self, tokens: Tokens, trimmable: bool) -> None:
+        self._get_or_add(tokens, trimmable).on_disk = True
+        self.version += 1
+
+    def remove_disk(self, tokens: Tokens) -> None:
+        entry = self._entries.get(tokens)
+        if entry is not None:
+            entry.on_disk = False
+            self._forget_if_unused(entry)
+        self.version += 1
+
+    def apply(
+        self,
+        new: Iterable[EntryInfo],
+        disk_added: Iterable[EntryInfo] = (),
+        disk_removed: Iterable[Tokens] = (),
+        lost: Iterable[Tokens] = (),
+    ) -> list[Tokens]:
+        """Apply one step's report from the store; returns memory entries to drop."""
+        for tokens in lost:
+            self.remove_memory(tokens)
+        for info in disk_added:
+            self.add_disk(info.tokens, info.trimmable)
+        for tokens in disk_removed:
+            self.remove_disk(tokens)
+        drops: list[Tokens] = []
+        for info in new:
+            drops.extend(self.add_memory(info))
+        return drops
+
+    # -- internals ------------------------------------------------------------
+
+    def _get_or_add(self, tokens: Tokens, trimmable: bool) -> IndexEntry:
+        entry = self._entries.get(tokens)
+        if entry is None:
+            entry = IndexEntry(tokens, trimmable)
+            self._entries[tokens] = entry
+            self._trie.add(entry)
+        return entry
+
+    def _drop_memory(self, tokens: Tokens) -> None:
+        entry = self._entries.get(tokens)
+        if entry is None or not entry.in_memory:
+            return
+        self._lru.pop(tokens, None)
+        self.nbytes -= entry.nbytes
+        entry.in_memory, entry.nbytes = False, 0
+        self._forget_if_unused(entry)
+
+    def _forget_if_unused(self, entry: IndexEntry) -> None:
+        if not entry.in_memory and not entry.on_disk:
+            self._entries.pop(entry.tokens, None)
+            self._trie.remove(entry.tokens)
+
+
+# -- requests that arrive together ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PrefixPlan:
+    """The policy's prefix-cache input for one step (see `plan_prefixes`)."""
+
+    # waiting request -> prompt tokens its first chunk starts from (a cache hit)
+    cached: Mapping[str, int] = field(default_factory=dict)
+    # waiting request -> the entry it starts from
+    matches: Mapping[str, Match] = field(default_factory=dict)
+    # waiting requests not to start yet: an earlier request is computing their prefix, or
+    # their best entry is on disk and is being loaded
+    deferred: frozenset[str] = frozenset()
+    promote: tuple[Tokens, ...] = ()  # disk entries to load into memory this step
+    loading: frozenset[str] = frozenset()  # of `deferred`, those waiting for `promote`
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A request as `plan_prefixes` sees it."""
+
+    request_id: str
+    prompt: Sequence[int]
+    num_computed_tokens: int
+    checkpoints: tuple[int, ...]
+    waiting: bool  # not started: its first chunk is still to be scheduled
+    allow_disk: bool = True  # False once a disk entry was loaded for it and lost again
+
+
+def plan_prefixes(candidates: Sequence[Candidate], index: PrefixIndex) -> PrefixPlan:
+    """Where each waiting request starts, and which wait for a prefix being computed.
+
+    `candidates` are in scheduling order: running requests, then waiting ones. A waiting
+    request whose prompt shares a checkpointed prefix with an earlier request that has not
+    reached that checkpoint yet waits for it, then starts from its snapshot (so requests
+    that arrive together with one new system prompt compute it once). A request whose best
+    entry is only on disk waits one step while the store loads it.
+    """
+    cached: dict[str, int] = {}
+    matches: dict[str, Match] = {}
+    deferred: set[str] = set()
+    loading: set[str] = set()
+    promote: list[Tokens] = []
+    ahead: list[Candidate] = []  # earlier requests that are computing (or will compute)
+    for c in candidates:
+        if not c.waiting:
+            ahead.append(c)
+            continue
+        match = index.best(c.prompt)
+        if match is not None and match.source == "disk" and not c.allow_disk:
+            match = None
+        have = match.num_tokens if match else 0
+        if _waits_for_checkpoint(c, have, ahead):
+            deferred.add(c.request_id)
+            continue
+        if match is not None and match.source == "disk":
+            deferred.add(c.request_id)
+            loading.add(c.request_id)
+            if match.tokens not in promote:
+                promote.append(match.tokens)
+            continue
+        if match is not None:
+            cached[c.request_id] = match.num_tokens
+            matches[c.request_id] = match
+        ahead.append(replace(c, num_computed_tokens=have))
+    return PrefixPlan(cached, matches, frozenset(deferred), tuple(promote), frozenset(loading))
+
+
+def _waits_for_checkpoint(c: Candidate, have: int, ahead: Sequence[Candidate]) -> bool:
+    prompt = c.prompt
+    for other in ahead:
+        for cp in other.checkpoints:
+            if (
+                have < cp < len(prompt)
+                and cp > other.num_computed_tokens
+                and other.prompt[:cp] == prompt[:cp]
+            ):
+                return True
+    return False

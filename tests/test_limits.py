@@ -1,0 +1,168 @@
+"""Memory and queue limits that hold: the KV guard, the bounded waiting queue, MLX's own
+memory counters and its buffer cache limit."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from stepline.api import Engine, KVBudgetExceededError, QueueFullError, SamplingParams
+from stepline.engine.memory import (
+    KVFootprint,
+    default_kv_budget_bytes,
+    kv_tokens_for_budget,
+    machine_memory_bytes,
+    measure_kv_footprint,
+    weights_bytes,
+)
+from stepline.events.fold import Status
+
+import mlx.core as mx  # isort: skip  # after stepline.engine, which loads OpenBLAS first
+
+
+def prompt_of(n: int, salt: int = 0) -> list[int]:
+    return [3 + (i * 37 + salt * 11) % 250 for i in range(n)]
+
+
+async def collect(stream) -> list:
+    return [out async for out in stream]
+
+
+async def wait_until(predicate, within: float = 10.0) -> None:
+    with anyio.fail_after(within):
+        while not predicate():  # noqa: ASYNC110 - no event to wait on: the state is the loop's
+            await anyio.sleep(0.005)
+
+
+# -- measuring the KV footprint --------------------------------------------------------------
+
+
+def test_kv_bytes_per_token_is_what_the_attention_layers_store(demo):
+    args = demo.model.args
+    head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
+    itemsize = demo.model.model.embed_tokens.weight.dtype.size
+    expected = args.num_hidden_layers * 2 * args.num_key_value_heads * head_dim * itemsize
+    assert measure_kv_footprint(demo.model) == KVFootprint(
+        bytes_per_token=expected, bytes_per_seq=0
+    )
+
+
+def test_recurrent_state_counts_once_per_request_not_per_token(demo_hybrid):
+    footprint = measure_kv_footprint(demo_hybrid.model)
+    assert footprint.bytes_per_token > 0 and footprint.bytes_per_seq > 0
+    assert footprint.tokens_per_seq() * footprint.bytes_per_token >= footprint.bytes_per_seq
+
+
+def test_a_budget_in_bytes_becomes_tokens():
+    footprint = KVFootprint(bytes_per_token=512, bytes_per_seq=1000)
+    assert kv_tokens_for_budget(2**30, footprint) == 2**21
+    assert kv_tokens_for_budget(10, footprint) == 1  # never zero: the guard then refuses clearly
+    assert footprint.tokens_per_seq() == 2  # 1000 bytes of state = 2 tokens' worth, rounded up
+
+
+def test_the_default_budget_leaves_room_for_weights_and_prefix_cache():
+    gb = 2**30
+    assert default_kv_budget_bytes(16 * gb, 2 * gb, 1 * gb) == int(16 * gb * 0.7) - 3 * gb
+    assert default_kv_budget_bytes(16 * gb, 20 * gb, 0) == int(16 * gb * 0.1)  # never below 10%
+
+
+# -- the KV guard --------------------------------------------------------------------------
+
+
+async def test_a_tiny_kv_budget_makes_requests_wait_and_refuses_one_that_never_fits(
+    model_cache_dir, demo
+):
+    per_token = measure_kv_footprint(demo.model).bytes_per_token
+    budget_tokens = 200
+    running_kv: list[int] = []
+    async with Engine.open(
+        max_step_tokens=64,
+        max_num_seqs=8,
+        prefix_cache_gb=0,
+        max_kv_gb=budget_tokens * per_token / 2**30,
+    ) as engine:
+        assert engine.config["max_kv_tokens"] == budget_tokens
+        loop = engine.step_loop
+
+        def on_step(loop) -> None:
+            running = [s for s in loop.states.values() if s.status is not Status.WAITING]
+            running_kv.append(sum(s.num_prompt_tokens + s.params.max_tokens for s in running))
+
+        loop.on_step = on_step
+        p = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+        streams = [await engine.submit(prompt_of(20, i), params=p) for i in range(4)]
+        with anyio.fail_after(60):
+            finals = [(await collect(s))[-1].finish_reason for s in streams]
+        assert finals == ["length"] * 4  # every one served, none refused
+        assert max(running_kv) <= budget_tokens  # 2 fit at a time (80 tokens each); 2 waited
+        assert any(n == 160 for n in running_kv)
+
+        with pytest.raises(KVBudgetExceededError) as err:
+            await engine.submit(prompt_of(20), params=p.model_copy(update={"max_tokens": 300}))
+        message = str(err.value)
+        assert "320 tokens" in message and f"{budget_tokens} tokens" in message
+        assert "GB" in message and "max_tokens" in message
+        assert engine.healthy
+
+
+async def test_max_kv_tokens_and_max_kv_gb_are_one_or_the_other(model_cache_dir):
+    with pytest.raises(ValueError, match="not both"):
+        async with Engine.open(max_kv_tokens=100, max_kv_gb=1.0):
+            pass
+
+
+async def test_without_a_budget_the_kv_guard_takes_a_fraction_of_the_machine(model_cache_dir):
+    async with Engine.open(prefix_cache_gb=0.5) as engine:
+        model = engine.loaded.model
+        expected = kv_tokens_for_budget(
+            default_kv_budget_bytes(machine_memory_bytes(), weights_bytes(model), 2**29),
+            measure_kv_footprint(model),
+        )
+        assert engine.config["max_kv_tokens"] == expected
+
+
+# -- the waiting queue ----------------------------------------------------------------------
+
+
+async def test_a_full_waiting_queue_refuses_new_requests_until_it_drains(model_cache_dir):
+    async with Engine.open(max_step_tokens=16, max_num_seqs=1, max_waiting=2) as engine:
+        loop = engine.step_loop
+        long = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+        first = await engine.submit("the one running", params=long)
+        await wait_until(lambda: loop.state_of(first.request_id).status is Status.DECODING)
+        waiting = [await engine.submit(f"waiting {i}", params=long) for i in range(2)]
+        with pytest.raises(QueueFullError, match="2 of 2 requests waiting") as err:
+            await engine.submit("one too many", params=long)
+        assert err.value.retry_after_s > 0
+        assert engine.healthy
+        with anyio.fail_after(60):
+            for s in [first, *waiting]:
+                assert (await collect(s))[-1].finish_reason == "length"
+        outs = await collect(await engine.submit("room again", params=long))
+        assert outs[-1].finish_reason == "length"
+
+
+# -- MLX's own memory -----------------------------------------------------------------------
+
+
+async def test_mlx_memory_is_exported_and_its_buffer_cache_is_limited(model_cache_dir):
+    async with Engine.open(mlx_cache_gb=0.25) as engine:
+        outs = await collect(
+            await engine.submit("hello", params=SamplingParams(max_tokens=8, ignore_eos=True))
+        )
+        assert outs[-1].finish_reason == "length"
+        samples = {s.name: s.value for m in engine.metrics.registry.collect() for s in m.samples}
+        limit = await engine._executor.call(mx.set_cache_limit, 2**28)  # read it back, same value
+    assert limit == 2**28
+    assert samples["stepline_mlx_active_bytes"] > 0
+    assert samples["stepline_mlx_peak_bytes"] >= samples["stepline_mlx_active_bytes"]
+    assert 0 <= samples["stepline_mlx_cache_bytes"] <= 2**28
+
+
+def test_the_cli_refuses_a_request_past_its_kv_budget_naming_the_numbers(model_cache_dir, capsys):
+    from stepline.api.cli import main
+
+    code = main(["generate", "hi", "--max-tokens", "64", "--max-kv-tokens", "10"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "stepline: error:" in err and "(10 tokens" in err and "max_tokens (64)" in err
