@@ -12,7 +12,7 @@ shared system prompts (the prefix cache's work); --disconnect-frac of the client
 a random point (mid-stream, or mid-wait for a non-streamed answer).
 
 Every 100 requests it prints the server's RSS (/proc/PID/status), MLX active / cache / peak
-memory (the `stepline_mlx_*` gauges of /metrics, "n/a" where the server has none), the prefix
+memory (the `stepline_mlx_*_bytes` gauges of /metrics, "n/a" where the server has none), the prefix
 cache's reported bytes, 5xx and errors. At the end, once the server has drained: RSS growth
 (idle, after the load, minus idle after one warm-up request) against the prefix-cache budget
 + 100 MiB, 5xx (HTTP statuses and in-stream error frames), unterminated requests (seen by the
@@ -20,8 +20,8 @@ clients: a stream that never gave a finish_reason or an error frame, no answer w
 --request-timeout; and in the event log: requests with no terminal event, per `stepline replay
 LOG --verify`), and a PASS/FAIL line. Exit status: 0 PASS, 1 FAIL, 2 the run could not start.
 
-Bounded: --requests and --max-seconds; the server is stopped (SIGTERM, then SIGKILL) by its
-PID on every way out, Ctrl-C included.
+Bounded: --requests, --max-seconds and --max-rss-gb (the server's RSS); the server is
+stopped (SIGTERM, then SIGKILL) by its PID on every way out, Ctrl-C included.
 """
 
 from __future__ import annotations
