@@ -89,6 +89,14 @@ class EngineMetrics:
         self.event_log_lag = Gauge(
             "stepline_event_log_lag_events", "Events recorded, not yet written", registry=r
         )
+        self.event_log_degraded = Gauge(
+            "stepline_event_log_degraded", "1 once the event log failed to write", registry=r
+        )
+        self.event_log_dropped = Gauge(
+            "stepline_event_log_dropped_events",
+            "Events not written because the log failed (since it failed)",
+            registry=r,
+        )
 
     def admitted(self) -> None:
         self.admissions.inc()
@@ -127,6 +135,13 @@ class EngineMetrics:
     def token(self, latency: float, first: bool) -> None:
         self.generated_tokens.inc()
         (self.ttft if first else self.itl).observe(latency)
+
+    def event_log(self, writer) -> None:
+        """The event log's health (`events.log.EventLogWriter`), when there is one."""
+        if writer is not None:
+            self.event_log_lag.set(writer.lag)
+            self.event_log_degraded.set(1 if writer.degraded else 0)
+            self.event_log_dropped.set(writer.num_dropped)
 
     def gauges(self, states: Iterable[RequestState], log_lag: int) -> None:
         counts = dict.fromkeys(Status, 0)

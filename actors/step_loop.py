@@ -13,7 +13,6 @@ first chunk is scheduled; the executor only stores the arrays.
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -26,6 +25,7 @@ from stepline.actors.commit import Delivery, ModelLimits, Recorder, commit
 from stepline.actors.executor import Executor, ExecutorDeadError
 from stepline.actors.messages import Cancel, Finish, Submit
 from stepline.actors.metrics import EngineMetrics
+from stepline.engine.cost_model import CostModel
 from stepline.engine.policy import (
     AdmissionError,
     QueueFullError,
@@ -43,7 +43,15 @@ from stepline.engine.prefix_index import (
 )
 from stepline.engine.work import Housekeeping, NewRequest, StepResult, StepWork
 from stepline.events.fold import RequestState, Status
-from stepline.events.models import Admitted, FinishReason, StepEntry, StepPlanned, Terminal
+from stepline.events.models import (
+    Admitted,
+    FinishReason,
+    StepEntry,
+    StepFinished,
+    StepPlanned,
+    Terminal,
+    prompt_digest,
+)
 
 __all__ = ["EngineDeadError", "ModelLimits", "StepLoop"]
 
@@ -70,12 +78,14 @@ class StepLoop:
         log_prompts: bool = True,
         inbox_size: int = 256,
         prefix_index: PrefixIndex | None = None,
+        cost_model: CostModel | None = None,  # learns step times; None: tokens only
     ):
         self.executor = executor
         self.runner = runner
         self.config = config
         self.limits = limits
         self.metrics = metrics or EngineMetrics()
+        self.cost_model = cost_model
         self._event_log = event_log
         self._log_prompts = log_prompts
         self.inbox: MemoryObjectSendStream
@@ -93,6 +103,7 @@ class StepLoop:
         self._drops: list[Tokens] = []  # prefix entries the index let go, for the store
         self._disk_tries: set[str] = set()  # requests a disk entry was loaded for
         self.dead_reason: str | None = None
+        self.died = anyio.Event()  # set when the engine can serve no more (dead_reason says why)
         self.on_step: Callable[[StepLoop], None] | None = None  # test/inspection hook
 
     # -- state ---------------------------------------------------------------
@@ -105,6 +116,11 @@ class StepLoop:
     @property
     def finished(self) -> OrderedDict[str, RequestState]:
         return self.recorder.finished
+
+    @property
+    def event_log(self) -> Any:
+        """The event log's writer (events.log.EventLogWriter), or None."""
+        return self._event_log
 
     @property
     def step(self) -> int:
@@ -180,7 +196,7 @@ class StepLoop:
 
     def _admit_event(self, msg: Submit) -> None:
         ids = msg.prompt_token_ids
-        digest = hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()
+        digest = prompt_digest(getattr(self._event_log, "salt", None), ids)
         self._record(
             Admitted,
             request_id=msg.request_id,
@@ -257,7 +273,8 @@ class StepLoop:
             # start from one (the next turn of a chat).
             await self._housekeep()
         prefix = self._plan_prefixes()
-        plan = schedule(self.states, self.config, self.step + 1, prefix)
+        cost = self.cost_model.cost if self.cost_model is not None else None
+        plan = schedule(self.states, self.config, self.step + 1, cost, prefix)
         if plan.is_empty:
             if self._to_free or self._drops or prefix.promote:
                 await self._housekeep(prefix.promote)
@@ -329,6 +346,9 @@ class StepLoop:
         result = await self._run_executor(self.runner.run, work)
         if result is None:
             return
+        self._record(StepFinished, seconds=result.seconds, predicted_seconds=plan.predicted_seconds)
+        if self.cost_model is not None:
+            self.cost_model.observe(plan.features, result.seconds)
         # Cancels that arrived during the step win over its results.
         for msg in self._drain():
             await self._handle(msg)
@@ -348,6 +368,7 @@ class StepLoop:
         self.metrics.step(plan.num_tokens, self.config.max_step_tokens, result.seconds)
         self.metrics.memory(result.memory)
         self.metrics.gauges(self.states.values(), getattr(self._event_log, "lag", 0))
+        self.metrics.event_log(self._event_log)
 
     async def _end_failed(self, failed: Mapping[str, str]) -> None:
         """End the requests the executor could not serve (it already dropped their state);
@@ -356,7 +377,8 @@ class StepLoop:
             if rid in self.states:  # else: cancelled while the step ran
                 log.error("request_ended_by_fault", request_id=rid, what=what)
                 await self._end(rid, FinishReason.ERROR, what)
-            self._to_free.pop(rid, None)
+            # Its free still goes out: a no-op here, but other ranks of a distributed
+            # engine still hold the request.
 
     def _token_metrics(self, before: dict[str, RequestState]) -> None:
         for rid, was in before.items():
@@ -434,6 +456,7 @@ class StepLoop:
         """The engine cannot go on (`reason` says what failed: the executor or this loop):
         end every in-flight request with an error; admit no more."""
         self.dead_reason = reason
+        self.died.set()
         log.error("engine_dead", reason=self.dead_reason)
         self.metrics.healthy.set(0)
         for rid in list(self.states):

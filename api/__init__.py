@@ -3,6 +3,7 @@
 from stepline.actors.request import RequestOutput
 from stepline.actors.step_loop import EngineDeadError
 from stepline.api.engine import Engine, RequestStream, SamplingParams
+from stepline.api.prompts import PromptTooLongError
 from stepline.engine.policy import (
     AdmissionError,
     ContextLengthExceededError,
@@ -18,6 +19,7 @@ __all__ = [
     "Engine",
     "EngineDeadError",
     "KVBudgetExceededError",
+    "PromptTooLongError",
     "QueueFullError",
     "RequestOutput",
     "RequestStream",

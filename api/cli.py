@@ -8,6 +8,8 @@ import time
 
 import anyio
 
+from stepline.api.config import EngineConfig
+
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
@@ -51,12 +53,25 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="limit of MLX's buffer cache (freed memory kept for reuse; default: 10%% of memory)",
     )
+    p.add_argument(
+        "--max-step-ms",
+        type=float,
+        default=100.0,
+        help="target time of a step while requests decode: prefill chunks are sized to keep "
+        "each step under it, by a step-time model learned online (0: tokens only)",
+    )
     p.add_argument("--event-log", default=None, help="append-only JSON-lines event log file")
     p.add_argument(
         "--log-prompts",
         default="true",
         choices=["true", "false"],
         help="store prompt token ids in the event log (false: counts and a hash)",
+    )
+    p.add_argument(
+        "--log-outputs",
+        default="true",
+        choices=["true", "false"],
+        help="store output token ids in the event log (false: only how many)",
     )
     p.add_argument(
         "--event-log-rotate-mb",
@@ -78,10 +93,16 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         default=10.0,
         help="most disk the prefix cache's files may use (oldest used evicted first)",
     )
+    p.add_argument(
+        "--parallel",
+        choices=["tensor", "pipeline"],
+        default=None,
+        help="split the model across the ranks of an mlx.launch job (rank 0 serves)",
+    )
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(
+    options = EngineConfig(
         max_step_tokens=args.max_step_tokens,
         max_num_seqs=args.max_num_seqs,
         long_prefill_cap=args.long_prefill_cap,
@@ -89,14 +110,20 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         max_kv_tokens=args.max_kv_tokens,
         max_waiting=args.max_waiting,
         mlx_cache_gb=args.mlx_cache_gb,
+        max_step_ms=args.max_step_ms or None,
+        prefix_cache_gb=args.prefix_cache_gb,
+        prefix_cache_dir=args.prefix_cache_dir,
+        prefix_cache_disk_gb=args.prefix_cache_disk_gb,
+        parallel=args.parallel,
+    )
+    return dict(
+        **options.open_kwargs(),
         event_log=args.event_log,
         event_log_rotate_bytes=(
             int(args.event_log_rotate_mb * 2**20) if args.event_log_rotate_mb else None
         ),
         log_prompts=args.log_prompts == "true",
-        prefix_cache_gb=args.prefix_cache_gb,
-        prefix_cache_dir=args.prefix_cache_dir,
-        prefix_cache_disk_gb=args.prefix_cache_disk_gb,
+        log_outputs=args.log_outputs == "true",
     )
 
 

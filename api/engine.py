@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import anyio
 import structlog
@@ -28,12 +30,16 @@ from stepline.actors.messages import Cancel, Submit
 from stepline.actors.metrics import EngineMetrics
 from stepline.actors.request import RequestActor, RequestOutput
 from stepline.actors.step_loop import ModelLimits, StepLoop
+from stepline.api.config import EngineConfig
 from stepline.api.params import SamplingParams
-from stepline.engine.policy import SchedulerConfig
+from stepline.api.prompts import Prompts, PromptTooLongError
+from stepline.engine.cost_model import CostModel
+from stepline.engine.grammar import GrammarCompiler
+from stepline.engine.policy import DEFAULT_MAX_STEP_MS, SchedulerConfig
 from stepline.engine.prefix_index import PrefixIndex
-from stepline.events.models import FinishReason, LogHeader
+from stepline.events.models import FinishReason, LogHeader, new_run_id, new_salt
 
-__all__ = ["Engine", "RequestStream", "SamplingParams"]
+__all__ = ["Engine", "PromptTooLongError", "RequestStream", "SamplingParams"]
 
 log = structlog.get_logger(__name__)
 
@@ -48,6 +54,11 @@ def _warn_without_openblas() -> None:
     loaded, reason = status()
     if sys.platform.startswith("linux") and loaded is None and "disabled" not in reason:
         log.warning("openblas_not_loaded", reason=reason, effect="matrix products 7-20x slower")
+
+
+def _vocab_size(loaded: Any) -> int:
+    args = getattr(loaded.model, "args", None)
+    return getattr(args, "vocab_size", None) or len(loaded.tokenizer._tokenizer)
 
 
 class RequestStream:
@@ -98,6 +109,14 @@ class RequestStream:
         self._outputs.close()
 
 
+def launch_rank() -> int:
+    """This process's rank, as `mlx.launch` or `mpirun` set it (0 when not launched)."""
+    for name in ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return 0
+
+
 class Engine:
     """One model, one step loop, one executor thread. Create with `Engine.open(...)`."""
 
@@ -106,14 +125,18 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.model_name: str = loaded.name
         self.max_context: int = loaded.max_context
-        args = getattr(loaded.model, "args", None)
-        self.vocab_size: int = getattr(args, "vocab_size", None) or len(loaded.tokenizer._tokenizer)
+        self.vocab_size: int = _vocab_size(loaded)
         self.config = config
         self.metrics: EngineMetrics = step_loop.metrics
         self._step_loop = step_loop
         self._executor = executor
         self._tg = tg
         self._closed = False
+        self.prompts = Prompts(
+            loaded.tokenizer, vocab_size=self.vocab_size, max_context=self.max_context
+        )
+        # Compiles constrained requests' grammars; shared with the executor's runner.
+        self.grammars: GrammarCompiler = step_loop.runner.grammars
 
     @classmethod
     @asynccontextmanager
@@ -125,9 +148,11 @@ class Engine:
         max_num_seqs: int = 32,
         long_prefill_cap: int | None = None,
         max_kv_tokens: int | None = None,
+        max_step_ms: float | None = DEFAULT_MAX_STEP_MS,
         event_log: str | Path | None = None,
         event_log_rotate_bytes: int | None = None,
         log_prompts: bool = True,
+        log_outputs: bool = True,
         seed: int = 0,
         on_checkpoint: Callable | None = None,
         prefix_cache_gb: float = 1.0,
@@ -136,6 +161,7 @@ class Engine:
         max_kv_gb: float | None = None,
         max_waiting: int = 1024,
         mlx_cache_gb: float | None = None,
+        parallel: str | None = None,
     ) -> AsyncIterator[Engine]:
         """Load `model` (a demo name, a local mlx-lm directory or a Hugging Face id; None = the
         demo model) and serve it until the block exits.
@@ -152,23 +178,36 @@ class Engine:
         that never can is refused (AdmissionError naming the numbers). `mlx_cache_gb` limits
         MLX's buffer cache (default: 10% of the machine's memory). At most `max_waiting`
         requests wait for their first chunk; past that `submit` raises QueueFullError.
+        `parallel` ("tensor" or "pipeline") splits the model across the ranks of an
+        `mlx.launch` job (engine/distributed.py); the block runs on rank 0 only: on the other
+        ranks `open` serves rank 0 and then ends the process (`os._exit`). Raises
+        DistributedError (a ValueError) when the model or the launch cannot be split so.
+        `max_step_ms` is the target time of a step while requests decode: prefill chunks
+        are sized by a step-time model (seeded by a short warm-up here, then learned from
+        measured steps) to keep each step under it. None schedules by tokens only.
         """
-        if max_kv_tokens is not None and max_kv_gb is not None:
-            raise ValueError("pass max_kv_tokens or max_kv_gb, not both")
-        if max_kv_gb is not None and not max_kv_gb > 0:
-            raise ValueError(f"max_kv_gb must be > 0, got {max_kv_gb}")
-        if mlx_cache_gb is not None and not mlx_cache_gb >= 0:
-            raise ValueError(f"mlx_cache_gb must be >= 0, got {mlx_cache_gb}")
-        if not prefix_cache_gb >= 0:
-            raise ValueError(f"prefix_cache_gb must be >= 0, got {prefix_cache_gb}")
-        if not prefix_cache_disk_gb >= 0:
-            raise ValueError(f"prefix_cache_disk_gb must be >= 0, got {prefix_cache_disk_gb}")
+        options = EngineConfig(
+            max_step_tokens=max_step_tokens,
+            max_num_seqs=max_num_seqs,
+            long_prefill_cap=long_prefill_cap,
+            max_step_ms=max_step_ms,
+            max_kv_tokens=max_kv_tokens,
+            max_kv_gb=max_kv_gb,
+            max_waiting=max_waiting,
+            mlx_cache_gb=mlx_cache_gb,
+            seed=seed,
+            prefix_cache_gb=prefix_cache_gb,
+            prefix_cache_dir=str(prefix_cache_dir) if prefix_cache_dir is not None else None,
+            prefix_cache_disk_gb=prefix_cache_disk_gb,
+            parallel=parallel,
+        )
         sched = SchedulerConfig(
             max_step_tokens=max_step_tokens,
             max_num_seqs=max_num_seqs,
             long_prefill_cap=long_prefill_cap,
             max_kv_tokens=max_kv_tokens,
             max_waiting=max_waiting,
+            max_step_ms=max_step_ms,
         )
         from stepline.engine.memory import plan_memory
         from stepline.engine.models import load_model  # MLX: imported only when serving
@@ -179,15 +218,24 @@ class Engine:
         executor = Executor()
         writer = None
         runner = None
+        topology = None
         try:
-            loaded = await executor.call(load_model, model)
+            if parallel is None:
+                loaded = await executor.call(load_model, model)
+            else:
+                from stepline.engine import distributed
+
+                loaded, topology = await executor.call(distributed.load_sharded, model, parallel)
             runner = await executor.call(
                 lambda: ModelRunner(
                     loaded,
                     seed=seed,
                     on_checkpoint=on_checkpoint,
                     prefix_cache_bytes=int(prefix_cache_gb * 2**30),
-                    prefix_cache_dir=prefix_cache_dir,
+                    # Each rank's shards in a directory of their own.
+                    prefix_cache_dir=topology.prefix_cache_dir(prefix_cache_dir)
+                    if topology is not None
+                    else prefix_cache_dir,
                     prefix_cache_disk_bytes=int(prefix_cache_disk_gb * 2**30),
                 )
             )
@@ -214,24 +262,42 @@ class Engine:
                 kv_tokens_per_seq=memory.footprint.tokens_per_seq(),
                 kv_bytes_per_token=memory.footprint.bytes_per_token,
             )
+            # After the memory plan: its forward pass runs on every rank, in step.
+            if topology is not None:
+                runner = await executor.call(distributed.DistributedRunner, runner, topology)
+                if topology.rank > 0:
+                    await executor.call(runner.follow)  # ends the process when rank 0 stops
             config = {
                 "model": loaded.name,
-                "max_step_tokens": max_step_tokens,
-                "max_num_seqs": max_num_seqs,
-                "long_prefill_cap": long_prefill_cap,
-                "max_kv_tokens": memory.max_kv_tokens,  # resolved: re-execution gets the same
-                "max_waiting": max_waiting,
-                "mlx_cache_gb": mlx_cache_gb,
-                "seed": seed,
-                "prefix_cache_gb": prefix_cache_gb,
-                "prefix_cache_dir": str(prefix_cache_dir) if prefix_cache_dir is not None else None,
-                "prefix_cache_disk_gb": prefix_cache_disk_gb,
+                # The options as given, with the KV budget as resolved (re-execution gets the
+                # same), and the topology of a distributed run.
+                **options.model_copy(
+                    update={"max_kv_tokens": memory.max_kv_tokens, "max_kv_gb": None}
+                ).model_dump(),
+                "distributed": topology.as_config() if topology is not None else None,
             }
             if event_log is not None:
                 header = LogHeader(
-                    created=time.time(), model=loaded.name, config=config, log_prompts=log_prompts
+                    created=time.time(),
+                    model=loaded.name,
+                    config=config,
+                    log_prompts=log_prompts,
+                    log_outputs=log_outputs,
+                    run_id=new_run_id(),
+                    salt=new_salt(),
                 )
-                writer = EventLogWriter(event_log, header, rotate_bytes=event_log_rotate_bytes)
+                # A restart with the same path appends a new run to the log.
+                writer = EventLogWriter(
+                    event_log, header, rotate_bytes=event_log_rotate_bytes, append=True
+                )
+            cost_model = None
+            if max_step_ms is not None:
+                from stepline.engine.warmup import measure_step_costs
+
+                samples = await executor.call(
+                    measure_step_costs, runner, sched, _vocab_size(loaded), loaded.max_context
+                )
+                cost_model = CostModel(seed=samples)
             eos = frozenset(loaded.tokenizer.eos_token_ids or ())
             index = None
             if runner.store is not None:
@@ -246,6 +312,7 @@ class Engine:
                 event_log=writer,
                 log_prompts=log_prompts,
                 prefix_index=index,
+                cost_model=cost_model,
             )
             async with anyio.create_task_group() as tg:
                 loop_scope = anyio.CancelScope()
@@ -255,6 +322,8 @@ class Engine:
                         await step_loop.run(task_status=task_status)
 
                 await tg.start(run_loop)
+                if topology is not None:  # pings the other ranks while no request runs
+                    tg.start_soon(runner.keep_alive, executor, loop_scope)
                 engine = cls(
                     loaded=loaded, step_loop=step_loop, executor=executor, tg=tg, config=config
                 )
@@ -268,6 +337,8 @@ class Engine:
                     step_loop.inbox.close()
         finally:
             with anyio.CancelScope(shield=True):
+                if topology is not None and runner is not None and executor.dead is None:
+                    await executor.call(runner.close)  # the other ranks exit
                 await executor.drain()
                 if runner is not None and runner.store is not None:
                     # Let queued disk writes finish (file I/O only: no MLX on this thread).
@@ -276,62 +347,54 @@ class Engine:
             if writer is not None:
                 writer.close()
 
-    # -- requests -------------------------------------------------------------
+    # -- prompts: stepline.api.prompts does the work --------------------------
+
+    def prepare(
+        self,
+        prompt: str | Sequence[int] | None = None,
+        messages: Sequence[dict] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> tuple[list[int], list[int]]:
+        """See `Prompts.prepare`: token ids and chat checkpoints (CPU work, on this thread)."""
+        return self.prompts.prepare(prompt, messages, template_kwargs)
+
+    async def prepare_async(
+        self,
+        prompt: str | Sequence[int] | None = None,
+        messages: Sequence[dict] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> tuple[list[int], list[int]]:
+        """See `Prompts.prepare_async`: `prepare` on a worker thread."""
+        return await self.prompts.prepare_async(prompt, messages, template_kwargs)
 
     def encode(
         self,
         prompt: str | Sequence[int] | None = None,
         messages: Sequence[dict] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """Token ids for a raw prompt, token ids, or chat messages (chat template applied)."""
-        if (prompt is None) == (messages is None):
-            raise ValueError("pass exactly one of prompt= or messages=")
-        if messages is not None:
-            text = self.render_chat(messages)
-            return list(self.tokenizer.encode(text, add_special_tokens=False))
-        if isinstance(prompt, str):
-            return list(self.tokenizer.encode(prompt))
-        ids = list(prompt)
-        vocab = self.vocab_size
-        for t in ids:
-            if not isinstance(t, int) or not 0 <= t < vocab:
-                raise ValueError(
-                    f"token id {t!r} is not in the model's vocabulary (0..{vocab - 1})"
-                )
-        return ids
+        return self.prompts.prepare(prompt, messages, template_kwargs)[0]
 
-    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
-        """The chat template's rendering of `messages`. Raises ValueError on malformed messages."""
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content'")
-        return self.tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
-        )
+    def render_chat(
+        self,
+        messages: Sequence[dict],
+        add_generation_prompt: bool = True,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        """The chat template's rendering of `messages` (see `Prompts.render_chat`)."""
+        return self.prompts.render_chat(messages, add_generation_prompt, template_kwargs)
 
     def chat_checkpoints(self, messages: Sequence[dict], ids: Sequence[int]) -> list[int]:
-        """Token offsets of chat boundaries in `ids`: the end of the system prompt, the end
-        of the turns before the last user message, and the end of the prompt itself.
+        """Token offsets of chat boundaries in `ids` (see `Prompts.chat_checkpoints`)."""
+        return self.prompts.chat_checkpoints(messages, ids)
 
-        Found from the chat template's rendering of message prefixes; a boundary whose
-        tokens are not an exact prefix of `ids` is left out, never guessed.
-        """
-        cuts = set()
-        if messages and messages[0].get("role") in ("system", "developer"):
-            cuts.add(1)
-        users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
-        if users and users[-1] > 0:
-            cuts.add(users[-1])
-        found = [len(ids)]
-        for n in sorted(cuts):
-            try:
-                text = self.render_chat(messages[:n], add_generation_prompt=False)
-            except Exception:  # noqa: BLE001 - a template may refuse a partial chat
-                continue
-            prefix = self.tokenizer.encode(text, add_special_tokens=False)
-            if 0 < len(prefix) < len(ids) and list(ids[: len(prefix)]) == prefix:
-                found.append(len(prefix))
-        return found
+    @property
+    def max_chars_per_token(self) -> int:
+        """An upper bound on the characters one token stands for (`Prompts`)."""
+        return self.prompts.max_chars_per_token
+
+    # -- requests -------------------------------------------------------------
 
     async def submit(
         self,
@@ -341,25 +404,32 @@ class Engine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         checkpoints: Sequence[int] = (),
+        template_kwargs: dict[str, Any] | None = None,
     ) -> RequestStream:
-        """Admit one request and return its output stream.
+        """Admit one request and return its output stream. `template_kwargs` go to the chat
+        template with `messages`; `params.grammar` constrains the output (compiled here, on a
+        worker thread).
 
-        Raises ValueError for a malformed prompt or a `top_k` / stop token id outside the
-        model's vocabulary, AdmissionError (EmptyPromptError,
-        ContextLengthExceededError, EngineDeadError, ...) if the engine cannot serve it.
+        Raises ValueError for a malformed prompt (GrammarError for a grammar that does not
+        compile) or a `top_k` / stop token id outside the model's vocabulary, AdmissionError
+        (EmptyPromptError, ContextLengthExceededError — PromptTooLongError when the text's
+        length alone proves it —, EngineDeadError, ...) if the engine cannot serve it. The
+        prompt is tokenized on a worker thread.
         """
         if self._closed:
             raise RuntimeError("the engine is closed")
         params = params or SamplingParams()
         params.check_vocabulary(self.vocab_size)
-        ids = self.encode(prompt, messages)
+        if params.grammar is not None:
+            # Off the step loop and the executor: the runner's lookup is then a cache hit.
+            await anyio.to_thread.run_sync(self.grammars.compile, params.grammar)
+        ids, chat_checkpoints = await self.prepare_async(prompt, messages, template_kwargs)
+        checkpoints = (*checkpoints, *chat_checkpoints)
         room = self.max_context - len(ids)
         if 0 < room < params.max_tokens:
             # It ends at the context anyway; recording that keeps the KV guard from
             # reserving (or refusing it for) tokens it can never generate.
             params = params.model_copy(update={"max_tokens": room})
-        if messages is not None:
-            checkpoints = (*checkpoints, *self.chat_checkpoints(messages, ids))
         rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
         inbox_tx, inbox_rx = anyio.create_memory_object_stream(8)
         # Sized to the most outputs a request can produce: the actor never blocks on a slow client.
@@ -419,13 +489,19 @@ class Engine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         checkpoints: Sequence[int] = (),
+        template_kwargs: dict[str, Any] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its outputs as they come; the last has a finish_reason.
 
         Raises as `submit` does, on the first iteration.
         """
         stream = await self.submit(
-            prompt, messages=messages, params=params, request_id=request_id, checkpoints=checkpoints
+            prompt,
+            messages=messages,
+            params=params,
+            request_id=request_id,
+            checkpoints=checkpoints,
+            template_kwargs=template_kwargs,
         )
         async with stream:
             async for out in stream:
@@ -435,11 +511,26 @@ class Engine:
 
     @property
     def healthy(self) -> bool:
-        return self._step_loop.dead_reason is None and not self._closed
+        return self.unhealthy_reason is None and not self._closed
 
     @property
     def unhealthy_reason(self) -> str | None:
-        return self._step_loop.dead_reason
+        dead = None if self._closed else self._executor.dead  # e.g. a rank lost while idle
+        return self._step_loop.dead_reason or (f"executor failed: {dead!r}" if dead else None)
+
+    async def wait_unhealthy(self) -> str:
+        """Wait until the engine can serve no more (its executor or step loop failed);
+        return why."""
+        await self._step_loop.died.wait()
+        return self._step_loop.dead_reason or "unknown"
+
+    @property
+    def event_log_problem(self) -> str | None:
+        """Why the event log stopped writing (the engine serves on without it), or None."""
+        writer = self._step_loop.event_log
+        if writer is None or not writer.degraded:
+            return None
+        return f"{writer.error_message}; {writer.num_dropped} events dropped"
 
     @property
     def step_loop(self) -> StepLoop:

@@ -31,9 +31,12 @@ class APIError(Exception):
             code=code,
         )
         self.request_id: str | None = None
+        self.headers: dict[str, str] = {}  # e.g. Retry-After
 
     def response(self) -> JSONResponse:
-        headers = {"x-request-id": self.request_id} if self.request_id else None
+        headers = dict(self.headers)
+        if self.request_id:
+            headers["x-request-id"] = self.request_id
         body = ErrorResponse(error=self.detail).model_dump()
         return JSONResponse(body, status_code=self.status_code, headers=headers)
 

@@ -2,8 +2,8 @@
 
 Requests are validated in strict mode (a string is not a number, a bool is not an int), as
 OpenAI's own API does; fields this server does not know are ignored, so clients that send
-newer optional fields keep working. Features the engine cannot honour (n > 1, tools,
-response_format, ...) are refused with a RequestError that says so, never silently ignored.
+newer optional fields keep working. Features the engine cannot honour (n > 1, logit_bias,
+...) are refused with a RequestError that says so, never silently ignored.
 
 Responses dump to exactly OpenAI's shapes: `null` where OpenAI sends null, and a streaming
 `delta` that holds only the keys that changed.
@@ -11,8 +11,9 @@ Responses dump to exactly OpenAI's shapes: `null` where OpenAI sends null, and a
 
 from __future__ import annotations
 
+import json
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
@@ -30,12 +31,22 @@ class RequestError(ValueError):
 # -- requests -------------------------------------------------------------------------------
 
 
+MAX_TEMPERATURE = 100.0
+MAX_REPETITION_PENALTY = 10.0
+MAX_STOP = 64  # stop strings, and stop token ids, per request
+# A stop string is never empty: "" would match before every token.
+StopString = Annotated[str, Field(min_length=1)]
+TokenId = Annotated[int, Field(ge=0)]
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+    # allow_inf_nan=False: a non-finite number is a 400 even if it got past the JSON parser.
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    resumable: bool = False  # stepline: a dropped connection may reconnect (api/resume.py)
 
 
 class ContentPart(BaseModel):
@@ -51,24 +62,30 @@ class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: Any = None
+    tool_calls: list[dict[str, Any]] | None = None  # assistant: OpenAI tool calls
+    tool_call_id: str | None = None  # tool: the call this answers
+    reasoning_content: str | None = None  # assistant: earlier reasoning (vLLM's extension)
 
 
 class _SamplingFields(_Request):
     """Fields shared by /v1/chat/completions and /v1/completions."""
 
     model: str | None = None  # None: the model this server serves
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0)
+    # Every numeric field is bounded here (non-finite numbers are refused by the model config);
+    # the bounds that need the model (top_k, stop_token_ids within the vocabulary) are checked
+    # where a request becomes SamplingParams (serving.Serving.sampling).
+    max_tokens: int | None = Field(None, ge=1)  # and at most the context's room: checked later
+    # 0 = greedy, and so is anything below 1e-5 (dividing logits by ~0 overflows).
+    temperature: float | None = Field(None, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1)  # extension; -1 or 0 = off (vLLM's convention too)
     min_p: float | None = Field(None, ge=0.0, lt=1.0)  # extension
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None  # extension
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP)] | None = None  # ext.
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0)  # extension
+    repetition_penalty: float | None = Field(None, gt=0.0, le=MAX_REPETITION_PENALTY)  # extension
     ignore_eos: bool = False  # extension: always generate max_tokens (benchmarks)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -79,8 +96,11 @@ class _SamplingFields(_Request):
     response_format: Any = None
     tools: Any = None
     tool_choice: Any = None
+    parallel_tool_calls: bool = True
     functions: Any = None
     function_call: Any = None
+    chat_template_kwargs: dict[str, Any] | None = None  # extension (vLLM's): template arguments
+    reasoning_effort: str | None = None  # passed to templates that read it, refused otherwise
 
     def check_supported(self) -> None:
         """Raise RequestError for a feature this server does not implement."""
@@ -91,27 +111,11 @@ class _SamplingFields(_Request):
                 param="n",
                 code="unsupported_parameter",
             )
-        if self.tools or self.functions:
-            param = "tools" if self.tools else "functions"
+        if self.functions or self.function_call is not None:
             raise RequestError(
-                "tool calling is not supported by this server: remove `tools`/`functions`",
-                param=param,
-                code="unsupported_parameter",
-            )
-        for param in ("tool_choice", "function_call"):
-            value = getattr(self, param)
-            if value is not None and value != "none":
-                raise RequestError(
-                    f"{param}={value!r} is not supported: this server does no tool calling",
-                    param=param,
-                    code="unsupported_parameter",
-                )
-        rf = self.response_format
-        if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
-            raise RequestError(
-                "response_format is not supported (no JSON mode or structured output): "
-                'remove it or send {"type": "text"}',
-                param="response_format",
+                "the legacy `functions`/`function_call` are not supported: send `tools` and "
+                "`tool_choice` instead",
+                param="functions" if self.functions else "function_call",
                 code="unsupported_parameter",
             )
         if self.logit_bias:
@@ -136,6 +140,10 @@ class _SamplingFields(_Request):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def resumable(self) -> bool:
+        return self.stream_options is not None and self.stream_options.resumable
+
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
@@ -154,28 +162,72 @@ class ChatCompletionRequest(_SamplingFields):
             raise RequestError("top_logprobs requires logprobs=true", param="top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def engine_messages(self) -> list[dict[str, str]]:
+    def engine_messages(self) -> list[dict[str, Any]]:
         """The messages as the chat template wants them: string content, `developer` as
-        `system`, consecutive same-role messages merged (strict templates demand alternation).
+        `system`, consecutive same-role messages merged (strict templates demand alternation),
+        assistant `tool_calls` and `tool` messages (with their `tool_call_id`) kept as they are.
 
-        Raises RequestError for tool messages, non-text content parts and empty content.
+        Raises RequestError for non-text content parts and missing content.
         """
-        merged: list[dict[str, str]] = []
+        merged: list[dict[str, Any]] = []
         for i, m in enumerate(self.messages):
-            if m.role in ("tool", "function") or m.tool_calls:
+            if m.role == "function":
                 raise RequestError(
-                    f"messages[{i}]: tool messages and tool calls are not supported by this "
-                    "server (no tool calling)",
+                    f"messages[{i}]: legacy `function` messages are not supported: send `tool` "
+                    "messages with a tool_call_id",
                     param=f"messages.{i}",
                     code="unsupported_parameter",
                 )
             role = "system" if m.role == "developer" else m.role
+            if m.role == "assistant" and (m.tool_calls or m.reasoning_content):
+                message: dict[str, Any] = {"role": role, "content": _optional_text(m.content, i)}
+                if m.tool_calls:
+                    message["tool_calls"] = _tool_calls(m.tool_calls, i)
+                if m.reasoning_content:
+                    message["reasoning_content"] = m.reasoning_content
+                merged.append(message)
+                continue
             content = _text_content(m.content, i)
-            if merged and merged[-1]["role"] == role:
+            if m.role == "tool":
+                merged.append({"role": "tool", "content": content, "tool_call_id": m.tool_call_id})
+            elif merged and merged[-1]["role"] == role and set(merged[-1]) == {"role", "content"}:
                 merged[-1] = {"role": role, "content": merged[-1]["content"] + "\n\n" + content}
             else:
                 merged.append({"role": role, "content": content})
         return merged
+
+
+def _optional_text(content: str | list[ContentPart] | None, index: int) -> str:
+    return "" if content is None else _text_content(content, index)
+
+
+def _tool_calls(calls: list[dict[str, Any]], index: int) -> list[dict[str, Any]]:
+    """Assistant tool calls with their arguments parsed, as chat templates render them."""
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise RequestError(
+                f"messages[{index}].tool_calls[{j}] needs function.name and function.arguments",
+                param=f"messages.{index}.tool_calls.{j}",
+            )
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args or "{}")
+            except ValueError:
+                raise RequestError(
+                    f"messages[{index}].tool_calls[{j}].function.arguments is not JSON",
+                    param=f"messages.{index}.tool_calls.{j}.function.arguments",
+                ) from None
+        out.append(
+            {
+                "id": call.get("id"),
+                "type": "function",
+                "function": {"name": fn["name"], "arguments": args},
+            }
+        )
+    return out
 
 
 def _text_content(content: str | list[ContentPart] | None, index: int) -> str:
@@ -293,9 +345,33 @@ class ChatLogprobs(_Response):
     content: list[ChatTokenLogprob]
 
 
+class FunctionCall(_Response):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(_Response):
+    """`content` is null when the answer is only tool calls; `tool_calls` and
+    `reasoning_content` (vLLM's extension) appear only when there are some."""
+
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
+    reasoning_content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_absent(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out = handler(self)
+        for key in ("tool_calls", "reasoning_content"):
+            if out.get(key) is None:
+                out.pop(key, None)
+        return out
 
 
 class ChatChoice(_Response):
@@ -319,6 +395,31 @@ class ChatDelta(_Response):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunction(_Response):
+    name: str | None = None
+    arguments: str = ""
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaToolCall(_Response):
+    """One piece of a streamed tool call: the first has id, type and name; the rest add
+    `function.arguments` text, all under the call's `index`."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunction
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING
 from fastapi import Request
 from fastapi.responses import Response
 
+from stepline.api import openai_agents
+from stepline.api.model_output import OutputSplitter, split_output
 from stepline.api.openai_schema import (
-    AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
@@ -85,8 +86,12 @@ class OpenAIServing(Serving):
     async def _chat(self, request: Request, rid: str) -> Response:
         req = await self.parse(request, ChatCompletionRequest)
         num_logprobs = req.num_logprobs
+        agent = openai_agents.chat_plan(req, self.engine.tokenizer, self.default_template_kwargs)
         messages = req.engine_messages()
-        ids = self.encode(messages=messages)
+        # Chat boundaries (end of the system prompt, of earlier turns) feed the prefix cache.
+        ids, checkpoints = await self.prepare(
+            messages=messages, template_kwargs=agent.template_kwargs
+        )
         max_tokens = self.max_tokens(
             req.requested_max_tokens,
             len(ids),
@@ -95,17 +100,30 @@ class OpenAIServing(Serving):
             param="max_completion_tokens" if req.max_completion_tokens else "max_tokens",
         )
         params = self.sampling(req, max_tokens, num_logprobs)
-        # Chat boundaries (end of the system prompt, of earlier turns) feed the prefix cache.
-        checkpoints = self.engine.chat_checkpoints(messages, ids)
-        stream = await self.submit(rid, ids, params, "messages", checkpoints)
+        if agent.grammar is not None:
+            params = params.model_copy(update={"grammar": agent.grammar})
+        stream = await self.submit(
+            rid, ids, params, "messages", checkpoints, grammar_param=agent.grammar_param
+        )
         created = now()
-        model = self.engine.model_name
+        model = self.response_model(req.model)
+        fmt = agent.output_format(
+            self.engine.tokenizer,
+            reasoning=self.reasoning,
+            prompt_text=self.engine.tokenizer.decode(ids[-8:]),
+        )
+        tools = agent.openai_tools or None
         if req.stream:
+            splitter = OutputSplitter(fmt, tools, stream=True)
             return self.stream_response(
-                rid, stream, lambda emit: self._chat_stream(emit, stream, req, rid, created)
+                rid,
+                stream,
+                lambda emit: self._chat_stream(emit, stream, req, rid, created, splitter),
+                resumable_from=self.asks_resumable(request, req.resumable),
             )
         outs = await self.collect(request, stream)
         last = outs[-1]
+        split = split_output("".join(o.text for o in outs), fmt, tools)
         logprobs = None
         if num_logprobs is not None:
             logprobs = ChatLogprobs(
@@ -117,9 +135,11 @@ class OpenAIServing(Serving):
             model=model,
             choices=[
                 ChatChoice(
-                    message=AssistantMessage(content="".join(o.text for o in outs)),
+                    message=openai_agents.message(split, parallel=req.parallel_tool_calls),
                     logprobs=logprobs,
-                    finish_reason=last.finish_reason,
+                    finish_reason=openai_agents.finish_reason(
+                        last.finish_reason, len(split.tool_calls)
+                    ),
                 )
             ],
             usage=Usage.of(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens),
@@ -127,9 +147,15 @@ class OpenAIServing(Serving):
         return json_response(body, headers={"x-request-id": rid})
 
     async def _chat_stream(
-        self, emit: Emit, stream: RequestStream, req: ChatCompletionRequest, rid: str, created: int
+        self,
+        emit: Emit,
+        stream: RequestStream,
+        req: ChatCompletionRequest,
+        rid: str,
+        created: int,
+        splitter: OutputSplitter,
     ) -> None:
-        model = self.engine.model_name
+        model = self.response_model(req.model)
         exclude = None if req.include_usage else {"usage"}
         want_logprobs = req.logprobs
 
@@ -154,18 +180,26 @@ class OpenAIServing(Serving):
                 await emit(PING)  # a long prompt is prefilling: keep proxies from timing out
                 continue
             if out.finish_reason not in (None, "stop", "length"):
-                await self.stream_error(emit, out)
+                await self.stream_error(emit, rid, out)
                 return
             frames = []  # this output's frames, sent in one write
             if not started:
                 started = True
                 frames.append(chunk(ChatDelta(role="assistant", content="")))
-            if want_logprobs and out.logprobs:
-                frames.append(chunk(ChatDelta(content=out.text), lps=out.logprobs))
-            elif out.text:
-                frames.append(text_frame(out.text))
+            piece = splitter.feed(out.text)
             if out.finish_reason is not None:
-                frames.append(chunk(ChatDelta(), finish=out.finish_reason))
+                piece.extend(splitter.finish())
+            if want_logprobs and out.logprobs:
+                frames.append(chunk(ChatDelta(content=piece.content), lps=out.logprobs))
+                piece.content = ""
+            if piece.content and not piece.reasoning and not piece.tool_call_deltas:
+                frames.append(text_frame(piece.content))  # the common case, pre-encoded
+            else:
+                pieces = openai_agents.deltas(piece, parallel=req.parallel_tool_calls)
+                frames.extend(chunk(d) for d in pieces)
+            if out.finish_reason is not None:
+                reason = openai_agents.finish_reason(out.finish_reason, splitter.num_tool_calls)
+                frames.append(chunk(ChatDelta(), finish=reason))
                 if req.include_usage:
                     usage = Usage.of(
                         out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens
@@ -179,7 +213,7 @@ class OpenAIServing(Serving):
                 await emit(b"".join(frames))
             if out.finish_reason is not None:
                 return
-        await self.stream_error(emit, None)
+        await self.stream_error(emit, rid, None)
 
     # -- /v1/completions --
 
@@ -188,16 +222,22 @@ class OpenAIServing(Serving):
 
     async def _completions(self, request: Request, rid: str) -> Response:
         req = await self.parse(request, CompletionRequest)
-        ids = self.encode(prompt=req.engine_prompt())
+        grammar = openai_agents.completion_grammar(req, self.engine.tokenizer)
+        ids, _ = await self.prepare(prompt=req.engine_prompt())
         max_tokens = self.max_tokens(
             req.max_tokens, len(ids), default=DEFAULT_COMPLETION_MAX_TOKENS, prompt_param="prompt"
         )
         params = self.sampling(req, max_tokens, req.logprobs)
+        if grammar is not None:
+            params = params.model_copy(update={"grammar": grammar})
         stream = await self.submit(rid, ids, params, "prompt")
         created = now()
         if req.stream:
             return self.stream_response(
-                rid, stream, lambda emit: self._completion_stream(emit, stream, req, rid, created)
+                rid,
+                stream,
+                lambda emit: self._completion_stream(emit, stream, req, rid, created),
+                resumable_from=self.asks_resumable(request, req.resumable),
             )
         outs = await self.collect(request, stream)
         last = outs[-1]
@@ -207,7 +247,7 @@ class OpenAIServing(Serving):
         body = Completion(
             id=rid,
             created=created,
-            model=self.engine.model_name,
+            model=self.response_model(req.model),
             choices=[
                 CompletionChoice(
                     text="".join(o.text for o in outs),
@@ -222,7 +262,7 @@ class OpenAIServing(Serving):
     async def _completion_stream(
         self, emit: Emit, stream: RequestStream, req: CompletionRequest, rid: str, created: int
     ) -> None:
-        model = self.engine.model_name
+        model = self.response_model(req.model)
         exclude = None if req.include_usage else {"usage"}
         want_logprobs = req.logprobs is not None
         offset = 0
@@ -249,7 +289,7 @@ class OpenAIServing(Serving):
                 await emit(PING)
                 continue
             if out.finish_reason not in (None, "stop", "length"):
-                await self.stream_error(emit, out)
+                await self.stream_error(emit, rid, out)
                 return
             frames = []  # this output's frames, sent in one write
             if want_logprobs and out.logprobs:
@@ -270,12 +310,13 @@ class OpenAIServing(Serving):
                 await emit(b"".join(frames))
             if out.finish_reason is not None:
                 return
-        await self.stream_error(emit, None)
+        await self.stream_error(emit, rid, None)
 
     # -- the rest --
 
     def models(self) -> ModelList:
+        """The served model under its first name (the others are accepted as `model` too)."""
         card = ModelCard(
-            id=self.engine.model_name, created=self.created, max_model_len=self.engine.max_context
+            id=self.model_name, created=self.created, max_model_len=self.engine.max_context
         )
         return ModelList(data=[card])

@@ -35,6 +35,7 @@ class SamplingParams(BaseModel):
         1.0, gt=0.0, le=MAX_REPETITION_PENALTY, description="1 = off; > 1 penalises"
     )
     logprobs: int | None = Field(None, ge=0, le=20, description="top-k logprobs per token")
+    grammar: str | None = Field(None, description="llguidance grammar (stepline.engine.grammar)")
 
     @field_validator("top_k")
     @classmethod

@@ -11,27 +11,33 @@ import argparse
 import asyncio
 import sys
 import warnings
+from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from pydantic import BaseModel
 
 from stepline.events.fold import FoldError
-from stepline.events.log import LogCorruptError, TornLineWarning, UnsupportedSchemaError
+from stepline.events.log import LogCorruptError, TornLineWarning, UnsupportedSchemaError, read_runs
 from stepline.events.models import EVENT_ADAPTER
 from stepline.events.reexecute import ReexecuteReport, reexecute
 from stepline.events.replay import (
     InFlight,
     Percentiles,
     RequestTimeline,
+    RunNeededError,
     StateAtStep,
     StepsReport,
     Summary,
     UnknownRequestError,
+    UnknownRunError,
     VerifyReport,
     describe_event,
     describe_status,
+    describe_tokens,
     request_timeline,
+    resolve_run,
     state_at_step,
     step_records,
     summarize,
@@ -81,9 +87,20 @@ def add_replay_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
     view.add_argument(
         "--reexecute", action="store_true", help="run the requests again and compare tokens"
     )
+    p.add_argument(
+        "--run",
+        metavar="N|ID",
+        help="one run of a log that holds several (restarts append runs): its number (1 = the "
+        "first) or its run id; default: every run, each on its own",
+    )
     p.add_argument("--model", help="with --reexecute: the model to use (default: the log's)")
     p.add_argument("--svg", type=Path, metavar="FILE", help="write a timeline picture (SVG)")
     p.add_argument("--html", type=Path, metavar="FILE", help="write a timeline picture (HTML)")
+    p.add_argument(
+        "--time-axis",
+        action="store_true",
+        help="lay the picture's steps out by time (measured step times; idle gaps show)",
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run_replay)
     return p
@@ -104,6 +121,8 @@ def run_replay(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
             LogCorruptError,
             UnsupportedSchemaError,
             UnknownRequestError,
+            UnknownRunError,
+            RunNeededError,
         ) as exc:
             print(f"stepline replay: {exc}", file=sys.stderr)
             code = EXIT_UNUSABLE
@@ -127,35 +146,75 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
     if args.at_step is not None:
         last = args.at_step  # the picture stops where the state is taken
     request_ids = {args.request} if args.request else None
+    run = resolve_run(args.log, args.run)
 
     # The view first: it fails on an unknown request id before any file is written.
     report: BaseModel | None = None
+    text: Callable[[Any], list[str]] = _text_summary
     code = EXIT_OK
     if args.reexecute:
-        rx = asyncio.run(reexecute(args.log, model=args.model))
+        rx = asyncio.run(reexecute(args.log, model=args.model, run=run))
         report, text = rx, _text_reexecute
         code = EXIT_UNUSABLE if rx.cannot_run else (EXIT_OK if rx.ok else EXIT_FAILED)
     elif args.request:
-        report, text = request_timeline(args.log, args.request), _text_timeline
+        report, text = request_timeline(args.log, args.request, run=run), _text_timeline
     elif args.at_step is not None:
-        report, text = state_at_step(args.log, args.at_step), _text_state
+        report = _per_run(args.log, run, lambda r: state_at_step(args.log, args.at_step, run=r))
+        text = _each(_text_state)
     elif args.steps:
-        report, text = step_records(args.log, first, last), _text_steps
+        report = _per_run(args.log, run, lambda r: step_records(args.log, first, last, run=r))
+        text = _each(_text_steps)
     elif args.verify:
-        vr = verify(args.log)
+        vr = verify(args.log, run=run)
         report, text = vr, _text_verify
         code = EXIT_OK if vr.ok else EXIT_FAILED
     elif args.summary or not (args.svg or args.html):
-        report, text = summarize(args.log), _text_summary
+        report, text = summarize(args.log, run=run), _text_summary
 
     for target, render in ((args.svg, render_svg), (args.html, render_html)):
         if target:
-            picture = render(args.log, first_step=first, last_step=last, request_ids=request_ids)
+            picture = render(
+                args.log,
+                first_step=first,
+                last_step=last,
+                request_ids=request_ids,
+                run=resolve_run(args.log, run, needed=True),
+                time_axis=args.time_axis,
+            )
             target.write_text(picture, encoding="utf-8")
             print(f"wrote {target}", file=sys.stderr)
     if report is not None:
         _emit(report, args.json, out, text)
     return code
+
+
+class RunReports(BaseModel):
+    """One view, run by run, for a log of several runs."""
+
+    runs: tuple[BaseModel, ...]
+
+
+def _per_run(path: Path, run: int | None, view: Callable[[int], BaseModel]) -> BaseModel:
+    """The view of `run`; of the only run; or, for a log of several, of each run apart."""
+    if run is not None:
+        return view(run)
+    runs = read_runs(path)
+    if len(runs) == 1:
+        return view(1)
+    return RunReports(runs=tuple(view(r.index) for r in runs))
+
+
+def _each(text: Callable[[Any], list[str]]) -> Callable[[BaseModel], list[str]]:
+    def render(report: BaseModel) -> list[str]:
+        if not isinstance(report, RunReports):
+            return text(report)
+        lines: list[str] = []
+        for one in report.runs:
+            lines.append(f"== run {getattr(one, 'run', '?')} ==")
+            lines.extend(text(one))
+        return lines
+
+    return render
 
 
 def _emit(report: BaseModel, as_json: bool, out: TextIO, text) -> None:
@@ -184,16 +243,22 @@ def _names(ids: tuple[str, ...], limit: int = 5) -> str:
 
 def _text_timeline(t: RequestTimeline) -> list[str]:
     cached = f", {t.num_cached_tokens} cached ({t.cache_source})" if t.num_cached_tokens else ""
-    end = (
-        f"{t.terminal.reason.value}" + (f" ({t.terminal.message})" if t.terminal.message else "")
-        if t.terminal
-        else "no terminal event (in flight when the log ends)"
-    )
+    if t.terminal:
+        end = t.terminal.reason.value + (f" ({t.terminal.message})" if t.terminal.message else "")
+    elif t.interrupted:
+        end = f"interrupted (run {t.run} ended without ending it: the engine stopped)"
+    else:
+        end = "no terminal event (in flight when the log ends)"
     lines = [
         f"request {t.request_id}: {t.num_prompt_tokens} prompt tokens{cached}, "
         f"{t.num_output_tokens} output tokens, {end}",
         f"  queueing {_s(t.queueing_s)}  TTFT {_s(t.ttft_s)}  ITL p50 {_s(t.itl.p50)} "
         f"p99 {_s(t.itl.p99)} max {_s(t.itl.max)}  end-to-end {_s(t.e2e_s)}",
+        *(
+            []
+            if t.outputs_logged
+            else ["  output token ids were not logged (log_outputs=False): only their counts"]
+        ),
         f"  {'step':>6}  {'t':>10}  event",
         f"  {t.admitted_step:>6}  {_s(0.0):>10}  admitted (seq {t.admitted_seq})",
     ]
@@ -205,7 +270,9 @@ def _text_timeline(t: RequestTimeline) -> list[str]:
         rows.append((cp.seq, cp.step, cp.ts, f"checkpoint at {cp.offset}"))
     for i, tok in enumerate(t.tokens):
         label = "first token" if i == 0 else "token"
-        rows.append((tok.seq, tok.step, tok.ts, f"{label} {list(tok.token_ids)}"))
+        rows.append(
+            (tok.seq, tok.step, tok.ts, f"{label} {describe_tokens(tok.token_ids, tok.num_tokens)}")
+        )
     if t.terminal:
         rows.append((t.terminal.seq, t.terminal.step, t.terminal.ts, f"terminal: {end}"))
     seen_steps: set[int] = set()
@@ -223,6 +290,11 @@ def _text_timeline(t: RequestTimeline) -> list[str]:
 def _text_state(s: StateAtStep) -> list[str]:
     counts = ", ".join(f"{n} {k}" for k, n in s.counts.items()) or "no requests"
     lines = [f"state at step {s.step}: {counts}"]
+    if s.past_end:
+        lines[0] = (
+            f"step {s.step} is past the end of the log (its last step is {s.last_step}); "
+            f"the state when the log ends: {counts}"
+        )
     width = max((len(r.request_id) for r in s.requests), default=8)
     for r in s.requests:
         lines.append(f"  {r.request_id:<{width}}  {r.description}")
@@ -231,20 +303,36 @@ def _text_state(s: StateAtStep) -> list[str]:
 
 def _text_steps(report: StepsReport) -> list[str]:
     if not report.steps:
-        return ["no steps in that range"]
+        last = report.last_step
+        return [
+            "no steps in that range"
+            + (f" (the log's last step is {last})" if last is not None else " (no steps at all)")
+        ]
     lines = []
+    if report.steps[0].duration_estimated:
+        lines.append(
+            "(this log does not record step times: a step's time is estimated as the time "
+            "until the next step was planned, idle time included)"
+        )
     for st in report.steps:
+        took = _s(st.duration_s) + (" (estimated)" if st.duration_estimated else "")
+        predicted = f", predicted {_s(st.predicted_s)}" if st.predicted_s is not None else ""
         lines.append(
             f"step {st.step}: {st.num_tokens}/{st.max_step_tokens} tokens "
             f"({st.utilisation:.0%}), {st.num_seqs}/{st.max_num_seqs} requests, "
-            f"took {_s(st.duration_s)}"
+            f"took {took}{predicted}"
         )
         for m in st.members:
             rng = f" [{m.prompt_range[0]}, {m.prompt_range[1]})" if m.prompt_range else ""
             lines.append(f"  {m.request_id:<20} {m.kind:<7} {m.num_tokens:>6}{rng}")
         if st.finished:
             lines.append(f"  finished: {_names(st.finished, 10)}")
+        if st.idle_after_s is not None and st.idle_after_s >= _IDLE_SHOWN_S:
+            lines.append(f"  idle {_s(st.idle_after_s)}")
     return lines
+
+
+_IDLE_SHOWN_S = 0.05  # idle gaps shorter than this are the loop's own bookkeeping
 
 
 def _row(name: str, p: Percentiles) -> str:
@@ -260,13 +348,18 @@ def _text_summary(s: Summary) -> list[str]:
     h = s.header
     config = ", ".join(f"{k}={v}" for k, v in sorted(h.config.items()))
     outcomes = ", ".join(f"{n} {k}" for k, n in s.outcomes.items()) or "none"
-    steps = f"steps {s.first_step}..{s.last_step}" if s.num_steps else "no steps"
+    if len(s.runs) > 1:
+        steps = "steps"  # numbered afresh in each run
+    else:
+        steps = f"steps {s.first_step}..{s.last_step}" if s.num_steps else "no steps"
     u = s.budget_utilisation
     lines = [
         f"log {s.files[0]} ({len(s.files)} file{'s' * (len(s.files) != 1)}), "
-        f"schema {h.schema_version}, model {h.model}, prompts logged: {h.log_prompts}",
+        f"schema {h.schema_version}, model {h.model}, prompts logged: {h.log_prompts}, "
+        f"outputs logged: {h.log_outputs}",
         f"config: {config or '-'}",
-        f"{s.num_events} events, {s.num_steps} {steps}, over {_s(s.duration_s)}",
+        *_run_lines(s),
+        f"{s.num_events} events, {s.num_steps} {steps}, over {_s(s.duration_s)}" + _time_split(s),
         f"requests: {s.num_requests} ({outcomes})",
         f"tokens: {s.num_prompt_tokens} prompt ({s.num_cached_tokens} from the prefix cache, "
         f"{s.num_prefilled_tokens} prefilled), {s.num_output_tokens} output",
@@ -288,22 +381,69 @@ def _text_summary(s: Summary) -> list[str]:
             lines.append(
                 f"  {st.request_id}: {_s(st.seconds)} from step {st.from_step} to {st.to_step}"
             )
+    multi = len(s.runs) > 1
     if s.slowest_steps:
-        lines.append("slowest steps:")
+        estimated = any(st.estimated for st in s.slowest_steps)
+        lines.append(
+            "slowest steps"
+            + (
+                " (estimated: this log does not record step times, so a step runs until the "
+                "next one was planned, idle time included):"
+                if estimated
+                else " (executor time):"
+            )
+        )
         for st in s.slowest_steps:
+            where = f"run {st.run} " if multi else ""
             lines.append(
-                f"  step {st.step}: {_s(st.seconds)}, {st.num_tokens} tokens, "
+                f"  {where}step {st.step}: {_s(st.seconds)}, {st.num_tokens} tokens, "
                 f"{st.num_seqs} request{'s' * (st.num_seqs != 1)}"
             )
+    if s.longest_idle and s.longest_idle[0].seconds >= _IDLE_SHOWN_S:
+        lines.append("longest idle gaps (nothing to run):")
+        for gap in s.longest_idle:
+            if gap.seconds >= _IDLE_SHOWN_S:
+                where = f"run {gap.run} " if multi else ""
+                lines.append(f"  {where}after step {gap.after_step}: {_s(gap.seconds)}")
+    if s.interrupted:
+        lines.append(
+            f"interrupted ({len(s.interrupted)}; the engine stopped while they ran, "
+            "and a restart began a new run):"
+        )
+        lines.extend(_in_flight_lines(s.interrupted, multi))
     if s.in_flight:
         lines.append(f"in flight when the log ends ({len(s.in_flight)}; a crashed run?):")
-        lines.extend(_in_flight_lines(s.in_flight))
+        lines.extend(_in_flight_lines(s.in_flight, multi))
     return lines
 
 
-def _in_flight_lines(in_flight: tuple[InFlight, ...]) -> list[str]:
+def _run_lines(s: Summary) -> list[str]:
+    if len(s.runs) <= 1:
+        return []
+    lines = [f"{len(s.runs)} runs (the engine was restarted; each run on its own):"]
+    for r in s.runs:
+        outcomes = ", ".join(f"{n} {k}" for k, n in r.outcomes.items()) or "none"
+        lines.append(
+            f"  run {r.index} ({r.run_id or 'no id'}), started {_when(r.created)}: "
+            f"{r.num_events} events, {r.num_steps} step{'s' * (r.num_steps != 1)}, "
+            f"{r.num_requests} request{'s' * (r.num_requests != 1)} ({outcomes})"
+        )
+    return lines
+
+
+def _when(ts: float) -> str:
+    return datetime.fromtimestamp(ts, tz=UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _time_split(s: Summary) -> str:
+    if s.busy_s is None:
+        return " (step times not recorded in this log)"
+    return f": {_s(s.busy_s)} running steps, {_s(s.idle_s)} idle between them"
+
+
+def _in_flight_lines(in_flight: tuple[InFlight, ...], multi: bool = False) -> list[str]:
     return [
-        f"  {r.request_id}: "
+        f"  {f'run {r.run} ' if multi else ''}{r.request_id}: "
         + describe_status(r.status, r.num_computed_tokens, r.num_prompt_tokens, r.num_output_tokens)
         + f" (admitted step {r.admitted_step})"
         for r in in_flight
@@ -311,9 +451,11 @@ def _in_flight_lines(in_flight: tuple[InFlight, ...]) -> list[str]:
 
 
 def _text_verify(v: VerifyReport) -> list[str]:
+    multi = len(v.runs) > 1
     lines = [
         f"verify {v.files[0] if v.files else '?'}: {v.num_events} events, "
         f"{v.num_requests} requests, {v.num_steps} steps"
+        + (f", {len(v.runs)} runs (each verified on its own)" if multi else "")
     ]
     if v.ok:
         lines.append("OK: no violations")
@@ -322,18 +464,25 @@ def _text_verify(v: VerifyReport) -> list[str]:
         by_kind = ", ".join(f"{n} {k}" for k, n in v.counts.items())
         lines.append(f"FAILED: {total} violation{'s' * (total != 1)} ({by_kind})")
         for viol in v.violations:
-            lines.append(f"  {viol.kind.value}: {viol.message}")
+            where = f"run {viol.run}: " if multi and viol.run is not None else ""
+            lines.append(f"  {where}{viol.kind.value}: {viol.message}")
             for e in viol.events:
                 lines.append(f"      {_describe_dict(e)}")
         shown = len(v.violations)
         if shown < total:
             lines.append(f"  ... {total - shown} more not shown (use --json for the counts)")
+    if v.interrupted:
+        lines.append(
+            f"interrupted ({len(v.interrupted)}; their run ended without ending them and a "
+            "restart followed: not a violation):"
+        )
+        lines.extend(_in_flight_lines(v.interrupted, multi))
     if v.in_flight:
         lines.append(
             f"in flight when the log ends ({len(v.in_flight)}; the log ends early, "
             "not a violation):"
         )
-        lines.extend(_in_flight_lines(v.in_flight))
+        lines.extend(_in_flight_lines(v.in_flight, multi))
     return lines
 
 

@@ -4,21 +4,49 @@ process (`run_serve`), or in a test's event loop (`serve_in_process`)."""
 from __future__ import annotations
 
 import argparse
+import asyncio
+import functools
 import importlib.util
 import os
 import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
 from typing import Any
 
 import anyio
+import structlog
 import uvicorn
-from fastapi import FastAPI
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from stepline.api.server import DEFAULT_MAX_BODY_BYTES, create_app
+from stepline.api.agent_options import add_agent_args, agent_options
+from stepline.api.engine import launch_rank
+from stepline.api.http_guard import (
+    RateLimitedExceptionHandler,
+    head_deadline_protocol,
+    raise_open_file_limit,
+)
+from stepline.api.log_config import LOG_FORMATS, LOG_LEVELS, configure_logging
+from stepline.api.responses_recovery import interrupted_responses
+from stepline.api.responses_serving import DEFAULT_TTL_S
+from stepline.api.resume import DEFAULT_GRACE_S
+from stepline.api.server import DEFAULT_MAX_BODY_BYTES, create_app, loading_app
+from stepline.api.serving import DEFAULT_BODY_TIMEOUT_S
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_LIMIT_CONCURRENCY = 1024  # connections or requests; each connection is a file
+DEFAULT_TIMEOUT_KEEP_ALIVE_S = 5.0  # uvicorn's default
+DEFAULT_TIMEOUT_REQUEST_HEAD_S = 10.0  # a slow client on a bad link sends a head in < 1 s
+UNHEALTHY_EXIT_DELAY_S = 1.0  # streams get their error frames, probes see 503, then exit
+
+
+class EngineFailed(RuntimeError):
+    """The engine failed while serving: `stepline serve` exits with status 1."""
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -73,24 +101,50 @@ def _url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-@asynccontextmanager
-async def serve_in_process(
-    app: FastAPI, *, host: str = "127.0.0.1", port: int = 0, graceful_shutdown_s: float = 2.0
-) -> AsyncIterator[str]:
-    """Run `app` under uvicorn in this event loop and yield its base URL (no `/v1`); stops
-    the server on exit (open streams get `graceful_shutdown_s`, then are cancelled). For tests
-    and benchmarks."""
-    sock = bind_socket(host, port)
-    bound_port = sock.getsockname()[1]
-    config = uvicorn.Config(
+def server_config(
+    app: Any,
+    *,
+    log_level: str = "warning",
+    access_log: bool = False,
+    graceful_shutdown_s: float = 5.0,
+    limit_concurrency: int | None = DEFAULT_LIMIT_CONCURRENCY,
+    timeout_keep_alive_s: float = DEFAULT_TIMEOUT_KEEP_ALIVE_S,
+    timeout_request_head_s: float = DEFAULT_TIMEOUT_REQUEST_HEAD_S,
+) -> uvicorn.Config:
+    """uvicorn's config for `app`: logging left to `log_config` (log_config=None), at most
+    `limit_concurrency` connections or requests (503 past it), idle keep-alive connections
+    closed after `timeout_keep_alive_s`, and a connection that has not sent a whole request
+    head `timeout_request_head_s` after connecting (or after its last response) closed."""
+    return uvicorn.Config(
         app,
         lifespan="off",
         log_config=None,
-        log_level="warning",
-        access_log=False,
-        timeout_graceful_shutdown=graceful_shutdown_s,
+        log_level=log_level,
+        access_log=access_log,
+        timeout_graceful_shutdown=graceful_shutdown_s,  # type: ignore[arg-type]
+        limit_concurrency=limit_concurrency,
+        timeout_keep_alive=timeout_keep_alive_s,  # type: ignore[arg-type]
+        http=head_deadline_protocol(timeout_request_head_s),
     )
-    server = _Server(config, own_signals=False)
+
+
+@asynccontextmanager
+async def serve_in_process(
+    app: Any,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    graceful_shutdown_s: float = 2.0,
+    **config: Any,
+) -> AsyncIterator[str]:
+    """Run `app` under uvicorn in this event loop and yield its base URL (no `/v1`); stops
+    the server on exit (open streams get `graceful_shutdown_s`, then are cancelled). For tests
+    and benchmarks; `config` goes to `server_config`."""
+    sock = bind_socket(host, port)
+    bound_port = sock.getsockname()[1]
+    server = _Server(
+        server_config(app, graceful_shutdown_s=graceful_shutdown_s, **config), own_signals=False
+    )
     async with anyio.create_task_group() as tg:
         tg.start_soon(lambda: server.serve(sockets=[sock]))
         try:
@@ -112,24 +166,127 @@ def _curl_line(url: str, model: str, api_key: str | None) -> str:
     )
 
 
+class _AppSwitch:
+    """The ASGI app uvicorn serves: `loading_app` until the engine is ready, then the real one.
+    uvicorn starts before the model loads, so /health answers (503 loading) from the start."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.app(scope, receive, send)
+
+
+def _describe_model(model: str | None) -> str:
+    if model is None:
+        return "the demo model stepline-demo (built on first use)"
+    local = Path(model).expanduser()
+    if local.is_dir():
+        return f"{model} from the local directory {local.resolve()}"
+    return f"{model} (a demo name, else a Hugging Face id: from the Hugging Face cache or hub)"
+
+
+def _import_engine_modules() -> None:
+    for name in ("stepline.engine.models", "stepline.engine.runner", "stepline.events.log"):
+        importlib.import_module(name)
+
+
 async def _serve(args: argparse.Namespace, sock: socket.socket, engine_kwargs: dict) -> None:
     from stepline.api.engine import Engine
 
-    async with Engine.open(args.model, **engine_kwargs) as engine:
-        app = create_app(engine, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
-        config = uvicorn.Config(app, lifespan="off", log_level="info", timeout_graceful_shutdown=5)
-        server = _Server(config, own_signals=True)
-        url = _url(args.host, sock.getsockname()[1])
-        print(f"stepline: serving {engine.model_name} at {url}/v1 (OpenAI-compatible)")
-        if args.api_key and os.environ.get("STEPLINE_API_KEY") != args.api_key:
-            print("stepline: set STEPLINE_API_KEY to the key for the curl line below")
-        print(f"try:\n  {_curl_line(url, engine.model_name, args.api_key)}", flush=True)
+    asyncio.get_running_loop().set_exception_handler(RateLimitedExceptionHandler())
+    what = _describe_model(args.model)
+    switch = _AppSwitch(loading_app(args.model or "stepline-demo"))
+    config = server_config(
+        switch,
+        log_level=args.log_level,
+        access_log=True,
+        limit_concurrency=args.limit_concurrency,
+        timeout_keep_alive_s=args.timeout_keep_alive,
+        timeout_request_head_s=args.timeout_request_head,
+    )
+    server = _Server(config, own_signals=True)
+    url = _url(args.host, sock.getsockname()[1])
+    print(f"stepline: loading {what}", flush=True)
+    print(f"stepline: {url}/health answers 503 (loading) until the model is ready", flush=True)
+    t0 = time.monotonic()
+
+    async def run_server(*, cancel: anyio.CancelScope) -> None:
         await server.serve(sockets=[sock])
+        cancel.cancel()  # the server stopped (SIGINT, SIGTERM): close the engine too
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(functools.partial(run_server, cancel=tg.cancel_scope))
+            await server.ready.wait()
+            # MLX, mlx-lm and transformers take seconds to import: not on the event loop,
+            # which answers /health meanwhile.
+            await anyio.to_thread.run_sync(_import_engine_modules)
+            # After that import: mlx_lm.utils sets the limit to (2048, 4096) when imported.
+            soft, hard = raise_open_file_limit()
+            log.info("open_file_limit", soft=soft, hard=hard)
+            async with Engine.open(args.model, **engine_kwargs) as engine:
+                names = args.served_model_name or [engine.model_name]
+                interrupted: list[tuple[str, float]] = []
+                if args.event_log is not None:  # background responses a crash cut off
+                    since = time.time() - args.responses_ttl_s
+                    interrupted = await anyio.to_thread.run_sync(
+                        functools.partial(interrupted_responses, args.event_log, since=since)
+                    )
+                switch.app = create_app(
+                    engine,
+                    api_key=args.api_key,
+                    max_body_bytes=args.max_body_bytes,
+                    served_model_names=names,
+                    allowed_origins=args.allowed_origins or (),
+                    metrics_public=args.metrics_public,
+                    body_timeout_s=args.timeout_request_body,
+                    resume_grace_s=args.resume_grace_s,
+                    responses_ttl_s=args.responses_ttl_s,
+                    interrupted_responses=interrupted,
+                    **agent_options(args),
+                )
+                print(
+                    f"stepline: loaded {engine.model_name} from {engine.loaded.path} in "
+                    f"{time.monotonic() - t0:.1f} s",
+                    flush=True,
+                )
+                served_as = f" (as {', '.join(names)})" if args.served_model_name else ""
+                print(
+                    f"stepline: serving {engine.model_name}{served_as} at {url}/v1 "
+                    "(OpenAI-compatible)"
+                )
+                if args.api_key and os.environ.get("STEPLINE_API_KEY") != args.api_key:
+                    print("stepline: set STEPLINE_API_KEY to the key for the curl line below")
+                print(f"try:\n  {_curl_line(url, names[0], args.api_key)}", flush=True)
+                reason = await engine.wait_unhealthy()
+                if args.stay_up_when_unhealthy:
+                    await anyio.sleep_forever()
+                # Every request has ended with an error; /health says 503 meanwhile. Exit
+                # non-zero after a moment, so a supervisor restarts a healthy server.
+                log.error("engine_unhealthy_exiting", reason=reason)
+                print(f"stepline: error: the engine failed ({reason}); exiting", file=sys.stderr)
+                await anyio.sleep(UNHEALTHY_EXIT_DELAY_S)
+                raise EngineFailed(reason)
+    except BaseExceptionGroup as group:  # one failure (a model not found): raise it alone
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise
+
+
+async def _serve_other_rank(model: str | None, engine_kwargs: dict) -> None:
+    from stepline.api.engine import Engine
+
+    async with Engine.open(model, **engine_kwargs):  # ends the process when rank 0 stops
+        raise AssertionError("only rank 0 runs an engine's block")
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """`stepline serve`: load the model, serve it until Ctrl-C. Returns the exit status."""
+    """`stepline serve`: listen, load the model, serve it until Ctrl-C. Returns the exit
+    status."""
     engine_kwargs = args.engine_kwargs(args)
+    if engine_kwargs.get("parallel") and launch_rank() > 0:  # no HTTP: it mirrors rank 0
+        anyio.run(_serve_other_rank, args.model, engine_kwargs)
     try:
         sock = bind_socket(args.host, args.port)
     except OSError as exc:
@@ -139,11 +296,14 @@ def run_serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
+    configure_logging(args.log_format, args.log_level)
     # uvloop (and httptools, which uvicorn picks by itself) cut the HTTP layer's CPU per
     # token when installed (`uvicorn[standard]`); plain asyncio and h11 work the same.
     use_uvloop = importlib.util.find_spec("uvloop") is not None
     try:
         anyio.run(_serve, args, sock, engine_kwargs, backend_options={"use_uvloop": use_uvloop})
+    except EngineFailed:
+        return 1
     finally:
         sock.close()
     return 0
@@ -165,6 +325,12 @@ def add_serve_parser(
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000; 0 = any)")
     p.add_argument(
+        "--stay-up-when-unhealthy",
+        action="store_true",
+        help="keep the process up (answering 503) after the engine fails, instead of exiting "
+        "with status 1 so that a supervisor restarts it",
+    )
+    p.add_argument(
         "--api-key",
         default=os.environ.get("STEPLINE_API_KEY") or None,
         help="require `Authorization: Bearer KEY` on /v1 routes (default: $STEPLINE_API_KEY; "
@@ -175,6 +341,77 @@ def add_serve_parser(
         type=int,
         default=DEFAULT_MAX_BODY_BYTES,
         help=f"largest request body accepted, else 413 (default: {DEFAULT_MAX_BODY_BYTES})",
+    )
+    p.add_argument(
+        "--served-model-name",
+        action="append",
+        metavar="NAME",
+        help="a name clients may send as `model` (repeatable; the first is what /v1/models "
+        "lists; default: the model's own name)",
+    )
+    p.add_argument(
+        "--allowed-origins",
+        action="append",
+        metavar="ORIGIN",
+        help="a web origin (https://app.example) allowed to call the server from a browser "
+        "(repeatable; default: none, no CORS headers)",
+    )
+    p.add_argument(
+        "--metrics-public",
+        action="store_true",
+        help="serve /metrics without the API key (default: behind it when --api-key is set)",
+    )
+    p.add_argument(
+        "--limit-concurrency",
+        type=int,
+        default=DEFAULT_LIMIT_CONCURRENCY,
+        help="most open connections or requests at once; 503 past it "
+        f"(default: {DEFAULT_LIMIT_CONCURRENCY})",
+    )
+    p.add_argument(
+        "--timeout-keep-alive",
+        type=float,
+        default=DEFAULT_TIMEOUT_KEEP_ALIVE_S,
+        help="close an idle keep-alive connection after this many seconds "
+        f"(default: {DEFAULT_TIMEOUT_KEEP_ALIVE_S:g})",
+    )
+    p.add_argument(
+        "--timeout-request-head",
+        type=float,
+        default=DEFAULT_TIMEOUT_REQUEST_HEAD_S,
+        help="close a connection that has not sent a whole request head this many seconds "
+        "after connecting or after its last response "
+        f"(default: {DEFAULT_TIMEOUT_REQUEST_HEAD_S:g})",
+    )
+    p.add_argument(
+        "--timeout-request-body",
+        type=float,
+        default=DEFAULT_BODY_TIMEOUT_S,
+        help="answer 408 to a request whose body has not arrived whole this many seconds "
+        f"after its head (default: {DEFAULT_BODY_TIMEOUT_S:g})",
+    )
+    p.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default="console",
+        help="console (readable) or json (one JSON object a line) (default: console)",
+    )
+    p.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="(default: info)")
+    add_agent_args(p)  # --reasoning-parser, --chat-template, --default-chat-template-kwargs
+    p.add_argument(
+        "--resume-grace-s",
+        type=float,
+        default=DEFAULT_GRACE_S,
+        help="a resumable stream whose client went away runs on this long for a reconnect "
+        "(GET /v1/requests/{id}/stream) and stays resumable this long after it ended "
+        f"(default: {DEFAULT_GRACE_S:g})",
+    )
+    p.add_argument(
+        "--responses-ttl-s",
+        type=float,
+        default=DEFAULT_TTL_S,
+        help="keep a /v1/responses response (for retrieve, streaming it again and "
+        f"previous_response_id) this long after it ended (default: {DEFAULT_TTL_S:g})",
     )
     p.set_defaults(func=run_serve, engine_kwargs=engine_kwargs)
     return p

@@ -2,7 +2,11 @@
 the OpenAI-style error handlers, and the probes (/health, /metrics).
 
     POST /v1/chat/completions, POST /v1/completions   (streaming with server-sent events, or not)
-    GET  /v1/models, GET /health, GET /metrics
+    POST /v1/messages, POST /v1/messages/count_tokens  (Anthropic, in `anthropic_serving`)
+    GET  /v1/requests/{id}/stream                      (resume a stream, in `resume`)
+    POST /v1/responses, GET|DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel
+                                                       (OpenAI Responses, `responses_serving`)
+    GET  /v1/models, GET /v1/models/{name}, GET /health, GET /metrics, GET /docs, GET /redoc
 
 Errors are OpenAI-style `{"error": {"message", "type", "param", "code"}}` bodies. The handlers
 live in their own modules (`openai_serving`), running the process in `serve_cmd`.
@@ -11,16 +15,25 @@ live in their own modules (`openai_serving`), running the process in `serve_cmd`
 from __future__ import annotations
 
 import hmac
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
+from starlette.types import ASGIApp, Receive, Scope, Send
 
+from stepline.api.agent_options import configure
+from stepline.api.anthropic_serving import AnthropicServing, anthropic_router, error_response
 from stepline.api.errors import APIError
 from stepline.api.openai_serving import OpenAIServing
+from stepline.api.responses_serving import DEFAULT_TTL_S, ResponsesServing, responses_router
+from stepline.api.resume import DEFAULT_GRACE_S, ResumeRegistry, resume_response
+from stepline.api.serving import DEFAULT_BODY_TIMEOUT_S
 
 if TYPE_CHECKING:
     from stepline.api.engine import Engine
@@ -35,27 +48,66 @@ def create_app(
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     heartbeat_s: float = DEFAULT_HEARTBEAT_S,
+    served_model_names: Sequence[str] = (),
+    allowed_origins: Sequence[str] = (),
+    metrics_public: bool = False,
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+    reasoning_parser: str | None = None,
+    chat_template: str | None = None,
+    default_chat_template_kwargs: dict | None = None,
+    resume_grace_s: float = DEFAULT_GRACE_S,
+    responses_ttl_s: float = DEFAULT_TTL_S,
+    interrupted_responses: Sequence[tuple[str, float]] = (),
 ) -> FastAPI:
-    """The HTTP app serving `engine`. With `api_key`, every /v1 route wants
-    `Authorization: Bearer <api_key>` (401 otherwise); /health and /metrics stay open for
-    probes and scrapers."""
-    serving = OpenAIServing(engine, max_body_bytes=max_body_bytes, heartbeat_s=heartbeat_s)
+    """The HTTP app serving `engine`.
+
+    With `api_key`, every route but /health (and /metrics with `metrics_public`) wants
+    `Authorization: Bearer <api_key>` or `x-api-key: <api_key>` (401 otherwise): the API,
+    /docs, /redoc and /openapi.json alike. `served_model_names`: the names clients may send as
+    `model` (the first is listed; default: the engine's model name). `allowed_origins`: the
+    web origins allowed to call it from a browser (CORS); none by default. A body must
+    arrive whole within `body_timeout_s` (408 otherwise). The last three are the agent
+    options (`agent_options.configure`); raises ValueError if the model cannot honour them.
+    A resumable stream whose client went away is cancelled if nobody reconnects within
+    `resume_grace_s`, and can be resumed until `resume_grace_s` after it ended. A stored
+    /v1/responses response is kept `responses_ttl_s` after it ended; `interrupted_responses`
+    ((id, admitted at) from `responses_recovery`) are answered as failed by the restart.
+    """
+    serving = OpenAIServing(
+        engine,
+        max_body_bytes=max_body_bytes,
+        heartbeat_s=heartbeat_s,
+        served_model_names=served_model_names,
+        body_timeout_s=body_timeout_s,
+    )
     app = FastAPI(title="stepline", summary="OpenAI-compatible LLM server", version="0.1.0")
     app.state.serving = serving
-
-    def check_key(request: Request) -> None:
-        if api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            token.strip().encode(), api_key.encode()
-        ):
-            raise APIError(
-                401,
-                "missing or incorrect API key: send the key the server was started with as "
-                "`Authorization: Bearer <key>`",
-                code="invalid_api_key",
-            )
+    serving.resume = ResumeRegistry(resume_grace_s)
+    responses = ResponsesServing(
+        engine,
+        max_body_bytes=max_body_bytes,
+        heartbeat_s=heartbeat_s,
+        served_model_names=served_model_names,
+        body_timeout_s=body_timeout_s,
+        ttl_s=responses_ttl_s,
+    )
+    responses.resume = serving.resume
+    for rid, admitted_at in interrupted_responses:
+        responses.recover(rid, admitted_at)
+    anthropic = AnthropicServing(
+        engine,
+        max_body_bytes=max_body_bytes,
+        heartbeat_s=heartbeat_s,
+        served_model_names=served_model_names,
+        body_timeout_s=body_timeout_s,
+    )
+    for front in (serving, anthropic, responses):
+        front.reasoning, front.default_template_kwargs = configure(
+            engine.tokenizer,
+            reasoning_parser=reasoning_parser,
+            chat_template=chat_template,
+            default_chat_template_kwargs=default_chat_template_kwargs,
+        )
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -67,42 +119,120 @@ def create_app(
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return APIError(400, str(exc), code="invalid_value").response()
+        return APIError(400, "the request is malformed", code="invalid_value").response()
+
+    # -- routes: every one the server has, in one place --
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        check_key(request)
         return await serving.chat(request)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        check_key(request)
         return await serving.completions(request)
 
+    @app.get("/v1/requests/{request_id}/stream")
+    async def resume_stream(request: Request, request_id: str) -> Response:
+        return resume_response(serving.resume, request_id, request.headers, heartbeat_s)
+
+    app.include_router(responses_router(responses))  # /v1/responses[/{id}[/cancel]]
+    app.include_router(anthropic_router(anthropic))  # /v1/messages, /v1/messages/count_tokens
+
     @app.get("/v1/models")
-    async def models(request: Request) -> JSONResponse:
-        check_key(request)
+    async def models() -> JSONResponse:
         return JSONResponse(serving.models().model_dump())
 
     @app.get("/v1/models/{model_id:path}")
-    async def model(request: Request, model_id: str) -> JSONResponse:
-        check_key(request)
-        card = serving.models().data[0]
-        if model_id != card.id:
+    async def model(model_id: str) -> JSONResponse:
+        if model_id not in serving.served_model_names:
             raise APIError(
                 404, f"The model {model_id!r} does not exist", param="model", code="model_not_found"
             )
+        card = serving.models().data[0].model_copy(update={"id": model_id})
         return JSONResponse(card.model_dump())
 
     @app.get("/health")
     async def health() -> JSONResponse:
         if engine.healthy:
-            return JSONResponse({"status": "ok", "model": engine.model_name})
+            body = {"status": "ok", "model": serving.model_name}
+            if (problem := engine.event_log_problem) is not None:
+                # Still serving (200), but the record of what it serves is lost: say so.
+                body.update(status="degraded", event_log=problem)
+            return JSONResponse(body)
         reason = engine.unhealthy_reason or "the engine is shut down"
         return JSONResponse({"status": "unhealthy", "reason": reason}, status_code=503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    # -- middleware: the last added runs first --
+
+    if api_key is not None:
+        open_paths = {"/health", "/metrics"} if metrics_public else {"/health"}
+        app.add_middleware(RequireKey, api_key=api_key, open_paths=frozenset(open_paths))
+    if allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(allowed_origins),
+            allow_methods=["GET", "POST", "DELETE"],
+            allow_headers=[
+                "authorization",
+                "content-type",
+                "x-api-key",
+                "last-event-id",
+                "x-stepline-resumable",
+            ],
+            expose_headers=["x-request-id", "retry-after"],
+        )
+    return app
+
+
+class RequireKey:
+    """ASGI middleware: every HTTP request but those to `open_paths` must carry the key, as
+    `Authorization: Bearer <key>` (OpenAI) or `x-api-key: <key>` (Anthropic); 401 otherwise.
+    A middleware, not a check in each route, so that no route (/docs included) is forgotten."""
+
+    def __init__(self, app: ASGIApp, *, api_key: str, open_paths: frozenset[str]):
+        self.app = app
+        self.key = api_key.encode()
+        self.open_paths = open_paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.open_paths or self._has_key(scope):
+            await self.app(scope, receive, send)
+            return
+        error = APIError(
+            401,
+            "missing or incorrect API key: send the key the server was started with as "
+            "`Authorization: Bearer <key>`",
+            code="invalid_api_key",
+        )
+        anthropic = scope["path"].startswith("/v1/messages")  # Anthropic clients, its error shape
+        response = error_response(error) if anthropic else error.response()
+        await response(scope, receive, send)
+
+    def _has_key(self, scope: Scope) -> bool:
+        headers = Headers(scope=scope)
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        given = token.strip() if scheme.lower() == "bearer" else headers.get("x-api-key", "")
+        return hmac.compare_digest(given.encode(), self.key)
+
+
+def loading_app(what: str) -> ASGIApp:
+    """The app that answers while the model loads: /health says 503 `{"status": "loading"}`
+    at once, every other route 503 with an OpenAI-style error."""
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        if scope["path"] == "/health":
+            response: Response = JSONResponse({"status": "loading", "model": what}, status_code=503)
+        else:
+            response = APIError(
+                503, f"the model is loading ({what}): retry shortly", code="model_loading"
+            ).response()
+            response.headers["retry-after"] = "1"
+        await response(scope, receive, send)
 
     return app

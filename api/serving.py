@@ -1,9 +1,16 @@
-"""What every front door's handlers share: reading and validating a body, encoding a prompt,
-submitting it to the engine, collecting or streaming its outputs, and turning failures into
-`APIError`s that carry the request id. `OpenAIServing` (and any other API) subclasses it."""
+"""What every front door's handlers share: reading and validating a body, encoding a prompt
+off the event loop, submitting it to the engine, collecting or streaming its outputs, and
+turning failures into `APIError`s that carry the request id. `OpenAIServing` (and any other
+API) subclasses it.
+
+Clients get stable messages and codes plus the request id, never an exception's text; the
+detail goes to the server log under the same id.
+"""
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -11,21 +18,36 @@ import anyio
 import structlog
 from fastapi import Request
 from fastapi.responses import Response
-from jinja2 import TemplateError
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
 from stepline.actors.step_loop import EngineDeadError
 from stepline.api.engine import SamplingParams
 from stepline.api.errors import APIError, context_error, validation_error
 from stepline.api.openai_schema import RequestError, now
+from stepline.api.prompts import PromptTooLongError
+from stepline.api.resume import (
+    FrameCounter,
+    ResumableStreamResponse,
+    ResumeRegistry,
+    key_of,
+    run_producer,
+    wants_resumable,
+)
 from stepline.api.sse import DONE, Emit, EventStreamResponse, error_frame
-from stepline.engine.policy import ContextLengthExceededError
+from stepline.engine.grammar import GrammarError
+from stepline.engine.policy import ContextLengthExceededError, QueueFullError
 
 if TYPE_CHECKING:
     from stepline.actors.request import RequestOutput
     from stepline.api.engine import Engine, RequestStream
 
 log = structlog.get_logger(__name__)
+
+# Below this, a temperature is greedy: dividing logits by 1e-308 overflows to inf/nan.
+GREEDY_TEMPERATURE = 1e-5
+JSON_MEDIA_TYPES = ("application/json",)
+DEFAULT_BODY_TIMEOUT_S = 60.0  # 4 MiB at 1 Mbit/s takes 34 s
 
 
 class ServedRequest(Protocol):
@@ -49,19 +71,70 @@ def json_response(body: BaseModel, status_code: int = 200, headers: dict | None 
     )
 
 
-class Serving:
-    """Engine plumbing for HTTP handlers: a front door subclasses it and adds its handlers."""
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON (numbers must be finite)")
 
-    def __init__(self, engine: Engine, *, max_body_bytes: int, heartbeat_s: float):
+
+def loads_strict(body: bytes) -> Any:
+    """Parse a JSON body as RFC 8259 says: NaN, Infinity and -Infinity are refused
+    (json.loads would accept them). Raises APIError 400 `invalid_json`."""
+    try:
+        return json.loads(body, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError too
+        raise APIError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
+
+
+class Serving:
+    """Engine plumbing for HTTP handlers: a front door subclasses it and adds its handlers.
+
+    `served_model_names`: the names clients may send as `model` (the first is the one listed);
+    default: the engine's model name.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        max_body_bytes: int,
+        heartbeat_s: float,
+        served_model_names: Sequence[str] = (),
+        body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+    ):
         self.engine = engine
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
         self.heartbeat_s = heartbeat_s
+        self.served_model_names: tuple[str, ...] = tuple(served_model_names) or (engine.model_name,)
         self.created = now()
         self._token_text: dict[int, str] = {}
+        self.reasoning = False  # split <think> blocks into reasoning (--reasoning-parser)
+        self.default_template_kwargs: dict[str, Any] = {}  # --default-chat-template-kwargs
+        self.resume = ResumeRegistry()  # resumable streams' records (create_app shares one)
+
+    @property
+    def model_name(self) -> str:
+        """The name this server lists and answers with by default."""
+        return self.served_model_names[0]
+
+    def response_model(self, requested: str | None) -> str:
+        """The `model` of a response: the name the client asked for (it is a served one)."""
+        return requested if requested is not None else self.model_name
 
     # -- request side --
 
     async def read_body(self, request: Request) -> bytes:
+        """The body, if it is JSON (415 otherwise: a page cannot send JSON cross-site without
+        a CORS preflight), within the size limit (413), and whole within `body_timeout_s`
+        (408). A client that hangs up while sending it gets its request logged as cancelled
+        and answered 499."""
+        media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+        if media_type not in JSON_MEDIA_TYPES:
+            raise APIError(
+                415,
+                f"the body must be JSON sent as `Content-Type: application/json`, not "
+                f"{media_type or 'no content type'!r}",
+                code="unsupported_media_type",
+            )
         limit = self.max_body_bytes
         too_large = APIError(
             413,
@@ -72,29 +145,70 @@ class Serving:
         if length is not None and length.isdigit() and int(length) > limit:
             raise too_large
         chunks, size = [], 0
-        async for chunk in request.stream():  # also bounds bodies sent without a length
-            size += len(chunk)
-            if size > limit:
-                raise too_large
-            chunks.append(chunk)
+        try:
+            # A body trickled byte by byte would hold its connection and task forever.
+            with anyio.fail_after(self.body_timeout_s):
+                async for chunk in request.stream():  # also bounds bodies sent without a length
+                    size += len(chunk)
+                    if size > limit:
+                        raise too_large
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise APIError(
+                408,
+                f"the request body did not arrive within {self.body_timeout_s:g} s",
+                code="request_timeout",
+            ) from None
+        except ClientDisconnect:
+            log.info("request_cancelled", reason="client disconnected while sending the body")
+            raise APIError(499, "the client closed the connection", code="client_closed") from None
         return b"".join(chunks)
 
     async def parse(self, request: Request, cls: type[_R]) -> _R:
+        """The body as a `cls`, validated on a worker thread (a 4 MiB body takes a while)."""
         body = await self.read_body(request)
-        try:
-            req = cls.model_validate_json(body)  # type: ignore[attr-defined]
-        except ValidationError as exc:
-            raise validation_error(exc) from None
+
+        def validate() -> _R:
+            data = loads_strict(body)
+            try:
+                return cls.model_validate(data)  # type: ignore[attr-defined]
+            except ValidationError as exc:
+                raise validation_error(exc) from None
+
+        req = await anyio.to_thread.run_sync(validate)
         req.check_supported()
-        if req.model is not None and req.model != self.engine.model_name:
+        if req.model is not None and req.model not in self.served_model_names:
+            names = ", ".join(repr(n) for n in self.served_model_names)
             raise APIError(
                 404,
-                f"The model {req.model!r} does not exist: this server serves "
-                f"{self.engine.model_name!r} (see GET /v1/models)",
+                f"The model {req.model!r} does not exist: this server serves {names} "
+                "(see GET /v1/models)",
                 param="model",
                 code="model_not_found",
             )
         return req
+
+    async def prepare(
+        self,
+        *,
+        prompt: str | list[int] | None = None,
+        messages: list[dict] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> tuple[list[int], list[int]]:
+        """Token ids and chat checkpoints, computed off the event loop."""
+        param = "prompt" if messages is None else "messages"
+        try:
+            return await self.engine.prepare_async(prompt, messages, template_kwargs)
+        except PromptTooLongError as exc:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {exc.max_context} tokens, but the "
+                f"prompt has at least {exc.num_prompt_tokens} tokens: shorten the prompt",
+                param=param,
+                code="context_length_exceeded",
+            ) from None
+        except ValueError as exc:  # a bad token id, or a template that refused the messages
+            raise APIError(400, f"{param}: {exc}", param=param) from None
 
     def max_tokens(
         self,
@@ -124,7 +238,24 @@ class Serving:
         return requested
 
     def sampling(self, req: Any, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """`req`'s sampling fields (those of `_SamplingFields`) as engine parameters."""
+        """`req`'s sampling fields (those of `_SamplingFields`, already range-checked) as
+        engine parameters, after the checks that need the model: `top_k` and `stop_token_ids`
+        within the vocabulary. A temperature below GREEDY_TEMPERATURE is greedy."""
+        vocab = self.engine.vocab_size
+        if req.top_k is not None and req.top_k > vocab:
+            raise RequestError(
+                f"top_k must be at most the vocabulary size, {vocab} (0 or -1 = off), "
+                f"got {req.top_k}",
+                param="top_k",
+                code="invalid_value",
+            )
+        for i, t in enumerate(req.stop_token_ids or ()):
+            if not 0 <= t < vocab:
+                raise RequestError(
+                    f"stop_token_ids[{i}] = {t} is not in the model's vocabulary (0..{vocab - 1})",
+                    param="stop_token_ids",
+                    code="invalid_value",
+                )
         fields: dict[str, Any] = {
             "max_tokens": max_tokens,
             "stop": req.stop_strings,
@@ -143,6 +274,8 @@ class Serving:
             value = getattr(req, name)
             if value is not None:
                 fields[name] = value
+        if req.temperature is not None and req.temperature < GREEDY_TEMPERATURE:
+            fields["temperature"] = 0.0
         if req.top_k is not None:
             fields["top_k"] = max(req.top_k, 0)
         if req.stop_token_ids:
@@ -159,6 +292,7 @@ class Serving:
         params: SamplingParams,
         prompt_param: str,
         checkpoints: Sequence[int] = (),
+        grammar_param: str = "response_format",
     ) -> RequestStream:
         try:
             return await self.engine.submit(
@@ -166,19 +300,30 @@ class Serving:
             )
         except ContextLengthExceededError as exc:
             raise context_error(exc, prompt_param) from None
+        except QueueFullError as exc:
+            retry_after = max(1, math.ceil(exc.retry_after_s))
+            err = APIError(
+                429,
+                f"the server is busy ({exc.num_waiting} requests waiting, at most "
+                f"{exc.max_waiting}): retry after {retry_after} s",
+                type="rate_limit_error",
+                code="queue_full",
+            )
+            err.headers["retry-after"] = str(retry_after)
+            raise err from None
         except EngineDeadError as exc:
-            raise APIError(503, str(exc), code="engine_unhealthy") from None
+            log.error("request_refused", reason=str(exc))
+            raise APIError(
+                503,
+                "the engine is unavailable: it failed and must be restarted",
+                code="engine_unhealthy",
+            ) from None
+        except GrammarError as exc:  # a schema llguidance cannot compile
+            raise APIError(400, str(exc), param=grammar_param, code="invalid_schema") from None
         except ValueError as exc:  # AdmissionError (empty prompt, KV too small), bad token ids
             raise APIError(400, str(exc), param=prompt_param) from None
-        except RuntimeError as exc:  # the engine is closed: the server is shutting down
-            raise APIError(503, str(exc), code="shutting_down") from None
-
-    def encode(self, *, prompt: str | list[int] | None = None, messages=None) -> list[int]:
-        param = "prompt" if messages is None else "messages"
-        try:
-            return self.engine.encode(prompt, messages)
-        except (ValueError, TemplateError) as exc:
-            raise APIError(400, f"{param}: {exc}", param=param) from None
+        except RuntimeError:  # the engine is closed: the server is shutting down
+            raise APIError(503, "the server is shutting down", code="shutting_down") from None
 
     # -- response side --
 
@@ -189,13 +334,22 @@ class Serving:
         return text
 
     def failure(self, out: RequestOutput) -> APIError:
+        """The client's error for a request that ended without stop or length; what went wrong
+        goes to the log, under the request id the client's message names."""
+        rid = out.request_id
         if out.finish_reason == "cancelled":
             return APIError(
                 503, "the request was cancelled: the server is shutting down", code="shutting_down"
             )
+        log.error("request_failed", request_id=rid, error=out.error)
         if not self.engine.healthy:
-            return APIError(503, out.error or "the engine failed", code="engine_unhealthy")
-        return APIError(500, out.error or "the request failed", code="engine_error")
+            return APIError(
+                503,
+                f"the engine failed and can serve no request until it is restarted "
+                f"(request id {rid})",
+                code="engine_unhealthy",
+            )
+        return APIError(500, f"internal error (request id {rid})", code="engine_error")
 
     async def collect(self, request: Request, stream: RequestStream) -> list[RequestOutput]:
         """Every output of a non-streaming request; a client disconnect cancels it."""
@@ -222,35 +376,62 @@ class Serving:
         return outs
 
     def stream_response(
-        self, rid: str, stream: RequestStream, produce: Callable[[Emit], Awaitable[None]]
-    ) -> EventStreamResponse:
+        self,
+        rid: str,
+        stream: RequestStream,
+        produce: Callable[[Emit], Awaitable[None]],
+        *,
+        resumable_from: Request | None = None,
+    ) -> Response:
+        """The stream's response; its frames are numbered (`id: N`). `resumable_from`: the
+        HTTP request, when it asked for a resumable stream (see `resume`)."""
+
         async def guarded(emit: Emit) -> None:
             try:
                 await produce(emit)
-            except Exception as exc:  # a bug here must still end the stream the OpenAI way
+            except Exception:  # a bug here must still end the stream the OpenAI way
                 log.exception("stream_failed", request_id=rid)
-                await emit(error_frame(f"the server failed: {exc!r}", code="server_error"))
+                await emit(error_frame(f"internal error (request id {rid})", code="server_error"))
                 await emit(DONE)
 
+        headers = {"x-request-id": rid}
+        if resumable_from is not None:
+            record = self.resume.open(rid, key_of(resumable_from.headers))
+            return ResumableStreamResponse(
+                record,
+                lambda: run_producer(record, guarded, stream.aclose),
+                headers=headers,
+                heartbeat_s=self.heartbeat_s,
+            )
         return EventStreamResponse(
-            guarded,
-            headers={"x-request-id": rid},
+            lambda emit: guarded(FrameCounter().wrap(emit)),
+            headers=headers,
             heartbeat_s=self.heartbeat_s,
             on_close=stream.aclose,
         )
 
-    async def stream_error(self, emit: Emit, out: RequestOutput | None) -> None:
+    @staticmethod
+    def asks_resumable(request: Request, in_body: bool) -> Request | None:
+        """`request` if it asked for a resumable stream (in its body or by header)."""
+        return request if in_body or wants_resumable(request.headers) else None
+
+    async def stream_error(self, emit: Emit, rid: str, out: RequestOutput | None) -> None:
         if out is None:
-            await emit(
-                error_frame("the request ended without a finish reason", code="engine_error")
-            )
+            log.error("request_unfinished", request_id=rid, error="no finish reason")
+            message = f"internal error (request id {rid})"
+            await emit(error_frame(message, code="engine_error"))
         else:
             err = self.failure(out)
             await emit(error_frame(err.detail.message, code=err.detail.code))
         await emit(DONE)
 
     async def handle(self, request: Request, rid: str, handler) -> Response:
-        """Run `handler`; any error response it raises carries the request id."""
+        """Run `handler` with the request id bound to every log line; any error response it
+        raises carries the request id. A bug is a 500 that names the request id, and its
+        traceback goes to the log."""
+        # Bound for the rest of this request's task (uvicorn runs each request in a task of its
+        # own), so that its access-log line, written after this returns, carries the id too.
+        structlog.contextvars.bind_contextvars(request_id=rid)
         try:
             return await handler(request, rid)
         except RequestError as exc:
@@ -260,3 +441,8 @@ class Serving:
         except APIError as exc:
             exc.request_id = rid
             raise
+        except Exception:
+            log.exception("request_failed", request_id=rid)
+            err = APIError(500, f"internal error (request id {rid})", code="server_error")
+            err.request_id = rid
+            raise err from None

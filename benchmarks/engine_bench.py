@@ -14,12 +14,16 @@ random prompts (no prefix-cache hits).
 
 1. Head-of-line: 4 requests decode; once they are steady a long prompt arrives. The long
    request's TTFT, and the decoders' inter-token latency (ITL) inside the prefill window
-   (an interval that overlaps [arrival, long request's first token]) and outside it.
-   stepline with `--max-step-tokens` (512) vs mlx-lm's `BatchGenerator` with its default
-   `prefill_step_size` (2048); BatchGenerator token times are the returns of `next()`.
+   (an interval that overlaps [arrival, long request's first token]) and outside it; the
+   longest ITL inside is the decoders' longest stall. stepline with `--max-step-tokens`
+   (512) and its step-time target (`--max-step-ms`, default 100), and the same engine
+   without the target (tokens only), vs mlx-lm's `BatchGenerator` with `prefill_step_size`
+   2048 (its default), 512 and 256 (each `next()` is one decode step plus one prefill chunk
+   of that size); each figure is compared with the best BatchGenerator configuration for
+   that figure. BatchGenerator token times are the returns of `next()`.
 2. Decode throughput at batch 1, 8, 32 (greedy, ignore_eos, steady state: from the moment
    every request has `warm` tokens to the first request's last token) vs a bare mlx-lm loop
-   over the same merged `BatchKVCache` (the limit), and BatchGenerator for reference.
+   over the same merged `BatchKVCache` (the limit) and vs BatchGenerator.
 3. Event-log cost: stepline's batch-8 throughput with the event log on vs off.
 4. OpenBLAS: prefill tokens/s of one prompt with and without the preload, each in a fresh
    subprocess (the preload must precede `import mlx`): STEPLINE_NO_OPENBLAS=1 turns it off;
@@ -74,8 +78,10 @@ FIRST_TOKEN_ID = 3  # the demo tokenizers' ids 0..2 are special tokens
 class Workload:
     repeats: int = 3
     max_step_tokens: int = 512  # stepline's token budget per step
-    bg_prefill_step: int = 2048  # BatchGenerator's prefill_step_size (its default)
-    hol_cap: int | None = 384  # also run head-of-line with this long_prefill_cap (None: skip)
+    max_step_ms: float | None = 100.0  # stepline's step-time target (None: tokens only)
+    bg_prefill_step: int = 2048  # BatchGenerator's prefill_step_size (its default): decode
+    bg_hol_steps: tuple[int, ...] = (2048, 512, 256)  # head-of-line: each of these
+    hol_cap: int | None = None  # also run head-of-line with this long_prefill_cap (None: skip)
     short_prompt: int = 32  # decoders' prompt tokens
     long_prompt: int = 4000  # head-of-line: the prompt that arrives
     warm_tokens: int = 8  # tokens each request makes before anything is measured
@@ -85,6 +91,7 @@ class Workload:
     event_log_batch: int = 8
     blas_prompt: int = 512  # OpenBLAS section; the reference BLAS does ~40 tokens/s here
     profile: bool = True
+    sections: tuple[str, ...] = ("hol", "decode", "event_log", "blas")
     max_foreign_cores: float = 0.25  # measure again while other processes keep more busy
     retries: int = 2
 
@@ -334,10 +341,10 @@ async def decode_stepline(engine: Engine, batch: int, w: Workload, vocab: int) -
 # -- mlx-lm ----------------------------------------------------------------------------------
 
 
-def hol_batchgen(model: Any, w: Workload, vocab: int) -> dict:
+def hol_batchgen(model: Any, w: Workload, vocab: int, prefill_step: int) -> dict:
     decoders = [make_prompt(w.short_prompt, vocab) for i in range(NUM_DECODERS)]
     long_prompt = make_prompt(w.long_prompt, vocab)
-    gen = BatchGenerator(model, prefill_step_size=w.bg_prefill_step)  # no stop tokens
+    gen = BatchGenerator(model, prefill_step_size=prefill_step)  # no stop tokens
     try:
         uids = gen.insert(decoders, max_tokens=[DECODER_MAX_TOKENS] * NUM_DECODERS)
         times: dict[int, list[float]] = {u: [] for u in uids}
@@ -653,12 +660,16 @@ async def fresh_engines(model_name: str, w: Workload, vocab: int, **variants: di
     """One warmed-up engine per variant (keyword arguments to Engine.open), all closed on
     exit. Fresh for each repeat: the step loop keeps every finished request's state, and a
     long history slows every step (see the profile), which is not what is measured here."""
-    opts = {"max_step_tokens": w.max_step_tokens, "max_num_seqs": 32}
+    opts = {
+        "max_step_tokens": w.max_step_tokens,
+        "max_num_seqs": 32,
+        "max_step_ms": w.max_step_ms,
+    }
     async with contextlib.AsyncExitStack() as stack:
         engines = {}
         for name, extra in variants.items():
             engines[name] = await stack.enter_async_context(
-                Engine.open(model_name, **opts, **extra)
+                Engine.open(model_name, **{**opts, **extra})
             )
             # Warm-up: first calls allocate and build what later ones reuse.
             await decode_stepline(engines[name], 2, replace(w, decode_tokens=4), vocab)
@@ -669,7 +680,12 @@ async def run_all(model_name: str, w: Workload) -> dict:
     model = load_model(model_name).model  # the mlx-lm side's copy, used on this thread
     vocab = model.args.vocab_size
     raw: dict[str, Any] = {
-        "hol": {"stepline": [], "batchgen": [], "stepline_cap": []},
+        "hol": {
+            "stepline": [],
+            "stepline_tokens_only": [],
+            "stepline_cap": [],
+            "batchgen": {str(n): [] for n in w.bg_hol_steps},
+        },
         "decode": {str(b): {"stepline": [], "bare": [], "batchgen": []} for b in w.batches},
         "event_log": {"off": [], "on": []},
         "blas": {name: [] for name in BLAS_VARIANTS},
@@ -678,26 +694,40 @@ async def run_all(model_name: str, w: Workload) -> dict:
     m = Measure(w)
     decode_bare(model, 2, replace(w, decode_tokens=4), vocab)  # warm-up
     decode_batchgen(model, 2, replace(w, decode_tokens=4), vocab)
-    cap = {"capped": {"long_prefill_cap": w.hol_cap}} if w.hol_cap is not None else {}
+    hol_variants: dict[str, dict] = {"engine": {}}
+    if "hol" not in w.sections:
+        pass
+    elif w.max_step_ms is not None:
+        hol_variants["tokens_only"] = {"max_step_ms": None}
+    if w.hol_cap is not None and "hol" in w.sections:
+        hol_variants["capped"] = {"long_prefill_cap": w.hol_cap}
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(w.repeats):
-            async with fresh_engines(model_name, w, vocab, engine={}, **cap) as engines:
+            async with fresh_engines(model_name, w, vocab, **hol_variants) as engines:
                 engine = engines["engine"]
                 raw["engine_config"] = engine.config
-                log(f"repeat {rep + 1}/{w.repeats}: head-of-line")
                 hol = raw["hol"]
-                hol["stepline"].append(await m.arun(hol_stepline, engine, w, vocab))
-                hol["batchgen"].append(m.run(hol_batchgen, model, w, vocab))
+                if "hol" in w.sections:
+                    log(f"repeat {rep + 1}/{w.repeats}: head-of-line")
+                    hol["stepline"].append(await m.arun(hol_stepline, engine, w, vocab))
+                for n in w.bg_hol_steps if "hol" in w.sections else ():
+                    hol["batchgen"][str(n)].append(m.run(hol_batchgen, model, w, vocab, n))
+                if "tokens_only" in engines:
+                    hol["stepline_tokens_only"].append(
+                        await m.arun(hol_stepline, engines["tokens_only"], w, vocab)
+                    )
                 if "capped" in engines:
                     hol["stepline_cap"].append(
                         await m.arun(hol_stepline, engines["capped"], w, vocab)
                     )
-                for b in w.batches:
+                for b in w.batches if "decode" in w.sections else ():
                     log(f"repeat {rep + 1}/{w.repeats}: decode batch {b}")
                     d = raw["decode"][str(b)]
                     d["stepline"].append(await m.arun(decode_stepline, engine, b, w, vocab))
                     d["bare"].append(m.run(decode_bare, model, b, w, vocab))
                     d["batchgen"].append(m.run(decode_batchgen, model, b, w, vocab))
+            if "event_log" not in w.sections:
+                continue
             log(f"repeat {rep + 1}/{w.repeats}: event log")
             log_path = Path(tmp) / f"events-{rep}.jsonl"
             pair = {"off": {}, "on": {"event_log": log_path}}
@@ -716,7 +746,7 @@ async def run_all(model_name: str, w: Workload) -> dict:
             async with fresh_engines(model_name, w, vocab, **pair) as engines:
                 await _profile(engines, w, vocab, raw, m)
         raw["event_log_bytes"] = log_size(Path(tmp))
-    for rep in range(w.repeats):
+    for rep in range(w.repeats if "blas" in w.sections else 0):
         for name, env in BLAS_VARIANTS.items():
             log(f"repeat {rep + 1}/{w.repeats}: BLAS {name}")
             raw["blas"][name].append(m.run(run_blas_variant, model_name, w, env))
@@ -752,23 +782,53 @@ def _foreign(rows: list[dict]) -> dict:
     return {"median": median(values), "max": max(values, default=float("nan"))}
 
 
-def summarize(raw: dict, w: Workload) -> dict:
-    hol_s, hol_b = raw["hol"]["stepline"], raw["hol"]["batchgen"]
-    summary: dict[str, Any] = {
-        "hol": {
-            "stepline": {k: _med(hol_s, k) for k in hol_s[0]},
-            "batchgen": {k: _med(hol_b, k) for k in hol_b[0]},
-            "ttft_ratio": paired(hol_s, hol_b, "ttft_s"),
-            "itl_inside_p99_ratio": paired(hol_s, hol_b, "itl_inside_p99_ms"),
-            "foreign_cores": _foreign(hol_s + hol_b),
+HOL_SYSTEMS = {  # raw["hol"] key -> column label
+    "stepline": "stepline",
+    "stepline_tokens_only": "no target",
+    "stepline_cap": "cap",
+}
+# (label, key, lower is better): the head-of-line figures, and which are compared
+HOL_FIGURES = [
+    ("long request TTFT (s)", "ttft_s", True),
+    ("decoders' longest stall (ms)", "itl_inside_max_ms", True),
+    ("decoders' ITL p50 inside window (ms)", "itl_inside_p50_ms", True),
+    ("decoders' ITL p99 inside window (ms)", "itl_inside_p99_ms", True),
+    ("decoders' ITL p50 outside (ms)", "itl_outside_p50_ms", True),
+    ("decoders' ITL p99 outside (ms)", "itl_outside_p99_ms", True),
+    ("steps (next() calls) in window", "steps_in_window", False),
+]
+HOL_TARGETS = {"itl_inside_max_ms": 0.33, "ttft_s": 1.0}  # ours / best BatchGenerator <=
+
+
+def best_batchgen(configs: dict[str, list[dict]]) -> list[dict]:
+    """Per repeat, each figure's best (lowest) value over the BatchGenerator configurations."""
+    rows = list(configs.values())
+    keys = [key for _, key, _ in HOL_FIGURES]
+    return [{k: min(r[i][k] for r in rows) for k in keys} for i in range(len(rows[0]))]
+
+
+def summarize_hol(hol: dict) -> dict:
+    bg = hol["batchgen"]
+    best = best_batchgen(bg)
+    systems = {name: rows for name, rows in hol.items() if name != "batchgen" and rows}
+    columns = {**systems, **{f"batchgen_{n}": rows for n, rows in bg.items()}}
+    return {
+        "figures": {name: {k: _med(rows, k) for k in rows[0]} for name, rows in columns.items()},
+        "best_batchgen_config": {
+            key: min(bg, key=lambda n, key=key: _med(bg[n], key)) for _, key, _ in HOL_FIGURES
         },
-        "decode": {},
+        "vs_best_batchgen": {
+            name: {key: paired(rows, best, key) for _, key, lower in HOL_FIGURES if lower}
+            for name, rows in systems.items()
+        },
+        "foreign_cores": _foreign([r for rows in columns.values() for r in rows]),
     }
-    hol_c = raw["hol"]["stepline_cap"]
-    if hol_c:
-        summary["hol"]["stepline_cap"] = {k: _med(hol_c, k) for k in hol_c[0]}
-        summary["hol"]["cap_ttft_ratio"] = paired(hol_c, hol_b, "ttft_s")
-        summary["hol"]["cap_itl_inside_p99_ratio"] = paired(hol_c, hol_b, "itl_inside_p99_ms")
+
+
+def summarize(raw: dict, w: Workload) -> dict:
+    summary: dict[str, Any] = {"decode": {}, "profile": raw["profile"]}
+    if raw["hol"]["stepline"]:
+        summary["hol"] = summarize_hol(raw["hol"])
     decode_rows: list[dict] = []
     for b, d in raw["decode"].items():
         decode_rows += d["stepline"] + d["bare"] + d["batchgen"]
@@ -778,35 +838,39 @@ def summarize(raw: dict, w: Workload) -> dict:
             "batchgen": _med(d["batchgen"], "tokens_per_s"),
             "stepline_vs_bare": paired(d["stepline"], d["bare"], "tokens_per_s"),
             "batchgen_vs_bare": paired(d["batchgen"], d["bare"], "tokens_per_s"),
+            "stepline_vs_batchgen": paired(d["stepline"], d["batchgen"], "tokens_per_s"),
             "stepline_step_ms": _med(d["stepline"], "step_ms"),
             "stepline_step_ms_median": _med(d["stepline"], "step_ms_median"),
             "bare_step_ms": _med(d["bare"], "step_ms"),
         }
     summary["decode_foreign_cores"] = _foreign(decode_rows)
     on, off = raw["event_log"]["on"], raw["event_log"]["off"]
-    summary["event_log"] = {
-        "off": _med(off, "tokens_per_s"),
-        "on": _med(on, "tokens_per_s"),
-        "on_vs_off": paired(on, off, "tokens_per_s"),
-        "off_step_ms_median": _med(off, "step_ms_median"),
-        "off_spread": (max(r["tokens_per_s"] for r in off) - min(r["tokens_per_s"] for r in off))
-        / _med(off, "tokens_per_s"),
-        "on_step_ms_median": _med(on, "step_ms_median"),
-        "bytes_written": raw["event_log_bytes"],
-        "foreign_cores": _foreign(on + off),
-    }
-    reference = raw["blas"][REFERENCE_BLAS]
-    summary["blas"] = {
-        name: {
-            "prefill_tokens_per_s": _med(rows, "prefill_tokens_per_s"),
-            "decode_b1_tokens_per_s": _med(rows, "decode_b1_tokens_per_s"),
-            "prefill_vs_reference": paired(rows, reference, "prefill_tokens_per_s"),
-            "status": rows[0]["openblas_status"],
+    if on and off:
+        summary["event_log"] = {
+            "off": _med(off, "tokens_per_s"),
+            "on": _med(on, "tokens_per_s"),
+            "on_vs_off": paired(on, off, "tokens_per_s"),
+            "off_step_ms_median": _med(off, "step_ms_median"),
+            "off_spread": (
+                max(r["tokens_per_s"] for r in off) - min(r["tokens_per_s"] for r in off)
+            )
+            / _med(off, "tokens_per_s"),
+            "on_step_ms_median": _med(on, "step_ms_median"),
+            "bytes_written": raw["event_log_bytes"],
+            "foreign_cores": _foreign(on + off),
         }
-        for name, rows in raw["blas"].items()
-    }
-    summary["blas_foreign_cores"] = _foreign([r for rows in raw["blas"].values() for r in rows])
-    summary["profile"] = raw["profile"]
+    if raw["blas"][REFERENCE_BLAS]:
+        reference = raw["blas"][REFERENCE_BLAS]
+        summary["blas"] = {
+            name: {
+                "prefill_tokens_per_s": _med(rows, "prefill_tokens_per_s"),
+                "decode_b1_tokens_per_s": _med(rows, "decode_b1_tokens_per_s"),
+                "prefill_vs_reference": paired(rows, reference, "prefill_tokens_per_s"),
+                "status": rows[0]["openblas_status"],
+            }
+            for name, rows in raw["blas"].items()
+        }
+        summary["blas_foreign_cores"] = _foreign([r for rows in raw["blas"].values() for r in rows])
     rows = [r for r in _all_rows(raw) if "attempts" in r]
     summary["measurements"] = len(rows)
     summary["measured_again"] = sum(r["attempts"] > 1 for r in rows)
@@ -847,97 +911,91 @@ def print_table(s: dict, w: Workload, env: dict) -> None:
         f"disturbed after {w.retries} retries"
     )
 
-    h = s["hol"]
-    ours, bg = h["stepline"], h["batchgen"]
-    p(
-        f"\n1. Head-of-line: {NUM_DECODERS} requests decode ({w.short_prompt}-token prompts); "
-        f"a {w.long_prompt}-token prompt arrives"
-    )
-    p(
-        f"   stepline max_step_tokens={w.max_step_tokens}; mlx-lm BatchGenerator "
-        f"prefill_step_size={w.bg_prefill_step}; {_busy(h['foreign_cores'])}"
-    )
-    cap = h.get("stepline_cap")
-    cap_head = f"{'cap ' + str(w.hol_cap):>10}{'ratio':>7}" if cap else ""
-    p(f"   {'':38}{'stepline':>10}{'BatchGen':>10}{'ratio':>7}  {'target':16}{cap_head}")
-    ratios = {"ttft_s": h["ttft_ratio"], "itl_inside_p99_ms": h["itl_inside_p99_ratio"]}
-    cap_ratios = {
-        "ttft_s": h.get("cap_ttft_ratio"),
-        "itl_inside_p99_ms": h.get("cap_itl_inside_p99_ratio"),
-    }
-    targets = {
-        "ttft_s": f"<= 1.25 {verdict(h['ttft_ratio'] <= 1.25)}",
-        "itl_inside_p99_ms": f"<= 0.25 {verdict(h['itl_inside_p99_ratio'] <= 0.25)}",
-    }
-    for label, key in [
-        ("long request TTFT (s)", "ttft_s"),
-        ("decoders' ITL p50 inside window (ms)", "itl_inside_p50_ms"),
-        ("decoders' ITL p99 inside window (ms)", "itl_inside_p99_ms"),
-        ("decoders' ITL p50 outside (ms)", "itl_outside_p50_ms"),
-        ("decoders' ITL p99 outside (ms)", "itl_outside_p99_ms"),
-        ("steps (next() calls) in window", "steps_in_window"),
-    ]:
-        ratio = ratios.get(key, ours[key] / bg[key] if bg[key] else float("nan"))
-        line = (
-            f"   {label:38}{ours[key]:10.1f}{bg[key]:10.1f}{ratio:7.2f}  {targets.get(key, ''):16}"
-        )
-        if cap:
-            cap_ratio = cap_ratios.get(key) or (cap[key] / bg[key] if bg[key] else float("nan"))
-            line += f"{cap[key]:10.1f}{cap_ratio:7.2f}"
-        p(line.rstrip())
-    p(
-        f"   ITL samples per run (inside/outside): stepline {ours['num_inside']:.0f}/"
-        f"{ours['num_outside']:.0f}, BatchGenerator {bg['num_inside']:.0f}/{bg['num_outside']:.0f}"
-    )
-    if cap:
+    if "hol" in s:
+        h = s["hol"]
         p(
-            f"   cap {w.hol_cap}: the same stepline engine with long_prefill_cap={w.hol_cap} "
-            "(for reference; not the configuration the targets name)"
+            f"\n1. Head-of-line: {NUM_DECODERS} requests decode ({w.short_prompt}-token prompts); "
+            f"a {w.long_prompt}-token prompt arrives; {_busy(h['foreign_cores'])}"
+        )
+        p(
+            f"   stepline max_step_tokens={w.max_step_tokens}, max_step_ms={w.max_step_ms}"
+            + (" ('no target': max_step_ms=None)" if "stepline_tokens_only" in h["figures"] else "")
+            + (f" ('cap': long_prefill_cap={w.hol_cap})" if "stepline_cap" in h["figures"] else "")
+            + "; BG n: mlx-lm BatchGenerator, prefill_step_size=n"
+        )
+        names = list(h["figures"])
+        label = {**HOL_SYSTEMS, **{f"batchgen_{n}": f"BG {n}" for n in w.bg_hol_steps}}
+        ours = [n for n in names if n in h["vs_best_batchgen"]]
+        p(
+            f"   {'':38}"
+            + "".join(f"{label[n]:>10}" for n in names)
+            + "".join(f"{label[n] + '/BG':>14}" for n in ours)
+            + "  best BG"
+        )
+        for text, key, lower in HOL_FIGURES:
+            line = f"   {text:38}" + "".join(f"{h['figures'][n][key]:10.1f}" for n in names)
+            if lower:
+                line += "".join(f"{h['vs_best_batchgen'][n][key]:14.2f}" for n in ours)
+                line += f"  {label['batchgen_' + h['best_batchgen_config'][key]]}"
+            p(line)
+        for key, limit in HOL_TARGETS.items():
+            ratio = h["vs_best_batchgen"]["stepline"][key]
+            p(
+                f"   target: stepline {key} <= {limit} x the best BatchGenerator's: {ratio:.2f} "
+                f"{verdict(ratio <= limit)}"
+            )
+        p(
+            "   ratio = median over repeats of ours / the best BatchGenerator configuration's "
+            "value of that figure in the same repeat"
         )
 
-    p(
-        f"\n2. Decode throughput, tokens/s (greedy, ignore_eos, {w.decode_tokens} steps after "
-        f"{w.warm_tokens} warm-up tokens); {_busy(s['decode_foreign_cores'])}"
-    )
-    p(
-        f"   {'batch':>5}{'stepline':>10}{'bare loop':>11}{'ours/bare':>11}{'BatchGen':>10}"
-        f"{'BG/bare':>9}{'ours ms/step':>14}{'(median)':>10}{'bare ms/step':>14}"
-    )
-    for b, d in s["decode"].items():
-        target = f"  >= 0.9 {verdict(d['stepline_vs_bare'] >= 0.9)}" if b == "8" else ""
+    if s["decode"]:
         p(
-            f"   {b:>5}{d['stepline']:10.1f}{d['bare']:11.1f}{d['stepline_vs_bare']:11.2f}"
-            f"{d['batchgen']:10.1f}{d['batchgen_vs_bare']:9.2f}{d['stepline_step_ms']:14.2f}"
-            f"{d['stepline_step_ms_median']:10.2f}{d['bare_step_ms']:14.2f}{target}"
+            f"\n2. Decode throughput, tokens/s (greedy, ignore_eos, {w.decode_tokens} steps after "
+            f"{w.warm_tokens} warm-up tokens); {_busy(s['decode_foreign_cores'])}"
+        )
+        p(
+            f"   {'batch':>5}{'stepline':>10}{'bare loop':>11}{'ours/bare':>11}{'BatchGen':>10}"
+            f"{'BG/bare':>9}{'ours/BG':>9}{'ours ms/step':>14}{'(median)':>10}{'bare ms/step':>14}"
+        )
+        for b, d in s["decode"].items():
+            target = f"  ours/BG >= 1.0 {verdict(d['stepline_vs_batchgen'] >= 1.0)}"
+            p(
+                f"   {b:>5}{d['stepline']:10.1f}{d['bare']:11.1f}{d['stepline_vs_bare']:11.2f}"
+                f"{d['batchgen']:10.1f}{d['batchgen_vs_bare']:9.2f}{d['stepline_vs_batchgen']:9.2f}"
+                f"{d['stepline_step_ms']:14.2f}"
+                f"{d['stepline_step_ms_median']:10.2f}{d['bare_step_ms']:14.2f}{target}"
+            )
+
+    if "event_log" in s:
+        e = s["event_log"]
+        cost = 1 - e["on_vs_off"]  # > 0: the log slows the engine down
+        p(
+            f"\n3. Event-log cost, batch {w.event_log_batch} ({EVENT_LOG_PAIRS} on/off pairs per "
+            f"repeat, fresh engines); {_busy(e['foreign_cores'])}"
+        )
+        p(
+            f"   off {e['off']:.1f} tok/s, on {e['on']:.1f} tok/s: on/off {e['on_vs_off']:.3f}, "
+            f"{'the log costs' if cost >= 0 else 'the logged engine was faster by'} "
+            f"{100 * abs(cost):.1f}% (target <= 3% {verdict(cost <= 0.03)}); "
+            f"run-to-run spread of 'off' alone {100 * e['off_spread']:.1f}%"
+        )
+        p(
+            f"   median step {e['off_step_ms_median']:.2f} ms off, "
+            f"{e['on_step_ms_median']:.2f} ms on; {e['bytes_written'] / 1e3:.0f} kB of log written"
         )
 
-    e = s["event_log"]
-    cost = 1 - e["on_vs_off"]  # > 0: the log slows the engine down
-    p(
-        f"\n3. Event-log cost, batch {w.event_log_batch} ({EVENT_LOG_PAIRS} on/off pairs per "
-        f"repeat, fresh engines); {_busy(e['foreign_cores'])}"
-    )
-    p(
-        f"   off {e['off']:.1f} tok/s, on {e['on']:.1f} tok/s: on/off {e['on_vs_off']:.3f}, "
-        f"{'the log costs' if cost >= 0 else 'the logged engine was faster by'} "
-        f"{100 * abs(cost):.1f}% (target <= 3% {verdict(cost <= 0.03)}); "
-        f"run-to-run spread of 'off' alone {100 * e['off_spread']:.1f}%"
-    )
-    p(
-        f"   median step {e['off_step_ms_median']:.2f} ms off, {e['on_step_ms_median']:.2f} ms on; "
-        f"{e['bytes_written'] / 1e3:.0f} kB of log written"
-    )
-
-    p(
-        f"\n4. BLAS: one {w.blas_prompt}-token prompt's prefill, a fresh process per variant; "
-        f"{_busy(s['blas_foreign_cores'])}"
-    )
-    p(f"   {'variant':42}{'prefill tok/s':>14}{'vs reference':>14}{'decode b1 tok/s':>17}")
-    for name, r in s["blas"].items():
+    if "blas" in s:
         p(
-            f"   {name:42}{r['prefill_tokens_per_s']:14.1f}{r['prefill_vs_reference']:13.1f}x"
-            f"{r['decode_b1_tokens_per_s']:17.1f}"
+            f"\n4. BLAS: one {w.blas_prompt}-token prompt's prefill, a fresh process per variant; "
+            f"{_busy(s['blas_foreign_cores'])}"
         )
+        p(f"   {'variant':42}{'prefill tok/s':>14}{'vs reference':>14}{'decode b1 tok/s':>17}")
+        for name, r in s["blas"].items():
+            p(
+                f"   {name:42}{r['prefill_tokens_per_s']:14.1f}{r['prefill_vs_reference']:13.1f}x"
+                f"{r['decode_b1_tokens_per_s']:17.1f}"
+            )
 
     if s["profile"]:
         p("\n5. Where a stepline decode step goes (an instrumented run; ms per step, medians).")
@@ -973,6 +1031,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, help="repeats per measurement (default 3; quick 1)")
     ap.add_argument("--long-prompt", type=int, help="head-of-line prompt tokens (default 4000)")
     ap.add_argument("--max-step-tokens", type=int, help="stepline's budget (default 512)")
+    ap.add_argument(
+        "--max-step-ms",
+        type=float,
+        help="stepline's step-time target (default 100; 0: none, and no 'no target' run)",
+    )
+    ap.add_argument(
+        "--sections",
+        default="hol,decode,event_log,blas",
+        help="comma-separated: hol, decode, event_log, blas (default: all)",
+    )
     ap.add_argument("--json", type=Path, help="also write every figure here")
     ap.add_argument(
         "--max-foreign-cores",
@@ -989,11 +1057,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         "repeats": args.repeats,
         "long_prompt": args.long_prompt,
         "max_step_tokens": args.max_step_tokens,
+        "max_step_ms": args.max_step_ms,
         "blas_prompt": args.blas_prompt,
         "max_foreign_cores": args.max_foreign_cores,
         "retries": args.retries,
     }
     w = replace(w, **{k: v for k, v in overrides.items() if v is not None})
+    if args.max_step_ms == 0:
+        w = replace(w, max_step_ms=None)
+    w = replace(
+        w, sections=tuple(args.sections.split(",")), profile=w.profile and "decode" in args.sections
+    )
 
     if args.blas_worker:
         print(json.dumps(blas_worker(args.model, w.blas_prompt, decode_tokens=16)))

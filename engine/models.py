@@ -4,7 +4,7 @@ Every model — a built-in demo, a local directory or a Hugging Face repo — is
 through ``mlx_lm.load``, so the demo models exercise exactly the code path of a real
 checkpoint. The demos are built on first use, deterministically from a seed and a
 built-in corpus, into the standard mlx-lm layout (config.json, model.safetensors,
-tokenizer.json, tokenizer_config.json with a ChatML chat template,
+tokenizer.json, tokenizer_config.json with a Qwen3-style ChatML chat template,
 special_tokens_map.json), so the demo command and the tests need no network.
 """
 
@@ -31,23 +31,78 @@ if TYPE_CHECKING:  # mlx_lm imports transformers (~1 s); load it only when loadi
 DEFAULT_DEMO = "stepline-demo"
 
 # Bump when the build recipe changes, so caches built by an older stepline are not reused.
-_BUILD_VERSION = 1
+# 2: Qwen3-style chat template with tools and think tags; their markup tokens in the vocab.
+_BUILD_VERSION = 2
 _CORPUS_PATH = Path(__file__).with_name("demo_corpus.txt")
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)  # ids 0, 1, 2 in the demo tokenizer
+# Single tokens that are ordinary text to the decoder (not "special"), as in Qwen3: a
+# reasoning parser and a tool parser see them in the output. Ids 3-8.
+MARKUP_TOKENS = (
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+)
 
-# ChatML. Any role renders the same way; content may be a string or OpenAI-style parts.
+# Qwen3-style ChatML: a `# Tools` system block when tools are given, assistant tool calls as
+# <tool_call> JSON blocks (what mlx-lm's `json_tools` parser reads), `tool` messages as
+# <tool_response> blocks in a user turn, reasoning in <think> tags, and an empty think block
+# after the generation prompt when `enable_thinking` is false. Content may be a string or
+# OpenAI-style parts.
 CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
-    "{%- if message['content'] is string %}{{- message['content'] }}"
-    "{%- else %}{%- for part in message['content'] %}"
+    "{%- macro text(content) %}"
+    "{%- if content is string %}{{- content }}"
+    "{%- elif content %}{%- for part in content %}"
     "{%- if part['type'] == 'text' %}{{- part['text'] }}{%- endif %}"
     "{%- endfor %}{%- endif %}"
-    "{{- '<|im_end|>\\n' }}"
+    "{%- endmacro %}"
+    "{%- set rest = messages %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages and messages[0]['role'] == 'system' %}"
+    "{{- text(messages[0]['content']) + '\\n\\n' }}{%- set rest = messages[1:] %}"
+    "{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions. Their signatures, in <tools></tools>:"
+    "\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nTo call a function, answer with a JSON object of its name and "
+    'arguments in <tool_call></tool_call> tags:\\n<tool_call>\\n{"name": <function-name>, '
+    '"arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n\' }}'
+    "{%- endif %}"
+    "{%- for message in rest %}"
+    "{%- if message['role'] == 'tool' %}"
+    "{%- if loop.first or rest[loop.index0 - 1]['role'] != 'tool' %}"
+    "{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + text(message['content']) + '\\n</tool_response>' }}"
+    "{%- if loop.last or rest[loop.index0 + 1]['role'] != 'tool' %}"
+    "{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['role'] == 'assistant' and message.get('reasoning_content') %}"
+    "{{- '<think>\\n' + message['reasoning_content'] + '\\n</think>\\n\\n' }}"
+    "{%- endif %}"
+    "{{- text(message['content']) }}"
+    "{%- if message['role'] == 'assistant' and message.get('tool_calls') %}"
+    "{%- for tool_call in message['tool_calls'] %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{%- if not loop.first or message['content'] %}{{- '\\n' }}{%- endif %}"
+    '{{- \'<tool_call>\\n{"name": "\' + tool_call.name + \'", "arguments": \' }}'
+    "{%- if tool_call.arguments is string %}{{- tool_call.arguments }}"
+    "{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
     "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    "{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
 )
 
 
@@ -223,12 +278,15 @@ def _train_tokenizer_json(vocab_size: int) -> str:
         vocab_size=vocab_size,
         min_frequency=1,
         show_progress=False,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=[*SPECIAL_TOKENS, *MARKUP_TOKENS],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     paragraphs = _CORPUS_PATH.read_text(encoding="utf-8").split("\n\n")
     tokenizer.train_from_iterator(paragraphs, trainer=trainer)
-    return tokenizer.to_str(pretty=True)
+    data = json.loads(tokenizer.to_str())
+    for added in data["added_tokens"]:
+        added["special"] = added["content"] in SPECIAL_TOKENS
+    return json.dumps(data, indent=2)
 
 
 def _tokenizer_files(max_context: int) -> dict[str, Any]:
@@ -239,9 +297,9 @@ def _tokenizer_files(max_context: int) -> dict[str, Any]:
             "normalized": False,
             "rstrip": False,
             "single_word": False,
-            "special": True,
+            "special": token in SPECIAL_TOKENS,
         }
-        for i, token in enumerate(SPECIAL_TOKENS)
+        for i, token in enumerate((*SPECIAL_TOKENS, *MARKUP_TOKENS))
     }
     tokenizer_config = {
         "add_bos_token": False,
@@ -316,8 +374,10 @@ def _init_weights(model: nn.Module, spec: DemoSpec) -> None:
         new[name] = value.astype(mx.float32)
     # Nothing stops a random model from ranking EOS first; zeroing the special tokens'
     # output rows keeps greedy decoding of ordinary prompts going instead of stopping.
+    # The markup tokens too: the random model never opens a tool call or a think block unasked.
     head = new["lm_head.weight"]
-    new["lm_head.weight"] = head.at[mx.arange(len(SPECIAL_TOKENS))].multiply(0.0)
+    num_reserved = len(SPECIAL_TOKENS) + len(MARKUP_TOKENS)
+    new["lm_head.weight"] = head.at[mx.arange(num_reserved)].multiply(0.0)
     model.update(tree_unflatten(list(new.items())))
     mx.eval(model.parameters())
 

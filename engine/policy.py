@@ -5,6 +5,15 @@ No MLX, no I/O, no clock. Per step, within `max_step_tokens` and `max_num_seqs`:
 2. requests mid-prefill get their next chunk, oldest first;
 3. waiting requests are admitted into what is left, oldest first, if their KV fits.
 A chunk is min(remaining prompt, budget left, long-prefill cap).
+
+With a cost model (`StepCost`, fitted by engine/cost_model.py) and decode rows to protect,
+chunks are also sized so that the step's predicted time stays under `max_step_ms`: they
+shrink as their context grows and as decode rows are added. The oldest prefill always
+gets at least one token, so nothing starves; and when the step's overheads (decode rows,
+a chunk's fixed cost) take more than half the target, the prefill's own work still gets
+as much time as they do (under load the target cannot hold, and prompts must not wait
+forever). With nobody decoding there is nobody to protect: a lone prompt prefills in
+chunks as big as the token rules allow.
 """
 
 from __future__ import annotations
@@ -12,8 +21,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from stepline.engine.cost_model import StepCost, StepFeatures
 from stepline.engine.prefix_index import PrefixPlan
 from stepline.events.fold import RequestState, Status
+
+# A step every 100 ms is 10 tokens/s for every stream while a long prompt prefills: still
+# faster than anyone reads, and long enough that a chunk's fixed cost (a forward call, the
+# step's own overhead) stays small beside its work, so prompts are not slowed much.
+DEFAULT_MAX_STEP_MS = 100.0
 
 
 @dataclass(frozen=True)
@@ -26,6 +41,8 @@ class SchedulerConfig:
     kv_tokens_per_seq: int = 0
     kv_bytes_per_token: int = 0  # one token's KV in bytes, for messages (0 = not measured)
     max_waiting: int = 1024  # most requests waiting for their first chunk; beyond: QueueFullError
+    # target time of a step with decode rows, given a cost model; None = tokens only
+    max_step_ms: float | None = DEFAULT_MAX_STEP_MS
 
     def __post_init__(self) -> None:
         if self.max_step_tokens < 1:
@@ -45,6 +62,8 @@ class SchedulerConfig:
             raise ValueError("kv_tokens_per_seq and kv_bytes_per_token must be >= 0")
         if self.max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
+        if self.max_step_ms is not None and not self.max_step_ms > 0:
+            raise ValueError(f"max_step_ms must be > 0 (or None), got {self.max_step_ms}")
 
     @property
     def chunk_cap(self) -> int:
@@ -71,6 +90,8 @@ class StepPlan:
     chunks: tuple[ScheduledChunk, ...] = ()  # prefill work, in scheduling order
     # request_id -> tokens scheduled; decodes count 1
     num_scheduled_tokens: Mapping[str, int] = field(default_factory=dict)
+    features: StepFeatures = StepFeatures()  # what the step computes, as the cost model sees it
+    predicted_seconds: float | None = None  # the cost model's prediction; None without one
 
     @property
     def num_tokens(self) -> int:
@@ -99,14 +120,22 @@ def _chunk(state: RequestState, num_tokens: int, start: int | None = None) -> Sc
     )
 
 
+def decode_context(state: RequestState) -> int:
+    """Tokens a decoding request's next token attends to."""
+    return state.num_prompt_tokens + state.num_output_tokens
+
+
 def schedule(
     states: Mapping[str, RequestState],
     config: SchedulerConfig,
     step: int,
+    cost: StepCost | None = None,
     prefix: PrefixPlan | None = None,
 ) -> StepPlan:
     """Build step `step`'s plan from every unfinished request's state.
 
+    With `cost`, chunks are also sized to keep the predicted step time under
+    `config.max_step_ms` while there are decode rows (see the module docstring).
     `prefix` says where waiting requests start (their cache hits) and which of them wait
     for a prefix another request is computing (`engine.prefix_index.plan_prefixes`).
     """
@@ -118,17 +147,46 @@ def schedule(
     num_scheduled: dict[str, int] = {}
 
     running = [s for s in live if s.status in (Status.DECODING, Status.PREFILLING)]
+    context = 0
     for s in running:
         if s.status is Status.DECODING and budget > 0:
             decodes.append(s.request_id)
             num_scheduled[s.request_id] = 1
             budget -= 1
+            context += decode_context(s)
+    features = StepFeatures(decode_rows=len(decodes), decode_context=context)
+    timed = cost is not None and config.max_step_ms is not None and bool(decodes)
+    seconds = 0.0
+    if timed:
+        assert cost is not None and config.max_step_ms is not None
+        # Under load the target cannot hold: the prefill's own work still gets as much time
+        # as the step's overheads (its decode rows, a chunk's fixed cost), so a prompt's
+        # time to first token stays within twice its bare prefill time.
+        seconds = max(config.max_step_ms / 1e3, 2 * (cost.predict(features) + cost.per_chunk))
+
+    def chunk_size(s: RequestState, start: int) -> int:
+        """Tokens for this request's next chunk: the token rules, then the time left."""
+        n = min(s.num_prompt_tokens - start, budget, config.chunk_cap)
+        if timed and n > 0:
+            assert cost is not None
+            left = seconds - cost.predict(features)
+            n = min(n, cost.max_chunk_tokens(start, left))
+            if not chunks and n < 1:
+                n = 1  # the oldest prefill always moves: nothing starves
+        return n
+
+    def add(s: RequestState, n: int, start: int) -> None:
+        nonlocal budget, features
+        chunks.append(_chunk(s, n, start))
+        num_scheduled[s.request_id] = n
+        budget -= n
+        features = features.with_chunk(start, n)
+
     for s in running:
         if s.status is Status.PREFILLING and budget > 0:
-            n = min(s.num_prompt_tokens - s.num_computed_tokens, budget, config.chunk_cap)
-            chunks.append(_chunk(s, n))
-            num_scheduled[s.request_id] = n
-            budget -= n
+            n = chunk_size(s, s.num_computed_tokens)
+            if n > 0:
+                add(s, n, s.num_computed_tokens)
 
     num_running = len(running)
     kv_used = sum(kv_tokens_needed(s, config) for s in running)
@@ -143,15 +201,20 @@ def schedule(
         ):
             break  # admit in order: a big request is not overtaken forever by small ones
         start = prefix.cached.get(s.request_id, s.num_computed_tokens)
-        n = min(s.num_prompt_tokens - start, budget, config.chunk_cap)
-        chunks.append(_chunk(s, n, start))
-        num_scheduled[s.request_id] = n
-        budget -= n
+        n = chunk_size(s, start)
+        if n < 1:
+            break  # no time left in this step: admit in order, next step
+        add(s, n, start)
         num_running += 1
         kv_used += kv_tokens_needed(s, config)
 
     return StepPlan(
-        step=step, decodes=tuple(decodes), chunks=tuple(chunks), num_scheduled_tokens=num_scheduled
+        step=step,
+        decodes=tuple(decodes),
+        chunks=tuple(chunks),
+        num_scheduled_tokens=num_scheduled,
+        features=features,
+        predicted_seconds=cost.predict(features) if cost is not None else None,
     )
 
 

@@ -10,7 +10,7 @@ logits. A final chunk computes logits for its last position only.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,11 +19,13 @@ import mlx.core as mx
 import structlog
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+from stepline.engine.constraints import advance, apply_grammar_masks
+from stepline.engine.grammar import GrammarCompiler
 from stepline.engine.memory import read_memory_counters
 from stepline.engine.models import LoadedModel
 from stepline.engine.policy import ScheduledChunk
 from stepline.engine.prefix_cache import PrefixStore, share_cache
-from stepline.engine.prefix_disk import model_fingerprint
+from stepline.engine.prefix_files import model_fingerprint
 from stepline.engine.sampling import (
     RowHistory,
     RowSampling,
@@ -72,6 +74,14 @@ class _CheckpointFailed(Exception):
     """Raised from `_prefill` when a checkpoint failed (its cause says how)."""
 
 
+def is_collective_error(exc: BaseException) -> bool:
+    """MLX's distributed backends say so when a peer is lost ("[ring] connection to a peer
+    was lost"); such an error is the group's, not a request's."""
+    return isinstance(exc, RuntimeError) and str(exc).startswith(
+        ("[ring]", "[jaccl]", "[mpi]", "[nccl]")
+    )
+
+
 @dataclass
 class _Seq:
     """Executor-side state of one request."""
@@ -83,6 +93,7 @@ class _Seq:
     cache: Cache | None  # own cache while prefilling; None once merged into the batch
     output: list[int] = field(default_factory=list)
     checkpoints: list[int] = field(default_factory=list)
+    constraint: Any = None  # llguidance matcher of a grammar-constrained request
 
     @property
     def num_generated(self) -> int:
@@ -103,6 +114,7 @@ class ModelRunner:
         prefix_cache_bytes: int = 0,
         prefix_cache_dir: str | Path | None = None,
         prefix_cache_disk_bytes: int = 0,
+        grammars: GrammarCompiler | None = None,
     ):
         self.model = loaded.model
         self.loaded = loaded
@@ -121,6 +133,10 @@ class ModelRunner:
         self._batch_ids: list[str] = []  # decode batch rows, in order
         self._batch_cache: Cache | None = None
         self._split_head = self._check_split_head()
+        vocab = getattr(getattr(self.model, "args", None), "vocab_size", None)
+        self.grammars = grammars or GrammarCompiler(
+            loaded.tokenizer, vocab or len(loaded.tokenizer)
+        )
 
     # -- forward passes -------------------------------------------------------
 
@@ -177,6 +193,7 @@ class ModelRunner:
             sampling=sampling,
             history=RowHistory(new.prompt_token_ids) if sampling.needs_history else None,
             cache=self._start_cache(new),
+            constraint=self.grammars.matcher(p.grammar) if p.grammar is not None else None,
         )
 
     def _start_cache(self, new: NewRequest) -> Cache:
@@ -327,6 +344,8 @@ class ModelRunner:
             seq.output.append(token)
             if seq.history is not None:
                 seq.history.append(token)
+            if seq.constraint is not None:
+                advance(seq.constraint, token)
             tokens[seq.request_id] = token
             if lp is not None:
                 logprobs[seq.request_id] = TokenLogprob(lp.token_id, lp.logprob, lp.top)
@@ -367,6 +386,8 @@ class ModelRunner:
             out = self._sample_rows(logits, seqs)
             return list(zip(seqs, out.tokens, out.logprobs, strict=True))
         except Exception as exc:
+            if is_collective_error(exc):
+                raise
             log.warning("batched_sampling_failed", error=repr(exc), num_rows=len(seqs))
 
         alone: list[tuple[_Seq, mx.array]] = []
@@ -391,6 +412,10 @@ class ModelRunner:
         return sampled
 
     def _sample_rows(self, logits: mx.array, seqs: list[_Seq]) -> SampleOutput:
+        constrained = [i for i, s in enumerate(seqs) if s.constraint is not None]
+        if constrained:  # grammar masks on those rows only
+            matchers = [seqs[i].constraint for i in constrained]
+            logits = apply_grammar_masks(logits, constrained, matchers)
         return self.sampler.sample(
             logits,
             [s.sampling for s in seqs],
@@ -399,7 +424,13 @@ class ModelRunner:
         )
 
     def _fail(self, failed: dict[str, str], request_id: str, what: str, exc: BaseException) -> None:
-        """End one request's executor state after a fault pinned on it; the step goes on."""
+        """End one request's executor state after a fault pinned on it; the step goes on.
+
+        A failed collective (a distributed rank lost) is nobody's request's fault, and
+        MLX's next collective after one hangs: it is raised, never retried.
+        """
+        if is_collective_error(exc):
+            raise exc
         log.error("request_failed", request_id=request_id, what=what, error=repr(exc), exc_info=exc)
         failed[request_id] = what
         self._free([request_id])
@@ -421,6 +452,23 @@ class ModelRunner:
     def disk_entries(self) -> list:
         """The disk tier's entries at start, to seed the step loop's index."""
         return self.store.disk_entries() if self.store is not None else []
+
+    def adopt_tokens(self, tokens: Mapping[str, int]) -> int:
+        """Make each `tokens[request_id]` that request's last sampled token (a distributed
+        rank > 0 takes rank 0's samples, so every rank's cache holds the streamed tokens).
+        Returns how many differed from this runner's own samples."""
+        changed = 0
+        for rid, token in tokens.items():
+            seq = self._seqs.get(rid)
+            if seq is None or not seq.output or seq.output[-1] == token:
+                continue
+            seq.output[-1] = token
+            if seq.history is not None:
+                seq.history = RowHistory(seq.prompt.tolist())
+                for t in seq.output:
+                    seq.history.append(t)
+            changed += 1
+        return changed
 
     @property
     def num_sequences(self) -> int:

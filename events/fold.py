@@ -19,6 +19,7 @@ from stepline.events.models import (
     Event,
     FinishReason,
     RequestParams,
+    StepFinished,
     StepPlanned,
     Terminal,
 )
@@ -43,7 +44,9 @@ class RequestState(BaseModel):
     prompt_token_ids: tuple[int, ...] | None
     checkpoints: tuple[int, ...]
     checkpoints_reached: tuple[int, ...] = ()
-    output_token_ids: tuple[int, ...] = ()
+    # Output tokens are counted, not kept: the request actor owns the text, and a log may
+    # leave the ids out (log_outputs=False) yet fold to the same state.
+    num_output_tokens: int = 0
     params: RequestParams
     finish_reason: FinishReason | None = None
     admitted_step: int
@@ -54,23 +57,31 @@ class RequestState(BaseModel):
     finished_step: int | None = None
 
     @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
-
-    @property
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
 
 
 class FoldError(ValueError):
-    """An event that cannot apply to the state it meets (a corrupt or reordered log)."""
+    """An event that cannot apply to the state it meets (a corrupt or reordered log).
+
+    `kind` names the broken rule; replay's verify reports it under that name.
+    """
+
+    def __init__(self, kind: str, message: str) -> None:
+        self.kind = kind
+        super().__init__(message)
+
+
+_NORMAL_ENDS = (FinishReason.STOP, FinishReason.LENGTH)
 
 
 def apply(state: RequestState | None, event: Event) -> RequestState:
     """Return the request's state after `event`. Raises FoldError on an impossible event."""
     if isinstance(event, Admitted):
         if state is not None:
-            raise FoldError(f"request {event.request_id} admitted twice (seq {event.seq})")
+            raise FoldError(
+                "admitted-twice", f"request {event.request_id} admitted twice (seq {event.seq})"
+            )
         computed = event.num_cached_tokens
         return RequestState(
             request_id=event.request_id,
@@ -86,52 +97,57 @@ def apply(state: RequestState | None, event: Event) -> RequestState:
             admitted_seq=event.seq,
             admitted_ts=event.ts,
         )
+    rid = getattr(event, "request_id", None)
     if state is None:
-        raise FoldError(f"{event.type} for unknown request (seq {event.seq})")
-    if state.is_finished:
-        raise FoldError(f"{event.type} after terminal for {state.request_id} (seq {event.seq})")
-    if isinstance(event, ChunkPrefilled):
-        if event.num_cached_tokens:
-            if state.status is not Status.WAITING or state.num_computed_tokens:
-                raise FoldError(
-                    f"cache hit for {state.request_id} after its prefill began (seq {event.seq})"
-                )
-            state = state.model_copy(
-                update={
-                    "num_computed_tokens": event.num_cached_tokens,
-                    "num_cached_tokens": event.num_cached_tokens,
-                    "cache_source": event.cache_source,
-                }
-            )
-        if event.start != state.num_computed_tokens or event.end <= event.start:
-            raise FoldError(
-                f"chunk [{event.start}, {event.end}) of {state.request_id} does not continue "
-                f"at {state.num_computed_tokens} (seq {event.seq})"
-            )
-        if event.end > state.num_prompt_tokens:
-            raise FoldError(f"chunk past the prompt of {state.request_id} (seq {event.seq})")
-        done = event.end == state.num_prompt_tokens
-        return state.model_copy(
-            update={
-                "num_computed_tokens": event.end,
-                "status": Status.DECODING if done else Status.PREFILLING,
-            }
+        raise FoldError(
+            "unknown-request",
+            f"{event.type} for request {rid}, which was never admitted (seq {event.seq})",
         )
+    if state.is_finished:
+        if isinstance(event, Terminal):
+            raise FoldError(
+                "two-terminals",
+                f"request {rid} ends twice: {state.finish_reason}, then {event.reason.value} "
+                f"(seq {event.seq})",
+            )
+        raise FoldError(
+            "event-after-terminal",
+            f"{event.type} for request {rid} after its terminal event (seq {event.seq})",
+        )
+    if isinstance(event, ChunkPrefilled):
+        return _apply_chunk(state, event)
     if isinstance(event, CheckpointReached):
+        if event.offset > state.num_computed_tokens:
+            raise FoldError(
+                "checkpoint-ahead-of-prefill",
+                f"request {rid} snapshotted at {event.offset} with only "
+                f"{state.num_computed_tokens} prompt tokens computed (seq {event.seq})",
+            )
         return state.model_copy(
             update={"checkpoints_reached": (*state.checkpoints_reached, event.offset)}
         )
     if isinstance(event, Decoding):
         if state.status is not Status.DECODING:
-            raise FoldError(f"tokens for {state.request_id} before its prompt is done")
+            raise FoldError(
+                "prompt-not-covered",
+                f"request {rid} got tokens with {state.num_computed_tokens} of its "
+                f"{state.num_prompt_tokens} prompt tokens computed (seq {event.seq})",
+            )
         return state.model_copy(
             update={
-                "output_token_ids": state.output_token_ids + event.token_ids,
+                "num_output_tokens": state.num_output_tokens + event.num_tokens,
                 "first_token_ts": state.first_token_ts or event.ts,
                 "last_token_ts": event.ts,
             }
         )
     if isinstance(event, Terminal):
+        if event.reason in _NORMAL_ENDS and state.num_computed_tokens != state.num_prompt_tokens:
+            raise FoldError(
+                "prompt-not-covered",
+                f"request {rid} finished ({event.reason.value}) with "
+                f"{state.num_computed_tokens} of its {state.num_prompt_tokens} prompt tokens "
+                f"computed (seq {event.seq})",
+            )
         return state.model_copy(
             update={
                 "status": Status.FINISHED,
@@ -139,7 +155,56 @@ def apply(state: RequestState | None, event: Event) -> RequestState:
                 "finished_step": event.step,
             }
         )
-    raise FoldError(f"not a request event: {event.type}")
+    raise FoldError("not-a-request-event", f"not a request event: {event.type}")
+
+
+def _apply_chunk(state: RequestState, event: ChunkPrefilled) -> RequestState:
+    rid = state.request_id
+    if event.num_cached_tokens:  # the first chunk, starting from a prefix-cache hit
+        if state.status is not Status.WAITING or state.num_computed_tokens:
+            raise FoldError(
+                "cache-hit-mid-prefill",
+                f"request {rid} starts from the prefix cache after its prefill began "
+                f"(seq {event.seq})",
+            )
+        state = state.model_copy(
+            update={
+                "num_computed_tokens": event.num_cached_tokens,
+                "num_cached_tokens": event.num_cached_tokens,
+                "cache_source": event.cache_source,
+            }
+        )
+    computed = state.num_computed_tokens
+    if event.end <= event.start:
+        raise FoldError(
+            "non-contiguous-chunk",
+            f"request {rid} has an empty chunk [{event.start}, {event.end}) (seq {event.seq})",
+        )
+    if event.start > computed:
+        raise FoldError(
+            "non-contiguous-chunk",
+            f"request {rid} skips prompt tokens [{computed}, {event.start}): its chunk starts "
+            f"at {event.start} (seq {event.seq})",
+        )
+    if event.start < computed:
+        raise FoldError(
+            "non-contiguous-chunk",
+            f"request {rid} computes prompt tokens [{event.start}, {min(event.end, computed)}) "
+            f"twice (seq {event.seq})",
+        )
+    if event.end > state.num_prompt_tokens:
+        raise FoldError(
+            "chunk-past-prompt",
+            f"request {rid} has a chunk ending at {event.end}, past its "
+            f"{state.num_prompt_tokens}-token prompt (seq {event.seq})",
+        )
+    done = event.end == state.num_prompt_tokens
+    return state.model_copy(
+        update={
+            "num_computed_tokens": event.end,
+            "status": Status.DECODING if done else Status.PREFILLING,
+        }
+    )
 
 
 def fold(events: Iterable[Event], *, until_step: int | None = None) -> dict[str, RequestState]:
@@ -148,7 +213,7 @@ def fold(events: Iterable[Event], *, until_step: int | None = None) -> dict[str,
     for event in events:
         if until_step is not None and event.step > until_step:
             break
-        if isinstance(event, StepPlanned):
+        if isinstance(event, StepPlanned | StepFinished):
             continue
         states[event.request_id] = apply(states.get(event.request_id), event)
     return states

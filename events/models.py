@@ -1,18 +1,26 @@
 """Event models: one frozen pydantic model per kind, one discriminated union.
 
 Every event carries a monotonically increasing sequence number (`seq`, contiguous
-from 1 within one log), a wall-clock timestamp, the engine step it belongs to and
-the request id (the `step` record belongs to no request).
+from 1 within one run of the engine), a wall-clock timestamp, the engine step it belongs
+to and the request id (the `step` and `step-finished` records belong to no request).
+
+Schema history: 2 added the run id and the prompt-digest salt to the header, `log_outputs`,
+`Decoding.token_count` (token ids may be left out) and `StepFinished`. Every addition has a
+default that describes a version-1 log correctly, so the 1 -> 2 upcaster changes nothing.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import secrets
+from collections.abc import Sequence
 from enum import StrEnum
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 class FinishReason(StrEnum):
@@ -48,6 +56,7 @@ class RequestParams(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    grammar: str | None = None  # llguidance grammar the output must follow (engine/grammar.py)
 
 
 class Admitted(_Event):
@@ -58,7 +67,9 @@ class Admitted(_Event):
     num_prompt_tokens: int
     # The prompt's token ids, or None when the engine runs with log_prompts=False.
     prompt_token_ids: tuple[int, ...] | None
-    prompt_sha256: str  # hash of the token ids, always present
+    # prompt_digest(salt, token ids) with the run header's salt (plain SHA-256 when the
+    # header has no salt: schema 1), always present
+    prompt_sha256: str
     checkpoints: tuple[int, ...] = ()  # prompt offsets where the cache is snapshotted
     # Logs before the prefix lookup moved to scheduling time recorded cache hits here;
     # now the first `chunk-prefilled` event does, and these stay 0 / None.
@@ -113,7 +124,14 @@ class Decoding(_Event):
 
     type: Literal["decoding"] = "decoding"
     request_id: str
-    token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...] | None  # None when the log leaves outputs out (log_outputs)
+    token_count: int | None = None  # how many tokens, when token_ids is None
+
+    @property
+    def num_tokens(self) -> int:
+        """How many tokens were sampled, whether or not their ids are in the log."""
+        ids = self.token_ids
+        return len(ids) if ids is not None else (self.token_count or 0)
 
 
 class Terminal(_Event):
@@ -125,15 +143,34 @@ class Terminal(_Event):
     message: str | None = None  # for error / rejected: what went wrong
 
 
+class StepFinished(_Event):
+    """The executor finished the step: how long it took, and how long the scheduler thought."""
+
+    type: Literal["step-finished"] = "step-finished"
+    request_id: None = None
+    seconds: float  # the executor's measured wall time of the step
+    predicted_seconds: float | None = None  # the scheduler's cost-model prediction, if any
+
+
 Event = Annotated[
-    Admitted | StepPlanned | ChunkPrefilled | CheckpointReached | Decoding | Terminal,
+    Admitted
+    | StepPlanned
+    | StepFinished
+    | ChunkPrefilled
+    | CheckpointReached
+    | Decoding
+    | Terminal,
     Field(discriminator="type"),
 ]
 EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
 
 
 class LogHeader(BaseModel):
-    """First line of every log file."""
+    """First line of every log file, and of every run appended to a log.
+
+    A log may hold several runs (a restart appends a new one); each starts with its own
+    header, and every file a run rotates into starts with that same header.
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -142,4 +179,31 @@ class LogHeader(BaseModel):
     created: float
     model: str | None = None
     config: dict = Field(default_factory=dict)  # the engine config the run used
-    log_prompts: bool = True
+    log_prompts: bool = True  # prompt token ids stored (else only count and digest)
+    log_outputs: bool = True  # output token ids stored (else only their count)
+    run_id: str | None = None  # names the run; None in logs written before runs had ids
+    salt: str | None = None  # hex key of this run's prompt digests; None: unsalted SHA-256
+
+
+def new_run_id() -> str:
+    """A fresh random run id (12 hex digits)."""
+    return secrets.token_hex(6)
+
+
+def new_salt() -> str:
+    """A fresh random salt for prompt digests (32 hex digits)."""
+    return secrets.token_hex(16)
+
+
+def prompt_digest(salt: str | None, token_ids: Sequence[int]) -> str:
+    """The hex digest logged as `Admitted.prompt_sha256`: HMAC-SHA256 of the comma-joined
+    token ids keyed with the run's `salt` (plain SHA-256 when `salt` is None, as in schema 1).
+
+    The salt lives in the log's header, so equal prompts in different logs get different
+    digests and precomputed tables are useless; whoever holds the log (and so its salt) can
+    still test a guessed prompt against it.
+    """
+    data = ",".join(map(str, token_ids)).encode()
+    if salt is None:
+        return hashlib.sha256(data).hexdigest()
+    return hmac.new(bytes.fromhex(salt), data, hashlib.sha256).hexdigest()

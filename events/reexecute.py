@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from stepline.events.log import read_events, read_header
+from stepline.events.log import read_events, read_runs
 from stepline.events.models import (
     Admitted,
     Decoding,
@@ -104,16 +104,20 @@ class RecordedRun:
     requests: list[RecordedRequest]  # in arrival order
 
 
-def load_recorded_run(path: str | Path) -> RecordedRun:
-    """Every admitted request of the log with its recorded output tokens and finish reason."""
-    header = read_header(path)
+def load_recorded_run(path: str | Path, run: int = 1) -> RecordedRun:
+    """Every admitted request of one run of the log (1-based), with its recorded output tokens
+    and finish reason. Raises IndexError for a run the log does not hold."""
+    runs = read_runs(path)
+    if not 1 <= run <= len(runs):
+        raise IndexError(f"{path} holds {len(runs)} runs, not a run {run}")
+    header = runs[run - 1].header
     by_id: dict[str, RecordedRequest] = {}
-    for event in read_events(path):
+    for event in read_events(path, run=run):
         if isinstance(event, Admitted):
             by_id.setdefault(event.request_id, RecordedRequest(event))
         elif isinstance(event, Decoding):
             rec = by_id.get(event.request_id)
-            if rec is not None and rec.finish is None:
+            if rec is not None and rec.finish is None and event.token_ids is not None:
                 rec.output_token_ids.extend(event.token_ids)
         elif isinstance(event, Terminal):
             rec = by_id.get(event.request_id)
@@ -130,6 +134,12 @@ def why_cannot_run(run: RecordedRun, model: str | None) -> str | None:
             "the log was written with log_prompts=False, so it holds only each prompt's "
             "token count and SHA-256, not its tokens; record the run again with "
             "--log-prompts=true to make it re-executable"
+        )
+    if not run.header.log_outputs:
+        return (
+            "the log was written with log_outputs=False, so it holds how many tokens each "
+            "request produced but not which: there is nothing to compare the new tokens with; "
+            "record the run again with --log-outputs=true to make it re-executable"
         )
     if model is None:
         return "the log does not name its model: pass --model"
@@ -186,27 +196,43 @@ def _replay_params(rec: RecordedRequest) -> RequestParams:
     return p.model_copy(update={"max_tokens": len(rec.output_token_ids)})
 
 
-async def reexecute(path: str | Path, model: str | None = None) -> ReexecuteReport:
-    """Run the log's requests again through a fresh engine and compare tokens.
+async def reexecute(
+    path: str | Path, model: str | None = None, *, run: int | None = None
+) -> ReexecuteReport:
+    """Run the requests of one run of the log again through a fresh engine and compare tokens.
 
-    `model` overrides the log's model. Returns a report with `cannot_run` set (and nothing
-    run) when the log cannot be re-executed, e.g. when it was written with log_prompts=False.
-    Raises what `read_events` raises for an unreadable log.
+    `model` overrides the log's model; `run` (1-based) is needed when the log holds several
+    runs. Returns a report with `cannot_run` set (and nothing run) when the log cannot be
+    re-executed, e.g. when it was written with log_prompts=False or log_outputs=False, or
+    holds several runs and `run` is None. Raises what `read_events` raises for an unreadable
+    log.
     """
-    run = load_recorded_run(path)
-    model = model or run.header.model or run.header.config.get("model")
-    reason = why_cannot_run(run, model)
+    if run is None:
+        num_runs = len(read_runs(path))
+        if num_runs > 1:
+            return ReexecuteReport(
+                path=str(path),
+                model=model,
+                cannot_run=f"the log holds {num_runs} runs (the engine was restarted): "
+                "pick one with --run",
+            )
+    recorded = load_recorded_run(path, run or 1)
+    model = model or recorded.header.model or recorded.header.config.get("model")
+    reason = why_cannot_run(recorded, model)
     if reason is not None:
         return ReexecuteReport(path=str(path), model=model, cannot_run=reason)
 
     from stepline.api import Engine, SamplingParams  # MLX: only when it really runs
+    from stepline.api.config import EngineConfig
 
-    engine_options = _accepted(
-        Engine.open, {k: v for k, v in run.header.config.items() if k not in ("model", "event_log")}
+    # Configured as the recorded run was, on one process (a distributed run's tokens are
+    # the same as one process's).
+    engine_options = EngineConfig.from_header(recorded.header.config).model_copy(
+        update={"parallel": None}
     )
     comparisons: dict[str, RequestComparison] = {}
     to_run = []
-    for rec in run.requests:
+    for rec in recorded.requests:
         rid = rec.admitted.request_id
         skip = _skip_reason(rec)
         if skip is not None:
@@ -220,7 +246,7 @@ async def reexecute(path: str | Path, model: str | None = None) -> ReexecuteRepo
         else:
             to_run.append(rec)
 
-    async with Engine.open(model, **engine_options, event_log=None) as engine:
+    async with Engine.open(model, **engine_options.open_kwargs(), event_log=None) as engine:
         results: dict[str, tuple[list[int], str | None, str | None]] = {}
 
         async def consume(rid: str, stream: Any) -> None:
@@ -280,7 +306,7 @@ async def reexecute(path: str | Path, model: str | None = None) -> ReexecuteRepo
             note=note,
         )
 
-    ordered = tuple(comparisons[r.admitted.request_id] for r in run.requests)
+    ordered = tuple(comparisons[r.admitted.request_id] for r in recorded.requests)
     return ReexecuteReport(
         path=str(path),
         model=model,

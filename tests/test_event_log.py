@@ -37,6 +37,9 @@ from stepline.events.models import (
     Terminal,
 )
 
+# A made-up schema older than every real one (which stepline upcasts by itself).
+OLD_VERSION = 0
+
 PARAMS = RequestParams(max_tokens=8, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=7)
 
 
@@ -160,19 +163,19 @@ def version_zero_upcaster():
             record["token_ids"] = record.pop("tokens")
         return record
 
-    register_upcaster(SCHEMA_VERSION - 1, upcast)
+    register_upcaster(OLD_VERSION, upcast)
     yield upcast
-    unregister_upcaster(SCHEMA_VERSION - 1)
+    unregister_upcaster(OLD_VERSION)
 
 
 def test_an_older_schema_is_upcast_on_read(tmp_path: Path, version_zero_upcaster) -> None:
     path = tmp_path / "old.jsonl"
-    old_header = {"type": "header", "schema_version": SCHEMA_VERSION - 1, "created": 1.0}
+    old_header = {"type": "header", "schema_version": OLD_VERSION, "created": 1.0}
     old_event = {"type": "decoding", "seq": 1, "ts": 2.0, "step": 1, "request_id": "r"}
     old_event["tokens"] = [5, 6]
     path.write_text(f"{json.dumps(old_header)}\n{json.dumps(old_event)}\n", encoding="utf-8")
 
-    assert read_header(path).schema_version == SCHEMA_VERSION - 1  # as written
+    assert read_header(path).schema_version == OLD_VERSION  # as written
     assert list(read_events(path)) == [
         Decoding(seq=1, ts=2.0, step=1, request_id="r", token_ids=(5, 6))
     ]
@@ -180,7 +183,7 @@ def test_an_older_schema_is_upcast_on_read(tmp_path: Path, version_zero_upcaster
 
 def test_an_older_schema_without_an_upcaster_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "old.jsonl"
-    old_header = {"type": "header", "schema_version": SCHEMA_VERSION - 1, "created": 1.0}
+    old_header = {"type": "header", "schema_version": OLD_VERSION, "created": 1.0}
     path.write_text(json.dumps(old_header) + "\n", encoding="utf-8")
 
     with pytest.raises(UnsupportedSchemaError, match="no upcaster"):
@@ -189,7 +192,7 @@ def test_an_older_schema_without_an_upcaster_is_refused(tmp_path: Path) -> None:
 
 def test_an_upcaster_cannot_be_registered_twice(version_zero_upcaster) -> None:
     with pytest.raises(ValueError, match="already registered"):
-        register_upcaster(SCHEMA_VERSION - 1, version_zero_upcaster)
+        register_upcaster(OLD_VERSION, version_zero_upcaster)
 
 
 def test_rotation_names_the_files_stably_and_reads_back_in_order(tmp_path: Path) -> None:

@@ -247,3 +247,57 @@ def test_large_demo_builds_in_seconds_and_generates(model_cache_dir: Path) -> No
     assert loaded.max_context == 8192
     assert text
     assert elapsed < 30  # generous: about 1 s on 2 CPU cores
+
+
+def test_demo_template_renders_tools_tool_calls_and_tool_responses_like_qwen3(
+    demo: LoadedModel,
+) -> None:
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    call = {
+        "id": "c1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+    }
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+
+    rendered = demo.tokenizer.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=True, tokenize=False
+    )
+
+    assert rendered.startswith("<|im_start|>system\n# Tools\n")
+    assert '\n<tools>\n{"type": "function", "function": {"name": "get_weather"' in rendered
+    assert rendered.endswith(
+        "<|im_start|>assistant\n<tool_call>\n"
+        '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n'
+        "<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+
+
+def test_mlx_lm_finds_the_demo_models_tool_parser_and_think_tags(demo: LoadedModel) -> None:
+    tokenizer = demo.tokenizer
+
+    assert tokenizer.init_kwargs["tool_parser_type"] == "json_tools"
+    assert (tokenizer.tool_call_start, tokenizer.tool_call_end) == ("<tool_call>", "</tool_call>")
+    assert (tokenizer.think_start, tokenizer.think_end) == ("<think>", "</think>")
+    # Markup tokens are one token each and decode as text, as in Qwen3.
+    ids = tokenizer.encode("<think>x</think>", add_special_tokens=False)
+    assert ids[0] == tokenizer.convert_tokens_to_ids("<think>")
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "<think>x</think>"
+
+
+def test_thinking_off_closes_an_empty_think_block_after_the_generation_prompt(
+    demo: LoadedModel,
+) -> None:
+    rendered = demo.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}],
+        add_generation_prompt=True,
+        tokenize=False,
+        enable_thinking=False,
+    )
+
+    assert rendered.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")

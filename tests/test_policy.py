@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from stepline.engine.cost_model import StepCost
 from stepline.engine.policy import (
     ContextLengthExceededError,
     EmptyPromptError,
@@ -24,8 +28,9 @@ PARAMS = RequestParams(max_tokens=8, temperature=0, top_p=1, top_k=0, min_p=0, s
 class Sim:
     """Scheduling state driven only through events, as the step loop drives it."""
 
-    def __init__(self, config: SchedulerConfig):
+    def __init__(self, config: SchedulerConfig, cost: StepCost | None = None):
         self.config = config
+        self.cost = cost
         self.states: dict[str, RequestState] = {}
         self.seq = 0
         self.step = 0
@@ -49,7 +54,7 @@ class Sim:
     def run_step(self) -> StepPlan:
         """Schedule a step and apply the results a model would produce."""
         self.step += 1
-        plan = schedule(self.states, self.config, self.step)
+        plan = schedule(self.states, self.config, self.step, self.cost)
         assert plan.num_tokens <= self.config.max_step_tokens
         assert len(plan.num_scheduled_tokens) <= self.config.max_num_seqs
         for rid in plan.decodes:
@@ -217,3 +222,156 @@ def test_a_request_past_the_kv_budget_is_refused_in_tokens_and_gb():
     assert "1048577 tokens, 2 GB" in str(err.value) and "1048576 tokens, 2 GB" in str(err.value)
     with pytest.raises(ValueError, match="max_waiting"):
         SchedulerConfig(max_waiting=0)
+
+
+# -- a step-time target with a cost model ------------------------------------------------------
+
+# Roughly stepline-demo-large on a CPU: 20 ms a step, 0.4 ms a prompt token, attention
+# noticeable past a few thousand tokens of context.
+COST = StepCost(
+    step=0.004,
+    per_chunk=0.002,
+    per_prefill_token=0.0004,
+    per_attention=4e-8,
+    per_decode_row=0.002,
+    per_decode_context=1e-6,
+)
+TIMED = SchedulerConfig(max_step_tokens=512, max_num_seqs=32, max_step_ms=100)
+
+
+def _decoders(sim: Sim, n: int, prompt: int = 8) -> None:
+    for i in range(n):
+        sim.add(f"d{i}", prompt, max_tokens=10_000)
+    while any(s.status is not Status.DECODING for s in sim.states.values()):
+        sim.run_step()
+
+
+def test_chunks_shrink_as_the_prompts_context_grows():
+    sim = Sim(TIMED, COST)
+    _decoders(sim, 4)
+    sim.add("long", 8000, max_tokens=1)
+    sizes = []
+    while sim.states["long"].status is not Status.DECODING:
+        plan = sim.run_step()
+        sizes += [c.num_tokens for c in plan.chunks if c.request_id == "long"]
+    assert sum(sizes) == 8000
+    assert all(b <= a for a, b in itertools.pairwise(sizes[:-1]))  # the last one is what's left
+    assert sizes[0] < 512  # the target binds, not the token budget
+    assert sizes[-2] < 0.7 * sizes[0]  # late chunks attend to far more context
+
+
+def test_chunks_shrink_as_decode_rows_are_added():
+    sizes = []
+    for num_decoders in (1, 4, 16):
+        sim = Sim(TIMED, COST)
+        _decoders(sim, num_decoders)
+        sim.add("long", 4000, max_tokens=1)
+        (chunk,) = sim.run_step().chunks
+        sizes.append(chunk.num_tokens)
+    assert sizes[0] > sizes[1] > sizes[2] >= 1
+
+
+def test_a_lone_prompt_prefills_with_the_whole_budget():
+    slow = StepCost(per_prefill_token=0.01)  # 512 tokens: 5 s, 50 times the target
+    sim = Sim(TIMED, slow)
+    sim.add("long", 2000, max_tokens=1)
+    plans = [sim.run_step() for _ in range(3)]
+    assert [c.num_tokens for p in plans for c in p.chunks] == [512, 512, 512]
+    assert plans[0].predicted_seconds == pytest.approx(5.12)
+
+
+def test_the_oldest_prefill_moves_even_when_decodes_fill_the_target():
+    crowded = StepCost(per_decode_row=0.004, per_prefill_token=0.001)  # 32 rows: 128 ms
+    sim = Sim(TIMED, crowded)
+    _decoders(sim, 31)
+    sim.add("long", 1000, max_tokens=1)
+    sim.add("next", 1000, max_tokens=1)
+    plan = sim.run_step()
+    # The prefill's work gets as much time as the 31 decode rows (124 ms): 124 tokens, and
+    # the request behind it waits.
+    assert [(c.request_id, c.num_tokens) for c in plan.chunks] == [("long", 124)]
+    assert plan.predicted_seconds == pytest.approx(0.248)
+
+
+def test_the_token_budget_and_the_cap_stay_hard_limits_with_a_cost_model():
+    free = StepCost()  # everything costs nothing: time never binds
+    sim = Sim(SchedulerConfig(max_step_tokens=64, long_prefill_cap=40, max_step_ms=1), free)
+    _decoders(sim, 2)
+    sim.add("a", 100, max_tokens=1)
+    sim.add("b", 100, max_tokens=1)
+    plan = sim.run_step()
+    assert [c.num_tokens for c in plan.chunks] == [40, 22]
+    assert plan.num_tokens == 64
+
+
+def test_no_cost_model_or_no_target_means_tokens_only():
+    for config, cost in [(TIMED, None), (SchedulerConfig(max_step_ms=None), COST)]:
+        sim = Sim(config, cost)
+        _decoders(sim, 4)
+        sim.add("long", 4000, max_tokens=1)
+        (chunk,) = sim.run_step().chunks
+        assert chunk.num_tokens == 508
+
+
+@st.composite
+def _loads(draw):
+    cost = StepCost(
+        step=draw(st.floats(0, 0.05)),
+        per_chunk=draw(st.floats(0, 0.02)),
+        per_prefill_token=draw(st.floats(0, 0.002)),
+        per_attention=draw(st.floats(0, 1e-6)),
+        per_decode_row=draw(st.floats(0, 0.01)),
+        per_decode_context=draw(st.floats(0, 1e-5)),
+    )
+    budget = draw(st.integers(32, 1024))
+    config = SchedulerConfig(
+        max_step_tokens=budget,
+        max_num_seqs=draw(st.integers(1, 32)),
+        long_prefill_cap=draw(st.none() | st.integers(1, budget)),
+        max_step_ms=draw(st.floats(5, 500)),
+    )
+    decoders = draw(st.lists(st.integers(1, 4000), max_size=config.max_num_seqs - 1))
+    prompts = draw(st.lists(st.tuples(st.integers(1, 8000), st.integers(0, 7999)), max_size=4))
+    return cost, config, decoders, prompts
+
+
+@settings(max_examples=300, deadline=None)
+@given(_loads())
+def test_a_step_with_decode_rows_is_never_predicted_over_the_target(load):
+    cost, config, decoders, prompts = load
+    sim = Sim(config, cost)
+    for i, context in enumerate(decoders):
+        sim.add(f"d{i}", context, max_tokens=10_000)
+        sim._event(ChunkPrefilled, request_id=f"d{i}", start=0, end=context)
+        sim._event(Decoding, request_id=f"d{i}", token_ids=(7,))
+    running = len(decoders)
+    for i, (length, done) in enumerate(prompts):
+        sim.add(f"p{i}", length, max_tokens=1)
+        if 0 < done < length and running < config.max_num_seqs:
+            sim._event(ChunkPrefilled, request_id=f"p{i}", start=0, end=done)
+            running += 1
+    prefilling = any(s.status is Status.PREFILLING for s in sim.states.values())
+    decode_only = schedule(
+        {r: s for r, s in sim.states.items() if s.status is Status.DECODING}, config, 1, cost
+    )
+    plan = sim.run_step()
+    assert plan.predicted_seconds == pytest.approx(cost.predict(plan.features))
+    if not plan.decodes:
+        return
+    limit = max(config.max_step_ms / 1e3, 2 * (decode_only.predicted_seconds + cost.per_chunk))
+    if plan.predicted_seconds > limit * (1 + 1e-9):
+        # only the one-token floor of the oldest prefill may go over
+        assert [c.num_tokens for c in plan.chunks] == [1]
+    if prefilling:
+        assert plan.chunks  # the oldest prefill always moves
+
+
+def test_under_load_a_chunk_still_gets_as_much_work_as_the_steps_overheads():
+    # Every forward costs 80 ms of fixed overhead and 4 decode rows 100 ms: a 100 ms target
+    # cannot hold, and chunks sized to it would be nearly all overhead.
+    loaded = StepCost(per_chunk=0.08, per_prefill_token=0.001, per_decode_row=0.025)
+    sim = Sim(TIMED, loaded)
+    _decoders(sim, 4)
+    sim.add("long", 4000, max_tokens=1)
+    (chunk,) = sim.run_step().chunks
+    assert chunk.num_tokens == 180  # 180 ms of work beside 100 + 80 ms of overheads

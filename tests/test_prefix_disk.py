@@ -13,10 +13,10 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, KVCache, load_prompt_cache, make_prompt_cache
 from structlog.testing import capture_logs
 
-import stepline.engine.prefix_disk as prefix_cache
+import stepline.engine.prefix_files as prefix_files
 from stepline.api import Engine, SamplingParams
 from stepline.engine.prefix_cache import PrefixCache
-from stepline.engine.prefix_disk import WRITER_THREAD_NAME, entry_file_name, model_fingerprint
+from stepline.engine.prefix_files import WRITER_THREAD_NAME, entry_file_name, model_fingerprint
 from stepline.engine.runner import snapshot_cache
 from stepline.events.log import read_events
 from stepline.events.models import ChunkPrefilled
@@ -126,7 +126,7 @@ async def test_a_truncated_file_is_skipped_with_a_warning_and_the_request_runs_c
     same(warm, await cold("stepline-demo", SYSTEM + SECOND))
     # The torn files are gone; the new request's own entries took their place.
     assert all(
-        prefix_cache.read_entry_info(p, _model_id("stepline-demo")) for p in files(cache_dir)
+        prefix_files.read_entry_info(p, _model_id("stepline-demo")) for p in files(cache_dir)
     )
 
 
@@ -153,13 +153,13 @@ async def test_disk_files_are_written_by_the_writer_thread_not_the_executor(
     model_cache_dir, tmp_path, monkeypatch
 ):
     writers: list[str] = []
-    write = prefix_cache.write_entry_file
+    write = prefix_files.write_entry_file
 
     def recording_write(payload):
         writers.append(threading.current_thread().name)
         return write(payload)
 
-    monkeypatch.setattr(prefix_cache, "write_entry_file", recording_write)
+    monkeypatch.setattr(prefix_files, "write_entry_file", recording_write)
     async with open_engine("stepline-demo-hybrid", tmp_path) as engine:
         await run(engine, SYSTEM + FIRST, checkpoints=(20, 40))
         await flush(engine)

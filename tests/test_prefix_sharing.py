@@ -2,16 +2,28 @@
 
 from __future__ import annotations
 
+import argparse
+import io
+import json
 import random
 
 import anyio
 
 from stepline.api import Engine, SamplingParams
+from stepline.api.replay_cmd import add_replay_parser
 from stepline.events.log import read_events
 from stepline.events.models import ChunkPrefilled
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 WORDS = ["alpha", "beta", "gamma", "delta", "omega", "kappa", "sigma", "theta"]
+
+
+def replay(*argv: str) -> tuple[int, str]:
+    parser = argparse.ArgumentParser(prog="stepline")
+    add_replay_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["replay", *argv])
+    out = io.StringIO()
+    return args.func(args, out=out), out.getvalue()
 
 
 def chat(system: str, i: int, rng: random.Random) -> list[dict]:
@@ -53,6 +65,12 @@ async def test_sixteen_chats_sent_at_once_compute_their_shared_system_prompt_onc
     assert computed <= 1.5 * needed  # without sharing: 16 x the system prompt
     hits = [e for e in read_events(log) if isinstance(e, ChunkPrefilled) and e.num_cached_tokens]
     assert len(hits) == 15 and all(h.cache_source == "memory" for h in hits)
+    # Replay tells the same story: the request's timeline and the run's summary.
+    code, text = replay(str(log), "--request", hits[0].request_id, "--json")
+    assert code == 0 and json.loads(text)["num_cached_tokens"] == hits[0].num_cached_tokens
+    code, text = replay(str(log), "--json")
+    assert code == 0
+    assert json.loads(text)["num_cached_tokens"] == sum(h.num_cached_tokens for h in hits)
 
     async with Engine.open(max_step_tokens=128, max_num_seqs=16, prefix_cache_gb=0) as engine:
         cold = await answers(engine, chats)

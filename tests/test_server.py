@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import json
 import uuid
 import warnings
@@ -128,11 +129,14 @@ class SSE:
 
     @property
     def data(self) -> list[dict | str]:
-        """The `data:` payloads in order (JSON parsed; "[DONE]" as is); pings skipped."""
+        """The `data:` payloads in order (JSON parsed; "[DONE]" as is); pings skipped. Every
+        event carries an `id:` line, numbered from 0 without a gap."""
         out: list[dict | str] = []
         for frame in self.frames:
             if frame == PING.rstrip(b"\n"):
                 continue
+            id_line, _, frame = frame.partition(b"\n")
+            assert id_line == b"id: %d" % len(out), id_line
             assert frame.startswith(b"data: ") and b"\n" not in frame, frame
             payload = frame[len(b"data: ") :]
             out.append("[DONE]" if payload == b"[DONE]" else json.loads(payload))
@@ -309,7 +313,7 @@ async def test_chat_stream_frames_are_role_deltas_one_finish_usage_and_done(serv
     assert sse.status == 200
     assert sse.headers["content-type"] == "text/event-stream; charset=utf-8"
     rid = sse.headers["x-request-id"]
-    assert sse.raw.endswith(b"\n\ndata: [DONE]\n\n")
+    assert sse.raw.endswith(b"\n\nid: %d\ndata: [DONE]\n\n" % (len(sse.frames) - 1))
     data = sse.data
     assert data[-1] == "[DONE]"
     chunks = data[:-1]
@@ -388,7 +392,7 @@ async def test_a_long_prompt_gets_ping_comments_while_it_prefills(served):
     async with served.client() as http:
         sse = await stream_sse(http, "/v1/completions", body)
     frames = sse.frames
-    first_data = next(i for i, f in enumerate(frames) if f.startswith(b"data: "))
+    first_data = next(i for i, f in enumerate(frames) if f.startswith(b"id: 0\ndata: "))
     assert first_data >= 2  # 1,000 tokens at 128 a step: several chunks before the first token
     assert all(f == b": ping" for f in frames[:first_data])
     assert sse.data[-1] == "[DONE]"
@@ -511,7 +515,7 @@ async def test_developer_role_and_consecutive_messages_render_like_their_merged_
     assert a["choices"][0]["message"] == b["choices"][0]["message"]
 
 
-async def test_chat_request_refuses_image_parts_and_tool_messages():
+async def test_chat_request_refuses_image_parts_and_keeps_tool_messages():
     image = ChatCompletionRequest.model_validate(
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}
     )
@@ -520,8 +524,7 @@ async def test_chat_request_refuses_image_parts_and_tool_messages():
     tool = ChatCompletionRequest.model_validate(
         {"messages": [{"role": "tool", "content": "42", "tool_call_id": "x"}]}
     )
-    with pytest.raises(RequestError, match="tool"):
-        tool.engine_messages()
+    assert tool.engine_messages() == [{"role": "tool", "content": "42", "tool_call_id": "x"}]
 
 
 # -- bad input ------------------------------------------------------------------------------
@@ -555,8 +558,23 @@ MSG = [{"role": "user", "content": "hi"}]
         ("/v1/chat/completions", {"messages": MSG, "tools": [{"type": "function"}]}, "tools"),
         (
             "/v1/chat/completions",
-            {"messages": MSG, "response_format": {"type": "json_object"}},
+            {"messages": MSG, "response_format": {"type": "xml"}},
             "response_format",
+        ),
+        (
+            "/v1/completions",
+            {"prompt": "a", "response_format": {"type": "json_schema", "json_schema": {}}},
+            "response_format",
+        ),
+        ("/v1/chat/completions", {"messages": MSG, "tool_choice": "required"}, "tool_choice"),
+        ("/v1/chat/completions", {"messages": MSG, "functions": [{"name": "f"}]}, "functions"),
+        ("/v1/completions", {"prompt": "a", "tools": []}, "tools"),
+        # accepted by others, ignored by this model's template: refused, not ignored
+        ("/v1/chat/completions", {"messages": MSG, "reasoning_effort": "high"}, "reasoning_effort"),
+        (
+            "/v1/chat/completions",
+            {"messages": MSG, "chat_template_kwargs": {"no_such_option": True}},
+            "chat_template_kwargs",
         ),
         ("/v1/chat/completions", {"messages": MSG, "logit_bias": {"5": 10}}, "logit_bias"),
         ("/v1/chat/completions", {"messages": MSG, "top_logprobs": 2}, "top_logprobs"),
@@ -581,7 +599,9 @@ async def test_bad_input_gets_400_with_an_openai_error_body(served, path, body, 
 async def test_invalid_json_gets_400_that_says_so(served):
     async with served.client() as http:
         r = await http.post(
-            "/v1/chat/completions", content=b'{"messages": [', headers={"content-type": "json"}
+            "/v1/chat/completions",
+            content=b'{"messages": [',
+            headers={"content-type": "application/json"},
         )
     assert r.status_code == 400
     assert r.json()["error"]["code"] == "invalid_json"
@@ -616,8 +636,9 @@ async def test_a_body_over_the_limit_gets_413_with_or_without_a_length(served):
             yield big[i : i + 8192]
 
     async with served.client() as http:
-        sized = await http.post("/v1/completions", content=big)
-        streamed = await http.post("/v1/completions", content=chunked())
+        json_type = {"content-type": "application/json"}
+        sized = await http.post("/v1/completions", content=big, headers=json_type)
+        streamed = await http.post("/v1/completions", content=chunked(), headers=json_type)
     for r in (sized, streamed):
         assert r.status_code == 413
         assert r.json()["error"]["code"] == "request_too_large"
@@ -762,7 +783,10 @@ async def test_an_engine_failure_mid_stream_sends_an_error_frame_then_done(doome
     *_, error, done = sse.data
     assert done == "[DONE]"
     assert set(error) == {"error"}
-    assert "boom" in error["error"]["message"]
+    # The client gets a stable message naming its request; the exception is for the log.
+    assert error["error"]["code"] == "engine_unhealthy"
+    assert r.headers["x-request-id"] in error["error"]["message"]
+    assert "boom" not in error["error"]["message"]
     assert finish_reasons(sse.data) == []
     assert health.status_code == 503
     assert "boom" in health.json()["reason"]
@@ -780,7 +804,9 @@ async def test_an_engine_failure_fails_a_non_streaming_request_with_503(doomed):
         with anyio.fail_after(10):
             r = await task
     assert r.status_code == 503
-    assert "boom" in r.json()["error"]["message"]
+    assert r.json()["error"]["code"] == "engine_unhealthy"
+    assert r.headers["x-request-id"] in r.json()["error"]["message"]
+    assert "boom" not in r.text
 
 
 # -- the command ----------------------------------------------------------------------------
@@ -820,3 +846,34 @@ async def test_serve_prints_a_curl_line_that_streams():
     body = json.loads(line.split("-d '", 1)[1].rstrip("'"))
     assert body["stream"] is True and body["model"] == "stepline-demo"
     assert DONE == b"data: [DONE]\n\n"
+
+
+async def test_a_failed_event_log_shows_on_health_and_metrics_while_serving_goes_on(tmp_path):
+    class FullDisk:
+        def __init__(self, real) -> None:
+            self.real = real
+
+        def write(self, data) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def close(self) -> None:
+            self.real.close()
+
+    async with open_served(tmp_path / "events.jsonl") as served:
+        writer = served.engine.step_loop.event_log
+        async with served.client() as client:
+            assert (await client.get("/health")).json()["status"] == "ok"
+            writer._file = FullDisk(writer._file)  # a disk that fills up now
+            for _ in range(2):
+                r = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3})
+                assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+            health = await client.get("/health")
+            metrics = (await client.get("/metrics")).text
+    assert health.status_code == 200  # still serving
+    body = health.json()
+    assert body["status"] == "degraded" and "No space left" in body["event_log"]
+    assert "stepline_event_log_degraded 1.0" in metrics
+    dropped = next(
+        line for line in metrics.splitlines() if line.startswith("stepline_event_log_dropped")
+    )
+    assert float(dropped.split()[-1]) > 0

@@ -1,0 +1,245 @@
+"""Anthropic Messages API bodies (`POST /v1/messages`, `/v1/messages/count_tokens`), as pydantic
+models, and their translation to the neutral chat messages the chat template renders. No MLX.
+
+Requests are strict (a string is not a number); unknown top-level fields are ignored as
+Anthropic adds them, but a known feature the engine cannot honour (images, documents, extended
+thinking budgets, server tools) is a RequestError naming it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from stepline.api.agents import ToolSpec, tool_spec, unique_tools
+from stepline.api.openai_schema import RequestError
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+
+
+class Block(BaseModel):
+    """One content block; which fields matter depends on `type`."""
+
+    model_config = ConfigDict(strict=True, extra="allow", frozen=True)
+
+    type: str
+    text: str | None = None
+    id: str | None = None  # tool_use
+    name: str | None = None  # tool_use
+    input: dict[str, Any] | None = None  # tool_use
+    tool_use_id: str | None = None  # tool_result
+    content: str | list[Block] | None = None  # tool_result
+    is_error: bool | None = None  # tool_result
+    thinking: str | None = None  # thinking (an earlier turn's, sent back)
+
+
+class Message(_Request):
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+
+class Tool(_Request):
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any] | None = None
+    type: str | None = None  # "custom" or absent; server tools (web_search, ...) are refused
+
+
+class ToolChoice(_Request):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool = False
+
+
+class Thinking(_Request):
+    type: Literal["enabled", "disabled"]
+    budget_tokens: int | None = None
+
+
+class _Base(_Request):
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    system: str | list[Block] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
+
+
+class CountTokensRequest(_Base):
+    def check_supported(self) -> None:
+        _check_thinking(self.thinking)
+
+
+class MessagesRequest(_Base):
+    max_tokens: int = Field(ge=1)
+    stop_sequences: list[str] | None = None
+    temperature: float | None = Field(None, ge=0.0, le=1.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)
+    stream: bool = False
+    metadata: dict[str, Any] | None = None  # user_id only; nothing to honour
+
+    def check_supported(self) -> None:
+        _check_thinking(self.thinking)
+
+
+def _check_thinking(thinking: Thinking | None) -> None:
+    if thinking is not None and thinking.type == "enabled" and thinking.budget_tokens is not None:
+        raise RequestError(
+            "thinking.budget_tokens cannot be enforced by this server: send "
+            '{"type": "enabled"} without a budget, or limit max_tokens',
+            param="thinking.budget_tokens",
+        )
+
+
+def tool_specs(req: _Base) -> tuple[ToolSpec, ...]:
+    specs = []
+    for i, tool in enumerate(req.tools or []):
+        if tool.type not in (None, "custom"):
+            raise RequestError(
+                f"tools[{i}] is a server tool ({tool.type}): only custom tools are supported",
+                param=f"tools.{i}",
+            )
+        specs.append(tool_spec(tool.name, tool.description, tool.input_schema, i, "tools"))
+    return unique_tools(specs, "tools")
+
+
+def tool_choice(req: _Base) -> tuple[str | None, bool]:
+    """(choice as "auto" / "none" / "required" / a name, parallel calls allowed)."""
+    c = req.tool_choice
+    if c is None:
+        return None, True
+    if c.type == "tool":
+        if not c.name:
+            raise RequestError('tool_choice {"type": "tool"} needs a name', param="tool_choice")
+        return c.name, False
+    choice = {"auto": "auto", "any": "required", "none": "none"}[c.type]
+    return choice, not c.disable_parallel_tool_use
+
+
+def template_kwargs(req: _Base) -> dict[str, Any]:
+    if req.thinking is None:
+        return {}
+    return {"enable_thinking": req.thinking.type == "enabled"}
+
+
+def engine_messages(req: _Base) -> list[dict[str, Any]]:
+    """The conversation as OpenAI-style chat messages (what chat templates render): the
+    system prompt first, `tool_result` blocks as `tool` messages, `tool_use` blocks as the
+    assistant's `tool_calls`, earlier `thinking` blocks as its `reasoning_content`."""
+    out: list[dict[str, Any]] = []
+    if req.system:
+        out.append({"role": "system", "content": _text(req.system, "system")})
+    for i, m in enumerate(req.messages):
+        where = f"messages.{i}.content"
+        if isinstance(m.content, str):
+            out.append({"role": m.role, "content": m.content})
+            continue
+        texts, calls, reasoning = [], [], []
+        for j, b in enumerate(m.content):
+            if b.type == "text" and b.text is not None:
+                texts.append(b.text)
+            elif b.type == "tool_result" and m.role == "user":
+                content = _text(b.content or "", f"{where}.{j}.content")
+                if b.is_error:
+                    content = f"Error: {content}"
+                out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": content})
+            elif b.type == "tool_use" and m.role == "assistant" and b.name:
+                calls.append(
+                    {
+                        "id": b.id,
+                        "type": "function",
+                        "function": {"name": b.name, "arguments": b.input or {}},
+                    }
+                )
+            elif b.type in ("thinking", "redacted_thinking") and m.role == "assistant":
+                reasoning.append(b.thinking or "")
+            else:
+                raise RequestError(
+                    f"{where}[{j}] is a {b.type!r} block, which this server does not serve on "
+                    f"a {m.role} turn (text, tool_use, tool_result and thinking are served)",
+                    param=f"{where}.{j}",
+                    code="unsupported_content_type",
+                )
+        if m.role == "user" and not texts:
+            continue  # only tool results: they are the tool messages above
+        message: dict[str, Any] = {"role": m.role, "content": "\n".join(texts)}
+        if calls:
+            message["tool_calls"] = calls
+        if reasoning and any(reasoning):
+            message["reasoning_content"] = "\n".join(reasoning)
+        out.append(message)
+    return out
+
+
+def _text(content: str | list[Block], where: str) -> str:
+    if isinstance(content, str):
+        return content
+    parts = []
+    for j, b in enumerate(content):
+        if b.type != "text" or b.text is None:
+            raise RequestError(
+                f"{where}[{j}] is a {b.type!r} block: only text is served here",
+                param=f"{where}.{j}",
+                code="unsupported_content_type",
+            )
+        parts.append(b.text)
+    return "\n".join(parts)
+
+
+# -- responses ------------------------------------------------------------------------------
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+
+class Usage(_Response):
+    input_tokens: int
+    output_tokens: int
+    cache_creation_input_tokens: int = 0
+    cache_read_input_tokens: int = 0
+
+
+class MessageResponse(_Response):
+    id: str
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    model: str
+    content: list[dict[str, Any]]
+    stop_reason: str | None
+    stop_sequence: str | None
+    usage: Usage
+
+
+class ErrorBody(_Response):
+    type: str
+    message: str
+
+
+class ErrorResponse(_Response):
+    type: Literal["error"] = "error"
+    error: ErrorBody
+
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+
+def event(name: str, payload: dict[str, Any]) -> bytes:
+    """One Anthropic server-sent event: `event: <name>` and its JSON data."""
+    data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    return f"event: {name}\ndata: {data}\n\n".encode()

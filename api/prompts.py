@@ -1,0 +1,212 @@
+"""Prompts into token ids: the chat template, the tokenizer, and the chat boundaries that
+become prefix-cache checkpoints. Pure CPU, no MLX: a long prompt is prepared on a worker
+thread, and a text whose length alone proves it too long for the context is refused unread."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+from jinja2 import TemplateError
+
+from stepline.engine.policy import ContextLengthExceededError
+
+MAX_CONCURRENT_PREPARE = 4  # prompts tokenized at once, each on a worker thread
+
+
+class PromptTooLongError(ContextLengthExceededError):
+    """The prompt's text alone proves it longer than the context: `num_prompt_tokens` is a
+    lower bound, found without tokenizing it."""
+
+    def __init__(self, num_prompt_tokens: int, max_context: int):
+        super().__init__(num_prompt_tokens, max_context)
+        self.args = (
+            f"the prompt has at least {num_prompt_tokens} tokens but the model's context is "
+            f"{max_context} tokens: shorten the prompt",
+        )
+
+
+class Prompts:
+    """Token ids for one tokenizer (an mlx-lm TokenizerWrapper or anything with `encode`,
+    `apply_chat_template` and `get_vocab`) and a model of `max_context` tokens."""
+
+    def __init__(self, tokenizer: Any, *, vocab_size: int, max_context: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_context = max_context
+        self._max_chars_per_token: int | None = None
+        self._specials: list[tuple[int, str]] | None = None
+        self._limiter = anyio.CapacityLimiter(MAX_CONCURRENT_PREPARE)
+
+    def prepare(
+        self,
+        prompt: str | Sequence[int] | None = None,
+        messages: Sequence[dict] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> tuple[list[int], list[int]]:
+        """A prompt's token ids and its chat checkpoints (none for a raw prompt): the chat
+        template is rendered once for the whole conversation (and once for each boundary's
+        prefix), and the whole is tokenized once (a boundary's prefix again only when no
+        special token follows it). `template_kwargs` (`tools`, `enable_thinking`, ...) go to
+        every rendering.
+
+        CPU work that can take seconds for a long prompt: `prepare_async` runs it off the event
+        loop. Raises ValueError for a malformed prompt or messages (a template's own error
+        included), and PromptTooLongError when the text is too long for the context even before
+        it is tokenized.
+        """
+        if (prompt is None) == (messages is None):
+            raise ValueError("pass exactly one of prompt= or messages=")
+        if messages is not None:
+            text = self.render_chat(messages, template_kwargs=template_kwargs)
+            self.check_text_length(text)
+            ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+            return ids, self.chat_checkpoints(messages, ids, text, template_kwargs)
+        if isinstance(prompt, str):
+            self.check_text_length(prompt)
+            return list(self.tokenizer.encode(prompt)), []
+        ids = list(prompt)  # type: ignore[arg-type]
+        vocab = self.vocab_size
+        for t in ids:
+            if not isinstance(t, int) or not 0 <= t < vocab:
+                raise ValueError(
+                    f"token id {t!r} is not in the model's vocabulary (0..{vocab - 1})"
+                )
+        return ids, []
+
+    async def prepare_async(
+        self,
+        prompt: str | Sequence[int] | None = None,
+        messages: Sequence[dict] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> tuple[list[int], list[int]]:
+        """`prepare` on a worker thread (tokenizers are pure CPU, no MLX, and release the GIL
+        while they encode), at most `MAX_CONCURRENT_PREPARE` at once."""
+        return await anyio.to_thread.run_sync(
+            self.prepare, prompt, messages, template_kwargs, limiter=self._limiter
+        )
+
+    @property
+    def max_chars_per_token(self) -> int:
+        """An upper bound on the characters one token stands for: its longest vocabulary entry
+        (byte-level entries spell each byte as one character, so an entry is never shorter
+        than its text), times 4 when the tokenizer normalizes text first (Unicode composition
+        can merge up to ~4 characters into one)."""
+        if self._max_chars_per_token is None:
+            hf = getattr(self.tokenizer, "_tokenizer", self.tokenizer)
+            longest = max((len(k) for k in hf.get_vocab()), default=1)
+            backend = getattr(hf, "backend_tokenizer", None)
+            normalizes = backend is None or backend.normalizer is not None
+            self._max_chars_per_token = max(1, longest) * (4 if normalizes else 1)
+        return self._max_chars_per_token
+
+    def check_text_length(self, text: str) -> None:
+        # Every token stands for at most max_chars_per_token characters, so a text this long
+        # has at least this many tokens: refuse it before spending seconds tokenizing it.
+        at_least = -(-len(text) // self.max_chars_per_token)
+        if at_least >= self.max_context:
+            raise PromptTooLongError(at_least, self.max_context)
+
+    def render_chat(
+        self,
+        messages: Sequence[dict],
+        add_generation_prompt: bool = True,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        """The chat template's rendering of `messages`. Raises ValueError on malformed messages
+        (a template that refuses them included)."""
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content'")
+        try:
+            return self.tokenizer.apply_chat_template(
+                list(messages),
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                **(template_kwargs or {}),
+            )
+        except TemplateError as exc:
+            raise ValueError(f"the chat template refused the messages: {exc}") from exc
+
+    def chat_checkpoints(
+        self,
+        messages: Sequence[dict],
+        ids: Sequence[int],
+        text: str | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """Token offsets of chat boundaries in `ids`: the end of the system prompt, the end
+        of the turns before the last user message, and the end of the prompt itself.
+
+        Found from the chat template's rendering of message prefixes; a boundary whose
+        tokens are not an exact prefix of `ids` is left out, never guessed. With `text`, the
+        rendering of `messages`, a boundary followed by a special token (`<|im_start|>`) is
+        found without tokenizing its prefix again (`_split_offset`).
+        """
+        cuts = set()
+        if messages and messages[0].get("role") in ("system", "developer"):
+            cuts.add(1)
+        users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
+        if users and users[-1] > 0:
+            cuts.add(users[-1])
+        found = [len(ids)]
+        for n in sorted(cuts):
+            try:
+                prefix_text = self.render_chat(
+                    messages[:n], add_generation_prompt=False, template_kwargs=template_kwargs
+                )
+            except Exception:  # noqa: BLE001 - a template may refuse a partial chat
+                continue
+            if text is not None:
+                if not text.startswith(prefix_text):
+                    continue
+                k = self._split_offset(text, ids, len(prefix_text))
+                if k is not None:
+                    if 0 < k < len(ids):
+                        found.append(k)
+                    continue
+            prefix = self.tokenizer.encode(prefix_text, add_special_tokens=False)
+            if 0 < len(prefix) < len(ids) and list(ids[: len(prefix)]) == prefix:
+                found.append(len(prefix))
+        return found
+
+    def _split_offset(self, text: str, ids: Sequence[int], at: int) -> int | None:
+        """The number of tokens of `text[:at]` within `ids` (the tokens of `text`), when a
+        special token starts at `at`; None otherwise.
+
+        A tokenizer splits its input at special tokens first and tokenizes the pieces between
+        them on their own, so the tokens before the special token at `at` are exactly those of
+        `text[:at]`; and each occurrence of its text before `at` is one of its ids in `ids`.
+        """
+        for token_id, content in self._special_tokens():
+            if text.startswith(content, at):
+                nth = text.count(content, 0, at)
+                seen = 0
+                for k, t in enumerate(ids):
+                    if t == token_id:
+                        if seen == nth:
+                            return k
+                        seen += 1
+                return None
+        return None
+
+    def _special_tokens(self) -> list[tuple[int, str]]:
+        """(id, text) of the special tokens the tokenizer splits text at as they are (not
+        normalized, not eating the whitespace before them); none when one's text contains
+        another's (then counting occurrences could miscount)."""
+        if self._specials is None:
+            hf = getattr(self.tokenizer, "_tokenizer", self.tokenizer)
+            decoder = getattr(hf, "added_tokens_decoder", None) or {}
+            specials = [
+                (token_id, tok.content)
+                for token_id, tok in decoder.items()
+                if getattr(tok, "special", False)
+                and tok.content
+                and not getattr(tok, "lstrip", True)
+                and not getattr(tok, "normalized", True)
+            ]
+            texts = [content for _, content in specials]
+            nested = any(a != b and a in b for a in texts for b in texts)
+            self._specials = [] if nested else specials
+        return self._specials

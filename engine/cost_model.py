@@ -1,0 +1,246 @@
+"""A step's time, predicted from its plan, and learned online from measured steps. MLX-free.
+
+A step's time is modelled as a linear function of what it computes:
+
+    seconds = step                                   (fixed: the loop, sampling, the thread hop)
+            + per_chunk * prefill forwards           (each chunk is one model call)
+            + per_prefill_token * prompt tokens      (the weights' work, linear in tokens)
+            + per_attention * sum(n * (start + n/2)) (a chunk of n tokens at offset `start`
+                                                      attends to start + i + 1 tokens each)
+            + per_decode_row * decode rows
+            + per_decode_context * sum(decode rows' context lengths)
+
+`CostModel` fits the coefficients to the most recent steps (a window per kind of step, so
+a long run of decode-only steps does not forget what prefill costs), plus the warm-up's
+samples, which never leave: non-negative least squares on relative errors (a 5 ms decode step
+matters as much as a 500 ms prefill), then again without the samples the first fit explains
+worst (a neighbour's burst of load, a GC pause). The policy takes the fitted `StepCost`
+as an input and stays a pure function.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, fields
+
+# Fewer samples than this and the fit is not trusted: the policy schedules by tokens only.
+MIN_SAMPLES = 8
+# A sample is dropped from the refit when its relative error is this many robust standard
+# deviations (1.4826 * MAD) from the median error, or 10 percent, whichever is more.
+OUTLIER_SIGMAS = 3.0
+OUTLIER_FLOOR = 0.10
+MAX_TOKENS = 2**31  # "as many as you like": more than any chunk will ever hold
+
+
+@dataclass(frozen=True)
+class StepFeatures:
+    """What a step computes, in the units the coefficients price."""
+
+    num_chunks: int = 0  # prefill forwards
+    prefill_tokens: int = 0  # prompt tokens computed
+    prefill_attention: float = 0.0  # sum over chunks of n * (start + n / 2)
+    decode_rows: int = 0
+    decode_context: int = 0  # sum over decode rows of the tokens each attends to
+
+    def with_chunk(self, start: int, num_tokens: int) -> StepFeatures:
+        return StepFeatures(
+            num_chunks=self.num_chunks + 1,
+            prefill_tokens=self.prefill_tokens + num_tokens,
+            prefill_attention=self.prefill_attention + chunk_attention(start, num_tokens),
+            decode_rows=self.decode_rows,
+            decode_context=self.decode_context,
+        )
+
+    def vector(self) -> tuple[float, ...]:
+        """In `StepCost`'s field order: a leading 1 for the fixed cost."""
+        return (
+            1.0,
+            float(self.num_chunks),
+            float(self.prefill_tokens),
+            float(self.prefill_attention),
+            float(self.decode_rows),
+            float(self.decode_context),
+        )
+
+    @property
+    def has_prefill(self) -> bool:
+        return self.num_chunks > 0
+
+
+def chunk_attention(start: int, num_tokens: int) -> float:
+    """Query x context token pairs of a chunk [start, start + n): sum of start + i + 1."""
+    return num_tokens * (start + (num_tokens + 1) / 2)
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Fitted seconds per unit of each `StepFeatures` term (all >= 0)."""
+
+    step: float = 0.0
+    per_chunk: float = 0.0
+    per_prefill_token: float = 0.0
+    per_attention: float = 0.0
+    per_decode_row: float = 0.0
+    per_decode_context: float = 0.0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not value >= 0:  # also refuses nan
+                raise ValueError(f"StepCost.{f.name} must be >= 0, got {value}")
+
+    def coefficients(self) -> tuple[float, ...]:
+        return tuple(getattr(self, f.name) for f in fields(self))
+
+    def predict(self, features: StepFeatures) -> float:
+        """Predicted seconds of a step with these features."""
+        return sum(c * x for c, x in zip(self.coefficients(), features.vector(), strict=True))
+
+    def max_chunk_tokens(self, start: int, seconds: float) -> int:
+        """The most tokens a chunk at offset `start` may have so that it costs at most
+        `seconds` (0 if not even one token fits). The chunk's cost is per_chunk
+        + n * (per_prefill_token + per_attention * (start + 1/2)) + per_attention * n^2 / 2.
+        """
+        room = seconds - self.per_chunk
+        linear = self.per_prefill_token + self.per_attention * (start + 0.5)
+        quadratic = self.per_attention / 2
+        if room <= 0:
+            return 0
+        if quadratic == 0 and linear == 0:
+            return MAX_TOKENS
+        # the positive root of quadratic * n^2 + linear * n - room = 0, in a stable form
+        root = 2 * room / (linear + (linear * linear + 4 * quadratic * room) ** 0.5)
+        n = int(min(root, MAX_TOKENS))
+        # floating point: the rounded root may be a token off either way
+        for _ in range(2):
+            if n > 0 and self.per_chunk + n * linear + quadratic * n * n > seconds:
+                n -= 1
+        return n
+
+
+@dataclass(frozen=True)
+class Sample:
+    features: StepFeatures
+    seconds: float
+
+
+class CostModel:
+    """Learns `StepCost` online from (features, measured seconds) of recent steps.
+
+    Not thread-safe: the step loop owns it. `observe` is O(1); the fit (numpy, a few
+    hundred samples by six features) runs every `refit_every` observations.
+    """
+
+    def __init__(
+        self, window: int = 64, refit_every: int = 16, seed: Iterable[Sample] = ()
+    ) -> None:
+        if window < MIN_SAMPLES:
+            raise ValueError(f"window must be >= {MIN_SAMPLES}, got {window}")
+        if refit_every < 1:
+            raise ValueError(f"refit_every must be >= 1, got {refit_every}")
+        self._seed: list[Sample] = []
+        # decode-only steps and steps with prefill: each kind keeps its own recent history
+        self._decode: deque[Sample] = deque(maxlen=window)
+        self._prefill: deque[Sample] = deque(maxlen=window)
+        self._refit_every = refit_every
+        self._since_fit = 0
+        self._cost: StepCost | None = None
+        for s in seed:
+            self.seed(s.features, s.seconds)
+
+    def seed(self, features: StepFeatures, seconds: float) -> None:
+        """A warm-up sample: kept for good, so the fit always knows every kind of work."""
+        if _usable(seconds):
+            self._seed.append(Sample(features, seconds))
+            self._since_fit = self._refit_every  # refit at the next read
+
+    def observe(self, features: StepFeatures, seconds: float) -> None:
+        """A step with `features` took `seconds` (the executor's measured time)."""
+        if not _usable(seconds):
+            return
+        (self._prefill if features.has_prefill else self._decode).append(Sample(features, seconds))
+        self._since_fit += 1
+
+    @property
+    def num_samples(self) -> int:
+        return len(self._seed) + len(self._decode) + len(self._prefill)
+
+    @property
+    def cost(self) -> StepCost | None:
+        """The current fit, or None while there are too few samples to trust one."""
+        if self._since_fit >= self._refit_every or (self._cost is None and self._since_fit):
+            self._since_fit = 0
+            samples = [*self._seed, *self._decode, *self._prefill]
+            if len(samples) >= MIN_SAMPLES:
+                self._cost = fit(samples)
+        return self._cost
+
+
+def _usable(seconds: float) -> bool:
+    return seconds > 0 and seconds < float("inf")
+
+
+def fit(samples: Sequence[Sample]) -> StepCost:
+    """Robust non-negative fit of `StepCost` to `samples` (relative errors, two trims).
+
+    Raises ValueError for no samples.
+    """
+    import numpy as np  # here, not at import: the policy imports this module
+
+    if not samples:
+        raise ValueError("fit needs at least one sample")
+    x = np.array([s.features.vector() for s in samples], dtype=np.float64)
+    y = np.array([s.seconds for s in samples], dtype=np.float64)
+    # Relative errors: divide each row by its own time.
+    a, b = x / y[:, None], np.ones_like(y)
+    keep = np.ones(len(y), dtype=bool)
+    coef = _nnls(a, b)
+    for _ in range(2):
+        err = a @ coef - b
+        mid = np.median(err[keep])
+        spread = max(OUTLIER_SIGMAS * 1.4826 * np.median(np.abs(err[keep] - mid)), OUTLIER_FLOOR)
+        new_keep = np.abs(err - mid) <= spread
+        if new_keep.all() or new_keep.sum() < MIN_SAMPLES or (new_keep == keep).all():
+            break
+        keep = new_keep
+        coef = _nnls(a[keep], b[keep])
+    return StepCost(*(float(c) for c in coef))
+
+
+def _nnls(a, b):  # type: ignore[no-untyped-def]
+    """min ||a x - b|| subject to x >= 0: Lawson and Hanson's active-set method on the
+    normal equations (a handful of features: every solve is tiny), with columns scaled to
+    unit norm so that one tolerance suits seconds and token counts."""
+    import numpy as np
+
+    norms = np.linalg.norm(a, axis=0)
+    used = norms > 0
+    scale = np.where(used, norms, 1.0)
+    a = a / scale
+    gram, rhs = a.T @ a, a.T @ b
+    n = a.shape[1]
+    x = np.zeros(n)
+    passive = np.zeros(n, dtype=bool)
+    tol = 1e-10 * max(1.0, float(np.abs(rhs).max()))
+    for _ in range(3 * n):
+        w = rhs - gram @ x
+        candidates = ~passive & used
+        if not candidates.any() or w[candidates].max() <= tol:
+            break
+        passive[np.argmax(np.where(candidates, w, -np.inf))] = True
+        while True:
+            z = np.zeros(n)
+            sub = np.ix_(passive, passive)
+            z[passive] = np.linalg.lstsq(gram[sub], rhs[passive], rcond=None)[0]
+            if (z[passive] > tol).all():
+                x = z
+                break
+            # step back towards x until the first coefficient reaches zero; drop it
+            neg = passive & (z <= tol)
+            gap = x[neg] - z[neg]
+            alpha = np.min(np.divide(x[neg], gap, out=np.zeros_like(gap), where=gap > 0))
+            x = x + alpha * (z - x)
+            passive &= x > tol
+            x[~passive] = 0.0
+    return np.maximum(x, 0.0) / scale

@@ -1,0 +1,149 @@
+"""Grammars for constrained decoding (llguidance), compiled once each and shared. MLX-free.
+
+A request's constraint travels as an llguidance grammar string (`RequestParams.grammar`), so
+the event log records it and re-execution decodes under the same grammar. `GrammarCompiler`
+turns a grammar into a pristine `LLMatcher` once (cached by the grammar text, thread-safe);
+each request gets a cheap `deep_copy` of it whose state advances with that request's tokens.
+The API compiles in a worker thread at submission, so neither the step loop nor the executor
+waits for a compile; the executor's lookup is then a cache hit.
+
+The builders below make grammars from what clients send: a JSON schema (`response_format`),
+any JSON object (`json_object`), or a forced tool call in the chat template's
+`<tool_call>{"name": ..., "arguments": ...}</tool_call>` format (`tool_choice`).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import llguidance
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
+# Compact JSON: no free whitespace between tokens. A model can still emit any value; it only
+# cannot pad (an unconstrained-whitespace grammar lets a weak model emit blanks forever).
+_JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
+
+
+class GrammarError(ValueError):
+    """A schema or grammar llguidance cannot compile; the message says what is wrong."""
+
+
+def json_schema_grammar(schema: dict[str, Any]) -> str:
+    """The grammar of JSON documents valid under `schema`. Raises GrammarError if malformed."""
+    if not isinstance(schema, dict):
+        raise GrammarError(f"a JSON schema must be an object, got {type(schema).__name__}")
+    try:
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=_JSON_OPTIONS)
+    except ValueError as exc:
+        raise GrammarError(f"invalid JSON schema: {exc}") from exc
+
+
+def json_object_grammar() -> str:
+    """Any JSON object (OpenAI's `json_object` mode)."""
+    return json_schema_grammar({"type": "object"})
+
+
+def markup(tokenizer: Any, text: str) -> str:
+    """`text` as a Lark terminal: the token itself (`<[id]>`) when the tokenizer has it as one
+    added token (llguidance treats every added token as special, never as its letters), else
+    the quoted text."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    added: dict[str, int] = getattr(tokenizer, "get_added_vocab", dict)()
+    if len(ids) == 1 and added.get(text) == ids[0]:
+        return f"<[{ids[0]}]>"
+    return json.dumps(text)
+
+
+def tool_call_grammar(
+    tools: Sequence[tuple[str, dict[str, Any]]],
+    *,
+    start: str = '"<tool_call>"',
+    end: str = '"</tool_call>"',
+    parallel: bool = True,
+) -> str:
+    """One tool call (or several, if `parallel`) of one of `tools` ((name, parameters schema)),
+    each `start\\n{"name": NAME, "arguments": {...}}\\nend`, the format of Qwen-style templates
+    and of mlx-lm's `json_tools` parser. `start` and `end` are Lark terminals (see `markup`).
+    Raises GrammarError for a malformed schema."""
+    if not tools:
+        raise GrammarError("no tool to call: `tools` is empty")
+    alternatives = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": name}, "arguments": parameters or {"type": "object"}},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for name, parameters in tools
+    ]
+    schema = alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
+    body = json.dumps({**schema, "x-guidance": _JSON_OPTIONS})
+    call = 'call ("\\n" call)*' if parallel else "call"
+    lark = f'start: {call}\ncall: {start} "\\n" args "\\n" {end}\nargs: %json {body}\n'
+    return llguidance.LLMatcher.grammar_from_lark(lark)
+
+
+class GrammarCompiler:
+    """Compiles grammars for one tokenizer and keeps the last `max_entries` of them.
+
+    `tokenizer` is mlx-lm's TokenizerWrapper (or a Hugging Face fast tokenizer); `vocab_size`
+    is the width of the model's logits, which may exceed the tokenizer's. The llguidance
+    tokenizer is built on first use (about a second for a 150k vocabulary), not at start-up.
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, *, max_entries: int = 256) -> None:
+        self._hf = getattr(tokenizer, "_tokenizer", tokenizer)
+        self._eos = sorted(getattr(tokenizer, "eos_token_ids", None) or [self._hf.eos_token_id])
+        self._vocab_size = vocab_size
+        self._max_entries = max_entries
+        self._lock = threading.Lock()
+        self._ll_tokenizer: llguidance.LLTokenizer | None = None
+        self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    def _tokenizer(self) -> llguidance.LLTokenizer:
+        with self._lock:
+            if self._ll_tokenizer is None:
+                import llguidance.hf
+
+                self._ll_tokenizer = llguidance.hf.from_tokenizer(
+                    self._hf, n_vocab=self._vocab_size, eos_token=self._eos
+                )
+            return self._ll_tokenizer
+
+    def compile(self, grammar: str) -> llguidance.LLMatcher:
+        """The pristine matcher of `grammar`, compiled now or found in the cache.
+
+        Raises GrammarError if llguidance refuses the grammar.
+        """
+        with self._lock:
+            hit = self._compiled.get(grammar)
+            if hit is not None:
+                self._compiled.move_to_end(grammar)
+                return hit
+        matcher = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0)
+        if matcher.is_error():
+            raise GrammarError(f"the grammar does not compile: {matcher.get_error()}")
+        with self._lock:
+            self._compiled[grammar] = matcher
+            while len(self._compiled) > self._max_entries:
+                self._compiled.popitem(last=False)
+        return matcher
+
+    def matcher(self, grammar: str) -> llguidance.LLMatcher:
+        """A fresh matcher for one request (a copy of the compiled one). Raises GrammarError."""
+        return self.compile(grammar).deep_copy()
+
+    def accepts(self, grammar: str, token_ids: Iterable[int]) -> bool:
+        """Whether `token_ids` is a complete sentence of `grammar` (for tests and checks)."""
+        m = self.matcher(grammar)
+        return all(m.consume_token(t) for t in token_ids) and m.is_accepting()

@@ -1,0 +1,130 @@
+"""A short warm-up at engine start: timed steps that seed the step-time model.
+
+Runs on the executor thread, through the runner's public `run` and `housekeep`, with
+synthetic greedy requests (no random draws, so the sampler's stream is untouched)
+that are freed without entering the prefix cache. It prefills chunks of several
+sizes at several offsets, then decodes at two batch sizes, so that every term of
+`StepCost` has been seen at least once before the first real step.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Any
+
+from stepline.engine.cost_model import Sample, StepFeatures
+from stepline.engine.policy import ScheduledChunk, SchedulerConfig, StepPlan
+from stepline.engine.work import Housekeeping, NewRequest, StepWork
+from stepline.events.models import RequestParams
+
+_PARAMS = RequestParams(
+    max_tokens=16, temperature=0, top_p=1, top_k=0, min_p=0, seed=None, ignore_eos=True
+)
+_PREFIX = "stepline-warmup-"
+_FIRST_TOKEN_ID = 3  # past the usual special tokens
+
+
+def measure_step_costs(
+    runner: Any, config: SchedulerConfig, vocab_size: int, max_context: int
+) -> list[Sample]:
+    """Run a dozen timed warm-up steps on `runner` (call on the executor thread) and
+    return their (features, seconds). Everything it admits is freed before it returns.
+
+    Chunk sizes follow the token budget (and the long-prefill cap), and the longest
+    prompt stays well inside `max_context`.
+    """
+    rng = random.Random(0)
+    cap = min(config.chunk_cap, config.max_step_tokens)
+    sizes = [max(1, cap // d) for d in (16, 8, 4, 2)]
+    long_len = min(sum(sizes) + 1, max(2, max_context // 2))
+    num_short = max(1, min(3, config.max_num_seqs - 1, config.max_step_tokens // 32))
+    short_len = max(1, min(16, max_context // 4))
+
+    def prompt(n: int) -> tuple[int, ...]:
+        return tuple(rng.randrange(_FIRST_TOKEN_ID, vocab_size) for _ in range(n))
+
+    session = _Session(runner)
+    try:
+        session.run_untimed(prompt(min(16, long_len)))  # first calls allocate and build
+        long_id = session.admit(prompt(long_len))
+        pos = 0
+        for n in sizes:  # chunks of growing size at growing offsets
+            n = min(n, long_len - pos)
+            if n < 1:
+                break
+            session.step(chunks=[(long_id, pos, pos + n)])
+            pos += n
+        if pos < long_len:
+            session.step(chunks=[(long_id, pos, long_len)])
+        for _ in range(2):
+            session.step()  # one decode row
+        short_ids = [session.admit(prompt(short_len)) for _ in range(num_short)]
+        session.step(chunks=[(rid, 0, short_len) for rid in short_ids])  # decode + prefills
+        for _ in range(3):
+            session.step()  # a few decode rows
+        return session.samples
+    finally:
+        session.close()
+
+
+class _Session:
+    """Synthetic requests driven step by step, with the bookkeeping the step loop does."""
+
+    def __init__(self, runner: Any):
+        self.runner = runner
+        self.samples: list[Sample] = []
+        self._prompts: dict[str, int] = {}  # request id -> prompt length
+        self._outputs: dict[str, int] = {}  # decoding request id -> tokens generated
+        self._pending: list[NewRequest] = []
+        self._step = 0
+        self._num_admitted = 0
+
+    def admit(self, prompt: tuple[int, ...]) -> str:
+        rid = f"{_PREFIX}{self._num_admitted}"
+        self._num_admitted += 1
+        self._prompts[rid] = len(prompt)
+        self._pending.append(NewRequest(request_id=rid, prompt_token_ids=prompt, params=_PARAMS))
+        return rid
+
+    def run_untimed(self, prompt: tuple[int, ...]) -> None:
+        rid = self.admit(prompt)
+        self.step(chunks=[(rid, 0, len(prompt))], timed=False)
+        self.step(timed=False)
+        self.runner.housekeep(Housekeeping(free=(rid,)))
+        del self._outputs[rid], self._prompts[rid]
+
+    def step(self, chunks: Sequence[tuple[str, int, int]] = (), timed: bool = True) -> None:
+        decodes = tuple(self._outputs)
+        features = StepFeatures(
+            decode_rows=len(decodes),
+            decode_context=sum(self._prompts[r] + self._outputs[r] for r in decodes),
+        )
+        scheduled: list[ScheduledChunk] = []
+        for rid, start, end in chunks:
+            scheduled.append(
+                ScheduledChunk(rid, start, end, (), is_final=end == self._prompts[rid])
+            )
+            features = features.with_chunk(start, end - start)
+        num = {r: 1 for r in decodes} | {c.request_id: c.num_tokens for c in scheduled}
+        self._step += 1
+        plan = StepPlan(
+            step=self._step,
+            decodes=decodes,
+            chunks=tuple(scheduled),
+            num_scheduled_tokens=num,
+            features=features,
+        )
+        admit = tuple(n for n in self._pending if n.request_id in num)
+        self._pending = [n for n in self._pending if n.request_id not in num]
+        result = self.runner.run(StepWork(plan=plan, admit=admit))
+        for rid in result.tokens:
+            self._outputs[rid] = self._outputs.get(rid, 0) + 1
+        if timed:
+            self.samples.append(Sample(features, result.seconds))
+
+    def close(self) -> None:
+        """Free every warm-up request; none goes to the prefix cache."""
+        ids = list(self._prompts)
+        if ids:
+            self.runner.housekeep(Housekeeping(free=tuple(ids)))

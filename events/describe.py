@@ -1,0 +1,129 @@
+"""Pieces every replay view shares: picking a run, describing a state or an event for people,
+and the record of a request that a run left unfinished."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from stepline.events.fold import Status
+from stepline.events.log import LogRun, read_runs
+from stepline.events.models import (
+    Admitted,
+    CheckpointReached,
+    ChunkPrefilled,
+    Decoding,
+    Event,
+    FinishReason,
+    StepFinished,
+    StepPlanned,
+    Terminal,
+)
+from stepline.events.stats import Report
+
+
+class UnknownRequestError(LookupError):
+    """The log holds no request with the asked-for id (or several, in different runs)."""
+
+
+class UnknownRunError(LookupError):
+    """The log holds no run with the asked-for index or id."""
+
+
+class RunNeededError(LookupError):
+    """The question is about one run, and the log holds several: say which."""
+
+
+def resolve_run(path: str | Path, run: int | str | None, *, needed: bool = False) -> int | None:
+    """The 1-based index of `run` (an index, or a run id) in the log at `path`.
+
+    With `run` None: None, or with `needed` the only run's index (RunNeededError if the log
+    holds several). Raises UnknownRunError for a run the log does not hold.
+    """
+    if run is None and not needed:
+        return None
+    runs = read_runs(path)
+    if run is None:
+        if len(runs) == 1:
+            return 1
+        raise RunNeededError(
+            f"{path} holds {len(runs)} runs ({describe_runs(runs)}): pick one with --run"
+        )
+    for r in runs:
+        if str(run) in (str(r.index), r.header.run_id):
+            return r.index
+    raise UnknownRunError(f"no run {run!r} in {path}: it holds {describe_runs(runs)}")
+
+
+def describe_runs(runs: list[LogRun]) -> str:
+    return ", ".join(r.name for r in runs)
+
+
+class InFlight(Report):
+    """A request with no terminal event when its run ends.
+
+    In the last run, it may still be running (or the engine was killed); in a run that a
+    restart followed, it was interrupted: the engine stopped without ending it.
+    """
+
+    request_id: str
+    status: Status
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    num_output_tokens: int
+    admitted_step: int
+    run: int = 1  # the run it belongs to
+
+
+def describe_status(
+    status: Status,
+    num_computed: int,
+    num_prompt: int,
+    num_output: int,
+    reason: FinishReason | None = None,
+) -> str:
+    """'waiting', 'prefilling k of n', 'decoding, m tokens', 'finished: stop, m tokens'."""
+    if status is Status.WAITING:
+        return f"waiting ({num_prompt} prompt tokens)"
+    if status is Status.PREFILLING:
+        return f"prefilling {num_computed} of {num_prompt}"
+    if status is Status.DECODING:
+        return f"decoding, {num_output} token{'s' * (num_output != 1)}"
+    return f"finished: {reason.value if reason else '?'}, {num_output} tokens"
+
+
+def describe_tokens(token_ids: tuple[int, ...] | None, num_tokens: int) -> str:
+    """'[5, 6]', or '2 tokens (ids not logged)' when the log left them out."""
+    if token_ids is None:
+        return f"{num_tokens} token{'s' * (num_tokens != 1)} (ids not logged)"
+    return str(list(token_ids))
+
+
+def describe_event(event: Event) -> str:
+    """One line for a person: 'seq 12 step 3 chunk-prefilled r1 [0, 512)'."""
+    head = f"seq {event.seq} step {event.step} {event.type}"
+    if isinstance(event, StepPlanned):
+        used = sum(e.num_tokens for e in event.entries)
+        return (
+            f"{head}: {len(event.entries)} requests, {used}/{event.max_step_tokens} tokens "
+            f"(max_num_seqs {event.max_num_seqs})"
+        )
+    if isinstance(event, StepFinished):
+        return f"{head}: {event.seconds * 1000:.1f} ms"
+    rid = event.request_id
+    if isinstance(event, Admitted):
+        return f"{head} {rid}: {event.num_prompt_tokens} prompt tokens"
+    if isinstance(event, ChunkPrefilled):
+        return f"{head} {rid} [{event.start}, {event.end})"
+    if isinstance(event, CheckpointReached):
+        return f"{head} {rid} at {event.offset}"
+    if isinstance(event, Decoding):
+        return f"{head} {rid} {describe_tokens(event.token_ids, event.num_tokens)}"
+    if isinstance(event, Terminal):
+        msg = f" ({event.message})" if event.message else ""
+        return f"{head} {rid}: {event.reason.value}{msg}"
+    return head
+
+
+def dump_event(event: Event) -> dict[str, Any]:
+    return event.model_dump(mode="json")

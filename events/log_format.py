@@ -1,0 +1,182 @@
+"""The event log's on-disk format: file names, schema versions and upcasters, the header line.
+
+Shared by the writer (events/log.py) and the reader (events/log_reader.py).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from stepline.events.models import SCHEMA_VERSION, LogHeader
+
+
+class LogCorruptError(Exception):
+    """A line of the log is not a valid record (and is not a torn last line)."""
+
+    def __init__(self, path: str | Path, line: int, reason: str) -> None:
+        self.path = Path(path)
+        self.line = line  # 1-based line number within `path`
+        self.reason = reason
+        super().__init__(
+            f"{self.path}:{line}: corrupt event log line: {reason}. Everything before this "
+            "line is readable; the log was damaged or written by something else."
+        )
+
+
+class UnsupportedSchemaError(Exception):
+    """The log's schema version cannot be read by this version of stepline."""
+
+
+class LogClosedError(RuntimeError):
+    """An event was appended to a writer that is already closed."""
+
+
+class TornLineWarning(UserWarning):
+    """The last line of a log was incomplete (a crash mid-write) and was skipped."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Upcasting: version n -> n + 1, on the raw dict of each record.
+
+Upcaster = Callable[[dict[str, Any]], dict[str, Any]]
+_UPCASTERS: dict[int, Upcaster] = {}
+
+
+def register_upcaster(from_version: int, fn: Upcaster) -> Upcaster:
+    """Register `fn` to turn a raw record of schema `from_version` into one of `from_version + 1`.
+
+    `fn` receives every record of such a log as a plain dict, the header (``type == "header"``)
+    included, and returns the upgraded dict (return the header unchanged if nothing about it
+    changed). Raises ValueError if an upcaster for `from_version` is already registered.
+    """
+    if from_version >= SCHEMA_VERSION:
+        raise ValueError(
+            f"an upcaster from version {from_version} makes no sense: the current schema "
+            f"version is {SCHEMA_VERSION}"
+        )
+    if from_version in _UPCASTERS:
+        raise ValueError(f"an upcaster from schema version {from_version} is already registered")
+    _UPCASTERS[from_version] = fn
+    return fn
+
+
+def unregister_upcaster(from_version: int) -> None:
+    """Remove the upcaster from `from_version` (no-op if there is none)."""
+    _UPCASTERS.pop(from_version, None)
+
+
+def upcast(raw: dict[str, Any], version: int) -> dict[str, Any]:
+    for v in range(version, SCHEMA_VERSION):
+        raw = _UPCASTERS[v](raw)
+    return raw
+
+
+def check_readable(path: Path, version: object, line_no: int = 1) -> int:
+    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+        raise LogCorruptError(path, line_no, f"header has an invalid schema_version {version!r}")
+    if version > SCHEMA_VERSION:
+        raise UnsupportedSchemaError(
+            f"{path} was written with event-log schema version {version}, but this stepline "
+            f"reads versions up to {SCHEMA_VERSION}: upgrade stepline to read it"
+        )
+    missing = [v for v in range(version, SCHEMA_VERSION) if v not in _UPCASTERS]
+    if missing:
+        raise UnsupportedSchemaError(
+            f"{path} was written with event-log schema version {version}, and no upcaster "
+            f"from version {missing[0]} to {missing[0] + 1} is registered (register_upcaster)"
+        )
+    return version
+
+
+# ---------------------------------------------------------------------------------------------
+# File naming.
+
+
+def rotated_path(path: str | Path, index: int) -> Path:
+    """The name of file `index` of a rotated set (`index` 0 is `path` itself)."""
+    path = Path(path)
+    if index == 0:
+        return path
+    return path.with_name(f"{path.stem}.{index}{path.suffix}")
+
+
+def log_files(path: str | Path) -> list[Path]:
+    """The files of the log set that starts at `path`, in order (only those that exist)."""
+    files = []
+    index = 0
+    while (candidate := rotated_path(path, index)).exists():
+        files.append(candidate)
+        index += 1
+    return files
+
+
+def existing_set(path: Path) -> list[Path]:
+    """Files of a set at `path`, also stale rotated ones whose first file is gone."""
+    found = []
+    index = 0
+    while True:
+        candidate = rotated_path(path, index)
+        if candidate.exists():
+            found.append(candidate)
+        elif index > 0:
+            return found
+        index += 1
+
+
+def _v1_to_v2(raw: dict[str, Any]) -> dict[str, Any]:
+    # Schema 2 only added fields whose defaults describe a version-1 log (no run id, no salt,
+    # outputs logged, no Decoding.token_count since ids are there) and a new event kind.
+    return raw
+
+
+_UPCASTERS[1] = _v1_to_v2
+_NO_OP_UPCASTERS = {1}  # upcasters that change nothing: their records parse as they are
+
+
+def needs_upcast(version: int) -> bool:
+    """Whether records of `version` must go through upcasters (else: parse them directly)."""
+    return any(
+        v not in _NO_OP_UPCASTERS or _UPCASTERS.get(v) is not _v1_to_v2
+        for v in range(version, SCHEMA_VERSION)
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The header line.
+
+
+# How a header line starts: the writer puts `type` first in a header, never in an event
+# (whose first field is `seq`); the second form is json.dumps's, for hand-made logs.
+HEADER_PREFIXES = (b'{"type":"header"', b'{"type": "header"')
+
+
+def parse_header_line(path: Path, line: bytes, line_no: int = 1) -> tuple[LogHeader, int]:
+    """The header on that line (its schema_version as written) and that version.
+
+    Raises LogCorruptError, UnsupportedSchemaError.
+    """
+    try:
+        raw = json.loads(line)
+    except ValueError as exc:
+        raise LogCorruptError(path, line_no, f"the header is not JSON ({exc})") from None
+    if not isinstance(raw, dict) or raw.get("type") != "header":
+        raise LogCorruptError(path, line_no, "the first line is not a log header")
+    version = check_readable(path, raw.get("schema_version"), line_no)
+    if version < SCHEMA_VERSION:
+        raw = upcast(raw, version)
+        raw["schema_version"] = version
+    try:
+        return LogHeader.model_validate(raw), version
+    except ValidationError as exc:
+        raise LogCorruptError(path, line_no, f"invalid header: {first_error(exc)}") from None
+
+
+def first_error(exc: ValidationError) -> str:
+    err = exc.errors(include_url=False)[0]
+    where = ".".join(str(p) for p in err["loc"])
+    return f"{where}: {err['msg']}" if where else err["msg"]

@@ -1,0 +1,236 @@
+"""Reading an event log back: streaming, run by run, tolerant of a crash's torn line.
+
+A log set (run.jsonl, run.1.jsonl, ...) holds one or more runs. A run starts at a header line:
+the first line of the log, a header in the middle of a file (a restart appended a run), or
+the first line of a rotated file whose header differs from the run before. A rotated file
+that starts with the same header continues its run.
+
+Only the last line of a run may be torn (the engine was killed mid-write): the last line of
+the log, or the line just before the next run's header. It is skipped with a
+`TornLineWarning`; anything else unreadable raises `LogCorruptError`.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Iterator
+from operator import itemgetter
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from stepline.events.log_format import (
+    HEADER_PREFIXES,
+    LogCorruptError,
+    TornLineWarning,
+    first_error,
+    log_files,
+    needs_upcast,
+    parse_header_line,
+    upcast,
+)
+from stepline.events.models import EVENT_ADAPTER, SCHEMA_VERSION, Event, LogHeader
+
+
+class LogRun(BaseModel):
+    """One run of the engine in a log: from its header to the next run's."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    index: int  # 1-based position among the log's runs
+    header: LogHeader
+    file: str  # the file its header is in
+    line: int  # the header's line in that file
+
+    @property
+    def name(self) -> str:
+        """'run 2 (3f9a0c1d2e4b)' for people."""
+        return f"run {self.index}" + (f" ({self.header.run_id})" if self.header.run_id else "")
+
+
+_Line = tuple[Path, int, bytes]  # file, 1-based line number, the line
+
+
+def _lines(files: list[Path]) -> Iterator[_Line]:
+    for path in files:
+        with open(path, "rb") as f:
+            empty = True
+            for line_no, line in enumerate(f, start=1):
+                empty = False
+                yield path, line_no, line
+            if empty:
+                yield path, 1, b""
+
+
+def _with_next(lines: Iterator[_Line]) -> Iterator[tuple[_Line, _Line | None]]:
+    """Each line with the one after it (None after the last)."""
+    pending = next(lines, None)
+    while pending is not None:
+        following = next(lines, None)
+        yield pending, following
+        pending = following
+
+
+def _is_header_line(line_no: int, line: bytes) -> bool:
+    return line_no == 1 or line.startswith(HEADER_PREFIXES)
+
+
+def _parse_event(path: Path, line_no: int, line: bytes, version: int, upcast_it: bool) -> Event:
+    try:
+        if not upcast_it:
+            return EVENT_ADAPTER.validate_json(line)
+        raw = json.loads(line)
+        if not isinstance(raw, dict):
+            raise LogCorruptError(path, line_no, "not a JSON object")
+        return EVENT_ADAPTER.validate_python(upcast(raw, version))
+    except ValidationError as exc:
+        raise LogCorruptError(path, line_no, first_error(exc)) from None
+    except ValueError as exc:  # json.loads
+        raise LogCorruptError(path, line_no, f"not JSON ({exc})") from None
+    except (KeyError, TypeError) as exc:  # an upcaster meeting a record it did not expect
+        raise LogCorruptError(
+            path, line_no, f"could not upcast from version {version}: {exc!r}"
+        ) from exc
+
+
+def _torn(path: Path, line_no: int, line: bytes, strict: bool, exc: LogCorruptError) -> None:
+    if strict:
+        raise exc
+    warnings.warn(
+        f"{path}:{line_no}: skipped a torn last line ({len(line)} bytes; the writer "
+        "probably stopped mid-write); everything before it was read",
+        TornLineWarning,
+        stacklevel=4,
+    )
+
+
+def _starts_new_run(following: _Line | None, current: LogHeader | None) -> bool:
+    """Whether the line after a bad one ends the run the bad line was in."""
+    if following is None:
+        return True  # the end of the log
+    path, line_no, line = following
+    if not _is_header_line(line_no, line):
+        return False
+    if line_no > 1:
+        return True  # a header in the middle of a file: a restart appended a run
+    try:
+        header, _ = parse_header_line(path, line, line_no)
+    except LogCorruptError:
+        return False
+    return header != current  # a rotated file of the same run, or the next run
+
+
+def read_run_events(
+    path: str | Path, *, strict: bool = False, run: int | None = None
+) -> Iterator[tuple[LogRun, Event]]:
+    """Yield (its run, event) for every event of the log set at `path`, in order, streaming.
+
+    With `run`, only the events of that run (its 1-based index). A torn last line of a run is
+    skipped with a TornLineWarning (with `strict`, it raises LogCorruptError instead).
+    Raises FileNotFoundError if `path` does not exist, LogCorruptError (with path and line
+    number) for a bad line anywhere else, UnsupportedSchemaError for a schema version this
+    stepline cannot read.
+    """
+    path = Path(path)
+    files = log_files(path)
+    if not files:
+        raise FileNotFoundError(f"no event log at {path}")
+    current: LogRun | None = None
+    version, upcast_it = SCHEMA_VERSION, False
+    validate = EVENT_ADAPTER.validate_json
+    lines = _lines(files)
+    item = next(lines, None)
+    while item is not None:  # one line of lookahead: is a bad line the last of its run?
+        following = next(lines, None)
+        file_path, line_no, line = item
+        item = following
+        if line_no == 1 or line.startswith(HEADER_PREFIXES):
+            header_now = current.header if current is not None else None
+            try:
+                if not line.strip():
+                    raise LogCorruptError(file_path, line_no, "the file is empty (no header)")
+                header, version = parse_header_line(file_path, line, line_no)
+                upcast_it = needs_upcast(version)
+            except LogCorruptError as exc:
+                if not _starts_new_run(following, header_now):
+                    raise
+                _torn(file_path, line_no, line, strict, exc)  # a crash mid-header
+                continue
+            if line_no == 1 and header == header_now:
+                continue  # the next file of a rotated run
+            index = current.index + 1 if current is not None else 1
+            if run is not None and index > run:
+                return
+            current = LogRun(index=index, header=header, file=str(file_path), line=line_no)
+            continue
+        assert current is not None  # line 1 of every file is a header
+        if run is not None and current.index != run:
+            continue
+        try:
+            if upcast_it:
+                event = _parse_event(file_path, line_no, line, version, upcast_it)
+            else:
+                try:
+                    event = validate(line)
+                except ValidationError:  # say what is wrong, with the line's place
+                    event = _parse_event(file_path, line_no, line, version, upcast_it)
+        except LogCorruptError as exc:
+            if not _starts_new_run(following, current.header):
+                raise
+            _torn(file_path, line_no, line, strict, exc)
+            continue
+        yield current, event
+
+
+def read_events(
+    path: str | Path, *, strict: bool = False, run: int | None = None
+) -> Iterator[Event]:
+    """Yield every event of the log set that starts at `path` (of one run, with `run`).
+
+    The events of every run, one run after the other (sequence numbers start again at 1 in
+    each run): use `read_run_events` to tell them apart. Raises what `read_run_events` raises.
+    """
+    return map(itemgetter(1), read_run_events(path, strict=strict, run=run))
+
+
+def read_runs(path: str | Path) -> list[LogRun]:
+    """The runs of the log at `path`, in order, reading only its header lines.
+
+    Raises FileNotFoundError, LogCorruptError, UnsupportedSchemaError.
+    """
+    path = Path(path)
+    files = log_files(path)
+    if not files:
+        raise FileNotFoundError(f"no event log at {path}")
+    runs: list[LogRun] = []
+    for (file_path, line_no, line), following in _with_next(_lines(files)):
+        if not _is_header_line(line_no, line):
+            continue
+        current = runs[-1].header if runs else None
+        try:
+            if not line.strip():
+                raise LogCorruptError(file_path, line_no, "the file is empty (no header)")
+            header, _ = parse_header_line(file_path, line, line_no)
+        except LogCorruptError:
+            if _starts_new_run(following, current):
+                continue  # torn; read_events warns about it
+            raise
+        if line_no == 1 and header == current:
+            continue
+        runs.append(LogRun(index=len(runs) + 1, header=header, file=str(file_path), line=line_no))
+    return runs
+
+
+def read_header(path: str | Path) -> LogHeader:
+    """The header of the log file at `path` (its first line; the first run's header for the
+    first file of a set). Its `schema_version` is the version it was written in.
+
+    Raises FileNotFoundError, LogCorruptError, UnsupportedSchemaError.
+    """
+    path = Path(path)
+    with open(path, "rb") as f:
+        first = f.readline()
+    if not first.strip():
+        raise LogCorruptError(path, 1, "the file is empty (no header)")
+    return parse_header_line(path, first)[0]

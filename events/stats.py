@@ -1,0 +1,145 @@
+"""Statistics for replay's reports: percentiles in bounded memory, the k largest items.
+
+Also the base of every replay report (a frozen pydantic model, so `--json` is
+`model_dump_json()`).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from array import array
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+
+class Report(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+# ---------------------------------------------------------------------------------------------
+# Distributions: exact up to a point, then a log-scale histogram (bounded memory).
+
+
+class Percentiles(Report):
+    count: int
+    mean: float | None = None
+    p50: float | None = None
+    p90: float | None = None
+    p99: float | None = None
+    max: float | None = None
+
+
+_EXACT_LIMIT = 100_000  # samples kept exactly; beyond, a histogram with ~1% relative error
+_BIN_GROWTH = 1.01
+_BIN_FLOOR = 1e-7  # values below this (and zero) share bin 0
+
+
+class Distribution:
+    """Collects samples for percentiles in bounded memory.
+
+    Exact while it holds at most 100,000 samples; past that it folds them into a log-scale
+    histogram whose percentiles are within 1% of the exact ones. Mean and max stay exact.
+    """
+
+    def __init__(self) -> None:
+        self._values: array[float] | None = array("d")
+        self._bins: Counter[int] = Counter()
+        self.count = 0
+        self._sum = 0.0
+        self._max = -math.inf
+        self._min = math.inf
+
+    def add(self, value: float) -> None:
+        self.count += 1
+        self._sum += value
+        self._max = max(self._max, value)
+        self._min = min(self._min, value)
+        if self._values is not None:
+            self._values.append(value)
+            if len(self._values) > _EXACT_LIMIT:
+                for v in self._values:
+                    self._bins[self._bin(v)] += 1
+                self._values = None
+        else:
+            self._bins[self._bin(value)] += 1
+
+    @staticmethod
+    def _bin(value: float) -> int:
+        if value <= _BIN_FLOOR:
+            return 0
+        return 1 + int(math.log(value / _BIN_FLOOR, _BIN_GROWTH))
+
+    @staticmethod
+    def _bin_value(index: int) -> float:
+        if index == 0:
+            return 0.0
+        return _BIN_FLOOR * _BIN_GROWTH ** (index - 0.5)
+
+    def quantile(self, q: float) -> float | None:
+        """The q-quantile (0 <= q <= 1), interpolated between exact samples; None if empty."""
+        return self._quantiles((q,))[0]
+
+    def _quantiles(self, qs: tuple[float, ...]) -> list[float | None]:
+        if self.count == 0:
+            return [None for _ in qs]
+        if self._values is not None:
+            ordered = sorted(self._values)
+            out: list[float | None] = []
+            for q in qs:
+                pos = q * (len(ordered) - 1)
+                lo = math.floor(pos)
+                hi = min(lo + 1, len(ordered) - 1)
+                out.append(ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo))
+            return out
+        bins = sorted(self._bins.items())
+        out = []
+        for q in qs:
+            rank = q * (self.count - 1)
+            seen = 0
+            value = self._max
+            for index, n in bins:
+                seen += n
+                if seen > rank:
+                    value = min(max(self._bin_value(index), self._min), self._max)
+                    break
+            out.append(value)
+        return out
+
+    def percentiles(self) -> Percentiles:
+        if self.count == 0:
+            return Percentiles(count=0)
+        p50, p90, p99 = self._quantiles((0.5, 0.9, 0.99))
+        return Percentiles(
+            count=self.count, mean=self._sum / self.count, p50=p50, p90=p90, p99=p99, max=self._max
+        )
+
+
+def percentiles(values: Iterable[float]) -> Percentiles:
+    dist = Distribution()
+    for v in values:
+        dist.add(v)
+    return dist.percentiles()
+
+
+class TopK:
+    """The k largest items by key, in bounded memory."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self._heap: list[tuple[float, int, Any]] = []
+        self._n = 0
+
+    def offer(self, key: float, item: Any) -> None:
+        self._n += 1
+        entry = (key, -self._n, item)  # ties: the earlier one wins
+        if len(self._heap) < self.k:
+            heapq.heappush(self._heap, entry)
+        elif entry > self._heap[0]:
+            heapq.heapreplace(self._heap, entry)
+
+    def items(self) -> list[Any]:
+        return [item for _, _, item in sorted(self._heap, reverse=True)]

@@ -1,0 +1,299 @@
+"""Replay's verify: every violation of the engine's invariants, with the events that show it.
+
+The rules about one request live in the fold (`events.fold.apply` raises a `FoldError` that
+names the broken rule); verify applies each event with it and reports what it refuses, then
+carries on as if the event had happened. The rules about the log itself (sequence numbers,
+step order) and about a step (budget, max_num_seqs, members) are checked here.
+
+Runs are verified one after the other: sequence numbers start again at 1 in each, and a
+request a run left unfinished before a restart is `interrupted`, not a violation.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from stepline.events.describe import InFlight, dump_event, resolve_run
+from stepline.events.fold import FoldError, RequestState, Status, apply
+from stepline.events.log import LogCorruptError, LogRun, log_files, read_run_events, read_runs
+from stepline.events.models import (
+    Admitted,
+    ChunkPrefilled,
+    Decoding,
+    Event,
+    StepFinished,
+    StepPlanned,
+    Terminal,
+)
+from stepline.events.stats import Report
+
+
+class ViolationKind(StrEnum):
+    SEQ_GAP = "seq-gap"  # sequence numbers skip
+    SEQ_DUPLICATE = "seq-duplicate"  # a sequence number repeats or goes back
+    STEP_BACKWARDS = "step-backwards"  # an event of an earlier step after a later one
+    UNKNOWN_REQUEST = "unknown-request"  # an event for a request never admitted
+    ADMITTED_TWICE = "admitted-twice"
+    TWO_TERMINALS = "two-terminals"
+    AFTER_TERMINAL = "event-after-terminal"
+    NON_CONTIGUOUS_CHUNK = "non-contiguous-chunk"  # a gap, an overlap or an empty chunk
+    CHUNK_PAST_PROMPT = "chunk-past-prompt"
+    PROMPT_NOT_COVERED = "prompt-not-covered"  # tokens or a normal finish before the prompt
+    CHECKPOINT_AHEAD = "checkpoint-ahead-of-prefill"  # snapshot of tokens not yet computed
+    STEP_OVER_BUDGET = "step-over-budget"
+    STEP_OVER_MAX_NUM_SEQS = "step-over-max-num-seqs"
+    DUPLICATE_STEP_ENTRY = "duplicate-step-entry"  # a request twice in one step
+    CORRUPT_LOG = "corrupt-log"  # a line that cannot be read; verification stops there
+
+
+class Violation(Report):
+    kind: ViolationKind
+    message: str
+    request_id: str | None = None
+    step: int | None = None
+    run: int | None = None
+    events: tuple[dict[str, Any], ...] = ()  # the events that show it, in log order
+
+
+class VerifyReport(Report):
+    files: tuple[str, ...]
+    runs: tuple[LogRun, ...]
+    num_events: int
+    num_requests: int
+    num_steps: int
+    ok: bool
+    counts: dict[str, int]  # violation kind -> how many
+    violations: tuple[Violation, ...]  # at most `max_per_kind` of each kind
+    in_flight: tuple[InFlight, ...]  # no terminal when the log ends: apart, not a violation
+    interrupted: tuple[InFlight, ...]  # no terminal when a run ended and the next began
+
+
+def _carry_on(state: RequestState, event: Event) -> RequestState:
+    """The state as if a refused event had happened anyway, so one fault is reported once."""
+    if isinstance(event, ChunkPrefilled):
+        computed = max(state.num_computed_tokens, event.end)
+        done = computed >= state.num_prompt_tokens
+        return state.model_copy(
+            update={
+                "num_computed_tokens": computed,
+                "status": Status.DECODING if done else Status.PREFILLING,
+            }
+        )
+    if isinstance(event, Decoding):
+        return state.model_copy(
+            update={"num_output_tokens": state.num_output_tokens + event.num_tokens}
+        )
+    if isinstance(event, Terminal):
+        return state.model_copy(
+            update={
+                "status": Status.FINISHED,
+                "finish_reason": event.reason,
+                "finished_step": event.step,
+            }
+        )
+    return state  # a checkpoint ahead of prefill changes nothing that later checks read
+
+
+class _Verifier:
+    def __init__(self, max_per_kind: int) -> None:
+        self.max_per_kind = max_per_kind
+        self.counts: Counter[str] = Counter()
+        self.violations: list[Violation] = []
+        self.runs: list[LogRun] = []
+        self.num_events = self.num_steps = self.num_requests = 0
+        self.in_flight: list[InFlight] = []
+        self.interrupted: list[InFlight] = []
+        self.run: LogRun | None = None
+
+    def start_run(self, run: LogRun) -> None:
+        self.end_run(last=False)
+        self.run = run
+        self.runs.append(run)
+        self.states: dict[str, RequestState] = {}
+        # Per request, the event to show beside a violation: its admission (without the
+        # prompt), its last chunk, or its terminal.
+        self.evidence: dict[str, Event] = {}
+        self.prev: Event | None = None
+
+    def end_run(self, *, last: bool) -> None:
+        if self.run is None:
+            return
+        self.num_requests += len(self.states)
+        left = [
+            InFlight(
+                request_id=s.request_id,
+                status=s.status,
+                num_prompt_tokens=s.num_prompt_tokens,
+                num_computed_tokens=s.num_computed_tokens,
+                num_output_tokens=s.num_output_tokens,
+                admitted_step=s.admitted_step,
+                run=self.run.index,
+            )
+            for s in self.states.values()
+            if not s.is_finished
+        ]
+        (self.in_flight if last else self.interrupted).extend(left)
+        self.run = None
+
+    def flag(
+        self,
+        kind: ViolationKind,
+        message: str,
+        *events: Event | None,
+        request_id: str | None = None,
+    ) -> None:
+        self.counts[kind.value] += 1
+        if self.counts[kind.value] > self.max_per_kind:
+            return
+        shown = [e for e in events if e is not None]
+        self.violations.append(
+            Violation(
+                kind=kind,
+                message=message,
+                request_id=request_id,
+                step=shown[-1].step if shown else None,
+                run=self.run.index if self.run is not None else None,
+                events=tuple(dump_event(e) for e in shown),
+            )
+        )
+
+    def check(self, event: Event) -> None:
+        self.num_events += 1
+        self.check_order(event)
+        if isinstance(event, StepPlanned):
+            self.check_step(event)
+        elif not isinstance(event, StepFinished):
+            self.check_request_event(event)
+
+    def check_order(self, event: Event) -> None:
+        prev = self.prev
+        expected = 1 if prev is None else prev.seq + 1
+        if event.seq > expected:
+            missing = f"{expected}" if event.seq == expected + 1 else f"{expected}..{event.seq - 1}"
+            self.flag(ViolationKind.SEQ_GAP, f"sequence numbers {missing} are missing", prev, event)
+        elif event.seq < expected:
+            self.flag(
+                ViolationKind.SEQ_DUPLICATE,
+                f"sequence number {event.seq} comes again after {expected - 1}",
+                prev,
+                event,
+            )
+        if prev is not None and event.step < prev.step:
+            self.flag(
+                ViolationKind.STEP_BACKWARDS,
+                f"an event of step {event.step} follows one of step {prev.step}",
+                prev,
+                event,
+            )
+        if prev is None or event.seq >= prev.seq:
+            self.prev = event
+
+    def check_request_event(self, event: Event) -> None:
+        rid = event.request_id
+        assert rid is not None
+        state = self.states.get(rid)
+        try:
+            after = apply(state, event)
+        except FoldError as exc:
+            kind = ViolationKind(exc.kind)
+            shown = () if kind is ViolationKind.UNKNOWN_REQUEST else (self.evidence.get(rid),)
+            self.flag(kind, str(exc), *shown, event, request_id=rid)
+            if state is None or state.is_finished or isinstance(event, Admitted):
+                return  # nothing to carry on with: the first admission and terminal stand
+            after = _carry_on(state, event)
+        self.states[rid] = after
+        if isinstance(event, Admitted):
+            # Kept as evidence without its prompt: memory stays bounded by the requests.
+            self.evidence[rid] = event.model_copy(update={"prompt_token_ids": None})
+            self.states[rid] = after.model_copy(update={"prompt_token_ids": None})
+        elif isinstance(event, ChunkPrefilled | Terminal):
+            self.evidence[rid] = event
+
+    def check_step(self, event: StepPlanned) -> None:
+        self.num_steps += 1
+        used = sum(e.num_tokens for e in event.entries)
+        if used > event.max_step_tokens:
+            self.flag(
+                ViolationKind.STEP_OVER_BUDGET,
+                f"step {event.step} schedules {used} tokens, over its budget of "
+                f"{event.max_step_tokens}",
+                event,
+            )
+        if len(event.entries) > event.max_num_seqs:
+            self.flag(
+                ViolationKind.STEP_OVER_MAX_NUM_SEQS,
+                f"step {event.step} runs {len(event.entries)} requests, over max_num_seqs "
+                f"{event.max_num_seqs}",
+                event,
+            )
+        seen: set[str] = set()
+        for entry in event.entries:
+            rid = entry.request_id
+            if rid in seen:
+                self.flag(
+                    ViolationKind.DUPLICATE_STEP_ENTRY,
+                    f"step {event.step} schedules request {rid} twice",
+                    event,
+                    request_id=rid,
+                )
+            seen.add(rid)
+            state = self.states.get(rid)
+            if state is None:
+                self.flag(
+                    ViolationKind.UNKNOWN_REQUEST,
+                    f"step {event.step} schedules request {rid}, which was never admitted",
+                    event,
+                    request_id=rid,
+                )
+            elif state.is_finished:
+                self.flag(
+                    ViolationKind.AFTER_TERMINAL,
+                    f"step {event.step} schedules request {rid} after its terminal event",
+                    self.evidence.get(rid),
+                    event,
+                    request_id=rid,
+                )
+
+
+def verify(
+    path: str | Path, *, max_per_kind: int = 100, run: int | str | None = None
+) -> VerifyReport:
+    """Check the log (every run of it, or one `run`) against the engine's invariants, in one
+    streaming pass.
+
+    Checks, per run: sequence numbers contiguous from 1; steps never go back; every event
+    belongs to an admitted request; at most one terminal per request and nothing after it;
+    chunks contiguous, in order, inside the prompt, covering it (prefix-cache hits accounted
+    for) before tokens or a stop/length finish; checkpoints not ahead of prefill; no step
+    over its token budget or max_num_seqs, nor with a request twice. Requests with no
+    terminal when their run ends are reported apart (`interrupted` if a later run followed,
+    `in_flight` at the end of the log), not as violations. A line that cannot be read is a
+    `corrupt-log` violation, and verification stops there. Raises UnknownRunError.
+    """
+    index = resolve_run(path, run)
+    v = _Verifier(max_per_kind)
+    try:
+        for log_run, event in read_run_events(path, run=index):
+            if v.run is None or v.run.index != log_run.index:
+                v.start_run(log_run)
+            v.check(event)
+    except LogCorruptError as exc:
+        v.counts[ViolationKind.CORRUPT_LOG.value] += 1
+        v.violations.append(Violation(kind=ViolationKind.CORRUPT_LOG, message=str(exc)))
+    if v.run is not None:
+        v.end_run(last=v.run.index == len(read_runs(path)))
+    return VerifyReport(
+        files=tuple(str(p) for p in log_files(path)),
+        runs=tuple(v.runs),
+        num_events=v.num_events,
+        num_requests=v.num_requests,
+        num_steps=v.num_steps,
+        ok=not v.counts,
+        counts=dict(v.counts),
+        violations=tuple(v.violations),
+        in_flight=tuple(v.in_flight),
+        interrupted=tuple(v.interrupted),
+    )

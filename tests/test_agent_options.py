@@ -1,0 +1,84 @@
+"""The serve command's agent flags, and their checks against the served model."""
+
+from __future__ import annotations
+
+import argparse
+from types import SimpleNamespace
+
+import pytest
+
+from stepline.api.agent_options import add_agent_args, agent_options, configure
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_agent_args(p)
+    return p.parse_args(argv)
+
+
+def test_the_flags_become_create_app_options(tmp_path):
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ messages[0]['content'] }}", encoding="utf-8")
+
+    args = parse(
+        "--reasoning-parser", "qwen3",
+        "--chat-template", str(template),
+        "--default-chat-template-kwargs", '{"enable_thinking": false}',
+    )  # fmt: skip
+
+    assert agent_options(args) == {
+        "reasoning_parser": "qwen3",
+        "chat_template": "{{ messages[0]['content'] }}",
+        "default_chat_template_kwargs": {"enable_thinking": False},
+    }
+
+
+def tokenizer(template: str, think: str | None = "<think>"):
+    return SimpleNamespace(chat_template=template, think_start=think, think_end="</think>")
+
+
+def test_configure_installs_the_template_and_keeps_defaults_the_template_reads():
+    tok = tokenizer("old")
+
+    split, defaults = configure(
+        tok,
+        reasoning_parser="qwen3",
+        chat_template="{% if enable_thinking %}x{% endif %}",
+        default_chat_template_kwargs={"enable_thinking": False},
+    )
+
+    assert tok.chat_template == "{% if enable_thinking %}x{% endif %}"
+    assert (split, defaults) == (True, {"enable_thinking": False})
+
+
+def test_options_the_model_cannot_honour_are_refused_at_start_up():
+    with pytest.raises(ValueError, match="no think tags"):
+        configure(
+            tokenizer("t", think=None),
+            reasoning_parser="deepseek_r1",
+            chat_template=None,
+            default_chat_template_kwargs=None,
+        )
+    with pytest.raises(ValueError, match="does not read 'color'"):
+        configure(
+            tokenizer("t"),
+            reasoning_parser=None,
+            chat_template=None,
+            default_chat_template_kwargs={"color": "blue"},
+        )
+
+
+def test_tools_a_model_cannot_render_or_parse_are_refused():
+    from stepline.api.agents import ToolSpec, plan
+    from stepline.api.openai_schema import RequestError
+
+    tools = (ToolSpec("f", None, {"type": "object"}),)
+    no_tools_template = SimpleNamespace(chat_template="{{ messages }}", tool_parser=print)
+    no_parser = SimpleNamespace(chat_template="{{ tools }}", tool_parser=None)
+
+    with pytest.raises(RequestError, match="does not render tools"):
+        plan(no_tools_template, tools=tools)
+    with pytest.raises(RequestError, match="no tool-call format"):
+        plan(no_parser, tools=tools)
+    # tool_choice "none" only shows the tools; nothing is parsed, so no parser is needed
+    assert plan(no_parser, tools=tools, tool_choice="none").parse_tools is False

@@ -1,0 +1,159 @@
+"""The online step-time model: what it recovers from measured steps, and what it ignores."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from stepline.engine.cost_model import (
+    MAX_TOKENS,
+    MIN_SAMPLES,
+    CostModel,
+    Sample,
+    StepCost,
+    StepFeatures,
+    chunk_attention,
+    fit,
+)
+
+TRUE = StepCost(
+    step=0.003,
+    per_chunk=0.002,
+    per_prefill_token=0.0004,
+    per_attention=3e-8,
+    per_decode_row=0.0015,
+    per_decode_context=2e-7,
+)
+
+
+def _random_step(rng: random.Random) -> StepFeatures:
+    rows = rng.randint(0, 32)
+    features = StepFeatures(
+        decode_rows=rows, decode_context=sum(rng.randint(8, 4000) for _ in range(rows))
+    )
+    for _ in range(rng.choice([0, 0, 1, 1, 2])):
+        features = features.with_chunk(rng.randint(0, 6000), rng.randint(1, 512))
+    if features.decode_rows == 0 and not features.has_prefill:
+        features = features.with_chunk(0, 64)
+    return features
+
+
+def _samples(n: int, seed: int, noise: float = 0.02) -> list[Sample]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        f = _random_step(rng)
+        out.append(Sample(f, TRUE.predict(f) * (1 + rng.uniform(-noise, noise))))
+    return out
+
+
+def _close(got: StepCost, want: StepCost, rel: float) -> None:
+    for name, g, w in zip(
+        ("step", "chunk", "token", "attention", "row", "context"),
+        got.coefficients(),
+        want.coefficients(),
+        strict=True,
+    ):
+        assert g == pytest.approx(w, rel=rel), name
+
+
+def test_the_fit_recovers_known_coefficients_from_noisy_steps():
+    _close(fit(_samples(200, seed=0)), TRUE, rel=0.15)
+
+
+def test_the_fit_ignores_outliers():
+    samples = _samples(200, seed=1)
+    rng = random.Random(2)
+    # one step in ten disturbed: a neighbour's burst of load, a pause of the process
+    for i in rng.sample(range(len(samples)), 20):
+        samples[i] = Sample(samples[i].features, samples[i].seconds * rng.uniform(3, 20))
+    _close(fit(samples), TRUE, rel=0.15)
+
+
+def test_the_fit_never_returns_negative_coefficients():
+    rng = random.Random(3)
+    # times that a linear model cannot explain: the fit must stay non-negative anyway
+    samples = [Sample(_random_step(rng), rng.uniform(0.001, 0.5)) for _ in range(100)]
+    assert all(c >= 0 for c in fit(samples).coefficients())
+
+
+def test_the_model_answers_only_once_it_has_enough_samples():
+    model = CostModel(refit_every=1)
+    samples = _samples(MIN_SAMPLES, seed=4)
+    for s in samples[:-1]:
+        model.observe(s.features, s.seconds)
+        assert model.cost is None
+    model.observe(samples[-1].features, samples[-1].seconds)
+    assert model.cost is not None
+
+
+def test_a_long_run_of_decode_steps_does_not_forget_what_prefill_costs():
+    model = CostModel(window=32, refit_every=4)
+    for s in _samples(64, seed=5):
+        model.observe(s.features, s.seconds)
+    rng = random.Random(6)
+    for _ in range(500):  # decode-only steps, far more than the window
+        f = StepFeatures(decode_rows=8, decode_context=8 * rng.randint(100, 2000))
+        model.observe(f, TRUE.predict(f))
+    cost = model.cost
+    assert cost is not None
+    chunk = StepFeatures().with_chunk(2000, 256)
+    assert cost.predict(chunk) == pytest.approx(TRUE.predict(chunk), rel=0.2)
+
+
+def test_the_model_follows_a_machine_that_slows_down():
+    model = CostModel(window=64, refit_every=4, seed=_samples(16, seed=7))
+    rng = random.Random(8)
+    slower = StepCost(*(2 * c for c in TRUE.coefficients()))
+    for _ in range(300):
+        f = _random_step(rng)
+        model.observe(f, slower.predict(f))
+    step = StepFeatures(decode_rows=8, decode_context=8000).with_chunk(1000, 256)
+    assert model.cost is not None
+    assert model.cost.predict(step) == pytest.approx(slower.predict(step), rel=0.15)
+
+
+def test_unusable_times_are_ignored():
+    model = CostModel(refit_every=1)
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        model.observe(StepFeatures(decode_rows=1), bad)
+    assert model.num_samples == 0
+
+
+def test_chunk_attention_counts_every_query_and_key_pair():
+    # token i of the chunk [start, start + n) attends to start + i + 1 positions
+    for start, n in [(0, 1), (0, 10), (100, 7), (4000, 512)]:
+        assert chunk_attention(start, n) == sum(start + i + 1 for i in range(n))
+
+
+@given(
+    st.floats(0, 0.02),
+    st.floats(0, 0.002),
+    st.floats(0, 1e-6),
+    st.integers(0, 100_000),
+    st.floats(-0.1, 2.0),
+)
+def test_the_largest_chunk_that_fits_is_found_exactly(chunk, token, attention, start, seconds):
+    cost = StepCost(per_chunk=chunk, per_prefill_token=token, per_attention=attention)
+    n = cost.max_chunk_tokens(start, seconds)
+    if seconds <= chunk:
+        assert n == 0  # no time beyond a forward's fixed cost: no chunk
+        return
+    if n == MAX_TOKENS:
+        return
+
+    def cost_of(k: int) -> float:
+        return cost.predict(StepFeatures().with_chunk(start, k))
+
+    assert n == 0 or cost_of(n) <= seconds * (1 + 1e-12)
+    assert cost_of(n + 1) > seconds * (1 - 1e-9)
+
+
+def test_coefficients_must_be_non_negative():
+    with pytest.raises(ValueError, match="per_attention"):
+        StepCost(per_attention=-1e-9)
+    with pytest.raises(ValueError, match="step"):
+        StepCost(step=float("nan"))

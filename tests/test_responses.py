@@ -1,0 +1,332 @@
+"""The OpenAI Responses API over real HTTP with the official `openai` client: create
+(streaming and not), background responses polled, streamed again after the fact and resumed
+with `starting_after`, cancel, `previous_response_id`, and privacy between API keys."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import anyio
+import jsonschema
+import openai
+import pytest
+import pytest_asyncio
+
+from stepline.api import Engine
+from stepline.api.errors import APIError
+from stepline.api.responses_schema import ResponseObject
+from stepline.api.responses_serving import ResponseStore, StoredResponse
+from stepline.api.resume import StreamRecord
+from stepline.api.serve_cmd import serve_in_process
+from stepline.api.server import create_app
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+MODEL = "stepline-demo"
+TERMINAL = {"completed", "incomplete", "failed", "cancelled"}
+
+
+@dataclass(frozen=True)
+class Served:
+    engine: Engine
+    url: str
+
+    def client(self, key: str = "sk-one") -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0)
+
+
+@asynccontextmanager
+async def open_served() -> AsyncIterator[Served]:
+    async with (
+        Engine.open("stepline-demo", max_step_tokens=128) as engine,
+        serve_in_process(create_app(engine)) as url,
+    ):
+        yield Served(engine, url)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def served(demo) -> AsyncIterator[Served]:
+    # Held open in a task of its own: anyio task groups must be exited by their own task.
+    ready: asyncio.Future[Served] = asyncio.get_running_loop().create_future()
+    stop = asyncio.Event()
+
+    async def hold() -> None:
+        try:
+            async with open_served() as value:
+                ready.set_result(value)
+                await stop.wait()
+        except Exception as exc:
+            if ready.done():
+                raise
+            ready.set_exception(exc)
+
+    task = asyncio.create_task(hold())
+    try:
+        yield await ready
+    finally:
+        stop.set()
+        await task
+
+
+async def poll_until_done(client: openai.AsyncOpenAI, rid: str):
+    with anyio.fail_after(30):
+        while True:
+            response = await client.responses.retrieve(rid)
+            if response.status in TERMINAL:
+                return response
+            await anyio.sleep(0.05)
+
+
+async def wait_finished(engine: Engine, rid: str):
+    """The request's state once it has ended (polled: a cancel ends a request outside a
+    step, so no step hook would see it)."""
+    with anyio.fail_after(10):
+        while True:
+            state = engine.step_loop.state_of(rid)
+            if state is not None and state.is_finished:
+                return state
+            await anyio.sleep(0.02)
+
+
+LONG = {"ignore_eos": True}  # generate max_output_tokens whatever the model says
+
+
+async def test_create_returns_a_response_with_text_and_usage(served):
+    async with served.client() as client:
+        response = await client.responses.create(
+            model=MODEL,
+            input="Tell me about rye.",
+            instructions="Answer briefly.",
+            max_output_tokens=12,
+            temperature=0,
+            extra_body=LONG,
+        )
+    assert response.id.startswith("resp_")
+    assert response.status == "incomplete"  # it ran into max_output_tokens
+    assert response.incomplete_details.reason == "max_output_tokens"
+    assert response.output[0].type == "message" and response.output[0].role == "assistant"
+    assert response.output_text == response.output[0].content[0].text != ""
+    assert response.usage.output_tokens == 12
+    assert response.usage.total_tokens == response.usage.input_tokens + 12
+    assert response.instructions == "Answer briefly."
+
+
+async def test_a_stream_has_the_spec_events_in_order_with_sequence_numbers(served):
+    async with served.client() as client:
+        stream = await client.responses.create(
+            model=MODEL,
+            input=[{"role": "user", "content": "Tell me about spelt."}],
+            max_output_tokens=8,
+            temperature=0,
+            stream=True,
+        )
+        events = [e async for e in stream]
+        whole = await client.responses.create(
+            model=MODEL,
+            input=[{"role": "user", "content": "Tell me about spelt."}],
+            max_output_tokens=8,
+            temperature=0,
+        )
+    types = [e.type for e in events]
+    assert types[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    end = ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+    assert types[-4:-1] == end
+    assert types[-1] in ("response.completed", "response.incomplete")
+    assert set(types[4:-4]) <= {"response.output_text.delta"}
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == events[-1].response.output_text == whole.output_text
+
+
+async def test_a_background_response_is_polled_until_done_then_streamed_from_the_start(served):
+    async with served.client() as client:
+        started = await client.responses.create(
+            model=MODEL, input="Tell me about barley.", max_output_tokens=40, background=True
+        )
+        assert started.status in ("queued", "in_progress")
+        assert started.background is True
+        done = await poll_until_done(client, started.id)
+        replay = await client.responses.retrieve(started.id, stream=True)
+        events = [e async for e in replay]
+    assert done.status in ("completed", "incomplete")
+    assert events[0].type == "response.created"
+    assert events[-1].response.output_text == done.output_text
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == done.output_text
+
+
+async def test_a_live_background_response_resumes_after_a_sequence_number(served):
+    async with served.client() as client:
+        started = await client.responses.create(
+            model=MODEL,
+            input="Tell me about oats.",
+            max_output_tokens=300,
+            background=True,
+            extra_body=LONG,
+        )
+        first = await client.responses.retrieve(started.id, stream=True)
+        head = []
+        async for event in first:
+            head.append(event)
+            if len(head) == 7:
+                break  # the connection drops mid-stream
+        await first.close()
+        rest = await client.responses.retrieve(started.id, stream=True, starting_after=6)
+        tail = [e async for e in rest]
+        done = await client.responses.retrieve(started.id)
+    assert tail[0].sequence_number == 7
+    events = head + tail
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert done.status == "incomplete" and text == done.output_text
+    assert done.usage.output_tokens == 300
+
+
+async def test_cancelling_a_background_response_stops_it(served):
+    engine = served.engine
+    async with served.client() as client:
+        started = await client.responses.create(
+            model=MODEL,
+            input="Tell me about millet.",
+            max_output_tokens=engine.max_context - 64,
+            background=True,
+            extra_body=LONG,
+        )
+        cancelled = await client.responses.cancel(started.id)
+        again = await client.responses.retrieve(started.id)
+        stream = await client.responses.retrieve(started.id, stream=True)
+        events = [e async for e in stream]
+    assert cancelled.status == again.status == "cancelled"
+    assert events[-1].type == "response.cancelled"
+    state = await wait_finished(engine, started.id)  # the response id is the request id
+    assert state.finish_reason == "cancelled"
+
+
+async def test_previous_response_id_continues_the_conversation(served):
+    async with served.client() as client:
+        first = await client.responses.create(
+            model=MODEL, input="My name is Ada.", max_output_tokens=6, temperature=0
+        )
+        second = await client.responses.create(
+            model=MODEL,
+            input="What is my name?",
+            previous_response_id=first.id,
+            max_output_tokens=6,
+            temperature=0,
+        )
+        # The same conversation sent whole: the same prompt, so the same greedy answer.
+        whole = await client.responses.create(
+            model=MODEL,
+            input=[
+                {"role": "user", "content": "My name is Ada."},
+                {"role": "assistant", "content": first.output_text},
+                {"role": "user", "content": "What is my name?"},
+            ],
+            max_output_tokens=6,
+            temperature=0,
+        )
+    assert second.previous_response_id == first.id
+    assert second.usage.input_tokens == whole.usage.input_tokens > first.usage.input_tokens
+    assert second.output_text == whole.output_text
+    # The earlier turns came from the prefix cache.
+    assert second.usage.input_tokens_details.cached_tokens > 0
+
+
+async def test_a_response_is_private_to_the_key_that_created_it(served):
+    async with served.client("sk-one") as mine, served.client("sk-two") as theirs:
+        response = await mine.responses.create(model=MODEL, input="Hi.", max_output_tokens=4)
+        with pytest.raises(openai.NotFoundError):
+            await theirs.responses.retrieve(response.id)
+        with pytest.raises(openai.NotFoundError):
+            await theirs.responses.create(
+                model=MODEL, input="Hi.", max_output_tokens=4, previous_response_id=response.id
+            )
+        assert (await mine.responses.retrieve(response.id)).id == response.id
+
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+async def test_text_format_json_schema_gives_output_that_validates(served):
+    async with served.client() as client:
+        response = await client.responses.create(
+            model=MODEL,
+            input="Describe a person.",
+            text={"format": {"type": "json_schema", "name": "person", "schema": PERSON}},
+            temperature=0.7,
+            extra_body={"seed": 1},
+        )
+    assert response.status == "completed"
+    jsonschema.validate(json.loads(response.output_text), PERSON)
+    assert response.text.format.type == "json_schema"
+
+
+async def test_tools_are_refused_with_a_clear_400(served):
+    async with served.client() as client:
+        with pytest.raises(openai.BadRequestError, match="tools are not supported"):
+            await client.responses.create(
+                model=MODEL,
+                input="Hi.",
+                tools=[{"type": "function", "name": "f", "parameters": {}}],
+            )
+        with pytest.raises(openai.BadRequestError, match="text.format"):
+            await client.responses.create(
+                model=MODEL, input="Hi.", text={"format": {"type": "xml"}}
+            )
+
+
+async def test_a_foreground_stream_is_cancelled_when_its_client_goes_away(served):
+    engine = served.engine
+    async with served.client() as client:
+        stream = await client.responses.create(
+            model=MODEL,
+            input="Tell me about teff.",
+            max_output_tokens=engine.max_context - 64,
+            stream=True,
+            extra_body=LONG,
+        )
+        rid = None
+        async for event in stream:
+            rid = event.response.id if event.type == "response.created" else rid
+            if event.type == "response.output_text.delta":
+                break
+        await stream.close()
+        state = await wait_finished(engine, rid)
+        stored = await client.responses.retrieve(rid)
+    assert state.finish_reason == "cancelled"
+    assert stored.status == "cancelled"
+
+
+async def test_stored_responses_expire_after_the_ttl_and_are_bounded():
+    store = ResponseStore(ttl_s=60, max_count=2)
+
+    def ended(rid: str, ago_s: float) -> StoredResponse:
+        response = ResponseObject(id=rid, status="completed", model=MODEL)
+        stored = StoredResponse(response, "key", StreamRecord(rid, "key", None), [])
+        stored.ended_at = time.monotonic() - ago_s
+        return stored
+
+    store.put(ended("resp_old", 61))
+    store.put(ended("resp_a", 3))
+    store.put(ended("resp_b", 2))
+    store.put(ended("resp_c", 1))
+    with pytest.raises(APIError, match="No response with id 'resp_old'"):
+        store.get("resp_old", "key")  # past its TTL
+    with pytest.raises(APIError):
+        store.get("resp_a", "key")  # the oldest past the count
+    assert store.get("resp_c", "key").response.id == "resp_c"

@@ -1,0 +1,105 @@
+"""A background response cut off by a crash: the restarted server, on the same event log,
+answers for it with `failed` and the reason (the official `openai` client, real HTTP).
+
+The crash is the log file as it stands while the response runs: a copy taken then is what
+a kill -9 leaves on disk (every event written so far, no ending)."""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+from pathlib import Path
+
+import anyio
+import openai
+import pytest
+
+from stepline.api import Engine
+from stepline.api.responses_recovery import interrupted_responses
+from stepline.api.serve_cmd import serve_in_process
+from stepline.api.server import create_app
+from stepline.events.log import TornLineWarning, read_events
+from stepline.events.models import Admitted
+
+pytestmark = pytest.mark.asyncio
+
+MODEL = "stepline-demo"
+
+
+def client(url: str, key: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
+
+
+async def wait_admitted(log: Path, rid: str) -> None:
+    """Until the log writer has written `rid`'s admission."""
+    with anyio.fail_after(10):
+        while True:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", TornLineWarning)  # the writer is mid-line
+                if any(isinstance(e, Admitted) and e.request_id == rid for e in read_events(log)):
+                    return
+            await anyio.sleep(0.02)
+
+
+async def test_a_background_response_cut_off_by_a_crash_reports_failed_after_the_restart(
+    demo, tmp_path
+):
+    log, crashed = tmp_path / "events.jsonl", tmp_path / "crashed.jsonl"
+    async with Engine.open(MODEL, max_step_tokens=128, event_log=log) as engine:
+        async with serve_in_process(create_app(engine)) as url, client(url, "sk-a") as c:
+            done = await c.responses.create(model=MODEL, input="Hi.", max_output_tokens=4)
+            running = await c.responses.create(
+                model=MODEL,
+                input="Tell me about rye.",
+                max_output_tokens=engine.max_context - 64,
+                background=True,
+                extra_body={"ignore_eos": True},
+            )
+            await wait_admitted(log, running.id)
+            shutil.copy(log, crashed)  # the disk as a kill -9 would leave it
+            await c.responses.cancel(running.id)
+
+    interrupted = interrupted_responses(crashed, since=0)
+    assert [rid for rid, _ in interrupted] == [running.id]
+    async with Engine.open(MODEL, max_step_tokens=128, event_log=crashed) as engine:
+        app = create_app(engine, interrupted_responses=interrupted)
+        async with serve_in_process(app) as url, client(url, "sk-a") as c:
+            after = await c.responses.retrieve(running.id)
+            stream = await c.responses.retrieve(running.id, stream=True)
+            events = [e async for e in stream]
+            with pytest.raises(openai.NotFoundError):
+                await c.responses.retrieve(done.id)  # its output was in memory only
+            with pytest.raises(openai.BadRequestError, match="only a completed"):
+                await c.responses.create(
+                    model=MODEL, input="Go on.", previous_response_id=running.id
+                )
+    assert after.status == "failed"
+    assert after.error.code == "server_restarted"
+    assert "stopped before this response finished" in after.error.message
+    assert [e.type for e in events] == ["response.failed"]
+    assert events[0].sequence_number == 0
+
+
+async def test_no_log_yet_means_nothing_was_cut_off(tmp_path):
+    assert interrupted_responses(tmp_path / "none.jsonl", since=0) == []
+
+
+async def test_a_background_response_cut_off_by_a_graceful_shutdown_is_recovered_too(
+    demo, tmp_path
+):
+    log = tmp_path / "events.jsonl"
+    async with Engine.open(MODEL, max_step_tokens=128, event_log=log) as engine:
+        async with (
+            serve_in_process(create_app(engine), graceful_shutdown_s=0.2) as url,
+            client(url, "sk-a") as c,
+        ):
+            running = await c.responses.create(
+                model=MODEL,
+                input="Tell me about oats.",
+                max_output_tokens=engine.max_context - 64,
+                background=True,
+                extra_body={"ignore_eos": True},
+            )
+            await wait_admitted(log, running.id)
+        # The server stopped; the engine stops now, with the response still running.
+    assert [rid for rid, _ in interrupted_responses(log, since=0)] == [running.id]

@@ -1,0 +1,251 @@
+"""Streams that survive a dropped connection, over real HTTP: a uvicorn on 127.0.0.1 over an
+engine on the demo model, httpx reading raw SSE bytes and reconnecting with Last-Event-ID."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import anyio
+import httpx
+import pytest
+import pytest_asyncio
+from starlette.datastructures import Headers
+
+from stepline.api import Engine
+from stepline.api.resume import FrameCounter, ResumeRegistry, key_of
+from stepline.api.serve_cmd import serve_in_process
+from stepline.api.server import create_app
+from stepline.api.sse import PING
+from stepline.events.fold import RequestState
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+GRACE_S = 1.5
+PROMPT = [{"role": "user", "content": "Tell me about sourdough."}]
+
+
+@dataclass(frozen=True)
+class Served:
+    engine: Engine
+    url: str
+
+
+@asynccontextmanager
+async def open_served() -> AsyncIterator[Served]:
+    async with (
+        Engine.open("stepline-demo", max_step_tokens=128) as engine,
+        serve_in_process(create_app(engine, resume_grace_s=GRACE_S)) as url,
+    ):
+        yield Served(engine, url)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def served(demo) -> AsyncIterator[Served]:
+    # pytest-asyncio sets up and tears down in different tasks; anyio's task groups must be
+    # exited by the task that entered them: hold the server open in a task of its own.
+    ready: asyncio.Future[Served] = asyncio.get_running_loop().create_future()
+    stop = asyncio.Event()
+
+    async def hold() -> None:
+        try:
+            async with open_served() as value:
+                ready.set_result(value)
+                await stop.wait()
+        except Exception as exc:
+            if ready.done():
+                raise
+            ready.set_exception(exc)
+
+    task = asyncio.create_task(hold())
+    try:
+        yield await ready
+    finally:
+        stop.set()
+        await task
+
+
+def client(url: str, key: str = "sk-one") -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=url, timeout=30, headers={"authorization": f"Bearer {key}"})
+
+
+def body(**kw) -> dict:
+    return {
+        "model": "stepline-demo",
+        "messages": PROMPT,
+        "max_tokens": 120,
+        "temperature": 1.0,
+        "seed": 7,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"resumable": True},
+        **kw,
+    }
+
+
+async def read_all(http: httpx.AsyncClient, method: str, path: str, **kw) -> httpx.Response:
+    with anyio.fail_after(30):
+        async with http.stream(method, path, **kw) as r:
+            await r.aread()
+            return r
+
+
+async def read_frames_then_drop(http: httpx.AsyncClient, n: int, **kw) -> tuple[str, bytes]:
+    """Start a stream, keep its first `n` frames, hang up; (its request id, those bytes)."""
+    raw = b""
+    with anyio.fail_after(30):
+        async with http.stream("POST", "/v1/chat/completions", **kw) as r:
+            assert r.status_code == 200
+            rid = r.headers["x-request-id"]
+            async for chunk in r.aiter_raw():
+                raw += chunk
+                if raw.count(b"\n\n") >= n:
+                    break
+    frames = raw.split(b"\n\n")[:n]
+    return rid, b"\n\n".join(frames) + b"\n\n"
+
+
+def same_but_ids(raw: bytes, rid: str, other: bytes, other_rid: str) -> None:
+    """`raw` equals `other` but for the request id and the `created` second."""
+
+    def norm(b: bytes, r: str) -> bytes:
+        return re.sub(rb'"created":\d+', b'"created":0', b.replace(r.encode(), b"RID"))
+
+    assert norm(raw, rid) == norm(other, other_rid)
+
+
+async def wait_finished(engine: Engine, rid: str, within_s: float) -> RequestState:
+    """The request's state once it has ended. (Polled: a cancel of a request that is not
+    in a step ends it without a step, so no step hook would see it.)"""
+    with anyio.fail_after(within_s):
+        while True:
+            state = engine.step_loop.state_of(rid)
+            if state is not None and state.is_finished:
+                return state
+            await anyio.sleep(0.02)
+
+
+# -- frames and the registry, without a server -----------------------------------------------
+
+
+async def test_frames_are_numbered_from_zero_and_pings_are_not():
+    counter = FrameCounter()
+    out = counter.split(b"data: a\n\ndata: b\n\n" + PING + b"data: [DONE]\n\n")
+    assert out == [b"id: 0\ndata: a\n\n", b"id: 1\ndata: b\n\n", PING, b"id: 2\ndata: [DONE]\n\n"]
+
+
+async def test_a_stream_is_private_to_the_key_that_started_it():
+    registry = ResumeRegistry(grace_s=60)
+    mine = key_of(Headers({"authorization": "Bearer sk-a"}))
+    registry.open("chatcmpl-1", mine)
+    assert registry.get("chatcmpl-1", mine).rid == "chatcmpl-1"
+    theirs = key_of(Headers({"x-api-key": "sk-b"}))
+    with pytest.raises(Exception, match="no stream 'chatcmpl-1' to resume"):
+        registry.get("chatcmpl-1", theirs)
+
+
+# -- over HTTP -------------------------------------------------------------------------------
+
+
+async def test_a_dropped_stream_resumes_with_last_event_id_and_equals_an_uninterrupted_run(
+    served,
+):
+    async with client(served.url) as http:
+        whole = await read_all(http, "POST", "/v1/chat/completions", json=body())
+        rid, head = await read_frames_then_drop(http, 5, json=body())
+        tail = await read_all(
+            http, "GET", f"/v1/requests/{rid}/stream", headers={"last-event-id": "4"}
+        )
+        replay = await read_all(http, "GET", f"/v1/requests/{rid}/stream")
+    assert tail.status_code == 200 and tail.headers["x-request-id"] == rid
+    assert tail.content.startswith(b"id: 5\n")
+    assert tail.content.endswith(b"data: [DONE]\n\n")
+    resumed = head + tail.content
+    # Byte for byte what the request's record holds, and what an uninterrupted run got.
+    assert resumed == replay.content
+    same_but_ids(resumed, rid, whole.content, whole.headers["x-request-id"])
+    assert resumed.count(b'"finish_reason":"length"') == 1
+    assert (await wait_finished(served.engine, rid, 5)).finish_reason == "length"
+
+
+async def test_completions_resume_too_when_asked_by_header(served):
+    kw = dict(
+        json={"prompt": "Once upon a time", "max_tokens": 30, "ignore_eos": True, "stream": True},
+        headers={"x-stepline-resumable": "1"},
+    )
+    async with client(served.url) as http:
+        with anyio.fail_after(30):
+            async with http.stream("POST", "/v1/completions", **kw) as r:
+                rid = r.headers["x-request-id"]
+                head = b""
+                async for chunk in r.aiter_raw():
+                    head += chunk
+                    if b"\n\n" in head:
+                        break
+        head = head.split(b"\n\n")[0] + b"\n\n"
+        assert head.startswith(b"id: 0\ndata: ")
+        tail = await read_all(
+            http, "GET", f"/v1/requests/{rid}/stream", headers={"last-event-id": "0"}
+        )
+    assert tail.content.startswith(b"id: 1\n")
+    assert tail.content.endswith(b"data: [DONE]\n\n")
+
+
+async def test_a_resumable_stream_nobody_resumes_is_cancelled_after_the_grace(served):
+    engine = served.engine
+    max_tokens = engine.max_context - 64
+    async with client(served.url) as http:
+        rid, _ = await read_frames_then_drop(http, 2, json=body(max_tokens=max_tokens))
+        await anyio.sleep(GRACE_S / 3)
+        state = engine.step_loop.state_of(rid)
+        assert state is not None and not state.is_finished  # the disconnect did not cancel it
+        state = await wait_finished(engine, rid, GRACE_S * 4 + 10)
+        assert state.finish_reason == "cancelled"
+        assert state.num_output_tokens < max_tokens
+        # Within the grace after its end, a reconnect learns why it ended.
+        late = await read_all(
+            http, "GET", f"/v1/requests/{rid}/stream", headers={"last-event-id": "1"}
+        )
+    assert late.status_code == 200
+    assert b"nobody reconnected within" in late.content
+    assert late.content.endswith(b"data: [DONE]\n\n")
+
+
+async def test_a_reconnect_after_the_grace_gets_404_with_a_clear_message(served):
+    async with client(served.url) as http:
+        done = await read_all(http, "POST", "/v1/chat/completions", json=body(max_tokens=4))
+        rid = done.headers["x-request-id"]
+        await anyio.sleep(GRACE_S + 0.2)
+        gone = await http.get(f"/v1/requests/{rid}/stream", headers={"last-event-id": "2"})
+    assert gone.status_code == 404
+    error = gone.json()["error"]
+    assert error["code"] == "stream_not_found"
+    assert "after it ended" in error["message"]
+
+
+async def test_only_the_key_that_started_a_stream_resumes_it(served):
+    async with client(served.url, key="sk-one") as mine, client(served.url, key="sk-two") as other:
+        done = await read_all(mine, "POST", "/v1/chat/completions", json=body(max_tokens=4))
+        rid = done.headers["x-request-id"]
+        theirs = await other.get(f"/v1/requests/{rid}/stream")
+        bad = await mine.get(f"/v1/requests/{rid}/stream", headers={"last-event-id": "x"})
+        ours = await read_all(mine, "GET", f"/v1/requests/{rid}/stream")
+    assert theirs.status_code == 404
+    assert bad.status_code == 400
+    assert ours.content == done.content
+
+
+async def test_without_the_option_a_disconnect_cancels_at_once_and_nothing_is_kept(served):
+    engine = served.engine
+    async with client(served.url) as http:
+        rid, head = await read_frames_then_drop(
+            http, 2, json=body(max_tokens=engine.max_context - 64, stream_options=None)
+        )
+        state = await wait_finished(engine, rid, GRACE_S / 2)  # well before any grace
+        gone = await http.get(f"/v1/requests/{rid}/stream")
+    assert head.startswith(b"id: 0\ndata: ")  # numbered all the same
+    assert state.finish_reason == "cancelled"
+    assert gone.status_code == 404

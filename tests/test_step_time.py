@@ -1,0 +1,99 @@
+"""The step-time target in a running engine: the warm-up, and chunks sized by the cost model."""
+
+from __future__ import annotations
+
+import anyio
+
+from stepline.api import Engine, SamplingParams
+from stepline.engine.cost_model import CostModel, Sample, StepCost, StepFeatures
+from stepline.events.log import read_events
+from stepline.events.models import ChunkPrefilled, Decoding
+
+# Prefill costs 1 ms a token, a decode row 5 ms: a 100 ms step has room for ~90 prompt
+# tokens beside one decode row.
+KNOWN = StepCost(step=0.002, per_prefill_token=0.001, per_decode_row=0.005)
+
+
+def _known_model() -> CostModel:
+    """A cost model that answers KNOWN and never refits (measured times would move it)."""
+    seeds = [
+        Sample(f, KNOWN.predict(f))
+        for f in [StepFeatures(decode_rows=r) for r in (1, 2, 4, 8)]
+        + [StepFeatures().with_chunk(s, n) for s, n in ((0, 16), (16, 64), (80, 256), (0, 500))]
+    ]
+    return CostModel(refit_every=10**9, seed=seeds)
+
+
+def _prompt(n: int) -> list[int]:
+    return [3 + (i * 37) % 250 for i in range(n)]
+
+
+async def test_the_warm_up_learns_a_cost_model_and_leaves_no_trace(tmp_path, model_cache_dir):
+    log = tmp_path / "run.jsonl"
+    async with Engine.open(max_step_tokens=64, max_num_seqs=4, event_log=log) as engine:
+        loop = engine.step_loop
+        assert loop.cost_model is not None and loop.cost_model.cost is not None
+        assert loop.runner.num_sequences == 0  # its requests are gone
+        assert len(loop.runner.store) == 0  # and none went to the prefix cache
+        assert loop.index.num_entries == 0
+        assert engine.config["max_step_ms"] == 100.0
+        out = [o async for o in engine.generate(_prompt(40), params=SamplingParams(max_tokens=4))]
+        assert out[-1].finish_reason is not None
+    assert all(e.step >= 1 and "warmup" not in str(e.request_id) for e in read_events(log))
+
+
+async def test_without_a_target_there_is_no_warm_up(model_cache_dir):
+    async with Engine.open(max_step_ms=None) as engine:
+        assert engine.step_loop.cost_model is None
+
+
+async def test_a_prompt_arriving_while_others_decode_gets_chunks_that_fit_the_target(
+    tmp_path, model_cache_dir
+):
+    log = tmp_path / "run.jsonl"
+    async with Engine.open(
+        max_step_tokens=512, max_num_seqs=4, max_step_ms=100, event_log=log, prefix_cache_gb=0
+    ) as engine:
+        engine.step_loop.cost_model = _known_model()
+        # Alone: nobody to protect, so the whole budget.
+        alone = await engine.submit(_prompt(1200), params=SamplingParams(max_tokens=1))
+        async for _ in alone:
+            pass
+        decoder = await engine.submit(
+            _prompt(8), params=SamplingParams(max_tokens=10_000, ignore_eos=True)
+        )
+        decoding = anyio.Event()
+        async with anyio.create_task_group() as tg:
+
+            async def consume() -> None:
+                async for _ in decoder:
+                    decoding.set()
+
+            tg.start_soon(consume)
+            await decoding.wait()  # the late prompt meets a decoding request
+            late = await engine.submit(_prompt(1200), params=SamplingParams(max_tokens=1))
+            async for _ in late:
+                pass
+            await decoder.aclose()
+            tg.cancel_scope.cancel()
+    events = list(read_events(log))
+    chunks = {
+        rid: [
+            e.end - e.start for e in events if isinstance(e, ChunkPrefilled) and e.request_id == rid
+        ]
+        for rid in (alone.request_id, late.request_id)
+    }
+    assert chunks[alone.request_id] == [512, 512, 176]
+    decode_steps = {
+        e.step for e in events if isinstance(e, Decoding) and e.request_id == decoder.request_id
+    }
+    late_chunks = [
+        e.end - e.start
+        for e in events
+        if isinstance(e, ChunkPrefilled)
+        and e.request_id == late.request_id
+        and e.step in decode_steps
+    ]
+    # 100 ms - 2 ms - 5 ms (one decode row) leaves 93 ms: 93 tokens at 1 ms each
+    assert late_chunks and max(late_chunks) == 93
+    assert sum(chunks[late.request_id]) == 1200
