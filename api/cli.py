@@ -51,7 +51,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "--mlx-cache-gb",
         type=float,
         default=None,
-        help="limit of MLX's buffer cache (freed memory kept for reuse; default: 10%% of memory)",
+        help="limit of MLX's buffer cache (freed memory kept for reuse; default: 10%% of "
+        "memory, at most 0.5)",
     )
     p.add_argument(
         "--max-step-ms",

@@ -23,9 +23,13 @@ from stepline.engine.work import MemoryCounters
 # memory, less the weights and the prefix cache, but never less than _MIN_KV_FRACTION of it.
 DEFAULT_MEMORY_FRACTION = 0.7
 _MIN_KV_FRACTION = 0.1
-# With no --mlx-cache-gb: MLX keeps at most this fraction of the machine's memory in freed
-# buffers for reuse (its own default is the whole memory limit, which looks like a leak).
+# With no --mlx-cache-gb: MLX keeps at most this fraction of the machine's memory, and at
+# most DEFAULT_BUFFER_CACHE_MAX, in freed buffers for reuse. Its own default is the whole
+# memory limit, which looks like a leak; and a soak run (benchmarks/soak.py) filled even
+# 10% of 24 GB with buffers of sizes that never came back (KV growth blocks of prompts of
+# every length), while a step's own buffers are far smaller.
 DEFAULT_BUFFER_CACHE_FRACTION = 0.1
+DEFAULT_BUFFER_CACHE_MAX = 512 * 2**20
 
 
 @dataclass(frozen=True)
@@ -135,7 +139,7 @@ def plan_memory(
     cache_limit = (
         int(mlx_cache_gb * 2**30)
         if mlx_cache_gb is not None
-        else int(machine * DEFAULT_BUFFER_CACHE_FRACTION)
+        else min(int(machine * DEFAULT_BUFFER_CACHE_FRACTION), DEFAULT_BUFFER_CACHE_MAX)
     )
     set_buffer_cache_limit(cache_limit)
     return MemoryPlan(
