@@ -251,6 +251,7 @@ class StepLoop:
             while True:
                 try:
                     if not self.states and not self._to_free and not self._drops:
+                        self._gauges()  # what /metrics shows while idle: nothing running
                         try:
                             msg = await self._inbox.receive()  # idle: sleep until work arrives
                         except anyio.EndOfStream:
@@ -367,6 +368,9 @@ class StepLoop:
             self.metrics.prefix_lookup(new.num_cached_tokens)
         self.metrics.step(plan.num_tokens, self.config.max_step_tokens, result.seconds)
         self.metrics.memory(result.memory)
+        self._gauges()
+
+    def _gauges(self) -> None:
         self.metrics.gauges(self.states.values(), getattr(self._event_log, "lag", 0))
         self.metrics.event_log(self._event_log)
 
