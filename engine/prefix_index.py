@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Any, Literal
 
 Tokens = tuple[int, ...]
 
@@ -54,32 +54,65 @@ class Match:
     source: Literal["memory", "disk"]
 
 
-@dataclass
 class _Node:
-    children: dict[int, _Node] = field(default_factory=dict)
-    entry: IndexEntry | None = None
-    num_trimmable: int = 0  # trimmable entries at this node or below
+    """A radix-trie node: the tokens on the edge from its parent, its children by their
+    edge's first token, the entry ending exactly here, and how many trimmable entries end
+    here or below. One node per branch point, not per token: an index of long prompts
+    costs about what their token tuples cost."""
+
+    __slots__ = ("edge", "children", "entry", "num_trimmable")
+
+    def __init__(self, edge: Tokens = ()) -> None:
+        self.edge = edge
+        self.children: dict[int, _Node] = {}
+        self.entry: Any = None
+        self.num_trimmable = 0
 
 
 class TokenTrie:
-    """Entries keyed by their tokens; answers 'the longest usable prefix' in one walk."""
+    """Entries keyed by their tokens (anything with `tokens` and `trimmable`); answers 'the
+    longest usable prefix' in one walk. A radix trie: edges hold runs of tokens."""
 
     def __init__(self) -> None:
         self.root = _Node()
 
-    def _path(self, tokens: Sequence[int]) -> list[_Node] | None:
+    def _descend(self, tokens: Sequence[int]) -> tuple[list[_Node], int, _Node | None, int]:
+        """Follow `tokens` from the root: (nodes whose whole edge matched, root first; the
+        tokens they cover; the node whose edge matched only partly, or None; how many of
+        its edge's tokens matched)."""
         nodes = [self.root]
-        for tok in tokens:
-            nxt = nodes[-1].children.get(tok)
-            if nxt is None:
-                return None
-            nodes.append(nxt)
-        return nodes
+        depth = 0
+        while depth < len(tokens):
+            child = nodes[-1].children.get(tokens[depth])
+            if child is None:
+                return nodes, depth, None, 0
+            edge = child.edge
+            n = 0
+            limit = min(len(edge), len(tokens) - depth)
+            while n < limit and edge[n] == tokens[depth + n]:
+                n += 1
+            if n < len(edge):
+                return nodes, depth, child, n
+            nodes.append(child)
+            depth += n
+        return nodes, depth, None, 0
 
-    def add(self, entry: IndexEntry) -> None:
-        nodes = [self.root]
-        for tok in entry.tokens:
-            nodes.append(nodes[-1].children.setdefault(tok, _Node()))
+    def add(self, entry: Any) -> None:
+        tokens = tuple(entry.tokens)
+        nodes, depth, partial, matched = self._descend(tokens)
+        parent = nodes[-1]
+        if partial is not None:  # split its edge where the new key leaves it
+            middle = _Node(partial.edge[:matched])
+            middle.num_trimmable = partial.num_trimmable
+            partial.edge = partial.edge[matched:]
+            middle.children[partial.edge[0]] = partial
+            parent.children[middle.edge[0]] = middle
+            nodes.append(middle)
+            depth += matched
+        if depth < len(tokens):
+            leaf = _Node(tokens[depth:])
+            nodes[-1].children[leaf.edge[0]] = leaf
+            nodes.append(leaf)
         assert nodes[-1].entry is None, "remove the old entry first"
         nodes[-1].entry = entry
         if entry.trimmable:
@@ -87,51 +120,71 @@ class TokenTrie:
                 node.num_trimmable += 1
 
     def remove(self, tokens: Tokens) -> None:
-        nodes = self._path(tokens)
-        if nodes is None or nodes[-1].entry is None:
+        nodes, depth, partial, _ = self._descend(tokens)
+        node = nodes[-1]
+        if partial is not None or depth != len(tokens) or node.entry is None:
             return
-        if nodes[-1].entry.trimmable:
-            for node in nodes:
-                node.num_trimmable -= 1
-        nodes[-1].entry = None
-        for depth in range(len(tokens), 0, -1):  # prune the branch that is now empty
-            node = nodes[depth]
-            if node.children or node.entry is not None:
+        if node.entry.trimmable:
+            for n in nodes:
+                n.num_trimmable -= 1
+        node.entry = None
+        # Prune: drop an empty leaf; fold a node left with one child and no entry into it.
+        for i in range(len(nodes) - 1, 0, -1):
+            node, parent = nodes[i], nodes[i - 1]
+            if node.entry is not None:
                 break
-            del nodes[depth - 1].children[tokens[depth - 1]]
+            if not node.children:
+                del parent.children[node.edge[0]]
+                continue
+            if len(node.children) == 1:
+                (child,) = node.children.values()
+                child.edge = node.edge + child.edge
+                parent.children[child.edge[0]] = child
+            break
 
     def has_trimmable_extension(self, tokens: Sequence[int]) -> bool:
         """Whether a trimmable entry holds `tokens` and more (so it can serve `tokens`)."""
-        nodes = self._path(tokens)
-        if nodes is None:
+        nodes, depth, partial, matched = self._descend(tokens)
+        if partial is not None:  # `tokens` ends inside its edge: all below extend it
+            return matched + depth == len(tokens) and partial.num_trimmable > 0
+        if depth != len(tokens):
             return False
         node = nodes[-1]
         own = 1 if node.entry is not None and node.entry.trimmable else 0
         return node.num_trimmable - own > 0
 
-    def trimmable_prefixes(self, tokens: Sequence[int]) -> list[IndexEntry]:
-        nodes = self._path(tokens) or []
-        return [n.entry for n in nodes[:-1] if n.entry is not None and n.entry.trimmable]
+    def trimmable_prefixes(self, tokens: Sequence[int]) -> list[Any]:
+        nodes, depth, _, _ = self._descend(tokens)
+        upto = nodes[:-1] if depth == len(tokens) else nodes
+        return [n.entry for n in upto if n.entry is not None and n.entry.trimmable]
 
-    def best(self, wanted: Sequence[int]) -> tuple[int, IndexEntry] | None:
+    def best(self, wanted: Sequence[int]) -> tuple[int, Any] | None:
         """The longest usable prefix of `wanted`: an exact entry, or a trimmable one cut back."""
-        nodes = [self.root]
-        exact: tuple[int, IndexEntry] | None = None
-        for tok in wanted:
-            nxt = nodes[-1].children.get(tok)
-            if nxt is None:
-                break
-            nodes.append(nxt)
-            if nxt.entry is not None:
-                exact = (len(nodes) - 1, nxt.entry)
+        nodes, depth, partial, matched = self._descend(wanted)
+        exact: tuple[int, Any] | None = None
+        at = 0
+        depths = []
+        for node in nodes:
+            at += len(node.edge)
+            depths.append(at)
+            if node.entry is not None:
+                exact = (at, node.entry)
         floor = exact[0] if exact else 0
-        for depth in range(len(nodes) - 1, floor, -1):
-            if nodes[depth].num_trimmable:
-                node = nodes[depth]
-                while node.entry is None or not node.entry.trimmable:
-                    node = next(c for c in node.children.values() if c.num_trimmable)
-                return depth, node.entry
+        # The deepest point of the matched path with a trimmable entry at or below it.
+        if partial is not None and partial.num_trimmable and depth + matched > floor:
+            return depth + matched, self._trimmable_below(partial)
+        for node, d in zip(reversed(nodes), reversed(depths), strict=True):
+            if d <= floor:
+                break
+            if node.num_trimmable:
+                return d, self._trimmable_below(node)
         return exact
+
+    @staticmethod
+    def _trimmable_below(node: _Node) -> Any:
+        while node.entry is None or not node.entry.trimmable:
+            node = next(c for c in node.children.values() if c.num_trimmable)
+        return node.entry
 
 
 class PrefixIndex:

@@ -114,3 +114,48 @@ def test_a_disk_only_entry_is_loaded_first_and_the_request_waits_one_step() -> N
     # Loaded and lost again (evicted at once): the request stops waiting for the disk.
     again = Candidate("a", (*range(30), 1), 0, (), True, allow_disk=False)
     assert plan_prefixes([again], index).deferred == frozenset()
+
+
+def test_the_trie_answers_as_a_search_of_every_entry_would() -> None:
+    """Random entries (sharing prefixes, some trimmable), added and removed: every lookup
+    gives the length the rule gives when each entry is tried in turn."""
+    import random
+
+    from stepline.engine.prefix_index import IndexEntry, TokenTrie
+
+    def lcp(a, b) -> int:
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return n
+
+    rng = random.Random(1)
+    trie, live = TokenTrie(), {}
+    stems = [tuple(rng.randrange(4) for _ in range(rng.randrange(1, 12))) for _ in range(6)]
+    for _ in range(600):
+        stem = rng.choice(stems)
+        key = stem[: rng.randrange(1, len(stem) + 1)] + tuple(
+            rng.randrange(4) for _ in range(rng.randrange(0, 6))
+        )
+        if key in live and rng.random() < 0.5:
+            trie.remove(key)
+            del live[key]
+        elif key not in live:
+            live[key] = IndexEntry(key, rng.random() < 0.5)
+            trie.add(live[key])
+        query = rng.choice(stems) + tuple(rng.randrange(4) for _ in range(rng.randrange(0, 8)))
+        want = 0
+        for entry in live.values():
+            common = lcp(entry.tokens, query)
+            if common == len(entry.tokens) or entry.trimmable:
+                want = max(want, common)
+        got = trie.best(query)
+        assert (got[0] if got else 0) == want, (query, sorted(live))
+        if got:
+            n, entry = got
+            assert entry.tokens[:n] == query[:n]
+            assert n == len(entry.tokens) or entry.trimmable
+        extended = any(
+            e.trimmable and len(k) > len(key) and k[: len(key)] == key for k, e in live.items()
+        )
+        assert trie.has_trimmable_extension(key) == extended
