@@ -4,10 +4,9 @@ Anthropic's order, count_tokens, errors and x-api-key auth."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import TypeVar
 
 import anthropic
@@ -15,6 +14,7 @@ import httpx
 import jsonschema
 import pytest
 import pytest_asyncio
+from helpers import hold_open
 
 from stepline.api import Engine
 from stepline.api.serve_cmd import serve_in_process
@@ -37,36 +37,6 @@ WEATHER = {
         "additionalProperties": False,
     },
 }
-
-
-async def hold_open(cm: AbstractAsyncContextManager[T]) -> tuple[T, Callable[[], Awaitable[None]]]:
-    """Enter `cm` in a task of its own; return its value and a function that exits it (anyio
-    task groups must be exited by the task that entered them)."""
-    ready: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-    stop = asyncio.Event()
-
-    async def hold() -> None:
-        try:
-            async with cm as value:
-                ready.set_result(value)
-                await stop.wait()
-        except Exception as exc:
-            if ready.done():
-                raise
-            ready.set_exception(exc)
-
-    task = asyncio.create_task(hold())
-    try:
-        value = await ready
-    except BaseException:
-        await task
-        raise
-
-    async def close() -> None:
-        stop.set()
-        await task
-
-    return value, close
 
 
 @asynccontextmanager

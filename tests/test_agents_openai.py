@@ -4,16 +4,16 @@ still parses and validates because the grammar forces it."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import TypeVar
 
 import jsonschema
 import openai
 import pytest
 import pytest_asyncio
+from helpers import hold_open
 from pydantic import BaseModel, Field
 
 from stepline.api import Engine
@@ -22,37 +22,6 @@ from stepline.api.server import create_app
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 T = TypeVar("T")
-
-
-async def hold_open(cm: AbstractAsyncContextManager[T]) -> tuple[T, Callable[[], Awaitable[None]]]:
-    """Enter `cm` in a task of its own; return its value and a function that exits it (anyio
-    task groups must be exited by the task that entered them; pytest-asyncio sets a fixture
-    up and tears it down in different tasks)."""
-    ready: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-    stop = asyncio.Event()
-
-    async def hold() -> None:
-        try:
-            async with cm as value:
-                ready.set_result(value)
-                await stop.wait()
-        except Exception as exc:
-            if ready.done():
-                raise
-            ready.set_exception(exc)
-
-    task = asyncio.create_task(hold())
-    try:
-        value = await ready
-    except BaseException:
-        await task
-        raise
-
-    async def close() -> None:
-        stop.set()
-        await task
-
-    return value, close
 
 
 @asynccontextmanager

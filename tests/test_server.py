@@ -9,8 +9,8 @@ import errno
 import json
 import uuid
 import warnings
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +20,7 @@ import openai
 import pytest
 import pytest_asyncio
 from fastapi import FastAPI
+from helpers import hold_open
 from prometheus_client.parser import text_string_to_metric_families
 
 from stepline.api import Engine
@@ -67,41 +68,6 @@ async def open_served(log_path: Path | None = None) -> AsyncIterator[Served]:
         keyed = create_app(engine, api_key=API_KEY)
         async with serve_in_process(app) as url, serve_in_process(keyed) as keyed_url:
             yield Served(engine, url, keyed_url, log_path or Path("/nonexistent"))
-
-
-async def hold_open(
-    cm: AbstractAsyncContextManager[Served],
-) -> tuple[Served, Callable[[], Awaitable[None]]]:
-    """Enter `cm` in a task of its own and return (its value, a function that exits it).
-
-    pytest-asyncio sets a fixture up and tears it down in different tasks, and anyio task
-    groups (the engine's, uvicorn's) must be exited by the task that entered them.
-    """
-    ready: asyncio.Future[Served] = asyncio.get_running_loop().create_future()
-    stop = asyncio.Event()
-
-    async def hold() -> None:
-        try:
-            async with cm as value:
-                ready.set_result(value)
-                await stop.wait()
-        except Exception as exc:
-            if ready.done():
-                raise
-            ready.set_exception(exc)
-
-    task = asyncio.create_task(hold())
-    try:
-        value = await ready
-    except BaseException:
-        await task
-        raise
-
-    async def close() -> None:
-        stop.set()
-        await task
-
-    return value, close
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

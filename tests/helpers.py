@@ -1,0 +1,43 @@
+"""Helpers shared by test modules (on pytest's `pythonpath`: `from helpers import ...`)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+async def hold_open(cm: AbstractAsyncContextManager[T]) -> tuple[T, Callable[[], Awaitable[None]]]:
+    """Enter `cm` in a task of its own and return (its value, a function that exits it).
+
+    pytest-asyncio sets a fixture up and tears it down in different tasks, and anyio task
+    groups (the engine's, uvicorn's) must be exited by the task that entered them.
+    """
+    ready: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+    stop = asyncio.Event()
+
+    async def hold() -> None:
+        try:
+            async with cm as value:
+                ready.set_result(value)
+                await stop.wait()
+        except Exception as exc:
+            if ready.done():
+                raise
+            ready.set_exception(exc)
+
+    task = asyncio.create_task(hold())
+    try:
+        value = await ready
+    except BaseException:
+        await task
+        raise
+
+    async def close() -> None:
+        stop.set()
+        await task
+
+    return value, close
