@@ -224,6 +224,13 @@ class Serving:
             raise context_error(ContextLengthExceededError(num_prompt, max_context), prompt_param)
         room = max_context - num_prompt
         if requested is None:
+            # Unasked, a request may run to the end of the context, but no further than the
+            # KV budget lets it: otherwise a plain chat on a long-context model whose budget
+            # is below its context would be refused as "can never fit".
+            config = self.engine.step_loop.config
+            if config.max_kv_tokens is not None:
+                fits = config.max_kv_tokens - num_prompt - config.kv_tokens_per_seq
+                room = min(room, max(fits, 1))
             return min(default or room, room)
         if requested > room:
             raise APIError(

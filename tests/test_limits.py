@@ -166,3 +166,30 @@ def test_the_cli_refuses_a_request_past_its_kv_budget_naming_the_numbers(model_c
     err = capsys.readouterr().err
     assert code == 2
     assert "stepline: error:" in err and "(10 tokens" in err and "max_tokens (64)" in err
+
+
+async def test_a_chat_without_max_tokens_runs_to_the_kv_budget_not_into_a_refusal(
+    model_cache_dir,
+):
+    import httpx
+
+    from stepline.api.serve_cmd import serve_in_process
+    from stepline.api.server import create_app
+
+    # The demo's context is 2,048 tokens; the budget holds 200: "to the end of the context"
+    # can never fit, "to the end of the budget" can.
+    async with Engine.open(max_kv_tokens=200, max_step_ms=None) as engine:
+        async with serve_in_process(create_app(engine)) as url:
+            async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+                r = await client.post(
+                    "/v1/chat/completions",
+                    json={
+                        "model": "stepline-demo",
+                        "messages": [{"role": "user", "content": "hi"}],
+                        "ignore_eos": True,
+                    },
+                )
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == 200
