@@ -300,13 +300,20 @@ def run_serve(args: argparse.Namespace) -> int:
     # uvloop (and httptools, which uvicorn picks by itself) cut the HTTP layer's CPU per
     # token when installed (`uvicorn[standard]`); plain asyncio and h11 work the same.
     use_uvloop = importlib.util.find_spec("uvloop") is not None
+    status = 0
     try:
         anyio.run(_serve, args, sock, engine_kwargs, backend_options={"use_uvloop": use_uvloop})
     except EngineFailed:
-        return 1
+        status = 1
     finally:
         sock.close()
-    return 0
+    if engine_kwargs.get("parallel"):
+        # MLX's ring backend can abort at interpreter teardown ("terminate called without
+        # an active exception"): a distributed rank 0 ends here, as the other ranks do.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status
 
 
 def add_serve_parser(

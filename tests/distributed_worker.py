@@ -9,6 +9,7 @@ request produced to OUT.json. PARALLEL "none" runs one process (the reference).
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import anyio
@@ -89,3 +90,8 @@ if __name__ == "__main__":
     results = anyio.run(main, model, parallel, sys.argv[4] if len(sys.argv) > 4 else None)
     with open(out, "w") as f:
         json.dump(results, f)
+    # Rank 0 ends as `stepline serve --parallel` does: MLX's ring backend can abort at
+    # interpreter teardown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -99,7 +99,15 @@ async def test_the_prefix_cache_reports_the_memory_it_keeps_alive(model_cache_di
             async with anyio.create_task_group() as tg:
                 for i in range(8):
                     tg.start_soon(one, i)
-        await wait_until(lambda: not loop.states and loop.runner.num_sequences == 0)
+        # Idle, and the executor has applied every drop the index decided (budget evictions).
+        await wait_until(
+            lambda: (
+                not loop.states
+                and loop.runner.num_sequences == 0
+                and not loop._to_free
+                and not loop._drops
+            )
+        )
         store = loop.runner.store
         reported = loop.index.nbytes
 
