@@ -143,11 +143,10 @@ class EngineMetrics:
             self.event_log_degraded.set(1 if writer.degraded else 0)
             self.event_log_dropped.set(writer.num_dropped)
 
-    def gauges(self, states: Iterable[RequestState], log_lag: int) -> None:
+    def gauges(self, states: Iterable[RequestState]) -> None:
         counts = dict.fromkeys(Status, 0)
         for s in states:
             counts[s.status] += 1
         self.waiting.set(counts[Status.WAITING])
         self.prefilling.set(counts[Status.PREFILLING])
         self.running.set(counts[Status.DECODING])
-        self.event_log_lag.set(log_lag)

@@ -371,7 +371,7 @@ class StepLoop:
         self._gauges()
 
     def _gauges(self) -> None:
-        self.metrics.gauges(self.states.values(), getattr(self._event_log, "lag", 0))
+        self.metrics.gauges(self.states.values())
         self.metrics.event_log(self._event_log)
 
     async def _end_failed(self, failed: Mapping[str, str]) -> None:

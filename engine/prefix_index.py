@@ -199,7 +199,6 @@ class PrefixIndex:
         self._lru: OrderedDict[Tokens, None] = OrderedDict()  # memory entries, oldest first
         self.nbytes = 0  # memory tier
         self.evictions = 0  # memory tier, since start
-        self.version = 0  # bumped on every change: a lookup result is valid until it moves
 
     @property
     def num_memory_entries(self) -> int:
@@ -239,7 +238,6 @@ class PrefixIndex:
         drops: list[Tokens] = []
         if info.nbytes > self.max_bytes:  # never fits: not kept in memory (disk may keep it)
             self._drop_memory(info.tokens)
-            self.version += 1
             return [info.tokens]
         entry = self._get_or_add(info.tokens, info.trimmable)
         if entry.in_memory:
@@ -258,23 +256,19 @@ class PrefixIndex:
             self._drop_memory(oldest)
             self.evictions += 1
             drops.append(oldest)
-        self.version += 1
         return drops
 
     def remove_memory(self, tokens: Tokens) -> None:
         self._drop_memory(tokens)
-        self.version += 1
 
     def add_disk(self, tokens: Tokens, trimmable: bool) -> None:
         self._get_or_add(tokens, trimmable).on_disk = True
-        self.version += 1
 
     def remove_disk(self, tokens: Tokens) -> None:
         entry = self._entries.get(tokens)
         if entry is not None:
             entry.on_disk = False
             self._forget_if_unused(entry)
-        self.version += 1
 
     def apply(
         self,

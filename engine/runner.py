@@ -17,14 +17,14 @@ from typing import Any
 
 import mlx.core as mx
 import structlog
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
 from stepline.engine.constraints import advance, apply_grammar_masks
 from stepline.engine.grammar import GrammarCompiler
 from stepline.engine.memory import read_memory_counters
 from stepline.engine.models import LoadedModel
 from stepline.engine.policy import ScheduledChunk
-from stepline.engine.prefix_cache import PrefixStore, share_cache
+from stepline.engine.prefix_cache import PrefixStore, compact_cache, share_cache
 from stepline.engine.prefix_files import model_fingerprint
 from stepline.engine.sampling import (
     RowHistory,
@@ -55,19 +55,10 @@ CheckpointHook = Callable[[str, int, Cache], None]
 
 
 def snapshot_cache(cache: Cache) -> Cache:
-    """An independent copy of a per-request cache (any mlx-lm cache kind), evaluated.
-
-    It views the live cache's arrays (copy-on-write, see `share_cache`), so it costs no
-    copy until the live cache writes on; KVCache views keep only the tokens held, not
-    the rest of the 256-token growth block.
-    """
-    copies = share_cache(cache)
-    for layer in copies:
-        if type(layer) is KVCache and layer.keys is not None:
-            n = layer.offset
-            layer.keys, layer.values = layer.keys[..., :n, :], layer.values[..., :n, :]
-    mx.eval([c.state for c in copies])
-    return copies
+    """An independent, evaluated copy of a per-request cache (any mlx-lm cache kind) that
+    owns exactly its tokens: what the prefix store keeps, so storing it copies nothing more
+    (see `prefix_cache.compact_cache`)."""
+    return compact_cache(cache)
 
 
 class _CheckpointFailed(Exception):
