@@ -8,6 +8,7 @@ open an engine configured the same way. No MLX here.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -52,3 +53,11 @@ class EngineConfig(BaseModel):
     def open_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `Engine.open`."""
         return self.model_dump()
+
+
+def launch_rank() -> int:
+    """This process's rank, as `mlx.launch` or `mpirun` set it (0 when not launched)."""
+    for name in ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return 0

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -23,23 +22,23 @@ from typing import Any
 
 import anyio
 import structlog
-from anyio.streams.memory import MemoryObjectReceiveStream
 
 from stepline.actors.executor import Executor
 from stepline.actors.messages import Cancel, Submit
 from stepline.actors.metrics import EngineMetrics
 from stepline.actors.request import RequestActor, RequestOutput
 from stepline.actors.step_loop import ModelLimits, StepLoop
-from stepline.api.config import EngineConfig
+from stepline.api.config import EngineConfig, launch_rank
 from stepline.api.params import SamplingParams
 from stepline.api.prompts import Prompts, PromptTooLongError
+from stepline.api.stream import RequestStream
 from stepline.engine.cost_model import CostModel
 from stepline.engine.grammar import GrammarCompiler
 from stepline.engine.policy import DEFAULT_MAX_STEP_MS, SchedulerConfig
 from stepline.engine.prefix_index import PrefixIndex
 from stepline.events.models import FinishReason, LogHeader, new_run_id, new_salt
 
-__all__ = ["Engine", "PromptTooLongError", "RequestStream", "SamplingParams"]
+__all__ = ["Engine", "PromptTooLongError", "RequestStream", "SamplingParams", "launch_rank"]
 
 log = structlog.get_logger(__name__)
 
@@ -59,62 +58,6 @@ def _warn_without_openblas() -> None:
 def _vocab_size(loaded: Any) -> int:
     args = getattr(loaded.model, "args", None)
     return getattr(args, "vocab_size", None) or len(loaded.tokenizer._tokenizer)
-
-
-class RequestStream:
-    """The outputs of one request. Async-iterate it; `aclose()` (or `async with`) cancels it."""
-
-    def __init__(self, request_id: str, outputs: MemoryObjectReceiveStream, cancel: Callable):
-        self.request_id = request_id
-        self._outputs = outputs
-        self._cancel = cancel
-        self.finished = False
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        try:
-            out = await self._outputs.receive()
-        except (anyio.EndOfStream, anyio.ClosedResourceError):
-            self.finished = True
-            self._outputs.close()
-            raise StopAsyncIteration from None
-        if out.finish_reason is not None:
-            self.finished = True
-            self._outputs.close()
-        return out
-
-    async def aclose(self) -> None:
-        if not self.finished:
-            self.finished = True
-            self._cancel()
-        self._outputs.close()
-
-    async def __aenter__(self) -> RequestStream:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
-    def __del__(self) -> None:
-        if not self.finished:  # dropped without being read to the end: cancel it
-            self.finished = True
-            try:
-                self._cancel()
-            except Exception:  # noqa: BLE001 - the engine may be gone already
-                pass
-        self._outputs.close()
-
-
-def launch_rank() -> int:
-    """This process's rank, as `mlx.launch` or `mpirun` set it (0 when not launched)."""
-    for name in ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
-        if os.environ.get(name, "").isdigit():
-            return int(os.environ[name])
-    return 0
 
 
 class Engine:

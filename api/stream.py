@@ -1,0 +1,58 @@
+"""A request's output stream, as the Python API hands it out."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream
+
+from stepline.actors.request import RequestOutput
+
+
+class RequestStream:
+    """The outputs of one request. Async-iterate it; `aclose()` (or `async with`) cancels it."""
+
+    def __init__(self, request_id: str, outputs: MemoryObjectReceiveStream, cancel: Callable):
+        self.request_id = request_id
+        self._outputs = outputs
+        self._cancel = cancel
+        self.finished = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            out = await self._outputs.receive()
+        except (anyio.EndOfStream, anyio.ClosedResourceError):
+            self.finished = True
+            self._outputs.close()
+            raise StopAsyncIteration from None
+        if out.finish_reason is not None:
+            self.finished = True
+            self._outputs.close()
+        return out
+
+    async def aclose(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self._cancel()
+        self._outputs.close()
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def __del__(self) -> None:
+        if not self.finished:  # dropped without being read to the end: cancel it
+            self.finished = True
+            try:
+                self._cancel()
+            except Exception:  # noqa: BLE001 - the engine may be gone already
+                pass
+        self._outputs.close()
