@@ -4,7 +4,6 @@ with `starting_after`, cancel, `previous_response_id`, and privacy between API k
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -16,6 +15,7 @@ import jsonschema
 import openai
 import pytest
 import pytest_asyncio
+from helpers import hold_open
 
 from stepline.api import Engine
 from stepline.api.errors import APIError
@@ -51,26 +51,11 @@ async def open_served() -> AsyncIterator[Served]:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def served(demo) -> AsyncIterator[Served]:
-    # Held open in a task of its own: anyio task groups must be exited by their own task.
-    ready: asyncio.Future[Served] = asyncio.get_running_loop().create_future()
-    stop = asyncio.Event()
-
-    async def hold() -> None:
-        try:
-            async with open_served() as value:
-                ready.set_result(value)
-                await stop.wait()
-        except Exception as exc:
-            if ready.done():
-                raise
-            ready.set_exception(exc)
-
-    task = asyncio.create_task(hold())
+    value, close = await hold_open(open_served())
     try:
-        yield await ready
+        yield value
     finally:
-        stop.set()
-        await task
+        await close()
 
 
 async def poll_until_done(client: openai.AsyncOpenAI, rid: str):

@@ -3,7 +3,6 @@ engine on the demo model, httpx reading raw SSE bytes and reconnecting with Last
 
 from __future__ import annotations
 
-import asyncio
 import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -13,6 +12,7 @@ import anyio
 import httpx
 import pytest
 import pytest_asyncio
+from helpers import hold_open
 from starlette.datastructures import Headers
 
 from stepline.api import Engine
@@ -45,27 +45,11 @@ async def open_served() -> AsyncIterator[Served]:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def served(demo) -> AsyncIterator[Served]:
-    # pytest-asyncio sets up and tears down in different tasks; anyio's task groups must be
-    # exited by the task that entered them: hold the server open in a task of its own.
-    ready: asyncio.Future[Served] = asyncio.get_running_loop().create_future()
-    stop = asyncio.Event()
-
-    async def hold() -> None:
-        try:
-            async with open_served() as value:
-                ready.set_result(value)
-                await stop.wait()
-        except Exception as exc:
-            if ready.done():
-                raise
-            ready.set_exception(exc)
-
-    task = asyncio.create_task(hold())
+    value, close = await hold_open(open_served())
     try:
-        yield await ready
+        yield value
     finally:
-        stop.set()
-        await task
+        await close()
 
 
 def client(url: str, key: str = "sk-one") -> httpx.AsyncClient:

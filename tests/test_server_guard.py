@@ -18,6 +18,7 @@ import anyio
 import httpx
 import pytest
 import pytest_asyncio
+from helpers import hold_open
 
 import stepline.engine
 from stepline.api import Engine, PromptTooLongError
@@ -69,25 +70,11 @@ async def open_served() -> AsyncIterator[Served]:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def served(demo) -> AsyncIterator[Served]:
-    # Entered and exited in one task of its own: anyio task groups (the engine's, uvicorn's)
-    # must be exited by the task that entered them, and pytest-asyncio uses two.
-    ready: asyncio.Future[Served] = asyncio.get_running_loop().create_future()
-    stop = asyncio.Event()
-
-    async def hold() -> None:
-        try:
-            async with open_served() as value:
-                ready.set_result(value)
-                await stop.wait()
-        except Exception as exc:
-            if ready.done():
-                raise
-            ready.set_exception(exc)
-
-    task = asyncio.create_task(hold())
-    yield await ready
-    stop.set()
-    await task
+    value, close = await hold_open(open_served())
+    try:
+        yield value
+    finally:
+        await close()
 
 
 async def read_stream(http: httpx.AsyncClient, body: dict) -> bytes:
