@@ -122,8 +122,10 @@ async def test_the_prefix_cache_reports_the_memory_it_keeps_alive(model_cache_di
         held, without, stored = await loop.executor.call(active_with_and_without_entries)
     assert reported > 100_000 and stored == reported
     # What dropping the entries frees is what the cache reports (MLX's own counter).
-    # (within 10%: the allocator rounds each buffer up to its size class)
-    assert abs((held - without) - reported) <= 0.10 * reported
+    # The allocator rounds each buffer up to its size class, which costs these many small
+    # entries 5-12% more; an entry that pinned a parent buffer cost ~30x (the old bug).
+    freed = held - without
+    assert 0.95 * reported <= freed <= 1.25 * reported
 
 
 def test_importing_the_policy_the_fold_and_the_log_loads_neither_mlx_nor_openblas():
