@@ -100,7 +100,8 @@ def commit(
         cached = chunk.start if state.num_computed_tokens == 0 and chunk.start > 0 else 0
         pos = chunk.start
         first = True
-        for offset in (*chunk.checkpoints, chunk.end):
+        # A chunk may end at a checkpoint: each offset is visited once.
+        for offset in sorted({*chunk.checkpoints, chunk.end}):
             if offset > pos:
                 recorder.record(
                     ChunkPrefilled,

@@ -59,6 +59,16 @@ def test_a_chunk_split_at_a_checkpoint_records_both_pieces_and_tells_progress() 
     assert fold(log.events) == {"a": rec.states["a"]}  # the live state is the log's fold
 
 
+def test_a_chunk_that_ends_at_its_checkpoint_records_the_checkpoint_once() -> None:
+    log = ListLog()
+    rec = Recorder(log)
+    admitted(rec, "a", 10, checkpoints=(4,))
+    plan = StepPlan(step=1, chunks=(ScheduledChunk("a", 0, 4, (4,), False),))
+    step(rec, plan, StepResult(checkpoints={"a": (4,)}))
+    assert [e.type for e in log.events[1:]] == ["chunk-prefilled", "checkpoint-reached"]
+    assert fold(log.events)["a"].checkpoints_reached == (4,)
+
+
 def test_a_first_chunk_from_the_cache_records_the_hit_and_tells_the_actor() -> None:
     rec = Recorder()
     admitted(rec, "a", 10)
