@@ -180,6 +180,9 @@ class Engine:
                     if topology is not None
                     else prefix_cache_dir,
                     prefix_cache_disk_bytes=int(prefix_cache_disk_gb * 2**30),
+                    # Ranks > 0 may take rank 0's samples after a step (`adopt_tokens`):
+                    # a forward started with their own would then be wrong.
+                    lookahead=topology is None,
                 )
             )
             memory = await executor.call(

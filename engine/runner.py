@@ -106,6 +106,7 @@ class ModelRunner:
         prefix_cache_dir: str | Path | None = None,
         prefix_cache_disk_bytes: int = 0,
         grammars: GrammarCompiler | None = None,
+        lookahead: bool = True,
     ):
         self.model = loaded.model
         self.loaded = loaded
@@ -123,6 +124,11 @@ class ModelRunner:
         self._seqs: dict[str, _Seq] = {}
         self._batch_ids: list[str] = []  # decode batch rows, in order
         self._batch_cache: Cache | None = None
+        # The decode batch's next forward, started before its step was planned (see
+        # `_look_ahead`). While it is set, every batch row's cache holds its last token and
+        # its rows follow `_batch_ids`.
+        self.lookahead = lookahead
+        self._ahead: mx.array | None = None  # (B, V) last-position logits
         self._split_head = self._check_split_head()
         vocab = getattr(getattr(self.model, "args", None), "vocab_size", None)
         self.grammars = grammars or GrammarCompiler(
@@ -193,12 +199,14 @@ class ModelRunner:
         return self.store.get(new.prefix, new.num_cached_tokens)
 
     def _retire(self, seq: _Seq) -> None:
-        """Offer a finished request's cache (prompt + all but its last token) for reuse."""
+        """Offer a finished request's cache for reuse: its prompt and the tokens it made, all
+        but the last one unless the forward looking ahead has taken that one in too."""
         if self.store is None or seq.cache is not None or seq.num_generated < 1:
             return
         row = self._batch_ids.index(seq.request_id)
         cache = [layer.extract(row) for layer in self._batch_cache]
-        tokens = [*seq.prompt.tolist(), *seq.output[:-1]]
+        fed = seq.output if self._ahead is not None else seq.output[:-1]
+        tokens = [*seq.prompt.tolist(), *fed]
         # Every layer that counts tokens must hold exactly these (a wrapped sliding window
         # does not: it lost its oldest tokens, and cannot serve as a prefix of anything).
         offsets = {c.offset for c in cache if isinstance(getattr(c, "offset", None), int)}
@@ -218,14 +226,18 @@ class ModelRunner:
         self._batch_ids = [self._batch_ids[i] for i in keep]
         if not keep:
             self._batch_cache = None
+            self._ahead = None
             return
         for layer in self._batch_cache:
             layer.filter(keep)
+        if self._ahead is not None:
+            self._ahead = self._ahead[mx.array(keep)]
 
     def _join_batch(self, seqs: list[_Seq]) -> None:
         """Merge finished prefills into the decode batch."""
         if not seqs:
             return
+        assert self._ahead is None, "rows join the batch only after its decode"
         merged = [
             type(layers[0]).merge(list(layers))
             for layers in zip(*(s.cache for s in seqs), strict=True)
@@ -325,8 +337,9 @@ class ModelRunner:
         decoded: mx.array | None = None  # (B, V) last-position logits of the decode batch
         batch = [self._seqs[rid] for rid in self._batch_ids]
         if batch:
-            inputs = mx.array([[s.last_token] for s in batch], dtype=mx.int32)
-            decoded = self.model(inputs, cache=self._batch_cache)[:, -1, :]
+            decoded, self._ahead = self._ahead, None
+            if decoded is None:
+                decoded = self._decode_forward(batch)
 
         sampled = self._sample(finals, batch, decoded, failed)
         tokens: dict[str, int] = {}
@@ -341,6 +354,7 @@ class ModelRunner:
             if lp is not None:
                 logprobs[seq.request_id] = TokenLogprob(lp.token_id, lp.logprob, lp.top)
         self._join_batch([seq for seq, _ in finals if seq.request_id not in failed])
+        self._look_ahead()
         return StepResult(
             tokens=tokens,
             logprobs=logprobs,
@@ -352,6 +366,22 @@ class ModelRunner:
             failed=failed,
             memory=read_memory_counters(),
         )
+
+    def _decode_forward(self, batch: list[_Seq]) -> mx.array:
+        inputs = mx.array([[s.last_token] for s in batch], dtype=mx.int32)
+        return self.model(inputs, cache=self._batch_cache)[:, -1, :]
+
+    def _look_ahead(self) -> None:
+        """Start the next step's decode forward now, as mlx-lm's own loop does: it runs while
+        the step loop commits this step and plans the next, and the next step samples from
+        it. Every row's next input is known (the token just sampled); a row that ends
+        meanwhile (a stop, a cancel) is filtered out unsampled, so its token is never shown.
+        The next step's prefill chunks run after it; their requests join the batch after it.
+        """
+        if not self.lookahead or not self._batch_ids:
+            return
+        self._ahead = self._decode_forward([self._seqs[rid] for rid in self._batch_ids])
+        mx.async_eval(self._ahead)
 
     def _sample(
         self,
@@ -453,6 +483,9 @@ class ModelRunner:
             seq = self._seqs.get(rid)
             if seq is None or not seq.output or seq.output[-1] == token:
                 continue
+            # A forward already started with the old token would be wrong (such runners
+            # are made with lookahead=False).
+            assert self._ahead is None, "adopt_tokens after a look-ahead"
             seq.output[-1] = token
             if seq.history is not None:
                 seq.history = RowHistory(seq.prompt.tolist())

@@ -7,6 +7,8 @@ from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import TypeVar
 
+import anyio
+
 T = TypeVar("T")
 
 
@@ -41,3 +43,11 @@ async def hold_open(cm: AbstractAsyncContextManager[T]) -> tuple[T, Callable[[],
         await task
 
     return value, close
+
+
+async def wait_until(predicate: Callable[[], bool], within: float = 10.0) -> None:
+    """Poll another actor's state with a deadline: it changes on the step loop (which frees
+    ended requests after their end, for one), with no event to wait on here."""
+    with anyio.fail_after(within):
+        while not predicate():  # noqa: ASYNC110 - the state is the step loop's
+            await anyio.sleep(0.005)

@@ -9,6 +9,7 @@ import time
 import anyio
 import pydantic
 import pytest
+from helpers import wait_until
 
 import stepline.actors.step_loop as step_loop_module
 from stepline.actors.executor import Executor, ExecutorDeadError
@@ -33,13 +34,6 @@ def long_prompt(n: int) -> list[int]:
 
 async def collect(stream):
     return [out async for out in stream]
-
-
-async def wait_until(predicate, within: float = 10.0) -> None:
-    """Poll another actor's state with a deadline (it changes on the step loop, not here)."""
-    with anyio.fail_after(within):
-        while not predicate():  # noqa: ASYNC110 - no event to wait on: the state is the step loop's
-            await anyio.sleep(0.005)
 
 
 async def tokens_of(stream) -> list[int]:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import random
 
+import anyio
 import mlx.core as mx
 import pytest
+from helpers import wait_until
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -107,6 +109,54 @@ async def test_a_batch_of_mixed_lengths_gives_each_request_its_solo_tokens(loade
     assert shared_steps < sum(len(p) // 48 + 10 for p in prompts)  # they really shared steps
     for prompt, tokens in zip(prompts, results, strict=True):
         assert tokens == mlx_lm_greedy(loaded, prompt, 10)
+
+
+async def _leave_and_join(name: str, lookahead: bool) -> dict[str, list[int]]:
+    """Requests that end at different steps (their lengths, a cancel), and a second wave
+    that joins the decode batch while the first still decodes."""
+    greedy = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (3, 9, 14)]
+    seeded = SamplingParams(max_tokens=11, temperature=0.8, seed=5, ignore_eos=True)
+    tokens: dict[str, list[int]] = {}
+    async with Engine.open(name, max_step_tokens=48, max_num_seqs=8) as engine:
+        engine.step_loop.runner.lookahead = lookahead
+
+        async def one(rid: str, prompt: list[int], params, cancel_after: int = 0) -> None:
+            got = tokens.setdefault(rid, [])
+            async with await engine.submit(prompt, params=params, request_id=rid) as stream:
+                async for out in stream:
+                    got.extend(out.token_ids)
+                    if cancel_after and len(got) >= cancel_after:
+                        return  # leaving the block cancels the rest
+
+        async with anyio.create_task_group() as tg:
+            for i, params in enumerate(greedy):
+                tg.start_soon(one, f"a{i}", prompt_ids(20 + 7 * i, seed=i), params)
+            tg.start_soon(one, "a-seeded", prompt_ids(33, seed=9), seeded)
+            tg.start_soon(one, "a-cancelled", prompt_ids(12, seed=8), greedy[2], 4)
+            await wait_until(lambda: len(tokens.get("a1", ())) >= 2)
+            for i, params in enumerate(greedy):  # the second wave, while the first decodes
+                tg.start_soon(one, f"b{i}", prompt_ids(60 + i, seed=20 + i), params)
+        await wait_until(lambda: engine.step_loop.runner.num_sequences == 0)
+    return tokens
+
+
+async def test_looking_ahead_changes_no_token_while_requests_leave_and_join(
+    loaded, model_cache_dir
+):
+    """The next decode forward starts before its step is planned: rows that ended meanwhile
+    are dropped unsampled, new rows wait for the forward after it. Every token is what a
+    runner that never looks ahead makes, and greedy tokens are mlx-lm's own."""
+    ahead = await _leave_and_join(loaded.name, lookahead=True)
+    plain = await _leave_and_join(loaded.name, lookahead=False)
+    assert {rid: toks for rid, toks in ahead.items() if rid != "a-cancelled"} == {
+        rid: toks for rid, toks in plain.items() if rid != "a-cancelled"
+    }
+    assert ahead["a-cancelled"][:4] == plain["a-cancelled"][:4]  # cancelled after 4 tokens
+    for wave, base in (("a", 0), ("b", 20)):
+        for i, n in enumerate((3, 9, 14)):
+            length = 20 + 7 * i if wave == "a" else 60 + i
+            expected = mlx_lm_greedy(loaded, prompt_ids(length, seed=base + i), n)
+            assert ahead[f"{wave}{i}"] == expected
 
 
 def _layer_arrays(layer) -> list[mx.array]:

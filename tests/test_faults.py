@@ -11,6 +11,7 @@ from collections import Counter
 
 import anyio
 import pytest
+from helpers import wait_until
 
 import stepline.actors.step_loop as step_loop_module
 from stepline.api import Engine, EngineDeadError, SamplingParams
@@ -40,13 +41,6 @@ OTHERS = {f"other-{i}": (prompt_of(20 + 15 * i, salt=i), params(seed=i)) for i i
 
 async def collect(stream) -> list:
     return [out async for out in stream]
-
-
-async def wait_until(predicate, within: float = 10.0) -> None:
-    """Poll the step loop's side with a deadline (it frees ended requests after their end)."""
-    with anyio.fail_after(within):
-        while not predicate():  # noqa: ASYNC110 - no event to wait on: the state is the loop's
-            await anyio.sleep(0.005)
 
 
 async def tokens_alone(engine: Engine) -> dict[str, list[int]]:

@@ -10,16 +10,11 @@ from collections import Counter
 
 import anyio
 import pytest
+from helpers import wait_until
 
 from stepline.api import Engine, SamplingParams
 from stepline.events.log import read_events
 from stepline.events.models import Admitted, Terminal
-
-
-async def wait_until(predicate) -> None:
-    with anyio.fail_after(10):
-        while not predicate():  # noqa: ASYNC110 - the state is the step loop's: nothing to wait on
-            await anyio.sleep(0.005)
 
 
 @pytest.mark.parametrize("model", ["stepline-demo", "stepline-demo-hybrid"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import anyio
 import pytest
+from helpers import wait_until
 
 from stepline.api import Engine, KVBudgetExceededError, QueueFullError, SamplingParams
 from stepline.engine.memory import (
@@ -26,12 +27,6 @@ def prompt_of(n: int, salt: int = 0) -> list[int]:
 
 async def collect(stream) -> list:
     return [out async for out in stream]
-
-
-async def wait_until(predicate, within: float = 10.0) -> None:
-    with anyio.fail_after(within):
-        while not predicate():  # noqa: ASYNC110 - no event to wait on: the state is the loop's
-            await anyio.sleep(0.005)
 
 
 # -- measuring the KV footprint --------------------------------------------------------------

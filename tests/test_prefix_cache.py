@@ -155,12 +155,17 @@ async def test_concurrent_requests_sharing_one_entry_do_not_disturb_each_other(
         same(results[i], await cold(model, system + q))
 
 
-async def test_a_follow_up_reuses_the_previous_answer_as_soon_as_it_finished(model_cache_dir):
+@pytest.mark.parametrize("lookahead", [True, False], ids=["looking-ahead", "not-looking-ahead"])
+async def test_a_follow_up_reuses_the_previous_answer_as_soon_as_it_finished(
+    model_cache_dir, lookahead
+):
     prompt = ids(30, 50)
     async with Engine.open("stepline-demo", max_step_tokens=64, max_num_seqs=4) as engine:
+        engine.step_loop.runner.lookahead = lookahead
         first = await run(engine, prompt)
         follow_up = prompt + first[0] + ids(5, 51)
         warm = await run(engine, follow_up)
-    # the finished request's cache holds its prompt and all but its last token
-    assert warm[2] == len(prompt) + len(first[0]) - 1
+    # The finished request's cache holds its prompt and the tokens it made: all of them
+    # once the forward that looked ahead took in the last one, else all but the last.
+    assert warm[2] == len(prompt) + len(first[0]) - (0 if lookahead else 1)
     same(warm, await cold("stepline-demo", follow_up))
