@@ -13,6 +13,7 @@ first chunk is scheduled; the executor only stores the arrays.
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -236,11 +237,13 @@ class StepLoop:
         return True
 
     def _drain(self) -> list[Submit | Cancel]:
+        """The messages waiting in the inbox; none once the engine closed it (it closes it
+        while it shuts down, which may land between two steps of this loop)."""
         msgs = []
         while True:
             try:
                 msgs.append(self._inbox.receive_nowait())
-            except anyio.WouldBlock:
+            except (anyio.WouldBlock, anyio.EndOfStream):
                 return msgs
 
     # -- the loop ------------------------------------------------------------
@@ -282,7 +285,8 @@ class StepLoop:
             elif self.states:
                 # Nothing fits now (cannot happen with the policy's admission rules,
                 # but never spin): wait for the next message.
-                await self._handle(await self._inbox.receive())
+                with contextlib.suppress(anyio.EndOfStream):  # the engine is closing
+                    await self._handle(await self._inbox.receive())
             return
         self.recorder.step += 1
         self.recorder.in_step = True
