@@ -27,6 +27,7 @@ from stepline.engine.policy import ScheduledChunk
 from stepline.engine.prefix_cache import PrefixStore, compact_cache, share_cache
 from stepline.engine.prefix_files import model_fingerprint
 from stepline.engine.sampling import (
+    PendingSample,
     RowHistory,
     RowSampling,
     SampleOutput,
@@ -95,6 +96,16 @@ class _Seq:
         return self.output[-1]
 
 
+@dataclass
+class _Ahead:
+    """The decode batch's next forward and its samples, started before the step that uses
+    them was planned (see `ModelRunner._look_ahead`)."""
+
+    ids: list[str]  # the batch's rows when it started; the step takes those still there
+    logits: mx.array  # (B, V) last-position logits
+    sample: PendingSample | None  # None if it could not be built: the step samples instead
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -125,10 +136,9 @@ class ModelRunner:
         self._batch_ids: list[str] = []  # decode batch rows, in order
         self._batch_cache: Cache | None = None
         # The decode batch's next forward, started before its step was planned (see
-        # `_look_ahead`). While it is set, every batch row's cache holds its last token and
-        # its rows follow `_batch_ids`.
+        # `_look_ahead`). While it is set, every batch row's cache holds its last token.
         self.lookahead = lookahead
-        self._ahead: mx.array | None = None  # (B, V) last-position logits
+        self._ahead: _Ahead | None = None
         self._split_head = self._check_split_head()
         vocab = getattr(getattr(self.model, "args", None), "vocab_size", None)
         self.grammars = grammars or GrammarCompiler(
@@ -230,8 +240,6 @@ class ModelRunner:
             return
         for layer in self._batch_cache:
             layer.filter(keep)
-        if self._ahead is not None:
-            self._ahead = self._ahead[mx.array(keep)]
 
     def _join_batch(self, seqs: list[_Seq]) -> None:
         """Merge finished prefills into the decode batch."""
@@ -334,14 +342,15 @@ class ModelRunner:
                 assert logits is not None
                 finals.append((self._seqs[chunk.request_id], logits))
 
-        decoded: mx.array | None = None  # (B, V) last-position logits of the decode batch
         batch = [self._seqs[rid] for rid in self._batch_ids]
-        if batch:
-            decoded, self._ahead = self._ahead, None
-            if decoded is None:
-                decoded = self._decode_forward(batch)
-
-        sampled = self._sample(finals, batch, decoded, failed)
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            decoded = self._decode_forward(batch) if batch else None
+            sampled = self._sample(finals, batch, decoded, failed)
+        else:
+            sampled = self._sample(finals, [], None, failed) + self._sample_ahead(
+                ahead, batch, failed
+            )
         tokens: dict[str, int] = {}
         logprobs: dict[str, TokenLogprob] = {}
         for seq, token, lp in sampled:
@@ -372,16 +381,47 @@ class ModelRunner:
         return self.model(inputs, cache=self._batch_cache)[:, -1, :]
 
     def _look_ahead(self) -> None:
-        """Start the next step's decode forward now, as mlx-lm's own loop does: it runs while
-        the step loop commits this step and plans the next, and the next step samples from
-        it. Every row's next input is known (the token just sampled); a row that ends
-        meanwhile (a stop, a cancel) is filtered out unsampled, so its token is never shown.
-        The next step's prefill chunks run after it; their requests join the batch after it.
+        """Start the next step's decode forward and its sampling now, as mlx-lm's own loop
+        does: they run while the step loop commits this step and plans the next, and the next
+        step takes their tokens. Every row's next input is known (the token just sampled), and
+        so is what its sampling reads (its position, penalty history and grammar state). A row
+        that ends meanwhile (a stop, a cancel) is skipped, so its token is never shown. The
+        next step's prefill chunks run after it; their requests join the batch after it.
         """
         if not self.lookahead or not self._batch_ids:
             return
-        self._ahead = self._decode_forward([self._seqs[rid] for rid in self._batch_ids])
-        mx.async_eval(self._ahead)
+        batch = [self._seqs[rid] for rid in self._batch_ids]
+        logits = self._decode_forward(batch)
+        try:
+            sample: PendingSample | None = self._start_rows(logits, batch)
+        except Exception as exc:  # noqa: BLE001 - the step samples again, and isolates it
+            log.info("look_ahead_sampling_deferred", error=repr(exc))
+            sample = None
+        mx.async_eval(logits, *(sample.arrays() if sample is not None else ()))
+        self._ahead = _Ahead(list(self._batch_ids), logits, sample)
+
+    def _sample_ahead(
+        self, ahead: _Ahead, batch: list[_Seq], failed: dict[str, str]
+    ) -> list[tuple[_Seq, int, TokenLogprobs | None]]:
+        """The batch's tokens from the forward and samples started a step ahead (rows that
+        ended since are skipped); if those samples fail, they are redone as `_sample` does."""
+        if not batch:
+            return []
+        row = {rid: i for i, rid in enumerate(ahead.ids)}
+        if ahead.sample is not None:
+            try:
+                out = ahead.sample.finish()
+            except Exception as exc:
+                if is_collective_error(exc):
+                    raise
+                log.warning("batched_sampling_failed", error=repr(exc), num_rows=len(batch))
+            else:
+                return [
+                    (s, out.tokens[row[s.request_id]], out.logprobs[row[s.request_id]])
+                    for s in batch
+                ]
+        rows = mx.array([row[s.request_id] for s in batch])
+        return self._sample([], batch, ahead.logits[rows], failed)
 
     def _sample(
         self,
@@ -433,11 +473,14 @@ class ModelRunner:
         return sampled
 
     def _sample_rows(self, logits: mx.array, seqs: list[_Seq]) -> SampleOutput:
+        return self._start_rows(logits, seqs).finish()
+
+    def _start_rows(self, logits: mx.array, seqs: list[_Seq]) -> PendingSample:
         constrained = [i for i, s in enumerate(seqs) if s.constraint is not None]
         if constrained:  # grammar masks on those rows only
             matchers = [seqs[i].constraint for i in constrained]
             logits = apply_grammar_masks(logits, constrained, matchers)
-        return self.sampler.sample(
+        return self.sampler.start(
             logits,
             [s.sampling for s in seqs],
             positions=[s.num_generated for s in seqs],

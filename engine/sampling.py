@@ -152,15 +152,25 @@ class Sampler:
         Raises ValueError if the lengths disagree with the batch, a row with a penalty has no
         history, or a history holds a token id outside the vocabulary.
         """
+        return self.start(logits, rows, positions, histories).finish()
+
+    def start(
+        self,
+        logits: mx.array,
+        rows: Sequence[RowSampling],
+        positions: Sequence[int],
+        histories: Sequence[RowHistory | None] | None = None,
+    ) -> PendingSample:
+        """`sample`, built but not evaluated: `mx.async_eval(*pending.arrays())` can run it
+        alongside other work, and `pending.finish()` gives the `SampleOutput`. The shared
+        stream's keys are drawn now, in call order."""
         num_rows, _ = _check_batch(logits, rows, positions, histories)
         penalised_rows = [i for i, r in enumerate(rows) if r.needs_history]
         logprob_rows = [i for i, r in enumerate(rows) if r.logprobs is not None]
         sampled_rows = [i for i, r in enumerate(rows) if not r.is_greedy]
 
         if not penalised_rows and not logprob_rows and not sampled_rows:
-            tokens = mx.argmax(logits, axis=-1)
-            mx.eval(tokens)
-            return SampleOutput(tokens=tokens.tolist(), logprobs=[None] * num_rows)
+            return PendingSample(num_rows, mx.argmax(logits, axis=-1))
 
         raw = logits.astype(mx.float32)
         penalised = raw
@@ -177,25 +187,9 @@ class Sampler:
             tokens = mx.argmax(penalised, axis=-1)
             if draw is not None:
                 tokens[mx.array(draw.row_index)] = draw.tokens
-
-        to_eval = [tokens]
-        if draw is not None and draw.covered is not None:
-            to_eval.append(draw.covered)
+        assert tokens is not None
         lp = _Logprobs.build(raw, tokens, rows, logprob_rows) if logprob_rows else None
-        if lp is not None:
-            to_eval.extend(lp.arrays())
-        mx.eval(*to_eval)
-        token_list: list[int] = tokens.tolist()
-
-        if draw is not None and draw.covered is not None and not draw.covered.all().item():
-            redone = draw.redo_uncovered()  # rows whose filter reached past the candidates
-            if lp is not None:
-                lp.retake_chosen(redone)
-            mx.eval(*[tok for _, tok in redone], *(lp.arrays() if lp is not None else []))
-            for row, tok in redone:
-                token_list[row] = tok.item()
-        per_row = lp.to_python(token_list, num_rows) if lp is not None else [None] * num_rows
-        return SampleOutput(tokens=token_list, logprobs=per_row)
+        return PendingSample(num_rows, tokens, draw, lp)
 
     def _draw(
         self,
@@ -235,6 +229,41 @@ class Sampler:
 
 
 # -- the pieces ---------------------------------------------------------------------------------
+
+
+@dataclass
+class PendingSample:
+    """A batch's tokens (and logprobs), as lazy arrays until `finish`."""
+
+    num_rows: int
+    tokens: mx.array  # (B,)
+    draw: _Draw | None = None  # the non-greedy rows, if any
+    lp: _Logprobs | None = None  # the rows that asked for logprobs, if any
+
+    def arrays(self) -> list[mx.array]:
+        out = [self.tokens]
+        if self.draw is not None and self.draw.covered is not None:
+            out.append(self.draw.covered)
+        if self.lp is not None:
+            out.extend(self.lp.arrays())
+        return out
+
+    def finish(self) -> SampleOutput:
+        """Evaluate (one `mx.eval`, two for rows whose filters reached past the candidates)
+        and return Python values."""
+        draw, lp = self.draw, self.lp
+        mx.eval(*self.arrays())
+        token_list: list[int] = self.tokens.tolist()
+        if draw is not None and draw.covered is not None and not draw.covered.all().item():
+            redone = draw.redo_uncovered()  # rows whose filter reached past the candidates
+            if lp is not None:
+                lp.retake_chosen(redone)
+            mx.eval(*[tok for _, tok in redone], *(lp.arrays() if lp is not None else []))
+            for row, tok in redone:
+                token_list[row] = tok.item()
+        n = self.num_rows
+        per_row = lp.to_python(token_list, n) if lp is not None else [None] * n
+        return SampleOutput(tokens=token_list, logprobs=per_row)
 
 
 @dataclass

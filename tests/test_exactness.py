@@ -44,18 +44,28 @@ def full_prefill_logits(loaded, prompt: list[int]) -> mx.array:
 
 
 class CapturingRunner(ModelRunner):
-    """A real runner that also keeps the logits rows it sampled from."""
+    """A real runner that also keeps the logits rows it sampled from in its steps (not those
+    it samples ahead for the next step's decode)."""
 
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
         self.sampled_logits: list[mx.array] = []
-        sample = self.sampler.sample
+        self._ahead_of_step = False
+        start = self.sampler.start
 
         def spy(logits, *args, **kwargs):
-            self.sampled_logits.append(logits)
-            return sample(logits, *args, **kwargs)
+            if not self._ahead_of_step:
+                self.sampled_logits.append(logits)
+            return start(logits, *args, **kwargs)
 
-        self.sampler.sample = spy
+        self.sampler.start = spy
+
+    def _look_ahead(self) -> None:
+        self._ahead_of_step = True
+        try:
+            super()._look_ahead()
+        finally:
+            self._ahead_of_step = False
 
 
 def run_chunked(runner: ModelRunner, prompt: list[int], chunk: int, checkpoints=()) -> int:

@@ -14,6 +14,7 @@ import pytest
 from helpers import wait_until
 
 import stepline.actors.step_loop as step_loop_module
+from stepline.actors.messages import Cancel
 from stepline.api import Engine, EngineDeadError, SamplingParams
 from stepline.engine.work import (
     ADMISSION_FAILED,
@@ -125,15 +126,15 @@ async def test_a_fault_in_one_requests_sampling_row_ends_only_that_request(
     ) as engine:
         alone = await tokens_alone(engine)
         sampler = engine.step_loop.runner.sampler
-        real_sample = sampler.sample
+        real_start = sampler.start  # every sampling, in a step or a step ahead, starts here
 
-        def sample(logits, rows, positions, histories=None):
+        def start(logits, rows, positions, histories=None):
             for row, pos in zip(rows, positions, strict=True):
                 if row.seed == DOOMED_SEED and pos >= failing_position:
                     raise RuntimeError("injected sampling fault")
-            return real_sample(logits, rows, positions, histories)
+            return real_start(logits, rows, positions, histories)
 
-        sampler.sample = sample
+        sampler.start = start
         results = await run_together(engine, prompt_of(10, salt=7), params(seed=DOOMED_SEED))
         assert engine.healthy
         await wait_until(lambda: engine.step_loop.runner.num_sequences == 0)
@@ -202,6 +203,21 @@ async def test_a_fault_of_the_batched_decode_ends_everyone_and_the_engine_says_s
         assert [o.finish_reason for o in outs if o.finish_reason] == ["error"], rid
     terminals = assert_one_terminal_each(log, ["doomed", *OTHERS])
     assert {t.reason for t in terminals if t.request_id in results} == {"error"}
+
+
+async def test_a_cancel_that_lands_as_the_engine_closes_its_inbox_is_no_step_loop_failure(
+    model_cache_dir,
+):
+    """A stream closed at exit sends a Cancel; the engine closes the step loop's inbox right
+    after. The idle loop wakes with that message, not with its cancellation, then finds the
+    inbox closed: that is the end of its work, not a failure that kills the engine."""
+    async with Engine.open(max_step_tokens=32) as engine:
+        loop = engine.step_loop
+        loop.inbox.send_nowait(Cancel(request_id="gone-already"))
+        loop.inbox.close()  # as Engine.open's exit does, with no await in between
+        await anyio.sleep(0.05)  # the loop handles the message, then finds the inbox closed
+        assert engine.healthy, engine.unhealthy_reason
+        assert loop.dead_reason is None
 
 
 async def test_a_bug_in_the_step_loop_is_not_reported_as_a_dead_executor(
