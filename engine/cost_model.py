@@ -11,7 +11,9 @@ A step's time is modelled as a linear function of what it computes:
             + per_decode_context * sum(decode rows' context lengths)
 
 `CostModel` fits the coefficients to the most recent steps (a window per kind of step, so
-a long run of decode-only steps does not forget what prefill costs), plus the warm-up's
+a long run of decode-only steps does not forget what prefill costs; and prefill steps kept
+per band of context, so the small late chunks of a long prompt do not make it forget what
+a big early chunk costs), plus the warm-up's
 samples, which never leave: non-negative least squares on relative errors (a 5 ms decode step
 matters as much as a 500 ms prefill), then again without the samples the first fit explains
 worst (a neighbour's burst of load, a GC pause). The policy takes the fitted `StepCost`
@@ -31,6 +33,9 @@ MIN_SAMPLES = 8
 OUTLIER_SIGMAS = 3.0
 OUTLIER_FLOOR = 0.10
 MAX_TOKENS = 2**31  # "as many as you like": more than any chunk will ever hold
+# Prefill steps are kept per band of their chunks' mean context, each band its own window:
+# under 256 tokens, under 1024, under 4096, under 16384, and beyond.
+CONTEXT_BANDS = (256, 1024, 4096, 16384)
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,12 @@ class StepFeatures:
     @property
     def has_prefill(self) -> bool:
         return self.num_chunks > 0
+
+    @property
+    def context_band(self) -> int:
+        """Which of `CONTEXT_BANDS` the chunks' mean context (keys per query) falls in."""
+        mean = self.prefill_attention / self.prefill_tokens if self.prefill_tokens else 0.0
+        return sum(mean >= edge for edge in CONTEXT_BANDS)
 
 
 def chunk_attention(start: int, num_tokens: int) -> float:
@@ -140,9 +151,11 @@ class CostModel:
         if refit_every < 1:
             raise ValueError(f"refit_every must be >= 1, got {refit_every}")
         self._seed: list[Sample] = []
-        # decode-only steps and steps with prefill: each kind keeps its own recent history
+        # decode-only steps and steps with prefill (per band of context): each kind keeps
+        # its own recent history
         self._decode: deque[Sample] = deque(maxlen=window)
-        self._prefill: deque[Sample] = deque(maxlen=window)
+        band = max(MIN_SAMPLES, window // 2)
+        self._prefill = [deque[Sample](maxlen=band) for _ in range(len(CONTEXT_BANDS) + 1)]
         self._refit_every = refit_every
         self._since_fit = 0
         self._cost: StepCost | None = None
@@ -159,19 +172,20 @@ class CostModel:
         """A step with `features` took `seconds` (the executor's measured time)."""
         if not _usable(seconds):
             return
-        (self._prefill if features.has_prefill else self._decode).append(Sample(features, seconds))
+        history = self._prefill[features.context_band] if features.has_prefill else self._decode
+        history.append(Sample(features, seconds))
         self._since_fit += 1
 
     @property
     def num_samples(self) -> int:
-        return len(self._seed) + len(self._decode) + len(self._prefill)
+        return len(self._seed) + len(self._decode) + sum(len(p) for p in self._prefill)
 
     @property
     def cost(self) -> StepCost | None:
         """The current fit, or None while there are too few samples to trust one."""
         if self._since_fit >= self._refit_every or (self._cost is None and self._since_fit):
             self._since_fit = 0
-            samples = [*self._seed, *self._decode, *self._prefill]
+            samples = [*self._seed, *self._decode, *(s for p in self._prefill for s in p)]
             if len(samples) >= MIN_SAMPLES:
                 self._cost = fit(samples)
         return self._cost

@@ -9,11 +9,13 @@ A chunk is min(remaining prompt, budget left, long-prefill cap).
 With a cost model (`StepCost`, fitted by engine/cost_model.py) and decode rows to protect,
 chunks are also sized so that the step's predicted time stays under `max_step_ms`: they
 shrink as their context grows and as decode rows are added. The oldest prefill always
-gets at least one token, so nothing starves; and when the step's overheads (decode rows,
-a chunk's fixed cost) take more than half the target, the prefill's own work still gets
-as much time as they do (under load the target cannot hold, and prompts must not wait
-forever). With nobody decoding there is nobody to protect: a lone prompt prefills in
-chunks as big as the token rules allow.
+gets at least one token, so nothing starves; and a step is never so short that its
+overheads (the decode rows, a chunk's fixed cost) take more than 1 - MIN_PREFILL_SHARE of
+it: on a machine where they are large beside the target, the step stretches so that the
+prompt's own work keeps most of it (every step pays the overheads, and a prompt cut into
+many small chunks would wait far longer for its first token than it takes to compute).
+With nobody decoding there is nobody to protect: a lone prompt prefills in chunks as big
+as the token rules allow.
 """
 
 from __future__ import annotations
@@ -29,6 +31,12 @@ from stepline.events.fold import RequestState, Status
 # faster than anyone reads, and long enough that a chunk's fixed cost (a forward call, the
 # step's own overhead) stays small beside its work, so prompts are not slowed much.
 DEFAULT_MAX_STEP_MS = 100.0
+# The least share of a step with decode rows that a prefill chunk's own work gets: its time
+# to first token stays within about 1 / MIN_PREFILL_SHARE of its bare prefill time, while
+# the decoders wait at most a step of 1 / (1 - MIN_PREFILL_SHARE) times the overheads (8x:
+# about 0.4 s on a 2-core CPU with stepline-demo-large, where one forward's fixed cost is
+# ~20 ms; within the 100 ms target on a machine 4x faster).
+MIN_PREFILL_SHARE = 0.875
 
 
 @dataclass(frozen=True)
@@ -159,10 +167,9 @@ def schedule(
     seconds = 0.0
     if timed:
         assert cost is not None and config.max_step_ms is not None
-        # Under load the target cannot hold: the prefill's own work still gets as much time
-        # as the step's overheads (its decode rows, a chunk's fixed cost), so a prompt's
-        # time to first token stays within twice its bare prefill time.
-        seconds = max(config.max_step_ms / 1e3, 2 * (cost.predict(features) + cost.per_chunk))
+        # Where the target leaves the prefill too little of the step, the step stretches.
+        overheads = cost.predict(features) + cost.per_chunk
+        seconds = max(config.max_step_ms / 1e3, overheads / (1 - MIN_PREFILL_SHARE))
 
     def chunk_size(s: RequestState, start: int) -> int:
         """Tokens for this request's next chunk: the token rules, then the time left."""

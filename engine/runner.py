@@ -83,6 +83,7 @@ class _Seq:
     sampling: RowSampling
     history: RowHistory | None
     cache: Cache | None  # own cache while prefilling; None once merged into the batch
+    max_output: int  # it ends by length at this many tokens (the step loop's rule too)
     output: list[int] = field(default_factory=list)
     checkpoints: list[int] = field(default_factory=list)
     constraint: Any = None  # llguidance matcher of a grammar-constrained request
@@ -200,6 +201,7 @@ class ModelRunner:
             sampling=sampling,
             history=RowHistory(new.prompt_token_ids) if sampling.needs_history else None,
             cache=self._start_cache(new),
+            max_output=min(p.max_tokens, self.loaded.max_context - len(new.prompt_token_ids)),
             constraint=self.grammars.matcher(p.grammar) if p.grammar is not None else None,
         )
 
@@ -211,11 +213,14 @@ class ModelRunner:
     def _retire(self, seq: _Seq) -> None:
         """Offer a finished request's cache for reuse: its prompt and the tokens it made, all
         but the last one unless the forward looking ahead has taken that one in too."""
-        if self.store is None or seq.cache is not None or seq.num_generated < 1:
+        if self.store is None or seq.num_generated < 1:
             return
-        row = self._batch_ids.index(seq.request_id)
-        cache = [layer.extract(row) for layer in self._batch_cache]
-        fed = seq.output if self._ahead is not None else seq.output[:-1]
+        if seq.cache is not None:  # it ended at its first token, never joining the batch
+            cache, fed = seq.cache, seq.output[:-1]
+        else:
+            row = self._batch_ids.index(seq.request_id)
+            cache = [layer.extract(row) for layer in self._batch_cache]
+            fed = seq.output if self._ahead is not None else seq.output[:-1]
         tokens = [*seq.prompt.tolist(), *fed]
         # Every layer that counts tokens must hold exactly these (a wrapped sliding window
         # does not: it lost its oldest tokens, and cannot serve as a prefix of anything).
@@ -362,7 +367,15 @@ class ModelRunner:
             tokens[seq.request_id] = token
             if lp is not None:
                 logprobs[seq.request_id] = TokenLogprob(lp.token_id, lp.logprob, lp.top)
-        self._join_batch([seq for seq, _ in finals if seq.request_id not in failed])
+        # A request that ended at its first token (max_tokens=1, or no room left in the
+        # context) never joins: merging its cache would pad every row to its length.
+        self._join_batch(
+            [
+                seq
+                for seq, _ in finals
+                if seq.request_id not in failed and seq.num_generated < seq.max_output
+            ]
+        )
         self._look_ahead()
         return StepResult(
             tokens=tokens,

@@ -157,3 +157,27 @@ def test_coefficients_must_be_non_negative():
         StepCost(per_attention=-1e-9)
     with pytest.raises(ValueError, match="step"):
         StepCost(step=float("nan"))
+
+
+def test_the_small_late_chunks_of_a_long_prompt_do_not_hide_what_a_big_early_chunk_costs():
+    """Real steps are not exactly linear (a small chunk uses the machine less well); a long
+    prompt's hundreds of small late chunks must not push its first big chunks out of the
+    fit, or the next long prompt's first chunk runs far over its time."""
+
+    def measured(f: StepFeatures) -> float:
+        small_chunk_penalty = 1 + 16 / max(f.prefill_tokens, 1)  # per prompt token
+        return TRUE.predict(f) + TRUE.per_prefill_token * f.prefill_tokens * (
+            small_chunk_penalty - 1
+        )
+
+    model = CostModel(window=64, refit_every=4)
+    rng = random.Random(9)
+    for start in range(0, 2048, 256):  # the prompt's big early chunks, beside 4 decode rows
+        f = StepFeatures(decode_rows=4, decode_context=400).with_chunk(start, 256)
+        model.observe(f, measured(f))
+    for _ in range(400):  # then small chunks deep into the prompt
+        f = StepFeatures(decode_rows=4, decode_context=400).with_chunk(rng.randint(4000, 6000), 8)
+        model.observe(f, measured(f))
+    early = StepFeatures(decode_rows=4, decode_context=400).with_chunk(0, 256)
+    assert model.cost is not None
+    assert model.cost.predict(early) == pytest.approx(measured(early), rel=0.15)

@@ -255,3 +255,44 @@ def test_final_chunks_of_different_lengths_in_one_step_match_solo(request, name,
         steps = [*steps, *[out[r] for r in rids]]
     for i, p in enumerate(prompts):
         assert steps[i :: len(prompts)] == mlx_lm_greedy(loaded, p, 4), i
+
+
+def test_a_request_that_ends_at_its_first_token_never_joins_the_decode_batch(loaded):
+    """Merging its cache would pad every decode row to its prompt's length, for nothing: it
+    ends by length now. Its prompt still becomes a prefix-cache entry, and serves exactly."""
+    runner = ModelRunner(loaded, prefix_cache_bytes=1 << 26)
+    long_prompt, short_prompt = prompt_ids(60, seed=1), prompt_ids(5, seed=2)
+    once = GREEDY.model_copy(update={"max_tokens": 1})
+    news = (
+        NewRequest("long", tuple(long_prompt), once),
+        NewRequest("short", tuple(short_prompt), GREEDY),
+    )
+    plan = StepPlan(
+        step=1,
+        chunks=(ScheduledChunk("long", 0, 60, (), True), ScheduledChunk("short", 0, 5, (), True)),
+        num_scheduled_tokens={"long": 60, "short": 5},
+    )
+    first = runner.run(StepWork(plan=plan, admit=news)).tokens
+    assert first["long"] == mlx_lm_greedy(loaded, long_prompt, 1)[0]
+    assert runner._batch_ids == ["short"]  # the short request decodes alone
+
+    plan = StepPlan(step=2, decodes=("short",), num_scheduled_tokens={"short": 1})
+    work = StepWork(plan=plan, free=("long",), retire=frozenset({"long"}))
+    second = runner.run(work).tokens
+    assert [first["short"], second["short"]] == mlx_lm_greedy(loaded, short_prompt, 2)
+
+    # A request with the same 60 tokens and more starts from the retired entry.
+    follow_up = [*long_prompt, *prompt_ids(7, seed=3)]
+    new = NewRequest(
+        "next", tuple(follow_up), GREEDY, prefix=tuple(long_prompt), num_cached_tokens=60
+    )
+    plan = StepPlan(
+        step=3,
+        decodes=("short",),
+        chunks=(ScheduledChunk("next", 60, 67, (), True),),
+        num_scheduled_tokens={"short": 1, "next": 7},
+    )
+    assert (
+        runner.run(StepWork(plan=plan, admit=(new,))).tokens["next"]
+        == mlx_lm_greedy(loaded, follow_up, 1)[0]
+    )
