@@ -33,10 +33,10 @@ from stepline.events.fold import RequestState, Status
 DEFAULT_MAX_STEP_MS = 100.0
 # The least share of a step with decode rows that a prefill chunk's own work gets: its time
 # to first token stays within about 1 / MIN_PREFILL_SHARE of its bare prefill time, while
-# the decoders wait at most a step of 1 / (1 - MIN_PREFILL_SHARE) times the overheads (8x:
-# about 0.4 s on a 2-core CPU with stepline-demo-large, where one forward's fixed cost is
-# ~20 ms; within the 100 ms target on a machine 4x faster).
-MIN_PREFILL_SHARE = 0.875
+# the decoders wait at most a step of 1 / (1 - MIN_PREFILL_SHARE) times the overheads (5x:
+# about 0.3-0.4 s on a 2-core CPU with stepline-demo-large, where a forward call costs
+# ~20 ms before any token; within the 100 ms target on a machine 3x faster).
+MIN_PREFILL_SHARE = 0.8
 
 
 @dataclass(frozen=True)
