@@ -349,33 +349,19 @@ class ModelRunner:
 
         batch = [self._seqs[rid] for rid in self._batch_ids]
         ahead, self._ahead = self._ahead, None
-        if ahead is None:
-            decoded = self._decode_forward(batch) if batch else None
-            sampled = self._sample(finals, batch, decoded, failed)
-        else:
-            sampled = self._sample(finals, [], None, failed) + self._sample_ahead(
-                ahead, batch, failed
-            )
         tokens: dict[str, int] = {}
         logprobs: dict[str, TokenLogprob] = {}
-        for seq, token, lp in sampled:
-            seq.output.append(token)
-            if seq.history is not None:
-                seq.history.append(token)
-            if seq.constraint is not None:
-                advance(seq.constraint, token)
-            tokens[seq.request_id] = token
-            if lp is not None:
-                logprobs[seq.request_id] = TokenLogprob(lp.token_id, lp.logprob, lp.top)
-        # A request that ended at its first token (max_tokens=1, or no room left in the
-        # context) never joins: merging its cache would pad every row to its length.
-        self._join_batch(
-            [
-                seq
-                for seq, _ in finals
-                if seq.request_id not in failed and seq.num_generated < seq.max_output
-            ]
-        )
+        if ahead is None:
+            decoded = self._decode_forward(batch) if batch else None
+            self._record(self._sample(finals, batch, decoded, failed), tokens, logprobs)
+            self._join_finals(finals, failed)
+        else:
+            self._record(self._sample(finals, [], None, failed), tokens, logprobs)
+            self._join_finals(finals, failed)
+            if not self._chain(ahead, batch):
+                self._record(self._sample_ahead(ahead, batch, failed), tokens, logprobs)
+            else:  # the next forward already runs on this step's tokens: now read them
+                self._record(self._finish_chained(ahead, batch), tokens, logprobs)
         self._look_ahead()
         return StepResult(
             tokens=tokens,
@@ -389,9 +375,77 @@ class ModelRunner:
             memory=read_memory_counters(),
         )
 
-    def _decode_forward(self, batch: list[_Seq]) -> mx.array:
-        inputs = mx.array([[s.last_token] for s in batch], dtype=mx.int32)
-        return self.model(inputs, cache=self._batch_cache)[:, -1, :]
+    @staticmethod
+    def _record(
+        sampled: list[tuple[_Seq, int, TokenLogprobs | None]],
+        tokens: dict[str, int],
+        logprobs: dict[str, TokenLogprob],
+    ) -> None:
+        """Each request takes its sampled token (its output, penalty history, grammar)."""
+        for seq, token, lp in sampled:
+            seq.output.append(token)
+            if seq.history is not None:
+                seq.history.append(token)
+            if seq.constraint is not None:
+                advance(seq.constraint, token)
+            tokens[seq.request_id] = token
+            if lp is not None:
+                logprobs[seq.request_id] = TokenLogprob(lp.token_id, lp.logprob, lp.top)
+
+    def _join_finals(self, finals: list[tuple[_Seq, mx.array]], failed: dict[str, str]) -> None:
+        # A request that ended at its first token (max_tokens=1, or no room left in the
+        # context) never joins: merging its cache would pad every row to its length.
+        self._join_batch(
+            [
+                seq
+                for seq, _ in finals
+                if seq.request_id not in failed and seq.num_generated < seq.max_output
+            ]
+        )
+
+    def _decode_forward(self, batch: list[_Seq], inputs: mx.array | None = None) -> mx.array:
+        if inputs is None:
+            inputs = mx.array([s.last_token for s in batch], dtype=mx.int32)
+        return self.model(inputs[:, None], cache=self._batch_cache)[:, -1, :]
+
+    def _chain(self, ahead: _Ahead, batch: list[_Seq]) -> bool:
+        """Start the next step's forward and sampling on this step's batch tokens while they
+        are still lazy (mlx-lm's loop does the same), so the device never waits for the
+        host to read them. Only where sampling reads no host state that those tokens
+        change (a penalty's history, a grammar): otherwise the step reads the tokens first
+        and `_look_ahead` starts the next forward. Returns whether it started it."""
+        rows = [self._seqs[rid] for rid in self._batch_ids]  # the batch, joined rows last
+        if (
+            not self.lookahead
+            or ahead.sample is None
+            or not ahead.sample.tokens_are_final
+            or not batch
+            or any(s.history is not None or s.constraint is not None for s in rows)
+        ):
+            return False
+        row = {rid: i for i, rid in enumerate(ahead.ids)}
+        kept = ahead.sample.tokens[mx.array([row[s.request_id] for s in batch])]
+        joined = rows[len(batch) :]
+        inputs = mx.concatenate(
+            [kept.astype(mx.int32), mx.array([s.last_token for s in joined], dtype=mx.int32)]
+        )
+        logits = self._decode_forward(rows, inputs)
+        positions = [s.num_generated + 1 for s in batch] + [s.num_generated for s in joined]
+        self._ahead = self._start_ahead(logits, rows, positions)
+        return True
+
+    def _finish_chained(
+        self, ahead: _Ahead, batch: list[_Seq]
+    ) -> list[tuple[_Seq, int, TokenLogprobs | None]]:
+        """This step's batch tokens, read after the next forward started on them. If reading
+        them fails now, the next forward holds tokens nobody has: not one request's fault."""
+        assert ahead.sample is not None
+        try:
+            out = ahead.sample.finish()
+        except Exception as exc:
+            raise RuntimeError(f"sampling the decode batch failed: {exc!r}") from exc
+        row = {rid: i for i, rid in enumerate(ahead.ids)}
+        return [(s, out.tokens[row[s.request_id]], out.logprobs[row[s.request_id]]) for s in batch]
 
     def _look_ahead(self) -> None:
         """Start the next step's decode forward and its sampling now, as mlx-lm's own loop
@@ -401,17 +455,23 @@ class ModelRunner:
         that ends meanwhile (a stop, a cancel) is skipped, so its token is never shown. The
         next step's prefill chunks run after it; their requests join the batch after it.
         """
-        if not self.lookahead or not self._batch_ids:
-            return
+        if not self.lookahead or not self._batch_ids or self._ahead is not None:
+            return  # (already started, by `_chain`)
         batch = [self._seqs[rid] for rid in self._batch_ids]
-        logits = self._decode_forward(batch)
+        self._ahead = self._start_ahead(self._decode_forward(batch), batch)
+
+    def _start_ahead(
+        self, logits: mx.array, batch: list[_Seq], positions: list[int] | None = None
+    ) -> _Ahead:
+        """Start evaluating the batch's next logits and samples; a sampling that cannot
+        even be built is left to the next step, which samples again and isolates it."""
         try:
-            sample: PendingSample | None = self._start_rows(logits, batch)
-        except Exception as exc:  # noqa: BLE001 - the step samples again, and isolates it
+            sample: PendingSample | None = self._start_rows(logits, batch, positions)
+        except Exception as exc:  # noqa: BLE001 - see above
             log.info("look_ahead_sampling_deferred", error=repr(exc))
             sample = None
         mx.async_eval(logits, *(sample.arrays() if sample is not None else ()))
-        self._ahead = _Ahead(list(self._batch_ids), logits, sample)
+        return _Ahead(list(self._batch_ids), logits, sample)
 
     def _sample_ahead(
         self, ahead: _Ahead, batch: list[_Seq], failed: dict[str, str]
@@ -488,7 +548,9 @@ class ModelRunner:
     def _sample_rows(self, logits: mx.array, seqs: list[_Seq]) -> SampleOutput:
         return self._start_rows(logits, seqs).finish()
 
-    def _start_rows(self, logits: mx.array, seqs: list[_Seq]) -> PendingSample:
+    def _start_rows(
+        self, logits: mx.array, seqs: list[_Seq], positions: list[int] | None = None
+    ) -> PendingSample:
         constrained = [i for i, s in enumerate(seqs) if s.constraint is not None]
         if constrained:  # grammar masks on those rows only
             matchers = [seqs[i].constraint for i in constrained]
@@ -496,7 +558,7 @@ class ModelRunner:
         return self.sampler.start(
             logits,
             [s.sampling for s in seqs],
-            positions=[s.num_generated for s in seqs],
+            positions=positions if positions is not None else [s.num_generated for s in seqs],
             histories=[s.history for s in seqs],
         )
 

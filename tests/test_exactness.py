@@ -67,6 +67,13 @@ class CapturingRunner(ModelRunner):
         finally:
             self._ahead_of_step = False
 
+    def _chain(self, *args):
+        self._ahead_of_step = True
+        try:
+            return super()._chain(*args)
+        finally:
+            self._ahead_of_step = False
+
 
 def run_chunked(runner: ModelRunner, prompt: list[int], chunk: int, checkpoints=()) -> int:
     """Prefill `prompt` in chunks of `chunk` (ending at checkpoints); return the first token."""
@@ -121,12 +128,13 @@ async def test_a_batch_of_mixed_lengths_gives_each_request_its_solo_tokens(loade
         assert tokens == mlx_lm_greedy(loaded, prompt, 10)
 
 
-async def _leave_and_join(name: str, lookahead: bool) -> dict[str, list[int]]:
+async def _leave_and_join(name: str, lookahead: bool, extra: dict) -> dict[str, list]:
     """Requests that end at different steps (their lengths, a cancel), and a second wave
-    that joins the decode batch while the first still decodes."""
+    that joins the decode batch while the first still decodes; `extra`: one more request's
+    sampling options, in the first wave (logprobs are kept under "extra-logprobs")."""
     greedy = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (3, 9, 14)]
     seeded = SamplingParams(max_tokens=11, temperature=0.8, seed=5, ignore_eos=True)
-    tokens: dict[str, list[int]] = {}
+    tokens: dict[str, list] = {}
     async with Engine.open(name, max_step_tokens=48, max_num_seqs=8) as engine:
         engine.step_loop.runner.lookahead = lookahead
 
@@ -135,6 +143,9 @@ async def _leave_and_join(name: str, lookahead: bool) -> dict[str, list[int]]:
             async with await engine.submit(prompt, params=params, request_id=rid) as stream:
                 async for out in stream:
                     got.extend(out.token_ids)
+                    if out.logprobs:
+                        lps = tokens.setdefault(f"{rid}-logprobs", [])
+                        lps.extend((lp.token_id, round(lp.logprob, 4)) for lp in out.logprobs)
                     if cancel_after and len(got) >= cancel_after:
                         return  # leaving the block cancels the rest
 
@@ -143,6 +154,9 @@ async def _leave_and_join(name: str, lookahead: bool) -> dict[str, list[int]]:
                 tg.start_soon(one, f"a{i}", prompt_ids(20 + 7 * i, seed=i), params)
             tg.start_soon(one, "a-seeded", prompt_ids(33, seed=9), seeded)
             tg.start_soon(one, "a-cancelled", prompt_ids(12, seed=8), greedy[2], 4)
+            if extra:
+                params = SamplingParams(max_tokens=12, seed=4, ignore_eos=True, **extra)
+                tg.start_soon(one, "extra", prompt_ids(25, seed=7), params)
             await wait_until(lambda: len(tokens.get("a1", ())) >= 2)
             for i, params in enumerate(greedy):  # the second wave, while the first decodes
                 tg.start_soon(one, f"b{i}", prompt_ids(60 + i, seed=20 + i), params)
@@ -150,14 +164,27 @@ async def _leave_and_join(name: str, lookahead: bool) -> dict[str, list[int]]:
     return tokens
 
 
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {"temperature": 0.7, "logprobs": 2},
+        # these read host state or may resample a row: the next forward waits for the tokens
+        {"temperature": 0.9, "top_p": 0.8},
+        {"temperature": 0, "repetition_penalty": 1.3},
+    ],
+    ids=["plain", "logprobs", "top-p", "penalty"],
+)
 async def test_looking_ahead_changes_no_token_while_requests_leave_and_join(
-    loaded, model_cache_dir
+    loaded, model_cache_dir, extra
 ):
-    """The next decode forward starts before its step is planned: rows that ended meanwhile
-    are dropped unsampled, new rows wait for the forward after it. Every token is what a
-    runner that never looks ahead makes, and greedy tokens are mlx-lm's own."""
-    ahead = await _leave_and_join(loaded.name, lookahead=True)
-    plain = await _leave_and_join(loaded.name, lookahead=False)
+    """The next decode forward and its sampling start before their step is planned (on the
+    tokens of this step, still unread, where sampling needs nothing from the host): rows
+    that ended meanwhile are dropped unsampled, new rows wait for the forward after it.
+    Every token is what a runner that never looks ahead makes, and greedy tokens are
+    mlx-lm's own."""
+    ahead = await _leave_and_join(loaded.name, lookahead=True, extra=extra)
+    plain = await _leave_and_join(loaded.name, lookahead=False, extra=extra)
     assert {rid: toks for rid, toks in ahead.items() if rid != "a-cancelled"} == {
         rid: toks for rid, toks in plain.items() if rid != "a-cancelled"
     }
