@@ -110,6 +110,16 @@ class Executor:
             raise ExecutorDeadError(f"the executor died: {self._dead}")
         return await self._put(fn, args, barrier=False)
 
+    def post(self, fn: Callable[..., None], *args: Any) -> None:
+        """Queue `fn(*args)` on the executor thread without waiting for it: work asked for
+        later runs after it. Nobody reads its result, so it must not raise (what it raises
+        is dropped); nothing is queued once the executor is dead."""
+        if self._dead is not None:
+            return
+        future = asyncio.get_running_loop().create_future()
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())
+        self._thread.jobs.put(_Job(self, fn, args, future.get_loop(), future))
+
     async def _put(self, fn: Callable[..., T], args: tuple, *, barrier: bool) -> T:
         loop = asyncio.get_running_loop()
         future = loop.create_future()

@@ -351,6 +351,9 @@ class StepLoop:
         result = await self._run_executor(self.runner.run, work)
         if result is None:
             return
+        if getattr(self.runner, "lookahead", False):
+            # The next decode forward computes on the executor while this step commits.
+            self.executor.post(self.runner.look_ahead)
         self._record(StepFinished, seconds=result.seconds, predicted_seconds=plan.predicted_seconds)
         if self.cost_model is not None:
             self.cost_model.observe(plan.features, result.seconds)

@@ -500,7 +500,6 @@ def instrumented(engine: Engine, cpu_at: tuple[int, int]):
         (runner, "run", runner.run),
         (runner, "_sample", runner._sample),
         (runner, "_sample_ahead", runner._sample_ahead),
-        (runner, "_finish_chained", runner._finish_chained),
         (runner, "model", runner.model),
     ]
     loop._run_executor = _timed_async(loop._run_executor, timings["executor_call"])
@@ -510,7 +509,6 @@ def instrumented(engine: Engine, cpu_at: tuple[int, int]):
     # A step samples its final chunks, then takes the samples made a step ahead for its batch.
     runner._sample = _timed(runner._sample, timings["sample"])
     runner._sample_ahead = _timed(runner._sample_ahead, timings["sample_ahead"])
-    runner._finish_chained = _timed(runner._finish_chained, timings["sample_ahead"])
     runner.model = _EvalForward(runner.model, timings["forward"])
     try:
         yield timings

@@ -100,7 +100,7 @@ class _Seq:
 @dataclass
 class _Ahead:
     """The decode batch's next forward and its samples, started before the step that uses
-    them was planned (see `ModelRunner._look_ahead`)."""
+    them was planned (see `ModelRunner.look_ahead`)."""
 
     ids: list[str]  # the batch's rows when it started; the step takes those still there
     logits: mx.array  # (B, V) last-position logits
@@ -137,9 +137,11 @@ class ModelRunner:
         self._batch_ids: list[str] = []  # decode batch rows, in order
         self._batch_cache: Cache | None = None
         # The decode batch's next forward, started before its step was planned (see
-        # `_look_ahead`). While it is set, every batch row's cache holds its last token.
+        # `look_ahead`). While it is set, every batch row's cache holds its last token.
         self.lookahead = lookahead
         self._ahead: _Ahead | None = None
+        self._ahead_error: Exception | None = None  # a look-ahead's failed forward
+        self._ahead_seconds = 0.0  # the look-ahead's own time: part of the next step's
         self._split_head = self._check_split_head()
         vocab = getattr(getattr(self.model, "args", None), "vocab_size", None)
         self.grammars = grammars or GrammarCompiler(
@@ -241,7 +243,8 @@ class ModelRunner:
         self._batch_ids = [self._batch_ids[i] for i in keep]
         if not keep:
             self._batch_cache = None
-            self._ahead = None
+            self._ahead = self._ahead_error = None
+            self._ahead_seconds = 0.0
             return
         for layer in self._batch_cache:
             layer.filter(keep)
@@ -315,8 +318,12 @@ class ModelRunner:
         checkpoint, its sampling row) drops that request and is reported in
         `StepResult.failed`; the rest of the step goes on. Any other fault (the batched
         decode forward, the plan disagreeing with the batch) raises."""
-        t0 = time.perf_counter()
+        # The step's time includes the look-ahead that started its decode.
+        t0, self._ahead_seconds = time.perf_counter() - self._ahead_seconds, 0.0
         self._housekeep(work)
+        if self._ahead_error is not None:  # the batch's look-ahead forward failed
+            error, self._ahead_error = self._ahead_error, None
+            raise error
         failed: dict[str, str] = {}
         for new in work.admit:
             try:
@@ -357,12 +364,8 @@ class ModelRunner:
             self._join_finals(finals, failed)
         else:
             self._record(self._sample(finals, [], None, failed), tokens, logprobs)
+            self._record(self._sample_ahead(ahead, batch, failed), tokens, logprobs)
             self._join_finals(finals, failed)
-            if not self._chain(ahead, batch):
-                self._record(self._sample_ahead(ahead, batch, failed), tokens, logprobs)
-            else:  # the next forward already runs on this step's tokens: now read them
-                self._record(self._finish_chained(ahead, batch), tokens, logprobs)
-        self._look_ahead()
         return StepResult(
             tokens=tokens,
             logprobs=logprobs,
@@ -403,75 +406,37 @@ class ModelRunner:
             ]
         )
 
-    def _decode_forward(self, batch: list[_Seq], inputs: mx.array | None = None) -> mx.array:
-        if inputs is None:
-            inputs = mx.array([s.last_token for s in batch], dtype=mx.int32)
-        return self.model(inputs[:, None], cache=self._batch_cache)[:, -1, :]
+    def _decode_forward(self, batch: list[_Seq]) -> mx.array:
+        inputs = mx.array([[s.last_token] for s in batch], dtype=mx.int32)
+        return self.model(inputs, cache=self._batch_cache)[:, -1, :]
 
-    def _chain(self, ahead: _Ahead, batch: list[_Seq]) -> bool:
-        """Start the next step's forward and sampling on this step's batch tokens while they
-        are still lazy (mlx-lm's loop does the same), so the device never waits for the
-        host to read them. Only where sampling reads no host state that those tokens
-        change (a penalty's history, a grammar): otherwise the step reads the tokens first
-        and `_look_ahead` starts the next forward. Returns whether it started it."""
-        rows = [self._seqs[rid] for rid in self._batch_ids]  # the batch, joined rows last
-        if (
-            not self.lookahead
-            or ahead.sample is None
-            or not ahead.sample.tokens_are_final
-            or not batch
-            or any(s.history is not None or s.constraint is not None for s in rows)
-        ):
-            return False
-        row = {rid: i for i, rid in enumerate(ahead.ids)}
-        kept = ahead.sample.tokens[mx.array([row[s.request_id] for s in batch])]
-        joined = rows[len(batch) :]
-        inputs = mx.concatenate(
-            [kept.astype(mx.int32), mx.array([s.last_token for s in joined], dtype=mx.int32)]
-        )
-        logits = self._decode_forward(rows, inputs)
-        positions = [s.num_generated + 1 for s in batch] + [s.num_generated for s in joined]
-        self._ahead = self._start_ahead(logits, rows, positions)
-        return True
-
-    def _finish_chained(
-        self, ahead: _Ahead, batch: list[_Seq]
-    ) -> list[tuple[_Seq, int, TokenLogprobs | None]]:
-        """This step's batch tokens, read after the next forward started on them. If reading
-        them fails now, the next forward holds tokens nobody has: not one request's fault."""
-        assert ahead.sample is not None
-        try:
-            out = ahead.sample.finish()
-        except Exception as exc:
-            raise RuntimeError(f"sampling the decode batch failed: {exc!r}") from exc
-        row = {rid: i for i, rid in enumerate(ahead.ids)}
-        return [(s, out.tokens[row[s.request_id]], out.logprobs[row[s.request_id]]) for s in batch]
-
-    def _look_ahead(self) -> None:
-        """Start the next step's decode forward and its sampling now, as mlx-lm's own loop
-        does: they run while the step loop commits this step and plans the next, and the next
-        step takes their tokens. Every row's next input is known (the token just sampled), and
-        so is what its sampling reads (its position, penalty history and grammar state). A row
-        that ends meanwhile (a stop, a cancel) is skipped, so its token is never shown. The
-        next step's prefill chunks run after it; their requests join the batch after it.
+    def look_ahead(self) -> None:
+        """Start the next step's decode forward and its sampling, as mlx-lm's own loop does.
+        The step loop queues this on the executor right after a step's result, so it runs
+        (MLX releases the GIL while it computes) while the step loop commits that step and
+        plans the next; the next step takes their tokens. Every row's next input is known
+        (the token just sampled), and so is what its sampling reads (its position, penalty
+        history and grammar state). A row that ends meanwhile (a stop, a cancel) is skipped,
+        so its token is never shown. The next step's prefill chunks run after it; their
+        requests join the batch after it. Never raises: a failure is the next step's.
         """
         if not self.lookahead or not self._batch_ids or self._ahead is not None:
-            return  # (already started, by `_chain`)
+            return
+        t0 = time.perf_counter()
         batch = [self._seqs[rid] for rid in self._batch_ids]
-        self._ahead = self._start_ahead(self._decode_forward(batch), batch)
-
-    def _start_ahead(
-        self, logits: mx.array, batch: list[_Seq], positions: list[int] | None = None
-    ) -> _Ahead:
-        """Start evaluating the batch's next logits and samples; a sampling that cannot
-        even be built is left to the next step, which samples again and isolates it."""
         try:
-            sample: PendingSample | None = self._start_rows(logits, batch, positions)
-        except Exception as exc:  # noqa: BLE001 - see above
+            logits = self._decode_forward(batch)
+        except Exception as exc:  # noqa: BLE001 - the batched decode's fault: see run
+            self._ahead_error = exc
+            return
+        try:
+            sample: PendingSample | None = self._start_rows(logits, batch)
+        except Exception as exc:  # noqa: BLE001 - the step samples again, and isolates it
             log.info("look_ahead_sampling_deferred", error=repr(exc))
             sample = None
         mx.async_eval(logits, *(sample.arrays() if sample is not None else ()))
-        return _Ahead(list(self._batch_ids), logits, sample)
+        self._ahead = _Ahead(list(self._batch_ids), logits, sample)
+        self._ahead_seconds = time.perf_counter() - t0
 
     def _sample_ahead(
         self, ahead: _Ahead, batch: list[_Seq], failed: dict[str, str]
@@ -548,9 +513,7 @@ class ModelRunner:
     def _sample_rows(self, logits: mx.array, seqs: list[_Seq]) -> SampleOutput:
         return self._start_rows(logits, seqs).finish()
 
-    def _start_rows(
-        self, logits: mx.array, seqs: list[_Seq], positions: list[int] | None = None
-    ) -> PendingSample:
+    def _start_rows(self, logits: mx.array, seqs: list[_Seq]) -> PendingSample:
         constrained = [i for i, s in enumerate(seqs) if s.constraint is not None]
         if constrained:  # grammar masks on those rows only
             matchers = [seqs[i].constraint for i in constrained]
@@ -558,7 +521,7 @@ class ModelRunner:
         return self.sampler.start(
             logits,
             [s.sampling for s in seqs],
-            positions=positions if positions is not None else [s.num_generated for s in seqs],
+            positions=[s.num_generated for s in seqs],
             histories=[s.history for s in seqs],
         )
 

@@ -240,12 +240,6 @@ class PendingSample:
     draw: _Draw | None = None  # the non-greedy rows, if any
     lp: _Logprobs | None = None  # the rows that asked for logprobs, if any
 
-    @property
-    def tokens_are_final(self) -> bool:
-        """Whether `tokens` is what `finish` returns: no row can be redone with a full sort
-        (only rows with top-k or top-p can)."""
-        return self.draw is None or self.draw.covered is None
-
     def arrays(self) -> list[mx.array]:
         out = [self.tokens]
         if self.draw is not None and self.draw.covered is not None:

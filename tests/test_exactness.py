@@ -44,35 +44,19 @@ def full_prefill_logits(loaded, prompt: list[int]) -> mx.array:
 
 
 class CapturingRunner(ModelRunner):
-    """A real runner that also keeps the logits rows it sampled from in its steps (not those
-    it samples ahead for the next step's decode)."""
+    """A real runner that also keeps the logits rows it sampled from (driven step by step,
+    with no look-ahead: only the step loop starts those)."""
 
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
         self.sampled_logits: list[mx.array] = []
-        self._ahead_of_step = False
         start = self.sampler.start
 
         def spy(logits, *args, **kwargs):
-            if not self._ahead_of_step:
-                self.sampled_logits.append(logits)
+            self.sampled_logits.append(logits)
             return start(logits, *args, **kwargs)
 
         self.sampler.start = spy
-
-    def _look_ahead(self) -> None:
-        self._ahead_of_step = True
-        try:
-            super()._look_ahead()
-        finally:
-            self._ahead_of_step = False
-
-    def _chain(self, *args):
-        self._ahead_of_step = True
-        try:
-            return super()._chain(*args)
-        finally:
-            self._ahead_of_step = False
 
 
 def run_chunked(runner: ModelRunner, prompt: list[int], chunk: int, checkpoints=()) -> int:
@@ -169,7 +153,6 @@ async def _leave_and_join(name: str, lookahead: bool, extra: dict) -> dict[str, 
     [
         {},
         {"temperature": 0.7, "logprobs": 2},
-        # these read host state or may resample a row: the next forward waits for the tokens
         {"temperature": 0.9, "top_p": 0.8},
         {"temperature": 0, "repetition_penalty": 1.3},
     ],
@@ -178,8 +161,7 @@ async def _leave_and_join(name: str, lookahead: bool, extra: dict) -> dict[str, 
 async def test_looking_ahead_changes_no_token_while_requests_leave_and_join(
     loaded, model_cache_dir, extra
 ):
-    """The next decode forward and its sampling start before their step is planned (on the
-    tokens of this step, still unread, where sampling needs nothing from the host): rows
+    """The next decode forward and its sampling start before their step is planned: rows
     that ended meanwhile are dropped unsampled, new rows wait for the forward after it.
     Every token is what a runner that never looks ahead makes, and greedy tokens are
     mlx-lm's own."""
