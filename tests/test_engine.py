@@ -413,3 +413,17 @@ async def test_streamed_text_never_splits_a_utf8_character(model_cache_dir):
     assert "".join(o.text for o in outs) == whole
     if "\ufffd" not in whole:
         assert all("\ufffd" not in o.text for o in outs)
+
+
+async def test_an_open_engine_switches_threads_often_and_restores_the_setting(model_cache_dir):
+    """The executor's look-ahead must not wait 5 ms for the GIL behind the event loop; the
+    interpreter's own setting comes back when the engine closes."""
+    import sys
+
+    from stepline.api.engine import SWITCH_INTERVAL_S
+
+    before = sys.getswitchinterval()
+    async with Engine.open(max_step_tokens=32) as engine:
+        assert sys.getswitchinterval() == pytest.approx(min(before, SWITCH_INTERVAL_S))
+        await tokens_of(await engine.submit("hi", params=SamplingParams(max_tokens=2)))
+    assert sys.getswitchinterval() == pytest.approx(before)
