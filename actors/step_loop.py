@@ -229,9 +229,14 @@ class StepLoop:
         self._closing.clear()
 
     async def _tell(self, actor: MemoryObjectSendStream, msg: Any) -> bool:
-        """Send `msg`; False if the actor is gone (it failed, or the engine is closing)."""
+        """Send `msg`; False if the actor is gone (it failed, or the engine is closing).
+        Without waiting while its mailbox has room: a step's deliveries then cost one turn
+        of the event loop, not one per request (anyio's `send` yields on every call)."""
         try:
-            await actor.send(msg)
+            try:
+                actor.send_nowait(msg)
+            except anyio.WouldBlock:
+                await actor.send(msg)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
             return False
         return True
