@@ -366,6 +366,7 @@ class ModelRunner:
             self._record(self._sample(finals, [], None, failed), tokens, logprobs)
             self._record(self._sample_ahead(ahead, batch, failed), tokens, logprobs)
             self._join_finals(finals, failed)
+        self._build_ahead()
         return StepResult(
             tokens=tokens,
             logprobs=logprobs,
@@ -410,19 +411,16 @@ class ModelRunner:
         inputs = mx.array([[s.last_token] for s in batch], dtype=mx.int32)
         return self.model(inputs, cache=self._batch_cache)[:, -1, :]
 
-    def look_ahead(self) -> None:
-        """Start the next step's decode forward and its sampling, as mlx-lm's own loop does.
-        The step loop queues this on the executor right after a step's result, so it runs
-        (MLX releases the GIL while it computes) while the step loop commits that step and
-        plans the next; the next step takes their tokens. Every row's next input is known
-        (the token just sampled), and so is what its sampling reads (its position, penalty
-        history and grammar state). A row that ends meanwhile (a stop, a cancel) is skipped,
-        so its token is never shown. The next step's prefill chunks run after it; their
-        requests join the batch after it. Never raises: a failure is the next step's.
-        """
-        if not self.lookahead or not self._batch_ids or self._ahead is not None:
+    def _build_ahead(self) -> None:
+        """Build (lazily) the next step's decode forward and its sampling, as mlx-lm's own
+        loop does; `look_ahead` starts computing them, and the next step takes their tokens.
+        Every row's next input is known (the token just sampled), and so is what its sampling
+        reads (its position, penalty history and grammar state). A row that ends meanwhile (a
+        stop, a cancel) is skipped, so its token is never shown. The next step's prefill
+        chunks run after it; their requests join the batch after it. A forward that cannot
+        be built is the next step's fault (this step's tokens stand)."""
+        if not self.lookahead or not self._batch_ids:
             return
-        t0 = time.perf_counter()
         batch = [self._seqs[rid] for rid in self._batch_ids]
         try:
             logits = self._decode_forward(batch)
@@ -434,8 +432,22 @@ class ModelRunner:
         except Exception as exc:  # noqa: BLE001 - the step samples again, and isolates it
             log.info("look_ahead_sampling_deferred", error=repr(exc))
             sample = None
-        mx.async_eval(logits, *(sample.arrays() if sample is not None else ()))
         self._ahead = _Ahead(list(self._batch_ids), logits, sample)
+
+    def look_ahead(self) -> None:
+        """Compute the look-ahead the last step built. The step loop queues this on the
+        executor right after a step's result: MLX computes without the GIL (on Linux's CPU
+        backend `async_eval` returns only once the forward is nearly done) while the step
+        loop commits that step and plans the next. Without it the next step computes it.
+        Never raises: a failure is the next step's."""
+        ahead = self._ahead
+        if ahead is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            mx.async_eval(ahead.logits, *(ahead.sample.arrays() if ahead.sample else ()))
+        except Exception as exc:  # noqa: BLE001 - the next step reads it again
+            log.info("look_ahead_failed", error=repr(exc))
         self._ahead_seconds = time.perf_counter() - t0
 
     def _sample_ahead(

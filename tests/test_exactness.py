@@ -44,19 +44,28 @@ def full_prefill_logits(loaded, prompt: list[int]) -> mx.array:
 
 
 class CapturingRunner(ModelRunner):
-    """A real runner that also keeps the logits rows it sampled from (driven step by step,
-    with no look-ahead: only the step loop starts those)."""
+    """A real runner that also keeps the logits rows it sampled from in its steps (not those
+    it builds ahead for the next step's decode)."""
 
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
         self.sampled_logits: list[mx.array] = []
+        self._ahead_of_step = False
         start = self.sampler.start
 
         def spy(logits, *args, **kwargs):
-            self.sampled_logits.append(logits)
+            if not self._ahead_of_step:
+                self.sampled_logits.append(logits)
             return start(logits, *args, **kwargs)
 
         self.sampler.start = spy
+
+    def _build_ahead(self) -> None:
+        self._ahead_of_step = True
+        try:
+            super()._build_ahead()
+        finally:
+            self._ahead_of_step = False
 
 
 def run_chunked(runner: ModelRunner, prompt: list[int], chunk: int, checkpoints=()) -> int:
