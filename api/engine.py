@@ -44,10 +44,10 @@ __all__ = ["Engine", "PromptTooLongError", "RequestStream", "SamplingParams", "l
 log = structlog.get_logger(__name__)
 
 # While an engine is open, the interpreter switches threads at least this often (its default
-# is every 5 ms). The executor thread starts each decode look-ahead with a little Python (the
-# forward's graph) before MLX computes without the GIL; at 5 ms it waits behind the event
-# loop's commit instead of overlapping it (the hybrid demo at batch 32: 14.6 -> 12.0 ms a
-# step, 2-core CPU).
+# is every 5 ms). The executor thread needs the GIL for a little Python before each piece of
+# MLX work that then runs without it (the decode look-ahead, the next step); at 5 ms it waits
+# behind the event loop's commit instead of overlapping it (the hybrid demo at batch 32:
+# 14.6 -> 12.0 ms a step, 2-core CPU).
 SWITCH_INTERVAL_S = 0.0005
 
 

@@ -99,8 +99,8 @@ class _Seq:
 
 @dataclass
 class _Ahead:
-    """The decode batch's next forward and its samples, started before the step that uses
-    them was planned (see `ModelRunner.look_ahead`)."""
+    """The decode batch's next forward and its samples, built and started before the step
+    that uses them was planned (see `ModelRunner._build_ahead` and `look_ahead`)."""
 
     ids: list[str]  # the batch's rows when it started; the step takes those still there
     logits: mx.array  # (B, V) last-position logits
@@ -136,8 +136,8 @@ class ModelRunner:
         self._seqs: dict[str, _Seq] = {}
         self._batch_ids: list[str] = []  # decode batch rows, in order
         self._batch_cache: Cache | None = None
-        # The decode batch's next forward, started before its step was planned (see
-        # `look_ahead`). While it is set, every batch row's cache holds its last token.
+        # The decode batch's next forward, built before its step was planned (see
+        # `_build_ahead`). While it is set, every batch row's cache holds its last token.
         self.lookahead = lookahead
         self._ahead: _Ahead | None = None
         self._ahead_error: Exception | None = None  # a look-ahead's failed forward
