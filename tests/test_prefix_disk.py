@@ -9,6 +9,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from helpers import wait_until
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, KVCache, load_prompt_cache, make_prompt_cache
 from structlog.testing import capture_logs
@@ -66,6 +67,16 @@ async def flush(engine: Engine) -> None:
     """Wait for the disk writes so far (on the executor, which owns the cache)."""
     loop = engine.step_loop
     assert await loop.executor.call(loop.runner.store.flush, 30.0)
+
+
+async def settle(engine: Engine) -> None:
+    """Wait until the step loop has freed ended requests (their caches retired into the
+    cache) and dropped what its index let go, then for the disk writes: the cache's files
+    change no more while nothing runs."""
+    loop = engine.step_loop
+    await wait_until(lambda: loop.runner.num_sequences == 0 and not loop._to_free)
+    await wait_until(lambda: not loop._drops)
+    await flush(engine)
 
 
 def first_chunk(log: Path, request_id: str) -> ChunkPrefilled:
@@ -136,8 +147,15 @@ async def test_a_file_damaged_while_the_engine_runs_is_skipped_and_the_request_r
     cache_dir = tmp_path / "prefix-cache"
     # No memory tier: every hit has to come from a file.
     async with open_engine("stepline-demo", cache_dir, prefix_cache_gb=0) as engine:
-        await run(engine, SYSTEM + FIRST, checkpoints=(40,))
-        await flush(engine)
+        # Cancelled at its first token: only its checkpoint's entry is written (a finished
+        # request's own entry would supersede it, at a moment the test cannot see).
+        stream = await engine.submit(SYSTEM + FIRST, params=GREEDY, checkpoints=(40,))
+        async with stream:
+            async for out in stream:
+                if out.token_ids:
+                    break
+        await settle(engine)
+        assert len(files(cache_dir)) == 1  # the checkpoint's entry
         for path in files(cache_dir):
             data = bytearray(path.read_bytes())
             data[-100] ^= 0xFF  # one flipped byte in the tensor data
