@@ -65,7 +65,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import stepline.actors.step_loop as step_loop_module
 from stepline.api import Engine, SamplingParams
-from stepline.engine import _blas
+from stepline.engine import _blas, step_sampling
 from stepline.engine.models import load_model
 
 DEFAULT_MODEL = "stepline-demo-large"
@@ -482,7 +482,7 @@ def instrumented(engine: Engine, cpu_at: tuple[int, int]):
     executor thread. Each forward is evaluated where it is built, so the runner's look-ahead
     overlaps nothing while profiling. Also snapshot every thread's CPU time as steps `cpu_at`
     begin (into `timings["cpu"]`). Patches this engine's attributes and the step loop
-    module's `commit`, and restores them."""
+    module's `commit` and the step-sampling functions, and restores them."""
     loop, runner = engine.step_loop, engine.step_loop.runner
     timings: dict[str, Any] = {k: [] for k in TIMED}
     timings["cpu"] = []
@@ -498,8 +498,8 @@ def instrumented(engine: Engine, cpu_at: tuple[int, int]):
         (step_loop_module, "commit", step_loop_module.commit),
         (loop, "_deliver", loop._deliver),
         (runner, "run", runner.run),
-        (runner, "_sample", runner._sample),
-        (runner, "_sample_ahead", runner._sample_ahead),
+        (step_sampling, "sample_step", step_sampling.sample_step),
+        (step_sampling, "sample_ahead", step_sampling.sample_ahead),
         (runner, "model", runner.model),
     ]
     loop._run_executor = _timed_async(loop._run_executor, timings["executor_call"])
@@ -507,8 +507,8 @@ def instrumented(engine: Engine, cpu_at: tuple[int, int]):
     loop._deliver = _timed_async(loop._deliver, timings["deliver"])
     runner.run = _timed(run_with_cpu, timings["run"])
     # A step samples its final chunks, then takes the samples made a step ahead for its batch.
-    runner._sample = _timed(runner._sample, timings["sample"])
-    runner._sample_ahead = _timed(runner._sample_ahead, timings["sample_ahead"])
+    step_sampling.sample_step = _timed(step_sampling.sample_step, timings["sample"])
+    step_sampling.sample_ahead = _timed(step_sampling.sample_ahead, timings["sample_ahead"])
     runner.model = _EvalForward(runner.model, timings["forward"])
     try:
         yield timings

@@ -48,8 +48,7 @@ import numpy as np
 import structlog
 
 from stepline.engine.models import DEFAULT_DEMO, DEMO_MODELS, LoadedModel, demo_model_path
-from stepline.engine.runner import is_collective_error
-from stepline.engine.work import Housekeeping, StepResult, StepWork
+from stepline.engine.work import Housekeeping, StepResult, StepWork, is_collective_error
 
 log = structlog.get_logger(__name__)
 

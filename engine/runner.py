@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import mlx.core as mx
 import structlog
 from mlx_lm.models.cache import make_prompt_cache
 
-from stepline.engine.constraints import advance, apply_grammar_masks
+from stepline.engine import step_sampling
+from stepline.engine.constraints import advance
+from stepline.engine.forward import forward, split_head_works
 from stepline.engine.grammar import GrammarCompiler
 from stepline.engine.memory import read_memory_counters
 from stepline.engine.models import LoadedModel
@@ -30,26 +30,25 @@ from stepline.engine.sampling import (
     PendingSample,
     RowHistory,
     RowSampling,
-    SampleOutput,
     Sampler,
     TokenLogprobs,
 )
+from stepline.engine.sequences import Ahead, Cache, Seq
 from stepline.engine.work import (
     ADMISSION_FAILED,
     CHECKPOINT_FAILED,
     PREFILL_FAILED,
-    SAMPLING_FAILED,
     Housekeeping,
     NewRequest,
     PrefixReport,
     StepResult,
     StepWork,
     TokenLogprob,
+    is_collective_error,
 )
 
 log = structlog.get_logger(__name__)
 
-Cache = list[Any]  # one mlx-lm cache object per layer
 # Called on the executor thread when prefill reaches a checkpoint:
 # (request_id, offset, snapshot of that request's cache at exactly offset tokens).
 CheckpointHook = Callable[[str, int, Cache], None]
@@ -64,47 +63,6 @@ def snapshot_cache(cache: Cache) -> Cache:
 
 class _CheckpointFailed(Exception):
     """Raised from `_prefill` when a checkpoint failed (its cause says how)."""
-
-
-def is_collective_error(exc: BaseException) -> bool:
-    """MLX's distributed backends say so when a peer is lost ("[ring] connection to a peer
-    was lost"); such an error is the group's, not a request's."""
-    return isinstance(exc, RuntimeError) and str(exc).startswith(
-        ("[ring]", "[jaccl]", "[mpi]", "[nccl]")
-    )
-
-
-@dataclass
-class _Seq:
-    """Executor-side state of one request."""
-
-    request_id: str
-    prompt: mx.array  # (L,) int32
-    sampling: RowSampling
-    history: RowHistory | None
-    cache: Cache | None  # own cache while prefilling; None once merged into the batch
-    max_output: int  # it ends by length at this many tokens (the step loop's rule too)
-    output: list[int] = field(default_factory=list)
-    checkpoints: list[int] = field(default_factory=list)
-    constraint: Any = None  # llguidance matcher of a grammar-constrained request
-
-    @property
-    def num_generated(self) -> int:
-        return len(self.output)
-
-    @property
-    def last_token(self) -> int:
-        return self.output[-1]
-
-
-@dataclass
-class _Ahead:
-    """The decode batch's next forward and its samples, built and started before the step
-    that uses them was planned (see `ModelRunner._build_ahead` and `look_ahead`)."""
-
-    ids: list[str]  # the batch's rows when it started; the step takes those still there
-    logits: mx.array  # (B, V) last-position logits
-    sample: PendingSample | None  # None if it could not be built: the step samples instead
 
 
 class ModelRunner:
@@ -133,54 +91,20 @@ class ModelRunner:
                 # Files are only ever used for the same weights (checked on every read).
                 model_id=model_fingerprint(loaded.path) if prefix_cache_dir is not None else "",
             )
-        self._seqs: dict[str, _Seq] = {}
+        self._seqs: dict[str, Seq] = {}
         self._batch_ids: list[str] = []  # decode batch rows, in order
         self._batch_cache: Cache | None = None
         # The decode batch's next forward, built before its step was planned (see
         # `_build_ahead`). While it is set, every batch row's cache holds its last token.
         self.lookahead = lookahead
-        self._ahead: _Ahead | None = None
+        self._ahead: Ahead | None = None
         self._ahead_error: Exception | None = None  # a look-ahead's failed forward
         self._ahead_seconds = 0.0  # the look-ahead's own time: part of the next step's
-        self._split_head = self._check_split_head()
+        self._split_head = split_head_works(self.model)
         vocab = getattr(getattr(self.model, "args", None), "vocab_size", None)
         self.grammars = grammars or GrammarCompiler(
             loaded.tokenizer, vocab or len(loaded.tokenizer)
         )
-
-    # -- forward passes -------------------------------------------------------
-
-    def _check_split_head(self) -> bool:
-        """Whether `model.model` + the output head reproduce `model(...)` for this architecture.
-
-        If they do, prefill chunks skip the vocabulary projection for every position but
-        the last one needed; otherwise we fall back to the full forward.
-        """
-        body = getattr(self.model, "model", None)
-        if body is None or not callable(body):
-            return False
-        try:
-            tokens = mx.array([[1, 2, 3, 4]])
-            full = self.model(tokens, cache=make_prompt_cache(self.model))[:, -1, :]
-            split = self._head(body(tokens, cache=make_prompt_cache(self.model))[:, -1:, :])
-            return bool(mx.allclose(full, split[:, -1, :], atol=1e-4, rtol=1e-4).item())
-        except Exception as exc:  # noqa: BLE001 - any mismatch means: use the full forward
-            log.info("split_head_unavailable", reason=repr(exc))
-            return False
-
-    def _head(self, hidden: mx.array) -> mx.array:
-        args = getattr(self.model, "args", None)
-        if getattr(args, "tie_word_embeddings", False) or not hasattr(self.model, "lm_head"):
-            return self.model.model.embed_tokens.as_linear(hidden)
-        return self.model.lm_head(hidden)
-
-    def _forward(self, tokens: mx.array, cache: Cache, *, logits: bool) -> mx.array | None:
-        """Run `tokens` (1, L) through the model into `cache`; last-position logits if asked."""
-        if self._split_head:
-            hidden = self.model.model(tokens, cache=cache)
-            return self._head(hidden[:, -1:, :])[:, -1, :] if logits else None
-        out = self.model(tokens, cache=cache)
-        return out[:, -1, :] if logits else None
 
     # -- request lifecycle ----------------------------------------------------
 
@@ -197,7 +121,7 @@ class ModelRunner:
             repetition_penalty=p.repetition_penalty,
             logprobs=new.logprobs,
         )
-        self._seqs[new.request_id] = _Seq(
+        self._seqs[new.request_id] = Seq(
             request_id=new.request_id,
             prompt=mx.array(new.prompt_token_ids, dtype=mx.int32),
             sampling=sampling,
@@ -212,7 +136,7 @@ class ModelRunner:
             return make_prompt_cache(self.model)
         return self.store.get(new.prefix, new.num_cached_tokens)
 
-    def _retire(self, seq: _Seq) -> None:
+    def _retire(self, seq: Seq) -> None:
         """Offer a finished request's cache for reuse: its prompt and the tokens it made, all
         but the last one unless the forward looking ahead has taken that one in too."""
         if self.store is None or seq.num_generated < 1:
@@ -249,7 +173,7 @@ class ModelRunner:
         for layer in self._batch_cache:
             layer.filter(keep)
 
-    def _join_batch(self, seqs: list[_Seq]) -> None:
+    def _join_batch(self, seqs: list[Seq]) -> None:
         """Merge finished prefills into the decode batch."""
         if not seqs:
             return
@@ -278,7 +202,13 @@ class ModelRunner:
             if end == pos:
                 continue
             last = end == chunk.end and chunk.is_final
-            logits = self._forward(seq.prompt[None, pos:end], seq.cache, logits=last)
+            logits = forward(
+                self.model,
+                seq.prompt[None, pos:end],
+                seq.cache,
+                logits=last,
+                split=self._split_head,
+            )
             if end in chunk.checkpoints:
                 mx.eval([c.state for c in seq.cache])
                 try:
@@ -304,7 +234,7 @@ class ModelRunner:
                 self.store.promote(tokens)
         self._free(work.free, work.retire)
 
-    def _checkpoint(self, seq: _Seq, end: int) -> None:
+    def _checkpoint(self, seq: Seq, end: int) -> None:
         """Snapshot `seq`'s cache at `end` prompt tokens: the prefix cache, then the hook."""
         seq.checkpoints.append(end)
         snapshot = snapshot_cache(seq.cache)
@@ -338,7 +268,7 @@ class ModelRunner:
 
         for seq in self._seqs.values():
             seq.checkpoints.clear()
-        finals: list[tuple[_Seq, mx.array]] = []  # final chunks: (request, last-position logits)
+        finals: list[tuple[Seq, mx.array]] = []  # final chunks: (request, last-position logits)
         for chunk in plan.chunks:
             if chunk.request_id in failed:
                 continue
@@ -358,14 +288,19 @@ class ModelRunner:
         ahead, self._ahead = self._ahead, None
         tokens: dict[str, int] = {}
         logprobs: dict[str, TokenLogprob] = {}
+
+        def fail(request_id: str, what: str, exc: BaseException) -> None:
+            self._fail(failed, request_id, what, exc)
+
+        sample = step_sampling.sample_step
         if ahead is None:
             decoded = self._decode_forward(batch) if batch else None
-            self._record(self._sample(finals, batch, decoded, failed), tokens, logprobs)
-            self._join_finals(finals, failed)
+            self._record(sample(self.sampler, finals, batch, decoded, fail), tokens, logprobs)
         else:
-            self._record(self._sample(finals, [], None, failed), tokens, logprobs)
-            self._record(self._sample_ahead(ahead, batch, failed), tokens, logprobs)
-            self._join_finals(finals, failed)
+            self._record(sample(self.sampler, finals, [], None, fail), tokens, logprobs)
+            taken = step_sampling.sample_ahead(self.sampler, ahead, batch, fail)
+            self._record(taken, tokens, logprobs)
+        self._join_finals(finals, failed)
         self._build_ahead()
         return StepResult(
             tokens=tokens,
@@ -381,7 +316,7 @@ class ModelRunner:
 
     @staticmethod
     def _record(
-        sampled: list[tuple[_Seq, int, TokenLogprobs | None]],
+        sampled: list[tuple[Seq, int, TokenLogprobs | None]],
         tokens: dict[str, int],
         logprobs: dict[str, TokenLogprob],
     ) -> None:
@@ -396,7 +331,7 @@ class ModelRunner:
             if lp is not None:
                 logprobs[seq.request_id] = TokenLogprob(lp.token_id, lp.logprob, lp.top)
 
-    def _join_finals(self, finals: list[tuple[_Seq, mx.array]], failed: dict[str, str]) -> None:
+    def _join_finals(self, finals: list[tuple[Seq, mx.array]], failed: dict[str, str]) -> None:
         # A request that ended at its first token (max_tokens=1, or no room left in the
         # context) never joins: merging its cache would pad every row to its length.
         self._join_batch(
@@ -407,7 +342,7 @@ class ModelRunner:
             ]
         )
 
-    def _decode_forward(self, batch: list[_Seq]) -> mx.array:
+    def _decode_forward(self, batch: list[Seq]) -> mx.array:
         inputs = mx.array([[s.last_token] for s in batch], dtype=mx.int32)
         return self.model(inputs, cache=self._batch_cache)[:, -1, :]
 
@@ -428,11 +363,11 @@ class ModelRunner:
             self._ahead_error = exc
             return
         try:
-            sample: PendingSample | None = self._start_rows(logits, batch)
+            sample: PendingSample | None = step_sampling.start_rows(self.sampler, logits, batch)
         except Exception as exc:  # noqa: BLE001 - the step samples again, and isolates it
             log.info("look_ahead_sampling_deferred", error=repr(exc))
             sample = None
-        self._ahead = _Ahead(list(self._batch_ids), logits, sample)
+        self._ahead = Ahead(list(self._batch_ids), logits, sample)
 
     def look_ahead(self) -> None:
         """Compute the look-ahead the last step built. The step loop queues this on the
@@ -449,93 +384,6 @@ class ModelRunner:
         except Exception as exc:  # noqa: BLE001 - the next step reads it again
             log.info("look_ahead_failed", error=repr(exc))
         self._ahead_seconds = time.perf_counter() - t0
-
-    def _sample_ahead(
-        self, ahead: _Ahead, batch: list[_Seq], failed: dict[str, str]
-    ) -> list[tuple[_Seq, int, TokenLogprobs | None]]:
-        """The batch's tokens from the forward and samples started a step ahead (rows that
-        ended since are skipped); if those samples fail, they are redone as `_sample` does."""
-        if not batch:
-            return []
-        row = {rid: i for i, rid in enumerate(ahead.ids)}
-        if ahead.sample is not None:
-            try:
-                out = ahead.sample.finish()
-            except Exception as exc:
-                if is_collective_error(exc):
-                    raise
-                log.warning("batched_sampling_failed", error=repr(exc), num_rows=len(batch))
-            else:
-                return [
-                    (s, out.tokens[row[s.request_id]], out.logprobs[row[s.request_id]])
-                    for s in batch
-                ]
-        rows = mx.array([row[s.request_id] for s in batch])
-        return self._sample([], batch, ahead.logits[rows], failed)
-
-    def _sample(
-        self,
-        finals: list[tuple[_Seq, mx.array]],
-        batch: list[_Seq],
-        decoded: mx.array | None,
-        failed: dict[str, str],
-    ) -> list[tuple[_Seq, int, TokenLogprobs | None]]:
-        """One token for every final chunk and every decode row, sampled as one batch.
-
-        If the batch fails, find out whose fault it is: each final chunk's logits and the
-        decode batch are evaluated on their own, then each row is sampled alone. A row that
-        still fails ends its request (`failed`); a decode batch that fails raises.
-        """
-        rows = [logits for _, logits in finals]
-        if decoded is not None:
-            rows.append(decoded)
-        seqs = [seq for seq, _ in finals] + batch
-        if not rows:
-            return []
-        try:
-            logits = mx.concatenate(rows, axis=0) if len(rows) > 1 else rows[0]
-            out = self._sample_rows(logits, seqs)
-            return list(zip(seqs, out.tokens, out.logprobs, strict=True))
-        except Exception as exc:
-            if is_collective_error(exc):
-                raise
-            log.warning("batched_sampling_failed", error=repr(exc), num_rows=len(seqs))
-
-        alone: list[tuple[_Seq, mx.array]] = []
-        for seq, logits in finals:
-            try:
-                mx.eval(logits)
-            except Exception as exc:  # the final chunk's forward failed, lazily
-                self._fail(failed, seq.request_id, PREFILL_FAILED, exc)
-                continue
-            alone.append((seq, logits))
-        if decoded is not None:
-            mx.eval(decoded)  # the batched decode forward: not one request's fault
-            alone.extend((seq, decoded[i : i + 1]) for i, seq in enumerate(batch))
-        sampled = []
-        for seq, logits in alone:
-            try:
-                out = self._sample_rows(logits, [seq])
-            except Exception as exc:
-                self._fail(failed, seq.request_id, SAMPLING_FAILED, exc)
-                continue
-            sampled.append((seq, out.tokens[0], out.logprobs[0]))
-        return sampled
-
-    def _sample_rows(self, logits: mx.array, seqs: list[_Seq]) -> SampleOutput:
-        return self._start_rows(logits, seqs).finish()
-
-    def _start_rows(self, logits: mx.array, seqs: list[_Seq]) -> PendingSample:
-        constrained = [i for i, s in enumerate(seqs) if s.constraint is not None]
-        if constrained:  # grammar masks on those rows only
-            matchers = [seqs[i].constraint for i in constrained]
-            logits = apply_grammar_masks(logits, constrained, matchers)
-        return self.sampler.start(
-            logits,
-            [s.sampling for s in seqs],
-            positions=[s.num_generated for s in seqs],
-            histories=[s.history for s in seqs],
-        )
 
     def _fail(self, failed: dict[str, str], request_id: str, what: str, exc: BaseException) -> None:
         """End one request's executor state after a fault pinned on it; the step goes on.

@@ -17,7 +17,6 @@ request gives the same tokens alone or in any batch; the sampler's own stream ot
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -30,6 +29,8 @@ from stepline.engine.sampling_limits import (
     MAX_INT32,
     MAX_REPETITION_PENALTY,
     PENALTY_RANGE,
+    is_int,
+    is_number,
 )
 
 # top-k / top-p thresholds come from each row's best _NUM_CANDIDATES tokens (a partition and a
@@ -60,32 +61,32 @@ class RowSampling:
     logprobs: int | None = None  # None => none; k >= 0 => chosen token's logprob + top k
 
     def __post_init__(self) -> None:
-        if not (_is_number(self.temperature) and self.temperature >= 0):
+        if not (is_number(self.temperature) and self.temperature >= 0):
             raise ValueError(
                 f"temperature must be a finite number >= 0 (0 means greedy), got {self.temperature}"
             )
-        if not (_is_number(self.top_p) and 0 < self.top_p <= 1):
+        if not (is_number(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1] (1 disables it), got {self.top_p}")
-        if not _is_int(self.top_k) or not -1 <= self.top_k <= MAX_INT32:
+        if not is_int(self.top_k) or not -1 <= self.top_k <= MAX_INT32:
             raise ValueError(
                 f"top_k must be an integer in [-1, {MAX_INT32}] (0 or -1 disables it), "
                 f"got {self.top_k!r}"
             )
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
-        if not (_is_number(self.min_p) and 0 <= self.min_p < 1):
+        if not (is_number(self.min_p) and 0 <= self.min_p < 1):
             raise ValueError(f"min_p must be in [0, 1) (0 disables it), got {self.min_p}")
-        if self.seed is not None and not _is_int(self.seed):
+        if self.seed is not None and not is_int(self.seed):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         low, high = PENALTY_RANGE
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            if not (_is_number(value) and low <= value <= high):
+            if not (is_number(value) and low <= value <= high):
                 raise ValueError(
                     f"{name} must be a number in [{low:g}, {high:g}] (0 disables it), got {value}"
                 )
         if not (
-            _is_number(self.repetition_penalty)
+            is_number(self.repetition_penalty)
             and 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY
         ):
             raise ValueError(
@@ -93,7 +94,7 @@ class RowSampling:
                 f"(1 disables it), got {self.repetition_penalty}"
             )
         if self.logprobs is not None and (
-            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_INT32
+            not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_INT32
         ):
             raise ValueError(f"logprobs must be None or an integer >= 0, got {self.logprobs!r}")
 
@@ -474,15 +475,6 @@ def _check_batch(
                 f"vocabulary of {vocab} logits"
             )
     return num_rows, vocab
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    """A finite int or float (not a bool, not NaN or an infinity)."""
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _splitmix64(x: int) -> int:

@@ -88,3 +88,11 @@ class PrefixReport:
     disk_nbytes: int = 0
     disk_entries: int = 0
     disk_evictions: int = 0
+
+
+def is_collective_error(exc: BaseException) -> bool:
+    """MLX's distributed backends say so when a peer is lost ("[ring] connection to a peer
+    was lost"); such an error is the group's, not a request's."""
+    return isinstance(exc, RuntimeError) and str(exc).startswith(
+        ("[ring]", "[jaccl]", "[mpi]", "[nccl]")
+    )

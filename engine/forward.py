@@ -1,0 +1,51 @@
+"""Forward passes of an mlx-lm model for prefill chunks: the vocabulary projection only
+where logits are wanted (the last position of a final chunk), when the architecture allows
+splitting the model's body from its output head."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import structlog
+from mlx_lm.models.cache import make_prompt_cache
+
+log = structlog.get_logger(__name__)
+
+
+def split_head_works(model: Any) -> bool:
+    """Whether `model.model` + the output head reproduce `model(...)` for this architecture.
+
+    If they do, prefill chunks skip the vocabulary projection for every position but the
+    last one needed; otherwise `forward` runs the full model.
+    """
+    body = getattr(model, "model", None)
+    if body is None or not callable(body):
+        return False
+    try:
+        tokens = mx.array([[1, 2, 3, 4]])
+        full = model(tokens, cache=make_prompt_cache(model))[:, -1, :]
+        split = output_head(model, body(tokens, cache=make_prompt_cache(model))[:, -1:, :])
+        return bool(mx.allclose(full, split[:, -1, :], atol=1e-4, rtol=1e-4).item())
+    except Exception as exc:  # noqa: BLE001 - any mismatch means: use the full forward
+        log.info("split_head_unavailable", reason=repr(exc))
+        return False
+
+
+def output_head(model: Any, hidden: mx.array) -> mx.array:
+    args = getattr(model, "args", None)
+    if getattr(args, "tie_word_embeddings", False) or not hasattr(model, "lm_head"):
+        return model.model.embed_tokens.as_linear(hidden)
+    return model.lm_head(hidden)
+
+
+def forward(
+    model: Any, tokens: mx.array, cache: list[Any], *, logits: bool, split: bool
+) -> mx.array | None:
+    """Run `tokens` (1, L) through `model` into `cache`; last-position logits if asked
+    (`split`: what `split_head_works` said for this model)."""
+    if split:
+        hidden = model.model(tokens, cache=cache)
+        return output_head(model, hidden[:, -1:, :])[:, -1, :] if logits else None
+    out = model(tokens, cache=cache)
+    return out[:, -1, :] if logits else None
