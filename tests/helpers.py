@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
-from contextlib import AbstractAsyncContextManager
-from typing import TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import anyio
 
@@ -51,3 +52,31 @@ async def wait_until(predicate: Callable[[], bool], within: float = 10.0) -> Non
     with anyio.fail_after(within):
         while not predicate():  # noqa: ASYNC110 - the state is the step loop's
             await anyio.sleep(0.005)
+
+
+@dataclass(frozen=True)
+class Served:
+    """An engine on the demo model behind a real server on 127.0.0.1."""
+
+    engine: Any
+    url: str
+
+    def client(self, key: str = "sk-one") -> Any:
+        import openai
+
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0)
+
+
+@asynccontextmanager
+async def open_served(**app_options: Any) -> AsyncIterator[Served]:
+    """`stepline-demo` (128-token steps) served in this process; `app_options` go to
+    `create_app`."""
+    from stepline.api import Engine
+    from stepline.api.serve_cmd import serve_in_process
+    from stepline.api.server import create_app
+
+    async with (
+        Engine.open("stepline-demo", max_step_tokens=128) as engine,
+        serve_in_process(create_app(engine, **app_options)) as url,
+    ):
+        yield Served(engine, url)

@@ -50,7 +50,7 @@ def _samples(n: int, seed: int, noise: float = 0.02) -> list[Sample]:
     return out
 
 
-def _close(got: StepCost, want: StepCost, rel: float) -> None:
+def assert_close_coefficients(got: StepCost, want: StepCost, rel: float) -> None:
     for name, g, w in zip(
         ("step", "chunk", "token", "attention", "row", "context"),
         got.coefficients(),
@@ -61,7 +61,7 @@ def _close(got: StepCost, want: StepCost, rel: float) -> None:
 
 
 def test_the_fit_recovers_known_coefficients_from_noisy_steps():
-    _close(fit(_samples(200, seed=0)), TRUE, rel=0.15)
+    assert_close_coefficients(fit(_samples(200, seed=0)), TRUE, rel=0.15)
 
 
 def test_the_fit_ignores_outliers():
@@ -70,7 +70,7 @@ def test_the_fit_ignores_outliers():
     # one step in ten disturbed: a neighbour's burst of load, a pause of the process
     for i in rng.sample(range(len(samples)), 20):
         samples[i] = Sample(samples[i].features, samples[i].seconds * rng.uniform(3, 20))
-    _close(fit(samples), TRUE, rel=0.15)
+    assert_close_coefficients(fit(samples), TRUE, rel=0.15)
 
 
 def test_the_fit_never_returns_negative_coefficients():

@@ -7,46 +7,24 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
 
 import anyio
 import jsonschema
 import openai
 import pytest
 import pytest_asyncio
-from helpers import hold_open
+from helpers import Served, hold_open, open_served
 
 from stepline.api import Engine
 from stepline.api.errors import APIError
 from stepline.api.responses_schema import ResponseObject
 from stepline.api.responses_serving import ResponseStore, StoredResponse
 from stepline.api.resume import StreamRecord
-from stepline.api.serve_cmd import serve_in_process
-from stepline.api.server import create_app
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 MODEL = "stepline-demo"
 TERMINAL = {"completed", "incomplete", "failed", "cancelled"}
-
-
-@dataclass(frozen=True)
-class Served:
-    engine: Engine
-    url: str
-
-    def client(self, key: str = "sk-one") -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0)
-
-
-@asynccontextmanager
-async def open_served() -> AsyncIterator[Served]:
-    async with (
-        Engine.open("stepline-demo", max_step_tokens=128) as engine,
-        serve_in_process(create_app(engine)) as url,
-    ):
-        yield Served(engine, url)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

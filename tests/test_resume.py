@@ -5,20 +5,16 @@ from __future__ import annotations
 
 import re
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
 
 import anyio
 import httpx
 import pytest
 import pytest_asyncio
-from helpers import hold_open
+from helpers import Served, hold_open, open_served
 from starlette.datastructures import Headers
 
 from stepline.api import Engine
 from stepline.api.resume import FrameCounter, ResumeRegistry, key_of
-from stepline.api.serve_cmd import serve_in_process
-from stepline.api.server import create_app
 from stepline.api.sse import PING
 from stepline.events.fold import RequestState
 
@@ -28,24 +24,9 @@ GRACE_S = 1.5
 PROMPT = [{"role": "user", "content": "Tell me about sourdough."}]
 
 
-@dataclass(frozen=True)
-class Served:
-    engine: Engine
-    url: str
-
-
-@asynccontextmanager
-async def open_served() -> AsyncIterator[Served]:
-    async with (
-        Engine.open("stepline-demo", max_step_tokens=128) as engine,
-        serve_in_process(create_app(engine, resume_grace_s=GRACE_S)) as url,
-    ):
-        yield Served(engine, url)
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def served(demo) -> AsyncIterator[Served]:
-    value, close = await hold_open(open_served())
+    value, close = await hold_open(open_served(resume_grace_s=GRACE_S))
     try:
         yield value
     finally:
