@@ -114,21 +114,22 @@ class Executor:
         """Queue `fn(*args)` on the executor thread without waiting for it: work asked for
         later runs after it. Nobody reads its result, so it must not raise (what it raises
         is dropped); nothing is queued once the executor is dead."""
-        if self._dead is not None:
-            return
-        future = asyncio.get_running_loop().create_future()
-        future.add_done_callback(lambda f: f.cancelled() or f.exception())
-        self._thread.jobs.put(_Job(self, fn, args, future.get_loop(), future))
+        if self._dead is None:
+            self._queue(fn, args, barrier=False)
 
-    async def _put(self, fn: Callable[..., T], args: tuple, *, barrier: bool) -> T:
+    def _queue(self, fn: Callable[..., T], args: tuple, *, barrier: bool) -> asyncio.Future:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        # A caller cancelled mid-job never reads its result: mark it read, not "never retrieved".
+        # A caller cancelled mid-job (or nobody, for `post`) never reads its result: mark it
+        # read, not "never retrieved".
         future.add_done_callback(lambda f: f.cancelled() or f.exception())
         self._thread.jobs.put(_Job(self, fn, args, loop, future, barrier))
+        return future
+
+    async def _put(self, fn: Callable[..., T], args: tuple, *, barrier: bool) -> T:
         # Shield: a cancelled caller must not leave the thread mid-job with nobody
         # owning the result; the job finishes and its result is dropped.
-        return await asyncio.shield(future)
+        return await asyncio.shield(self._queue(fn, args, barrier=barrier))
 
     async def drain(self) -> None:
         """Wait until every job queued so far has finished (also for a dead executor).
