@@ -3,7 +3,11 @@
 No MLX, no I/O, no clock. Per step, within `max_step_tokens` and `max_num_seqs`:
 1. every decoding request gets one token (oldest first, if the budget is short);
 2. requests mid-prefill get their next chunk, oldest first;
-3. waiting requests are admitted into what is left, oldest first, if their KV fits.
+3. waiting requests are admitted into what is left, if their KV fits: shortest prompt
+   (what is left of it after its cached prefix) first, so that a burst of requests gets
+   most of its first tokens early; but a request that has waited `MAX_WAIT_STEPS` steps
+   goes before every younger one (oldest first among those), so a long prompt is
+   overtaken for a bounded number of steps, never forever.
 A chunk is min(remaining prompt, budget left, long-prefill cap).
 
 With a cost model (`StepCost`, fitted by engine/cost_model.py) and decode rows to protect,
@@ -37,6 +41,10 @@ DEFAULT_MAX_STEP_MS = 100.0
 # about 0.3-0.4 s on a 2-core CPU with stepline-demo-large, where a forward call costs
 # ~20 ms before any token; within the 100 ms target on a machine 3x faster).
 MIN_PREFILL_SHARE = 0.8
+# Waiting requests are admitted shortest prompt first; one that has waited this many steps
+# goes before every younger one. A burst of 16 chats of 32-512 tokens on stepline-demo:
+# its median time to first token is about 0.6x that of admitting oldest first.
+MAX_WAIT_STEPS = 8
 
 
 @dataclass(frozen=True)
@@ -197,20 +205,18 @@ def schedule(
 
     num_running = len(running)
     kv_used = sum(kv_tokens_needed(s, config) for s in running)
-    for s in live:
-        if s.status is not Status.WAITING or s.request_id in prefix.deferred:
-            continue
+    for s in admission_order(live, step, prefix):
         if budget <= 0 or num_running >= config.max_num_seqs:
             break
         if (
             config.max_kv_tokens is not None
             and kv_used + kv_tokens_needed(s, config) > config.max_kv_tokens
         ):
-            break  # admit in order: a big request is not overtaken forever by small ones
+            break  # admit in order: a big request, once aged, is not overtaken forever
         start = prefix.cached.get(s.request_id, s.num_computed_tokens)
         n = chunk_size(s, start)
         if n < 1:
-            break  # no time left in this step: admit in order, next step
+            break  # no time left in this step: the rest next step, in order
         add(s, n, start)
         num_running += 1
         kv_used += kv_tokens_needed(s, config)
@@ -223,6 +229,24 @@ def schedule(
         features=features,
         predicted_seconds=cost.predict(features) if cost is not None else None,
     )
+
+
+def admission_order(live: list[RequestState], step: int, prefix: PrefixPlan) -> list[RequestState]:
+    """Waiting requests that may start this step, in the order they are admitted: those
+    that have waited `MAX_WAIT_STEPS` steps first, oldest first; then the others,
+    shortest prompt left to compute first (ties: oldest first). `live` is in arrival order.
+    """
+    waiting = [
+        s for s in live if s.status is Status.WAITING and s.request_id not in prefix.deferred
+    ]
+
+    def key(s: RequestState) -> tuple[bool, int]:
+        if step - s.admitted_step >= MAX_WAIT_STEPS:
+            return (False, 0)  # aged: arrival order (the sort is stable)
+        start = prefix.cached.get(s.request_id, s.num_computed_tokens)
+        return (True, s.num_prompt_tokens - start)
+
+    return sorted(waiting, key=key)
 
 
 class AdmissionError(ValueError):

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from stepline.engine.cost_model import StepCost
 from stepline.engine.policy import (
+    MAX_WAIT_STEPS,
     MIN_PREFILL_SHARE,
     ContextLengthExceededError,
     EmptyPromptError,
@@ -21,7 +22,14 @@ from stepline.engine.policy import (
     schedule,
 )
 from stepline.events.fold import RequestState, Status, apply
-from stepline.events.models import Admitted, ChunkPrefilled, Decoding, RequestParams
+from stepline.events.models import (
+    Admitted,
+    ChunkPrefilled,
+    Decoding,
+    FinishReason,
+    RequestParams,
+    Terminal,
+)
 
 PARAMS = RequestParams(max_tokens=8, temperature=0, top_p=1, top_k=0, min_p=0, seed=None)
 
@@ -36,14 +44,16 @@ class Sim:
         self.seq = 0
         self.step = 0
 
-    def _event(self, cls, **kw):
+    def _event(self, cls, step: int | None = None, **kw):
         self.seq += 1
-        event = cls(seq=self.seq, ts=float(self.seq), step=self.step, **kw)
+        step = self.step if step is None else step
+        event = cls(seq=self.seq, ts=float(self.seq), step=step, **kw)
         self.states[event.request_id] = apply(self.states.get(event.request_id), event)
 
     def add(self, rid: str, n: int, checkpoints=(), max_tokens: int = 8) -> None:
         self._event(
             Admitted,
+            step=self.step + 1,  # between steps: the next step's, as the step loop records it
             request_id=rid,
             num_prompt_tokens=n,
             prompt_token_ids=None,
@@ -65,6 +75,9 @@ class Sim:
             if c.is_final:
                 self._event(Decoding, request_id=c.request_id, token_ids=(7,))
         return plan
+
+    def finish(self, rid: str) -> None:
+        self._event(Terminal, request_id=rid, reason=FinishReason.LENGTH)
 
 
 def test_three_long_prompts_share_the_budget_then_decode_first():
@@ -114,14 +127,48 @@ def test_decodes_are_scheduled_before_any_prefill():
     assert plan.chunks[0].num_tokens == 8  # what the decodes left
 
 
+def test_waiting_requests_are_admitted_shortest_prompt_first():
+    sim = Sim(SchedulerConfig(max_step_tokens=10, max_num_seqs=4))
+    sim.add("long", 9)
+    sim.add("short", 3)
+    sim.add("mid", 5)
+    plan = sim.run_step()
+    # The two shorter prompts get their first token this step; the long one starts.
+    assert [(c.request_id, c.num_tokens, c.is_final) for c in plan.chunks] == [
+        ("short", 3, True),
+        ("mid", 5, True),
+        ("long", 2, False),
+    ]
+
+
+def test_a_long_prompt_is_overtaken_by_shorter_ones_for_a_bounded_number_of_steps():
+    sim = Sim(SchedulerConfig(max_step_tokens=4, max_num_seqs=4))
+    sim.add("long", 4)
+    started = None
+    for step in range(1, 3 * MAX_WAIT_STEPS):
+        sim.add(f"a{step}", 2)  # two short prompts arrive every step: they would fill it
+        sim.add(f"b{step}", 2)
+        plan = sim.run_step()
+        for c in plan.chunks:
+            if c.is_final:
+                sim.finish(c.request_id)  # one token each, so nobody decodes
+        if any(c.request_id == "long" for c in plan.chunks):
+            started = step
+            break
+    # Shorter prompts went first while it was young; once it had waited MAX_WAIT_STEPS
+    # steps it went before every younger request.
+    assert started == MAX_WAIT_STEPS + 1
+    assert [c.request_id for c in plan.chunks] == ["long"]
+
+
 def test_a_running_request_given_no_tokens_in_a_step_is_kept_and_resumed():
     sim = Sim(SchedulerConfig(max_step_tokens=4, max_num_seqs=4))
     sim.add("a", 6)
     sim.add("b", 6)
     p1 = sim.run_step()
     assert [(c.request_id, c.num_tokens) for c in p1.chunks] == [("a", 4)]
-    sim.add("x", 2)
-    p2 = sim.run_step()  # a gets its last 2, b starts with 2
+    sim.add("x", 8)
+    p2 = sim.run_step()  # a gets its last 2, b (shorter than x) starts with 2
     assert [(c.request_id, c.start, c.end) for c in p2.chunks] == [("a", 4, 6), ("b", 0, 2)]
     p3 = sim.run_step()  # a decodes (1), b resumes with 3 of its 4 left; x gets nothing
     assert p3.decodes == ("a",)
