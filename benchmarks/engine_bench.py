@@ -821,6 +821,7 @@ def summarize_hol(hol: dict) -> dict:
     best = best_batchgen(bg)
     systems = {name: rows for name, rows in hol.items() if name != "batchgen" and rows}
     columns = {**systems, **{f"batchgen_{n}": rows for n, rows in bg.items()}}
+    stall_best = min(bg, key=lambda n: _med(bg[n], "itl_inside_max_ms"))
     return {
         "figures": {name: {k: _med(rows, k) for k in rows[0]} for name, rows in columns.items()},
         "best_batchgen_config": {
@@ -829,6 +830,11 @@ def summarize_hol(hol: dict) -> dict:
         "vs_best_batchgen": {
             name: {key: paired(rows, best, key) for _, key, lower in HOL_FIGURES if lower}
             for name, rows in systems.items()
+        },
+        # The second reading of the TTFT target: against the configuration with the
+        # shortest stall (the one the stall target compares with), not the fastest TTFT.
+        "ttft_vs_best_stall_config": {
+            name: paired(rows, bg[stall_best], "ttft_s") for name, rows in systems.items()
         },
         "foreign_cores": _foreign([r for rows in columns.values() for r in rows]),
     }
@@ -840,6 +846,8 @@ def summarize(raw: dict, w: Workload) -> dict:
         summary["hol"] = summarize_hol(raw["hol"])
     decode_rows: list[dict] = []
     for b, d in raw["decode"].items():
+        if not d["stepline"]:
+            continue  # the decode section did not run
         decode_rows += d["stepline"] + d["bare"] + d["batchgen"]
         summary["decode"][b] = {
             "stepline": _med(d["stepline"], "tokens_per_s"),
@@ -953,6 +961,11 @@ def print_table(s: dict, w: Workload, env: dict) -> None:
                 f"   target: stepline {key} <= {limit} x the best BatchGenerator's: {ratio:.2f} "
                 f"{verdict(ratio <= limit)}"
             )
+        stall_best = h["best_batchgen_config"]["itl_inside_max_ms"]
+        p(
+            f"   stepline ttft_s vs BG {stall_best} (the configuration with the shortest stall): "
+            f"{h['ttft_vs_best_stall_config']['stepline']:.2f}"
+        )
         p(
             "   ratio = median over repeats of ours / the best BatchGenerator configuration's "
             "value of that figure in the same repeat"
