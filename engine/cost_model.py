@@ -13,11 +13,20 @@ A step's time is modelled as a linear function of what it computes:
 `CostModel` fits the coefficients to the most recent steps (a window per kind of step, so
 a long run of decode-only steps does not forget what prefill costs; and prefill steps kept
 per band of context, so the small late chunks of a long prompt do not make it forget what
-a big early chunk costs), plus the warm-up's
-samples, which never leave: non-negative least squares on relative errors (a 5 ms decode step
-matters as much as a 500 ms prefill), then again without the samples the first fit explains
-worst (a neighbour's burst of load, a GC pause). The policy takes the fitted `StepCost`
-as an input and stays a pure function.
+a big early chunk costs), plus the warm-up's samples of the kinds of step not yet seen
+live: non-negative least squares on relative errors (a 5 ms decode step matters as much as
+a 500 ms prefill), then again without the samples the first fit explains worst (a
+neighbour's burst of load, a GC pause). The policy takes the fitted `StepCost` as an input
+and stays a pure function.
+
+The warm-up runs alone, so it is optimistic: in a serving engine the request actors and the
+clients share the machine with the forward passes, and on a 2-core CPU a decode step of
+stepline-demo-large took 30-35 ms live against 17 ms in the warm-up. So a kind of step seen
+`MIN_SAMPLES` times live no longer takes the warm-up's word for it; the warm-up's samples of
+the other kinds are scaled by how much slower the live steps are than the warm-up predicts
+(a long prompt's first chunk beside decode rows is often a kind not yet seen live); and a
+young model refits often (after 2, 4, 8, ... live steps) so that the first steps under load
+already use what they measured.
 """
 
 from __future__ import annotations
@@ -33,6 +42,9 @@ MIN_SAMPLES = 8
 OUTLIER_SIGMAS = 3.0
 OUTLIER_FLOOR = 0.10
 MAX_TOKENS = 2**31  # "as many as you like": more than any chunk will ever hold
+# How much slower (or faster) than the warm-up the live steps may be taken to be when the
+# warm-up's samples are scaled to the live ones (median of live / warm-up-predicted).
+MAX_LOAD_FACTOR = 4.0
 # Prefill steps are kept per band of their chunks' mean context, each band its own window:
 # under 256 tokens, under 1024, under 4096, under 16384, and beyond.
 CONTEXT_BANDS = (256, 1024, 4096, 16384)
@@ -144,37 +156,54 @@ class CostModel:
     """
 
     def __init__(
-        self, window: int = 64, refit_every: int = 16, seed: Iterable[Sample] = ()
+        self,
+        window: int = 64,
+        refit_every: int = 16,
+        seed: Iterable[Sample] = (),
+        early_refits: bool = True,
     ) -> None:
         if window < MIN_SAMPLES:
             raise ValueError(f"window must be >= {MIN_SAMPLES}, got {window}")
         if refit_every < 1:
             raise ValueError(f"refit_every must be >= 1, got {refit_every}")
         self._seed: list[Sample] = []
+        self._seed_cost: StepCost | None = None  # the fit of the warm-up's samples alone
         # decode-only steps and steps with prefill (per band of context): each kind keeps
         # its own recent history
         self._decode: deque[Sample] = deque(maxlen=window)
         band = max(MIN_SAMPLES, window // 2)
         self._prefill = [deque[Sample](maxlen=band) for _ in range(len(CONTEXT_BANDS) + 1)]
         self._refit_every = refit_every
+        self._early_refits = early_refits  # also refit at 2, 4, 8, ... live samples
+        self._num_live = 0  # live samples observed, ever
         self._since_fit = 0
         self._cost: StepCost | None = None
         for s in seed:
             self.seed(s.features, s.seconds)
 
     def seed(self, features: StepFeatures, seconds: float) -> None:
-        """A warm-up sample: kept for good, so the fit always knows every kind of work."""
+        """A warm-up sample: kept for good, so the fit always knows every kind of work; it
+        speaks for its kind (decode-only, or prefill in its band of context) until that
+        kind has been seen `MIN_SAMPLES` times live."""
         if _usable(seconds):
             self._seed.append(Sample(features, seconds))
+            self._seed_cost = None  # the warm-up's own fit, made again when needed
             self._since_fit = self._refit_every  # refit at the next read
 
     def observe(self, features: StepFeatures, seconds: float) -> None:
         """A step with `features` took `seconds` (the executor's measured time)."""
         if not _usable(seconds):
             return
-        history = self._prefill[features.context_band] if features.has_prefill else self._decode
-        history.append(Sample(features, seconds))
+        self._history(features).append(Sample(features, seconds))
         self._since_fit += 1
+        self._num_live += 1
+        n = self._num_live
+        if self._early_refits and n < self._refit_every and n & (n - 1) == 0:
+            self._since_fit = self._refit_every  # a power of two: refit at the next read
+
+    def _history(self, features: StepFeatures) -> deque[Sample]:
+        """The window of live samples that a step of this kind goes to."""
+        return self._prefill[features.context_band] if features.has_prefill else self._decode
 
     @property
     def num_samples(self) -> int:
@@ -185,10 +214,27 @@ class CostModel:
         """The current fit, or None while there are too few samples to trust one."""
         if self._since_fit >= self._refit_every or (self._cost is None and self._since_fit):
             self._since_fit = 0
-            samples = [*self._seed, *self._decode, *(s for p in self._prefill for s in p)]
+            live = [*self._decode, *(s for p in self._prefill for s in p)]
+            samples = [*self._seed_samples(live), *live]
             if len(samples) >= MIN_SAMPLES:
                 self._cost = fit(samples)
         return self._cost
+
+    def _seed_samples(self, live: list[Sample]) -> list[Sample]:
+        """The warm-up's samples of the kinds of step not yet seen enough live, scaled by
+        how much slower (or faster) the live steps are than the warm-up alone predicts."""
+        seed = [s for s in self._seed if len(self._history(s.features)) < MIN_SAMPLES]
+        if not seed or not live or len(self._seed) < MIN_SAMPLES:
+            return seed
+        if self._seed_cost is None:
+            self._seed_cost = fit(self._seed)
+        ratios = sorted(
+            s.seconds / p for s in live if (p := self._seed_cost.predict(s.features)) > 0
+        )
+        if not ratios:
+            return seed
+        scale = min(max(ratios[len(ratios) // 2], 1 / MAX_LOAD_FACTOR), MAX_LOAD_FACTOR)
+        return [Sample(s.features, s.seconds * scale) for s in seed]
 
 
 def _usable(seconds: float) -> bool:

@@ -37,10 +37,13 @@ from stepline.events.fold import RequestState, Status
 DEFAULT_MAX_STEP_MS = 100.0
 # The least share of a step with decode rows that a prefill chunk's own work gets: its time
 # to first token stays within about 1 / MIN_PREFILL_SHARE of its bare prefill time, while
-# the decoders wait at most a step of 1 / (1 - MIN_PREFILL_SHARE) times the overheads (5x:
-# about 0.3-0.4 s on a 2-core CPU with stepline-demo-large, where a forward call costs
-# ~20 ms before any token; within the 100 ms target on a machine 3x faster).
-MIN_PREFILL_SHARE = 0.8
+# the decoders wait at most a step of 1 / (1 - MIN_PREFILL_SHARE) times the overheads (4.5x:
+# about 0.25-0.35 s on a 2-core CPU with stepline-demo-large, where the decode forward costs
+# ~30 ms live and a chunk's forward ~20 ms before any token; within the 100 ms target on a
+# machine 3x faster). Measured there (engine_bench.py --sections hol, 3 repeats): 0.75 gave
+# a stall of 0.22x mlx-lm's best BatchGenerator's at 1.39x its TTFT, 0.78 0.24x at 1.28x,
+# 0.8 0.36x at 1.15x.
+MIN_PREFILL_SHARE = 0.78
 # Waiting requests are admitted shortest prompt first; one that has waited this many steps
 # goes before every younger one. A burst of 16 chats of 32-512 tokens on stepline-demo:
 # its median time to first token is about 0.6x that of admitting oldest first.

@@ -336,10 +336,14 @@ def test_the_oldest_prefill_moves_even_when_decodes_fill_the_target():
     sim.add("long", 1000, max_tokens=1)
     sim.add("next", 1000, max_tokens=1)
     plan = sim.run_step()
-    # The step stretches to 5 x the 31 decode rows' 124 ms, and the prefill gets the rest
-    # of the token budget: 481 tokens; the request behind it waits.
-    assert [(c.request_id, c.num_tokens) for c in plan.chunks] == [("long", 481)]
-    assert plan.predicted_seconds == pytest.approx(0.124 + 0.481)
+    # The step stretches so that the 31 decode rows' 124 ms are 1 - MIN_PREFILL_SHARE of
+    # it (0.56 s), and the prefill gets the rest (439 tokens at 1 ms, within the 481 that the
+    # token budget leaves); the request behind it waits.
+    stretched = 0.124 / (1 - MIN_PREFILL_SHARE)
+    n = int((stretched - 0.124) / 0.001 + 1e-9)
+    assert 0 < n < 481
+    assert [(c.request_id, c.num_tokens) for c in plan.chunks] == [("long", n)]
+    assert plan.predicted_seconds == pytest.approx(0.124 + n * 0.001)
 
 
 def test_the_token_budget_and_the_cap_stay_hard_limits_with_a_cost_model():
@@ -425,6 +429,9 @@ def test_under_load_a_chunk_still_gets_most_of_the_step():
     sim.add("long", 4000, max_tokens=1)
     plan = sim.run_step()
     (chunk,) = plan.chunks
-    # The step stretches to 5 x its 30 ms of overheads: 120 ms of work beside them.
-    assert chunk.num_tokens == 109  # 119.9 ms
-    assert 0.149 < plan.predicted_seconds <= 0.150
+    # The step stretches so that its 30 ms of overheads are 1 - MIN_PREFILL_SHARE of it:
+    # at 0.78, 136 ms, 106 ms of work beside them (96 tokens at 1.1 ms).
+    step = 0.030 / (1 - MIN_PREFILL_SHARE)
+    assert chunk.num_tokens == int((step - 0.030) / 0.0011)
+    assert chunk.num_tokens * 0.0011 >= MIN_PREFILL_SHARE * step - 0.0011  # most of the step
+    assert step - 0.0011 < plan.predicted_seconds <= step
