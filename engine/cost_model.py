@@ -23,8 +23,9 @@ The warm-up runs alone, so it is optimistic: in a serving engine the request act
 clients share the machine with the forward passes, and on a 2-core CPU a decode step of
 stepline-demo-large took 30-35 ms live against 17 ms in the warm-up. So a kind of step seen
 `MIN_SAMPLES` times live no longer takes the warm-up's word for it; the warm-up's samples of
-the other kinds are scaled by how much slower the live steps are than the warm-up predicts
-(a long prompt's first chunk beside decode rows is often a kind not yet seen live); and a
+the other kinds are scaled by how much slower the live prefill steps are than the warm-up
+predicts (a long prompt's first chunk beside decode rows is often a kind not yet seen
+live); and a
 young model refits often (after 2, 4, 8, ... live steps) so that the first steps under load
 already use what they measured.
 """
@@ -222,14 +223,19 @@ class CostModel:
 
     def _seed_samples(self, live: list[Sample]) -> list[Sample]:
         """The warm-up's samples of the kinds of step not yet seen enough live, scaled by
-        how much slower (or faster) the live steps are than the warm-up alone predicts."""
+        how much slower (or faster) the live steps with prefill are than the warm-up alone
+        predicts. Decode-only steps do not set the scale: what slows them down live is
+        mostly per-token host work (request actors, clients) that a chunk does not share
+        (on the tiny hybrid demo a decode step took 2-3x its warm-up time, a chunk ~1x)."""
         seed = [s for s in self._seed if len(self._history(s.features)) < MIN_SAMPLES]
-        if not seed or not live or len(self._seed) < MIN_SAMPLES:
+        if not seed or len(self._seed) < MIN_SAMPLES:
             return seed
         if self._seed_cost is None:
             self._seed_cost = fit(self._seed)
         ratios = sorted(
-            s.seconds / p for s in live if (p := self._seed_cost.predict(s.features)) > 0
+            s.seconds / p
+            for s in live
+            if s.features.has_prefill and (p := self._seed_cost.predict(s.features)) > 0
         )
         if not ratios:
             return seed

@@ -188,18 +188,30 @@ def test_the_first_live_steps_override_an_optimistic_warm_up():
     against 30-35 ms for a decode step of stepline-demo-large on 2 cores). After a few live
     steps the model must predict what they took, or the first steps of a long prompt under
     load run far over their time."""
-    seeds = [
-        Sample(f, TRUE.predict(f)) for f in (_random_step(random.Random(i)) for i in range(16))
-    ]
-    model = CostModel(seed=seeds)  # the defaults: refit every 16 steps once warmed up
+    steps = [_random_step(random.Random(i)) for i in range(16)]
+    seeds = [Sample(f, TRUE.predict(f)) for f in steps]
     loaded = StepCost(*(2 * c for c in TRUE.coefficients()))
     decode = StepFeatures(decode_rows=4, decode_context=4 * 40)
+    first_chunk = decode.with_chunk(0, 256)  # a kind of step not seen live yet
+
+    def run(model: CostModel, live: list[StepFeatures]) -> StepCost:
+        for f in live:
+            model.observe(f, loaded.predict(f))
+        assert model.cost is not None
+        return model.cost
+
+    model = CostModel(seed=seeds)  # the defaults: refit every 16 steps once warmed up
     assert model.cost is not None
     assert model.cost.predict(decode) == pytest.approx(TRUE.predict(decode), rel=0.15)
-    for _ in range(MIN_SAMPLES):  # what the live engine measures
-        model.observe(decode, loaded.predict(decode))
-    assert model.cost.predict(decode) == pytest.approx(loaded.predict(decode), rel=0.15)
-    # A kind of step not seen live yet (a long prompt's first chunk beside the decode rows)
-    # is predicted as slower as the live steps are than the warm-up.
-    first_chunk = decode.with_chunk(0, 256)
-    assert model.cost.predict(first_chunk) == pytest.approx(loaded.predict(first_chunk), rel=0.2)
+    # A few live prefill steps (the decoders' own prompts), then decode steps.
+    prompts = [StepFeatures().with_chunk(0, 32).with_chunk(0, 32) for _ in range(2)]
+    cost = run(model, prompts + [decode] * MIN_SAMPLES)
+    assert cost.predict(decode) == pytest.approx(loaded.predict(decode), rel=0.15)
+    # The first chunk is priced as much slower as the live prefill steps were.
+    assert cost.predict(first_chunk) == pytest.approx(loaded.predict(first_chunk), rel=0.2)
+
+    # Decode steps alone do not set that scale: what slows them down live is mostly host
+    # work that a chunk does not share.
+    cost = run(CostModel(seed=seeds), [decode] * MIN_SAMPLES)
+    chunk_share = cost.predict(first_chunk) - cost.predict(decode)
+    assert chunk_share == pytest.approx(TRUE.predict(first_chunk) - TRUE.predict(decode), rel=0.2)
