@@ -32,11 +32,12 @@ class ExecutorDeadError(RuntimeError):
 
 
 class _Job:
-    __slots__ = ("owner", "fn", "args", "loop", "future", "barrier")
+    __slots__ = ("owner", "fn", "args", "loop", "future", "barrier", "after")
 
-    def __init__(self, owner, fn, args, loop, future, barrier=False):
+    def __init__(self, owner, fn, args, loop, future, barrier=False, after=None):
         self.owner, self.fn, self.args, self.loop, self.future = owner, fn, args, loop, future
         self.barrier = barrier  # runs even for a dead executor: it only marks a point in the queue
+        self.after = after  # run once `fn` succeeded and its caller was told (must not raise)
 
 
 def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
@@ -82,6 +83,11 @@ class _MLXThread:
                 job.loop.call_soon_threadsafe(_settle, job.future, result, error)
             except RuntimeError:  # the caller's event loop is closed: nobody to tell
                 pass
+            if job.after is not None and error is None:
+                try:
+                    job.after()
+                except Exception:  # noqa: BLE001, S110 - `after` must not raise; if it does, nobody is told
+                    pass
             del job, result, error  # drop MLX references here, on this thread
 
 
@@ -101,35 +107,37 @@ class Executor:
     def thread_id(self) -> int | None:
         return self._thread.thread.ident
 
-    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+    async def call(
+        self, fn: Callable[..., T], *args: Any, after: Callable[[], None] | None = None
+    ) -> T:
         """Run `fn(*args)` on the executor thread and return its result.
 
+        `after`, if given, runs on the executor thread right after `fn` succeeded and its
+        result was handed back, before any other job: work that follows `fn` without
+        waiting for the caller to ask (it must not raise; what it raises is dropped).
         Raises whatever `fn` raised, or ExecutorDeadError once the executor is dead.
         """
         if self._dead is not None:
             raise ExecutorDeadError(f"the executor died: {self._dead}")
-        return await self._put(fn, args, barrier=False)
+        return await self._put(fn, args, barrier=False, after=after)
 
-    def post(self, fn: Callable[..., None], *args: Any) -> None:
-        """Queue `fn(*args)` on the executor thread without waiting for it: work asked for
-        later runs after it. Nobody reads its result, so it must not raise (what it raises
-        is dropped); nothing is queued once the executor is dead."""
-        if self._dead is None:
-            self._queue(fn, args, barrier=False)
-
-    def _queue(self, fn: Callable[..., T], args: tuple, *, barrier: bool) -> asyncio.Future:
+    def _queue(
+        self, fn: Callable[..., T], args: tuple, *, barrier: bool, after: Callable | None = None
+    ) -> asyncio.Future:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         # A caller cancelled mid-job (or nobody, for `post`) never reads its result: mark it
         # read, not "never retrieved".
         future.add_done_callback(lambda f: f.cancelled() or f.exception())
-        self._thread.jobs.put(_Job(self, fn, args, loop, future, barrier))
+        self._thread.jobs.put(_Job(self, fn, args, loop, future, barrier, after))
         return future
 
-    async def _put(self, fn: Callable[..., T], args: tuple, *, barrier: bool) -> T:
+    async def _put(
+        self, fn: Callable[..., T], args: tuple, *, barrier: bool, after: Callable | None = None
+    ) -> T:
         # Shield: a cancelled caller must not leave the thread mid-job with nobody
         # owning the result; the job finishes and its result is dropped.
-        return await asyncio.shield(self._queue(fn, args, barrier=barrier))
+        return await asyncio.shield(self._queue(fn, args, barrier=barrier, after=after))
 
     async def drain(self) -> None:
         """Wait until every job queued so far has finished (also for a dead executor).

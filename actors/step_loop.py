@@ -353,12 +353,12 @@ class StepLoop:
             if self.states[c.request_id].status is Status.WAITING
         )
         work = StepWork(plan=plan, admit=admit, **self._housekeeping(prefix.promote).__dict__)
-        result = await self._run_executor(self.runner.run, work)
+        # The next decode forward computes on the executor while this step commits: it
+        # starts right after the step, without waiting for this loop to ask.
+        ahead = self.runner.look_ahead if getattr(self.runner, "lookahead", False) else None
+        result = await self._run_executor(self.runner.run, work, after=ahead)
         if result is None:
             return
-        if getattr(self.runner, "lookahead", False):
-            # The next decode forward computes on the executor while this step commits.
-            self.executor.post(self.runner.look_ahead)
         self._record(StepFinished, seconds=result.seconds, predicted_seconds=plan.predicted_seconds)
         if self.cost_model is not None:
             self.cost_model.observe(plan.features, result.seconds)
@@ -458,9 +458,11 @@ class StepLoop:
                     await self._end(rid, FinishReason.ERROR, "the request's actor failed")
         self._close_ended()
 
-    async def _run_executor(self, fn: Callable, *args: Any) -> Any:
+    async def _run_executor(
+        self, fn: Callable, *args: Any, after: Callable[[], None] | None = None
+    ) -> Any:
         try:
-            return await self.executor.call(fn, *args)
+            return await self.executor.call(fn, *args, after=after)
         except ExecutorDeadError as exc:
             await self._die(f"executor failed: {exc!r}")
         except Exception as exc:

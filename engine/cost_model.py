@@ -26,7 +26,7 @@ stepline-demo-large took 30-35 ms live against 17 ms in the warm-up. So a kind o
 the other kinds are scaled by how much slower the live prefill steps are than the warm-up
 predicts (a long prompt's first chunk beside decode rows is often a kind not yet seen
 live); and a
-young model refits often (after 2, 4, 8, ... live steps) so that the first steps under load
+young model refits often (after 1, 2, 4, 8 live steps) so that the first steps under load
 already use what they measured.
 """
 
@@ -175,7 +175,7 @@ class CostModel:
         band = max(MIN_SAMPLES, window // 2)
         self._prefill = [deque[Sample](maxlen=band) for _ in range(len(CONTEXT_BANDS) + 1)]
         self._refit_every = refit_every
-        self._early_refits = early_refits  # also refit at 2, 4, 8, ... live samples
+        self._early_refits = early_refits  # also refit at 1, 2, 4, 8 live samples
         self._num_live = 0  # live samples observed, ever
         self._since_fit = 0
         self._cost: StepCost | None = None

@@ -370,8 +370,9 @@ class ModelRunner:
         self._ahead = Ahead(list(self._batch_ids), logits, sample)
 
     def look_ahead(self) -> None:
-        """Compute the look-ahead the last step built. The step loop queues this on the
-        executor right after a step's result: MLX computes without the GIL (on Linux's CPU
+        """Compute the look-ahead the last step built. The step loop has the executor run
+        this right after a step, as the step's result goes back (`Executor.call`'s `after`,
+        no round trip through the event loop): MLX computes without the GIL (on Linux's CPU
         backend `async_eval` returns only once the forward is nearly done) while the step
         loop commits that step and plans the next. Without it the next step computes it.
         Never raises: a failure is the next step's."""
