@@ -31,7 +31,7 @@ from stepline.actors.request import RequestActor, RequestOutput
 from stepline.actors.step_loop import ModelLimits, StepLoop
 from stepline.api.config import EngineConfig, launch_rank
 from stepline.api.params import SamplingParams
-from stepline.api.prompts import Prompts, PromptTooLongError
+from stepline.api.prompts import Prompts, PromptTooLongError, token_decoder
 from stepline.api.stream import RequestStream
 from stepline.engine.cost_model import CostModel
 from stepline.engine.grammar import GrammarCompiler
@@ -72,6 +72,7 @@ class Engine:
     def __init__(self, *, loaded, step_loop: StepLoop, executor: Executor, tg, config: dict):
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
+        self._decode = token_decoder(loaded.tokenizer)  # what request actors detokenize with
         self.model_name: str = loaded.name
         self.max_context: int = loaded.max_context
         self.vocab_size: int = _vocab_size(loaded)
@@ -417,7 +418,7 @@ class Engine:
             num_prompt_tokens=len(ids),
             num_cached_tokens=0,  # the step loop says otherwise when its first chunk runs
             stop=params.stop,
-            decode=self.tokenizer.decode,
+            decode=self._decode,
             inbox=inbox_rx,
             output=out_tx,
             on_end=lambda reason: self._send_cancel(rid, reason),

@@ -301,3 +301,28 @@ def test_thinking_off_closes_an_empty_think_block_after_the_generation_prompt(
     )
 
     assert rendered.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def test_the_request_actors_decoder_is_the_tokenizers_own_decode(demo: LoadedModel) -> None:
+    """Request actors decode with `token_decoder`: the Rust tokenizer's decode where that
+    is exactly what the tokenizer's own `decode` returns (special tokens, byte tokens that
+    are half a character, empty windows included), the tokenizer's `decode` elsewhere."""
+    import copy
+    import random
+
+    from stepline.api.prompts import token_decoder
+
+    tokenizer = demo.tokenizer
+    decode = token_decoder(tokenizer)
+    assert decode != tokenizer.decode  # the demo's tokenizer takes the short path
+    rng = random.Random(0)
+    vocab = len(tokenizer)
+    windows = [[], tokenizer.encode("a🙂b"), tokenizer.encode("a🙂b")[:2], [0, 1, 2, 5]]
+    windows += [[rng.randrange(vocab) for _ in range(rng.randint(1, 6))] for _ in range(500)]
+    for ids in windows:
+        assert decode(ids) == tokenizer.decode(ids), ids
+
+    # A tokenizer that cleans up spaces keeps its own decode.
+    hf = copy.deepcopy(tokenizer._tokenizer)
+    hf.clean_up_tokenization_spaces = True
+    assert token_decoder(hf) == hf.decode
