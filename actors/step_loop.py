@@ -32,6 +32,7 @@ from stepline.engine.policy import (
     QueueFullError,
     SchedulerConfig,
     StepPlan,
+    admission_key,
     check_admissible,
     schedule,
 )
@@ -309,16 +310,22 @@ class StepLoop:
         if self.index is None or not self._waiting():
             return PrefixPlan()
         running: list[Candidate] = []
-        waiting: list[Candidate] = []
+        queue: list[RequestState] = []
         for s in sorted(self.states.values(), key=lambda s: s.admitted_seq):
-            submit = self._requests[s.request_id]
             if s.status is Status.WAITING:
-                if len(waiting) < self.config.max_num_seqs:
-                    waiting.append(self._candidate(s, submit, waiting=True))
+                queue.append(s)
             elif s.status is Status.PREFILLING and any(
                 c > s.num_computed_tokens for c in s.checkpoints
             ):
-                running.append(self._candidate(s, submit, waiting=False))
+                running.append(self._candidate(s, self._requests[s.request_id], waiting=False))
+        # The head of the queue in the policy's admission order (cache hits not known yet):
+        # no request beyond it can be admitted before one in it.
+        step = self.step + 1
+        queue.sort(key=lambda s: admission_key(s, step, s.num_computed_tokens))
+        waiting = [
+            self._candidate(s, self._requests[s.request_id], waiting=True)
+            for s in queue[: self.config.max_num_seqs]
+        ]
         prefix = plan_prefixes([*running, *waiting], self.index)
         self._disk_tries.update(prefix.loading)
         return prefix

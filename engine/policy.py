@@ -215,7 +215,9 @@ def schedule(
             config.max_kv_tokens is not None
             and kv_used + kv_tokens_needed(s, config) > config.max_kv_tokens
         ):
-            break  # admit in order: a big request, once aged, is not overtaken forever
+            if is_aged(s, step):
+                break  # an aged request that does not fit holds back the younger ones
+            continue  # a young one waits; one behind it may fit
         start = prefix.cached.get(s.request_id, s.num_computed_tokens)
         n = chunk_size(s, start)
         if n < 1:
@@ -234,22 +236,37 @@ def schedule(
     )
 
 
+def is_aged(s: RequestState, step: int) -> bool:
+    """Whether waiting request `s` has waited `MAX_WAIT_STEPS` steps by step `step`."""
+    return step - s.admitted_step >= MAX_WAIT_STEPS
+
+
+def admission_key(s: RequestState, step: int, start: int) -> tuple[bool, int, int]:
+    """Sort key of the admission order, for a request whose first chunk starts at `start`:
+    aged requests first, oldest first; then the others, shortest prompt left first, ties
+    oldest first."""
+    if is_aged(s, step):
+        return (False, 0, s.admitted_seq)
+    return (True, s.num_prompt_tokens - start, s.admitted_seq)
+
+
 def admission_order(live: list[RequestState], step: int, prefix: PrefixPlan) -> list[RequestState]:
-    """Waiting requests that may start this step, in the order they are admitted: those
-    that have waited `MAX_WAIT_STEPS` steps first, oldest first; then the others,
-    shortest prompt left to compute first (ties: oldest first). `live` is in arrival order.
-    """
+    """Waiting requests that may start this step, in the order they are admitted (see
+    `admission_key`, with each one's cache hit). Only requests the prefix plan looked at
+    may start (it looks at a window of the queue: the others' cache hits are unknown)."""
     waiting = [
-        s for s in live if s.status is Status.WAITING and s.request_id not in prefix.deferred
+        s
+        for s in live
+        if s.status is Status.WAITING
+        and s.request_id not in prefix.deferred
+        and (prefix.considered is None or s.request_id in prefix.considered)
     ]
-
-    def key(s: RequestState) -> tuple[bool, int]:
-        if step - s.admitted_step >= MAX_WAIT_STEPS:
-            return (False, 0)  # aged: arrival order (the sort is stable)
-        start = prefix.cached.get(s.request_id, s.num_computed_tokens)
-        return (True, s.num_prompt_tokens - start)
-
-    return sorted(waiting, key=key)
+    return sorted(
+        waiting,
+        key=lambda s: admission_key(
+            s, step, prefix.cached.get(s.request_id, s.num_computed_tokens)
+        ),
+    )
 
 
 class AdmissionError(ValueError):

@@ -330,6 +330,8 @@ class PrefixPlan:
     deferred: frozenset[str] = frozenset()
     promote: tuple[Tokens, ...] = ()  # disk entries to load into memory this step
     loading: frozenset[str] = frozenset()  # of `deferred`, those waiting for `promote`
+    # waiting requests this plan looked at (only they may start this step); None: all
+    considered: frozenset[str] | None = None
 
 
 @dataclass(frozen=True)
@@ -347,7 +349,8 @@ class Candidate:
 def plan_prefixes(candidates: Sequence[Candidate], index: PrefixIndex) -> PrefixPlan:
     """Where each waiting request starts, and which wait for a prefix being computed.
 
-    `candidates` are in scheduling order: running requests, then waiting ones. A waiting
+    `candidates` are running requests, then waiting ones in the order the policy admits
+    them (`policy.admission_key`). A waiting
     request whose prompt shares a checkpointed prefix with an earlier request that has not
     reached that checkpoint yet waits for it, then starts from its snapshot (so requests
     that arrive together with one new system prompt compute it once). A request whose best
@@ -380,7 +383,10 @@ def plan_prefixes(candidates: Sequence[Candidate], index: PrefixIndex) -> Prefix
             cached[c.request_id] = match.num_tokens
             matches[c.request_id] = match
         ahead.append(replace(c, num_computed_tokens=have))
-    return PrefixPlan(cached, matches, frozenset(deferred), tuple(promote), frozenset(loading))
+    considered = frozenset(c.request_id for c in candidates if c.waiting)
+    return PrefixPlan(
+        cached, matches, frozenset(deferred), tuple(promote), frozenset(loading), considered
+    )
 
 
 def _waits_for_checkpoint(c: Candidate, have: int, ahead: Sequence[Candidate]) -> bool:

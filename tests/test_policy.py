@@ -21,6 +21,7 @@ from stepline.engine.policy import (
     check_admissible,
     schedule,
 )
+from stepline.engine.prefix_index import PrefixPlan
 from stepline.events.fold import RequestState, Status, apply
 from stepline.events.models import (
     Admitted,
@@ -230,6 +231,40 @@ def test_kv_admission_waits_until_capacity_frees():
     plan = sim.run_step()
     assert list(plan.num_scheduled_tokens) == ["a"]
     assert sim.states["b"].status is Status.WAITING
+
+
+def test_a_young_request_whose_kv_does_not_fit_lets_others_in_until_it_has_aged():
+    sim = Sim(SchedulerConfig(max_step_tokens=64, max_num_seqs=8, max_kv_tokens=100))
+    sim.add("running", 10, max_tokens=40)  # KV 50, decoding from its first step
+    sim.run_step()
+    sim.add("old", 30, max_tokens=10)  # KV 40: fits beside it
+    sim.add("young", 5, max_tokens=60)  # KV 65: shorter, but does not fit yet
+    plan = sim.run_step()
+    # Shortest first would try "young" first; it does not fit, so "old" goes.
+    assert [c.request_id for c in plan.chunks] == ["old"]
+
+    # Once aged, a request that does not fit holds back the younger ones.
+    sim = Sim(SchedulerConfig(max_step_tokens=64, max_num_seqs=8, max_kv_tokens=100))
+    sim.add("running", 10, max_tokens=40)
+    sim.run_step()
+    sim.add("big", 30, max_tokens=30)  # KV 60: does not fit beside "running"
+    for _ in range(MAX_WAIT_STEPS):
+        sim.run_step()
+    sim.add("small", 5, max_tokens=5)  # KV 10: would fit
+    plan = sim.run_step()
+    assert plan.chunks == ()
+    assert sim.states["small"].status is Status.WAITING
+
+
+def test_only_requests_the_prefix_plan_looked_at_are_admitted():
+    sim = Sim(SchedulerConfig(max_step_tokens=64, max_num_seqs=8))
+    sim.add("a", 10)
+    sim.add("b", 5)
+    sim.step += 1
+    plan = schedule(
+        sim.states, sim.config, sim.step, prefix=PrefixPlan(considered=frozenset({"a"}))
+    )
+    assert [c.request_id for c in plan.chunks] == ["a"]  # "b" is shorter but its hit unknown
 
 
 def test_inadmissible_requests_say_why():
