@@ -83,11 +83,11 @@ class _MLXThread:
                 job.loop.call_soon_threadsafe(_settle, job.future, result, error)
             except RuntimeError:  # the caller's event loop is closed: nobody to tell
                 pass
-            if job.after is not None and error is None:
+            if job.after is not None and error is None and job.owner.dead is None:
                 try:
                     job.after()
-                except Exception:  # noqa: BLE001, S110 - `after` must not raise; if it does, nobody is told
-                    pass
+                except BaseException as exc:  # noqa: BLE001 - nobody waits on it: log, go on
+                    log.error("executor_after_failed", error=repr(exc), exc_info=exc)
             del job, result, error  # drop MLX references here, on this thread
 
 
@@ -126,8 +126,8 @@ class Executor:
     ) -> asyncio.Future:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        # A caller cancelled mid-job (or nobody, for `post`) never reads its result: mark it
-        # read, not "never retrieved".
+        # A caller cancelled mid-job never reads its result: mark it read, not "never
+        # retrieved".
         future.add_done_callback(lambda f: f.cancelled() or f.exception())
         self._thread.jobs.put(_Job(self, fn, args, loop, future, barrier, after))
         return future

@@ -45,15 +45,15 @@ def token_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
         from transformers.tokenization_utils_tokenizers import TokenizersBackend as Fast
     except ImportError:  # transformers < 5
         from transformers import PreTrainedTokenizerFast as Fast
+    rust_decode = getattr(backend, "decode", None)
     plain = (
-        type(hf).decode is PreTrainedTokenizerBase.decode
-        and type(hf)._decode is Fast._decode
+        getattr(type(hf), "decode", None) is PreTrainedTokenizerBase.decode
+        and getattr(type(hf), "_decode", None) is Fast._decode
         and getattr(hf, "clean_up_tokenization_spaces", True) is False
-        and callable(getattr(backend, "decode", None))
+        and callable(rust_decode)
     )
-    if not plain:
+    if not plain or rust_decode is None:
         return tokenizer.decode
-    rust_decode = backend.decode
 
     def decode(token_ids: list[int]) -> str:
         return rust_decode(token_ids, skip_special_tokens=False)

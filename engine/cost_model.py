@@ -46,6 +46,9 @@ MAX_TOKENS = 2**31  # "as many as you like": more than any chunk will ever hold
 # How much slower (or faster) than the warm-up the live steps may be taken to be when the
 # warm-up's samples are scaled to the live ones (median of live / warm-up-predicted).
 MAX_LOAD_FACTOR = 4.0
+# ...and how many steps' worth of doubt that scale starts with: n live prefill steps move
+# it n / (n + SCALE_PRIOR_STEPS) of the way (in log terms) from 1 to what they measured.
+SCALE_PRIOR_STEPS = 1
 # Prefill steps are kept per band of their chunks' mean context, each band its own window:
 # under 256 tokens, under 1024, under 4096, under 16384, and beyond.
 CONTEXT_BANDS = (256, 1024, 4096, 16384)
@@ -150,10 +153,12 @@ class Sample:
 
 
 class CostModel:
-    """Learns `StepCost` online from (features, measured seconds) of recent steps.
+    """Learns `StepCost` online from (features, measured seconds) of recent steps, and
+    the warm-up's samples (`seed`) as the module docstring says.
 
     Not thread-safe: the step loop owns it. `observe` is O(1); the fit (numpy, a few
-    hundred samples by six features) runs every `refit_every` observations.
+    hundred samples by six features, ~3 ms) runs every `refit_every` observations, and
+    with `early_refits` also after the 1st, 2nd, 4th and 8th live one.
     """
 
     def __init__(
@@ -183,9 +188,9 @@ class CostModel:
             self.seed(s.features, s.seconds)
 
     def seed(self, features: StepFeatures, seconds: float) -> None:
-        """A warm-up sample: kept for good, so the fit always knows every kind of work; it
-        speaks for its kind (decode-only, or prefill in its band of context) until that
-        kind has been seen `MIN_SAMPLES` times live."""
+        """A warm-up sample. It is kept, and speaks for its kind of step (decode-only, or
+        prefill in its band of context) while that kind has been seen fewer than
+        `MIN_SAMPLES` times live, so the fit knows every kind of work from the start."""
         if _usable(seconds):
             self._seed.append(Sample(features, seconds))
             self._seed_cost = None  # the warm-up's own fit, made again when needed
@@ -239,7 +244,12 @@ class CostModel:
         )
         if not ratios:
             return seed
-        scale = min(max(ratios[len(ratios) // 2], 1 / MAX_LOAD_FACTOR), MAX_LOAD_FACTOR)
+        # The lower median, trusted in proportion to how many steps say so: one step is
+        # taken at the square root of its word (a lone step slowed by a pause must not make
+        # every chunk look 5x dearer until its band fills up).
+        n = len(ratios)
+        ratio = min(max(ratios[(n - 1) // 2], 1 / MAX_LOAD_FACTOR), MAX_LOAD_FACTOR)
+        scale = ratio ** (n / (n + SCALE_PRIOR_STEPS))
         return [Sample(s.features, s.seconds * scale) for s in seed]
 
 

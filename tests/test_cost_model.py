@@ -204,7 +204,7 @@ def test_the_first_live_steps_override_an_optimistic_warm_up():
     assert model.cost is not None
     assert model.cost.predict(decode) == pytest.approx(TRUE.predict(decode), rel=0.15)
     # A few live prefill steps (the decoders' own prompts), then decode steps.
-    prompts = [StepFeatures().with_chunk(0, 32).with_chunk(0, 32) for _ in range(2)]
+    prompts = [StepFeatures().with_chunk(0, 32).with_chunk(0, 32) for _ in range(6)]
     cost = run(model, prompts + [decode] * MIN_SAMPLES)
     assert cost.predict(decode) == pytest.approx(loaded.predict(decode), rel=0.15)
     # The first chunk is priced as much slower as the live prefill steps were.
@@ -215,3 +215,21 @@ def test_the_first_live_steps_override_an_optimistic_warm_up():
     cost = run(CostModel(seed=seeds), [decode] * MIN_SAMPLES)
     chunk_share = cost.predict(first_chunk) - cost.predict(decode)
     assert chunk_share == pytest.approx(TRUE.predict(first_chunk) - TRUE.predict(decode), rel=0.2)
+
+
+def test_one_slow_live_prefill_step_does_not_make_every_chunk_look_dear():
+    """A lone prefill step slowed 5x (a pause) must not set the warm-up's scale on its own:
+    it counts for the square root of its word until more prefill steps say the same."""
+    seeds = [
+        Sample(f, TRUE.predict(f)) for f in (_random_step(random.Random(i)) for i in range(16))
+    ]
+    model = CostModel(seed=seeds)
+    paused = StepFeatures().with_chunk(0, 32).with_chunk(0, 32)
+    model.observe(paused, 5 * TRUE.predict(paused))
+    rng = random.Random(11)
+    for _ in range(100):
+        f = StepFeatures(decode_rows=4, decode_context=4 * rng.randint(40, 400))
+        model.observe(f, TRUE.predict(f))
+    chunk = StepFeatures().with_chunk(0, 512)
+    assert model.cost is not None
+    assert model.cost.predict(chunk) < 2.5 * TRUE.predict(chunk)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import threading
 import time
@@ -355,6 +356,40 @@ async def test_the_executor_runs_one_job_at_a_time_on_one_thread():
     executor.mark_dead(RuntimeError("gone"))
     with pytest.raises(ExecutorDeadError):
         await executor.call(job, 0)
+    executor.close()
+
+
+async def test_work_after_a_call_runs_next_on_the_executor_thread_once_it_succeeded():
+    executor = Executor()
+    order: list[str] = []
+    released = threading.Event()
+
+    def step() -> str:
+        order.append("step")
+        return "result"
+
+    def after() -> None:
+        released.wait(5)  # the step's result is back before this finishes
+        order.append(f"after on {threading.get_ident() == executor.thread_id}")
+
+    def next_job() -> None:
+        order.append("next")
+
+    def failing() -> None:
+        raise ValueError("bad step")
+
+    assert await executor.call(step, after=after) == "result"
+    assert order == ["step"]  # its result came back while `after` was still running
+    pending = asyncio.ensure_future(executor.call(next_job))
+    released.set()
+    await pending
+    assert order == ["step", "after on True", "next"]  # next in line, on the MLX thread
+
+    order.clear()
+    with pytest.raises(ValueError, match="bad step"):
+        await executor.call(failing, after=after)
+    await executor.drain()
+    assert order == []  # a failed call has nothing to follow it
     executor.close()
 
 

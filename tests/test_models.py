@@ -322,7 +322,11 @@ def test_the_request_actors_decoder_is_the_tokenizers_own_decode(demo: LoadedMod
     for ids in windows:
         assert decode(ids) == tokenizer.decode(ids), ids
 
-    # A tokenizer that cleans up spaces keeps its own decode.
+    # Wrapped the way mlx-lm wraps it: plain, the short path; cleaning up spaces, its own.
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
     hf = copy.deepcopy(tokenizer._tokenizer)
+    assert token_decoder(TokenizerWrapper(hf)) != TokenizerWrapper(hf).decode
     hf.clean_up_tokenization_spaces = True
-    assert token_decoder(hf) == hf.decode
+    wrapped = TokenizerWrapper(hf)
+    assert token_decoder(wrapped) == wrapped.decode
