@@ -17,7 +17,7 @@ from typing import Any
 
 from stepline.actors.messages import CacheHit, NewTokens, Progress
 from stepline.engine.policy import StepPlan
-from stepline.engine.work import StepResult
+from stepline.engine.work import StepResult, max_output_tokens
 from stepline.events.fold import RequestState, apply
 from stepline.events.models import (
     CheckpointReached,
@@ -148,7 +148,6 @@ def finish_reason(state: RequestState, token: int, limits: ModelLimits) -> Finis
     p = state.params
     if token in p.stop_token_ids or (not p.ignore_eos and token in limits.eos_token_ids):
         return FinishReason.STOP
-    limit = min(p.max_tokens, limits.max_context - state.num_prompt_tokens)
-    if state.num_output_tokens >= limit:
+    if state.num_output_tokens >= max_output_tokens(p, state.num_prompt_tokens, limits.max_context):
         return FinishReason.LENGTH
     return None

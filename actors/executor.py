@@ -37,7 +37,7 @@ class _Job:
     def __init__(self, owner, fn, args, loop, future, barrier=False, after=None):
         self.owner, self.fn, self.args, self.loop, self.future = owner, fn, args, loop, future
         self.barrier = barrier  # runs even for a dead executor: it only marks a point in the queue
-        self.after = after  # run once `fn` succeeded and its caller was told (must not raise)
+        self.after = after  # run once `fn` succeeded and its caller was told
 
 
 def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
@@ -114,30 +114,25 @@ class Executor:
 
         `after`, if given, runs on the executor thread right after `fn` succeeded and its
         result was handed back, before any other job: work that follows `fn` without
-        waiting for the caller to ask (it must not raise; what it raises is dropped).
+        waiting for the caller to ask (nobody waits on it: what it raises is logged). It
+        does not run for a dead or closed executor.
         Raises whatever `fn` raised, or ExecutorDeadError once the executor is dead.
         """
         if self._dead is not None:
             raise ExecutorDeadError(f"the executor died: {self._dead}")
         return await self._put(fn, args, barrier=False, after=after)
 
-    def _queue(
-        self, fn: Callable[..., T], args: tuple, *, barrier: bool, after: Callable | None = None
-    ) -> asyncio.Future:
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        # A caller cancelled mid-job never reads its result: mark it read, not "never
-        # retrieved".
-        future.add_done_callback(lambda f: f.cancelled() or f.exception())
-        self._thread.jobs.put(_Job(self, fn, args, loop, future, barrier, after))
-        return future
-
     async def _put(
         self, fn: Callable[..., T], args: tuple, *, barrier: bool, after: Callable | None = None
     ) -> T:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        # A caller cancelled mid-job never reads its result: mark it read, not "never retrieved".
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())
+        self._thread.jobs.put(_Job(self, fn, args, loop, future, barrier, after))
         # Shield: a cancelled caller must not leave the thread mid-job with nobody
         # owning the result; the job finishes and its result is dropped.
-        return await asyncio.shield(self._queue(fn, args, barrier=barrier, after=after))
+        return await asyncio.shield(future)
 
     async def drain(self) -> None:
         """Wait until every job queued so far has finished (also for a dead executor).

@@ -360,9 +360,9 @@ class StepLoop:
             if self.states[c.request_id].status is Status.WAITING
         )
         work = StepWork(plan=plan, admit=admit, **self._housekeeping(prefix.promote).__dict__)
-        # The next decode forward computes on the executor while this step commits: it
-        # starts right after the step, without waiting for this loop to ask.
-        ahead = self.runner.look_ahead if getattr(self.runner, "lookahead", False) else None
+        # The next decode forward (if the runner built one) computes on the executor while
+        # this step commits: it starts right after the step, without waiting for this loop.
+        ahead = getattr(self.runner, "look_ahead", None)  # a distributed runner has none
         result = await self._run_executor(self.runner.run, work, after=ahead)
         if result is None:
             return

@@ -25,9 +25,8 @@ stepline-demo-large took 30-35 ms live against 17 ms in the warm-up. So a kind o
 `MIN_SAMPLES` times live no longer takes the warm-up's word for it; the warm-up's samples of
 the other kinds are scaled by how much slower the live prefill steps are than the warm-up
 predicts (a long prompt's first chunk beside decode rows is often a kind not yet seen
-live); and a
-young model refits often (after 1, 2, 4, 8 live steps) so that the first steps under load
-already use what they measured.
+live); and a young model refits often (after 1, 2, 4, 8 live steps) so that the first steps
+under load already use what they measured.
 """
 
 from __future__ import annotations

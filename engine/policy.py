@@ -218,7 +218,7 @@ def schedule(
             if is_aged(s, step):
                 break  # an aged request that does not fit holds back the younger ones
             continue  # a young one waits; one behind it may fit
-        start = prefix.cached.get(s.request_id, s.num_computed_tokens)
+        start = first_chunk_start(s, prefix)
         n = chunk_size(s, start)
         if n < 1:
             break  # no time left in this step: the rest next step, in order
@@ -261,12 +261,12 @@ def admission_order(live: list[RequestState], step: int, prefix: PrefixPlan) -> 
         and s.request_id not in prefix.deferred
         and (prefix.considered is None or s.request_id in prefix.considered)
     ]
-    return sorted(
-        waiting,
-        key=lambda s: admission_key(
-            s, step, prefix.cached.get(s.request_id, s.num_computed_tokens)
-        ),
-    )
+    return sorted(waiting, key=lambda s: admission_key(s, step, first_chunk_start(s, prefix)))
+
+
+def first_chunk_start(s: RequestState, prefix: PrefixPlan) -> int:
+    """Where waiting request `s`'s first chunk starts: after its cache hit, if it has one."""
+    return prefix.cached.get(s.request_id, s.num_computed_tokens)
 
 
 class AdmissionError(ValueError):

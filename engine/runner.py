@@ -45,6 +45,7 @@ from stepline.engine.work import (
     StepWork,
     TokenLogprob,
     is_collective_error,
+    max_output_tokens,
 )
 
 log = structlog.get_logger(__name__)
@@ -127,7 +128,7 @@ class ModelRunner:
             sampling=sampling,
             history=RowHistory(new.prompt_token_ids) if sampling.needs_history else None,
             cache=self._start_cache(new),
-            max_output=min(p.max_tokens, self.loaded.max_context - len(new.prompt_token_ids)),
+            max_output=max_output_tokens(p, len(new.prompt_token_ids), self.loaded.max_context),
             constraint=self.grammars.matcher(p.grammar) if p.grammar is not None else None,
         )
 

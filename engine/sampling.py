@@ -188,7 +188,6 @@ class Sampler:
             tokens = mx.argmax(penalised, axis=-1)
             if draw is not None:
                 tokens[mx.array(draw.row_index)] = draw.tokens
-        assert tokens is not None
         lp = _Logprobs.build(raw, tokens, rows, logprob_rows) if logprob_rows else None
         return PendingSample(num_rows, tokens, draw, lp)
 

@@ -23,7 +23,7 @@ class Seq:
     sampling: RowSampling
     history: RowHistory | None
     cache: Cache | None  # own cache while prefilling; None once merged into the batch
-    max_output: int  # it ends by length at this many tokens (the step loop's rule too)
+    max_output: int  # it ends by length at this many tokens (`work.max_output_tokens`)
     output: list[int] = field(default_factory=list)
     checkpoints: list[int] = field(default_factory=list)
     constraint: Any = None  # llguidance matcher of a grammar-constrained request

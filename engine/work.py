@@ -90,6 +90,13 @@ class PrefixReport:
     disk_evictions: int = 0
 
 
+def max_output_tokens(params: RequestParams, num_prompt_tokens: int, max_context: int) -> int:
+    """The most tokens a request generates: its `max_tokens`, or what the model's context
+    leaves after its prompt. The step loop ends it by length there (`commit`); the runner
+    does not merge a request into the decode batch that ends at its first token."""
+    return min(params.max_tokens, max_context - num_prompt_tokens)
+
+
 def is_collective_error(exc: BaseException) -> bool:
     """MLX's distributed backends say so when a peer is lost ("[ring] connection to a peer
     was lost"); such an error is the group's, not a request's."""
