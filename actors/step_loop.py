@@ -104,6 +104,9 @@ class StepLoop:
         self._to_free: dict[str, bool] = {}
         self._drops: list[Tokens] = []  # prefix entries the index let go, for the store
         self._disk_tries: set[str] = set()  # requests a disk entry was loaded for
+        # Submits that arrived while a step ran: admitted once it ended, so that a request
+        # is logged as admitted for the first step it can join (it ages from there).
+        self._held: list[Submit] = []
         self.dead_reason: str | None = None
         self.died = anyio.Event()  # set when the engine can serve no more (dead_reason says why)
         self.on_step: Callable[[StepLoop], None] | None = None  # test/inspection hook
@@ -147,10 +150,12 @@ class StepLoop:
     # -- inbox ----------------------------------------------------------------
 
     async def _handle(self, msg: Submit | Cancel) -> None:
-        if isinstance(msg, Submit):
-            self._submit(msg)
-        else:
+        if not isinstance(msg, Submit):
             await self._cancel(msg)
+        elif self.recorder.in_step:
+            self._held.append(msg)  # a cancel for it cannot come before its admission
+        else:
+            self._submit(msg)
 
     def _submit(self, msg: Submit) -> None:
         if msg.reply.done():  # the submitter was cancelled before we got here
@@ -259,6 +264,9 @@ class StepLoop:
         async with self._inbox:
             while True:
                 try:
+                    held, self._held = self._held, []
+                    for submit in held:
+                        self._submit(submit)
                     if not self.states and not self._to_free and not self._drops:
                         self._gauges()  # what /metrics shows while idle: nothing running
                         try:
@@ -490,5 +498,9 @@ class StepLoop:
 
     async def shutdown(self) -> None:
         """End every request still in flight (engine closing)."""
+        held, self._held = self._held, []
+        for submit in held:
+            if not submit.reply.done():
+                submit.reply.set_exception(RuntimeError("the engine is closed"))
         for rid in list(self.states):
             await self._end(rid, FinishReason.CANCELLED, "the engine is shutting down")

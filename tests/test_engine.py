@@ -24,7 +24,7 @@ from stepline.api import (
 )
 from stepline.events.fold import Status, fold
 from stepline.events.log import read_events
-from stepline.events.models import Admitted, Terminal
+from stepline.events.models import Admitted, StepPlanned, Terminal
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
@@ -108,6 +108,34 @@ async def test_32_concurrent_requests_each_reach_exactly_one_terminal(tmp_path, 
     admitted = {e.request_id for e in events if isinstance(e, Admitted)}
     assert len(admitted) == 32
     assert sorted(t.request_id for t in terminals) == sorted(admitted)
+
+
+async def test_a_request_submitted_while_a_step_runs_is_admitted_for_the_next_step(
+    tmp_path, model_cache_dir
+):
+    # Waiting requests age by the steps since their admission (the policy's MAX_WAIT_STEPS):
+    # one that arrived while step N ran must count from step N + 1, the first it can join.
+    log = tmp_path / "run.jsonl"
+    async with Engine.open(max_step_tokens=64, max_num_seqs=8, event_log=log) as engine:
+        busy = await engine.submit(
+            long_prompt(8), params=GREEDY.model_copy(update={"max_tokens": 200})
+        )
+        late = []
+        for i in range(5):
+            await wait_until(lambda i=i: engine.step_loop.step >= 5 * (i + 1))
+            late.append(await engine.submit(long_prompt(9 + i), params=GREEDY))
+        for s in (busy, *late):
+            await collect(s)
+    last_planned = 0
+    admitted_at = {}
+    for e in read_events(log):
+        if isinstance(e, StepPlanned):
+            last_planned = e.step
+        elif isinstance(e, Admitted):
+            admitted_at[e.request_id] = (e.step, last_planned)
+    assert len(admitted_at) == 6
+    for rid, (step, planned_before) in admitted_at.items():
+        assert step == planned_before + 1, rid
 
 
 async def test_folding_the_log_rebuilds_the_live_state_at_every_step(tmp_path, model_cache_dir):
