@@ -12,6 +12,15 @@ from stepline.events.models import FinishReason, RequestParams
 
 
 # --- to the step loop ---------------------------------------------------------
+@dataclass
+class Arrivals:
+    """Submits on their way to the step loop: checked and tokenized by the API, not yet in
+    its inbox. The API counts them; an idle step loop waits briefly for them, so that the
+    first step of a burst sees the whole burst."""
+
+    preparing: int = 0
+
+
 @dataclass(frozen=True)
 class Submit:
     request_id: str

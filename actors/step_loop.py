@@ -24,7 +24,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 
 from stepline.actors.commit import Delivery, ModelLimits, Recorder, commit
 from stepline.actors.executor import Executor, ExecutorDeadError
-from stepline.actors.messages import Cancel, Finish, Submit
+from stepline.actors.messages import Arrivals, Cancel, Finish, Submit
 from stepline.actors.metrics import EngineMetrics
 from stepline.engine.cost_model import CostModel
 from stepline.engine.policy import (
@@ -61,6 +61,11 @@ log = structlog.get_logger(__name__)
 
 _REUSABLE = (FinishReason.STOP, FinishReason.LENGTH)  # ended cleanly: cache worth keeping
 _KEEP_IDS = 100_000  # request ids refused as reused within this many requests
+# How long an idle engine that was just sent requests waits for more that are still being
+# tokenized. Its first step then admits the burst's shortest prompts, not whichever was
+# tokenized first (the others would wait for that whole step). A lone request, or one
+# arriving while others run, never waits.
+GATHER_S = 0.03
 
 
 class EngineDeadError(AdmissionError):
@@ -81,6 +86,7 @@ class StepLoop:
         inbox_size: int = 256,
         prefix_index: PrefixIndex | None = None,
         cost_model: CostModel | None = None,  # learns step times; None: tokens only
+        arrivals: Arrivals | None = None,  # submits the API is preparing
     ):
         self.executor = executor
         self.runner = runner
@@ -88,6 +94,7 @@ class StepLoop:
         self.limits = limits
         self.metrics = metrics or EngineMetrics()
         self.cost_model = cost_model
+        self.arrivals = arrivals or Arrivals()
         self._event_log = event_log
         self._log_prompts = log_prompts
         self.inbox: MemoryObjectSendStream
@@ -286,6 +293,7 @@ class StepLoop:
                     await self._die(f"step loop failed: {exc!r}")
 
     async def _step(self) -> None:
+        await self._gather()
         if self._waiting() and any(self._to_free.values()):
             # Finished requests become prefix-cache entries first: a waiting request may
             # start from one (the next turn of a chat).
@@ -310,6 +318,19 @@ class StepLoop:
             self.recorder.in_step = False
         if self.on_step is not None:
             self.on_step(self)
+
+    async def _gather(self) -> None:
+        """Before the first step after idling, wait (at most GATHER_S) for the submits still
+        being prepared: nobody runs yet, so nobody's tokens are delayed."""
+        if not self.arrivals.preparing or any(
+            s.status is not Status.WAITING for s in self.states.values()
+        ):
+            return
+        with anyio.move_on_after(GATHER_S), contextlib.suppress(anyio.EndOfStream):
+            while self.arrivals.preparing:
+                await self._handle(await self._inbox.receive())
+        for msg in self._drain():  # those sent while this loop handled others
+            await self._handle(msg)
 
     def _waiting(self) -> bool:
         return any(s.status is Status.WAITING for s in self.states.values())

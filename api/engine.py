@@ -25,7 +25,7 @@ import anyio
 import structlog
 
 from stepline.actors.executor import Executor
-from stepline.actors.messages import Cancel, Submit
+from stepline.actors.messages import Arrivals, Cancel, Submit
 from stepline.actors.metrics import EngineMetrics
 from stepline.actors.request import RequestActor, RequestOutput
 from stepline.actors.step_loop import ModelLimits, StepLoop
@@ -79,6 +79,7 @@ class Engine:
         self.config = config
         self.metrics: EngineMetrics = step_loop.metrics
         self._step_loop = step_loop
+        self._arrivals: Arrivals = step_loop.arrivals
         self._executor = executor
         self._tg = tg
         self._closed = False
@@ -374,45 +375,47 @@ class Engine:
         """
         if self._closed:
             raise RuntimeError("the engine is closed")
-        params = params or SamplingParams()
-        params.check_vocabulary(self.vocab_size)
-        if params.grammar is not None:
-            # Off the step loop and the executor: the runner's lookup is then a cache hit.
-            await anyio.to_thread.run_sync(self.grammars.compile, params.grammar)
-        ids, chat_checkpoints = await self.prepare_async(prompt, messages, template_kwargs)
-        checkpoints = (*checkpoints, *chat_checkpoints)
-        room = self.max_context - len(ids)
-        if 0 < room < params.max_tokens:
-            # It ends at the context anyway; recording that keeps the KV guard from
-            # reserving (or refusing it for) tokens it can never generate.
-            params = params.model_copy(update={"max_tokens": room})
-        rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
-        inbox_tx, inbox_rx = anyio.create_memory_object_stream(8)
-        # Sized to the most outputs a request can produce: the actor never blocks on a slow client.
-        out_tx, out_rx = anyio.create_memory_object_stream[RequestOutput](
-            len(ids) + params.max_tokens + 8
-        )
-        reply = asyncio.get_running_loop().create_future()
-        submit = Submit(
-            request_id=rid,
-            prompt_token_ids=tuple(ids),
-            params=params.to_record(),
-            checkpoints=tuple(checkpoints),
-            logprobs=params.logprobs,
-            actor=inbox_tx,
-            reply=reply,
-        )
+        # Counted from here until its Submit is in the step loop's inbox (see `Arrivals`).
+        self._arrivals.preparing += 1
+        arriving = True
         try:
-            await self._step_loop.inbox.send(submit)
-            await reply
-        except BaseException:
-            # Cancelled at any point: a reply still pending is cancelled (the step loop then
-            # skips the request); one that admitted it already gets a cancel on its heels.
-            if not reply.cancel() and not reply.cancelled() and reply.exception() is None:
-                self._send_cancel(rid)
-            for s in (inbox_tx, inbox_rx, out_tx, out_rx):
-                s.close()
-            raise
+            ids, params, checkpoints = await self._prepare_submit(
+                prompt, messages, params, checkpoints, template_kwargs
+            )
+            rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
+            inbox_tx, inbox_rx = anyio.create_memory_object_stream[Any](8)
+            # Sized to the most outputs a request can produce: the actor never blocks on a
+            # slow client.
+            out_tx, out_rx = anyio.create_memory_object_stream[RequestOutput](
+                len(ids) + params.max_tokens + 8
+            )
+            reply = asyncio.get_running_loop().create_future()
+            submit = Submit(
+                request_id=rid,
+                prompt_token_ids=tuple(ids),
+                params=params.to_record(),
+                checkpoints=checkpoints,
+                logprobs=params.logprobs,
+                actor=inbox_tx,
+                reply=reply,
+            )
+            try:
+                await self._step_loop.inbox.send(submit)
+                self._arrivals.preparing -= 1
+                arriving = False
+                await reply
+            except BaseException:
+                # Cancelled at any point: a reply still pending is cancelled (the step loop
+                # then skips the request); one that admitted it already gets a cancel on its
+                # heels.
+                if not reply.cancel() and not reply.cancelled() and reply.exception() is None:
+                    self._send_cancel(rid)
+                for s in (inbox_tx, inbox_rx, out_tx, out_rx):
+                    s.close()
+                raise
+        finally:
+            if arriving:
+                self._arrivals.preparing -= 1
         actor = RequestActor(
             rid,
             num_prompt_tokens=len(ids),
@@ -425,6 +428,29 @@ class Engine:
         )
         self._tg.start_soon(actor.run, name=f"request-{rid}")
         return RequestStream(rid, out_rx, cancel=lambda: self._send_cancel(rid))
+
+    async def _prepare_submit(
+        self,
+        prompt: str | Sequence[int] | None,
+        messages: Sequence[dict] | None,
+        params: SamplingParams | None,
+        checkpoints: Sequence[int],
+        template_kwargs: dict[str, Any] | None,
+    ) -> tuple[list[int], SamplingParams, tuple[int, ...]]:
+        """A request's checks and token ids (see `submit`): its ids, its params (max_tokens
+        cut to the room left in the context) and its checkpoints (chat boundaries added)."""
+        params = params or SamplingParams()
+        params.check_vocabulary(self.vocab_size)
+        if params.grammar is not None:
+            # Off the step loop and the executor: the runner's lookup is then a cache hit.
+            await anyio.to_thread.run_sync(self.grammars.compile, params.grammar)
+        ids, chat_checkpoints = await self.prepare_async(prompt, messages, template_kwargs)
+        room = self.max_context - len(ids)
+        if 0 < room < params.max_tokens:
+            # It ends at the context anyway; recording that keeps the KV guard from
+            # reserving (or refusing it for) tokens it can never generate.
+            params = params.model_copy(update={"max_tokens": room})
+        return ids, params, (*checkpoints, *chat_checkpoints)
 
     def _send_cancel(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> None:
         if self._closed:

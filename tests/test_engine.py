@@ -138,6 +138,62 @@ async def test_a_request_submitted_while_a_step_runs_is_admitted_for_the_next_st
         assert step == planned_before + 1, rid
 
 
+def _slow_to_prepare(engine: Engine, seconds: dict[str, float]) -> None:
+    """Make the tokenization of some prompts (by text) take `seconds[text]` longer."""
+    prepare = engine.prepare_async
+
+    async def slow(prompt, messages, template_kwargs):
+        await anyio.sleep(seconds.get(prompt, 0.0))
+        return await prepare(prompt, messages, template_kwargs)
+
+    engine.prepare_async = slow  # type: ignore[method-assign]
+
+
+def _first_step(log) -> tuple[StepPlanned, dict[str, int]]:
+    """The log's first step, and each request's admission (seq) in the log."""
+    events = list(read_events(log))
+    admitted = {e.request_id: e.seq for e in events if isinstance(e, Admitted)}
+    return next(e for e in events if isinstance(e, StepPlanned)), admitted
+
+
+async def test_an_idle_engine_gathers_a_burst_so_its_first_step_takes_the_shortest(
+    tmp_path, model_cache_dir
+):
+    # The long prompt is tokenized first; the short ones a few ms later. Without waiting for
+    # them, the first step would be the long prompt's alone and they would wait for it.
+    log = tmp_path / "run.jsonl"
+    texts = {"long": "a long prompt " * 12, **{f"short-{i}": f"hi {i}" for i in range(4)}}
+    async with Engine.open(max_step_tokens=64, max_num_seqs=8, event_log=log) as engine:
+        _slow_to_prepare(engine, {t: 0.005 for rid, t in texts.items() if rid != "long"})
+
+        async def one(rid: str) -> None:
+            await collect(await engine.submit(texts[rid], params=GREEDY, request_id=rid))
+
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                for rid in texts:
+                    tg.start_soon(one, rid)
+    first, _ = _first_step(log)
+    assert {e.request_id for e in first.entries} >= {f"short-{i}" for i in range(4)}
+
+
+async def test_a_request_slow_to_prepare_does_not_hold_up_the_first_step(tmp_path, model_cache_dir):
+    log = tmp_path / "run.jsonl"
+    async with Engine.open(max_step_tokens=64, max_num_seqs=8, event_log=log) as engine:
+        _slow_to_prepare(engine, {"slow": 1.0})
+
+        async def one(text: str) -> None:
+            await collect(await engine.submit(text, params=GREEDY, request_id=text))
+
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(one, "quick")
+                tg.start_soon(one, "slow")
+    first, admitted = _first_step(log)
+    assert [e.request_id for e in first.entries] == ["quick"]
+    assert first.seq < admitted["slow"]
+
+
 async def test_folding_the_log_rebuilds_the_live_state_at_every_step(tmp_path, model_cache_dir):
     log = tmp_path / "run.jsonl"
     live: dict[int, dict] = {}
