@@ -299,7 +299,12 @@ class StepLoop:
             # start from one (the next turn of a chat).
             await self._housekeep()
         prefix = self._plan_prefixes()
-        cost = self.cost_model.cost if self.cost_model is not None else None
+        cost = None
+        if self.cost_model is not None:
+            # A refit (~3 ms of numpy on this loop) only when a chunk is to be sized; a
+            # decode-only step's prediction, for the log, comes from the last fit.
+            chunked = any(s.status is not Status.DECODING for s in self.states.values())
+            cost = self.cost_model.cost if chunked else self.cost_model.last
         plan = schedule(self.states, self.config, self.step + 1, cost, prefix)
         if plan.is_empty:
             if self._to_free or self._drops or prefix.promote:

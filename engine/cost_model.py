@@ -215,8 +215,14 @@ class CostModel:
         return len(self._seed) + len(self._decode) + sum(len(p) for p in self._prefill)
 
     @property
+    def last(self) -> StepCost | None:
+        """The last fit, as it is (no refit): enough to predict a step that sizes no chunk."""
+        return self._cost
+
+    @property
     def cost(self) -> StepCost | None:
-        """The current fit, or None while there are too few samples to trust one."""
+        """The current fit (refitted if due), or None while there are too few samples to
+        trust one."""
         if self._since_fit >= self._refit_every or (self._cost is None and self._since_fit):
             self._since_fit = 0
             live = [*self._decode, *(s for p in self._prefill for s in p)]

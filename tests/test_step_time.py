@@ -5,6 +5,7 @@ from __future__ import annotations
 import anyio
 
 from stepline.api import Engine, SamplingParams
+from stepline.engine import cost_model
 from stepline.engine.cost_model import CostModel, Sample, StepCost, StepFeatures
 from stepline.events.log import read_events
 from stepline.events.models import ChunkPrefilled, Decoding
@@ -97,3 +98,25 @@ async def test_a_prompt_arriving_while_others_decode_gets_chunks_that_fit_the_ta
     # 100 ms - 2 ms - 5 ms (one decode row) leaves 93 ms: 93 tokens at 1 ms each
     assert late_chunks and max(late_chunks) == 93
     assert sum(chunks[late.request_id]) == 1200
+
+
+async def test_steps_that_only_decode_never_refit_the_cost_model(monkeypatch, model_cache_dir):
+    # A refit is ~3 ms of numpy on the step loop: a steady decode must not pay it every
+    # 16 steps. It refits once a chunk is to be sized again, with everything it saw since.
+    fits: list[int] = []
+    real_fit = cost_model.fit
+    async with Engine.open(max_step_tokens=64, max_num_seqs=4) as engine:
+        loop = engine.step_loop
+        monkeypatch.setattr(
+            cost_model, "fit", lambda samples: fits.append(loop.step + 1) or real_fit(samples)
+        )
+        first = loop.step + 1  # the prompt's one chunk
+        params = SamplingParams(max_tokens=80, ignore_eos=True)
+        async for _ in engine.generate(_prompt(8), params=params):
+            pass
+        decoded = loop.step
+        async for _ in engine.generate(_prompt(8), params=SamplingParams(max_tokens=1)):
+            pass
+    assert decoded - first >= 79
+    assert [step for step in fits if first < step <= decoded] == []  # none while it decoded
+    assert fits[-1] == decoded + 1  # the next prompt's step refits
