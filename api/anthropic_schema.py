@@ -14,7 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from stepline.api.agents import ToolSpec, tool_spec, unique_tools
-from stepline.api.openai_schema import RequestError
+from stepline.api.openai_schema import RequestError, template_call
 
 
 class _Request(BaseModel):
@@ -149,13 +149,7 @@ def engine_messages(req: _Base) -> list[dict[str, Any]]:
                     content = f"Error: {content}"
                 out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": content})
             elif b.type == "tool_use" and m.role == "assistant" and b.name:
-                calls.append(
-                    {
-                        "id": b.id,
-                        "type": "function",
-                        "function": {"name": b.name, "arguments": b.input or {}},
-                    }
-                )
+                calls.append(template_call(b.id, b.name, b.input or {}))
             elif b.type in ("thinking", "redacted_thinking") and m.role == "assistant":
                 reasoning.append(b.thinking or "")
             else:

@@ -201,6 +201,22 @@ def _optional_text(content: str | list[ContentPart] | None, index: int) -> str:
     return "" if content is None else _text_content(content, index)
 
 
+def template_call(call_id: str | None, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+    """A call the assistant made, as chat templates render it (in its `tool_calls`)."""
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def call_arguments(arguments: Any, param: str) -> Any:
+    """A call's arguments as sent back in a conversation: JSON text is parsed (templates
+    render objects). Raises RequestError for text that is not JSON."""
+    if not isinstance(arguments, str):
+        return arguments
+    try:
+        return json.loads(arguments or "{}")
+    except ValueError:
+        raise RequestError(f"{param} is not JSON", param=param) from None
+
+
 def _tool_calls(calls: list[dict[str, Any]], index: int) -> list[dict[str, Any]]:
     """Assistant tool calls with their arguments parsed, as chat templates render them."""
     out = []
@@ -211,22 +227,9 @@ def _tool_calls(calls: list[dict[str, Any]], index: int) -> list[dict[str, Any]]
                 f"messages[{index}].tool_calls[{j}] needs function.name and function.arguments",
                 param=f"messages.{index}.tool_calls.{j}",
             )
-        args = fn.get("arguments", "{}")
-        if isinstance(args, str):
-            try:
-                args = json.loads(args or "{}")
-            except ValueError:
-                raise RequestError(
-                    f"messages[{index}].tool_calls[{j}].function.arguments is not JSON",
-                    param=f"messages.{index}.tool_calls.{j}.function.arguments",
-                ) from None
-        out.append(
-            {
-                "id": call.get("id"),
-                "type": "function",
-                "function": {"name": fn["name"], "arguments": args},
-            }
-        )
+        param = f"messages.{index}.tool_calls.{j}.function.arguments"
+        args = call_arguments(fn.get("arguments", "{}"), param)
+        out.append(template_call(call.get("id"), fn["name"], args))
     return out
 
 

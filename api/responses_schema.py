@@ -1,20 +1,23 @@
 """The OpenAI Responses API's bodies: the create request (`ResponsesRequest`), the response
 object (`ResponseObject`) and the stream's events (`event_frame`).
 
-Text in, text out: `input` is a string or a list of messages (`content` a string or
-`input_text`/`output_text` parts); structured output with `text.format` (`json_schema`,
-`json_object`); `tools` are refused with a 400 that says so.
+`input` is a string or a list of items: messages (`content` a string or
+`input_text`/`output_text` parts), the model's earlier `function_call`s and their
+`function_call_output`s. Function `tools` (with `tool_choice`, `parallel_tool_calls`) and
+structured output with `text.format` (`json_schema`, `json_object`). The output is a list of
+items: an assistant message and/or `function_call`s.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 from pydantic_core import to_json
 
-from stepline.api.openai_schema import RequestError
+from stepline.api.agents import ToolSpec, tool_spec, unique_tools
+from stepline.api.openai_schema import RequestError, call_arguments, template_call
 
 Status = Literal["queued", "in_progress", "completed", "failed", "cancelled", "incomplete"]
 
@@ -39,6 +42,46 @@ class InputMessage(_Request):
         return "".join(p.text for p in self.content)
 
 
+class FunctionCallInput(_Request):
+    """A call the model made earlier (an output item sent back as input)."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+
+
+class FunctionCallOutputInput(_Request):
+    """What the caller's function returned for call `call_id`."""
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[InputPart]
+
+    def text(self) -> str:
+        if isinstance(self.output, str):
+            return self.output
+        return "".join(p.text for p in self.output)
+
+
+def _item_type(value: Any) -> str:
+    kind = value.get("type", "message") if isinstance(value, dict) else getattr(value, "type", None)
+    return kind if isinstance(kind, str) else "message"
+
+
+InputItem = Annotated[
+    Annotated[InputMessage, Tag("message")]
+    | Annotated[FunctionCallInput, Tag("function_call")]
+    | Annotated[FunctionCallOutputInput, Tag("function_call_output")],
+    Discriminator(
+        _item_type,
+        custom_error_type="invalid_input_item",
+        custom_error_message="an input item is a message, a function_call or a "
+        "function_call_output",
+    ),
+]
+
+
 class TextFormat(_Request):
     type: Literal["text", "json_object", "json_schema"] = "text"
     name: str | None = None
@@ -52,7 +95,10 @@ class TextOptions(_Request):
 
 class ResponsesRequest(_Request):
     model: str | None = None
-    input: str | list[InputMessage]
+    input: Annotated[
+        Annotated[str, Tag("text")] | Annotated[list[InputItem], Tag("items")],
+        Discriminator(lambda v: "text" if isinstance(v, str) else "items"),
+    ]
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
@@ -65,17 +111,12 @@ class ResponsesRequest(_Request):
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     text: TextOptions | None = None
 
     def check_supported(self) -> None:
         """Raises RequestError for what this server does not do."""
-        if self.tools:
-            raise RequestError(
-                "tools are not supported on /v1/responses by this server yet: use "
-                "/v1/chat/completions for function calling",
-                param="tools",
-                code="unsupported_parameter",
-            )
         fmt = self.text_format
         if fmt is not None and fmt.type == "json_schema" and fmt.schema_ is None:
             raise RequestError(
@@ -94,14 +135,62 @@ class ResponsesRequest(_Request):
     def text_format(self) -> TextFormat | None:
         return None if self.text is None else self.text.format
 
-    def messages(self) -> list[dict[str, str]]:
-        """`input` as chat messages (developer messages become system ones)."""
+    def messages(self) -> list[dict[str, Any]]:
+        """`input` as chat messages, as chat templates render them: developer messages
+        become system ones, function calls the assistant's `tool_calls` (consecutive ones
+        in one message), their outputs `tool` messages. Raises RequestError for a call
+        whose arguments are not JSON."""
         if isinstance(self.input, str):
             return [{"role": "user", "content": self.input}]
-        return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in self.input
-        ]
+        out: list[dict[str, Any]] = []
+        for i, item in enumerate(self.input):
+            if isinstance(item, InputMessage):
+                role = "system" if item.role == "developer" else item.role
+                out.append({"role": role, "content": item.text()})
+            elif isinstance(item, FunctionCallOutputInput):
+                out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
+            else:
+                args = call_arguments(item.arguments, f"input.{i}.arguments")
+                call = template_call(item.call_id, item.name, args)
+                if out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]:
+                    out[-1]["tool_calls"].append(call)
+                elif out and out[-1]["role"] == "assistant":
+                    out[-1]["tool_calls"] = [call]
+                else:
+                    out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        return out
+
+    def tool_specs(self) -> tuple[ToolSpec, ...]:
+        """The function `tools` (Responses' flat shape). Raises RequestError for others."""
+        specs = []
+        for i, tool in enumerate(self.tools or ()):
+            if tool.get("type") != "function":
+                raise RequestError(
+                    f"tools[{i}] is a {tool.get('type')!r} tool: this server runs function "
+                    'tools only ({"type": "function", "name": ..., "parameters": {...}})',
+                    param=f"tools.{i}",
+                    code="unsupported_parameter",
+                )
+            specs.append(
+                tool_spec(
+                    tool.get("name"), tool.get("description"), tool.get("parameters"), i, "tools"
+                )
+            )
+        return unique_tools(specs, "tools")
+
+    def tool_choice_name(self) -> str | None:
+        """`tool_choice` as "auto" / "none" / "required" / a tool's name."""
+        choice = self.tool_choice
+        if choice is None or choice in ("auto", "none", "required"):
+            return choice  # type: ignore[return-value]
+        if isinstance(choice, dict) and choice.get("type") == "function":
+            name = choice.get("name")
+            if isinstance(name, str):
+                return name
+        raise RequestError(
+            'tool_choice must be "auto", "none", "required" or {"type": "function", "name": ...}',
+            param="tool_choice",
+        )
 
 
 class OutputText(BaseModel):
@@ -117,6 +206,18 @@ class OutputMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     status: Literal["in_progress", "completed", "incomplete"] = "in_progress"
     content: list[OutputText] = []
+
+
+class FunctionCallItem(BaseModel):
+    """A call of one of the request's function tools: run it and send back its
+    `function_call_output` with this `call_id`."""
+
+    id: str
+    type: Literal["function_call"] = "function_call"
+    call_id: str
+    name: str
+    arguments: str = ""
+    status: Literal["in_progress", "completed", "incomplete"] = "in_progress"
 
 
 class InputTokensDetails(BaseModel):
@@ -166,12 +267,12 @@ class ResponseObject(BaseModel):
     instructions: str | None = None
     max_output_tokens: int | None = None
     model: str
-    output: list[OutputMessage] = []
+    output: list[OutputMessage | FunctionCallItem] = []
     parallel_tool_calls: bool = True
     previous_response_id: str | None = None
     temperature: float | None = None
     top_p: float | None = None
-    tool_choice: str = "auto"
+    tool_choice: str | dict[str, Any] = "auto"
     tools: list[Any] = []
     text: dict[str, Any] = {"format": {"type": "text"}}
     truncation: str = "disabled"
@@ -181,7 +282,9 @@ class ResponseObject(BaseModel):
 
     @property
     def output_text(self) -> str:
-        return "".join(c.text for m in self.output for c in m.content)
+        return "".join(
+            c.text for m in self.output if isinstance(m, OutputMessage) for c in m.content
+        )
 
 
 def event_frame(event_type: str, sequence_number: int, **fields: Any) -> bytes:

@@ -26,7 +26,10 @@ from starlette.background import BackgroundTask
 from stepline.api.agents import plan
 from stepline.api.engine import SamplingParams
 from stepline.api.errors import APIError
+from stepline.api.model_output import OutputSplitter
+from stepline.api.openai_schema import RequestError, call_arguments, template_call
 from stepline.api.responses_schema import (
+    FunctionCallItem,
     IncompleteDetails,
     OutputMessage,
     OutputText,
@@ -61,7 +64,7 @@ class StoredResponse:
     response: ResponseObject
     owner: str  # the fingerprint of the API key that created it
     record: StreamRecord
-    messages: list[dict[str, str]]  # the conversation, this response's output last once done
+    messages: list[dict[str, Any]]  # the conversation, this response's output last once done
     cancel_requested: bool = False
     scope: anyio.CancelScope | None = None  # the producer's, while it runs
     ended_at: float | None = None
@@ -112,6 +115,129 @@ class ResponseStore:
                 del self._items[s.response.id]
 
 
+class _OutputWriter:
+    """A response's output items as the model's text streams in: an assistant message for
+    its text, a `function_call` item for each tool call (split out by `splitter`), each
+    with its stream events. Without tools the message opens at the start (`message_first`);
+    with them it opens at the first text, so an answer that only calls tools has only
+    function_call items."""
+
+    def __init__(
+        self,
+        stored: StoredResponse,
+        splitter: OutputSplitter,
+        *,
+        parallel: bool,  # else only the first call is kept
+        message_first: bool,  # the message opens at the start (no tools)
+    ):
+        self.resp = stored.response
+        self.record = stored.record
+        self.splitter = splitter
+        self.parallel = parallel
+        self.message_first = message_first
+        self.message: OutputMessage | None = None
+        self.part = OutputText()
+        self.calls: dict[int, FunctionCallItem] = {}  # by the call's index in the answer
+
+    def emit(self, event_type: str, **fields: Any) -> None:
+        self.record.append_event(event_frame(event_type, len(self.record.frames), **fields))
+
+    def _where(self, item: OutputMessage | FunctionCallItem) -> dict[str, Any]:
+        return {"item_id": item.id, "output_index": self.resp.output.index(item)}
+
+    def _index(self, item: OutputMessage | FunctionCallItem) -> dict[str, Any]:
+        return {"output_index": self.resp.output.index(item), "item": item}
+
+    def open_message(self) -> OutputMessage:
+        if self.message is None:
+            self.message = OutputMessage(id=f"msg_{uuid.uuid4().hex}")
+            self.resp.output = [*self.resp.output, self.message]
+            self.emit("response.output_item.added", **self._index(self.message))
+            self.message.content = [self.part]
+            where = self._where(self.message)
+            self.emit("response.content_part.added", **where, content_index=0, part=OutputText())
+        return self.message
+
+    def feed(self, text: str, *, done: bool) -> None:
+        piece = self.splitter.feed(text)
+        if done:
+            piece.extend(self.splitter.finish())
+        if piece.content:
+            where = self._where(self.open_message())
+            self.part.text += piece.content
+            delta = piece.content
+            self.emit(
+                "response.output_text.delta", **where, content_index=0, delta=delta, logprobs=[]
+            )
+        for d in piece.tool_call_deltas:
+            if d.index > 0 and not self.parallel:
+                continue
+            if d.id is not None:
+                item = FunctionCallItem(
+                    id=f"fc_{uuid.uuid4().hex}", call_id=d.id, name=d.name or ""
+                )
+                self.calls[d.index] = item
+                self.resp.output = [*self.resp.output, item]
+                self.emit("response.output_item.added", **self._index(item))
+            item = self.calls[d.index]
+            if d.arguments:
+                item.arguments += d.arguments
+                self.emit(
+                    "response.function_call_arguments.delta", **self._where(item), delta=d.arguments
+                )
+            if d.done:
+                self._close_call(item, "completed")
+
+    def _close_call(self, item: FunctionCallItem, status: str) -> None:
+        if item.status != "in_progress":
+            return
+        if status == "completed":
+            self.emit(
+                "response.function_call_arguments.done",
+                **self._where(item),
+                arguments=item.arguments,
+            )
+        item.status = status  # type: ignore[assignment]
+        self.emit("response.output_item.done", **self._index(item))
+
+    def close(self, *, complete: bool) -> None:
+        """The answer ended (`complete`: by itself, not at its token limit): close every
+        item, with its final events; an answer with no item gets an empty message."""
+        if self.message is None and not self.resp.output:
+            self.open_message()
+        if self.message is not None:
+            where = {**self._where(self.message), "content_index": 0}
+            self.emit("response.output_text.done", **where, text=self.part.text, logprobs=[])
+            self.emit("response.content_part.done", **where, part=self.part)
+            self.message.status = "completed" if complete else "incomplete"
+            self.emit("response.output_item.done", **self._index(self.message))
+        for item in self.calls.values():
+            self._close_call(item, "incomplete")  # cut off before its block closed
+
+    def abandon(self) -> None:
+        """The answer was cancelled or failed: what it wrote is incomplete (no events)."""
+        if self.message is not None:
+            self.message.status = "incomplete"
+        for item in self.calls.values():
+            if item.status == "in_progress":
+                item.status = "incomplete"
+
+    def assistant_message(self) -> dict[str, Any]:
+        """The answer as the conversation's next message (for `previous_response_id`)."""
+        message: dict[str, Any] = {"role": "assistant", "content": self.part.text}
+        calls = []
+        for c in self.calls.values():
+            if c.status == "completed":
+                try:
+                    arguments = call_arguments(c.arguments, "arguments")
+                except RequestError:  # the model's own text: kept as it wrote it
+                    arguments = c.arguments
+                calls.append(template_call(c.call_id, c.name, arguments))
+        if calls:
+            message["tool_calls"] = calls
+        return message
+
+
 class ResponsesServing(Serving):
     """The /v1/responses handlers."""
 
@@ -125,7 +251,7 @@ class ResponsesServing(Serving):
     async def _create(self, request: Request, rid: str) -> Response:
         req = await self.parse(request, ResponsesRequest)
         owner = key_of(request.headers)
-        history: list[dict[str, str]] = []
+        history: list[dict[str, Any]] = []
         if req.previous_response_id is not None:
             prev = self.store.get(req.previous_response_id, owner, "previous_response_id")
             if prev.ended_at is None:
@@ -145,8 +271,19 @@ class ResponsesServing(Serving):
             history = prev.messages
         turn = history + req.messages()
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+        fmt = req.text_format
+        tools = req.tool_specs()
+        agent = plan(
+            self.engine.tokenizer,
+            tools=tools,
+            tool_choice=req.tool_choice_name(),
+            parallel_tool_calls=req.parallel_tool_calls,
+            schema=fmt.schema_ if fmt is not None and fmt.type == "json_schema" else None,
+            json_object=fmt is not None and fmt.type == "json_object",
+            template_kwargs=self.default_template_kwargs,
+        )
         ids, checkpoints = await self.prepare(
-            messages=system + turn, template_kwargs=self.default_template_kwargs
+            messages=system + turn, template_kwargs=agent.template_kwargs
         )
         max_tokens = self.max_tokens(
             req.max_output_tokens,
@@ -162,19 +299,21 @@ class ResponsesServing(Serving):
             fields["top_p"] = req.top_p
         if req.seed is not None:
             fields["seed"] = req.seed
-        fmt = req.text_format
-        if fmt is not None and fmt.type != "text":
-            grammar = plan(
-                self.engine.tokenizer, schema=fmt.schema_, json_object=fmt.type == "json_object"
-            ).grammar
-            fields["grammar"] = grammar
+        if agent.grammar is not None:
+            fields["grammar"] = agent.grammar
+        output_format = agent.output_format(
+            self.engine.tokenizer,
+            reasoning=False,
+            prompt_text=self.engine.tokenizer.decode(ids[-8:]),
+        )
+        splitter = OutputSplitter(output_format, agent.openai_tools or None, stream=True)
         stream = await self.submit(
             rid,
             ids,
             SamplingParams(**fields),
             "input",
             checkpoints,
-            grammar_param="text.format.schema",
+            grammar_param="text.format.schema" if agent.grammar and not tools else "tools",
         )
         response = ResponseObject(
             id=rid,
@@ -188,6 +327,9 @@ class ResponsesServing(Serving):
             top_p=req.top_p,
             metadata=req.metadata or {},
             store=req.store,
+            tools=req.tools or [],
+            tool_choice=req.tool_choice or "auto",
+            parallel_tool_calls=req.parallel_tool_calls,
             text={
                 "format": {"type": "text"}
                 if fmt is None
@@ -202,8 +344,12 @@ class ResponsesServing(Serving):
             self.store.put(stored)
         headers = {"x-request-id": rid}
 
+        writer = _OutputWriter(
+            stored, splitter, parallel=req.parallel_tool_calls, message_first=not tools
+        )
+
         async def run() -> None:
-            await self._run(stored, stream)
+            await self._run(stored, stream, writer)
 
         if req.stream:
             return ResumableStreamResponse(
@@ -235,17 +381,13 @@ class ResponsesServing(Serving):
         if gone:
             raise APIError(499, "the client closed the connection", code="client_closed")
 
-    async def _run(self, stored: StoredResponse, stream: RequestStream) -> None:
+    async def _run(
+        self, stored: StoredResponse, stream: RequestStream, writer: _OutputWriter
+    ) -> None:
         """The producer: read the engine request, write the events, keep the response object
         current; always ends the record with one of response.completed / .incomplete /
         .failed / .cancelled."""
-        resp, record = stored.response, stored.record
-
-        def emit(event_type: str, **fields: Any) -> None:
-            record.append_event(event_frame(event_type, len(record.frames), **fields))
-
-        msg = OutputMessage(id=f"msg_{uuid.uuid4().hex}")
-        part = OutputText()
+        resp = stored.response
         last: RequestOutput | None = None
         cancelled = False
         try:
@@ -253,21 +395,17 @@ class ResponsesServing(Serving):
                 stored.scope = scope
                 if stored.cancel_requested:
                     scope.cancel()
-                emit("response.created", response=resp)
+                writer.emit("response.created", response=resp)
                 resp.status = "in_progress"
-                emit("response.in_progress", response=resp)
-                resp.output = [msg]
-                emit("response.output_item.added", output_index=0, item=msg)
-                msg.content = [part]
-                where = {"item_id": msg.id, "output_index": 0, "content_index": 0}
-                emit("response.content_part.added", **where, part=OutputText())
+                writer.emit("response.in_progress", response=resp)
+                if writer.message_first:
+                    writer.open_message()
                 async for out in stream:
                     if out.is_progress:
                         continue
                     last = out
-                    if out.text and out.finish_reason in (None, "stop", "length"):
-                        part.text += out.text
-                        emit("response.output_text.delta", **where, delta=out.text, logprobs=[])
+                    if out.finish_reason in (None, "stop", "length"):
+                        writer.feed(out.text, done=out.finish_reason is not None)
             cancelled = scope.cancelled_caught
         except anyio.get_cancelled_exc_class():
             if not resp.background:  # its client went away (and did not come back)
@@ -275,20 +413,26 @@ class ResponsesServing(Serving):
                     await stream.aclose()
             # else the server shuts down: the engine's shutdown, right after, ends the request
             # and its log says so, which a restart reads (`responses_recovery`).
-            self._end(stored, msg, part, None, cancelled=True, emit=emit)
+            self._end(stored, writer, None, cancelled=True)
             raise
         except Exception:  # a bug: the response still ends, as failed, never hangs its readers
             log.exception("response_failed", request_id=resp.id)
             with anyio.CancelScope(shield=True):
                 await stream.aclose()
-            self._end(stored, msg, part, None, cancelled=False, emit=emit)
+            self._end(stored, writer, None, cancelled=False)
             return
         await stream.aclose()  # cancels the engine request if it still runs
-        self._end(stored, msg, part, last, cancelled=cancelled, emit=emit)
+        self._end(stored, writer, last, cancelled=cancelled)
 
-    def _end(self, stored, msg, part, last, *, cancelled: bool, emit) -> None:
+    def _end(
+        self,
+        stored: StoredResponse,
+        writer: _OutputWriter,
+        last: RequestOutput | None,
+        *,
+        cancelled: bool,
+    ) -> None:
         resp = stored.response
-        where = {"item_id": msg.id, "output_index": 0, "content_index": 0}
         if last is not None:
             resp.usage = ResponseUsage.of(
                 last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens
@@ -296,21 +440,18 @@ class ResponsesServing(Serving):
         reason = None if last is None else last.finish_reason
         if cancelled or reason == "cancelled":
             resp.status = "cancelled"
-            msg.status = "incomplete"
-            emit("response.cancelled", response=resp)
+            writer.abandon()
+            writer.emit("response.cancelled", response=resp)
         elif reason in ("stop", "length"):
-            emit("response.output_text.done", **where, text=part.text, logprobs=[])
-            emit("response.content_part.done", **where, part=part)
-            msg.status = "completed" if reason == "stop" else "incomplete"
-            emit("response.output_item.done", output_index=0, item=msg)
+            writer.close(complete=reason == "stop")
             if reason == "stop":
                 resp.status = "completed"
-                emit("response.completed", response=resp)
+                writer.emit("response.completed", response=resp)
             else:
                 resp.status = "incomplete"
                 resp.incomplete_details = IncompleteDetails(reason="max_output_tokens")
-                emit("response.incomplete", response=resp)
-            stored.messages = [*stored.messages, {"role": "assistant", "content": part.text}]
+                writer.emit("response.incomplete", response=resp)
+            stored.messages = [*stored.messages, writer.assistant_message()]
         else:
             message = f"internal error (request id {resp.id})"
             code = "server_error"
@@ -318,9 +459,9 @@ class ResponsesServing(Serving):
                 err = self.failure(last)
                 message, code = err.detail.message, err.detail.code or code
             resp.status = "failed"
-            msg.status = "incomplete"
+            writer.abandon()
             resp.error = ResponseError(code=code, message=message)
-            emit("response.failed", response=resp)
+            writer.emit("response.failed", response=resp)
         stored.ended_at = time.monotonic()
         stored.scope = None
         stored.stream = None

@@ -239,18 +239,156 @@ async def test_text_format_json_schema_gives_output_that_validates(served):
     assert response.text.format.type == "json_schema"
 
 
-async def test_tools_are_refused_with_a_clear_400(served):
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"enum": ["Paris", "Oslo", "Lima"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+ZONE = {
+    "type": "object",
+    "properties": {"zone": {"enum": ["UTC", "CET"]}},
+    "required": ["zone"],
+    "additionalProperties": False,
+}
+TOOLS = [  # the Responses API's flat function tools
+    {
+        "type": "function",
+        "name": "get_weather",
+        "description": "The forecast for a city",
+        "parameters": WEATHER,
+    },
+    {"type": "function", "name": "get_time", "parameters": ZONE},
+]
+SCHEMAS = {"get_weather": WEATHER, "get_time": ZONE}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+async def test_a_required_tool_choice_returns_function_calls_that_fit_their_schemas(served):
     async with served.client() as client:
-        with pytest.raises(openai.BadRequestError, match="tools are not supported"):
-            await client.responses.create(
-                model=MODEL,
-                input="Hi.",
-                tools=[{"type": "function", "name": "f", "parameters": {}}],
-            )
-        with pytest.raises(openai.BadRequestError, match="text.format"):
-            await client.responses.create(
-                model=MODEL, input="Hi.", text={"format": {"type": "xml"}}
-            )
+        response = await client.responses.create(
+            model=MODEL, input=ASK, tools=TOOLS, tool_choice="required", temperature=0
+        )
+    assert response.status == "completed"
+    assert response.output and all(item.type == "function_call" for item in response.output)
+    assert response.output_text == ""
+    for call in response.output:
+        assert call.status == "completed" and call.call_id and call.id.startswith("fc_")
+        jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+    assert [t.name for t in response.tools] == ["get_weather", "get_time"]
+    assert response.tool_choice == "required"
+
+
+async def test_a_streamed_function_call_arrives_as_argument_deltas(served):
+    async with served.client() as client:
+        stream = await client.responses.create(
+            model=MODEL,
+            input=ASK,
+            tools=TOOLS,
+            tool_choice={"type": "function", "name": "get_weather"},
+            parallel_tool_calls=False,
+            temperature=0.9,
+            extra_body={"seed": 3},
+            stream=True,
+        )
+        events = [e async for e in stream]
+    types = [e.type for e in events]
+    assert types[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert events[2].item.type == "function_call" and events[2].item.name == "get_weather"
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert len(deltas) > 3  # the arguments stream as they are written
+    [done] = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert done.arguments == "".join(deltas) and done.item_id == events[2].item.id
+    assert types[-2:] == ["response.output_item.done", "response.completed"]
+    assert events[-2].item.status == "completed"
+    [call] = events[-1].response.output
+    assert call.arguments == done.arguments
+    jsonschema.validate(json.loads(call.arguments), WEATHER)
+    assert "response.output_text.delta" not in types  # no message: the answer is the call
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+async def test_a_function_call_output_continues_the_conversation_either_way(served):
+    async with served.client() as client:
+        first = await client.responses.create(
+            model=MODEL,
+            input=ASK,
+            tools=TOOLS,
+            tool_choice={"type": "function", "name": "get_time"},
+            temperature=0,
+        )
+        [call] = first.output
+        result = {"type": "function_call_output", "call_id": call.call_id, "output": "12:00 UTC"}
+        # The server keeps the conversation ...
+        kept = await client.responses.create(
+            model=MODEL,
+            input=[result],
+            previous_response_id=first.id,
+            tools=TOOLS,
+            max_output_tokens=6,
+            temperature=0,
+        )
+        # ... or the client sends it whole, the model's call included.
+        sent = await client.responses.create(
+            model=MODEL,
+            input=[*ASK, call.model_dump(exclude_none=True), result],
+            tools=TOOLS,
+            max_output_tokens=6,
+            temperature=0,
+        )
+    for response in (kept, sent):
+        assert response.status in ("completed", "incomplete")
+        assert response.output[0].type == "message"
+    # The call and its result went into the prompt, through the chat template, the same way.
+    assert kept.usage.input_tokens == sent.usage.input_tokens > first.usage.input_tokens + 5
+    assert kept.output_text == sent.output_text
+
+
+async def test_a_call_cut_off_by_max_output_tokens_is_incomplete(served):
+    async with served.client() as client:
+        stream = await client.responses.create(
+            model=MODEL,
+            input=ASK,
+            tools=TOOLS,
+            tool_choice={"type": "function", "name": "get_weather"},
+            max_output_tokens=6,
+            temperature=0,
+            stream=True,
+        )
+        events = [e async for e in stream]
+    final = events[-1]
+    assert final.type == "response.incomplete"
+    assert final.response.incomplete_details.reason == "max_output_tokens"
+    assert final.response.output  # what was written is there, marked incomplete
+    assert all(item.status == "incomplete" for item in final.response.output)
+    assert "response.function_call_arguments.done" not in [e.type for e in events]
+
+
+@pytest.mark.parametrize(
+    ("body", "match"),
+    [
+        ({"tools": [{"type": "web_search"}]}, "function tools only"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "not one of"),
+        ({"tool_choice": "required"}, "no tools are given"),
+        ({"text": {"format": {"type": "xml"}}}, "text.format"),
+        (
+            {
+                "input": [
+                    {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{oops"}
+                ]
+            },
+            "input.0.arguments is not JSON",
+        ),
+        ({"input": [{"type": "reasoning", "summary": []}]}, "a message, a function_call"),
+    ],
+)
+async def test_what_the_server_cannot_run_is_refused_with_a_clear_400(served, body, match):
+    async with served.client() as client:
+        with pytest.raises(openai.BadRequestError, match=match):
+            await client.responses.create(**{"model": MODEL, "input": "Hi.", **body})
 
 
 async def test_a_foreground_stream_is_cancelled_when_its_client_goes_away(served):
