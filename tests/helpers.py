@@ -80,3 +80,22 @@ async def open_served(**app_options: Any) -> AsyncIterator[Served]:
         serve_in_process(create_app(engine, **app_options)) as url,
     ):
         yield Served(engine, url)
+
+
+# Two function tools' argument schemas, shared by the agent tests of every API. An enum and
+# bounded integers: the demo model's forced calls always fit them.
+WEATHER_ARGS = {
+    "type": "object",
+    "properties": {
+        "city": {"enum": ["Paris", "Oslo", "Lima"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+ZONE_ARGS = {
+    "type": "object",
+    "properties": {"zone": {"enum": ["UTC", "CET"]}},
+    "required": ["zone"],
+    "additionalProperties": False,
+}

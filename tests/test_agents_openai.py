@@ -13,7 +13,7 @@ import jsonschema
 import openai
 import pytest
 import pytest_asyncio
-from helpers import hold_open
+from helpers import WEATHER_ARGS, ZONE_ARGS, hold_open
 from pydantic import BaseModel, Field
 
 from stepline.api import Engine
@@ -31,15 +31,6 @@ async def serve_demo() -> AsyncIterator[str]:
             yield url
 
 
-WEATHER_ARGS = {
-    "type": "object",
-    "properties": {
-        "city": {"enum": ["Paris", "Oslo", "Lima"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-    },
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}
 TOOLS = [
     {
         "type": "function",
@@ -53,12 +44,7 @@ TOOLS = [
         "type": "function",
         "function": {
             "name": "get_time",
-            "parameters": {
-                "type": "object",
-                "properties": {"zone": {"enum": ["UTC", "CET"]}},
-                "required": ["zone"],
-                "additionalProperties": False,
-            },
+            "parameters": ZONE_ARGS,
         },
     },
 ]

@@ -13,7 +13,7 @@ import jsonschema
 import openai
 import pytest
 import pytest_asyncio
-from helpers import Served, hold_open, open_served
+from helpers import WEATHER_ARGS, ZONE_ARGS, Served, hold_open, open_served
 
 from stepline.api import Engine
 from stepline.api.errors import APIError
@@ -239,32 +239,23 @@ async def test_text_format_json_schema_gives_output_that_validates(served):
     assert response.text.format.type == "json_schema"
 
 
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"enum": ["Paris", "Oslo", "Lima"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-    },
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}
-ZONE = {
-    "type": "object",
-    "properties": {"zone": {"enum": ["UTC", "CET"]}},
-    "required": ["zone"],
-    "additionalProperties": False,
-}
 TOOLS = [  # the Responses API's flat function tools
     {
         "type": "function",
         "name": "get_weather",
         "description": "The forecast for a city",
-        "parameters": WEATHER,
+        "parameters": WEATHER_ARGS,
     },
-    {"type": "function", "name": "get_time", "parameters": ZONE},
+    {"type": "function", "name": "get_time", "parameters": ZONE_ARGS},
 ]
-SCHEMAS = {"get_weather": WEATHER, "get_time": ZONE}
+SCHEMAS = {"get_weather": WEATHER_ARGS, "get_time": ZONE_ARGS}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def calling(name: str, **create: object) -> dict:
+    """`responses.create` arguments that ask about the weather and force a call of `name`."""
+    tool_choice = {"type": "function", "name": name}
+    return {"model": MODEL, "input": ASK, "tools": TOOLS, "tool_choice": tool_choice, **create}
 
 
 async def test_a_required_tool_choice_returns_function_calls_that_fit_their_schemas(served):
@@ -285,14 +276,13 @@ async def test_a_required_tool_choice_returns_function_calls_that_fit_their_sche
 async def test_a_streamed_function_call_arrives_as_argument_deltas(served):
     async with served.client() as client:
         stream = await client.responses.create(
-            model=MODEL,
-            input=ASK,
-            tools=TOOLS,
-            tool_choice={"type": "function", "name": "get_weather"},
-            parallel_tool_calls=False,
-            temperature=0.9,
-            extra_body={"seed": 3},
-            stream=True,
+            **calling(
+                "get_weather",
+                parallel_tool_calls=False,
+                temperature=0.9,
+                extra_body={"seed": 3},
+                stream=True,
+            )
         )
         events = [e async for e in stream]
     types = [e.type for e in events]
@@ -306,20 +296,14 @@ async def test_a_streamed_function_call_arrives_as_argument_deltas(served):
     assert events[-2].item.status == "completed"
     [call] = events[-1].response.output
     assert call.arguments == done.arguments
-    jsonschema.validate(json.loads(call.arguments), WEATHER)
+    jsonschema.validate(json.loads(call.arguments), WEATHER_ARGS)
     assert "response.output_text.delta" not in types  # no message: the answer is the call
     assert [e.sequence_number for e in events] == list(range(len(events)))
 
 
 async def test_a_function_call_output_continues_the_conversation_either_way(served):
     async with served.client() as client:
-        first = await client.responses.create(
-            model=MODEL,
-            input=ASK,
-            tools=TOOLS,
-            tool_choice={"type": "function", "name": "get_time"},
-            temperature=0,
-        )
+        first = await client.responses.create(**calling("get_time", temperature=0))
         [call] = first.output
         result = {"type": "function_call_output", "call_id": call.call_id, "output": "12:00 UTC"}
         # The server keeps the conversation ...
@@ -350,13 +334,7 @@ async def test_a_function_call_output_continues_the_conversation_either_way(serv
 async def test_a_call_cut_off_by_max_output_tokens_is_incomplete(served):
     async with served.client() as client:
         stream = await client.responses.create(
-            model=MODEL,
-            input=ASK,
-            tools=TOOLS,
-            tool_choice={"type": "function", "name": "get_weather"},
-            max_output_tokens=6,
-            temperature=0,
-            stream=True,
+            **calling("get_weather", max_output_tokens=6, temperature=0, stream=True)
         )
         events = [e async for e in stream]
     final = events[-1]
