@@ -79,6 +79,22 @@ async def settle(engine: Engine) -> None:
     await flush(engine)
 
 
+async def index_knows_the_files(engine: Engine) -> None:
+    """Wait until the step loop's index knows every file written so far. The executor
+    reports finished writes with a step's result, so a write that ended after the last
+    step is unknown until the next: run one (a request cancelled at its first token,
+    which leaves no entry)."""
+    loop = engine.step_loop
+    stream = await engine.submit([5], params=GREEDY)
+    async with stream:
+        async for out in stream:
+            if out.token_ids:
+                break
+    assert loop.index is not None
+    await wait_until(lambda: loop.index.num_entries > loop.index.num_memory_entries)
+    await settle(engine)
+
+
 def first_chunk(log: Path, request_id: str) -> ChunkPrefilled:
     """The event that records where a request's cached prefix came from."""
     events = read_events(log)
@@ -156,6 +172,7 @@ async def test_a_file_damaged_while_the_engine_runs_is_skipped_and_the_request_r
                     break
         await settle(engine)
         assert len(files(cache_dir)) == 1  # the checkpoint's entry
+        await index_knows_the_files(engine)
         for path in files(cache_dir):
             data = bytearray(path.read_bytes())
             data[-100] ^= 0xFF  # one flipped byte in the tensor data
