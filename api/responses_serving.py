@@ -195,6 +195,7 @@ class _OutputWriter:
             self.emit(
                 "response.function_call_arguments.done",
                 **self._where(item),
+                name=item.name,
                 arguments=item.arguments,
             )
         item.status = status  # type: ignore[assignment]
