@@ -14,11 +14,28 @@ from stepline.events.models import FinishReason, RequestParams
 # --- to the step loop ---------------------------------------------------------
 @dataclass
 class Arrivals:
-    """Submits on their way to the step loop: checked and tokenized by the API, not yet in
-    its inbox. The API counts them; an idle step loop waits briefly for them, so that the
-    first step of a burst sees the whole burst."""
+    """Requests on their way to the step loop: being parsed, checked or tokenized by the API,
+    not yet in its inbox. The API counts them; an idle step loop waits briefly for them, so
+    that the first step of a burst sees the whole burst."""
 
     preparing: int = 0
+
+    def arrive(self) -> Arrival:
+        self.preparing += 1
+        return Arrival(self)
+
+
+class Arrival:
+    """One request's count in `Arrivals.preparing`; `done` takes it back (once)."""
+
+    def __init__(self, arrivals: Arrivals) -> None:
+        self._arrivals = arrivals
+        self.open = True
+
+    def done(self) -> None:
+        if self.open:
+            self.open = False
+            self._arrivals.preparing -= 1
 
 
 @dataclass(frozen=True)

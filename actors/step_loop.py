@@ -114,6 +114,7 @@ class StepLoop:
         # Submits that arrived while a step ran: admitted once it ended, so that a request
         # is logged as admitted for the first step it can join (it ages from there).
         self._held: list[Submit] = []
+        self._idle = True  # nothing has run since the loop last waited for work
         self.dead_reason: str | None = None
         self.died = anyio.Event()  # set when the engine can serve no more (dead_reason says why)
         self.on_step: Callable[[StepLoop], None] | None = None  # test/inspection hook
@@ -165,6 +166,16 @@ class StepLoop:
             self._submit(msg)
 
     def _submit(self, msg: Submit) -> None:
+        try:
+            self._admit(msg)
+        except BaseException:
+            # A bug in admitting it: the loop's handler says what failed; the submitter
+            # must not wait for a reply that never comes.
+            if not msg.reply.done():
+                msg.reply.set_exception(EngineDeadError("the engine failed admitting this request"))
+            raise
+
+    def _admit(self, msg: Submit) -> None:
         if msg.reply.done():  # the submitter was cancelled before we got here
             return
         if msg.request_id in self._recent_ids:
@@ -271,10 +282,10 @@ class StepLoop:
         async with self._inbox:
             while True:
                 try:
-                    held, self._held = self._held, []
-                    for submit in held:
-                        self._submit(submit)
+                    while self._held:  # one at a time: a failure leaves the rest held
+                        self._submit(self._held.pop(0))
                     if not self.states and not self._to_free and not self._drops:
+                        self._idle = True  # the next step gathers arrivals (`_gather`)
                         self._gauges()  # what /metrics shows while idle: nothing running
                         try:
                             msg = await self._inbox.receive()  # idle: sleep until work arrives
@@ -325,11 +336,10 @@ class StepLoop:
             self.on_step(self)
 
     async def _gather(self) -> None:
-        """Before the first step after idling, wait (at most GATHER_S) for the submits still
+        """Before the first step after idling, wait (at most GATHER_S) for the requests still
         being prepared: nobody runs yet, so nobody's tokens are delayed."""
-        if not self.arrivals.preparing or any(
-            s.status is not Status.WAITING for s in self.states.values()
-        ):
+        idle, self._idle = self._idle, False
+        if not idle or not self.arrivals.preparing:
             return
         with anyio.move_on_after(GATHER_S), contextlib.suppress(anyio.EndOfStream):
             while self.arrivals.preparing:

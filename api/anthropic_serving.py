@@ -328,6 +328,8 @@ def anthropic_router(serving: AnthropicServing) -> APIRouter:
         except APIError as exc:
             exc.request_id = rid
             return error_response(exc)
+        finally:
+            serving.engine.arrived()  # a request that failed before it was submitted
 
     @router.post("/v1/messages")
     async def messages(request: Request) -> Response:

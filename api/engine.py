@@ -18,6 +18,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ import anyio
 import structlog
 
 from stepline.actors.executor import Executor
-from stepline.actors.messages import Arrivals, Cancel, Submit
+from stepline.actors.messages import Arrival, Arrivals, Cancel, Submit
 from stepline.actors.metrics import EngineMetrics
 from stepline.actors.request import RequestActor, RequestOutput
 from stepline.actors.step_loop import ModelLimits, StepLoop
@@ -42,6 +43,9 @@ from stepline.events.models import FinishReason, LogHeader, new_run_id, new_salt
 __all__ = ["Engine", "PromptTooLongError", "RequestStream", "SamplingParams", "launch_rank"]
 
 log = structlog.get_logger(__name__)
+
+# The request the current task is preparing for `submit` (see `Engine.arriving`).
+_ARRIVAL: ContextVar[Arrival | None] = ContextVar("stepline_arrival", default=None)
 
 # While an engine is open, the interpreter switches threads at least this often (its default
 # is every 5 ms). The executor thread needs the GIL for a little Python before each piece of
@@ -375,9 +379,9 @@ class Engine:
         """
         if self._closed:
             raise RuntimeError("the engine is closed")
-        # Counted from here until its Submit is in the step loop's inbox (see `Arrivals`).
-        self._arrivals.preparing += 1
-        arriving = True
+        # Counted from here (or from `arriving`) until its Submit is in the step loop's inbox.
+        outer = _ARRIVAL.get()
+        arrival = outer if outer is not None and outer.open else self._arrivals.arrive()
         try:
             ids, params, checkpoints = await self._prepare_submit(
                 prompt, messages, params, checkpoints, template_kwargs
@@ -401,8 +405,7 @@ class Engine:
             )
             try:
                 await self._step_loop.inbox.send(submit)
-                self._arrivals.preparing -= 1
-                arriving = False
+                arrival.done()
                 await reply
             except BaseException:
                 # Cancelled at any point: a reply still pending is cancelled (the step loop
@@ -414,8 +417,7 @@ class Engine:
                     s.close()
                 raise
         finally:
-            if arriving:
-                self._arrivals.preparing -= 1
+            arrival.done()
         actor = RequestActor(
             rid,
             num_prompt_tokens=len(ids),
@@ -451,6 +453,25 @@ class Engine:
             # reserving (or refusing it for) tokens it can never generate.
             params = params.model_copy(update={"max_tokens": room})
         return ids, params, (*checkpoints, *chat_checkpoints)
+
+    def arriving(self) -> None:
+        """Count the request this task is preparing (parsing, tokenizing) as on its way to the
+        engine, until `submit` hands it to the step loop or `arrived()` is called. An idle
+        engine waits briefly (at most 30 ms) for such requests before its first step, so a
+        burst's first step takes its shortest prompts. The HTTP server calls this once a
+        request's body is read; `submit` alone counts from its own start."""
+        if self._closed:
+            return
+        arrival = _ARRIVAL.get()
+        if arrival is None or not arrival.open:
+            _ARRIVAL.set(self._arrivals.arrive())
+
+    def arrived(self) -> None:
+        """End this task's `arriving` count, if `submit` has not (a request that failed)."""
+        arrival = _ARRIVAL.get()
+        if arrival is not None:
+            arrival.done()
+            _ARRIVAL.set(None)
 
     def _send_cancel(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> None:
         if self._closed:

@@ -167,6 +167,7 @@ class Serving:
     async def parse(self, request: Request, cls: type[_R]) -> _R:
         """The body as a `cls`, validated on a worker thread (a 4 MiB body takes a while)."""
         body = await self.read_body(request)
+        self.engine.arriving()  # until it is submitted, or `handle` ends
 
         def validate() -> _R:
             data = loads_strict(body)
@@ -453,3 +454,5 @@ class Serving:
             err = APIError(500, f"internal error (request id {rid})", code="server_error")
             err.request_id = rid
             raise err from None
+        finally:
+            self.engine.arrived()  # a request that failed before it was submitted

@@ -357,6 +357,20 @@ async def test_a_bug_in_the_step_loop_fails_requests_instead_of_hanging_them(
         assert not engine.healthy
 
 
+async def test_a_bug_in_admitting_a_request_fails_its_submit_instead_of_hanging_it(
+    model_cache_dir, monkeypatch
+):
+    async with Engine.open(max_step_tokens=16, max_num_seqs=4) as engine:
+
+        def broken(*args):
+            raise KeyError("a bug in admission")
+
+        monkeypatch.setattr(step_loop_module, "check_admissible", broken)
+        with anyio.fail_after(10), pytest.raises(EngineDeadError, match="admitting"):
+            await engine.submit("hello", params=SamplingParams(max_tokens=4))
+        assert not engine.healthy
+
+
 async def test_ended_requests_leave_the_scheduling_state_and_ids_are_not_reused(
     model_cache_dir,
 ):

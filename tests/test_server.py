@@ -843,3 +843,53 @@ async def test_a_failed_event_log_shows_on_health_and_metrics_while_serving_goes
         line for line in metrics.splitlines() if line.startswith("stepline_event_log_dropped")
     )
     assert float(dropped.split()[-1]) > 0
+
+
+async def test_a_burst_over_http_is_gathered_so_its_first_step_takes_the_shortest(demo):
+    # Over HTTP a request is parsed and tokenized before `Engine.submit`. The short chats
+    # here take a few ms longer to tokenize: without waiting for the requests the server is
+    # still preparing, whichever is submitted first would start the first step alone.
+    from helpers import open_served
+
+    long_text = "a long prompt " * 12
+    async with open_served() as served:
+        engine = served.engine
+        prepare = engine.prepare_async
+
+        async def slow_for_short(prompt, messages, template_kwargs):
+            if messages and messages[-1]["content"].startswith("hi "):
+                await anyio.sleep(0.005)
+            return await prepare(prompt, messages, template_kwargs)
+
+        engine.prepare_async = slow_for_short
+        first: dict[str, tuple[int, int]] = {}
+
+        def on_step(loop) -> None:
+            if not first:
+                first.update(
+                    {
+                        r: (s.num_prompt_tokens, s.num_computed_tokens)
+                        for r, s in loop.states.items()
+                    }
+                )
+
+        engine.step_loop.on_step = on_step
+        async with served.client() as client:
+
+            async def chat(text: str) -> None:
+                await client.chat.completions.create(
+                    model="stepline-demo",
+                    messages=[{"role": "user", "content": text}],
+                    max_tokens=2,
+                    temperature=0,
+                )
+
+            with anyio.fail_after(60):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(chat, long_text)
+                    for i in range(4):
+                        tg.start_soon(chat, f"hi {i}")
+    assert len(first) == 5  # all five were admitted before the first step
+    shorts = [(n, done) for n, done in first.values() if n < 30]
+    assert len(shorts) == 4 and all(done == n for n, done in shorts)  # and the short ones ran
+    assert engine.step_loop.arrivals.preparing == 0
