@@ -61,10 +61,10 @@ log = structlog.get_logger(__name__)
 
 _REUSABLE = (FinishReason.STOP, FinishReason.LENGTH)  # ended cleanly: cache worth keeping
 _KEEP_IDS = 100_000  # request ids refused as reused within this many requests
-# How long an idle engine that was just sent requests waits for more that are still being
-# tokenized. Its first step then admits the burst's shortest prompts, not whichever was
-# tokenized first (the others would wait for that whole step). A lone request, or one
-# arriving while others run, never waits.
+# How long an idle engine that was just sent requests waits for more that the API is still
+# parsing or tokenizing (`Arrivals`). Its first step then admits the burst's shortest
+# prompts, not whichever was ready first (the others would wait for that whole step). A lone
+# request, or one arriving while others run, never waits.
 GATHER_S = 0.03
 
 
@@ -86,7 +86,7 @@ class StepLoop:
         inbox_size: int = 256,
         prefix_index: PrefixIndex | None = None,
         cost_model: CostModel | None = None,  # learns step times; None: tokens only
-        arrivals: Arrivals | None = None,  # submits the API is preparing
+        arrivals: Arrivals | None = None,  # requests the API is preparing
     ):
         self.executor = executor
         self.runner = runner
