@@ -3,7 +3,8 @@
 No MLX, no I/O, no clock. Per step, within `max_step_tokens` and `max_num_seqs`:
 1. every decoding request gets one token (oldest first, if the budget is short);
 2. requests mid-prefill get their next chunk, oldest first;
-3. waiting requests are admitted into what is left, if their KV fits: shortest prompt
+3. waiting requests are admitted into what is left, if their KV fits (counted as the
+   running requests decode: in one batch, every row padded to the longest): shortest prompt
    (what is left of it after its cached prefix) first, so that a burst of requests gets
    most of its first tokens early; but a request that has waited `MAX_WAIT_STEPS` steps
    goes before every younger one (oldest first among those), so a long prompt is
@@ -24,7 +25,7 @@ as the token rules allow.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from stepline.engine.cost_model import StepCost, StepFeatures
@@ -121,10 +122,18 @@ class StepPlan:
         return not self.decodes and not self.chunks
 
 
-def kv_tokens_needed(state: RequestState, config: SchedulerConfig) -> int:
-    """KV a request may grow to, in tokens: its prompt plus every token it may generate,
-    plus its fixed per-request state."""
-    return state.num_prompt_tokens + state.params.max_tokens + config.kv_tokens_per_seq
+def kv_length(state: RequestState) -> int:
+    """Tokens a request's KV may grow to: its prompt plus every token it may generate."""
+    return state.num_prompt_tokens + state.params.max_tokens
+
+
+def batch_kv_tokens(lengths: Sequence[int], config: SchedulerConfig) -> int:
+    """KV, in tokens, of requests whose KV may grow to `lengths` once they decode together:
+    mlx-lm's batch cache (`BatchKVCache`) left-pads every row to the longest, so each row
+    takes the longest one's room, plus its fixed per-request state. (Counted per request,
+    16 short chats beside one 2,000-token prompt took 11x the KV memory they were counted
+    for.)"""
+    return len(lengths) * (max(lengths, default=0) + config.kv_tokens_per_seq)
 
 
 def _chunk(state: RequestState, num_tokens: int, start: int | None = None) -> ScheduledChunk:
@@ -207,13 +216,13 @@ def schedule(
                 add(s, n, s.num_computed_tokens)
 
     num_running = len(running)
-    kv_used = sum(kv_tokens_needed(s, config) for s in running)
+    lengths = [kv_length(s) for s in running]
     for s in admission_order(live, step, prefix):
         if budget <= 0 or num_running >= config.max_num_seqs:
             break
         if (
             config.max_kv_tokens is not None
-            and kv_used + kv_tokens_needed(s, config) > config.max_kv_tokens
+            and batch_kv_tokens([*lengths, kv_length(s)], config) > config.max_kv_tokens
         ):
             if is_aged(s, step):
                 break  # an aged request that does not fit holds back the younger ones
@@ -224,7 +233,7 @@ def schedule(
             break  # no time left in this step: the rest next step, in order
         add(s, n, start)
         num_running += 1
-        kv_used += kv_tokens_needed(s, config)
+        lengths.append(kv_length(s))
 
     return StepPlan(
         step=step,

@@ -233,6 +233,25 @@ def test_kv_admission_waits_until_capacity_frees():
     assert sim.states["b"].status is Status.WAITING
 
 
+def test_kv_admission_counts_every_running_request_as_long_as_the_longest():
+    # They decode in one left-padded batch: a short chat beside a long request takes the
+    # long one's room. Counted one by one (610 of 1,000) it would fit; padded (2 x 600) not.
+    sim = Sim(SchedulerConfig(max_step_tokens=64, max_num_seqs=8, max_kv_tokens=1000))
+    sim.add("long", 60, max_tokens=540)
+    sim.run_step()
+    assert sim.states["long"].status is Status.DECODING
+    sim.add("short", 5, max_tokens=5)
+    for _ in range(3):
+        plan = sim.run_step()
+        assert "short" not in plan.num_scheduled_tokens
+    # Requests of the same length fill the budget: 4 x 250 = 1,000.
+    sim = Sim(SchedulerConfig(max_step_tokens=64, max_num_seqs=8, max_kv_tokens=1000))
+    for i in range(5):
+        sim.add(f"r{i}", 10, max_tokens=240)
+    plan = sim.run_step()
+    assert sorted(plan.num_scheduled_tokens) == ["r0", "r1", "r2", "r3"]
+
+
 def test_a_young_request_whose_kv_does_not_fit_lets_others_in_until_it_has_aged():
     sim = Sim(SchedulerConfig(max_step_tokens=64, max_num_seqs=8, max_kv_tokens=100))
     sim.add("running", 10, max_tokens=40)  # KV 50, decoding from its first step
