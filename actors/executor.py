@@ -134,13 +134,16 @@ class Executor:
         # owning the result; the job finishes and its result is dropped.
         return await asyncio.shield(future)
 
-    async def drain(self) -> None:
-        """Wait until every job queued so far has finished (also for a dead executor).
+    async def drain(self, settle: Callable[[], None] | None = None) -> None:
+        """Wait until every job queued so far has finished (also for a dead executor), then
+        run `settle` on the thread if the executor is alive: MLX work a job started without
+        waiting for it (`mx.async_eval`) is still running until MLX says it is done.
 
         An engine does this before it returns, so no MLX work of its is still running
         when the interpreter shuts down.
         """
-        await self._put(lambda: None, (), barrier=True)
+        finish = settle if settle is not None and self._dead is None else (lambda: None)
+        await self._put(finish, (), barrier=True)
 
     def mark_dead(self, error: BaseException) -> None:
         """Refuse all further work (after a job failed and left MLX state unknown)."""

@@ -166,7 +166,7 @@ class Engine:
         )
         from stepline.engine.memory import plan_memory
         from stepline.engine.models import load_model  # MLX: imported only when serving
-        from stepline.engine.runner import ModelRunner
+        from stepline.engine.runner import ModelRunner, mx_synchronize
         from stepline.events.log import EventLogWriter
 
         _warn_without_openblas()
@@ -299,7 +299,9 @@ class Engine:
             with anyio.CancelScope(shield=True):
                 if topology is not None and runner is not None and executor.dead is None:
                     await executor.call(runner.close)  # the other ranks exit
-                await executor.drain()
+                # The decode look-ahead may still be computing (mx.async_eval): the
+                # interpreter's exit must not tear MLX down under it.
+                await executor.drain(settle=mx_synchronize)
                 if runner is not None and runner.store is not None:
                     # Let queued disk writes finish (file I/O only: no MLX on this thread).
                     await anyio.to_thread.run_sync(runner.store.close)

@@ -55,6 +55,11 @@ log = structlog.get_logger(__name__)
 CheckpointHook = Callable[[str, int, Cache], None]
 
 
+def mx_synchronize() -> None:
+    """Wait until MLX has finished all the work it was given (on the executor thread)."""
+    mx.synchronize()
+
+
 def snapshot_cache(cache: Cache) -> Cache:
     """An independent, evaluated copy of a per-request cache (any mlx-lm cache kind) that
     owns exactly its tokens: what the prefix store keeps, so storing it copies nothing more

@@ -491,6 +491,35 @@ async def test_work_after_a_call_runs_next_on_the_executor_thread_once_it_succee
     executor.close()
 
 
+async def test_drain_settles_mlx_after_the_queued_jobs_unless_the_executor_is_dead():
+    # An engine's close drains its executor, then waits for MLX work started asynchronously
+    # (the decode look-ahead) so that none runs while the interpreter exits.
+    executor = Executor()
+    order: list[str] = []
+    started, release = threading.Event(), threading.Event()
+
+    def job() -> None:
+        started.set()
+        release.wait(5)
+        order.append("job")
+
+    queued = asyncio.ensure_future(executor.call(job))
+    await wait_until(started.is_set)
+    drained = asyncio.ensure_future(
+        executor.drain(
+            settle=lambda: order.append(f"settle on {threading.get_ident() == executor.thread_id}")
+        )
+    )
+    release.set()
+    await queued
+    await drained
+    assert order == ["job", "settle on True"]
+    executor.mark_dead(RuntimeError("a job failed"))
+    await executor.drain(settle=lambda: order.append("settled a dead one"))
+    assert order == ["job", "settle on True"]  # MLX's state is unknown: left alone
+    executor.close()
+
+
 async def test_mlx_work_happens_on_the_executor_thread(model_cache_dir):
     seen = set()
     async with Engine.open(
