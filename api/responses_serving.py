@@ -284,7 +284,7 @@ class ResponsesServing(Serving):
             template_kwargs=self.default_template_kwargs,
         )
         ids, checkpoints = await self.prepare(
-            messages=system + turn, template_kwargs=agent.template_kwargs
+            messages=system + turn, template_kwargs=agent.template_kwargs, param="input"
         )
         max_tokens = self.max_tokens(
             req.max_output_tokens,

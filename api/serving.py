@@ -195,9 +195,10 @@ class Serving:
         prompt: str | list[int] | None = None,
         messages: list[dict] | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        param: str | None = None,  # the request field errors name; default: prompt / messages
     ) -> tuple[list[int], list[int]]:
         """Token ids and chat checkpoints, computed off the event loop."""
-        param = "prompt" if messages is None else "messages"
+        param = param or ("prompt" if messages is None else "messages")
         try:
             return await self.engine.prepare_async(prompt, messages, template_kwargs)
         except PromptTooLongError as exc:

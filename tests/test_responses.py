@@ -361,6 +361,7 @@ async def test_a_call_cut_off_by_max_output_tokens_is_incomplete(served):
             "input.0.arguments is not JSON",
         ),
         ({"input": [{"type": "reasoning", "summary": []}]}, "a message, a function_call"),
+        ({"input": []}, "input: .*empty conversation"),
     ],
 )
 async def test_what_the_server_cannot_run_is_refused_with_a_clear_400(served, body, match):
