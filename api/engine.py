@@ -128,7 +128,8 @@ class Engine:
         background, as safetensors files, at most `prefix_cache_disk_gb` of them, oldest
         used evicted first) and reused by a later engine on the same model and directory.
         Memory guard: running requests' KV (prompt + max_tokens each, measured per token at
-        load) must fit in `max_kv_tokens`, or `max_kv_gb` (default: 70% of the machine's
+        load; each counted as long as the longest, as their batch pads them) must fit in
+        `max_kv_tokens`, or `max_kv_gb` (default: 70% of the machine's
         memory less the weights and the prefix cache); requests wait until it does, and one
         that never can is refused (AdmissionError naming the numbers). `mlx_cache_gb` limits
         MLX's buffer cache (default: 10% of the machine's memory). At most `max_waiting`
