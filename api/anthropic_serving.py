@@ -49,7 +49,7 @@ class AnthropicServing(Serving):
         )
 
     async def count_tokens(self, request: Request) -> Response:
-        req = await self.parse(request, schema.CountTokensRequest)
+        req = await self.parse(request, schema.CountTokensRequest, generates=False)
         agent = self._plan(req)
         ids, _ = await self.prepare(
             messages=schema.engine_messages(req), template_kwargs=agent.template_kwargs

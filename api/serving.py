@@ -164,10 +164,12 @@ class Serving:
             raise APIError(499, "the client closed the connection", code="client_closed") from None
         return b"".join(chunks)
 
-    async def parse(self, request: Request, cls: type[_R]) -> _R:
-        """The body as a `cls`, validated on a worker thread (a 4 MiB body takes a while)."""
+    async def parse(self, request: Request, cls: type[_R], *, generates: bool = True) -> _R:
+        """The body as a `cls`, validated on a worker thread (a 4 MiB body takes a while).
+        A request that `generates` counts as on its way to the engine from here."""
         body = await self.read_body(request)
-        self.engine.arriving()  # until it is submitted, or `handle` ends
+        if generates:
+            self.engine.arriving()  # until it is submitted, or `handle` ends
 
         def validate() -> _R:
             data = loads_strict(body)
