@@ -32,12 +32,11 @@ from stepline.engine.policy import (
     QueueFullError,
     SchedulerConfig,
     StepPlan,
-    admission_key,
     check_admissible,
+    prefix_candidates,
     schedule,
 )
 from stepline.engine.prefix_index import (
-    Candidate,
     PrefixIndex,
     PrefixPlan,
     Tokens,
@@ -265,6 +264,10 @@ class StepLoop:
             return False
         return True
 
+    async def _handle_pending(self) -> None:
+        for msg in self._drain():
+            await self._handle(msg)
+
     def _drain(self) -> list[Submit | Cancel]:
         """The messages waiting in the inbox; none once the engine closed it (it closes it
         while it shuts down, which may land between two steps of this loop)."""
@@ -292,8 +295,7 @@ class StepLoop:
                         except anyio.EndOfStream:
                             return
                         await self._handle(msg)
-                    for msg in self._drain():
-                        await self._handle(msg)
+                    await self._handle_pending()
                     await self._step()
                 except Exception as exc:
                     # A bug in this loop's own code (the executor's faults are caught where it
@@ -344,8 +346,7 @@ class StepLoop:
         with anyio.move_on_after(GATHER_S), contextlib.suppress(anyio.EndOfStream):
             while self.arrivals.preparing:
                 await self._handle(await self._inbox.receive())
-        for msg in self._drain():  # those sent while this loop handled others
-            await self._handle(msg)
+        await self._handle_pending()  # those sent while this loop handled others
 
     def _waiting(self) -> bool:
         return any(s.status is Status.WAITING for s in self.states.values())
@@ -353,36 +354,16 @@ class StepLoop:
     def _plan_prefixes(self) -> PrefixPlan:
         if self.index is None or not self._waiting():
             return PrefixPlan()
-        running: list[Candidate] = []
-        queue: list[RequestState] = []
-        for s in sorted(self.states.values(), key=lambda s: s.admitted_seq):
-            if s.status is Status.WAITING:
-                queue.append(s)
-            elif s.status is Status.PREFILLING and any(
-                c > s.num_computed_tokens for c in s.checkpoints
-            ):
-                running.append(self._candidate(s, self._requests[s.request_id], waiting=False))
-        # The head of the queue in the policy's admission order (cache hits not known yet):
-        # no request beyond it can be admitted before one in it.
-        step = self.step + 1
-        queue.sort(key=lambda s: admission_key(s, step, s.num_computed_tokens))
-        waiting = [
-            self._candidate(s, self._requests[s.request_id], waiting=True)
-            for s in queue[: self.config.max_num_seqs]
-        ]
-        prefix = plan_prefixes([*running, *waiting], self.index)
+        candidates = prefix_candidates(
+            self.states,
+            lambda rid: self._requests[rid].prompt_token_ids,
+            self.step + 1,
+            self.config,
+            self._disk_tries,
+        )
+        prefix = plan_prefixes(candidates, self.index)
         self._disk_tries.update(prefix.loading)
         return prefix
-
-    def _candidate(self, s: RequestState, submit: Submit, *, waiting: bool) -> Candidate:
-        return Candidate(
-            request_id=s.request_id,
-            prompt=submit.prompt_token_ids,
-            num_computed_tokens=s.num_computed_tokens,
-            checkpoints=s.checkpoints,
-            waiting=waiting,
-            allow_disk=s.request_id not in self._disk_tries,
-        )
 
     async def _run_step(self, plan: StepPlan, prefix: PrefixPlan) -> None:
         self._record(
@@ -413,9 +394,7 @@ class StepLoop:
         self._record(StepFinished, seconds=result.seconds, predicted_seconds=plan.predicted_seconds)
         if self.cost_model is not None:
             self.cost_model.observe(plan.features, result.seconds)
-        # Cancels that arrived during the step win over its results.
-        for msg in self._drain():
-            await self._handle(msg)
+        await self._handle_pending()  # cancels that arrived during the step win over its results
         # A request that waited while its entry was loaded from disk was served from disk.
         sources = {
             rid: "disk" if rid in self._disk_tries else m.source
@@ -503,8 +482,7 @@ class StepLoop:
             if not await self._tell(actor, msg):
                 # The actor is gone: it ended the request itself (a stop string, or it
                 # failed) and its message is on the way, or it failed silently.
-                for pending in self._drain():
-                    await self._handle(pending)
+                await self._handle_pending()
                 if rid in self.states:
                     await self._end(rid, FinishReason.ERROR, "the request's actor failed")
         self._close_ended()

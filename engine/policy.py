@@ -25,11 +25,11 @@ as the token rules allow.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from stepline.engine.cost_model import StepCost, StepFeatures
-from stepline.engine.prefix_index import PrefixPlan
+from stepline.engine.prefix_index import Candidate, PrefixPlan
 from stepline.events.fold import RequestState, Status
 
 # A step every 100 ms is 10 tokens/s for every stream while a long prompt prefills: still
@@ -243,6 +243,41 @@ def schedule(
         features=features,
         predicted_seconds=cost.predict(features) if cost is not None else None,
     )
+
+
+def prefix_candidates(
+    states: Mapping[str, RequestState],
+    prompt_of: Callable[[str], Sequence[int]],
+    step: int,
+    config: SchedulerConfig,
+    disk_tried: Container[str],
+) -> list[Candidate]:
+    """The requests whose cached prefix step `step` may look up (`plan_prefixes`): those
+    prefilling towards a checkpoint, and the head of the waiting queue in the admission
+    order (`max_num_seqs` of them, cache hits not known yet: none beyond it can start
+    first). `disk_tried`: requests a disk entry was already loaded for."""
+
+    def candidate(s: RequestState, *, waiting: bool) -> Candidate:
+        return Candidate(
+            request_id=s.request_id,
+            prompt=prompt_of(s.request_id),
+            num_computed_tokens=s.num_computed_tokens,
+            checkpoints=s.checkpoints,
+            waiting=waiting,
+            allow_disk=s.request_id not in disk_tried,
+        )
+
+    running: list[Candidate] = []
+    queue: list[RequestState] = []
+    for s in sorted(states.values(), key=lambda s: s.admitted_seq):
+        if s.status is Status.WAITING:
+            queue.append(s)
+        elif s.status is Status.PREFILLING and any(
+            c > s.num_computed_tokens for c in s.checkpoints
+        ):
+            running.append(candidate(s, waiting=False))
+    queue.sort(key=lambda s: admission_key(s, step, s.num_computed_tokens))
+    return [*running, *(candidate(s, waiting=True) for s in queue[: config.max_num_seqs])]
 
 
 def is_aged(s: RequestState, step: int) -> bool:
