@@ -16,14 +16,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from stepline.actors.messages import CacheHit, NewTokens, Progress
-from stepline.engine.policy import StepPlan
+from stepline.engine.policy import SchedulerConfig, StepPlan
 from stepline.engine.work import StepResult, max_output_tokens
-from stepline.events.fold import RequestState, apply
+from stepline.events.fold import RequestState, Status, apply
 from stepline.events.models import (
     CheckpointReached,
     ChunkPrefilled,
     Decoding,
     FinishReason,
+    StepEntry,
+    StepPlanned,
     Terminal,
 )
 
@@ -73,6 +75,24 @@ class Recorder:
         if self.event_log is not None:
             self.event_log.append(event)
         return event
+
+
+def record_plan(recorder: Recorder, plan: StepPlan, config: SchedulerConfig) -> None:
+    """Record step `plan` (its members, their tokens, the limits it ran under)."""
+    states = recorder.states
+    recorder.record(
+        StepPlanned,
+        entries=tuple(
+            StepEntry(
+                request_id=rid,
+                num_tokens=n,
+                kind="decode" if states[rid].status is Status.DECODING else "prefill",
+            )
+            for rid, n in plan.num_scheduled_tokens.items()
+        ),
+        max_step_tokens=config.max_step_tokens,
+        max_num_seqs=config.max_num_seqs,
+    )
 
 
 Delivery = tuple[str, Any]  # (request_id, message for its actor)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -135,6 +135,21 @@ class EngineMetrics:
     def token(self, latency: float, first: bool) -> None:
         self.generated_tokens.inc()
         (self.ttft if first else self.itl).observe(latency)
+
+    def tokens(
+        self,
+        before: Mapping[str, RequestState],
+        state_of: Callable[[str], RequestState | None],
+    ) -> None:
+        """A step's tokens: for each request that had one, the time since its admission (its
+        first) or since its previous token. `before`: the states before the step's commit."""
+        for rid, was in before.items():
+            now = state_of(rid)
+            if now is None or now.last_token_ts is None:
+                continue
+            first = was.num_output_tokens == 0
+            since = was.admitted_ts if first else was.last_token_ts
+            self.token(now.last_token_ts - (since or now.last_token_ts), first)
 
     def event_log(self, writer) -> None:
         """The event log's health (`events.log.EventLogWriter`), when there is one."""

@@ -22,17 +22,17 @@ import anyio
 import structlog
 from anyio.streams.memory import MemoryObjectSendStream
 
-from stepline.actors.commit import Delivery, ModelLimits, Recorder, commit
+from stepline.actors.commit import Delivery, ModelLimits, Recorder, commit, record_plan
 from stepline.actors.executor import Executor, ExecutorDeadError
 from stepline.actors.messages import Arrivals, Cancel, Finish, Submit
 from stepline.actors.metrics import EngineMetrics
 from stepline.engine.cost_model import CostModel
 from stepline.engine.policy import (
     AdmissionError,
-    QueueFullError,
     SchedulerConfig,
     StepPlan,
     check_admissible,
+    check_queue,
     prefix_candidates,
     schedule,
 )
@@ -47,9 +47,7 @@ from stepline.events.fold import RequestState, Status
 from stepline.events.models import (
     Admitted,
     FinishReason,
-    StepEntry,
     StepFinished,
-    StepPlanned,
     Terminal,
     prompt_digest,
 )
@@ -188,7 +186,7 @@ class StepLoop:
         try:
             if self.dead_reason is not None:
                 raise EngineDeadError(f"the engine is unhealthy: {self.dead_reason}")
-            self._check_queue()
+            check_queue(self.states, self.config)
             check_admissible(
                 len(msg.prompt_token_ids),
                 msg.params.max_tokens,
@@ -202,12 +200,6 @@ class StepLoop:
         self._requests[msg.request_id] = msg
         self.metrics.admitted()
         msg.reply.set_result(None)
-
-    def _check_queue(self) -> None:
-        """Raise QueueFullError if `max_waiting` requests already wait for their first chunk."""
-        num_waiting = sum(1 for s in self.states.values() if s.status is Status.WAITING)
-        if num_waiting >= self.config.max_waiting:
-            raise QueueFullError(num_waiting, self.config.max_waiting)
 
     def _reject(self, msg: Submit, exc: AdmissionError) -> None:
         """Log the request as admitted and at once rejected (so the log shows what was
@@ -366,19 +358,7 @@ class StepLoop:
         return prefix
 
     async def _run_step(self, plan: StepPlan, prefix: PrefixPlan) -> None:
-        self._record(
-            StepPlanned,
-            entries=tuple(
-                StepEntry(
-                    request_id=rid,
-                    num_tokens=n,
-                    kind="decode" if self.states[rid].status is Status.DECODING else "prefill",
-                )
-                for rid, n in plan.num_scheduled_tokens.items()
-            ),
-            max_step_tokens=self.config.max_step_tokens,
-            max_num_seqs=self.config.max_num_seqs,
-        )
+        record_plan(self.recorder, plan, self.config)
         admit = tuple(
             self._new_request(c.request_id, prefix)
             for c in plan.chunks
@@ -405,7 +385,7 @@ class StepLoop:
         deliveries = commit(self.recorder, plan, result, self.limits, sources)
         self._update_index(result)
         await self._deliver(deliveries)
-        self._token_metrics(before)
+        self.metrics.tokens(before, self.state_of)
         for new in admit:
             self.metrics.prefix_lookup(new.num_cached_tokens)
         self.metrics.step(plan.num_tokens, self.config.max_step_tokens, result.seconds)
@@ -425,15 +405,6 @@ class StepLoop:
                 await self._end(rid, FinishReason.ERROR, what)
             # Its free still goes out: a no-op here, but other ranks of a distributed
             # engine still hold the request.
-
-    def _token_metrics(self, before: dict[str, RequestState]) -> None:
-        for rid, was in before.items():
-            now = self.state_of(rid)
-            if now is None or now.last_token_ts is None:
-                continue
-            first = was.num_output_tokens == 0
-            since = was.admitted_ts if first else was.last_token_ts
-            self.metrics.token(now.last_token_ts - (since or now.last_token_ts), first)
 
     def _new_request(self, rid: str, prefix: PrefixPlan) -> NewRequest:
         submit = self._requests[rid]

@@ -330,6 +330,13 @@ def check_admissible(
         raise KVBudgetExceededError(needed, num_prompt_tokens, max_tokens, config)
 
 
+def check_queue(states: Mapping[str, RequestState], config: SchedulerConfig) -> None:
+    """Raise QueueFullError if `max_waiting` requests already wait for their first chunk."""
+    num_waiting = sum(1 for s in states.values() if s.status is Status.WAITING)
+    if num_waiting >= config.max_waiting:
+        raise QueueFullError(num_waiting, config.max_waiting)
+
+
 class KVBudgetExceededError(AdmissionError):
     """The request's KV can never fit in the engine's KV budget, even with nothing else running."""
 
