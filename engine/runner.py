@@ -299,15 +299,19 @@ class ModelRunner:
             self._fail(failed, request_id, what, exc)
 
         sample = step_sampling.sample_step
+        started: mx.array | None = None  # the next step's forward, if already started
         if ahead is None:
-            decoded = self._decode_forward(batch) if batch else None
+            decoded = self._decode_forward(self._last_tokens(batch)) if batch else None
             self._record(sample(self.sampler, finals, batch, decoded, fail), tokens, logprobs)
+        elif batch and not plan.chunks and ahead.sample is not None and ahead.sample.tokens_final:
+            started, taken = self._pipeline(ahead, ahead.sample, batch)
+            self._record(taken, tokens, logprobs)
         else:
             self._record(sample(self.sampler, finals, [], None, fail), tokens, logprobs)
             taken = step_sampling.sample_ahead(self.sampler, ahead, batch, fail)
             self._record(taken, tokens, logprobs)
         self._join_finals(finals, failed)
-        self._build_ahead()
+        self._build_ahead(started)
         return StepResult(
             tokens=tokens,
             logprobs=logprobs,
@@ -348,26 +352,62 @@ class ModelRunner:
             ]
         )
 
-    def _decode_forward(self, batch: list[Seq]) -> mx.array:
-        inputs = mx.array([[s.last_token] for s in batch], dtype=mx.int32)
-        return self.model(inputs, cache=self._batch_cache)[:, -1, :]
+    @staticmethod
+    def _last_tokens(batch: list[Seq]) -> mx.array:
+        return mx.array([s.last_token for s in batch], dtype=mx.int32)
 
-    def _build_ahead(self) -> None:
+    def _decode_forward(self, inputs: mx.array) -> mx.array:
+        """The decode batch's forward on `inputs` (B,), one token per row: (B, V) logits."""
+        return self.model(inputs.astype(mx.int32)[:, None], cache=self._batch_cache)[:, -1, :]
+
+    def _pipeline(
+        self, ahead: Ahead, pending: PendingSample, batch: list[Seq]
+    ) -> tuple[mx.array | None, step_sampling.Sampled]:
+        """A step with nothing but decode rows, run as mlx-lm's own loop runs one: the next
+        step's forward is built on this step's tokens while they are still being computed,
+        and started, before they are read. MLX then queues it right behind them: no gap on
+        the device while the host reads the tokens and builds the next graph (on Metal the
+        step loop's whole round trip is hidden behind it, too).
+
+        A row that ends at this step's token (a stop, a cancel, its length) still has the
+        next one computed, never shown: the one token in flight, as with `_build_ahead`.
+        Only where reading the tokens is just evaluating them (`tokens_final`): a failure to
+        read them is then MLX's on the whole batch, and raises (the next forward depends on
+        them), where `sample_ahead` would sample each row again. Returns the started forward
+        (None if it could not be built: the next step's fault) and this step's tokens."""
+        row = {rid: i for i, rid in enumerate(ahead.ids)}
+        index = [row[s.request_id] for s in batch]
+        unread = pending.tokens
+        if index != list(range(len(ahead.ids))):  # rows left since it started
+            unread = unread[mx.array(index)]
+        started: mx.array | None = None
+        try:
+            started = self._decode_forward(unread)
+            mx.async_eval(started)
+        except Exception as exc:  # noqa: BLE001 - the batched decode's fault: see run
+            self._ahead_error, started = exc, None
+        out = pending.finish()
+        return started, [(s, out.tokens[row[s.request_id]], None) for s in batch]
+
+    def _build_ahead(self, started: mx.array | None = None) -> None:
         """Build (lazily) the next step's decode forward and its sampling, as mlx-lm's own
         loop does; `look_ahead` starts computing them, and the next step takes their tokens.
         Every row's next input is known (the token just sampled), and so is what its sampling
         reads (its position, penalty history and grammar state). A row that ends meanwhile (a
         stop, a cancel) is skipped, so its token is never shown. The next step's prefill
         chunks run after it; their requests join the batch after it. A forward that cannot
-        be built is the next step's fault (this step's tokens stand)."""
-        if not self.lookahead or not self._batch_ids:
+        be built is the next step's fault (this step's tokens stand). `started`: the forward,
+        already built and started by `_pipeline`; only its sampling is built here."""
+        if not self.lookahead or not self._batch_ids or self._ahead_error is not None:
             return
         batch = [self._seqs[rid] for rid in self._batch_ids]
-        try:
-            logits = self._decode_forward(batch)
-        except Exception as exc:  # noqa: BLE001 - the batched decode's fault: see run
-            self._ahead_error = exc
-            return
+        logits = started
+        if logits is None:
+            try:
+                logits = self._decode_forward(self._last_tokens(batch))
+            except Exception as exc:  # noqa: BLE001 - the batched decode's fault: see run
+                self._ahead_error = exc
+                return
         try:
             sample: PendingSample | None = step_sampling.start_rows(self.sampler, logits, batch)
         except Exception as exc:  # noqa: BLE001 - the step samples again, and isolates it
@@ -376,12 +416,13 @@ class ModelRunner:
         self._ahead = Ahead(list(self._batch_ids), logits, sample)
 
     def look_ahead(self) -> None:
-        """Compute the look-ahead the last step built. The step loop has the executor run
-        this right after a step, as the step's result goes back (`Executor.call`'s `after`,
-        no round trip through the event loop): MLX computes without the GIL (on Linux's CPU
-        backend `async_eval` returns only once the forward is nearly done) while the step
-        loop commits that step and plans the next. Without it the next step computes it.
-        Never raises: a failure is the next step's."""
+        """Compute the look-ahead the last step built (after a pipelined step, `_pipeline`,
+        its forward is already running: this starts its sampling). The step loop has the
+        executor run this right after a step, as the step's result goes back
+        (`Executor.call`'s `after`, no round trip through the event loop): MLX computes
+        without the GIL (on Linux's CPU backend `async_eval` returns only once the forward is
+        nearly done) while the step loop commits that step and plans the next. Without it
+        the next step computes it. Never raises: a failure is the next step's."""
         ahead = self._ahead
         if ahead is None:
             return

@@ -240,6 +240,12 @@ class PendingSample:
     draw: _Draw | None = None  # the non-greedy rows, if any
     lp: _Logprobs | None = None  # the rows that asked for logprobs, if any
 
+    @property
+    def tokens_final(self) -> bool:
+        """Whether `tokens`, once evaluated, are the batch's tokens and `finish` only reads
+        them: no logprobs to compute, no row that a filter may have to sample again."""
+        return self.lp is None and (self.draw is None or self.draw.covered is None)
+
     def arrays(self) -> list[mx.array]:
         out = [self.tokens]
         if self.draw is not None and self.draw.covered is not None:

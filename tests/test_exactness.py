@@ -14,6 +14,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from stepline.api import Engine, SamplingParams
 from stepline.engine.policy import ScheduledChunk, StepPlan
 from stepline.engine.runner import ModelRunner
+from stepline.engine.sampling import PendingSample
 from stepline.engine.work import NewRequest, StepWork
 from stepline.events.models import RequestParams
 
@@ -60,10 +61,10 @@ class CapturingRunner(ModelRunner):
 
         self.sampler.start = spy
 
-    def _build_ahead(self) -> None:
+    def _build_ahead(self, started=None) -> None:
         self._ahead_of_step = True
         try:
-            super()._build_ahead()
+            super()._build_ahead(started)
         finally:
             self._ahead_of_step = False
 
@@ -185,6 +186,65 @@ async def test_looking_ahead_changes_no_token_while_requests_leave_and_join(
             length = 20 + 7 * i if wave == "a" else 60 + i
             expected = mlx_lm_greedy(loaded, prompt_ids(length, seed=base + i), n)
             assert ahead[f"{wave}{i}"] == expected
+
+
+async def test_a_decode_only_step_starts_the_next_forward_before_it_reads_its_tokens(
+    loaded, model_cache_dir, monkeypatch
+):
+    """As mlx-lm's own loop does, so that the device has the next forward queued while the
+    host reads this step's tokens. Where reading them is more than evaluating them (here:
+    logprobs), the step reads them first, then builds the next forward."""
+    calls: list[str] = []
+    real_finish = PendingSample.finish
+
+    def finish(self):
+        calls.append("read")
+        return real_finish(self)
+
+    monkeypatch.setattr(PendingSample, "finish", finish)
+
+    async def decode_steps(params: SamplingParams) -> list[list[str]]:
+        """Each decode-only step's own calls, in order."""
+        async with Engine.open(loaded.name, max_step_tokens=64, max_num_seqs=4) as engine:
+            runner = engine.step_loop.runner
+            real_run, model = runner.run, runner.model
+
+            def run(work):
+                calls.append("run" if work.plan.chunks else "decode-only run")
+                return real_run(work)
+
+            class Forward:
+                def __call__(self, inputs, cache):
+                    if inputs.shape[1] == 1:  # a decode forward (prompts here are longer)
+                        calls.append("forward")
+                    return model(inputs, cache=cache)
+
+                def __getattr__(self, name):
+                    return getattr(model, name)
+
+            runner.run, runner.model = run, Forward()
+            calls.clear()
+            streams = [
+                await engine.submit(prompt_ids(20 + i, seed=i), params=params) for i in range(3)
+            ]
+            for stream in streams:
+                assert len([t async for out in stream for t in out.token_ids]) == 12
+        steps, step = [], None
+        for call in calls:
+            if call.endswith("run"):
+                step = [] if call == "decode-only run" else None
+                if step is not None:
+                    steps.append(step)
+            elif step is not None:
+                step.append(call)
+        return steps
+
+    plain = await decode_steps(SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    assert len(plain) >= 8
+    assert all(step == ["forward", "read"] for step in plain[:-1]), plain
+    with_logprobs = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
+    read_first = await decode_steps(with_logprobs)
+    assert all(step == ["read", "forward"] for step in read_first[:-1]), read_first
 
 
 def _layer_arrays(layer) -> list[mx.array]:
