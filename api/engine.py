@@ -12,9 +12,7 @@ at the next step.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import sys
-import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -29,16 +27,20 @@ from stepline.actors.executor import Executor
 from stepline.actors.messages import Arrival, Arrivals, Cancel, Submit
 from stepline.actors.metrics import EngineMetrics
 from stepline.actors.request import RequestActor, RequestOutput
-from stepline.actors.step_loop import ModelLimits, StepLoop
+from stepline.actors.step_loop import StepLoop
 from stepline.api.config import EngineConfig, launch_rank
+from stepline.api.engine_parts import (
+    EngineParts,
+    EventLogOptions,
+    vocab_size,
+    warn_without_openblas,
+)
 from stepline.api.params import SamplingParams
 from stepline.api.prompts import Prompts, PromptTooLongError, token_decoder
 from stepline.api.stream import RequestStream
-from stepline.engine.cost_model import CostModel
 from stepline.engine.grammar import GrammarCompiler
-from stepline.engine.policy import DEFAULT_MAX_STEP_MS, SchedulerConfig
-from stepline.engine.prefix_index import PrefixIndex
-from stepline.events.models import FinishReason, LogHeader, new_run_id, new_salt
+from stepline.engine.policy import DEFAULT_MAX_STEP_MS
+from stepline.events.models import FinishReason
 
 __all__ = ["Engine", "PromptTooLongError", "RequestStream", "SamplingParams", "launch_rank"]
 
@@ -55,21 +57,6 @@ _ARRIVAL: ContextVar[Arrival | None] = ContextVar("stepline_arrival", default=No
 SWITCH_INTERVAL_S = 0.0005
 
 
-def _warn_without_openblas() -> None:
-    """Say so when MLX runs on its reference BLAS (7-20x slower on Linux): it is silent
-    otherwise, and the usual cause (importing mlx before stepline) is easy to fix."""
-    from stepline.engine._blas import status
-
-    loaded, reason = status()
-    if sys.platform.startswith("linux") and loaded is None and "disabled" not in reason:
-        log.warning("openblas_not_loaded", reason=reason, effect="matrix products 7-20x slower")
-
-
-def _vocab_size(loaded: Any) -> int:
-    args = getattr(loaded.model, "args", None)
-    return getattr(args, "vocab_size", None) or len(loaded.tokenizer._tokenizer)
-
-
 class Engine:
     """One model, one step loop, one executor thread. Create with `Engine.open(...)`."""
 
@@ -79,7 +66,7 @@ class Engine:
         self._decode = token_decoder(loaded.tokenizer)  # what request actors detokenize with
         self.model_name: str = loaded.name
         self.max_context: int = loaded.max_context
-        self.vocab_size: int = _vocab_size(loaded)
+        self.vocab_size: int = vocab_size(loaded)
         self.config = config
         self.metrics: EngineMetrics = step_loop.metrics
         self._step_loop = step_loop
@@ -157,123 +144,16 @@ class Engine:
             prefix_cache_disk_gb=prefix_cache_disk_gb,
             parallel=parallel,
         )
-        sched = SchedulerConfig(
-            max_step_tokens=max_step_tokens,
-            max_num_seqs=max_num_seqs,
-            long_prefill_cap=long_prefill_cap,
-            max_kv_tokens=max_kv_tokens,
-            max_waiting=max_waiting,
-            max_step_ms=max_step_ms,
-        )
-        from stepline.engine.memory import plan_memory
-        from stepline.engine.models import load_model  # MLX: imported only when serving
-        from stepline.engine.runner import ModelRunner, mx_synchronize
-        from stepline.events.log import EventLogWriter
-
-        _warn_without_openblas()
+        warn_without_openblas()
         switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(min(switch_interval, SWITCH_INTERVAL_S))
-        executor = Executor()
-        writer = None
-        runner = None
-        topology = None
+        parts = EngineParts(Executor())
         try:
-            if parallel is None:
-                loaded = await executor.call(load_model, model)
-            else:
-                from stepline.engine import distributed
-
-                loaded, topology = await executor.call(distributed.load_sharded, model, parallel)
-            runner = await executor.call(
-                lambda: ModelRunner(
-                    loaded,
-                    seed=seed,
-                    on_checkpoint=on_checkpoint,
-                    prefix_cache_bytes=int(prefix_cache_gb * 2**30),
-                    # Each rank's shards in a directory of their own.
-                    prefix_cache_dir=topology.prefix_cache_dir(prefix_cache_dir)
-                    if topology is not None
-                    else prefix_cache_dir,
-                    prefix_cache_disk_bytes=int(prefix_cache_disk_gb * 2**30),
-                    # Ranks > 0 may take rank 0's samples after a step (`adopt_tokens`):
-                    # a forward started with their own would then be wrong.
-                    lookahead=topology is None,
-                )
-            )
-            memory = await executor.call(
-                lambda: plan_memory(
-                    loaded.model,
-                    max_kv_tokens=max_kv_tokens,
-                    max_kv_gb=max_kv_gb,
-                    mlx_cache_gb=mlx_cache_gb,
-                    prefix_cache_bytes=int(prefix_cache_gb * 2**30),
-                )
-            )
-            log.info(
-                "memory_budgets",
-                max_kv_tokens=memory.max_kv_tokens,
-                kv_gb=round(memory.kv_budget_bytes / 2**30, 3),
-                kv_bytes_per_token=memory.footprint.bytes_per_token,
-                kv_bytes_per_seq=memory.footprint.bytes_per_seq,
-                mlx_cache_gb=round(memory.buffer_cache_bytes / 2**30, 3),
-            )
-            sched = dataclasses.replace(
-                sched,
-                max_kv_tokens=memory.max_kv_tokens,
-                kv_tokens_per_seq=memory.footprint.tokens_per_seq(),
-                kv_bytes_per_token=memory.footprint.bytes_per_token,
-            )
-            # After the memory plan: its forward pass runs on every rank, in step.
-            if topology is not None:
-                runner = await executor.call(distributed.DistributedRunner, runner, topology)
-                if topology.rank > 0:
-                    await executor.call(runner.follow)  # ends the process when rank 0 stops
-            config = {
-                "model": loaded.name,
-                # The options as given, with the KV budget as resolved (re-execution gets the
-                # same), and the topology of a distributed run.
-                **options.model_copy(
-                    update={"max_kv_tokens": memory.max_kv_tokens, "max_kv_gb": None}
-                ).model_dump(),
-                "distributed": topology.as_config() if topology is not None else None,
-            }
-            if event_log is not None:
-                header = LogHeader(
-                    created=time.time(),
-                    model=loaded.name,
-                    config=config,
-                    log_prompts=log_prompts,
-                    log_outputs=log_outputs,
-                    run_id=new_run_id(),
-                    salt=new_salt(),
-                )
-                # A restart with the same path appends a new run to the log.
-                writer = EventLogWriter(
-                    event_log, header, rotate_bytes=event_log_rotate_bytes, append=True
-                )
-            cost_model = None
-            if max_step_ms is not None:
-                from stepline.engine.warmup import measure_step_costs
-
-                samples = await executor.call(
-                    measure_step_costs, runner, sched, _vocab_size(loaded), loaded.max_context
-                )
-                cost_model = CostModel(seed=samples)
-            eos = frozenset(loaded.tokenizer.eos_token_ids or ())
-            index = None
-            if runner.store is not None:
-                index = PrefixIndex(int(prefix_cache_gb * 2**30))
-                for info in await executor.call(runner.disk_entries):
-                    index.add_disk(info.tokens, info.trimmable)
-            step_loop = StepLoop(
-                executor=executor,
-                runner=runner,
-                config=sched,
-                limits=ModelLimits(max_context=loaded.max_context, eos_token_ids=eos),
-                event_log=writer,
-                log_prompts=log_prompts,
-                prefix_index=index,
-                cost_model=cost_model,
+            step_loop, config = await parts.assemble(
+                model,
+                options,
+                EventLogOptions(event_log, event_log_rotate_bytes, log_prompts, log_outputs),
+                on_checkpoint,
             )
             async with anyio.create_task_group() as tg:
                 loop_scope = anyio.CancelScope()
@@ -283,10 +163,14 @@ class Engine:
                         await step_loop.run(task_status=task_status)
 
                 await tg.start(run_loop)
-                if topology is not None:  # pings the other ranks while no request runs
-                    tg.start_soon(runner.keep_alive, executor, loop_scope)
+                if parts.topology is not None:  # pings the other ranks while no request runs
+                    tg.start_soon(parts.runner.keep_alive, parts.executor, loop_scope)
                 engine = cls(
-                    loaded=loaded, step_loop=step_loop, executor=executor, tg=tg, config=config
+                    loaded=parts.loaded,
+                    step_loop=step_loop,
+                    executor=parts.executor,
+                    tg=tg,
+                    config=config,
                 )
                 try:
                     yield engine
@@ -297,18 +181,7 @@ class Engine:
                         await step_loop.shutdown()  # every request still running: cancelled
                     step_loop.inbox.close()
         finally:
-            with anyio.CancelScope(shield=True):
-                if topology is not None and runner is not None and executor.dead is None:
-                    await executor.call(runner.close)  # the other ranks exit
-                # The decode look-ahead may still be computing (mx.async_eval): the
-                # interpreter's exit must not tear MLX down under it.
-                await executor.drain(settle=mx_synchronize)
-                if runner is not None and runner.store is not None:
-                    # Let queued disk writes finish (file I/O only: no MLX on this thread).
-                    await anyio.to_thread.run_sync(runner.store.close)
-            executor.close()
-            if writer is not None:
-                writer.close()
+            await parts.close()
             sys.setswitchinterval(switch_interval)
 
     # -- prompts: stepline.api.prompts does the work --------------------------

@@ -1,0 +1,215 @@
+"""How `Engine.open` assembles an engine and takes it apart again.
+
+`EngineParts.assemble` runs the load sequence: the model (sharded across an `mlx.launch`
+job's ranks with `parallel`), the runner, the memory plan and the KV budget it resolves,
+the event log, the step-time model's warm-up, the prefix index (disk entries included),
+and the step loop over them. Each part is kept as soon as it exists, so that `close`
+takes apart whatever was built, also when a later part fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import structlog
+
+from stepline.actors.executor import Executor
+from stepline.actors.step_loop import ModelLimits, StepLoop
+from stepline.api.config import EngineConfig
+from stepline.engine.cost_model import CostModel
+from stepline.engine.policy import SchedulerConfig
+from stepline.engine.prefix_index import PrefixIndex
+from stepline.events.models import LogHeader, new_run_id, new_salt
+
+log = structlog.get_logger(__name__)
+
+
+def warn_without_openblas() -> None:
+    """Say so when MLX runs on its reference BLAS (7-20x slower on Linux): it is silent
+    otherwise, and the usual cause (importing mlx before stepline) is easy to fix."""
+    from stepline.engine._blas import status
+
+    loaded, reason = status()
+    if sys.platform.startswith("linux") and loaded is None and "disabled" not in reason:
+        log.warning("openblas_not_loaded", reason=reason, effect="matrix products 7-20x slower")
+
+
+def vocab_size(loaded: Any) -> int:
+    args = getattr(loaded.model, "args", None)
+    return getattr(args, "vocab_size", None) or len(loaded.tokenizer._tokenizer)
+
+
+@dataclasses.dataclass
+class EventLogOptions:
+    path: str | Path | None = None
+    rotate_bytes: int | None = None
+    log_prompts: bool = True
+    log_outputs: bool = True
+
+
+@dataclasses.dataclass
+class EngineParts:
+    """An engine's parts, as far as they are built. MLX work runs on `executor` only."""
+
+    executor: Executor
+    loaded: Any = None
+    runner: Any = None
+    topology: Any = None  # a distributed run's place in the launch (engine/distributed.py)
+    writer: Any = None  # the event log's writer
+
+    async def assemble(
+        self,
+        model: str | None,
+        options: EngineConfig,
+        events: EventLogOptions,
+        on_checkpoint: Callable | None = None,
+    ) -> tuple[StepLoop, dict]:
+        """Build every part; returns the step loop and the engine's config as recorded
+        (the options, with the KV budget as resolved, and the distributed topology)."""
+        from stepline.engine.memory import plan_memory
+        from stepline.engine.models import load_model  # MLX: imported only when serving
+        from stepline.engine.runner import ModelRunner
+
+        # Checked before anything loads: a bad option fails fast.
+        sched = SchedulerConfig(
+            max_step_tokens=options.max_step_tokens,
+            max_num_seqs=options.max_num_seqs,
+            long_prefill_cap=options.long_prefill_cap,
+            max_kv_tokens=options.max_kv_tokens,
+            max_waiting=options.max_waiting,
+            max_step_ms=options.max_step_ms,
+        )
+        executor = self.executor
+        prefix_bytes = int(options.prefix_cache_gb * 2**30)
+        if options.parallel is None:
+            loaded = self.loaded = await executor.call(load_model, model)
+        else:
+            from stepline.engine import distributed
+
+            loaded, self.topology = await executor.call(
+                distributed.load_sharded, model, options.parallel
+            )
+            self.loaded = loaded
+        topology = self.topology
+        prefix_dir = options.prefix_cache_dir
+        self.runner = await executor.call(
+            lambda: ModelRunner(
+                loaded,
+                seed=options.seed,
+                on_checkpoint=on_checkpoint,
+                prefix_cache_bytes=prefix_bytes,
+                # Each rank's shards in a directory of their own.
+                prefix_cache_dir=topology.prefix_cache_dir(prefix_dir)
+                if topology is not None
+                else prefix_dir,
+                prefix_cache_disk_bytes=int(options.prefix_cache_disk_gb * 2**30),
+                # Ranks > 0 may take rank 0's samples after a step (`adopt_tokens`):
+                # a forward started with their own would then be wrong.
+                lookahead=topology is None,
+            )
+        )
+        memory = await executor.call(
+            lambda: plan_memory(
+                loaded.model,
+                max_kv_tokens=options.max_kv_tokens,
+                max_kv_gb=options.max_kv_gb,
+                mlx_cache_gb=options.mlx_cache_gb,
+                prefix_cache_bytes=prefix_bytes,
+            )
+        )
+        log.info(
+            "memory_budgets",
+            max_kv_tokens=memory.max_kv_tokens,
+            kv_gb=round(memory.kv_budget_bytes / 2**30, 3),
+            kv_bytes_per_token=memory.footprint.bytes_per_token,
+            kv_bytes_per_seq=memory.footprint.bytes_per_seq,
+            mlx_cache_gb=round(memory.buffer_cache_bytes / 2**30, 3),
+        )
+        sched = dataclasses.replace(
+            sched,
+            max_kv_tokens=memory.max_kv_tokens,
+            kv_tokens_per_seq=memory.footprint.tokens_per_seq(),
+            kv_bytes_per_token=memory.footprint.bytes_per_token,
+        )
+        # After the memory plan: its forward pass runs on every rank, in step.
+        if topology is not None:
+            self.runner = await executor.call(distributed.DistributedRunner, self.runner, topology)
+            if topology.rank > 0:
+                await executor.call(self.runner.follow)  # ends the process when rank 0 stops
+        runner = self.runner
+        config = {
+            "model": loaded.name,
+            # The options as given, with the KV budget as resolved (re-execution gets the
+            # same), and the topology of a distributed run.
+            **options.model_copy(
+                update={"max_kv_tokens": memory.max_kv_tokens, "max_kv_gb": None}
+            ).model_dump(),
+            "distributed": topology.as_config() if topology is not None else None,
+        }
+        if events.path is not None:
+            from stepline.events.log import EventLogWriter
+
+            header = LogHeader(
+                created=time.time(),
+                model=loaded.name,
+                config=config,
+                log_prompts=events.log_prompts,
+                log_outputs=events.log_outputs,
+                run_id=new_run_id(),
+                salt=new_salt(),
+            )
+            # A restart with the same path appends a new run to the log.
+            self.writer = EventLogWriter(
+                events.path, header, rotate_bytes=events.rotate_bytes, append=True
+            )
+        cost_model = None
+        if options.max_step_ms is not None:
+            from stepline.engine.warmup import measure_step_costs
+
+            samples = await executor.call(
+                measure_step_costs, runner, sched, vocab_size(loaded), loaded.max_context
+            )
+            cost_model = CostModel(seed=samples)
+        index = None
+        if runner.store is not None:
+            index = PrefixIndex(prefix_bytes)
+            for info in await executor.call(runner.disk_entries):
+                index.add_disk(info.tokens, info.trimmable)
+        step_loop = StepLoop(
+            executor=executor,
+            runner=runner,
+            config=sched,
+            limits=ModelLimits(
+                max_context=loaded.max_context,
+                eos_token_ids=frozenset(loaded.tokenizer.eos_token_ids or ()),
+            ),
+            event_log=self.writer,
+            log_prompts=events.log_prompts,
+            prefix_index=index,
+            cost_model=cost_model,
+        )
+        return step_loop, config
+
+    async def close(self) -> None:
+        """Take apart what was built, in order; the executor last."""
+        from stepline.engine.runner import mx_synchronize
+
+        runner, executor = self.runner, self.executor
+        with anyio.CancelScope(shield=True):
+            if self.topology is not None and runner is not None and executor.dead is None:
+                await executor.call(runner.close)  # the other ranks exit
+            # The decode look-ahead may still be computing (mx.async_eval): the
+            # interpreter's exit must not tear MLX down under it.
+            await executor.drain(settle=mx_synchronize)
+            if runner is not None and runner.store is not None:
+                # Let queued disk writes finish (file I/O only: no MLX on this thread).
+                await anyio.to_thread.run_sync(runner.store.close)
+        executor.close()
+        if self.writer is not None:
+            self.writer.close()
