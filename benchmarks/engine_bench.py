@@ -67,6 +67,7 @@ import stepline.actors.step_loop as step_loop_module
 from stepline.api import Engine, SamplingParams
 from stepline.engine import _blas, step_sampling
 from stepline.engine.models import load_model
+from stepline.engine.sampling import PendingSample
 
 DEFAULT_MODEL = "stepline-demo-large"
 EVENT_LOG_PAIRS = 2  # on/off pairs per repeat: the difference sought is small
@@ -430,20 +431,46 @@ def decode_bare(model: Any, batch: int, w: Workload, vocab: int) -> dict:
 # -- profile: where a stepline decode step goes -----------------------------------------------
 
 
+class PerStep:
+    """Seconds spent in some calls during each `runner.run` (0 for a step that made none);
+    a call made inside another one timed here counts once."""
+
+    def __init__(self) -> None:
+        self.steps: list[float] = []
+        self._depth = 0
+
+    def begin_step(self) -> None:
+        self.steps.append(0.0)
+
+    def timed(self, fn: Callable) -> Callable:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            self._depth += 1
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._depth -= 1
+                if self._depth == 0 and self.steps:
+                    self.steps[-1] += time.perf_counter() - t0
+
+        return wrapper
+
+
 class _EvalForward:
     """Stands in for the model in the runner: evaluates each forward on the spot, so that
     the forward's compute is timed apart from sampling (profile only: one extra sync)."""
 
-    def __init__(self, model: Any, seconds: list[float]):
+    def __init__(self, model: Any, seconds: PerStep):
         self._model = model
-        self._seconds = seconds
+        self._call = seconds.timed(self._eval)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
+    def _eval(self, *args: Any, **kwargs: Any) -> Any:
         out = self._model(*args, **kwargs)
         mx.eval(out)
-        self._seconds.append(time.perf_counter() - t0)
         return out
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._call(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._model, name)
@@ -472,7 +499,8 @@ def _timed_async(fn: Callable, into: list[float]) -> Callable:
 
 
 # what `instrumented` times
-TIMED = ("executor_call", "commit", "deliver", "run", "forward", "sample", "sample_ahead")
+TIMED = ("executor_call", "commit", "deliver", "run")  # one call per step each
+PER_STEP = ("forward", "sampler")  # any number of calls per step, summed
 
 
 @contextlib.contextmanager
@@ -480,15 +508,21 @@ def instrumented(engine: Engine, cpu_at: tuple[int, int]):
     """Time, per step: the executor round trip and the commit (events, then telling the
     request actors) on the asyncio side; runner.run, the forward and the sampler on the
     executor thread. Each forward is evaluated where it is built, so the runner's look-ahead
-    overlaps nothing while profiling. Also snapshot every thread's CPU time as steps `cpu_at`
-    begin (into `timings["cpu"]`). Patches this engine's attributes and the step loop
-    module's `commit` and the step-sampling functions, and restores them."""
+    overlaps nothing while profiling (nor does a pipelined step's next forward). Also
+    snapshot every thread's CPU time as steps `cpu_at` begin (into `timings["cpu"]`).
+    Patches this engine's attributes, the step loop module's `commit` and the sampling
+    functions, and restores them."""
     loop, runner = engine.step_loop, engine.step_loop.runner
     timings: dict[str, Any] = {k: [] for k in TIMED}
     timings["cpu"] = []
     run = runner.run
 
+    per_step = {k: PerStep() for k in PER_STEP}
+    timings.update((k, t.steps) for k, t in per_step.items())
+
     def run_with_cpu(*args: Any) -> Any:
+        for t in per_step.values():
+            t.begin_step()
         if len(timings["run"]) in cpu_at:
             timings["cpu"].append(thread_cpu_seconds())
         return run(*args)
@@ -500,16 +534,20 @@ def instrumented(engine: Engine, cpu_at: tuple[int, int]):
         (runner, "run", runner.run),
         (step_sampling, "sample_step", step_sampling.sample_step),
         (step_sampling, "sample_ahead", step_sampling.sample_ahead),
+        (PendingSample, "finish", PendingSample.finish),
         (runner, "model", runner.model),
     ]
     loop._run_executor = _timed_async(loop._run_executor, timings["executor_call"])
     step_loop_module.commit = _timed(step_loop_module.commit, timings["commit"])
     loop._deliver = _timed_async(loop._deliver, timings["deliver"])
     runner.run = _timed(run_with_cpu, timings["run"])
-    # A step samples its final chunks, then takes the samples made a step ahead for its batch.
-    step_sampling.sample_step = _timed(step_sampling.sample_step, timings["sample"])
-    step_sampling.sample_ahead = _timed(step_sampling.sample_ahead, timings["sample_ahead"])
-    runner.model = _EvalForward(runner.model, timings["forward"])
+    # A step samples its final chunks, then takes the samples made a step ahead for its
+    # batch; a pipelined step only reads those (`PendingSample.finish`).
+    sampler = per_step["sampler"]
+    step_sampling.sample_step = sampler.timed(step_sampling.sample_step)
+    step_sampling.sample_ahead = sampler.timed(step_sampling.sample_ahead)
+    PendingSample.finish = sampler.timed(PendingSample.finish)  # type: ignore[method-assign]
+    runner.model = _EvalForward(runner.model, per_step["forward"])
     try:
         yield timings
     finally:
@@ -537,15 +575,15 @@ async def profile_stepline(engine: Engine, batch: int, w: Workload, vocab: int) 
             kind = _thread_kind(tid, names)
             used = 1e3 * (seconds - cpu0.get(tid, 0.0)) / (last - first)
             cpu_ms[kind] = cpu_ms.get(kind, 0.0) + used
-    ms = {k: 1e3 * median(timings[k][first:last]) for k in TIMED}
+    ms = {k: 1e3 * median(timings[k][first:last]) for k in TIMED + PER_STEP}
     wall = figures["step_ms_median"]
     return {
         "batch": batch,
         "step_wall_ms": wall,
         "runner_run_ms": ms["run"],
         "forward_ms": ms["forward"],
-        "sampler_ms": ms["sample"] + ms["sample_ahead"],
-        "runner_other_ms": ms["run"] - ms["forward"] - ms["sample"] - ms["sample_ahead"],
+        "sampler_ms": ms["sampler"],
+        "runner_other_ms": ms["run"] - ms["forward"] - ms["sampler"],
         "executor_hop_ms": ms["executor_call"] - ms["run"],
         "commit_ms": ms["commit"] + ms["deliver"],
         "loop_other_ms": wall - ms["executor_call"] - ms["commit"] - ms["deliver"],
