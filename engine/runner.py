@@ -19,6 +19,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from stepline.engine import step_sampling
 from stepline.engine.constraints import advance
+from stepline.engine.decode_order import DecodeOrder
 from stepline.engine.forward import forward, split_head_works
 from stepline.engine.grammar import GrammarCompiler
 from stepline.engine.memory import read_memory_counters
@@ -106,6 +107,10 @@ class ModelRunner:
         self._ahead: Ahead | None = None
         self._ahead_error: Exception | None = None  # a look-ahead's failed forward
         self._ahead_seconds = 0.0  # the look-ahead's own time: part of the next step's
+        # Which order decode-only steps run in (`_pipeline` or not), by measuring both; and
+        # the last such step's (start, rows, order), to measure its period.
+        self.decode_order = DecodeOrder()
+        self._last_decode_step: tuple[float, int, bool] | None = None
         self._split_head = split_head_works(self.model)
         vocab = getattr(getattr(self.model, "args", None), "vocab_size", None)
         self.grammars = grammars or GrammarCompiler(
@@ -300,11 +305,19 @@ class ModelRunner:
 
         sample = step_sampling.sample_step
         started: mx.array | None = None  # the next step's forward, if already started
+        pending = ahead.sample if ahead is not None else None
+        pipelined = False
+        if batch and not plan.chunks and pending is not None and pending.tokens_final:
+            self._time_decode_step()
+            pipelined = self.decode_order.pipelined(len(batch))
+            self._last_decode_step = (time.perf_counter(), len(batch), pipelined)
+        else:
+            self._last_decode_step = None
         if ahead is None:
             decoded = self._decode_forward(self._last_tokens(batch)) if batch else None
             self._record(sample(self.sampler, finals, batch, decoded, fail), tokens, logprobs)
-        elif batch and not plan.chunks and ahead.sample is not None and ahead.sample.tokens_final:
-            started, taken = self._pipeline(ahead, ahead.sample, batch)
+        elif pipelined and pending is not None:
+            started, taken = self._pipeline(ahead, pending, batch)
             self._record(taken, tokens, logprobs)
         else:
             self._record(sample(self.sampler, finals, [], None, fail), tokens, logprobs)
@@ -352,6 +365,13 @@ class ModelRunner:
             ]
         )
 
+    def _time_decode_step(self) -> None:
+        """Feed `decode_order` the period of the last step (from its start to this one's),
+        if it was a decode-only step that could run in either order too."""
+        if self._last_decode_step is not None:
+            start, rows, pipelined = self._last_decode_step
+            self.decode_order.record(rows, pipelined, time.perf_counter() - start)
+
     @staticmethod
     def _last_tokens(batch: list[Seq]) -> mx.array:
         return mx.array([s.last_token for s in batch], dtype=mx.int32)
@@ -363,7 +383,8 @@ class ModelRunner:
     def _pipeline(
         self, ahead: Ahead, pending: PendingSample, batch: list[Seq]
     ) -> tuple[mx.array | None, step_sampling.Sampled]:
-        """A step with nothing but decode rows, run as mlx-lm's own loop runs one: the next
+        """A step with nothing but decode rows, run as mlx-lm's own loop runs one (where
+        `decode_order` finds that faster than reading the tokens first): the next
         step's forward is built on this step's tokens while they are still being computed,
         and started, before they are read. MLX then queues it right behind them: no gap on
         the device while the host reads the tokens and builds the next graph (on Metal the

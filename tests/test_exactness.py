@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 
 import anyio
 import mlx.core as mx
@@ -12,6 +13,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 from stepline.api import Engine, SamplingParams
+from stepline.engine.decode_order import DecodeOrder
 from stepline.engine.policy import ScheduledChunk, StepPlan
 from stepline.engine.runner import ModelRunner
 from stepline.engine.sampling import PendingSample
@@ -188,12 +190,14 @@ async def test_looking_ahead_changes_no_token_while_requests_leave_and_join(
             assert ahead[f"{wave}{i}"] == expected
 
 
-async def test_a_decode_only_step_starts_the_next_forward_before_it_reads_its_tokens(
-    loaded, model_cache_dir, monkeypatch
-):
-    """As mlx-lm's own loop does, so that the device has the next forward queued while the
-    host reads this step's tokens. Where reading them is more than evaluating them (here:
-    logprobs), the step reads them first, then builds the next forward."""
+async def _decode_step_calls(
+    loaded, monkeypatch, params: SamplingParams, order: DecodeOrder, slow_pipeline: float = 0
+) -> list[list[str]]:
+    """Three requests of `params.max_tokens` tokens; each decode-only step's own calls
+    ("forward": a decode forward built, "read": sampled tokens read), in order, while all
+    three decode (an order is chosen for each batch size). The runner
+    chooses orders with `order`; `slow_pipeline` adds that many seconds to every step that
+    starts the next forward first."""
     calls: list[str] = []
     real_finish = PendingSample.finish
 
@@ -202,49 +206,73 @@ async def test_a_decode_only_step_starts_the_next_forward_before_it_reads_its_to
         return real_finish(self)
 
     monkeypatch.setattr(PendingSample, "finish", finish)
+    async with Engine.open(loaded.name, max_step_tokens=64, max_num_seqs=4) as engine:
+        runner = engine.step_loop.runner
+        runner.decode_order = order
+        real_run, real_pipeline, model = runner.run, runner._pipeline, runner.model
 
-    async def decode_steps(params: SamplingParams) -> list[list[str]]:
-        """Each decode-only step's own calls, in order."""
-        async with Engine.open(loaded.name, max_step_tokens=64, max_num_seqs=4) as engine:
-            runner = engine.step_loop.runner
-            real_run, model = runner.run, runner.model
+        def run(work):
+            decode_only = not work.plan.chunks and len(work.plan.decodes) == 3
+            calls.append("decode-only run" if decode_only else "run")
+            return real_run(work)
 
-            def run(work):
-                calls.append("run" if work.plan.chunks else "decode-only run")
-                return real_run(work)
+        def pipeline(*args):
+            time.sleep(slow_pipeline)
+            return real_pipeline(*args)
 
-            class Forward:
-                def __call__(self, inputs, cache):
-                    if inputs.shape[1] == 1:  # a decode forward (prompts here are longer)
-                        calls.append("forward")
-                    return model(inputs, cache=cache)
+        class Forward:
+            def __call__(self, inputs, cache):
+                if inputs.shape[1] == 1:  # a decode forward (prompts here are longer)
+                    calls.append("forward")
+                return model(inputs, cache=cache)
 
-                def __getattr__(self, name):
-                    return getattr(model, name)
+            def __getattr__(self, name):
+                return getattr(model, name)
 
-            runner.run, runner.model = run, Forward()
-            calls.clear()
-            streams = [
-                await engine.submit(prompt_ids(20 + i, seed=i), params=params) for i in range(3)
-            ]
-            for stream in streams:
-                assert len([t async for out in stream for t in out.token_ids]) == 12
-        steps, step = [], None
-        for call in calls:
-            if call.endswith("run"):
-                step = [] if call == "decode-only run" else None
-                if step is not None:
-                    steps.append(step)
-            elif step is not None:
-                step.append(call)
-        return steps
+        runner.run, runner._pipeline, runner.model = run, pipeline, Forward()
+        calls.clear()
+        streams = [await engine.submit(prompt_ids(20 + i, seed=i), params=params) for i in range(3)]
+        for stream in streams:
+            got = [t async for out in stream for t in out.token_ids]
+            assert len(got) == params.max_tokens
+    steps, step = [], None
+    for call in calls:
+        if call.endswith("run"):
+            step = [] if call == "decode-only run" else None
+            if step is not None:
+                steps.append(step)
+        elif step is not None:
+            step.append(call)
+    return steps[:-1]  # the last one ends them: nothing more to build
 
-    plain = await decode_steps(SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
-    assert len(plain) >= 8
-    assert all(step == ["forward", "read"] for step in plain[:-1]), plain
+
+PIPELINED, READ_FIRST = ["forward", "read"], ["read", "forward"]
+
+
+async def test_a_decode_only_step_can_start_the_next_forward_before_it_reads_its_tokens(
+    loaded, model_cache_dir, monkeypatch
+):
+    """As mlx-lm's own loop does, so that the device has the next forward queued while the
+    host reads this step's tokens. Where reading them is more than evaluating them (here:
+    logprobs), the step reads them first, then builds the next forward."""
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    steps = await _decode_step_calls(loaded, monkeypatch, greedy, DecodeOrder(fixed=True))
+    assert len(steps) >= 8 and all(step == PIPELINED for step in steps), steps
     with_logprobs = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
-    read_first = await decode_steps(with_logprobs)
-    assert all(step == ["read", "forward"] for step in read_first[:-1]), read_first
+    steps = await _decode_step_calls(loaded, monkeypatch, with_logprobs, DecodeOrder(fixed=True))
+    assert len(steps) >= 8 and all(step == READ_FIRST for step in steps), steps
+
+
+async def test_decode_only_steps_keep_the_order_measured_faster(
+    loaded, model_cache_dir, monkeypatch
+):
+    """Both orders are tried for a few steps; here starting the next forward first is made
+    slower (20 ms more a step), so the steps after the trial read their tokens first."""
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    order = DecodeOrder(trial_steps=4)
+    steps = await _decode_step_calls(loaded, monkeypatch, params, order, slow_pipeline=0.02)
+    assert steps[:8] == [PIPELINED] * 4 + [READ_FIRST] * 4, steps
+    assert len(steps) > 16 and all(step == READ_FIRST for step in steps[8:]), steps
 
 
 def _layer_arrays(layer) -> list[mx.array]:
