@@ -6,14 +6,17 @@ next forward as its result goes back (`ModelRunner.look_ahead`). Which is faster
 the machine and the model:
 - where starting work returns at once (Metal), the first order hides the host's whole round
   trip (the step loop committing and planning) and leaves no gap on the device;
-- on Linux's CPU backend, starting work returns only once it is nearly done, so the first
-  order hides the graph building but not the round trip, and the second the other way
-  round. Measured on a 2-core CPU: 7-10% faster for stepline-demo-large at batch 1 and 8,
-  20-30% slower for the small hybrid demo, whose steps take a few milliseconds.
+- on Linux's CPU backend, starting work returns only once it is nearly done, and the first
+  order exposes the round trip. Measured on a 2-core CPU (3 runs each, tokens/s against
+  mlx-lm's BatchGenerator at batch 1/8/32): stepline-demo-large 0.96/0.97/0.87 with the
+  first order, 0.83/0.87/0.72 with the second; the small hybrid demo, whose steps take a
+  few milliseconds, 0.77/0.61/0.60 and 0.95/0.66/0.66.
 
-So each batch size tries both for `TRIAL_STEPS` steps, keeps the one with the shorter median
-step period (the time from one step's start to the next's), and tries again after
-`RETRY_STEPS` steps of that size (contexts grow, other load comes and goes).
+So each batch size tries both, in blocks of `BLOCK_STEPS` steps in the order first, second,
+second, first (a context that grows, or a neighbour's load that rises, then slows both
+alike), leaving out each block's first step (it inherits the other order's pipeline). It
+keeps the order with the shorter median step period (from one step's start to the next's)
+and tries again after `RETRY_STEPS` steps of that size.
 """
 
 from __future__ import annotations
@@ -21,8 +24,9 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-TRIAL_STEPS = 8
+BLOCK_STEPS = 8
 RETRY_STEPS = 512
+_TRIAL = (True, False, False, True)  # each block's order: pipelined or not
 
 
 @dataclass
@@ -37,10 +41,14 @@ class DecodeOrder:
     forward before reading its tokens; `record` feeds back each such step's period. `fixed`
     pins the choice (tests)."""
 
-    trial_steps: int = TRIAL_STEPS
+    block_steps: int = BLOCK_STEPS
     retry_steps: int = RETRY_STEPS
     fixed: bool | None = None
     _trials: dict[int, _Trial] = field(default_factory=dict)
+
+    @property
+    def trial_steps(self) -> int:
+        return self.block_steps * len(_TRIAL)
 
     def pipelined(self, rows: int) -> bool:
         if self.fixed is not None:
@@ -48,20 +56,19 @@ class DecodeOrder:
         trial = self._trials.setdefault(rows, _Trial())
         if trial.steps >= self.retry_steps:
             trial = self._trials[rows] = _Trial()
-        for order in (True, False):  # each order's trial first, pipelined first
-            if len(trial.periods[order]) < self.trial_steps:
-                return order
+        if trial.steps < self.trial_steps:
+            return _TRIAL[trial.steps // self.block_steps]
         return self._median(trial, True) <= self._median(trial, False)
 
     def record(self, rows: int, pipelined: bool, seconds: float) -> None:
         """A decode-only step of `rows` rows, run in the order `pipelined`, took `seconds`
         from its start to the next step's start."""
         trial = self._trials.setdefault(rows, _Trial())
-        trial.steps += 1
-        periods = trial.periods[pipelined]
-        if len(periods) < self.trial_steps:
-            periods.append(seconds)
+        position, trial.steps = trial.steps, trial.steps + 1
+        if position < self.trial_steps and position % self.block_steps:
+            trial.periods[pipelined].append(seconds)
 
     @staticmethod
     def _median(trial: _Trial, order: bool) -> float:
-        return statistics.median(trial.periods[order])
+        periods = trial.periods[order]
+        return statistics.median(periods) if periods else float("inf")

@@ -4,7 +4,10 @@ Runs only on the executor's thread. Each request prefills into its own mlx-lm
 prompt cache; when its prompt is done the cache is merged into the decode batch
 (`BatchKVCache`, `BatchRotatingKVCache`, `ArraysCache` via mlx-lm's own
 `merge`/`extend`/`filter`). Intermediate chunks run the model body only: no
-logits. A final chunk computes logits for its last position only.
+logits. A final chunk computes logits for its last position only. The decode batch's
+next forward is built as a step ends and computed while the step loop commits it; in a
+decode-only step it may start before the step's tokens are read (`engine/decode_order.py`
+picks the order that measures faster).
 """
 
 from __future__ import annotations

@@ -269,10 +269,11 @@ async def test_decode_only_steps_keep_the_order_measured_faster(
     """Both orders are tried for a few steps; here starting the next forward first is made
     slower (20 ms more a step), so the steps after the trial read their tokens first."""
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
-    order = DecodeOrder(trial_steps=4)
+    order = DecodeOrder(block_steps=3)
     steps = await _decode_step_calls(loaded, monkeypatch, params, order, slow_pipeline=0.02)
-    assert steps[:8] == [PIPELINED] * 4 + [READ_FIRST] * 4, steps
-    assert len(steps) > 16 and all(step == READ_FIRST for step in steps[8:]), steps
+    trial = [PIPELINED] * 3 + [READ_FIRST] * 6 + [PIPELINED] * 3
+    assert steps[:12] == trial, steps
+    assert len(steps) > 20 and all(step == READ_FIRST for step in steps[12:]), steps
 
 
 def _layer_arrays(layer) -> list[mx.array]:
