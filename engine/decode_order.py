@@ -38,13 +38,29 @@ class _Trial:
 @dataclass
 class DecodeOrder:
     """`pipelined(rows)`: whether the next decode-only step of `rows` rows starts the next
-    forward before reading its tokens; `record` feeds back each such step's period. `fixed`
-    pins the choice (tests)."""
+    forward before reading its tokens; `record` feeds back each such step's period. The
+    runner calls `start` as each such step starts (it does both), and `interrupt` for any
+    other step. `fixed` pins the choice (tests)."""
 
     block_steps: int = BLOCK_STEPS
     retry_steps: int = RETRY_STEPS
     fixed: bool | None = None
     _trials: dict[int, _Trial] = field(default_factory=dict)
+    _last: tuple[float, int, bool] | None = None  # the last step's (start, rows, order)
+
+    def start(self, rows: int, now: float) -> bool:
+        """A decode-only step of `rows` rows starts at `now` (seconds): record the last
+        step's period if it was one too, and choose this one's order."""
+        if self._last is not None:
+            start, last_rows, last_order = self._last
+            self.record(last_rows, last_order, now - start)
+        pipelined = self.pipelined(rows)
+        self._last = (now, rows, pipelined)
+        return pipelined
+
+    def interrupt(self) -> None:
+        """A step that is not a decode-only one: the last one's period is not measured."""
+        self._last = None
 
     @property
     def trial_steps(self) -> int:

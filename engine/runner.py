@@ -110,10 +110,8 @@ class ModelRunner:
         self._ahead: Ahead | None = None
         self._ahead_error: Exception | None = None  # a look-ahead's failed forward
         self._ahead_seconds = 0.0  # the look-ahead's own time: part of the next step's
-        # Which order decode-only steps run in (`_pipeline` or not), by measuring both; and
-        # the last such step's (start, rows, order), to measure its period.
+        # Which order decode-only steps run in (`_pipeline` or not), by measuring both.
         self.decode_order = DecodeOrder()
-        self._last_decode_step: tuple[float, int, bool] | None = None
         self._split_head = split_head_works(self.model)
         vocab = getattr(getattr(self.model, "args", None), "vocab_size", None)
         self.grammars = grammars or GrammarCompiler(
@@ -311,11 +309,9 @@ class ModelRunner:
         pending = ahead.sample if ahead is not None else None
         pipelined = False
         if batch and not plan.chunks and pending is not None and pending.tokens_final:
-            self._time_decode_step()
-            pipelined = self.decode_order.pipelined(len(batch))
-            self._last_decode_step = (time.perf_counter(), len(batch), pipelined)
+            pipelined = self.decode_order.start(len(batch), time.perf_counter())
         else:
-            self._last_decode_step = None
+            self.decode_order.interrupt()
         if ahead is None:
             decoded = self._decode_forward(self._last_tokens(batch)) if batch else None
             self._record(sample(self.sampler, finals, batch, decoded, fail), tokens, logprobs)
@@ -367,13 +363,6 @@ class ModelRunner:
                 if seq.request_id not in failed and seq.num_generated < seq.max_output
             ]
         )
-
-    def _time_decode_step(self) -> None:
-        """Feed `decode_order` the period of the last step (from its start to this one's),
-        if it was a decode-only step that could run in either order too."""
-        if self._last_decode_step is not None:
-            start, rows, pipelined = self._last_decode_step
-            self.decode_order.record(rows, pipelined, time.perf_counter() - start)
 
     @staticmethod
     def _last_tokens(batch: list[Seq]) -> mx.array:

@@ -73,3 +73,14 @@ def test_a_fixed_order_is_never_tried_against_the_other():
     for fixed in (True, False):
         order = DecodeOrder(block_steps=2, fixed=fixed)
         assert run_steps(order, 4, 10, {True: 0.05, False: 0.01}) == [fixed] * 10
+
+
+def test_start_measures_each_decode_only_step_until_another_kind_interrupts():
+    order = DecodeOrder(block_steps=2, retry_steps=100)
+    now = 0.0
+    for _ in range(8):  # the trial: each step 10 ms if pipelined, 20 ms if not
+        pipelined = order.start(8, now)
+        now += 0.010 if pipelined else 0.020
+    order.interrupt()  # a step with a prefill chunk: 5 s long, never measured
+    now += 5.0
+    assert order.start(8, now)
