@@ -18,7 +18,7 @@ cache reports would be a fraction of what it holds. Hits share an entry's arrays
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from mlx_lm.models.cache import KVCache, can_trim_prompt_cache
 
 from stepline.engine.prefix_disk import DiskTier
 from stepline.engine.prefix_index import EntryInfo, PrefixIndex, Tokens
+from stepline.engine.work import PrefixReport
 
 Cache = list[Any]
 
@@ -83,15 +84,6 @@ def compact_cache(cache: Cache) -> Cache:
 
 def cache_nbytes(cache: Cache) -> int:
     return sum(layer.nbytes for layer in cache)
-
-
-@dataclass
-class StoreReport:
-    """What the store did since the last report, for the step loop's index."""
-
-    new: list[EntryInfo] = field(default_factory=list)  # now held in memory
-    disk_added: list[EntryInfo] = field(default_factory=list)
-    disk_removed: list[Tokens] = field(default_factory=list)
 
 
 class PrefixStore:
@@ -162,10 +154,22 @@ class PrefixStore:
         self.disk.take_changes()
         return [EntryInfo(e.tokens, e.nbytes, e.trimmable) for e in self.disk.entries()]
 
-    def take_report(self) -> StoreReport:
+    def take_report(self) -> PrefixReport:
+        """What the store did since the last report (for the step loop's index), and its
+        disk tier's counters."""
         new, self._new = self._new, []
-        added, removed = self.disk.take_changes() if self.disk is not None else ([], [])
-        return StoreReport(new, added, removed)
+        if self.disk is None:
+            return PrefixReport(new=tuple(new))
+        added, removed = self.disk.take_changes()
+        stats = self.disk.stats
+        return PrefixReport(
+            new=tuple(new),
+            disk_added=tuple(added),
+            disk_removed=tuple(removed),
+            disk_nbytes=stats.nbytes,
+            disk_entries=stats.entries,
+            disk_evictions=stats.evictions,
+        )
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until the disk tier's queued writes are on disk (True at once without one)."""

@@ -459,18 +459,7 @@ class ModelRunner:
         self._free([request_id])
 
     def _prefix_report(self) -> PrefixReport | None:
-        if self.store is None:
-            return None
-        report = self.store.take_report()
-        disk = self.store.disk.stats if self.store.disk is not None else None
-        return PrefixReport(
-            new=tuple(report.new),
-            disk_added=tuple(report.disk_added),
-            disk_removed=tuple(report.disk_removed),
-            disk_nbytes=disk.nbytes if disk else 0,
-            disk_entries=disk.entries if disk else 0,
-            disk_evictions=disk.evictions if disk else 0,
-        )
+        return self.store.take_report() if self.store is not None else None
 
     def disk_entries(self) -> list:
         """The disk tier's entries at start, to seed the step loop's index."""
