@@ -136,6 +136,15 @@ class StepLoop:
     def step(self) -> int:
         return self.recorder.step
 
+    @property
+    def settled(self) -> bool:
+        """Waiting for work, every executor result applied: nothing runs, nothing is left
+        to free or drop, and the prefix index has heard of every entry the store holds."""
+        return self._idle and not self._has_work()
+
+    def _has_work(self) -> bool:
+        return bool(self.states or self._to_free or self._drops)
+
     def state_of(self, request_id: str) -> RequestState | None:
         """A request's state: live, or ended recently (the log has every one)."""
         return self.states.get(request_id) or self.finished.get(request_id)
@@ -279,7 +288,7 @@ class StepLoop:
                 try:
                     while self._held:  # one at a time: a failure leaves the rest held
                         self._submit(self._held.pop(0))
-                    if not self.states and not self._to_free and not self._drops:
+                    if not self._has_work():
                         self._idle = True  # the next step gathers arrivals (`_gather`)
                         self._gauges()  # what /metrics shows while idle: nothing running
                         try:

@@ -94,15 +94,9 @@ async def test_the_prefix_cache_reports_the_memory_it_keeps_alive(model_cache_di
             async with anyio.create_task_group() as tg:
                 for i in range(8):
                     tg.start_soon(one, i)
-        # Idle, and the executor has applied every drop the index decided (budget evictions).
-        await wait_until(
-            lambda: (
-                not loop.states
-                and loop.runner.num_sequences == 0
-                and not loop._to_free
-                and not loop._drops
-            )
-        )
+        # Idle: the index has heard of every entry (the last requests' retired caches come
+        # back with a housekeeping result) and the executor has applied every drop it decided.
+        await wait_until(lambda: loop.settled and loop.runner.num_sequences == 0)
         store = loop.runner.store
         reported = loop.index.nbytes
 

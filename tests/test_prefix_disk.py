@@ -74,8 +74,7 @@ async def settle(engine: Engine) -> None:
     cache) and dropped what its index let go, then for the disk writes: the cache's files
     change no more while nothing runs."""
     loop = engine.step_loop
-    await wait_until(lambda: loop.runner.num_sequences == 0 and not loop._to_free)
-    await wait_until(lambda: not loop._drops)
+    await wait_until(lambda: loop.settled and loop.runner.num_sequences == 0)
     await flush(engine)
 
 
