@@ -33,6 +33,7 @@ _TRIAL = (True, False, False, True)  # each block's order: pipelined or not
 class _Trial:
     periods: dict[bool, list[float]] = field(default_factory=lambda: {True: [], False: []})
     steps: int = 0  # steps of this batch size since the trial began
+    choice: bool | None = None  # the faster order, once the trial is over
 
 
 @dataclass
@@ -74,7 +75,9 @@ class DecodeOrder:
             trial = self._trials[rows] = _Trial()
         if trial.steps < self.trial_steps:
             return _TRIAL[trial.steps // self.block_steps]
-        return self._median(trial, True) <= self._median(trial, False)
+        if trial.choice is None:
+            trial.choice = self._median(trial, True) <= self._median(trial, False)
+        return trial.choice
 
     def record(self, rows: int, pipelined: bool, seconds: float) -> None:
         """A decode-only step of `rows` rows, run in the order `pipelined`, took `seconds`
