@@ -129,6 +129,7 @@ class EngineParts:
             kv_gb=round(memory.kv_budget_bytes / 2**30, 3),
             kv_bytes_per_token=memory.footprint.bytes_per_token,
             kv_bytes_per_seq=memory.footprint.bytes_per_seq,
+            kv_growth_tokens=memory.footprint.growth_tokens,
             mlx_cache_gb=round(memory.buffer_cache_bytes / 2**30, 3),
         )
         sched = dataclasses.replace(

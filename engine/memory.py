@@ -38,10 +38,14 @@ class KVFootprint:
 
     bytes_per_token: int  # KV layers (full, sliding, quantized): grows with every token
     bytes_per_seq: int  # recurrent state (ArraysCache): a fixed cost per request
+    # KV buffers grow in blocks (mlx-lm's `step`, 256 tokens): a request's buffer may hold
+    # up to this many slots beyond its tokens, in the batch as alone
+    growth_tokens: int = 0
 
     def tokens_per_seq(self) -> int:
-        """The fixed per-request cost in units of one token's KV (rounded up)."""
-        return math.ceil(self.bytes_per_seq / max(self.bytes_per_token, 1))
+        """The fixed per-request cost in units of one token's KV: its recurrent state
+        (rounded up) and the room its KV buffer may have grown by."""
+        return math.ceil(self.bytes_per_seq / max(self.bytes_per_token, 1)) + self.growth_tokens
 
 
 def read_memory_counters() -> MemoryCounters:
@@ -70,23 +74,29 @@ def measure_kv_footprint(model: Any) -> KVFootprint:
 
     A layer with keys (KVCache, RotatingKVCache, QuantizedKVCache) costs its allocated
     bytes divided by its allocated token slots (the token axis is -2 of every array), per
-    token: a sliding window is counted as if it never wrapped, an overestimate. Any other
-    layer (ArraysCache's recurrent state) costs its bytes once per request.
+    token: a sliding window is counted as if it never wrapped, an overestimate. Such a layer
+    grows its buffer in blocks of `step` tokens, so it may hold up to `step - 1` slots more
+    than its tokens (alone, and as a row of the batch: each row is as wide as the batch's
+    buffer). Any other layer (ArraysCache's recurrent state) costs its bytes once per request.
     """
     cache = make_prompt_cache(model)
     model(mx.array([[1, 2, 3, 4]]), cache=cache)
     mx.eval([layer.state for layer in cache])
     per_token = 0.0
     per_seq = 0
+    growth = 0
     for layer in cache:
         if getattr(layer, "keys", None) is not None:
             arrays = [a for _, a in tree_flatten([layer.keys, layer.values])]
             per_token += sum(a.nbytes / a.shape[-2] for a in arrays)
+            growth = max(growth, getattr(layer, "step", 1) - 1)
         else:
             per_seq += sum(
                 a.nbytes for _, a in tree_flatten(layer.state) if isinstance(a, mx.array)
             )
-    return KVFootprint(bytes_per_token=math.ceil(per_token), bytes_per_seq=per_seq)
+    return KVFootprint(
+        bytes_per_token=math.ceil(per_token), bytes_per_seq=per_seq, growth_tokens=growth
+    )
 
 
 def kv_tokens_for_budget(budget_bytes: float, footprint: KVFootprint) -> int:

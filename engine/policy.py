@@ -57,7 +57,8 @@ class SchedulerConfig:
     max_num_seqs: int = 32  # most requests running (prefilling or decoding) at once
     long_prefill_cap: int | None = None  # most prompt tokens one request gets per step
     max_kv_tokens: int | None = None  # KV capacity in tokens; None = unbounded
-    # fixed KV cost of each running request (recurrent state), in units of one token's KV
+    # fixed KV cost of each running request (recurrent state, the room its KV buffer grows
+    # by: engine.memory.KVFootprint.tokens_per_seq), in units of one token's KV
     kv_tokens_per_seq: int = 0
     kv_bytes_per_token: int = 0  # one token's KV in bytes, for messages (0 = not measured)
     max_waiting: int = 1024  # most requests waiting for their first chunk; beyond: QueueFullError
@@ -352,7 +353,8 @@ class KVBudgetExceededError(AdmissionError):
             return f"{tokens} tokens, {tokens * per / 2**30:.3g} GB" if per else f"{tokens} tokens"
 
         fixed = (
-            f" plus its fixed state ({config.kv_tokens_per_seq} tokens' worth)"
+            f" plus its cache's fixed cost ({config.kv_tokens_per_seq} tokens' worth: the room"
+            " its KV buffer grows by, and any recurrent state)"
             if config.kv_tokens_per_seq
             else ""
         )

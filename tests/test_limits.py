@@ -37,8 +37,9 @@ def test_kv_bytes_per_token_is_what_the_attention_layers_store(demo):
     head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
     itemsize = demo.model.model.embed_tokens.weight.dtype.size
     expected = args.num_hidden_layers * 2 * args.num_key_value_heads * head_dim * itemsize
+    # mlx-lm's KVCache grows its buffer 256 slots at a time
     assert measure_kv_footprint(demo.model) == KVFootprint(
-        bytes_per_token=expected, bytes_per_seq=0
+        bytes_per_token=expected, bytes_per_seq=0, growth_tokens=255
     )
 
 
@@ -53,6 +54,8 @@ def test_a_budget_in_bytes_becomes_tokens():
     assert kv_tokens_for_budget(2**30, footprint) == 2**21
     assert kv_tokens_for_budget(10, footprint) == 1  # never zero: the guard then refuses clearly
     assert footprint.tokens_per_seq() == 2  # 1000 bytes of state = 2 tokens' worth, rounded up
+    grows = KVFootprint(bytes_per_token=512, bytes_per_seq=1000, growth_tokens=255)
+    assert grows.tokens_per_seq() == 2 + 255  # and the room its buffer may have grown by
 
 
 def test_the_default_budget_leaves_room_for_weights_and_prefix_cache():
@@ -67,9 +70,11 @@ def test_the_default_budget_leaves_room_for_weights_and_prefix_cache():
 async def test_a_tiny_kv_budget_makes_requests_wait_and_refuses_one_that_never_fits(
     model_cache_dir, demo
 ):
-    per_token = measure_kv_footprint(demo.model).bytes_per_token
-    budget_tokens = 200
+    footprint = measure_kv_footprint(demo.model)
+    per_token, per_seq = footprint.bytes_per_token, footprint.tokens_per_seq()
+    budget_tokens = 2 * (80 + per_seq) + 10  # two requests of 20 + 60 tokens, not three
     running_kv: list[int] = []
+    held_kv: list[int] = []
     async with Engine.open(
         max_step_tokens=64,
         max_num_seqs=8,
@@ -84,18 +89,33 @@ async def test_a_tiny_kv_budget_makes_requests_wait_and_refuses_one_that_never_f
             running_kv.append(sum(s.num_prompt_tokens + s.params.max_tokens for s in running))
 
         loop.on_step = on_step
+        runner = loop.runner
+        run = runner.run
+
+        def run_and_weigh(work):  # on the executor thread, right after each step
+            result = run(work)
+            caches = [runner._batch_cache or [], *(q.cache or [] for q in runner._seqs.values())]
+            mx.eval([layer.state for cache in caches for layer in cache])
+            held_kv.append(sum(layer.nbytes for cache in caches for layer in cache))
+            return result
+
+        runner.run = run_and_weigh
         p = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
         streams = [await engine.submit(prompt_of(20, i), params=p) for i in range(4)]
         with anyio.fail_after(60):
             finals = [(await collect(s))[-1].finish_reason for s in streams]
         assert finals == ["length"] * 4  # every one served, none refused
-        assert max(running_kv) <= budget_tokens  # 2 fit at a time (80 tokens each); 2 waited
-        assert any(n == 160 for n in running_kv)
+        assert any(n == 160 for n in running_kv)  # 2 ran at a time; 2 waited
+        assert max(running_kv) <= 160
+        # The KV buffers they really held (grown 256 slots at a time, 4x their 80 tokens'
+        # worth at first) stayed within the budget.
+        assert 0 < max(held_kv) <= budget_tokens * per_token
 
         with pytest.raises(KVBudgetExceededError) as err:
-            await engine.submit(prompt_of(20), params=p.model_copy(update={"max_tokens": 300}))
+            await engine.submit(prompt_of(20), params=p.model_copy(update={"max_tokens": 800}))
         message = str(err.value)
-        assert "320 tokens" in message and f"{budget_tokens} tokens" in message
+        assert f"{820 + per_seq} tokens" in message and f"{budget_tokens} tokens" in message
+        assert "room its KV buffer grows by" in message
         assert "GB" in message and "max_tokens" in message
         assert engine.healthy
 
@@ -171,9 +191,12 @@ async def test_a_chat_without_max_tokens_runs_to_the_kv_budget_not_into_a_refusa
     from stepline.api.serve_cmd import serve_in_process
     from stepline.api.server import create_app
 
-    # The demo's context is 2,048 tokens; the budget holds 200: "to the end of the context"
-    # can never fit, "to the end of the budget" can.
-    async with Engine.open(max_kv_tokens=200, max_step_ms=None) as engine:
+    # The demo's context is 2,048 tokens; the budget holds 200 beside the room a request's
+    # KV buffer grows by: "to the end of the context" can never fit, "to the end of the
+    # budget" can.
+    per_seq = 255  # mlx-lm's KVCache grows 256 slots at a time
+    async with Engine.open(max_kv_tokens=200 + per_seq, max_step_ms=None) as engine:
+        assert engine.step_loop.config.kv_tokens_per_seq == per_seq
         async with serve_in_process(create_app(engine)) as url:
             async with httpx.AsyncClient(base_url=url, timeout=60) as client:
                 r = await client.post(
