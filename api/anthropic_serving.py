@@ -6,6 +6,7 @@ Every request gets an id `msg_<hex>`, its id in the event log. Errors are Anthro
 `{"type": "error", "error": {"type", "message"}}`; a stream's events follow Anthropic's
 order: message_start, then per block content_block_start / _delta... / _stop, message_delta
 (stop_reason, output usage), message_stop, with ping events while a long prompt prefills.
+Sent with `x-stepline-resumable: 1`, a stream survives a dropped connection (`resume`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from stepline.api.engine import SamplingParams
 from stepline.api.errors import APIError, validation_error
 from stepline.api.model_output import OutputDelta, OutputSplitter, ToolCall, split_output
 from stepline.api.openai_schema import RequestError
+from stepline.api.resume import ResumableStreamResponse, key_of, run_producer, wants_resumable
 from stepline.api.serving import Serving, json_response
 from stepline.api.sse import EventStreamResponse
 
@@ -93,11 +95,22 @@ class AnthropicServing(Serving):
         tools = agent.openai_tools or None
         if req.stream:
             produce = _Stream(self, req, rid, stream, OutputSplitter(fmt, tools, stream=True))
+            headers = {"x-request-id": rid, "request-id": rid}
+            if wants_resumable(request.headers):
+                record = self.resume.open(rid, key_of(request.headers))
+                return ResumableStreamResponse(
+                    record,
+                    lambda: run_producer(
+                        record,
+                        produce.run,
+                        stream.aclose,
+                        lambda message: _error_event(500, message),
+                    ),
+                    headers=headers,
+                    heartbeat_s=self.heartbeat_s,
+                )
             return EventStreamResponse(
-                produce.run,
-                headers={"x-request-id": rid, "request-id": rid},
-                heartbeat_s=self.heartbeat_s,
-                on_close=stream.aclose,
+                produce.run, headers=headers, heartbeat_s=self.heartbeat_s, on_close=stream.aclose
             )
         outs = await self.collect(request, stream)
         last = outs[-1]

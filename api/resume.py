@@ -214,11 +214,21 @@ class ResumeRegistry:
 Producer = Callable[[Emit], Awaitable[None]]
 
 
+def openai_cancelled(message: str) -> bytes:
+    """An OpenAI stream's last frames when it was cancelled: the error, then [DONE]."""
+    return error_frame(message, code="cancelled") + DONE
+
+
 async def run_producer(
-    record: StreamRecord, produce: Producer, on_close: Callable[[], Awaitable[None]]
+    record: StreamRecord,
+    produce: Producer,
+    on_close: Callable[[], Awaitable[None]],
+    cancelled: Callable[[str], bytes] = openai_cancelled,
 ) -> None:
     """Run `produce` into `record` until it ends; then (whatever happened) `on_close` (it
-    cancels the engine request if still running) and finish the record."""
+    cancels the engine request if still running) and finish the record. A producer
+    cancelled meanwhile ends the record with the frames `cancelled(message)` (the API's
+    own error event)."""
     try:
         await produce(record.append)
     except anyio.get_cancelled_exc_class():
@@ -226,7 +236,7 @@ async def run_producer(
             message = f"the request was cancelled: nobody reconnected within {record.grace_s:g} s"
         else:
             message = "the server shut down before the request finished"
-        await record.append(error_frame(message, code="cancelled") + DONE)
+        await record.append(cancelled(message))
         raise
     finally:
         with anyio.CancelScope(shield=True):

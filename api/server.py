@@ -101,6 +101,7 @@ def create_app(
         served_model_names=served_model_names,
         body_timeout_s=body_timeout_s,
     )
+    anthropic.resume = serving.resume
     for front in (serving, anthropic, responses):
         front.reasoning, front.default_template_kwargs = configure(
             engine.tokenizer,

@@ -58,11 +58,13 @@ async def read_all(http: httpx.AsyncClient, method: str, path: str, **kw) -> htt
             return r
 
 
-async def read_frames_then_drop(http: httpx.AsyncClient, n: int, **kw) -> tuple[str, bytes]:
+async def read_frames_then_drop(
+    http: httpx.AsyncClient, n: int, path: str = "/v1/chat/completions", **kw
+) -> tuple[str, bytes]:
     """Start a stream, keep its first `n` frames, hang up; (its request id, those bytes)."""
     raw = b""
     with anyio.fail_after(30):
-        async with http.stream("POST", "/v1/chat/completions", **kw) as r:
+        async with http.stream("POST", path, **kw) as r:
             assert r.status_code == 200
             rid = r.headers["x-request-id"]
             async for chunk in r.aiter_raw():
@@ -214,3 +216,63 @@ async def test_without_the_option_a_disconnect_cancels_at_once_and_nothing_is_ke
     assert head.startswith(b"id: 0\ndata: ")  # numbered all the same
     assert state.finish_reason == "cancelled"
     assert gone.status_code == 404
+
+
+def anthropic_body(**kw) -> dict:
+    return {
+        "model": "stepline-demo",
+        "messages": PROMPT,
+        "max_tokens": 60,
+        "temperature": 0.0,  # greedy: two runs write the same stream
+        "stream": True,
+        **kw,
+    }
+
+
+async def test_an_anthropic_stream_resumes_too_when_asked_by_header(served):
+    resumable = {"x-stepline-resumable": "1", "x-api-key": "sk-one"}
+    async with httpx.AsyncClient(base_url=served.url, timeout=30) as http:
+        kw = dict(json=anthropic_body(), headers=resumable)
+        whole = await read_all(http, "POST", "/v1/messages", **kw)
+        rid, head = await read_frames_then_drop(http, 4, "/v1/messages", **kw)
+        tail = await read_all(
+            http, "GET", f"/v1/requests/{rid}/stream", headers={**resumable, "last-event-id": "3"}
+        )
+        plain = await read_all(http, "POST", "/v1/messages", json=anthropic_body(max_tokens=4))
+    assert rid.startswith("msg_")
+    assert head.startswith(b"id: 0\nevent: message_start\n")
+    assert tail.status_code == 200 and tail.content.startswith(b"id: 4\n")
+    assert tail.content.endswith(b'event: message_stop\ndata: {"type":"message_stop"}\n\n')
+
+    # The dropped connection's head and the resumed tail are the uninterrupted stream (but
+    # for how much of the prompt the prefix cache served: the first run's prompt is cached).
+    def counts_aside(raw: bytes) -> bytes:
+        return re.sub(rb'"(input_tokens|cache_read_input_tokens)":\d+', rb'"\1":0', raw)
+
+    same_but_ids(
+        counts_aside(head + tail.content),
+        rid,
+        counts_aside(whole.content),
+        whole.headers["x-request-id"],
+    )
+    assert (await wait_finished(served.engine, rid, 5)).finish_reason == "length"
+    assert not plain.content.startswith(b"id: ")  # unasked, Anthropic's own framing
+
+
+async def test_an_anthropic_stream_nobody_resumes_ends_with_anthropics_error_event(served):
+    engine = served.engine
+    headers = {"x-stepline-resumable": "1", "x-api-key": "sk-one"}
+    async with httpx.AsyncClient(base_url=served.url, timeout=30) as http:
+        big = anthropic_body(max_tokens=engine.max_context - 64)
+        rid, _ = await read_frames_then_drop(http, 2, "/v1/messages", json=big, headers=headers)
+        state = await wait_finished(engine, rid, GRACE_S * 4 + 10)
+        late = await read_all(
+            http, "GET", f"/v1/requests/{rid}/stream", headers={**headers, "last-event-id": "1"}
+        )
+    assert state.finish_reason == "cancelled"
+    assert late.status_code == 200
+    assert late.content.rstrip().splitlines()[-2:] == [
+        b"event: error",
+        b'data: {"type":"error","error":{"type":"api_error","message":"the request was '
+        b'cancelled: nobody reconnected within 1.5 s"}}',
+    ]
