@@ -153,7 +153,7 @@ def create_app(
         return JSONResponse(card.model_dump())
 
     @app.get("/health")
-    async def health() -> JSONResponse:
+    async def health(request: Request) -> JSONResponse:
         if engine.healthy:
             body = {"status": "ok", "model": serving.model_name}
             if (problem := engine.event_log_problem) is not None:
@@ -161,6 +161,10 @@ def create_app(
                 body.update(status="degraded", event_log=problem)
             return JSONResponse(body)
         reason = engine.unhealthy_reason or "the engine is shut down"
+        if api_key is not None and not has_key(request.headers, api_key.encode()):
+            # /health is open to all: what broke, but its detail (an exception's text) only
+            # for those with the key.
+            reason = reason.split(":", 1)[0] + " (send the API key for the detail)"
         return JSONResponse({"status": "unhealthy", "reason": reason}, status_code=503)
 
     @app.get("/metrics")
@@ -214,10 +218,14 @@ class RequireKey:
         await response(scope, receive, send)
 
     def _has_key(self, scope: Scope) -> bool:
-        headers = Headers(scope=scope)
-        scheme, _, token = headers.get("authorization", "").partition(" ")
-        given = token.strip() if scheme.lower() == "bearer" else headers.get("x-api-key", "")
-        return hmac.compare_digest(given.encode(), self.key)
+        return has_key(Headers(scope=scope), self.key)
+
+
+def has_key(headers: Headers, key: bytes) -> bool:
+    """Whether `headers` carry `key` as `Authorization: Bearer` or `x-api-key`."""
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    given = token.strip() if scheme.lower() == "bearer" else headers.get("x-api-key", "")
+    return hmac.compare_digest(given.encode(), key)
 
 
 def loading_app(what: str) -> ASGIApp:

@@ -292,3 +292,29 @@ async def test_params_that_skipped_validation_end_their_request_not_the_engine(m
         assert outs[-1].finish_reason == "error" and outs[-1].error == ADMISSION_FAILED
         assert (await collect(other))[-1].finish_reason == "length"
         assert engine.healthy
+
+
+async def test_with_a_key_health_says_what_broke_and_only_key_holders_get_the_detail(
+    model_cache_dir,
+):
+    import httpx
+
+    from stepline.api.serve_cmd import serve_in_process
+    from stepline.api.server import create_app
+
+    async with Engine.open(max_step_tokens=32, max_num_seqs=8) as engine:
+        runner = engine.step_loop.runner
+        runner.model = _FailingDecode(runner.model, runner)
+        await run_together(engine, prompt_of(100, salt=9), params(seed=5))
+        assert not engine.healthy
+        async with serve_in_process(create_app(engine, api_key="sk-ops")) as url:
+            async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+                anyone = await http.get("/health")
+                ops = await http.get("/health", headers={"authorization": "Bearer sk-ops"})
+    assert anyone.status_code == ops.status_code == 503
+    assert anyone.json() == {
+        "status": "unhealthy",
+        "reason": "executor failed (send the API key for the detail)",
+    }
+    assert "injected decode fault" in ops.json()["reason"]
+    assert ops.json()["reason"] == engine.unhealthy_reason
