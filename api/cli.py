@@ -31,7 +31,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "--max-kv-gb",
         type=float,
         default=None,
-        help="memory for running requests' KV (prompt + max_tokens each); requests wait for "
+        help="memory for running requests' KV (prompt + max_tokens each, plus the 255 slots "
+        "a KV buffer may grow past them); requests wait for "
         "room, one that can never fit is refused (default: 70%% of memory less the weights "
         "and the prefix cache)",
     )
