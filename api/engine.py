@@ -104,11 +104,17 @@ class Engine:
         max_waiting: int = 1024,
         mlx_cache_gb: float | None = None,
         parallel: str | None = None,
+        dtype: str = "auto",
     ) -> AsyncIterator[Engine]:
-        """Load `model` (a demo name, a local mlx-lm directory or a Hugging Face id; None = the
-        demo model) and serve it until the block exits.
+        """Load `model` (None = SmolLM2-135M-Instruct, a real instruct model from the package
+        index; a demo name, a GGUF file, a local mlx-lm directory or a Hugging Face id) and
+        serve it until the block exits.
 
-        Raises ModelNotFoundError if the model cannot be found, ValueError for a bad config.
+        Raises ModelNotFoundError if the model cannot be found, GGUFError for a GGUF file it
+        cannot serve, ValueError for a bad config.
+        `dtype` ("auto", "float32", "bfloat16", "float16", "keep") is the weights' dtype:
+        "auto" keeps them as stored on a GPU backend and makes them float32 on the CPU
+        backend, which has no fast quantized or 16-bit matmul (engine/models.py `fit_dtype`).
         `on_checkpoint(request_id, offset, cache)` runs on the executor thread.
         `prefix_cache_gb` bounds the prefix cache's memory (0 turns it off).
         `prefix_cache_dir` adds a disk tier: entries are also written there (in the
@@ -143,6 +149,7 @@ class Engine:
             prefix_cache_dir=str(prefix_cache_dir) if prefix_cache_dir is not None else None,
             prefix_cache_disk_gb=prefix_cache_disk_gb,
             parallel=parallel,
+            dtype=dtype,
         )
         warn_without_openblas()
         switch_interval = sys.getswitchinterval()

@@ -88,7 +88,7 @@ class EngineParts:
         executor = self.executor
         prefix_bytes = int(options.prefix_cache_gb * 2**30)
         if options.parallel is None:
-            loaded = self.loaded = await executor.call(load_model, model)
+            loaded = self.loaded = await executor.call(load_model, model, options.dtype)
         else:
             from stepline.engine import distributed
 
@@ -96,6 +96,7 @@ class EngineParts:
                 distributed.load_sharded, model, options.parallel
             )
             self.loaded = loaded
+        log.info("model_loaded", model=loaded.name, path=str(loaded.path), weights=loaded.weights)
         topology = self.topology
         prefix_dir = options.prefix_cache_dir
         self.runner = await executor.call(

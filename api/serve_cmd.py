@@ -178,11 +178,16 @@ class _AppSwitch:
 
 
 def _describe_model(model: str | None) -> str:
-    if model is None:
-        return "the demo model stepline-demo (built on first use)"
+    if model is None or model == "SmolLM2-135M-Instruct":
+        return (
+            "SmolLM2-135M-Instruct, the default model (135M parameters: expect simple answers; "
+            "--model serves a bigger one)"
+        )
     local = Path(model).expanduser()
     if local.is_dir():
         return f"{model} from the local directory {local.resolve()}"
+    if local.is_file():
+        return f"{model} (a GGUF file: converted once into the cache)"
     return f"{model} (a demo name, else a Hugging Face id: from the Hugging Face cache or hub)"
 
 
@@ -196,7 +201,7 @@ async def _serve(args: argparse.Namespace, sock: socket.socket, engine_kwargs: d
 
     asyncio.get_running_loop().set_exception_handler(RateLimitedExceptionHandler())
     what = _describe_model(args.model)
-    switch = _AppSwitch(loading_app(args.model or "stepline-demo"))
+    switch = _AppSwitch(loading_app(args.model or "SmolLM2-135M-Instruct"))
     config = server_config(
         switch,
         log_level=args.log_level,
@@ -248,7 +253,7 @@ async def _serve(args: argparse.Namespace, sock: socket.socket, engine_kwargs: d
                 )
                 print(
                     f"stepline: loaded {engine.model_name} from {engine.loaded.path} in "
-                    f"{time.monotonic() - t0:.1f} s",
+                    f"{time.monotonic() - t0:.1f} s; weights {engine.loaded.weights}",
                     flush=True,
                 )
                 served_as = f" (as {', '.join(names)})" if args.served_model_name else ""

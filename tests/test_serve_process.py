@@ -75,6 +75,8 @@ def served_process(demo, tmp_path_factory) -> Iterator[ServeProcess]:
         "-m",
         "stepline.api.cli",
         "serve",
+        "--model",
+        "stepline-demo",
         "--port",
         "0",
         "--max-step-tokens",

@@ -1,0 +1,172 @@
+"""The default model is a real instruct model: it answers, and served concurrently in
+64-token chunks it gives exactly mlx-lm's own greedy tokens, in the engine and over HTTP."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import anyio
+import httpx
+import mlx.core as mx
+import openai
+import pytest
+from mlx_lm.generate import generate_step
+
+from stepline.api import Engine, SamplingParams
+from stepline.api.serve_cmd import serve_in_process
+from stepline.api.server import create_app
+from stepline.engine.default_model import DEFAULT_MODEL
+from stepline.engine.models import load_model
+
+MAX_TOKENS = 12
+LONG_SYSTEM = "You are a careful assistant for a bakery. " + " ".join(
+    f"Rule {i}: answer politely and mention bread number {i}." for i in range(14)
+)
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [
+        {"role": "user", "content": "Name a fruit."},
+        {"role": "assistant", "content": "An apple."},
+        {"role": "user", "content": "Name another one, and say what colour it is."},
+    ],
+    [
+        {"role": "system", "content": LONG_SYSTEM},
+        {"role": "user", "content": "Which bread do you recommend for breakfast?"},
+    ],
+]
+
+
+def mlx_lm_greedy(loaded, messages: list[dict]) -> list[int]:
+    """mlx-lm's own single-request greedy generation, cut at the model's end of turn."""
+    prompt = loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    steps = generate_step(
+        mx.array(prompt),
+        loaded.model,
+        max_tokens=MAX_TOKENS,
+        sampler=lambda x: mx.argmax(x, axis=-1),
+    )
+    tokens = []
+    for token, _ in steps:
+        if int(token) in loaded.tokenizer.eos_token_ids:
+            break
+        tokens.append(int(token))
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def expected(smollm2) -> list[list[int]]:
+    return [mlx_lm_greedy(smollm2, chat) for chat in CHATS]
+
+
+def test_the_prompts_are_long_enough_to_be_chunked(smollm2):
+    lengths = [
+        len(smollm2.tokenizer.apply_chat_template(c, add_generation_prompt=True)) for c in CHATS
+    ]
+    assert max(lengths) > 3 * 64 and min(lengths) < 64
+
+
+async def test_the_default_model_knows_the_capital_of_france(smollm2):
+    async with Engine.open(max_step_tokens=64) as engine:
+        assert engine.model_name == DEFAULT_MODEL
+        stream = await engine.submit(
+            messages=CHATS[0], params=SamplingParams(max_tokens=24, temperature=0)
+        )
+        text = "".join([out.text async for out in stream])
+    assert "Paris" in text
+
+
+async def test_concurrent_chats_in_64_token_steps_give_mlx_lms_greedy_tokens(smollm2, expected):
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+    results: list[list[int]] = [[] for _ in CHATS]
+    async with Engine.open(DEFAULT_MODEL, max_step_tokens=64) as engine:
+
+        async def chat(i: int) -> None:
+            stream = await engine.submit(messages=CHATS[i], params=params)
+            async for out in stream:
+                results[i].extend(out.token_ids)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(CHATS)):
+                tg.start_soon(chat, i)
+    eos = smollm2.tokenizer.eos_token_ids
+    assert [[t for t in r if t not in eos] for r in results] == expected
+
+
+async def test_the_http_server_streams_mlx_lms_greedy_text_to_concurrent_clients(smollm2, expected):
+    texts: list[str] = ["" for _ in CHATS]
+    async with (
+        Engine.open(DEFAULT_MODEL, max_step_tokens=64) as engine,
+        serve_in_process(create_app(engine)) as url,
+    ):
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+        async def chat(i: int) -> None:
+            stream = await client.chat.completions.create(
+                model=DEFAULT_MODEL,
+                messages=CHATS[i],
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+                stream=True,
+            )
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    texts[i] += chunk.choices[0].delta.content
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(CHATS)):
+                tg.start_soon(chat, i)
+        await client.close()
+    assert texts == [smollm2.tokenizer.decode(tokens) for tokens in expected]
+
+
+def test_kept_quantized_and_dequantized_weights_give_the_same_logits(smollm2):
+    kept = load_model(DEFAULT_MODEL, dtype="keep")
+    assert kept.weights.startswith("4/8-bit quantized")
+    assert smollm2.weights.startswith("float32 (dequantized from 4/8-bit quantized")
+    prompt = mx.array(smollm2.tokenizer.apply_chat_template(CHATS[2], add_generation_prompt=True))
+    ours = smollm2.model(prompt[None])[0]
+    theirs = kept.model(prompt[None])[0].astype(mx.float32)
+    # The same numbers; only the order of float32 sums inside the matmuls differs.
+    assert mx.allclose(ours, theirs, atol=0.1, rtol=0)
+    assert mx.array_equal(ours.argmax(-1), theirs.argmax(-1))
+
+
+def test_a_second_load_reads_the_converted_model_from_the_cache(smollm2):
+    again = load_model(DEFAULT_MODEL)
+    assert again.path == smollm2.path
+    prompt = mx.array(smollm2.tokenizer.apply_chat_template(CHATS[0], add_generation_prompt=True))
+    assert mx.array_equal(again.model(prompt[None]), smollm2.model(prompt[None]))
+
+
+def test_the_first_command_of_the_readme_serves_real_text(smollm2, tmp_path):
+    """`stepline serve` with no --model: the default model, and a greedy answer that is right."""
+    stepline = str(Path(sys.executable).with_name("stepline"))
+    out = tmp_path / "serve.out"
+    with out.open("w") as sink:
+        proc = subprocess.Popen(
+            [stepline, "serve", "--port", "0"], stdout=sink, stderr=subprocess.STDOUT
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while "stepline: serving" not in out.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, out.read_text()
+            time.sleep(0.1)
+        printed = out.read_text()
+        url = re.search(r"(http://127\.0\.0\.1:\d+)/health answers 503", printed).group(1)
+        assert "loading SmolLM2-135M-Instruct, the default model" in printed
+        assert "weights float32 (dequantized from 4/8-bit quantized" in printed
+        r = httpx.post(
+            f"{url}/v1/chat/completions",
+            json={"model": DEFAULT_MODEL, "messages": CHATS[0], "max_tokens": 16, "temperature": 0},
+            timeout=60,
+        )
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    assert r.status_code == 200
+    assert "Paris" in r.json()["choices"][0]["message"]["content"]
