@@ -1086,7 +1086,12 @@ def print_table(s: dict, w: Workload, env: dict) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--model", default=DEFAULT_MODEL, help="demo name, directory or HF id")
+    ap.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="what `stepline serve --model` takes (e.g. SmolLM2-135M-Instruct, the real "
+        "default model; a demo name; a GGUF file, directory or HF id)",
+    )
     ap.add_argument("--quick", action="store_true", help="~1 minute smoke run")
     ap.add_argument("--repeats", type=int, help="repeats per measurement (default 3; quick 1)")
     ap.add_argument("--long-prompt", type=int, help="head-of-line prompt tokens (default 4000)")

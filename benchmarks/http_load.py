@@ -402,20 +402,22 @@ class Spawned:
     """A server process on 127.0.0.1, stopped (SIGTERM, then SIGKILL) on exit."""
 
     def __init__(self, kind: str, model_name: str, log_dir: Path, stepline_args: list[str]):
-        from stepline.engine.models import DEMO_MODELS, demo_model_path, load_model
+        from benchmarks.served_model import served_dir
+        from stepline.engine.models import DEMO_MODELS, load_model
 
         self.kind = kind
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
+        # Built (or converted and saved as served) once, before any server starts.
+        path = served_dir(model_name)
         if model_name in DEMO_MODELS:
-            path = demo_model_path(model_name)  # built once, before either server starts
             self.context = DEMO_MODELS[model_name].max_position_embeddings
         else:
-            path = Path(model_name)
-            self.context = load_model(model_name).max_context if path.is_dir() else None
+            self.context = load_model(str(path)).max_context if path.is_dir() else None
         if kind == "stepline":
-            self.model = model_name
-            cmd = [sys.executable, "-m", "stepline.api.cli", "serve", "--model", model_name]
+            # A demo by name; a real model as the same directory the peers read.
+            self.model = model_name if model_name in DEMO_MODELS else str(path)
+            cmd = [sys.executable, "-m", "stepline.api.cli", "serve", "--model", self.model]
             cmd += ["--host", "127.0.0.1", "--port", str(self.port), *stepline_args]
         elif kind == "mlx_lm":
             self.model = str(path)
@@ -511,10 +513,9 @@ def load_tokenizer(model_name: str) -> Any:
     try:
         from transformers import AutoTokenizer
 
-        from stepline.engine.models import DEMO_MODELS, demo_model_path
+        from benchmarks.served_model import served_dir
 
-        path = demo_model_path(model_name) if model_name in DEMO_MODELS else model_name
-        return AutoTokenizer.from_pretrained(str(path))
+        return AutoTokenizer.from_pretrained(str(served_dir(model_name)))
     except Exception as exc:  # noqa: BLE001 - approximate lengths are still a benchmark
         print(f"no tokenizer ({exc}); prompt lengths are approximate", file=sys.stderr)
         return None
