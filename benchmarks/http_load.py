@@ -29,6 +29,7 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import socket
 import subprocess
 import sys
@@ -401,7 +402,14 @@ def free_port() -> int:
 class Spawned:
     """A server process on 127.0.0.1, stopped (SIGTERM, then SIGKILL) on exit."""
 
-    def __init__(self, kind: str, model_name: str, log_dir: Path, stepline_args: list[str]):
+    def __init__(
+        self,
+        kind: str,
+        model_name: str,
+        log_dir: Path,
+        stepline_args: list[str],
+        peer_args: Sequence[str] = (),
+    ):
         from benchmarks.served_model import served_dir
         from stepline.engine.models import DEMO_MODELS, load_model
 
@@ -428,8 +436,16 @@ class Spawned:
             )
             cmd = [sys.executable, "-c", wrapper, "--model", str(path)]
             cmd += ["--host", "127.0.0.1", "--port", str(self.port), "--log-level", "WARNING"]
+            cmd += list(peer_args)
+        elif kind == "vllm_mlx":
+            self.model = str(path)
+            exe = shutil.which("vllm-mlx")
+            if exe is None:
+                raise SystemExit("--spawn vllm_mlx: no vllm-mlx on PATH")
+            cmd = [exe, "serve", str(path), "--host", "127.0.0.1", "--port", str(self.port)]
+            cmd += list(peer_args)
         else:
-            raise SystemExit(f"--spawn: unknown server {kind!r} (stepline or mlx_lm)")
+            raise SystemExit(f"--spawn: unknown server {kind!r} (stepline, mlx_lm or vllm_mlx)")
         self.log_path = log_dir / f"{kind}.log"
         self._log = open(self.log_path, "wb")  # closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)

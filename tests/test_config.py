@@ -44,12 +44,12 @@ async def test_the_log_header_records_options_that_reopen_the_same_engine(
 ) -> None:
     log = tmp_path / "run.jsonl"
     async with Engine.open(
-        max_step_tokens=64, max_num_seqs=4, max_kv_gb=0.001, seed=5, event_log=log
+        "stepline-demo", max_step_tokens=64, max_num_seqs=4, max_kv_gb=0.001, seed=5, event_log=log
     ) as engine:
         resolved = engine.step_loop.config.max_kv_tokens
     recorded = EngineConfig.from_header(read_header(log).config)
     assert recorded == EngineConfig(
         max_step_tokens=64, max_num_seqs=4, max_kv_tokens=resolved, seed=5
     )
-    async with Engine.open(**recorded.open_kwargs()) as again:
+    async with Engine.open("stepline-demo", **recorded.open_kwargs()) as again:
         assert again.step_loop.config.max_kv_tokens == resolved

@@ -41,7 +41,7 @@ async def test_a_random_model_under_a_json_schema_writes_valid_json_and_stops(
     params = SamplingParams(
         max_tokens=80, temperature=temperature, seed=3, grammar=json_schema_grammar(PERSON)
     )
-    async with Engine.open(max_step_tokens=64) as engine:
+    async with Engine.open("stepline-demo", max_step_tokens=64) as engine:
         text, last = await text_of(engine, params)
     jsonschema.validate(json.loads(text), PERSON)
     assert last.finish_reason == "stop"
@@ -55,7 +55,7 @@ async def test_a_forced_tool_call_names_one_of_the_tools_with_valid_arguments(mo
     }
     tools = [("get_weather", args), ("noop", {"type": "object", "additionalProperties": False})]
     params = SamplingParams(max_tokens=60, temperature=0)
-    async with Engine.open(max_step_tokens=64) as engine:
+    async with Engine.open("stepline-demo", max_step_tokens=64) as engine:
         start, end = (markup(engine.tokenizer, t) for t in ("<tool_call>", "</tool_call>"))
         assert start.startswith("<[")  # the demo tokenizer has it as one token, as Qwen3 does
         grammar = tool_call_grammar(tools, start=start, end=end, parallel=False)
@@ -76,7 +76,7 @@ async def test_constrained_rows_leave_the_unconstrained_rows_of_a_batch_unchange
     forced = SamplingParams(
         max_tokens=40, temperature=0.8, seed=9, grammar=json_schema_grammar(PERSON)
     )
-    async with Engine.open(max_step_tokens=256, max_num_seqs=8) as engine:
+    async with Engine.open("stepline-demo", max_step_tokens=256, max_num_seqs=8) as engine:
         alone = [(await text_of(engine, p, prompt=f"story {i}"))[0] for i, p in enumerate(free)]
         together: dict[int, str] = {}
 
@@ -95,7 +95,7 @@ async def test_constrained_rows_leave_the_unconstrained_rows_of_a_batch_unchange
 
 @pytest.mark.parametrize("grammar", ["start: nope(", json_schema_grammar({"type": "nonsense"})])
 async def test_a_grammar_that_does_not_compile_is_refused_at_submission(model_cache_dir, grammar):
-    async with Engine.open(max_step_tokens=64) as engine:
+    async with Engine.open("stepline-demo", max_step_tokens=64) as engine:
         with pytest.raises(GrammarError, match="does not compile"):
             await engine.submit("hi", params=SamplingParams(grammar=grammar))
         text, _ = await text_of(engine, SamplingParams(max_tokens=3, temperature=0))
@@ -106,7 +106,7 @@ async def test_cancelling_a_constrained_request_mid_decode_leaves_the_engine_ser
     model_cache_dir,
 ):
     forced = SamplingParams(max_tokens=60, temperature=0, grammar=json_schema_grammar(PERSON))
-    async with Engine.open(max_step_tokens=64) as engine:
+    async with Engine.open("stepline-demo", max_step_tokens=64) as engine:
         stream = await engine.submit(messages=[{"role": "user", "content": "hi"}], params=forced)
         async for out in stream:
             if out.num_output_tokens >= 3:
@@ -128,7 +128,7 @@ async def test_a_constrained_run_reexecutes_to_the_same_tokens_from_its_log(
     forced = SamplingParams(
         max_tokens=150, temperature=0.9, seed=5, grammar=json_schema_grammar(PERSON)
     )
-    async with Engine.open(max_step_tokens=64, event_log=log) as engine:
+    async with Engine.open("stepline-demo", max_step_tokens=64, event_log=log) as engine:
         text, _ = await text_of(engine, forced)
     jsonschema.validate(json.loads(text), PERSON)
 

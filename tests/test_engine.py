@@ -42,7 +42,7 @@ async def tokens_of(stream) -> list[int]:
 
 
 async def test_generate_streams_text_and_ends_with_one_finish(model_cache_dir):
-    async with Engine.open(max_step_tokens=64, max_num_seqs=4) as engine:
+    async with Engine.open("stepline-demo", max_step_tokens=64, max_num_seqs=4) as engine:
         outs = [
             o
             async for o in engine.generate(
@@ -60,7 +60,7 @@ async def test_generate_streams_text_and_ends_with_one_finish(model_cache_dir):
 async def test_same_seed_gives_the_same_text_even_in_a_different_batch(model_cache_dir):
     params = SamplingParams(max_tokens=16, temperature=1.0, seed=42, ignore_eos=True)
     prompt = "the same question"
-    async with Engine.open(max_step_tokens=64, max_num_seqs=8) as engine:
+    async with Engine.open("stepline-demo", max_step_tokens=64, max_num_seqs=8) as engine:
         alone = [
             t
             for o in await collect(await engine.submit(prompt, params=params))
@@ -90,7 +90,9 @@ async def test_same_seed_gives_the_same_text_even_in_a_different_batch(model_cac
 
 async def test_32_concurrent_requests_each_reach_exactly_one_terminal(tmp_path, model_cache_dir):
     log = tmp_path / "run.jsonl"
-    async with Engine.open(max_step_tokens=64, max_num_seqs=8, event_log=log) as engine:
+    async with Engine.open(
+        "stepline-demo", max_step_tokens=64, max_num_seqs=8, event_log=log
+    ) as engine:
         finals = []
 
         async def one(i: int) -> None:
@@ -116,7 +118,9 @@ async def test_a_request_submitted_while_a_step_runs_is_admitted_for_the_next_st
     # Waiting requests age by the steps since their admission (the policy's MAX_WAIT_STEPS):
     # one that arrived while step N ran must count from step N + 1, the first it can join.
     log = tmp_path / "run.jsonl"
-    async with Engine.open(max_step_tokens=64, max_num_seqs=8, event_log=log) as engine:
+    async with Engine.open(
+        "stepline-demo", max_step_tokens=64, max_num_seqs=8, event_log=log
+    ) as engine:
         busy = await engine.submit(
             long_prompt(8), params=GREEDY.model_copy(update={"max_tokens": 200})
         )
@@ -163,7 +167,9 @@ async def test_an_idle_engine_gathers_a_burst_so_its_first_step_takes_the_shorte
     # them, the first step would be the long prompt's alone and they would wait for it.
     log = tmp_path / "run.jsonl"
     texts = {"long": "a long prompt " * 12, **{f"short-{i}": f"hi {i}" for i in range(4)}}
-    async with Engine.open(max_step_tokens=64, max_num_seqs=8, event_log=log) as engine:
+    async with Engine.open(
+        "stepline-demo", max_step_tokens=64, max_num_seqs=8, event_log=log
+    ) as engine:
         _slow_to_prepare(engine, {t: 0.005 for rid, t in texts.items() if rid != "long"})
 
         async def one(rid: str) -> None:
@@ -179,7 +185,9 @@ async def test_an_idle_engine_gathers_a_burst_so_its_first_step_takes_the_shorte
 
 async def test_a_request_slow_to_prepare_does_not_hold_up_the_first_step(tmp_path, model_cache_dir):
     log = tmp_path / "run.jsonl"
-    async with Engine.open(max_step_tokens=64, max_num_seqs=8, event_log=log) as engine:
+    async with Engine.open(
+        "stepline-demo", max_step_tokens=64, max_num_seqs=8, event_log=log
+    ) as engine:
         _slow_to_prepare(engine, {"slow": 1.0})
 
         async def one(text: str) -> None:
@@ -197,7 +205,9 @@ async def test_a_request_slow_to_prepare_does_not_hold_up_the_first_step(tmp_pat
 async def test_folding_the_log_rebuilds_the_live_state_at_every_step(tmp_path, model_cache_dir):
     log = tmp_path / "run.jsonl"
     live: dict[int, dict] = {}
-    async with Engine.open(max_step_tokens=32, max_num_seqs=4, event_log=log) as engine:
+    async with Engine.open(
+        "stepline-demo", max_step_tokens=32, max_num_seqs=4, event_log=log
+    ) as engine:
         engine.step_loop.on_step = lambda loop: live.__setitem__(loop.step, dict(loop.states))
         streams = [
             await engine.submit(long_prompt(n), params=GREEDY, checkpoints=(n // 2,))
@@ -222,7 +232,7 @@ async def test_folding_the_log_rebuilds_the_live_state_at_every_step(tmp_path, m
 
 async def test_breaking_out_mid_decode_cancels_and_frees_the_slot(tmp_path, model_cache_dir):
     async with Engine.open(
-        max_step_tokens=32, max_num_seqs=4, event_log=tmp_path / "l.jsonl"
+        "stepline-demo", max_step_tokens=32, max_num_seqs=4, event_log=tmp_path / "l.jsonl"
     ) as engine:
         other = await engine.submit(
             "bystander", params=SamplingParams(max_tokens=40, ignore_eos=True)
@@ -243,7 +253,7 @@ async def test_breaking_out_mid_decode_cancels_and_frees_the_slot(tmp_path, mode
 
 
 async def test_just_breaking_out_of_generate_cancels_the_request(model_cache_dir):
-    async with Engine.open(max_step_tokens=32, max_num_seqs=4) as engine:
+    async with Engine.open("stepline-demo", max_step_tokens=32, max_num_seqs=4) as engine:
         loop = engine.step_loop
         params = SamplingParams(max_tokens=500, ignore_eos=True)
         async for out in engine.generate("hello", params=params):
@@ -257,7 +267,7 @@ async def test_just_breaking_out_of_generate_cancels_the_request(model_cache_dir
 
 
 async def test_cancelling_mid_prefill_frees_the_slot_within_a_step(model_cache_dir):
-    async with Engine.open(max_step_tokens=16, max_num_seqs=4) as engine:
+    async with Engine.open("stepline-demo", max_step_tokens=16, max_num_seqs=4) as engine:
         loop = engine.step_loop
 
         async def consume(stream):
@@ -298,7 +308,9 @@ def test_bad_sampling_params_name_the_field(make, error):
 
 async def test_bad_requests_are_refused_clearly_and_the_engine_serves_on(tmp_path, model_cache_dir):
     log = tmp_path / "l.jsonl"
-    async with Engine.open(max_step_tokens=64, max_num_seqs=4, event_log=log) as engine:
+    async with Engine.open(
+        "stepline-demo", max_step_tokens=64, max_num_seqs=4, event_log=log
+    ) as engine:
         with pytest.raises(EmptyPromptError, match="empty"):
             await engine.submit([], params=GREEDY)
         with pytest.raises(ContextLengthExceededError, match=str(engine.max_context)):
@@ -316,7 +328,7 @@ async def test_bad_requests_are_refused_clearly_and_the_engine_serves_on(tmp_pat
 async def test_a_dead_executor_ends_every_request_with_an_error_and_refuses_new_ones(
     model_cache_dir,
 ):
-    async with Engine.open(max_step_tokens=16, max_num_seqs=4) as engine:
+    async with Engine.open("stepline-demo", max_step_tokens=16, max_num_seqs=4) as engine:
         loop = engine.step_loop
         streams = [
             await engine.submit(
@@ -342,7 +354,7 @@ async def test_a_dead_executor_ends_every_request_with_an_error_and_refuses_new_
 async def test_a_bug_in_the_step_loop_fails_requests_instead_of_hanging_them(
     model_cache_dir, monkeypatch
 ):
-    async with Engine.open(max_step_tokens=16, max_num_seqs=4) as engine:
+    async with Engine.open("stepline-demo", max_step_tokens=16, max_num_seqs=4) as engine:
         stream = await engine.submit("hello", params=SamplingParams(max_tokens=100))
         loop = engine.step_loop
         await wait_until(lambda: loop.step >= 2)
@@ -360,7 +372,7 @@ async def test_a_bug_in_the_step_loop_fails_requests_instead_of_hanging_them(
 async def test_a_bug_in_admitting_a_request_fails_its_submit_instead_of_hanging_it(
     model_cache_dir, monkeypatch
 ):
-    async with Engine.open(max_step_tokens=16, max_num_seqs=4) as engine:
+    async with Engine.open("stepline-demo", max_step_tokens=16, max_num_seqs=4) as engine:
 
         def broken(*args):
             raise KeyError("a bug in admission")
@@ -374,7 +386,7 @@ async def test_a_bug_in_admitting_a_request_fails_its_submit_instead_of_hanging_
 async def test_ended_requests_leave_the_scheduling_state_and_ids_are_not_reused(
     model_cache_dir,
 ):
-    async with Engine.open(max_step_tokens=32, max_num_seqs=4) as engine:
+    async with Engine.open("stepline-demo", max_step_tokens=32, max_num_seqs=4) as engine:
         loop = engine.step_loop
         for i in range(6):
             await collect(await engine.submit(f"q{i}", params=GREEDY, request_id=f"id-{i}"))
@@ -385,7 +397,7 @@ async def test_ended_requests_leave_the_scheduling_state_and_ids_are_not_reused(
 
 
 async def test_a_failing_request_actor_ends_only_its_request(model_cache_dir):
-    async with Engine.open(max_step_tokens=32, max_num_seqs=4) as engine:
+    async with Engine.open("stepline-demo", max_step_tokens=32, max_num_seqs=4) as engine:
         other = await engine.submit("fine", params=SamplingParams(max_tokens=30, ignore_eos=True))
         real_decode = engine._decode  # what request actors detokenize with
 
@@ -407,7 +419,7 @@ async def test_a_failing_request_actor_ends_only_its_request(model_cache_dir):
 
 
 async def test_latency_metrics_measure_the_gaps_between_tokens(model_cache_dir):
-    async with Engine.open(max_step_tokens=32, max_num_seqs=4) as engine:
+    async with Engine.open("stepline-demo", max_step_tokens=32, max_num_seqs=4) as engine:
         await collect(
             await engine.submit("hi", params=SamplingParams(max_tokens=20, ignore_eos=True))
         )
@@ -523,7 +535,10 @@ async def test_drain_settles_mlx_after_the_queued_jobs_unless_the_executor_is_de
 async def test_mlx_work_happens_on_the_executor_thread(model_cache_dir):
     seen = set()
     async with Engine.open(
-        max_step_tokens=16, max_num_seqs=2, on_checkpoint=lambda *a: seen.add(threading.get_ident())
+        "stepline-demo",
+        max_step_tokens=16,
+        max_num_seqs=2,
+        on_checkpoint=lambda *a: seen.add(threading.get_ident()),
     ) as engine:
         await collect(await engine.submit(long_prompt(40), params=GREEDY, checkpoints=(8, 20)))
         assert seen == {engine.step_loop.executor.thread_id}
@@ -531,7 +546,7 @@ async def test_mlx_work_happens_on_the_executor_thread(model_cache_dir):
 
 async def test_stop_strings_end_the_text_before_them_and_are_never_emitted(model_cache_dir):
     base = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-    async with Engine.open(max_step_tokens=64, max_num_seqs=4) as engine:
+    async with Engine.open("stepline-demo", max_step_tokens=64, max_num_seqs=4) as engine:
         full = "".join(o.text for o in await collect(await engine.submit("tell me", params=base)))
         stop = full[12:15]
         cut = full.find(stop)
@@ -544,7 +559,7 @@ async def test_stop_strings_end_the_text_before_them_and_are_never_emitted(model
 
 async def test_a_stop_token_ends_the_request_and_is_counted_but_not_printed(model_cache_dir):
     base = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
-    async with Engine.open(max_step_tokens=64, max_num_seqs=4) as engine:
+    async with Engine.open("stepline-demo", max_step_tokens=64, max_num_seqs=4) as engine:
         ids = await tokens_of(await engine.submit("count", params=base))
         stop_id = ids[6]
         first = ids.index(stop_id)
@@ -559,7 +574,7 @@ async def test_a_stop_token_ends_the_request_and_is_counted_but_not_printed(mode
 
 
 async def test_streamed_text_never_splits_a_utf8_character(model_cache_dir):
-    async with Engine.open(max_step_tokens=64, max_num_seqs=4) as engine:
+    async with Engine.open("stepline-demo", max_step_tokens=64, max_num_seqs=4) as engine:
         # The demo tokenizer is byte-level: an emoji is several tokens.
         emoji = "héllo 👋🏽 世界 ✓"
         ids = engine.tokenizer.encode(emoji, add_special_tokens=False)
@@ -585,7 +600,7 @@ async def test_an_open_engine_switches_threads_often_and_restores_the_setting(mo
     from stepline.api.engine import SWITCH_INTERVAL_S
 
     before = sys.getswitchinterval()
-    async with Engine.open(max_step_tokens=32) as engine:
+    async with Engine.open("stepline-demo", max_step_tokens=32) as engine:
         assert sys.getswitchinterval() == pytest.approx(min(before, SWITCH_INTERVAL_S))
         await tokens_of(await engine.submit("hi", params=SamplingParams(max_tokens=2)))
     assert sys.getswitchinterval() == pytest.approx(before)

@@ -306,7 +306,9 @@ async def test_an_engine_logging_no_outputs_writes_counts_salted_digests_and_ste
 
     path = tmp_path / "run.jsonl"
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    async with Engine.open(event_log=path, log_prompts=False, log_outputs=False) as engine:
+    async with Engine.open(
+        "stepline-demo", event_log=path, log_prompts=False, log_outputs=False
+    ) as engine:
         stream = await engine.submit(list(range(5, 25)), params=params, request_id="q")
         tokens = [t async for out in stream for t in out.token_ids]
         live = engine.step_loop.state_of("q")

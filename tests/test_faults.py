@@ -95,7 +95,7 @@ def assert_only_doomed_failed(results, alone, log, message: str) -> None:
 async def test_a_fault_in_one_requests_prefill_ends_only_that_request(tmp_path, model_cache_dir):
     log = tmp_path / "run.jsonl"
     async with Engine.open(
-        max_step_tokens=32, max_num_seqs=8, prefix_cache_gb=0, event_log=log
+        "stepline-demo", max_step_tokens=32, max_num_seqs=8, prefix_cache_gb=0, event_log=log
     ) as engine:
         alone = await tokens_alone(engine)
         runner = engine.step_loop.runner
@@ -122,7 +122,7 @@ async def test_a_fault_in_one_requests_sampling_row_ends_only_that_request(
 ):
     log = tmp_path / "run.jsonl"
     async with Engine.open(
-        max_step_tokens=64, max_num_seqs=8, prefix_cache_gb=0, event_log=log
+        "stepline-demo", max_step_tokens=64, max_num_seqs=8, prefix_cache_gb=0, event_log=log
     ) as engine:
         alone = await tokens_alone(engine)
         sampler = engine.step_loop.runner.sampler
@@ -153,6 +153,7 @@ async def test_a_failing_checkpoint_hook_ends_only_its_request(tmp_path, model_c
         hooked.append((request_id, offset))
 
     async with Engine.open(
+        "stepline-demo",
         max_step_tokens=32,
         max_num_seqs=8,
         prefix_cache_gb=0,
@@ -190,7 +191,9 @@ async def test_a_fault_of_the_batched_decode_ends_everyone_and_the_engine_says_s
     tmp_path, model_cache_dir
 ):
     log = tmp_path / "run.jsonl"
-    async with Engine.open(max_step_tokens=32, max_num_seqs=8, event_log=log) as engine:
+    async with Engine.open(
+        "stepline-demo", max_step_tokens=32, max_num_seqs=8, event_log=log
+    ) as engine:
         runner = engine.step_loop.runner
         runner.model = _FailingDecode(runner.model, runner)
         results = await run_together(engine, prompt_of(100, salt=9), params(seed=5))
@@ -211,7 +214,7 @@ async def test_a_cancel_that_lands_as_the_engine_closes_its_inbox_is_no_step_loo
     """A stream closed at exit sends a Cancel; the engine closes the step loop's inbox right
     after. The idle loop wakes with that message, not with its cancellation, then finds the
     inbox closed: that is the end of its work, not a failure that kills the engine."""
-    async with Engine.open(max_step_tokens=32) as engine:
+    async with Engine.open("stepline-demo", max_step_tokens=32) as engine:
         loop = engine.step_loop
         loop.inbox.send_nowait(Cancel(request_id="gone-already"))
         loop.inbox.close()  # as Engine.open's exit does, with no await in between
@@ -223,7 +226,7 @@ async def test_a_cancel_that_lands_as_the_engine_closes_its_inbox_is_no_step_loo
 async def test_a_bug_in_the_step_loop_is_not_reported_as_a_dead_executor(
     model_cache_dir, monkeypatch
 ):
-    async with Engine.open(max_step_tokens=16, max_num_seqs=4) as engine:
+    async with Engine.open("stepline-demo", max_step_tokens=16, max_num_seqs=4) as engine:
         loop = engine.step_loop
         stream = await engine.submit("hello", params=params(1, max_tokens=100))
 
@@ -260,7 +263,7 @@ def test_out_of_range_sampling_params_raise_value_error(bad):
 
 
 async def test_values_past_the_vocabulary_are_refused_and_the_engine_serves_on(model_cache_dir):
-    async with Engine.open(max_step_tokens=32, max_num_seqs=4) as engine:
+    async with Engine.open("stepline-demo", max_step_tokens=32, max_num_seqs=4) as engine:
         vocab = engine.vocab_size
         with pytest.raises(ValueError, match=f"vocabulary size \\({vocab}\\)"):
             await engine.submit("hi", params=SamplingParams(top_k=vocab + 1))
@@ -286,7 +289,7 @@ async def test_params_that_skipped_validation_end_their_request_not_the_engine(m
     unchecked = SamplingParams.model_construct(
         **{**SamplingParams().model_dump(), "repetition_penalty": math.inf, "max_tokens": 4}
     )
-    async with Engine.open(max_step_tokens=32, max_num_seqs=4) as engine:
+    async with Engine.open("stepline-demo", max_step_tokens=32, max_num_seqs=4) as engine:
         other = await engine.submit("fine", params=params(1))
         outs = await collect(await engine.submit("bad", params=unchecked))
         assert outs[-1].finish_reason == "error" and outs[-1].error == ADMISSION_FAILED
@@ -302,7 +305,7 @@ async def test_with_a_key_health_says_what_broke_and_only_key_holders_get_the_de
     from stepline.api.serve_cmd import serve_in_process
     from stepline.api.server import create_app
 
-    async with Engine.open(max_step_tokens=32, max_num_seqs=8) as engine:
+    async with Engine.open("stepline-demo", max_step_tokens=32, max_num_seqs=8) as engine:
         runner = engine.step_loop.runner
         runner.model = _FailingDecode(runner.model, runner)
         await run_together(engine, prompt_of(100, salt=9), params(seed=5))

@@ -79,7 +79,9 @@ async def test_the_prefix_cache_reports_the_memory_it_keeps_alive(model_cache_di
     import mlx.core as mx
 
     rng = random.Random(11)
-    async with Engine.open(max_step_tokens=64, max_num_seqs=8, prefix_cache_gb=1) as engine:
+    async with Engine.open(
+        "stepline-demo", max_step_tokens=64, max_num_seqs=8, prefix_cache_gb=1
+    ) as engine:
         loop = engine.step_loop
 
         async def one(i: int) -> None:

@@ -76,6 +76,7 @@ async def test_a_tiny_kv_budget_makes_requests_wait_and_refuses_one_that_never_f
     running_kv: list[int] = []
     held_kv: list[int] = []
     async with Engine.open(
+        "stepline-demo",
         max_step_tokens=64,
         max_num_seqs=8,
         prefix_cache_gb=0,
@@ -122,12 +123,12 @@ async def test_a_tiny_kv_budget_makes_requests_wait_and_refuses_one_that_never_f
 
 async def test_max_kv_tokens_and_max_kv_gb_are_one_or_the_other(model_cache_dir):
     with pytest.raises(ValueError, match="not both"):
-        async with Engine.open(max_kv_tokens=100, max_kv_gb=1.0):
+        async with Engine.open("stepline-demo", max_kv_tokens=100, max_kv_gb=1.0):
             pass
 
 
 async def test_without_a_budget_the_kv_guard_takes_a_fraction_of_the_machine(model_cache_dir):
-    async with Engine.open(prefix_cache_gb=0.5) as engine:
+    async with Engine.open("stepline-demo", prefix_cache_gb=0.5) as engine:
         model = engine.loaded.model
         expected = kv_tokens_for_budget(
             default_kv_budget_bytes(machine_memory_bytes(), weights_bytes(model), 2**29),
@@ -140,7 +141,9 @@ async def test_without_a_budget_the_kv_guard_takes_a_fraction_of_the_machine(mod
 
 
 async def test_a_full_waiting_queue_refuses_new_requests_until_it_drains(model_cache_dir):
-    async with Engine.open(max_step_tokens=16, max_num_seqs=1, max_waiting=2) as engine:
+    async with Engine.open(
+        "stepline-demo", max_step_tokens=16, max_num_seqs=1, max_waiting=2
+    ) as engine:
         loop = engine.step_loop
         long = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
         first = await engine.submit("the one running", params=long)
@@ -161,7 +164,7 @@ async def test_a_full_waiting_queue_refuses_new_requests_until_it_drains(model_c
 
 
 async def test_mlx_memory_is_exported_and_its_buffer_cache_is_limited(model_cache_dir):
-    async with Engine.open(mlx_cache_gb=0.25) as engine:
+    async with Engine.open("stepline-demo", mlx_cache_gb=0.25) as engine:
         outs = await collect(
             await engine.submit("hello", params=SamplingParams(max_tokens=8, ignore_eos=True))
         )
@@ -177,7 +180,18 @@ async def test_mlx_memory_is_exported_and_its_buffer_cache_is_limited(model_cach
 def test_the_cli_refuses_a_request_past_its_kv_budget_naming_the_numbers(model_cache_dir, capsys):
     from stepline.api.cli import main
 
-    code = main(["generate", "hi", "--max-tokens", "64", "--max-kv-tokens", "10"])
+    code = main(
+        [
+            "generate",
+            "hi",
+            "--model",
+            "stepline-demo",
+            "--max-tokens",
+            "64",
+            "--max-kv-tokens",
+            "10",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2
     assert "stepline: error:" in err and "(10 tokens" in err and "max_tokens (64)" in err
@@ -195,7 +209,9 @@ async def test_a_chat_without_max_tokens_runs_to_the_kv_budget_not_into_a_refusa
     # KV buffer grows by: "to the end of the context" can never fit, "to the end of the
     # budget" can.
     per_seq = 255  # mlx-lm's KVCache grows 256 slots at a time
-    async with Engine.open(max_kv_tokens=200 + per_seq, max_step_ms=None) as engine:
+    async with Engine.open(
+        "stepline-demo", max_kv_tokens=200 + per_seq, max_step_ms=None
+    ) as engine:
         assert engine.step_loop.config.kv_tokens_per_seq == per_seq
         async with serve_in_process(create_app(engine)) as url:
             async with httpx.AsyncClient(base_url=url, timeout=60) as client:

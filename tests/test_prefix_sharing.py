@@ -55,7 +55,9 @@ async def test_sixteen_chats_sent_at_once_compute_their_shared_system_prompt_onc
     system = " ".join(rng.choice(WORDS) for _ in range(300))
     chats = [chat(system, i, rng) for i in range(16)]
     log = tmp_path / "run.jsonl"
-    async with Engine.open(max_step_tokens=128, max_num_seqs=16, event_log=log) as engine:
+    async with Engine.open(
+        "stepline-demo", max_step_tokens=128, max_num_seqs=16, event_log=log
+    ) as engine:
         warm = await answers(engine, chats)
         prompts = [engine.encode(messages=c) for c in chats]
         system_end = min(engine.chat_checkpoints(chats[0], prompts[0]))
@@ -72,6 +74,8 @@ async def test_sixteen_chats_sent_at_once_compute_their_shared_system_prompt_onc
     assert code == 0
     assert json.loads(text)["num_cached_tokens"] == sum(h.num_cached_tokens for h in hits)
 
-    async with Engine.open(max_step_tokens=128, max_num_seqs=16, prefix_cache_gb=0) as engine:
+    async with Engine.open(
+        "stepline-demo", max_step_tokens=128, max_num_seqs=16, prefix_cache_gb=0
+    ) as engine:
         cold = await answers(engine, chats)
     assert warm == cold  # starting from the shared snapshot changes no token

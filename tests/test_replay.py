@@ -602,7 +602,9 @@ def test_percentiles_are_exact_for_small_samples_and_within_one_percent_for_larg
 async def _record_a_run(path: Path) -> None:
     from stepline.api import Engine, SamplingParams
 
-    async with Engine.open(max_step_tokens=32, max_num_seqs=4, event_log=path) as engine:
+    async with Engine.open(
+        "stepline-demo", max_step_tokens=32, max_num_seqs=4, event_log=path
+    ) as engine:
         streams = []
         for i in range(6):  # greedy and seeded sampling, sharing steps
             params = SamplingParams(

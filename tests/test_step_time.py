@@ -31,7 +31,9 @@ def _prompt(n: int) -> list[int]:
 
 async def test_the_warm_up_learns_a_cost_model_and_leaves_no_trace(tmp_path, model_cache_dir):
     log = tmp_path / "run.jsonl"
-    async with Engine.open(max_step_tokens=64, max_num_seqs=4, event_log=log) as engine:
+    async with Engine.open(
+        "stepline-demo", max_step_tokens=64, max_num_seqs=4, event_log=log
+    ) as engine:
         loop = engine.step_loop
         assert loop.cost_model is not None and loop.cost_model.cost is not None
         assert loop.runner.num_sequences == 0  # its requests are gone
@@ -44,7 +46,7 @@ async def test_the_warm_up_learns_a_cost_model_and_leaves_no_trace(tmp_path, mod
 
 
 async def test_without_a_target_there_is_no_warm_up(model_cache_dir):
-    async with Engine.open(max_step_ms=None) as engine:
+    async with Engine.open("stepline-demo", max_step_ms=None) as engine:
         assert engine.step_loop.cost_model is None
 
 
@@ -53,7 +55,12 @@ async def test_a_prompt_arriving_while_others_decode_gets_chunks_that_fit_the_ta
 ):
     log = tmp_path / "run.jsonl"
     async with Engine.open(
-        max_step_tokens=512, max_num_seqs=4, max_step_ms=100, event_log=log, prefix_cache_gb=0
+        "stepline-demo",
+        max_step_tokens=512,
+        max_num_seqs=4,
+        max_step_ms=100,
+        event_log=log,
+        prefix_cache_gb=0,
     ) as engine:
         engine.step_loop.cost_model = _known_model()
         # Alone: nobody to protect, so the whole budget.
@@ -105,7 +112,7 @@ async def test_steps_that_only_decode_never_refit_the_cost_model(monkeypatch, mo
     # 16 steps. It refits once a chunk is to be sized again, with everything it saw since.
     fits: list[int] = []
     real_fit = cost_model.fit
-    async with Engine.open(max_step_tokens=64, max_num_seqs=4) as engine:
+    async with Engine.open("stepline-demo", max_step_tokens=64, max_num_seqs=4) as engine:
         loop = engine.step_loop
         monkeypatch.setattr(
             cost_model, "fit", lambda samples: fits.append(loop.step + 1) or real_fit(samples)
