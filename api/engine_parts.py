@@ -10,6 +10,9 @@ takes apart whatever was built, also when a later part fails.
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
+import os
+import platform
 import sys
 import time
 from collections.abc import Callable
@@ -172,12 +175,7 @@ class EngineParts:
             )
         cost_model = None
         if options.max_step_ms is not None:
-            from stepline.engine.warmup import measure_step_costs
-
-            samples = await executor.call(
-                measure_step_costs, runner, sched, vocab_size(loaded), loaded.max_context
-            )
-            cost_model = CostModel(seed=samples)
+            cost_model = CostModel(seed=await self._warmup_samples(sched))
         index = None
         if runner.store is not None:
             index = PrefixIndex(prefix_bytes)
@@ -197,6 +195,44 @@ class EngineParts:
             cost_model=cost_model,
         )
         return step_loop, config
+
+    async def _warmup_samples(self, sched: SchedulerConfig) -> list:
+        """The step-time model's seed: the warm-up's samples, kept from an earlier start of
+        the same model, budget and machine (engine/warmup.py), or measured now."""
+        from stepline.engine import _blas
+        from stepline.engine.models import cache_root
+        from stepline.engine.prefix_files import model_fingerprint
+        from stepline.engine.warmup import (
+            load_samples,
+            measure_step_costs,
+            samples_key,
+            save_samples,
+        )
+
+        loaded, runner, executor = self.loaded, self.runner, self.executor
+        key = samples_key(
+            model=await anyio.to_thread.run_sync(model_fingerprint, loaded.path),
+            weights=loaded.weights,
+            max_step_tokens=sched.max_step_tokens,
+            chunk_cap=sched.chunk_cap,
+            max_num_seqs=sched.max_num_seqs,
+            machine=(platform.node(), platform.machine(), os.cpu_count()),
+            mlx=importlib.metadata.version("mlx"),
+            blas=(_blas.status()[0], os.environ.get("OPENBLAS_NUM_THREADS")),
+            distributed=self.topology.as_config() if self.topology is not None else None,
+        )
+        path = cache_root() / "warmup" / key
+        samples = load_samples(path)
+        if samples is not None:
+            log.info("warmup_samples_reused", path=str(path), samples=len(samples))
+            return samples
+        t0 = time.monotonic()
+        samples = await executor.call(
+            measure_step_costs, runner, sched, vocab_size(loaded), loaded.max_context
+        )
+        log.info("warmup_measured", seconds=round(time.monotonic() - t0, 2), kept=str(path))
+        await anyio.to_thread.run_sync(save_samples, path, samples)
+        return samples
 
     async def close(self) -> None:
         """Take apart what was built, in order; the executor last."""

@@ -18,7 +18,7 @@ def served_dir(model_name: str) -> Path:
     """A directory in mlx-lm layout holding `model_name` as stepline serves it."""
     from stepline.engine.default_model import DEFAULT_MODEL
     from stepline.engine.gguf import is_gguf
-    from stepline.engine.models import DEMO_MODELS, _cache_root, demo_model_path, load_model
+    from stepline.engine.models import DEMO_MODELS, cache_root, demo_model_path, load_model
 
     if model_name in DEMO_MODELS:
         return demo_model_path(model_name)
@@ -26,7 +26,7 @@ def served_dir(model_name: str) -> Path:
         return Path(model_name)
     loaded = load_model(model_name)
     dtype = loaded.weights.split(" ", 1)[0].replace("/", "-")
-    target = _cache_root(None) / "models" / f"{loaded.path.name}-served-{dtype}"
+    target = cache_root(None) / "models" / f"{loaded.path.name}-served-{dtype}"
     if target.is_dir():
         return target
     import mlx.nn as nn

@@ -222,7 +222,8 @@ class LoadedModel:
     weights: str = ""  # the weights' dtype as loaded, and why (`fit_dtype`)
 
 
-def _cache_root(cache_dir: str | Path | None) -> Path:
+def cache_root(cache_dir: str | Path | None = None) -> Path:
+    """stepline's cache: `cache_dir`, else $STEPLINE_CACHE_DIR, else ~/.cache/stepline."""
     if cache_dir is not None:
         return Path(cache_dir).expanduser()
     env = os.environ.get("STEPLINE_CACHE_DIR")
@@ -257,7 +258,7 @@ def demo_model_path(name: str = DEFAULT_DEMO, cache_dir: str | Path | None = Non
         raise ModelNotFoundError(
             f"unknown demo model {name!r}; the demo models are {', '.join(DEMO_MODELS)}"
         )
-    models_dir = _cache_root(cache_dir) / "models"
+    models_dir = cache_root(cache_dir) / "models"
     final = models_dir / f"{name}-{_spec_hash(spec)}"
     if final.is_dir():
         return final
@@ -549,7 +550,7 @@ def _gguf_dir(path: Path) -> Path:
             f"stepline: converting {path.name}: {done}/{total} tensors", file=sys.stderr, flush=True
         )
 
-    directory, converted = gguf_model_dir(path, _cache_root(None), progress)
+    directory, converted = gguf_model_dir(path, cache_root(None), progress)
     if not converted:
         log.info("gguf_cached", file=str(path), directory=str(directory))
     return directory
@@ -576,7 +577,7 @@ def load_model(name_or_path: str | None = None, dtype: str = "auto") -> LoadedMo
         raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     name = DEFAULT_MODEL if name_or_path is None else name_or_path
     if name == DEFAULT_MODEL:
-        return _load_dir(_gguf_dir(default_gguf(_cache_root(None))), name, dtype)
+        return _load_dir(_gguf_dir(default_gguf(cache_root(None))), name, dtype)
     if name in DEMO_MODELS:
         return _load_dir(demo_model_path(name), name, dtype)
     local = Path(name).expanduser()

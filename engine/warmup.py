@@ -5,13 +5,27 @@ synthetic greedy requests (no random draws, so the sampler's stream is untouched
 that are freed without entering the prefix cache. It prefills chunks of several
 sizes at several offsets, then decodes at two batch sizes, so that every term of
 `StepCost` has been seen at least once before the first real step.
+
+Its samples are kept in stepline's cache (`save_samples`), keyed by what they measured
+(the model's weights and dtype, the token budget, this machine and its BLAS), so a restart
+of the same engine on the same machine seeds the step-time model with them instead of
+measuring again: start-up stays seconds on a model whose warm-up takes seconds. Live steps
+correct them as they would the warm-up's own.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import random
+import time
 from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
 from typing import Any
+
+import structlog
 
 from stepline.engine.cost_model import Sample, StepFeatures
 from stepline.engine.policy import ScheduledChunk, SchedulerConfig, StepPlan
@@ -23,6 +37,42 @@ _PARAMS = RequestParams(
 )
 _PREFIX = "stepline-warmup-"
 _FIRST_TOKEN_ID = 3  # past the usual special tokens
+# Bump when the warm-up's steps change: samples measured by another recipe are not reused.
+_RECIPE_VERSION = 1
+# Kept samples older than this are measured again (the machine may have changed under them).
+MAX_SAMPLE_AGE_S = 7 * 24 * 3600
+
+log = structlog.get_logger(__name__)
+
+
+def samples_key(**parts: Any) -> str:
+    """A file name for the samples measured under `parts` (JSON-able values)."""
+    blob = json.dumps({"recipe": _RECIPE_VERSION, **parts}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:20] + ".json"
+
+
+def load_samples(path: Path, max_age_s: float = MAX_SAMPLE_AGE_S) -> list[Sample] | None:
+    """The samples kept at `path`, or None if there are none (or they are too old, or the
+    file is not what `save_samples` writes)."""
+    try:
+        if time.time() - path.stat().st_mtime > max_age_s:
+            return None
+        data = json.loads(path.read_text())
+        return [Sample(StepFeatures(**s["features"]), float(s["seconds"])) for s in data]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def save_samples(path: Path, samples: Sequence[Sample]) -> None:
+    """Keep `samples` at `path` (written whole, then renamed); a failure is only logged."""
+    data = [{"features": asdict(s.features), "seconds": s.seconds} for s in samples]
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, path)
+    except OSError as e:
+        log.warning("warmup_samples_not_kept", path=str(path), error=str(e))
 
 
 def measure_step_costs(

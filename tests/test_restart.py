@@ -77,7 +77,8 @@ def test_serve_restarts_after_kill_9_with_the_same_command_and_the_log_verifies(
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     stepline = str(Path(sys.executable).with_name("stepline"))
-    command = [stepline, "serve", "--event-log", str(log), "--port", str(port)]
+    command = [stepline, "serve", "--model", "stepline-demo", "--event-log", str(log)]
+    command += ["--port", str(port)]
     command += ["--max-step-tokens", "64", "--max-num-seqs", "4"]
     output = tmp_path / "serve.out"
     assert os.environ.get("STEPLINE_CACHE_DIR")  # the child finds the demo model built

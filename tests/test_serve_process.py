@@ -275,7 +275,16 @@ sys.exit(main(sys.argv[1:]))
 
 
 def test_serve_exits_with_status_1_when_its_engine_fails_so_a_supervisor_restarts_it(demo):
-    argv = [sys.executable, "-c", _FAILING_SERVE, "serve", "--port", "0"]
+    argv = [
+        sys.executable,
+        "-c",
+        _FAILING_SERVE,
+        "serve",
+        "--model",
+        "stepline-demo",
+        "--port",
+        "0",
+    ]
     proc = subprocess.Popen(
         argv,
         stdout=subprocess.PIPE,

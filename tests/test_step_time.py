@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import anyio
+from structlog.testing import capture_logs
 
 from stepline.api import Engine, SamplingParams
 from stepline.engine import cost_model
@@ -29,20 +30,44 @@ def _prompt(n: int) -> list[int]:
     return [3 + (i * 37) % 250 for i in range(n)]
 
 
-async def test_the_warm_up_learns_a_cost_model_and_leaves_no_trace(tmp_path, model_cache_dir):
+async def test_the_warm_up_learns_a_cost_model_and_leaves_no_trace(tmp_path, demo, monkeypatch):
+    monkeypatch.setenv("STEPLINE_CACHE_DIR", str(tmp_path / "cache"))  # no samples kept yet
     log = tmp_path / "run.jsonl"
-    async with Engine.open(
-        "stepline-demo", max_step_tokens=64, max_num_seqs=4, event_log=log
-    ) as engine:
-        loop = engine.step_loop
-        assert loop.cost_model is not None and loop.cost_model.cost is not None
-        assert loop.runner.num_sequences == 0  # its requests are gone
-        assert len(loop.runner.store) == 0  # and none went to the prefix cache
-        assert loop.index.num_entries == 0
-        assert engine.config["max_step_ms"] == 100.0
-        out = [o async for o in engine.generate(_prompt(40), params=SamplingParams(max_tokens=4))]
-        assert out[-1].finish_reason is not None
+    with capture_logs() as logs:
+        opened = Engine.open(str(demo.path), max_step_tokens=64, max_num_seqs=4, event_log=log)
+        async with opened as engine:
+            assert [e["event"] for e in logs if "warmup" in e["event"]] == ["warmup_measured"]
+            loop = engine.step_loop
+            assert loop.cost_model is not None and loop.cost_model.cost is not None
+            assert loop.runner.num_sequences == 0  # its requests are gone
+            assert len(loop.runner.store) == 0  # and none went to the prefix cache
+            assert loop.index.num_entries == 0
+            assert engine.config["max_step_ms"] == 100.0
+            params = SamplingParams(max_tokens=4)
+            out = [o async for o in engine.generate(_prompt(40), params=params)]
+            assert out[-1].finish_reason is not None
     assert all(e.step >= 1 and "warmup" not in str(e.request_id) for e in read_events(log))
+
+
+async def test_a_restart_seeds_its_cost_model_with_the_samples_measured_before(
+    tmp_path, demo, monkeypatch
+):
+    monkeypatch.setenv("STEPLINE_CACHE_DIR", str(tmp_path / "cache"))
+    costs, events = [], []
+    for max_step_tokens in (64, 64, 128):
+        with capture_logs() as logs:
+            async with Engine.open(str(demo.path), max_step_tokens=max_step_tokens) as engine:
+                costs.append(engine.step_loop.cost_model.cost)
+        events.append([e["event"] for e in logs if "warmup" in e["event"]])
+    assert events == [["warmup_measured"], ["warmup_samples_reused"], ["warmup_measured"]]
+    assert costs[1] == costs[0]  # the same samples: the same fit
+    # A kept file that is not what was written is measured again, never trusted.
+    for kept in (tmp_path / "cache" / "warmup").iterdir():
+        kept.write_text("{not json")
+    with capture_logs() as logs:
+        async with Engine.open(str(demo.path), max_step_tokens=64):
+            pass
+    assert [e["event"] for e in logs if "warmup" in e["event"]] == ["warmup_measured"]
 
 
 async def test_without_a_target_there_is_no_warm_up(model_cache_dir):
