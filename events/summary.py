@@ -8,6 +8,7 @@ afresh in each run) and in total; requests a run left unfinished before a restar
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -299,11 +300,18 @@ class _Summariser:
         )
 
 
-def summarize(path: str | Path, *, top: int = 5, run: int | str | None = None) -> Summary:
+def summarize(
+    path: str | Path,
+    *,
+    top: int = 5,
+    run: int | str | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> Summary:
     """Outcomes, latencies, scheduling figures and time of the log (or of one `run`).
 
     Tolerant: events that break the invariants are counted as they come (verify reports
-    them). Raises what `read_events` raises, and UnknownRunError.
+    them). `progress`, if given, is called with the number of events read every 10,000
+    events. Raises what `read_events` raises, and UnknownRunError.
     """
     index = resolve_run(path, run)
     header = read_header(path)
@@ -312,6 +320,8 @@ def summarize(path: str | Path, *, top: int = 5, run: int | str | None = None) -
         if s.run is None or s.run.index != log_run.index:
             s.start_run(log_run)
         s.add(event)
+        if progress is not None and s.num_events % 10_000 == 0:
+            progress(s.num_events)
     if s.run is not None:
         s.end_run(last=s.run.index == len(read_runs(path)))
     if index is not None and s.runs:

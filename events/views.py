@@ -108,6 +108,30 @@ class RequestTimeline(Report):
     e2e_s: float | None  # admission -> terminal
     itl_s: tuple[float, ...]  # time between consecutive token events
     itl: Percentiles
+    # The steps shown (None: unbounded): `within` narrows the step-by-step records; the
+    # latencies above stay those of the whole life.
+    first_step: int | None = None
+    last_step: int | None = None
+
+    def within(self, first: int | None, last: int | None) -> RequestTimeline:
+        """The same timeline with only the records of steps first..last (inclusive)."""
+        if first is None and last is None:
+            return self
+
+        def inside(step: int) -> bool:
+            return (first is None or step >= first) and (last is None or step <= last)
+
+        return self.model_copy(
+            update={
+                "first_step": first,
+                "last_step": last,
+                "steps": tuple(s for s in self.steps if inside(s.step)),
+                "chunks": tuple(c for c in self.chunks if inside(c.step)),
+                "checkpoints_reached": tuple(c for c in self.checkpoints_reached if inside(c.step)),
+                "tokens": tuple(t for t in self.tokens if inside(t.step)),
+                "terminal": self.terminal if self.terminal and inside(self.terminal.step) else None,
+            }
+        )
 
 
 @dataclass
