@@ -139,7 +139,7 @@ def add_replay_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
         type=float,
         metavar="MS",
         help="a gap between two tokens longer than this is a stall (pictures and --trace; "
-        "default: twice the run's median gap)",
+        "default: three times the run's median gap)",
     )
     p.add_argument(
         "--trace",

@@ -8,7 +8,7 @@ Times are seconds from the run's first event. A step starts when it was planned 
 what the executor measured (`step-finished`); in logs without those, until the next plan.
 
 A **stall** is a wait between two consecutive tokens of one request longer than a threshold
-(by default twice the run's median inter-token gap). Its **cause** is the slowest step in
+(by default three times the run's median inter-token gap). Its **cause** is the slowest step in
 the wait: the step that made the request's stream freeze.
 """
 
@@ -32,7 +32,7 @@ from stepline.events.models import (
 from stepline.events.stats import Distribution
 
 _NAMED_PREFILLS = 3  # requests named in a step's description; the rest are counted
-DEFAULT_STALL_FACTOR = 2.0  # a stall: a gap over this many times the median gap
+DEFAULT_STALL_FACTOR = 3.0  # a stall: a gap over this many times the median gap
 MIN_STALL_S = 0.001  # never call a gap under a millisecond a stall
 
 
@@ -223,7 +223,7 @@ def collect(
     """Every step and request of one run (`run`, 1-based; None for a log of one run).
 
     `request_ids` keeps only those requests' lives (every step is kept: steps show what
-    else ran). `stall_s` is the stall threshold in seconds (default: twice the median gap
+    else ran). `stall_s` is the stall threshold in seconds (default: three times the median gap
     between two tokens of a request, over the whole run). `progress`, if given, is called
     with the number of events read every 10,000 events. Raises what `read_events` raises.
     """

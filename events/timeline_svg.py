@@ -195,7 +195,7 @@ def render_svg(
     With `request_ids`, only those requests, zoomed to their lives unless steps are given.
     Otherwise, past `top` requests, the `top` that waited longest for a token are drawn and
     the rest folded. `run` picks one run of a log that holds several (1-based); `time_axis`
-    lays steps out by time; `stall_s` is the stall threshold (default: twice the median gap
+    lays steps out by time; `stall_s` is the stall threshold (default: three times the median gap
     between tokens). Raises what `read_events` raises.
     """
     # Every request is collected, drawn or not: the strip shows whom each step stalled.
@@ -244,7 +244,12 @@ class _Picture:
         self.left = max(110.0, _r(longest_id * _CHAR_W + 12))
         self.axis = _axis(timeline, lo, hi, self.left, time_axis, self.zoomed)
         self.causes = timeline.causing_steps()
-        self.stalls_shown = [s for s in timeline.stalls if lo <= s.to_step <= hi]
+        drawn = {r.request_id for r in self.rows} if self.zoomed else None
+        self.stalls_shown = [
+            s
+            for s in timeline.stalls
+            if lo <= s.to_step <= hi and (drawn is None or s.request_id in drawn)
+        ]
 
     # -- layout -----------------------------------------------------------------------------
 

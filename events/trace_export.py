@@ -252,7 +252,7 @@ def export_trace(
     """Write one run of the log at `path` to `target` as Trace Event JSON.
 
     `run` picks one run of a log of several (1-based); `stall_s` is the stall threshold in
-    seconds (default: twice the run's median gap between tokens). Raises what `read_events`
+    seconds (default: three times the run's median gap between tokens). Raises what `read_events`
     raises, and OSError if `target` cannot be written.
     """
     timeline = collect(path, run=run, stall_s=stall_s, progress=progress)
