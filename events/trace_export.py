@@ -19,7 +19,7 @@ so trace viewers nest them as they are.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,30 +44,27 @@ def _us(seconds: float) -> float:
     return round(seconds * 1e6, 3)
 
 
-def trace_events(timeline: RunTimeline) -> list[dict[str, Any]]:
-    """The trace events of `timeline`: metadata, then steps, then requests."""
+def trace_events(timeline: RunTimeline) -> Iterator[dict[str, Any]]:
+    """The trace events of `timeline`, one at a time: metadata, then steps, then requests."""
     ends = _step_ends(timeline)
-    out: list[dict[str, Any]] = [
-        _meta("process_name", ENGINE_PID, None, f"engine ({Path(timeline.path).name})"),
-        _meta("process_sort_index", ENGINE_PID, None, 0),
-        _meta("thread_name", ENGINE_PID, STEPS_TID, "steps"),
-        _meta("process_name", REQUESTS_PID, None, "requests"),
-        _meta("process_sort_index", REQUESTS_PID, None, 1),
-    ]
+    yield _meta("process_name", ENGINE_PID, None, f"engine ({Path(timeline.path).name})")
+    yield _meta("process_sort_index", ENGINE_PID, None, 0)
+    yield _meta("thread_name", ENGINE_PID, STEPS_TID, "steps")
+    yield _meta("process_name", REQUESTS_PID, None, "requests")
+    yield _meta("process_sort_index", REQUESTS_PID, None, 1)
     causes = timeline.causing_steps()
     for span in timeline.steps.values():
-        out.extend(_step(span, ends[span.step], causes.get(span.step, [])))
+        yield from _step(span, ends[span.step], causes.get(span.step, []))
     flow_id = 0
     for life in timeline.requests.values():
         tid = life.order + 1
-        out.append(_meta("thread_name", REQUESTS_PID, tid, life.request_id))
-        out.append(_meta("thread_sort_index", REQUESTS_PID, tid, life.order))
+        yield _meta("thread_name", REQUESTS_PID, tid, life.request_id)
+        yield _meta("thread_sort_index", REQUESTS_PID, tid, life.order)
         for event in _request(life, timeline, ends):
-            out.append(event)
+            yield event
             if event.get("cat") == "stall" and event["args"].get("cause_step") is not None:
                 flow_id += 1
-                out.extend(_flow(flow_id, timeline.steps[event["args"]["cause_step"]], ends, event))
-    return out
+                yield from _flow(flow_id, timeline.steps[event["args"]["cause_step"]], ends, event)
 
 
 def _meta(name: str, pid: int, tid: int | None, value: str | int) -> dict[str, Any]:
@@ -256,21 +253,22 @@ def export_trace(
     raises, and OSError if `target` cannot be written.
     """
     timeline = collect(path, run=run, stall_s=stall_s, progress=progress)
-    events = trace_events(timeline)
-    document = {
-        "traceEvents": events,
-        "displayTimeUnit": "ms",
-        "otherData": {
-            "source": "stepline replay --trace",
-            "log": str(path),
-            "run": run,
-            "stall_threshold_ms": round(timeline.stall_threshold * 1000, 3),
-        },
+    other = {
+        "source": "stepline replay --trace",
+        "log": str(path),
+        "run": run,
+        "stall_threshold_ms": round(timeline.stall_threshold * 1000, 3),
     }
-    with open(target, "w", encoding="utf-8") as f:
-        json.dump(document, f, separators=(",", ":"))
+    compact = json.JSONEncoder(separators=(",", ":")).encode
+    num_events = 0
+    with open(target, "w", encoding="utf-8") as f:  # written as made: a big log's trace is big
+        f.write('{"displayTimeUnit":"ms","otherData":' + compact(other) + ',"traceEvents":[\n')
+        for event in trace_events(timeline):
+            f.write((",\n" if num_events else "") + compact(event))
+            num_events += 1
+        f.write("\n]}\n")
     return TraceStats(
-        num_events=len(events),
+        num_events=num_events,
         num_steps=len(timeline.steps),
         num_requests=len(timeline.requests),
         num_stalls=len(timeline.stalls),
