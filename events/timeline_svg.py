@@ -155,8 +155,8 @@ def _step_axis(shown: list[StepSpan], lo: int, hi: int, left: float, max_cell: f
         return xb(shown[i].step) if t >= shown[i].end else xa(shown[i].step)
 
     tick = next((t for t in _STEP_TICKS if t * cw >= 50), max(1, num_steps // 10))
-    first = lo + (-lo) % tick
-    ticks = [(xa(s), str(s)) for s in range(first, hi + 1, tick)]
+    later = range(lo + (-lo) % tick or tick, hi + 1, tick)
+    ticks = [(xa(s), str(s)) for s in (lo, *(s for s in later if s - lo >= tick / 2))]
     return _Axis(lo, hi, left, xa, xb, xt, ticks, "step")
 
 
@@ -358,6 +358,8 @@ class _Picture:
         tallest = max((max(s.seconds, s.predicted or 0.0) for s in spans), default=0.0)
         out.append(f'<text x="4" y="{top + 10}">step time</text>')
         out.append(f'<text x="4" y="{top + 24}">max {_ms(tallest)}</text>')
+        if any(span.estimated for span in spans):  # a log written before step-finished events
+            out.append(f'<text x="4" y="{top + 38}">(estimated)</text>')
         out.append(
             f'<line x1="{self.left}" y1="{bottom}" x2="{axis.xb(self.hi)}" y2="{bottom}" '
             'stroke="#888888"/>'

@@ -80,7 +80,7 @@ def _step_ends(timeline: RunTimeline) -> dict[int, float]:
     would make two slices of one track overlap)."""
     ends: dict[int, float] = {}
     spans = list(timeline.steps.values())
-    for span, following in zip(spans, [*spans[1:], None], strict=True):
+    for span, following in zip(spans, [*spans[1:], None], strict=False):
         end = span.end if following is None else min(span.end, following.start)
         ends[span.step] = max(end, span.start)
     return ends
