@@ -518,8 +518,10 @@ def _text_summary(s: Summary) -> list[str]:
     if s.longest_stalls:
         lines.append("longest stalls (between two tokens of a request):")
         for st in s.longest_stalls:
+            cause = f": {st.cause}" if st.cause else ""
             lines.append(
-                f"  {st.request_id}: {_s(st.seconds)} from step {st.from_step} to {st.to_step}"
+                f"  {st.request_id}: {_s(st.seconds)} from step {st.from_step} to "
+                f"{st.to_step}{cause}"
             )
     multi = len(s.runs) > 1
     if s.slowest_steps:

@@ -212,6 +212,25 @@ class RunTimeline:
         return out
 
 
+def step_span(event: StepPlanned, start: float) -> StepSpan:
+    """The span of a planned step starting at `start`; its time is estimated until its
+    step-finished event (or the next plan) says otherwise."""
+    prefills = [(e.request_id, e.num_tokens) for e in event.entries if e.kind == "prefill"]
+    return StepSpan(
+        step=event.step,
+        start=start,
+        seconds=0.0,
+        predicted=None,
+        estimated=True,
+        num_tokens=sum(e.num_tokens for e in event.entries),
+        max_step_tokens=event.max_step_tokens,
+        num_decode_rows=sum(e.kind == "decode" for e in event.entries),
+        num_chunk_tokens=sum(n for _, n in prefills),
+        prefills=prefills[:_NAMED_PREFILLS],
+        num_prefills=len(prefills),
+    )
+
+
 def collect(
     path: str | Path,
     *,
@@ -242,22 +261,9 @@ def collect(
             t0 = event.ts
         at = event.ts - t0
         if isinstance(event, StepPlanned):
-            prefills = [(e.request_id, e.num_tokens) for e in event.entries if e.kind == "prefill"]
             if previous is not None and previous.estimated:
                 previous.seconds = max(0.0, at - previous.start)  # older logs: until this plan
-            previous = steps[event.step] = StepSpan(
-                step=event.step,
-                start=at,
-                seconds=0.0,
-                predicted=None,
-                estimated=True,
-                num_tokens=sum(e.num_tokens for e in event.entries),
-                max_step_tokens=event.max_step_tokens,
-                num_decode_rows=sum(e.kind == "decode" for e in event.entries),
-                num_chunk_tokens=sum(n for _, n in prefills),
-                prefills=prefills[:_NAMED_PREFILLS],
-                num_prefills=len(prefills),
-            )
+            previous = steps[event.step] = step_span(event, at)
             for e in event.entries:
                 life = requests.get(e.request_id)
                 if life is not None and life.first_scheduled_at is None:

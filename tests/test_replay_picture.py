@@ -260,6 +260,16 @@ def test_a_request_picture_zooms_to_its_life_with_its_numbers_and_full_id(
     assert (tmp_path / "one.svg").read_text(encoding="utf-8").count('class="request"') == 1
 
 
+def test_the_summary_names_the_step_that_caused_each_stall(stall_log: Path) -> None:
+    top = summarize(stall_log).longest_stalls[0]
+
+    assert (top.from_step, top.to_step, top.cause_step) == (8, 9, STALL_STEP)
+    assert top.cause is not None
+    assert top.cause.startswith("step 9 took 141.0 ms (predicted 60.0 ms): late prefill 2048")
+    _, text = replay(str(stall_log))
+    assert "  r2: 147.0 ms from step 8 to 9: step 9 took 141.0 ms" in text
+
+
 def test_request_and_steps_combine(stall_log: Path, tmp_path: Path) -> None:
     code, text = replay(str(stall_log), "--request", "r2", "--steps", "8..10")
 
