@@ -256,8 +256,10 @@ class _Picture:
     def svg(self, xmlns: bool) -> str:
         t, axis = self.t, self.axis
         plot_right = _r(axis.xb(self.hi))
-        facts = [r for r in self.rows if self.zoomed]
-        lines = [self.heading(), *(f"{r.request_id}: {r.describe()}" for r in facts)]
+        facts = [f"{r.request_id}: {r.describe()}" for r in self.rows if self.zoomed]
+        if not self.zoomed and self.stalls_shown:
+            facts.append(self.stalling_steps())
+        lines = [self.heading(), *facts]
         text_w = max(len(line) for line in lines) * _CHAR_W + 8
         width = int(max(plot_right + _WAIT_W + 10, _LEGEND_W, text_w))
         heading_y = 38
@@ -288,10 +290,8 @@ class _Picture:
             lx += 14 + 7 * len(label) + 12
 
         out.append(f'<text x="4" y="{heading_y}" font-weight="bold">{_a(self.heading())}</text>')
-        for i, r in enumerate(facts):
-            out.append(
-                f'<text x="4" y="{facts_y + 16 * i}">{_a(r.request_id)}: {_a(r.describe())}</text>'
-            )
+        for i, line in enumerate(facts):
+            out.append(f'<text x="4" y="{facts_y + 16 * i}">{_a(line)}</text>')
 
         for gx, label in axis.ticks:
             out.append(
@@ -337,6 +337,21 @@ class _Picture:
             at = f" at step {worst.cause_step}" if worst.cause_step is not None else ""
             text += f", worst {_ms(worst.seconds)} ({worst.request_id}{at})"
         return text
+
+    def stalling_steps(self, limit: int = 5) -> str:
+        """The steps that cost requests the most waiting, e.g. 'steps that stalled requests
+        longest: 9 (3 requests, took 141.0 ms), ...'."""
+        stalled: dict[int, list[float]] = {}
+        for mark in self.stalls_shown:
+            if mark.cause_step is not None:
+                stalled.setdefault(mark.cause_step, []).append(mark.seconds)
+        worst = sorted(stalled.items(), key=lambda kv: (-sum(kv[1]), kv[0]))[:limit]
+        shown = ", ".join(
+            f"{step} ({len(gaps)} request{'s' * (len(gaps) != 1)}, took "
+            f"{_ms(self.t.steps[step].seconds)})"
+            for step, gaps in worst
+        )
+        return f"steps that stalled requests longest: {shown}"
 
     def fold_limit(self) -> float:
         drawn = {r.request_id for r in self.rows}

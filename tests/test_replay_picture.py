@@ -192,6 +192,8 @@ def test_a_stall_is_marked_on_every_row_it_froze_with_the_step_that_caused_it(
         assert x0 <= c0 + 0.6 and x1 >= c1 - 0.6 and x1 - x0 < 1.2 * (c1 - c0)
     late = _row(root, LATE)
     assert not [r for r in late.iter(_q("rect")) if r.get("class") == "stall"]
+    texts = [t.text or "" for t in root.iter(_q("text"))]
+    assert "steps that stalled requests longest: 9 (3 requests, took 141.0 ms)" in texts
 
 
 def test_the_step_time_strip_shows_measured_and_predicted_time_on_hover(stall_log: Path) -> None:
