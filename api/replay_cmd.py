@@ -227,11 +227,21 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
         timeline = request_timeline(args.log, args.request, run=run)
         report, text = timeline.within(first, last), _text_timeline
     elif args.at_step is not None:
-        report = _per_run(args.log, run, lambda r: state_at_step(args.log, args.at_step, run=r))
+        report = _per_run(
+            args.log,
+            run,
+            lambda r: state_at_step(args.log, args.at_step, run=r, progress=progress.events),
+        )
         text = _each(_text_state)
+        progress.done()
     elif args.steps:
-        report = _per_run(args.log, run, lambda r: step_records(args.log, first, last, run=r))
+        report = _per_run(
+            args.log,
+            run,
+            lambda r: step_records(args.log, first, last, run=r, progress=progress.events),
+        )
         text = _each(_text_steps)
+        progress.done()
     elif args.verify:
         vr = verify(args.log, run=run)
         report, text = vr, _text_verify

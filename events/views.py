@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -298,9 +298,16 @@ class StateAtStep(Report):
     requests: tuple[RequestAtStep, ...]  # in admission order
 
 
-def state_at_step(path: str | Path, step: int, *, run: int | str | None = None) -> StateAtStep:
+def state_at_step(
+    path: str | Path,
+    step: int,
+    *,
+    run: int | str | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> StateAtStep:
     """Every request's state after step `step`, by folding the log with the engine's `apply`.
 
+    `progress`, if given, is called with the number of events read every 10,000 events.
     Raises FoldError if the log cannot be folded (run verify to see why), RunNeededError if
     the log holds several runs and `run` is None, UnknownRunError.
     """
@@ -310,8 +317,10 @@ def state_at_step(path: str | Path, step: int, *, run: int | str | None = None) 
 
     def tracked() -> Iterator[Event]:
         nonlocal last_step
-        for event in read_events(path, run=index):
+        for num_events, event in enumerate(read_events(path, run=index), start=1):
             last_step = max(last_step, event.step)
+            if progress is not None and num_events % 10_000 == 0:
+                progress(num_events)
             yield event
 
     states = fold(tracked(), until_step=step)
@@ -431,9 +440,11 @@ def step_records(
     last: int | None = None,
     *,
     run: int | str | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> StepsReport:
     """Every step numbered first..last (inclusive; None = unbounded) with its members.
 
+    `progress`, if given, is called with the number of events read every 10,000 events.
     Raises RunNeededError if the log holds several runs and `run` is None, UnknownRunError.
     """
     index = resolve_run(path, run, needed=True)
@@ -441,7 +452,9 @@ def step_records(
     records: list[StepRecord] = []
     current: _OpenStep | None = None
     last_step: int | None = None
-    for event in read_events(path, run=index):
+    for num_events, event in enumerate(read_events(path, run=index), start=1):
+        if progress is not None and num_events % 10_000 == 0:
+            progress(num_events)
         if isinstance(event, StepPlanned):
             last_step = event.step
             if current is not None:
