@@ -167,7 +167,10 @@ def _nice(total: float, candidates: tuple[float, ...]) -> float:
     return float(max(candidates[-1], round(total / 10)))
 
 
-def _range(timeline: RunTimeline, first: int | None, last: int | None, zoom: list[RequestLife]):
+def _range(
+    timeline: RunTimeline, first: int | None, last: int | None, zoom: list[RequestLife]
+) -> tuple[int, int]:
+    """The steps to draw: those asked for, else the zoomed requests' lives, else the run."""
     if zoom and first is None and last is None:  # a request's life, from admission to its end
         lo = max(min(r.admitted_step for r in zoom), timeline.first_step or 0)
         hi = max(r.last_step for r in zoom)
@@ -195,8 +198,8 @@ def render_svg(
     With `request_ids`, only those requests, zoomed to their lives unless steps are given.
     Otherwise, past `top` requests, the `top` that waited longest for a token are drawn and
     the rest folded. `run` picks one run of a log that holds several (1-based); `time_axis`
-    lays steps out by time; `stall_s` is the stall threshold (default: three times the median gap
-    between tokens). Raises what `read_events` raises.
+    lays steps out by time; `stall_s` is the stall threshold (default: three times the
+    median gap between tokens). Raises what `read_events` raises.
     """
     # Every request is collected, drawn or not: the strip shows whom each step stalled.
     timeline = collect(path, run=run, stall_s=stall_s, progress=progress)
