@@ -1,8 +1,8 @@
 """`stepline replay LOG [options]`: inspect, verify and re-execute a recorded run.
 
 The CLI (api/cli.py) wires it in with `add_replay_parser(subparsers)`; `run_replay(args)`
-returns the exit code: 0 fine, 1 violations found (verify) or tokens diverged (reexecute),
-2 the log or the arguments cannot be used (message on stderr).
+returns the exit code: 0 fine, 1 violations found (verify), or tokens diverged or nothing
+could be compared (reexecute), 2 the log or the arguments cannot be used (message on stderr).
 """
 
 from __future__ import annotations
@@ -19,7 +19,13 @@ from typing import Any, TextIO
 from pydantic import BaseModel
 
 from stepline.events.fold import FoldError
-from stepline.events.log import LogCorruptError, TornLineWarning, UnsupportedSchemaError, read_runs
+from stepline.events.log import (
+    LogCorruptError,
+    TornLineWarning,
+    UnsupportedSchemaError,
+    log_files,
+    read_runs,
+)
 from stepline.events.models import EVENT_ADAPTER
 from stepline.events.reexecute import ReexecuteReport, reexecute
 from stepline.events.replay import (
@@ -44,6 +50,7 @@ from stepline.events.replay import (
     verify,
 )
 from stepline.events.timeline_svg import render_html, render_svg
+from stepline.events.trace_export import export_trace
 
 EXIT_OK, EXIT_FAILED, EXIT_UNUSABLE = 0, 1, 2
 
@@ -64,6 +71,16 @@ def parse_step_range(text: str) -> tuple[int | None, int | None]:
     return first, last
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
+    return value
+
+
 def add_replay_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the `replay` sub-command to `subparsers`; it sets `func=run_replay`."""
     p = subparsers.add_parser(
@@ -76,8 +93,13 @@ def add_replay_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
         ),
     )
     p.add_argument("log", type=Path, help="the log (its first file, for a rotated set)")
+    p.add_argument(
+        "--request",
+        metavar="ID",
+        help="the timeline of one request (with --steps A..B, of those steps); a picture "
+        "(--svg, --html) zooms to its life",
+    )
     view = p.add_mutually_exclusive_group()
-    view.add_argument("--request", metavar="ID", help="the timeline of one request")
     view.add_argument("--at-step", type=int, metavar="N", help="every request's state at step N")
     view.add_argument(
         "--steps", type=parse_step_range, metavar="A..B", help="per step: members, tokens, budget"
@@ -85,7 +107,10 @@ def add_replay_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
     view.add_argument("--summary", action="store_true", help="the summary (the default view)")
     view.add_argument("--verify", action="store_true", help="check the engine's invariants")
     view.add_argument(
-        "--reexecute", action="store_true", help="run the requests again and compare tokens"
+        "--reexecute",
+        action="store_true",
+        help="run the requests again and compare tokens (only greedy or seeded requests can be "
+        "compared; exit 1 if none was)",
     )
     p.add_argument(
         "--run",
@@ -101,6 +126,28 @@ def add_replay_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
         action="store_true",
         help="lay the picture's steps out by time (measured step times; idle gaps show)",
     )
+    p.add_argument(
+        "--top",
+        type=_positive_int,
+        default=25,
+        metavar="N",
+        help="a picture of more requests draws the N that waited longest for a token and "
+        "folds the rest (default 25)",
+    )
+    p.add_argument(
+        "--stall-ms",
+        type=float,
+        metavar="MS",
+        help="a gap between two tokens longer than this is a stall (pictures and --trace; "
+        "default: three times the run's median gap)",
+    )
+    p.add_argument(
+        "--trace",
+        type=Path,
+        metavar="FILE",
+        help="write the run as Chrome Trace Event JSON (open it in ui.perfetto.dev or "
+        "chrome://tracing)",
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run_replay)
     return p
@@ -111,6 +158,13 @@ def run_replay(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
     out = out or sys.stdout
     if args.model and not args.reexecute:
         print("stepline replay: --model only goes with --reexecute", file=sys.stderr)
+        return EXIT_UNUSABLE
+    if args.request and (args.at_step is not None or args.summary or args.verify or args.reexecute):
+        print(
+            "stepline replay: --request goes with --steps (and pictures), not with "
+            "--at-step, --summary, --verify or --reexecute",
+            file=sys.stderr,
+        )
         return EXIT_UNUSABLE
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", TornLineWarning)
@@ -147,29 +201,54 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
         last = args.at_step  # the picture stops where the state is taken
     request_ids = {args.request} if args.request else None
     run = resolve_run(args.log, args.run)
+    stall_s = args.stall_ms / 1000 if args.stall_ms is not None else None
+    progress = Progress(sys.stderr, args.log)
 
     # The view first: it fails on an unknown request id before any file is written.
     report: BaseModel | None = None
     text: Callable[[Any], list[str]] = _text_summary
     code = EXIT_OK
     if args.reexecute:
-        rx = asyncio.run(reexecute(args.log, model=args.model, run=run))
+        rx = asyncio.run(
+            reexecute(
+                args.log,
+                model=args.model,
+                run=run,
+                on_plan=lambda plan: print(
+                    f"stepline replay: {plan.describe()}", file=sys.stderr, flush=True
+                ),
+                on_progress=progress.requests,
+            )
+        )
+        progress.done()
         report, text = rx, _text_reexecute
         code = EXIT_UNUSABLE if rx.cannot_run else (EXIT_OK if rx.ok else EXIT_FAILED)
     elif args.request:
-        report, text = request_timeline(args.log, args.request, run=run), _text_timeline
+        timeline = request_timeline(args.log, args.request, run=run)
+        report, text = timeline.within(first, last), _text_timeline
     elif args.at_step is not None:
-        report = _per_run(args.log, run, lambda r: state_at_step(args.log, args.at_step, run=r))
+        report = _per_run(
+            args.log,
+            run,
+            lambda r: state_at_step(args.log, args.at_step, run=r, progress=progress.events),
+        )
         text = _each(_text_state)
+        progress.done()
     elif args.steps:
-        report = _per_run(args.log, run, lambda r: step_records(args.log, first, last, run=r))
+        report = _per_run(
+            args.log,
+            run,
+            lambda r: step_records(args.log, first, last, run=r, progress=progress.events),
+        )
         text = _each(_text_steps)
+        progress.done()
     elif args.verify:
         vr = verify(args.log, run=run)
         report, text = vr, _text_verify
         code = EXIT_OK if vr.ok else EXIT_FAILED
-    elif args.summary or not (args.svg or args.html):
-        report, text = summarize(args.log, run=run), _text_summary
+    elif args.summary or not (args.svg or args.html or args.trace):
+        report, text = summarize(args.log, run=run, progress=progress.events), _text_summary
+        progress.done()
 
     for target, render in ((args.svg, render_svg), (args.html, render_html)):
         if target:
@@ -178,14 +257,80 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
                 first_step=first,
                 last_step=last,
                 request_ids=request_ids,
+                top=args.top,
                 run=resolve_run(args.log, run, needed=True),
                 time_axis=args.time_axis,
+                stall_s=stall_s,
+                progress=progress.events,
             )
+            progress.done()
             target.write_text(picture, encoding="utf-8")
             print(f"wrote {target}", file=sys.stderr)
+    if args.trace:
+        stats = export_trace(
+            args.log,
+            args.trace,
+            run=resolve_run(args.log, run, needed=True),
+            stall_s=stall_s,
+            progress=progress.events,
+        )
+        progress.done()
+        print(
+            f"wrote {args.trace}: {stats.num_steps} steps, {stats.num_requests} requests, "
+            f"{stats.num_stalls} stalls over {stats.stall_threshold_s * 1000:.1f} ms "
+            "(open it in ui.perfetto.dev or chrome://tracing)",
+            file=sys.stderr,
+        )
     if report is not None:
         _emit(report, args.json, out, text)
     return code
+
+
+class Progress:
+    """Progress of a long replay on a terminal: one line on stderr, rewritten in place, and
+    cleared when done. Silent when the stream is not a terminal (a pipe, a file, a test)."""
+
+    def __init__(self, stream: TextIO, log: Path) -> None:
+        self.stream = stream if stream.isatty() else None
+        self.log = log
+        self.shown = False
+        self._estimate: int | None = None
+
+    def events(self, num_events: int) -> None:
+        """`num_events` read so far; the total is estimated from the log's size."""
+        if self.stream is None:
+            return
+        if self._estimate is None:
+            self._estimate = _estimated_events(self.log)
+        share = min(99, 100 * num_events // max(self._estimate, 1))
+        self._show(f"reading {self.log.name}: {num_events:,} events (~{share}%)")
+
+    def requests(self, done: int, total: int) -> None:
+        """`done` of `total` requests re-executed."""
+        if self.stream is not None:
+            self._show(f"re-executed {done} of {total} requests")
+
+    def _show(self, line: str) -> None:
+        assert self.stream is not None
+        self.stream.write(f"\r\x1b[K{line}")
+        self.stream.flush()
+        self.shown = True
+
+    def done(self) -> None:
+        if self.stream is not None and self.shown:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+            self.shown = False
+
+
+def _estimated_events(log: Path) -> int:
+    """About how many events the log set holds: its bytes over the mean line of its start."""
+    files = log_files(log)
+    total = sum(f.stat().st_size for f in files)
+    with open(files[0], "rb") as f:
+        sample = f.read(1 << 16)
+    lines = max(1, sample.count(b"\n"))
+    return max(1, total * lines // max(1, len(sample)))
 
 
 class RunReports(BaseModel):
@@ -260,8 +405,13 @@ def _text_timeline(t: RequestTimeline) -> list[str]:
             else ["  output token ids were not logged (log_outputs=False): only their counts"]
         ),
         f"  {'step':>6}  {'t':>10}  event",
-        f"  {t.admitted_step:>6}  {_s(0.0):>10}  admitted (seq {t.admitted_seq})",
     ]
+    if t.first_step is not None or t.last_step is not None:
+        a = "" if t.first_step is None else t.first_step
+        b = "" if t.last_step is None else t.last_step
+        lines.insert(-1, f"  steps {a}..{b} only")
+    if t.first_step is None or t.admitted_step >= t.first_step:
+        lines.append(f"  {t.admitted_step:>6}  {_s(0.0):>10}  admitted (seq {t.admitted_seq})")
     shares = {s.step: s for s in t.steps}
     rows: list[tuple[int, int, float, str]] = []  # (seq, step, ts, what)
     for c in t.chunks:
@@ -378,8 +528,10 @@ def _text_summary(s: Summary) -> list[str]:
     if s.longest_stalls:
         lines.append("longest stalls (between two tokens of a request):")
         for st in s.longest_stalls:
+            cause = f": {st.cause}" if st.cause else ""
             lines.append(
-                f"  {st.request_id}: {_s(st.seconds)} from step {st.from_step} to {st.to_step}"
+                f"  {st.request_id}: {_s(st.seconds)} from step {st.from_step} to "
+                f"{st.to_step}{cause}"
             )
     multi = len(s.runs) > 1
     if s.slowest_steps:

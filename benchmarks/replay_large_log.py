@@ -4,9 +4,14 @@ Writes a log of a simulated busy engine (continuous batching, chunked prefill un
 budget, checkpoints, a few cancellations) with the real EventLogWriter, then times
 `stepline replay LOG` (the summary) and `stepline replay LOG --verify` in fresh processes
 and reports their peak resident memory, next to a process that only imports the command.
-Also reports the Python-heap peak of `summarize()` measured with tracemalloc.
+Also reports the Python-heap peak of `summarize()` measured with tracemalloc, and the size
+and time of the picture (`--svg`, slowest 25 requests drawn, the rest folded) and of the
+Chrome trace (`--trace`) of the same log.
 
-    .venv/bin/python benchmarks/replay_large_log.py [--events N] [--dir DIR] [--keep]
+    .venv/bin/python benchmarks/replay_large_log.py [--events N] [--max-output N] [--dir DIR]
+        [--keep]
+
+`--max-output 40` makes short requests: about 10,000 of them in 350,000 events.
 
 No model, no MLX: it measures the log and replay only.
 """
@@ -40,6 +45,8 @@ from stepline.events.models import (
     Terminal,
 )
 from stepline.events.replay import summarize
+from stepline.events.timeline_svg import render_svg
+from stepline.events.trace_export import export_trace
 
 PARAMS = RequestParams(max_tokens=512, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=None)
 
@@ -60,6 +67,7 @@ def simulate(
     max_step_tokens: int = 512,
     max_num_seqs: int = 64,
     long_prefill_cap: int = 256,
+    max_output: int = 400,
     seed: int = 0,
 ) -> Iterator:
     """Events of a simulated engine under steady load, about `num_events` of them."""
@@ -80,7 +88,8 @@ def simulate(
         while len(waiting) < 8:  # arrivals keep a queue
             n += 1
             num_prompt = rng.randint(30, 3000)
-            req = _Req(f"req-{n}", num_prompt, rng.randint(10, 400), rng.randint(1, num_prompt))
+            num_output = rng.randint(min(10, max_output), max_output)
+            req = _Req(f"req-{n}", num_prompt, num_output, rng.randint(1, num_prompt))
             waiting.append(req)
             yield ev(
                 Admitted,
@@ -172,11 +181,13 @@ def _child(argv: list[str]) -> tuple[float, float, int]:
     return wall, (kib[0] / 1024 if kib else float("nan")), proc.returncode
 
 
-def _write(path: Path, header: LogHeader, num_events: int, rotate_bytes: int | None) -> None:
+def _write(
+    path: Path, header: LogHeader, num_events: int, rotate_bytes: int | None, max_output: int
+) -> None:
     started = time.perf_counter()
     appending = 0.0
     with EventLogWriter(path, header, rotate_bytes=rotate_bytes, overwrite=True) as writer:
-        for event in simulate(num_events):
+        for event in simulate(num_events, max_output=max_output):
             t = time.perf_counter()
             writer.append(event)
             appending += time.perf_counter() - t
@@ -186,9 +197,32 @@ def _write(path: Path, header: LogHeader, num_events: int, rotate_bytes: int | N
     )
 
 
+def _pictures(path: Path, workdir: Path) -> None:
+    """Size and time of the picture and the trace of the log."""
+    started = time.perf_counter()
+    svg = render_svg(path)
+    svg_s = time.perf_counter() - started
+    (workdir / "run.svg").write_text(svg, encoding="utf-8")
+    rows = svg.count('class="request"')
+    print(
+        f"picture (--svg): {len(svg.encode()) / 1024:.0f} KiB in {svg_s:.1f} s "
+        f"({rows} request rows drawn)"
+    )
+    started = time.perf_counter()
+    stats = export_trace(path, workdir / "run.trace.json")
+    trace_s = time.perf_counter() - started
+    size = (workdir / "run.trace.json").stat().st_size
+    print(
+        f"trace (--trace): {size / 2**20:.1f} MiB, {stats.num_events:,} trace events in "
+        f"{trace_s:.1f} s ({stats.num_requests:,} requests, {stats.num_steps:,} steps, "
+        f"{stats.num_stalls:,} stalls over {stats.stall_threshold_s * 1000:.1f} ms)"
+    )
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--events", type=int, default=1_000_000)
+    p.add_argument("--max-output", type=int, default=400, help="most tokens a request makes")
     p.add_argument("--dir", type=Path, default=None, help="where to write the log (default: tmp)")
     p.add_argument("--keep", action="store_true", help="keep the log afterwards")
     p.add_argument("--rotate-bytes", type=int, default=None)
@@ -204,7 +238,7 @@ def main() -> int:
         if args.reuse and path.exists():
             print(f"reusing {path}")
         else:
-            _write(path, header, args.events, args.rotate_bytes)
+            _write(path, header, args.events, args.rotate_bytes, args.max_output)
         size = sum(f.stat().st_size for f in log_files(path))
         print(f"log: {size / 2**20:.1f} MiB in {len(log_files(path))} file(s)")
 
@@ -225,6 +259,7 @@ def main() -> int:
             f"{peak / 2**20:.1f} MiB ({summary.num_requests:,} requests, "
             f"{summary.num_steps:,} steps, {summary.num_output_tokens:,} output tokens)"
         )
+        _pictures(path, workdir)
         own_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(f"this process peak RSS: {own_mib:.0f} MiB")
     finally:

@@ -13,11 +13,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import inspect
+from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from stepline.engine.sampling_limits import GREEDY_TEMPERATURE
 from stepline.events.log import read_events, read_runs
 from stepline.events.models import (
     Admitted,
@@ -51,6 +54,25 @@ class RequestComparison(_Report):
     note: str | None = None  # why skipped, or what else differed
 
 
+class ReexecutePlan(_Report):
+    """What re-execution can compare, known before anything runs."""
+
+    num_requests: int
+    num_comparable: int  # greedy or seeded, and ended so that its tokens can be compared
+    skipped: dict[str, int]  # why skipped -> how many
+
+    def describe(self) -> str:
+        """'2 of 10 requests can be compared (greedy or seeded); 8 skipped: ...'."""
+        text = (
+            f"{self.num_comparable} of {self.num_requests} requests can be compared "
+            "(greedy or seeded)"
+        )
+        if self.skipped:
+            why = ", ".join(f"{n} {reason}" for reason, n in self.skipped.items())
+            text += f"; {sum(self.skipped.values())} will be skipped: {why}"
+        return text
+
+
 class ReexecuteReport(_Report):
     path: str
     model: str | None
@@ -60,12 +82,17 @@ class ReexecuteReport(_Report):
     num_diverged: int = 0
     num_skipped: int = 0
     first_divergence: Divergence | None = None  # in arrival order
+    plan: ReexecutePlan | None = None  # what it could compare, known before it ran
     requests: tuple[RequestComparison, ...] = ()
 
     @property
+    def num_compared(self) -> int:
+        return self.num_same + self.num_diverged
+
+    @property
     def ok(self) -> bool:
-        """True when it ran and every compared request reproduced."""
-        return self.cannot_run is None and self.num_diverged == 0
+        """True when it ran, compared at least one request, and every one reproduced."""
+        return self.cannot_run is None and self.num_compared > 0 and self.num_diverged == 0
 
     def describe(self) -> list[str]:
         if self.cannot_run:
@@ -74,6 +101,12 @@ class ReexecuteReport(_Report):
             f"re-executed {self.num_requests} requests of {self.path} with {self.model}: "
             f"{self.num_same} same, {self.num_diverged} diverged, {self.num_skipped} skipped"
         ]
+        if self.num_compared == 0:
+            lines.append(
+                "FAILED: nothing was compared, so nothing is verified: only greedy "
+                "(temperature 0) or seeded requests reproduce; send requests with one of those "
+                "to make a run re-executable"
+            )
         d = self.first_divergence
         if d is not None:
             lines.append(
@@ -150,12 +183,22 @@ def _skip_reason(rec: RecordedRequest) -> str | None:
     p = rec.admitted.params
     if rec.finish is FinishReason.REJECTED:
         return "rejected when recorded"
-    if p.temperature > 0 and p.seed is None:
+    if p.temperature >= GREEDY_TEMPERATURE and p.seed is None:
         return "sampled without a seed, so not reproducible"
     if rec.finish is not FinishReason.STOP and rec.finish is not FinishReason.LENGTH:
         if not rec.output_token_ids:
             return "produced no token when recorded"
     return None
+
+
+def plan_reexecution(run: RecordedRun) -> ReexecutePlan:
+    """Which requests of a recorded run re-execution compares, and why it skips the rest."""
+    reasons = Counter(r for r in map(_skip_reason, run.requests) if r is not None)
+    return ReexecutePlan(
+        num_requests=len(run.requests),
+        num_comparable=len(run.requests) - sum(reasons.values()),
+        skipped=dict(reasons.most_common()),
+    )
 
 
 def _first_divergence(rid: str, recorded: list[int], got: list[int]) -> Divergence | None:
@@ -197,15 +240,21 @@ def _replay_params(rec: RecordedRequest) -> RequestParams:
 
 
 async def reexecute(
-    path: str | Path, model: str | None = None, *, run: int | None = None
+    path: str | Path,
+    model: str | None = None,
+    *,
+    run: int | None = None,
+    on_plan: Callable[[ReexecutePlan], None] | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> ReexecuteReport:
     """Run the requests of one run of the log again through a fresh engine and compare tokens.
 
     `model` overrides the log's model; `run` (1-based) is needed when the log holds several
     runs. Returns a report with `cannot_run` set (and nothing run) when the log cannot be
     re-executed, e.g. when it was written with log_prompts=False or log_outputs=False, or
-    holds several runs and `run` is None. Raises what `read_events` raises for an unreadable
-    log.
+    holds several runs and `run` is None. Before it loads a model it calls `on_plan` with
+    what it can compare (when nothing can be, it loads none); as requests finish it calls
+    `on_progress(done, total)`. Raises what `read_events` raises for an unreadable log.
     """
     if run is None:
         num_runs = len(read_runs(path))
@@ -222,14 +271,9 @@ async def reexecute(
     if reason is not None:
         return ReexecuteReport(path=str(path), model=model, cannot_run=reason)
 
-    from stepline.api import Engine, SamplingParams  # MLX: only when it really runs
-    from stepline.api.config import EngineConfig
-
-    # Configured as the recorded run was, on one process (a distributed run's tokens are
-    # the same as one process's).
-    engine_options = EngineConfig.from_header(recorded.header.config).model_copy(
-        update={"parallel": None}
-    )
+    plan = plan_reexecution(recorded)
+    if on_plan is not None:
+        on_plan(plan)
     comparisons: dict[str, RequestComparison] = {}
     to_run = []
     for rec in recorded.requests:
@@ -246,34 +290,10 @@ async def reexecute(
         else:
             to_run.append(rec)
 
-    async with Engine.open(model, **engine_options.open_kwargs(), event_log=None) as engine:
-        results: dict[str, tuple[list[int], str | None, str | None]] = {}
-
-        async def consume(rid: str, stream: Any) -> None:
-            tokens: list[int] = []
-            finish: str | None = None
-            async for out in stream:
-                tokens.extend(out.token_ids)
-                if out.finish_reason is not None:
-                    finish = str(out.finish_reason)
-            results[rid] = (tokens, finish, None)
-
-        tasks = []
-        for rec in to_run:  # submitted one after another: the recorded arrival order
-            rid = rec.admitted.request_id
-            params = _replay_params(rec)
-            try:
-                stream = await engine.submit(
-                    rec.admitted.prompt_token_ids,
-                    params=SamplingParams(**_accepted(SamplingParams, params.model_dump())),
-                    request_id=rid,
-                    checkpoints=rec.admitted.checkpoints,
-                )
-            except Exception as exc:  # rejected now, though admitted when recorded
-                results[rid] = ([], None, f"not admitted on re-execution: {exc}")
-                continue
-            tasks.append(asyncio.create_task(consume(rid, stream)))
-        await asyncio.gather(*tasks)
+    results: dict[str, tuple[list[int], str | None, str | None]] = {}
+    if to_run:
+        assert model is not None  # why_cannot_run said so
+        await _run_again(recorded, model, to_run, results, on_progress)
 
     first: Divergence | None = None
     for rec in to_run:
@@ -315,5 +335,62 @@ async def reexecute(
         num_diverged=sum(c.outcome == "diverged" for c in ordered),
         num_skipped=sum(c.outcome == "skipped" for c in ordered),
         first_divergence=first,
+        plan=plan,
         requests=ordered,
     )
+
+
+async def _run_again(
+    recorded: RecordedRun,
+    model: str,
+    to_run: list[RecordedRequest],
+    results: dict[str, tuple[list[int], str | None, str | None]],
+    on_progress: Callable[[int, int], None] | None,
+) -> None:
+    """Submit `to_run` to a fresh engine in their recorded order; fill `results` with each
+    one's (tokens, finish reason, why it could not run)."""
+    from stepline.api import Engine, SamplingParams  # MLX: only when it really runs
+    from stepline.api.config import EngineConfig
+
+    # Configured as the recorded run was, on one process (a distributed run's tokens are
+    # the same as one process's).
+    engine_options = EngineConfig.from_header(recorded.header.config).model_copy(
+        update={"parallel": None}
+    )
+    done = 0
+
+    def finished() -> None:
+        nonlocal done
+        done += 1
+        if on_progress is not None:
+            on_progress(done, len(to_run))
+
+    async with Engine.open(model, **engine_options.open_kwargs(), event_log=None) as engine:
+
+        async def consume(rid: str, stream: Any) -> None:
+            tokens: list[int] = []
+            finish: str | None = None
+            async for out in stream:
+                tokens.extend(out.token_ids)
+                if out.finish_reason is not None:
+                    finish = str(out.finish_reason)
+            results[rid] = (tokens, finish, None)
+            finished()
+
+        tasks = []
+        for rec in to_run:  # submitted one after another: the recorded arrival order
+            rid = rec.admitted.request_id
+            params = _replay_params(rec)
+            try:
+                stream = await engine.submit(
+                    rec.admitted.prompt_token_ids,
+                    params=SamplingParams(**_accepted(SamplingParams, params.model_dump())),
+                    request_id=rid,
+                    checkpoints=rec.admitted.checkpoints,
+                )
+            except Exception as exc:  # rejected now, though admitted when recorded
+                results[rid] = ([], None, f"not admitted on re-execution: {exc}")
+                finished()
+                continue
+            tasks.append(asyncio.create_task(consume(rid, stream)))
+        await asyncio.gather(*tasks)

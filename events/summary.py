@@ -7,7 +7,9 @@ afresh in each run) and in total; requests a run left unfinished before a restar
 
 from __future__ import annotations
 
-from collections import Counter
+import bisect
+from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +26,9 @@ from stepline.events.models import (
     Terminal,
 )
 from stepline.events.stats import Distribution, Percentiles, Report, TopK
+from stepline.events.timeline import StepSpan, step_span
+
+_STALL_WINDOW = 4096  # steps looked back through for a stall's cause
 
 
 class Stall(Report):
@@ -34,6 +39,8 @@ class Stall(Report):
     from_step: int
     to_step: int
     run: int = 1
+    cause_step: int | None = None  # the slowest step in the wait
+    cause: str | None = None  # what that step held and how long it took
 
 
 class SlowStep(Report):
@@ -141,6 +148,7 @@ class _Summariser:
         self.ttft, self.itl, self.queueing, self.e2e = (Distribution() for _ in range(4))
         self.utilisation, self.seqs = Distribution(), Distribution()
         self.stalls, self.slow_steps, self.idle_gaps = TopK(top), TopK(top), TopK(top)
+        self.top_gaps: list[float] = []  # the `top` longest gaps so far, ascending
         self.num_events = self.num_steps = 0
         self.num_prompt = self.num_cached = self.num_prefilled = self.num_output = 0
         self.first_ts: float | None = None
@@ -164,6 +172,8 @@ class _Summariser:
         self.run_outcomes: Counter[str] = Counter()
         self.run_events = self.run_steps = 0
         self.prev_step: StepPlanned | None = None
+        # The latest steps, to name the cause of a stall as it is seen (bounded memory).
+        self.recent: deque[StepSpan] = deque(maxlen=_STALL_WINDOW)
         self.prev_tokens = 0
         self.prev_finished: StepFinished | None = None
 
@@ -242,15 +252,30 @@ class _Summariser:
             gap = event.ts - t.last_token_ts
             self.itl.add(gap)
             assert self.run is not None  # models are built at the end: this runs per token
-            self.stalls.offer(
-                gap, (event.request_id, gap, t.last_token_step, event.step, self.run.index)
-            )
+            if self._is_top_gap(gap):
+                a, b = t.last_token_step, event.step
+                # Spans are kept, not described: an estimated step's time is known only at
+                # the next plan.
+                spans = [span for span in self.recent if a < span.step <= b]
+                self.stalls.offer(gap, (event.request_id, gap, a, b, self.run.index, spans))
         t.last_token_ts = event.ts
         t.last_token_step = event.step
         t.num_output += event.num_tokens
 
+    def _is_top_gap(self, gap: float) -> bool:
+        top = self.top_gaps
+        if len(top) == self.stalls.k and gap <= top[0]:
+            return False
+        bisect.insort(top, gap)
+        if len(top) > self.stalls.k:
+            top.pop(0)
+        return True
+
     def step_planned(self, event: StepPlanned) -> None:
         assert self.run is not None
+        if self.recent and self.recent[-1].estimated:  # no measurement: until this plan
+            self.recent[-1].seconds = max(0.0, event.ts - self.recent[-1].start)
+        self.recent.append(step_span(event, event.ts))
         self.num_steps += 1
         self.run_steps += 1
         if self.first_step is None:
@@ -279,6 +304,13 @@ class _Summariser:
 
     def step_finished(self, event: StepFinished) -> None:
         self.measured = True
+        if self.recent and self.recent[-1].step == event.step:
+            span = self.recent[-1]
+            span.seconds, span.predicted, span.estimated = (
+                event.seconds,
+                event.predicted_seconds,
+                False,
+            )
         self.busy += event.seconds
         prev = self.prev_step
         if prev is not None and prev.step == event.step:
@@ -299,11 +331,31 @@ class _Summariser:
         )
 
 
-def summarize(path: str | Path, *, top: int = 5, run: int | str | None = None) -> Summary:
+def _stall(rid: str, seconds: float, a: int, b: int, run: int, spans: list[StepSpan]) -> Stall:
+    cause = max(spans, key=lambda span: span.seconds, default=None)
+    return Stall(
+        request_id=rid,
+        seconds=seconds,
+        from_step=a,
+        to_step=b,
+        run=run,
+        cause_step=None if cause is None else cause.step,
+        cause=None if cause is None else cause.describe(),
+    )
+
+
+def summarize(
+    path: str | Path,
+    *,
+    top: int = 5,
+    run: int | str | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> Summary:
     """Outcomes, latencies, scheduling figures and time of the log (or of one `run`).
 
     Tolerant: events that break the invariants are counted as they come (verify reports
-    them). Raises what `read_events` raises, and UnknownRunError.
+    them). `progress`, if given, is called with the number of events read every 10,000
+    events. Raises what `read_events` raises, and UnknownRunError.
     """
     index = resolve_run(path, run)
     header = read_header(path)
@@ -312,6 +364,8 @@ def summarize(path: str | Path, *, top: int = 5, run: int | str | None = None) -
         if s.run is None or s.run.index != log_run.index:
             s.start_run(log_run)
         s.add(event)
+        if progress is not None and s.num_events % 10_000 == 0:
+            progress(s.num_events)
     if s.run is not None:
         s.end_run(last=s.run.index == len(read_runs(path)))
     if index is not None and s.runs:
@@ -339,10 +393,7 @@ def summarize(path: str | Path, *, top: int = 5, run: int | str | None = None) -
         e2e_s=s.e2e.percentiles(),
         budget_utilisation=s.utilisation.percentiles(),
         seqs_per_step=s.seqs.percentiles(),
-        longest_stalls=tuple(
-            Stall(request_id=rid, seconds=sec, from_step=a, to_step=b, run=r)
-            for rid, sec, a, b, r in s.stalls.items()
-        ),
+        longest_stalls=tuple(_stall(*item) for item in s.stalls.items()),
         slowest_steps=tuple(s.slow_steps.items()),
         longest_idle=tuple(s.idle_gaps.items()),
         in_flight=tuple(s.in_flight),

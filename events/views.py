@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -108,6 +108,30 @@ class RequestTimeline(Report):
     e2e_s: float | None  # admission -> terminal
     itl_s: tuple[float, ...]  # time between consecutive token events
     itl: Percentiles
+    # The steps shown (None: unbounded): `within` narrows the step-by-step records; the
+    # latencies above stay those of the whole life.
+    first_step: int | None = None
+    last_step: int | None = None
+
+    def within(self, first: int | None, last: int | None) -> RequestTimeline:
+        """The same timeline with only the records of steps first..last (inclusive)."""
+        if first is None and last is None:
+            return self
+
+        def inside(step: int) -> bool:
+            return (first is None or step >= first) and (last is None or step <= last)
+
+        return self.model_copy(
+            update={
+                "first_step": first,
+                "last_step": last,
+                "steps": tuple(s for s in self.steps if inside(s.step)),
+                "chunks": tuple(c for c in self.chunks if inside(c.step)),
+                "checkpoints_reached": tuple(c for c in self.checkpoints_reached if inside(c.step)),
+                "tokens": tuple(t for t in self.tokens if inside(t.step)),
+                "terminal": self.terminal if self.terminal and inside(self.terminal.step) else None,
+            }
+        )
 
 
 @dataclass
@@ -274,9 +298,16 @@ class StateAtStep(Report):
     requests: tuple[RequestAtStep, ...]  # in admission order
 
 
-def state_at_step(path: str | Path, step: int, *, run: int | str | None = None) -> StateAtStep:
+def state_at_step(
+    path: str | Path,
+    step: int,
+    *,
+    run: int | str | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> StateAtStep:
     """Every request's state after step `step`, by folding the log with the engine's `apply`.
 
+    `progress`, if given, is called with the number of events read every 10,000 events.
     Raises FoldError if the log cannot be folded (run verify to see why), RunNeededError if
     the log holds several runs and `run` is None, UnknownRunError.
     """
@@ -286,8 +317,10 @@ def state_at_step(path: str | Path, step: int, *, run: int | str | None = None) 
 
     def tracked() -> Iterator[Event]:
         nonlocal last_step
-        for event in read_events(path, run=index):
+        for num_events, event in enumerate(read_events(path, run=index), start=1):
             last_step = max(last_step, event.step)
+            if progress is not None and num_events % 10_000 == 0:
+                progress(num_events)
             yield event
 
     states = fold(tracked(), until_step=step)
@@ -407,9 +440,11 @@ def step_records(
     last: int | None = None,
     *,
     run: int | str | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> StepsReport:
     """Every step numbered first..last (inclusive; None = unbounded) with its members.
 
+    `progress`, if given, is called with the number of events read every 10,000 events.
     Raises RunNeededError if the log holds several runs and `run` is None, UnknownRunError.
     """
     index = resolve_run(path, run, needed=True)
@@ -417,7 +452,9 @@ def step_records(
     records: list[StepRecord] = []
     current: _OpenStep | None = None
     last_step: int | None = None
-    for event in read_events(path, run=index):
+    for num_events, event in enumerate(read_events(path, run=index), start=1):
+        if progress is not None and num_events % 10_000 == 0:
+            progress(num_events)
         if isinstance(event, StepPlanned):
             last_step = event.step
             if current is not None:

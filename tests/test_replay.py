@@ -620,7 +620,7 @@ async def _record_a_run(path: Path) -> None:
 
 
 def test_reexecuting_a_greedy_and_seeded_run_reproduces_every_token(
-    tmp_path: Path, model_cache_dir
+    tmp_path: Path, model_cache_dir, capsys
 ) -> None:
     path = tmp_path / "run.jsonl"
     asyncio.run(_record_a_run(path))
@@ -629,6 +629,7 @@ def test_reexecuting_a_greedy_and_seeded_run_reproduces_every_token(
     report = json.loads(text)
     assert code == 0, text
     assert (report["num_same"], report["num_diverged"], report["num_skipped"]) == (6, 0, 0)
+    assert "6 of 6 requests can be compared (greedy or seeded)" in capsys.readouterr().err
 
 
 def test_reexecution_reports_the_first_divergence(tmp_path: Path, model_cache_dir) -> None:
@@ -654,3 +655,37 @@ def test_reexecution_reports_the_first_divergence(tmp_path: Path, model_cache_di
 
 def _is_token_of(event, rid: str) -> bool:
     return isinstance(event, Decoding) and event.request_id == rid
+
+
+def test_reexecution_says_up_front_what_it_can_compare_and_fails_when_nothing_was(
+    tmp_path: Path, capsys
+) -> None:
+    sampled = PARAMS.model_copy(update={"temperature": 0.8})  # no seed: not reproducible
+    b = LogBuilder()
+    for rid in ("a", "b"):
+        b._add(
+            Admitted,
+            request_id=rid,
+            num_prompt_tokens=2,
+            prompt_token_ids=(1, 2),
+            prompt_sha256="0" * 64,
+            params=sampled,
+        )
+    b.plan(("a", "prefill", 2), ("b", "prefill", 2))
+    b.chunk("a", 0, 2)
+    b.chunk("b", 0, 2)
+    b.token("a", 5)
+    b.token("b", 6)
+    b.end("a", FinishReason.LENGTH)
+    b.end("b", FinishReason.LENGTH)
+    path = write(tmp_path, b.events)
+
+    code, text = replay(str(path), "--reexecute")  # no model is loaded: nothing to run
+    assert code == 1
+    assert "0 same, 0 diverged, 2 skipped" in text
+    assert "FAILED: nothing was compared" in text
+    err = capsys.readouterr().err
+    assert (
+        "0 of 2 requests can be compared (greedy or seeded); 2 will be skipped: "
+        "2 sampled without a seed, so not reproducible"
+    ) in err

@@ -1,0 +1,376 @@
+"""A run laid out in time: every step's span, every request's life, and the stalls between.
+
+What the picture (events/timeline_svg.py) and the trace export (events/trace_export.py) draw,
+collected in one streaming pass over one run of the log. Memory grows with the steps and the
+tokens of the run (a few bytes a token, in arrays), not with the events' text.
+
+Times are seconds from the run's first event. A step starts when it was planned and lasts
+what the executor measured (`step-finished`); in logs without those, until the next plan.
+
+A **stall** is a wait between two consecutive tokens of one request longer than a threshold
+(by default three times the run's median inter-token gap). Its **cause** is the slowest step in
+the wait: the step that made the request's stream freeze.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from stepline.events.log import read_events
+from stepline.events.models import (
+    Admitted,
+    CheckpointReached,
+    ChunkPrefilled,
+    Decoding,
+    StepFinished,
+    StepPlanned,
+    Terminal,
+)
+from stepline.events.stats import Distribution
+
+_NAMED_PREFILLS = 3  # requests named in a step's description; the rest are counted
+DEFAULT_STALL_FACTOR = 3.0  # a stall: a gap over this many times the median gap
+MIN_STALL_S = 0.001  # never call a gap under a millisecond a stall
+
+
+@dataclass(slots=True)
+class StepSpan:
+    """One step: when it ran, what it held."""
+
+    step: int
+    start: float  # seconds from the run's first event
+    seconds: float  # measured by the executor, or estimated (see `estimated`)
+    predicted: float | None  # the scheduler's cost-model prediction
+    estimated: bool  # no step-finished event: the time until the next plan, idle included
+    num_tokens: int
+    max_step_tokens: int
+    num_decode_rows: int
+    num_chunk_tokens: int
+    prefills: list[tuple[str, int]]  # (request id, tokens): the first few prefill entries
+    num_prefills: int
+
+    @property
+    def end(self) -> float:
+        return self.start + self.seconds
+
+    def describe(self) -> str:
+        """'step 57 took 141.0 ms (predicted 30.2 ms): r9 prefill 2048 tokens, 3 decode rows'."""
+        predicted = "" if self.predicted is None else f" (predicted {format_ms(self.predicted)})"
+        took = ("estimated " if self.estimated else "") + format_ms(self.seconds)
+        return f"step {self.step} took {took}{predicted}: {self.contents()}"
+
+    def contents(self) -> str:
+        parts = [f"{rid} prefill {n} tokens" for rid, n in self.prefills]
+        if self.num_prefills > len(self.prefills):
+            parts.append(f"{self.num_prefills - len(self.prefills)} more prefills")
+        if self.num_decode_rows:
+            parts.append(f"{self.num_decode_rows} decode row{'s' * (self.num_decode_rows != 1)}")
+        used = f"{self.num_tokens}/{self.max_step_tokens} tokens"
+        return ", ".join(parts) + f" ({used})" if parts else f"empty ({used})"
+
+
+@dataclass(frozen=True, slots=True)
+class StallMark:
+    """A wait between two tokens of one request, and the step that caused it."""
+
+    request_id: str
+    seconds: float
+    from_step: int  # the step of the token before the wait
+    to_step: int  # the step of the token after it
+    start: float  # the first token's time (seconds from the run's first event)
+    end: float  # the second token's time
+    cause_step: int | None  # the slowest step in (from_step, to_step]
+    cause: str  # for people: what that step did, and whether the request sat steps out
+
+    def describe(self) -> str:
+        return (
+            f"{self.request_id} stalled {format_ms(self.seconds)} between tokens at steps "
+            f"{self.from_step} and {self.to_step}: {self.cause}"
+        )
+
+
+@dataclass(slots=True)
+class RequestLife:
+    """One request's life, compactly: chunks by step, tokens as arrays."""
+
+    request_id: str
+    order: int  # admission order, from 0
+    admitted_step: int
+    admitted_at: float
+    num_prompt_tokens: int
+    num_cached_tokens: int = 0
+    chunks: dict[int, tuple[int, int]] = field(default_factory=dict)  # step -> [start, end)
+    num_chunk_events: int = 0
+    first_scheduled_at: float | None = None
+    token_steps: array = field(default_factory=lambda: array("i"))
+    token_counts: array = field(default_factory=lambda: array("i"))
+    token_times: array = field(default_factory=lambda: array("d"))
+    checkpoints: list[tuple[int, int]] = field(default_factory=list)  # (step, offset)
+    terminal: Terminal | None = None
+    terminal_at: float | None = None
+    stalls: list[StallMark] = field(default_factory=list)  # worst first, after `finish`
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.token_counts)
+
+    @property
+    def ttft(self) -> float | None:
+        return self.token_times[0] - self.admitted_at if self.token_times else None
+
+    @property
+    def queued(self) -> float | None:
+        if self.first_scheduled_at is None:
+            return None
+        return self.first_scheduled_at - self.admitted_at
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.terminal_at is None else self.terminal_at - self.admitted_at
+
+    def gaps(self) -> Iterable[tuple[int, float]]:
+        """(index of the later token event, seconds since the one before)."""
+        times = self.token_times
+        return ((i, times[i] - times[i - 1]) for i in range(1, len(times)))
+
+    @property
+    def worst_gap(self) -> float | None:
+        return max((g for _, g in self.gaps()), default=None)
+
+    @property
+    def longest_wait(self) -> float:
+        """The longest the client waited for a token: the TTFT or the worst gap (or, with no
+        token at all, the whole life as far as the log knows)."""
+        first = self.ttft
+        if first is None:
+            end = self.terminal_at if self.terminal_at is not None else self.admitted_at
+            return end - self.admitted_at
+        return max(first, self.worst_gap or 0.0)
+
+    @property
+    def last_step(self) -> int:
+        steps = [self.admitted_step, *self.chunks, *self.token_steps[-1:]]
+        if self.terminal is not None:
+            steps.append(self.terminal.step)
+        return max(steps)
+
+    @property
+    def first_active_step(self) -> int | None:
+        steps = [*self.chunks, *self.token_steps[:1]]
+        if self.terminal is not None:
+            steps.append(self.terminal.step)
+        return min(steps) if steps else None
+
+    def describe(self) -> str:
+        """TTFT, queue time, prefill chunks, worst gap, cached tokens, outputs and the end."""
+        worst = self.stalls[0] if self.stalls else None
+        gap = self.worst_gap
+        worst_text = "-" if gap is None else format_ms(gap)
+        if worst is not None and worst.cause_step is not None:
+            worst_text += f" (step {worst.cause_step})"
+        if self.terminal is not None:
+            end = f"{self.terminal.reason.value} after {format_ms(self.e2e)}"
+        else:
+            end = "no terminal event"
+        return (
+            f"TTFT {format_ms(self.ttft)} · queued {format_ms(self.queued)} · "
+            f"{len(self.chunks)} prefill chunk{'s' * (len(self.chunks) != 1)} · "
+            f"worst gap {worst_text} · {self.num_cached_tokens} cached tokens · "
+            f"{self.num_output_tokens} output tokens · {end}"
+        )
+
+
+@dataclass
+class RunTimeline:
+    """One run of a log, laid out in time."""
+
+    path: str
+    run: int | None
+    steps: dict[int, StepSpan]  # in step order
+    requests: dict[str, RequestLife]  # in admission order
+    stall_threshold: float  # seconds
+    median_gap: float | None
+    stalls: list[StallMark]  # every stall of the run, worst first
+
+    @property
+    def first_step(self) -> int | None:
+        return next(iter(self.steps), None)
+
+    @property
+    def last_step(self) -> int | None:
+        return next(reversed(self.steps), None) if self.steps else None
+
+    def causing_steps(self) -> dict[int, list[StallMark]]:
+        """Step -> the stalls it caused."""
+        out: dict[int, list[StallMark]] = {}
+        for s in self.stalls:
+            if s.cause_step is not None:
+                out.setdefault(s.cause_step, []).append(s)
+        return out
+
+
+def step_span(event: StepPlanned, start: float) -> StepSpan:
+    """The span of a planned step starting at `start`; its time is estimated until its
+    step-finished event (or the next plan) says otherwise."""
+    prefills = [(e.request_id, e.num_tokens) for e in event.entries if e.kind == "prefill"]
+    return StepSpan(
+        step=event.step,
+        start=start,
+        seconds=0.0,
+        predicted=None,
+        estimated=True,
+        num_tokens=sum(e.num_tokens for e in event.entries),
+        max_step_tokens=event.max_step_tokens,
+        num_decode_rows=sum(e.kind == "decode" for e in event.entries),
+        num_chunk_tokens=sum(n for _, n in prefills),
+        prefills=prefills[:_NAMED_PREFILLS],
+        num_prefills=len(prefills),
+    )
+
+
+def collect(
+    path: str | Path,
+    *,
+    run: int | None = None,
+    request_ids: set[str] | None = None,
+    stall_s: float | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> RunTimeline:
+    """Every step and request of one run (`run`, 1-based; None for a log of one run).
+
+    `request_ids` keeps only those requests' lives (every step is kept: steps show what
+    else ran). `stall_s` is the stall threshold in seconds (default: three times the median gap
+    between two tokens of a request, over the whole run). `progress`, if given, is called
+    with the number of events read every 10,000 events. Raises what `read_events` raises.
+    """
+    steps: dict[int, StepSpan] = {}
+    requests: dict[str, RequestLife] = {}
+    t0: float | None = None
+    previous: StepSpan | None = None
+    gaps = Distribution()
+    last_token_at: dict[str, float] = {}
+    num_events = 0
+    for event in read_events(path, run=run):
+        num_events += 1
+        if progress is not None and num_events % 10_000 == 0:
+            progress(num_events)
+        if t0 is None:
+            t0 = event.ts
+        at = event.ts - t0
+        if isinstance(event, StepPlanned):
+            if previous is not None and previous.estimated:
+                previous.seconds = max(0.0, at - previous.start)  # older logs: until this plan
+            previous = steps[event.step] = step_span(event, at)
+            for e in event.entries:
+                life = requests.get(e.request_id)
+                if life is not None and life.first_scheduled_at is None:
+                    life.first_scheduled_at = at
+            continue
+        if isinstance(event, StepFinished):
+            span = steps.get(event.step)
+            if span is not None:
+                span.seconds, span.predicted = event.seconds, event.predicted_seconds
+                span.estimated = False
+            continue
+        rid = event.request_id
+        if isinstance(event, Decoding):  # every request's gaps set the default threshold
+            before = last_token_at.get(rid)
+            if before is not None:
+                gaps.add(at - before)
+            last_token_at[rid] = at
+        if request_ids is not None and rid not in request_ids:
+            continue
+        if isinstance(event, Admitted):
+            if rid not in requests:
+                requests[rid] = RequestLife(
+                    request_id=rid,
+                    order=len(requests),
+                    admitted_step=event.step,
+                    admitted_at=at,
+                    num_prompt_tokens=event.num_prompt_tokens,
+                    num_cached_tokens=event.num_cached_tokens,
+                )
+            continue
+        life = requests.get(rid)
+        if life is None or life.terminal is not None:
+            continue  # verify's business, not the picture's
+        if isinstance(event, ChunkPrefilled):
+            start, _ = life.chunks.get(event.step, (event.start, event.end))
+            life.chunks[event.step] = (start, event.end)  # a chunk split at a checkpoint
+            life.num_chunk_events += 1
+            life.num_cached_tokens = max(life.num_cached_tokens, event.num_cached_tokens)
+        elif isinstance(event, Decoding):
+            life.token_steps.append(event.step)
+            life.token_counts.append(event.num_tokens)
+            life.token_times.append(at)
+        elif isinstance(event, CheckpointReached):
+            life.checkpoints.append((event.step, event.offset))
+        elif isinstance(event, Terminal):
+            life.terminal, life.terminal_at = event, at
+    median = gaps.quantile(0.5)
+    if stall_s is None:
+        stall_s = max(MIN_STALL_S, DEFAULT_STALL_FACTOR * median) if median is not None else 0.0
+    timeline = RunTimeline(
+        path=str(path),
+        run=run,
+        steps=steps,
+        requests=requests,
+        stall_threshold=stall_s,
+        median_gap=median,
+        stalls=[],
+    )
+    for life in requests.values():
+        life.stalls = find_stalls(life, timeline)
+        timeline.stalls.extend(life.stalls)
+    timeline.stalls.sort(key=lambda s: -s.seconds)
+    return timeline
+
+
+def find_stalls(life: RequestLife, timeline: RunTimeline) -> list[StallMark]:
+    """The request's gaps over the timeline's threshold, worst first, each with its cause."""
+    if timeline.stall_threshold <= 0:
+        return []
+    marks = []
+    member_steps = set(life.token_steps) | set(life.chunks)
+    for i, gap in life.gaps():
+        if gap < timeline.stall_threshold:
+            continue
+        a, b = life.token_steps[i - 1], life.token_steps[i]
+        between = [timeline.steps[s] for s in range(a + 1, b + 1) if s in timeline.steps]
+        cause = max(between, key=lambda s: s.seconds, default=None)
+        missed = sum(1 for s in between if s.step not in member_steps)
+        if cause is None:
+            why = "no step ran in between"
+        else:
+            why = cause.describe()
+            busy = sum(s.seconds for s in between)
+            if missed:
+                why += f"; it sat out {missed} step{'s' * (missed != 1)}"
+            if not cause.estimated and gap - busy > max(0.5 * gap, 0.005):
+                why += f"; {format_ms(gap - busy)} of the wait no step ran"
+        marks.append(
+            StallMark(
+                request_id=life.request_id,
+                seconds=gap,
+                from_step=a,
+                to_step=b,
+                start=life.token_times[i - 1],
+                end=life.token_times[i],
+                cause_step=None if cause is None else cause.step,
+                cause=why,
+            )
+        )
+    marks.sort(key=lambda s: -s.seconds)
+    return marks
+
+
+def format_ms(seconds: float | None) -> str:
+    """'141.6 ms', '2.31 s', or '-' for None."""
+    if seconds is None:
+        return "-"
+    if abs(seconds) < 1:
+        return f"{seconds * 1000:.1f} ms"
+    return f"{seconds:.2f} s"

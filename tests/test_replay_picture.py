@@ -1,0 +1,506 @@
+"""`stepline replay` pictures and trace export: why was a request slow?
+
+The logs are written by hand through the real writer (no model): three requests decode at
+20 ms a step until a long prompt arrives; its 2048-token chunk makes step 9 take 141 ms, and
+the three streams freeze for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import itertools
+import json
+import re
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from stepline.api.replay_cmd import Progress, add_replay_parser
+from stepline.events.log import EventLogWriter
+from stepline.events.models import (
+    Admitted,
+    ChunkPrefilled,
+    Decoding,
+    FinishReason,
+    LogHeader,
+    RequestParams,
+    StepEntry,
+    StepFinished,
+    StepPlanned,
+    Terminal,
+)
+from stepline.events.replay import summarize
+from stepline.events.timeline_svg import SVG_NS, render_svg
+from stepline.events.trace_export import export_trace
+
+GREEDY = RequestParams(max_tokens=20, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=None)
+LONG_ID = "chatcmpl-7f3a9c2e-4b1d-4e8a-9f6b-a1b2c3d4e5f6"  # longer than the old 20-char cut
+DECODING = [LONG_ID, "r2", "r3"]
+LATE = "late"  # the long prompt
+STALL_STEP = 9  # the step that carries late's first chunk and takes 141 ms
+
+
+class Recorder:
+    """Records events the way the step loop does: plan, step-finished, then results."""
+
+    def __init__(self, t0: float = 1000.0, *, max_step_tokens: int = 2112) -> None:
+        self.ts, self.step, self.events = t0, 0, []
+        self.max_step_tokens = max_step_tokens
+
+    def _add(self, cls, **fields) -> None:
+        self.events.append(cls(seq=len(self.events) + 1, ts=self.ts, step=self.step, **fields))
+
+    def admit(self, rid: str, n: int, params: RequestParams = GREEDY) -> None:
+        self._add(
+            Admitted,
+            request_id=rid,
+            num_prompt_tokens=n,
+            prompt_token_ids=tuple(range(n)),
+            prompt_sha256="0" * 64,
+            params=params,
+        )
+
+    def do_step(
+        self,
+        decode: list[str],
+        prefill: dict[str, tuple[int, int, bool]] | None = None,
+        *,
+        seconds: float,
+        predicted: float | None = None,
+    ) -> None:
+        """A step: decode rows for `decode`, chunks rid -> (start, end, is last chunk)."""
+        prefill = prefill or {}
+        self.step += 1
+        entries = [StepEntry(request_id=r, kind="decode", num_tokens=1) for r in decode]
+        entries += [
+            StepEntry(request_id=r, kind="prefill", num_tokens=b - a)
+            for r, (a, b, _) in prefill.items()
+        ]
+        self._add(
+            StepPlanned,
+            entries=tuple(entries),
+            max_step_tokens=self.max_step_tokens,
+            max_num_seqs=64,
+        )
+        self.ts += seconds
+        self._add(StepFinished, seconds=seconds, predicted_seconds=predicted)
+        for rid, (a, b, last) in prefill.items():
+            self._add(ChunkPrefilled, request_id=rid, start=a, end=b)
+            if last:
+                self._add(Decoding, request_id=rid, token_ids=(7,))
+        for rid in decode:
+            self._add(Decoding, request_id=rid, token_ids=(7,))
+        self.ts += 0.001  # the loop's own bookkeeping between steps
+
+    def end(self, rid: str, reason: FinishReason = FinishReason.LENGTH) -> None:
+        self._add(Terminal, request_id=rid, reason=reason)
+
+    def write(self, path: Path) -> Path:
+        header = LogHeader(created=1000.0, model="demo", config={"max_step_tokens": 2112})
+        with EventLogWriter(path, header, overwrite=True) as writer:
+            for event in self.events:
+                writer.append(event)
+        return path
+
+
+def stalled_run() -> Recorder:
+    rec = Recorder()
+    for rid in DECODING:
+        rec.admit(rid, 40)
+    rec.do_step([], {rid: (0, 40, True) for rid in DECODING}, seconds=0.03, predicted=0.03)
+    for _ in range(7):  # steps 2..8
+        rec.do_step(DECODING, seconds=0.02, predicted=0.02)
+    rec.admit(LATE, 3000)  # arrives after step 8, 5 ms before step 9 is planned
+    rec.ts += 0.005
+    rec.do_step(DECODING, {LATE: (0, 2048, False)}, seconds=0.141, predicted=0.06)  # step 9
+    rec.do_step(DECODING, {LATE: (2048, 3000, True)}, seconds=0.03, predicted=0.03)
+    for _ in range(6):
+        rec.do_step([*DECODING, LATE], seconds=0.021, predicted=0.02)
+    for rid in DECODING:
+        rec.end(rid)
+    rec.do_step([LATE], seconds=0.015, predicted=0.015)
+    rec.end(LATE, FinishReason.STOP)
+    return rec
+
+
+@pytest.fixture
+def stall_log(tmp_path: Path) -> Path:
+    return stalled_run().write(tmp_path / "run.jsonl")
+
+
+def replay(*argv: str) -> tuple[int, str]:
+    parser = argparse.ArgumentParser(prog="stepline")
+    add_replay_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["replay", *argv])
+    out = io.StringIO()
+    code = args.func(args, out=out)
+    return code, out.getvalue()
+
+
+def _q(tag: str) -> str:
+    return f"{{{SVG_NS}}}{tag}"
+
+
+def _title(element: ET.Element) -> str:
+    title = element.find(_q("title"))
+    return "" if title is None else (title.text or "")
+
+
+def _row(root: ET.Element, rid: str) -> ET.Element:
+    for g in root.iter(_q("g")):
+        if g.get("class") == "request" and g.get("data-request-id") == rid:
+            return g
+    raise AssertionError(f"no row for {rid}")
+
+
+def _strip_bars(root: ET.Element) -> dict[int, ET.Element]:
+    strip = next(g for g in root.iter(_q("g")) if g.get("class") == "steps")
+    return {int(r.get("data-step", -1)): r for r in strip.iter(_q("rect"))}
+
+
+def _x_range(element: ET.Element) -> tuple[float, float]:
+    x = float(element.get("x", 0))
+    return x, x + float(element.get("width", 0))
+
+
+# -- the picture ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("time_axis", [True, False], ids=["time-axis", "step-axis"])
+def test_a_stall_is_marked_on_every_row_it_froze_with_the_step_that_caused_it(
+    stall_log: Path, time_axis: bool
+) -> None:
+    root = ET.fromstring(render_svg(stall_log, time_axis=time_axis))
+
+    bars = _strip_bars(root)
+    cause = bars[STALL_STEP]
+    assert cause.get("fill") == "#e15759"  # the strip shows the step that stalled someone
+    assert float(cause.get("height", 0)) == max(float(b.get("height", 0)) for b in bars.values())
+    assert "step 9 took 141.0 ms (predicted 60.0 ms): late prefill 2048 tokens" in _title(cause)
+    for rid in DECODING:
+        stalls = [r for r in _row(root, rid).iter(_q("rect")) if r.get("class") == "stall"]
+        assert len(stalls) == 1, rid
+        assert stalls[0].get("data-cause-step") == str(STALL_STEP)
+        assert _title(stalls[0]).startswith(f"{rid} stalled 147.0 ms between tokens at steps 8")
+        assert "step 9 took 141.0 ms" in _title(stalls[0])
+        # drawn where it happened: from the token before to the token after, over the step
+        # that caused it
+        (x0, x1), (c0, c1) = _x_range(stalls[0]), _x_range(cause)
+        assert x0 <= c0 + 0.6 and x1 >= c1 - 0.6 and x1 - x0 < 1.2 * (c1 - c0)
+    late = _row(root, LATE)
+    assert not [r for r in late.iter(_q("rect")) if r.get("class") == "stall"]
+    texts = [t.text or "" for t in root.iter(_q("text"))]
+    assert "steps that stalled requests longest: 9 (3 requests, took 141.0 ms)" in texts
+
+
+def test_the_step_time_strip_shows_measured_and_predicted_time_on_hover(stall_log: Path) -> None:
+    root = ET.fromstring(render_svg(stall_log))
+
+    bars = _strip_bars(root)
+    assert sorted(bars) == list(range(1, 18))
+    h = {step: float(bar.get("height", 0)) for step, bar in bars.items()}
+    assert h[2] / h[STALL_STEP] == pytest.approx(0.02 / 0.141, rel=0.02)  # heights are times
+    assert "step 2 took 20.0 ms (predicted 20.0 ms): 3 decode rows (3/2112 tokens)" in _title(
+        bars[2]
+    )
+    predicted = [_title(line) for line in root.iter(_q("line")) if "predicted" in _title(line)]
+    assert "step 9 predicted 60.0 ms" in predicted
+
+
+def test_every_row_shows_its_step_boundaries(stall_log: Path) -> None:
+    root = ET.fromstring(render_svg(stall_log))
+
+    for rid, steps in ((LONG_ID, range(2, 17)), (LATE, range(10, 18))):
+        paths = [p for p in _row(root, rid).iter(_q("path")) if p.get("class") == "step-boundaries"]
+        assert len(paths) == 1
+        # one hairline at the start of each of its steps but its first
+        assert paths[0].get("d", "").count("M") == len(steps)
+
+
+def test_the_first_token_is_a_marker_where_it_came_out_not_a_bar(stall_log: Path) -> None:
+    root = ET.fromstring(render_svg(stall_log, time_axis=True))
+
+    row = _row(root, LATE)
+    marker = next(p for p in row.iter(_q("polygon")) if p.get("class") == "first-token")
+    xs = [float(pt.split(",")[0]) for pt in marker.get("points", "").split()]
+    chunk = next(r for r in row.iter(_q("rect")) if "prefill [2048, 3000)" in _title(r))
+    assert max(xs) - min(xs) <= 10  # a point in time, whatever the step's width
+    # at the end of the step that produced it
+    assert (min(xs) + max(xs)) / 2 == pytest.approx(_x_range(chunk)[1], abs=0.6)
+    assert "first token at step 10: TTFT 177.0 ms" in _title(marker)
+
+
+def test_a_request_picture_zooms_to_its_life_with_its_numbers_and_full_id(
+    stall_log: Path, tmp_path: Path
+) -> None:
+    whole = ET.fromstring(render_svg(stall_log))
+    zoomed_svg = render_svg(stall_log, request_ids={LATE})
+    zoomed = ET.fromstring(zoomed_svg)
+
+    def chunk_width(root: ET.Element) -> float:
+        row = _row(root, LATE)
+        return float(
+            next(r for r in row.iter(_q("rect")) if "prefill [0, 2048)" in _title(r)).get(
+                "width", 0
+            )
+        )
+
+    assert chunk_width(zoomed) > 1.5 * chunk_width(whole)
+    assert "steps 8..17" in zoomed_svg
+    texts = ["".join(t.itertext()) for t in zoomed.iter(_q("text"))]
+    facts = next(t for t in texts if t.startswith(f"{LATE}: TTFT"))
+    assert "TTFT 177.0 ms · queued 5.0 ms · 2 prefill chunks · worst gap" in facts
+    assert "0 cached tokens · 8 output tokens · stop after" in facts
+
+    labels = {t.text for t in whole.iter(_q("text"))}
+    assert LONG_ID in labels  # the whole id, so it can be pasted back into --request
+    code, _ = replay(str(stall_log), "--request", LONG_ID, "--svg", str(tmp_path / "one.svg"))
+    assert code == 0
+    assert (tmp_path / "one.svg").read_text(encoding="utf-8").count('class="request"') == 1
+
+
+def test_the_summary_names_the_step_that_caused_each_stall(stall_log: Path) -> None:
+    top = summarize(stall_log).longest_stalls[0]
+
+    assert (top.from_step, top.to_step, top.cause_step) == (8, 9, STALL_STEP)
+    assert top.cause is not None
+    assert top.cause.startswith("step 9 took 141.0 ms (predicted 60.0 ms): late prefill 2048")
+    _, text = replay(str(stall_log))
+    assert "  r2: 147.0 ms from step 8 to 9: step 9 took 141.0 ms" in text
+
+
+def test_request_and_steps_combine(stall_log: Path, tmp_path: Path) -> None:
+    code, text = replay(str(stall_log), "--request", "r2", "--steps", "8..10")
+
+    assert code == 0
+    steps = [int(m) for m in re.findall(r"^\s+(\d+)\s+[\d.]+ ms", text, re.MULTILINE)]
+    assert steps and set(steps) == {8, 9, 10}
+    assert "steps 8..10 only" in text
+    assert "TTFT 30.0 ms" in text  # the latencies are still the whole life's
+    code, _ = replay(
+        str(stall_log), "--request", "r2", "--steps", "8..10", "--svg", str(tmp_path / "z.svg")
+    )
+    assert code == 0 and "steps 8..10" in (tmp_path / "z.svg").read_text(encoding="utf-8")
+    assert replay(str(stall_log), "--request", "r2", "--verify")[0] == 2
+
+
+# -- many requests ---------------------------------------------------------------------------
+
+
+def busy_run(num_requests: int, *, slow: str) -> Recorder:
+    """`num_requests` short requests, 64 in flight, 10 ms steps; `slow` sits out 30 steps
+    after its first token, so it alone waits over 300 ms."""
+    rec = Recorder(max_step_tokens=512)
+    arriving = iter(f"req-{i:05d}" for i in range(num_requests))
+    tokens: dict[str, int] = {}  # running request -> its tokens so far
+    sat_out = 0
+    while True:
+        new = list(itertools.islice(arriving, 64 - len(tokens)))
+        for rid in new:
+            rec.admit(rid, 4)
+        if not tokens and not new:
+            return rec
+        held = slow in tokens and sat_out < 30
+        sat_out += held
+        decode = [rid for rid in tokens if not (held and rid == slow)]
+        rec.do_step(decode, {rid: (0, 4, True) for rid in new}, seconds=0.01)
+        for rid in decode:
+            tokens[rid] += 1
+            if tokens[rid] == 3:
+                rec.end(rid)
+                del tokens[rid]
+        tokens.update(dict.fromkeys(new, 1))
+
+
+@pytest.fixture(scope="module")
+def busy_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return busy_run(10_000, slow="req-04321").write(tmp_path_factory.mktemp("busy") / "busy.jsonl")
+
+
+def test_ten_thousand_requests_give_a_readable_picture_of_a_few_megabytes(
+    busy_log: Path, tmp_path: Path
+) -> None:
+    target = tmp_path / "busy.svg"
+    code, _ = replay(str(busy_log), "--svg", str(target), "--top", "20")
+    assert code == 0
+
+    svg = target.read_text(encoding="utf-8")
+    assert len(svg.encode()) < 3 * 2**20
+    root = ET.fromstring(svg)
+    assert int(root.get("height", 0)) < 1000 and int(root.get("width", 0)) < 2500
+    rows = [g.get("data-request-id") for g in root.iter(_q("g")) if g.get("class") == "request"]
+    assert len(rows) == 20
+    assert rows[0] == "req-04321"  # slowest first: it waited 30 steps
+    assert "… and 9980 more requests folded" in svg
+    assert "10000 requests" in svg
+    bars = _strip_bars(root)
+    assert len(bars) <= 1600  # narrow steps are bucketed, one bar per 2 px at least
+
+
+# -- trace export -----------------------------------------------------------------------------
+
+# The Trace Event format (Google's "Trace Event Format" document), as far as stepline uses it:
+# the JSON object form, complete ("X"), instant ("i"), counter ("C"), flow ("s"/"f") and
+# metadata ("M") events.
+TRACE_EVENT_SCHEMA = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "type": "object",
+    "required": ["traceEvents"],
+    "properties": {
+        "traceEvents": {"type": "array", "items": {"$ref": "#/$defs/event"}},
+        "displayTimeUnit": {"enum": ["ms", "ns"]},
+        "otherData": {"type": "object"},
+    },
+    "$defs": {
+        "event": {
+            "type": "object",
+            "required": ["ph", "name", "pid"],
+            "properties": {
+                "ph": {"enum": ["X", "i", "C", "s", "f", "M"]},
+                "name": {"type": "string", "minLength": 1},
+                "cat": {"type": "string"},
+                "pid": {"type": "integer"},
+                "tid": {"type": "integer"},
+                "ts": {"type": "number", "minimum": 0},
+                "dur": {"type": "number", "minimum": 0},
+                "args": {"type": "object"},
+            },
+            "allOf": [
+                {
+                    "if": {"properties": {"ph": {"const": "X"}}},
+                    "then": {"required": ["ts", "dur", "tid"]},
+                },
+                {
+                    "if": {"properties": {"ph": {"const": "i"}}},
+                    "then": {
+                        "required": ["ts", "tid", "s"],
+                        "properties": {"s": {"enum": ["g", "p", "t"]}},
+                    },
+                },
+                {
+                    "if": {"properties": {"ph": {"const": "C"}}},
+                    "then": {
+                        "required": ["ts", "args"],
+                        "properties": {
+                            "args": {"additionalProperties": {"type": "number"}, "minProperties": 1}
+                        },
+                    },
+                },
+                {
+                    "if": {"properties": {"ph": {"enum": ["s", "f"]}}},
+                    "then": {"required": ["ts", "tid", "id", "cat"]},
+                },
+                {
+                    "if": {"properties": {"ph": {"const": "f"}}},
+                    "then": {"properties": {"bp": {"const": "e"}}},
+                },
+                {
+                    "if": {"properties": {"ph": {"const": "M"}}},
+                    "then": {
+                        "required": ["args"],
+                        "properties": {
+                            "name": {
+                                "enum": [
+                                    "process_name",
+                                    "thread_name",
+                                    "process_sort_index",
+                                    "thread_sort_index",
+                                ]
+                            }
+                        },
+                    },
+                },
+            ],
+        }
+    },
+}
+
+
+def _slices(trace: dict, pid: int, tid: int) -> list[dict]:
+    return [
+        e for e in trace["traceEvents"] if e["ph"] == "X" and (e["pid"], e["tid"]) == (pid, tid)
+    ]
+
+
+def test_the_trace_is_trace_event_json_with_the_stall_where_it_happened(
+    stall_log: Path, tmp_path: Path, capsys
+) -> None:
+    target = tmp_path / "run.trace.json"
+    code, _ = replay(str(stall_log), "--trace", str(target))
+    assert code == 0
+    assert "wrote" in capsys.readouterr().err
+
+    trace = json.loads(target.read_text(encoding="utf-8"))
+    jsonschema.validate(trace, TRACE_EVENT_SCHEMA)
+    names = {
+        (e["pid"], e["tid"]): e["args"]["name"]
+        for e in trace["traceEvents"]
+        if e["ph"] == "M" and e["name"] == "thread_name"
+    }
+    engine = next(k for k, v in names.items() if v == "steps")
+    tracks = {v: k for k, v in names.items()}
+    assert set(tracks) == {"steps", *DECODING, LATE}  # full ids
+
+    # Slices on one track nest or follow each other: viewers draw them as written.
+    for pid, tid in names:
+        spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in _slices(trace, pid, tid))
+        for (_, end), (start, _) in zip(spans, spans[1:], strict=False):
+            assert start >= end - 1e-3
+
+    step9 = next(e for e in _slices(trace, *engine) if e["name"] == f"step {STALL_STEP}")
+    assert step9["dur"] == pytest.approx(141_000)
+    assert step9["args"]["predicted_ms"] == 60.0 and step9["args"]["chunk_tokens"] == 2048
+    for rid in DECODING:
+        stall = [e for e in _slices(trace, *tracks[rid]) if e["cat"] == "stall"]
+        assert [s["name"] for s in stall] == ["stall 147.0 ms"]
+        assert (stall[0]["ts"], stall[0]["dur"]) == pytest.approx((step9["ts"], step9["dur"]))
+        assert stall[0]["args"]["cause_step"] == STALL_STEP
+    flows = [e for e in trace["traceEvents"] if e["ph"] in "sf"]
+    assert len(flows) == 6
+    for start in (e for e in flows if e["ph"] == "s"):
+        assert step9["ts"] <= start["ts"] <= step9["ts"] + step9["dur"]  # from inside step 9
+    kinds = [e["name"] for e in _slices(trace, *tracks[LATE])]
+    assert kinds == ["queued", "prefill [0, 2048)", "prefill [2048, 3000)", "decode"]
+    assert [e["name"] for e in trace["traceEvents"] if e["ph"] == "i" and
+            (e["pid"], e["tid"]) == tracks[LATE]] == ["first token", "stop"]  # fmt: skip
+
+
+def test_a_big_log_exports_to_a_trace_that_still_validates(busy_log: Path, tmp_path: Path) -> None:
+    stats = export_trace(busy_log, tmp_path / "busy.json")
+
+    assert stats.num_requests == 10_000
+    trace = json.loads((tmp_path / "busy.json").read_text(encoding="utf-8"))
+    assert len(trace["traceEvents"]) == stats.num_events
+    stall = [e for e in trace["traceEvents"] if e.get("cat") == "stall" and e["ph"] == "X"]
+    assert [e["args"]["gap_ms"] > 290 for e in stall] == [True]
+    # Validating 100,000 events takes jsonschema seconds: the first few thousand and the stall
+    # cover every kind of event the export writes.
+    jsonschema.validate({"traceEvents": trace["traceEvents"][:3000] + stall}, TRACE_EVENT_SCHEMA)
+    assert (tmp_path / "busy.json").stat().st_size < 40 * 2**20
+
+
+# -- progress ---------------------------------------------------------------------------------
+
+
+class TtyStream(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_long_replays_show_progress_on_a_terminal_only(busy_log: Path) -> None:
+    screen = TtyStream()
+    progress = Progress(screen, busy_log)
+    summarize(busy_log, progress=progress.events)
+    progress.done()
+
+    shown = screen.getvalue()
+    assert "reading busy.jsonl: 10,000 events (~" in shown and "50,000 events" in shown
+    assert shown.endswith("\r\x1b[K")  # the line is cleared when it is done
+    piped = io.StringIO()
+    quiet = Progress(piped, busy_log)
+    summarize(busy_log, progress=quiet.events)
+    quiet.done()
+    assert piped.getvalue() == ""
