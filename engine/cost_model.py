@@ -8,7 +8,8 @@ A step's time is modelled as a linear function of what it computes:
             + per_attention * sum(n * (start + n/2)) (a chunk of n tokens at offset `start`
                                                       attends to start + i + 1 tokens each)
             + per_decode_row * decode rows
-            + per_decode_context * sum(decode rows' context lengths)
+            + per_decode_context * decode rows * the longest row's context
+                                                     (the batch cache pads every row to it)
 
 `CostModel` fits the coefficients to the most recent steps (a window per kind of step, so
 a long run of decode-only steps does not forget what prefill costs; and prefill steps kept
@@ -61,7 +62,7 @@ class StepFeatures:
     prefill_tokens: int = 0  # prompt tokens computed
     prefill_attention: float = 0.0  # sum over chunks of n * (start + n / 2)
     decode_rows: int = 0
-    decode_context: int = 0  # sum over decode rows of the tokens each attends to
+    decode_context: int = 0  # decode rows x the longest row's context (padded batch)
 
     def with_chunk(self, start: int, num_tokens: int) -> StepFeatures:
         return StepFeatures(

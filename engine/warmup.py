@@ -28,7 +28,12 @@ from typing import Any
 import structlog
 
 from stepline.engine.cost_model import Sample, StepFeatures
-from stepline.engine.policy import ScheduledChunk, SchedulerConfig, StepPlan
+from stepline.engine.policy import (
+    ScheduledChunk,
+    SchedulerConfig,
+    StepPlan,
+    padded_decode_context,
+)
 from stepline.engine.work import Housekeeping, NewRequest, StepWork
 from stepline.events.models import RequestParams
 
@@ -38,7 +43,7 @@ _PARAMS = RequestParams(
 _PREFIX = "stepline-warmup-"
 _FIRST_TOKEN_ID = 3  # past the usual special tokens
 # Bump when the warm-up's steps change: samples measured by another recipe are not reused.
-_RECIPE_VERSION = 1
+_RECIPE_VERSION = 2  # 2: decode context counted as the padded batch
 # Kept samples older than this are measured again (the machine may have changed under them).
 MAX_SAMPLE_AGE_S = 7 * 24 * 3600
 
@@ -148,7 +153,9 @@ class _Session:
         decodes = tuple(self._outputs)
         features = StepFeatures(
             decode_rows=len(decodes),
-            decode_context=sum(self._prompts[r] + self._outputs[r] for r in decodes),
+            decode_context=padded_decode_context(
+                [self._prompts[r] + self._outputs[r] for r in decodes]
+            ),
         )
         scheduled: list[ScheduledChunk] = []
         for rid, start, end in chunks:

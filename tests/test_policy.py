@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stepline.engine.cost_model import StepCost
+from stepline.engine.cost_model import StepCost, StepFeatures
 from stepline.engine.policy import (
     MAX_WAIT_STEPS,
     MIN_PREFILL_SHARE,
@@ -19,6 +19,7 @@ from stepline.engine.policy import (
     SchedulerConfig,
     StepPlan,
     check_admissible,
+    decode_context,
     schedule,
 )
 from stepline.engine.prefix_index import PrefixPlan
@@ -372,6 +373,23 @@ def test_chunks_shrink_as_decode_rows_are_added():
         (chunk,) = sim.run_step().chunks
         sizes.append(chunk.num_tokens)
     assert sizes[0] > sizes[1] > sizes[2] >= 1
+
+
+def test_decode_rows_are_priced_as_the_padded_batch_they_decode_in():
+    # One long conversation among short ones: the batch cache pads every row to the longest
+    # and attention runs over the padding, so the step costs what the padded batch costs.
+    sim = Sim(TIMED, COST)
+    _decoders(sim, 3)
+    sim.add("long-chat", 6000, max_tokens=10_000)
+    while sim.states["long-chat"].status is not Status.DECODING:
+        sim.run_step()
+    sim.add("new", 2000, max_tokens=1)
+    plan = sim.run_step()
+    contexts = [decode_context(sim.states[rid]) - 1 for rid in plan.decodes]  # before the step
+    (chunk,) = plan.chunks
+    padded = StepFeatures(decode_rows=4, decode_context=4 * max(contexts))
+    real = COST.predict(padded.with_chunk(chunk.start, chunk.num_tokens))
+    assert plan.predicted_seconds == pytest.approx(real)  # what the chunk was sized by
 
 
 def test_a_lone_prompt_prefills_with_the_whole_budget():
