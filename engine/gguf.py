@@ -9,8 +9,8 @@ Covered:
 - architectures (GGUF `general.architecture`): llama (and the models converted as llama:
   SmolLM, Mistral, Llama 3.x with its `rope_freqs`), qwen2, qwen3;
 - tokenizers: byte-level BPE (`tokenizer.ggml.model = gpt2`) with the pre-tokenizers in
-  `_PRE_TOKENIZERS` (SmolLM, GPT-2, Qwen2/3, Llama 3); SentencePiece files (Llama 2) are
-  refused, naming what is missing;
+  `_PRE_TOKENIZERS` (SmolLM, GPT-2, Qwen2/3, Llama 3), and SentencePiece BPE (`llama`:
+  Llama 2, Mistral, TinyLlama); others are refused, naming what is missing;
 - tensors: F32, F16, BF16, Q4_0, Q4_1 and Q8_0 are read by MLX itself, and the quantized
   ones stay quantized as MLX 4/8-bit arrays of group size 32 (the same numbers); a file with
   any other type (the K-quants of Q4_K_M and Q6_K files, Q5_0, IQ4_NL, ...) is dequantized
@@ -406,59 +406,40 @@ def _save_weights(weights: dict[str, mx.array], out: Path) -> None:
 
 def _tokenizer_files(src: Path, meta: _Metadata) -> dict[str, str]:
     """tokenizer.json and tokenizer_config.json from the GGUF's tokenizer metadata."""
-    from tokenizers import (
-        AddedToken,
-        Regex,
-        Tokenizer,
-        decoders,
-        models,
-        pre_tokenizers,
-        processors,
-    )
+    from tokenizers import AddedToken, processors
 
     kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise GGUFError(
-            f"{src.name}: tokenizer model {kind!r} is not supported for GGUF files yet "
-            "(supported: gpt2, the byte-level BPE of SmolLM, Qwen and Llama 3)"
-        )
-    pre = meta.get("tokenizer.ggml.pre", "default")
-    if pre not in _PRE_TOKENIZERS:
-        raise GGUFError(
-            f"{src.name}: pre-tokenizer {pre!r} is not supported for GGUF files yet "
-            f"(supported: {', '.join(_PRE_TOKENIZERS)})"
-        )
     tokens: list[str] = list(meta.get("tokenizer.ggml.tokens") or [])
-    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
     types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
     if len(types) != len(tokens):
         raise GGUFError(f"{src.name}: {len(tokens)} tokens but {len(types)} token types")
-    specials = [t for t, k in zip(tokens, types, strict=True) if k == 3]
-    user_defined = [t for t, k in zip(tokens, types, strict=True) if k == 4]
     vocab = {token: i for i, token in enumerate(tokens)}
-    tokenizer = Tokenizer(
-        models.BPE(vocab=vocab, merges=merges, ignore_merges=pre in ("llama-bpe", "llama3"))
-    )
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre == "smollm":  # each digit on its own, then GPT-2's pattern
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), byte_level]
-        )
-    elif pre in ("qwen2", "llama-bpe", "llama3"):
-        pattern = _QWEN2_SPLIT if pre == "qwen2" else _LLAMA3_SPLIT
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
+    if kind == "gpt2":
+        tokenizer = _byte_level_bpe(src, meta, vocab)
+    elif kind == "llama":
+        tokenizer = _sentencepiece_bpe(meta, vocab, types)
     else:
-        tokenizer.pre_tokenizer = byte_level
-    tokenizer.decoder = decoders.ByteLevel()
-    # Control tokens (type 3) are specials; user-defined ones (4: Qwen's <think>,
-    # <tool_call>) are matched whole but are text to the decoder.
-    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
-    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in user_defined])
+        raise GGUFError(
+            f"{src.name}: tokenizer model {kind!r} is not supported for GGUF files yet "
+            "(supported: gpt2, the byte-level BPE of SmolLM, Qwen and Llama 3; llama, the "
+            "SentencePiece BPE of Llama 2 and Mistral)"
+        )
+    # Control tokens (type 3) and the unknown token (2) are specials; user-defined ones
+    # (4: Qwen's <think>, <tool_call>) are matched whole but are text to the decoder.
+    tokenizer.add_special_tokens(
+        [
+            AddedToken(t, special=True, normalized=False)
+            for t, k in zip(tokens, types, strict=True)
+            if k in (2, 3)
+        ]
+    )
+    tokenizer.add_tokens(
+        [
+            AddedToken(t, special=False, normalized=False)
+            for t, k in zip(tokens, types, strict=True)
+            if k == 4
+        ]
+    )
 
     def token(key: str) -> str | None:
         index = meta.get(f"tokenizer.ggml.{key}")
@@ -488,3 +469,68 @@ def _tokenizer_files(src: Path, meta: _Metadata) -> dict[str, str]:
         "tokenizer.json": tokenizer.to_str(),
         "tokenizer_config.json": json.dumps(tokenizer_config, indent=2) + "\n",
     }
+
+
+def _byte_level_bpe(src: Path, meta: _Metadata, vocab: dict[str, int]) -> Any:
+    """GPT-2-style byte-level BPE (SmolLM, Qwen, Llama 3), with the pre-tokenizer named."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre not in _PRE_TOKENIZERS:
+        raise GGUFError(
+            f"{src.name}: pre-tokenizer {pre!r} is not supported for GGUF files yet "
+            f"(supported: {', '.join(_PRE_TOKENIZERS)})"
+        )
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
+    tokenizer = Tokenizer(
+        models.BPE(vocab=vocab, merges=merges, ignore_merges=pre in ("llama-bpe", "llama3"))
+    )
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre == "smollm":  # each digit on its own, then GPT-2's pattern
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level]
+        )
+    elif pre in ("qwen2", "llama-bpe", "llama3"):
+        pattern = _QWEN2_SPLIT if pre == "qwen2" else _LLAMA3_SPLIT
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    else:
+        tokenizer.pre_tokenizer = byte_level
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def _sentencepiece_bpe(meta: _Metadata, vocab: dict[str, int], types: list[int]) -> Any:
+    """SentencePiece BPE (Llama 2, Mistral, TinyLlama) as Hugging Face's fast tokenizer has
+    it: merges ranked by the merged piece's score, bytes the vocabulary lacks as <0xXX>
+    pieces, spaces as U+2581 with one before the text."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers.tokenization_utils_base import generate_merges
+
+    scores = list(meta.get("tokenizer.ggml.scores") or [0.0] * len(vocab))
+    pieces = list(vocab)
+    # Byte and control pieces are never merged into; their scores do not rank merges.
+    ranked = {p: scores[i] for i, p in enumerate(pieces) if types[i] in (1, 4)}
+    unknown = meta.get("tokenizer.ggml.unknown_token_id")
+    tokenizer = Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=generate_merges(vocab, ranked),
+            unk_token=pieces[unknown] if unknown is not None else None,
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+    )
+    steps = [normalizers.Replace(" ", "\u2581")]
+    if meta.get("tokenizer.ggml.add_space_prefix", True):
+        steps.insert(0, normalizers.Prepend("\u2581"))
+    tokenizer.normalizer = normalizers.Sequence(steps)
+    strip = [decoders.Strip(" ", 1, 0)] if meta.get("tokenizer.ggml.add_space_prefix", True) else []
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), *strip]
+    )
+    return tokenizer

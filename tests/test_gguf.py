@@ -12,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-from gguf_files import random_model, roundtrip, tokenizer_metadata, write_gguf
+from gguf_files import gguf_name, random_model, roundtrip, tokenizer_metadata, write_gguf
 from mlx.utils import tree_flatten, tree_unflatten
 
 from stepline.engine.gguf import GGUFError, gguf_model_dir
@@ -189,8 +189,8 @@ def bare_gguf(path: Path, arch: str, tokenizer_model: str = "gpt2") -> Path:
 def test_an_unsupported_architecture_or_tokenizer_is_refused_naming_it(tmp_path):
     with pytest.raises(GGUFError, match="architecture 'falcon' is not supported.*qwen3"):
         load_model(str(bare_gguf(tmp_path / "f.gguf", "falcon")))
-    with pytest.raises(GGUFError, match="tokenizer model 'llama' is not supported"):
-        load_model(str(bare_gguf(tmp_path / "sp.gguf", "llama", tokenizer_model="llama")))
+    with pytest.raises(GGUFError, match="tokenizer model 'rwkv' is not supported"):
+        load_model(str(bare_gguf(tmp_path / "w.gguf", "llama", tokenizer_model="rwkv")))
 
 
 def llama3_factors(dims: int, theta: float, factor: float) -> np.ndarray:
@@ -241,3 +241,83 @@ def test_a_converted_gguf_is_reused_until_the_file_changes(demo, vocab, tmp_path
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
     changed, converted = gguf_model_dir(path, tmp_path / "cache")
     assert converted and changed != first
+
+
+def sentencepiece_gguf(tmp_path: Path):
+    """A llama GGUF whose tokenizer is a SentencePiece BPE trained here, stored the way
+    llama.cpp's converter stores one; returns (path, the SentencePiece processor)."""
+    import io
+
+    import sentencepiece as spm
+
+    proto = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        input=str(Path(__file__).parents[1] / "engine" / "demo_corpus.txt"),
+        model_writer=proto,
+        vocab_size=600,
+        model_type="bpe",
+        byte_fallback=True,
+        character_coverage=1.0,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        # As Llama 2's and Mistral's models: text as it is, spaces kept.
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        minloglevel=2,
+    )
+    sp = spm.SentencePieceProcessor(model_proto=proto.getvalue())
+    size = sp.get_piece_size()
+    kinds = []
+    for i in range(size):
+        if sp.is_unknown(i):
+            kinds.append(gguf.TokenType.UNKNOWN)
+        elif sp.is_control(i):
+            kinds.append(gguf.TokenType.CONTROL)
+        elif sp.is_byte(i):
+            kinds.append(gguf.TokenType.BYTE)
+        else:
+            kinds.append(gguf.TokenType.NORMAL)
+    config = small_config(vocab_size=size)
+    model = random_model("llama", config, seed=11)
+    path = tmp_path / "sp.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list([sp.id_to_piece(i) for i in range(size)])
+    writer.add_token_scores([sp.get_score(i) for i in range(size)])
+    writer.add_token_types(kinds)
+    writer.add_unk_token_id(0)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(True)
+    for name, value in tree_flatten(model.parameters()):
+        writer.add_tensor(gguf_name(name), np.array(value))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path, sp
+
+
+def test_a_sentencepiece_tokenizer_encodes_and_decodes_as_sentencepiece_does(tmp_path):
+    path, sp = sentencepiece_gguf(tmp_path)
+    loaded = load_model(str(path), dtype="keep")
+    texts = [
+        "The bread of 1984 was baked at 220 degrees.",
+        "  two leading spaces, and\nnew lines\n\nand tabs\there",
+        "Unicode the corpus never saw: Zürich, naïve, 東京, 🍞!",
+        "wordswithoutspaces and CAPITALS",
+    ]
+    for text in texts:
+        ids = loaded.tokenizer.encode(text)
+        assert ids == [1, *sp.encode(text)], text  # <s> first, as add_bos_token says
+        assert loaded.tokenizer.decode(ids, skip_special_tokens=True) == sp.decode(ids[1:])
+    assert loaded.tokenizer.eos_token_ids == {2}
