@@ -128,7 +128,8 @@ def test_kept_quantized_and_dequantized_weights_give_the_same_logits(smollm2):
     kept = load_model(DEFAULT_MODEL, dtype="keep")
     assert kept.weights.startswith("4/8-bit quantized")
     assert smollm2.weights.startswith("float32 (dequantized from 4/8-bit quantized")
-    prompt = mx.array(smollm2.tokenizer.apply_chat_template(CHATS[2], add_generation_prompt=True))
+    # A short prompt: MLX runs 4-bit matmuls ~17x slower than float32 on the CPU backend.
+    prompt = mx.array(smollm2.tokenizer.apply_chat_template(CHATS[1], add_generation_prompt=True))
     ours = smollm2.model(prompt[None])[0]
     theirs = kept.model(prompt[None])[0].astype(mx.float32)
     # The same numbers; only the order of float32 sums inside the matmuls differs.
