@@ -184,6 +184,7 @@ def plan(
     json_object: bool = False,  # structured output: any JSON object
     template_kwargs: dict[str, Any] | None = None,
     tool_choice_param: str = "tool_choice",
+    schema_param: str = "response_format",
 ) -> AgentPlan:
     """The engine-side plan of a request. Raises RequestError for what cannot be honoured."""
     kwargs = dict(template_kwargs or {})
@@ -230,7 +231,7 @@ def plan(
             parallel=parallel_tool_calls and tool_choice in (None, "auto", "required"),
         )
     grammar = None
-    grammar_param = "response_format"
+    grammar_param = schema_param
     try:
         if forced:
             # A forced call wins its turn, whatever format the final answer must have.
@@ -258,20 +259,24 @@ def plan(
     )
 
 
+def reads_template_kwarg(tokenizer: Any, key: str) -> bool:
+    """Whether the chat template reads `key` (`enable_thinking` under mlx-lm's name for it)."""
+    name = getattr(tokenizer, "_thinking_kwarg", key) if key == "enable_thinking" else key
+    return name in _template_source(tokenizer)
+
+
 def check_template_kwargs(tokenizer: Any, kwargs: dict[str, Any]) -> None:
     """Refuse chat-template arguments the template never reads (they would be ignored).
 
     mlx-lm passes `enable_thinking` under the name the template uses for it.
     """
-    source = _template_source(tokenizer)
     for key in kwargs:
         if key in ("tools", "add_generation_prompt", "messages", "tokenize"):
             raise RequestError(
                 f"chat_template_kwargs may not set {key!r}: it is set from the request",
                 param="chat_template_kwargs",
             )
-        name = getattr(tokenizer, "_thinking_kwarg", key) if key == "enable_thinking" else key
-        if name not in source:
+        if not reads_template_kwarg(tokenizer, key):
             raise RequestError(
                 f"this model's chat template does not read {key!r}, so it would be ignored: "
                 "remove it",

@@ -13,6 +13,7 @@ from stepline.api.responses_schema import (
     OutputMessage,
     OutputText,
     event_frame,
+    flat_name,
 )
 
 if TYPE_CHECKING:
@@ -33,7 +34,9 @@ class OutputWriter:
         *,
         parallel: bool,  # else only the first call is kept
         message_first: bool,  # the message opens at the start (no tools)
+        names: dict[str, tuple[str, str]] | None = None,  # flat name -> (namespace, name)
     ):
+        self.names = names or {}
         self.resp = stored.response
         self.record = stored.record
         self.splitter = splitter
@@ -77,8 +80,9 @@ class OutputWriter:
             if d.index > 0 and not self.parallel:
                 continue
             if d.id is not None:
+                namespace, name = self.names.get(d.name or "", (None, d.name or ""))
                 item = FunctionCallItem(
-                    id=f"fc_{uuid.uuid4().hex}", call_id=d.id, name=d.name or ""
+                    id=f"fc_{uuid.uuid4().hex}", call_id=d.id, name=name, namespace=namespace
                 )
                 self.calls[d.index] = item
                 self.resp.output = [*self.resp.output, item]
@@ -137,7 +141,7 @@ class OutputWriter:
                     arguments = call_arguments(c.arguments, "arguments")
                 except RequestError:  # the model's own text: kept as it wrote it
                     arguments = c.arguments
-                calls.append(template_call(c.call_id, c.name, arguments))
+                calls.append(template_call(c.call_id, flat_name(c.namespace, c.name), arguments))
         if calls:
             message["tool_calls"] = calls
         return message

@@ -58,6 +58,7 @@ def create_app(
     resume_grace_s: float = DEFAULT_GRACE_S,
     responses_ttl_s: float = DEFAULT_TTL_S,
     interrupted_responses: Sequence[tuple[str, float]] = (),
+    strict_max_tokens: bool = False,
 ) -> FastAPI:
     """The HTTP app serving `engine`.
 
@@ -72,6 +73,8 @@ def create_app(
     `resume_grace_s`, and can be resumed until `resume_grace_s` after it ended. A stored
     /v1/responses response is kept `responses_ttl_s` after it ended; `interrupted_responses`
     ((id, admitted at) from `responses_recovery`) are answered as failed by the restart.
+    A max_tokens past the room left in the context is clamped to it (the response says so in
+    `x-stepline-max-tokens`), or with `strict_max_tokens` refused with a 400.
     """
     serving = OpenAIServing(
         engine,
@@ -103,6 +106,7 @@ def create_app(
     )
     anthropic.resume = serving.resume
     for front in (serving, anthropic, responses):
+        front.strict_max_tokens = strict_max_tokens
         front.reasoning, front.default_template_kwargs = configure(
             engine.tokenizer,
             reasoning_parser=reasoning_parser,
