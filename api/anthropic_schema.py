@@ -118,6 +118,7 @@ class MessagesRequest(_Base):
     temperature: float | None = Field(None, ge=0.0, le=1.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # stepline: reproducible sampling
     stream: bool = False
     metadata: dict[str, Any] | None = None  # user_id only; nothing to honour
 

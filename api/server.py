@@ -6,9 +6,11 @@ the OpenAI-style error handlers, and the probes (/health, /metrics).
     GET  /v1/requests/{id}/stream                      (resume a stream, in `resume`)
     POST /v1/responses, GET|DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel
                                                        (OpenAI Responses, `responses_serving`)
-    GET  /v1/models, GET /v1/models/{name}, GET /health, GET /metrics, GET /docs, GET /redoc
+    GET  /v1/models, GET /v1/models/{name}, GET|HEAD /, GET /health, GET /metrics, GET /docs,
+    GET  /redoc
 
-Errors are OpenAI-style `{"error": {"message", "type", "param", "code"}}` bodies. The handlers
+Errors are OpenAI-style `{"error": {"message", "type", "param", "code"}}` bodies (Anthropic's
+shape under /v1/messages), unknown routes included. The handlers
 live in their own modules (`openai_serving`), running the process in `serve_cmd`.
 """
 
@@ -119,8 +121,18 @@ def create_app(
         return exc.response()
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return APIError(exc.status_code, str(exc.detail), code=None).response()
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        # An unknown route (or method): a JSON error with a code, in the caller's API's shape.
+        what = f"{request.method} {request.url.path}"
+        if exc.status_code == 404:
+            err = APIError(404, f"no route {what} on this server", code="not_found")
+        elif exc.status_code == 405:
+            err = APIError(405, f"{what}: method not allowed", code="method_not_allowed")
+        else:
+            err = APIError(exc.status_code, str(exc.detail), code="http_error")
+        err.headers.update(exc.headers or {})
+        anthropic = request.url.path.startswith("/v1/messages")
+        return error_response(err) if anthropic else err.response()
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -156,6 +168,11 @@ def create_app(
         card = serving.models().data[0].model_copy(update={"id": model_id})
         return JSONResponse(card.model_dump())
 
+    @app.api_route("/", methods=["GET", "HEAD"])
+    async def root() -> JSONResponse:
+        # Clients probe it before their first request (Claude Code sends `HEAD /`).
+        return JSONResponse({"status": "ok", "model": serving.model_name})
+
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
         if engine.healthy:
@@ -178,7 +195,7 @@ def create_app(
     # -- middleware: the last added runs first --
 
     if api_key is not None:
-        open_paths = {"/health", "/metrics"} if metrics_public else {"/health"}
+        open_paths = {"/", "/health", "/metrics"} if metrics_public else {"/", "/health"}
         app.add_middleware(RequireKey, api_key=api_key, open_paths=frozenset(open_paths))
     if allowed_origins:
         app.add_middleware(
