@@ -20,6 +20,7 @@ import hmac
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import structlog
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -39,6 +40,8 @@ from stepline.api.serving import DEFAULT_BODY_TIMEOUT_S
 
 if TYPE_CHECKING:
     from stepline.api.engine import Engine
+
+log = structlog.get_logger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # a 128k-token conversation is well under 1 MiB
 DEFAULT_HEARTBEAT_S = 15.0  # under the 30-60 s idle timeouts of common proxies
@@ -131,6 +134,7 @@ def create_app(
         else:
             err = APIError(exc.status_code, str(exc.detail), code="http_error")
         err.headers.update(exc.headers or {})
+        log.info("request_error", status=err.status_code, code=err.detail.code, route=what)
         anthropic = request.url.path.startswith("/v1/messages")
         return error_response(err) if anthropic else err.response()
 

@@ -471,6 +471,13 @@ class Serving:
         finally:
             self.engine.arrived()  # a request that failed before it was submitted
         err.request_id = rid
+        log.info(
+            "request_error",
+            status=err.status_code,
+            code=err.detail.code,
+            param=err.detail.param,
+            message=err.detail.message,
+        )
         return wire.error_response(err)
 
     # -- the pipeline every door shares --
