@@ -6,7 +6,7 @@ from __future__ import annotations
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from stepline.api.model_output import OutputSplitter
+from stepline.api.model_output import OutputDelta, OutputSplitter
 from stepline.api.openai_schema import RequestError, call_arguments, template_call
 from stepline.api.responses_schema import (
     FunctionCallItem,
@@ -65,10 +65,8 @@ class OutputWriter:
             self.emit("response.content_part.added", **where, content_index=0, part=OutputText())
         return self.message
 
-    def feed(self, text: str, *, done: bool) -> None:
-        piece = self.splitter.feed(text)
-        if done:
-            piece.extend(self.splitter.finish())
+    def write(self, piece: OutputDelta) -> None:
+        """The events of one split piece of the answer (`splitter`'s)."""
         if piece.content:
             where = self._where(self.open_message())
             self.part.text += piece.content

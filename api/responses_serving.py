@@ -41,7 +41,7 @@ from stepline.api.resume import (
     key_of,
     wants_resumable,
 )
-from stepline.api.serving import Call, Serving
+from stepline.api.serving import Call, RequestFailed, Serving, Started
 
 if TYPE_CHECKING:
     from stepline.actors.request import RequestOutput
@@ -212,7 +212,7 @@ class ResponsesServing(Serving):
         )
 
         async def run() -> None:
-            await self._run(stored, stream, writer)
+            await self._run(stored, started, writer)
 
         if req.stream:
             return ResumableStreamResponse(
@@ -244,13 +244,11 @@ class ResponsesServing(Serving):
         if gone:
             raise APIError(499, "the client closed the connection", code="client_closed")
 
-    async def _run(
-        self, stored: StoredResponse, stream: RequestStream, writer: OutputWriter
-    ) -> None:
+    async def _run(self, stored: StoredResponse, started: Started, writer: OutputWriter) -> None:
         """The producer: read the engine request, write the events, keep the response object
         current; always ends the record with one of response.completed / .incomplete /
         .failed / .cancelled."""
-        resp = stored.response
+        resp, stream = stored.response, started.stream
         last: RequestOutput | None = None
         cancelled = False
         try:
@@ -263,12 +261,13 @@ class ResponsesServing(Serving):
                 writer.emit("response.in_progress", response=resp)
                 if writer.message_first:
                     writer.open_message()
-                async for out in stream:
-                    if out.is_progress:
-                        continue
-                    last = out
-                    if out.finish_reason in (None, "stop", "length"):
-                        writer.feed(out.text, done=out.finish_reason is not None)
+                try:
+                    async for piece in self.pieces(started, writer.splitter):
+                        if not piece.is_progress:
+                            last = piece.out
+                            writer.write(piece.delta)
+                except RequestFailed as failed:  # `_end` says how
+                    last = failed.out
             cancelled = scope.cancelled_caught
         except anyio.get_cancelled_exc_class():
             if not resp.background:  # its client went away (and did not come back)

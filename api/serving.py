@@ -529,7 +529,7 @@ class Serving:
                 yield Piece(OutputDelta(), out)
                 continue
             if out.finish_reason not in (None, "stop", "length"):
-                raise self.failure(out)
+                raise RequestFailed(self.failure(out), out)
             delta = splitter.feed(out.text)
             if out.finish_reason is not None:
                 delta.extend(splitter.finish())
@@ -541,6 +541,17 @@ class Serving:
 
 
 EFFECTIVE_MAX_TOKENS_HEADER = "x-stepline-max-tokens"  # set when a max_tokens was clamped
+
+
+class RequestFailed(APIError):
+    """The error of a request that ended with an error or was cancelled; `out` is its last
+    output (its finish reason)."""
+
+    def __init__(self, err: APIError, out: RequestOutput):
+        super().__init__(
+            err.status_code, err.detail.message, type=err.detail.type, code=err.detail.code
+        )
+        self.out = out
 
 
 @dataclass
