@@ -223,26 +223,8 @@ class ResponsesServing(Serving):
             return Response(
                 body, media_type="application/json", headers=headers, background=BackgroundTask(run)
             )
-        await self._run_attached(request, run)
+        await self.attached(request, run)  # a disconnect cancels it
         return Response(response.model_dump_json(), media_type="application/json", headers=headers)
-
-    async def _run_attached(self, request: Request, run) -> None:
-        """Run a foreground response to its end; a client disconnect cancels it."""
-        gone = False
-
-        async def watch_disconnect(scope: anyio.CancelScope) -> None:
-            nonlocal gone
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-            gone = True
-            scope.cancel()
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(watch_disconnect, tg.cancel_scope)
-            await run()
-            tg.cancel_scope.cancel()
-        if gone:
-            raise APIError(499, "the client closed the connection", code="client_closed")
 
     async def _run(self, stored: StoredResponse, started: Started, writer: OutputWriter) -> None:
         """The producer: read the engine request, write the events, keep the response object

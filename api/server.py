@@ -172,7 +172,7 @@ def create_app(
         card = serving.models().data[0].model_copy(update={"id": model_id})
         return JSONResponse(card.model_dump())
 
-    @app.api_route("/", methods=["GET", "HEAD"])
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
     async def root() -> JSONResponse:
         # Clients probe it before their first request (Claude Code sends `HEAD /`).
         return JSONResponse({"status": "ok", "model": serving.model_name})

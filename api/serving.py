@@ -244,30 +244,32 @@ class Serving:
         max_context = self.engine.max_context
         if num_prompt >= max_context:
             raise context_error(ContextLengthExceededError(num_prompt, max_context), prompt_param)
-        room = max_context - num_prompt
-        if requested is None or (requested > room and not self.strict_max_tokens):
-            # Unasked, a request may run to the end of the context, but no further than the
-            # KV budget lets it: otherwise a plain chat on a long-context model whose budget
-            # is below its context would be refused as "can never fit".
-            config = self.engine.step_loop.config
-            if config.max_kv_tokens is not None:
-                fits = config.max_kv_tokens - num_prompt - config.kv_tokens_per_seq
-                room = min(room, max(fits, 1))
-            if requested is not None:
-                log.info("max_tokens_clamped", requested=requested, effective=room, param=param)
-                return min(requested, room)
+        context_room = room = max_context - num_prompt
+        # No further than the KV budget lets it either: otherwise a plain chat on a
+        # long-context model whose budget is below its context would be refused as "can never
+        # fit".
+        config = self.engine.step_loop.config
+        if config.max_kv_tokens is not None:
+            fits = config.max_kv_tokens - num_prompt - config.kv_tokens_per_seq
+            room = min(room, max(fits, 1))
+        if requested is None:
             return min(default or room, room)
-        if requested > room:
+        if requested <= room:
+            return requested
+        if not self.strict_max_tokens:
+            log.info("max_tokens_clamped", requested=requested, effective=room, param=param)
+            return room
+        if requested > context_room:
             raise APIError(
                 400,
                 f"This model's maximum context length is {max_context} tokens, but "
                 f"{num_prompt + requested} tokens were requested ({num_prompt} in the prompt, "
                 f"{requested} in the completion): shorten the prompt or lower {param} to at "
-                f"most {room}",
+                f"most {context_room}",
                 param=param,
                 code="context_length_exceeded",
             )
-        return requested
+        return requested  # past the KV budget: `submit` says by how much
 
     def sampling(
         self, req: Any, max_tokens: int, logprobs: int | None, grammar: str | None = None
@@ -381,9 +383,9 @@ class Serving:
             )
         return APIError(500, f"internal error (request id {rid})", code="engine_error")
 
-    async def collect(self, request: Request, stream: RequestStream) -> list[RequestOutput]:
-        """Every output of a non-streaming request; a client disconnect cancels it."""
-        outs: list[RequestOutput] = []
+    async def attached(self, request: Request, run: Callable[[], Awaitable[None]]) -> None:
+        """The one disconnect watch of non-streamed answers: run `run` to its end while the
+        client stays; a client that disconnects cancels it (APIError 499)."""
         gone = False
 
         async def watch_disconnect(scope: anyio.CancelScope) -> None:
@@ -393,13 +395,23 @@ class Serving:
             gone = True
             scope.cancel()
 
-        async with stream, anyio.create_task_group() as tg:
+        async with anyio.create_task_group() as tg:
             tg.start_soon(watch_disconnect, tg.cancel_scope)
-            async for out in stream:
-                if not out.is_progress:
-                    outs.append(out)
+            await run()
             tg.cancel_scope.cancel()
-        if gone or not outs or outs[-1].finish_reason is None:
+        if gone:
+            raise APIError(499, "the client closed the connection", code="client_closed")
+
+    async def collect(self, request: Request, stream: RequestStream) -> list[RequestOutput]:
+        """Every output of a non-streaming request; a client disconnect cancels it."""
+        outs: list[RequestOutput] = []
+
+        async def read() -> None:
+            async with stream:
+                outs.extend([out async for out in stream if not out.is_progress])
+
+        await self.attached(request, read)
+        if not outs or outs[-1].finish_reason is None:
             raise APIError(499, "the client closed the connection", code="client_closed")
         if outs[-1].finish_reason not in ("stop", "length"):
             raise self.failure(outs[-1])
