@@ -370,6 +370,43 @@ async def test_forced_calls_with_schemas_lacking_additional_properties_end_in_a_
         jsonschema.validate(json.loads(call.function.arguments), closed)
 
 
+async def test_langchain_tools_and_anthropic_input_schemas_without_additional_properties_hold(
+    oai, claude
+):
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def shout(word: str, times: int) -> str:
+        """Shout a word."""
+        return word * times
+
+    async with httpx.AsyncClient() as http:  # our own, so that it is closed
+        llm = ChatOpenAI(
+            model=MODEL,
+            base_url=str(oai.base_url),
+            api_key=KEY,
+            temperature=1.5,
+            max_retries=0,
+            http_async_client=http,
+            seed=2,
+        )
+        called = await llm.bind_tools([shout], tool_choice="required").ainvoke("Shout!")
+    assert called.tool_calls
+    assert all(set(c["args"]) == {"word", "times"} for c in called.tool_calls)
+    for seed in range(3):
+        r = await claude.messages.create(
+            model=MODEL,
+            max_tokens=60,
+            tools=[BASH],  # Claude Code's input_schema: no additionalProperties
+            tool_choice={"type": "tool", "name": "Bash"},
+            messages=[{"role": "user", "content": "List the files."}],
+            extra_body={"temperature": 1.0, "seed": seed},
+        )
+        [use] = r.content
+        assert use.type == "tool_use" and set(use.input) == {"command"}
+
+
 # -- Codex ----------------------------------------------------------------------------------
 
 CODEX_TOOLS = [
