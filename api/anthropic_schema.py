@@ -219,29 +219,11 @@ def _text(content: str | list[Block], where: str) -> str:
     return "\n".join(parts)
 
 
-# -- responses ------------------------------------------------------------------------------
+# -- responses (messages and stream events: the `anthropic` package's own types) ------------
 
 
 class _Response(BaseModel):
     model_config = ConfigDict(frozen=True)
-
-
-class Usage(_Response):
-    input_tokens: int
-    output_tokens: int
-    cache_creation_input_tokens: int = 0
-    cache_read_input_tokens: int = 0
-
-
-class MessageResponse(_Response):
-    id: str
-    type: Literal["message"] = "message"
-    role: Literal["assistant"] = "assistant"
-    model: str
-    content: list[dict[str, Any]]
-    stop_reason: str | None
-    stop_sequence: str | None
-    usage: Usage
 
 
 class ErrorBody(_Response):

@@ -14,16 +14,18 @@ connection (`resume`).
 from __future__ import annotations
 
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from anthropic import types as sdk
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 
 from stepline.api import anthropic_schema as schema
 from stepline.api.agents import AgentPlan, plan, reads_template_kwarg
 from stepline.api.errors import APIError
 from stepline.api.model_output import OutputDelta, ToolCall, split_output
-from stepline.api.serving import Call, Serving, Started, json_response
+from stepline.api.serving import Call, Serving, Started
 
 if TYPE_CHECKING:
     from stepline.actors.request import RequestOutput
@@ -111,15 +113,17 @@ class AnthropicServing(Serving):
         outs = await self.collect(request, started.stream)
         split = split_output("".join(o.text for o in outs), started.fmt, started.tools)
         stop_reason, stop_sequence = self.stop_reason(req, outs, split.tool_calls)
-        body = schema.MessageResponse(
+        body = sdk.Message(
             id=rid,
+            type="message",
+            role="assistant",
             model=self.response_model(req.model),
             content=_blocks(split),
-            stop_reason=stop_reason,
+            stop_reason=stop_reason,  # type: ignore[arg-type]
             stop_sequence=stop_sequence,
             usage=_usage(outs[-1]),
         )
-        return json_response(body, headers=started.headers)
+        return Response(_json(body), media_type="application/json", headers=started.headers)
 
     def stop_reason(
         self, req: schema.MessagesRequest, outs: list[RequestOutput], calls: list[ToolCall]
@@ -141,23 +145,39 @@ class AnthropicServing(Serving):
         return ("stop_sequence", max(found, key=len)) if found else ("end_turn", None)
 
 
-def _usage(out: RequestOutput, *, output: bool = True) -> schema.Usage:
-    return schema.Usage(
+def _usage(out: RequestOutput, *, output: bool = True) -> sdk.Usage:
+    return sdk.Usage(
         input_tokens=out.num_prompt_tokens - out.num_cached_tokens,
         output_tokens=out.num_output_tokens if output else 0,
+        cache_creation_input_tokens=0,
         cache_read_input_tokens=out.num_cached_tokens,
     )
 
 
-def _blocks(split: OutputDelta) -> list[dict[str, Any]]:
-    blocks: list[dict[str, Any]] = []
+def _json(body: BaseModel) -> bytes:
+    """An SDK model as the API writes it: the fields we set (a null we set stays a null)."""
+    return body.model_dump_json(exclude_unset=True).encode()
+
+
+def _event(body: sdk.RawMessageStreamEvent) -> bytes:
+    """One Anthropic server-sent event: `event: <type>` and its JSON."""
+    return b"event: " + body.type.encode() + b"\ndata: " + _json(body) + b"\n\n"
+
+
+PING = schema.event("ping", {"type": "ping"})
+
+
+def _blocks(split: OutputDelta) -> list[sdk.ContentBlock]:
+    blocks: list[sdk.ContentBlock] = []
     if split.reasoning:
-        blocks.append({"type": "thinking", "thinking": split.reasoning, "signature": ""})
+        blocks.append(sdk.ThinkingBlock(type="thinking", thinking=split.reasoning, signature=""))
     if split.content or not (split.tool_calls or split.reasoning):
-        blocks.append({"type": "text", "text": split.content})
+        blocks.append(sdk.TextBlock(type="text", text=split.content))
     for call in split.tool_calls:
         blocks.append(
-            {"type": "tool_use", "id": _tool_id(call.id), "name": call.name, "input": call.input}
+            sdk.ToolUseBlock(
+                type="tool_use", id=_tool_id(call.id), name=call.name, input=call.input
+            )
         )
     return blocks
 
@@ -185,9 +205,9 @@ class _Stream:
             out = piece.out
             if not outs and not frames:
                 frames.append(self._message_start(out))
-                frames.append(schema.event("ping", {"type": "ping"}))
+                frames.append(PING)
             if piece.is_progress:
-                await emit(b"".join(frames) or schema.event("ping", {"type": "ping"}))
+                await emit(b"".join(frames) or PING)
                 frames = []
                 continue
             outs.append(out)
@@ -195,75 +215,74 @@ class _Stream:
             if out.finish_reason is not None:
                 frames.extend(self._close())
                 reason, sequence = self.serving.stop_reason(self.req, outs, self.calls)
-                delta = {"stop_reason": reason, "stop_sequence": sequence}
-                usage = _usage(out).model_dump()  # streamed usage carries input and cache counts
-                frames.append(
-                    schema.event(
-                        "message_delta", {"type": "message_delta", "delta": delta, "usage": usage}
-                    )
+                usage = _usage(out)  # streamed usage carries input and cache counts too
+                delta = sdk.RawMessageDeltaEvent(
+                    type="message_delta",
+                    delta={"stop_reason": reason, "stop_sequence": sequence},  # type: ignore[arg-type]
+                    usage=sdk.MessageDeltaUsage(**usage.model_dump(exclude_unset=True)),
                 )
-                frames.append(schema.event("message_stop", {"type": "message_stop"}))
+                frames.append(_event(delta))
+                frames.append(_event(sdk.RawMessageStopEvent(type="message_stop")))
             if frames:
                 await emit(b"".join(frames))
                 frames = []
 
     def _message_start(self, out: RequestOutput) -> bytes:
-        message = schema.MessageResponse(
+        message = sdk.Message(
             id=self.started.rid,
+            type="message",
+            role="assistant",
             model=self.serving.response_model(self.req.model),
             content=[],
             stop_reason=None,
             stop_sequence=None,
             usage=_usage(out, output=False),
         )
-        return schema.event(
-            "message_start", {"type": "message_start", "message": message.model_dump()}
-        )
+        return _event(sdk.RawMessageStartEvent(type="message_start", message=message))
 
-    def _open(self, kind: str, block: dict[str, Any]) -> list[bytes]:
+    def _open(self, block: sdk.ContentBlock) -> list[bytes]:
         frames = self._close()
         self.index += 1
-        self.open = kind
-        frames.append(
-            schema.event(
-                "content_block_start",
-                {"type": "content_block_start", "index": self.index, "content_block": block},
-            )
+        self.open = block.type
+        start = sdk.RawContentBlockStartEvent(
+            type="content_block_start", index=self.index, content_block=block
         )
+        frames.append(_event(start))
         return frames
 
     def _close(self) -> list[bytes]:
         if self.open is None:
             return []
         self.open = None
-        return [
-            schema.event("content_block_stop", {"type": "content_block_stop", "index": self.index})
-        ]
+        return [_event(sdk.RawContentBlockStopEvent(type="content_block_stop", index=self.index))]
 
-    def _delta(self, delta: dict[str, Any]) -> bytes:
-        return schema.event(
-            "content_block_delta",
-            {"type": "content_block_delta", "index": self.index, "delta": delta},
+    def _delta(self, delta: sdk.RawContentBlockDelta) -> bytes:
+        event = sdk.RawContentBlockDeltaEvent(
+            type="content_block_delta", index=self.index, delta=delta
         )
+        return _event(event)
 
     def _pieces(self, piece: OutputDelta) -> list[bytes]:
         frames: list[bytes] = []
         if piece.reasoning:
             if self.open != "thinking":
-                frames += self._open("thinking", {"type": "thinking", "thinking": ""})
-            frames.append(self._delta({"type": "thinking_delta", "thinking": piece.reasoning}))
+                frames += self._open(sdk.ThinkingBlock(type="thinking", thinking="", signature=""))
+            frames.append(
+                self._delta(sdk.ThinkingDelta(type="thinking_delta", thinking=piece.reasoning))
+            )
         if piece.content:
             if self.open != "text":
-                frames += self._open("text", {"type": "text", "text": ""})
-            frames.append(self._delta({"type": "text_delta", "text": piece.content}))
+                frames += self._open(sdk.TextBlock(type="text", text=""))
+            frames.append(self._delta(sdk.TextDelta(type="text_delta", text=piece.content)))
         for d in piece.tool_call_deltas:
             if d.id is not None:
-                block = {"type": "tool_use", "id": _tool_id(d.id), "name": d.name, "input": {}}
-                frames += self._open("tool_use", block)
-            if d.arguments:
-                frames.append(
-                    self._delta({"type": "input_json_delta", "partial_json": d.arguments})
+                block = sdk.ToolUseBlock(
+                    type="tool_use", id=_tool_id(d.id), name=d.name or "", input={}
                 )
+                frames += self._open(block)
+            if d.arguments:
+                delta = sdk.InputJSONDelta(type="input_json_delta", partial_json=d.arguments)
+                frames.append(self._delta(delta))
             if d.done:
                 frames += self._close()
         self.calls.extend(piece.tool_calls)
