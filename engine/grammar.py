@@ -154,12 +154,13 @@ def answer_grammar(
         ]
         if think.opened:
             start = "think_end answer"
-        elif answers == ["free"]:
-            # Free text that does not open a think block (else the budget would not hold).
-            rules.append(f"unthought: (<[^{_token_id(think.open)}]> <[*]>*)?")
-            start = f"{think.open} think_end answer | unthought"
         else:
-            start = f"{think.open} think_end answer | answer"
+            # An answer without a think block may not open one later (the budget would not
+            # hold): its free text starts with any token but the opening tag.
+            unthought = [a if a != "free" else "unthought" for a in answers]
+            if "free" in answers:
+                rules.append(f"unthought: (<[^{_token_id(think.open)}]> <[*]>*)?")
+            start = f"{think.open} think_end answer | " + " | ".join(unthought)
     lark = "start: " + start + "\n" + "\n".join(rules) + "\n"
     try:
         return llguidance.LLMatcher.grammar_from_lark(lark)
