@@ -255,7 +255,8 @@ def has_key(headers: Headers, key: bytes) -> bool:
 
 def loading_app(what: str) -> ASGIApp:
     """The app that answers while the model loads: /health says 503 `{"status": "loading"}`
-    at once, every other route 503 with an OpenAI-style error."""
+    at once, every other route 503 with an error in its API's shape (OpenAI's, Anthropic's
+    under /v1/messages)."""
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -263,10 +264,12 @@ def loading_app(what: str) -> ASGIApp:
         if scope["path"] == "/health":
             response: Response = JSONResponse({"status": "loading", "model": what}, status_code=503)
         else:
-            response = APIError(
+            error = APIError(
                 503, f"the model is loading ({what}): retry shortly", code="model_loading"
-            ).response()
-            response.headers["retry-after"] = "1"
+            )
+            error.headers["retry-after"] = "1"
+            anthropic = scope["path"].startswith("/v1/messages")
+            response = error_response(error) if anthropic else error.response()
         await response(scope, receive, send)
 
     return app

@@ -551,3 +551,16 @@ async def test_the_agents_sdk_calls_its_tools_with_an_output_type(oai):
     result = await Runner.run(agent, "Weather in Paris?", max_turns=10)
     assert calls  # tools called, with an output_type
     assert isinstance(result.final_output, Forecast)
+
+
+async def test_while_the_model_loads_anthropic_clients_get_an_anthropic_503():
+    from stepline.api.server import loading_app
+
+    transport = httpx.ASGITransport(app=loading_app("m"))
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+        anthropic_path = await http.post("/v1/messages", json={})
+        openai_path = await http.post("/v1/chat/completions", json={})
+    assert anthropic_path.status_code == openai_path.status_code == 503
+    assert anthropic_path.json()["error"]["type"] == "overloaded_error"
+    assert anthropic_path.headers["retry-after"] == "1"
+    assert openai_path.json()["error"]["code"] == "model_loading"
