@@ -346,6 +346,36 @@ async def test_a_call_cut_by_max_tokens_is_a_tool_call_with_finish_reason_length
     assert (finish, content, names) == ("length", "", ["get_weather"])
 
 
+async def test_a_cut_call_is_a_call_on_the_anthropic_and_responses_apis_too(oai, claude):
+    # Anthropic: a tool_use block (its input cut: empty), stop_reason max_tokens, no text.
+    r = await claude.messages.create(
+        model=MODEL,
+        max_tokens=30,
+        tools=[{"name": "get_weather", "input_schema": WEATHER_ARGS}],
+        tool_choice={"type": "any"},
+        messages=[{"role": "user", "content": "Weather?"}],
+        extra_body={"temperature": 0},
+    )
+    assert r.stop_reason == "max_tokens"
+    assert [(b.type, b.name) for b in r.content] == [("tool_use", "get_weather")]
+    # Responses: an incomplete function_call item, response.incomplete, no message.
+    stream = await oai.responses.create(
+        model=MODEL,
+        input="Weather?",
+        tools=[{"type": "function", "name": "get_weather", "parameters": WEATHER_ARGS}],
+        tool_choice="required",
+        max_output_tokens=30,
+        temperature=0,
+        stream=True,
+    )
+    events = [e async for e in stream]
+    final = events[-1].response
+    assert events[-1].type == "response.incomplete"
+    assert [(i.type, i.name, i.status) for i in final.output] == [
+        ("function_call", "get_weather", "incomplete")
+    ]
+
+
 async def test_forced_calls_with_schemas_lacking_additional_properties_end_in_a_valid_call(oai):
     # What pydantic's model_json_schema() (instructor, LangChain, the Agents SDK) sends.
     class Lookup(BaseModel):
