@@ -3,9 +3,10 @@ object (`ResponseObject`) and the stream's events (`event_frame`).
 
 `input` is a string or a list of items: messages (`content` a string or
 `input_text`/`output_text` parts), the model's earlier `function_call`s and their
-`function_call_output`s. Function `tools` (with `tool_choice`, `parallel_tool_calls`) and
-structured output with `text.format` (`json_schema`, `json_object`). The output is a list of
-items: an assistant message and/or `function_call`s.
+`function_call_output`s. Function `tools` (with `tool_choice`, `parallel_tool_calls`; the
+functions of `namespace` tools flattened; hosted tools dropped) and structured output with
+`text.format` (`json_schema`, `json_object`). The output is a list of items: an assistant
+message and/or `function_call`s.
 """
 
 from __future__ import annotations

@@ -1,7 +1,12 @@
-"""What every front door's handlers share: reading and validating a body, encoding a prompt
-off the event loop, submitting it to the engine, collecting or streaming its outputs, and
-turning failures into `APIError`s that carry the request id. `OpenAIServing` (and any other
-API) subclasses it.
+"""The one pipeline under every front door (chat, completions, Messages, Responses): each door
+translates its request into a `Call` and renders `Piece`s in its wire format; the rest is
+here, once. `parse` reads and validates a body; `start` turns a Call into an admitted engine
+request (the prompt's tokens off the event loop, the token limit, the think budget, the one
+sampling-parameter builder, the submission); `pieces` is the one read loop (outputs split by
+the one output splitter, failures raised); `collect` / `attached` the one disconnect watch of
+non-streamed answers; `stream_response` the one SSE writer (numbered frames, pings, resume);
+`handle` the one error wrapper, answering in the door's shape (`errors.Wire`) with the
+request id. `OpenAIServing` (and every other door) subclasses it.
 
 Clients get stable messages and codes plus the request id, never an exception's text; the
 detail goes to the server log under the same id.
