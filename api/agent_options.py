@@ -1,5 +1,6 @@
-"""Server-wide agent options: `--reasoning-parser`, `--chat-template FILE` and
-`--default-chat-template-kwargs JSON`, checked against the served model at start-up. No MLX."""
+"""Server-wide agent options: `--strict-max-tokens`, `--reasoning-parser`, `--chat-template
+FILE` and `--default-chat-template-kwargs JSON`, checked against the served model at start-up.
+No MLX."""
 
 from __future__ import annotations
 
@@ -16,6 +17,13 @@ REASONING_PARSERS = ("auto", "qwen3", "deepseek_r1", "think")
 
 
 def add_agent_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--strict-max-tokens",
+        action="store_true",
+        help="refuse (400) a max_tokens larger than the room left in the context; by default "
+        "it is clamped to that room and the response's x-stepline-max-tokens header says so "
+        "(agents such as Claude Code ask for 32000 whatever the model)",
+    )
     p.add_argument(
         "--reasoning-parser",
         choices=REASONING_PARSERS,
@@ -45,6 +53,7 @@ def agent_options(args: argparse.Namespace) -> dict[str, Any]:
     """The `create_app` keyword arguments of the flags above."""
     template = args.chat_template.read_text(encoding="utf-8") if args.chat_template else None
     return {
+        "strict_max_tokens": args.strict_max_tokens,
         "reasoning_parser": args.reasoning_parser,
         "chat_template": template,
         "default_chat_template_kwargs": args.default_chat_template_kwargs,

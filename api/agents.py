@@ -10,17 +10,18 @@ to split the output (`OutputFormat`). Everything the model cannot honour is a Re
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from stepline.api.model_output import OutputFormat
 from stepline.api.openai_schema import RequestError
 from stepline.engine.grammar import (
+    CallFormat,
     GrammarError,
-    json_object_grammar,
+    ThinkFormat,
+    answer_grammar,
     json_schema_grammar,
     markup,
-    tool_call_grammar,
 )
 
 
@@ -45,6 +46,11 @@ class AgentPlan:
     parse_tools: bool = False  # split tool-call blocks out of the output
     tools: tuple[ToolSpec, ...] = ()
     grammar_param: str = "response_format"  # the request field the grammar comes from
+    # What the grammar is made of (kept so that a think budget can be added once the prompt
+    # is known): the calls the answer may make, whether it must, the answer's JSON schema.
+    calls: CallFormat | None = None
+    must_call: bool = False
+    schema: dict[str, Any] | None = None
 
     def output_format(self, tokenizer: Any, *, reasoning: bool, prompt_text: str) -> OutputFormat:
         return OutputFormat.of(
@@ -54,6 +60,75 @@ class AgentPlan:
     @property
     def openai_tools(self) -> list[dict[str, Any]]:
         return [t.openai() for t in self.tools]
+
+    def with_think_budget(self, tokenizer: Any, budget: int, prompt_text: str) -> AgentPlan:
+        """This plan, with the model's think block cut at `budget` tokens: after that many
+        the grammar allows only the closing tag. Unchanged for a model without single-token
+        think tags (it has no think block to bound)."""
+        start, end = getattr(tokenizer, "think_start", None), getattr(tokenizer, "think_end", None)
+        if not start or not end:
+            return self
+        open_tag, close_tag = markup(tokenizer, start), markup(tokenizer, end)
+        if not (open_tag.startswith("<[") and close_tag.startswith("<[")):
+            return self
+        opened = prompt_text.rstrip().endswith(start)
+        think = ThinkFormat(open_tag, close_tag, budget, opened=opened)
+        try:
+            grammar = answer_grammar(
+                self.calls if self.parse_tools else None,
+                must_call=self.must_call,
+                schema=self.schema,
+                think=think,
+            )
+        except GrammarError as exc:
+            raise RequestError(str(exc), param=self.grammar_param) from None
+        return replace(self, grammar=grammar)
+
+
+def closed_schema(schema: Any) -> Any:
+    """`schema` with `additionalProperties: false` on every object schema that lists
+    `properties` and says nothing of other keys, as vLLM's default grammar backend reads
+    such schemas: the everyday ones (pydantic's, LangChain's, Anthropic `input_schema`s) leave
+    it out, and a grammar that allowed any other key would let a weak model add keys until
+    its token limit."""
+    if isinstance(schema, list):
+        return [closed_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {
+        key: (
+            {k: closed_schema(v) for k, v in value.items()}
+            if key in _SCHEMA_MAPS and isinstance(value, dict)
+            else closed_schema(value)
+            if key in _SCHEMA_KEYS
+            else value
+        )
+        for key, value in schema.items()
+    }
+    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out:
+        if "patternProperties" not in out and "unevaluatedProperties" not in out:
+            out["additionalProperties"] = False
+    return out
+
+
+# Keywords whose value is a map of name -> schema, and those whose value is a schema or a list
+# of schemas (where `closed_schema` recurses).
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions"})
+_SCHEMA_KEYS = frozenset(
+    {
+        "items",
+        "prefixItems",
+        "additionalProperties",
+        "anyOf",
+        "oneOf",
+        "allOf",
+        "not",
+        "if",
+        "then",
+        "else",
+        "contains",
+    }
+)
 
 
 def openai_tools(tools: Any, param: str = "tools") -> tuple[ToolSpec, ...]:
@@ -109,6 +184,7 @@ def plan(
     json_object: bool = False,  # structured output: any JSON object
     template_kwargs: dict[str, Any] | None = None,
     tool_choice_param: str = "tool_choice",
+    schema_param: str = "response_format",
 ) -> AgentPlan:
     """The engine-side plan of a request. Raises RequestError for what cannot be honoured."""
     kwargs = dict(template_kwargs or {})
@@ -140,32 +216,53 @@ def plan(
                 code="unsupported_parameter",
             )
         kwargs["tools"] = [t.openai() for t in tools]
-    grammar = None
-    if forced:
-        if schema is not None or json_object:
-            raise RequestError(
-                f"a forced {tool_choice_param} and a structured response format cannot both "
-                "constrain one answer: send one of them",
-                param=tool_choice_param,
-            )
-        chosen = [t for t in tools if tool_choice == "required" or t.name == tool_choice]
-        try:
-            grammar = tool_call_grammar(
-                [(t.name, t.parameters) for t in chosen],
-                start=markup(tokenizer, tokenizer.tool_call_start),
-                end=markup(tokenizer, tokenizer.tool_call_end),
-                parallel=parallel_tool_calls and tool_choice == "required",
-            )
-        except GrammarError as exc:
-            raise RequestError(str(exc), param="tools") from None
+    if json_object:
+        schema = {"type": "object"}
     elif schema is not None:
-        try:
+        schema = closed_schema(schema)
+    calls = None
+    if parse_tools:
+        chosen = [t for t in tools if not forced or tool_choice in ("required", t.name)]
+        calls = CallFormat(
+            tuple((t.name, closed_schema(t.parameters)) for t in chosen),
+            start=markup(tokenizer, tokenizer.tool_call_start),
+            end=markup(tokenizer, tokenizer.tool_call_end),
+            # One call when a tool is named (or parallel calls are off).
+            parallel=parallel_tool_calls and tool_choice in (None, "auto", "required"),
+        )
+    grammar = None
+    grammar_param = schema_param
+    try:
+        if forced:
+            # A forced call wins its turn, whatever format the final answer must have.
+            assert calls is not None
+            grammar_param = "tools"
+            grammar = answer_grammar(calls, must_call=True)
+        elif schema is not None and calls is not None:
+            # Tools offered and a format asked for (the Agents SDK's `output_type`): the
+            # answer is tool call(s) or the JSON document.
+            grammar_param = "tools"
+            grammar = answer_grammar(calls, schema=schema)
+        elif schema is not None:
             grammar = json_schema_grammar(schema)
-        except GrammarError as exc:
-            raise RequestError(str(exc), param="response_format") from None
-    elif json_object:
-        grammar = json_object_grammar()
-    return AgentPlan(template_kwargs=kwargs, grammar=grammar, parse_tools=parse_tools, tools=tools)
+    except GrammarError as exc:
+        raise RequestError(str(exc), param=grammar_param) from None
+    return AgentPlan(
+        template_kwargs=kwargs,
+        grammar=grammar,
+        parse_tools=parse_tools,
+        tools=tools,
+        grammar_param=grammar_param,
+        calls=calls,
+        must_call=forced,
+        schema=schema,
+    )
+
+
+def reads_template_kwarg(tokenizer: Any, key: str) -> bool:
+    """Whether the chat template reads `key` (`enable_thinking` under mlx-lm's name for it)."""
+    name = getattr(tokenizer, "_thinking_kwarg", key) if key == "enable_thinking" else key
+    return name in _template_source(tokenizer)
 
 
 def check_template_kwargs(tokenizer: Any, kwargs: dict[str, Any]) -> None:
@@ -173,15 +270,13 @@ def check_template_kwargs(tokenizer: Any, kwargs: dict[str, Any]) -> None:
 
     mlx-lm passes `enable_thinking` under the name the template uses for it.
     """
-    source = _template_source(tokenizer)
     for key in kwargs:
         if key in ("tools", "add_generation_prompt", "messages", "tokenize"):
             raise RequestError(
                 f"chat_template_kwargs may not set {key!r}: it is set from the request",
                 param="chat_template_kwargs",
             )
-        name = getattr(tokenizer, "_thinking_kwarg", key) if key == "enable_thinking" else key
-        if name not in source:
+        if not reads_template_kwarg(tokenizer, key):
             raise RequestError(
                 f"this model's chat template does not read {key!r}, so it would be ignored: "
                 "remove it",

@@ -2,8 +2,11 @@
 models, and their translation to the neutral chat messages the chat template renders. No MLX.
 
 Requests are strict (a string is not a number); unknown top-level fields are ignored as
-Anthropic adds them, but a known feature the engine cannot honour (images, documents, extended
-thinking budgets, server tools) is a RequestError naming it.
+Anthropic adds them, but a known feature the engine cannot honour (images, documents, server
+tools) is a RequestError naming it. A `system` message mid-conversation (Claude Code sends
+them) is a system turn; `thinking` (`enabled` with its `budget_tokens`, `adaptive`) turns the
+template's thinking on, and a budget is enforced by the grammar; `output_config.format`
+constrains the answer to a JSON schema.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from stepline.api.agents import ToolSpec, tool_spec, unique_tools
 from stepline.api.openai_schema import RequestError, template_call
+from stepline.engine.sampling_limits import MAX_INT32
 
 
 class _Request(BaseModel):
@@ -38,7 +42,7 @@ class Block(BaseModel):
 
 
 class Message(_Request):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]
     content: str | list[Block]
 
 
@@ -56,8 +60,22 @@ class ToolChoice(_Request):
 
 
 class Thinking(_Request):
-    type: Literal["enabled", "disabled"]
-    budget_tokens: int | None = None
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = Field(None, ge=1)  # `enabled`: most tokens the thinking takes
+
+    @property
+    def on(self) -> bool:
+        return self.type != "disabled"
+
+
+class OutputFormat(_Request):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Request):
+    format: OutputFormat | None = None
+    effort: str | None = None  # how hard to think: nothing to honour on a local model
 
 
 class _Base(_Request):
@@ -67,33 +85,46 @@ class _Base(_Request):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
+    output_config: OutputConfig | None = None
+    output_format: OutputFormat | None = None  # the structured-outputs beta's spelling
+
+    def check_supported(self) -> None:
+        pass
+
+    @property
+    def schema(self) -> dict[str, Any] | None:
+        """The JSON schema the answer must follow (structured outputs), if any."""
+        fmt = self.output_config.format if self.output_config else None
+        fmt = fmt or self.output_format
+        return None if fmt is None else fmt.schema_
+
+    @property
+    def schema_param(self) -> str:
+        return "output_format.schema" if self.output_format else "output_config.format.schema"
+
+    @property
+    def think_budget(self) -> int | None:
+        t = self.thinking
+        return t.budget_tokens if t is not None and t.type == "enabled" else None
 
 
 class CountTokensRequest(_Base):
-    def check_supported(self) -> None:
-        _check_thinking(self.thinking)
+    pass
 
 
 class MessagesRequest(_Base):
-    max_tokens: int = Field(ge=1)
+    max_tokens: int = Field(ge=1, le=MAX_INT32)
     stop_sequences: list[str] | None = None
     temperature: float | None = Field(None, ge=0.0, le=1.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # stepline: reproducible sampling
     stream: bool = False
     metadata: dict[str, Any] | None = None  # user_id only; nothing to honour
 
-    def check_supported(self) -> None:
-        _check_thinking(self.thinking)
-
-
-def _check_thinking(thinking: Thinking | None) -> None:
-    if thinking is not None and thinking.type == "enabled" and thinking.budget_tokens is not None:
-        raise RequestError(
-            "thinking.budget_tokens cannot be enforced by this server: send "
-            '{"type": "enabled"} without a budget, or limit max_tokens',
-            param="thinking.budget_tokens",
-        )
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        return tuple(self.stop_sequences or ())
 
 
 def tool_specs(req: _Base) -> tuple[ToolSpec, ...]:
@@ -124,7 +155,7 @@ def tool_choice(req: _Base) -> tuple[str | None, bool]:
 def template_kwargs(req: _Base) -> dict[str, Any]:
     if req.thinking is None:
         return {}
-    return {"enable_thinking": req.thinking.type == "enabled"}
+    return {"enable_thinking": req.thinking.on}
 
 
 def engine_messages(req: _Base) -> list[dict[str, Any]]:
@@ -136,6 +167,9 @@ def engine_messages(req: _Base) -> list[dict[str, Any]]:
         out.append({"role": "system", "content": _text(req.system, "system")})
     for i, m in enumerate(req.messages):
         where = f"messages.{i}.content"
+        if m.role == "system":  # a system turn mid-conversation
+            out.append({"role": "system", "content": _text(m.content, where)})
+            continue
         if isinstance(m.content, str):
             out.append({"role": m.role, "content": m.content})
             continue
@@ -185,29 +219,11 @@ def _text(content: str | list[Block], where: str) -> str:
     return "\n".join(parts)
 
 
-# -- responses ------------------------------------------------------------------------------
+# -- responses (messages and stream events: the `anthropic` package's own types) ------------
 
 
 class _Response(BaseModel):
     model_config = ConfigDict(frozen=True)
-
-
-class Usage(_Response):
-    input_tokens: int
-    output_tokens: int
-    cache_creation_input_tokens: int = 0
-    cache_read_input_tokens: int = 0
-
-
-class MessageResponse(_Response):
-    id: str
-    type: Literal["message"] = "message"
-    role: Literal["assistant"] = "assistant"
-    model: str
-    content: list[dict[str, Any]]
-    stop_reason: str | None
-    stop_sequence: str | None
-    usage: Usage
 
 
 class ErrorBody(_Response):

@@ -1,9 +1,12 @@
-"""Errors at the HTTP edge: `APIError`, answered as an OpenAI-style body with its status code,
-and the conversions from the errors beneath it (pydantic validation, context length)."""
+"""Errors at the HTTP edge: `APIError`, answered in the shape of the API that was called (a
+`Wire`: OpenAI's by default) with its status code, and the conversions from the errors
+beneath it (pydantic validation, context length)."""
 
 from __future__ import annotations
 
-from fastapi.responses import JSONResponse
+from typing import Protocol
+
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from stepline.api.openai_schema import ErrorDetail, ErrorResponse
@@ -39,6 +42,17 @@ class APIError(Exception):
             headers["x-request-id"] = self.request_id
         body = ErrorResponse(error=self.detail).model_dump()
         return JSONResponse(body, status_code=self.status_code, headers=headers)
+
+
+class Wire(Protocol):
+    """How one API writes an error: as a whole response, and as a stream's last frames (the
+    one error wrapper, `Serving.handle`, and every stream writer use it)."""
+
+    numbered: bool  # its streams' frames carry `id: N` even when not resumable
+
+    def error_response(self, err: APIError) -> Response: ...
+
+    def error_frames(self, err: APIError) -> bytes: ...
 
 
 def _is_type_tag(part: str) -> bool:

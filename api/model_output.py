@@ -24,8 +24,12 @@ class ToolCall:
 
     @property
     def input(self) -> dict[str, Any]:
-        """The arguments as an object (Anthropic's `tool_use.input`)."""
-        value = json.loads(self.arguments)
+        """The arguments as an object (Anthropic's `tool_use.input`); empty for arguments cut
+        short by the token limit."""
+        try:
+            value = json.loads(self.arguments)
+        except ValueError:
+            return {}
         return value if isinstance(value, dict) else {"value": value}
 
 
@@ -114,11 +118,15 @@ class OutputFormat:
 class OutputSplitter:
     """Feed the text of one response as it streams; get content, reasoning and whole tool calls.
 
-    A tool call is returned when its block closes (or at `finish`, for a block cut short by
-    the token limit, if what came parses). `tools` are the request's tool definitions, which
-    some mlx-lm parsers read to type the arguments. With `stream`, `tool_call_deltas` also
-    describe each call as it is written: its name as soon as it is known and, for the
-    json_tools format, its arguments as they grow (other formats: whole, when it closes).
+    A tool call is returned when its block closes, or at `finish` for a block cut short by
+    the token limit: a call with the arguments written so far (its deltas end without `done`),
+    the same streamed or not; a block cut before its name is complete is dropped. Whitespace
+    before or after a tool-call block, and right after a think block, is not content.
+
+    `tools` are the request's tool definitions, which some mlx-lm parsers read to type the
+    arguments. With `stream`, `tool_call_deltas` also describe each call as it is written: its
+    name as soon as it is known and, for the json_tools format, its arguments as they grow
+    (other formats: whole, when it closes).
     """
 
     def __init__(self, fmt: OutputFormat, tools: Any = None, *, stream: bool = False) -> None:
@@ -128,6 +136,8 @@ class OutputSplitter:
         self._state = "reasoning" if fmt.starts_in_reasoning else "normal"
         self._held = ""  # text not yet classified: a possible marker prefix, or a tool block
         self._call: _OpenCall | None = None
+        self._blank = ""  # trailing whitespace of the content, held until more content comes
+        self._strip = False  # drop the whitespace that starts the next content (after a block)
         self.num_tool_calls = 0
         self.parse_errors: list[str] = []
 
@@ -160,6 +170,9 @@ class OutputSplitter:
             before = self._held[:at]
             self._held = self._held[at + len(marker) :]
             self._emit(out, before, closing=self._state == "tool")
+            if nxt == "tool":
+                self._blank = ""  # the whitespace before a call
+            self._strip = self._state != "normal"  # and after a call or a think block
             self._state = nxt
         if self._state == "tool":
             if self._stream and self._fmt.json_calls:
@@ -176,17 +189,42 @@ class OutputSplitter:
         out = OutputDelta()
         held, self._held = self._held, ""
         if self._state == "tool":
-            if self._call is not None:
-                return out  # cut short, already announced: it stays as far as it came
-            calls = self._parse(held)
-            if calls is None:  # cut short: show what came as text rather than lose it
-                assert self._fmt.tools is not None
-                out.content += self._fmt.tools[0] + held
-            else:
-                self._add(out, calls)
+            self._finish_cut(out, held)
         else:
             self._emit(out, held, closing=False)
+            if not self.num_tool_calls:
+                out.content += self._blank  # a plain answer keeps its own whitespace
+        self._blank = ""
         return out
+
+    def _finish_cut(self, out: OutputDelta, body: str) -> None:
+        """A tool-call block cut short by the token limit: the call as far as it came."""
+        calls = self._parse(body) if self._call is None else None
+        if calls is not None:  # complete but for its closing tag
+            self._add(out, calls)
+            return
+        if self._call is None and self._fmt.json_calls:
+            head = _json_call_head(body)
+            if head is not None:
+                self._call = _OpenCall(self.num_tool_calls, new_call_id(), head[0], head[1])
+                if self._stream:
+                    out.tool_call_deltas.append(
+                        ToolCallDelta(self._call.index, id=self._call.id, name=head[0])
+                    )
+        call, self._call = self._call, None
+        if call is None:
+            self.parse_errors.append("a tool call cut short before its name")
+            return
+        args = body[call.args_start :].rstrip()
+        try:
+            json.loads(body)  # the call's object is whole: its last brace is not the arguments'
+            args = args[:-1].rstrip()
+        except ValueError:
+            pass
+        if self._stream and len(args) > call.num_sent:
+            out.tool_call_deltas.append(ToolCallDelta(call.index, arguments=args[call.num_sent :]))
+        self.num_tool_calls += 1
+        out.tool_calls.append(ToolCall(id=call.id, name=call.name, arguments=args))
 
     def _emit(self, out: OutputDelta, text: str, *, closing: bool) -> None:
         if self._state == "tool":
@@ -202,7 +240,23 @@ class OutputSplitter:
         elif self._state == "reasoning":
             out.reasoning += text
         else:
+            self._content(out, text)
+
+    def _content(self, out: OutputDelta, text: str) -> None:
+        """Content, less the whitespace around blocks: a trailing run of whitespace is held
+        until more content follows it (a block after it drops it)."""
+        if self._strip:
+            text = text.lstrip()
+            if not text:
+                return
+            self._strip = False
+        if self._fmt.tools is None:
             out.content += text
+            return
+        text = self._blank + text
+        kept = text.rstrip()
+        self._blank = text[len(kept) :]
+        out.content += kept
 
     def _add(self, out: OutputDelta, calls: list[ToolCall]) -> None:
         """Complete calls: counted, and (for streams) sent whole as two deltas each."""

@@ -80,7 +80,7 @@ def chat_plan(
     )
 
 
-def completion_grammar(req: CompletionRequest, tokenizer: Any) -> str | None:
+def completion_plan(req: CompletionRequest, tokenizer: Any) -> AgentPlan:
     """/v1/completions takes `response_format` only (there is no chat template for tools)."""
     for name in ("tools", "tool_choice", "chat_template_kwargs", "reasoning_effort"):
         if getattr(req, name) is not None:
@@ -90,7 +90,7 @@ def completion_grammar(req: CompletionRequest, tokenizer: Any) -> str | None:
                 code="unsupported_parameter",
             )
     schema, json_object = response_format_schema(req.response_format)
-    return plan(tokenizer, schema=schema, json_object=json_object).grammar
+    return plan(tokenizer, schema=schema, json_object=json_object)
 
 
 def message(out: OutputDelta, *, parallel: bool = True) -> AssistantMessage:

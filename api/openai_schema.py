@@ -17,6 +17,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
+from stepline.engine.sampling_limits import MAX_INT32
+
 
 class RequestError(ValueError):
     """A request the server refuses with 400; the message says what to change."""
@@ -74,7 +76,8 @@ class _SamplingFields(_Request):
     # Every numeric field is bounded here (non-finite numbers are refused by the model config);
     # the bounds that need the model (top_k, stop_token_ids within the vocabulary) are checked
     # where a request becomes SamplingParams (serving.Serving.sampling).
-    max_tokens: int | None = Field(None, ge=1)  # and at most the context's room: checked later
+    # At most the context's room: clamped to it later (or refused, --strict-max-tokens).
+    max_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     # 0 = greedy, and so is anything below 1e-5 (dividing logits by ~0 overflows).
     temperature: float | None = Field(None, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
@@ -147,7 +150,7 @@ class _SamplingFields(_Request):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
 

@@ -15,7 +15,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from stepline.api import openai_agents
-from stepline.api.model_output import OutputSplitter, split_output
+from stepline.api.model_output import split_output
 from stepline.api.openai_schema import (
     ChatChoice,
     ChatChunkChoice,
@@ -35,11 +35,10 @@ from stepline.api.openai_schema import (
     Usage,
     now,
 )
-from stepline.api.serving import Serving, json_response
+from stepline.api.serving import Call, Serving, Started, json_response
 from stepline.api.sse import DONE, PING, Emit, TextFrames, sse
 
 if TYPE_CHECKING:
-    from stepline.api.engine import RequestStream
     from stepline.engine.work import TokenLogprob
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -87,43 +86,32 @@ class OpenAIServing(Serving):
         req = await self.parse(request, ChatCompletionRequest)
         num_logprobs = req.num_logprobs
         agent = openai_agents.chat_plan(req, self.engine.tokenizer, self.default_template_kwargs)
-        messages = req.engine_messages()
         # Chat boundaries (end of the system prompt, of earlier turns) feed the prefix cache.
-        ids, checkpoints = await self.prepare(
-            messages=messages, template_kwargs=agent.template_kwargs
-        )
-        max_tokens = self.max_tokens(
-            req.requested_max_tokens,
-            len(ids),
-            default=None,
-            prompt_param="messages",
-            param="max_completion_tokens" if req.max_completion_tokens else "max_tokens",
-        )
-        params = self.sampling(req, max_tokens, num_logprobs)
-        if agent.grammar is not None:
-            params = params.model_copy(update={"grammar": agent.grammar})
-        stream = await self.submit(
-            rid, ids, params, "messages", checkpoints, grammar_param=agent.grammar_param
+        started = await self.start(
+            Call(
+                rid,
+                req,
+                agent,
+                "messages",
+                messages=req.engine_messages(),
+                max_tokens=req.requested_max_tokens,
+                max_tokens_param="max_completion_tokens"
+                if req.max_completion_tokens
+                else "max_tokens",
+                logprobs=num_logprobs,
+                reasoning=self.reasoning,
+            )
         )
         created = now()
-        model = self.response_model(req.model)
-        fmt = agent.output_format(
-            self.engine.tokenizer,
-            reasoning=self.reasoning,
-            prompt_text=self.engine.tokenizer.decode(ids[-8:]),
-        )
-        tools = agent.openai_tools or None
         if req.stream:
-            splitter = OutputSplitter(fmt, tools, stream=True)
             return self.stream_response(
-                rid,
-                stream,
-                lambda emit: self._chat_stream(emit, stream, req, rid, created, splitter),
+                started,
+                lambda emit: self._chat_stream(emit, started, req, created),
                 resumable_from=self.asks_resumable(request, req.resumable),
             )
-        outs = await self.collect(request, stream)
+        outs = await self.collect(request, started.stream)
         last = outs[-1]
-        split = split_output("".join(o.text for o in outs), fmt, tools)
+        split = split_output("".join(o.text for o in outs), started.fmt, started.tools)
         logprobs = None
         if num_logprobs is not None:
             logprobs = ChatLogprobs(
@@ -132,7 +120,7 @@ class OpenAIServing(Serving):
         body = ChatCompletion(
             id=rid,
             created=created,
-            model=model,
+            model=self.response_model(req.model),
             choices=[
                 ChatChoice(
                     message=openai_agents.message(split, parallel=req.parallel_tool_calls),
@@ -144,17 +132,12 @@ class OpenAIServing(Serving):
             ],
             usage=Usage.of(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens),
         )
-        return json_response(body, headers={"x-request-id": rid})
+        return json_response(body, headers=started.headers)
 
     async def _chat_stream(
-        self,
-        emit: Emit,
-        stream: RequestStream,
-        req: ChatCompletionRequest,
-        rid: str,
-        created: int,
-        splitter: OutputSplitter,
+        self, emit: Emit, started: Started, req: ChatCompletionRequest, created: int
     ) -> None:
+        rid = started.rid
         model = self.response_model(req.model)
         exclude = None if req.include_usage else {"usage"}
         want_logprobs = req.logprobs
@@ -174,28 +157,20 @@ class OpenAIServing(Serving):
             ),
             exclude=exclude,
         )
-        started = False
-        async for out in stream:
-            if out.is_progress:
+        splitter = started.splitter()
+        frames = [chunk(ChatDelta(role="assistant", content=""))]  # sent with the first output
+        async for piece in self.pieces(started, splitter):
+            out, delta = piece.out, piece.delta
+            if piece.is_progress:
                 await emit(PING)  # a long prompt is prefilling: keep proxies from timing out
                 continue
-            if out.finish_reason not in (None, "stop", "length"):
-                await self.stream_error(emit, rid, out)
-                return
-            frames = []  # this output's frames, sent in one write
-            if not started:
-                started = True
-                frames.append(chunk(ChatDelta(role="assistant", content="")))
-            piece = splitter.feed(out.text)
-            if out.finish_reason is not None:
-                piece.extend(splitter.finish())
             if want_logprobs and out.logprobs:
-                frames.append(chunk(ChatDelta(content=piece.content), lps=out.logprobs))
-                piece.content = ""
-            if piece.content and not piece.reasoning and not piece.tool_call_deltas:
-                frames.append(text_frame(piece.content))  # the common case, pre-encoded
+                frames.append(chunk(ChatDelta(content=delta.content), lps=out.logprobs))
+                delta.content = ""
+            if delta.content and not delta.reasoning and not delta.tool_call_deltas:
+                frames.append(text_frame(delta.content))  # the common case, pre-encoded
             else:
-                pieces = openai_agents.deltas(piece, parallel=req.parallel_tool_calls)
+                pieces = openai_agents.deltas(delta, parallel=req.parallel_tool_calls)
                 frames.extend(chunk(d) for d in pieces)
             if out.finish_reason is not None:
                 reason = openai_agents.finish_reason(out.finish_reason, splitter.num_tool_calls)
@@ -211,9 +186,7 @@ class OpenAIServing(Serving):
                 frames.append(DONE)
             if frames:
                 await emit(b"".join(frames))
-            if out.finish_reason is not None:
-                return
-        await self.stream_error(emit, rid, None)
+                frames = []
 
     # -- /v1/completions --
 
@@ -222,24 +195,27 @@ class OpenAIServing(Serving):
 
     async def _completions(self, request: Request, rid: str) -> Response:
         req = await self.parse(request, CompletionRequest)
-        grammar = openai_agents.completion_grammar(req, self.engine.tokenizer)
-        ids, _ = await self.prepare(prompt=req.engine_prompt())
-        max_tokens = self.max_tokens(
-            req.max_tokens, len(ids), default=DEFAULT_COMPLETION_MAX_TOKENS, prompt_param="prompt"
+        agent = openai_agents.completion_plan(req, self.engine.tokenizer)
+        started = await self.start(
+            Call(
+                rid,
+                req,
+                agent,
+                "prompt",
+                prompt=req.engine_prompt(),
+                max_tokens=req.max_tokens,
+                default_max_tokens=DEFAULT_COMPLETION_MAX_TOKENS,
+                logprobs=req.logprobs,
+            )
         )
-        params = self.sampling(req, max_tokens, req.logprobs)
-        if grammar is not None:
-            params = params.model_copy(update={"grammar": grammar})
-        stream = await self.submit(rid, ids, params, "prompt")
         created = now()
         if req.stream:
             return self.stream_response(
-                rid,
-                stream,
-                lambda emit: self._completion_stream(emit, stream, req, rid, created),
+                started,
+                lambda emit: self._completion_stream(emit, started, req, created),
                 resumable_from=self.asks_resumable(request, req.resumable),
             )
-        outs = await self.collect(request, stream)
+        outs = await self.collect(request, started.stream)
         last = outs[-1]
         logprobs = None
         if req.logprobs is not None:
@@ -257,11 +233,12 @@ class OpenAIServing(Serving):
             ],
             usage=Usage.of(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens),
         )
-        return json_response(body, headers={"x-request-id": rid})
+        return json_response(body, headers=started.headers)
 
     async def _completion_stream(
-        self, emit: Emit, stream: RequestStream, req: CompletionRequest, rid: str, created: int
+        self, emit: Emit, started: Started, req: CompletionRequest, created: int
     ) -> None:
+        rid = started.rid
         model = self.response_model(req.model)
         exclude = None if req.include_usage else {"usage"}
         want_logprobs = req.logprobs is not None
@@ -284,13 +261,11 @@ class OpenAIServing(Serving):
             ),
             exclude=exclude,
         )
-        async for out in stream:
-            if out.is_progress:
+        async for piece in self.pieces(started, started.splitter()):
+            out = piece.out
+            if piece.is_progress:
                 await emit(PING)
                 continue
-            if out.finish_reason not in (None, "stop", "length"):
-                await self.stream_error(emit, rid, out)
-                return
             frames = []  # this output's frames, sent in one write
             if want_logprobs and out.logprobs:
                 frames.append(chunk(out.text, lps=out.logprobs))
@@ -308,9 +283,6 @@ class OpenAIServing(Serving):
                 frames.append(DONE)
             if frames:
                 await emit(b"".join(frames))
-            if out.finish_reason is not None:
-                return
-        await self.stream_error(emit, rid, None)
 
     # -- the rest --
 

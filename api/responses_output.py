@@ -6,13 +6,14 @@ from __future__ import annotations
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from stepline.api.model_output import OutputSplitter
+from stepline.api.model_output import OutputDelta, OutputSplitter
 from stepline.api.openai_schema import RequestError, call_arguments, template_call
 from stepline.api.responses_schema import (
     FunctionCallItem,
     OutputMessage,
     OutputText,
     event_frame,
+    flat_name,
 )
 
 if TYPE_CHECKING:
@@ -33,7 +34,9 @@ class OutputWriter:
         *,
         parallel: bool,  # else only the first call is kept
         message_first: bool,  # the message opens at the start (no tools)
+        names: dict[str, tuple[str, str]] | None = None,  # flat name -> (namespace, name)
     ):
+        self.names = names or {}
         self.resp = stored.response
         self.record = stored.record
         self.splitter = splitter
@@ -62,10 +65,8 @@ class OutputWriter:
             self.emit("response.content_part.added", **where, content_index=0, part=OutputText())
         return self.message
 
-    def feed(self, text: str, *, done: bool) -> None:
-        piece = self.splitter.feed(text)
-        if done:
-            piece.extend(self.splitter.finish())
+    def write(self, piece: OutputDelta) -> None:
+        """The events of one split piece of the answer (`splitter`'s)."""
         if piece.content:
             where = self._where(self.open_message())
             self.part.text += piece.content
@@ -77,8 +78,9 @@ class OutputWriter:
             if d.index > 0 and not self.parallel:
                 continue
             if d.id is not None:
+                namespace, name = self.names.get(d.name or "", (None, d.name or ""))
                 item = FunctionCallItem(
-                    id=f"fc_{uuid.uuid4().hex}", call_id=d.id, name=d.name or ""
+                    id=f"fc_{uuid.uuid4().hex}", call_id=d.id, name=name, namespace=namespace
                 )
                 self.calls[d.index] = item
                 self.resp.output = [*self.resp.output, item]
@@ -137,7 +139,7 @@ class OutputWriter:
                     arguments = call_arguments(c.arguments, "arguments")
                 except RequestError:  # the model's own text: kept as it wrote it
                     arguments = c.arguments
-                calls.append(template_call(c.call_id, c.name, arguments))
+                calls.append(template_call(c.call_id, flat_name(c.namespace, c.name), arguments))
         if calls:
             message["tool_calls"] = calls
         return message

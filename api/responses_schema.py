@@ -3,14 +3,16 @@ object (`ResponseObject`) and the stream's events (`event_frame`).
 
 `input` is a string or a list of items: messages (`content` a string or
 `input_text`/`output_text` parts), the model's earlier `function_call`s and their
-`function_call_output`s. Function `tools` (with `tool_choice`, `parallel_tool_calls`) and
-structured output with `text.format` (`json_schema`, `json_object`). The output is a list of
-items: an assistant message and/or `function_call`s.
+`function_call_output`s. Function `tools` (with `tool_choice`, `parallel_tool_calls`; the
+functions of `namespace` tools flattened; hosted tools dropped) and structured output with
+`text.format` (`json_schema`, `json_object`). The output is a list of items: an assistant
+message and/or `function_call`s.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
@@ -18,6 +20,7 @@ from pydantic_core import to_json
 
 from stepline.api.agents import ToolSpec, tool_spec, unique_tools
 from stepline.api.openai_schema import RequestError, call_arguments, template_call
+from stepline.engine.sampling_limits import MAX_INT32
 
 Status = Literal["queued", "in_progress", "completed", "failed", "cancelled", "incomplete"]
 
@@ -49,6 +52,7 @@ class FunctionCallInput(_Request):
     call_id: str
     name: str
     arguments: str
+    namespace: str | None = None  # of a function in a `namespace` tool
 
 
 class FunctionCallOutputInput(_Request):
@@ -100,7 +104,7 @@ class ResponsesRequest(_Request):
         Discriminator(lambda v: "text" if isinstance(v, str) else "items"),
     ]
     instructions: str | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
+    max_output_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     seed: int | None = None  # stepline: reproducible sampling
@@ -151,7 +155,8 @@ class ResponsesRequest(_Request):
                 out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
             else:
                 args = call_arguments(item.arguments, f"input.{i}.arguments")
-                call = template_call(item.call_id, item.name, args)
+                name = flat_name(item.namespace, item.name)
+                call = template_call(item.call_id, name, args)
                 if out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]:
                     out[-1]["tool_calls"].append(call)
                 elif out and out[-1]["role"] == "assistant":
@@ -160,37 +165,76 @@ class ResponsesRequest(_Request):
                     out.append({"role": "assistant", "content": "", "tool_calls": [call]})
         return out
 
-    def tool_specs(self) -> tuple[ToolSpec, ...]:
-        """The function `tools` (Responses' flat shape). Raises RequestError for others."""
-        specs = []
+    def tool_specs(self) -> ToolSet:
+        """The function `tools` (Responses' flat shape), with the functions of `namespace`
+        tools among them under `flat_name`s. Hosted tools (web search, file search, ...) are
+        dropped and named in `dropped`: a local model cannot run them. Raises RequestError
+        for a malformed tool, or a `tool_choice` that forces a dropped one."""
+        specs: list[ToolSpec] = []
+        dropped: list[str] = []
+        namespaced: dict[str, tuple[str, str]] = {}
         for i, tool in enumerate(self.tools or ()):
-            if tool.get("type") != "function":
-                raise RequestError(
-                    f"tools[{i}] is a {tool.get('type')!r} tool: this server runs function "
-                    'tools only ({"type": "function", "name": ..., "parameters": {...}})',
-                    param=f"tools.{i}",
-                    code="unsupported_parameter",
-                )
-            specs.append(
-                tool_spec(
-                    tool.get("name"), tool.get("description"), tool.get("parameters"), i, "tools"
-                )
+            kind = tool.get("type")
+            if kind == "function":
+                specs.append(_function(tool, i, f"tools.{i}"))
+            elif kind == "namespace" and isinstance(tool.get("tools"), list):
+                ns = tool.get("name")
+                if not isinstance(ns, str) or not ns:
+                    raise RequestError(f"tools[{i}] needs a name", param=f"tools.{i}")
+                for j, inner in enumerate(tool["tools"]):
+                    if not isinstance(inner, dict) or inner.get("type") != "function":
+                        what = inner.get("type") if isinstance(inner, dict) else inner
+                        dropped.append(f"{ns}.{what}")
+                        continue
+                    spec = _function(inner, j, f"tools.{i}.tools")
+                    flat = flat_name(ns, spec.name)
+                    namespaced[flat] = (ns, spec.name)
+                    specs.append(ToolSpec(flat, spec.description, spec.parameters))
+            else:
+                dropped.append(str(kind))
+        choice = self.tool_choice
+        if isinstance(choice, dict) and choice.get("type") not in (None, "function"):
+            raise RequestError(
+                f"tool_choice forces a {choice.get('type')!r} tool: this server runs function "
+                "tools only, hosted tools (web search, file search, ...) are not available",
+                param="tool_choice",
+                code="unsupported_parameter",
             )
-        return unique_tools(specs, "tools")
+        return ToolSet(unique_tools(specs, "tools"), tuple(dropped), namespaced)
 
-    def tool_choice_name(self) -> str | None:
-        """`tool_choice` as "auto" / "none" / "required" / a tool's name."""
+    def tool_choice_name(self, tools: ToolSet | None = None) -> str | None:
+        """`tool_choice` as "auto" / "none" / "required" / a tool's (flat) name."""
         choice = self.tool_choice
         if choice is None or choice in ("auto", "none", "required"):
+            if choice is not None and tools is not None and not tools.specs and tools.dropped:
+                return None  # every tool was a hosted one, dropped
             return choice  # type: ignore[return-value]
         if isinstance(choice, dict) and choice.get("type") == "function":
             name = choice.get("name")
             if isinstance(name, str):
-                return name
+                return flat_name(choice.get("namespace"), name)
         raise RequestError(
             'tool_choice must be "auto", "none", "required" or {"type": "function", "name": ...}',
             param="tool_choice",
         )
+
+
+@dataclass(frozen=True)
+class ToolSet:
+    """A request's tools as the engine serves them."""
+
+    specs: tuple[ToolSpec, ...]  # function tools, those of namespaces under flat names
+    dropped: tuple[str, ...]  # the hosted tools left out (their types)
+    namespaced: dict[str, tuple[str, str]]  # flat name -> (namespace, function name)
+
+
+def flat_name(namespace: str | None, name: str) -> str:
+    """The name the model sees for function `name` of a `namespace` tool."""
+    return f"{namespace}__{name}" if namespace else name
+
+
+def _function(tool: dict[str, Any], i: int, param: str) -> ToolSpec:
+    return tool_spec(tool.get("name"), tool.get("description"), tool.get("parameters"), i, param)
 
 
 class OutputText(BaseModel):
@@ -218,6 +262,7 @@ class FunctionCallItem(BaseModel):
     name: str
     arguments: str = ""
     status: Literal["in_progress", "completed", "incomplete"] = "in_progress"
+    namespace: str | None = None  # of a function of a `namespace` tool (`name` is its own)
 
 
 class InputTokensDetails(BaseModel):

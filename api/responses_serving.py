@@ -24,9 +24,7 @@ from fastapi.responses import Response
 from starlette.background import BackgroundTask
 
 from stepline.api.agents import plan
-from stepline.api.engine import SamplingParams
 from stepline.api.errors import APIError
-from stepline.api.model_output import OutputSplitter
 from stepline.api.responses_output import OutputWriter
 from stepline.api.responses_schema import (
     IncompleteDetails,
@@ -43,7 +41,7 @@ from stepline.api.resume import (
     key_of,
     wants_resumable,
 )
-from stepline.api.serving import GREEDY_TEMPERATURE, Serving
+from stepline.api.serving import Call, RequestFailed, Serving, Started
 
 if TYPE_CHECKING:
     from stepline.actors.request import RequestOutput
@@ -54,6 +52,7 @@ log = structlog.get_logger(__name__)
 DEFAULT_TTL_S = 3600.0
 DEFAULT_MAX_COUNT = 1000
 ANY_OWNER = ""  # a response recovered from the log: its key is not recorded (see `recover`)
+DROPPED_TOOLS_HEADER = "x-stepline-dropped-tools"  # the hosted tools a request's tools lost
 
 
 @dataclass
@@ -146,49 +145,35 @@ class ResponsesServing(Serving):
         turn = history + req.messages()
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
         fmt = req.text_format
-        tools = req.tool_specs()
+        tools = req.tool_specs()  # function tools, namespaces flattened, hosted ones dropped
         agent = plan(
             self.engine.tokenizer,
-            tools=tools,
-            tool_choice=req.tool_choice_name(),
+            tools=tools.specs,
+            tool_choice=req.tool_choice_name(tools),
             parallel_tool_calls=req.parallel_tool_calls,
             schema=fmt.schema_ if fmt is not None and fmt.type == "json_schema" else None,
             json_object=fmt is not None and fmt.type == "json_object",
             template_kwargs=self.default_template_kwargs,
+            schema_param="text.format.schema",
         )
-        ids, checkpoints = await self.prepare(
-            messages=system + turn, template_kwargs=agent.template_kwargs, param="input"
+        headers = {}
+        if tools.dropped:
+            # Hosted tools (web search, ...) run on OpenAI's servers: a local model has none.
+            log.info("tools_dropped", request_id=rid, tools=tools.dropped)
+            headers[DROPPED_TOOLS_HEADER] = ", ".join(tools.dropped)
+        started = await self.start(
+            Call(
+                rid,
+                req,
+                agent,
+                "input",
+                messages=system + turn,
+                max_tokens=req.max_output_tokens,
+                max_tokens_param="max_output_tokens",
+                headers=headers,
+            )
         )
-        max_tokens = self.max_tokens(
-            req.max_output_tokens,
-            len(ids),
-            default=None,
-            prompt_param="input",
-            param="max_output_tokens",
-        )
-        fields: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": req.ignore_eos}
-        if req.temperature is not None:
-            fields["temperature"] = 0.0 if req.temperature < GREEDY_TEMPERATURE else req.temperature
-        if req.top_p is not None:
-            fields["top_p"] = req.top_p
-        if req.seed is not None:
-            fields["seed"] = req.seed
-        if agent.grammar is not None:
-            fields["grammar"] = agent.grammar
-        output_format = agent.output_format(
-            self.engine.tokenizer,
-            reasoning=False,
-            prompt_text=self.engine.tokenizer.decode(ids[-8:]),
-        )
-        splitter = OutputSplitter(output_format, agent.openai_tools or None, stream=True)
-        stream = await self.submit(
-            rid,
-            ids,
-            SamplingParams(**fields),
-            "input",
-            checkpoints,
-            grammar_param="text.format.schema" if agent.grammar and not tools else "tools",
-        )
+        stream, splitter = started.stream, started.splitter()
         response = ResponseObject(
             id=rid,
             status="queued" if req.background else "in_progress",
@@ -216,14 +201,18 @@ class ResponsesServing(Serving):
         stored = StoredResponse(response, owner, record, turn, stream=stream)
         if req.store:
             self.store.put(stored)
-        headers = {"x-request-id": rid}
-
+        self.resume.adopt(record)  # GET /v1/requests/{id}/stream follows it too
+        headers = started.headers
         writer = OutputWriter(
-            stored, splitter, parallel=req.parallel_tool_calls, message_first=not tools
+            stored,
+            splitter,
+            parallel=req.parallel_tool_calls,
+            message_first=not tools.specs,
+            names=tools.namespaced,
         )
 
         async def run() -> None:
-            await self._run(stored, stream, writer)
+            await self._run(stored, started, writer)
 
         if req.stream:
             return ResumableStreamResponse(
@@ -234,34 +223,14 @@ class ResponsesServing(Serving):
             return Response(
                 body, media_type="application/json", headers=headers, background=BackgroundTask(run)
             )
-        await self._run_attached(request, run)
+        await self.attached(request, run)  # a disconnect cancels it
         return Response(response.model_dump_json(), media_type="application/json", headers=headers)
 
-    async def _run_attached(self, request: Request, run) -> None:
-        """Run a foreground response to its end; a client disconnect cancels it."""
-        gone = False
-
-        async def watch_disconnect(scope: anyio.CancelScope) -> None:
-            nonlocal gone
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-            gone = True
-            scope.cancel()
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(watch_disconnect, tg.cancel_scope)
-            await run()
-            tg.cancel_scope.cancel()
-        if gone:
-            raise APIError(499, "the client closed the connection", code="client_closed")
-
-    async def _run(
-        self, stored: StoredResponse, stream: RequestStream, writer: OutputWriter
-    ) -> None:
+    async def _run(self, stored: StoredResponse, started: Started, writer: OutputWriter) -> None:
         """The producer: read the engine request, write the events, keep the response object
         current; always ends the record with one of response.completed / .incomplete /
         .failed / .cancelled."""
-        resp = stored.response
+        resp, stream = stored.response, started.stream
         last: RequestOutput | None = None
         cancelled = False
         try:
@@ -274,12 +243,13 @@ class ResponsesServing(Serving):
                 writer.emit("response.in_progress", response=resp)
                 if writer.message_first:
                     writer.open_message()
-                async for out in stream:
-                    if out.is_progress:
-                        continue
-                    last = out
-                    if out.finish_reason in (None, "stop", "length"):
-                        writer.feed(out.text, done=out.finish_reason is not None)
+                try:
+                    async for piece in self.pieces(started, writer.splitter):
+                        if not piece.is_progress:
+                            last = piece.out
+                            writer.write(piece.delta)
+                except RequestFailed as failed:  # `_end` says how
+                    last = failed.out
             cancelled = scope.cancelled_caught
         except anyio.get_cancelled_exc_class():
             if not resp.background:  # its client went away (and did not come back)

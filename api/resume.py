@@ -25,8 +25,8 @@ from starlette.datastructures import Headers
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from stepline.api.errors import APIError
-from stepline.api.sse import DONE, PING, Emit, EventStreamResponse, error_frame
+from stepline.api.errors import APIError, Wire
+from stepline.api.sse import OPENAI, PING, Emit, EventStreamResponse, shutdown_error
 
 log = structlog.get_logger(__name__)
 
@@ -83,9 +83,10 @@ class StreamRecord:
 
     One writer (the producer, through `append`/`finish`); any number of followers."""
 
-    def __init__(self, rid: str, owner: str, grace_s: float | None):
+    def __init__(self, rid: str, owner: str, grace_s: float | None, wire: Wire = OPENAI):
         self.rid = rid
         self.owner = owner
+        self.wire = wire  # the API whose frames these are (how a shutdown ends a follower)
         self.grace_s = grace_s  # None: never cancelled for want of a follower (background)
         self.frames: list[bytes] = []  # frames[i] carries `id: i`
         self.done = False
@@ -170,11 +171,16 @@ class ResumeRegistry:
         self._sweep()
         return len(self._records)
 
-    def open(self, rid: str, owner: str, *, background: bool = False) -> StreamRecord:
+    def open(self, rid: str, owner: str, *, wire: Wire = OPENAI) -> StreamRecord:
         self._sweep()
-        record = StreamRecord(rid, owner, None if background else self.grace_s)
+        record = StreamRecord(rid, owner, self.grace_s, wire)
         self._records[rid] = record
         return record
+
+    def adopt(self, record: StreamRecord) -> None:
+        """Make `record` (made by its door, e.g. a Responses stream) resumable here too."""
+        self._sweep()
+        self._records[record.rid] = record
 
     def get(self, rid: str, owner: str) -> StreamRecord:
         """The record of `rid`, for the key `owner`. Raises APIError 404 when there is none
@@ -214,21 +220,12 @@ class ResumeRegistry:
 Producer = Callable[[Emit], Awaitable[None]]
 
 
-def openai_cancelled(message: str) -> bytes:
-    """An OpenAI stream's last frames when it was cancelled: the error, then [DONE]."""
-    return error_frame(message, code="cancelled") + DONE
-
-
 async def run_producer(
-    record: StreamRecord,
-    produce: Producer,
-    on_close: Callable[[], Awaitable[None]],
-    cancelled: Callable[[str], bytes] = openai_cancelled,
+    record: StreamRecord, produce: Producer, on_close: Callable[[], Awaitable[None]]
 ) -> None:
     """Run `produce` into `record` until it ends; then (whatever happened) `on_close` (it
     cancels the engine request if still running) and finish the record. A producer
-    cancelled meanwhile ends the record with the frames `cancelled(message)` (the API's
-    own error event)."""
+    cancelled meanwhile ends the record with its API's error frames."""
     try:
         await produce(record.append)
     except anyio.get_cancelled_exc_class():
@@ -236,7 +233,7 @@ async def run_producer(
             message = f"the request was cancelled: nobody reconnected within {record.grace_s:g} s"
         else:
             message = "the server shut down before the request finished"
-        await record.append(cancelled(message))
+        await record.append(record.wire.error_frames(shutdown_error(message, "cancelled", 500)))
         raise
     finally:
         with anyio.CancelScope(shield=True):
@@ -293,6 +290,7 @@ def follower_response(
         headers=headers,
         heartbeat_s=heartbeat_s,
         on_close=nothing,
+        wire=record.wire,
     )
 
 

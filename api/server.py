@@ -6,9 +6,11 @@ the OpenAI-style error handlers, and the probes (/health, /metrics).
     GET  /v1/requests/{id}/stream                      (resume a stream, in `resume`)
     POST /v1/responses, GET|DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel
                                                        (OpenAI Responses, `responses_serving`)
-    GET  /v1/models, GET /v1/models/{name}, GET /health, GET /metrics, GET /docs, GET /redoc
+    GET  /v1/models, GET /v1/models/{name}, GET|HEAD /, GET /health, GET /metrics, GET /docs,
+    GET  /redoc
 
-Errors are OpenAI-style `{"error": {"message", "type", "param", "code"}}` bodies. The handlers
+Errors are OpenAI-style `{"error": {"message", "type", "param", "code"}}` bodies (Anthropic's
+shape under /v1/messages), unknown routes included. The handlers
 live in their own modules (`openai_serving`), running the process in `serve_cmd`.
 """
 
@@ -18,6 +20,7 @@ import hmac
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import structlog
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -37,6 +40,8 @@ from stepline.api.serving import DEFAULT_BODY_TIMEOUT_S
 
 if TYPE_CHECKING:
     from stepline.api.engine import Engine
+
+log = structlog.get_logger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # a 128k-token conversation is well under 1 MiB
 DEFAULT_HEARTBEAT_S = 15.0  # under the 30-60 s idle timeouts of common proxies
@@ -58,6 +63,7 @@ def create_app(
     resume_grace_s: float = DEFAULT_GRACE_S,
     responses_ttl_s: float = DEFAULT_TTL_S,
     interrupted_responses: Sequence[tuple[str, float]] = (),
+    strict_max_tokens: bool = False,
 ) -> FastAPI:
     """The HTTP app serving `engine`.
 
@@ -72,6 +78,8 @@ def create_app(
     `resume_grace_s`, and can be resumed until `resume_grace_s` after it ended. A stored
     /v1/responses response is kept `responses_ttl_s` after it ended; `interrupted_responses`
     ((id, admitted at) from `responses_recovery`) are answered as failed by the restart.
+    A max_tokens past the room left in the context is clamped to it (the response says so in
+    `x-stepline-max-tokens`), or with `strict_max_tokens` refused with a 400.
     """
     serving = OpenAIServing(
         engine,
@@ -103,6 +111,7 @@ def create_app(
     )
     anthropic.resume = serving.resume
     for front in (serving, anthropic, responses):
+        front.strict_max_tokens = strict_max_tokens
         front.reasoning, front.default_template_kwargs = configure(
             engine.tokenizer,
             reasoning_parser=reasoning_parser,
@@ -115,8 +124,19 @@ def create_app(
         return exc.response()
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return APIError(exc.status_code, str(exc.detail), code=None).response()
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        # An unknown route (or method): a JSON error with a code, in the caller's API's shape.
+        what = f"{request.method} {request.url.path}"
+        if exc.status_code == 404:
+            err = APIError(404, f"no route {what} on this server", code="not_found")
+        elif exc.status_code == 405:
+            err = APIError(405, f"{what}: method not allowed", code="method_not_allowed")
+        else:
+            err = APIError(exc.status_code, str(exc.detail), code="http_error")
+        err.headers.update(exc.headers or {})
+        log.info("request_error", status=err.status_code, code=err.detail.code, route=what)
+        anthropic = request.url.path.startswith("/v1/messages")
+        return error_response(err) if anthropic else err.response()
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -152,6 +172,11 @@ def create_app(
         card = serving.models().data[0].model_copy(update={"id": model_id})
         return JSONResponse(card.model_dump())
 
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
+    async def root() -> JSONResponse:
+        # Clients probe it before their first request (Claude Code sends `HEAD /`).
+        return JSONResponse({"status": "ok", "model": serving.model_name})
+
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
         if engine.healthy:
@@ -174,7 +199,7 @@ def create_app(
     # -- middleware: the last added runs first --
 
     if api_key is not None:
-        open_paths = {"/health", "/metrics"} if metrics_public else {"/health"}
+        open_paths = {"/", "/health", "/metrics"} if metrics_public else {"/", "/health"}
         app.add_middleware(RequireKey, api_key=api_key, open_paths=frozenset(open_paths))
     if allowed_origins:
         app.add_middleware(
@@ -230,7 +255,8 @@ def has_key(headers: Headers, key: bytes) -> bool:
 
 def loading_app(what: str) -> ASGIApp:
     """The app that answers while the model loads: /health says 503 `{"status": "loading"}`
-    at once, every other route 503 with an OpenAI-style error."""
+    at once, every other route 503 with an error in its API's shape (OpenAI's, Anthropic's
+    under /v1/messages)."""
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -238,10 +264,12 @@ def loading_app(what: str) -> ASGIApp:
         if scope["path"] == "/health":
             response: Response = JSONResponse({"status": "loading", "model": what}, status_code=503)
         else:
-            response = APIError(
+            error = APIError(
                 503, f"the model is loading ({what}): retry shortly", code="model_loading"
-            ).response()
-            response.headers["retry-after"] = "1"
+            )
+            error.headers["retry-after"] = "1"
+            anthropic = scope["path"].startswith("/v1/messages")
+            response = error_response(error) if anthropic else error.response()
         await response(scope, receive, send)
 
     return app

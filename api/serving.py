@@ -1,7 +1,12 @@
-"""What every front door's handlers share: reading and validating a body, encoding a prompt
-off the event loop, submitting it to the engine, collecting or streaming its outputs, and
-turning failures into `APIError`s that carry the request id. `OpenAIServing` (and any other
-API) subclasses it.
+"""The one pipeline under every front door (chat, completions, Messages, Responses): each door
+translates its request into a `Call` and renders `Piece`s in its wire format; the rest is
+here, once. `parse` reads and validates a body; `start` turns a Call into an admitted engine
+request (the prompt's tokens off the event loop, the token limit, the think budget, the one
+sampling-parameter builder, the submission); `pieces` is the one read loop (outputs split by
+the one output splitter, failures raised); `collect` / `attached` the one disconnect watch of
+non-streamed answers; `stream_response` the one SSE writer (numbered frames, pings, resume);
+`handle` the one error wrapper, answering in the door's shape (`errors.Wire`) with the
+request id. `OpenAIServing` (and every other door) subclasses it.
 
 Clients get stable messages and codes plus the request id, never an exception's text; the
 detail goes to the server log under the same id.
@@ -11,7 +16,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import anyio
@@ -22,8 +28,10 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
 from stepline.actors.step_loop import EngineDeadError
+from stepline.api.agents import AgentPlan
 from stepline.api.engine import SamplingParams
-from stepline.api.errors import APIError, context_error, validation_error
+from stepline.api.errors import APIError, Wire, context_error, validation_error
+from stepline.api.model_output import OutputDelta, OutputFormat, OutputSplitter
 from stepline.api.openai_schema import RequestError, now
 from stepline.api.prompts import PromptTooLongError
 from stepline.api.resume import (
@@ -34,7 +42,7 @@ from stepline.api.resume import (
     run_producer,
     wants_resumable,
 )
-from stepline.api.sse import DONE, Emit, EventStreamResponse, error_frame
+from stepline.api.sse import OPENAI, Emit, EventStreamResponse
 from stepline.engine.grammar import GrammarError
 from stepline.engine.policy import ContextLengthExceededError, QueueFullError
 
@@ -47,6 +55,16 @@ log = structlog.get_logger(__name__)
 # Below this, a temperature is greedy: dividing logits by 1e-308 overflows to inf/nan.
 GREEDY_TEMPERATURE = 1e-5
 JSON_MEDIA_TYPES = ("application/json",)
+# The sampling fields a door's request may carry, by their engine names (`Serving.sampling`).
+SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
 DEFAULT_BODY_TIMEOUT_S = 60.0  # 4 MiB at 1 Mbit/s takes 34 s
 
 
@@ -110,6 +128,7 @@ class Serving:
         self.reasoning = False  # split <think> blocks into reasoning (--reasoning-parser)
         self.default_template_kwargs: dict[str, Any] = {}  # --default-chat-template-kwargs
         self.resume = ResumeRegistry()  # resumable streams' records (create_app shares one)
+        self.strict_max_tokens = False  # --strict-max-tokens: a max_tokens past the room is a 400
 
     @property
     def model_name(self) -> str:
@@ -223,44 +242,57 @@ class Serving:
         prompt_param: str,
         param: str = "max_tokens",
     ) -> int:
+        """The request's token limit: `requested`, or by default the room left in the context
+        (within the KV budget). A `requested` past the room is clamped to it (agents such as
+        Claude Code cannot be told a local model's context), unless `strict_max_tokens`, where
+        it is a 400."""
         max_context = self.engine.max_context
         if num_prompt >= max_context:
             raise context_error(ContextLengthExceededError(num_prompt, max_context), prompt_param)
-        room = max_context - num_prompt
+        context_room = room = max_context - num_prompt
+        # No further than the KV budget lets it either: otherwise a plain chat on a
+        # long-context model whose budget is below its context would be refused as "can never
+        # fit".
+        config = self.engine.step_loop.config
+        if config.max_kv_tokens is not None:
+            fits = config.max_kv_tokens - num_prompt - config.kv_tokens_per_seq
+            room = min(room, max(fits, 1))
         if requested is None:
-            # Unasked, a request may run to the end of the context, but no further than the
-            # KV budget lets it: otherwise a plain chat on a long-context model whose budget
-            # is below its context would be refused as "can never fit".
-            config = self.engine.step_loop.config
-            if config.max_kv_tokens is not None:
-                fits = config.max_kv_tokens - num_prompt - config.kv_tokens_per_seq
-                room = min(room, max(fits, 1))
             return min(default or room, room)
-        if requested > room:
+        if requested <= room:
+            return requested
+        if not self.strict_max_tokens:
+            log.info("max_tokens_clamped", requested=requested, effective=room, param=param)
+            return room
+        if requested > context_room:
             raise APIError(
                 400,
                 f"This model's maximum context length is {max_context} tokens, but "
                 f"{num_prompt + requested} tokens were requested ({num_prompt} in the prompt, "
                 f"{requested} in the completion): shorten the prompt or lower {param} to at "
-                f"most {room}",
+                f"most {context_room}",
                 param=param,
                 code="context_length_exceeded",
             )
-        return requested
+        return requested  # past the KV budget: `submit` says by how much
 
-    def sampling(self, req: Any, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """`req`'s sampling fields (those of `_SamplingFields`, already range-checked) as
+    def sampling(
+        self, req: Any, max_tokens: int, logprobs: int | None, grammar: str | None = None
+    ) -> SamplingParams:
+        """The one parameter builder of every door: `req`'s sampling fields (those of
+        `SAMPLING_FIELDS` it has, already range-checked; `stop_strings`, `ignore_eos`) as
         engine parameters, after the checks that need the model: `top_k` and `stop_token_ids`
         within the vocabulary. A temperature below GREEDY_TEMPERATURE is greedy."""
         vocab = self.engine.vocab_size
-        if req.top_k is not None and req.top_k > vocab:
+        top_k = getattr(req, "top_k", None)
+        stop_token_ids = getattr(req, "stop_token_ids", None)
+        if top_k is not None and top_k > vocab:
             raise RequestError(
-                f"top_k must be at most the vocabulary size, {vocab} (0 or -1 = off), "
-                f"got {req.top_k}",
+                f"top_k must be at most the vocabulary size, {vocab} (0 or -1 = off), got {top_k}",
                 param="top_k",
                 code="invalid_value",
             )
-        for i, t in enumerate(req.stop_token_ids or ()):
+        for i, t in enumerate(stop_token_ids or ()):
             if not 0 <= t < vocab:
                 raise RequestError(
                     f"stop_token_ids[{i}] = {t} is not in the model's vocabulary (0..{vocab - 1})",
@@ -269,28 +301,22 @@ class Serving:
                 )
         fields: dict[str, Any] = {
             "max_tokens": max_tokens,
-            "stop": req.stop_strings,
-            "ignore_eos": req.ignore_eos,
+            "stop": tuple(getattr(req, "stop_strings", ())),
+            "ignore_eos": getattr(req, "ignore_eos", False),
             "logprobs": logprobs,
+            "grammar": grammar,
         }
-        for name in (
-            "temperature",
-            "top_p",
-            "min_p",
-            "seed",
-            "presence_penalty",
-            "frequency_penalty",
-            "repetition_penalty",
-        ):
-            value = getattr(req, name)
+        for name in SAMPLING_FIELDS:
+            value = getattr(req, name, None)
             if value is not None:
                 fields[name] = value
-        if req.temperature is not None and req.temperature < GREEDY_TEMPERATURE:
+        temperature = fields.get("temperature")
+        if temperature is not None and temperature < GREEDY_TEMPERATURE:
             fields["temperature"] = 0.0
-        if req.top_k is not None:
-            fields["top_k"] = max(req.top_k, 0)
-        if req.stop_token_ids:
-            fields["stop_token_ids"] = tuple(req.stop_token_ids)
+        if top_k is not None:
+            fields["top_k"] = max(top_k, 0)
+        if stop_token_ids:
+            fields["stop_token_ids"] = tuple(stop_token_ids)
         try:
             return SamplingParams(**fields)
         except ValidationError as exc:
@@ -362,9 +388,9 @@ class Serving:
             )
         return APIError(500, f"internal error (request id {rid})", code="engine_error")
 
-    async def collect(self, request: Request, stream: RequestStream) -> list[RequestOutput]:
-        """Every output of a non-streaming request; a client disconnect cancels it."""
-        outs: list[RequestOutput] = []
+    async def attached(self, request: Request, run: Callable[[], Awaitable[None]]) -> None:
+        """The one disconnect watch of non-streamed answers: run `run` to its end while the
+        client stays; a client that disconnects cancels it (APIError 499)."""
         gone = False
 
         async def watch_disconnect(scope: anyio.CancelScope) -> None:
@@ -374,13 +400,23 @@ class Serving:
             gone = True
             scope.cancel()
 
-        async with stream, anyio.create_task_group() as tg:
+        async with anyio.create_task_group() as tg:
             tg.start_soon(watch_disconnect, tg.cancel_scope)
-            async for out in stream:
-                if not out.is_progress:
-                    outs.append(out)
+            await run()
             tg.cancel_scope.cancel()
-        if gone or not outs or outs[-1].finish_reason is None:
+        if gone:
+            raise APIError(499, "the client closed the connection", code="client_closed")
+
+    async def collect(self, request: Request, stream: RequestStream) -> list[RequestOutput]:
+        """Every output of a non-streaming request; a client disconnect cancels it."""
+        outs: list[RequestOutput] = []
+
+        async def read() -> None:
+            async with stream:
+                outs.extend([out async for out in stream if not out.is_progress])
+
+        await self.attached(request, read)
+        if not outs or outs[-1].finish_reason is None:
             raise APIError(499, "the client closed the connection", code="client_closed")
         if outs[-1].finish_reason not in ("stop", "length"):
             raise self.failure(outs[-1])
@@ -388,37 +424,42 @@ class Serving:
 
     def stream_response(
         self,
-        rid: str,
-        stream: RequestStream,
+        started: Started,
         produce: Callable[[Emit], Awaitable[None]],
         *,
         resumable_from: Request | None = None,
+        wire: Wire = OPENAI,
     ) -> Response:
-        """The stream's response; its frames are numbered (`id: N`). `resumable_from`: the
-        HTTP request, when it asked for a resumable stream (see `resume`)."""
+        """The one stream writer: `produce`'s frames, numbered (`id: N`), with pings while
+        nothing is sent; an error it raises (a failed request, a bug) ends the stream with
+        `wire`'s error frames, never a traceback. `resumable_from`: the HTTP request, when
+        it asked for a resumable stream (see `resume`)."""
+        rid, stream = started.rid, started.stream
 
         async def guarded(emit: Emit) -> None:
             try:
                 await produce(emit)
-            except Exception:  # a bug here must still end the stream the OpenAI way
+            except APIError as err:
+                await emit(wire.error_frames(err))
+            except Exception:  # a bug here must still end the stream the API's way
                 log.exception("stream_failed", request_id=rid)
-                await emit(error_frame(f"internal error (request id {rid})", code="server_error"))
-                await emit(DONE)
+                err = APIError(500, f"internal error (request id {rid})", code="server_error")
+                await emit(wire.error_frames(err))
 
-        headers = {"x-request-id": rid}
         if resumable_from is not None:
-            record = self.resume.open(rid, key_of(resumable_from.headers))
+            record = self.resume.open(rid, key_of(resumable_from.headers), wire=wire)
             return ResumableStreamResponse(
                 record,
                 lambda: run_producer(record, guarded, stream.aclose),
-                headers=headers,
+                headers=started.headers,
                 heartbeat_s=self.heartbeat_s,
             )
         return EventStreamResponse(
-            lambda emit: guarded(FrameCounter().wrap(emit)),
-            headers=headers,
+            lambda emit: guarded(FrameCounter().wrap(emit) if wire.numbered else emit),
+            headers=started.headers,
             heartbeat_s=self.heartbeat_s,
             on_close=stream.aclose,
+            wire=wire,
         )
 
     @staticmethod
@@ -426,20 +467,12 @@ class Serving:
         """`request` if it asked for a resumable stream (in its body or by header)."""
         return request if in_body or wants_resumable(request.headers) else None
 
-    async def stream_error(self, emit: Emit, rid: str, out: RequestOutput | None) -> None:
-        if out is None:
-            log.error("request_unfinished", request_id=rid, error="no finish reason")
-            message = f"internal error (request id {rid})"
-            await emit(error_frame(message, code="engine_error"))
-        else:
-            err = self.failure(out)
-            await emit(error_frame(err.detail.message, code=err.detail.code))
-        await emit(DONE)
-
-    async def handle(self, request: Request, rid: str, handler) -> Response:
-        """Run `handler` with the request id bound to every log line; any error response it
-        raises carries the request id. A bug is a 500 that names the request id, and its
-        traceback goes to the log."""
+    async def handle(
+        self, request: Request, rid: str, handler: Callable, wire: Wire = OPENAI
+    ) -> Response:
+        """The one error wrapper: run `handler` with the request id bound to every log line;
+        an error is answered in `wire`'s shape and carries the request id. A bug is a 500 that
+        names the request id, and its traceback goes to the log."""
         # Bound for the rest of this request's task (uvicorn runs each request in a task of its
         # own), so that its access-log line, written after this returns, carries the id too.
         structlog.contextvars.bind_contextvars(request_id=rid)
@@ -447,15 +480,138 @@ class Serving:
             return await handler(request, rid)
         except RequestError as exc:
             err = APIError(400, exc.message, param=exc.param, code=exc.code)
-            err.request_id = rid
-            raise err from None
         except APIError as exc:
-            exc.request_id = rid
-            raise
+            err = exc
         except Exception:
             log.exception("request_failed", request_id=rid)
             err = APIError(500, f"internal error (request id {rid})", code="server_error")
-            err.request_id = rid
-            raise err from None
         finally:
             self.engine.arrived()  # a request that failed before it was submitted
+        err.request_id = rid
+        log.info(
+            "request_error",
+            status=err.status_code,
+            code=err.detail.code,
+            param=err.detail.param,
+            message=err.detail.message,
+        )
+        return wire.error_response(err)
+
+    # -- the pipeline every door shares --
+
+    async def start(self, call: Call) -> Started:
+        """`call` into an engine request, up to its admission: the prompt's tokens (off the
+        event loop), its token limit, the think budget, its sampling parameters, and the
+        submission. Raises APIError (or RequestError) for what cannot be served."""
+        agent = call.agent
+        ids, checkpoints = await self.prepare(
+            prompt=call.prompt,
+            messages=call.messages,
+            template_kwargs=agent.template_kwargs,
+            param=call.prompt_param,
+        )
+        max_tokens = self.max_tokens(
+            call.max_tokens,
+            len(ids),
+            default=call.default_max_tokens,
+            prompt_param=call.prompt_param,
+            param=call.max_tokens_param,
+        )
+        tokenizer = self.engine.tokenizer
+        prompt_text = tokenizer.decode(ids[-8:])
+        if call.think_budget is not None:
+            agent = agent.with_think_budget(tokenizer, call.think_budget, prompt_text)
+        params = self.sampling(call.sampling, max_tokens, call.logprobs, agent.grammar)
+        stream = await self.submit(
+            call.rid,
+            ids,
+            params,
+            call.prompt_param,
+            checkpoints,
+            grammar_param=agent.grammar_param,
+        )
+        fmt = agent.output_format(tokenizer, reasoning=call.reasoning, prompt_text=prompt_text)
+        headers = {"x-request-id": call.rid, **call.headers}
+        if call.max_tokens is not None and max_tokens < call.max_tokens:
+            headers[EFFECTIVE_MAX_TOKENS_HEADER] = str(max_tokens)
+        return Started(call.rid, stream, fmt, agent.openai_tools or None, max_tokens, headers)
+
+    async def pieces(self, started: Started, splitter: OutputSplitter) -> AsyncIterator[Piece]:
+        """The one read loop of every door: the request's outputs as typed pieces (content,
+        reasoning, tool-call deltas and calls, split by `splitter`), a progress piece (no
+        output) while a long prompt prefills, the last one with the finish reason. Raises
+        APIError for a request that failed or ended without a finish reason."""
+        async for out in started.stream:
+            if out.is_progress:
+                yield Piece(OutputDelta(), out)
+                continue
+            if out.finish_reason not in (None, "stop", "length"):
+                raise RequestFailed(self.failure(out), out)
+            delta = splitter.feed(out.text)
+            if out.finish_reason is not None:
+                delta.extend(splitter.finish())
+            yield Piece(delta, out)
+            if out.finish_reason is not None:
+                return
+        log.error("request_unfinished", request_id=started.rid, error="no finish reason")
+        raise APIError(500, f"internal error (request id {started.rid})", code="engine_error")
+
+
+EFFECTIVE_MAX_TOKENS_HEADER = "x-stepline-max-tokens"  # set when a max_tokens was clamped
+
+
+class RequestFailed(APIError):
+    """The error of a request that ended with an error or was cancelled; `out` is its last
+    output (its finish reason)."""
+
+    def __init__(self, err: APIError, out: RequestOutput):
+        super().__init__(
+            err.status_code, err.detail.message, type=err.detail.type, code=err.detail.code
+        )
+        self.out = out
+
+
+@dataclass
+class Call:
+    """One door's request in engine terms: what every API asks of the engine."""
+
+    rid: str
+    sampling: Any  # the request: its sampling fields by their engine names (`Serving.sampling`)
+    agent: AgentPlan  # tools, output constraints, template arguments
+    prompt_param: str  # the request field that holds the prompt (for errors)
+    messages: list[dict[str, Any]] | None = None
+    prompt: str | list[int] | None = None
+    max_tokens: int | None = None  # as requested
+    max_tokens_param: str = "max_tokens"
+    default_max_tokens: int | None = None  # None: the room left in the context
+    logprobs: int | None = None
+    reasoning: bool = False  # split think blocks into reasoning
+    think_budget: int | None = None  # most tokens the think block may take
+    headers: dict[str, str] = field(default_factory=dict)  # for the response
+
+
+@dataclass
+class Started:
+    """An admitted request, and how to read its output."""
+
+    rid: str
+    stream: RequestStream
+    fmt: OutputFormat
+    tools: list[dict[str, Any]] | None  # the tool definitions (some parsers read them)
+    max_tokens: int  # the effective limit
+    headers: dict[str, str]  # the response's: the request id, a clamped max_tokens, ...
+
+    def splitter(self, *, stream: bool = True) -> OutputSplitter:
+        return OutputSplitter(self.fmt, self.tools, stream=stream)
+
+
+@dataclass
+class Piece:
+    """One step of a request's output, split."""
+
+    delta: OutputDelta
+    out: RequestOutput  # `is_progress`: no output yet, a long prompt is prefilling
+
+    @property
+    def is_progress(self) -> bool:
+        return self.out.is_progress

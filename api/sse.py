@@ -18,6 +18,7 @@ from pydantic import BaseModel
 from pydantic_core import to_json
 from starlette.types import Receive, Scope, Send
 
+from stepline.api.errors import APIError, Wire
 from stepline.api.openai_schema import ErrorDetail, ErrorResponse
 
 PING = b": ping\n\n"
@@ -52,12 +53,34 @@ def error_frame(message: str, *, code: str | None = None) -> bytes:
     return sse(ErrorResponse(error=detail))
 
 
+class OpenAIWire:
+    """How the OpenAI endpoints write errors: `{"error": {...}}` bodies, and in a stream an
+    error event then `[DONE]`."""
+
+    numbered = True
+
+    def error_response(self, err: APIError) -> Response:
+        return err.response()
+
+    def error_frames(self, err: APIError) -> bytes:
+        return error_frame(err.detail.message, code=err.detail.code) + DONE
+
+
+OPENAI = OpenAIWire()
+
+
+def shutdown_error(message: str, code: str = "shutting_down", status: int = 503) -> APIError:
+    """The error a stream ends with when the server stops it (or nobody resumed it)."""
+    return APIError(status, message, code=code)
+
+
 class EventStreamResponse(Response):
     """A `text/event-stream` response whose body `produce(emit)` writes.
 
     While `produce` runs, a `: ping` comment goes out whenever nothing was sent for
     `heartbeat_s`, and a client disconnect cancels `produce`. `on_close` runs at the end
-    whatever happened (it cancels the engine request if it is still running).
+    whatever happened (it cancels the engine request if it is still running). Stopped by the
+    server's shutdown, the stream ends with `wire`'s error frames.
     """
 
     media_type = "text/event-stream"
@@ -69,8 +92,10 @@ class EventStreamResponse(Response):
         headers: dict[str, str],
         heartbeat_s: float,
         on_close: Callable[[], Awaitable[None]],
+        wire: Wire = OPENAI,
     ):
         # No Response.__init__: it would set `content-length: 0`.
+        self._wire = wire
         self.status_code = 200
         self.background = None
         self._produce = produce
@@ -129,7 +154,7 @@ class EventStreamResponse(Response):
                 body = b""
                 if not produced:
                     message = "the server shut down before the request finished"
-                    body = error_frame(message, code="shutting_down") + DONE
+                    body = self._wire.error_frames(shutdown_error(message))
                 with anyio.CancelScope(shield=True), anyio.move_on_after(1):
                     await send({"type": "http.response.body", "body": body, "more_body": False})
             raise

@@ -18,6 +18,7 @@ import json
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import llguidance
@@ -73,20 +74,109 @@ def tool_call_grammar(
     Raises GrammarError for a malformed schema."""
     if not tools:
         raise GrammarError("no tool to call: `tools` is empty")
-    alternatives = [
-        {
-            "type": "object",
-            "properties": {"name": {"const": name}, "arguments": parameters or {"type": "object"}},
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        }
-        for name, parameters in tools
-    ]
-    schema = alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
-    body = json.dumps({**schema, "x-guidance": _JSON_OPTIONS})
-    call = 'call ("\\n" call)*' if parallel else "call"
-    lark = f'start: {call}\ncall: {start} "\\n" args "\\n" {end}\nargs: %json {body}\n'
-    return llguidance.LLMatcher.grammar_from_lark(lark)
+    return answer_grammar(CallFormat(tuple(tools), start, end, parallel), must_call=True)
+
+
+@dataclass(frozen=True)
+class CallFormat:
+    """The tool calls an answer may make: `tools` ((name, parameters schema)), each call
+    `start\\n{"name": NAME, "arguments": {...}}\\nend` (Lark terminals, see `markup`), one
+    or several (`parallel`, separated by a newline)."""
+
+    tools: tuple[tuple[str, dict[str, Any]], ...]
+    start: str
+    end: str
+    parallel: bool = True
+
+
+@dataclass(frozen=True)
+class ThinkFormat:
+    """A think block of at most `budget` tokens before the answer: `open` and `close` are its
+    Lark terminals (single tokens, see `markup`); `opened`: the prompt already opened it."""
+
+    open: str
+    close: str
+    budget: int
+    opened: bool = False
+
+
+def answer_grammar(
+    calls: CallFormat | None = None,
+    *,
+    must_call: bool = False,
+    schema: dict[str, Any] | None = None,
+    think: ThinkFormat | None = None,
+) -> str:
+    """The grammar of a whole answer: tool calls of `calls` (required if `must_call`), or
+    else a JSON document valid under `schema` (when given), or else free text; after a think
+    block bounded by `think`, if given (once its budget is spent only its closing tag may
+    follow). Raises GrammarError if there is nothing to constrain or a schema is malformed."""
+    rules: list[str] = []
+    answers: list[str] = []
+    if calls is not None and calls.tools:
+        alternatives = [
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"const": name},
+                    "arguments": parameters or {"type": "object"},
+                },
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+            for name, parameters in calls.tools
+        ]
+        body = alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
+        repeat = 'call ("\\n" call)*' if calls.parallel else "call"
+        rules += [
+            f"calls: {repeat}",
+            f'call: {calls.start} "\\n" args "\\n" {calls.end}',
+            f"args: %json {_json_body(body)}",
+        ]
+        answers.append("calls")
+    if not must_call:
+        if schema is not None:
+            rules.append(f"doc: %json {_json_body(schema)}")
+            answers.append("doc")
+        elif calls is not None or think is not None:
+            rules.append("free: <[*]>*")
+            answers.append("free")
+    if not answers:
+        raise GrammarError("nothing to constrain: no tool to call and no schema")
+    rules.append("answer: " + " | ".join(answers))
+    if think is None:
+        start = "answer"
+    else:
+        rules += [
+            f"thinking[max_tokens={think.budget}]: /(.|\\n)*/",
+            "BLANK: /[ \\t\\r\\n]+/",
+            f"think_end: thinking {think.close} BLANK?",
+        ]
+        if think.opened:
+            start = "think_end answer"
+        else:
+            # An answer without a think block may not open one later (the budget would not
+            # hold): its free text starts with any token but the opening tag.
+            unthought = [a if a != "free" else "unthought" for a in answers]
+            if "free" in answers:
+                rules.append(f"unthought: (<[^{_token_id(think.open)}]> <[*]>*)?")
+            start = f"{think.open} think_end answer | " + " | ".join(unthought)
+    lark = "start: " + start + "\n" + "\n".join(rules) + "\n"
+    try:
+        return llguidance.LLMatcher.grammar_from_lark(lark)
+    except ValueError as exc:
+        raise GrammarError(f"invalid JSON schema: {exc}") from exc
+
+
+def _json_body(schema: dict[str, Any]) -> str:
+    return json.dumps({**schema, "x-guidance": _JSON_OPTIONS})
+
+
+def _token_id(terminal: str) -> int:
+    """The id in a `<[id]>` terminal. Raises GrammarError for any other terminal."""
+    if not (terminal.startswith("<[") and terminal.endswith("]>")):
+        raise GrammarError(f"{terminal} is not one token: a think budget needs single-token tags")
+    return int(terminal[2:-2])
 
 
 class GrammarCompiler:

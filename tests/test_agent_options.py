@@ -24,9 +24,11 @@ def test_the_flags_become_create_app_options(tmp_path):
         "--reasoning-parser", "qwen3",
         "--chat-template", str(template),
         "--default-chat-template-kwargs", '{"enable_thinking": false}',
+        "--strict-max-tokens",
     )  # fmt: skip
 
     assert agent_options(args) == {
+        "strict_max_tokens": True,
         "reasoning_parser": "qwen3",
         "chat_template": "{{ messages[0]['content'] }}",
         "default_chat_template_kwargs": {"enable_thinking": False},

@@ -135,3 +135,24 @@ async def test_a_constrained_run_reexecutes_to_the_same_tokens_from_its_log(
     report = await reexecute(log)
 
     assert (report.num_same, report.num_diverged, report.num_skipped) == (1, 0, 0)
+
+
+@pytest.mark.parametrize("opened", [False, True])
+def test_a_think_budget_leaves_only_the_closing_tag_once_spent(demo, opened):
+    from stepline.engine.grammar import CallFormat, GrammarCompiler, ThinkFormat, answer_grammar
+
+    tok = demo.tokenizer
+    open_tag, close_tag, call_start, call_end = (
+        markup(tok, t) for t in ("<think>", "</think>", "<tool_call>", "</tool_call>")
+    )
+    calls = CallFormat((("f", {"type": "object"}),), call_start, call_end)
+    grammar = answer_grammar(calls, think=ThinkFormat(open_tag, close_tag, 4, opened=opened))
+    matcher = GrammarCompiler(tok, demo.model.args.vocab_size).matcher(grammar)
+    think_id, end_id = (tok.encode(t, add_special_tokens=False)[0] for t in ("<think>", "</think>"))
+    thought = tok.encode("one two three four five six", add_special_tokens=False)
+    assert (opened or matcher.consume_token(think_id)) and len(thought) > 4
+
+    assert all(matcher.consume_token(t) for t in thought[:4])
+    assert not matcher.deep_copy().consume_token(thought[4])  # the budget is spent
+    assert matcher.consume_token(end_id)
+    assert matcher.consume_token(thought[0])  # then the answer is free

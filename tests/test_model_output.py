@@ -73,11 +73,52 @@ def test_a_prompt_that_opened_the_think_block_starts_the_answer_in_reasoning():
     assert (out.reasoning, out.content) == ("step one", "The answer.")
 
 
-def test_a_tool_call_cut_short_by_the_token_limit_is_returned_as_text():
-    out = split_output('Sure.<tool_call>\n{"name": "get_wea', QWEN)
+CUT = 'Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'
 
-    assert out.tool_calls == []
-    assert out.content == 'Sure.<tool_call>\n{"name": "get_wea'
+
+@pytest.mark.parametrize("size", [None, 1, 3, 8])
+def test_a_tool_call_cut_by_the_token_limit_is_a_call_streamed_or_not(size):
+    if size is None:
+        out = split_output(CUT, QWEN)
+        calls, content, arguments = out.tool_calls, out.content, out.tool_calls[0].arguments
+    else:
+        pieces = feed_in_pieces(CUT, size)
+        calls = [c for p in pieces for c in p.tool_calls]
+        content = "".join(p.content for p in pieces)
+        deltas = [d for p in pieces for d in p.tool_call_deltas]
+        arguments = "".join(d.arguments for d in deltas)
+        assert deltas[0].name == "get_weather" and not any(d.done for d in deltas)
+
+    [call] = calls
+    assert call.name == "get_weather"
+    assert call.arguments == arguments == '{"city": "Par'
+    assert call.input == {}  # not JSON: Anthropic's tool_use gets an empty input
+    assert content == "Sure."  # no markup in the content
+
+
+def test_a_call_cut_before_its_name_is_whole_leaves_no_markup():
+    out = split_output('Sure.\n<tool_call>\n{"name": "get_wea', QWEN)
+
+    assert (out.content, out.tool_calls) == ("Sure.", [])
+
+
+@pytest.mark.parametrize("size", [None, 1, 2, 5])
+def test_whitespace_around_tool_calls_and_after_thinking_is_not_content(size):
+    call = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+    text = f"<think>hm</think>\n\n{call}\n{call}\n"
+    if size is None:
+        out = split_output(text, QWEN)
+        content, num_calls = out.content, len(out.tool_calls)
+    else:
+        pieces = feed_in_pieces(text, size)
+        content = "".join(p.content for p in pieces)
+        num_calls = len([c for p in pieces for c in p.tool_calls])
+
+    assert (content, num_calls) == ("", 2)
+    # text between calls keeps its inner whitespace, and a plain answer its own
+    between = split_output(f"{call}\n\nI called it. Now:\n{call}", QWEN)
+    assert between.content == "I called it. Now:"
+    assert split_output("Hi.\n", QWEN).content == "Hi.\n"
 
 
 @pytest.mark.parametrize("size", [1, 4, 9])

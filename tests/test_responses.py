@@ -348,7 +348,10 @@ async def test_a_call_cut_off_by_max_output_tokens_is_incomplete(served):
 @pytest.mark.parametrize(
     ("body", "match"),
     [
-        ({"tools": [{"type": "web_search"}]}, "function tools only"),
+        (
+            {"tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}},
+            "function tools only",
+        ),
         ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "not one of"),
         ({"tool_choice": "required"}, "no tools are given"),
         ({"text": {"format": {"type": "xml"}}}, "text.format"),

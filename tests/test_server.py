@@ -65,7 +65,7 @@ async def open_served(log_path: Path | None = None) -> AsyncIterator[Served]:
     # A small step budget, so that a 1,000-token prompt prefills over several steps.
     async with Engine.open("stepline-demo", max_step_tokens=128, event_log=log_path) as engine:
         app = create_app(engine, max_body_bytes=MAX_BODY_BYTES)
-        keyed = create_app(engine, api_key=API_KEY)
+        keyed = create_app(engine, api_key=API_KEY, strict_max_tokens=True)
         async with serve_in_process(app) as url, serve_in_process(keyed) as keyed_url:
             yield Served(engine, url, keyed_url, log_path or Path("/nonexistent"))
 
@@ -584,14 +584,27 @@ async def test_unknown_model_gets_404_naming_the_served_one(served):
 async def test_a_prompt_longer_than_the_context_gets_400_with_both_numbers(served):
     async with served.client() as http:
         r = await http.post("/v1/completions", json={"prompt": long_prompt(2100)})
-        room = await http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 5000})
     error = r.json()["error"]
     assert r.status_code == 400
     assert error["code"] == "context_length_exceeded"
     assert "2048" in error["message"] and "2100" in error["message"]
-    assert room.status_code == 400
-    assert room.json()["error"]["code"] == "context_length_exceeded"
-    assert room.json()["error"]["param"] == "max_tokens"
+
+
+async def test_a_max_tokens_past_the_context_is_clamped_unless_strict(served):
+    # Not long_prompt's tokens: a cached prefix of them would spoil the mid-prefill tests.
+    prompt = [1002 - i % 1000 for i in range(2040)]
+    body = {"prompt": prompt, "max_tokens": 5000, "ignore_eos": True}
+    async with served.client() as http:
+        clamped = await http.post("/v1/completions", json=body)
+        keyed = {"authorization": f"Bearer {API_KEY}"}  # served with strict_max_tokens
+        strict = await http.post(f"{served.keyed_url}/v1/completions", json=body, headers=keyed)
+    assert clamped.status_code == 200
+    assert clamped.headers["x-stepline-max-tokens"] == "8"
+    assert clamped.json()["usage"]["completion_tokens"] == 8
+    assert clamped.json()["choices"][0]["finish_reason"] == "length"
+    assert strict.status_code == 400
+    assert strict.json()["error"]["code"] == "context_length_exceeded"
+    assert strict.json()["error"]["param"] == "max_tokens"
 
 
 async def test_a_body_over_the_limit_gets_413_with_or_without_a_length(served):
