@@ -4,7 +4,10 @@
 chat-template options (OpenAI's or Anthropic's, already in neutral form) and the served
 tokenizer; it holds what the engine needs: the chat template's extra arguments, the grammar
 that forces the output (a JSON schema, or a tool call for `required` / a named tool), and how
-to split the output (`OutputFormat`). Everything the model cannot honour is a RequestError.
+to split the output (`OutputFormat`). Everything the model cannot honour is a RequestError,
+with one exception: tools offered (not forced) to a model whose chat template cannot show
+or read tool calls are left out and named (`AgentPlan.dropped_tools`), so that an agent
+that always sends its tools (Claude Code, Codex) still gets its answer in text.
 """
 
 from __future__ import annotations
@@ -51,6 +54,9 @@ class AgentPlan:
     calls: CallFormat | None = None
     must_call: bool = False
     schema: dict[str, Any] | None = None
+    # Tools offered to a model whose chat template cannot show or read tool calls: left out
+    # of the prompt and the grammar, named to the client (the dropped-tools header).
+    dropped_tools: tuple[str, ...] = ()
 
     def output_format(self, tokenizer: Any, *, reasoning: bool, prompt_text: str) -> OutputFormat:
         return OutputFormat.of(
@@ -165,6 +171,16 @@ def tool_spec(name: Any, description: Any, parameters: Any, i: int, param: str) 
     return ToolSpec(name, description if isinstance(description, str) else None, parameters)
 
 
+def _why_tools_unusable(tokenizer: Any, parse: bool) -> str | None:
+    """Why this model cannot be offered tools (`parse`: and have its calls read back), or
+    None if it can."""
+    if parse and getattr(tokenizer, "tool_parser", None) is None:
+        return "this model's chat template has no tool-call format that mlx-lm can parse"
+    if "tools" not in _template_source(tokenizer):
+        return "this model's chat template does not render tools"
+    return None
+
+
 def unique_tools(specs: list[ToolSpec], param: str) -> tuple[ToolSpec, ...]:
     """`specs`, if no two share a name. Raises RequestError otherwise."""
     names = [s.name for s in specs]
@@ -199,22 +215,26 @@ def plan(
             f"{tool_choice_param} names {tool_choice!r}, which is not one of the tools",
             param=tool_choice_param,
         )
-    parse_tools = bool(tools) and tool_choice != "none"
-    if parse_tools and getattr(tokenizer, "tool_parser", None) is None:
-        raise RequestError(
-            "this model's chat template has no tool-call format that mlx-lm can parse, so "
-            "tool calls cannot be read back: remove `tools`",
-            param="tools",
-            code="unsupported_parameter",
-        )
-    if tools:
-        if "tools" not in _template_source(tokenizer):
+    unusable = _why_tools_unusable(tokenizer, parse=tool_choice != "none") if tools else None
+    if unusable is not None:
+        if forced:
             raise RequestError(
-                "this model's chat template does not render tools, so the model would never "
-                "see them: remove `tools`",
-                param="tools",
+                f"{unusable}, so the forced tool call cannot be made: remove `{tool_choice_param}`",
+                param=tool_choice_param,
                 code="unsupported_parameter",
             )
+        dropped = tuple(t.name for t in tools)
+        rest = plan(
+            tokenizer,
+            parallel_tool_calls=parallel_tool_calls,
+            schema=schema,
+            json_object=json_object,
+            template_kwargs=template_kwargs,
+            schema_param=schema_param,
+        )
+        return replace(rest, dropped_tools=dropped)
+    parse_tools = bool(tools) and tool_choice != "none"
+    if tools:
         kwargs["tools"] = [t.openai() for t in tools]
     if json_object:
         schema = {"type": "object"}

@@ -41,7 +41,7 @@ from stepline.api.resume import (
     key_of,
     wants_resumable,
 )
-from stepline.api.serving import Call, RequestFailed, Serving, Started
+from stepline.api.serving import DROPPED_TOOLS_HEADER, Call, RequestFailed, Serving, Started
 
 if TYPE_CHECKING:
     from stepline.actors.request import RequestOutput
@@ -52,7 +52,6 @@ log = structlog.get_logger(__name__)
 DEFAULT_TTL_S = 3600.0
 DEFAULT_MAX_COUNT = 1000
 ANY_OWNER = ""  # a response recovered from the log: its key is not recorded (see `recover`)
-DROPPED_TOOLS_HEADER = "x-stepline-dropped-tools"  # the hosted tools a request's tools lost
 
 
 @dataclass

@@ -532,6 +532,12 @@ class Serving:
         )
         fmt = agent.output_format(tokenizer, reasoning=call.reasoning, prompt_text=prompt_text)
         headers = {"x-request-id": call.rid, **call.headers}
+        if agent.dropped_tools:
+            # Offered, not forced, to a model that cannot show or read tool calls: it answers
+            # in text. (An agent that always sends its tools still gets its turn.)
+            log.info("tools_dropped", request_id=call.rid, tools=agent.dropped_tools)
+            dropped = [headers.get(DROPPED_TOOLS_HEADER), ", ".join(agent.dropped_tools)]
+            headers[DROPPED_TOOLS_HEADER] = ", ".join(d for d in dropped if d)
         if call.max_tokens is not None and max_tokens < call.max_tokens:
             headers[EFFECTIVE_MAX_TOKENS_HEADER] = str(max_tokens)
         return Started(call.rid, stream, fmt, agent.openai_tools or None, max_tokens, headers)
@@ -558,6 +564,9 @@ class Serving:
 
 
 EFFECTIVE_MAX_TOKENS_HEADER = "x-stepline-max-tokens"  # set when a max_tokens was clamped
+# The tools a request's `tools` lost: hosted ones (Responses), or all of them when the model's
+# chat template cannot show or read tool calls.
+DROPPED_TOOLS_HEADER = "x-stepline-dropped-tools"
 
 
 class RequestFailed(APIError):

@@ -70,17 +70,24 @@ def test_options_the_model_cannot_honour_are_refused_at_start_up():
         )
 
 
-def test_tools_a_model_cannot_render_or_parse_are_refused():
+def test_tools_a_model_cannot_render_or_parse_are_dropped_unless_forced():
     from stepline.api.agents import ToolSpec, plan
     from stepline.api.openai_schema import RequestError
 
-    tools = (ToolSpec("f", None, {"type": "object"}),)
+    tools = (ToolSpec("f", None, {"type": "object"}), ToolSpec("g", None, {"type": "object"}))
     no_tools_template = SimpleNamespace(chat_template="{{ messages }}", tool_parser=print)
     no_parser = SimpleNamespace(chat_template="{{ tools }}", tool_parser=None)
 
-    with pytest.raises(RequestError, match="does not render tools"):
-        plan(no_tools_template, tools=tools)
-    with pytest.raises(RequestError, match="no tool-call format"):
-        plan(no_parser, tools=tools)
+    for tokenizer in (no_tools_template, no_parser):
+        offered = plan(tokenizer, tools=tools)  # answered in text, the tools named
+        assert offered.dropped_tools == ("f", "g")
+        assert not offered.parse_tools and "tools" not in offered.template_kwargs
+        assert offered.grammar is None
+    with pytest.raises(RequestError, match="does not render tools.*remove `tool_choice`"):
+        plan(no_tools_template, tools=tools, tool_choice="required")
+    with pytest.raises(RequestError, match="no tool-call format.*remove `tool_choice`"):
+        plan(no_parser, tools=tools, tool_choice="f")
     # tool_choice "none" only shows the tools; nothing is parsed, so no parser is needed
-    assert plan(no_parser, tools=tools, tool_choice="none").parse_tools is False
+    shown = plan(no_parser, tools=tools, tool_choice="none")
+    assert shown.parse_tools is False and shown.dropped_tools == ()
+    assert [t["function"]["name"] for t in shown.template_kwargs["tools"]] == ["f", "g"]

@@ -171,3 +171,43 @@ def test_the_first_command_of_the_readme_serves_real_text(smollm2, tmp_path):
         proc.wait(timeout=30)
     assert r.status_code == 200
     assert "Paris" in r.json()["choices"][0]["message"]["content"]
+
+
+async def test_an_agent_that_always_sends_tools_gets_its_answer_from_a_model_without_them(
+    smollm2,
+):
+    """Claude Code and Codex send their tools with every request; SmolLM2's chat template has
+    no tool format. The tools are left out and named, and the turn ends in text."""
+    import anthropic
+
+    bash = {
+        "name": "Bash",
+        "description": "Run a shell command.",
+        "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}},
+    }
+    async with (
+        Engine.open(DEFAULT_MODEL, max_step_tokens=64) as engine,
+        serve_in_process(create_app(engine)) as url,
+    ):
+        client = anthropic.AsyncAnthropic(base_url=url, api_key="unused", max_retries=0)
+        raw = await client.messages.with_raw_response.create(
+            model=DEFAULT_MODEL,
+            max_tokens=16,
+            extra_body={"temperature": 0},  # this SDK version has no temperature argument
+            tools=[bash],
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+        )
+        message = await raw.parse()
+        forced = client.messages.create(
+            model=DEFAULT_MODEL,
+            max_tokens=16,
+            tools=[bash],
+            tool_choice={"type": "tool", "name": "Bash"},
+            messages=[{"role": "user", "content": "List the files."}],
+        )
+        with pytest.raises(anthropic.BadRequestError, match="no tool-call format"):
+            await forced
+        await client.close()
+    assert raw.headers["x-stepline-dropped-tools"] == "Bash"
+    assert message.stop_reason == "end_turn"
+    assert "Paris" in message.content[0].text
