@@ -116,6 +116,8 @@ class EngineParts:
                 # Ranks > 0 may take rank 0's samples after a step (`adopt_tokens`):
                 # a forward started with their own would then be wrong.
                 lookahead=topology is None,
+                # One forward per step is proven for one process's model, not for shards.
+                fuse=topology is None,
             )
         )
         memory = await executor.call(
