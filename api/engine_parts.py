@@ -143,6 +143,7 @@ class EngineParts:
             max_kv_tokens=memory.max_kv_tokens,
             kv_tokens_per_seq=memory.footprint.tokens_per_seq(),
             kv_bytes_per_token=memory.footprint.bytes_per_token,
+            fused_steps=self.runner.fuse,
         )
         # After the memory plan: its forward pass runs on every rank, in step.
         if topology is not None:
