@@ -329,3 +329,21 @@ async def test_a_long_prompt_beside_decoding_streams_fuses_and_changes_no_token(
     assert counted.take().count("fused") >= 3  # the long prompt's chunks, beside decode rows
     for i, prompt in enumerate([*short, long]):
         assert results[i] == mlx_lm_greedy(demo.model, prompt, 16), i
+
+
+@pytest.mark.parametrize("name", ["demo_hybrid", "demo_sliding"])
+def test_a_mixed_step_on_a_model_not_covered_runs_separate_forwards_with_mlx_lms_tokens(
+    request, name, monkeypatch
+):
+    """The same steps on the hybrid and sliding-window demos: a forward per chunk and one for
+    the decode rows, and every request's greedy tokens are still mlx-lm's own."""
+    loaded = request.getfixturevalue(name)
+    runner = ModelRunner(loaded)
+    counted = Counting(monkeypatch, runner)
+    tokens = _mixed_steps(runner)
+    calls = counted.take()
+    assert "fused" not in calls
+    assert calls[:3] == ["chunk"] * 3  # step 1: three chunks, three forwards
+    for rid, prompt in PROMPTS.items():
+        ours = [step[rid] for step in tokens if rid in step]
+        assert ours == mlx_lm_greedy(loaded.model, prompt, len(ours)), rid
