@@ -349,8 +349,9 @@ class ModelRunner:
         last_logits: dict[str, mx.array] = {}  # final chunks' last-position logits
         decoded: mx.array | None = None  # the decode rows' logits, if a fused forward ran them
         separate = list(plan.chunks)
-        if self.fuse and ahead is None:
-            together, with_batch = self._fusable(plan.chunks, failed, batch)
+        if self.fuse:  # the decode rows too, unless their forward was built a step ahead
+            rows = batch if ahead is None else []
+            together, with_batch = self._fusable(plan.chunks, failed, rows)
             if together or with_batch:
                 done = self._fused_step(together, batch if with_batch else [], failed)
                 if done is not None:
