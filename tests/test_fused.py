@@ -18,8 +18,9 @@ from stepline.api import Engine, SamplingParams
 from stepline.engine import fused
 from stepline.engine import runner as runner_module
 from stepline.engine.models import LoadedModel
-from stepline.engine.policy import ScheduledChunk, StepPlan
+from stepline.engine.policy import ScheduledChunk, SchedulerConfig, StepPlan
 from stepline.engine.runner import ModelRunner
+from stepline.engine.warmup import measure_step_costs
 from stepline.engine.work import PREFILL_FAILED, NewRequest, StepWork
 from stepline.events.models import RequestParams
 
@@ -347,3 +348,16 @@ def test_a_mixed_step_on_a_model_not_covered_runs_separate_forwards_with_mlx_lms
     for rid, prompt in PROMPTS.items():
         ours = [step[rid] for step in tokens if rid in step]
         assert ours == mlx_lm_greedy(loaded.model, prompt, len(ours)), rid
+
+
+def test_the_warm_up_measures_both_kinds_of_mixed_step(demo, demo_hybrid):
+    """The step-time model is seeded with a step whose decode row rides in its chunks'
+    forward and one beside a decode forward built a step ahead; where the runner does not
+    fuse, every mixed step has its decode forward apart."""
+    config = SchedulerConfig(max_step_tokens=64, max_num_seqs=4)
+    for loaded, want in ((demo, [0, 1]), (demo_hybrid, [1, 1])):
+        runner = ModelRunner(loaded)
+        samples = measure_step_costs(runner, config, 300, loaded.max_context)
+        mixed = [s.features for s in samples if s.features.decode_rows and s.features.has_prefill]
+        assert sorted(f.separate_decode for f in mixed) == want, loaded.name
+        assert runner.num_sequences == 0
