@@ -4,8 +4,10 @@ Runs only on the executor's thread. Each request prefills into its own mlx-lm
 prompt cache; when its prompt is done the cache is merged into the decode batch
 (`BatchKVCache`, `BatchRotatingKVCache`, `ArraysCache` via mlx-lm's own
 `merge`/`extend`/`filter`). Intermediate chunks run the model body only: no
-logits. A final chunk computes logits for its last position only. The decode batch's
-next forward is built as a step ends and computed while the step loop commits it; in a
+logits. A final chunk computes logits for its last position only. Where the architecture
+allows (`engine/fused.py`), a step's chunks and decode rows run as one forward. The batch's
+next forward is built as a step ends (unless a prompt is mid-prefill where steps fuse: its
+next chunk will carry the rows) and computed while the step loop commits it; in a
 decode-only step it may start before the step's tokens are read (`engine/decode_order.py`
 picks the order that measures faster).
 """
@@ -323,7 +325,8 @@ class ModelRunner:
         """Run one step. A fault pinned on one request (its set-up, its prefill chunk, its
         checkpoint, its sampling row) drops that request and is reported in
         `StepResult.failed`; the rest of the step goes on. Any other fault (the batched
-        decode forward, the plan disagreeing with the batch) raises."""
+        decode forward, evaluating a fused forward, the plan disagreeing with the batch)
+        raises."""
         # The step's time includes the look-ahead that started its decode.
         t0, self._ahead_seconds = time.perf_counter() - self._ahead_seconds, 0.0
         self._housekeep(work)
