@@ -116,6 +116,8 @@ class EngineParts:
                 # Ranks > 0 may take rank 0's samples after a step (`adopt_tokens`):
                 # a forward started with their own would then be wrong.
                 lookahead=topology is None,
+                # One forward per step is proven for one process's model, not for shards.
+                fuse=topology is None,
             )
         )
         memory = await executor.call(
@@ -141,6 +143,7 @@ class EngineParts:
             max_kv_tokens=memory.max_kv_tokens,
             kv_tokens_per_seq=memory.footprint.tokens_per_seq(),
             kv_bytes_per_token=memory.footprint.bytes_per_token,
+            fused_steps=self.runner.fuse,
         )
         # After the memory plan: its forward pass runs on every rank, in step.
         if topology is not None:

@@ -2,14 +2,24 @@
 
 A step's time is modelled as a linear function of what it computes:
 
-    seconds = step                                   (fixed: the loop, sampling, the thread hop)
-            + per_chunk * prefill forwards           (each chunk is one model call)
+    seconds = step                                   (fixed: the loop, sampling, the thread hop,
+                                                      and one forward's reading of the weights)
+            + per_chunk * prefill chunks             (each chunk's fixed cost: see below)
             + per_prefill_token * prompt tokens      (the weights' work, linear in tokens)
             + per_attention * sum(n * (start + n/2)) (a chunk of n tokens at offset `start`
                                                       attends to start + i + 1 tokens each)
             + per_decode_row * decode rows
             + per_decode_context * decode rows * the longest row's context
                                                      (the batch cache pads every row to it)
+            + per_separate_decode * separate_decode  (the decode rows ran in a forward of
+                                                      their own beside the step's chunks)
+
+Where the executor fuses a step (`engine/fused.py`: chunks and decode rows in one forward),
+every step reads the weights once, and a chunk's fixed cost is its segment's (its attention
+call, its cache writes): small. A step whose decode rows could not ride in its chunks'
+forward (their forward was built a step ahead: `decode_runs_apart`), and every step with
+both on an executor that does not fuse, reads them once more: `per_separate_decode`. Where
+the executor does not fuse, each chunk is a forward of its own, and `per_chunk` learns that.
 
 `CostModel` fits the coefficients to the most recent steps (a window per kind of step, so
 a long run of decode-only steps does not forget what prefill costs; and prefill steps kept
@@ -34,7 +44,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 # Fewer samples than this and the fit is not trusted: the policy schedules by tokens only.
 MIN_SAMPLES = 8
@@ -63,14 +73,14 @@ class StepFeatures:
     prefill_attention: float = 0.0  # sum over chunks of n * (start + n / 2)
     decode_rows: int = 0
     decode_context: int = 0  # decode rows x the longest row's context (padded batch)
+    separate_decode: int = 0  # 1: the decode rows ran in a forward of their own beside chunks
 
     def with_chunk(self, start: int, num_tokens: int) -> StepFeatures:
-        return StepFeatures(
+        return replace(
+            self,
             num_chunks=self.num_chunks + 1,
             prefill_tokens=self.prefill_tokens + num_tokens,
             prefill_attention=self.prefill_attention + chunk_attention(start, num_tokens),
-            decode_rows=self.decode_rows,
-            decode_context=self.decode_context,
         )
 
     def vector(self) -> tuple[float, ...]:
@@ -82,6 +92,7 @@ class StepFeatures:
             float(self.prefill_attention),
             float(self.decode_rows),
             float(self.decode_context),
+            float(self.separate_decode),
         )
 
     @property
@@ -93,6 +104,14 @@ class StepFeatures:
         """Which of `CONTEXT_BANDS` the chunks' mean context (keys per query) falls in."""
         mean = self.prefill_attention / self.prefill_tokens if self.prefill_tokens else 0.0
         return sum(mean >= edge for edge in CONTEXT_BANDS)
+
+
+def decode_runs_apart(*, fused_steps: bool, prefilling: bool) -> bool:
+    """Whether a step's decode rows, beside chunks, run in a forward of their own: always
+    where the executor does not fuse steps; where it does, when a forward for them was
+    built a step ahead, which the runner does only while no prompt is mid-prefill
+    (`prefilling`: some request had a chunk and awaits more; `ModelRunner._build_ahead`)."""
+    return not fused_steps or not prefilling
 
 
 def chunk_attention(start: int, num_tokens: int) -> float:
@@ -110,6 +129,7 @@ class StepCost:
     per_attention: float = 0.0
     per_decode_row: float = 0.0
     per_decode_context: float = 0.0
+    per_separate_decode: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -26,9 +26,9 @@ as the token rules allow.
 from __future__ import annotations
 
 from collections.abc import Callable, Container, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from stepline.engine.cost_model import StepCost, StepFeatures
+from stepline.engine.cost_model import StepCost, StepFeatures, decode_runs_apart
 from stepline.engine.prefix_index import Candidate, PrefixPlan
 from stepline.events.fold import RequestState, Status
 
@@ -64,6 +64,8 @@ class SchedulerConfig:
     max_waiting: int = 1024  # most requests waiting for their first chunk; beyond: QueueFullError
     # target time of a step with decode rows, given a cost model; None = tokens only
     max_step_ms: float | None = DEFAULT_MAX_STEP_MS
+    # the executor runs a step's decode rows inside its chunks' forward (engine/fused.py)
+    fused_steps: bool = False
 
     def __post_init__(self) -> None:
         if self.max_step_tokens < 1:
@@ -195,12 +197,17 @@ def schedule(
     features = StepFeatures(
         decode_rows=len(decodes), decode_context=padded_decode_context(contexts)
     )
+    # What a first chunk adds beside the decode rows: their forward of their own, or nothing.
+    prefilling = any(s.status is Status.PREFILLING for s in running)
+    apart = bool(decodes) and decode_runs_apart(
+        fused_steps=config.fused_steps, prefilling=prefilling
+    )
     timed = cost is not None and config.max_step_ms is not None and bool(decodes)
     seconds = 0.0
     if timed:
         assert cost is not None and config.max_step_ms is not None
         # Where the target leaves the prefill too little of the step, the step stretches.
-        overheads = cost.predict(features) + cost.per_chunk
+        overheads = cost.predict(replace(features, separate_decode=int(apart))) + cost.per_chunk
         seconds = max(config.max_step_ms / 1e3, overheads / (1 - MIN_PREFILL_SHARE))
 
     def chunk_size(s: RequestState, start: int) -> int:
@@ -208,7 +215,8 @@ def schedule(
         n = min(s.num_prompt_tokens - start, budget, config.chunk_cap)
         if timed and n > 0:
             assert cost is not None
-            left = seconds - cost.predict(features)
+            with_chunks = features if chunks else replace(features, separate_decode=int(apart))
+            left = seconds - cost.predict(with_chunks)
             n = min(n, cost.max_chunk_tokens(start, left))
             if not chunks and n < 1:
                 n = 1  # the oldest prefill always moves: nothing starves
@@ -219,7 +227,7 @@ def schedule(
         chunks.append(_chunk(s, n, start))
         num_scheduled[s.request_id] = n
         budget -= n
-        features = features.with_chunk(start, n)
+        features = replace(features.with_chunk(start, n), separate_decode=int(apart))
 
     for s in running:
         if s.status is Status.PREFILLING and budget > 0:

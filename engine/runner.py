@@ -4,8 +4,10 @@ Runs only on the executor's thread. Each request prefills into its own mlx-lm
 prompt cache; when its prompt is done the cache is merged into the decode batch
 (`BatchKVCache`, `BatchRotatingKVCache`, `ArraysCache` via mlx-lm's own
 `merge`/`extend`/`filter`). Intermediate chunks run the model body only: no
-logits. A final chunk computes logits for its last position only. The decode batch's
-next forward is built as a step ends and computed while the step loop commits it; in a
+logits. A final chunk computes logits for its last position only. Where the architecture
+allows (`engine/fused.py`), a step's chunks and decode rows run as one forward. The batch's
+next forward is built as a step ends (unless a prompt is mid-prefill where steps fuse: its
+next chunk will carry the rows) and computed while the step loop commits it; in a
 decode-only step it may start before the step's tokens are read (`engine/decode_order.py`
 picks the order that measures faster).
 """
@@ -20,7 +22,7 @@ import mlx.core as mx
 import structlog
 from mlx_lm.models.cache import make_prompt_cache
 
-from stepline.engine import step_sampling
+from stepline.engine import fused, step_sampling
 from stepline.engine.constraints import advance
 from stepline.engine.decode_order import DecodeOrder
 from stepline.engine.forward import forward, split_head_works
@@ -87,6 +89,7 @@ class ModelRunner:
         prefix_cache_disk_bytes: int = 0,
         grammars: GrammarCompiler | None = None,
         lookahead: bool = True,
+        fuse: bool = True,
     ):
         self.model = loaded.model
         self.loaded = loaded
@@ -113,6 +116,9 @@ class ModelRunner:
         # Which order decode-only steps run in (`_pipeline` or not), by measuring both.
         self.decode_order = DecodeOrder()
         self._split_head = split_head_works(self.model)
+        # Whether a step's chunks and decode rows share one forward (`engine/fused.py`):
+        # where the architecture is covered and a fused forward is proven on this model.
+        self.fuse = fuse and self._split_head and fused.fused_forward_works(self.model)
         vocab = getattr(getattr(self.model, "args", None), "vocab_size", None)
         self.grammars = grammars or GrammarCompiler(
             loaded.tokenizer, vocab or len(loaded.tokenizer)
@@ -232,6 +238,66 @@ class ModelRunner:
             mx.eval([c.state for c in seq.cache])  # bound the lazy graph between steps
         return logits
 
+    def _fusable(
+        self, chunks: Sequence[ScheduledChunk], failed: Mapping[str, str], batch: list[Seq]
+    ) -> tuple[list[ScheduledChunk], bool]:
+        """The chunks a fused forward can take (plain KV caches, no checkpoint inside: a
+        snapshot inside a chunk needs a forward that stops there), and whether the decode
+        rows go with them; ([], False) where fewer than two segments would share it."""
+        together = [
+            c
+            for c in chunks
+            if c.request_id not in failed
+            and not any(c.start < k < c.end for k in c.checkpoints)
+            and fused.can_fuse(self._seqs[c.request_id].cache or [], is_batch=False)
+        ]
+        with_batch = bool(batch) and fused.can_fuse(self._batch_cache or [], is_batch=True)
+        if len(together) + with_batch < 2:
+            return [], False
+        return together, with_batch
+
+    def _fused_step(
+        self, chunks: list[ScheduledChunk], batch: list[Seq], failed: dict[str, str]
+    ) -> tuple[mx.array | None, dict[str, mx.array]] | None:
+        """`chunks` and the decode rows of `batch` in one forward (`engine/fused.py`),
+        evaluated; checkpoints at the chunks' ends are snapshotted after it. Returns the
+        decode rows' logits (None without rows) and each final chunk's last-position logits.
+        None if the forward could not be built: every cache is as it was, and the step runs
+        them as separate forwards (where a request's fault is pinned on it). A fault while
+        evaluating it is the step's, as the decode batch's is."""
+        seqs = [self._seqs[c.request_id] for c in chunks]
+        segments = [
+            fused.Segment(s.prompt[c.start : c.end], s.cache or [])
+            for s, c in zip(seqs, chunks, strict=True)
+        ]
+        rows = [[c.num_tokens - 1] if c.is_final else [] for c in chunks]
+        if batch:
+            segments.append(fused.Segment(self._last_tokens(batch), self._batch_cache, True))
+            rows.append(list(range(len(batch))))
+        saved = [[layer.state for layer in s.cache] for s in segments]
+        try:
+            out = fused.forward(self.model, segments, rows)
+        except Exception as exc:
+            if is_collective_error(exc):
+                raise
+            log.warning("fused_forward_failed", error=repr(exc), num_segments=len(segments))
+            for s, states in zip(segments, saved, strict=True):
+                for layer, state in zip(s.cache, states, strict=True):
+                    layer.state = state
+            return None
+        mx.eval([x for x in out if x is not None], [[c.state for c in s.cache] for s in segments])
+        logits: dict[str, mx.array] = {}
+        for chunk, seq, x in zip(chunks, seqs, out, strict=False):
+            if chunk.end in chunk.checkpoints:
+                try:
+                    self._checkpoint(seq, chunk.end)
+                except Exception as exc:
+                    self._fail(failed, chunk.request_id, CHECKPOINT_FAILED, exc)
+                    continue
+            if x is not None:
+                logits[chunk.request_id] = x
+        return (out[-1] if batch else None), logits
+
     def housekeep(self, work: Housekeeping) -> StepResult:
         """Free ended requests, drop and load prefix-cache entries; no forward pass."""
         t0 = time.perf_counter()
@@ -259,7 +325,8 @@ class ModelRunner:
         """Run one step. A fault pinned on one request (its set-up, its prefill chunk, its
         checkpoint, its sampling row) drops that request and is reported in
         `StepResult.failed`; the rest of the step goes on. Any other fault (the batched
-        decode forward, the plan disagreeing with the batch) raises."""
+        decode forward, evaluating a fused forward, the plan disagreeing with the batch)
+        raises."""
         # The step's time includes the look-ahead that started its decode.
         t0, self._ahead_seconds = time.perf_counter() - self._ahead_seconds, 0.0
         self._housekeep(work)
@@ -280,8 +347,21 @@ class ModelRunner:
 
         for seq in self._seqs.values():
             seq.checkpoints.clear()
-        finals: list[tuple[Seq, mx.array]] = []  # final chunks: (request, last-position logits)
-        for chunk in plan.chunks:
+        batch = [self._seqs[rid] for rid in self._batch_ids]
+        ahead, self._ahead = self._ahead, None
+        last_logits: dict[str, mx.array] = {}  # final chunks' last-position logits
+        decoded: mx.array | None = None  # the decode rows' logits, if a fused forward ran them
+        separate = list(plan.chunks)
+        if self.fuse:  # the decode rows too, unless their forward was built a step ahead
+            rows = batch if ahead is None else []
+            together, with_batch = self._fusable(plan.chunks, failed, rows)
+            if together or with_batch:
+                done = self._fused_step(together, batch if with_batch else [], failed)
+                if done is not None:
+                    decoded, fused_logits = done
+                    last_logits.update(fused_logits)
+                    separate = [c for c in plan.chunks if c not in together]
+        for chunk in separate:
             if chunk.request_id in failed:
                 continue
             try:
@@ -294,10 +374,13 @@ class ModelRunner:
                 continue
             if chunk.is_final:
                 assert logits is not None
-                finals.append((self._seqs[chunk.request_id], logits))
-
-        batch = [self._seqs[rid] for rid in self._batch_ids]
-        ahead, self._ahead = self._ahead, None
+                last_logits[chunk.request_id] = logits
+        # final chunks, in the plan's order: (request, last-position logits)
+        finals = [
+            (self._seqs[c.request_id], last_logits[c.request_id])
+            for c in plan.chunks
+            if c.request_id in last_logits and c.request_id not in failed
+        ]
         tokens: dict[str, int] = {}
         logprobs: dict[str, TokenLogprob] = {}
 
@@ -313,7 +396,8 @@ class ModelRunner:
         else:
             self.decode_order.interrupt()
         if ahead is None:
-            decoded = self._decode_forward(self._last_tokens(batch)) if batch else None
+            if decoded is None and batch:
+                decoded = self._decode_forward(self._last_tokens(batch))
             self._record(sample(self.sampler, finals, batch, decoded, fail), tokens, logprobs)
         elif pipelined and pending is not None:
             started, taken = self._pipeline(ahead, pending, batch)
@@ -413,6 +497,8 @@ class ModelRunner:
         already built and started by `_pipeline`; only its sampling is built here."""
         if not self.lookahead or not self._batch_ids or self._ahead_error is not None:
             return
+        if self.fuse and any(s.cache is not None and not s.output for s in self._seqs.values()):
+            return  # a prompt is mid-prefill: the next step runs these rows in its chunk's forward
         batch = [self._seqs[rid] for rid in self._batch_ids]
         logits = started
         if logits is None:

@@ -27,7 +27,7 @@ from typing import Any
 
 import structlog
 
-from stepline.engine.cost_model import Sample, StepFeatures
+from stepline.engine.cost_model import Sample, StepFeatures, decode_runs_apart
 from stepline.engine.policy import (
     ScheduledChunk,
     SchedulerConfig,
@@ -43,7 +43,8 @@ _PARAMS = RequestParams(
 _PREFIX = "stepline-warmup-"
 _FIRST_TOKEN_ID = 3  # past the usual special tokens
 # Bump when the warm-up's steps change: samples measured by another recipe are not reused.
-_RECIPE_VERSION = 2  # 2: decode context counted as the padded batch
+# 2: decode context counted as the padded batch; fused and separate mixed steps measured
+_RECIPE_VERSION = 2
 # Kept samples older than this are measured again (the machine may have changed under them).
 MAX_SAMPLE_AGE_S = 7 * 24 * 3600
 
@@ -115,7 +116,12 @@ def measure_step_costs(
         for _ in range(2):
             session.step()  # one decode row
         short_ids = [session.admit(prompt(short_len)) for _ in range(num_short)]
-        session.step(chunks=[(rid, 0, short_len) for rid in short_ids])  # decode + prefills
+        # decode + prefills: first beside a decode forward built a step ahead, then (where
+        # the runner fuses steps) with the decode row inside the prefills' forward
+        half = short_len // 2
+        if half:
+            session.step(chunks=[(rid, 0, half) for rid in short_ids])
+        session.step(chunks=[(rid, half, short_len) for rid in short_ids])
         for _ in range(3):
             session.step()  # a few decode rows
         return session.samples
@@ -131,6 +137,8 @@ class _Session:
         self.samples: list[Sample] = []
         self._prompts: dict[str, int] = {}  # request id -> prompt length
         self._outputs: dict[str, int] = {}  # decoding request id -> tokens generated
+        self._prefilling: set[str] = set()  # requests with a chunk done and more to come
+        self._fused = bool(getattr(runner, "fuse", False))
         self._pending: list[NewRequest] = []
         self._step = 0
         self._num_admitted = 0
@@ -151,11 +159,15 @@ class _Session:
 
     def step(self, chunks: Sequence[tuple[str, int, int]] = (), timed: bool = True) -> None:
         decodes = tuple(self._outputs)
+        apart = bool(decodes and chunks) and decode_runs_apart(
+            fused_steps=self._fused, prefilling=bool(self._prefilling)
+        )
         features = StepFeatures(
             decode_rows=len(decodes),
             decode_context=padded_decode_context(
                 [self._prompts[r] + self._outputs[r] for r in decodes]
             ),
+            separate_decode=int(apart),
         )
         scheduled: list[ScheduledChunk] = []
         for rid, start, end in chunks:
@@ -175,6 +187,7 @@ class _Session:
         admit = tuple(n for n in self._pending if n.request_id in num)
         self._pending = [n for n in self._pending if n.request_id not in num]
         result = self.runner.run(StepWork(plan=plan, admit=admit))
+        self._prefilling = {c.request_id for c in scheduled if not c.is_final}
         for rid in result.tokens:
             self._outputs[rid] = self._outputs.get(rid, 0) + 1
         if timed:

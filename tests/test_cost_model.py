@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 from hypothesis import given
@@ -26,6 +27,7 @@ TRUE = StepCost(
     per_attention=3e-8,
     per_decode_row=0.0015,
     per_decode_context=2e-7,
+    per_separate_decode=0.004,
 )
 
 
@@ -38,6 +40,8 @@ def _random_step(rng: random.Random) -> StepFeatures:
         features = features.with_chunk(rng.randint(0, 6000), rng.randint(1, 512))
     if features.decode_rows == 0 and not features.has_prefill:
         features = features.with_chunk(0, 64)
+    if features.decode_rows and features.has_prefill:  # fused into the chunks' forward, or not
+        features = replace(features, separate_decode=rng.randint(0, 1))
     return features
 
 
@@ -52,7 +56,7 @@ def _samples(n: int, seed: int, noise: float = 0.02) -> list[Sample]:
 
 def assert_close_coefficients(got: StepCost, want: StepCost, rel: float) -> None:
     for name, g, w in zip(
-        ("step", "chunk", "token", "attention", "row", "context"),
+        ("step", "chunk", "token", "attention", "row", "context", "separate"),
         got.coefficients(),
         want.coefficients(),
         strict=True,
@@ -233,3 +237,17 @@ def test_one_slow_live_prefill_step_does_not_make_every_chunk_look_dear():
     chunk = StepFeatures().with_chunk(0, 512)
     assert model.cost is not None
     assert model.cost.predict(chunk) < 2.5 * TRUE.predict(chunk)
+
+
+def test_a_step_whose_decode_rows_ride_in_its_chunks_forward_is_predicted_cheaper():
+    """Fused steps (one forward) and steps whose decode rows ran in a forward of their own
+    beside the same chunks: the fit tells them apart by what the second forward costs."""
+    model = CostModel(window=64, refit_every=1)
+    for s in _samples(120, seed=11):
+        model.observe(s.features, s.seconds)
+    cost = model.cost
+    assert cost is not None
+    fused = StepFeatures(decode_rows=4, decode_context=800).with_chunk(300, 64)
+    apart = replace(fused, separate_decode=1)
+    assert cost.predict(apart) - cost.predict(fused) == pytest.approx(0.004, rel=0.2)
+    assert cost.predict(fused) == pytest.approx(TRUE.predict(fused), rel=0.1)

@@ -507,3 +507,23 @@ def test_under_load_a_chunk_still_gets_most_of_the_step():
     assert chunk.num_tokens == int((step - 0.030) / 0.0011)
     assert chunk.num_tokens * 0.0011 >= MIN_PREFILL_SHARE * step - 0.0011  # most of the step
     assert step - 0.0011 < plan.predicted_seconds <= step
+
+
+def test_a_chunk_that_carries_the_decode_rows_gets_the_time_of_their_forward():
+    """Where the executor fuses steps, a prompt's first chunk beside decoders pays for their
+    forward built a step ahead, and its next chunks, which carry the decode rows in their
+    own forward, do not; where it does not fuse, every chunk beside decoders pays for it."""
+    cost = StepCost(per_prefill_token=0.001, per_decode_row=0.001, per_separate_decode=0.015)
+    sizes = {}
+    for fused_steps in (True, False):
+        config = SchedulerConfig(max_step_tokens=512, max_step_ms=100, fused_steps=fused_steps)
+        sim = Sim(config, cost)
+        _decoders(sim, 2)
+        sim.add("long", 4000, max_tokens=1)
+        plans = [sim.run_step() for _ in range(2)]
+        sizes[fused_steps] = [p.chunks[0].num_tokens for p in plans]
+        assert [p.features.separate_decode for p in plans] == ([1, 0] if fused_steps else [1, 1])
+        for p in plans:
+            assert p.predicted_seconds == pytest.approx(0.1, abs=0.0011)
+    assert sizes[True] == [83, 98]  # 100 ms - 2 rows - 15 ms apart; then no forward apart
+    assert sizes[False] == [83, 83]

@@ -1,0 +1,80 @@
+"""A mixed step (decode rows beside a prompt chunk) as one fused forward against separate
+forwards: the same plan on two runners of the same model, interleaved, median of several.
+
+    .venv/bin/python benchmarks/fused_step.py [--model SmolLM2-135M-Instruct] [--rows 4]
+        [--chunk 256] [--context 200] [--repeats 7]
+
+Each trial starts from fresh requests: `--rows` prompts of `--context` tokens are prefilled
+and decode once, and a long prompt has had one chunk; the timed step is the decode rows
+plus the long prompt's next `--chunk` tokens (the runner's own measured `seconds`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+
+import stepline.engine  # noqa: F401  (OpenBLAS before MLX)
+from stepline.engine.models import load_model
+from stepline.engine.policy import ScheduledChunk, StepPlan
+from stepline.engine.runner import ModelRunner
+from stepline.engine.work import Housekeeping, NewRequest, StepWork
+from stepline.events.models import RequestParams
+
+GREEDY = RequestParams(max_tokens=64, temperature=0, top_p=1, top_k=0, min_p=0, seed=None)
+
+
+def trial(runner: ModelRunner, rows: int, context: int, chunk: int, seed: int) -> float:
+    rng = random.Random(seed)
+
+    def prompt(n: int) -> tuple[int, ...]:
+        return tuple(rng.randrange(3, 5000) for _ in range(n))
+
+    news = [NewRequest(f"d{i}", prompt(context), GREEDY) for i in range(rows)]
+    long = NewRequest("long", prompt(2 * chunk + 1), GREEDY)
+    ids = tuple(n.request_id for n in news)
+
+    def plan(step: int, decodes: tuple[str, ...], chunks: tuple[ScheduledChunk, ...]):
+        num = {r: 1 for r in decodes} | {c.request_id: c.num_tokens for c in chunks}
+        return StepPlan(step=step, decodes=decodes, chunks=chunks, num_scheduled_tokens=num)
+
+    prefill = tuple(ScheduledChunk(r, 0, context, (), True) for r in ids)
+    runner.run(StepWork(plan=plan(1, (), prefill), admit=tuple(news)))
+    first = (ScheduledChunk("long", 0, chunk, (), False),)
+    runner.run(StepWork(plan=plan(2, ids, first), admit=(long,)))
+    second = (ScheduledChunk("long", chunk, 2 * chunk, (), False),)
+    seconds = runner.run(StepWork(plan=plan(3, ids, second))).seconds
+    runner.housekeep(Housekeeping(free=(*ids, "long")))
+    return seconds
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="SmolLM2-135M-Instruct")
+    ap.add_argument("--rows", type=int, default=4)
+    ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--context", type=int, default=200)
+    ap.add_argument("--repeats", type=int, default=7)
+    args = ap.parse_args()
+    loaded = load_model(args.model)
+    runners = {"fused": ModelRunner(loaded), "separate": ModelRunner(loaded, fuse=False)}
+    if not runners["fused"].fuse:
+        raise SystemExit(f"{args.model}: this architecture runs separate forwards")
+    times: dict[str, list[float]] = {name: [] for name in runners}
+    for i in range(args.repeats + 1):  # the first round warms both up, and is dropped
+        for name in runners if i % 2 else reversed(runners):
+            t = trial(runners[name], args.rows, args.context, args.chunk, seed=i)
+            if i:
+                times[name].append(t)
+    for name, ts in times.items():
+        print(f"{name:9s} median {1e3 * statistics.median(ts):7.1f} ms  ({len(ts)} steps)")
+    ratio = statistics.median(times["fused"]) / statistics.median(times["separate"])
+    print(
+        f"fused / separate: {ratio:.2f}  ({args.rows} decode rows of ~{args.context} "
+        f"tokens beside a {args.chunk}-token chunk)"
+    )
+
+
+if __name__ == "__main__":
+    main()

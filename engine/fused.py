@@ -1,0 +1,223 @@
+"""One forward for a whole step: prompt chunks and decode rows through the model's weights
+once, attention per segment against each request's own cache.
+
+A step's N tokens (each chunk's tokens, then one per decode row) enter the model as N rows
+of length 1, so the projections and MLPs run once over all of them: on a model whose
+forward is bound by reading its weights, decode rows riding inside a chunk's forward
+cost almost nothing. Two seams of mlx-lm make that possible without forking a model:
+- each layer gets a `SegmentedCache`: its `offset` is every row's position (an array, as
+  mlx-lm's `BatchKVCache` gives rope), and its `update_and_fetch` hands each chunk's rows,
+  reshaped to (1, H, L, D), to that request's own `KVCache` and the decode rows to the
+  decode batch's `BatchKVCache`;
+- the model module's `scaled_dot_product_attention` (imported by name from
+  `mlx_lm.models.base`) is wrapped: given a `SegmentedCache` it runs attention per segment
+  (a chunk causally against its cache, the decode rows under the batch cache's own mask,
+  left padding included) and puts the outputs back in row order. Any other cache goes to
+  mlx-lm's own function unchanged.
+
+Covered: mlx-lm's `llama`, `qwen2` and `qwen3` modules with plain `KVCache` layers only.
+`fused_forward_works` installs the wrapper and proves, on the loaded model itself, that a
+fused forward gives the logits of separate ones; anything else (sliding windows, the
+recurrent `ArraysCache` of hybrid models, other architectures) runs separate forwards.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import structlog
+from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
+
+from stepline.engine.forward import output_head
+from stepline.engine.prefix_cache import share_cache
+
+log = structlog.get_logger(__name__)
+
+# mlx-lm model modules whose attention calls `scaled_dot_product_attention(queries, keys,
+# values, cache=, scale=, mask=)` right after `cache.update_and_fetch`, with rope at
+# `cache.offset` and the mask from `cache.make_mask`: the seams this module hooks.
+COVERED_MODULES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3")
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One request's chunk (`tokens` (L,) into its own per-layer `KVCache`s), or the decode
+    batch (`tokens` (B,), one per row, into its per-layer `BatchKVCache`s)."""
+
+    tokens: mx.array
+    cache: list[Any]
+    is_batch: bool = False
+
+    @property
+    def size(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+class _Layout:
+    """What every layer's `SegmentedCache` shares: the segments' sizes, every row's
+    position, and each segment's attention mask (made before any layer writes a token,
+    as mlx-lm's models make theirs)."""
+
+    def __init__(self, segments: Sequence[Segment]):
+        self.sizes = [s.size for s in segments]
+        self.is_batch = [s.is_batch for s in segments]
+        positions = []
+        self.masks: list[Any] = []
+        for s in segments:
+            first = s.cache[0]
+            if s.is_batch:
+                positions.append(first.offset.astype(mx.int32))
+                self.masks.append(first.make_mask(1))
+            else:
+                positions.append(first.offset + mx.arange(s.size, dtype=mx.int32))
+                self.masks.append(None if s.size == 1 else "causal")
+        self.positions = mx.concatenate(positions)
+
+
+class SegmentedCache:
+    """One layer's view of a fused step (see the module docstring). Lives for one forward."""
+
+    def __init__(self, layout: _Layout, caches: list[Any]):
+        self.layout = layout
+        self.caches = caches  # this layer's cache of each segment
+        self.fetched: list[tuple[mx.array, mx.array]] = []
+
+    @property
+    def offset(self) -> mx.array:
+        return self.layout.positions
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):  # noqa: N803 - mlx-lm's name
+        if window_size is not None:
+            raise ValueError("a fused step has no sliding-window layers")
+        return None  # each segment's mask is the layout's
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        start = 0
+        self.fetched = []
+        for size, is_batch, cache in zip(
+            self.layout.sizes, self.layout.is_batch, self.caches, strict=True
+        ):
+            k, v = keys[start : start + size], values[start : start + size]
+            if not is_batch:  # (L, H, 1, D) rows -> one sequence (1, H, L, D)
+                k, v = k.swapaxes(0, 2), v.swapaxes(0, 2)
+            self.fetched.append(cache.update_and_fetch(k, v))
+            start += size
+        return keys, values  # unused: the attention reads `fetched`
+
+
+def _wrap(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
+    def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, **kwargs):
+        if not isinstance(cache, SegmentedCache):
+            return original(queries, keys, values, cache=cache, scale=scale, mask=mask, **kwargs)
+        layout, outs, start = cache.layout, [], 0
+        for i, (k, v) in enumerate(cache.fetched):
+            size, is_batch = layout.sizes[i], layout.is_batch[i]
+            q = queries[start : start + size]
+            if not is_batch:
+                q = q.swapaxes(0, 2)
+            out = original(
+                q, k, v, cache=cache.caches[i], scale=scale, mask=layout.masks[i], **kwargs
+            )
+            outs.append(out if is_batch else out.swapaxes(0, 2))
+            start += size
+        return mx.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
+
+    scaled_dot_product_attention.stepline_fused = True  # type: ignore[attr-defined]
+    return scaled_dot_product_attention
+
+
+def install(module_name: str) -> bool:
+    """Wrap `module_name`'s attention function (once); False if it is not a covered module."""
+    if module_name not in COVERED_MODULES:
+        return False
+    module = importlib.import_module(module_name)
+    current = module.scaled_dot_product_attention
+    if not getattr(current, "stepline_fused", False):
+        module.scaled_dot_product_attention = _wrap(current)
+    return True
+
+
+def body(model: Any, segments: Sequence[Segment]) -> mx.array:
+    """Run every segment's tokens through `model`'s body (`model.model`) in one forward,
+    into their caches: the hidden states (N, 1, D), one row per token, in segment order."""
+    layout = _Layout(segments)
+    layers = zip(*(s.cache for s in segments), strict=True)
+    caches = [SegmentedCache(layout, list(layer)) for layer in layers]
+    tokens = mx.concatenate([s.tokens for s in segments])
+    return model.model(tokens.astype(mx.int32)[:, None], cache=caches)
+
+
+def forward(
+    model: Any, segments: Sequence[Segment], rows: Sequence[Sequence[int]]
+) -> list[mx.array | None]:
+    """`body`, then for each segment the logits (len(rows[i]), V) of its rows `rows[i]`
+    (None where it wants none): the output head runs on those rows only (the body and the
+    head split as `forward.split_head_works` checks)."""
+    hidden = body(model, segments)
+    wanted, start = [], 0
+    for s, r in zip(segments, rows, strict=True):
+        wanted.extend(start + i for i in r)
+        start += s.size
+    logits = output_head(model, hidden[mx.array(wanted)])[:, -1, :] if wanted else None
+    out: list[mx.array | None] = []
+    start = 0
+    for r in rows:
+        out.append(logits[start : start + len(r)] if r and logits is not None else None)
+        start += len(r)
+    return out
+
+
+def can_fuse(cache: list[Any], is_batch: bool) -> bool:
+    """Whether a segment's cache is one a fused forward handles: plain KV layers only."""
+    kind = BatchKVCache if is_batch else KVCache
+    return bool(cache) and all(type(layer) is kind for layer in cache)
+
+
+def fused_forward_works(model: Any) -> bool:
+    """Install the attention wrapper for `model`'s architecture and check, on the model
+    itself, that one fused forward (a decode batch of two rows of different lengths, so
+    left padding, beside a two-token chunk) gives the hidden states of separate forwards.
+    Four forwards of a few tokens, one prompt's cache shared by every request. False (and
+    separate forwards) for anything else."""
+    module_name = type(getattr(model, "model", model)).__module__
+    if not install(module_name):
+        return False
+    try:
+        prompt = make_prompt_cache(model)
+        if not can_fuse(prompt, is_batch=False):
+            return False
+        model.model(mx.array([[1, 2, 3, 4, 5, 6, 7, 8]]), cache=prompt)
+
+        def at(num_tokens: int) -> list[Any]:  # the prompt's first tokens, a cache of its own
+            cache = share_cache(prompt)
+            for layer in cache:
+                layer.trim(layer.offset - num_tokens)
+            return cache
+
+        def batch() -> list[Any]:  # rows of 8 and 3 tokens
+            return [BatchKVCache.merge(list(rows)) for rows in zip(at(8), at(3), strict=True)]
+
+        last, chunk = mx.array([9, 10]), mx.array([11, 12, 13])
+        want_rows = model.model(last[:, None], cache=batch())[:, -1, :]
+        want_chunk = model.model(chunk[None], cache=at(5))[0]
+        got = body(model, [Segment(chunk, at(5)), Segment(last, batch(), is_batch=True)])
+        return _close(got[:3, -1, :], want_chunk) and _close(got[3:, -1, :], want_rows)
+    except Exception as exc:  # noqa: BLE001 - whatever fails here: separate forwards
+        log.info("fused_forward_unavailable", reason=repr(exc))
+        return False
+
+
+def _close(got: mx.array, want: mx.array) -> bool:
+    """Equal up to rounding (matrices of other shapes round differently): within a few
+    units in the last place of the dtype at the states' scale, and no looser than 1e-4.
+    A wrong position or mask moves them by far more."""
+    diff = float(mx.abs(got - want).max().item())
+    eps = max(1e-4, 8 * float(mx.finfo(want.dtype).eps))
+    ok = diff <= eps * (1.0 + float(mx.abs(want).max().item()))
+    if not ok:
+        log.info("fused_forward_mismatch", max_diff=diff)
+    return ok

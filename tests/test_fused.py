@@ -1,0 +1,363 @@
+"""One forward per step: prompt chunks and decode rows share the model's weights, and every
+request gets what separate forwards (and mlx-lm alone) give it."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import anyio
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from helpers import wait_until
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+
+from stepline.api import Engine, SamplingParams
+from stepline.engine import fused
+from stepline.engine import runner as runner_module
+from stepline.engine.models import LoadedModel
+from stepline.engine.policy import ScheduledChunk, SchedulerConfig, StepPlan
+from stepline.engine.runner import ModelRunner
+from stepline.engine.warmup import measure_step_costs
+from stepline.engine.work import PREFILL_FAILED, NewRequest, StepWork
+from stepline.events.models import RequestParams
+
+GREEDY = RequestParams(max_tokens=64, temperature=0, top_p=1, top_k=0, min_p=0, seed=None)
+
+
+def prompt_ids(n: int, seed: int, vocab: int = 300) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+def mlx_lm_greedy(model: nn.Module, prompt: list[int], n: int) -> list[int]:
+    steps = generate_step(
+        mx.array(prompt), model, max_tokens=n, sampler=lambda x: mx.argmax(x, axis=-1)
+    )
+    return [int(tok) for tok, _ in steps]
+
+
+def _random_model(arch: str, demo: LoadedModel, **extra) -> LoadedModel:
+    """A small random model of mlx-lm's `arch` module, with the demo's tokenizer."""
+    import importlib
+
+    module = importlib.import_module(f"mlx_lm.models.{arch}")
+    config = {
+        "model_type": arch,
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": demo.model.args.vocab_size,
+        "max_position_embeddings": 2048,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        **extra,
+    }
+    mx.random.seed(7)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    mx.eval(model.parameters())
+    return replace(demo, model=model, name=f"random-{arch}")
+
+
+@pytest.fixture(params=["llama", "qwen3", "qwen2"])
+def plain(request, demo) -> LoadedModel:
+    """The covered architectures: the llama demo, and Qwen3- and Qwen2-shaped models."""
+    if request.param == "llama":
+        return demo
+    extra = {"head_dim": 16} if request.param == "qwen3" else {}
+    return _random_model(request.param, demo, **extra)
+
+
+def _prefilled(model: nn.Module, prompt: list[int]) -> list:
+    cache = make_prompt_cache(model)
+    model(mx.array(prompt)[None], cache=cache)
+    return cache
+
+
+def test_a_fused_forward_gives_each_segment_the_logits_of_its_own_forward(plain):
+    """Decode rows of different lengths (left padding) beside a chunk that continues a
+    prompt, a whole short prompt and a one-token chunk: each gets its separate forward's
+    logits, and the caches continue exactly as theirs do."""
+    model = plain.model
+    assert fused.fused_forward_works(model)
+    rows = [prompt_ids(n, seed=n) for n in (40, 3, 17)]
+    last = mx.array([r[-1] for r in rows])
+    chunks = [(prompt_ids(30, seed=1), 12), (prompt_ids(9, seed=2), 0), (prompt_ids(5, seed=3), 4)]
+
+    def caches():
+        batch = [
+            type(layers[0]).merge(list(layers))
+            for layers in zip(*(_prefilled(model, r[:-1]) for r in rows), strict=True)
+        ]
+        own = [
+            _prefilled(model, p[:done]) if done else make_prompt_cache(model) for p, done in chunks
+        ]
+        return batch, own
+
+    batch, own = caches()
+    want = [
+        model(mx.array(p[done:])[None], cache=c)[0]
+        for (p, done), c in zip(chunks, own, strict=True)
+    ]
+    want_rows = model(last[:, None], cache=batch)[:, -1, :]
+
+    fused_batch, fused_own = caches()
+    segments = [
+        fused.Segment(mx.array(p[done:]), c) for (p, done), c in zip(chunks, fused_own, strict=True)
+    ]
+    segments.append(fused.Segment(last, fused_batch, is_batch=True))
+    every = [list(range(len(p) - done)) for p, done in chunks]
+    *got, got_rows = fused.forward(model, segments, [*every, [0, 1, 2]])
+    assert mx.allclose(got_rows, want_rows, atol=1e-4)
+    for g, w in zip(got, want, strict=True):
+        assert g is not None and g.shape == w.shape and mx.allclose(g, w, atol=1e-4)
+    # the caches hold the same keys: the next token gives the same logits
+    nxt = mx.array([[7]])
+    for mine, theirs in zip(fused_own, own, strict=True):
+        assert mx.allclose(model(nxt, cache=mine), model(nxt, cache=theirs), atol=1e-4)
+    nxt = mx.array([[7], [8], [9]])
+    assert mx.allclose(model(nxt, cache=fused_batch), model(nxt, cache=batch), atol=1e-4)
+
+
+def test_models_whose_caches_are_not_plain_kv_run_separate_forwards(demo_hybrid, demo_sliding):
+    """The hybrid model's recurrent layers and the sliding-window model's rotating ones are
+    not covered: their runners run a forward per chunk and one for the decode rows."""
+    for loaded in (demo_hybrid, demo_sliding):
+        assert not fused.fused_forward_works(loaded.model)
+        assert not ModelRunner(loaded).fuse
+
+
+class Counting:
+    """Counts the runner's forwards by kind: fused, a chunk's own, the decode batch's."""
+
+    def __init__(self, monkeypatch, runner: ModelRunner):
+        self.calls: list[str] = []
+        real_fused, real_forward = fused.forward, runner_module.forward
+        real_decode = runner._decode_forward
+
+        def fused_forward(*a, **kw):
+            self.calls.append("fused")
+            return real_fused(*a, **kw)
+
+        def chunk_forward(*a, **kw):
+            self.calls.append("chunk")
+            return real_forward(*a, **kw)
+
+        def decode_forward(*a, **kw):
+            self.calls.append("decode")
+            return real_decode(*a, **kw)
+
+        monkeypatch.setattr(fused, "forward", fused_forward)
+        monkeypatch.setattr(runner_module, "forward", chunk_forward)
+        runner._decode_forward = decode_forward
+
+    def take(self) -> list[str]:
+        calls, self.calls = self.calls, []
+        return calls
+
+
+def _capture_sampled(runner: ModelRunner) -> list[mx.array]:
+    """The logits each step samples from (not those built a step ahead)."""
+    seen: list[mx.array] = []
+    start, build = runner.sampler.start, runner._build_ahead
+    building = [False]
+
+    def spy(logits, *a, **kw):
+        if not building[0]:
+            seen.append(logits)
+        return start(logits, *a, **kw)
+
+    def build_ahead(*a, **kw):
+        building[0] = True
+        try:
+            return build(*a, **kw)
+        finally:
+            building[0] = False
+
+    runner.sampler.start, runner._build_ahead = spy, build_ahead
+    return seen
+
+
+PROMPTS = {"a": prompt_ids(30, seed=11), "b": prompt_ids(7, seed=12), "c": prompt_ids(50, seed=13)}
+PROMPTS["d"] = prompt_ids(12, seed=14)
+
+
+def _mixed_steps(runner: ModelRunner) -> list[dict[str, int]]:
+    """a and b prefill whole and c starts (two finals and a chunk); then c's middle chunk
+    beside a and b decoding and d's whole prompt; then c's final chunk beside three decode
+    rows of different lengths; then four decode-only steps."""
+    news = {rid: NewRequest(rid, tuple(p), GREEDY) for rid, p in PROMPTS.items()}
+
+    def chunk(rid: str, start: int, end: int) -> ScheduledChunk:
+        return ScheduledChunk(rid, start, end, (), end == len(PROMPTS[rid]))
+
+    steps = [
+        ((), (chunk("a", 0, 30), chunk("b", 0, 7), chunk("c", 0, 20)), ("a", "b", "c")),
+        (("a", "b"), (chunk("c", 20, 40), chunk("d", 0, 12)), ("d",)),
+        (("a", "b", "d"), (chunk("c", 40, 50),), ()),
+        *[(("a", "b", "d", "c"), (), ())] * 4,
+    ]
+    out = []
+    for i, (decodes, chunks, admit) in enumerate(steps):
+        num = {rid: 1 for rid in decodes} | {c.request_id: c.num_tokens for c in chunks}
+        plan = StepPlan(step=i + 1, decodes=decodes, chunks=chunks, num_scheduled_tokens=num)
+        work = StepWork(plan=plan, admit=tuple(news[rid] for rid in admit))
+        result = runner.run(work)
+        assert not result.failed
+        out.append(dict(result.tokens))
+        runner.look_ahead()
+    return out
+
+
+def test_a_mixed_step_runs_one_forward_and_samples_what_separate_forwards_give(plain, monkeypatch):
+    """Several chunks, a final chunk and decode rows of different lengths in one step: one
+    forward each, no look-ahead while a prompt is mid-prefill, the logits of a runner that
+    runs separate forwards, and every request's greedy tokens are mlx-lm's own."""
+    fused_runner, separate = ModelRunner(plain), ModelRunner(plain, fuse=False, lookahead=False)
+    assert fused_runner.fuse
+    counted = Counting(monkeypatch, fused_runner)
+    sampled, sampled_separately = _capture_sampled(fused_runner), _capture_sampled(separate)
+
+    tokens = _mixed_steps(fused_runner)
+    calls = counted.take()
+    assert tokens == _mixed_steps(separate)
+    assert calls[:3] == ["fused"] * 3  # steps 1-3: one forward each; then decodes
+    assert "chunk" not in calls
+    assert len(sampled) == 3  # then the decode-only steps sample what was built ahead
+    for got, want in zip(sampled, sampled_separately[:3], strict=True):
+        assert got.shape == want.shape and mx.allclose(got, want, atol=1e-4)
+    for rid, prompt in PROMPTS.items():
+        ours = [step[rid] for step in tokens if rid in step]
+        assert ours == mlx_lm_greedy(plain.model, prompt, len(ours)), rid
+
+
+def test_checkpoints_at_a_fused_chunks_end_snapshot_exactly_that_prefix(demo, monkeypatch):
+    """A checkpoint at a chunk's end is snapshotted after the fused forward; one inside a
+    chunk makes that chunk run alone (the snapshot needs a forward that stops there)."""
+    snaps: dict[int, list] = {}
+    runner = ModelRunner(demo, on_checkpoint=lambda rid, k, cache: snaps.setdefault(k, cache))
+    counted = Counting(monkeypatch, runner)
+    prompt, other = prompt_ids(40, seed=5), prompt_ids(10, seed=6)
+    news = (NewRequest("r", tuple(prompt), GREEDY), NewRequest("o", tuple(other), GREEDY))
+    plans = [
+        ((ScheduledChunk("r", 0, 16, (16,), False), ScheduledChunk("o", 0, 10, (), True)), ()),
+        ((ScheduledChunk("r", 16, 40, (25, 40), True),), ("o",)),
+    ]
+    for i, (chunks, decodes) in enumerate(plans):
+        num = {rid: 1 for rid in decodes} | {c.request_id: c.num_tokens for c in chunks}
+        plan = StepPlan(step=i + 1, decodes=decodes, chunks=chunks, num_scheduled_tokens=num)
+        result = runner.run(StepWork(plan=plan, admit=news if i == 0 else ()))
+        assert not result.failed
+    # r's second chunk runs alone, in two forwards (to 25, then to 40), and o's decode alone;
+    # then, no prompt left mid-prefill, the next decode forward is built ahead
+    assert counted.take() == ["fused", "chunk", "chunk", "decode", "decode"]
+    assert sorted(snaps) == [16, 25, 40]
+    for k, snap in snaps.items():
+        fresh = _prefilled(demo.model, prompt[:k])
+        nxt = mx.array([[prompt[k - 1]]])
+        assert mx.allclose(demo.model(nxt, cache=snap), demo.model(nxt, cache=fresh), atol=1e-4)
+
+
+def test_a_fault_building_a_fused_forward_ends_only_the_request_it_comes_from(demo):
+    """The fused forward cannot be built (one request's cache raises): every cache is put
+    back, the step runs separate forwards, and only that request ends."""
+    runner, reference = ModelRunner(demo), ModelRunner(demo, fuse=False)
+    assert runner.fuse
+    prompts = {"x": prompt_ids(20, seed=1), "doomed": prompt_ids(30, seed=2)}
+    prompts["y"] = prompt_ids(9, seed=3)
+    news = {rid: NewRequest(rid, tuple(p), GREEDY) for rid, p in prompts.items()}
+    first = StepPlan(
+        step=1,
+        chunks=(ScheduledChunk("x", 0, 20, (), True), ScheduledChunk("doomed", 0, 10, (), False)),
+        num_scheduled_tokens={"x": 20, "doomed": 10},
+    )
+    second = StepPlan(
+        step=2,
+        decodes=("x",),
+        chunks=(
+            ScheduledChunk("doomed", 10, 30, (), True),
+            ScheduledChunk("y", 0, 9, (), True),
+        ),
+        num_scheduled_tokens={"x": 1, "doomed": 20, "y": 9},
+    )
+    want = [reference.run(StepWork(plan=first, admit=(news["x"], news["doomed"])))]
+    want.append(reference.run(StepWork(plan=second, admit=(news["y"],))))
+    runner.run(StepWork(plan=first, admit=(news["x"], news["doomed"])))
+
+    def broken(keys, values):
+        raise RuntimeError("injected cache fault")
+
+    # its second layer: every segment's first layer has taken the step's tokens by then
+    runner._seqs["doomed"].cache[1].update_and_fetch = broken
+    result = runner.run(StepWork(plan=second, admit=(news["y"],)))
+    assert result.failed == {"doomed": PREFILL_FAILED}
+    assert result.tokens == {rid: t for rid, t in want[1].tokens.items() if rid != "doomed"}
+    # the others decode on exactly
+    third = StepPlan(step=3, decodes=("x", "y"), num_scheduled_tokens={"x": 1, "y": 1})
+    assert runner.run(StepWork(plan=third)).tokens == {
+        "x": mlx_lm_greedy(demo.model, prompts["x"], 3)[2],
+        "y": mlx_lm_greedy(demo.model, prompts["y"], 2)[1],
+    }
+
+
+async def test_a_long_prompt_beside_decoding_streams_fuses_and_changes_no_token(
+    demo, model_cache_dir, monkeypatch
+):
+    """End to end: while a long prompt prefills in chunks, the decoding requests ride in its
+    chunks' forwards, and every request's greedy tokens are mlx-lm's own."""
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    short = [prompt_ids(8 + 5 * i, seed=30 + i) for i in range(3)]
+    long = prompt_ids(200, seed=40)
+    results: dict[int, list[int]] = {}
+    async with Engine.open("stepline-demo", max_step_tokens=32, max_num_seqs=8) as engine:
+        counted = Counting(monkeypatch, engine.step_loop.runner)
+
+        async def one(i: int, prompt: list[int]) -> None:
+            got = results.setdefault(i, [])
+            async for out in await engine.submit(prompt, params=params):
+                got.extend(out.token_ids)
+
+        async with anyio.create_task_group() as tg:
+            for i, prompt in enumerate(short):
+                tg.start_soon(one, i, prompt)
+            await wait_until(lambda: all(len(results.get(i, ())) >= 2 for i in range(3)))
+            tg.start_soon(one, 3, long)  # while they decode
+    assert counted.take().count("fused") >= 3  # the long prompt's chunks, beside decode rows
+    for i, prompt in enumerate([*short, long]):
+        assert results[i] == mlx_lm_greedy(demo.model, prompt, 16), i
+
+
+@pytest.mark.parametrize("name", ["demo_hybrid", "demo_sliding"])
+def test_a_mixed_step_on_a_model_not_covered_runs_separate_forwards_with_mlx_lms_tokens(
+    request, name, monkeypatch
+):
+    """The same steps on the hybrid and sliding-window demos: a forward per chunk and one for
+    the decode rows, and every request's greedy tokens are still mlx-lm's own."""
+    loaded = request.getfixturevalue(name)
+    runner = ModelRunner(loaded)
+    counted = Counting(monkeypatch, runner)
+    tokens = _mixed_steps(runner)
+    calls = counted.take()
+    assert "fused" not in calls
+    assert calls[:3] == ["chunk"] * 3  # step 1: three chunks, three forwards
+    for rid, prompt in PROMPTS.items():
+        ours = [step[rid] for step in tokens if rid in step]
+        assert ours == mlx_lm_greedy(loaded.model, prompt, len(ours)), rid
+
+
+def test_the_warm_up_measures_both_kinds_of_mixed_step(demo, demo_hybrid):
+    """The step-time model is seeded with a step whose decode row rides in its chunks'
+    forward and one beside a decode forward built a step ahead; where the runner does not
+    fuse, every mixed step has its decode forward apart."""
+    config = SchedulerConfig(max_step_tokens=64, max_num_seqs=4)
+    for loaded, want in ((demo, [0, 1]), (demo_hybrid, [1, 1])):
+        runner = ModelRunner(loaded)
+        samples = measure_step_costs(runner, config, 300, loaded.max_context)
+        mixed = [s.features for s in samples if s.features.decode_rows and s.features.has_prefill]
+        assert sorted(f.separate_decode for f in mixed) == want, loaded.name
+        assert runner.num_sequences == 0
