@@ -10,6 +10,7 @@ to split the output (`OutputFormat`). Everything the model cannot honour is a Re
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,8 +93,8 @@ def tool_spec(name: Any, description: Any, parameters: Any, i: int, param: str) 
 
 def unique_tools(specs: list[ToolSpec], param: str) -> tuple[ToolSpec, ...]:
     """`specs`, if no two share a name. Raises RequestError otherwise."""
-    names = [s.name for s in specs]
-    dupes = sorted({n for n in names if names.count(n) > 1})
+    counts = Counter(s.name for s in specs)  # linear: `list.count` per name was quadratic
+    dupes = sorted(n for n, c in counts.items() if c > 1)
     if dupes:
         raise RequestError(f"{param}: duplicate tool names {dupes}", param=param)
     return tuple(specs)

@@ -9,7 +9,6 @@ detail goes to the server log under the same id.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -24,6 +23,7 @@ from starlette.requests import ClientDisconnect
 from stepline.actors.step_loop import EngineDeadError
 from stepline.api.engine import SamplingParams
 from stepline.api.errors import APIError, context_error, validation_error
+from stepline.api.json_limits import InputLimitError, parse_body
 from stepline.api.openai_schema import RequestError, now
 from stepline.api.prompts import PromptTooLongError
 from stepline.api.resume import (
@@ -71,17 +71,13 @@ def json_response(body: BaseModel, status_code: int = 200, headers: dict | None 
     )
 
 
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON (numbers must be finite)")
-
-
 def loads_strict(body: bytes) -> Any:
-    """Parse a JSON body as RFC 8259 says: NaN, Infinity and -Infinity are refused
-    (json.loads would accept them). Raises APIError 400 `invalid_json`."""
+    """Parse a JSON body held to `json_limits` (finite numbers, bounded depth and lists,
+    valid text). Raises APIError 400 naming the limit."""
     try:
-        return json.loads(body, parse_constant=_no_constant)
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError too
-        raise APIError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
+        return parse_body(body)
+    except InputLimitError as exc:
+        raise APIError(400, exc.message, param=exc.param, code=exc.code) from None
 
 
 class Serving:
