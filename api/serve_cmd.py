@@ -27,6 +27,8 @@ from stepline.api.agent_options import add_agent_args, agent_options
 from stepline.api.engine import launch_rank
 from stepline.api.http_guard import (
     RateLimitedExceptionHandler,
+    RefuseAmbiguousLength,
+    RequestLimit,
     head_deadline_protocol,
     raise_open_file_limit,
 )
@@ -39,7 +41,8 @@ from stepline.api.serving import DEFAULT_BODY_TIMEOUT_S
 
 log = structlog.get_logger(__name__)
 
-DEFAULT_LIMIT_CONCURRENCY = 1024  # connections or requests; each connection is a file
+DEFAULT_LIMIT_CONCURRENCY = 1024  # requests in flight, the probes aside
+PROBE_PATHS = frozenset({"/health", "/metrics"})
 DEFAULT_TIMEOUT_KEEP_ALIVE_S = 5.0  # uvicorn's default
 DEFAULT_TIMEOUT_REQUEST_HEAD_S = 10.0  # a slow client on a bad link sends a head in < 1 s
 UNHEALTHY_EXIT_DELAY_S = 1.0  # streams get their error frames, probes see 503, then exit
@@ -54,7 +57,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
     model loads turns "port in use" into an immediate, clear error (uvicorn would call
     sys.exit) and lets early clients queue instead of being refused."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on accepted sockets that say TCP.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
@@ -112,9 +116,15 @@ def server_config(
     timeout_request_head_s: float = DEFAULT_TIMEOUT_REQUEST_HEAD_S,
 ) -> uvicorn.Config:
     """uvicorn's config for `app`: logging left to `log_config` (log_config=None), at most
-    `limit_concurrency` connections or requests (503 past it), idle keep-alive connections
-    closed after `timeout_keep_alive_s`, and a connection that has not sent a whole request
-    head `timeout_request_head_s` after connecting (or after its last response) closed."""
+    `limit_concurrency` requests in flight (503 past it; /health and /metrics always
+    answer, and idle connections do not count), idle keep-alive connections closed after
+    `timeout_keep_alive_s`, and a connection that has not sent a whole request head
+    `timeout_request_head_s` after connecting (or after its last response) closed. A request
+    with both Transfer-Encoding and Content-Length is refused (400) and its connection
+    closed."""
+    if limit_concurrency is not None:
+        app = RequestLimit(app, limit=limit_concurrency, open_paths=PROBE_PATHS)
+    app = RefuseAmbiguousLength(app)
     return uvicorn.Config(
         app,
         lifespan="off",
@@ -122,7 +132,7 @@ def server_config(
         log_level=log_level,
         access_log=access_log,
         timeout_graceful_shutdown=graceful_shutdown_s,  # type: ignore[arg-type]
-        limit_concurrency=limit_concurrency,
+        limit_concurrency=None,  # uvicorn's counts idle connections: RequestLimit instead
         timeout_keep_alive=timeout_keep_alive_s,  # type: ignore[arg-type]
         http=head_deadline_protocol(timeout_request_head_s),
     )
@@ -372,7 +382,8 @@ def add_serve_parser(
         "--limit-concurrency",
         type=int,
         default=DEFAULT_LIMIT_CONCURRENCY,
-        help="most open connections or requests at once; 503 past it "
+        help="most requests in flight at once (a stream counts until it ends); 503 past it. "
+        "/health and /metrics always answer, and idle connections do not count "
         f"(default: {DEFAULT_LIMIT_CONCURRENCY})",
     )
     p.add_argument(
