@@ -35,6 +35,7 @@ from stepline.api.engine_parts import (
     vocab_size,
     warn_without_openblas,
 )
+from stepline.api.json_limits import InputLimitError, check_text
 from stepline.api.params import SamplingParams
 from stepline.api.prompts import Prompts, PromptTooLongError, token_decoder
 from stepline.api.stream import RequestStream
@@ -247,7 +248,9 @@ class Engine:
         template with `messages`; `params.grammar` constrains the output (compiled here, on a
         worker thread).
 
-        Raises ValueError for a malformed prompt (GrammarError for a grammar that does not
+        Raises TypeError or ValueError naming the argument for `params`, `request_id`,
+        `checkpoints` or `template_kwargs` of the wrong type or value, ValueError for a
+        malformed prompt (GrammarError for a grammar that does not
         compile) or a `top_k` / stop token id outside the model's vocabulary, AdmissionError
         (EmptyPromptError, ContextLengthExceededError — PromptTooLongError when the text's
         length alone proves it —, EngineDeadError, ...) if the engine cannot serve it. The
@@ -255,6 +258,7 @@ class Engine:
         """
         if self._closed:
             raise RuntimeError("the engine is closed")
+        check_submit_args(params, request_id, checkpoints, template_kwargs)
         # Counted from here (or from `arriving`) until its Submit is in the step loop's inbox.
         outer = _ARRIVAL.get()
         arrival = outer if outer is not None and outer.open else self._arrivals.arrive()
@@ -416,3 +420,40 @@ class Engine:
         """For inspection and tests: the live scheduling state is `step_loop.states`; any
         recent request's state is `step_loop.state_of(request_id)`."""
         return self._step_loop
+
+
+MAX_REQUEST_ID_CHARS = 256  # a request id is in every event of its request
+
+
+def check_submit_args(params: Any, request_id: Any, checkpoints: Any, template_kwargs: Any) -> None:
+    """Raise TypeError / ValueError naming the `submit` argument that is of the wrong type or
+    value. Checked before anything reaches the step loop or the event log, where a bad one
+    ended the engine (a float checkpoint, a bytes id) or degraded the log (a lone surrogate)."""
+    if params is not None and not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+    if request_id is not None:
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
+        if not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS:
+            raise ValueError(
+                f"request_id must have 1 to {MAX_REQUEST_ID_CHARS} characters, "
+                f"got {len(request_id)}"
+            )
+        try:
+            check_text(request_id, "request_id")
+        except InputLimitError as exc:
+            raise ValueError(exc.message) from None
+    if isinstance(checkpoints, str | bytes) or not isinstance(checkpoints, Sequence):
+        raise TypeError(
+            f"checkpoints must be a sequence of token offsets (ints), got "
+            f"{type(checkpoints).__name__}"
+        )
+    for i, c in enumerate(checkpoints):
+        if isinstance(c, bool) or not isinstance(c, int):
+            raise TypeError(
+                f"checkpoints[{i}] must be an int token offset, got {type(c).__name__} {c!r}"
+            )
+        if c < 0:
+            raise ValueError(f"checkpoints[{i}] must be a token offset >= 0, got {c}")
+    if template_kwargs is not None and not isinstance(template_kwargs, dict):
+        raise TypeError(f"template_kwargs must be a dict, got {type(template_kwargs).__name__}")
