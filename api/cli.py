@@ -201,11 +201,13 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as exc:  # a clear one-line error, not a traceback, for the user's mistakes
         from stepline.engine.models import ModelNotFoundError
+        from stepline.events.log_lock import LogInUseError
 
         error: BaseException = exc
         while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
             error = error.exceptions[0]  # raised through the engine's task group
-        if isinstance(error, (ModelNotFoundError, ValueError, FileExistsError, PermissionError)):
+        clear = (ModelNotFoundError, ValueError, FileExistsError, PermissionError, LogInUseError)
+        if isinstance(error, clear):
             print(f"stepline: error: {error}", file=sys.stderr)
             return 2
         raise

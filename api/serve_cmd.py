@@ -269,6 +269,8 @@ async def _serve(args: argparse.Namespace, sock: socket.socket, engine_kwargs: d
                 if args.api_key and os.environ.get("STEPLINE_API_KEY") != args.api_key:
                     print("stepline: set STEPLINE_API_KEY to the key for the curl line below")
                 print(f"try:\n  {_curl_line(url, names[0], args.api_key)}", flush=True)
+                if (problem := engine.event_log_problem) is not None:  # a full disk at start
+                    print(f"stepline: warning: {problem}", file=sys.stderr, flush=True)
                 reason = await engine.wait_unhealthy()
                 if args.stay_up_when_unhealthy:
                     await anyio.sleep_forever()
