@@ -29,7 +29,7 @@ from stepline.engine.memory import read_memory_counters
 from stepline.engine.models import LoadedModel
 from stepline.engine.policy import ScheduledChunk
 from stepline.engine.prefix_cache import PrefixStore, compact_cache, share_cache
-from stepline.engine.prefix_files import model_fingerprint
+from stepline.engine.prefix_files import model_cache_layout, model_fingerprint
 from stepline.engine.sampling import (
     PendingSample,
     RowHistory,
@@ -98,8 +98,10 @@ class ModelRunner:
             self.store = PrefixStore(
                 disk_dir=prefix_cache_dir,
                 disk_max_bytes=prefix_cache_disk_bytes,
-                # Files are only ever used for the same weights (checked on every read).
+                # Files are only ever used for the same weights (checked on every read),
+                # and only if their arrays fit the model's cache (checked on every load).
                 model_id=model_fingerprint(loaded.path) if prefix_cache_dir is not None else "",
+                layout=model_cache_layout(self.model) if prefix_cache_dir is not None else None,
             )
         self._seqs: dict[str, Seq] = {}
         self._batch_ids: list[str] = []  # decode batch rows, in order
