@@ -75,6 +75,7 @@ class Engine:
         self._executor = executor
         self._tg = tg
         self._closed = False
+        self._stopping = False  # begin_shutdown: no new requests
         self.prompts = Prompts(
             loaded.tokenizer, vocab_size=self.vocab_size, max_context=self.max_context
         )
@@ -256,7 +257,7 @@ class Engine:
         length alone proves it —, EngineDeadError, ...) if the engine cannot serve it. The
         prompt is tokenized on a worker thread.
         """
-        if self._closed:
+        if self._closed or self._stopping:
             raise RuntimeError("the engine is closed")
         check_submit_args(params, request_id, checkpoints, template_kwargs)
         # Counted from here (or from `arriving`) until its Submit is in the step loop's inbox.
@@ -283,6 +284,8 @@ class Engine:
                 actor=inbox_tx,
                 reply=reply,
             )
+            if self._stopping:  # shut down while this request was being prepared
+                raise RuntimeError("the engine is closed")
             try:
                 await self._step_loop.inbox.send(submit)
                 arrival.done()
@@ -352,6 +355,17 @@ class Engine:
         if arrival is not None:
             arrival.done()
             _ARRIVAL.set(None)
+
+    def begin_shutdown(self) -> int:
+        """Refuse new requests (`submit` raises RuntimeError, as once closed) and cancel every
+        request in flight: each ends now with `cancelled`, so open streams get their last
+        frame within a step instead of being cut off when a server's grace period runs out.
+        Returns how many were cancelled. Closing the engine still waits for them to end."""
+        self._stopping = True
+        in_flight = list(self._step_loop.states)  # read only; the step loop cancels them
+        for rid in in_flight:
+            self._send_cancel(rid)
+        return len(in_flight)
 
     def _send_cancel(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> None:
         if self._closed:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import functools
 import importlib.util
 import os
@@ -16,7 +17,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import anyio
 import structlog
@@ -80,6 +81,9 @@ class _Server(uvicorn.Server):
         super().__init__(config)
         self.own_signals = own_signals
         self.ready = anyio.Event()
+        # Called first when the server stops (the engine's `begin_shutdown`): open streams
+        # end at once with a last frame, rather than after the grace period, cut off.
+        self.on_shutdown: Callable[[], object] | None = None
 
     @contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -97,6 +101,11 @@ class _Server(uvicorn.Server):
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
         self.ready.set()
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.on_shutdown is not None:
+            self.on_shutdown()
+        await super().shutdown(sockets)
 
 
 def _url(host: str, port: int) -> str:
@@ -243,6 +252,7 @@ async def _serve(args: argparse.Namespace, sock: socket.socket, engine_kwargs: d
                     interrupted = await anyio.to_thread.run_sync(
                         functools.partial(interrupted_responses, args.event_log, since=since)
                     )
+                server.on_shutdown = engine.begin_shutdown
                 switch.app = create_app(
                     engine,
                     api_key=args.api_key,
@@ -294,8 +304,9 @@ async def _serve_other_rank(model: str | None, engine_kwargs: dict) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """`stepline serve`: listen, load the model, serve it until Ctrl-C. Returns the exit
-    status."""
+    """`stepline serve`: listen, load the model, serve it until Ctrl-C or SIGTERM, then end
+    the process with status 0 (1 if the engine failed; see `_end_process`). Returns 1 if it
+    cannot listen; raises what stops it from loading."""
     engine_kwargs = args.engine_kwargs(args)
     if engine_kwargs.get("parallel") and launch_rank() > 0:  # no HTTP: it mirrors rank 0
         anyio.run(_serve_other_rank, args.model, engine_kwargs)
@@ -319,13 +330,19 @@ def run_serve(args: argparse.Namespace) -> int:
         status = 1
     finally:
         sock.close()
-    if engine_kwargs.get("parallel"):
-        # MLX's ring backend can abort at interpreter teardown ("terminate called without
-        # an active exception"): a distributed rank 0 ends here, as the other ranks do.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(status)
-    return status
+    _end_process(status)
+
+
+def _end_process(status: int) -> NoReturn:
+    """Exit with `status` now that the engine is closed and its log written, without the
+    interpreter's teardown. In that teardown a daemon thread that wakes in native code (the
+    MLX thread, a tokenizer's worker, MLX's ring backend) is ended with a forced unwind that
+    C++ turns into std::terminate: "terminate called without an active exception", exit
+    134, which a supervisor counts as a crash. The atexit handlers still run."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def add_serve_parser(
