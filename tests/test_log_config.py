@@ -55,7 +55,7 @@ def test_a_traceback_has_no_locals_and_is_formatted_off_the_callers_thread(
         fail(3)
     except Formatted:
         structlog.get_logger("test").exception("request_failed")
-    logging.getLogger("uvicorn.access").info('"%s" %d', "POST /v1/completions", 200)
+    logging.getLogger("stdlib.access").info('"%s" %d', "POST /v1/completions", 200)
     flush_logging()
     err = capsys.readouterr().err
     assert "request_failed" in err and "it broke" in err and "fail" in err  # the traceback
