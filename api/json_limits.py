@@ -1,7 +1,8 @@
 """What every request body must respect before any door reads it: JSON as RFC 8259 says
 (no NaN or Infinity), nested at most `MAX_JSON_DEPTH` deep, no lone UTF-16 surrogate in any
-string or key, and at most `MAX_TOOLS` tools, `MAX_STOP_STRINGS` stop strings and
-`MAX_MESSAGES` messages. No MLX, no engine: pure functions that raise `InputLimitError`.
+string or key, and at most `MAX_TOOLS` tools, `MAX_STOP_STRINGS` stop strings (of at most
+`MAX_STOP_CHARS` characters) and `MAX_MESSAGES` messages. No MLX, no engine: pure functions
+that raise `InputLimitError`.
 
 Why here, once: a 900-deep list rendered by a chat template raised RecursionError (a 500 whose
 traceback froze the server for minutes); a lone surrogate cannot be encoded as UTF-8, so the
@@ -20,6 +21,7 @@ from typing import Any
 MAX_JSON_DEPTH = 64
 MAX_TOOLS = 128  # OpenAI's limit on `tools`
 MAX_STOP_STRINGS = 64  # `stop` / `stop_sequences`: each is matched against every new token
+MAX_STOP_CHARS = 1000  # per stop string: a partial match is held back and rescanned per token
 MAX_MESSAGES = 10_000  # `messages` / `input` items: more than a 1M-token context holds
 
 # Top-level list fields, by name in any door's body, and their caps.
@@ -101,7 +103,7 @@ def check_value(value: Any, param: str | None = None) -> None:
 
 def check_caps(value: Any) -> None:
     """Raise InputLimitError if a top-level list field (tools, stop strings, messages) of
-    the body `value` is longer than its cap."""
+    the body `value` is longer than its cap, or a stop string longer than MAX_STOP_CHARS."""
     if not isinstance(value, dict):
         return
     for name, (cap, what) in _LIST_CAPS.items():
@@ -112,6 +114,17 @@ def check_caps(value: Any) -> None:
                 param=name,
                 code="array_above_max_length",
             )
+    for name in ("stop", "stop_sequences"):
+        field = value.get(name)
+        for i, stop in enumerate(field if isinstance(field, list) else [field]):
+            if isinstance(stop, str) and len(stop) > MAX_STOP_CHARS:
+                param = f"{name}.{i}" if isinstance(field, list) else name
+                raise InputLimitError(
+                    f"{param}: a stop string has at most {MAX_STOP_CHARS} characters, "
+                    f"got {len(stop)}",
+                    param=param,
+                    code="string_above_max_length",
+                )
 
 
 def check_text(text: str, param: str) -> None:

@@ -6,7 +6,12 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from stepline.api.json_limits import MAX_STOP_STRINGS, InputLimitError, check_text
+from stepline.api.json_limits import (
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    InputLimitError,
+    check_text,
+)
 from stepline.engine.sampling_limits import MAX_INT32, MAX_REPETITION_PENALTY, PENALTY_RANGE
 from stepline.events.models import RequestParams
 
@@ -58,6 +63,10 @@ class SamplingParams(BaseModel):
         if any(s == "" for s in v):
             raise ValueError("stop strings must not be empty (an empty one would match at once)")
         for i, s in enumerate(v):
+            if len(s) > MAX_STOP_CHARS:
+                raise ValueError(
+                    f"stop[{i}] has {len(s)} characters: at most {MAX_STOP_CHARS} per stop string"
+                )
             _valid_text(s, f"stop[{i}]")
         return v
 

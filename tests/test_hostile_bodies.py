@@ -248,6 +248,12 @@ async def test_more_tools_stop_strings_or_messages_than_the_caps_are_a_400_at_on
             {"messages": [{"role": "system", "content": "s"}] * 20_000 + HI},
             "messages",
         ),
+        ("/v1/completions", {"prompt": "hi", "stop": "a" * 100_000}, "stop"),
+        (
+            "/v1/messages",
+            {"model": "m", "max_tokens": 2, "messages": HI, "stop_sequences": ["a" * 1001]},
+            "stop_sequences.0",
+        ),
     ]
     async with served.client() as http:
         for path, body, field in cases:

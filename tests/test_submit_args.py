@@ -56,6 +56,7 @@ async def test_wrong_arguments_are_refused_naming_them_and_the_engine_serves_on(
         ({"stop": ["\ud800"]}, "surrogate"),
         ({"stop": [f"s{i}" for i in range(MAX_STOP_STRINGS + 1)]}, "stop"),
         ({"grammar": "start: \udfff"}, "surrogate"),
+        ({"stop": ["a" * 1001]}, "at most 1000"),
     ],
 )
 def test_sampling_params_refuse_what_the_log_could_not_record(fields, match) -> None:
