@@ -10,6 +10,7 @@ next writer to take); a writer that locked a file just removed tries again.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -18,6 +19,12 @@ import sys
 import time
 from pathlib import Path
 from typing import IO
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP)  # flock not supported there
 
 
 def _same_file(file: IO[str], path: Path) -> bool:
@@ -58,6 +65,13 @@ class LogLock:
                     f"event log {Path(path)} is being written by another process ({holder}): "
                     "stop it first, or choose another event log"
                 ) from None
+            except OSError as exc:
+                if exc.errno not in _NO_LOCKS:
+                    file.close()
+                    raise
+                # A file system without locks (some network mounts): written unguarded.
+                log.warning("event_log_not_locked", path=str(self.path), error=repr(exc))
+                break
             except BaseException:
                 file.close()
                 raise
