@@ -10,7 +10,6 @@ to split the output (`OutputFormat`). Everything the model cannot honour is a Re
 from __future__ import annotations
 
 import json
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,7 +92,9 @@ def tool_spec(name: Any, description: Any, parameters: Any, i: int, param: str) 
 
 def unique_tools(specs: list[ToolSpec], param: str) -> tuple[ToolSpec, ...]:
     """`specs`, if no two share a name. Raises RequestError otherwise."""
-    counts = Counter(s.name for s in specs)  # linear: `list.count` per name was quadratic
+    counts: dict[str, int] = {}  # linear: `list.count` per name was quadratic
+    for spec in specs:
+        counts[spec.name] = counts.get(spec.name, 0) + 1
     dupes = sorted(n for n, c in counts.items() if c > 1)
     if dupes:
         raise RequestError(f"{param}: duplicate tool names {dupes}", param=param)

@@ -16,8 +16,6 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
-from stepline.api.json_limits import InputLimitError, parse_nested
-
 
 class RequestError(ValueError):
     """A request the server refuses with 400; the message says what to change."""
@@ -213,6 +211,8 @@ def template_call(call_id: str | None, name: str, arguments: dict[str, Any]) -> 
 def call_arguments(arguments: Any, param: str) -> Any:
     """A call's arguments as sent back in a conversation: JSON text is parsed (templates
     render objects). Raises RequestError for text that is not JSON."""
+    from stepline.api.json_limits import InputLimitError, parse_nested
+
     if not isinstance(arguments, str):
         return arguments
     try:  # held to the body's depth and text limits: templates recurse into it

@@ -23,7 +23,6 @@ from starlette.requests import ClientDisconnect
 from stepline.actors.step_loop import EngineDeadError
 from stepline.api.engine import SamplingParams
 from stepline.api.errors import APIError, context_error, validation_error
-from stepline.api.json_limits import InputLimitError, parse_body
 from stepline.api.openai_schema import RequestError, now
 from stepline.api.prompts import PromptTooLongError
 from stepline.api.resume import (
@@ -74,6 +73,8 @@ def json_response(body: BaseModel, status_code: int = 200, headers: dict | None 
 def loads_strict(body: bytes) -> Any:
     """Parse a JSON body held to `json_limits` (finite numbers, bounded depth and lists,
     valid text). Raises APIError 400 naming the limit."""
+    from stepline.api.json_limits import InputLimitError, parse_body
+
     try:
         return parse_body(body)
     except InputLimitError as exc:
