@@ -56,6 +56,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "memory, at most 0.5)",
     )
     p.add_argument(
+        "--grammar-cache-mb",
+        type=float,
+        default=256.0,
+        help="memory for compiled grammars (structured output, forced tool calls) kept for "
+        "reuse, as estimated from each grammar's size and the vocabulary (default: 256)",
+    )
+    p.add_argument(
         "--max-step-ms",
         type=float,
         default=100.0,
@@ -112,6 +119,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         max_kv_tokens=args.max_kv_tokens,
         max_waiting=args.max_waiting,
         mlx_cache_gb=args.mlx_cache_gb,
+        grammar_cache_mb=args.grammar_cache_mb,
         max_step_ms=args.max_step_ms or None,
         prefix_cache_gb=args.prefix_cache_gb,
         prefix_cache_dir=args.prefix_cache_dir,

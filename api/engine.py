@@ -106,6 +106,7 @@ class Engine:
         max_waiting: int = 1024,
         mlx_cache_gb: float | None = None,
         parallel: str | None = None,
+        grammar_cache_mb: float = 256.0,
     ) -> AsyncIterator[Engine]:
         """Load `model` (a demo name, a local mlx-lm directory or a Hugging Face id; None = the
         demo model) and serve it until the block exits.
@@ -127,6 +128,8 @@ class Engine:
         `mlx.launch` job (engine/distributed.py); the block runs on rank 0 only: on the other
         ranks `open` serves rank 0 and then ends the process (`os._exit`). Raises
         DistributedError (a ValueError) when the model or the launch cannot be split so.
+        `grammar_cache_mb` bounds the compiled grammars kept for structured output and
+        forced tool calls (each counted by the size of its grammar and the vocabulary).
         `max_step_ms` is the target time of a step while requests decode: prefill chunks
         are sized by a step-time model (seeded by a short warm-up here, then learned from
         measured steps) to keep each step under it. None schedules by tokens only.
@@ -140,6 +143,7 @@ class Engine:
             max_kv_gb=max_kv_gb,
             max_waiting=max_waiting,
             mlx_cache_gb=mlx_cache_gb,
+            grammar_cache_mb=grammar_cache_mb,
             seed=seed,
             prefix_cache_gb=prefix_cache_gb,
             prefix_cache_dir=str(prefix_cache_dir) if prefix_cache_dir is not None else None,

@@ -24,7 +24,7 @@ from stepline.engine import step_sampling
 from stepline.engine.constraints import advance
 from stepline.engine.decode_order import DecodeOrder
 from stepline.engine.forward import forward, split_head_works
-from stepline.engine.grammar import GrammarCompiler
+from stepline.engine.grammar import DEFAULT_CACHE_BYTES, GrammarCompiler
 from stepline.engine.memory import read_memory_counters
 from stepline.engine.models import LoadedModel
 from stepline.engine.policy import ScheduledChunk
@@ -86,6 +86,7 @@ class ModelRunner:
         prefix_cache_dir: str | Path | None = None,
         prefix_cache_disk_bytes: int = 0,
         grammars: GrammarCompiler | None = None,
+        grammar_cache_bytes: int = DEFAULT_CACHE_BYTES,
         lookahead: bool = True,
     ):
         self.model = loaded.model
@@ -117,7 +118,7 @@ class ModelRunner:
         self._split_head = split_head_works(self.model)
         vocab = getattr(getattr(self.model, "args", None), "vocab_size", None)
         self.grammars = grammars or GrammarCompiler(
-            loaded.tokenizer, vocab or len(loaded.tokenizer)
+            loaded.tokenizer, vocab or len(loaded.tokenizer), max_bytes=grammar_cache_bytes
         )
 
     # -- request lifecycle ----------------------------------------------------
