@@ -105,8 +105,8 @@ class Engine:
         max_kv_gb: float | None = None,
         max_waiting: int = 1024,
         mlx_cache_gb: float | None = None,
-        parallel: str | None = None,
         grammar_cache_mb: float = 256.0,
+        parallel: str | None = None,
     ) -> AsyncIterator[Engine]:
         """Load `model` (a demo name, a local mlx-lm directory or a Hugging Face id; None = the
         demo model) and serve it until the block exits.
