@@ -30,6 +30,9 @@ from stepline.events.models import (
 )
 
 _KEEP_FINISHED = 1024  # ended requests' states kept for inspection
+# ... and at most this many prompt token ids among them (a 128k-token prompt's state holds
+# 128k of them: 1,024 such states would keep gigabytes alive).
+_KEEP_FINISHED_TOKENS = 262_144
 
 
 @dataclass(frozen=True)
@@ -43,12 +46,14 @@ class Recorder:
     fold's `apply` and appended to the log.
 
     `states` holds unfinished requests; ended ones move to `finished` (the most recent
-    few), so a step's work does not grow with the number of requests ever served.
+    few: at most _KEEP_FINISHED of them, holding at most _KEEP_FINISHED_TOKENS prompt token
+    ids together), so neither a step's work nor memory grows with the requests ever served.
     """
 
     def __init__(self, event_log: Any = None) -> None:
         self.states: dict[str, RequestState] = {}
         self.finished: OrderedDict[str, RequestState] = OrderedDict()
+        self._finished_tokens = 0  # prompt token ids held in `finished`
         self.event_log = event_log  # events.log.EventLogWriter (append) or None
         self.seq = 0
         self.step = 0  # number of the last step run
@@ -66,15 +71,29 @@ class Recorder:
             state = apply(self.states.get(rid), event)
             if state.is_finished:
                 self.states.pop(rid, None)
-                self.finished[rid] = state
-                while len(self.finished) > _KEEP_FINISHED:
-                    self.finished.popitem(last=False)
+                self._keep_finished(rid, state)
                 self.on_terminal(rid, state.finish_reason or FinishReason.ERROR)
             else:
                 self.states[rid] = state
         if self.event_log is not None:
             self.event_log.append(event)
         return event
+
+    def _keep_finished(self, rid: str, state: RequestState) -> None:
+        old = self.finished.pop(rid, None)
+        if old is not None:
+            self._finished_tokens -= _num_ids(old)
+        self.finished[rid] = state
+        self._finished_tokens += _num_ids(state)
+        while len(self.finished) > 1 and (
+            len(self.finished) > _KEEP_FINISHED or self._finished_tokens > _KEEP_FINISHED_TOKENS
+        ):
+            _, dropped = self.finished.popitem(last=False)
+            self._finished_tokens -= _num_ids(dropped)
+
+
+def _num_ids(state: RequestState) -> int:
+    return len(state.prompt_token_ids or ())
 
 
 def record_plan(recorder: Recorder, plan: StepPlan, config: SchedulerConfig) -> None:

@@ -183,8 +183,10 @@ def _why_tools_unusable(tokenizer: Any, parse: bool) -> str | None:
 
 def unique_tools(specs: list[ToolSpec], param: str) -> tuple[ToolSpec, ...]:
     """`specs`, if no two share a name. Raises RequestError otherwise."""
-    names = [s.name for s in specs]
-    dupes = sorted({n for n in names if names.count(n) > 1})
+    counts: dict[str, int] = {}  # linear: `list.count` per name was quadratic
+    for spec in specs:
+        counts[spec.name] = counts.get(spec.name, 0) + 1
+    dupes = sorted(n for n, c in counts.items() if c > 1)
     if dupes:
         raise RequestError(f"{param}: duplicate tool names {dupes}", param=param)
     return tuple(specs)

@@ -66,6 +66,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "memory, at most 0.5)",
     )
     p.add_argument(
+        "--grammar-cache-mb",
+        type=float,
+        default=256.0,
+        help="memory for compiled grammars (structured output, forced tool calls) kept for "
+        "reuse, as estimated from each grammar's size and the vocabulary (default: 256)",
+    )
+    p.add_argument(
         "--max-step-ms",
         type=float,
         default=100.0,
@@ -122,6 +129,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         max_kv_tokens=args.max_kv_tokens,
         max_waiting=args.max_waiting,
         mlx_cache_gb=args.mlx_cache_gb,
+        grammar_cache_mb=args.grammar_cache_mb,
         max_step_ms=args.max_step_ms or None,
         prefix_cache_gb=args.prefix_cache_gb,
         prefix_cache_dir=args.prefix_cache_dir,
@@ -212,11 +220,13 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as exc:  # a clear one-line error, not a traceback, for the user's mistakes
         from stepline.engine.models import ModelNotFoundError
+        from stepline.events.log_lock import LogInUseError
 
         error: BaseException = exc
         while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
             error = error.exceptions[0]  # raised through the engine's task group
-        if isinstance(error, (ModelNotFoundError, ValueError, FileExistsError, PermissionError)):
+        clear = (ModelNotFoundError, ValueError, FileExistsError, PermissionError, LogInUseError)
+        if isinstance(error, clear):
             print(f"stepline: error: {error}", file=sys.stderr)
             return 2
         raise

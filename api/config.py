@@ -29,6 +29,7 @@ class EngineConfig(BaseModel):
     max_kv_gb: float | None = Field(None, gt=0)
     max_waiting: int = Field(1024, ge=1)
     mlx_cache_gb: float | None = Field(None, ge=0)
+    grammar_cache_mb: float = Field(256.0, ge=0)
     seed: int = 0
     prefix_cache_gb: float = Field(1.0, ge=0)
     prefix_cache_dir: str | None = None

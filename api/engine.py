@@ -35,6 +35,7 @@ from stepline.api.engine_parts import (
     vocab_size,
     warn_without_openblas,
 )
+from stepline.api.json_limits import InputLimitError, check_text
 from stepline.api.params import SamplingParams
 from stepline.api.prompts import Prompts, PromptTooLongError, token_decoder
 from stepline.api.stream import RequestStream
@@ -74,6 +75,7 @@ class Engine:
         self._executor = executor
         self._tg = tg
         self._closed = False
+        self._stopping = False  # begin_shutdown: no new requests
         self.prompts = Prompts(
             loaded.tokenizer, vocab_size=self.vocab_size, max_context=self.max_context
         )
@@ -103,6 +105,7 @@ class Engine:
         max_kv_gb: float | None = None,
         max_waiting: int = 1024,
         mlx_cache_gb: float | None = None,
+        grammar_cache_mb: float = 256.0,
         parallel: str | None = None,
         dtype: str = "auto",
     ) -> AsyncIterator[Engine]:
@@ -131,6 +134,8 @@ class Engine:
         `mlx.launch` job (engine/distributed.py); the block runs on rank 0 only: on the other
         ranks `open` serves rank 0 and then ends the process (`os._exit`). Raises
         DistributedError (a ValueError) when the model or the launch cannot be split so.
+        `grammar_cache_mb` bounds the compiled grammars kept for structured output and
+        forced tool calls (each counted by the size of its grammar and the vocabulary).
         `max_step_ms` is the target time of a step while requests decode: prefill chunks
         are sized by a step-time model (seeded by a short warm-up here, then learned from
         measured steps) to keep each step under it. None schedules by tokens only.
@@ -144,6 +149,7 @@ class Engine:
             max_kv_gb=max_kv_gb,
             max_waiting=max_waiting,
             mlx_cache_gb=mlx_cache_gb,
+            grammar_cache_mb=grammar_cache_mb,
             seed=seed,
             prefix_cache_gb=prefix_cache_gb,
             prefix_cache_dir=str(prefix_cache_dir) if prefix_cache_dir is not None else None,
@@ -254,14 +260,17 @@ class Engine:
         template with `messages`; `params.grammar` constrains the output (compiled here, on a
         worker thread).
 
-        Raises ValueError for a malformed prompt (GrammarError for a grammar that does not
+        Raises TypeError or ValueError naming the argument for `params`, `request_id`,
+        `checkpoints` or `template_kwargs` of the wrong type or value, ValueError for a
+        malformed prompt (GrammarError for a grammar that does not
         compile) or a `top_k` / stop token id outside the model's vocabulary, AdmissionError
         (EmptyPromptError, ContextLengthExceededError — PromptTooLongError when the text's
         length alone proves it —, EngineDeadError, ...) if the engine cannot serve it. The
         prompt is tokenized on a worker thread.
         """
-        if self._closed:
+        if self._closed or self._stopping:
             raise RuntimeError("the engine is closed")
+        check_submit_args(params, request_id, checkpoints, template_kwargs)
         # Counted from here (or from `arriving`) until its Submit is in the step loop's inbox.
         outer = _ARRIVAL.get()
         arrival = outer if outer is not None and outer.open else self._arrivals.arrive()
@@ -286,6 +295,8 @@ class Engine:
                 actor=inbox_tx,
                 reply=reply,
             )
+            if self._stopping:  # shut down while this request was being prepared
+                raise RuntimeError("the engine is closed")
             try:
                 await self._step_loop.inbox.send(submit)
                 arrival.done()
@@ -356,6 +367,17 @@ class Engine:
             arrival.done()
             _ARRIVAL.set(None)
 
+    def begin_shutdown(self) -> int:
+        """Refuse new requests (`submit` raises RuntimeError, as once closed) and cancel every
+        request in flight: each ends now with `cancelled`, so open streams get their last
+        frame within a step instead of being cut off when a server's grace period runs out.
+        Returns how many were cancelled. Closing the engine still waits for them to end."""
+        self._stopping = True
+        in_flight = list(self._step_loop.states)  # read only; the step loop cancels them
+        for rid in in_flight:
+            self._send_cancel(rid)
+        return len(in_flight)
+
     def _send_cancel(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> None:
         if self._closed:
             return
@@ -423,3 +445,40 @@ class Engine:
         """For inspection and tests: the live scheduling state is `step_loop.states`; any
         recent request's state is `step_loop.state_of(request_id)`."""
         return self._step_loop
+
+
+MAX_REQUEST_ID_CHARS = 256  # a request id is in every event of its request
+
+
+def check_submit_args(params: Any, request_id: Any, checkpoints: Any, template_kwargs: Any) -> None:
+    """Raise TypeError / ValueError naming the `submit` argument that is of the wrong type or
+    value. Checked before anything reaches the step loop or the event log, where a bad one
+    ended the engine (a float checkpoint, a bytes id) or degraded the log (a lone surrogate)."""
+    if params is not None and not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+    if request_id is not None:
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
+        if not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS:
+            raise ValueError(
+                f"request_id must have 1 to {MAX_REQUEST_ID_CHARS} characters, "
+                f"got {len(request_id)}"
+            )
+        try:
+            check_text(request_id, "request_id")
+        except InputLimitError as exc:
+            raise ValueError(exc.message) from None
+    if isinstance(checkpoints, str | bytes) or not isinstance(checkpoints, Sequence):
+        raise TypeError(
+            f"checkpoints must be a sequence of token offsets (ints), got "
+            f"{type(checkpoints).__name__}"
+        )
+    for i, c in enumerate(checkpoints):
+        if isinstance(c, bool) or not isinstance(c, int):
+            raise TypeError(
+                f"checkpoints[{i}] must be an int token offset, got {type(c).__name__} {c!r}"
+            )
+        if c < 0:
+            raise ValueError(f"checkpoints[{i}] must be a token offset >= 0, got {c}")
+    if template_kwargs is not None and not isinstance(template_kwargs, dict):
+        raise TypeError(f"template_kwargs must be a dict, got {type(template_kwargs).__name__}")

@@ -113,6 +113,7 @@ class EngineParts:
                 if topology is not None
                 else prefix_dir,
                 prefix_cache_disk_bytes=int(options.prefix_cache_disk_gb * 2**30),
+                grammar_cache_bytes=int(options.grammar_cache_mb * 2**20),
                 # Ranks > 0 may take rank 0's samples after a step (`adopt_tokens`):
                 # a forward started with their own would then be wrong.
                 lookahead=topology is None,

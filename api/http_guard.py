@@ -1,24 +1,32 @@
 """What keeps hostile or broken clients from taking the server down: a deadline for each
-request head (uvicorn has none), the open-file limit raised to what the system allows, and
-accept errors logged at most once a second.
+request head (uvicorn has none), TCP_NODELAY on every connection, a limit on requests in
+flight that never refuses the probes, the open-file limit raised to what the system allows,
+and accept errors logged at most once a second.
 
-uvicorn times out idle keep-alive connections (`timeout_keep_alive`) and answers 503 past
-`limit_concurrency`, but a connection that sends part of a request head and then nothing is
-never timed out (slowloris): each holds a file descriptor until the process runs out, and then
-every client, /health included, is refused. `head_deadline_protocol` closes such connections;
-it is uvicorn's own HTTP protocol class with one timer added, passed as `Config(http=...)`.
+uvicorn times out idle keep-alive connections (`timeout_keep_alive`), but a connection that
+sends part of a request head and then nothing is never timed out (slowloris): each holds a
+file descriptor until the process runs out, and then every client, /health included, is
+refused. `head_deadline_protocol` closes such connections; it is uvicorn's own HTTP protocol
+class with one timer added, passed as `Config(http=...)`. uvicorn's own `limit_concurrency`
+counts idle connections too (2,500 idle sockets made /health answer 503, and a load balancer
+would pull the server): `RequestLimit` counts requests in flight instead, and never /health
+or /metrics.
 """
 
 from __future__ import annotations
 
 import asyncio
 import resource
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
 
 import structlog
+from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from stepline.api.errors import APIError
 
 log = structlog.get_logger(__name__)
 
@@ -35,6 +43,7 @@ class _HeadDeadline:
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)  # type: ignore[misc]
+        set_nodelay(transport)
         self._head_timer: asyncio.TimerHandle | None = None
         self._arm_head_deadline()
 
@@ -61,6 +70,79 @@ class _HeadDeadline:
         self._head_timer = None
         if self._waiting_for_head() and not self.transport.is_closing():
             self.transport.close()
+
+
+def set_nodelay(transport: asyncio.BaseTransport) -> None:
+    """Send small writes at once on `transport`'s TCP socket. Without TCP_NODELAY, every
+    response after the first on a keep-alive connection waited ~40 ms (Nagle's algorithm
+    holding the body until the client's delayed ACK of the head)."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:  # the peer already gone
+            pass
+
+
+class RequestLimit:
+    """ASGI middleware: at most `limit` HTTP requests in flight (a stream counts until it
+    ends); past it, 503 with `Retry-After: 1`. Requests to `open_paths` (the probes) are
+    always served and never counted, and idle connections are no requests."""
+
+    def __init__(
+        self, app: ASGIApp, *, limit: int, open_paths: frozenset[str] = frozenset()
+    ) -> None:
+        if limit < 1:
+            raise ValueError(f"the request limit must be >= 1, got {limit}")
+        self.app = app
+        self.limit = limit
+        self.open_paths = open_paths
+        self.num_in_flight = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.open_paths:
+            await self.app(scope, receive, send)
+            return
+        if self.num_in_flight >= self.limit:
+            busy = APIError(
+                503,
+                f"the server has {self.num_in_flight} requests in flight, its limit "
+                "(--limit-concurrency): retry shortly",
+                code="server_busy",
+            )
+            busy.headers["retry-after"] = "1"
+            await busy.response()(scope, receive, send)
+            return
+        self.num_in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.num_in_flight -= 1
+
+
+class RefuseAmbiguousLength:
+    """ASGI middleware: a request that carries both `Transfer-Encoding` and
+    `Content-Length` gets 400 and its connection is closed. Two servers in a chain that
+    disagree on which header frames the body see different requests in the same bytes
+    (request smuggling); RFC 9112 lets a server refuse such a message, and it must then
+    close the connection."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            names = {name for name, _ in scope["headers"]}
+            if b"transfer-encoding" in names and b"content-length" in names:
+                refused = APIError(
+                    400,
+                    "the request has both Transfer-Encoding and Content-Length: send one",
+                    code="ambiguous_length",
+                )
+                refused.headers["connection"] = "close"
+                await refused.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def head_deadline_protocol(head_timeout_s: float) -> type:

@@ -11,7 +11,6 @@ Responses dump to exactly OpenAI's shapes: `null` where OpenAI sends null, and a
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Annotated, Any, Literal
 
@@ -173,6 +172,7 @@ class ChatCompletionRequest(_SamplingFields):
         Raises RequestError for non-text content parts and missing content.
         """
         merged: list[dict[str, Any]] = []
+        parts: dict[int, list[str]] = {}  # merged message index -> the contents it merges
         for i, m in enumerate(self.messages):
             if m.role == "function":
                 raise RequestError(
@@ -194,9 +194,11 @@ class ChatCompletionRequest(_SamplingFields):
             if m.role == "tool":
                 merged.append({"role": "tool", "content": content, "tool_call_id": m.tool_call_id})
             elif merged and merged[-1]["role"] == role and set(merged[-1]) == {"role", "content"}:
-                merged[-1] = {"role": role, "content": merged[-1]["content"] + "\n\n" + content}
+                parts.setdefault(len(merged) - 1, [merged[-1]["content"]]).append(content)
             else:
                 merged.append({"role": role, "content": content})
+        for at, texts in parts.items():  # joined once: appending in the loop was quadratic
+            merged[at]["content"] = "\n\n".join(texts)
         return merged
 
 
@@ -212,12 +214,14 @@ def template_call(call_id: str | None, name: str, arguments: dict[str, Any]) -> 
 def call_arguments(arguments: Any, param: str) -> Any:
     """A call's arguments as sent back in a conversation: JSON text is parsed (templates
     render objects). Raises RequestError for text that is not JSON."""
+    from stepline.api.json_limits import InputLimitError, parse_nested
+
     if not isinstance(arguments, str):
         return arguments
-    try:
-        return json.loads(arguments or "{}")
-    except ValueError:
-        raise RequestError(f"{param} is not JSON", param=param) from None
+    try:  # held to the body's depth and text limits: templates recurse into it
+        return parse_nested(arguments or "{}", param)
+    except InputLimitError as exc:
+        raise RequestError(exc.message, param=exc.param, code=exc.code) from None
 
 
 def _tool_calls(calls: list[dict[str, Any]], index: int) -> list[dict[str, Any]]:

@@ -6,6 +6,12 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from stepline.api.json_limits import (
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    InputLimitError,
+    check_text,
+)
 from stepline.engine.sampling_limits import MAX_INT32, MAX_REPETITION_PENALTY, PENALTY_RANGE
 from stepline.events.models import RequestParams
 
@@ -26,7 +32,11 @@ class SamplingParams(BaseModel):
     )
     min_p: float = Field(0.0, ge=0.0, lt=1.0, description="0 = off")
     seed: int | None = Field(None, description="same seed + same prompt = same tokens")
-    stop: tuple[str, ...] = Field((), description="stop strings, never emitted; none empty")
+    stop: tuple[str, ...] = Field(
+        (),
+        max_length=MAX_STOP_STRINGS,
+        description=f"stop strings, never emitted; none empty; at most {MAX_STOP_STRINGS}",
+    )
     stop_token_ids: tuple[int, ...] = Field((), description="token ids in the vocabulary")
     ignore_eos: bool = False
     presence_penalty: float = Field(0.0, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
@@ -52,6 +62,19 @@ class SamplingParams(BaseModel):
     def _stop_not_empty(cls, v: tuple[str, ...]) -> tuple[str, ...]:
         if any(s == "" for s in v):
             raise ValueError("stop strings must not be empty (an empty one would match at once)")
+        for i, s in enumerate(v):
+            if len(s) > MAX_STOP_CHARS:
+                raise ValueError(
+                    f"stop[{i}] has {len(s)} characters: at most {MAX_STOP_CHARS} per stop string"
+                )
+            _valid_text(s, f"stop[{i}]")
+        return v
+
+    @field_validator("grammar")
+    @classmethod
+    def _grammar_text(cls, v: str | None) -> str | None:
+        if v is not None:
+            _valid_text(v, "grammar")
         return v
 
     @field_validator("stop_token_ids")
@@ -78,3 +101,11 @@ class SamplingParams(BaseModel):
 
     def to_record(self) -> RequestParams:
         return RequestParams(**self.model_dump(exclude={"logprobs"}))
+
+
+def _valid_text(text: str, param: str) -> None:
+    # Recorded in the event log (UTF-8 JSON): a lone surrogate would degrade it for the run.
+    try:
+        check_text(text, param)
+    except InputLimitError as exc:
+        raise ValueError(exc.message) from None

@@ -22,6 +22,18 @@ from stepline.api.agents import ToolSpec, tool_spec, unique_tools
 from stepline.api.openai_schema import RequestError, call_arguments, template_call
 from stepline.engine.sampling_limits import MAX_INT32
 
+# OpenAI's limits on `metadata`: a stored response keeps it as long as the response.
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
+Metadata = Annotated[
+    dict[
+        Annotated[str, Field(max_length=MAX_METADATA_KEY_CHARS)],
+        Annotated[str, Field(max_length=MAX_METADATA_VALUE_CHARS)],
+    ],
+    Field(max_length=MAX_METADATA_PAIRS),
+]
+
 Status = Literal["queued", "in_progress", "completed", "failed", "cancelled", "incomplete"]
 
 
@@ -113,7 +125,7 @@ class ResponsesRequest(_Request):
     background: bool = False
     store: bool = True
     previous_response_id: str | None = None
-    metadata: dict[str, str] | None = None
+    metadata: Metadata | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True

@@ -346,10 +346,13 @@ class ResponsesServing(Serving):
         after = request.query_params.get("starting_after", "")
         try:
             starting_after = int(after) if after else -1
+            if starting_after < -1:  # replayed events out of order, duplicated, GBs of them
+                raise ValueError(after)
         except ValueError:
             raise APIError(
                 400,
-                f"starting_after must be an event's sequence_number, got {after!r}",
+                f"starting_after must be an event's sequence_number (>= 0; -1 = from the "
+                f"start), got {after!r}",
                 param="starting_after",
             ) from None
         return follower_response(

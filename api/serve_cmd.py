@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import functools
 import importlib.util
 import os
@@ -16,7 +17,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import anyio
 import structlog
@@ -27,6 +28,8 @@ from stepline.api.agent_options import add_agent_args, agent_options
 from stepline.api.engine import launch_rank
 from stepline.api.http_guard import (
     RateLimitedExceptionHandler,
+    RefuseAmbiguousLength,
+    RequestLimit,
     head_deadline_protocol,
     raise_open_file_limit,
 )
@@ -39,7 +42,8 @@ from stepline.api.serving import DEFAULT_BODY_TIMEOUT_S
 
 log = structlog.get_logger(__name__)
 
-DEFAULT_LIMIT_CONCURRENCY = 1024  # connections or requests; each connection is a file
+DEFAULT_LIMIT_CONCURRENCY = 1024  # requests in flight, the probes aside
+PROBE_PATHS = frozenset({"/health", "/metrics"})
 DEFAULT_TIMEOUT_KEEP_ALIVE_S = 5.0  # uvicorn's default
 DEFAULT_TIMEOUT_REQUEST_HEAD_S = 10.0  # a slow client on a bad link sends a head in < 1 s
 UNHEALTHY_EXIT_DELAY_S = 1.0  # streams get their error frames, probes see 503, then exit
@@ -54,7 +58,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
     model loads turns "port in use" into an immediate, clear error (uvicorn would call
     sys.exit) and lets early clients queue instead of being refused."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on accepted sockets that say TCP.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
@@ -76,6 +81,9 @@ class _Server(uvicorn.Server):
         super().__init__(config)
         self.own_signals = own_signals
         self.ready = anyio.Event()
+        # Called first when the server stops (the engine's `begin_shutdown`): open streams
+        # end at once with a last frame, rather than after the grace period, cut off.
+        self.on_shutdown: Callable[[], object] | None = None
 
     @contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -93,6 +101,11 @@ class _Server(uvicorn.Server):
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
         self.ready.set()
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.on_shutdown is not None:
+            self.on_shutdown()
+        await super().shutdown(sockets)
 
 
 def _url(host: str, port: int) -> str:
@@ -112,9 +125,15 @@ def server_config(
     timeout_request_head_s: float = DEFAULT_TIMEOUT_REQUEST_HEAD_S,
 ) -> uvicorn.Config:
     """uvicorn's config for `app`: logging left to `log_config` (log_config=None), at most
-    `limit_concurrency` connections or requests (503 past it), idle keep-alive connections
-    closed after `timeout_keep_alive_s`, and a connection that has not sent a whole request
-    head `timeout_request_head_s` after connecting (or after its last response) closed."""
+    `limit_concurrency` requests in flight (503 past it; /health and /metrics always
+    answer, and idle connections do not count), idle keep-alive connections closed after
+    `timeout_keep_alive_s`, and a connection that has not sent a whole request head
+    `timeout_request_head_s` after connecting (or after its last response) closed. A request
+    with both Transfer-Encoding and Content-Length is refused (400) and its connection
+    closed."""
+    if limit_concurrency is not None:
+        app = RequestLimit(app, limit=limit_concurrency, open_paths=PROBE_PATHS)
+    app = RefuseAmbiguousLength(app)
     return uvicorn.Config(
         app,
         lifespan="off",
@@ -122,7 +141,7 @@ def server_config(
         log_level=log_level,
         access_log=access_log,
         timeout_graceful_shutdown=graceful_shutdown_s,  # type: ignore[arg-type]
-        limit_concurrency=limit_concurrency,
+        limit_concurrency=None,  # uvicorn's counts idle connections: RequestLimit instead
         timeout_keep_alive=timeout_keep_alive_s,  # type: ignore[arg-type]
         http=head_deadline_protocol(timeout_request_head_s),
     )
@@ -238,6 +257,7 @@ async def _serve(args: argparse.Namespace, sock: socket.socket, engine_kwargs: d
                     interrupted = await anyio.to_thread.run_sync(
                         functools.partial(interrupted_responses, args.event_log, since=since)
                     )
+                server.on_shutdown = engine.begin_shutdown
                 switch.app = create_app(
                     engine,
                     api_key=args.api_key,
@@ -264,6 +284,8 @@ async def _serve(args: argparse.Namespace, sock: socket.socket, engine_kwargs: d
                 if args.api_key and os.environ.get("STEPLINE_API_KEY") != args.api_key:
                     print("stepline: set STEPLINE_API_KEY to the key for the curl line below")
                 print(f"try:\n  {_curl_line(url, names[0], args.api_key)}", flush=True)
+                if (problem := engine.event_log_problem) is not None:  # a full disk at start
+                    print(f"stepline: warning: {problem}", file=sys.stderr, flush=True)
                 reason = await engine.wait_unhealthy()
                 if args.stay_up_when_unhealthy:
                     await anyio.sleep_forever()
@@ -287,8 +309,9 @@ async def _serve_other_rank(model: str | None, engine_kwargs: dict) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """`stepline serve`: listen, load the model, serve it until Ctrl-C. Returns the exit
-    status."""
+    """`stepline serve`: listen, load the model, serve it until Ctrl-C or SIGTERM, then end
+    the process with status 0 (1 if the engine failed; see `_end_process`). Returns 1 if it
+    cannot listen; raises what stops it from loading."""
     engine_kwargs = args.engine_kwargs(args)
     if engine_kwargs.get("parallel") and launch_rank() > 0:  # no HTTP: it mirrors rank 0
         anyio.run(_serve_other_rank, args.model, engine_kwargs)
@@ -312,13 +335,19 @@ def run_serve(args: argparse.Namespace) -> int:
         status = 1
     finally:
         sock.close()
-    if engine_kwargs.get("parallel"):
-        # MLX's ring backend can abort at interpreter teardown ("terminate called without
-        # an active exception"): a distributed rank 0 ends here, as the other ranks do.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(status)
-    return status
+    _end_process(status)
+
+
+def _end_process(status: int) -> NoReturn:
+    """Exit with `status` now that the engine is closed and its log written, without the
+    interpreter's teardown. In that teardown a daemon thread that wakes in native code (the
+    MLX thread, a tokenizer's worker, MLX's ring backend) is ended with a forced unwind that
+    C++ turns into std::terminate: "terminate called without an active exception", exit
+    134, which a supervisor counts as a crash. The atexit handlers still run."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def add_serve_parser(
@@ -377,7 +406,8 @@ def add_serve_parser(
         "--limit-concurrency",
         type=int,
         default=DEFAULT_LIMIT_CONCURRENCY,
-        help="most open connections or requests at once; 503 past it "
+        help="most requests in flight at once (a stream counts until it ends); 503 past it. "
+        "/health and /metrics always answer, and idle connections do not count "
         f"(default: {DEFAULT_LIMIT_CONCURRENCY})",
     )
     p.add_argument(

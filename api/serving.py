@@ -14,7 +14,6 @@ detail goes to the server log under the same id.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -89,17 +88,15 @@ def json_response(body: BaseModel, status_code: int = 200, headers: dict | None 
     )
 
 
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON (numbers must be finite)")
-
-
 def loads_strict(body: bytes) -> Any:
-    """Parse a JSON body as RFC 8259 says: NaN, Infinity and -Infinity are refused
-    (json.loads would accept them). Raises APIError 400 `invalid_json`."""
+    """Parse a JSON body held to `json_limits` (finite numbers, bounded depth and lists,
+    valid text). Raises APIError 400 naming the limit."""
+    from stepline.api.json_limits import InputLimitError, parse_body
+
     try:
-        return json.loads(body, parse_constant=_no_constant)
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError too
-        raise APIError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
+        return parse_body(body)
+    except InputLimitError as exc:
+        raise APIError(400, exc.message, param=exc.param, code=exc.code) from None
 
 
 class Serving:

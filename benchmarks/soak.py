@@ -20,6 +20,11 @@ clients: a stream that never gave a finish_reason or an error frame, no answer w
 --request-timeout; and in the event log: requests with no terminal event, per `stepline replay
 LOG --verify`), and a PASS/FAIL line. Exit status: 0 PASS, 1 FAIL, 2 the run could not start.
 
+With --freeze-probe, a prober runs beside the load (benchmarks/freeze_probe.py): every
+--probe-every seconds one hostile body that once froze the whole server (900-deep JSON, lone
+surrogates, 60,000 tools, ...), a /health poller and bystander streams; the worst /health
+latency (target < 1 s) and the bystanders' longest gap (< 2 s) join the verdict.
+
 Bounded: --requests, --max-seconds and --max-rss-gb (the server's RSS); the server is
 stopped (SIGTERM, then SIGKILL) by its PID on every way out, Ctrl-C included.
 """
@@ -43,6 +48,7 @@ from typing import Any
 import httpx
 
 try:
+    from benchmarks.freeze_probe import FreezeProber
     from benchmarks.http_load import Prompts, load_tokenizer
     from benchmarks.soak_server import (
         SAMPLE_HEAD,
@@ -57,6 +63,7 @@ try:
         verify_log,
     )
 except ImportError:  # run as a script: benchmarks/ itself is on sys.path
+    from freeze_probe import FreezeProber  # type: ignore[no-redef]
     from http_load import Prompts, load_tokenizer  # type: ignore[no-redef]
     from soak_server import (  # type: ignore[no-redef]
         SAMPLE_HEAD,
@@ -305,6 +312,12 @@ def verdict(summary: dict[str, Any]) -> tuple[bool, list[str], list[str]]:
         fails.append(f"/health at the end: {summary['health_at_end']}")
     if summary["server_exit"].startswith(("had exited", "did not exit")):
         fails.append(f"the server {summary['server_exit']}")
+    freeze = summary.get("freeze")
+    if freeze is not None and not freeze["pass"]:
+        fails.append(
+            f"freeze probe: /health worst {freeze['health_max_s']:.2f} s, longest stream gap "
+            f"{freeze['gap_max_s']:.2f} s, {freeze['probe_5xx']} hostile bodies got a 5xx"
+        )
     notes = []
     for when in ("before", "after"):
         report = summary[f"log_verify_{when}_stop"] or {}
@@ -348,7 +361,16 @@ async def run(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
             print(SAMPLE_HEAD)
             print_sample(start, "start")
             samples: list[Sample] = [start]
-            sent, stopped = await load(server, specs, args, t0, tally, samples)
+            probing = asyncio.Event()
+            prober = FreezeProber(server.base_url, every_s=args.probe_every, model=card["id"])
+            probe = asyncio.create_task(prober.run(probing)) if args.freeze_probe else None
+            try:
+                sent, stopped = await load(server, specs, args, t0, tally, samples)
+            finally:
+                probing.set()
+            freeze = (await probe).as_dict() if probe is not None else None
+            if probe is not None:
+                print("\n".join(prober.report.lines()))
             load_s = time.monotonic() - t0
             end = await take_sample(server, c, -1, t0, tally.counts)
             idle, held, probes = await drain(server, t0, tally.counts)
@@ -409,6 +431,7 @@ async def run(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
         if idle is None
         else {"active": idle.mlx_active, "cache": idle.mlx_cache, "peak": idle.mlx_peak},
         "health_at_end": health,
+        "freeze": freeze,
         "server_exit": server.exit_note,
         "samples": [asdict(s) for s in samples + [end] + ([idle] if idle else [])],
     }
@@ -500,6 +523,15 @@ def main(argv: list[str] | None = None) -> int:
         "--no-event-log",
         action="store_true",
         help="no event log (by default the server writes one, checked at the end)",
+    )
+    p.add_argument(
+        "--freeze-probe",
+        action="store_true",
+        help="beside the load, send a hostile body every --probe-every seconds and report "
+        "the worst /health latency and bystander stream gap (benchmarks/freeze_probe.py)",
+    )
+    p.add_argument(
+        "--probe-every", type=float, default=3.0, help="seconds between hostile bodies (3)"
     )
     p.add_argument("--keep", action="store_true", help="keep the server log and event log")
     p.add_argument("--json", metavar="FILE", help="also write the summary as JSON ('-': stdout)")

@@ -26,6 +26,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache, can_trim_prompt_cache
 
 from stepline.engine.prefix_disk import DiskTier
+from stepline.engine.prefix_files import Layout
 from stepline.engine.prefix_index import EntryInfo, PrefixIndex, Tokens
 from stepline.engine.work import PrefixReport
 
@@ -95,10 +96,15 @@ class PrefixStore:
         disk_dir: str | Path | None = None,
         disk_max_bytes: int = 0,
         model_id: str = "",
+        layout: Layout | None = None,
     ):
         self._entries: dict[Tokens, Cache] = {}
         self._new: list[EntryInfo] = []
-        self.disk = DiskTier(disk_dir, disk_max_bytes, model_id) if disk_dir is not None else None
+        self.disk = (
+            DiskTier(disk_dir, disk_max_bytes, model_id, layout=layout)
+            if disk_dir is not None
+            else None
+        )
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -214,10 +220,11 @@ class PrefixCache:
         disk_dir: str | Path | None = None,
         disk_max_bytes: int = 0,
         model_id: str = "",
+        layout: Layout | None = None,
     ):
         self.index = PrefixIndex(max_bytes)
         self.store = PrefixStore(
-            disk_dir=disk_dir, disk_max_bytes=disk_max_bytes, model_id=model_id
+            disk_dir=disk_dir, disk_max_bytes=disk_max_bytes, model_id=model_id, layout=layout
         )
         self.stats = PrefixCacheStats()
         for info in self.store.disk_entries():

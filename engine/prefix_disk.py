@@ -23,12 +23,14 @@ from stepline.engine.prefix_files import (
     _LIVE_WRITERS,
     _STALE_TMP_SECONDS,
     _SUFFIX,
+    Layout,
     _BadFile,
     _FileInfo,
     _NotOurs,
     _Unreadable,
     _Unserializable,
     _Writer,
+    check_layout,
     entry_file_name,
     load_entry_file,
     read_entry_info,
@@ -69,7 +71,8 @@ class DiskTier:
 
     Owned by the executor thread (call every method there); its writer thread does the
     file I/O. At start the index is rebuilt from the files'
-    headers only; entries are read back lazily, on a hit. Files of other models in the
+    headers only; entries are read back lazily, on a hit, and checked against the model's
+    cache `layout` (classes, shapes, dtypes) when given. Files of other models in the
     same directory are left alone.
     """
 
@@ -80,6 +83,7 @@ class DiskTier:
         model_id: str,
         *,
         max_pending_bytes: int = 2**30,
+        layout: Layout | None = None,
     ):
         if max_bytes < 0:
             raise ValueError(f"prefix cache disk max_bytes must be >= 0, got {max_bytes}")
@@ -94,6 +98,7 @@ class DiskTier:
         self.max_bytes = max_bytes
         self.model_id = model_id
         self.max_pending_bytes = max_pending_bytes
+        self.layout = layout  # the model's cache layout: a file that does not fit is dropped
         self.stats = DiskStats()
         self._index = TokenTrie()
         self._lru: OrderedDict[tuple[int, ...], _DiskEntry] = OrderedDict()  # oldest use first
@@ -244,6 +249,8 @@ class DiskTier:
         """The entry's cache, or None if its file is unusable (then it is dropped)."""
         try:
             cache = load_entry_file(entry.path, entry.tokens, self.model_id)
+            if self.layout is not None:
+                check_layout(cache, self.layout)
             mx.eval([layer.state for layer in cache])
         except _Unreadable as exc:  # indexed as ours, now torn
             self._remove(entry.tokens, delete=False)

@@ -368,6 +368,68 @@ def load_entry_file(path: Path, tokens: tuple[int, ...], model_id: str) -> Cache
     return cache
 
 
+# -- the model's layout ---------------------------------------------------------------
+#
+# A file can be whole (its crc32 right) and still not fit the model: written by a build
+# with other shapes, or crafted. Its arrays are checked against the layout of the model's
+# own cache at load, or every request it served would fail in the forward pass.
+
+# Layers whose arrays have a token axis (-2), which is the one dimension that may differ.
+_KV_CLASSES = ("KVCache", "RotatingKVCache", "QuantizedKVCache")
+# Per layer: its class, and per array of its state, (shape with None on the token axis, dtype).
+Layout = tuple[tuple[str, dict[str, tuple[tuple[int | None, ...], str]]], ...]
+
+
+def cache_layout(cache: Cache) -> Layout:
+    """The class and the arrays' shapes (token axis left open) and dtypes of each layer."""
+    layers = []
+    for layer in cache:
+        kind = type(layer).__name__
+        arrays = {}
+        for name, leaf in tree_flatten(layer.state):
+            if isinstance(leaf, mx.array):
+                shape: list[int | None] = list(leaf.shape)
+                if kind in _KV_CLASSES and leaf.ndim >= 2:
+                    shape[-2] = None
+                arrays[name] = (tuple(shape), str(leaf.dtype))
+        layers.append((kind, arrays))
+    return tuple(layers)
+
+
+def model_cache_layout(model: Any) -> Layout:
+    """`cache_layout` of the model's own cache after one token (executor thread: MLX)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    model(mx.array([[1]]), cache=cache)
+    mx.eval([layer.state for layer in cache])
+    return cache_layout(cache)
+
+
+def check_layout(cache: Cache, expected: Layout) -> None:
+    """Raise _BadFile naming the first layer and array of `cache` that does not fit
+    `expected` (another class, an array the model has not, another shape or dtype)."""
+    got = cache_layout(cache)
+    if len(got) != len(expected):
+        raise _BadFile(f"it has {len(got)} cache layers, the model {len(expected)}")
+    for i, ((kind, arrays), (want_kind, want_arrays)) in enumerate(zip(got, expected, strict=True)):
+        if kind != want_kind:
+            raise _BadFile(f"layer {i} is a {kind}, the model's a {want_kind}")
+        for name, (shape, dtype) in arrays.items():
+            want = want_arrays.get(name)
+            if want is None:
+                raise _BadFile(f"layer {i} has an array {name!r} the model's cache has not")
+            if (shape, dtype) != want:
+                raise _BadFile(
+                    f"layer {i} array {name!r} is {dtype} {_shape(shape)}, "
+                    f"the model's is {want[1]} {_shape(want[0])}"
+                )
+
+
+def _shape(shape: tuple[int | None, ...]) -> str:
+    return "(" + ", ".join("*" if d is None else str(d) for d in shape) + ")"
+
+
 # -- the writer thread ----------------------------------------------------------------
 
 _LIVE_WRITERS: weakref.WeakSet[_Writer] = weakref.WeakSet()

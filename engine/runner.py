@@ -26,12 +26,12 @@ from stepline.engine import fused, step_sampling
 from stepline.engine.constraints import advance
 from stepline.engine.decode_order import DecodeOrder
 from stepline.engine.forward import forward, split_head_works
-from stepline.engine.grammar import GrammarCompiler
+from stepline.engine.grammar import DEFAULT_CACHE_BYTES, GrammarCompiler
 from stepline.engine.memory import read_memory_counters
 from stepline.engine.models import LoadedModel
 from stepline.engine.policy import ScheduledChunk
 from stepline.engine.prefix_cache import PrefixStore, compact_cache, share_cache
-from stepline.engine.prefix_files import model_fingerprint
+from stepline.engine.prefix_files import model_cache_layout, model_fingerprint
 from stepline.engine.sampling import (
     PendingSample,
     RowHistory,
@@ -88,6 +88,7 @@ class ModelRunner:
         prefix_cache_dir: str | Path | None = None,
         prefix_cache_disk_bytes: int = 0,
         grammars: GrammarCompiler | None = None,
+        grammar_cache_bytes: int = DEFAULT_CACHE_BYTES,
         lookahead: bool = True,
         fuse: bool = True,
     ):
@@ -101,8 +102,10 @@ class ModelRunner:
             self.store = PrefixStore(
                 disk_dir=prefix_cache_dir,
                 disk_max_bytes=prefix_cache_disk_bytes,
-                # Files are only ever used for the same weights (checked on every read).
+                # Files are only ever used for the same weights (checked on every read),
+                # and only if their arrays fit the model's cache (checked on every load).
                 model_id=model_fingerprint(loaded.path) if prefix_cache_dir is not None else "",
+                layout=model_cache_layout(self.model) if prefix_cache_dir is not None else None,
             )
         self._seqs: dict[str, Seq] = {}
         self._batch_ids: list[str] = []  # decode batch rows, in order
@@ -121,7 +124,7 @@ class ModelRunner:
         self.fuse = fuse and self._split_head and fused.fused_forward_works(self.model)
         vocab = getattr(getattr(self.model, "args", None), "vocab_size", None)
         self.grammars = grammars or GrammarCompiler(
-            loaded.tokenizer, vocab or len(loaded.tokenizer)
+            loaded.tokenizer, vocab or len(loaded.tokenizer), max_bytes=grammar_cache_bytes
         )
 
     # -- request lifecycle ----------------------------------------------------

@@ -22,6 +22,7 @@ events/log_reader.py (both re-exported here).
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from pathlib import Path
@@ -42,6 +43,7 @@ from stepline.events.log_format import (
     rotated_path,
     unregister_upcaster,
 )
+from stepline.events.log_lock import LogInUseError, LogLock
 from stepline.events.log_reader import (
     LogRun,
     read_events,
@@ -54,6 +56,7 @@ from stepline.events.models import SCHEMA_VERSION, Admitted, Decoding, Event, Lo
 __all__ = [
     "EventLogWriter",
     "LogClosedError",
+    "LogInUseError",
     "LogCorruptError",
     "LogRun",
     "TornLineWarning",
@@ -90,12 +93,18 @@ class EventLogWriter:
     written without its prompt ids, with `log_outputs` false a `Decoding` event with the
     count of its tokens (`token_count`) in place of their ids.
 
+    One writer per log: the constructor takes an advisory lock (`log_lock`), held until
+    close(), and raises LogInUseError naming the process that holds it.
+
     A write error on the thread (disk full, the file gone) never reaches the caller: the
     writer becomes *degraded* — `error` holds the exception, one structlog error says why,
     and every later event is dropped and counted in `num_dropped` (with those of the failed
     write that did not reach the file in full; a line cut short is the run's torn last
     line). It does not recover: the log ends at the error (resuming later would leave a gap
-    in the run's sequence numbers), and a restart appends a new run.
+    in the run's sequence numbers), and a restart appends a new run. A file deleted or moved
+    away (a log rotator) while written is such an error too, found after the next write. A
+    header that cannot be written at construction (a full disk at start) makes the writer
+    degraded from the start, recording nothing, rather than failing: the engine serves.
 
     An existing log (or a rotated file of it) raises FileExistsError at construction,
     unless `append` (a new run is added after the last one, in the last file, and rotation
@@ -125,6 +134,41 @@ class EventLogWriter:
         self.path = Path(path)
         self.header = header
         self.rotate_bytes = rotate_bytes
+        self._header_line = header.model_dump_json().encode() + b"\n"
+        self._file: IO[bytes] | None = None
+        self._file_id: tuple[int, int] | None = None  # (st_dev, st_ino) of the open file
+        self._file_bytes = 0
+        self._error: BaseException | None = None
+        self._started = True  # False: the header could not be written, nothing is recorded
+        # Before looking at the files: a second live writer would interleave its run.
+        self._log_lock = LogLock(self.path)
+        try:
+            self._open(overwrite=overwrite, append=append)
+        except _CannotWrite as exc:  # a full disk at start: serve on, record nothing
+            self._drop_file()
+            self._started = False
+            self._error = exc.error
+            log.error(
+                "event_log_not_started",
+                path=str(self.path),
+                error=repr(exc.error),
+                note="this run is not recorded (events are dropped); free space and restart",
+            )
+        except BaseException:
+            self._drop_file()
+            self._log_lock.release()
+            raise
+
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # guards _num_appended and _closed against close()
+        self._num_appended = 0
+        self._num_done = 0  # written or dropped; only the writer thread changes it
+        self._num_dropped = 0
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="stepline-event-log", daemon=True)
+        self._thread.start()
+
+    def _open(self, *, overwrite: bool, append: bool) -> None:
         existing = existing_set(self.path)
         if existing and not (overwrite or append):
             raise FileExistsError(
@@ -135,26 +179,12 @@ class EventLogWriter:
             for old in existing:
                 old.unlink(missing_ok=True)
             existing = []
-
-        self._header_line = header.model_dump_json().encode() + b"\n"
-        self._file: IO[bytes] | None = None
-        self._file_bytes = 0
         if existing:
             self._open_to_append(existing)  # on the caller's thread: errors reach the caller
         else:
             self._file_index = 0
             self._first_index = 0
             self._open_next_file()
-
-        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._lock = threading.Lock()  # guards _num_appended and _closed against close()
-        self._num_appended = 0
-        self._num_done = 0  # written or dropped; only the writer thread changes it
-        self._num_dropped = 0
-        self._error: BaseException | None = None
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name="stepline-event-log", daemon=True)
-        self._thread.start()
 
     # -- caller side -------------------------------------------------------------------------
 
@@ -188,6 +218,11 @@ class EventLogWriter:
         """Why the log is degraded, for /health and people; None while it is healthy."""
         if self._error is None:
             return None
+        if not self._started:
+            return (
+                f"event log could not be started ({self._error!r}): this run is not recorded; "
+                "free space and restart"
+            )
         return f"event log write failed: {self._error!r}; later events are dropped"
 
     @property
@@ -225,6 +260,7 @@ class EventLogWriter:
             self._closed = True
             self._queue.put(_STOP)
         self._thread.join()
+        self._log_lock.release()
 
     def __enter__(self) -> EventLogWriter:
         return self
@@ -265,7 +301,8 @@ class EventLogWriter:
         # A torn last line (a kill mid-write) is closed off, not removed: it stays the last
         # line of the previous run, which the reader skips with a warning.
         prefix = b"\n" if size > data_end else b""
-        _write_or_raise(self._file, prefix + self._header_line)
+        self._file_id = _identity(os.fstat(self._file.fileno()))
+        _write_header(self._file, prefix + self._header_line)
         self._file_bytes = size + len(prefix) + len(self._header_line)
 
     def _open_next_file(self, mode: str = "xb") -> None:
@@ -277,7 +314,8 @@ class EventLogWriter:
         # which events reached the file and which were lost.
         self._file = open(path, mode, buffering=0)  # closed in _close_file
         self._file_index += 1
-        _write_or_raise(self._file, self._header_line)
+        self._file_id = _identity(os.fstat(self._file.fileno()))
+        _write_header(self._file, self._header_line)
         self._file_bytes = len(self._header_line)
 
     def _run(self) -> None:
@@ -316,13 +354,35 @@ class EventLogWriter:
                     lines.append(line)
                     pending += len(line)
                 except Exception as exc:  # disk full, permissions, ...: never crash the engine
-                    self._fail(exc, lost=len(lines))
+                    self._fail(exc.error if isinstance(exc, _CannotWrite) else exc, lost=len(lines))
                     lines, pending = [], 0
             if self._error is not None:
                 self._num_dropped += 1
             self._num_done += 1
         self._write_lines(lines)  # so that a crash loses at most the batch in flight
         return False
+
+    def _check_file_is_there(self) -> None:
+        """Become degraded if the file just written is no longer the one at its path
+        (deleted, or moved away by a log rotator): what follows would be lost with it. One
+        stat per write (a batch), microseconds beside the write."""
+        if self._error is not None or self._file_id is None:
+            return
+        current = rotated_path(self.path, self._file_index - 1)
+        try:
+            there = _identity(os.stat(current))
+        except FileNotFoundError:
+            there = None
+        except OSError:
+            return  # cannot tell (a stale network mount): writing goes on
+        if there != self._file_id:
+            what = "deleted" if there is None else "replaced by another file"
+            self._fail(
+                FileNotFoundError(
+                    f"the event log file {current} was {what} while it was being written"
+                ),
+                lost=0,
+            )
 
     def _serialise(self, event: Event) -> bytes:
         if not self.header.log_outputs and isinstance(event, Decoding) and event.token_ids:
@@ -361,6 +421,15 @@ class EventLogWriter:
             self._fail(partial.error, lost=len(lines) - complete)
             return
         self._file_bytes += written
+        self._check_file_is_there()
+
+    def _drop_file(self) -> None:
+        if self._file is not None:
+            try:
+                self._file.close()
+            except OSError:
+                pass
+            self._file = None
 
     def _close_file(self) -> None:
         if self._file is not None:
@@ -383,11 +452,23 @@ class EventLogWriter:
         )
 
 
-def _write_or_raise(file: Any, data: bytes) -> None:
+class _CannotWrite(Exception):
+    """A log file opened, but its header could not be written (a full disk)."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+        super().__init__(repr(error))
+
+
+def _write_header(file: Any, data: bytes) -> None:
     try:
         _write_all(file, data)
     except _PartialWrite as partial:
-        raise partial.error from None
+        raise _CannotWrite(partial.error) from None
+
+
+def _identity(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
 
 
 class _PartialWrite(Exception):

@@ -110,3 +110,26 @@ def test_a_request_cancelled_while_its_step_ran_gets_nothing() -> None:
     plan = StepPlan(step=1, chunks=(ScheduledChunk("a", 0, 3, (), True),))
     rec.states.pop("a")  # as if its terminal event was recorded meanwhile
     assert step(rec, plan, StepResult(tokens={"a": 1})) == []
+
+
+def test_ended_requests_kept_for_inspection_hold_a_bounded_number_of_prompt_ids() -> None:
+    from stepline.actors import commit as commit_module
+    from stepline.events.models import FinishReason, Terminal
+
+    rec = Recorder()
+    prompt = tuple(range(100_000))  # a long prompt: its state holds every id
+    for i in range(10):
+        rec.record(
+            Admitted,
+            request_id=f"r{i}",
+            num_prompt_tokens=len(prompt),
+            prompt_token_ids=prompt,
+            prompt_sha256="x",
+            checkpoints=(),
+            params=PARAMS,
+        )
+        rec.record(Terminal, request_id=f"r{i}", reason=FinishReason.CANCELLED)
+    kept = list(rec.finished)
+    assert kept == [f"r{i}" for i in range(10 - len(kept), 10)]  # the most recent ones
+    held = sum(len(s.prompt_token_ids or ()) for s in rec.finished.values())
+    assert held <= commit_module._KEEP_FINISHED_TOKENS and len(kept) >= 1

@@ -7,6 +7,7 @@ import errno
 import hashlib
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -253,8 +254,7 @@ def test_a_log_file_that_disappears_with_its_directory_degrades_the_log(tmp_path
     writer = EventLogWriter(folder / "run.jsonl", run_header(), rotate_bytes=200)
     writer.append(decoding(1, "r", 1))
     writer.flush()
-    (folder / "run.jsonl").unlink()
-    folder.rmdir()  # the next rotation has nowhere to go
+    shutil.rmtree(folder)  # the next rotation has nowhere to go
     for i in range(2, 12):
         writer.append(decoding(i, "r", i))
     writer.close()

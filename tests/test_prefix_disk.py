@@ -216,6 +216,42 @@ def entry(model, prompt: list[int]):
     return snapshot_cache(cache)
 
 
+async def test_a_whole_file_whose_arrays_do_not_fit_the_model_is_dropped_with_a_warning(
+    demo, tmp_path
+):
+    # A file with a right crc32 and token list, in the model's own name, whose arrays have
+    # other shapes (and another dtype): once every chat answer failed on it, across restarts.
+    cache_dir = tmp_path / "prefix-cache"
+    model_id = _model_id("stepline-demo")
+    crafted = []
+    for i, layer in enumerate(entry(demo.model, SYSTEM)):
+        keys, values, *rest = layer.state
+        kv = KVCache()
+        if i == 0:
+            kv.state = (keys[..., :-1], values[..., :-1], *rest)  # a head_dim too small
+        else:
+            kv.state = (keys.astype(mx.float16), values.astype(mx.float16), *rest)
+        crafted.append(kv)
+    pc = PrefixCache(0, disk_dir=cache_dir, disk_max_bytes=1 << 30, model_id=model_id)
+    pc.insert(SYSTEM, crafted)
+    pc.close()
+    assert len(files(cache_dir)) == 1
+
+    for restart in range(2):
+        with capture_logs() as logs:
+            async with open_engine("stepline-demo", cache_dir) as engine:
+                warm = await run(engine, SYSTEM + SECOND)
+                await flush(engine)
+                assert engine.healthy
+        same(warm, await cold("stepline-demo", SYSTEM + SECOND))
+        if restart == 0:
+            assert warm[2] == 0  # computed, not taken from the file
+            (reason,) = [e["reason"] for e in skipped(logs)]
+            assert reason.startswith("layer 0 array") and "the model's is" in reason
+        else:  # the bad file is gone; the entry the first run wrote serves
+            assert skipped(logs) == [] and warm[2] > 0
+
+
 def test_the_size_cap_evicts_the_least_recently_used_file(demo, tmp_path):
     prompts = [[k, *ids(29, k)] for k in (10, 11, 12)]  # no prefix shared
     probe = PrefixCache(0, disk_dir=tmp_path / "probe", disk_max_bytes=1 << 30, model_id="m")

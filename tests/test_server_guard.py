@@ -397,33 +397,6 @@ async def test_the_same_accept_error_is_logged_at_most_once_a_second(capsys):
     assert "left_out_since_last=9999" in lines[2]
 
 
-async def poll_health(http: httpx.AsyncClient, status: int) -> httpx.Response:
-    """/health, asked until it answers `status` (within 10 s)."""
-    for _ in range(1000):
-        r = await http.get("/health")
-        if r.status_code == status:
-            return r
-        await anyio.sleep(0.01)
-    raise AssertionError(f"/health never answered {status}")
-
-
-async def test_past_the_concurrency_limit_requests_get_503_until_connections_close(served):
-    app = create_app(served.engine)
-    async with serve_in_process(app, limit_concurrency=4, timeout_request_head_s=30) as url:
-        host, port = url.removeprefix("http://").split(":")
-        idle = [await anyio.connect_tcp(host, int(port)) for _ in range(4)]
-        # A fresh connection each time: a kept-alive one would count against the limit.
-        limits = httpx.Limits(max_keepalive_connections=0)
-        async with httpx.AsyncClient(base_url=url, timeout=10, limits=limits) as http:
-            with anyio.fail_after(10):
-                refused = await poll_health(http, 503)  # once the server has accepted all 4
-                for conn in idle:
-                    await conn.aclose()
-                answered = await poll_health(http, 200)
-    assert refused.status_code == 503
-    assert answered.json()["status"] == "ok"
-
-
 async def test_the_length_bound_never_refuses_a_prompt_that_fits(served):
     """A text is refused unread only if it has at least max_context tokens: the bound (its
     length over the longest vocabulary entry) must never exceed the real token count."""

@@ -1,0 +1,64 @@
+"""`Engine.submit` with arguments of the wrong type or value: each is a TypeError or
+ValueError naming the argument, raised at once; the engine serves on and its event log
+stays whole (these once ended the engine with a gap in the log, or degraded the log)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from stepline.api import Engine, SamplingParams
+from stepline.api.json_limits import MAX_STOP_STRINGS
+from stepline.events.log import read_events
+from stepline.events.verify import verify
+
+BAD_ARGS = [
+    ({"checkpoints": [2.5]}, TypeError, "checkpoints"),
+    ({"checkpoints": ["3"]}, TypeError, "checkpoints"),
+    ({"checkpoints": [True]}, TypeError, "checkpoints"),
+    ({"checkpoints": "3"}, TypeError, "checkpoints"),
+    ({"checkpoints": [-1]}, ValueError, "checkpoints"),
+    ({"request_id": 5}, TypeError, "request_id"),
+    ({"request_id": b"x"}, TypeError, "request_id"),
+    ({"request_id": "\ud800"}, ValueError, "request_id"),
+    ({"request_id": ""}, ValueError, "request_id"),
+    ({"request_id": "x" * 257}, ValueError, "request_id"),
+    ({"params": {"max_tokens": 2}}, TypeError, "params"),
+    ({"template_kwargs": [1]}, TypeError, "template_kwargs"),
+]
+
+
+@pytest.mark.asyncio
+async def test_wrong_arguments_are_refused_naming_them_and_the_engine_serves_on(
+    demo, tmp_path: Path
+) -> None:
+    path = tmp_path / "run.jsonl"
+    async with Engine.open("stepline-demo", max_step_tokens=128, event_log=path) as engine:
+        for kwargs, error, name in BAD_ARGS:
+            with pytest.raises(error, match=name):
+                await engine.submit([1, 2, 3, 4], **kwargs)
+        outs = [
+            out
+            async for out in engine.generate(
+                [1, 2, 3, 4], params=SamplingParams(max_tokens=3), request_id="after"
+            )
+        ]
+        assert engine.healthy and engine.event_log_problem is None
+    assert outs[-1].finish_reason == "length"
+    assert verify(path).ok
+    assert {e.request_id for e in read_events(path) if e.request_id} == {"after"}
+
+
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        ({"stop": ["\ud800"]}, "surrogate"),
+        ({"stop": [f"s{i}" for i in range(MAX_STOP_STRINGS + 1)]}, "stop"),
+        ({"grammar": "start: \udfff"}, "surrogate"),
+        ({"stop": ["a" * 1001]}, "at most 1000"),
+    ],
+)
+def test_sampling_params_refuse_what_the_log_could_not_record(fields, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**fields)
