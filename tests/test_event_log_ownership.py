@@ -92,6 +92,8 @@ def test_serve_on_a_log_another_process_writes_exits_with_a_message_naming_it(de
                 "-m",
                 "stepline.api.cli",
                 "serve",
+                "--model",
+                "stepline-demo",
                 "--port",
                 "0",
                 "--event-log",

@@ -30,6 +30,8 @@ def start_serve(log: Path, stderr_path: Path) -> tuple[subprocess.Popen, str]:
         "-m",
         "stepline.api.cli",
         "serve",
+        "--model",
+        "stepline-demo",
         "--port",
         "0",
         "--max-step-tokens",
