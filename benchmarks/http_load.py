@@ -556,7 +556,9 @@ async def main_async(args) -> list[dict[str, Any]]:
         return rows
     with tempfile.TemporaryDirectory(prefix="http-load-") as log_dir:
         for kind in spawn:  # one at a time: they would fight over the same cores
-            server = Spawned(kind, args.model, Path(log_dir), args.stepline_args.split())
+            server = Spawned(
+                kind, args.model, Path(log_dir), args.stepline_args.split(), args.peer_args.split()
+            )
             try:
                 await server.wait_ready()
                 t = Target(kind, server.base_url, server.model, server.context, server.proc.pid)
@@ -578,6 +580,12 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated servers to start on --model, one after the other: stepline,mlx_lm",
     )
     p.add_argument("--stepline-args", default="", help="extra `stepline serve` arguments")
+    p.add_argument(
+        "--peer-args",
+        default="",
+        help="extra arguments of the peer spawned (e.g. mlx_lm.server's best chunked "
+        "configuration: '--prefill-step-size 512')",
+    )
     p.add_argument(
         "--workloads",
         default="head-of-line,burst,shared-prefix,overhead",
