@@ -204,7 +204,7 @@ class EngineParts:
         """The step-time model's seed: the warm-up's samples, kept from an earlier start of
         the same model, budget and machine (engine/warmup.py), or measured now."""
         from stepline.engine import _blas
-        from stepline.engine.models import cache_root
+        from stepline.engine.cache_dirs import cache_root
         from stepline.engine.prefix_files import model_fingerprint
         from stepline.engine.warmup import (
             load_samples,

@@ -411,7 +411,7 @@ class Spawned:
         peer_args: Sequence[str] = (),
     ):
         from benchmarks.served_model import served_dir
-        from stepline.engine.models import DEMO_MODELS, load_model
+        from stepline.engine.models import DEMO_MODELS
 
         self.kind = kind
         self.port = free_port()
@@ -421,7 +421,12 @@ class Spawned:
         if model_name in DEMO_MODELS:
             self.context = DEMO_MODELS[model_name].max_position_embeddings
         else:
-            self.context = load_model(str(path)).max_context if path.is_dir() else None
+            config = path / "config.json"  # read, not loaded: no model in this process
+            self.context = (
+                json.loads(config.read_text()).get("max_position_embeddings")
+                if config.is_file()
+                else None
+            )
         if kind == "stepline":
             # A demo by name; a real model as the same directory the peers read.
             self.model = model_name if model_name in DEMO_MODELS else str(path)

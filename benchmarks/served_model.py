@@ -16,9 +16,10 @@ from pathlib import Path
 
 def served_dir(model_name: str) -> Path:
     """A directory in mlx-lm layout holding `model_name` as stepline serves it."""
+    from stepline.engine.cache_dirs import cache_root
     from stepline.engine.default_model import DEFAULT_MODEL
     from stepline.engine.gguf import is_gguf
-    from stepline.engine.models import DEMO_MODELS, cache_root, demo_model_path, load_model
+    from stepline.engine.models import DEMO_MODELS, demo_model_path, load_model
 
     if model_name in DEMO_MODELS:
         return demo_model_path(model_name)

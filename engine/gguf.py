@@ -25,9 +25,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -36,6 +33,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import structlog
+
+from stepline.engine.cache_dirs import build_once
 
 log = structlog.get_logger(__name__)
 
@@ -115,22 +114,9 @@ def gguf_model_dir(
     stat = src.stat()
     key = json.dumps([_CONVERT_VERSION, str(src), stat.st_size, stat.st_mtime_ns])
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
-    models_dir = cache_root / "models"
-    final = models_dir / f"gguf-{src.stem}-{digest}"
-    if final.is_dir():
-        return final, False
-    models_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".gguf-{src.stem}-converting-", dir=models_dir))
-    try:
-        convert_gguf(src, tmp, progress)
-        os.replace(tmp, final)
-    except OSError:
-        # Another process renamed its conversion into place first: use that one.
-        if not final.is_dir():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final, True
+    final = cache_root / "models" / f"gguf-{src.stem}-{digest}"
+    converted = build_once(final, lambda tmp: convert_gguf(src, tmp, progress))
+    return final, converted
 
 
 def convert_gguf(src: Path, out: Path, progress: ProgressFn | None = None) -> None:

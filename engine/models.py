@@ -16,9 +16,7 @@ import hashlib
 import importlib
 import json
 import os
-import shutil
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,6 +25,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import structlog
 from mlx.utils import tree_flatten, tree_unflatten
+
+from stepline.engine.cache_dirs import build_once, cache_root
 
 if TYPE_CHECKING:  # mlx_lm imports transformers (~1 s); load it only when loading a model
     from mlx_lm.tokenizer_utils import TokenizerWrapper
@@ -222,16 +222,6 @@ class LoadedModel:
     weights: str = ""  # the weights' dtype as loaded, and why (`fit_dtype`)
 
 
-def cache_root(cache_dir: str | Path | None = None) -> Path:
-    """stepline's cache: `cache_dir`, else $STEPLINE_CACHE_DIR, else ~/.cache/stepline."""
-    if cache_dir is not None:
-        return Path(cache_dir).expanduser()
-    env = os.environ.get("STEPLINE_CACHE_DIR")
-    if env:
-        return Path(env).expanduser()
-    return Path.home() / ".cache" / "stepline"
-
-
 def _spec_hash(spec: DemoSpec) -> str:
     recipe = {
         "build_version": _BUILD_VERSION,
@@ -258,21 +248,8 @@ def demo_model_path(name: str = DEFAULT_DEMO, cache_dir: str | Path | None = Non
         raise ModelNotFoundError(
             f"unknown demo model {name!r}; the demo models are {', '.join(DEMO_MODELS)}"
         )
-    models_dir = cache_root(cache_dir) / "models"
-    final = models_dir / f"{name}-{_spec_hash(spec)}"
-    if final.is_dir():
-        return final
-    models_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-building-", dir=models_dir))
-    try:
-        _build(spec, tmp)
-        os.replace(tmp, final)
-    except OSError:
-        # Another process renamed its build into place first (ENOTEMPTY/EEXIST): use that.
-        if not final.is_dir():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    final = cache_root(cache_dir) / "models" / f"{name}-{_spec_hash(spec)}"
+    build_once(final, lambda tmp: _build(spec, tmp))
     return final
 
 
