@@ -99,3 +99,18 @@ ZONE_ARGS = {
     "required": ["zone"],
     "additionalProperties": False,
 }
+
+
+def replay(*argv: str) -> tuple[int, str]:
+    """`stepline replay ARGV...` in this process: (its exit status, what it printed)."""
+    import argparse
+    import io
+
+    from stepline.api.replay_cmd import add_replay_parser
+
+    parser = argparse.ArgumentParser(prog="stepline")
+    add_replay_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["replay", *argv])
+    out = io.StringIO()
+    code = args.func(args, out=out)
+    return code, out.getvalue()

@@ -2,28 +2,18 @@
 
 from __future__ import annotations
 
-import argparse
-import io
 import json
 import random
 
 import anyio
+from helpers import replay
 
 from stepline.api import Engine, SamplingParams
-from stepline.api.replay_cmd import add_replay_parser
 from stepline.events.log import read_events
 from stepline.events.models import ChunkPrefilled
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 WORDS = ["alpha", "beta", "gamma", "delta", "omega", "kappa", "sigma", "theta"]
-
-
-def replay(*argv: str) -> tuple[int, str]:
-    parser = argparse.ArgumentParser(prog="stepline")
-    add_replay_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["replay", *argv])
-    out = io.StringIO()
-    return args.func(args, out=out), out.getvalue()
 
 
 def chat(system: str, i: int, rng: random.Random) -> list[dict]:

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import io
 import json
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+from helpers import replay
 
-from stepline.api.replay_cmd import add_replay_parser, parse_step_range
+from stepline.api.replay_cmd import parse_step_range
 from stepline.events.log import (
     EventLogWriter,
     TornLineWarning,
@@ -141,15 +141,6 @@ def write(tmp_path: Path, events: list, *, name: str = "run.jsonl", **header) ->
 
 def renumber(events: list) -> list:
     return [e.model_copy(update={"seq": i}) for i, e in enumerate(events, start=1)]
-
-
-def replay(*argv: str) -> tuple[int, str]:
-    parser = argparse.ArgumentParser(prog="stepline")
-    add_replay_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["replay", *argv])
-    out = io.StringIO()
-    code = args.func(args, out=out)
-    return code, out.getvalue()
 
 
 # -- timeline of one request ----------------------------------------------------------------

@@ -7,7 +7,6 @@ the three streams freeze for it.
 
 from __future__ import annotations
 
-import argparse
 import io
 import itertools
 import json
@@ -17,8 +16,9 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+from helpers import replay
 
-from stepline.api.replay_cmd import Progress, add_replay_parser
+from stepline.api.replay_cmd import Progress
 from stepline.events.log import EventLogWriter
 from stepline.events.models import (
     Admitted,
@@ -129,15 +129,6 @@ def stalled_run() -> Recorder:
 @pytest.fixture
 def stall_log(tmp_path: Path) -> Path:
     return stalled_run().write(tmp_path / "run.jsonl")
-
-
-def replay(*argv: str) -> tuple[int, str]:
-    parser = argparse.ArgumentParser(prog="stepline")
-    add_replay_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["replay", *argv])
-    out = io.StringIO()
-    code = args.func(args, out=out)
-    return code, out.getvalue()
 
 
 def _q(tag: str) -> str:

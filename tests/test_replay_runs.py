@@ -3,15 +3,13 @@ output ids left out. Logs are written by hand through the real writer (no model)
 
 from __future__ import annotations
 
-import argparse
-import io
 import json
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+from helpers import replay
 
-from stepline.api.replay_cmd import add_replay_parser
 from stepline.events.log import EventLogWriter, TornLineWarning, read_runs
 from stepline.events.models import (
     Admitted,
@@ -121,15 +119,6 @@ def crashed_then_restarted(tmp_path: Path, *, torn: bool = False) -> Path:
     two.end("r3", FinishReason.LENGTH)
     two.admit("r4", 5)
     return write_runs(tmp_path / "run.jsonl", one, two, torn=torn)
-
-
-def replay(*argv: str) -> tuple[int, str]:
-    parser = argparse.ArgumentParser(prog="stepline")
-    add_replay_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["replay", *argv])
-    out = io.StringIO()
-    code = args.func(args, out=out)
-    return code, out.getvalue()
 
 
 # -- several runs -------------------------------------------------------------------------------
