@@ -160,7 +160,6 @@ def convert_gguf(src: Path, out: Path, progress: ProgressFn | None = None) -> No
     log.info(
         "gguf_converted",
         file=str(src),
-        into=str(out.name),
         tensors=total,
         kept_quantized=bool(quantization),
         seconds=round(time.monotonic() - started, 2),
