@@ -24,6 +24,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from stepline.engine import fused, step_sampling
 from stepline.engine.constraints import advance
+from stepline.engine.cost_model import decode_runs_apart
 from stepline.engine.decode_order import DecodeOrder
 from stepline.engine.forward import forward, split_head_works
 from stepline.engine.grammar import DEFAULT_CACHE_BYTES, GrammarCompiler
@@ -500,7 +501,8 @@ class ModelRunner:
         already built and started by `_pipeline`; only its sampling is built here."""
         if not self.lookahead or not self._batch_ids or self._ahead_error is not None:
             return
-        if self.fuse and any(s.cache is not None and not s.output for s in self._seqs.values()):
+        prefilling = any(s.cache is not None and not s.output for s in self._seqs.values())
+        if not decode_runs_apart(fused_steps=self.fuse, prefilling=prefilling):
             return  # a prompt is mid-prefill: the next step runs these rows in its chunk's forward
         batch = [self._seqs[rid] for rid in self._batch_ids]
         logits = started
