@@ -49,6 +49,7 @@ from stepline.events.replay import (
     summarize,
     verify,
 )
+from stepline.events.timeline import format_ms
 from stepline.events.timeline_svg import render_html, render_svg
 from stepline.events.trace_export import export_trace
 
@@ -374,11 +375,7 @@ def _emit(report: BaseModel, as_json: bool, out: TextIO, text) -> None:
 
 
 def _s(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    if abs(seconds) < 1:
-        return f"{seconds * 1000:.1f} ms"
-    return f"{seconds:.3f} s"
+    return format_ms(seconds, decimals=3)
 
 
 def _names(ids: tuple[str, ...], limit: int = 5) -> str:

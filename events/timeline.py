@@ -367,10 +367,10 @@ def find_stalls(life: RequestLife, timeline: RunTimeline) -> list[StallMark]:
     return marks
 
 
-def format_ms(seconds: float | None) -> str:
-    """'141.6 ms', '2.31 s', or '-' for None."""
+def format_ms(seconds: float | None, decimals: int = 2) -> str:
+    """'141.6 ms', '2.31 s' (`decimals` of a second), or '-' for None."""
     if seconds is None:
         return "-"
     if abs(seconds) < 1:
         return f"{seconds * 1000:.1f} ms"
-    return f"{seconds:.2f} s"
+    return f"{seconds:.{decimals}f} s"
