@@ -114,3 +114,21 @@ def replay(*argv: str) -> tuple[int, str]:
     out = io.StringIO()
     code = args.func(args, out=out)
     return code, out.getvalue()
+
+
+def serve_argv(*options: str) -> list[str]:
+    """The command line of `stepline serve` on the demo model, on a free port, in a child
+    Python process (the one running the tests)."""
+    import sys
+
+    return [
+        sys.executable,
+        "-m",
+        "stepline.api.cli",
+        "serve",
+        "--model",
+        "stepline-demo",
+        "--port",
+        "0",
+        *options,
+    ]

@@ -13,6 +13,7 @@ import textwrap
 
 import httpx
 import pytest
+from helpers import serve_argv
 from structlog.testing import capture_logs
 
 from stepline.api import Engine
@@ -87,18 +88,7 @@ def test_serve_on_a_log_another_process_writes_exits_with_a_message_naming_it(de
     path = tmp_path / "run.jsonl"
     with EventLogWriter(path, run_header(), append=True):
         proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "stepline.api.cli",
-                "serve",
-                "--model",
-                "stepline-demo",
-                "--port",
-                "0",
-                "--event-log",
-                str(path),
-            ],
+            serve_argv("--event-log", str(path)),
             capture_output=True,
             text=True,
             timeout=120,

@@ -10,7 +10,6 @@ import anyio
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from helpers import wait_until
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -317,15 +316,20 @@ async def test_a_long_prompt_beside_decoding_streams_fuses_and_changes_no_token(
     async with Engine.open("stepline-demo", max_step_tokens=32, max_num_seqs=8) as engine:
         counted = Counting(monkeypatch, engine.step_loop.runner)
 
+        decoding = anyio.Event()  # every short request has two tokens
+
         async def one(i: int, prompt: list[int]) -> None:
             got = results.setdefault(i, [])
             async for out in await engine.submit(prompt, params=params):
                 got.extend(out.token_ids)
+                if all(len(results.get(j, ())) >= 2 for j in range(3)):
+                    decoding.set()
 
         async with anyio.create_task_group() as tg:
             for i, prompt in enumerate(short):
                 tg.start_soon(one, i, prompt)
-            await wait_until(lambda: all(len(results.get(i, ())) >= 2 for i in range(3)))
+            with anyio.fail_after(30):
+                await decoding.wait()
             tg.start_soon(one, 3, long)  # while they decode
     assert counted.take().count("fused") >= 3  # the long prompt's chunks, beside decode rows
     for i, prompt in enumerate([*short, long]):

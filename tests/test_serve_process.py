@@ -24,6 +24,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from helpers import serve_argv
 
 NUM_STALLED = 300
 HEAD_TIMEOUT_S = 1.0
@@ -70,15 +71,7 @@ def _next_line(lines: queue.Queue[str | None], deadline: float) -> str:
 @pytest.fixture(scope="module")
 def served_process(demo, tmp_path_factory) -> Iterator[ServeProcess]:
     log_path = tmp_path_factory.mktemp("serve") / "stderr.jsonl"
-    argv = [
-        sys.executable,
-        "-m",
-        "stepline.api.cli",
-        "serve",
-        "--model",
-        "stepline-demo",
-        "--port",
-        "0",
+    argv = serve_argv(
         "--max-step-tokens",
         "128",
         "--log-format",
@@ -89,7 +82,7 @@ def served_process(demo, tmp_path_factory) -> Iterator[ServeProcess]:
         "gpt-4o",
         "--served-model-name",
         "stepline-demo",
-    ]
+    )
     with log_path.open("w") as stderr:
         proc = subprocess.Popen(
             argv,

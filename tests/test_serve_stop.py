@@ -9,12 +9,12 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
+from helpers import serve_argv
 
 from stepline.events.log import read_runs
 from stepline.events.verify import verify
@@ -25,22 +25,9 @@ STOP_WITHIN_S = 10.0
 
 
 def start_serve(log: Path, stderr_path: Path) -> tuple[subprocess.Popen, str]:
-    argv = [
-        sys.executable,
-        "-m",
-        "stepline.api.cli",
-        "serve",
-        "--model",
-        "stepline-demo",
-        "--port",
-        "0",
-        "--max-step-tokens",
-        "128",
-        "--log-format",
-        "console",
-        "--event-log",
-        str(log),
-    ]
+    argv = serve_argv(
+        "--max-step-tokens", "128", "--log-format", "console", "--event-log", str(log)
+    )
     with stderr_path.open("w") as stderr:
         proc = subprocess.Popen(
             argv,
