@@ -54,8 +54,9 @@ class AgentPlan:
     calls: CallFormat | None = None
     must_call: bool = False
     schema: dict[str, Any] | None = None
-    # Tools offered to a model whose chat template cannot show or read tool calls: left out
-    # of the prompt and the grammar, named to the client (the dropped-tools header).
+    # Tools left out of the prompt and the grammar, named to the client (the dropped-tools
+    # header): offered to a model whose chat template cannot show or read tool calls, or
+    # hosted ones a Responses request named.
     dropped_tools: tuple[str, ...] = ()
 
     def output_format(self, tokenizer: Any, *, reasoning: bool, prompt_text: str) -> OutputFormat:

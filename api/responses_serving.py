@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -41,7 +41,7 @@ from stepline.api.resume import (
     key_of,
     wants_resumable,
 )
-from stepline.api.serving import DROPPED_TOOLS_HEADER, Call, RequestFailed, Serving, Started
+from stepline.api.serving import Call, RequestFailed, Serving, Started
 
 if TYPE_CHECKING:
     from stepline.actors.request import RequestOutput
@@ -155,11 +155,9 @@ class ResponsesServing(Serving):
             template_kwargs=self.default_template_kwargs,
             schema_param="text.format.schema",
         )
-        headers = {}
-        if tools.dropped:
-            # Hosted tools (web search, ...) run on OpenAI's servers: a local model has none.
-            log.info("tools_dropped", request_id=rid, tools=tools.dropped)
-            headers[DROPPED_TOOLS_HEADER] = ", ".join(tools.dropped)
+        # Hosted tools (web search, ...) run on OpenAI's servers: a local model has none.
+        # Named with any the model itself cannot use (`Serving.start` says so).
+        agent = replace(agent, dropped_tools=(*tools.dropped, *agent.dropped_tools))
         started = await self.start(
             Call(
                 rid,
@@ -169,7 +167,6 @@ class ResponsesServing(Serving):
                 messages=system + turn,
                 max_tokens=req.max_output_tokens,
                 max_tokens_param="max_output_tokens",
-                headers=headers,
             )
         )
         stream, splitter = started.stream, started.splitter()

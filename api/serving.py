@@ -530,11 +530,10 @@ class Serving:
         fmt = agent.output_format(tokenizer, reasoning=call.reasoning, prompt_text=prompt_text)
         headers = {"x-request-id": call.rid, **call.headers}
         if agent.dropped_tools:
-            # Offered, not forced, to a model that cannot show or read tool calls: it answers
-            # in text. (An agent that always sends its tools still gets its turn.)
+            # Tools the model cannot use: hosted ones (Responses), or any offered, not forced,
+            # to a model that cannot show or read tool calls; it answers in text.
             log.info("tools_dropped", request_id=call.rid, tools=agent.dropped_tools)
-            dropped = [headers.get(DROPPED_TOOLS_HEADER), ", ".join(agent.dropped_tools)]
-            headers[DROPPED_TOOLS_HEADER] = ", ".join(d for d in dropped if d)
+            headers[DROPPED_TOOLS_HEADER] = ", ".join(agent.dropped_tools)
         if call.max_tokens is not None and max_tokens < call.max_tokens:
             headers[EFFECTIVE_MAX_TOKENS_HEADER] = str(max_tokens)
         return Started(call.rid, stream, fmt, agent.openai_tools or None, max_tokens, headers)
