@@ -115,6 +115,7 @@ class StepLoop:
         self.dead_reason: str | None = None
         self.died = anyio.Event()  # set when the engine can serve no more (dead_reason says why)
         self.on_step: Callable[[StepLoop], None] | None = None  # test/inspection hook
+        self._changed: anyio.Event | None = None  # set at the next change (`wait_until`)
 
     # -- state ---------------------------------------------------------------
 
@@ -148,6 +149,21 @@ class StepLoop:
     def state_of(self, request_id: str) -> RequestState | None:
         """A request's state: live, or ended recently (the log has every one)."""
         return self.states.get(request_id) or self.finished.get(request_id)
+
+    async def wait_until(self, predicate: Callable[[], bool]) -> None:
+        """Return once `predicate()` holds, checking it again after each turn of this loop
+        (a message handled, a step or a housekeeping call ended, the loop gone idle). For
+        inspection and tests: bound it with `anyio.fail_after`."""
+        while not predicate():
+            if self._changed is None:
+                self._changed = anyio.Event()
+            await self._changed.wait()
+
+    def _tick(self) -> None:
+        """Wake the `wait_until` callers: this loop's state may have changed."""
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
 
     def _record(self, cls: type, **fields: Any) -> Any:
         return self.recorder.record(cls, **fields)
@@ -291,6 +307,7 @@ class StepLoop:
                     if not self._has_work():
                         self._idle = True  # the next step gathers arrivals (`_gather`)
                         self._gauges()  # what /metrics shows while idle: nothing running
+                        self._tick()
                         try:
                             msg = await self._inbox.receive()  # idle: sleep until work arrives
                         except anyio.EndOfStream:
@@ -298,6 +315,7 @@ class StepLoop:
                         await self._handle(msg)
                     await self._handle_pending()
                     await self._step()
+                    self._tick()
                 except Exception as exc:
                     # A bug in this loop's own code (the executor's faults are caught where it
                     # is called). Its scheduling state is in doubt, so the engine stops
@@ -305,6 +323,7 @@ class StepLoop:
                     log.exception("step_loop_failed")
                     self.recorder.in_step = False
                     await self._die(f"step loop failed: {exc!r}")
+                    self._tick()
 
     async def _step(self) -> None:
         await self._gather()
