@@ -7,9 +7,9 @@ this same function, so replaying a log rebuilds exactly what the engine knew.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from enum import StrEnum
-
-from pydantic import BaseModel, ConfigDict
+from typing import Any
 
 from stepline.events.models import (
     Admitted,
@@ -32,8 +32,9 @@ class Status(StrEnum):
     FINISHED = "finished"  # terminal event seen
 
 
-class RequestState(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+@dataclass(frozen=True, kw_only=True)
+class RequestState:
+    """One request's state: made only by `apply` (from validated events), never changed."""
 
     request_id: str
     status: Status
@@ -59,6 +60,16 @@ class RequestState(BaseModel):
     @property
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    def evolve(self, **changes: Any) -> RequestState:
+        """A copy with `changes` applied. A plain copy of the fields (what `apply` makes
+        every new state with, once per token: ~4x cheaper than `dataclasses.replace`, which
+        runs `__init__`); the field names are `apply`'s own, so nothing is checked."""
+        new = object.__new__(RequestState)
+        fields = new.__dict__
+        fields.update(self.__dict__)
+        fields.update(changes)
+        return new
 
 
 class FoldError(ValueError):
@@ -123,9 +134,7 @@ def apply(state: RequestState | None, event: Event) -> RequestState:
                 f"request {rid} snapshotted at {event.offset} with only "
                 f"{state.num_computed_tokens} prompt tokens computed (seq {event.seq})",
             )
-        return state.model_copy(
-            update={"checkpoints_reached": (*state.checkpoints_reached, event.offset)}
-        )
+        return state.evolve(checkpoints_reached=(*state.checkpoints_reached, event.offset))
     if isinstance(event, Decoding):
         if state.status is not Status.DECODING:
             raise FoldError(
@@ -133,12 +142,10 @@ def apply(state: RequestState | None, event: Event) -> RequestState:
                 f"request {rid} got tokens with {state.num_computed_tokens} of its "
                 f"{state.num_prompt_tokens} prompt tokens computed (seq {event.seq})",
             )
-        return state.model_copy(
-            update={
-                "num_output_tokens": state.num_output_tokens + event.num_tokens,
-                "first_token_ts": state.first_token_ts or event.ts,
-                "last_token_ts": event.ts,
-            }
+        return state.evolve(
+            num_output_tokens=state.num_output_tokens + event.num_tokens,
+            first_token_ts=state.first_token_ts or event.ts,
+            last_token_ts=event.ts,
         )
     if isinstance(event, Terminal):
         if event.reason in _NORMAL_ENDS and state.num_computed_tokens != state.num_prompt_tokens:
@@ -148,12 +155,10 @@ def apply(state: RequestState | None, event: Event) -> RequestState:
                 f"{state.num_computed_tokens} of its {state.num_prompt_tokens} prompt tokens "
                 f"computed (seq {event.seq})",
             )
-        return state.model_copy(
-            update={
-                "status": Status.FINISHED,
-                "finish_reason": event.reason,
-                "finished_step": event.step,
-            }
+        return state.evolve(
+            status=Status.FINISHED,
+            finish_reason=event.reason,
+            finished_step=event.step,
         )
     raise FoldError("not-a-request-event", f"not a request event: {event.type}")
 
@@ -167,12 +172,10 @@ def _apply_chunk(state: RequestState, event: ChunkPrefilled) -> RequestState:
                 f"request {rid} starts from the prefix cache after its prefill began "
                 f"(seq {event.seq})",
             )
-        state = state.model_copy(
-            update={
-                "num_computed_tokens": event.num_cached_tokens,
-                "num_cached_tokens": event.num_cached_tokens,
-                "cache_source": event.cache_source,
-            }
+        state = state.evolve(
+            num_computed_tokens=event.num_cached_tokens,
+            num_cached_tokens=event.num_cached_tokens,
+            cache_source=event.cache_source,
         )
     computed = state.num_computed_tokens
     if event.end <= event.start:
@@ -199,11 +202,9 @@ def _apply_chunk(state: RequestState, event: ChunkPrefilled) -> RequestState:
             f"{state.num_prompt_tokens}-token prompt (seq {event.seq})",
         )
     done = event.end == state.num_prompt_tokens
-    return state.model_copy(
-        update={
-            "num_computed_tokens": event.end,
-            "status": Status.DECODING if done else Status.PREFILLING,
-        }
+    return state.evolve(
+        num_computed_tokens=event.end,
+        status=Status.DECODING if done else Status.PREFILLING,
     )
 
 

@@ -76,23 +76,17 @@ def _carry_on(state: RequestState, event: Event) -> RequestState:
     if isinstance(event, ChunkPrefilled):
         computed = max(state.num_computed_tokens, event.end)
         done = computed >= state.num_prompt_tokens
-        return state.model_copy(
-            update={
-                "num_computed_tokens": computed,
-                "status": Status.DECODING if done else Status.PREFILLING,
-            }
+        return state.evolve(
+            num_computed_tokens=computed,
+            status=Status.DECODING if done else Status.PREFILLING,
         )
     if isinstance(event, Decoding):
-        return state.model_copy(
-            update={"num_output_tokens": state.num_output_tokens + event.num_tokens}
-        )
+        return state.evolve(num_output_tokens=state.num_output_tokens + event.num_tokens)
     if isinstance(event, Terminal):
-        return state.model_copy(
-            update={
-                "status": Status.FINISHED,
-                "finish_reason": event.reason,
-                "finished_step": event.step,
-            }
+        return state.evolve(
+            status=Status.FINISHED,
+            finish_reason=event.reason,
+            finished_step=event.step,
         )
     return state  # a checkpoint ahead of prefill changes nothing that later checks read
 
@@ -208,7 +202,7 @@ class _Verifier:
         if isinstance(event, Admitted):
             # Kept as evidence without its prompt: memory stays bounded by the requests.
             self.evidence[rid] = event.model_copy(update={"prompt_token_ids": None})
-            self.states[rid] = after.model_copy(update={"prompt_token_ids": None})
+            self.states[rid] = after.evolve(prompt_token_ids=None)
         elif isinstance(event, ChunkPrefilled | Terminal):
             self.evidence[rid] = event
 
