@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from anyio.streams.memory import MemoryObjectSendStream
-
+from stepline.actors.mailbox import Mailbox
 from stepline.engine.work import TokenLogprob
 from stepline.events.models import FinishReason, RequestParams
 
@@ -44,8 +43,7 @@ class Submit:
     prompt_token_ids: tuple[int, ...]
     params: RequestParams
     checkpoints: tuple[int, ...]
-    logprobs: int | None
-    actor: MemoryObjectSendStream  # the request actor's inbox
+    actor: Mailbox[Update]  # the request actor's inbox
     reply: asyncio.Future  # set to None when admitted, or to the AdmissionError
 
 
@@ -59,28 +57,15 @@ class Cancel:
 
 
 # --- step loop -> request actor --------------------------------------------------
-@dataclass(frozen=True)
-class Progress:
-    num_computed_tokens: int  # prompt tokens in the cache so far
-    num_prompt_tokens: int
+@dataclass(slots=True)
+class Update:
+    """Everything one step (or an end outside a step) did for one request: one message per
+    request per step."""
 
-
-@dataclass(frozen=True)
-class CacheHit:
-    num_cached_tokens: int  # prompt tokens the request started with from the prefix cache
-
-
-@dataclass(frozen=True)
-class NewTokens:
-    token_ids: tuple[int, ...]
-    logprobs: tuple[TokenLogprob, ...]  # one per token where asked for, else empty
-    finish: FinishReason | None  # set when the step loop ends the request (length, stop token)
-    stop_token: bool  # the last token is a stop token: count it, do not print it
-
-
-@dataclass(frozen=True)
-class Finish:
-    """The request ended without new tokens (cancelled, error)."""
-
-    reason: FinishReason
-    message: str | None = None
+    token_ids: list[int] = field(default_factory=list)  # sampled this step
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token where asked for
+    num_computed_tokens: int = 0  # prompt tokens in the cache so far (0: not said)
+    num_cached_tokens: int | None = None  # of those, served by the prefix cache (first chunk)
+    finish: FinishReason | None = None  # the request ended (by the core: stop, length, ...)
+    stop_token: bool = False  # the last token is a stop token: count it, do not print it
+    message: str | None = None  # what went wrong, for an error or cancel

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -132,24 +132,14 @@ class EngineMetrics:
         self.step_seconds.observe(seconds)
         self.scheduled_tokens.inc(num_tokens)
 
-    def token(self, latency: float, first: bool) -> None:
-        self.generated_tokens.inc()
-        (self.ttft if first else self.itl).observe(latency)
-
-    def tokens(
-        self,
-        before: Mapping[str, RequestState],
-        state_of: Callable[[str], RequestState | None],
-    ) -> None:
-        """A step's tokens: for each request that had one, the time since its admission (its
-        first) or since its previous token. `before`: the states before the step's commit."""
-        for rid, was in before.items():
-            now = state_of(rid)
-            if now is None or now.last_token_ts is None:
-                continue
-            first = was.num_output_tokens == 0
-            since = was.admitted_ts if first else was.last_token_ts
-            self.token(now.last_token_ts - (since or now.last_token_ts), first)
+    def tokens(self, latencies: list[tuple[float, bool]]) -> None:
+        """A step's tokens: for each, the time since its request's admission (its first
+        token) or since its previous token."""
+        if not latencies:
+            return
+        self.generated_tokens.inc(len(latencies))
+        for latency, first in latencies:
+            (self.ttft if first else self.itl).observe(latency)
 
     def event_log(self, writer) -> None:
         """The event log's health (`events.log.EventLogWriter`), when there is one."""

@@ -2,20 +2,21 @@
 
 It owns what is not the model's: the incremental detokenizer (never splits a UTF-8
 character), stop strings (matched on text, never emitted), and the client's output
-stream. It never blocks on a slow client: the output stream's buffer is sized to
-the most outputs a request can produce.
+stream. It wakes once per step (one `Update` from the step loop) and never waits on a
+slow client: the client's mailbox takes at most one output per step, and a client that
+fell behind takes what piled up as one output (`RequestStream`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import anyio
 import structlog
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from stepline.actors.messages import CacheHit, Finish, NewTokens, Progress
+from stepline.actors.mailbox import Mailbox
+from stepline.actors.messages import Update
 from stepline.engine.work import TokenLogprob
 from stepline.events.models import FinishReason
 
@@ -40,6 +41,16 @@ class RequestOutput:
     @property
     def is_progress(self) -> bool:
         return not self.token_ids and self.finish_reason is None
+
+    def then(self, later: RequestOutput) -> RequestOutput:
+        """This output and the `later` one as one (a client that fell behind gets what it
+        missed in one piece)."""
+        return replace(
+            later,
+            text=self.text + later.text,
+            token_ids=self.token_ids + later.token_ids,
+            logprobs=self.logprobs + later.logprobs,
+        )
 
 
 class IncrementalDetokenizer:
@@ -105,21 +116,24 @@ class StopMatcher:
 
 
 class RequestActor:
+    """One request's actor: turns the step loop's per-step `Update`s into the client's
+    `RequestOutput`s (one per update that has something to say), then closes the client's
+    mailbox after the last."""
+
     def __init__(
         self,
         request_id: str,
         *,
         num_prompt_tokens: int,
-        num_cached_tokens: int,
         stop: tuple[str, ...],
         decode: Callable[[list[int]], str],
-        inbox: MemoryObjectReceiveStream,
-        output: MemoryObjectSendStream[RequestOutput],
+        inbox: Mailbox[Update],
+        output: Mailbox[RequestOutput],
         on_end: Callable[[FinishReason], None] = lambda reason: None,
     ):
         self.request_id = request_id
         self.num_prompt_tokens = num_prompt_tokens
-        self.num_cached_tokens = num_cached_tokens
+        self.num_cached_tokens = 0  # the step loop says otherwise when its first chunk runs
         self._detok = IncrementalDetokenizer(decode)
         self._stops = StopMatcher(stop)
         self._inbox = inbox
@@ -140,11 +154,30 @@ class RequestActor:
             **kw,
         )
 
-    def _on_tokens(self, msg: NewTokens) -> RequestOutput:
-        self._num_output_tokens += len(msg.token_ids)
-        printable = msg.token_ids[:-1] if msg.stop_token else msg.token_ids
-        text = "".join(self._detok.add(t) for t in printable)
-        finish = msg.finish
+    def on_update(self, update: Update) -> RequestOutput | None:
+        """The output for one step's update: its text, its prompt's progress, or its end
+        (None when it says nothing new to the client)."""
+        if update.num_cached_tokens is not None:
+            self.num_cached_tokens = update.num_cached_tokens
+        if update.token_ids:
+            try:
+                return self._on_tokens(update)
+            except Exception as exc:  # a detokenizer bug ends this request only
+                self._log.exception("request_actor_failed")
+                self._on_end(FinishReason.ERROR)
+                return self._out("", finish=FinishReason.ERROR, error=repr(exc))
+        if update.finish is not None:
+            return self._out("", finish=update.finish, error=update.message)
+        if 0 < update.num_computed_tokens < self.num_prompt_tokens:
+            return self._out("", num_computed_tokens=update.num_computed_tokens)
+        return None
+
+    def _on_tokens(self, update: Update) -> RequestOutput:
+        tokens = update.token_ids
+        self._num_output_tokens += len(tokens)
+        printable = tokens[:-1] if update.stop_token else tokens
+        text = "".join([self._detok.add(t) for t in printable])
+        finish = update.finish
         if finish is not None:
             text += self._detok.finalize()
         text, hit = self._stops.feed(text)
@@ -157,34 +190,26 @@ class RequestActor:
             text += self._stops.flush()  # a partial stop string at the end is ordinary text
         return self._out(
             text,
-            msg.token_ids,
+            tokens,
             finish,
             num_computed_tokens=self.num_prompt_tokens,
-            logprobs=msg.logprobs,
+            logprobs=tuple(update.logprobs),
         )
 
     async def run(self) -> None:
-        """Serve the inbox until the request ends; then close the client's stream."""
-        async with self._inbox, self._output:
-            async for msg in self._inbox:
-                if isinstance(msg, CacheHit):
-                    self.num_cached_tokens = msg.num_cached_tokens
-                    continue
-                if isinstance(msg, Progress):
-                    out = self._out("", num_computed_tokens=msg.num_computed_tokens)
-                elif isinstance(msg, NewTokens):
-                    try:
-                        out = self._on_tokens(msg)
-                    except Exception as exc:  # a detokenizer bug ends this request only
-                        self._log.exception("request_actor_failed")
-                        self._on_end(FinishReason.ERROR)
-                        out = self._out("", finish=FinishReason.ERROR, error=repr(exc))
-                else:
-                    assert isinstance(msg, Finish)
-                    out = self._out("", finish=msg.reason, error=msg.message)
+        """Serve the inbox until the request ends; then close the client's mailbox."""
+        try:
+            while True:
                 try:
-                    self._output.send_nowait(out)
-                except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                    pass  # the client left; its Cancel is on the way to the step loop
+                    update = await self._inbox.get()
+                except anyio.EndOfStream:  # the engine is closing
+                    return
+                out = self.on_update(update)
+                if out is None:
+                    continue
+                self._output.put(out)  # a client that left: its Cancel is on the way
                 if out.finish_reason is not None:
                     return
+        finally:
+            self._inbox.close()
+            self._output.close()

@@ -24,7 +24,8 @@ import anyio
 import structlog
 
 from stepline.actors.executor import Executor
-from stepline.actors.messages import Arrival, Arrivals, Cancel, Submit
+from stepline.actors.mailbox import Mailbox
+from stepline.actors.messages import Arrival, Arrivals, Cancel, Submit, Update
 from stepline.actors.metrics import EngineMetrics
 from stepline.actors.request import RequestActor, RequestOutput
 from stepline.actors.step_loop import StepLoop
@@ -279,20 +280,15 @@ class Engine:
                 prompt, messages, params, checkpoints, template_kwargs
             )
             rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
-            inbox_tx, inbox_rx = anyio.create_memory_object_stream[Any](8)
-            # Sized to the most outputs a request can produce: the actor never blocks on a
-            # slow client.
-            out_tx, out_rx = anyio.create_memory_object_stream[RequestOutput](
-                len(ids) + params.max_tokens + 8
-            )
+            inbox: Mailbox[Update] = Mailbox()
+            outputs: Mailbox[RequestOutput] = Mailbox()
             reply = asyncio.get_running_loop().create_future()
             submit = Submit(
                 request_id=rid,
                 prompt_token_ids=tuple(ids),
                 params=params.to_record(),
                 checkpoints=checkpoints,
-                logprobs=params.logprobs,
-                actor=inbox_tx,
+                actor=inbox,
                 reply=reply,
             )
             if self._stopping:  # shut down while this request was being prepared
@@ -307,23 +303,22 @@ class Engine:
                 # heels.
                 if not reply.cancel() and not reply.cancelled() and reply.exception() is None:
                     self._send_cancel(rid)
-                for s in (inbox_tx, inbox_rx, out_tx, out_rx):
-                    s.close()
+                inbox.close()
+                outputs.close()
                 raise
         finally:
             arrival.done()
         actor = RequestActor(
             rid,
             num_prompt_tokens=len(ids),
-            num_cached_tokens=0,  # the step loop says otherwise when its first chunk runs
             stop=params.stop,
             decode=self._decode,
-            inbox=inbox_rx,
-            output=out_tx,
+            inbox=inbox,
+            output=outputs,
             on_end=lambda reason: self._send_cancel(rid, reason),
         )
         self._tg.start_soon(actor.run, name=f"request-{rid}")
-        return RequestStream(rid, out_rx, cancel=lambda: self._send_cancel(rid))
+        return RequestStream(rid, outputs, cancel=lambda: self._send_cancel(rid))
 
     async def _prepare_submit(
         self,

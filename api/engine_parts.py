@@ -194,7 +194,6 @@ class EngineParts:
                 eos_token_ids=frozenset(loaded.tokenizer.eos_token_ids or ()),
             ),
             event_log=self.writer,
-            log_prompts=events.log_prompts,
             prefix_index=index,
             cost_model=cost_model,
         )

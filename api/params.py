@@ -100,7 +100,7 @@ class SamplingParams(BaseModel):
             )
 
     def to_record(self) -> RequestParams:
-        return RequestParams(**self.model_dump(exclude={"logprobs"}))
+        return RequestParams(**self.model_dump())
 
 
 def _valid_text(text: str, param: str) -> None:

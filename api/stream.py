@@ -5,15 +5,16 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import anyio
-from anyio.streams.memory import MemoryObjectReceiveStream
 
+from stepline.actors.mailbox import Mailbox
 from stepline.actors.request import RequestOutput
 
 
 class RequestStream:
-    """The outputs of one request. Async-iterate it; `aclose()` (or `async with`) cancels it."""
+    """The outputs of one request. Async-iterate it; `aclose()` (or `async with`) cancels it.
+    A reader that fell behind gets the outputs that piled up as one (`RequestOutput.then`)."""
 
-    def __init__(self, request_id: str, outputs: MemoryObjectReceiveStream, cancel: Callable):
+    def __init__(self, request_id: str, outputs: Mailbox[RequestOutput], cancel: Callable):
         self.request_id = request_id
         self._outputs = outputs
         self._cancel = cancel
@@ -26,11 +27,16 @@ class RequestStream:
         if self.finished:
             raise StopAsyncIteration
         try:
-            out = await self._outputs.receive()
-        except (anyio.EndOfStream, anyio.ClosedResourceError):
+            out = await self._outputs.get()
+        except anyio.EndOfStream:
             self.finished = True
             self._outputs.close()
             raise StopAsyncIteration from None
+        while out.finish_reason is None and not self._outputs.empty():
+            try:
+                out = out.then(self._outputs.get_nowait())
+            except (anyio.WouldBlock, anyio.EndOfStream):
+                break
         if out.finish_reason is not None:
             self.finished = True
             self._outputs.close()

@@ -92,7 +92,7 @@ class PrefixReport:
 
 def max_output_tokens(params: RequestParams, num_prompt_tokens: int, max_context: int) -> int:
     """The most tokens a request generates: its `max_tokens`, or what the model's context
-    leaves after its prompt. The step loop ends it by length there (`commit`); the runner
+    leaves after its prompt. The scheduler core ends it by length there; the runner
     does not merge a request into the decode batch that ends at its first token."""
     return min(params.max_tokens, max_context - num_prompt_tokens)
 

@@ -198,6 +198,18 @@ class EventLogWriter:
             self._num_appended += 1
             self._queue.put(event)
 
+    def append_many(self, events: list[Event]) -> None:
+        """Queue `events` for writing, in order, as one item (one lock and one wake-up of
+        the writer for a whole step's events). Raises as `append` does."""
+        for event in events:
+            if not isinstance(event, _EVENT_TYPES):
+                raise TypeError(f"not an event: {type(event).__name__}")
+        with self._lock:
+            if self._closed:
+                raise LogClosedError(f"event log {self.path} is closed; cannot append")
+            self._num_appended += len(events)
+            self._queue.put(list(events))
+
     @property
     def lag(self) -> int:
         """Events appended but not yet written (or dropped after an error)."""
@@ -320,10 +332,10 @@ class EventLogWriter:
 
     def _run(self) -> None:
         while True:
-            batch = [self._queue.get()]
+            batch = _items(self._queue.get())
             while len(batch) < _MAX_BATCH:
                 try:
-                    batch.append(self._queue.get_nowait())
+                    batch.extend(_items(self._queue.get_nowait()))
                 except queue.Empty:
                     break
             if self._handle(batch):
@@ -450,6 +462,11 @@ class EventLogWriter:
             error=repr(exc),
             note="the log is degraded: later events are dropped; the engine keeps running",
         )
+
+
+def _items(item: Any) -> list[Any]:
+    """A queued item as a list: `append_many` queues a list of events, the rest one each."""
+    return item if type(item) is list else [item]
 
 
 class _CannotWrite(Exception):

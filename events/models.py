@@ -57,6 +57,7 @@ class RequestParams(BaseModel):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     grammar: str | None = None  # llguidance grammar the output must follow (engine/grammar.py)
+    logprobs: int | None = None  # None: no logprobs; k: the chosen token's and the top k
 
 
 class Admitted(_Event):

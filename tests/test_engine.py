@@ -12,7 +12,7 @@ import pydantic
 import pytest
 from helpers import wait_until
 
-import stepline.actors.step_loop as step_loop_module
+import stepline.actors.core as core_module
 from stepline.actors.executor import Executor, ExecutorDeadError
 from stepline.actors.request import IncrementalDetokenizer
 from stepline.api import (
@@ -362,7 +362,7 @@ async def test_a_bug_in_the_step_loop_fails_requests_instead_of_hanging_them(
         def broken(*args):
             raise KeyError("a bug in the commit")
 
-        monkeypatch.setattr(step_loop_module, "commit", broken)
+        monkeypatch.setattr(loop.core, "update_from_output", broken)
         with anyio.fail_after(10):
             outs = await collect(stream)
         assert outs[-1].finish_reason == "error" and "a bug in the commit" in outs[-1].error
@@ -377,7 +377,7 @@ async def test_a_bug_in_admitting_a_request_fails_its_submit_instead_of_hanging_
         def broken(*args):
             raise KeyError("a bug in admission")
 
-        monkeypatch.setattr(step_loop_module, "check_admissible", broken)
+        monkeypatch.setattr(core_module, "check_admissible", broken)
         with anyio.fail_after(10), pytest.raises(EngineDeadError, match="admitting"):
             await engine.submit("hello", params=SamplingParams(max_tokens=4))
         assert not engine.healthy

@@ -13,7 +13,6 @@ import anyio
 import pytest
 from helpers import wait_until
 
-import stepline.actors.step_loop as step_loop_module
 from stepline.actors.messages import Cancel
 from stepline.api import Engine, EngineDeadError, SamplingParams
 from stepline.engine.work import (
@@ -233,7 +232,7 @@ async def test_a_bug_in_the_step_loop_is_not_reported_as_a_dead_executor(
         def broken(*args):
             raise KeyError("a bug in the commit")
 
-        monkeypatch.setattr(step_loop_module, "commit", broken)
+        monkeypatch.setattr(loop.core, "update_from_output", broken)
         with anyio.fail_after(10):
             outs = await collect(stream)
         assert outs[-1].finish_reason == "error"

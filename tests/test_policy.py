@@ -109,7 +109,7 @@ def test_every_prompt_is_covered_once_by_contiguous_chunks_within_budget():
         # requests that reached max_tokens end, as the step loop would end them
         for rid, s in list(sim.states.items()):
             if s.status is Status.DECODING and s.num_output_tokens >= s.params.max_tokens:
-                sim.states[rid] = s.model_copy(update={"status": Status.FINISHED})
+                sim.states[rid] = s.evolve(status=Status.FINISHED)
         if all(s.is_finished for s in sim.states.values()):
             break
     assert all(s.is_finished for s in sim.states.values())

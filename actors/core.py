@@ -1,0 +1,446 @@
+"""The scheduler core: every fact about every request, changed only by events.
+
+Synchronous and MLX-free (vLLM's `EngineCore` / `Scheduler`, nano-vllm's `Scheduler`).
+The step loop (actors/step_loop.py) is its async shell:
+
+    core.add(...) / core.abort(...)            what the inbox brought
+    work = core.schedule()                     the next step (or None)
+    result = await executor.call(runner.run, work)
+    updates = core.update_from_output(work, result)
+    log.append(core.take_events()); tell each request actor its update
+
+Who owns which fact about a request:
+
+| fact                                   | owner                                              |
+|----------------------------------------|----------------------------------------------------|
+| prompt ids, params, checkpoints        | its `RequestState` (from `Admitted`)               |
+| phase (waiting / prefilling / decoding /| `RequestState.status`; ended requests move to     |
+| ended), tokens computed, output count  | `finished`                                         |
+| its cache hit and where it came from   | `RequestState.num_cached_tokens` / `cache_source`  |
+|                                        | (from its first `ChunkPrefilled`)                  |
+| the executor still holds its arrays    | `_to_free` (until the next step or housekeeping)   |
+| a disk entry was loaded for it         | `_disk_tries`                                      |
+| output ids and text                    | its request actor (detokenizer, stop strings)      |
+| MLX arrays (cache, prompt, sampling)   | the executor's runner (`engine/sequences.Seq`)     |
+
+Every `RequestState` change is an event recorded here and applied with the fold's `apply`
+(events/fold.py), the function replay uses: folding the log gives exactly `states`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from stepline.actors.messages import Update
+from stepline.engine.cost_model import CostModel
+from stepline.engine.policy import (
+    AdmissionError,
+    SchedulerConfig,
+    check_admissible,
+    check_queue,
+    prefix_candidates,
+    schedule,
+)
+from stepline.engine.prefix_index import PrefixIndex, PrefixPlan, Tokens, plan_prefixes
+from stepline.engine.work import (
+    Housekeeping,
+    NewRequest,
+    PrefixReport,
+    StepResult,
+    StepWork,
+    max_output_tokens,
+)
+from stepline.events.fold import RequestState, Status, apply
+from stepline.events.models import (
+    Admitted,
+    CheckpointReached,
+    ChunkPrefilled,
+    Decoding,
+    Event,
+    FinishReason,
+    RequestParams,
+    StepEntry,
+    StepFinished,
+    StepPlanned,
+    Terminal,
+    prompt_digest,
+)
+
+__all__ = ["EngineDeadError", "ModelLimits", "SchedulerCore", "StepOutcome"]
+
+_REUSABLE = (FinishReason.STOP, FinishReason.LENGTH)  # ended cleanly: cache worth keeping
+_KEEP_IDS = 100_000  # request ids refused as reused within this many requests
+_KEEP_FINISHED = 1024  # ended requests' states kept for inspection
+# ... and at most this many prompt token ids among them (a 128k-token prompt's state holds
+# 128k of them: 1,024 such states would keep gigabytes alive).
+_KEEP_FINISHED_TOKENS = 262_144
+
+
+class EngineDeadError(AdmissionError):
+    """The engine can serve no request: its executor failed."""
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    max_context: int  # prompt + output tokens the model supports
+    eos_token_ids: frozenset[int]
+
+
+@dataclass
+class StepOutcome:
+    """What one step did, beyond its events: each request actor's update and the figures
+    the metrics take."""
+
+    updates: dict[str, Update] = field(default_factory=dict)  # request_id -> its update
+    # for each token: (seconds since its request's admission or previous token, is first)
+    latencies: list[tuple[float, bool]] = field(default_factory=list)
+    cache_lookups: list[int] = field(default_factory=list)  # cached tokens of each first chunk
+
+
+class SchedulerCore:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        limits: ModelLimits,
+        *,
+        index: PrefixIndex | None = None,  # None: no prefix cache
+        cost_model: CostModel | None = None,  # learns step times; None: tokens only
+        salt: str | None = None,  # the event log's prompt-digest salt
+    ) -> None:
+        self.config = config
+        self.limits = limits
+        self.index = index
+        self.cost_model = cost_model
+        self.salt = salt
+        self.states: dict[str, RequestState] = {}  # unfinished requests
+        self.finished: OrderedDict[str, RequestState] = OrderedDict()  # the recent ended ones
+        self._finished_tokens = 0  # prompt token ids held in `finished`
+        self.seq = 0  # the last event's sequence number
+        self.step = 0  # the last step scheduled
+        self.in_step = False  # between `schedule` and `update_from_output`
+        self.dead_reason: str | None = None  # set once the engine can serve no more
+        self._events: list[Event] = []  # recorded, not yet taken (`take_events`)
+        self._recent_ids: OrderedDict[str, None] = OrderedDict()  # to refuse reused ids
+        # ended since the executor last heard -> whether its cache is worth keeping
+        self._to_free: dict[str, bool] = {}
+        self._drops: list[Tokens] = []  # prefix entries the index let go, for the store
+        self._promote: tuple[Tokens, ...] = ()  # disk entries a plan wants loaded
+        self._disk_tries: set[str] = set()  # requests a disk entry was loaded for
+        self._sources: dict[str, str] = {}  # this step's cache hits: "memory" or "disk"
+
+    # -- reading ------------------------------------------------------------------------
+
+    def state_of(self, request_id: str) -> RequestState | None:
+        """A request's state: live, or ended recently (the log has every one)."""
+        return self.states.get(request_id) or self.finished.get(request_id)
+
+    @property
+    def has_work(self) -> bool:
+        """Something to run: a request, or executor state to free, drop or load."""
+        return bool(self.states or self._to_free or self._drops or self._promote)
+
+    def take_events(self) -> list[Event]:
+        """The events recorded since the last call, in order (for the event log)."""
+        events, self._events = self._events, []
+        return events
+
+    # -- requests in ----------------------------------------------------------------------
+
+    def add(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: RequestParams,
+        checkpoints: Sequence[int] = (),
+    ) -> None:
+        """Admit a request into the waiting queue. Raises AdmissionError (EngineDeadError,
+        QueueFullError, ...) if it cannot be served; a request that got as far as the
+        checks is recorded as admitted and at once rejected, so the log says why."""
+        if request_id in self._recent_ids:
+            raise AdmissionError(f"request id {request_id!r} was already used: send a new one")
+        self._recent_ids[request_id] = None
+        while len(self._recent_ids) > _KEEP_IDS:
+            self._recent_ids.popitem(last=False)
+        ids = tuple(prompt_token_ids)
+        refused: AdmissionError | None = None
+        try:
+            if self.dead_reason is not None:
+                raise EngineDeadError(f"the engine is unhealthy: {self.dead_reason}")
+            check_queue(self.states, self.config)
+            check_admissible(len(ids), params.max_tokens, self.limits.max_context, self.config)
+        except AdmissionError as exc:
+            refused = exc
+        self._record(
+            Admitted,
+            request_id=request_id,
+            num_prompt_tokens=len(ids),
+            prompt_token_ids=ids,  # the log's writer leaves them out if told to
+            prompt_sha256=prompt_digest(self.salt, ids),
+            checkpoints=tuple(sorted({c for c in checkpoints if 0 < c <= len(ids)})),
+            params=params,
+        )
+        if refused is not None:
+            self._record(
+                Terminal, request_id=request_id, reason=FinishReason.REJECTED, message=str(refused)
+            )
+            raise refused
+
+    def abort(
+        self, request_id: str, reason: FinishReason, message: str | None = None
+    ) -> Update | None:
+        """End a live request the steps did not end (cancelled, its actor failed, a fault).
+        Returns the update for its actor, or None if it had ended already."""
+        if request_id not in self.states:
+            return None
+        self._record(Terminal, request_id=request_id, reason=reason, message=message)
+        return Update(finish=reason, message=message)
+
+    def fail(self, reason: str) -> dict[str, Update]:
+        """The engine cannot go on: end every live request with an error; admit no more.
+        Returns each ended request's update."""
+        self.dead_reason = reason
+        updates = {rid: self.abort(rid, FinishReason.ERROR, reason) for rid in list(self.states)}
+        self._to_free.clear()
+        self._promote = ()
+        self.in_step = False
+        return {rid: u for rid, u in updates.items() if u is not None}
+
+    # -- a step -------------------------------------------------------------------------
+
+    def housekeeping(self, *, before_step: bool = False) -> Housekeeping | None:
+        """What the executor must do without a step: frees, retirements, entry drops and
+        loads, taken once. `before_step`: only when a waiting request may start from a
+        cache that ended requests leave (the next turn of a chat); else whenever any."""
+        if before_step:
+            waiting = any(s.status is Status.WAITING for s in self.states.values())
+            if not (waiting and any(self._to_free.values())):
+                return None
+        elif not (self._to_free or self._drops or self._promote):
+            return None
+        return self._take_housekeeping()
+
+    def _take_housekeeping(self) -> Housekeeping:
+        frees, self._to_free = self._to_free, {}
+        drops, self._drops = self._drops, []
+        promote, self._promote = self._promote, ()
+        return Housekeeping(
+            free=tuple(frees),
+            retire=frozenset(r for r, reusable in frees.items() if reusable),
+            drop_entries=tuple(drops),
+            promote=promote,
+        )
+
+    def schedule(self) -> StepWork | None:
+        """The next step's work (its plan, the requests it admits into the executor, and
+        the housekeeping that goes first), recorded as a `StepPlanned` event; None if no
+        request can run now (what is left to free or load: `housekeeping()`)."""
+        prefix = self._plan_prefixes()
+        cost = None
+        if self.cost_model is not None:
+            # A refit (~3 ms of numpy) only when a chunk is to be sized; a decode-only step's
+            # prediction, for the log, comes from the last fit.
+            chunked = any(s.status is not Status.DECODING for s in self.states.values())
+            cost = self.cost_model.cost if chunked else self.cost_model.last
+        plan = schedule(self.states, self.config, self.step + 1, cost, prefix)
+        if plan.is_empty:
+            self._promote = prefix.promote
+            return None
+        self.step += 1
+        self.in_step = True
+        states = self.states
+        self._record(
+            StepPlanned,
+            entries=tuple(
+                StepEntry(
+                    request_id=rid,
+                    num_tokens=n,
+                    kind="decode" if states[rid].status is Status.DECODING else "prefill",
+                )
+                for rid, n in plan.num_scheduled_tokens.items()
+            ),
+            max_step_tokens=self.config.max_step_tokens,
+            max_num_seqs=self.config.max_num_seqs,
+        )
+        admit = tuple(
+            self._new_request(c.request_id, prefix)
+            for c in plan.chunks
+            if states[c.request_id].status is Status.WAITING
+        )
+        # Where each cache hit comes from; a request that waited while its entry was loaded
+        # from disk was served from disk.
+        self._sources = {
+            rid: "disk" if rid in self._disk_tries else m.source
+            for rid, m in prefix.matches.items()
+        }
+        self._promote = prefix.promote
+        return StepWork(plan=plan, admit=admit, **self._take_housekeeping().__dict__)
+
+    def _plan_prefixes(self) -> PrefixPlan:
+        if self.index is None or not any(s.status is Status.WAITING for s in self.states.values()):
+            return PrefixPlan()
+        states = self.states
+        candidates = prefix_candidates(
+            states,
+            lambda rid: states[rid].prompt_token_ids or (),
+            self.step + 1,
+            self.config,
+            self._disk_tries,
+        )
+        prefix = plan_prefixes(candidates, self.index)
+        self._disk_tries.update(prefix.loading)
+        return prefix
+
+    def _new_request(self, rid: str, prefix: PrefixPlan) -> NewRequest:
+        state = self.states[rid]
+        match = prefix.matches.get(rid)
+        if match is not None and self.index is not None:
+            self.index.touch(match.tokens)
+        return NewRequest(
+            request_id=rid,
+            prompt_token_ids=state.prompt_token_ids or (),
+            params=state.params,
+            prefix=match.tokens if match is not None else None,
+            num_cached_tokens=match.num_tokens if match is not None else 0,
+            logprobs=state.params.logprobs,
+        )
+
+    def update_from_output(self, work: StepWork, result: StepResult) -> StepOutcome:
+        """Record step `work`'s outcome — its time, requests the executor dropped, chunks,
+        checkpoints, tokens, ends by stop token or length — and return each request's
+        update. Requests no longer live (aborted while the step ran) are skipped."""
+        plan = work.plan
+        self._record(StepFinished, seconds=result.seconds, predicted_seconds=plan.predicted_seconds)
+        if self.cost_model is not None:
+            self.cost_model.observe(plan.features, result.seconds)
+        out = StepOutcome()
+        updates = out.updates
+        for rid, what in result.failed.items():
+            update = self.abort(rid, FinishReason.ERROR, what)
+            if update is not None:
+                updates[rid] = update
+            # Its free still goes out: a no-op here, but other ranks of a distributed
+            # engine still hold the request.
+            self._to_free.setdefault(rid, False)
+        for chunk in plan.chunks:
+            self._chunk_done(chunk, result, self._sources, out)
+        self._sources = {}
+        states = self.states
+        for rid, token in result.tokens.items():
+            state = states.get(rid)
+            if state is None:
+                continue
+            since = state.last_token_ts or state.admitted_ts
+            state = self._record(Decoding, request_id=rid, token_ids=(token,))
+            out.latencies.append((state.last_token_ts - since, state.num_output_tokens == 1))
+            finish = self._finish_reason(state, token)
+            update = updates.get(rid)
+            if update is None:
+                update = updates[rid] = Update(num_computed_tokens=state.num_prompt_tokens)
+            else:
+                update.num_computed_tokens = state.num_prompt_tokens
+            update.token_ids.append(token)
+            lp = result.logprobs.get(rid)
+            if lp is not None:
+                update.logprobs.append(lp)
+            if finish is not None:
+                update.finish = finish
+                update.stop_token = finish is FinishReason.STOP
+                self._record(Terminal, request_id=rid, reason=finish, message=None)
+        self.in_step = False
+        self.apply_prefix_report(result.prefix)
+        return out
+
+    def _chunk_done(
+        self, chunk: Any, result: StepResult, sources: dict[str, str], out: StepOutcome
+    ) -> None:
+        rid = chunk.request_id
+        state = self.states.get(rid)
+        if state is None:
+            return
+        cached = chunk.start if state.num_computed_tokens == 0 and chunk.start > 0 else 0
+        if state.status is Status.WAITING:
+            out.cache_lookups.append(cached)
+        pos = chunk.start
+        first = True
+        reached = result.checkpoints.get(rid, ())
+        # A chunk may end at a checkpoint: each offset is visited once.
+        for offset in sorted({*chunk.checkpoints, chunk.end}):
+            if offset > pos:
+                self._record(
+                    ChunkPrefilled,
+                    request_id=rid,
+                    start=pos,
+                    end=offset,
+                    num_cached_tokens=cached if first else 0,
+                    cache_source=sources.get(rid) if cached and first else None,
+                )
+                first = False
+                pos = offset
+            if offset in reached:
+                self._record(CheckpointReached, request_id=rid, offset=offset)
+        update = out.updates.setdefault(rid, Update())
+        update.num_computed_tokens = chunk.end
+        if cached:
+            update.num_cached_tokens = cached
+
+    def _finish_reason(self, state: RequestState, token: int) -> FinishReason | None:
+        """Whether `token`, just recorded, ends the request: a stop token, or its length."""
+        p = state.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.limits.eos_token_ids):
+            return FinishReason.STOP
+        limit = max_output_tokens(p, state.num_prompt_tokens, self.limits.max_context)
+        if state.num_output_tokens >= limit:
+            return FinishReason.LENGTH
+        return None
+
+    def apply_prefix_report(self, report: PrefixReport | None) -> None:
+        """The prefix store's changes (after a step or housekeeping), into the index."""
+        if report is None or self.index is None:
+            return
+        self._drops.extend(self.index.apply(report.new, report.disk_added, report.disk_removed))
+
+    # -- recording -----------------------------------------------------------------------
+
+    def _record(self, cls: type, **fields: Any) -> Any:
+        """Record one event: apply it to its request's state (the fold's `apply`) and keep
+        it for the log. Returns the request's new state (the event, for a step's own)."""
+        self.seq += 1
+        # Events between steps N and N+1 belong to step N+1, so that folding the log up to
+        # step N gives exactly the state the core had when step N ended.
+        step = self.step if self.in_step else self.step + 1
+        event = cls(seq=self.seq, ts=time.time(), step=step, **fields)
+        self._events.append(event)
+        rid = event.request_id
+        if rid is None:
+            return event
+        state = apply(self.states.get(rid), event)
+        if state.is_finished:
+            self.states.pop(rid, None)
+            self._keep_finished(rid, state)
+            reason = state.finish_reason
+            if reason is not FinishReason.REJECTED:  # else it never reached the executor
+                self._to_free[rid] = reason in _REUSABLE
+            self._disk_tries.discard(rid)
+        else:
+            self.states[rid] = state
+        return state
+
+    def _keep_finished(self, rid: str, state: RequestState) -> None:
+        old = self.finished.pop(rid, None)
+        if old is not None:
+            self._finished_tokens -= _num_ids(old)
+        self.finished[rid] = state
+        self._finished_tokens += _num_ids(state)
+        while len(self.finished) > 1 and (
+            len(self.finished) > _KEEP_FINISHED or self._finished_tokens > _KEEP_FINISHED_TOKENS
+        ):
+            _, dropped = self.finished.popitem(last=False)
+            self._finished_tokens -= _num_ids(dropped)
+
+
+def _num_ids(state: RequestState) -> int:
+    return len(state.prompt_token_ids or ())
