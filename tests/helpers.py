@@ -6,9 +6,13 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
+
+if TYPE_CHECKING:
+    from stepline.actors.step_loop import StepLoop
+    from stepline.events.fold import RequestState
 
 T = TypeVar("T")
 
@@ -46,12 +50,24 @@ async def hold_open(cm: AbstractAsyncContextManager[T]) -> tuple[T, Callable[[],
     return value, close
 
 
-async def wait_until(predicate: Callable[[], bool], within: float = 10.0) -> None:
-    """Poll another actor's state with a deadline: it changes on the step loop (which frees
-    ended requests after their end, for one), with no event to wait on here."""
+async def wait_until(loop: StepLoop, predicate: Callable[[], bool], within: float = 10.0) -> None:
+    """Return once `predicate()` holds; TimeoutError after `within` seconds. The step loop
+    `loop` checks it again after each of its turns (`StepLoop.wait_until`): it may read the
+    loop's state, or the executor's (which changes only inside a step or housekeeping call)."""
     with anyio.fail_after(within):
-        while not predicate():  # noqa: ASYNC110 - the state is the step loop's
-            await anyio.sleep(0.005)
+        await loop.wait_until(predicate)
+
+
+async def wait_finished(loop: StepLoop, request_id: str, within: float = 10.0) -> RequestState:
+    """The state of `request_id` once the step loop `loop` has ended it (a cancel reaches the
+    loop after the client's stream has ended); TimeoutError after `within` seconds."""
+
+    def finished() -> bool:
+        state = loop.state_of(request_id)
+        return state is not None and state.is_finished
+
+    await wait_until(loop, finished, within)
+    return loop.state_of(request_id)
 
 
 @dataclass(frozen=True)

@@ -191,7 +191,7 @@ def _serve(tmp_path: Path, ranks: list, env: dict | None = None) -> str:
             if line.startswith("stepline: serving") and " at " in line:
                 return line.split(" at ")[1].split()[0].removesuffix("/v1")
         assert all(p.poll() is None for p in ranks), _output(tmp_path) + _output(tmp_path, 1)
-        time.sleep(0.2)
+        time.sleep(0.2)  # other processes: their output file is all there is to watch
     raise AssertionError(f"rank 0 did not start serving: {_output(tmp_path)}")
 
 
@@ -262,7 +262,7 @@ async def test_a_rank_lost_while_no_request_runs_is_found_by_the_ping(demo, tmp_
     async with httpx.AsyncClient(base_url=url, timeout=60) as http:
         with anyio.fail_after(20):
             while (health := await http.get("/health")).status_code == 200:  # noqa: ASYNC110 - another process
-                await anyio.sleep(0.1)
+                await anyio.sleep(0.1)  # another process, seen over HTTP only
         refused = await http.post(
             "/v1/completions", json={"model": "stepline-demo", "prompt": "Once", "max_tokens": 5}
         )

@@ -10,7 +10,7 @@ import time
 import anyio
 import pydantic
 import pytest
-from helpers import wait_until
+from helpers import wait_finished, wait_until
 
 import stepline.actors.core as core_module
 from stepline.actors.executor import Executor, ExecutorDeadError
@@ -124,9 +124,9 @@ async def test_a_request_submitted_while_a_step_runs_is_admitted_for_the_next_st
         busy = await engine.submit(
             long_prompt(8), params=GREEDY.model_copy(update={"max_tokens": 200})
         )
-        late = []
+        loop, late = engine.step_loop, []
         for i in range(5):
-            await wait_until(lambda i=i: engine.step_loop.step >= 5 * (i + 1))
+            await wait_until(loop, lambda i=i: loop.step >= 5 * (i + 1))
             late.append(await engine.submit(long_prompt(9 + i), params=GREEDY))
         for s in (busy, *late):
             await collect(s)
@@ -147,7 +147,7 @@ def _slow_to_prepare(engine: Engine, seconds: dict[str, float]) -> None:
     prepare = engine.prepare_async
 
     async def slow(prompt, messages, template_kwargs):
-        await anyio.sleep(seconds.get(prompt, 0.0))
+        await anyio.sleep(seconds.get(prompt, 0.0))  # a slow tokenizer: its time is the point
         return await prepare(prompt, messages, template_kwargs)
 
     engine.prepare_async = slow  # type: ignore[method-assign]
@@ -217,7 +217,7 @@ async def test_folding_the_log_rebuilds_the_live_state_at_every_step(tmp_path, m
             await collect(s)
         await streams[3].aclose()  # one cancelled mid-prefill too
         loop = engine.step_loop
-        await wait_until(lambda: loop.state_of(streams[3].request_id).is_finished)
+        await wait_finished(loop, streams[3].request_id)
         ended = {s.request_id: loop.state_of(s.request_id) for s in streams}
     events = list(read_events(log))
     assert fold(events) == ended  # every request's final state, from the log alone
@@ -245,11 +245,10 @@ async def test_breaking_out_mid_decode_cancels_and_frees_the_slot(tmp_path, mode
                 break
         await stream.aclose()
         loop = engine.step_loop
-        await wait_until(lambda: loop.state_of(stream.request_id).is_finished)
-        assert loop.state_of(stream.request_id).finish_reason == "cancelled"
+        assert (await wait_finished(loop, stream.request_id)).finish_reason == "cancelled"
         outs = await collect(other)  # the bystander is unaffected
         assert outs[-1].finish_reason == "length" and outs[-1].num_output_tokens == 40
-        await wait_until(lambda: loop.runner.num_sequences == 0)
+        await wait_until(loop, lambda: loop.runner.num_sequences == 0)
 
 
 async def test_just_breaking_out_of_generate_cancels_the_request(model_cache_dir):
@@ -260,10 +259,10 @@ async def test_just_breaking_out_of_generate_cancels_the_request(model_cache_dir
             if out.num_output_tokens >= 2:
                 rid = out.request_id
                 break  # no aclose(): what users write
-        await wait_until(lambda: loop.state_of(rid).is_finished)
-        assert loop.state_of(rid).finish_reason == "cancelled"
-        assert loop.state_of(rid).num_output_tokens < 50
-        await wait_until(lambda: loop.runner.num_sequences == 0)
+        state = await wait_finished(loop, rid)
+        assert state.finish_reason == "cancelled"
+        assert state.num_output_tokens < 50
+        await wait_until(loop, lambda: loop.runner.num_sequences == 0)
 
 
 async def test_cancelling_mid_prefill_frees_the_slot_within_a_step(model_cache_dir):
@@ -277,16 +276,16 @@ async def test_cancelling_mid_prefill_frees_the_slot_within_a_step(model_cache_d
         stream = await engine.submit(long_prompt(1500), params=GREEDY)
         async with anyio.create_task_group() as tg:
             tg.start_soon(consume, stream)
-            await wait_until(lambda: loop.state_of(stream.request_id).status is Status.PREFILLING)
+            rid = stream.request_id
+            await wait_until(loop, lambda: loop.state_of(rid).status is Status.PREFILLING)
             step_at_cancel = loop.step
             tg.cancel_scope.cancel()  # the consuming task is cancelled
         await stream.aclose()
-        await wait_until(lambda: loop.state_of(stream.request_id).is_finished)
-        state = loop.state_of(stream.request_id)
+        state = await wait_finished(loop, stream.request_id)
         assert state.finish_reason == "cancelled"
         assert state.num_computed_tokens < 1500
         assert state.finished_step <= step_at_cancel + 2
-        await wait_until(lambda: loop.runner.num_sequences == 0)
+        await wait_until(loop, lambda: loop.runner.num_sequences == 0)
 
 
 @pytest.mark.parametrize(
@@ -336,7 +335,7 @@ async def test_a_dead_executor_ends_every_request_with_an_error_and_refuses_new_
             )
             for n in (3, 400)
         ]
-        await wait_until(lambda: loop.step >= 3)
+        await wait_until(loop, lambda: loop.step >= 3)
 
         def broken(work):
             raise RuntimeError("simulated MLX failure")
@@ -357,7 +356,7 @@ async def test_a_bug_in_the_step_loop_fails_requests_instead_of_hanging_them(
     async with Engine.open("stepline-demo", max_step_tokens=16, max_num_seqs=4) as engine:
         stream = await engine.submit("hello", params=SamplingParams(max_tokens=100))
         loop = engine.step_loop
-        await wait_until(lambda: loop.step >= 2)
+        await wait_until(loop, lambda: loop.step >= 2)
 
         def broken(*args):
             raise KeyError("a bug in the commit")
@@ -411,9 +410,9 @@ async def test_a_failing_request_actor_ends_only_its_request(model_cache_dir):
             outs = await collect(doomed)
         assert outs[-1].finish_reason == "error" and "detokenizer bug" in outs[-1].error
         loop = engine.step_loop
-        await wait_until(lambda: loop.state_of(doomed.request_id).is_finished)
-        assert loop.state_of(doomed.request_id).finish_reason == "error"
-        assert loop.state_of(doomed.request_id).num_output_tokens < 10  # stopped promptly
+        state = await wait_finished(loop, doomed.request_id)
+        assert state.finish_reason == "error"
+        assert state.num_output_tokens < 10  # stopped promptly
         assert (await collect(other))[-1].finish_reason == "length"
         assert engine.healthy
 
@@ -443,7 +442,7 @@ async def test_the_executor_runs_one_job_at_a_time_on_one_thread():
         active += 1
         overlaps += active > 1
         threads.add(threading.get_ident())
-        time.sleep(0.001)
+        time.sleep(0.001)  # a job that takes a while: a second thread would overlap it
         active -= 1
         return i
 
@@ -516,7 +515,7 @@ async def test_drain_settles_mlx_after_the_queued_jobs_unless_the_executor_is_de
         order.append("job")
 
     queued = asyncio.ensure_future(executor.call(job))
-    await wait_until(started.is_set)
+    assert await anyio.to_thread.run_sync(started.wait, 5)  # the job runs: drain comes after it
     drained = asyncio.ensure_future(
         executor.drain(
             settle=lambda: order.append(f"settle on {threading.get_ident() == executor.thread_id}")

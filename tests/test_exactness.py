@@ -131,6 +131,7 @@ async def _leave_and_join(name: str, lookahead: bool, extra: dict) -> dict[str, 
     greedy = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (3, 9, 14)]
     seeded = SamplingParams(max_tokens=11, temperature=0.8, seed=5, ignore_eos=True)
     tokens: dict[str, list] = {}
+    a1_decodes = anyio.Event()  # a1 has two tokens: the first wave decodes
     async with Engine.open(name, max_step_tokens=48, max_num_seqs=8) as engine:
         engine.step_loop.runner.lookahead = lookahead
 
@@ -139,6 +140,8 @@ async def _leave_and_join(name: str, lookahead: bool, extra: dict) -> dict[str, 
             async with await engine.submit(prompt, params=params, request_id=rid) as stream:
                 async for out in stream:
                     got.extend(out.token_ids)
+                    if rid == "a1" and len(got) >= 2:
+                        a1_decodes.set()
                     if out.logprobs:
                         lps = tokens.setdefault(f"{rid}-logprobs", [])
                         lps.extend((lp.token_id, round(lp.logprob, 4)) for lp in out.logprobs)
@@ -153,10 +156,12 @@ async def _leave_and_join(name: str, lookahead: bool, extra: dict) -> dict[str, 
             if extra:
                 params = SamplingParams(max_tokens=12, seed=4, ignore_eos=True, **extra)
                 tg.start_soon(one, "extra", prompt_ids(25, seed=7), params)
-            await wait_until(lambda: len(tokens.get("a1", ())) >= 2)
+            with anyio.fail_after(10):
+                await a1_decodes.wait()
             for i, params in enumerate(greedy):  # the second wave, while the first decodes
                 tg.start_soon(one, f"b{i}", prompt_ids(60 + i, seed=20 + i), params)
-        await wait_until(lambda: engine.step_loop.runner.num_sequences == 0)
+        loop = engine.step_loop
+        await wait_until(loop, lambda: loop.runner.num_sequences == 0)
     return tokens
 
 
@@ -217,7 +222,7 @@ async def _decode_step_calls(
             return real_run(work)
 
         def pipeline(*args):
-            time.sleep(slow_pipeline)
+            time.sleep(slow_pipeline)  # a slow forward, simulated: its time is the point
             return real_pipeline(*args)
 
         class Forward:

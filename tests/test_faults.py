@@ -108,7 +108,8 @@ async def test_a_fault_in_one_requests_prefill_ends_only_that_request(tmp_path, 
         runner._prefill = prefill
         results = await run_together(engine, prompt_of(100, salt=9), params(seed=5))
         assert engine.healthy
-        await wait_until(lambda: runner.num_sequences == 0)  # nothing is left behind
+        loop = engine.step_loop
+        await wait_until(loop, lambda: runner.num_sequences == 0)  # nothing is left behind
         assert (await collect(await engine.submit("after", params=params(1))))[-1].finish_reason
     assert_only_doomed_failed(results, alone, log, PREFILL_FAILED)
     chunks = [e for e in read_events(log) if isinstance(e, ChunkPrefilled)]
@@ -136,7 +137,8 @@ async def test_a_fault_in_one_requests_sampling_row_ends_only_that_request(
         sampler.start = start
         results = await run_together(engine, prompt_of(10, salt=7), params(seed=DOOMED_SEED))
         assert engine.healthy
-        await wait_until(lambda: engine.step_loop.runner.num_sequences == 0)
+        loop = engine.step_loop
+        await wait_until(loop, lambda: loop.runner.num_sequences == 0)
     assert_only_doomed_failed(results, alone, log, SAMPLING_FAILED)
     doomed_tokens = [t for o in results["doomed"] for t in o.token_ids]
     assert len(doomed_tokens) == failing_position  # what it got before the fault, no more
@@ -164,7 +166,8 @@ async def test_a_failing_checkpoint_hook_ends_only_its_request(tmp_path, model_c
             engine, prompt_of(40, salt=3), params(seed=5), checkpoints=(8,)
         )
         assert engine.healthy
-        await wait_until(lambda: engine.step_loop.runner.num_sequences == 0)
+        loop = engine.step_loop
+        await wait_until(loop, lambda: loop.runner.num_sequences == 0)
     assert_only_doomed_failed(results, alone, log, CHECKPOINT_FAILED)
     reached = {e.request_id for e in read_events(log) if isinstance(e, CheckpointReached)}
     assert reached == set(OTHERS)  # the bystanders' hooks ran and were recorded; not the doomed
@@ -217,7 +220,8 @@ async def test_a_cancel_that_lands_as_the_engine_closes_its_inbox_is_no_step_loo
         loop = engine.step_loop
         loop.inbox.send_nowait(Cancel(request_id="gone-already"))
         loop.inbox.close()  # as Engine.open's exit does, with no await in between
-        await anyio.sleep(0.05)  # the loop handles the message, then finds the inbox closed
+        # Every task waits: the loop has handled the message, found the inbox closed, ended.
+        await anyio.wait_all_tasks_blocked()
         assert engine.healthy, engine.unhealthy_reason
         assert loop.dead_reason is None
 

@@ -333,7 +333,8 @@ async def test_idle_sockets_past_the_limit_leave_health_metrics_and_requests_ans
     idle = [await anyio.connect_tcp(host, int(port)) for _ in range(200)]  # limit: 4
     try:
         async with served.client(served.limited_url) as http:
-            await anyio.sleep(0.1)  # the server has accepted them
+            # The probe's connection queues behind the idle ones: once it is answered, the
+            # server has accepted them all (the kernel hands connections over in order).
             assert await health_time(http) < 1.0
             assert (await http.get("/metrics")).status_code == 200
             assert (await http.get("/v1/models")).status_code == 200
@@ -354,6 +355,8 @@ async def test_past_the_limit_of_requests_in_flight_requests_get_503_but_probes_
         for conn in pending:
             await conn.send(head)
         async with served.client(served.limited_url) as http:
+            # The requests in flight are the middleware's, with no event to await: watched
+            # over HTTP, as a client sees them, until their count says so.
             with anyio.fail_after(10):
                 while (busy := await http.get("/v1/models")).status_code != 503:  # noqa: ASYNC110
                     await anyio.sleep(0.01)

@@ -53,15 +53,16 @@ async def test_cancelling_submitters_at_random_moments_leaves_the_engine_whole(
             for i in range(40):
                 tg.start_soon(doomed, i)
                 if i % 5 == 0:
-                    await anyio.sleep(0.001)
+                    await anyio.sleep(0.001)  # arrivals spread over time, cancels at random moments
         loop = engine.step_loop
-        await wait_until(lambda: not loop.states and loop.runner.num_sequences == 0)
+        await wait_until(loop, lambda: not loop.states and loop.runner.num_sequences == 0)
         m = engine.metrics  # /metrics says nothing runs once the engine is idle again
         await wait_until(
+            loop,
             lambda: (
                 (m.waiting._value.get(), m.prefilling._value.get(), m.running._value.get())
                 == (0, 0, 0)
-            )
+            ),
         )
         assert engine.healthy
         assert len(finished) == 4 and all(len(t) == 12 for t in finished.values())
@@ -98,7 +99,7 @@ async def test_the_prefix_cache_reports_the_memory_it_keeps_alive(model_cache_di
                     tg.start_soon(one, i)
         # Idle: the index has heard of every entry (the last requests' retired caches come
         # back with a housekeeping result) and the executor has applied every drop it decided.
-        await wait_until(lambda: loop.settled and loop.runner.num_sequences == 0)
+        await wait_until(loop, lambda: loop.settled and loop.runner.num_sequences == 0)
         store = loop.runner.store
         reported = loop.index.nbytes
 

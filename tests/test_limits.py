@@ -147,7 +147,8 @@ async def test_a_full_waiting_queue_refuses_new_requests_until_it_drains(model_c
         loop = engine.step_loop
         long = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
         first = await engine.submit("the one running", params=long)
-        await wait_until(lambda: loop.state_of(first.request_id).status is Status.DECODING)
+        rid = first.request_id
+        await wait_until(loop, lambda: loop.state_of(rid).status is Status.DECODING)
         waiting = [await engine.submit(f"waiting {i}", params=long) for i in range(2)]
         with pytest.raises(QueueFullError, match="2 of 2 requests waiting") as err:
             await engine.submit("one too many", params=long)

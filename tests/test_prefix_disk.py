@@ -74,7 +74,7 @@ async def settle(engine: Engine) -> None:
     cache) and dropped what its index let go, then for the disk writes: the cache's files
     change no more while nothing runs."""
     loop = engine.step_loop
-    await wait_until(lambda: loop.settled and loop.runner.num_sequences == 0)
+    await wait_until(loop, lambda: loop.settled and loop.runner.num_sequences == 0)
     await flush(engine)
 
 
@@ -90,7 +90,7 @@ async def index_knows_the_files(engine: Engine) -> None:
             if out.token_ids:
                 break
     assert loop.index is not None
-    await wait_until(lambda: loop.index.num_entries > loop.index.num_memory_entries)
+    await wait_until(loop, lambda: loop.index.num_entries > loop.index.num_memory_entries)
     await settle(engine)
 
 

@@ -156,7 +156,7 @@ def test_the_first_command_of_the_readme_serves_real_text(smollm2, tmp_path):
         deadline = time.monotonic() + 120
         while "stepline: serving" not in out.read_text():
             assert proc.poll() is None and time.monotonic() < deadline, out.read_text()
-            time.sleep(0.1)
+            time.sleep(0.1)  # another process: its output file is all there is to watch
         printed = out.read_text()
         url = re.search(r"(http://127\.0\.0\.1:\d+)/health answers 503", printed).group(1)
         assert "loading SmolLM2-135M-Instruct, the default model" in printed

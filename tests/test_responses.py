@@ -1,5 +1,5 @@
 """The OpenAI Responses API over real HTTP with the official `openai` client: create
-(streaming and not), background responses polled, streamed again after the fact and resumed
+(streaming and not), background responses retrieved, streamed again after the fact and resumed
 with `starting_after`, cancel, `previous_response_id`, and privacy between API keys."""
 
 from __future__ import annotations
@@ -13,9 +13,8 @@ import jsonschema
 import openai
 import pytest
 import pytest_asyncio
-from helpers import WEATHER_ARGS, ZONE_ARGS, Served, hold_open, open_served
+from helpers import WEATHER_ARGS, ZONE_ARGS, Served, hold_open, open_served, wait_finished
 
-from stepline.api import Engine
 from stepline.api.errors import APIError
 from stepline.api.responses_schema import ResponseObject
 from stepline.api.responses_serving import ResponseStore, StoredResponse
@@ -34,26 +33,6 @@ async def served(demo) -> AsyncIterator[Served]:
         yield value
     finally:
         await close()
-
-
-async def poll_until_done(client: openai.AsyncOpenAI, rid: str):
-    with anyio.fail_after(30):
-        while True:
-            response = await client.responses.retrieve(rid)
-            if response.status in TERMINAL:
-                return response
-            await anyio.sleep(0.05)
-
-
-async def wait_finished(engine: Engine, rid: str):
-    """The request's state once it has ended (polled: a cancel ends a request outside a
-    step, so no step hook would see it)."""
-    with anyio.fail_after(10):
-        while True:
-            state = engine.step_loop.state_of(rid)
-            if state is not None and state.is_finished:
-                return state
-            await anyio.sleep(0.02)
 
 
 LONG = {"ignore_eos": True}  # generate max_output_tokens whatever the model says
@@ -111,14 +90,18 @@ async def test_a_stream_has_the_spec_events_in_order_with_sequence_numbers(serve
     assert text == events[-1].response.output_text == whole.output_text
 
 
-async def test_a_background_response_is_polled_until_done_then_streamed_from_the_start(served):
+async def test_a_background_response_is_retrieved_done_then_streamed_from_the_start(served):
     async with served.client() as client:
         started = await client.responses.create(
             model=MODEL, input="Tell me about barley.", max_output_tokens=40, background=True
         )
         assert started.status in ("queued", "in_progress")
         assert started.background is True
-        done = await poll_until_done(client, started.id)
+        with anyio.fail_after(30):
+            live = await client.responses.retrieve(started.id, stream=True)
+            async for _ in live:  # followed to its end: the response has ended
+                pass
+        done = await client.responses.retrieve(started.id)
         replay = await client.responses.retrieve(started.id, stream=True)
         events = [e async for e in replay]
     assert done.status in ("completed", "incomplete")
@@ -171,7 +154,7 @@ async def test_cancelling_a_background_response_stops_it(served):
         events = [e async for e in stream]
     assert cancelled.status == again.status == "cancelled"
     assert events[-1].type == "response.cancelled"
-    state = await wait_finished(engine, started.id)  # the response id is the request id
+    state = await wait_finished(engine.step_loop, started.id)  # the response id is the request id
     assert state.finish_reason == "cancelled"
 
 
@@ -389,7 +372,7 @@ async def test_a_foreground_stream_is_cancelled_when_its_client_goes_away(served
             if event.type == "response.output_text.delta":
                 break
         await stream.close()
-        state = await wait_finished(engine, rid)
+        state = await wait_finished(engine.step_loop, rid)
         stored = await client.responses.retrieve(rid)
     assert state.finish_reason == "cancelled"
     assert stored.status == "cancelled"

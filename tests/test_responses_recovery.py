@@ -7,19 +7,16 @@ a kill -9 leaves on disk (every event written so far, no ending)."""
 from __future__ import annotations
 
 import shutil
-import warnings
-from pathlib import Path
 
 import anyio
 import openai
 import pytest
+from helpers import wait_until
 
 from stepline.api import Engine
 from stepline.api.responses_recovery import interrupted_responses
 from stepline.api.serve_cmd import serve_in_process
 from stepline.api.server import create_app
-from stepline.events.log import TornLineWarning, read_events
-from stepline.events.models import Admitted
 
 pytestmark = pytest.mark.asyncio
 
@@ -30,15 +27,11 @@ def client(url: str, key: str) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
 
 
-async def wait_admitted(log: Path, rid: str) -> None:
-    """Until the log writer has written `rid`'s admission."""
-    with anyio.fail_after(10):
-        while True:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", TornLineWarning)  # the writer is mid-line
-                if any(isinstance(e, Admitted) and e.request_id == rid for e in read_events(log)):
-                    return
-            await anyio.sleep(0.02)
+async def wait_admitted(engine: Engine, rid: str) -> None:
+    """Until the step loop has admitted `rid` and the log writer has written its admission."""
+    loop = engine.step_loop
+    await wait_until(loop, lambda: loop.state_of(rid) is not None)
+    await anyio.to_thread.run_sync(loop.event_log.flush)
 
 
 async def test_a_background_response_cut_off_by_a_crash_reports_failed_after_the_restart(
@@ -55,7 +48,7 @@ async def test_a_background_response_cut_off_by_a_crash_reports_failed_after_the
                 background=True,
                 extra_body={"ignore_eos": True},
             )
-            await wait_admitted(log, running.id)
+            await wait_admitted(engine, running.id)
             shutil.copy(log, crashed)  # the disk as a kill -9 would leave it
             await c.responses.cancel(running.id)
 
@@ -100,6 +93,6 @@ async def test_a_background_response_cut_off_by_a_graceful_shutdown_is_recovered
                 background=True,
                 extra_body={"ignore_eos": True},
             )
-            await wait_admitted(log, running.id)
+            await wait_admitted(engine, running.id)
         # The server stopped; the engine stops now, with the response still running.
     assert [rid for rid, _ in interrupted_responses(log, since=0)] == [running.id]

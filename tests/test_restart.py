@@ -48,7 +48,7 @@ def _wait_healthy(proc: subprocess.Popen, url: str, output: Path) -> None:
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(0.2)
+        time.sleep(0.2)  # another process, seen over HTTP only
     pytest.fail(f"serve not healthy after {STARTUP_S} s:\n{output.read_text()[-3000:]}")
 
 

@@ -10,13 +10,11 @@ import anyio
 import httpx
 import pytest
 import pytest_asyncio
-from helpers import Served, hold_open, open_served
+from helpers import Served, hold_open, open_served, wait_finished
 from starlette.datastructures import Headers
 
-from stepline.api import Engine
 from stepline.api.resume import FrameCounter, ResumeRegistry, key_of
 from stepline.api.sse import PING
-from stepline.events.fold import RequestState
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -84,17 +82,6 @@ def same_but_ids(raw: bytes, rid: str, other: bytes, other_rid: str) -> None:
     assert norm(raw, rid) == norm(other, other_rid)
 
 
-async def wait_finished(engine: Engine, rid: str, within_s: float) -> RequestState:
-    """The request's state once it has ended. (Polled: a cancel of a request that is not
-    in a step ends it without a step, so no step hook would see it.)"""
-    with anyio.fail_after(within_s):
-        while True:
-            state = engine.step_loop.state_of(rid)
-            if state is not None and state.is_finished:
-                return state
-            await anyio.sleep(0.02)
-
-
 # -- frames and the registry, without a server -----------------------------------------------
 
 
@@ -135,7 +122,7 @@ async def test_a_dropped_stream_resumes_with_last_event_id_and_equals_an_uninter
     assert resumed == replay.content
     same_but_ids(resumed, rid, whole.content, whole.headers["x-request-id"])
     assert resumed.count(b'"finish_reason":"length"') == 1
-    assert (await wait_finished(served.engine, rid, 5)).finish_reason == "length"
+    assert (await wait_finished(served.engine.step_loop, rid, 5)).finish_reason == "length"
 
 
 async def test_completions_resume_too_when_asked_by_header(served):
@@ -166,10 +153,10 @@ async def test_a_resumable_stream_nobody_resumes_is_cancelled_after_the_grace(se
     max_tokens = engine.max_context - 64
     async with client(served.url) as http:
         rid, _ = await read_frames_then_drop(http, 2, json=body(max_tokens=max_tokens))
-        await anyio.sleep(GRACE_S / 3)
+        await anyio.sleep(GRACE_S / 3)  # a third of the grace elapses: time is the point
         state = engine.step_loop.state_of(rid)
         assert state is not None and not state.is_finished  # the disconnect did not cancel it
-        state = await wait_finished(engine, rid, GRACE_S * 4 + 10)
+        state = await wait_finished(engine.step_loop, rid, GRACE_S * 4 + 10)
         assert state.finish_reason == "cancelled"
         assert state.num_output_tokens < max_tokens
         # Within the grace after its end, a reconnect learns why it ended.
@@ -185,7 +172,7 @@ async def test_a_reconnect_after_the_grace_gets_404_with_a_clear_message(served)
     async with client(served.url) as http:
         done = await read_all(http, "POST", "/v1/chat/completions", json=body(max_tokens=4))
         rid = done.headers["x-request-id"]
-        await anyio.sleep(GRACE_S + 0.2)
+        await anyio.sleep(GRACE_S + 0.2)  # the grace after its end elapses: time is the point
         gone = await http.get(f"/v1/requests/{rid}/stream", headers={"last-event-id": "2"})
     assert gone.status_code == 404
     error = gone.json()["error"]
@@ -211,7 +198,7 @@ async def test_without_the_option_a_disconnect_cancels_at_once_and_nothing_is_ke
         rid, head = await read_frames_then_drop(
             http, 2, json=body(max_tokens=engine.max_context - 64, stream_options=None)
         )
-        state = await wait_finished(engine, rid, GRACE_S / 2)  # well before any grace
+        state = await wait_finished(engine.step_loop, rid, GRACE_S / 2)  # well before any grace
         gone = await http.get(f"/v1/requests/{rid}/stream")
     assert head.startswith(b"id: 0\ndata: ")  # numbered all the same
     assert state.finish_reason == "cancelled"
@@ -255,7 +242,7 @@ async def test_an_anthropic_stream_resumes_too_when_asked_by_header(served):
         counts_aside(whole.content),
         whole.headers["x-request-id"],
     )
-    assert (await wait_finished(served.engine, rid, 5)).finish_reason == "length"
+    assert (await wait_finished(served.engine.step_loop, rid, 5)).finish_reason == "length"
     assert not plain.content.startswith(b"id: ")  # unasked, Anthropic's own framing
 
 
@@ -265,7 +252,7 @@ async def test_an_anthropic_stream_nobody_resumes_ends_with_anthropics_error_eve
     async with httpx.AsyncClient(base_url=served.url, timeout=30) as http:
         big = anthropic_body(max_tokens=engine.max_context - 64)
         rid, _ = await read_frames_then_drop(http, 2, "/v1/messages", json=big, headers=headers)
-        state = await wait_finished(engine, rid, GRACE_S * 4 + 10)
+        state = await wait_finished(engine.step_loop, rid, GRACE_S * 4 + 10)
         late = await read_all(
             http, "GET", f"/v1/requests/{rid}/stream", headers={**headers, "last-event-id": "1"}
         )

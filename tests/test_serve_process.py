@@ -109,7 +109,7 @@ def served_process(demo, tmp_path_factory) -> Iterator[ServeProcess]:
             served.health_seen.append((r.status_code, r.json()["status"]))
             if r.status_code == 200:
                 break
-            time.sleep(0.05)
+            time.sleep(0.05)  # another process, seen over HTTP only
         while not any("serving" in line for line in served.stdout):
             served.stdout.append(_next_line(lines, deadline))
         yield served
@@ -228,7 +228,7 @@ def test_every_log_line_is_json_and_a_request_s_lines_carry_its_id(served_proces
         ]
         if access:
             break
-        time.sleep(0.05)
+        time.sleep(0.05)  # another process: its log file is all there is to watch
     assert access and "POST /v1/completions" in access[0]["event"]
     assert all({"event", "level", "timestamp"} <= set(rec) for rec in records)
 

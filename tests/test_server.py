@@ -20,7 +20,7 @@ import openai
 import pytest
 import pytest_asyncio
 from fastapi import FastAPI
-from helpers import hold_open
+from helpers import hold_open, wait_finished
 from prometheus_client.parser import text_string_to_metric_families
 
 from stepline.api import Engine
@@ -139,15 +139,15 @@ def long_prompt(num_tokens: int) -> list[int]:
 
 
 async def wait_for_terminal(served: Served, request_id: str) -> Terminal:
-    """The request's terminal event, once the log writer has written it."""
-    with anyio.fail_after(10):
-        while True:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", TornLineWarning)  # the writer is mid-line
-                for event in read_events(served.event_log):
-                    if isinstance(event, Terminal) and event.request_id == request_id:
-                        return event
-            await anyio.sleep(0.02)
+    """The request's terminal event, once the step loop has ended it and the log writer has
+    written it."""
+    loop = served.engine.step_loop
+    await wait_finished(loop, request_id)
+    await anyio.to_thread.run_sync(loop.event_log.flush)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", TornLineWarning)  # the writer may be mid-line, later on
+        events = list(read_events(served.event_log))
+    return next(e for e in events if isinstance(e, Terminal) and e.request_id == request_id)
 
 
 async def decoding_request(engine: Engine) -> str:
@@ -366,7 +366,7 @@ async def test_a_long_prompt_gets_ping_comments_while_it_prefills(served):
 
 async def test_the_heartbeat_pings_a_stream_that_sends_nothing_for_a_while():
     async def slow(emit):
-        await anyio.sleep(0.35)
+        await anyio.sleep(0.35)  # a stream silent for a while: time is the point
         await emit(b"data: late\n\n")
 
     async def nothing():
@@ -871,7 +871,7 @@ async def test_a_burst_over_http_is_gathered_so_its_first_step_takes_the_shortes
 
         async def slow_for_short(prompt, messages, template_kwargs):
             if messages and messages[-1]["content"].startswith("hi "):
-                await anyio.sleep(0.005)
+                await anyio.sleep(0.005)  # a slow tokenizer: its time is the point
             return await prepare(prompt, messages, template_kwargs)
 
         engine.prepare_async = slow_for_short

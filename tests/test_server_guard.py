@@ -219,7 +219,7 @@ async def test_big_bodies_never_block_the_event_loop_or_a_running_stream(served)
     async def probe() -> None:
         while not done.is_set():
             t0 = time.monotonic()
-            await anyio.sleep(0.01)
+            await anyio.sleep(0.01)  # how late a 10 ms sleep wakes: time is the measure
             lags.append(time.monotonic() - t0 - 0.01)
 
     gaps: list[float] = []
@@ -269,7 +269,9 @@ async def test_a_client_gone_mid_upload_is_one_log_line_not_a_traceback(served, 
                 b"Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n"
                 b'{"messages": [{"role": "user", "content": "'
             )
+            # A slow upload, simulated: the server is reading the body when the client goes.
             await anyio.sleep(0.2)
+        # The server's log line is the only sign, with no event to await: read, bounded.
         out = ""
         for _ in range(100):
             out += capsys.readouterr().out
