@@ -152,6 +152,12 @@ class StepLoop:
 
     async def run(self, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
+        try:
+            await self._serve()
+        finally:
+            self._tick()  # a `wait_until` caller checks once more, and no longer waits on us
+
+    async def _serve(self) -> None:
         async with self._inbox:
             while True:
                 try:
