@@ -1,44 +1,17 @@
-"""The scheduler core without a model, as vLLM tests its scheduler: build a core, `add`,
-`schedule()`, feed a hand-made result to `update_from_output`, assert on counts."""
+"""The scheduler core without a model, as vLLM tests its scheduler (tests/core_driver.py)."""
 
 from __future__ import annotations
 
 import pytest
+from core_driver import EOS, LIMITS, make_core, params, run_step, sampled
 
 import stepline.actors.core as core_module
-from stepline.actors.core import EngineDeadError, ModelLimits, SchedulerCore
+from stepline.actors.core import EngineDeadError
 from stepline.engine.policy import AdmissionError, QueueFullError, SchedulerConfig
 from stepline.engine.prefix_index import EntryInfo, PrefixIndex
-from stepline.engine.work import PrefixReport, StepResult, StepWork, TokenLogprob
+from stepline.engine.work import PrefixReport, StepResult, TokenLogprob
 from stepline.events.fold import Status, fold
-from stepline.events.models import FinishReason, RequestParams
-
-EOS = 2
-LIMITS = ModelLimits(max_context=100, eos_token_ids=frozenset({EOS}))
-
-
-def params(max_tokens: int = 3, **kw) -> RequestParams:
-    return RequestParams(
-        max_tokens=max_tokens, temperature=0, top_p=1, top_k=0, min_p=0, seed=None, **kw
-    )
-
-
-def make_core(max_step_tokens: int = 64, **kw) -> SchedulerCore:
-    config = SchedulerConfig(max_step_tokens=max_step_tokens, max_num_seqs=4, max_step_ms=None)
-    return SchedulerCore(config, LIMITS, **kw)
-
-
-def sampled(work: StepWork, token: int = 7, **extra) -> StepResult:
-    """What a model would return for `work`: `token` for every decode row and final chunk."""
-    plan = work.plan
-    rows = [*plan.decodes, *(c.request_id for c in plan.chunks if c.is_final)]
-    return StepResult(tokens={rid: token for rid in rows}, **extra)
-
-
-def run_step(core: SchedulerCore, token: int = 7, **extra):
-    work = core.schedule()
-    assert work is not None
-    return work, core.update_from_output(work, sampled(work, token, **extra))
+from stepline.events.models import FinishReason
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_within_the_budget_then_decodes() -> None:
@@ -183,7 +156,7 @@ def test_the_live_state_is_the_fold_of_the_events_at_every_step() -> None:
 def test_a_request_that_cannot_be_served_is_logged_as_rejected_and_raises() -> None:
     core = make_core()
     with pytest.raises(AdmissionError, match="context"):
-        core.add("huge", range(200), params())
+        core.add("huge", range(LIMITS.max_context), params())
     assert [e.type for e in core.take_events()] == ["admitted", "terminal"]
     assert core.state_of("huge").finish_reason is FinishReason.REJECTED
     assert core.housekeeping() is None  # never reached the executor: nothing to free
@@ -193,7 +166,7 @@ def test_a_request_that_cannot_be_served_is_logged_as_rejected_and_raises() -> N
 
 def test_the_waiting_queue_is_bounded() -> None:
     config = SchedulerConfig(max_step_tokens=8, max_num_seqs=1, max_waiting=2, max_step_ms=None)
-    core = SchedulerCore(config, LIMITS)
+    core = make_core(config=config)
     core.add("a", (3,), params())
     core.add("b", (3,), params())
     with pytest.raises(QueueFullError):

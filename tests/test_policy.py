@@ -1,4 +1,5 @@
-"""The scheduling policy, without a model: build states, schedule, apply hand-made results."""
+"""The scheduling policy, without a model: the scheduler core runs it on hand-made results
+(tests/core_driver.py); states built by the fold test it as a pure function."""
 
 from __future__ import annotations
 
@@ -6,9 +7,11 @@ import itertools
 import random
 
 import pytest
+from core_driver import TOKEN, make_core, params, run_step
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from stepline.actors.core import SchedulerCore
 from stepline.engine.cost_model import StepCost, StepFeatures
 from stepline.engine.policy import (
     MAX_WAIT_STEPS,
@@ -23,70 +26,20 @@ from stepline.engine.policy import (
     schedule,
 )
 from stepline.engine.prefix_index import PrefixPlan
-from stepline.events.fold import RequestState, Status, apply
-from stepline.events.models import (
-    Admitted,
-    ChunkPrefilled,
-    Decoding,
-    FinishReason,
-    RequestParams,
-    Terminal,
-)
-
-PARAMS = RequestParams(max_tokens=8, temperature=0, top_p=1, top_k=0, min_p=0, seed=None)
+from stepline.events.fold import RequestState, Status, fold
+from stepline.events.models import Admitted, ChunkPrefilled, Decoding
 
 
-class Sim:
-    """Scheduling state driven only through events, as the step loop drives it."""
-
-    def __init__(self, config: SchedulerConfig, cost: StepCost | None = None):
-        self.config = config
-        self.cost = cost
-        self.states: dict[str, RequestState] = {}
-        self.seq = 0
-        self.step = 0
-
-    def _event(self, cls, step: int | None = None, **kw):
-        self.seq += 1
-        step = self.step if step is None else step
-        event = cls(seq=self.seq, ts=float(self.seq), step=step, **kw)
-        self.states[event.request_id] = apply(self.states.get(event.request_id), event)
-
-    def add(self, rid: str, n: int, checkpoints=(), max_tokens: int = 8) -> None:
-        self._event(
-            Admitted,
-            step=self.step + 1,  # between steps: the next step's, as the step loop records it
-            request_id=rid,
-            num_prompt_tokens=n,
-            prompt_token_ids=None,
-            prompt_sha256="x",
-            checkpoints=tuple(checkpoints),
-            params=PARAMS.model_copy(update={"max_tokens": max_tokens}),
-        )
-
-    def run_step(self) -> StepPlan:
-        """Schedule a step and apply the results a model would produce."""
-        self.step += 1
-        plan = schedule(self.states, self.config, self.step, self.cost)
-        assert plan.num_tokens <= self.config.max_step_tokens
-        assert len(plan.num_scheduled_tokens) <= self.config.max_num_seqs
-        for rid in plan.decodes:
-            self._event(Decoding, request_id=rid, token_ids=(7,))
-        for c in plan.chunks:
-            self._event(ChunkPrefilled, request_id=c.request_id, start=c.start, end=c.end)
-            if c.is_final:
-                self._event(Decoding, request_id=c.request_id, token_ids=(7,))
-        return plan
-
-    def finish(self, rid: str) -> None:
-        self._event(Terminal, request_id=rid, reason=FinishReason.LENGTH)
+def next_plan(core: SchedulerCore) -> StepPlan:
+    """Run the core's next step on what a model would return, and return its plan."""
+    return run_step(core)[0].plan
 
 
 def test_three_long_prompts_share_the_budget_then_decode_first():
-    sim = Sim(SchedulerConfig(max_step_tokens=1024, long_prefill_cap=400))
+    core = make_core(config=SchedulerConfig(max_step_tokens=1024, long_prefill_cap=400))
     for rid in "abc":
-        sim.add(rid, 800)
-    steps = [sim.run_step() for _ in range(3)]
+        core.add(rid, range(800), params())
+    steps = [next_plan(core) for _ in range(3)]
     assert [c.num_tokens for c in steps[0].chunks] == [400, 400, 224]
     assert [c.num_tokens for c in steps[1].chunks] == [400, 400, 224]
     assert steps[2].decodes == ("a", "b")
@@ -97,44 +50,42 @@ def test_three_long_prompts_share_the_budget_then_decode_first():
 def test_every_prompt_is_covered_once_by_contiguous_chunks_within_budget():
     rng = random.Random(0)
     config = SchedulerConfig(max_step_tokens=97, max_num_seqs=5, long_prefill_cap=40)
-    sim = Sim(config)
+    core = make_core(config=config)
     lengths = {f"r{i}": rng.randint(1, 300) for i in range(20)}
     covered: dict[str, list[tuple[int, int]]] = {rid: [] for rid in lengths}
     for rid, n in lengths.items():
-        sim.add(rid, n, max_tokens=rng.randint(1, 5))
+        core.add(rid, range(n), params(rng.randint(1, 5)))
     for _ in range(1000):
-        plan = sim.run_step()
+        plan = next_plan(core)
         for c in plan.chunks:
             covered[c.request_id].append((c.start, c.end))
-        # requests that reached max_tokens end, as the step loop would end them
-        for rid, s in list(sim.states.items()):
-            if s.status is Status.DECODING and s.num_output_tokens >= s.params.max_tokens:
-                sim.states[rid] = s.evolve(status=Status.FINISHED)
-        if all(s.is_finished for s in sim.states.values()):
+        if not core.states:
             break
-    assert all(s.is_finished for s in sim.states.values())
+    assert not core.states  # every request ended (by length)
     for rid, chunks in covered.items():
         assert chunks[0][0] == 0 and chunks[-1][1] == lengths[rid]
         assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:], strict=False))
 
 
 def test_decodes_are_scheduled_before_any_prefill():
-    sim = Sim(SchedulerConfig(max_step_tokens=10, max_num_seqs=4, long_prefill_cap=10))
-    sim.add("d1", 3)
-    sim.add("d2", 3)
-    sim.run_step()  # both prefill fully and start decoding
-    sim.add("long", 100)
-    plan = sim.run_step()
+    core = make_core(
+        config=SchedulerConfig(max_step_tokens=10, max_num_seqs=4, long_prefill_cap=10)
+    )
+    core.add("d1", range(3), params())
+    core.add("d2", range(3), params())
+    next_plan(core)  # both prefill fully and start decoding
+    core.add("long", range(100), params())
+    plan = next_plan(core)
     assert plan.decodes == ("d1", "d2")
     assert plan.chunks[0].num_tokens == 8  # what the decodes left
 
 
 def test_waiting_requests_are_admitted_shortest_prompt_first():
-    sim = Sim(SchedulerConfig(max_step_tokens=10, max_num_seqs=4))
-    sim.add("long", 9)
-    sim.add("short", 3)
-    sim.add("mid", 5)
-    plan = sim.run_step()
+    core = make_core(config=SchedulerConfig(max_step_tokens=10, max_num_seqs=4))
+    core.add("long", range(9), params())
+    core.add("short", range(3), params())
+    core.add("mid", range(5), params())
+    plan = next_plan(core)
     # The two shorter prompts get their first token this step; the long one starts.
     assert [(c.request_id, c.num_tokens, c.is_final) for c in plan.chunks] == [
         ("short", 3, True),
@@ -144,16 +95,15 @@ def test_waiting_requests_are_admitted_shortest_prompt_first():
 
 
 def test_a_long_prompt_is_overtaken_by_shorter_ones_for_a_bounded_number_of_steps():
-    sim = Sim(SchedulerConfig(max_step_tokens=4, max_num_seqs=4))
-    sim.add("long", 4)
+    core = make_core(config=SchedulerConfig(max_step_tokens=4, max_num_seqs=4))
+    core.add("long", range(4), params())
     started = None
     for step in range(1, 3 * MAX_WAIT_STEPS):
-        sim.add(f"a{step}", 2)  # two short prompts arrive every step: they would fill it
-        sim.add(f"b{step}", 2)
-        plan = sim.run_step()
-        for c in plan.chunks:
-            if c.is_final:
-                sim.finish(c.request_id)  # one token each, so nobody decodes
+        # Two short prompts arrive every step: they would fill it. One token each, so
+        # nobody decodes.
+        core.add(f"a{step}", range(2), params(1))
+        core.add(f"b{step}", range(2), params(1))
+        plan = next_plan(core)
         if any(c.request_id == "long" for c in plan.chunks):
             started = step
             break
@@ -164,19 +114,19 @@ def test_a_long_prompt_is_overtaken_by_shorter_ones_for_a_bounded_number_of_step
 
 
 def test_a_running_request_given_no_tokens_in_a_step_is_kept_and_resumed():
-    sim = Sim(SchedulerConfig(max_step_tokens=4, max_num_seqs=4))
-    sim.add("a", 6)
-    sim.add("b", 6)
-    p1 = sim.run_step()
+    core = make_core(config=SchedulerConfig(max_step_tokens=4, max_num_seqs=4))
+    core.add("a", range(6), params())
+    core.add("b", range(6), params())
+    p1 = next_plan(core)
     assert [(c.request_id, c.num_tokens) for c in p1.chunks] == [("a", 4)]
-    sim.add("x", 8)
-    p2 = sim.run_step()  # a gets its last 2, b (shorter than x) starts with 2
+    core.add("x", range(8), params())
+    p2 = next_plan(core)  # a gets its last 2, b (shorter than x) starts with 2
     assert [(c.request_id, c.start, c.end) for c in p2.chunks] == [("a", 4, 6), ("b", 0, 2)]
-    p3 = sim.run_step()  # a decodes (1), b resumes with 3 of its 4 left; x gets nothing
+    p3 = next_plan(core)  # a decodes (1), b resumes with 3 of its 4 left; x gets nothing
     assert p3.decodes == ("a",)
     assert [(c.request_id, c.start, c.end) for c in p3.chunks] == [("b", 2, 5)]
-    assert sim.states["b"].status is Status.PREFILLING
-    p4 = sim.run_step()
+    assert core.states["b"].status is Status.PREFILLING
+    p4 = next_plan(core)
     assert [(c.request_id, c.start) for c in p4.chunks][0] == ("b", 5)
 
 
@@ -189,35 +139,39 @@ def test_no_running_prefill_is_ever_skipped_under_random_load():
             max_num_seqs=rng.randint(1, budget),
             long_prefill_cap=rng.randint(1, budget),
         )
-        sim = Sim(config)
+        core = make_core(config=config)
         arrivals = sorted((rng.randint(0, 8), f"r{i}", rng.randint(1, 20)) for i in range(8))
         for step in range(30):
             for t, rid, n in arrivals:
                 if t == step:
-                    sim.add(rid, n, max_tokens=100)
-            prefilling = [r for r, s in sim.states.items() if s.status is Status.PREFILLING]
-            plan = sim.run_step()
+                    core.add(rid, range(n), params(100))
+            if not core.states:
+                continue  # nobody has arrived yet
+            prefilling = [r for r, s in core.states.items() if s.status is Status.PREFILLING]
+            plan = next_plan(core)
             assert all(r in plan.num_scheduled_tokens for r in prefilling)
 
 
 def test_max_num_seqs_holds_when_resuming_and_admitting():
-    sim = Sim(SchedulerConfig(max_step_tokens=100, max_num_seqs=2, long_prefill_cap=10))
+    core = make_core(
+        config=SchedulerConfig(max_step_tokens=100, max_num_seqs=2, long_prefill_cap=10)
+    )
     for rid in "abcd":
-        sim.add(rid, 30)
+        core.add(rid, range(30), params(8))
     for _ in range(6):
-        plan = sim.run_step()
+        plan = next_plan(core)
         assert len(plan.num_scheduled_tokens) <= 2
         running = [
-            s for s in sim.states.values() if s.status in (Status.PREFILLING, Status.DECODING)
+            s for s in core.states.values() if s.status in (Status.PREFILLING, Status.DECODING)
         ]
         assert len(running) <= 2
-    assert sim.states["c"].status is Status.WAITING
+    assert core.states["c"].status is Status.WAITING
 
 
 def test_chunks_end_exactly_at_checkpoints():
-    sim = Sim(SchedulerConfig(max_step_tokens=50, long_prefill_cap=50))
-    sim.add("a", 120, checkpoints=(30, 60, 100))
-    plans = [sim.run_step() for _ in range(3)]
+    core = make_core(config=SchedulerConfig(max_step_tokens=50, long_prefill_cap=50))
+    core.add("a", range(120), params(), checkpoints=(30, 60, 100))
+    plans = [next_plan(core) for _ in range(3)]
     assert [(c.start, c.end, c.checkpoints) for p in plans for c in p.chunks] == [
         (0, 50, (30,)),
         (50, 100, (60, 100)),
@@ -226,64 +180,63 @@ def test_chunks_end_exactly_at_checkpoints():
 
 
 def test_kv_admission_waits_until_capacity_frees():
-    sim = Sim(SchedulerConfig(max_step_tokens=64, max_kv_tokens=40))
-    sim.add("a", 20, max_tokens=10)
-    sim.add("b", 20, max_tokens=10)
-    plan = sim.run_step()
+    core = make_core(config=SchedulerConfig(max_step_tokens=64, max_kv_tokens=40))
+    core.add("a", range(20), params(10))
+    core.add("b", range(20), params(10))
+    plan = next_plan(core)
     assert list(plan.num_scheduled_tokens) == ["a"]
-    assert sim.states["b"].status is Status.WAITING
+    assert core.states["b"].status is Status.WAITING
 
 
 def test_kv_admission_counts_every_running_request_as_long_as_the_longest():
     # They decode in one left-padded batch: a short chat beside a long request takes the
     # long one's room. Counted one by one (610 of 1,000) it would fit; padded (2 x 600) not.
-    sim = Sim(SchedulerConfig(max_step_tokens=64, max_num_seqs=8, max_kv_tokens=1000))
-    sim.add("long", 60, max_tokens=540)
-    sim.run_step()
-    assert sim.states["long"].status is Status.DECODING
-    sim.add("short", 5, max_tokens=5)
+    config = SchedulerConfig(max_step_tokens=64, max_num_seqs=8, max_kv_tokens=1000)
+    core = make_core(config=config)
+    core.add("long", range(60), params(540))
+    next_plan(core)
+    assert core.states["long"].status is Status.DECODING
+    core.add("short", range(5), params(5))
     for _ in range(3):
-        plan = sim.run_step()
+        plan = next_plan(core)
         assert "short" not in plan.num_scheduled_tokens
     # Requests of the same length fill the budget: 4 x 250 = 1,000.
-    sim = Sim(SchedulerConfig(max_step_tokens=64, max_num_seqs=8, max_kv_tokens=1000))
+    core = make_core(config=config)
     for i in range(5):
-        sim.add(f"r{i}", 10, max_tokens=240)
-    plan = sim.run_step()
+        core.add(f"r{i}", range(10), params(240))
+    plan = next_plan(core)
     assert sorted(plan.num_scheduled_tokens) == ["r0", "r1", "r2", "r3"]
 
 
 def test_a_young_request_whose_kv_does_not_fit_lets_others_in_until_it_has_aged():
-    sim = Sim(SchedulerConfig(max_step_tokens=64, max_num_seqs=8, max_kv_tokens=100))
-    sim.add("running", 10, max_tokens=40)  # KV 50, decoding from its first step
-    sim.run_step()
-    sim.add("old", 30, max_tokens=10)  # KV 40: fits beside it
-    sim.add("young", 5, max_tokens=60)  # KV 65: shorter, but does not fit yet
-    plan = sim.run_step()
+    config = SchedulerConfig(max_step_tokens=64, max_num_seqs=8, max_kv_tokens=100)
+    core = make_core(config=config)
+    core.add("running", range(10), params(40))  # KV 50, decoding from its first step
+    next_plan(core)
+    core.add("old", range(30), params(10))  # KV 40: fits beside it
+    core.add("young", range(5), params(60))  # KV 65: shorter, but does not fit yet
+    plan = next_plan(core)
     # Shortest first would try "young" first; it does not fit, so "old" goes.
     assert [c.request_id for c in plan.chunks] == ["old"]
 
     # Once aged, a request that does not fit holds back the younger ones.
-    sim = Sim(SchedulerConfig(max_step_tokens=64, max_num_seqs=8, max_kv_tokens=100))
-    sim.add("running", 10, max_tokens=40)
-    sim.run_step()
-    sim.add("big", 30, max_tokens=30)  # KV 60: does not fit beside "running"
+    core = make_core(config=config)
+    core.add("running", range(10), params(40))
+    next_plan(core)
+    core.add("big", range(30), params(30))  # KV 60: does not fit beside "running"
     for _ in range(MAX_WAIT_STEPS):
-        sim.run_step()
-    sim.add("small", 5, max_tokens=5)  # KV 10: would fit
-    plan = sim.run_step()
+        next_plan(core)
+    core.add("small", range(5), params(5))  # KV 10: would fit
+    plan = next_plan(core)
     assert plan.chunks == ()
-    assert sim.states["small"].status is Status.WAITING
+    assert core.states["small"].status is Status.WAITING
 
 
 def test_only_requests_the_prefix_plan_looked_at_are_admitted():
-    sim = Sim(SchedulerConfig(max_step_tokens=64, max_num_seqs=8))
-    sim.add("a", 10)
-    sim.add("b", 5)
-    sim.step += 1
-    plan = schedule(
-        sim.states, sim.config, sim.step, prefix=PrefixPlan(considered=frozenset({"a"}))
-    )
+    core = make_core(config=SchedulerConfig(max_step_tokens=64, max_num_seqs=8))
+    core.add("a", range(10), params())
+    core.add("b", range(5), params())
+    plan = schedule(core.states, core.config, 1, prefix=PrefixPlan(considered=frozenset({"a"})))
     assert [c.request_id for c in plan.chunks] == ["a"]  # "b" is shorter but its hit unknown
 
 
@@ -309,12 +262,13 @@ def test_config_rejects_nonsense():
 
 def test_a_fixed_per_request_kv_cost_counts_against_the_budget():
     # 20 + 10 tokens each fit twice in 70, but not with 10 tokens' worth of recurrent state each
-    sim = Sim(SchedulerConfig(max_step_tokens=64, max_kv_tokens=70, kv_tokens_per_seq=10))
-    sim.add("a", 20, max_tokens=10)
-    sim.add("b", 20, max_tokens=10)
-    plan = sim.run_step()
+    config = SchedulerConfig(max_step_tokens=64, max_kv_tokens=70, kv_tokens_per_seq=10)
+    core = make_core(config=config)
+    core.add("a", range(20), params(10))
+    core.add("b", range(20), params(10))
+    plan = next_plan(core)
     assert list(plan.num_scheduled_tokens) == ["a"]
-    assert sim.states["b"].status is Status.WAITING
+    assert core.states["b"].status is Status.WAITING
 
 
 def test_a_request_past_the_kv_budget_is_refused_in_tokens_and_gb():
@@ -342,20 +296,20 @@ COST = StepCost(
 TIMED = SchedulerConfig(max_step_tokens=512, max_num_seqs=32, max_step_ms=100)
 
 
-def _decoders(sim: Sim, n: int, prompt: int = 8) -> None:
+def _decoders(core: SchedulerCore, n: int, prompt: int = 8) -> None:
     for i in range(n):
-        sim.add(f"d{i}", prompt, max_tokens=10_000)
-    while any(s.status is not Status.DECODING for s in sim.states.values()):
-        sim.run_step()
+        core.add(f"d{i}", range(prompt), params(10_000))
+    while any(s.status is not Status.DECODING for s in core.states.values()):
+        next_plan(core)
 
 
 def test_chunks_shrink_as_the_prompts_context_grows():
-    sim = Sim(TIMED, COST)
-    _decoders(sim, 4)
-    sim.add("long", 8000, max_tokens=1)
+    core = make_core(config=TIMED, cost=COST)
+    _decoders(core, 4)
+    core.add("long", range(8000), params(1))
     sizes = []
-    while sim.states["long"].status is not Status.DECODING:
-        plan = sim.run_step()
+    while "long" in core.states:  # until its first token, which ends it
+        plan = next_plan(core)
         sizes += [c.num_tokens for c in plan.chunks if c.request_id == "long"]
     assert sum(sizes) == 8000
     assert all(b <= a for a, b in itertools.pairwise(sizes[:-1]))  # the last one is what's left
@@ -367,10 +321,10 @@ def test_chunks_shrink_as_decode_rows_are_added():
     # (while the target binds: past it, the step stretches; see the test under load)
     sizes = []
     for num_decoders in (1, 2, 3):
-        sim = Sim(TIMED, COST)
-        _decoders(sim, num_decoders)
-        sim.add("long", 4000, max_tokens=1)
-        (chunk,) = sim.run_step().chunks
+        core = make_core(config=TIMED, cost=COST)
+        _decoders(core, num_decoders)
+        core.add("long", range(4000), params(1))
+        (chunk,) = next_plan(core).chunks
         sizes.append(chunk.num_tokens)
     assert sizes[0] > sizes[1] > sizes[2] >= 1
 
@@ -378,14 +332,14 @@ def test_chunks_shrink_as_decode_rows_are_added():
 def test_decode_rows_are_priced_as_the_padded_batch_they_decode_in():
     # One long conversation among short ones: the batch cache pads every row to the longest
     # and attention runs over the padding, so the step costs what the padded batch costs.
-    sim = Sim(TIMED, COST)
-    _decoders(sim, 3)
-    sim.add("long-chat", 6000, max_tokens=10_000)
-    while sim.states["long-chat"].status is not Status.DECODING:
-        sim.run_step()
-    sim.add("new", 2000, max_tokens=1)
-    plan = sim.run_step()
-    contexts = [decode_context(sim.states[rid]) - 1 for rid in plan.decodes]  # before the step
+    core = make_core(config=TIMED, cost=COST)
+    _decoders(core, 3)
+    core.add("long-chat", range(6000), params(10_000))
+    while core.states["long-chat"].status is not Status.DECODING:
+        next_plan(core)
+    core.add("new", range(2000), params(1))
+    plan = next_plan(core)
+    contexts = [decode_context(core.states[rid]) - 1 for rid in plan.decodes]  # before the step
     (chunk,) = plan.chunks
     padded = StepFeatures(decode_rows=4, decode_context=4 * max(contexts))
     real = COST.predict(padded.with_chunk(chunk.start, chunk.num_tokens))
@@ -394,20 +348,20 @@ def test_decode_rows_are_priced_as_the_padded_batch_they_decode_in():
 
 def test_a_lone_prompt_prefills_with_the_whole_budget():
     slow = StepCost(per_prefill_token=0.01)  # 512 tokens: 5 s, 50 times the target
-    sim = Sim(TIMED, slow)
-    sim.add("long", 2000, max_tokens=1)
-    plans = [sim.run_step() for _ in range(3)]
+    core = make_core(config=TIMED, cost=slow)
+    core.add("long", range(2000), params(1))
+    plans = [next_plan(core) for _ in range(3)]
     assert [c.num_tokens for p in plans for c in p.chunks] == [512, 512, 512]
     assert plans[0].predicted_seconds == pytest.approx(5.12)
 
 
 def test_the_oldest_prefill_moves_even_when_decodes_fill_the_target():
     crowded = StepCost(per_decode_row=0.004, per_prefill_token=0.001)  # 32 rows: 128 ms
-    sim = Sim(TIMED, crowded)
-    _decoders(sim, 31)
-    sim.add("long", 1000, max_tokens=1)
-    sim.add("next", 1000, max_tokens=1)
-    plan = sim.run_step()
+    core = make_core(config=TIMED, cost=crowded)
+    _decoders(core, 31)
+    core.add("long", range(1000), params(1))
+    core.add("next", range(1000), params(1))
+    plan = next_plan(core)
     # The step stretches so that the 31 decode rows' 124 ms are 1 - MIN_PREFILL_SHARE of
     # it (0.56 s), and the prefill gets the rest (439 tokens at 1 ms, within the 481 that the
     # token budget leaves); the request behind it waits.
@@ -420,21 +374,23 @@ def test_the_oldest_prefill_moves_even_when_decodes_fill_the_target():
 
 def test_the_token_budget_and_the_cap_stay_hard_limits_with_a_cost_model():
     free = StepCost()  # everything costs nothing: time never binds
-    sim = Sim(SchedulerConfig(max_step_tokens=64, long_prefill_cap=40, max_step_ms=1), free)
-    _decoders(sim, 2)
-    sim.add("a", 100, max_tokens=1)
-    sim.add("b", 100, max_tokens=1)
-    plan = sim.run_step()
+    core = make_core(
+        config=SchedulerConfig(max_step_tokens=64, long_prefill_cap=40, max_step_ms=1), cost=free
+    )
+    _decoders(core, 2)
+    core.add("a", range(100), params(1))
+    core.add("b", range(100), params(1))
+    plan = next_plan(core)
     assert [c.num_tokens for c in plan.chunks] == [40, 22]
     assert plan.num_tokens == 64
 
 
 def test_no_cost_model_or_no_target_means_tokens_only():
     for config, cost in [(TIMED, None), (SchedulerConfig(max_step_ms=None), COST)]:
-        sim = Sim(config, cost)
-        _decoders(sim, 4)
-        sim.add("long", 4000, max_tokens=1)
-        (chunk,) = sim.run_step().chunks
+        core = make_core(config=config, cost=cost)
+        _decoders(core, 4)
+        core.add("long", range(4000), params(1))
+        (chunk,) = next_plan(core).chunks
         assert chunk.num_tokens == 508
 
 
@@ -460,26 +416,49 @@ def _loads(draw):
     return cost, config, decoders, prompts
 
 
+def _folded(requests: list[tuple[str, int, int, int]]) -> dict[str, RequestState]:
+    """States as the fold makes them of (request id, prompt tokens, tokens prefilled,
+    max_tokens), in arrival order; a prompt prefilled whole has its first token."""
+    events: list = []
+
+    def add(cls, **fields) -> None:
+        events.append(cls(seq=len(events) + 1, ts=0.0, step=1, **fields))
+
+    for rid, n, done, max_tokens in requests:
+        add(
+            Admitted,
+            request_id=rid,
+            num_prompt_tokens=n,
+            prompt_token_ids=None,
+            prompt_sha256="x",
+            checkpoints=(),
+            params=params(max_tokens),
+        )
+        if done:
+            add(ChunkPrefilled, request_id=rid, start=0, end=done)
+        if done == n:
+            add(Decoding, request_id=rid, token_ids=(TOKEN,))
+    return fold(events)
+
+
 @settings(max_examples=300, deadline=None)
 @given(_loads())
 def test_a_step_with_decode_rows_is_never_predicted_over_the_target(load):
     cost, config, decoders, prompts = load
-    sim = Sim(config, cost)
-    for i, context in enumerate(decoders):
-        sim.add(f"d{i}", context, max_tokens=10_000)
-        sim._event(ChunkPrefilled, request_id=f"d{i}", start=0, end=context)
-        sim._event(Decoding, request_id=f"d{i}", token_ids=(7,))
+    requests = [(f"d{i}", context, context, 10_000) for i, context in enumerate(decoders)]
     running = len(decoders)
     for i, (length, done) in enumerate(prompts):
-        sim.add(f"p{i}", length, max_tokens=1)
-        if 0 < done < length and running < config.max_num_seqs:
-            sim._event(ChunkPrefilled, request_id=f"p{i}", start=0, end=done)
-            running += 1
-    prefilling = any(s.status is Status.PREFILLING for s in sim.states.values())
+        started = 0 < done < length and running < config.max_num_seqs
+        running += started
+        requests.append((f"p{i}", length, done if started else 0, 1))
+    states = _folded(requests)
+    prefilling = any(s.status is Status.PREFILLING for s in states.values())
     decode_only = schedule(
-        {r: s for r, s in sim.states.items() if s.status is Status.DECODING}, config, 1, cost
+        {r: s for r, s in states.items() if s.status is Status.DECODING}, config, 1, cost
     )
-    plan = sim.run_step()
+    plan = schedule(states, config, 1, cost)
+    assert plan.num_tokens <= config.max_step_tokens
+    assert len(plan.num_scheduled_tokens) <= config.max_num_seqs
     assert plan.predicted_seconds == pytest.approx(cost.predict(plan.features))
     if not plan.decodes:
         return
@@ -496,10 +475,10 @@ def test_under_load_a_chunk_still_gets_most_of_the_step():
     # Every forward costs 10 ms of fixed overhead and 4 decode rows 20 ms: a 100 ms target
     # would leave the prompt 70 ms of each step, a 30 ms tax on every chunk.
     loaded = StepCost(per_chunk=0.01, per_prefill_token=0.0011, per_decode_row=0.005)
-    sim = Sim(TIMED, loaded)
-    _decoders(sim, 4)
-    sim.add("long", 4000, max_tokens=1)
-    plan = sim.run_step()
+    core = make_core(config=TIMED, cost=loaded)
+    _decoders(core, 4)
+    core.add("long", range(4000), params(1))
+    plan = next_plan(core)
     (chunk,) = plan.chunks
     # The step stretches so that its 30 ms of overheads are 1 - MIN_PREFILL_SHARE of it:
     # at 0.78, 136 ms, 106 ms of work beside them (96 tokens at 1.1 ms).
@@ -517,10 +496,10 @@ def test_a_chunk_that_carries_the_decode_rows_gets_the_time_of_their_forward():
     sizes = {}
     for fused_steps in (True, False):
         config = SchedulerConfig(max_step_tokens=512, max_step_ms=100, fused_steps=fused_steps)
-        sim = Sim(config, cost)
-        _decoders(sim, 2)
-        sim.add("long", 4000, max_tokens=1)
-        plans = [sim.run_step() for _ in range(2)]
+        core = make_core(config=config, cost=cost)
+        _decoders(core, 2)
+        core.add("long", range(4000), params(1))
+        plans = [next_plan(core) for _ in range(2)]
         sizes[fused_steps] = [p.chunks[0].num_tokens for p in plans]
         assert [p.features.separate_decode for p in plans] == ([1, 0] if fused_steps else [1, 1])
         for p in plans:

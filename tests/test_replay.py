@@ -1,7 +1,7 @@
 """`stepline replay`: timelines, state at a step, steps, summary, verify, pictures, --json.
 
-Every log here is fabricated by hand (no model): `LogBuilder` records what a small engine
-would, step by step.
+Every log here is fabricated by hand (no model): `LogBuilder` (tests/log_builder.py) records
+what a small engine would, step by step.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from helpers import replay
+from log_builder import PARAMS, T0, LogBuilder
 
 from stepline.api.replay_cmd import parse_step_range
 from stepline.events.log import (
@@ -23,18 +24,7 @@ from stepline.events.log import (
     read_events,
     read_header,
 )
-from stepline.events.models import (
-    Admitted,
-    CheckpointReached,
-    ChunkPrefilled,
-    Decoding,
-    FinishReason,
-    LogHeader,
-    RequestParams,
-    StepEntry,
-    StepPlanned,
-    Terminal,
-)
+from stepline.events.models import ChunkPrefilled, Decoding, FinishReason, LogHeader, StepPlanned
 from stepline.events.replay import (
     Distribution,
     UnknownRequestError,
@@ -47,67 +37,12 @@ from stepline.events.replay import (
 )
 from stepline.events.timeline_svg import SVG_NS, render_html, render_svg
 
-PARAMS = RequestParams(max_tokens=3, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=None)
-T0 = 1000.0
-
-
-class LogBuilder:
-    """Records events the way the step loop does: plan at a step's start, results 50 ms on."""
-
-    def __init__(self, *, max_step_tokens: int = 8, max_num_seqs: int = 4) -> None:
-        self.max_step_tokens = max_step_tokens
-        self.max_num_seqs = max_num_seqs
-        self.events: list = []
-        self.step = 0
-        self.ts = T0
-
-    def _add(self, cls, **fields):
-        event = cls(seq=len(self.events) + 1, ts=self.ts, step=self.step, **fields)
-        self.events.append(event)
-        return event
-
-    def admit(self, rid: str, n: int, *, cached: int = 0, checkpoints=(), log_prompts=True):
-        ids = tuple(range(100, 100 + n))
-        self._add(
-            Admitted,
-            request_id=rid,
-            num_prompt_tokens=n,
-            prompt_token_ids=ids if log_prompts else None,
-            prompt_sha256="0" * 64,
-            checkpoints=tuple(checkpoints),
-            num_cached_tokens=cached,
-            cache_source="memory" if cached else None,
-            params=PARAMS,
-        )
-
-    def plan(self, *entries: tuple[str, str, int]) -> None:
-        """Start the next step with (request id, kind, tokens) entries; results follow."""
-        self.step += 1
-        self.ts = T0 + 0.1 * self.step
-        self._add(
-            StepPlanned,
-            entries=tuple(StepEntry(request_id=r, kind=k, num_tokens=n) for r, k, n in entries),
-            max_step_tokens=self.max_step_tokens,
-            max_num_seqs=self.max_num_seqs,
-        )
-        self.ts += 0.05
-
-    def chunk(self, rid: str, start: int, end: int) -> None:
-        self._add(ChunkPrefilled, request_id=rid, start=start, end=end)
-
-    def checkpoint(self, rid: str, offset: int) -> None:
-        self._add(CheckpointReached, request_id=rid, offset=offset)
-
-    def token(self, rid: str, token: int) -> None:
-        self._add(Decoding, request_id=rid, token_ids=(token,))
-
-    def end(self, rid: str, reason: FinishReason, message: str | None = None) -> None:
-        self._add(Terminal, request_id=rid, reason=reason, message=message)
+STEP = 0.1  # a step starts every 100 ms; its results come 50 ms in
 
 
 def two_requests() -> LogBuilder:
     """r1 (10-token prompt, checkpoint at 4) and r2 (3 tokens) share steps 2 and 3."""
-    b = LogBuilder()
+    b = LogBuilder(step_every=STEP)
     b.admit("r1", 10, checkpoints=(4,))
     b.admit("r2", 3)
     b.plan(("r1", "prefill", 8))
@@ -129,14 +64,9 @@ def two_requests() -> LogBuilder:
     return b
 
 
-def write(tmp_path: Path, events: list, *, name: str = "run.jsonl", **header) -> Path:
-    path = tmp_path / name
-    config = {"max_step_tokens": 8, "max_num_seqs": 4, "long_prefill_cap": None}
-    h = LogHeader(created=T0, model="demo", config=config, **header)
-    with EventLogWriter(path, h, overwrite=True) as writer:
-        for event in events:
-            writer.append(event)
-    return path
+def write(tmp_path: Path, events: list) -> Path:
+    """`events` as tmp_path/run.jsonl, under the header `LogBuilder` writes."""
+    return LogBuilder().write(tmp_path / "run.jsonl", events)
 
 
 def renumber(events: list) -> list:
@@ -208,7 +138,7 @@ def test_state_at_a_step_describes_every_request(tmp_path: Path) -> None:
 
 
 def test_state_at_a_step_counts_prefix_cache_hits_as_computed(tmp_path: Path) -> None:
-    b = LogBuilder()
+    b = LogBuilder(step_every=STEP)
     b.admit("r1", 10, cached=6)
     b.plan(("r1", "prefill", 4))
     b.chunk("r1", 6, 10)
@@ -264,7 +194,7 @@ def test_the_summary_counts_outcomes_latencies_and_budget(tmp_path: Path) -> Non
 
 
 def test_the_summary_finds_the_longest_stall(tmp_path: Path) -> None:
-    b = LogBuilder()
+    b = LogBuilder(step_every=STEP)
     b.admit("slow", 2)
     b.plan(("slow", "prefill", 2))
     b.chunk("slow", 0, 2)
@@ -553,9 +483,9 @@ def test_a_picture_can_be_limited_to_steps_and_one_request(tmp_path: Path) -> No
 
 
 def test_reexecution_says_why_it_cannot_run_without_logged_prompts(tmp_path: Path) -> None:
-    b = LogBuilder()
-    b.admit("r1", 4, log_prompts=False)
-    path = write(tmp_path, b.events, log_prompts=False)
+    b = LogBuilder(log_prompts=False)
+    b.admit("r1", 4)
+    path = b.write(tmp_path / "run.jsonl")
 
     code, text = replay(str(path), "--reexecute")
     assert code == 2
@@ -652,16 +582,9 @@ def test_reexecution_says_up_front_what_it_can_compare_and_fails_when_nothing_wa
     tmp_path: Path, capsys
 ) -> None:
     sampled = PARAMS.model_copy(update={"temperature": 0.8})  # no seed: not reproducible
-    b = LogBuilder()
+    b = LogBuilder(step_every=STEP)
     for rid in ("a", "b"):
-        b._add(
-            Admitted,
-            request_id=rid,
-            num_prompt_tokens=2,
-            prompt_token_ids=(1, 2),
-            prompt_sha256="0" * 64,
-            params=sampled,
-        )
+        b.admit(rid, 2, params=sampled)
     b.plan(("a", "prefill", 2), ("b", "prefill", 2))
     b.chunk("a", 0, 2)
     b.chunk("b", 0, 2)

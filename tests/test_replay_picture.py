@@ -1,8 +1,8 @@
 """`stepline replay` pictures and trace export: why was a request slow?
 
-The logs are written by hand through the real writer (no model): three requests decode at
-20 ms a step until a long prompt arrives; its 2048-token chunk makes step 9 take 141 ms, and
-the three streams freeze for it.
+The logs are written by hand (tests/log_builder.py) through the real writer (no model): three
+requests decode at 20 ms a step until a long prompt arrives; its 2048-token chunk makes step 9
+take 141 ms, and the three streams freeze for it.
 """
 
 from __future__ import annotations
@@ -17,21 +17,10 @@ from pathlib import Path
 import jsonschema
 import pytest
 from helpers import replay
+from log_builder import LogBuilder
 
 from stepline.api.replay_cmd import Progress
-from stepline.events.log import EventLogWriter
-from stepline.events.models import (
-    Admitted,
-    ChunkPrefilled,
-    Decoding,
-    FinishReason,
-    LogHeader,
-    RequestParams,
-    StepEntry,
-    StepFinished,
-    StepPlanned,
-    Terminal,
-)
+from stepline.events.models import FinishReason, RequestParams
 from stepline.events.replay import summarize
 from stepline.events.timeline_svg import SVG_NS, render_svg
 from stepline.events.trace_export import export_trace
@@ -43,84 +32,32 @@ LATE = "late"  # the long prompt
 STALL_STEP = 9  # the step that carries late's first chunk and takes 141 ms
 
 
-class Recorder:
-    """Records events the way the step loop does: plan, step-finished, then results."""
-
-    def __init__(self, t0: float = 1000.0, *, max_step_tokens: int = 2112) -> None:
-        self.ts, self.step, self.events = t0, 0, []
-        self.max_step_tokens = max_step_tokens
-
-    def _add(self, cls, **fields) -> None:
-        self.events.append(cls(seq=len(self.events) + 1, ts=self.ts, step=self.step, **fields))
-
-    def admit(self, rid: str, n: int, params: RequestParams = GREEDY) -> None:
-        self._add(
-            Admitted,
-            request_id=rid,
-            num_prompt_tokens=n,
-            prompt_token_ids=tuple(range(n)),
-            prompt_sha256="0" * 64,
-            params=params,
-        )
-
-    def do_step(
-        self,
-        decode: list[str],
-        prefill: dict[str, tuple[int, int, bool]] | None = None,
-        *,
-        seconds: float,
-        predicted: float | None = None,
-    ) -> None:
-        """A step: decode rows for `decode`, chunks rid -> (start, end, is last chunk)."""
-        prefill = prefill or {}
-        self.step += 1
-        entries = [StepEntry(request_id=r, kind="decode", num_tokens=1) for r in decode]
-        entries += [
-            StepEntry(request_id=r, kind="prefill", num_tokens=b - a)
-            for r, (a, b, _) in prefill.items()
-        ]
-        self._add(
-            StepPlanned,
-            entries=tuple(entries),
-            max_step_tokens=self.max_step_tokens,
-            max_num_seqs=64,
-        )
-        self.ts += seconds
-        self._add(StepFinished, seconds=seconds, predicted_seconds=predicted)
-        for rid, (a, b, last) in prefill.items():
-            self._add(ChunkPrefilled, request_id=rid, start=a, end=b)
-            if last:
-                self._add(Decoding, request_id=rid, token_ids=(7,))
-        for rid in decode:
-            self._add(Decoding, request_id=rid, token_ids=(7,))
-        self.ts += 0.001  # the loop's own bookkeeping between steps
-
-    def end(self, rid: str, reason: FinishReason = FinishReason.LENGTH) -> None:
-        self._add(Terminal, request_id=rid, reason=reason)
-
-    def write(self, path: Path) -> Path:
-        header = LogHeader(created=1000.0, model="demo", config={"max_step_tokens": 2112})
-        with EventLogWriter(path, header, overwrite=True) as writer:
-            for event in self.events:
-                writer.append(event)
-        return path
+def recorder(max_step_tokens: int = 2112) -> LogBuilder:
+    """A log of timed steps with 1 ms of the loop's own bookkeeping between them."""
+    return LogBuilder(
+        max_step_tokens=max_step_tokens,
+        max_num_seqs=64,
+        params=GREEDY,
+        timed=True,
+        loop_seconds=0.001,
+    )
 
 
-def stalled_run() -> Recorder:
-    rec = Recorder()
+def stalled_run() -> LogBuilder:
+    rec = recorder()
     for rid in DECODING:
         rec.admit(rid, 40)
-    rec.do_step([], {rid: (0, 40, True) for rid in DECODING}, seconds=0.03, predicted=0.03)
+    rec.do_step([], {rid: (0, 40) for rid in DECODING}, seconds=0.03, predicted=0.03)
     for _ in range(7):  # steps 2..8
         rec.do_step(DECODING, seconds=0.02, predicted=0.02)
     rec.admit(LATE, 3000)  # arrives after step 8, 5 ms before step 9 is planned
     rec.ts += 0.005
-    rec.do_step(DECODING, {LATE: (0, 2048, False)}, seconds=0.141, predicted=0.06)  # step 9
-    rec.do_step(DECODING, {LATE: (2048, 3000, True)}, seconds=0.03, predicted=0.03)
+    rec.do_step(DECODING, {LATE: (0, 2048)}, seconds=0.141, predicted=0.06)  # step 9
+    rec.do_step(DECODING, {LATE: (2048, 3000)}, seconds=0.03, predicted=0.03)
     for _ in range(6):
         rec.do_step([*DECODING, LATE], seconds=0.021, predicted=0.02)
     for rid in DECODING:
-        rec.end(rid)
+        rec.end(rid, FinishReason.LENGTH)
     rec.do_step([LATE], seconds=0.015, predicted=0.015)
     rec.end(LATE, FinishReason.STOP)
     return rec
@@ -281,10 +218,10 @@ def test_request_and_steps_combine(stall_log: Path, tmp_path: Path) -> None:
 # -- many requests ---------------------------------------------------------------------------
 
 
-def busy_run(num_requests: int, *, slow: str) -> Recorder:
+def busy_run(num_requests: int, *, slow: str) -> LogBuilder:
     """`num_requests` short requests, 64 in flight, 10 ms steps; `slow` sits out 30 steps
     after its first token, so it alone waits over 300 ms."""
-    rec = Recorder(max_step_tokens=512)
+    rec = recorder(max_step_tokens=512)
     arriving = iter(f"req-{i:05d}" for i in range(num_requests))
     tokens: dict[str, int] = {}  # running request -> its tokens so far
     sat_out = 0
@@ -297,11 +234,11 @@ def busy_run(num_requests: int, *, slow: str) -> Recorder:
         held = slow in tokens and sat_out < 30
         sat_out += held
         decode = [rid for rid in tokens if not (held and rid == slow)]
-        rec.do_step(decode, {rid: (0, 4, True) for rid in new}, seconds=0.01)
+        rec.do_step(decode, {rid: (0, 4) for rid in new}, seconds=0.01)
         for rid in decode:
             tokens[rid] += 1
             if tokens[rid] == 3:
-                rec.end(rid)
+                rec.end(rid, FinishReason.LENGTH)
                 del tokens[rid]
         tokens.update(dict.fromkeys(new, 1))
 

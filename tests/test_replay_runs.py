@@ -1,5 +1,6 @@
 """`stepline replay` on logs of several runs (restarts), with measured step times, and with
-output ids left out. Logs are written by hand through the real writer (no model)."""
+output ids left out. Logs are written by hand (tests/log_builder.py) through the real writer
+(no model)."""
 
 from __future__ import annotations
 
@@ -9,23 +10,10 @@ from pathlib import Path
 
 import pytest
 from helpers import replay
+from log_builder import LogBuilder
 
-from stepline.events.log import EventLogWriter, TornLineWarning, read_runs
-from stepline.events.models import (
-    Admitted,
-    ChunkPrefilled,
-    Decoding,
-    FinishReason,
-    LogHeader,
-    RequestParams,
-    StepEntry,
-    StepFinished,
-    StepPlanned,
-    Terminal,
-    new_run_id,
-    new_salt,
-    prompt_digest,
-)
+from stepline.events.log import TornLineWarning, read_runs
+from stepline.events.models import FinishReason, new_run_id, new_salt
 from stepline.events.replay import (
     RunNeededError,
     UnknownRequestError,
@@ -37,65 +25,15 @@ from stepline.events.replay import (
 )
 from stepline.events.timeline_svg import SVG_NS, render_svg
 
-PARAMS = RequestParams(max_tokens=3, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=None)
+
+def run(t0: float, *, timed: bool = True) -> LogBuilder:
+    """One engine run (its own run id and salt), with the executor's step times if `timed`."""
+    return LogBuilder(t0, timed=timed, run_id=new_run_id(), salt=new_salt())
 
 
-class Run:
-    """One engine run, recorded the way the step loop records it (optionally with times)."""
-
-    def __init__(self, t0: float, *, timed: bool = True) -> None:
-        self.t0, self.ts, self.timed = t0, t0, timed
-        self.events: list = []
-        self.step = 0
-        self.header = LogHeader(
-            created=t0,
-            model="demo",
-            config={"max_step_tokens": 8, "max_num_seqs": 4},
-            run_id=new_run_id(),
-            salt=new_salt(),
-        )
-
-    def _add(self, cls, **fields) -> None:
-        self.events.append(cls(seq=len(self.events) + 1, ts=self.ts, step=self.step, **fields))
-
-    def admit(self, rid: str, n: int) -> None:
-        ids = tuple(range(n))
-        self._add(
-            Admitted,
-            request_id=rid,
-            num_prompt_tokens=n,
-            prompt_token_ids=ids,
-            prompt_sha256=prompt_digest(self.header.salt, ids),
-            params=PARAMS,
-        )
-
-    def do_step(self, *entries: tuple[str, str, int], seconds: float = 0.05, idle: float = 0.0):
-        """Plan a step, let the executor take `seconds`, then wait `idle` before the next."""
-        self.step += 1
-        self._add(
-            StepPlanned,
-            entries=tuple(StepEntry(request_id=r, kind=k, num_tokens=n) for r, k, n in entries),
-            max_step_tokens=8,
-            max_num_seqs=4,
-        )
-        self.ts += seconds
-        if self.timed:
-            self._add(StepFinished, seconds=seconds, predicted_seconds=seconds / 2)
-        for rid, kind, n in entries:
-            if kind == "prefill":
-                self._add(ChunkPrefilled, request_id=rid, start=0, end=n)
-            self._add(Decoding, request_id=rid, token_ids=(7,))
-        self.ts += idle
-
-    def end(self, rid: str, reason: FinishReason = FinishReason.STOP) -> None:
-        self._add(Terminal, request_id=rid, reason=reason)
-
-
-def write_runs(path: Path, *runs: Run, torn: bool = False) -> Path:
-    for i, run in enumerate(runs):
-        with EventLogWriter(path, run.header, append=True) as writer:
-            for e in run.events:
-                writer.append(e)
+def write_runs(path: Path, *runs: LogBuilder, torn: bool = False) -> Path:
+    for i, one in enumerate(runs):
+        one.write(path, append=True)
         if torn and i < len(runs) - 1:
             with open(path, "ab") as f:
                 f.write(b'{"seq":99,"ts":1')  # a kill mid-write
@@ -105,17 +43,17 @@ def write_runs(path: Path, *runs: Run, torn: bool = False) -> Path:
 def crashed_then_restarted(tmp_path: Path, *, torn: bool = False) -> Path:
     """Run 1: r1 finishes, r2 is mid-decode when the engine is killed. Run 2 (restart with
     the same log): a new r1 and r3 finish; r4 is still waiting when the log ends."""
-    one = Run(1000.0)
+    one = run(1000.0)
     one.admit("r1", 4)
     one.admit("r2", 4)
-    one.do_step(("r1", "prefill", 4), ("r2", "prefill", 4))
-    one.end("r1")
-    one.do_step(("r2", "decode", 1))
-    two = Run(2000.0)
+    one.do_step(prefill={"r1": (0, 4), "r2": (0, 4)})
+    one.end("r1", FinishReason.STOP)
+    one.do_step(["r2"])
+    two = run(2000.0)
     two.admit("r1", 3)
     two.admit("r3", 2)
-    two.do_step(("r1", "prefill", 3), ("r3", "prefill", 2))
-    two.end("r1")
+    two.do_step(prefill={"r1": (0, 3), "r3": (0, 2)})
+    two.end("r1", FinishReason.STOP)
     two.end("r3", FinishReason.LENGTH)
     two.admit("r4", 5)
     return write_runs(tmp_path / "run.jsonl", one, two, torn=torn)
@@ -144,11 +82,11 @@ def test_verify_passes_across_a_crash_and_calls_the_cut_off_request_interrupted(
 
 
 def test_a_violation_in_a_later_run_is_reported_with_its_run(tmp_path: Path) -> None:
-    one, two = Run(1.0), Run(2.0)
+    one, two = run(1.0), run(2.0)
     one.admit("a", 2)
     two.admit("a", 2)
-    two.do_step(("a", "prefill", 2))
-    two.end("a")
+    two.do_step(prefill={"a": (0, 2)})
+    two.end("a", FinishReason.STOP)
     two.end("a", FinishReason.CANCELLED)
     path = write_runs(tmp_path / "run.jsonl", one, two)
 
@@ -224,15 +162,15 @@ def test_an_unknown_run_is_an_error(tmp_path: Path, capsys) -> None:
 # -- time ---------------------------------------------------------------------------------------
 
 
-def idle_run(*, timed: bool) -> Run:
+def idle_run(*, timed: bool) -> LogBuilder:
     """Three steps of 20 ms; a 5 s idle gap after the second."""
-    run = Run(10.0, timed=timed)
-    run.admit("a", 2)
-    run.do_step(("a", "prefill", 2), seconds=0.02)
-    run.do_step(("a", "decode", 1), seconds=0.02, idle=5.0)
-    run.do_step(("a", "decode", 1), seconds=0.02)
-    run.end("a", FinishReason.LENGTH)
-    return run
+    one = run(10.0, timed=timed)
+    one.admit("a", 2)
+    one.do_step(prefill={"a": (0, 2)}, seconds=0.02, predicted=0.01)
+    one.do_step(["a"], seconds=0.02, predicted=0.01, idle=5.0)
+    one.do_step(["a"], seconds=0.02, predicted=0.01)
+    one.end("a", FinishReason.LENGTH)
+    return one
 
 
 def test_step_times_are_the_executors_and_idle_gaps_are_idle(tmp_path: Path) -> None:
@@ -300,9 +238,9 @@ def test_the_picture_can_lay_steps_out_by_time_with_idle_gaps_blank(tmp_path: Pa
 
 
 def test_without_logged_outputs_replay_says_what_it_cannot_show(tmp_path: Path) -> None:
-    run = idle_run(timed=True)
-    run.header = run.header.model_copy(update={"log_outputs": False})
-    path = write_runs(tmp_path / "run.jsonl", run)
+    one = idle_run(timed=True)
+    one.header = one.header.model_copy(update={"log_outputs": False})
+    path = write_runs(tmp_path / "run.jsonl", one)
 
     t = request_timeline(path, "a")
     assert t.num_output_tokens == 3 and not t.outputs_logged
