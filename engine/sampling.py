@@ -29,7 +29,7 @@ from functools import cached_property
 import mlx.core as mx
 import numpy as np
 
-from stepline.engine.penalties import RowHistory, apply_penalties
+from stepline.engine.penalties import PenaltyArrays, RowHistory, apply_penalties
 from stepline.engine.sampling_limits import (
     GREEDY_TEMPERATURE,
     MAX_INT32,
@@ -143,6 +143,7 @@ class SamplingRows(Sequence[RowSampling]):
         self.sampled = [i for i, r in enumerate(self.rows) if not r.is_greedy]
         # Nothing but argmax: no penalty, no logprobs, no draw.
         self.plain = not (self.penalised or self.logprob_rows or self.sampled)
+        self._penalties: PenaltyArrays | None = None
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -158,6 +159,16 @@ class SamplingRows(Sequence[RowSampling]):
 
     def take(self, index: Iterable[int]) -> SamplingRows:
         return SamplingRows(self.rows[i] for i in index)
+
+    def penalties(self, histories: Sequence[RowHistory | None], vocab: int) -> PenaltyArrays:
+        """The penalised rows' penalties, as arrays up to date with `histories`: those of
+        the last call, brought up to date, where it was given the same histories."""
+        arrays = self._penalties
+        if arrays is not None and arrays.fits(histories, vocab):
+            arrays.sync()
+        else:
+            arrays = self._penalties = PenaltyArrays(self.rows, self.penalised, histories, vocab)
+        return arrays
 
     @cached_property
     def drawn(self) -> _DrawnRows:
@@ -218,7 +229,7 @@ class Sampler:
         stream's keys are drawn now, in call order."""
         if not isinstance(rows, SamplingRows):
             rows = SamplingRows(rows)
-        num_rows, _ = _check_batch(logits, rows, positions, histories)
+        num_rows, vocab = _check_batch(logits, rows, positions, histories)
         if rows.plain:
             return PendingSample(num_rows, mx.argmax(logits, axis=-1))
 
@@ -226,7 +237,7 @@ class Sampler:
         penalised = raw
         if rows.penalised:
             assert histories is not None  # _check_batch made sure
-            penalised = apply_penalties(raw, rows, rows.penalised, histories)
+            penalised = apply_penalties(raw, rows.penalties(histories, vocab))
 
         draw: _Draw | None = None
         if rows.sampled:
