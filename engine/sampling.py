@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import mlx.core as mx
@@ -335,7 +335,8 @@ class PendingSample:
 
 @dataclass
 class _Filters:
-    """Per-row filter parameters of the sampled rows, as (n, 1) arrays."""
+    """Per-row filter parameters of the sampled rows, as (n, 1) arrays, and what the
+    thresholds derive from them alone (made on first use, then kept with the batch's rows)."""
 
     top_k: mx.array  # int32, 0 = off
     top_p: mx.array  # float32, 1 = off
@@ -343,6 +344,21 @@ class _Filters:
     any_rank_filter: bool  # some row has top_k or top_p: thresholds need the sorted best tokens
     any_min_p: bool
     any_nucleus_over_vocab: bool  # some row has top_p without top_k: needs the full logsumexp
+    _ranks: dict[tuple[int, int], _Ranks] = field(default_factory=dict)
+    _log_min_p: mx.array | None = None
+
+    @property
+    def log_min_p(self) -> mx.array:
+        """The min-p threshold on z (p / p_max >= min_p); log(0) = -inf."""
+        if self._log_min_p is None:
+            self._log_min_p = mx.log(self.min_p)
+        return self._log_min_p
+
+    def ranks(self, vocab: int, num: int) -> _Ranks:
+        ranks = self._ranks.get((vocab, num))
+        if ranks is None:
+            ranks = self._ranks[vocab, num] = _Ranks.build(self, vocab, num)
+        return ranks
 
     @classmethod
     def build(cls, rows: Sequence[RowSampling]) -> _Filters:
@@ -366,6 +382,35 @@ class _Filters:
             any_rank_filter=self.any_rank_filter,
             any_min_p=self.any_min_p,
             any_nucleus_over_vocab=False,  # only used with the full sort, which needs no logsumexp
+        )
+
+
+@dataclass(frozen=True)
+class _Ranks:
+    """What `_rank_threshold` derives from the filters alone, over `num` best of `vocab`."""
+
+    k: mx.array  # (n, 1) each row's top-k, vocab where off
+    in_top_k: mx.array  # (n, num) whether each rank is within the row's top-k
+    k_within: mx.array  # (n, 1) k <= num: the candidates hold the whole top-k
+    p_off: mx.array  # (n, 1) no top-p
+    any_on: mx.array  # (n, 1) top-k or top-p
+    covered_anyway: mx.array  # (n, 1) k <= num or no top-p
+    k_fits: mx.array  # (n, 1) k <= num or no top-k
+
+    @classmethod
+    def build(cls, filters: _Filters, vocab: int, num: int) -> _Ranks:
+        rank = mx.arange(num)[None, :]
+        k = mx.where(filters.top_k > 0, mx.minimum(filters.top_k, vocab), vocab)
+        k_on = k < vocab
+        p_on = filters.top_p < 1
+        return cls(
+            k=k,
+            in_top_k=rank < k,
+            k_within=k <= num,
+            p_off=~p_on,
+            any_on=k_on | p_on,
+            covered_anyway=(k <= num) | ~p_on,
+            k_fits=(k <= num) | ~k_on,
         )
 
 
@@ -408,7 +453,7 @@ class _Draw:
 
     def sample(self) -> None:
         vocab = self.z.shape[-1]
-        threshold = mx.log(self.filters.min_p)  # min-p: p / p_max >= min_p; log(0) = -inf
+        threshold = self.filters.log_min_p
         if self.filters.any_rank_filter:
             num = min(vocab, _NUM_CANDIDATES)
             if num == vocab:
@@ -437,7 +482,7 @@ class _Draw:
         filters = self.filters.take(index)
         best = -mx.sort(-z, axis=-1)
         rank_threshold, _ = _rank_threshold(best, None, filters, z.shape[-1])
-        threshold = mx.maximum(mx.log(filters.min_p), rank_threshold)
+        threshold = mx.maximum(filters.log_min_p, rank_threshold)
         tokens = _gumbel_argmax(z, self.noise[index], threshold)
         return [(self.row_index[j], tokens[k]) for k, j in enumerate(local)]
 
@@ -457,28 +502,22 @@ def _rank_threshold(
     top_k. Top-p is taken over the top-k survivors, renormalised. Tokens tied with the threshold
     are kept. Rows with neither filter get -inf.
     """
-    num = best.shape[-1]
-    rank = mx.arange(num)[None, :]
-    k = mx.where(filters.top_k > 0, mx.minimum(filters.top_k, vocab), vocab)
-    k_on = k < vocab
-    p_on = filters.top_p < 1
-
-    in_top_k = rank < k
-    masked = mx.where(in_top_k, best, -mx.inf)
+    ranks = filters.ranks(vocab, best.shape[-1])
+    masked = mx.where(ranks.in_top_k, best, -mx.inf)
     log_norm = mx.logsumexp(masked, axis=-1, keepdims=True)
     if lse is not None:
-        log_norm = mx.where(k <= num, log_norm, lse)
+        log_norm = mx.where(ranks.k_within, log_norm, lse)
     probs = mx.exp(masked - log_norm)
     mass_before = mx.cumsum(probs, axis=-1, inclusive=False)
     # Nucleus: the smallest prefix whose mass reaches top_p; the top token always stays.
-    keep = in_top_k & ((mass_before < filters.top_p) | ~p_on)
+    keep = ranks.in_top_k & ((mass_before < filters.top_p) | ranks.p_off)
     num_keep = keep.sum(axis=-1, keepdims=True).astype(mx.int32)
     threshold = mx.take_along_axis(best, mx.maximum(num_keep - 1, 0), axis=-1)
-    threshold = mx.where(k_on | p_on, threshold, -mx.inf)
+    threshold = mx.where(ranks.any_on, threshold, -mx.inf)
 
     mass_all = mass_before[:, -1:] + probs[:, -1:]
-    covered = (k <= num) | ~p_on | (mass_all >= filters.top_p)
-    covered = covered & ((k <= num) | ~k_on)
+    covered = ranks.covered_anyway | (mass_all >= filters.top_p)
+    covered = covered & ranks.k_fits
     return threshold, covered[:, 0]
 
 
