@@ -34,7 +34,7 @@ from stepline.engine.policy import ScheduledChunk
 from stepline.engine.prefix_cache import PrefixStore, compact_cache, share_cache
 from stepline.engine.prefix_files import model_cache_layout, model_fingerprint
 from stepline.engine.sampling import PendingSample, RowHistory, RowSampling, Sampler
-from stepline.engine.sequences import Ahead, Cache, Rows, Seq
+from stepline.engine.sequences import NO_ROWS, Ahead, Cache, Rows, Seq
 from stepline.engine.work import (
     ADMISSION_FAILED,
     CHECKPOINT_FAILED,
@@ -103,7 +103,7 @@ class ModelRunner:
                 layout=model_cache_layout(self.model) if prefix_cache_dir is not None else None,
             )
         self._seqs: dict[str, Seq] = {}
-        self._batch = Rows()  # the decode batch's rows, in order
+        self._batch = NO_ROWS  # the decode batch's rows, in order
         self._batch_cache: Cache | None = None
         # Each batch row's last token, the batch's next forward's input, where the array is
         # at hand (the tokens just sampled); None: gathered from the rows' outputs.
@@ -363,10 +363,10 @@ class ModelRunner:
         decoded: mx.array | None = None  # the decode rows' logits, if a fused forward ran them
         separate = list(plan.chunks)
         if self.fuse:  # the decode rows too, unless their forward was built a step ahead
-            rows = batch if ahead is None else Rows()
+            rows = batch if ahead is None else NO_ROWS
             together, with_batch = self._fusable(plan.chunks, failed, rows)
             if together or with_batch:
-                done = self._fused_step(together, batch if with_batch else Rows(), failed)
+                done = self._fused_step(together, batch if with_batch else NO_ROWS, failed)
                 if done is not None:
                     decoded, fused_logits = done
                     last_logits.update(fused_logits)
@@ -445,15 +445,17 @@ class ModelRunner:
         logprobs: dict[str, TokenLogprob],
     ) -> None:
         """Each request takes its sampled token (its output, penalty history, grammar)."""
-        for seq, token, lp in zip(sampled.seqs, sampled.tokens, sampled.logprobs, strict=True):
+        for seq, token in zip(sampled.seqs, sampled.tokens, strict=True):
             seq.output.append(token)
             if seq.history is not None:
                 seq.history.append(token)
             if seq.constraint is not None:
                 advance(seq.constraint, token)
             tokens[seq.request_id] = token
-            if lp is not None:
-                logprobs[seq.request_id] = TokenLogprob(lp.token_id, lp.logprob, lp.top)
+        if sampled.any_logprobs:
+            for seq, lp in zip(sampled.seqs, sampled.logprobs, strict=True):
+                if lp is not None:
+                    logprobs[seq.request_id] = TokenLogprob(lp.token_id, lp.logprob, lp.top)
 
     def _took(self, batch: Rows, array: mx.array | None) -> None:
         """The decode rows `batch` took their tokens, `array` (None where sampled one by
@@ -509,7 +511,7 @@ class ModelRunner:
             self._ahead_error, started = exc, None
         out = pending.finish()
         taken = out.tokens if rows is None else [out.tokens[i] for i in rows]
-        return started, step_sampling.Sampled(batch.seqs, taken, [None] * len(batch), unread)
+        return started, step_sampling.Sampled(batch.seqs, taken, [None] * len(batch), False, unread)
 
     def _build_ahead(self, started: mx.array | None = None) -> None:
         """Build (lazily) the next step's decode forward and its sampling, as mlx-lm's own

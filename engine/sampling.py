@@ -129,6 +129,7 @@ class TokenLogprobs:
 class SampleOutput:
     tokens: list[int]  # one per row
     logprobs: list[TokenLogprobs | None]  # per row; None where not requested
+    any_logprobs: bool = False  # some row requested them
 
 
 class SamplingRows(Sequence[RowSampling]):
@@ -330,7 +331,7 @@ class PendingSample:
             token_list = self.tokens.tolist()
         n = self.num_rows
         per_row = lp.to_python(token_list, n) if lp is not None else [None] * n
-        return SampleOutput(tokens=token_list, logprobs=per_row)
+        return SampleOutput(tokens=token_list, logprobs=per_row, any_logprobs=lp is not None)
 
 
 @dataclass

@@ -92,6 +92,9 @@ class _Histories(Sequence[RowHistory | None]):
         return self._seqs[i].history
 
 
+NO_ROWS = Rows()
+
+
 @dataclass
 class Ahead:
     """The decode batch's next forward and its samples, built and started before the step

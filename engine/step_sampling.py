@@ -15,7 +15,7 @@ import structlog
 
 from stepline.engine.constraints import apply_grammar_masks
 from stepline.engine.sampling import PendingSample, SampleOutput, Sampler, TokenLogprobs
-from stepline.engine.sequences import Ahead, Rows, Seq
+from stepline.engine.sequences import NO_ROWS, Ahead, Rows, Seq
 from stepline.engine.work import PREFILL_FAILED, SAMPLING_FAILED, is_collective_error
 
 log = structlog.get_logger(__name__)
@@ -31,13 +31,18 @@ class Sampled:
     seqs: list[Seq]
     tokens: list[int]
     logprobs: list[TokenLogprobs | None]  # None where not asked for
+    any_logprobs: bool  # some row asked for them
     # `tokens` as an array where one batch sampled them all (None where rows were sampled
     # one by one): the next decode forward's inputs, with no trip through Python.
     array: mx.array | None = None
 
     @classmethod
     def of(cls, seqs: list[Seq], out: SampleOutput, array: mx.array | None) -> Sampled:
-        return cls(seqs, out.tokens, out.logprobs, array)
+        return cls(seqs, out.tokens, out.logprobs, out.any_logprobs, array)
+
+    @classmethod
+    def none(cls) -> Sampled:
+        return cls([], [], [], False)
 
 
 def start_rows(sampler: Sampler, logits: mx.array, rows: Rows) -> PendingSample:
@@ -62,12 +67,12 @@ def sample_step(
     still fails ends its request (`fail`); a decode batch that fails raises.
     """
     logits = [x for _, x in finals]
-    rows = Rows(seq for seq, _ in finals) if finals else Rows()
+    rows = Rows(seq for seq, _ in finals) if finals else NO_ROWS
     if decoded is not None:
         logits.append(decoded)
         rows = rows + batch if finals else batch
     if not logits:
-        return Sampled([], [], [])
+        return Sampled.none()
     try:
         together = mx.concatenate(logits) if len(logits) > 1 else logits[0]
         pending = start_rows(sampler, together, rows)
@@ -88,7 +93,7 @@ def sample_step(
     if decoded is not None:
         mx.eval(decoded)  # the batched decode forward: not one request's fault
         alone.extend((seq, decoded[i : i + 1]) for i, seq in enumerate(batch.seqs))
-    sampled = Sampled([], [], [])
+    sampled = Sampled.none()
     for seq, x in alone:
         try:
             out = start_rows(sampler, x, Rows([seq])).finish()
@@ -98,6 +103,7 @@ def sample_step(
         sampled.seqs.append(seq)
         sampled.tokens.append(out.tokens[0])
         sampled.logprobs.append(out.logprobs[0])
+        sampled.any_logprobs |= out.any_logprobs
     return sampled
 
 
@@ -106,7 +112,7 @@ def sample_ahead(sampler: Sampler, ahead: Ahead, batch: Rows, fail: Fail) -> Sam
     ended since are skipped); if those samples fail, they are redone as `sample_step`
     does."""
     if not batch:
-        return Sampled([], [], [])
+        return Sampled.none()
     # Where rows left since the look-ahead started, the rows still here.
     rows = None if ahead.rows is batch else [ahead.rows.index[rid] for rid in batch.ids]
     if ahead.sample is not None:
@@ -123,6 +129,7 @@ def sample_ahead(sampler: Sampler, ahead: Ahead, batch: Rows, fail: Fail) -> Sam
                 batch.seqs,
                 [out.tokens[i] for i in rows],
                 [out.logprobs[i] for i in rows],
+                out.any_logprobs,
                 ahead.sample.tokens[mx.array(rows)],
             )
     logits = ahead.logits if rows is None else ahead.logits[mx.array(rows)]
