@@ -350,7 +350,7 @@ class ModelRunner:
                 self._fail(failed, new.request_id, ADMISSION_FAILED, exc)
         plan = work.plan
         batch = self._batch
-        if len(plan.decodes) != len(batch) or not batch.index.keys() >= set(plan.decodes):
+        if batch.index.keys() != set(plan.decodes):
             raise RuntimeError(
                 f"plan decodes {sorted(plan.decodes)} but the batch holds {sorted(batch.ids)}"
             )

@@ -155,12 +155,6 @@ class SamplingRows(Sequence[RowSampling]):
     def __iter__(self) -> Iterator[RowSampling]:
         return iter(self.rows)
 
-    def __add__(self, other: SamplingRows) -> SamplingRows:
-        return SamplingRows(self.rows + other.rows)
-
-    def take(self, index: Iterable[int]) -> SamplingRows:
-        return SamplingRows(self.rows[i] for i in index)
-
     def penalties(self, histories: Sequence[RowHistory | None], vocab: int) -> PenaltyArrays:
         """The penalised rows' penalties, as arrays up to date with `histories`: those of
         the last call, brought up to date, where it was given the same histories."""

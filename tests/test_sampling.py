@@ -341,6 +341,18 @@ def test_logprobs_of_a_token_resampled_past_the_candidates_belong_to_that_token(
         assert lp.logprob == pytest.approx(expected[token], abs=1e-5)
 
 
+def test_a_batchs_token_array_holds_its_tokens_also_where_rows_were_resampled(monkeypatch):
+    """The runner feeds the sampled array straight into the next forward, so it must be the
+    tokens returned, also for rows whose nucleus reached past the candidates."""
+    monkeypatch.setattr(sampling, "_NUM_CANDIDATES", 2)
+    logits = mx.array([[0.1 * t for t in range(8)]] * 16)
+    rows = [RowSampling(top_p=0.95), RowSampling(temperature=0)] * 8
+    pending = Sampler().start(logits, rows, [0] * 16)
+    out = pending.finish()
+    assert len(set(out.tokens[::2])) > 2  # past the 2 candidates
+    assert pending.tokens.tolist() == out.tokens
+
+
 # -- validation -----------------------------------------------------------------------------------
 
 
