@@ -455,7 +455,7 @@ class ModelRunner:
         if sampled.any_logprobs:
             for seq, lp in zip(sampled.seqs, sampled.logprobs, strict=True):
                 if lp is not None:
-                    logprobs[seq.request_id] = TokenLogprob(lp.token_id, lp.logprob, lp.top)
+                    logprobs[seq.request_id] = lp
 
     def _took(self, batch: Rows, array: mx.array | None) -> None:
         """The decode rows `batch` took their tokens, `array` (None where sampled one by

@@ -38,6 +38,7 @@ from stepline.engine.sampling_limits import (
     is_int,
     is_number,
 )
+from stepline.engine.work import TokenLogprob
 
 # top-k / top-p thresholds come from each row's best _NUM_CANDIDATES tokens (a partition and a
 # small sort, instead of sorting the whole vocabulary, which is ~90 ms for 32 x 32000 on CPU).
@@ -119,16 +120,10 @@ class RowSampling:
 
 
 @dataclass(frozen=True)
-class TokenLogprobs:
-    token_id: int
-    logprob: float  # log-softmax of the raw (unpenalised, untempered) logits
-    top: tuple[tuple[int, float], ...]  # top-k (token_id, logprob) by logprob, descending
-
-
-@dataclass(frozen=True)
 class SampleOutput:
     tokens: list[int]  # one per row
-    logprobs: list[TokenLogprobs | None]  # per row; None where not requested
+    # per row, None where not requested; logprobs of the raw (unpenalised, untempered) logits
+    logprobs: list[TokenLogprob | None]
     any_logprobs: bool = False  # some row requested them
 
 
@@ -558,15 +553,15 @@ class _Logprobs:
                 j = position[row]
                 self.chosen[j] = self.log_softmax[j, token]
 
-    def to_python(self, tokens: list[int], num_rows: int) -> list[TokenLogprobs | None]:
+    def to_python(self, tokens: list[int], num_rows: int) -> list[TokenLogprob | None]:
         chosen = self.chosen.tolist()
         ids = self.top_ids.tolist() if self.top_ids is not None else None
         values = self.top_values.tolist() if self.top_values is not None else None
-        out: list[TokenLogprobs | None] = [None] * num_rows
+        out: list[TokenLogprob | None] = [None] * num_rows
         for j, row in enumerate(self.row_index):
             k = self.top_counts[j]
             top = tuple(zip(ids[j][:k], values[j][:k], strict=True)) if k else ()
-            out[row] = TokenLogprobs(token_id=tokens[row], logprob=chosen[j], top=top)
+            out[row] = TokenLogprob(token_id=tokens[row], logprob=chosen[j], top=top)
         return out
 
 

@@ -14,9 +14,14 @@ import mlx.core as mx
 import structlog
 
 from stepline.engine.constraints import apply_grammar_masks
-from stepline.engine.sampling import PendingSample, SampleOutput, Sampler, TokenLogprobs
+from stepline.engine.sampling import PendingSample, SampleOutput, Sampler
 from stepline.engine.sequences import NO_ROWS, Ahead, Rows, Seq
-from stepline.engine.work import PREFILL_FAILED, SAMPLING_FAILED, is_collective_error
+from stepline.engine.work import (
+    PREFILL_FAILED,
+    SAMPLING_FAILED,
+    TokenLogprob,
+    is_collective_error,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -30,7 +35,7 @@ class Sampled:
 
     seqs: list[Seq]
     tokens: list[int]
-    logprobs: list[TokenLogprobs | None]  # None where not asked for
+    logprobs: list[TokenLogprob | None]  # None where not asked for
     any_logprobs: bool  # some row asked for them
     # `tokens` as an array where one batch sampled them all (None where rows were sampled
     # one by one): the next decode forward's inputs, with no trip through Python.
