@@ -33,14 +33,8 @@ from stepline.engine.models import LoadedModel
 from stepline.engine.policy import ScheduledChunk
 from stepline.engine.prefix_cache import PrefixStore, compact_cache, share_cache
 from stepline.engine.prefix_files import model_cache_layout, model_fingerprint
-from stepline.engine.sampling import (
-    PendingSample,
-    RowHistory,
-    RowSampling,
-    Sampler,
-    TokenLogprobs,
-)
-from stepline.engine.sequences import Ahead, Cache, Seq
+from stepline.engine.sampling import PendingSample, RowHistory, RowSampling, Sampler
+from stepline.engine.sequences import NO_ROWS, Ahead, Cache, Rows, Seq
 from stepline.engine.work import (
     ADMISSION_FAILED,
     CHECKPOINT_FAILED,
@@ -109,8 +103,12 @@ class ModelRunner:
                 layout=model_cache_layout(self.model) if prefix_cache_dir is not None else None,
             )
         self._seqs: dict[str, Seq] = {}
-        self._batch_ids: list[str] = []  # decode batch rows, in order
+        self._batch = NO_ROWS  # the decode batch's rows, in order
         self._batch_cache: Cache | None = None
+        # Each batch row's last token, the batch's next forward's input, where the array is
+        # at hand (the tokens just sampled); None: gathered from the rows' outputs.
+        self._inputs: mx.array | None = None
+        self._checkpointed: list[Seq] = []  # requests that reached a checkpoint this step
         # The decode batch's next forward, built before its step was planned (see
         # `_build_ahead`). While it is set, every batch row's cache holds its last token.
         self.lookahead = lookahead
@@ -166,7 +164,7 @@ class ModelRunner:
         if seq.cache is not None:  # it ended at its first token, never joining the batch
             cache, fed = seq.cache, seq.output[:-1]
         else:
-            row = self._batch_ids.index(seq.request_id)
+            row = self._batch.index[seq.request_id]
             cache = [layer.extract(row) for layer in self._batch_cache]
             fed = seq.output if self._ahead is not None else seq.output[:-1]
         tokens = [*seq.prompt.tolist(), *fed]
@@ -183,15 +181,17 @@ class ModelRunner:
             if rid in retire and rid in self._seqs:
                 self._retire(self._seqs[rid])
         gone = {rid for rid in request_ids if self._seqs.pop(rid, None) is not None}
-        if not gone.intersection(self._batch_ids):
+        if gone.isdisjoint(self._batch.index):
             return
-        keep = [i for i, rid in enumerate(self._batch_ids) if rid not in gone]
-        self._batch_ids = [self._batch_ids[i] for i in keep]
+        keep = [i for i, rid in enumerate(self._batch.ids) if rid not in gone]
+        self._batch = self._batch.take(keep)
         if not keep:
-            self._batch_cache = None
+            self._batch_cache = self._inputs = None
             self._ahead = self._ahead_error = None
             self._ahead_seconds = 0.0
             return
+        if self._inputs is not None:
+            self._inputs = self._inputs[mx.array(keep)]
         for layer in self._batch_cache:
             layer.filter(keep)
 
@@ -209,7 +209,10 @@ class ModelRunner:
         else:
             for mine, theirs in zip(self._batch_cache, merged, strict=True):
                 mine.extend(theirs)
-        self._batch_ids.extend(s.request_id for s in seqs)
+        if self._inputs is not None:
+            joined = mx.array([s.last_token for s in seqs], dtype=mx.int32)
+            self._inputs = mx.concatenate([self._inputs, joined])
+        self._batch = self._batch + Rows(seqs)
         for s in seqs:
             s.cache = None
 
@@ -243,7 +246,7 @@ class ModelRunner:
         return logits
 
     def _fusable(
-        self, chunks: Sequence[ScheduledChunk], failed: Mapping[str, str], batch: list[Seq]
+        self, chunks: Sequence[ScheduledChunk], failed: Mapping[str, str], batch: Rows
     ) -> tuple[list[ScheduledChunk], bool]:
         """The chunks a fused forward can take (plain KV caches, no checkpoint inside: a
         snapshot inside a chunk needs a forward that stops there), and whether the decode
@@ -261,7 +264,7 @@ class ModelRunner:
         return together, with_batch
 
     def _fused_step(
-        self, chunks: list[ScheduledChunk], batch: list[Seq], failed: dict[str, str]
+        self, chunks: list[ScheduledChunk], batch: Rows, failed: dict[str, str]
     ) -> tuple[mx.array | None, dict[str, mx.array]] | None:
         """`chunks` and the decode rows of `batch` in one forward (`engine/fused.py`),
         evaluated; checkpoints at the chunks' ends are snapshotted after it. Returns the
@@ -276,7 +279,7 @@ class ModelRunner:
         ]
         rows = [[c.num_tokens - 1] if c.is_final else [] for c in chunks]
         if batch:
-            segments.append(fused.Segment(self._last_tokens(batch), self._batch_cache, True))
+            segments.append(fused.Segment(self._next_inputs(), self._batch_cache, True))
             rows.append(list(range(len(batch))))
         saved = [[layer.state for layer in s.cache] for s in segments]
         try:
@@ -318,6 +321,8 @@ class ModelRunner:
 
     def _checkpoint(self, seq: Seq, end: int) -> None:
         """Snapshot `seq`'s cache at `end` prompt tokens: the prefix cache, then the hook."""
+        if not seq.checkpoints:
+            self._checkpointed.append(seq)
         seq.checkpoints.append(end)
         snapshot = snapshot_cache(seq.cache)
         if self.store is not None:
@@ -344,23 +349,24 @@ class ModelRunner:
             except Exception as exc:
                 self._fail(failed, new.request_id, ADMISSION_FAILED, exc)
         plan = work.plan
-        if set(plan.decodes) != set(self._batch_ids):
+        batch = self._batch
+        if batch.index.keys() != set(plan.decodes):
             raise RuntimeError(
-                f"plan decodes {sorted(plan.decodes)} but the batch holds {sorted(self._batch_ids)}"
+                f"plan decodes {sorted(plan.decodes)} but the batch holds {sorted(batch.ids)}"
             )
 
-        for seq in self._seqs.values():
+        for seq in self._checkpointed:
             seq.checkpoints.clear()
-        batch = [self._seqs[rid] for rid in self._batch_ids]
+        self._checkpointed = []
         ahead, self._ahead = self._ahead, None
         last_logits: dict[str, mx.array] = {}  # final chunks' last-position logits
         decoded: mx.array | None = None  # the decode rows' logits, if a fused forward ran them
         separate = list(plan.chunks)
         if self.fuse:  # the decode rows too, unless their forward was built a step ahead
-            rows = batch if ahead is None else []
+            rows = batch if ahead is None else NO_ROWS
             together, with_batch = self._fusable(plan.chunks, failed, rows)
             if together or with_batch:
-                done = self._fused_step(together, batch if with_batch else [], failed)
+                done = self._fused_step(together, batch if with_batch else NO_ROWS, failed)
                 if done is not None:
                     decoded, fused_logits = done
                     last_logits.update(fused_logits)
@@ -401,22 +407,30 @@ class ModelRunner:
             self.decode_order.interrupt()
         if ahead is None:
             if decoded is None and batch:
-                decoded = self._decode_forward(self._last_tokens(batch))
-            self._record(sample(self.sampler, finals, batch, decoded, fail), tokens, logprobs)
+                decoded = self._decode_forward(self._next_inputs())
+            sampled = sample(self.sampler, finals, batch, decoded, fail)
+            self._record(sampled, tokens, logprobs)
+            if batch:  # the batch's rows come after the finals'
+                array = sampled.array
+                self._took(batch, array[len(finals) :] if array is not None and finals else array)
         elif pipelined and pending is not None:
             started, taken = self._pipeline(ahead, pending, batch)
             self._record(taken, tokens, logprobs)
+            self._took(batch, taken.array)
         else:
-            self._record(sample(self.sampler, finals, [], None, fail), tokens, logprobs)
+            self._record(sample(self.sampler, finals, batch, None, fail), tokens, logprobs)
             taken = step_sampling.sample_ahead(self.sampler, ahead, batch, fail)
             self._record(taken, tokens, logprobs)
+            self._took(batch, taken.array)
         self._join_finals(finals, failed)
         self._build_ahead(started)
         return StepResult(
             tokens=tokens,
             logprobs=logprobs,
             checkpoints={
-                s.request_id: tuple(s.checkpoints) for s in self._seqs.values() if s.checkpoints
+                s.request_id: tuple(s.checkpoints)
+                for s in self._checkpointed
+                if s.checkpoints and self._seqs.get(s.request_id) is s
             },
             seconds=time.perf_counter() - t0,
             prefix=self._prefix_report(),
@@ -426,20 +440,28 @@ class ModelRunner:
 
     @staticmethod
     def _record(
-        sampled: list[tuple[Seq, int, TokenLogprobs | None]],
+        sampled: step_sampling.Sampled,
         tokens: dict[str, int],
         logprobs: dict[str, TokenLogprob],
     ) -> None:
         """Each request takes its sampled token (its output, penalty history, grammar)."""
-        for seq, token, lp in sampled:
+        for seq, token in zip(sampled.seqs, sampled.tokens, strict=True):
             seq.output.append(token)
             if seq.history is not None:
                 seq.history.append(token)
             if seq.constraint is not None:
                 advance(seq.constraint, token)
             tokens[seq.request_id] = token
-            if lp is not None:
-                logprobs[seq.request_id] = TokenLogprob(lp.token_id, lp.logprob, lp.top)
+        if sampled.any_logprobs:
+            for seq, lp in zip(sampled.seqs, sampled.logprobs, strict=True):
+                if lp is not None:
+                    logprobs[seq.request_id] = lp
+
+    def _took(self, batch: Rows, array: mx.array | None) -> None:
+        """The decode rows `batch` took their tokens, `array` (None where sampled one by
+        one): the next forward's inputs, if the batch is still those rows."""
+        kept = array is not None and self._batch is batch
+        self._inputs = array.astype(mx.int32) if kept else None
 
     def _join_finals(self, finals: list[tuple[Seq, mx.array]], failed: dict[str, str]) -> None:
         # A request that ended at its first token (max_tokens=1, or no room left in the
@@ -452,16 +474,18 @@ class ModelRunner:
             ]
         )
 
-    @staticmethod
-    def _last_tokens(batch: list[Seq]) -> mx.array:
-        return mx.array([s.last_token for s in batch], dtype=mx.int32)
+    def _next_inputs(self) -> mx.array:
+        """Each batch row's last token: the batch's next forward's inputs (B,)."""
+        if self._inputs is None:
+            self._inputs = mx.array([s.last_token for s in self._batch.seqs], dtype=mx.int32)
+        return self._inputs
 
     def _decode_forward(self, inputs: mx.array) -> mx.array:
         """The decode batch's forward on `inputs` (B,), one token per row: (B, V) logits."""
         return self.model(inputs.astype(mx.int32)[:, None], cache=self._batch_cache)[:, -1, :]
 
     def _pipeline(
-        self, ahead: Ahead, pending: PendingSample, batch: list[Seq]
+        self, ahead: Ahead, pending: PendingSample, batch: Rows
     ) -> tuple[mx.array | None, step_sampling.Sampled]:
         """A step with nothing but decode rows, run as mlx-lm's own loop runs one (where
         `decode_order` finds that faster than reading the tokens first): the next
@@ -476,11 +500,9 @@ class ModelRunner:
         read them is then MLX's on the whole batch, and raises (the next forward depends on
         them), where `sample_ahead` would sample each row again. Returns the started forward
         (None if it could not be built: the next step's fault) and this step's tokens."""
-        row = {rid: i for i, rid in enumerate(ahead.ids)}
-        index = [row[s.request_id] for s in batch]
-        unread = pending.tokens
-        if index != list(range(len(ahead.ids))):  # rows left since it started
-            unread = unread[mx.array(index)]
+        # Where rows left since it started, the rows still here.
+        rows = None if ahead.rows is batch else [ahead.rows.index[rid] for rid in batch.ids]
+        unread = pending.tokens if rows is None else pending.tokens[mx.array(rows)]
         started: mx.array | None = None
         try:
             started = self._decode_forward(unread)
@@ -488,7 +510,8 @@ class ModelRunner:
         except Exception as exc:  # noqa: BLE001 - the batched decode's fault: see run
             self._ahead_error, started = exc, None
         out = pending.finish()
-        return started, [(s, out.tokens[row[s.request_id]], None) for s in batch]
+        taken = out.tokens if rows is None else [out.tokens[i] for i in rows]
+        return started, step_sampling.Sampled(batch.seqs, taken, [None] * len(batch), False, unread)
 
     def _build_ahead(self, started: mx.array | None = None) -> None:
         """Build (lazily) the next step's decode forward and its sampling, as mlx-lm's own
@@ -499,16 +522,19 @@ class ModelRunner:
         chunks run after it; their requests join the batch after it. A forward that cannot
         be built is the next step's fault (this step's tokens stand). `started`: the forward,
         already built and started by `_pipeline`; only its sampling is built here."""
-        if not self.lookahead or not self._batch_ids or self._ahead_error is not None:
+        batch = self._batch
+        if not self.lookahead or not batch or self._ahead_error is not None:
             return
-        prefilling = any(s.cache is not None and not s.output for s in self._seqs.values())
+        # Requests outside the batch are prefilling, or ended at their first token.
+        prefilling = len(self._seqs) > len(batch) and any(
+            s.cache is not None and not s.output for s in self._seqs.values()
+        )
         if not decode_runs_apart(fused_steps=self.fuse, prefilling=prefilling):
             return  # a prompt is mid-prefill: the next step runs these rows in its chunk's forward
-        batch = [self._seqs[rid] for rid in self._batch_ids]
         logits = started
         if logits is None:
             try:
-                logits = self._decode_forward(self._last_tokens(batch))
+                logits = self._decode_forward(self._next_inputs())
             except Exception as exc:  # noqa: BLE001 - the batched decode's fault: see run
                 self._ahead_error = exc
                 return
@@ -517,7 +543,7 @@ class ModelRunner:
         except Exception as exc:  # noqa: BLE001 - the step samples again, and isolates it
             log.info("look_ahead_sampling_deferred", error=repr(exc))
             sample = None
-        self._ahead = Ahead(list(self._batch_ids), logits, sample)
+        self._ahead = Ahead(batch, logits, sample)
 
     def look_ahead(self) -> None:
         """Compute the look-ahead the last step built (after a pipelined step, `_pipeline`,
@@ -569,6 +595,7 @@ class ModelRunner:
             # are made with lookahead=False).
             assert self._ahead is None, "adopt_tokens after a look-ahead"
             seq.output[-1] = token
+            self._inputs = None  # it may be this token's row's
             if seq.history is not None:
                 seq.history = RowHistory(seq.prompt.tolist())
                 for t in seq.output:

@@ -13,17 +13,23 @@ only in the rare case described under `_NUM_CANDIDATES`):
 
 The noise of a row comes from its own key: `(seed, position)` for seeded rows, so a seeded
 request gives the same tokens alone or in any batch; the sampler's own stream otherwise.
+
+What the sampler reads from the rows' parameters (which rows need what, the drawn rows'
+parameters as arrays) is a `SamplingRows`, worked out once for a set of rows: the runner keeps
+one for its decode batch and makes it again only when rows join or leave.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
 
 import mlx.core as mx
+import numpy as np
 
-from stepline.engine.penalties import RowHistory, apply_penalties
+from stepline.engine.penalties import PenaltyArrays, RowHistory, apply_penalties
 from stepline.engine.sampling_limits import (
     GREEDY_TEMPERATURE,
     MAX_INT32,
@@ -32,6 +38,7 @@ from stepline.engine.sampling_limits import (
     is_int,
     is_number,
 )
+from stepline.engine.work import TokenLogprob
 
 # top-k / top-p thresholds come from each row's best _NUM_CANDIDATES tokens (a partition and a
 # small sort, instead of sorting the whole vocabulary, which is ~90 ms for 32 x 32000 on CPU).
@@ -113,16 +120,59 @@ class RowSampling:
 
 
 @dataclass(frozen=True)
-class TokenLogprobs:
-    token_id: int
-    logprob: float  # log-softmax of the raw (unpenalised, untempered) logits
-    top: tuple[tuple[int, float], ...]  # top-k (token_id, logprob) by logprob, descending
-
-
-@dataclass(frozen=True)
 class SampleOutput:
     tokens: list[int]  # one per row
-    logprobs: list[TokenLogprobs | None]  # per row; None where not requested
+    # per row, None where not requested; logprobs of the raw (unpenalised, untempered) logits
+    logprobs: list[TokenLogprob | None]
+    any_logprobs: bool = False  # some row requested them
+
+
+class SamplingRows(Sequence[RowSampling]):
+    """The `RowSampling`s of a batch's rows, in order, with what `Sampler.start` reads from all
+    of them worked out once: which rows need penalties, logprobs or a random draw, and (built
+    on first use, then kept) the drawn rows' parameters as arrays. Immutable."""
+
+    def __init__(self, rows: Iterable[RowSampling] = ()) -> None:
+        self.rows = tuple(rows)
+        self.penalised = [i for i, r in enumerate(self.rows) if r.needs_history]
+        self.logprob_rows = [i for i, r in enumerate(self.rows) if r.logprobs is not None]
+        self.sampled = [i for i, r in enumerate(self.rows) if not r.is_greedy]
+        # Nothing but argmax: no penalty, no logprobs, no draw.
+        self.plain = not (self.penalised or self.logprob_rows or self.sampled)
+        self._penalties: PenaltyArrays | None = None
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        return self.rows[i]
+
+    def __iter__(self) -> Iterator[RowSampling]:
+        return iter(self.rows)
+
+    def penalties(self, histories: Sequence[RowHistory | None], vocab: int) -> PenaltyArrays:
+        """The penalised rows' penalties, as arrays up to date with `histories`: those of
+        the last call, brought up to date, where it was given the same histories."""
+        arrays = self._penalties
+        if arrays is not None and arrays.fits(histories, vocab):
+            arrays.sync()
+        else:
+            arrays = self._penalties = PenaltyArrays(self.rows, self.penalised, histories, vocab)
+        return arrays
+
+    @cached_property
+    def drawn(self) -> _DrawnRows:
+        """The rows drawn at random (`sampled`): their parameters as arrays."""
+        return _DrawnRows.build(self)
+
+    @cached_property
+    def logprob_index(self) -> mx.array:
+        return mx.array(self.logprob_rows)
+
+    @cached_property
+    def top_counts(self) -> list[int]:
+        """How many alternatives each of `logprob_rows` asked for (uncapped)."""
+        return [self.rows[i].logprobs or 0 for i in self.logprob_rows]
 
 
 class Sampler:
@@ -143,11 +193,13 @@ class Sampler:
         positions: Sequence[int],
         histories: Sequence[RowHistory | None] | None = None,
     ) -> SampleOutput:
-        """Sample one token per row of `logits` (B, V), row i with `rows[i]`.
+        """Sample one token per row of `logits` (B, V), row i with `rows[i]` (a list, or a
+        `SamplingRows` kept from an earlier call on the same rows).
 
         `positions[i]` is the index of the token being sampled in row i's output (0 for its first
-        token); with `rows[i].seed` it fixes the row's randomness. `histories[i]` must be given
-        for every row whose `needs_history`. Returns Python ints, computed with one `mx.eval`
+        token); with `rows[i].seed` it fixes the row's randomness (it is read for seeded drawn
+        rows only). `histories[i]` must be given for every row whose `needs_history` (it is
+        read for those rows only). Returns Python ints, computed with one `mx.eval`
         (plus one for the rare rows whose top-p/top-k reaches past `_NUM_CANDIDATES` tokens).
 
         Raises ValueError if the lengths disagree with the batch, a row with a penalty has no
@@ -165,59 +217,57 @@ class Sampler:
         """`sample`, built but not evaluated: `mx.async_eval(*pending.arrays())` can run it
         alongside other work, and `pending.finish()` gives the `SampleOutput`. The shared
         stream's keys are drawn now, in call order."""
-        num_rows, _ = _check_batch(logits, rows, positions, histories)
-        penalised_rows = [i for i, r in enumerate(rows) if r.needs_history]
-        logprob_rows = [i for i, r in enumerate(rows) if r.logprobs is not None]
-        sampled_rows = [i for i, r in enumerate(rows) if not r.is_greedy]
-
-        if not penalised_rows and not logprob_rows and not sampled_rows:
+        if not isinstance(rows, SamplingRows):
+            rows = SamplingRows(rows)
+        num_rows, vocab = _check_batch(logits, rows, positions, histories)
+        if rows.plain:
             return PendingSample(num_rows, mx.argmax(logits, axis=-1))
 
         raw = logits.astype(mx.float32)
         penalised = raw
-        if penalised_rows:
+        if rows.penalised:
             assert histories is not None  # _check_batch made sure
-            penalised = apply_penalties(raw, rows, penalised_rows, histories)
+            penalised = apply_penalties(raw, rows.penalties(histories, vocab))
 
         draw: _Draw | None = None
-        if sampled_rows:
-            draw = self._draw(penalised, [rows[i] for i in sampled_rows], sampled_rows, positions)
-        if draw is not None and len(sampled_rows) == num_rows:
+        if rows.sampled:
+            draw = self._draw(penalised, rows.drawn, positions)
+        if draw is not None and len(rows.sampled) == num_rows:
             tokens = draw.tokens
         else:
             tokens = mx.argmax(penalised, axis=-1)
             if draw is not None:
-                tokens[mx.array(draw.row_index)] = draw.tokens
-        lp = _Logprobs.build(raw, tokens, rows, logprob_rows) if logprob_rows else None
+                tokens[rows.drawn.index] = draw.tokens
+        lp = _Logprobs.build(raw, tokens, rows) if rows.logprob_rows else None
         return PendingSample(num_rows, tokens, draw, lp)
 
-    def _draw(
-        self,
-        penalised: mx.array,
-        rows: list[RowSampling],
-        row_index: list[int],
-        positions: Sequence[int],
-    ) -> _Draw:
-        """Build (lazily) the tokens of the non-greedy rows `row_index` of the batch."""
+    def _draw(self, penalised: mx.array, drawn: _DrawnRows, positions: Sequence[int]) -> _Draw:
+        """Build (lazily) the tokens of the batch's rows that are drawn at random."""
         vocab = penalised.shape[-1]
-        x = penalised if len(row_index) == penalised.shape[0] else penalised[mx.array(row_index)]
-        temperature = mx.array([r.temperature for r in rows], dtype=mx.float32)[:, None]
+        x = penalised if drawn.all_rows else penalised[drawn.index]
         # Shifting by the max first keeps x / T finite for tiny T and makes the top token 0.
-        z = (x - x.max(axis=-1, keepdims=True)) / temperature
-
-        keys = [
-            _seeded_key(r.seed, positions[i]) if r.seed is not None else self._shared_key()
-            for r, i in zip(rows, row_index, strict=True)
-        ]
-        noise = self._gumbel(vocab)(mx.array(keys, dtype=mx.uint32))
-        filters = _Filters.build(rows)
-        draw = _Draw(z=z, noise=noise, filters=filters, row_index=row_index)
+        z = (x - x.max(axis=-1, keepdims=True)) / drawn.temperature
+        noise = self._gumbel(vocab)(self._keys(drawn, positions))
+        draw = _Draw(z=z, noise=noise, filters=drawn.filters, row_index=drawn.row_index)
         draw.sample()
         return draw
 
-    def _shared_key(self) -> tuple[int, int]:
-        bits = self._rng.getrandbits(64)
-        return bits >> 32, bits & 0xFFFFFFFF
+    def _keys(self, drawn: _DrawnRows, positions: Sequence[int]) -> mx.array:
+        """Each drawn row's (hi, lo) uint32 key: from (seed, position) for a seeded row, else
+        the next 64 bits of the shared stream, in row order."""
+        keys = np.empty((len(drawn.row_index), 2), dtype=np.uint32)
+        if drawn.unseeded:
+            keys[drawn.unseeded] = self._shared_keys(len(drawn.unseeded))
+        for slot, seed in drawn.seeded:
+            keys[slot] = _seeded_key(seed, positions[drawn.row_index[slot]])
+        return mx.array(keys)
+
+    def _shared_keys(self, n: int) -> np.ndarray:
+        """n keys from the shared stream, (n, 2) uint32 (hi, lo) each: the same keys, and the
+        same stream after, as n calls of `getrandbits(64)` (which fills 32-bit words lowest
+        first, as one `getrandbits(64 * n)` does)."""
+        words = self._rng.getrandbits(64 * n).to_bytes(8 * n, "little")
+        return np.frombuffer(words, dtype="<u4").reshape(n, 2)[:, ::-1]
 
     def _gumbel(self, vocab: int) -> Callable[[mx.array], mx.array]:
         # One vectorised random call for all rows, each row from its own key.
@@ -236,7 +286,7 @@ class PendingSample:
     """A batch's tokens (and logprobs), as lazy arrays until `finish`."""
 
     num_rows: int
-    tokens: mx.array  # (B,)
+    tokens: mx.array  # (B,); after `finish`, evaluated and equal to its tokens
     draw: _Draw | None = None  # the non-greedy rows, if any
     lp: _Logprobs | None = None  # the rows that asked for logprobs, if any
 
@@ -264,17 +314,19 @@ class PendingSample:
             redone = draw.redo_uncovered()  # rows whose filter reached past the candidates
             if lp is not None:
                 lp.retake_chosen(redone)
-            mx.eval(*[tok for _, tok in redone], *(lp.arrays() if lp is not None else []))
-            for row, tok in redone:
-                token_list[row] = tok.item()
+            redone_tokens = mx.stack([tok for _, tok in redone]).astype(self.tokens.dtype)
+            self.tokens[mx.array([row for row, _ in redone])] = redone_tokens
+            mx.eval(self.tokens, *(lp.arrays() if lp is not None else []))
+            token_list = self.tokens.tolist()
         n = self.num_rows
         per_row = lp.to_python(token_list, n) if lp is not None else [None] * n
-        return SampleOutput(tokens=token_list, logprobs=per_row)
+        return SampleOutput(tokens=token_list, logprobs=per_row, any_logprobs=lp is not None)
 
 
 @dataclass
 class _Filters:
-    """Per-row filter parameters of the sampled rows, as (n, 1) arrays."""
+    """Per-row filter parameters of the sampled rows, as (n, 1) arrays, and what the
+    thresholds derive from them alone (made on first use, then kept with the batch's rows)."""
 
     top_k: mx.array  # int32, 0 = off
     top_p: mx.array  # float32, 1 = off
@@ -282,9 +334,24 @@ class _Filters:
     any_rank_filter: bool  # some row has top_k or top_p: thresholds need the sorted best tokens
     any_min_p: bool
     any_nucleus_over_vocab: bool  # some row has top_p without top_k: needs the full logsumexp
+    _ranks: dict[tuple[int, int], _Ranks] = field(default_factory=dict)
+    _log_min_p: mx.array | None = None
+
+    @property
+    def log_min_p(self) -> mx.array:
+        """The min-p threshold on z (p / p_max >= min_p); log(0) = -inf."""
+        if self._log_min_p is None:
+            self._log_min_p = mx.log(self.min_p)
+        return self._log_min_p
+
+    def ranks(self, vocab: int, num: int) -> _Ranks:
+        ranks = self._ranks.get((vocab, num))
+        if ranks is None:
+            ranks = self._ranks[vocab, num] = _Ranks.build(self, vocab, num)
+        return ranks
 
     @classmethod
-    def build(cls, rows: list[RowSampling]) -> _Filters:
+    def build(cls, rows: Sequence[RowSampling]) -> _Filters:
         def col(values: list, dtype: mx.Dtype) -> mx.array:
             return mx.array(values, dtype=dtype)[:, None]
 
@@ -308,6 +375,61 @@ class _Filters:
         )
 
 
+@dataclass(frozen=True)
+class _Ranks:
+    """What `_rank_threshold` derives from the filters alone, over `num` best of `vocab`."""
+
+    k: mx.array  # (n, 1) each row's top-k, vocab where off
+    in_top_k: mx.array  # (n, num) whether each rank is within the row's top-k
+    k_within: mx.array  # (n, 1) k <= num: the candidates hold the whole top-k
+    p_off: mx.array  # (n, 1) no top-p
+    any_on: mx.array  # (n, 1) top-k or top-p
+    covered_anyway: mx.array  # (n, 1) k <= num or no top-p
+    k_fits: mx.array  # (n, 1) k <= num or no top-k
+
+    @classmethod
+    def build(cls, filters: _Filters, vocab: int, num: int) -> _Ranks:
+        rank = mx.arange(num)[None, :]
+        k = mx.where(filters.top_k > 0, mx.minimum(filters.top_k, vocab), vocab)
+        k_on = k < vocab
+        p_on = filters.top_p < 1
+        return cls(
+            k=k,
+            in_top_k=rank < k,
+            k_within=k <= num,
+            p_off=~p_on,
+            any_on=k_on | p_on,
+            covered_anyway=(k <= num) | ~p_on,
+            k_fits=(k <= num) | ~k_on,
+        )
+
+
+@dataclass(frozen=True)
+class _DrawnRows:
+    """What drawing a batch's non-greedy rows reads from their parameters, as arrays."""
+
+    row_index: list[int]  # batch row of each drawn row
+    index: mx.array  # row_index as an array
+    all_rows: bool  # every row of the batch is drawn
+    temperature: mx.array  # (n, 1) float32
+    filters: _Filters
+    unseeded: list[int]  # drawn rows (slots in row_index) that take keys from the shared stream
+    seeded: list[tuple[int, int]]  # (slot, seed) of the others
+
+    @classmethod
+    def build(cls, rows: SamplingRows) -> _DrawnRows:
+        drawn = [rows[i] for i in rows.sampled]
+        return cls(
+            row_index=rows.sampled,
+            index=mx.array(rows.sampled),
+            all_rows=len(rows.sampled) == len(rows),
+            temperature=mx.array([r.temperature for r in drawn], dtype=mx.float32)[:, None],
+            filters=_Filters.build(drawn),
+            unseeded=[j for j, r in enumerate(drawn) if r.seed is None],
+            seeded=[(j, r.seed) for j, r in enumerate(drawn) if r.seed is not None],
+        )
+
+
 @dataclass
 class _Draw:
     """The sampled rows of one batch: tempered logits z, their noise, and the tokens drawn."""
@@ -321,7 +443,7 @@ class _Draw:
 
     def sample(self) -> None:
         vocab = self.z.shape[-1]
-        threshold = mx.log(self.filters.min_p)  # min-p: p / p_max >= min_p; log(0) = -inf
+        threshold = self.filters.log_min_p
         if self.filters.any_rank_filter:
             num = min(vocab, _NUM_CANDIDATES)
             if num == vocab:
@@ -350,7 +472,7 @@ class _Draw:
         filters = self.filters.take(index)
         best = -mx.sort(-z, axis=-1)
         rank_threshold, _ = _rank_threshold(best, None, filters, z.shape[-1])
-        threshold = mx.maximum(mx.log(filters.min_p), rank_threshold)
+        threshold = mx.maximum(filters.log_min_p, rank_threshold)
         tokens = _gumbel_argmax(z, self.noise[index], threshold)
         return [(self.row_index[j], tokens[k]) for k, j in enumerate(local)]
 
@@ -370,28 +492,22 @@ def _rank_threshold(
     top_k. Top-p is taken over the top-k survivors, renormalised. Tokens tied with the threshold
     are kept. Rows with neither filter get -inf.
     """
-    num = best.shape[-1]
-    rank = mx.arange(num)[None, :]
-    k = mx.where(filters.top_k > 0, mx.minimum(filters.top_k, vocab), vocab)
-    k_on = k < vocab
-    p_on = filters.top_p < 1
-
-    in_top_k = rank < k
-    masked = mx.where(in_top_k, best, -mx.inf)
+    ranks = filters.ranks(vocab, best.shape[-1])
+    masked = mx.where(ranks.in_top_k, best, -mx.inf)
     log_norm = mx.logsumexp(masked, axis=-1, keepdims=True)
     if lse is not None:
-        log_norm = mx.where(k <= num, log_norm, lse)
+        log_norm = mx.where(ranks.k_within, log_norm, lse)
     probs = mx.exp(masked - log_norm)
     mass_before = mx.cumsum(probs, axis=-1, inclusive=False)
     # Nucleus: the smallest prefix whose mass reaches top_p; the top token always stays.
-    keep = in_top_k & ((mass_before < filters.top_p) | ~p_on)
+    keep = ranks.in_top_k & ((mass_before < filters.top_p) | ranks.p_off)
     num_keep = keep.sum(axis=-1, keepdims=True).astype(mx.int32)
     threshold = mx.take_along_axis(best, mx.maximum(num_keep - 1, 0), axis=-1)
-    threshold = mx.where(k_on | p_on, threshold, -mx.inf)
+    threshold = mx.where(ranks.any_on, threshold, -mx.inf)
 
     mass_all = mass_before[:, -1:] + probs[:, -1:]
-    covered = (k <= num) | ~p_on | (mass_all >= filters.top_p)
-    covered = covered & ((k <= num) | ~k_on)
+    covered = ranks.covered_anyway | (mass_all >= filters.top_p)
+    covered = covered & ranks.k_fits
     return threshold, covered[:, 0]
 
 
@@ -407,15 +523,15 @@ class _Logprobs:
     top_values: mx.array | None
 
     @classmethod
-    def build(
-        cls, raw: mx.array, tokens: mx.array, rows: Sequence[RowSampling], row_index: list[int]
-    ) -> _Logprobs:
+    def build(cls, raw: mx.array, tokens: mx.array, rows: SamplingRows) -> _Logprobs:
         vocab = raw.shape[-1]
-        index = mx.array(row_index)
-        x = raw if len(row_index) == raw.shape[0] else raw[index]
+        row_index, index = rows.logprob_rows, rows.logprob_index
+        every_row = len(row_index) == raw.shape[0]
+        x = raw if every_row else raw[index]
         log_softmax = x - mx.logsumexp(x, axis=-1, keepdims=True)
-        chosen = mx.take_along_axis(log_softmax, tokens[index][:, None], axis=-1)[:, 0]
-        top_counts = [min(rows[i].logprobs or 0, vocab) for i in row_index]
+        chosen_tokens = tokens if every_row else tokens[index]
+        chosen = mx.take_along_axis(log_softmax, chosen_tokens[:, None], axis=-1)[:, 0]
+        top_counts = [min(k, vocab) for k in rows.top_counts]
         k_max = max(top_counts)
         top_ids = top_values = None
         if k_max > 0:
@@ -437,15 +553,15 @@ class _Logprobs:
                 j = position[row]
                 self.chosen[j] = self.log_softmax[j, token]
 
-    def to_python(self, tokens: list[int], num_rows: int) -> list[TokenLogprobs | None]:
+    def to_python(self, tokens: list[int], num_rows: int) -> list[TokenLogprob | None]:
         chosen = self.chosen.tolist()
         ids = self.top_ids.tolist() if self.top_ids is not None else None
         values = self.top_values.tolist() if self.top_values is not None else None
-        out: list[TokenLogprobs | None] = [None] * num_rows
+        out: list[TokenLogprob | None] = [None] * num_rows
         for j, row in enumerate(self.row_index):
             k = self.top_counts[j]
             top = tuple(zip(ids[j][:k], values[j][:k], strict=True)) if k else ()
-            out[row] = TokenLogprobs(token_id=tokens[row], logprob=chosen[j], top=top)
+            out[row] = TokenLogprob(token_id=tokens[row], logprob=chosen[j], top=top)
         return out
 
 
@@ -454,7 +570,7 @@ class _Logprobs:
 
 def _check_batch(
     logits: mx.array,
-    rows: Sequence[RowSampling],
+    rows: SamplingRows,
     positions: Sequence[int],
     histories: Sequence[RowHistory | None] | None,
 ) -> tuple[int, int]:
@@ -468,9 +584,7 @@ def _check_batch(
         )
     if histories is not None and len(histories) != num_rows:
         raise ValueError(f"logits has {num_rows} rows but got {len(histories)} histories")
-    for i, row in enumerate(rows):
-        if not row.needs_history:
-            continue
+    for i in rows.penalised:
         history = histories[i] if histories is not None else None
         if history is None:
             raise ValueError(f"row {i} has a penalty but no RowHistory; pass histories[{i}]")

@@ -1,15 +1,17 @@
-"""The executor's state of one request, and of the decode batch's look-ahead (MLX arrays;
-`engine/runner.py` owns and changes them, on the executor's thread only)."""
+"""The executor's state of one request, of rows sampled together (the decode batch), and of
+the decode batch's look-ahead (MLX arrays; `engine/runner.py` owns and changes them, on the
+executor's thread only)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 
 from stepline.engine.penalties import RowHistory
-from stepline.engine.sampling import PendingSample, RowSampling
+from stepline.engine.sampling import PendingSample, RowSampling, SamplingRows
 
 Cache = list[Any]  # one mlx-lm cache object per layer
 
@@ -37,11 +39,67 @@ class Seq:
         return self.output[-1]
 
 
+class Rows:
+    """Requests sampled together, in row order (the decode batch; a step's final chunks), and
+    what sampling reads from all of them, worked out when the rows are put together: the
+    decode batch makes a new `Rows` when requests join or leave, never per step. Immutable;
+    each row's position and history are read from its `Seq` when sampling asks."""
+
+    __slots__ = ("seqs", "ids", "index", "sampling", "constrained", "positions", "histories")
+
+    def __init__(self, seqs: Iterable[Seq] = ()) -> None:
+        self.seqs = list(seqs)
+        self.ids = [s.request_id for s in self.seqs]
+        self.index = {rid: i for i, rid in enumerate(self.ids)}  # request id -> row
+        self.sampling = SamplingRows(s.sampling for s in self.seqs)
+        self.constrained = [i for i, s in enumerate(self.seqs) if s.constraint is not None]
+        self.positions: Sequence[int] = _Positions(self.seqs)
+        self.histories: Sequence[RowHistory | None] = _Histories(self.seqs)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def __add__(self, other: Rows) -> Rows:
+        return Rows(self.seqs + other.seqs)
+
+    def take(self, rows: Iterable[int]) -> Rows:
+        return Rows(self.seqs[i] for i in rows)
+
+
+class _Positions(Sequence[int]):
+    """Each row's position: the index of the token it samples next (read when asked)."""
+
+    def __init__(self, seqs: list[Seq]) -> None:
+        self._seqs = seqs
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        return len(self._seqs[i].output)
+
+
+class _Histories(Sequence[RowHistory | None]):
+    """Each row's penalty history (read when asked: `adopt_tokens` may replace one)."""
+
+    def __init__(self, seqs: list[Seq]) -> None:
+        self._seqs = seqs
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        return self._seqs[i].history
+
+
+NO_ROWS = Rows()
+
+
 @dataclass
 class Ahead:
     """The decode batch's next forward and its samples, built and started before the step
     that uses them was planned (see `ModelRunner._build_ahead` and `ModelRunner.look_ahead`)."""
 
-    ids: list[str]  # the batch's rows when it started; the step takes those still there
+    rows: Rows  # the batch when it started; the step takes the rows still there
     logits: mx.array  # (B, V) last-position logits
     sample: PendingSample | None  # None if it could not be built: the step samples instead

@@ -8,96 +8,118 @@ evaluating them; the runner's look-ahead starts those for the next step's decode
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import mlx.core as mx
 import structlog
 
 from stepline.engine.constraints import apply_grammar_masks
-from stepline.engine.sampling import PendingSample, SampleOutput, Sampler, TokenLogprobs
-from stepline.engine.sequences import Ahead, Seq
-from stepline.engine.work import PREFILL_FAILED, SAMPLING_FAILED, is_collective_error
+from stepline.engine.sampling import PendingSample, SampleOutput, Sampler
+from stepline.engine.sequences import NO_ROWS, Ahead, Rows, Seq
+from stepline.engine.work import (
+    PREFILL_FAILED,
+    SAMPLING_FAILED,
+    TokenLogprob,
+    is_collective_error,
+)
 
 log = structlog.get_logger(__name__)
 
-Sampled = list[tuple[Seq, int, TokenLogprobs | None]]
 # (request_id, what failed, the exception): end that request's executor state
 Fail = Callable[[str, str, BaseException], None]
 
 
-def start_rows(sampler: Sampler, logits: mx.array, seqs: list[Seq]) -> PendingSample:
-    constrained = [i for i, s in enumerate(seqs) if s.constraint is not None]
-    if constrained:  # grammar masks on those rows only
-        matchers = [seqs[i].constraint for i in constrained]
-        logits = apply_grammar_masks(logits, constrained, matchers)
-    return sampler.start(
-        logits,
-        [s.sampling for s in seqs],
-        positions=[s.num_generated for s in seqs],
-        histories=[s.history for s in seqs],
-    )
+@dataclass
+class Sampled:
+    """The tokens a step sampled, one per request in `seqs`."""
+
+    seqs: list[Seq]
+    tokens: list[int]
+    logprobs: list[TokenLogprob | None]  # None where not asked for
+    any_logprobs: bool  # some row asked for them
+    # `tokens` as an array where one batch sampled them all (None where rows were sampled
+    # one by one): the next decode forward's inputs, with no trip through Python.
+    array: mx.array | None = None
+
+    @classmethod
+    def of(cls, seqs: list[Seq], out: SampleOutput, array: mx.array | None) -> Sampled:
+        return cls(seqs, out.tokens, out.logprobs, out.any_logprobs, array)
+
+    @classmethod
+    def none(cls) -> Sampled:
+        return cls([], [], [], False)
 
 
-def sample_rows(sampler: Sampler, logits: mx.array, seqs: list[Seq]) -> SampleOutput:
-    return start_rows(sampler, logits, seqs).finish()
+def start_rows(sampler: Sampler, logits: mx.array, rows: Rows) -> PendingSample:
+    if rows.constrained:  # grammar masks on those rows only
+        matchers = [rows.seqs[i].constraint for i in rows.constrained]
+        logits = apply_grammar_masks(logits, rows.constrained, matchers)
+    return sampler.start(logits, rows.sampling, rows.positions, rows.histories)
 
 
 def sample_step(
     sampler: Sampler,
     finals: list[tuple[Seq, mx.array]],
-    batch: list[Seq],
+    batch: Rows,
     decoded: mx.array | None,
     fail: Fail,
 ) -> Sampled:
-    """One token for every final chunk and every decode row, sampled as one batch.
+    """One token for every final chunk and, with `decoded` (its logits), every row of
+    `batch`, sampled as one batch (finals first).
 
     If the batch fails, find out whose fault it is: each final chunk's logits and the
     decode batch are evaluated on their own, then each row is sampled alone. A row that
     still fails ends its request (`fail`); a decode batch that fails raises.
     """
-    rows = [logits for _, logits in finals]
+    logits = [x for _, x in finals]
+    rows = Rows(seq for seq, _ in finals) if finals else NO_ROWS
     if decoded is not None:
-        rows.append(decoded)
-    seqs = [seq for seq, _ in finals] + batch
-    if not rows:
-        return []
+        logits.append(decoded)
+        rows = rows + batch if finals else batch
+    if not logits:
+        return Sampled.none()
     try:
-        logits = mx.concatenate(rows, axis=0) if len(rows) > 1 else rows[0]
-        out = sample_rows(sampler, logits, seqs)
-        return list(zip(seqs, out.tokens, out.logprobs, strict=True))
+        together = mx.concatenate(logits) if len(logits) > 1 else logits[0]
+        pending = start_rows(sampler, together, rows)
+        return Sampled.of(rows.seqs, pending.finish(), pending.tokens)
     except Exception as exc:
         if is_collective_error(exc):
             raise
-        log.warning("batched_sampling_failed", error=repr(exc), num_rows=len(seqs))
+        log.warning("batched_sampling_failed", error=repr(exc), num_rows=len(rows))
 
     alone: list[tuple[Seq, mx.array]] = []
-    for seq, logits in finals:
+    for seq, x in finals:
         try:
-            mx.eval(logits)
+            mx.eval(x)
         except Exception as exc:  # the final chunk's forward failed, lazily
             fail(seq.request_id, PREFILL_FAILED, exc)
             continue
-        alone.append((seq, logits))
+        alone.append((seq, x))
     if decoded is not None:
         mx.eval(decoded)  # the batched decode forward: not one request's fault
-        alone.extend((seq, decoded[i : i + 1]) for i, seq in enumerate(batch))
-    sampled = []
-    for seq, logits in alone:
+        alone.extend((seq, decoded[i : i + 1]) for i, seq in enumerate(batch.seqs))
+    sampled = Sampled.none()
+    for seq, x in alone:
         try:
-            out = sample_rows(sampler, logits, [seq])
+            out = start_rows(sampler, x, Rows([seq])).finish()
         except Exception as exc:
             fail(seq.request_id, SAMPLING_FAILED, exc)
             continue
-        sampled.append((seq, out.tokens[0], out.logprobs[0]))
+        sampled.seqs.append(seq)
+        sampled.tokens.append(out.tokens[0])
+        sampled.logprobs.append(out.logprobs[0])
+        sampled.any_logprobs |= out.any_logprobs
     return sampled
 
 
-def sample_ahead(sampler: Sampler, ahead: Ahead, batch: list[Seq], fail: Fail) -> Sampled:
+def sample_ahead(sampler: Sampler, ahead: Ahead, batch: Rows, fail: Fail) -> Sampled:
     """The batch's tokens from the forward and samples started a step ahead (rows that
     ended since are skipped); if those samples fail, they are redone as `sample_step`
     does."""
     if not batch:
-        return []
-    row = {rid: i for i, rid in enumerate(ahead.ids)}
+        return Sampled.none()
+    # Where rows left since the look-ahead started, the rows still here.
+    rows = None if ahead.rows is batch else [ahead.rows.index[rid] for rid in batch.ids]
     if ahead.sample is not None:
         try:
             out = ahead.sample.finish()
@@ -106,8 +128,14 @@ def sample_ahead(sampler: Sampler, ahead: Ahead, batch: list[Seq], fail: Fail) -
                 raise
             log.warning("batched_sampling_failed", error=repr(exc), num_rows=len(batch))
         else:
-            return [
-                (s, out.tokens[row[s.request_id]], out.logprobs[row[s.request_id]]) for s in batch
-            ]
-    rows = mx.array([row[s.request_id] for s in batch])
-    return sample_step(sampler, [], batch, ahead.logits[rows], fail)
+            if rows is None:
+                return Sampled.of(batch.seqs, out, ahead.sample.tokens)
+            return Sampled(
+                batch.seqs,
+                [out.tokens[i] for i in rows],
+                [out.logprobs[i] for i in rows],
+                out.any_logprobs,
+                ahead.sample.tokens[mx.array(rows)],
+            )
+    logits = ahead.logits if rows is None else ahead.logits[mx.array(rows)]
+    return sample_step(sampler, [], batch, logits, fail)

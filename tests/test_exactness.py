@@ -386,7 +386,7 @@ def test_a_request_that_ends_at_its_first_token_never_joins_the_decode_batch(loa
     )
     first = runner.run(StepWork(plan=plan, admit=news)).tokens
     assert first["long"] == mlx_lm_greedy(loaded, long_prompt, 1)[0]
-    assert runner._batch_ids == ["short"]  # the short request decodes alone
+    assert runner._batch.ids == ["short"]  # the short request decodes alone
 
     plan = StepPlan(step=2, decodes=("short",), num_scheduled_tokens={"short": 1})
     work = StepWork(plan=plan, free=("long",), retire=frozenset({"long"}))

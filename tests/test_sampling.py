@@ -8,7 +8,8 @@ from collections import Counter
 import pytest
 
 from stepline.engine import sampling
-from stepline.engine.sampling import RowHistory, RowSampling, Sampler
+from stepline.engine.penalties import apply_penalties
+from stepline.engine.sampling import RowHistory, RowSampling, Sampler, SamplingRows
 
 import mlx.core as mx  # isort: skip  # after stepline.engine, which loads OpenBLAS first
 
@@ -261,6 +262,41 @@ def test_a_history_with_a_token_outside_the_vocabulary_is_rejected():
         )
 
 
+def penalised_by_hand(raw: mx.array, rows, histories) -> list[list[float]]:
+    out = raw.tolist()
+    for x, row, history in zip(out, rows, histories, strict=True):
+        if history is None:
+            continue
+        for t in history.seen_ids:
+            rep = row.repetition_penalty
+            x[t] = x[t] / rep if x[t] > 0 else x[t] * rep
+        for t, n in Counter(history.generated).items():
+            x[t] -= row.presence_penalty + row.frequency_penalty * n
+    return out
+
+
+def test_penalties_kept_from_step_to_step_equal_penalties_built_from_the_whole_history():
+    """The decode batch keeps its penalty arrays and adds each step's tokens to them; the
+    logits they give are those of arrays built afresh, bit for bit."""
+    rows = [
+        RowSampling(temperature=0, repetition_penalty=1.3),
+        RowSampling(temperature=0),
+        RowSampling(presence_penalty=0.5, frequency_penalty=0.25),
+        RowSampling(repetition_penalty=0.8, frequency_penalty=-0.4, seed=1),
+    ]
+    histories = [RowHistory([1, 2, 2, 9]), None, RowHistory([3]), RowHistory([])]
+    kept = SamplingRows(rows)
+    for step in range(12):
+        raw = mx.random.normal((4, 32), key=mx.random.key(step))
+        fresh = apply_penalties(raw, SamplingRows(rows).penalties(histories, 32))
+        assert mx.array_equal(apply_penalties(raw, kept.penalties(histories, 32)), fresh)
+        assert mx.allclose(fresh, mx.array(penalised_by_hand(raw, rows, histories)), atol=1e-5)
+        for i, history in enumerate(histories):
+            for token in [(step + i) % 5, 7] if step % 3 else [(step * i) % 32]:
+                if history is not None:
+                    history.append(token)  # repeats, new ids, and two tokens in one step
+
+
 # -- logprobs -------------------------------------------------------------------------------------
 
 
@@ -303,6 +339,18 @@ def test_logprobs_of_a_token_resampled_past_the_candidates_belong_to_that_token(
     for lp, token in zip(out.logprobs, out.tokens, strict=True):
         assert lp.token_id == token
         assert lp.logprob == pytest.approx(expected[token], abs=1e-5)
+
+
+def test_a_batchs_token_array_holds_its_tokens_also_where_rows_were_resampled(monkeypatch):
+    """The runner feeds the sampled array straight into the next forward, so it must be the
+    tokens returned, also for rows whose nucleus reached past the candidates."""
+    monkeypatch.setattr(sampling, "_NUM_CANDIDATES", 2)
+    logits = mx.array([[0.1 * t for t in range(8)]] * 16)
+    rows = [RowSampling(top_p=0.95), RowSampling(temperature=0)] * 8
+    pending = Sampler().start(logits, rows, [0] * 16)
+    out = pending.finish()
+    assert len(set(out.tokens[::2])) > 2  # past the 2 candidates
+    assert pending.tokens.tolist() == out.tokens
 
 
 # -- validation -----------------------------------------------------------------------------------
