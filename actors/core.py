@@ -39,6 +39,7 @@ from stepline.actors.messages import Update
 from stepline.engine.cost_model import CostModel
 from stepline.engine.policy import (
     AdmissionError,
+    ScheduledChunk,
     SchedulerConfig,
     check_admissible,
     check_queue,
@@ -130,7 +131,6 @@ class SchedulerCore:
         self._drops: list[Tokens] = []  # prefix entries the index let go, for the store
         self._promote: tuple[Tokens, ...] = ()  # disk entries a plan wants loaded
         self._disk_tries: set[str] = set()  # requests a disk entry was loaded for
-        self._sources: dict[str, str] = {}  # this step's cache hits: "memory" or "disk"
 
     # -- reading ------------------------------------------------------------------------
 
@@ -203,11 +203,13 @@ class SchedulerCore:
         """The engine cannot go on: end every live request with an error; admit no more.
         Returns each ended request's update."""
         self.dead_reason = reason
-        updates = {rid: self.abort(rid, FinishReason.ERROR, reason) for rid in list(self.states)}
+        updates = {rid: Update(finish=FinishReason.ERROR, message=reason) for rid in self.states}
+        for rid in updates:
+            self._record(Terminal, request_id=rid, reason=FinishReason.ERROR, message=reason)
         self._to_free.clear()
         self._promote = ()
         self.in_step = False
-        return {rid: u for rid, u in updates.items() if u is not None}
+        return updates
 
     # -- a step -------------------------------------------------------------------------
 
@@ -246,8 +248,8 @@ class SchedulerCore:
             chunked = any(s.status is not Status.DECODING for s in self.states.values())
             cost = self.cost_model.cost if chunked else self.cost_model.last
         plan = schedule(self.states, self.config, self.step + 1, cost, prefix)
+        self._promote = prefix.promote
         if plan.is_empty:
-            self._promote = prefix.promote
             return None
         self.step += 1
         self.in_step = True
@@ -270,13 +272,6 @@ class SchedulerCore:
             for c in plan.chunks
             if states[c.request_id].status is Status.WAITING
         )
-        # Where each cache hit comes from; a request that waited while its entry was loaded
-        # from disk was served from disk.
-        self._sources = {
-            rid: "disk" if rid in self._disk_tries else m.source
-            for rid, m in prefix.matches.items()
-        }
-        self._promote = prefix.promote
         return StepWork(plan=plan, admit=admit, **self._take_housekeeping().__dict__)
 
     def _plan_prefixes(self) -> PrefixPlan:
@@ -305,7 +300,6 @@ class SchedulerCore:
             params=state.params,
             prefix=match.tokens if match is not None else None,
             num_cached_tokens=match.num_tokens if match is not None else 0,
-            logprobs=state.params.logprobs,
         )
 
     def update_from_output(self, work: StepWork, result: StepResult) -> StepOutcome:
@@ -319,15 +313,13 @@ class SchedulerCore:
         out = StepOutcome()
         updates = out.updates
         for rid, what in result.failed.items():
+            # Its free still goes out with its end: a no-op here, but other ranks of a
+            # distributed engine still hold the request.
             update = self.abort(rid, FinishReason.ERROR, what)
             if update is not None:
                 updates[rid] = update
-            # Its free still goes out: a no-op here, but other ranks of a distributed
-            # engine still hold the request.
-            self._to_free.setdefault(rid, False)
         for chunk in plan.chunks:
-            self._chunk_done(chunk, result, self._sources, out)
-        self._sources = {}
+            self._chunk_done(chunk, result, out)
         states = self.states
         for rid, token in result.tokens.items():
             state = states.get(rid)
@@ -354,9 +346,7 @@ class SchedulerCore:
         self.apply_prefix_report(result.prefix)
         return out
 
-    def _chunk_done(
-        self, chunk: Any, result: StepResult, sources: dict[str, str], out: StepOutcome
-    ) -> None:
+    def _chunk_done(self, chunk: ScheduledChunk, result: StepResult, out: StepOutcome) -> None:
         rid = chunk.request_id
         state = self.states.get(rid)
         if state is None:
@@ -376,7 +366,7 @@ class SchedulerCore:
                     start=pos,
                     end=offset,
                     num_cached_tokens=cached if first else 0,
-                    cache_source=sources.get(rid) if cached and first else None,
+                    cache_source=self._cache_source(rid) if cached and first else None,
                 )
                 first = False
                 pos = offset
@@ -386,6 +376,12 @@ class SchedulerCore:
         update.num_computed_tokens = chunk.end
         if cached:
             update.num_cached_tokens = cached
+
+    def _cache_source(self, rid: str) -> str:
+        """Where a request's cache hit came from. An entry on disk is loaded into memory
+        while its request waits (`plan_prefixes` never starts one from disk): a request a
+        disk entry was loaded for was served from disk."""
+        return "disk" if rid in self._disk_tries else "memory"
 
     def _finish_reason(self, state: RequestState, token: int) -> FinishReason | None:
         """Whether `token`, just recorded, ends the request: a stop token, or its length."""

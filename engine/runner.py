@@ -139,7 +139,7 @@ class ModelRunner:
             presence_penalty=p.presence_penalty,
             frequency_penalty=p.frequency_penalty,
             repetition_penalty=p.repetition_penalty,
-            logprobs=new.logprobs,
+            logprobs=p.logprobs,
         )
         self._seqs[new.request_id] = Seq(
             request_id=new.request_id,

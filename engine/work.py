@@ -16,8 +16,7 @@ class NewRequest:
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
-    params: RequestParams
-    logprobs: int | None = None  # None: no logprobs; k: chosen token's + top k
+    params: RequestParams  # its logprobs among them
     prefix: Tokens | None = None  # the prefix-cache entry it starts from, if any
     num_cached_tokens: int = 0  # of that entry, the tokens it uses (<= len(prefix))
 

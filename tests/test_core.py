@@ -131,7 +131,7 @@ def test_each_request_gets_one_update_a_step_with_its_logprobs() -> None:
     core = make_core()
     core.add("a", (3, 4), params(max_tokens=5, logprobs=1))
     work = core.schedule()
-    assert work is not None and work.admit[0].logprobs == 1
+    assert work is not None and work.admit[0].params.logprobs == 1
     lp = TokenLogprob(7, -0.5)
     out = core.update_from_output(work, sampled(work, logprobs={"a": lp}))
     assert list(out.updates) == ["a"] and out.updates["a"].logprobs == [lp]
