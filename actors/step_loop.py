@@ -99,10 +99,6 @@ class StepLoop:
         return self.core.config
 
     @property
-    def limits(self) -> ModelLimits:
-        return self.core.limits
-
-    @property
     def index(self) -> PrefixIndex | None:
         return self.core.index
 
@@ -190,8 +186,8 @@ class StepLoop:
         if (before := core.housekeeping(before_step=True)) is not None:
             await self._housekeep(before)
         work = core.schedule()
+        self._log_events()  # the step's plan is in the log before it runs (or crashes)
         if work is None:
-            self._log_events()
             if (chores := core.housekeeping()) is not None:
                 await self._housekeep(chores)
             elif core.states:

@@ -190,17 +190,12 @@ class EventLogWriter:
 
     def append(self, event: Event) -> None:
         """Queue `event` for writing; returns at once. Raises LogClosedError after close()."""
-        if not isinstance(event, _EVENT_TYPES):
-            raise TypeError(f"not an event: {type(event).__name__}")
-        with self._lock:
-            if self._closed:
-                raise LogClosedError(f"event log {self.path} is closed; cannot append")
-            self._num_appended += 1
-            self._queue.put(event)
+        self.append_many([event])
 
     def append_many(self, events: list[Event]) -> None:
         """Queue `events` for writing, in order, as one item (one lock and one wake-up of
-        the writer for a whole step's events). Raises as `append` does."""
+        the writer for a whole step's events); returns at once. Raises TypeError for
+        anything that is not an event, LogClosedError after close()."""
         for event in events:
             if not isinstance(event, _EVENT_TYPES):
                 raise TypeError(f"not an event: {type(event).__name__}")
@@ -465,7 +460,8 @@ class EventLogWriter:
 
 
 def _items(item: Any) -> list[Any]:
-    """A queued item as a list: `append_many` queues a list of events, the rest one each."""
+    """A queued item as a list: events come as lists (`append_many`), the writer's own
+    markers (flush, stop) one each."""
     return item if type(item) is list else [item]
 
 
