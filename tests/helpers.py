@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
@@ -148,3 +150,31 @@ def serve_argv(*options: str) -> list[str]:
         "0",
         *options,
     ]
+
+
+def popen_serve(argv: list[str], stderr: Any) -> subprocess.Popen:
+    """Start a `stepline serve` command line (`serve_argv`) with its stdout a text pipe,
+    unbuffered, so the lines it prints (the URL, "serving") arrive as printed."""
+    return subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+
+
+def small_config(**extra: Any) -> dict:
+    """config.json of a tiny random model of the llama family (2 layers, width 64), with
+    `extra` (its vocabulary, the architecture's own keys)."""
+    return {
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 2048,
+        **extra,
+    }

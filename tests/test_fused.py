@@ -10,6 +10,7 @@ import anyio
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from helpers import small_config
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -43,20 +44,12 @@ def _random_model(arch: str, demo: LoadedModel, **extra) -> LoadedModel:
     import importlib
 
     module = importlib.import_module(f"mlx_lm.models.{arch}")
-    config = {
-        "model_type": arch,
-        "hidden_size": 64,
-        "num_hidden_layers": 2,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "rms_norm_eps": 1e-6,
-        "vocab_size": demo.model.args.vocab_size,
-        "max_position_embeddings": 2048,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": False,
+    config = small_config(
+        model_type=arch,
+        vocab_size=demo.model.args.vocab_size,
+        tie_word_embeddings=False,
         **extra,
-    }
+    )
     mx.random.seed(7)
     model = module.Model(module.ModelArgs.from_dict(config))
     mx.eval(model.parameters())

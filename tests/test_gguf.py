@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf_files import gguf_name, random_model, roundtrip, tokenizer_metadata, write_gguf
+from helpers import small_config
 from mlx.utils import tree_flatten, tree_unflatten
 
 from stepline.engine.gguf import GGUFError, gguf_model_dir
@@ -20,20 +21,6 @@ from stepline.engine.models import load_model
 
 Q = GGMLQuantizationType
 TEXT = "The bread of 1984, baked at 220 degrees: <|im_end|> isn't it?"
-
-
-def small_config(**extra) -> dict:
-    return {
-        "hidden_size": 64,
-        "num_hidden_layers": 2,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "max_position_embeddings": 2048,
-        **extra,
-    }
 
 
 def logits(model, ids: list[int]) -> mx.array:

@@ -9,7 +9,6 @@ closes connections that have not sent a request head within `--timeout-request-h
 from __future__ import annotations
 
 import json
-import os
 import queue
 import re
 import signal
@@ -24,7 +23,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import serve_argv
+from helpers import popen_serve, serve_argv
 
 NUM_STALLED = 300
 HEAD_TIMEOUT_S = 1.0
@@ -84,13 +83,7 @@ def served_process(demo, tmp_path_factory) -> Iterator[ServeProcess]:
         "stepline-demo",
     )
     with log_path.open("w") as stderr:
-        proc = subprocess.Popen(
-            argv,
-            stdout=subprocess.PIPE,
-            stderr=stderr,
-            text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
+        proc = popen_serve(argv, stderr)
     served = ServeProcess(proc, "", log_path, [])
     lines = _read_lines(proc)
     try:
@@ -278,13 +271,7 @@ def test_serve_exits_with_status_1_when_its_engine_fails_so_a_supervisor_restart
         "--port",
         "0",
     ]
-    proc = subprocess.Popen(
-        argv,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    proc = popen_serve(argv, subprocess.PIPE)
     try:
         lines = _read_lines(proc)
         deadline = time.monotonic() + 60

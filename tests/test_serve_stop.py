@@ -5,7 +5,6 @@ log holds one clean run per start."""
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import subprocess
@@ -14,7 +13,7 @@ import time
 from pathlib import Path
 
 import httpx
-from helpers import serve_argv
+from helpers import popen_serve, serve_argv
 
 from stepline.events.log import read_runs
 from stepline.events.verify import verify
@@ -29,13 +28,7 @@ def start_serve(log: Path, stderr_path: Path) -> tuple[subprocess.Popen, str]:
         "--max-step-tokens", "128", "--log-format", "console", "--event-log", str(log)
     )
     with stderr_path.open("w") as stderr:
-        proc = subprocess.Popen(
-            argv,
-            stdout=subprocess.PIPE,
-            stderr=stderr,
-            text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
+        proc = popen_serve(argv, stderr)
     assert proc.stdout is not None
     url = ""
     deadline = time.monotonic() + 90
