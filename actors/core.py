@@ -218,8 +218,8 @@ class SchedulerCore:
         loads, taken once. `before_step`: only when a waiting request may start from a
         cache that ended requests leave (the next turn of a chat); else whenever any."""
         if before_step:
-            waiting = any(s.status is Status.WAITING for s in self.states.values())
-            if not (waiting and any(self._to_free.values())):
+            reusable = any(self._to_free.values())  # checked first: usually nothing is
+            if not (reusable and any(s.status is Status.WAITING for s in self.states.values())):
                 return None
         elif not (self._to_free or self._drops or self._promote):
             return None
@@ -330,10 +330,8 @@ class SchedulerCore:
             out.latencies.append((state.last_token_ts - since, state.num_output_tokens == 1))
             finish = self._finish_reason(state, token)
             update = updates.get(rid)
-            if update is None:
-                update = updates[rid] = Update(num_computed_tokens=state.num_prompt_tokens)
-            else:
-                update.num_computed_tokens = state.num_prompt_tokens
+            if update is None:  # a decode row (a final chunk has one already)
+                update = updates[rid] = Update()
             update.token_ids.append(token)
             lp = result.logprobs.get(rid)
             if lp is not None:
