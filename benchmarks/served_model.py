@@ -16,7 +16,7 @@ from pathlib import Path
 
 def served_dir(model_name: str) -> Path:
     """A directory in mlx-lm layout holding `model_name` as stepline serves it."""
-    from stepline.engine.cache_dirs import cache_root
+    from stepline.engine.cache_dirs import build_once, cache_root
     from stepline.engine.default_model import DEFAULT_MODEL
     from stepline.engine.gguf import is_gguf
     from stepline.engine.models import DEMO_MODELS, demo_model_path, load_model
@@ -28,21 +28,18 @@ def served_dir(model_name: str) -> Path:
     loaded = load_model(model_name)
     dtype = loaded.weights.split(" ", 1)[0].replace("/", "-")
     target = cache_root(None) / "models" / f"{loaded.path.name}-served-{dtype}"
-    if target.is_dir():
-        return target
     import mlx.nn as nn
     from mlx_lm.utils import save_model
 
-    tmp = target.with_name(target.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_model(tmp, loaded.model)
-    config = json.loads((loaded.path / "config.json").read_text())
-    if not any(isinstance(m, nn.QuantizedLinear) for _, m in loaded.model.named_modules()):
-        config.pop("quantization", None)
-        config.pop("quantization_config", None)
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(loaded.path / name, tmp / name)
-    tmp.rename(target)
+    def build(tmp: Path) -> None:
+        save_model(tmp, loaded.model)
+        config = json.loads((loaded.path / "config.json").read_text())
+        if not any(isinstance(m, nn.QuantizedLinear) for _, m in loaded.model.named_modules()):
+            config.pop("quantization", None)
+            config.pop("quantization_config", None)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(loaded.path / name, tmp / name)
+
+    build_once(target, build)
     return target

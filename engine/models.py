@@ -451,7 +451,6 @@ def fit_dtype(model: nn.Module, dtype: str = "auto") -> str:
 
     Raises ValueError for a dtype not in DTYPES.
     """
-    from mlx.utils import tree_flatten
     from mlx_lm.utils import dequantize_model, get_total_parameters
 
     if dtype not in DTYPES:

@@ -197,17 +197,18 @@ def schedule(
     features = StepFeatures(
         decode_rows=len(decodes), decode_context=padded_decode_context(contexts)
     )
-    # What a first chunk adds beside the decode rows: their forward of their own, or nothing.
+    # The decode rows once a chunk joins them: plus their forward of their own, or not.
     prefilling = any(s.status is Status.PREFILLING for s in running)
     apart = bool(decodes) and decode_runs_apart(
         fused_steps=config.fused_steps, prefilling=prefilling
     )
+    beside_chunks = replace(features, separate_decode=int(apart))
     timed = cost is not None and config.max_step_ms is not None and bool(decodes)
     seconds = 0.0
     if timed:
         assert cost is not None and config.max_step_ms is not None
         # Where the target leaves the prefill too little of the step, the step stretches.
-        overheads = cost.predict(replace(features, separate_decode=int(apart))) + cost.per_chunk
+        overheads = cost.predict(beside_chunks) + cost.per_chunk
         seconds = max(config.max_step_ms / 1e3, overheads / (1 - MIN_PREFILL_SHARE))
 
     def chunk_size(s: RequestState, start: int) -> int:
@@ -215,8 +216,7 @@ def schedule(
         n = min(s.num_prompt_tokens - start, budget, config.chunk_cap)
         if timed and n > 0:
             assert cost is not None
-            with_chunks = features if chunks else replace(features, separate_decode=int(apart))
-            left = seconds - cost.predict(with_chunks)
+            left = seconds - cost.predict(features if chunks else beside_chunks)
             n = min(n, cost.max_chunk_tokens(start, left))
             if not chunks and n < 1:
                 n = 1  # the oldest prefill always moves: nothing starves
@@ -224,10 +224,10 @@ def schedule(
 
     def add(s: RequestState, n: int, start: int) -> None:
         nonlocal budget, features
+        features = (features if chunks else beside_chunks).with_chunk(start, n)
         chunks.append(_chunk(s, n, start))
         num_scheduled[s.request_id] = n
         budget -= n
-        features = replace(features.with_chunk(start, n), separate_decode=int(apart))
 
     for s in running:
         if s.status is Status.PREFILLING and budget > 0:
