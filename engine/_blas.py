@@ -22,6 +22,8 @@ import sys
 import sysconfig
 from pathlib import Path
 
+from stepline.engine.cache_dirs import cache_root
+
 _loaded: str | None = None  # path of the OpenBLAS we loaded, or None
 _reason: str = "not attempted"  # why we did not, for `stepline info` and the logs
 
@@ -41,10 +43,7 @@ def _find(pattern: str) -> Path | None:
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("STEPLINE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "stepline"
-    )
-    return Path(root) / "openblas"
+    return cache_root() / "openblas"
 
 
 def _patched_copy(openblas: Path, gfortran: Path) -> Path:

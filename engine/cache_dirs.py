@@ -10,13 +10,15 @@ from pathlib import Path
 
 
 def cache_root(cache_dir: str | Path | None = None) -> Path:
-    """stepline's cache: `cache_dir`, else $STEPLINE_CACHE_DIR, else ~/.cache/stepline."""
+    """stepline's cache: `cache_dir`, else $STEPLINE_CACHE_DIR, else stepline/ in
+    $XDG_CACHE_HOME or ~/.cache. Everything stepline keeps (models, warm-up samples, the
+    OpenBLAS copy) lives below it."""
     if cache_dir is not None:
         return Path(cache_dir).expanduser()
     env = os.environ.get("STEPLINE_CACHE_DIR")
     if env:
         return Path(env).expanduser()
-    return Path.home() / ".cache" / "stepline"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "stepline"
 
 
 def build_once(final: Path, build: Callable[[Path], None]) -> bool:

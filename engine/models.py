@@ -236,7 +236,7 @@ def _spec_hash(spec: DemoSpec) -> str:
 def demo_model_path(name: str = DEFAULT_DEMO, cache_dir: str | Path | None = None) -> Path:
     """Return the directory of demo model ``name``, building it there on first use.
 
-    The directory is ``<cache_dir or $STEPLINE_CACHE_DIR or ~/.cache/stepline>/models/
+    The directory is ``<cache_dir or cache_dirs.cache_root()>/models/
     <name>-<spec hash>``. It is built in a temporary directory next to it and renamed
     into place, so a directory that exists is complete and concurrent first uses are
     safe (one build wins, the others are discarded).
