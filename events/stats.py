@@ -141,5 +141,12 @@ class TopK:
         elif entry > self._heap[0]:
             heapq.heapreplace(self._heap, entry)
 
+    def would_take(self, key: float) -> bool:
+        """Whether an item with `key` offered now would be kept (so that an item costly to
+        build is built only then)."""
+        if len(self._heap) < self.k:
+            return True
+        return self.k > 0 and key > self._heap[0][0]  # ties: the earlier one stays
+
     def items(self) -> list[Any]:
         return [item for _, _, item in sorted(self._heap, reverse=True)]

@@ -7,7 +7,6 @@ afresh in each run) and in total; requests a run left unfinished before a restar
 
 from __future__ import annotations
 
-import bisect
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -148,7 +147,6 @@ class _Summariser:
         self.ttft, self.itl, self.queueing, self.e2e = (Distribution() for _ in range(4))
         self.utilisation, self.seqs = Distribution(), Distribution()
         self.stalls, self.slow_steps, self.idle_gaps = TopK(top), TopK(top), TopK(top)
-        self.top_gaps: list[float] = []  # the `top` longest gaps so far, ascending
         self.num_events = self.num_steps = 0
         self.num_prompt = self.num_cached = self.num_prefilled = self.num_output = 0
         self.first_ts: float | None = None
@@ -252,7 +250,7 @@ class _Summariser:
             gap = event.ts - t.last_token_ts
             self.itl.add(gap)
             assert self.run is not None  # models are built at the end: this runs per token
-            if self._is_top_gap(gap):
+            if self.stalls.would_take(gap):
                 a, b = t.last_token_step, event.step
                 # Spans are kept, not described: an estimated step's time is known only at
                 # the next plan.
@@ -261,15 +259,6 @@ class _Summariser:
         t.last_token_ts = event.ts
         t.last_token_step = event.step
         t.num_output += event.num_tokens
-
-    def _is_top_gap(self, gap: float) -> bool:
-        top = self.top_gaps
-        if len(top) == self.stalls.k and gap <= top[0]:
-            return False
-        bisect.insort(top, gap)
-        if len(top) > self.stalls.k:
-            top.pop(0)
-        return True
 
     def step_planned(self, event: StepPlanned) -> None:
         assert self.run is not None
