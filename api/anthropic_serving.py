@@ -201,9 +201,11 @@ class _Stream:
     async def run(self, emit: Emit) -> None:
         outs: list[RequestOutput] = []
         frames: list[bytes] = []
+        began = False  # message_start sent (progress pieces come before any output)
         async for piece in self.serving.pieces(self.started, self.started.splitter()):
             out = piece.out
-            if not outs and not frames:
+            if not began:
+                began = True
                 frames.append(self._message_start(out))
                 frames.append(PING)
             if piece.is_progress:
