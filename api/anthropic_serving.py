@@ -58,10 +58,6 @@ class AnthropicWire:
 ANTHROPIC = AnthropicWire()
 
 
-def error_response(err: APIError) -> Response:
-    return ANTHROPIC.error_response(err)
-
-
 class AnthropicServing(Serving):
     def _plan(self, req: schema.MessagesRequest | schema.CountTokensRequest) -> AgentPlan:
         choice, parallel = schema.tool_choice(req)
