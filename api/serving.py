@@ -605,8 +605,10 @@ class Started:
     max_tokens: int  # the effective limit
     headers: dict[str, str]  # the response's: the request id, a clamped max_tokens, ...
 
-    def splitter(self, *, stream: bool = True) -> OutputSplitter:
-        return OutputSplitter(self.fmt, self.tools, stream=stream)
+    def splitter(self) -> OutputSplitter:
+        """A streaming splitter of this request's output (non-streamed answers split the whole
+        text at once, `split_output`)."""
+        return OutputSplitter(self.fmt, self.tools, stream=True)
 
 
 @dataclass
