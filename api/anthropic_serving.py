@@ -58,10 +58,6 @@ class AnthropicWire:
 ANTHROPIC = AnthropicWire()
 
 
-def error_response(err: APIError) -> Response:
-    return ANTHROPIC.error_response(err)
-
-
 class AnthropicServing(Serving):
     def _plan(self, req: schema.MessagesRequest | schema.CountTokensRequest) -> AgentPlan:
         choice, parallel = schema.tool_choice(req)
@@ -201,9 +197,11 @@ class _Stream:
     async def run(self, emit: Emit) -> None:
         outs: list[RequestOutput] = []
         frames: list[bytes] = []
+        began = False  # message_start sent (progress pieces come before any output)
         async for piece in self.serving.pieces(self.started, self.started.splitter()):
             out = piece.out
-            if not outs and not frames:
+            if not began:
+                began = True
                 frames.append(self._message_start(out))
                 frames.append(PING)
             if piece.is_progress:

@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
+from stepline.api.json_limits import InputLimitError, parse_nested
 from stepline.engine.sampling_limits import MAX_INT32
 
 
@@ -214,8 +215,6 @@ def template_call(call_id: str | None, name: str, arguments: dict[str, Any]) -> 
 def call_arguments(arguments: Any, param: str) -> Any:
     """A call's arguments as sent back in a conversation: JSON text is parsed (templates
     render objects). Raises RequestError for text that is not JSON."""
-    from stepline.api.json_limits import InputLimitError, parse_nested
-
     if not isinstance(arguments, str):
         return arguments
     try:  # held to the body's depth and text limits: templates recurse into it

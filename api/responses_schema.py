@@ -214,11 +214,12 @@ class ResponsesRequest(_Request):
             )
         return ToolSet(unique_tools(specs, "tools"), tuple(dropped), namespaced)
 
-    def tool_choice_name(self, tools: ToolSet | None = None) -> str | None:
-        """`tool_choice` as "auto" / "none" / "required" / a tool's (flat) name."""
+    def tool_choice_name(self, tools: ToolSet) -> str | None:
+        """`tool_choice` as "auto" / "none" / "required" / a tool's (flat) name, given the
+        request's `tools` (`tool_specs`)."""
         choice = self.tool_choice
         if choice is None or choice in ("auto", "none", "required"):
-            if choice is not None and tools is not None and not tools.specs and tools.dropped:
+            if choice is not None and not tools.specs and tools.dropped:
                 return None  # every tool was a hosted one, dropped
             return choice  # type: ignore[return-value]
         if isinstance(choice, dict) and choice.get("type") == "function":

@@ -228,6 +228,7 @@ class ResponsesServing(Serving):
         .failed / .cancelled."""
         resp, stream = stored.response, started.stream
         last: RequestOutput | None = None
+        failed: RequestFailed | None = None
         cancelled = False
         try:
             with anyio.CancelScope() as scope:
@@ -244,8 +245,8 @@ class ResponsesServing(Serving):
                         if not piece.is_progress:
                             last = piece.out
                             writer.write(piece.delta)
-                except RequestFailed as failed:  # `_end` says how
-                    last = failed.out
+                except RequestFailed as exc:  # `_end` says how
+                    last, failed = exc.out, exc
             cancelled = scope.cancelled_caught
         except anyio.get_cancelled_exc_class():
             if not resp.background:  # its client went away (and did not come back)
@@ -262,7 +263,7 @@ class ResponsesServing(Serving):
             self._end(stored, writer, None, cancelled=False)
             return
         await stream.aclose()  # cancels the engine request if it still runs
-        self._end(stored, writer, last, cancelled=cancelled)
+        self._end(stored, writer, last, cancelled=cancelled, failed=failed)
 
     def _end(
         self,
@@ -271,6 +272,7 @@ class ResponsesServing(Serving):
         last: RequestOutput | None,
         *,
         cancelled: bool,
+        failed: APIError | None = None,
     ) -> None:
         resp = stored.response
         if last is not None:
@@ -295,9 +297,8 @@ class ResponsesServing(Serving):
         else:
             message = f"internal error (request id {resp.id})"
             code = "server_error"
-            if last is not None:
-                err = self.failure(last)
-                message, code = err.detail.message, err.detail.code or code
+            if failed is not None:  # already logged where the request failed
+                message, code = failed.detail.message, failed.detail.code or code
             resp.status = "failed"
             writer.abandon()
             resp.error = ResponseError(code=code, message=message)

@@ -26,7 +26,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from stepline.api.errors import APIError, Wire
-from stepline.api.sse import OPENAI, PING, Emit, EventStreamResponse, shutdown_error
+from stepline.api.sse import OPENAI, PING, Emit, EventStreamResponse
 
 log = structlog.get_logger(__name__)
 
@@ -233,7 +233,7 @@ async def run_producer(
             message = f"the request was cancelled: nobody reconnected within {record.grace_s:g} s"
         else:
             message = "the server shut down before the request finished"
-        await record.append(record.wire.error_frames(shutdown_error(message, "cancelled", 500)))
+        await record.append(record.wire.error_frames(APIError(500, message, code="cancelled")))
         raise
     finally:
         with anyio.CancelScope(shield=True):

@@ -58,8 +58,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
     model loads turns "port in use" into an immediate, clear error (uvicorn would call
     sys.exit) and lets early clients queue instead of being refused."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on accepted sockets that say TCP.
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock = socket.socket(family, socket.SOCK_STREAM)  # TCP_NODELAY: `http_guard.set_nodelay`
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))

@@ -31,12 +31,13 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from stepline.api.agent_options import configure
-from stepline.api.anthropic_serving import AnthropicServing, anthropic_router, error_response
-from stepline.api.errors import APIError
+from stepline.api.anthropic_serving import ANTHROPIC, AnthropicServing, anthropic_router
+from stepline.api.errors import APIError, Wire
 from stepline.api.openai_serving import OpenAIServing
 from stepline.api.responses_serving import DEFAULT_TTL_S, ResponsesServing, responses_router
 from stepline.api.resume import DEFAULT_GRACE_S, ResumeRegistry, resume_response
 from stepline.api.serving import DEFAULT_BODY_TIMEOUT_S
+from stepline.api.sse import OPENAI
 
 if TYPE_CHECKING:
     from stepline.api.engine import Engine
@@ -135,8 +136,7 @@ def create_app(
             err = APIError(exc.status_code, str(exc.detail), code="http_error")
         err.headers.update(exc.headers or {})
         log.info("request_error", status=err.status_code, code=err.detail.code, route=what)
-        anthropic = request.url.path.startswith("/v1/messages")
-        return error_response(err) if anthropic else err.response()
+        return wire_of(request.url.path).error_response(err)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -238,12 +238,16 @@ class RequireKey:
             "`Authorization: Bearer <key>`",
             code="invalid_api_key",
         )
-        anthropic = scope["path"].startswith("/v1/messages")  # Anthropic clients, its error shape
-        response = error_response(error) if anthropic else error.response()
-        await response(scope, receive, send)
+        await wire_of(scope["path"]).error_response(error)(scope, receive, send)
 
     def _has_key(self, scope: Scope) -> bool:
         return has_key(Headers(scope=scope), self.key)
+
+
+def wire_of(path: str) -> Wire:
+    """The API whose error shape a request to `path` gets, routed or not: Anthropic's under
+    /v1/messages (its clients read no other), else OpenAI's."""
+    return ANTHROPIC if path.startswith("/v1/messages") else OPENAI
 
 
 def has_key(headers: Headers, key: bytes) -> bool:
@@ -268,8 +272,7 @@ def loading_app(what: str) -> ASGIApp:
                 503, f"the model is loading ({what}): retry shortly", code="model_loading"
             )
             error.headers["retry-after"] = "1"
-            anthropic = scope["path"].startswith("/v1/messages")
-            response = error_response(error) if anthropic else error.response()
+            response = wire_of(scope["path"]).error_response(error)
         await response(scope, receive, send)
 
     return app

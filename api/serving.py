@@ -30,6 +30,7 @@ from stepline.actors.step_loop import EngineDeadError
 from stepline.api.agents import AgentPlan
 from stepline.api.engine import SamplingParams
 from stepline.api.errors import APIError, Wire, context_error, validation_error
+from stepline.api.json_limits import InputLimitError, parse_body
 from stepline.api.model_output import OutputDelta, OutputFormat, OutputSplitter
 from stepline.api.openai_schema import RequestError, now
 from stepline.api.prompts import PromptTooLongError
@@ -91,8 +92,6 @@ def json_response(body: BaseModel, status_code: int = 200, headers: dict | None 
 def loads_strict(body: bytes) -> Any:
     """Parse a JSON body held to `json_limits` (finite numbers, bounded depth and lists,
     valid text). Raises APIError 400 naming the limit."""
-    from stepline.api.json_limits import InputLimitError, parse_body
-
     try:
         return parse_body(body)
     except InputLimitError as exc:
@@ -606,8 +605,10 @@ class Started:
     max_tokens: int  # the effective limit
     headers: dict[str, str]  # the response's: the request id, a clamped max_tokens, ...
 
-    def splitter(self, *, stream: bool = True) -> OutputSplitter:
-        return OutputSplitter(self.fmt, self.tools, stream=stream)
+    def splitter(self) -> OutputSplitter:
+        """A streaming splitter of this request's output (non-streamed answers split the whole
+        text at once, `split_output`)."""
+        return OutputSplitter(self.fmt, self.tools, stream=True)
 
 
 @dataclass

@@ -69,11 +69,6 @@ class OpenAIWire:
 OPENAI = OpenAIWire()
 
 
-def shutdown_error(message: str, code: str = "shutting_down", status: int = 503) -> APIError:
-    """The error a stream ends with when the server stops it (or nobody resumed it)."""
-    return APIError(status, message, code=code)
-
-
 class EventStreamResponse(Response):
     """A `text/event-stream` response whose body `produce(emit)` writes.
 
@@ -154,7 +149,7 @@ class EventStreamResponse(Response):
                 body = b""
                 if not produced:
                     message = "the server shut down before the request finished"
-                    body = self._wire.error_frames(shutdown_error(message))
+                    body = self._wire.error_frames(APIError(503, message, code="shutting_down"))
                 with anyio.CancelScope(shield=True), anyio.move_on_after(1):
                     await send({"type": "http.response.body", "body": body, "more_body": False})
             raise

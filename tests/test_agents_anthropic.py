@@ -227,3 +227,22 @@ async def test_errors_are_anthropic_shaped_and_the_key_is_checked(url):
             await good.messages.create(
                 model="claude-nope", max_tokens=4, messages=[{"role": "user", "content": "hi"}]
             )
+
+
+async def test_a_streamed_long_prompt_starts_its_message_once(url):
+    # A prompt of several chunks sends progress (pings) while it prefills; the message
+    # still starts once.
+    body = {
+        "model": MODEL,
+        "max_tokens": 2,
+        "stream": True,
+        "messages": [{"role": "user", "content": "a long prompt " * 300}],
+    }
+    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+        r = await http.post("/v1/messages", json=body, headers={"x-api-key": API_KEY})
+    events = [
+        line.removeprefix("event: ") for line in r.text.splitlines() if line.startswith("event: ")
+    ]
+    assert events.count("ping") >= 2  # it did prefill in several chunks
+    assert events.count("message_start") == 1 and events[0] == "message_start"
+    assert events[-1] == "message_stop"
