@@ -24,7 +24,9 @@ Who owns which fact about a request:
 | MLX arrays (cache, prompt, sampling)   | the executor's runner (`engine/sequences.Seq`)     |
 
 Every `RequestState` change is an event recorded here and applied with the fold's `apply`
-(events/fold.py), the function replay uses: folding the log gives exactly `states`.
+(events/fold.py), the function replay uses: folding the log gives exactly `states`. A
+step's sampled tokens are one `TokensSampled` event, applied row by row with the fold's
+`apply_sampled`.
 """
 
 from __future__ import annotations
@@ -55,19 +57,18 @@ from stepline.engine.work import (
     StepWork,
     max_output_tokens,
 )
-from stepline.events.fold import RequestState, Status, apply
+from stepline.events.fold import RequestState, Status, apply, apply_sampled
 from stepline.events.models import (
     Admitted,
     CheckpointReached,
     ChunkPrefilled,
-    Decoding,
     Event,
     FinishReason,
     RequestParams,
-    StepEntry,
     StepFinished,
     StepPlanned,
     Terminal,
+    TokensSampled,
     prompt_digest,
 )
 
@@ -254,15 +255,14 @@ class SchedulerCore:
         self.step += 1
         self.in_step = True
         states = self.states
+        scheduled = plan.num_scheduled_tokens
         self._record(
             StepPlanned,
-            entries=tuple(
-                StepEntry(
-                    request_id=rid,
-                    num_tokens=n,
-                    kind="decode" if states[rid].status is Status.DECODING else "prefill",
-                )
-                for rid, n in plan.num_scheduled_tokens.items()
+            request_ids=tuple(scheduled),
+            num_tokens=tuple(scheduled.values()),
+            kinds=tuple(
+                "decode" if states[rid].status is Status.DECODING else "prefill"
+                for rid in scheduled
             ),
             max_step_tokens=self.config.max_step_tokens,
             max_num_seqs=self.config.max_num_seqs,
@@ -321,14 +321,29 @@ class SchedulerCore:
         for chunk in plan.chunks:
             self._chunk_done(chunk, result, out)
         states = self.states
-        for rid, token in result.tokens.items():
-            state = states.get(rid)
-            if state is None:
-                continue
-            since = state.last_token_ts or state.admitted_ts
-            state = self._record(Decoding, request_id=rid, token_ids=(token,))
-            out.latencies.append((state.last_token_ts - since, state.num_output_tokens == 1))
-            finish = self._finish_reason(state, token)
+        live = [(rid, token) for rid, token in result.tokens.items() if rid in states]
+        if live:
+            self._tokens_sampled(live, result, out)
+        self.in_step = False
+        self.apply_prefix_report(result.prefix)
+        return out
+
+    def _tokens_sampled(
+        self, live: list[tuple[str, int]], result: StepResult, out: StepOutcome
+    ) -> None:
+        """Record a step's tokens as one event, apply each row to its request with the fold's
+        `apply_sampled`, and end the requests a token ends (stop token, length)."""
+        event = self._record(
+            TokensSampled,
+            request_ids=tuple(rid for rid, _ in live),
+            token_ids=tuple(token for _, token in live),
+        )
+        states, updates, latencies = self.states, out.updates, out.latencies
+        for rid, token in live:
+            before = states[rid]
+            state = states[rid] = apply_sampled(before, event, 1)
+            since = before.last_token_ts or before.admitted_ts
+            latencies.append((state.last_token_ts - since, state.num_output_tokens == 1))
             update = updates.get(rid)
             if update is None:  # a decode row (a final chunk has one already)
                 update = updates[rid] = Update()
@@ -336,13 +351,11 @@ class SchedulerCore:
             lp = result.logprobs.get(rid)
             if lp is not None:
                 update.logprobs.append(lp)
+            finish = self._finish_reason(state, token)
             if finish is not None:
                 update.finish = finish
                 update.stop_token = finish is FinishReason.STOP
                 self._record(Terminal, request_id=rid, reason=finish, message=None)
-        self.in_step = False
-        self.apply_prefix_report(result.prefix)
-        return out
 
     def _chunk_done(self, chunk: ScheduledChunk, result: StepResult, out: StepOutcome) -> None:
         rid = chunk.request_id

@@ -36,13 +36,12 @@ from stepline.events.models import (
     Admitted,
     CheckpointReached,
     ChunkPrefilled,
-    Decoding,
     FinishReason,
     LogHeader,
     RequestParams,
-    StepEntry,
     StepPlanned,
     Terminal,
+    TokensSampled,
 )
 from stepline.events.replay import summarize
 from stepline.events.timeline_svg import render_svg
@@ -121,13 +120,14 @@ def simulate(
         ts += 0.002
         yield ev(
             StepPlanned,
-            entries=tuple(
-                StepEntry(request_id=r.rid, kind=kind, num_tokens=k) for r, kind, k in entries
-            ),
+            request_ids=tuple(r.rid for r, _, _ in entries),
+            num_tokens=tuple(k for _, _, k in entries),
+            kinds=tuple(kind for _, kind, _ in entries),
             max_step_tokens=max_step_tokens,
             max_num_seqs=max_num_seqs,
         )
         ts += 0.004 + (max_step_tokens - budget) * 2e-5  # the forward pass
+        sampled = []
         for r, kind, k in entries:
             if kind == "prefill":
                 start, end = r.computed, r.computed + k
@@ -142,8 +142,15 @@ def simulate(
                 r.computed = end
                 if end < r.num_prompt:
                     continue
+            sampled.append(r)
+        if sampled:  # the step's tokens, one event (as the engine records them)
+            yield ev(
+                TokensSampled,
+                request_ids=tuple(r.rid for r in sampled),
+                token_ids=tuple(rng.randrange(32_000) for _ in sampled),
+            )
+        for r in sampled:
             r.generated += 1
-            yield ev(Decoding, request_id=r.rid, token_ids=(rng.randrange(32_000),))
             if r.generated >= r.num_output:
                 yield ev(Terminal, request_id=r.rid, reason=FinishReason.LENGTH)
                 running.remove(r)

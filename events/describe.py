@@ -18,6 +18,7 @@ from stepline.events.models import (
     StepFinished,
     StepPlanned,
     Terminal,
+    TokensSampled,
 )
 from stepline.events.stats import Report
 
@@ -99,17 +100,28 @@ def describe_tokens(token_ids: tuple[int, ...] | None, num_tokens: int) -> str:
     return str(list(token_ids))
 
 
-def describe_event(event: Event) -> str:
+_ROWS_SHOWN = 8  # a step's tokens: the first requests' named, the others counted
+
+
+def describe_event(event: Event | Decoding) -> str:
     """One line for a person: 'seq 12 step 3 chunk-prefilled r1 [0, 512)'."""
     head = f"seq {event.seq} step {event.step} {event.type}"
     if isinstance(event, StepPlanned):
-        used = sum(e.num_tokens for e in event.entries)
+        used = sum(event.num_tokens)
         return (
-            f"{head}: {len(event.entries)} requests, {used}/{event.max_step_tokens} tokens "
+            f"{head}: {len(event.request_ids)} requests, {used}/{event.max_step_tokens} tokens "
             f"(max_num_seqs {event.max_num_seqs})"
         )
     if isinstance(event, StepFinished):
         return f"{head}: {event.seconds * 1000:.1f} ms"
+    if isinstance(event, TokensSampled):
+        parts = event.decodings()
+        shown = ", ".join(
+            f"{d.request_id} {describe_tokens(d.token_ids, d.num_tokens)}"
+            for d in parts[:_ROWS_SHOWN]
+        )
+        more = f", and {len(parts) - _ROWS_SHOWN} more" if len(parts) > _ROWS_SHOWN else ""
+        return f"{head}: {len(parts)} request{'s' * (len(parts) != 1)}: {shown}{more}"
     rid = event.request_id
     if isinstance(event, Admitted):
         return f"{head} {rid}: {event.num_prompt_tokens} prompt tokens"

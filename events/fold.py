@@ -22,6 +22,8 @@ from stepline.events.models import (
     StepFinished,
     StepPlanned,
     Terminal,
+    TokensSampled,
+    per_request,
 )
 
 
@@ -86,8 +88,10 @@ class FoldError(ValueError):
 _NORMAL_ENDS = (FinishReason.STOP, FinishReason.LENGTH)
 
 
-def apply(state: RequestState | None, event: Event) -> RequestState:
-    """Return the request's state after `event`. Raises FoldError on an impossible event."""
+def apply(state: RequestState | None, event: Event | Decoding) -> RequestState:
+    """Return the request's state after `event`, one request's event (a step's
+    `TokensSampled` is applied per request: `decodings()`, or `apply_sampled` for each row).
+    Raises FoldError on an impossible event."""
     if isinstance(event, Admitted):
         if state is not None:
             raise FoldError(
@@ -136,17 +140,7 @@ def apply(state: RequestState | None, event: Event) -> RequestState:
             )
         return state.evolve(checkpoints_reached=(*state.checkpoints_reached, event.offset))
     if isinstance(event, Decoding):
-        if state.status is not Status.DECODING:
-            raise FoldError(
-                "prompt-not-covered",
-                f"request {rid} got tokens with {state.num_computed_tokens} of its "
-                f"{state.num_prompt_tokens} prompt tokens computed (seq {event.seq})",
-            )
-        return state.evolve(
-            num_output_tokens=state.num_output_tokens + event.num_tokens,
-            first_token_ts=state.first_token_ts or event.ts,
-            last_token_ts=event.ts,
-        )
+        return apply_sampled(state, event, event.num_tokens)
     if isinstance(event, Terminal):
         if event.reason in _NORMAL_ENDS and state.num_computed_tokens != state.num_prompt_tokens:
             raise FoldError(
@@ -161,6 +155,25 @@ def apply(state: RequestState | None, event: Event) -> RequestState:
             finished_step=event.step,
         )
     raise FoldError("not-a-request-event", f"not a request event: {event.type}")
+
+
+def apply_sampled(
+    state: RequestState, event: TokensSampled | Decoding, num_tokens: int
+) -> RequestState:
+    """The state of a live request after `num_tokens` of its tokens, sampled in `event` (a
+    step's `TokensSampled`, or that request's `Decoding` view of it). The scheduler core
+    applies a step's rows with this, without building the per-request views."""
+    if state.status is not Status.DECODING:
+        raise FoldError(
+            "prompt-not-covered",
+            f"request {state.request_id} got tokens with {state.num_computed_tokens} of its "
+            f"{state.num_prompt_tokens} prompt tokens computed (seq {event.seq})",
+        )
+    return state.evolve(
+        num_output_tokens=state.num_output_tokens + num_tokens,
+        first_token_ts=state.first_token_ts or event.ts,
+        last_token_ts=event.ts,
+    )
 
 
 def _apply_chunk(state: RequestState, event: ChunkPrefilled) -> RequestState:
@@ -216,5 +229,8 @@ def fold(events: Iterable[Event], *, until_step: int | None = None) -> dict[str,
             break
         if isinstance(event, StepPlanned | StepFinished):
             continue
-        states[event.request_id] = apply(states.get(event.request_id), event)
+        for one in per_request(event):
+            rid = one.request_id
+            assert rid is not None
+            states[rid] = apply(states.get(rid), one)
     return states

@@ -134,7 +134,34 @@ def _v1_to_v2(raw: dict[str, Any]) -> dict[str, Any]:
     return raw
 
 
+def _v2_to_v3(raw: dict[str, Any]) -> dict[str, Any]:
+    # Schema 3 records a step's tokens as one `tokens` event; a version-2 `decoding` event is
+    # one request's tokens of one step, so it becomes a `tokens` event of that request's rows.
+    # A plan's members became parallel tuples.
+    if raw.get("type") == "step" and "entries" in raw:
+        entries = raw.pop("entries")
+        return {
+            **raw,
+            "request_ids": [e["request_id"] for e in entries],
+            "num_tokens": [e["num_tokens"] for e in entries],
+            "kinds": [e["kind"] for e in entries],
+        }
+    if raw.get("type") != "decoding":
+        return raw
+    ids = raw.pop("token_ids", None)
+    count = raw.pop("token_count", None)
+    n = len(ids) if ids is not None else (count or 0)
+    return {
+        **raw,
+        "type": "tokens",
+        "request_id": None,
+        "request_ids": [raw["request_id"]] * n,
+        "token_ids": ids,
+    }
+
+
 _UPCASTERS[1] = _v1_to_v2
+_UPCASTERS[2] = _v2_to_v3
 _NO_OP_UPCASTERS = {1}  # upcasters that change nothing: their records parse as they are
 
 

@@ -7,6 +7,12 @@ to and the request id (the `step` and `step-finished` records belong to no reque
 Schema history: 2 added the run id and the prompt-digest salt to the header, `log_outputs`,
 `Decoding.token_count` (token ids may be left out) and `StepFinished`. Every addition has a
 default that describes a version-1 log correctly, so the 1 -> 2 upcaster changes nothing.
+3 records a step's sampled tokens as one `TokensSampled` event (rows: request, token) in
+place of one `Decoding` event per request, and a step's members as parallel tuples of
+`StepPlanned`; the 2 -> 3 upcaster turns each `Decoding` into a `TokensSampled` of its
+request's rows, and a plan's `entries` into those tuples. `Decoding` stays as the
+per-request view of a `TokensSampled` (`decodings()`), which is what the readers of the log
+fold and show.
 """
 
 from __future__ import annotations
@@ -16,11 +22,11 @@ import hmac
 import secrets
 from collections.abc import Sequence
 from enum import StrEnum
-from typing import Annotated, Literal
+from typing import Annotated, Literal, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 
 class FinishReason(StrEnum):
@@ -79,22 +85,40 @@ class Admitted(_Event):
     params: RequestParams
 
 
-class StepEntry(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+StepKind = Literal["prefill", "decode"]
+
+
+class StepEntry(NamedTuple):
+    """One member of a step's plan (a row of `StepPlanned`)."""
 
     request_id: str
     num_tokens: int  # tokens scheduled for this request in this step
-    kind: Literal["prefill", "decode"]
+    kind: StepKind
 
 
 class StepPlanned(_Event):
-    """A step's plan: its members and their tokens, and the limits it ran under."""
+    """A step's plan: its members and their tokens, and the limits it ran under. Members are
+    parallel tuples (row i: `request_ids[i]` runs `num_tokens[i]` tokens of `kinds[i]`), one
+    model a step rather than one a member; `entries` gives them as rows."""
 
     type: Literal["step"] = "step"
     request_id: None = None
-    entries: tuple[StepEntry, ...]
+    request_ids: tuple[str, ...]
+    num_tokens: tuple[int, ...]
+    kinds: tuple[StepKind, ...]
     max_step_tokens: int
     max_num_seqs: int
+
+    @model_validator(mode="after")
+    def _rows_line_up(self) -> StepPlanned:
+        if not len(self.request_ids) == len(self.num_tokens) == len(self.kinds):
+            raise ValueError("request_ids, num_tokens and kinds must have one item per member")
+        return self
+
+    @property
+    def entries(self) -> tuple[StepEntry, ...]:
+        """The step's members as rows (built on each call: bind it once)."""
+        return tuple(map(StepEntry, self.request_ids, self.num_tokens, self.kinds))
 
 
 class ChunkPrefilled(_Event):
@@ -121,7 +145,9 @@ class CheckpointReached(_Event):
 
 
 class Decoding(_Event):
-    """Tokens sampled for the request in this step (the first comes with its last chunk)."""
+    """Tokens sampled for one request in one step (the first comes with its last chunk): one
+    request's part of a `TokensSampled` event, with that event's seq, ts and step. Logs of
+    schema 2 held these; the engine now records a step's tokens as one `TokensSampled`."""
 
     type: Literal["decoding"] = "decoding"
     request_id: str
@@ -133,6 +159,40 @@ class Decoding(_Event):
         """How many tokens were sampled, whether or not their ids are in the log."""
         ids = self.token_ids
         return len(ids) if ids is not None else (self.token_count or 0)
+
+
+class TokensSampled(_Event):
+    """The tokens a step sampled, one row per token: `request_ids[i]` sampled
+    `token_ids[i]`. One event per step for every request it sampled for, in place of one
+    event per request: on the hot path that is one model built, applied and written a step,
+    not one a token. `decodings()` gives each request's part as a `Decoding`."""
+
+    type: Literal["tokens"] = "tokens"
+    request_id: None = None
+    request_ids: tuple[str, ...]
+    token_ids: tuple[int, ...] | None  # None when the log leaves outputs out (log_outputs)
+
+    def decodings(self) -> list[Decoding]:
+        """Each request's tokens of this step, in the order the requests first appear."""
+        ids = self.token_ids
+        rows: dict[str, list[int]] = {}
+        counts: dict[str, int] = {}
+        for i, rid in enumerate(self.request_ids):
+            counts[rid] = counts.get(rid, 0) + 1
+            if ids is not None:
+                rows.setdefault(rid, []).append(ids[i])
+        seq, ts, step = self.seq, self.ts, self.step
+        return [
+            Decoding(
+                seq=seq,
+                ts=ts,
+                step=step,
+                request_id=rid,
+                token_ids=None if ids is None else tuple(rows[rid]),
+                token_count=n if ids is None else None,
+            )
+            for rid, n in counts.items()
+        ]
 
 
 class Terminal(_Event):
@@ -159,11 +219,17 @@ Event = Annotated[
     | StepFinished
     | ChunkPrefilled
     | CheckpointReached
-    | Decoding
+    | TokensSampled
     | Terminal,
     Field(discriminator="type"),
 ]
 EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
+
+
+def per_request(event: Event) -> Sequence[Event | Decoding]:
+    """`event` as events of one request each: a step's `TokensSampled` as each request's
+    `Decoding`, any other event as itself."""
+    return event.decodings() if isinstance(event, TokensSampled) else (event,)
 
 
 class LogHeader(BaseModel):

@@ -24,11 +24,11 @@ from stepline.engine.sampling_limits import GREEDY_TEMPERATURE
 from stepline.events.log import read_events, read_runs
 from stepline.events.models import (
     Admitted,
-    Decoding,
     FinishReason,
     LogHeader,
     RequestParams,
     Terminal,
+    TokensSampled,
 )
 
 
@@ -148,10 +148,11 @@ def load_recorded_run(path: str | Path, run: int = 1) -> RecordedRun:
     for event in read_events(path, run=run):
         if isinstance(event, Admitted):
             by_id.setdefault(event.request_id, RecordedRequest(event))
-        elif isinstance(event, Decoding):
-            rec = by_id.get(event.request_id)
-            if rec is not None and rec.finish is None and event.token_ids is not None:
-                rec.output_token_ids.extend(event.token_ids)
+        elif isinstance(event, TokensSampled):
+            for one in event.decodings():
+                rec = by_id.get(one.request_id)
+                if rec is not None and rec.finish is None and one.token_ids is not None:
+                    rec.output_token_ids.extend(one.token_ids)
         elif isinstance(event, Terminal):
             rec = by_id.get(event.request_id)
             if rec is not None and rec.finish is None:

@@ -23,6 +23,7 @@ from stepline.events.models import (
     StepFinished,
     StepPlanned,
     Terminal,
+    TokensSampled,
 )
 from stepline.events.stats import Distribution, Percentiles, Report, TopK
 from stepline.events.timeline import StepSpan, step_span
@@ -207,8 +208,9 @@ class _Summariser:
             self.first_ts = event.ts
         self.last_ts = event.ts
         kind = type(event)
-        if kind is Decoding:
-            self.decoding(event)
+        if kind is TokensSampled:
+            for one in event.decodings():
+                self.decoding(one)
         elif kind is StepPlanned:
             self.step_planned(event)
         elif kind is StepFinished:
@@ -270,15 +272,14 @@ class _Summariser:
         if self.first_step is None:
             self.first_step = event.step
         self.last_step = event.step
-        used = 0
-        for entry in event.entries:
-            used += entry.num_tokens
-            t = self.tracks.get(entry.request_id)
+        used = sum(event.num_tokens)
+        for rid in event.request_ids:
+            t = self.tracks.get(rid)
             if t is not None and t.first_scheduled_ts is None:
                 t.first_scheduled_ts = event.ts
                 self.queueing.add(event.ts - t.admitted_ts)
         self.utilisation.add(used / event.max_step_tokens)
-        self.seqs.add(len(event.entries))
+        self.seqs.add(len(event.request_ids))
         prev, done = self.prev_step, self.prev_finished
         if prev is not None and done is None:  # no measurement: until the next plan
             gap = event.ts - prev.ts
@@ -314,7 +315,7 @@ class _Summariser:
             step=step.step,
             seconds=seconds,
             num_tokens=tokens,
-            num_seqs=len(step.entries),
+            num_seqs=len(step.request_ids),
             estimated=estimated,
             run=self.run.index,
         )

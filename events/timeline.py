@@ -25,9 +25,11 @@ from stepline.events.models import (
     CheckpointReached,
     ChunkPrefilled,
     Decoding,
+    Event,
     StepFinished,
     StepPlanned,
     Terminal,
+    per_request,
 )
 from stepline.events.stats import Distribution
 
@@ -222,9 +224,9 @@ def step_span(event: StepPlanned, start: float) -> StepSpan:
         seconds=0.0,
         predicted=None,
         estimated=True,
-        num_tokens=sum(e.num_tokens for e in event.entries),
+        num_tokens=sum(event.num_tokens),
         max_step_tokens=event.max_step_tokens,
-        num_decode_rows=sum(e.kind == "decode" for e in event.entries),
+        num_decode_rows=event.kinds.count("decode"),
         num_chunk_tokens=sum(n for _, n in prefills),
         prefills=prefills[:_NAMED_PREFILLS],
         num_prefills=len(prefills),
@@ -264,8 +266,8 @@ def collect(
             if previous is not None and previous.estimated:
                 previous.seconds = max(0.0, at - previous.start)  # older logs: until this plan
             previous = steps[event.step] = step_span(event, at)
-            for e in event.entries:
-                life = requests.get(e.request_id)
+            for rid in event.request_ids:
+                life = requests.get(rid)
                 if life is not None and life.first_scheduled_at is None:
                     life.first_scheduled_at = at
             continue
@@ -275,41 +277,9 @@ def collect(
                 span.seconds, span.predicted = event.seconds, event.predicted_seconds
                 span.estimated = False
             continue
-        rid = event.request_id
-        if isinstance(event, Decoding):  # every request's gaps set the default threshold
-            before = last_token_at.get(rid)
-            if before is not None:
-                gaps.add(at - before)
-            last_token_at[rid] = at
-        if request_ids is not None and rid not in request_ids:
-            continue
-        if isinstance(event, Admitted):
-            if rid not in requests:
-                requests[rid] = RequestLife(
-                    request_id=rid,
-                    order=len(requests),
-                    admitted_step=event.step,
-                    admitted_at=at,
-                    num_prompt_tokens=event.num_prompt_tokens,
-                    num_cached_tokens=event.num_cached_tokens,
-                )
-            continue
-        life = requests.get(rid)
-        if life is None or life.terminal is not None:
-            continue  # verify's business, not the picture's
-        if isinstance(event, ChunkPrefilled):
-            start, _ = life.chunks.get(event.step, (event.start, event.end))
-            life.chunks[event.step] = (start, event.end)  # a chunk split at a checkpoint
-            life.num_chunk_events += 1
-            life.num_cached_tokens = max(life.num_cached_tokens, event.num_cached_tokens)
-        elif isinstance(event, Decoding):
-            life.token_steps.append(event.step)
-            life.token_counts.append(event.num_tokens)
-            life.token_times.append(at)
-        elif isinstance(event, CheckpointReached):
-            life.checkpoints.append((event.step, event.offset))
-        elif isinstance(event, Terminal):
-            life.terminal, life.terminal_at = event, at
+        # A step's tokens are every request's event at once: each request's part in turn.
+        for one in per_request(event):
+            _request_event(one, at, requests, request_ids, last_token_at, gaps)
     median = gaps.quantile(0.5)
     if stall_s is None:
         stall_s = max(MIN_STALL_S, DEFAULT_STALL_FACTOR * median) if median is not None else 0.0
@@ -327,6 +297,53 @@ def collect(
         timeline.stalls.extend(life.stalls)
     timeline.stalls.sort(key=lambda s: -s.seconds)
     return timeline
+
+
+def _request_event(
+    event: Event | Decoding,
+    at: float,
+    requests: dict[str, RequestLife],
+    request_ids: set[str] | None,
+    last_token_at: dict[str, float],
+    gaps: Distribution,
+) -> None:
+    """One request's event, into its life (and its gaps into every request's distribution)."""
+    rid = event.request_id
+    assert rid is not None
+    if isinstance(event, Decoding):  # every request's gaps set the default threshold
+        before = last_token_at.get(rid)
+        if before is not None:
+            gaps.add(at - before)
+        last_token_at[rid] = at
+    if request_ids is not None and rid not in request_ids:
+        return
+    if isinstance(event, Admitted):
+        if rid not in requests:
+            requests[rid] = RequestLife(
+                request_id=rid,
+                order=len(requests),
+                admitted_step=event.step,
+                admitted_at=at,
+                num_prompt_tokens=event.num_prompt_tokens,
+                num_cached_tokens=event.num_cached_tokens,
+            )
+        return
+    life = requests.get(rid)
+    if life is None or life.terminal is not None:
+        return  # verify's business, not the picture's
+    if isinstance(event, ChunkPrefilled):
+        start, _ = life.chunks.get(event.step, (event.start, event.end))
+        life.chunks[event.step] = (start, event.end)  # a chunk split at a checkpoint
+        life.num_chunk_events += 1
+        life.num_cached_tokens = max(life.num_cached_tokens, event.num_cached_tokens)
+    elif isinstance(event, Decoding):
+        life.token_steps.append(event.step)
+        life.token_counts.append(event.num_tokens)
+        life.token_times.append(at)
+    elif isinstance(event, CheckpointReached):
+        life.checkpoints.append((event.step, event.offset))
+    elif isinstance(event, Terminal):
+        life.terminal, life.terminal_at = event, at
 
 
 def find_stalls(life: RequestLife, timeline: RunTimeline) -> list[StallMark]:

@@ -27,6 +27,7 @@ from stepline.events.models import (
     StepFinished,
     StepPlanned,
     Terminal,
+    per_request,
 )
 from stepline.events.stats import Report
 
@@ -160,7 +161,8 @@ class _Verifier:
         if isinstance(event, StepPlanned):
             self.check_step(event)
         elif not isinstance(event, StepFinished):
-            self.check_request_event(event)
+            for one in per_request(event):
+                self.check_request_event(one)
 
     def check_order(self, event: Event) -> None:
         prev = self.prev
@@ -185,7 +187,7 @@ class _Verifier:
         if prev is None or event.seq >= prev.seq:
             self.prev = event
 
-    def check_request_event(self, event: Event) -> None:
+    def check_request_event(self, event: Event | Decoding) -> None:
         rid = event.request_id
         assert rid is not None
         state = self.states.get(rid)
@@ -208,7 +210,7 @@ class _Verifier:
 
     def check_step(self, event: StepPlanned) -> None:
         self.num_steps += 1
-        used = sum(e.num_tokens for e in event.entries)
+        used = sum(event.num_tokens)
         if used > event.max_step_tokens:
             self.flag(
                 ViolationKind.STEP_OVER_BUDGET,
@@ -216,10 +218,10 @@ class _Verifier:
                 f"{event.max_step_tokens}",
                 event,
             )
-        if len(event.entries) > event.max_num_seqs:
+        if len(event.request_ids) > event.max_num_seqs:
             self.flag(
                 ViolationKind.STEP_OVER_MAX_NUM_SEQS,
-                f"step {event.step} runs {len(event.entries)} requests, over max_num_seqs "
+                f"step {event.step} runs {len(event.request_ids)} requests, over max_num_seqs "
                 f"{event.max_num_seqs}",
                 event,
             )

@@ -31,6 +31,7 @@ from stepline.events.models import (
     StepFinished,
     StepPlanned,
     Terminal,
+    TokensSampled,
 )
 from stepline.events.stats import Percentiles, Report, percentiles
 
@@ -147,21 +148,21 @@ class _Life:
 
 
 def _share(event: StepPlanned, request_id: str) -> StepShare | None:
-    mine = [e for e in event.entries if e.request_id == request_id]
-    if not mine:
+    if request_id not in event.request_ids:
         return None
+    mine = event.request_ids.index(request_id)
     return StepShare(
         step=event.step,
         ts=event.ts,
-        kind=mine[0].kind,
-        num_tokens=mine[0].num_tokens,
-        step_tokens=sum(e.num_tokens for e in event.entries),
+        kind=event.kinds[mine],
+        num_tokens=event.num_tokens[mine],
+        step_tokens=sum(event.num_tokens),
         max_step_tokens=event.max_step_tokens,
-        others=tuple(e.request_id for e in event.entries if e.request_id != request_id),
+        others=tuple(rid for rid in event.request_ids if rid != request_id),
     )
 
 
-def _note(life: _Life, event: Event) -> None:
+def _note(life: _Life, event: Event | Decoding) -> None:
     at = {"seq": event.seq, "step": event.step, "ts": event.ts}
     if isinstance(event, ChunkPrefilled):
         life.chunks.append(
@@ -200,6 +201,10 @@ def request_timeline(
             share = _share(event, request_id) if life is not None else None
             if share is not None and life is not None and life.terminal is None:
                 life.steps.append(share)
+        elif isinstance(event, TokensSampled):
+            if life is not None and life.terminal is None and request_id in event.request_ids:
+                (mine,) = (d for d in event.decodings() if d.request_id == request_id)
+                _note(life, mine)
         elif isinstance(event, StepFinished) or event.request_id != request_id:
             continue
         elif isinstance(event, Admitted):
@@ -401,7 +406,7 @@ class _OpenStep:
 
 def _step_record(open_step: _OpenStep, next_ts: float | None) -> StepRecord:
     e, done = open_step.event, open_step.done
-    used = sum(m.num_tokens for m in e.entries)
+    used = sum(e.num_tokens)
     if done is not None:
         duration: float | None = done.seconds
         idle = None if next_ts is None else max(0.0, next_ts - done.ts)
@@ -427,7 +432,7 @@ def _step_record(open_step: _OpenStep, next_ts: float | None) -> StepRecord:
         ),
         num_tokens=used,
         max_step_tokens=e.max_step_tokens,
-        num_seqs=len(e.entries),
+        num_seqs=len(e.request_ids),
         max_num_seqs=e.max_num_seqs,
         utilisation=used / e.max_step_tokens if e.max_step_tokens else math.inf,
         finished=tuple(open_step.finished),

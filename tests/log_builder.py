@@ -11,14 +11,13 @@ from stepline.events.models import (
     Admitted,
     CheckpointReached,
     ChunkPrefilled,
-    Decoding,
     FinishReason,
     LogHeader,
     RequestParams,
-    StepEntry,
     StepFinished,
     StepPlanned,
     Terminal,
+    TokensSampled,
     prompt_digest,
 )
 
@@ -100,7 +99,9 @@ class LogBuilder:
             self.ts = self.t0 + self.step * self.step_every
         self._add(
             StepPlanned,
-            entries=tuple(StepEntry(request_id=r, kind=k, num_tokens=n) for r, k, n in entries),
+            request_ids=tuple(r for r, _, _ in entries),
+            num_tokens=tuple(n for _, _, n in entries),
+            kinds=tuple(k for _, k, _ in entries),
             max_step_tokens=self.max_step_tokens,
             max_num_seqs=self.max_num_seqs,
         )
@@ -127,12 +128,12 @@ class LogBuilder:
             seconds=seconds,
             predicted=predicted,
         )
+        sampled = []
         for rid, (start, end) in prefill.items():
             self.chunk(rid, start, end)
             if end == self.prompts[rid]:
-                self.token(rid)
-        for rid in decode:
-            self.token(rid)
+                sampled.append(rid)
+        self.tokens(*sampled, *decode)
         self.ts += self.loop_seconds + idle
 
     def chunk(self, rid: str, start: int, end: int) -> None:
@@ -142,7 +143,12 @@ class LogBuilder:
         self._add(CheckpointReached, request_id=rid, offset=offset)
 
     def token(self, rid: str, token: int = TOKEN) -> None:
-        self._add(Decoding, request_id=rid, token_ids=(token,))
+        self._add(TokensSampled, request_ids=(rid,), token_ids=(token,))
+
+    def tokens(self, *rids: str) -> None:
+        """One step's tokens, `TOKEN` for each of `rids` (no event if there are none)."""
+        if rids:
+            self._add(TokensSampled, request_ids=rids, token_ids=(TOKEN,) * len(rids))
 
     def end(self, rid: str, reason: FinishReason, message: str | None = None) -> None:
         self._add(Terminal, request_id=rid, reason=reason, message=message)

@@ -28,13 +28,12 @@ from stepline.events.models import (
     Admitted,
     CheckpointReached,
     ChunkPrefilled,
-    Decoding,
     FinishReason,
     LogHeader,
     RequestParams,
-    StepEntry,
     StepPlanned,
     Terminal,
+    TokensSampled,
 )
 
 # A made-up schema older than every real one (which stepline upcasts by itself).
@@ -66,20 +65,25 @@ def one_request(rid: str = "r1", first_seq: int = 1) -> list:
             seq=s + 1,
             ts=1.1,
             step=1,
-            entries=(StepEntry(request_id=rid, num_tokens=4, kind="prefill"),),
+            request_ids=(rid,),
+            num_tokens=(4,),
+            kinds=("prefill",),
             max_step_tokens=4,
             max_num_seqs=2,
         ),
         ChunkPrefilled(seq=s + 2, ts=1.2, step=1, request_id=rid, start=0, end=4),
         CheckpointReached(seq=s + 3, ts=1.2, step=1, request_id=rid, offset=4),
         ChunkPrefilled(seq=s + 4, ts=1.3, step=2, request_id=rid, start=4, end=6),
-        Decoding(seq=s + 5, ts=1.3, step=2, request_id=rid, token_ids=(42,)),
+        TokensSampled(seq=s + 5, ts=1.3, step=2, request_ids=(rid,), token_ids=(42,)),
         Terminal(seq=s + 6, ts=1.4, step=3, request_id=rid, reason=FinishReason.ERROR, message="ü"),
     ]
 
 
 def many_events(n: int) -> list:
-    return [Decoding(seq=i, ts=float(i), step=i, request_id="r", token_ids=(i,)) for i in range(n)]
+    return [
+        TokensSampled(seq=i, ts=float(i), step=i, request_ids=("r",), token_ids=(i,))
+        for i in range(n)
+    ]
 
 
 def write_log(path: Path, events: list, **kwargs) -> None:
@@ -177,7 +181,7 @@ def test_an_older_schema_is_upcast_on_read(tmp_path: Path, version_zero_upcaster
 
     assert read_header(path).schema_version == OLD_VERSION  # as written
     assert list(read_events(path)) == [
-        Decoding(seq=1, ts=2.0, step=1, request_id="r", token_ids=(5, 6))
+        TokensSampled(seq=1, ts=2.0, step=1, request_ids=("r", "r"), token_ids=(5, 6))
     ]
 
 
@@ -235,14 +239,14 @@ def test_append_serialises_and_writes_on_the_writer_thread_only(
 ) -> None:
     gate = threading.Event()
     serialising_threads = []
-    original = Decoding.model_dump_json
+    original = TokensSampled.model_dump_json
 
     def slow_dump(self, **kwargs):
         serialising_threads.append(threading.current_thread())
         gate.wait(timeout=10)  # a slow disk, as far as the caller can tell
         return original(self, **kwargs)
 
-    monkeypatch.setattr(Decoding, "model_dump_json", slow_dump)
+    monkeypatch.setattr(TokensSampled, "model_dump_json", slow_dump)
     path = tmp_path / "run.jsonl"
     with EventLogWriter(path, header()) as writer:
         started = time.perf_counter()

@@ -26,15 +26,15 @@ from stepline.events.log import (
     read_run_events,
     read_runs,
 )
-from stepline.events.models import Decoding, LogHeader, new_run_id, new_salt
+from stepline.events.models import LogHeader, TokensSampled, new_run_id, new_salt
 
 
 def run_header() -> LogHeader:
     return LogHeader(created=1.0, model="demo", run_id=new_run_id(), salt=new_salt())
 
 
-def decoding(seq: int, rid: str = "r") -> Decoding:
-    return Decoding(seq=seq, ts=float(seq), step=seq, request_id=rid, token_ids=(seq,))
+def decoding(seq: int, rid: str = "r") -> TokensSampled:
+    return TokensSampled(seq=seq, ts=float(seq), step=seq, request_ids=(rid,), token_ids=(seq,))
 
 
 HOLD_LOG = """

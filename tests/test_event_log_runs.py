@@ -29,12 +29,12 @@ from stepline.events.models import (
     SCHEMA_VERSION,
     Admitted,
     ChunkPrefilled,
-    Decoding,
     FinishReason,
     LogHeader,
     RequestParams,
     StepFinished,
     Terminal,
+    TokensSampled,
     new_run_id,
     new_salt,
     prompt_digest,
@@ -60,8 +60,8 @@ def admitted(seq: int, rid: str, ids=(1, 2, 3), salt: str | None = None) -> Admi
     )
 
 
-def decoding(seq: int, rid: str, token: int) -> Decoding:
-    return Decoding(seq=seq, ts=float(seq), step=seq, request_id=rid, token_ids=(token,))
+def decoding(seq: int, rid: str, token: int) -> TokensSampled:
+    return TokensSampled(seq=seq, ts=float(seq), step=seq, request_ids=(rid,), token_ids=(token,))
 
 
 def write_run(path: Path, header: LogHeader, events: list, **kw) -> EventLogWriter:
@@ -83,9 +83,9 @@ def test_appending_to_an_existing_log_starts_a_new_run_with_its_own_header(tmp_p
     runs = read_runs(path)
     assert [(r.index, r.header) for r in runs] == [(1, first), (2, second)]
     assert runs[0].header.run_id != runs[1].header.run_id
-    tagged = [(run.index, e.seq, e.request_id) for run, e in read_run_events(path)]
-    assert tagged == [(1, 1, "a"), (1, 2, "a"), (2, 1, "a"), (2, 2, "a")]
-    assert [e.token_ids for e in read_events(path, run=2) if isinstance(e, Decoding)] == [(6,)]
+    tagged = [(run.index, e.seq, e.type) for run, e in read_run_events(path)]
+    assert tagged == [(1, 1, "admitted"), (1, 2, "tokens"), (2, 1, "admitted"), (2, 2, "tokens")]
+    assert [e.token_ids for e in read_events(path, run=2) if isinstance(e, TokensSampled)] == [(6,)]
     assert [f.name for f in tmp_path.iterdir()] == ["run.jsonl"]  # one file, two headers
 
 
@@ -139,7 +139,7 @@ def test_appending_to_a_log_from_a_newer_stepline_is_refused(tmp_path: Path) -> 
         EventLogWriter(path, run_header(), append=True)
 
 
-def test_a_version_1_log_reads_and_a_version_2_run_appends_to_it(tmp_path: Path) -> None:
+def test_a_version_1_log_reads_and_a_run_of_this_version_appends_to_it(tmp_path: Path) -> None:
     path = tmp_path / "run.jsonl"
     old_header = {"type": "header", "schema_version": 1, "created": 1.0, "log_prompts": True}
     old_event = {
@@ -154,7 +154,10 @@ def test_a_version_1_log_reads_and_a_version_2_run_appends_to_it(tmp_path: Path)
     write_run(path, run_header(), [decoding(1, "r", 9)])
 
     events = list(read_run_events(path))
-    assert [(run.header.schema_version, e.num_tokens) for run, e in events] == [(1, 2), (2, 1)]
+    assert [(run.header.schema_version, e.type, e.request_ids) for run, e in events] == [
+        (1, "tokens", ("r", "r")),  # its decoding event, upcast to a step's tokens
+        (SCHEMA_VERSION, "tokens", ("r",)),
+    ]
     assert events[0][0].header.salt is None  # schema 1: digests unsalted
 
 
@@ -182,13 +185,13 @@ def test_prompt_digests_are_salted_per_log(tmp_path: Path) -> None:
     assert unsalted not in {prompt_digest(a, ids), prompt_digest(b, ids)}
 
 
-def test_without_log_outputs_decoding_events_carry_counts_not_ids(tmp_path: Path) -> None:
+def test_without_log_outputs_a_steps_tokens_say_whose_they_were_not_which(tmp_path: Path) -> None:
     path = tmp_path / "run.jsonl"
     header = run_header(log_prompts=False, log_outputs=False)
     events = [
         admitted(1, "a", salt=header.salt),
         ChunkPrefilled(seq=2, ts=2.0, step=1, request_id="a", start=0, end=3),
-        Decoding(seq=3, ts=2.0, step=1, request_id="a", token_ids=(901, 902)),
+        TokensSampled(seq=3, ts=2.0, step=1, request_ids=("a", "a"), token_ids=(901, 902)),
         Terminal(seq=4, ts=3.0, step=1, request_id="a", reason=FinishReason.CANCELLED),
     ]
     write_run(path, header, events)
@@ -198,7 +201,7 @@ def test_without_log_outputs_decoding_events_carry_counts_not_ids(tmp_path: Path
     assert re.search(r"\b90[12]\b", text) is None
     assert '"prompt_token_ids":null' in text and "[1,2,3]" not in text
     written = list(read_events(path))
-    assert written[2].token_ids is None and written[2].num_tokens == 2
+    assert written[2].token_ids is None and written[2].request_ids == ("a", "a")
     assert fold(written)["a"].num_output_tokens == 2  # the fold needs only the count
     live = fold(events)["a"].evolve(prompt_token_ids=None)
     assert fold(written) == {"a": live}  # the live state, less what the log leaves out
@@ -316,9 +319,8 @@ async def test_an_engine_logging_no_outputs_writes_counts_salted_digests_and_ste
     (run,) = read_runs(path)
     assert (run.header.log_prompts, run.header.log_outputs) == (False, False)
     events = list(read_events(path))
-    assert not any(
-        isinstance(e, Decoding) and e.token_ids is not None for e in events
-    )  # not one output id written
+    sampled = [e for e in events if isinstance(e, TokensSampled)]
+    assert sampled and all(e.token_ids is None for e in sampled)  # not one output id written
     # The log's fold is the live state, less the prompt ids the header says it leaves out.
     assert fold(events)["q"] == live.evolve(prompt_token_ids=None)
     assert live.num_output_tokens == len(tokens) == 6
@@ -327,3 +329,45 @@ async def test_an_engine_logging_no_outputs_writes_counts_salted_digests_and_ste
     assert adm.prompt_sha256 != prompt_digest(None, range(5, 25))
     steps = [e for e in events if isinstance(e, StepFinished)]
     assert steps and all(s.seconds > 0 for s in steps)  # every step's executor time
+
+
+def test_a_version_2_log_reads_as_steps_of_rows_and_folds_and_verifies_as_written(
+    tmp_path: Path,
+) -> None:
+    """Schema 2 logged a step's members as `entries` and each request's tokens as its own
+    `decoding` event; read today, they are a plan's rows and a step's tokens, and the
+    requests' states and the checks come out as they did."""
+    from stepline.events.verify import verify
+
+    path = tmp_path / "v2.jsonl"
+    params = {"max_tokens": 2, "temperature": 0, "top_p": 1, "top_k": 0, "min_p": 0, "seed": None}
+    at = {"ts": 1.0, "step": 1}
+    lines = [
+        {"type": "header", "schema_version": 2, "created": 1.0},
+        *(
+            {"seq": i + 1, **at, "type": "admitted", "request_id": rid, "num_prompt_tokens": 2,
+             "prompt_token_ids": [3, 4], "prompt_sha256": "x", "params": params}
+            for i, rid in enumerate("ab")
+        ),
+        {"seq": 3, **at, "type": "step", "request_id": None, "max_step_tokens": 8,
+         "max_num_seqs": 4, "entries": [{"request_id": r, "num_tokens": 2, "kind": "prefill"}
+                                        for r in "ab"]},
+        *({"seq": 4 + i, **at, "type": "chunk-prefilled", "request_id": r, "start": 0, "end": 2}
+          for i, r in enumerate("ab")),
+        {"seq": 6, **at, "type": "decoding", "request_id": "a", "token_ids": [7]},
+        {"seq": 7, **at, "type": "decoding", "request_id": "b", "token_ids": None,
+         "token_count": 1},
+    ]  # fmt: skip
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
+
+    events = list(read_events(path))
+    step = events[2]
+    assert (step.request_ids, step.num_tokens, step.kinds) == (("a", "b"), (2, 2), ("prefill",) * 2)
+    assert [(e.request_ids, e.token_ids) for e in events[5:]] == [(("a",), (7,)), (("b",), None)]
+    states = fold(events)
+    assert [states[r].num_output_tokens for r in "ab"] == [1, 1]
+    report = verify(path)
+    assert report.ok and [(r.request_id, r.status) for r in report.in_flight] == [
+        ("a", "decoding"),
+        ("b", "decoding"),
+    ]

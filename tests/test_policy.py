@@ -27,7 +27,7 @@ from stepline.engine.policy import (
 )
 from stepline.engine.prefix_index import PrefixPlan
 from stepline.events.fold import RequestState, Status, fold
-from stepline.events.models import Admitted, ChunkPrefilled, Decoding
+from stepline.events.models import Admitted, ChunkPrefilled, TokensSampled
 
 
 def next_plan(core: SchedulerCore) -> StepPlan:
@@ -437,7 +437,7 @@ def _folded(requests: list[tuple[str, int, int, int]]) -> dict[str, RequestState
         if done:
             add(ChunkPrefilled, request_id=rid, start=0, end=done)
         if done == n:
-            add(Decoding, request_id=rid, token_ids=(TOKEN,))
+            add(TokensSampled, request_ids=(rid,), token_ids=(TOKEN,))
     return fold(events)
 
 

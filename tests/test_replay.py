@@ -24,7 +24,13 @@ from stepline.events.log import (
     read_events,
     read_header,
 )
-from stepline.events.models import ChunkPrefilled, Decoding, FinishReason, LogHeader, StepPlanned
+from stepline.events.models import (
+    ChunkPrefilled,
+    FinishReason,
+    LogHeader,
+    StepPlanned,
+    TokensSampled,
+)
 from stepline.events.replay import (
     Distribution,
     UnknownRequestError,
@@ -307,8 +313,7 @@ def _chunk_past_prompt(ev: list) -> list:
 
 def _over_budget(ev: list) -> list:
     def bigger(e):
-        entries = tuple(x.model_copy(update={"num_tokens": 9}) for x in e.entries)
-        return e.model_copy(update={"entries": entries})
+        return e.model_copy(update={"num_tokens": (9,) * len(e.num_tokens)})
 
     return [bigger(e) if isinstance(e, StepPlanned) and e.step == 1 else e for e in ev]
 
@@ -323,7 +328,7 @@ def _over_max_num_seqs(ev: list) -> list:
 
 
 def _seq_gap(ev: list) -> list:
-    return [e for e in ev if not (isinstance(e, Decoding) and e.token_ids == (6,))]
+    return [e for e in ev if not (isinstance(e, TokensSampled) and e.token_ids == (6,))]
 
 
 def _seq_duplicate(ev: list) -> list:
@@ -557,10 +562,12 @@ def test_reexecution_reports_the_first_divergence(tmp_path: Path, model_cache_di
     recorded = tmp_path / "run.jsonl"
     asyncio.run(_record_a_run(recorded))
     events = list(read_events(recorded))
-    i = next(i for i, e in enumerate(events) if isinstance(e, Decoding) and e.request_id == "r3")
-    i = next(j for j in range(i + 1, len(events)) if _is_token_of(events[j], "r3"))  # 2nd token
-    original = events[i].token_ids[0]
-    events[i] = events[i].model_copy(update={"token_ids": (original + 1,)})
+    steps = [i for i, e in enumerate(events) if isinstance(e, TokensSampled)]
+    i = [i for i in steps if "r3" in events[i].request_ids][1]  # the step of r3's 2nd token
+    row = events[i].request_ids.index("r3")
+    ids = list(events[i].token_ids)
+    original, ids[row] = ids[row], ids[row] + 1
+    events[i] = events[i].model_copy(update={"token_ids": tuple(ids)})
     tampered = tmp_path / "tampered.jsonl"
     with EventLogWriter(tampered, read_header(recorded)) as writer:
         for event in events:
@@ -572,10 +579,6 @@ def test_reexecution_reports_the_first_divergence(tmp_path: Path, model_cache_di
         f"first divergence: request r3 at output position 1: recorded {original + 1}, "
         f"re-executed {original}"
     ) in text
-
-
-def _is_token_of(event, rid: str) -> bool:
-    return isinstance(event, Decoding) and event.request_id == rid
 
 
 def test_reexecution_says_up_front_what_it_can_compare_and_fails_when_nothing_was(

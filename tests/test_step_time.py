@@ -9,7 +9,7 @@ from stepline.api import Engine, SamplingParams
 from stepline.engine import cost_model
 from stepline.engine.cost_model import CostModel, Sample, StepCost, StepFeatures
 from stepline.events.log import read_events
-from stepline.events.models import ChunkPrefilled, Decoding
+from stepline.events.models import ChunkPrefilled, TokensSampled
 
 # Prefill costs 1 ms a token, a decode row 5 ms: a 100 ms step has room for ~90 prompt
 # tokens beside one decode row.
@@ -118,7 +118,9 @@ async def test_a_prompt_arriving_while_others_decode_gets_chunks_that_fit_the_ta
     }
     assert chunks[alone.request_id] == [512, 512, 176]
     decode_steps = {
-        e.step for e in events if isinstance(e, Decoding) and e.request_id == decoder.request_id
+        e.step
+        for e in events
+        if isinstance(e, TokensSampled) and decoder.request_id in e.request_ids
     }
     late_chunks = [
         e.end - e.start
