@@ -236,8 +236,9 @@ def schedule(
                 add(s, n, s.num_computed_tokens)
 
     num_running = len(running)
-    lengths = [kv_length(s) for s in running]
-    for s in admission_order(live, step, prefix):
+    candidates = admission_order(live, step, prefix)
+    lengths = [kv_length(s) for s in running] if candidates else []
+    for s in candidates:
         if budget <= 0 or num_running >= config.max_num_seqs:
             break
         if (
