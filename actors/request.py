@@ -11,9 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import anyio
 import structlog
+import tokenizers
+from tokenizers.decoders import DecodeStream
 
 from stepline.actors.mailbox import Mailbox
 from stepline.actors.messages import Update
@@ -85,6 +88,46 @@ class IncrementalDetokenizer:
         return after[len(before) :]
 
 
+class StreamDetokenizer:
+    """The stream `IncrementalDetokenizer` gives, from the Rust tokenizer's own incremental
+    decoder (`tokenizers.decoders.DecodeStream`, which also holds back half a character):
+    one call a token. For a tokenizer whose `decode` is the Rust one's (`detokenizers`)."""
+
+    def __init__(self, tokenizer: tokenizers.Tokenizer):
+        self._tokenizer = tokenizer
+        self._stream = DecodeStream(skip_special_tokens=False)
+        self._tokens: list[int] = []
+        self._emitted = 0  # characters of text given out
+        self._holding = False  # the last tokens are part of a character, not yet given out
+
+    def add(self, token_id: int) -> str:
+        self._tokens.append(token_id)
+        text = self._stream.step(self._tokenizer, token_id)
+        self._holding = text is None
+        if text is None:
+            return ""
+        self._emitted += len(text)
+        return text
+
+    def finalize(self) -> str:
+        """Whatever is held back (an incomplete character decodes as U+FFFD, as decode does)."""
+        if not self._holding:
+            return ""
+        self._holding = False
+        whole = self._tokenizer.decode(self._tokens, skip_special_tokens=False)
+        rest, self._emitted = whole[self._emitted :], len(whole)
+        return rest
+
+
+class Detokenizer(Protocol):
+    """A request's streaming detokenizer: the text of each new token (what can be shown of
+    it), and at the end what was held back."""
+
+    def add(self, token_id: int) -> str: ...
+
+    def finalize(self) -> str: ...
+
+
 class StopMatcher:
     """Finds stop strings in streamed text; holds back text that may begin one."""
 
@@ -126,7 +169,7 @@ class RequestActor:
         *,
         num_prompt_tokens: int,
         stop: tuple[str, ...],
-        decode: Callable[[list[int]], str],
+        detokenizer: Detokenizer,
         inbox: Mailbox[Update],
         output: Mailbox[RequestOutput],
         on_end: Callable[[FinishReason], None] = lambda reason: None,
@@ -134,7 +177,7 @@ class RequestActor:
         self.request_id = request_id
         self.num_prompt_tokens = num_prompt_tokens
         self.num_cached_tokens = 0  # the step loop says otherwise when its first chunk runs
-        self._detok = IncrementalDetokenizer(decode)
+        self._detok = detokenizer
         self._stops = StopMatcher(stop)
         self._inbox = inbox
         self._output = output

@@ -6,8 +6,6 @@ import argparse
 import sys
 import time
 
-import anyio
-
 from stepline.api.config import EngineConfig
 
 
@@ -214,7 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "generate":
-            return anyio.run(_generate, args)
+            from stepline.api.engine import run
+
+            return run(_generate, args)
         return args.func(args)
     except KeyboardInterrupt:
         return 130

@@ -25,7 +25,7 @@ import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from stepline.api.agent_options import add_agent_args, agent_options
-from stepline.api.engine import launch_rank
+from stepline.api.engine import launch_rank, run
 from stepline.api.http_guard import (
     RateLimitedExceptionHandler,
     RefuseAmbiguousLength,
@@ -324,12 +324,9 @@ def run_serve(args: argparse.Namespace) -> int:
         )
         return 1
     configure_logging(args.log_format, args.log_level)
-    # uvloop (and httptools, which uvicorn picks by itself) cut the HTTP layer's CPU per
-    # token when installed (`uvicorn[standard]`); plain asyncio and h11 work the same.
-    use_uvloop = importlib.util.find_spec("uvloop") is not None
     status = 0
     try:
-        anyio.run(_serve, args, sock, engine_kwargs, backend_options={"use_uvloop": use_uvloop})
+        run(_serve, args, sock, engine_kwargs)  # on uvloop (and httptools, if installed)
     except EngineFailed:
         status = 1
     finally:

@@ -40,6 +40,7 @@ import argparse
 import asyncio
 import contextlib
 import importlib.metadata
+import importlib.util
 import itertools
 import json
 import os
@@ -64,6 +65,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
 from stepline.api import Engine, SamplingParams
+from stepline.api.engine import run as engine_run
 from stepline.engine import _blas, step_sampling
 from stepline.engine.models import load_model
 from stepline.engine.sampling import PendingSample
@@ -956,7 +958,10 @@ def _busy(f: dict) -> str:
 def print_table(s: dict, w: Workload, env: dict) -> None:
     p = print
     p(f"\nstepline engine benchmark: {env['model']}, {env['cpus']} CPUs, {env['platform']}")
-    p(f"mlx {env['mlx']}, mlx-lm {env['mlx_lm']}, OpenBLAS: {env['openblas']}")
+    p(
+        f"mlx {env['mlx']}, mlx-lm {env['mlx_lm']}, OpenBLAS: {env['openblas']}, "
+        f"event loop: {env.get('event_loop', 'asyncio')}"
+    )
     p(f"stepline engine config: {env['engine_config']}")
     p(
         f"medians of {w.repeats} repeat(s); a ratio is the median of the per-repeat ratios of "
@@ -1115,6 +1120,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     ap.add_argument("--json", type=Path, help="also write every figure here")
     ap.add_argument(
+        "--loop",
+        choices=("uvloop", "asyncio"),
+        default="uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
+        help="stepline's event loop (default: uvloop where installed, as `stepline serve` runs)",
+    )
+    ap.add_argument(
         "--max-foreign-cores",
         type=float,
         help="measure again while other processes keep more cores busy (default 0.25)",
@@ -1153,11 +1164,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         "mlx": importlib.metadata.version("mlx"),
         "mlx_lm": importlib.metadata.version("mlx-lm"),
         "openblas": _blas.status()[1],
+        "event_loop": args.loop,
         "command": " ".join([os.path.relpath(sys.executable), *sys.argv]),
         "load_start": loadavg(),
     }
     t0 = time.perf_counter()
-    raw = asyncio.run(run_all(args.model, w))
+    if args.loop == "asyncio":
+        raw = asyncio.run(run_all(args.model, w))
+    else:  # what `stepline serve` runs on (uvloop where installed)
+        raw = engine_run(run_all, args.model, w)
     env["load_end"] = loadavg()
     env["seconds"] = time.perf_counter() - t0
     env["engine_config"] = raw.pop("engine_config", {})

@@ -398,14 +398,18 @@ async def test_ended_requests_leave_the_scheduling_state_and_ids_are_not_reused(
 async def test_a_failing_request_actor_ends_only_its_request(model_cache_dir):
     async with Engine.open("stepline-demo", max_step_tokens=32, max_num_seqs=4) as engine:
         other = await engine.submit("fine", params=SamplingParams(max_tokens=30, ignore_eos=True))
-        real_decode = engine._decode  # what request actors detokenize with
+        real = engine._detokenizer  # makes each request actor's detokenizer
 
-        def broken(ids):
-            raise UnicodeError("detokenizer bug")
+        class Broken:
+            def add(self, token_id):
+                raise UnicodeError("detokenizer bug")
 
-        engine._decode = broken  # only the next request's actor gets it
+            def finalize(self):
+                return ""
+
+        engine._detokenizer = Broken  # only the next request's actor gets it
         doomed = await engine.submit("x", params=SamplingParams(max_tokens=500, ignore_eos=True))
-        engine._decode = real_decode
+        engine._detokenizer = real
         with anyio.fail_after(10):
             outs = await collect(doomed)
         assert outs[-1].finish_reason == "error" and "detokenizer bug" in outs[-1].error

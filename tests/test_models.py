@@ -303,30 +303,36 @@ def test_thinking_off_closes_an_empty_think_block_after_the_generation_prompt(
     assert rendered.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
 
-def test_the_request_actors_decoder_is_the_tokenizers_own_decode(demo: LoadedModel) -> None:
-    """Request actors decode with `token_decoder`: the Rust tokenizer's decode where that
-    is exactly what the tokenizer's own `decode` returns (special tokens, byte tokens that
-    are half a character, empty windows included), the tokenizer's `decode` elsewhere."""
+def test_the_request_actors_stream_is_the_tokenizers_own_decode(demo: LoadedModel) -> None:
+    """Request actors stream with `detokenizers`: the Rust tokenizer's incremental decoder
+    where the tokenizer's own `decode` is the Rust one, and what they stream, joined, is
+    that `decode` (special tokens, byte tokens that are half a character, an output that
+    ends mid-character included); any other tokenizer streams over its own `decode`."""
     import copy
     import random
 
-    from stepline.api.prompts import token_decoder
+    from stepline.actors.request import IncrementalDetokenizer, StreamDetokenizer
+    from stepline.api.prompts import detokenizers
 
     tokenizer = demo.tokenizer
-    decode = token_decoder(tokenizer)
-    assert decode != tokenizer.decode  # the demo's tokenizer takes the short path
+    new = detokenizers(tokenizer)
+    assert isinstance(new(), StreamDetokenizer)  # the demo's tokenizer takes the short path
     rng = random.Random(0)
     vocab = len(tokenizer)
-    windows = [[], tokenizer.encode("a🙂b"), tokenizer.encode("a🙂b")[:2], [0, 1, 2, 5]]
-    windows += [[rng.randrange(vocab) for _ in range(rng.randint(1, 6))] for _ in range(500)]
-    for ids in windows:
-        assert decode(ids) == tokenizer.decode(ids), ids
+    text = tokenizer.encode("a🙂b héllo 世界", add_special_tokens=False)
+    outputs = [[], text, text[:2], [0, 1, 2, 5]]
+    outputs += [[rng.randrange(vocab) for _ in range(rng.randint(1, 12))] for _ in range(300)]
+    for ids in outputs:
+        detok = new()
+        pieces = [detok.add(t) for t in ids]
+        assert "".join(pieces) + detok.finalize() == tokenizer.decode(ids), ids
+    detok = new()
+    assert [detok.add(t) for t in text][1:3] == ["", ""]  # the emoji's first bytes wait
 
     # Wrapped the way mlx-lm wraps it: plain, the short path; cleaning up spaces, its own.
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
     hf = copy.deepcopy(tokenizer._tokenizer)
-    assert token_decoder(TokenizerWrapper(hf)) != TokenizerWrapper(hf).decode
+    assert isinstance(detokenizers(TokenizerWrapper(hf))(), StreamDetokenizer)
     hf.clean_up_tokenization_spaces = True
-    wrapped = TokenizerWrapper(hf)
-    assert token_decoder(wrapped) == wrapped.decode
+    assert isinstance(detokenizers(TokenizerWrapper(hf))(), IncrementalDetokenizer)
