@@ -14,9 +14,11 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from stepline.api.agents import ToolSpec, tool_spec, unique_tools
+from stepline.api.errors import APIError
 from stepline.api.openai_schema import RequestError, template_call
 from stepline.engine.sampling_limits import MAX_INT32
 
@@ -253,3 +255,27 @@ def event(name: str, payload: dict[str, Any]) -> bytes:
     """One Anthropic server-sent event: `event: <name>` and its JSON data."""
     data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
     return f"event: {name}\ndata: {data}\n\n".encode()
+
+
+class AnthropicWire:
+    """How the Anthropic door writes errors: Anthropic's body, and in a stream its `error`
+    event (no [DONE]: Anthropic streams have none). Its streams are numbered only when
+    resumable: unasked, the framing is Anthropic's own."""
+
+    numbered = False
+
+    def error_response(self, err: APIError) -> Response:
+        kind = ERROR_TYPES.get(err.status_code, "api_error")
+        body = ErrorResponse(error=ErrorBody(type=kind, message=err.detail.message))
+        headers = dict(err.headers)  # e.g. retry-after
+        if err.request_id:
+            headers["request-id"] = headers["x-request-id"] = err.request_id
+        return JSONResponse(body.model_dump(), status_code=err.status_code, headers=headers)
+
+    def error_frames(self, err: APIError) -> bytes:
+        kind = ERROR_TYPES.get(err.status_code, "api_error")
+        error = {"type": kind, "message": err.detail.message}
+        return event("error", {"type": "error", "error": error})
+
+
+ANTHROPIC = AnthropicWire()

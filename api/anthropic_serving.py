@@ -23,7 +23,7 @@ from pydantic import BaseModel
 
 from stepline.api import anthropic_schema as schema
 from stepline.api.agents import AgentPlan, plan, reads_template_kwarg
-from stepline.api.errors import APIError
+from stepline.api.anthropic_schema import ANTHROPIC
 from stepline.api.model_output import OutputDelta, ToolCall, split_output
 from stepline.api.serving import Call, Serving, Started
 
@@ -32,30 +32,6 @@ if TYPE_CHECKING:
     from stepline.api.sse import Emit
 
 _STOP_REASONS = {"length": "max_tokens"}
-
-
-class AnthropicWire:
-    """How the Anthropic door writes errors: Anthropic's body, and in a stream its `error`
-    event (no [DONE]: Anthropic streams have none). Its streams are numbered only when
-    resumable: unasked, the framing is Anthropic's own."""
-
-    numbered = False
-
-    def error_response(self, err: APIError) -> Response:
-        kind = schema.ERROR_TYPES.get(err.status_code, "api_error")
-        body = schema.ErrorResponse(error=schema.ErrorBody(type=kind, message=err.detail.message))
-        headers = dict(err.headers)  # e.g. retry-after
-        if err.request_id:
-            headers["request-id"] = headers["x-request-id"] = err.request_id
-        return JSONResponse(body.model_dump(), status_code=err.status_code, headers=headers)
-
-    def error_frames(self, err: APIError) -> bytes:
-        kind = schema.ERROR_TYPES.get(err.status_code, "api_error")
-        error = {"type": kind, "message": err.detail.message}
-        return schema.event("error", {"type": "error", "error": error})
-
-
-ANTHROPIC = AnthropicWire()
 
 
 class AnthropicServing(Serving):

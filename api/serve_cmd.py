@@ -33,11 +33,11 @@ from stepline.api.http_guard import (
     head_deadline_protocol,
     raise_open_file_limit,
 )
+from stepline.api.loading import DEFAULT_MAX_BODY_BYTES, loading_app
 from stepline.api.log_config import LOG_FORMATS, LOG_LEVELS, configure_logging
 from stepline.api.responses_recovery import interrupted_responses
 from stepline.api.responses_serving import DEFAULT_TTL_S
 from stepline.api.resume import DEFAULT_GRACE_S
-from stepline.api.server import DEFAULT_MAX_BODY_BYTES, create_app, loading_app
 from stepline.api.serving import DEFAULT_BODY_TIMEOUT_S
 
 log = structlog.get_logger(__name__)
@@ -214,6 +214,29 @@ def _import_engine_modules() -> None:
         importlib.import_module(name)
 
 
+class _BackgroundImport:
+    """Imports a module on a thread of its own, from now on; `module()` waits for it (and
+    raises what the import raised)."""
+
+    def __init__(self, name: str):
+        self._name = name
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"import-{name}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            importlib.import_module(self._name)
+        except BaseException as exc:  # noqa: BLE001 - raised again where it is awaited
+            self._error = exc
+
+    async def module(self) -> Any:
+        await anyio.to_thread.run_sync(self._thread.join)
+        if self._error is not None:
+            raise self._error
+        return importlib.import_module(self._name)
+
+
 async def _serve(args: argparse.Namespace, sock: socket.socket, engine_kwargs: dict) -> None:
     from stepline.api.engine import Engine
 
@@ -248,7 +271,11 @@ async def _serve(args: argparse.Namespace, sock: socket.socket, engine_kwargs: d
             # After that import: mlx_lm.utils sets the limit to (2048, 4096) when imported.
             soft, hard = raise_open_file_limit()
             log.info("open_file_limit", soft=soft, hard=hard)
+            # The HTTP app's modules (the Anthropic SDK alone takes ~0.9 s) import on a thread
+            # of their own while the engine loads and warms up, mostly outside the GIL.
+            app_modules = _BackgroundImport("stepline.api.server")
             async with Engine.open(args.model, **engine_kwargs) as engine:
+                create_app = (await app_modules.module()).create_app
                 names = args.served_model_name or [engine.model_name]
                 interrupted: list[tuple[str, float]] = []
                 if args.event_log is not None:  # background responses a crash cut off

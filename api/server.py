@@ -31,20 +31,19 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from stepline.api.agent_options import configure
-from stepline.api.anthropic_serving import ANTHROPIC, AnthropicServing, anthropic_router
-from stepline.api.errors import APIError, Wire
+from stepline.api.anthropic_serving import AnthropicServing, anthropic_router
+from stepline.api.errors import APIError
+from stepline.api.loading import DEFAULT_MAX_BODY_BYTES, wire_of
 from stepline.api.openai_serving import OpenAIServing
 from stepline.api.responses_serving import DEFAULT_TTL_S, ResponsesServing, responses_router
 from stepline.api.resume import DEFAULT_GRACE_S, ResumeRegistry, resume_response
 from stepline.api.serving import DEFAULT_BODY_TIMEOUT_S
-from stepline.api.sse import OPENAI
 
 if TYPE_CHECKING:
     from stepline.api.engine import Engine
 
 log = structlog.get_logger(__name__)
 
-DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # a 128k-token conversation is well under 1 MiB
 DEFAULT_HEARTBEAT_S = 15.0  # under the 30-60 s idle timeouts of common proxies
 
 
@@ -244,35 +243,8 @@ class RequireKey:
         return has_key(Headers(scope=scope), self.key)
 
 
-def wire_of(path: str) -> Wire:
-    """The API whose error shape a request to `path` gets, routed or not: Anthropic's under
-    /v1/messages (its clients read no other), else OpenAI's."""
-    return ANTHROPIC if path.startswith("/v1/messages") else OPENAI
-
-
 def has_key(headers: Headers, key: bytes) -> bool:
     """Whether `headers` carry `key` as `Authorization: Bearer` or `x-api-key`."""
     scheme, _, token = headers.get("authorization", "").partition(" ")
     given = token.strip() if scheme.lower() == "bearer" else headers.get("x-api-key", "")
     return hmac.compare_digest(given.encode(), key)
-
-
-def loading_app(what: str) -> ASGIApp:
-    """The app that answers while the model loads: /health says 503 `{"status": "loading"}`
-    at once, every other route 503 with an error in its API's shape (OpenAI's, Anthropic's
-    under /v1/messages)."""
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return
-        if scope["path"] == "/health":
-            response: Response = JSONResponse({"status": "loading", "model": what}, status_code=503)
-        else:
-            error = APIError(
-                503, f"the model is loading ({what}): retry shortly", code="model_loading"
-            )
-            error.headers["retry-after"] = "1"
-            response = wire_of(scope["path"]).error_response(error)
-        await response(scope, receive, send)
-
-    return app

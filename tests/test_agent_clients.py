@@ -584,7 +584,7 @@ async def test_the_agents_sdk_calls_its_tools_with_an_output_type(oai):
 
 
 async def test_while_the_model_loads_anthropic_clients_get_an_anthropic_503():
-    from stepline.api.server import loading_app
+    from stepline.api.loading import loading_app
 
     transport = httpx.ASGITransport(app=loading_app("m"))
     async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
