@@ -2,7 +2,7 @@
 forwards: the same plan on two runners of the same model, interleaved, median of several.
 
     .venv/bin/python benchmarks/fused_step.py [--model SmolLM2-135M-Instruct] [--rows 4]
-        [--chunk 256] [--context 200] [--repeats 7]
+        [--chunk 256] [--context 200] [--repeats 7] [--dtype auto]
 
 Each trial starts from fresh requests: `--rows` prompts of `--context` tokens are prefilled
 and decode once, and a long prompt has had one chunk; the timed step is the decode rows
@@ -16,7 +16,7 @@ import random
 import statistics
 
 import stepline.engine  # noqa: F401  (OpenBLAS before MLX)
-from stepline.engine.models import load_model
+from stepline.engine.models import DTYPES, load_model
 from stepline.engine.policy import ScheduledChunk, StepPlan
 from stepline.engine.runner import ModelRunner
 from stepline.engine.work import Housekeeping, NewRequest, StepWork
@@ -56,8 +56,10 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--dtype", choices=DTYPES, default="auto", help="the weights' (load_model)")
     args = ap.parse_args()
-    loaded = load_model(args.model)
+    loaded = load_model(args.model, dtype=args.dtype)
+    print(f"{args.model}: {loaded.weights}")
     runners = {"fused": ModelRunner(loaded), "separate": ModelRunner(loaded, fuse=False)}
     if not runners["fused"].fuse:
         raise SystemExit(f"{args.model}: this architecture runs separate forwards")
