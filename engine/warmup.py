@@ -44,8 +44,7 @@ _PREFIX = "stepline-warmup-"
 _FIRST_TOKEN_ID = 3  # past the usual special tokens
 # Bump when the warm-up's steps change: samples measured by another recipe are not reused.
 # 2: decode context counted as the padded batch; fused and separate mixed steps measured
-# 3: chunks of 1/64 to 1/8 of the budget (were 1/16 to 1/2)
-_RECIPE_VERSION = 3
+_RECIPE_VERSION = 2
 # Kept samples older than this are measured again (the machine may have changed under them).
 MAX_SAMPLE_AGE_S = 7 * 24 * 3600
 
@@ -93,12 +92,12 @@ def measure_step_costs(
     """
     rng = random.Random(0)
     cap = min(config.chunk_cap, config.max_step_tokens)
-    # Small chunks: at start-up every token is waited for (on SmolLM2 in float32 on a 2-core
-    # CPU, chunks up to half the budget took 3.9 s of an 8.2 s first start). The fit's
-    # per-token and per-chunk terms come out of these as well; the attention term, a
-    # chunk's cost that grows with its offset, is small here and is learned from live steps
-    # (the model refits after 1, 2, 4 and 8 of them).
-    sizes = [max(1, cap // d) for d in (64, 32, 16, 8)]
+    # Chunks up to half the budget, at offsets up to its size: on SmolLM2 in float32 on a
+    # 2-core CPU they take 3.9 s of a first start (restarts reuse the samples). Chunks of
+    # 1/64 to 1/8 took 2.2 s, but a 2,000-token prompt beside 4 decoders then reached its
+    # first token ~10% later (23.3 s against 20.9 s, medians of 3 and 2 runs): the fit
+    # extrapolated worse to the big chunks at long offsets that such a prompt runs.
+    sizes = [max(1, cap // d) for d in (16, 8, 4, 2)]
     long_len = min(sum(sizes) + 1, max(2, max_context // 2))
     num_short = max(1, min(3, config.max_num_seqs - 1, config.max_step_tokens // 32))
     short_len = max(1, min(16, max_context // 4))
