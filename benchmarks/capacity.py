@@ -108,14 +108,27 @@ def arrivals(rate: float, count: int, seed: int, context: int | None) -> list[Ar
     return out
 
 
+def text_seed(seed: int, rate: float) -> int:
+    """Where a rate's prompt texts start: each rate's own (request i of every rate had the
+    same text, so every rate after the first was served from the prefix cache of the one
+    before it: a capacity that grew with the sweep), the same for every server."""
+    return random.Random(f"{seed}:{rate}").randrange(2**31)
+
+
 async def run_rate(
-    server: Spawned, client: httpx.AsyncClient, prompts: Prompts, plan: list[Arrival], args
+    server: Spawned,
+    client: httpx.AsyncClient,
+    prompts: Prompts,
+    plan: list[Arrival],
+    args,
+    texts: int,
 ) -> tuple[list[Result], float]:
     t0 = time.perf_counter()
 
     async def one(i: int, a: Arrival) -> Result:
         await asyncio.sleep(max(0.0, t0 + a.at - time.perf_counter()))
-        body = chat_body(server.model, prompts.text(a.prompt_tokens, seed=i), a.max_tokens)
+        text = prompts.text(a.prompt_tokens, seed=texts + i)
+        body = chat_body(server.model, text, a.max_tokens)
         return await stream_request(
             client, "/v1/chat/completions", body, limit_s=args.request_timeout
         )
@@ -179,7 +192,8 @@ async def sweep(kind: str, args, slo: Slo, prompts: Prompts, log_dir: Path, dead
                     break
                 count = max(args.min_requests, round(rate * args.duration))
                 plan = arrivals(rate, count, args.seed, server.context)
-                results, wall = await run_rate(server, client, prompts, plan, args)
+                texts = text_seed(args.seed, rate)
+                results, wall = await run_rate(server, client, prompts, plan, args, texts)
                 row = rate_row(kind, rate, plan, results, slo, wall)
                 rows.append(row)
                 print_row(row)
