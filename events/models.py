@@ -172,6 +172,12 @@ class TokensSampled(_Event):
     request_ids: tuple[str, ...]
     token_ids: tuple[int, ...] | None  # None when the log leaves outputs out (log_outputs)
 
+    @model_validator(mode="after")
+    def _one_token_a_row(self) -> TokensSampled:
+        if self.token_ids is not None and len(self.token_ids) != len(self.request_ids):
+            raise ValueError("token_ids must have one token per request id (a row each)")
+        return self
+
     def decodings(self) -> list[Decoding]:
         """Each request's tokens of this step, in the order the requests first appear."""
         ids = self.token_ids

@@ -146,6 +146,18 @@ def test_a_corrupt_line_in_the_middle_raises_with_its_line_number(tmp_path: Path
     assert (info.value.path, info.value.line) == (path, 4)
 
 
+def test_a_steps_tokens_whose_rows_do_not_line_up_are_a_corrupt_line(tmp_path: Path) -> None:
+    path = tmp_path / "run.jsonl"
+    write_log(path, one_request())
+    lines = path.read_bytes().splitlines(keepends=True)
+    i = next(i for i, line in enumerate(lines) if b'"type":"tokens"' in line)
+    lines[i] = lines[i].replace(b'"token_ids":[42]', b'"token_ids":[42,43]')
+    path.write_bytes(b"".join(lines))
+
+    with pytest.raises(LogCorruptError, match=rf"run\.jsonl:{i + 1}: corrupt.*one token per"):
+        list(read_events(path))
+
+
 def test_a_log_from_a_newer_schema_is_refused_with_a_clear_message(tmp_path: Path) -> None:
     path = tmp_path / "run.jsonl"
     future = {"type": "header", "schema_version": SCHEMA_VERSION + 1, "created": 1.0, "new": 1}
