@@ -206,7 +206,7 @@ class StepLoop:
         # are admitted after it, for the first step they can join (they age from there).
         later = self._handle(self._drain(), admit=False)
         outcome = core.update_from_output(work, result)
-        self._deliver(outcome.updates)
+        later += self._deliver(outcome.updates)
         self._observe(work, result, outcome)
         if self.on_step is not None:
             self.on_step(self)  # sees the state as the step left it
@@ -295,9 +295,12 @@ class StepLoop:
         if update is not None and actor is not None and reason is not FinishReason.STOP:
             actor.put(update)
 
-    def _deliver(self, updates: Mapping[str, Update]) -> None:
-        """Give each request actor its update: one message per request per step."""
-        gone = []
+    def _deliver(self, updates: Mapping[str, Update]) -> list[Submit]:
+        """Give each request actor its update: one message per request per step. Returns
+        the submissions it met in the inbox (it reads it when an actor is gone), to admit
+        after those that came before them."""
+        gone: list[str] = []
+        held: list[Submit] = []
         for rid, update in updates.items():
             actor = self._actors.get(rid)
             if actor is None:
@@ -309,10 +312,11 @@ class StepLoop:
         if gone:
             # An actor that is gone ended its request itself (a stop string: its message
             # is in the inbox) or failed without a word.
-            self._handle(self._drain())
+            held = self._handle(self._drain(), admit=False)
             for rid in gone:
                 self._end(rid, FinishReason.ERROR, "the request's actor failed")
         self._log_events()
+        return held
 
     def _log_events(self) -> None:
         events = self.core.take_events()
@@ -350,7 +354,7 @@ class StepLoop:
         self.died.set()
         log.error("engine_dead", reason=reason)
         self.metrics.healthy.set(0)
-        self._deliver(self.core.fail(reason))
+        self._handle(self._deliver(self.core.fail(reason)))  # refused: the engine is dead
 
     async def shutdown(self) -> None:
         """End every request still in flight (engine closing)."""
