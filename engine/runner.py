@@ -418,7 +418,7 @@ class ModelRunner:
             self._record(taken, tokens, logprobs)
             self._took(batch, taken.array)
         else:
-            self._record(sample(self.sampler, finals, batch, None, fail), tokens, logprobs)
+            self._record(sample(self.sampler, finals, NO_ROWS, None, fail), tokens, logprobs)
             taken = step_sampling.sample_ahead(self.sampler, ahead, batch, fail)
             self._record(taken, tokens, logprobs)
             self._took(batch, taken.array)
@@ -500,8 +500,7 @@ class ModelRunner:
         read them is then MLX's on the whole batch, and raises (the next forward depends on
         them), where `sample_ahead` would sample each row again. Returns the started forward
         (None if it could not be built: the next step's fault) and this step's tokens."""
-        # Where rows left since it started, the rows still here.
-        rows = None if ahead.rows is batch else [ahead.rows.index[rid] for rid in batch.ids]
+        rows = ahead.rows_of(batch)
         unread = pending.tokens if rows is None else pending.tokens[mx.array(rows)]
         started: mx.array | None = None
         try:

@@ -103,3 +103,8 @@ class Ahead:
     rows: Rows  # the batch when it started; the step takes the rows still there
     logits: mx.array  # (B, V) last-position logits
     sample: PendingSample | None  # None if it could not be built: the step samples instead
+
+    def rows_of(self, batch: Rows) -> list[int] | None:
+        """Where `batch`'s rows are in this look-ahead's (None: the same rows): rows that
+        left the batch since it started are skipped."""
+        return None if self.rows is batch else [self.rows.index[rid] for rid in batch.ids]

@@ -118,8 +118,7 @@ def sample_ahead(sampler: Sampler, ahead: Ahead, batch: Rows, fail: Fail) -> Sam
     does."""
     if not batch:
         return Sampled.none()
-    # Where rows left since the look-ahead started, the rows still here.
-    rows = None if ahead.rows is batch else [ahead.rows.index[rid] for rid in batch.ids]
+    rows = ahead.rows_of(batch)
     if ahead.sample is not None:
         try:
             out = ahead.sample.finish()
