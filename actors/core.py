@@ -146,6 +146,8 @@ class SchedulerCore:
 
     def take_events(self) -> list[Event]:
         """The events recorded since the last call, in order (for the event log)."""
+        if not self._events:
+            return []
         events, self._events = self._events, []
         return events
 
@@ -414,7 +416,7 @@ class SchedulerCore:
 
     def _record(self, cls: type, **fields: Any) -> Any:
         """Record one event: apply it to its request's state (the fold's `apply`) and keep
-        it for the log. Returns the request's new state (the event, for a step's own)."""
+        it for the log. Returns the event."""
         self.seq += 1
         # Events between steps N and N+1 belong to step N+1, so that folding the log up to
         # step N gives exactly the state the core had when step N ended.
@@ -434,7 +436,7 @@ class SchedulerCore:
             self._disk_tries.discard(rid)
         else:
             self.states[rid] = state
-        return state
+        return event
 
     def _keep_finished(self, rid: str, state: RequestState) -> None:
         old = self.finished.pop(rid, None)
