@@ -61,10 +61,6 @@ class Mailbox(Generic[T]):
             return self._messages.popleft()
         raise anyio.EndOfStream if self.closed else anyio.WouldBlock
 
-    def empty(self) -> bool:
-        """Whether no message is waiting (then `get_nowait` would raise)."""
-        return not self._messages
-
     def close(self) -> None:
         """No more messages: those already in are still read, then `get` ends."""
         if not self.closed:

@@ -32,10 +32,10 @@ class RequestStream:
             self.finished = True
             self._outputs.close()
             raise StopAsyncIteration from None
-        while out.finish_reason is None and not self._outputs.empty():
+        while out.finish_reason is None:
             try:
                 out = out.then(self._outputs.get_nowait())
-            except (anyio.WouldBlock, anyio.EndOfStream):
+            except (anyio.WouldBlock, anyio.EndOfStream):  # nothing more has come yet
                 break
         if out.finish_reason is not None:
             self.finished = True
