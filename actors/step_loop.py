@@ -6,6 +6,9 @@
     outcome = core.update_from_output(work, result)     events -> states
     append the events to the log, give each request actor its update, observe metrics
 
+With nothing to do, it runs the step-time model's warm-up (engine/warmup.py) in turns that
+end when work arrives, if it has one to run.
+
 Every fact about a request is the core's (actors/core.py, which says who owns what); this
 loop holds only where each live request's actor is reached and what to wake.
 """
@@ -13,6 +16,7 @@ loop holds only where each live request's actor is reached and what to wake.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -29,6 +33,7 @@ from stepline.actors.metrics import EngineMetrics
 from stepline.engine.cost_model import CostModel
 from stepline.engine.policy import AdmissionError, SchedulerConfig
 from stepline.engine.prefix_index import PrefixIndex
+from stepline.engine.warmup import Warmup
 from stepline.engine.work import Housekeeping, StepResult, StepWork
 from stepline.events.fold import RequestState
 from stepline.events.models import FinishReason, Terminal
@@ -58,6 +63,7 @@ class StepLoop:
         prefix_index: PrefixIndex | None = None,
         cost_model: CostModel | None = None,  # learns step times; None: tokens only
         arrivals: Arrivals | None = None,  # requests the API is preparing
+        warmup: Warmup | None = None,  # seeds `cost_model` while this loop idles
     ):
         self.executor = executor
         self.runner = runner
@@ -75,6 +81,8 @@ class StepLoop:
         self.inbox, self._inbox = anyio.create_memory_object_stream(inbox_size)
         self._actors: dict[str, Mailbox[Update]] = {}  # live request -> its actor's inbox
         self._idle = True  # nothing has run since the loop last waited for work
+        self._warmup = warmup if cost_model is not None else None
+        self._warming = False  # a turn of the warm-up is on the executor
         self.died = anyio.Event()  # set when the engine can serve no more (dead_reason says why)
         self.on_step: Callable[[StepLoop], None] | None = None  # test/inspection hook
         self._changed: anyio.Event | None = None  # set at the next change (`wait_until`)
@@ -123,7 +131,12 @@ class StepLoop:
     def settled(self) -> bool:
         """Waiting for work, every executor result applied: nothing runs, nothing is left
         to free or drop, and the prefix index has heard of every entry the store holds."""
-        return self._idle and not self.core.has_work
+        return self._idle and not self.core.has_work and not self._warming
+
+    @property
+    def warming_up(self) -> bool:
+        """The step-time model's warm-up has steps left to measure (it runs while idle)."""
+        return self._warmup is not None
 
     def state_of(self, request_id: str) -> RequestState | None:
         """A request's state: live, or ended recently (the log has every one)."""
@@ -161,6 +174,9 @@ class StepLoop:
                         self._idle = True  # the next step gathers arrivals (`_gather`)
                         self._gauges()  # what /metrics shows while idle: nothing running
                         self._tick()
+                        if self._warmup is not None:
+                            await self._warm_up(self._warmup)
+                            self._tick()
                         try:
                             msg = await self._inbox.receive()  # idle: sleep until work arrives
                         except anyio.EndOfStream:
@@ -222,6 +238,43 @@ class StepLoop:
             while self.arrivals.preparing:
                 self._handle([await self._inbox.receive()])
         self._handle(self._drain())  # those sent while this loop handled others
+
+    async def _warm_up(self, warmup: Warmup) -> None:
+        """A turn of the warm-up, until it is done or something arrives for this loop (a
+        message, a request being prepared, the inbox closing): the executor checks between
+        two of its steps. Its samples seed the cost model it was made for; all of them are
+        kept for the next start."""
+        model = self.core.cost_model
+        inbox, arrivals = self._inbox, self.arrivals
+        over = threading.Event()
+
+        def stop() -> bool:  # on the executor thread: reads counters only
+            stats = inbox.statistics()
+            return (
+                over.is_set()
+                or stats.current_buffer_used > 0
+                or stats.open_send_streams == 0
+                or arrivals.preparing > 0
+            )
+
+        self._warming = True
+        try:
+            samples = await self._run_executor(warmup.run, stop)
+        finally:
+            over.set()  # cancelled: the executor's turn ends at its next step
+            self._warming = False
+        if samples is None:  # the executor died (the loop is dead now)
+            self._warmup = None
+            return
+        if model is None or model is not self.core.cost_model:  # replaced: not its seed
+            self._warmup = None
+            return
+        for sample in samples:
+            model.seed(sample.features, sample.seconds)
+        if warmup.done:
+            self._warmup = None
+            await anyio.to_thread.run_sync(warmup.keep)
+            log.info("warmup_measured", samples=len(warmup.samples), turns=warmup.num_turns)
 
     async def _housekeep(self, chores: Housekeeping) -> None:
         result = await self._run_executor(self.runner.housekeep, chores)

@@ -152,8 +152,10 @@ class Engine:
         `grammar_cache_mb` bounds the compiled grammars kept for structured output and
         forced tool calls (each counted by the size of its grammar and the vocabulary).
         `max_step_ms` is the target time of a step while requests decode: prefill chunks
-        are sized by a step-time model (seeded by a short warm-up here, then learned from
-        measured steps) to keep each step under it. None schedules by tokens only.
+        are sized by a step-time model (seeded by a short warm-up, then learned from
+        measured steps) to keep each step under it. None schedules by tokens only. The
+        warm-up's samples are kept for the next start; without kept ones, the engine
+        serves at once and measures them while idle (`warming_up`).
         """
         options = EngineConfig(
             max_step_tokens=max_step_tokens,
@@ -429,6 +431,13 @@ class Engine:
     @property
     def healthy(self) -> bool:
         return self.unhealthy_reason is None and not self._closed
+
+    @property
+    def warming_up(self) -> bool:
+        """The step-time model's warm-up still has steps to measure while the engine idles
+        (the first start of a model on this machine): chunks are sized by tokens alone and
+        by the live steps measured so far."""
+        return self._step_loop.warming_up
 
     @property
     def unhealthy_reason(self) -> str | None:

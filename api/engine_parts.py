@@ -177,9 +177,10 @@ class EngineParts:
             self.writer = EventLogWriter(
                 events.path, header, rotate_bytes=events.rotate_bytes, append=True
             )
-        cost_model = None
+        cost_model = warmup = None
         if options.max_step_ms is not None:
-            cost_model = CostModel(seed=await self._warmup_samples(sched))
+            kept, warmup = await self._warmup(sched)
+            cost_model = CostModel(seed=kept)
         index = None
         if runner.store is not None:
             index = PrefixIndex(prefix_bytes)
@@ -196,23 +197,20 @@ class EngineParts:
             event_log=self.writer,
             prefix_index=index,
             cost_model=cost_model,
+            warmup=warmup,
         )
         return step_loop, config
 
-    async def _warmup_samples(self, sched: SchedulerConfig) -> list:
-        """The step-time model's seed: the warm-up's samples, kept from an earlier start of
-        the same model, budget and machine (engine/warmup.py), or measured now."""
+    async def _warmup(self, sched: SchedulerConfig) -> tuple[list, Any]:
+        """The step-time model's seed: the warm-up's samples kept from an earlier start of
+        the same model, budget and machine, or else the warm-up that the step loop runs
+        while idle (engine/warmup.py), to keep its samples for the next start."""
         from stepline.engine import _blas
         from stepline.engine.cache_dirs import cache_root
         from stepline.engine.prefix_files import model_fingerprint
-        from stepline.engine.warmup import (
-            load_samples,
-            measure_step_costs,
-            samples_key,
-            save_samples,
-        )
+        from stepline.engine.warmup import Warmup, load_samples, samples_key
 
-        loaded, runner, executor = self.loaded, self.runner, self.executor
+        loaded, runner = self.loaded, self.runner
         key = samples_key(
             model=await anyio.to_thread.run_sync(model_fingerprint, loaded.path),
             weights=loaded.weights,
@@ -225,17 +223,13 @@ class EngineParts:
             distributed=self.topology.as_config() if self.topology is not None else None,
         )
         path = cache_root() / "warmup" / key
-        samples = load_samples(path)
+        samples = await anyio.to_thread.run_sync(load_samples, path)
         if samples is not None:
             log.info("warmup_samples_reused", path=str(path), samples=len(samples))
-            return samples
-        t0 = time.monotonic()
-        samples = await executor.call(
-            measure_step_costs, runner, sched, vocab_size(loaded), loaded.max_context
-        )
-        log.info("warmup_measured", seconds=round(time.monotonic() - t0, 2), kept=str(path))
-        await anyio.to_thread.run_sync(save_samples, path, samples)
-        return samples
+            return samples, None
+        log.info("warmup_pending", kept=str(path))
+        warmup = Warmup(runner, sched, vocab_size(loaded), loaded.max_context, keep_at=path)
+        return [], warmup
 
     async def close(self) -> None:
         """Take apart what was built, in order; the executor last."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from fastapi import FastAPI, Request
@@ -179,7 +179,9 @@ def create_app(
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
         if engine.healthy:
-            body = {"status": "ok", "model": serving.model_name}
+            body: dict[str, Any] = {"status": "ok", "model": serving.model_name}
+            if engine.warming_up:
+                body["warming_up"] = True  # serving; step times learned, not yet measured
             if (problem := engine.event_log_problem) is not None:
                 # Still serving (200), but the record of what it serves is lost: say so.
                 body.update(status="degraded", event_log=problem)

@@ -1,26 +1,30 @@
-"""A short warm-up at engine start: timed steps that seed the step-time model.
+"""The warm-up: timed steps that seed the step-time model, measured while the engine idles.
 
 Runs on the executor thread, through the runner's public `run` and `housekeep`, with
 synthetic greedy requests (no random draws, so the sampler's stream is untouched)
 that are freed without entering the prefix cache. It prefills chunks of several
 sizes at several offsets, then decodes at two batch sizes, so that every term of
-`StepCost` has been seen at least once before the first real step.
+`StepCost` has been seen.
 
-Its samples are kept in stepline's cache (`save_samples`), keyed by what they measured
-(the model's weights and dtype, the token budget, this machine and its BLAS), so a restart
-of the same engine on the same machine seeds the step-time model with them instead of
-measuring again: start-up stays seconds on a model whose warm-up takes seconds. Live steps
-correct them as they would the warm-up's own.
+The engine serves before the warm-up has run: the step loop runs it in turns whenever it
+has nothing else to do (`Warmup`), and a request that arrives waits for two warm-up steps
+at most. Until enough samples are in, the policy schedules by tokens alone and learns from
+the live steps. Its samples are kept in stepline's cache (`save_samples`), keyed by what
+they measured (the model's weights and dtype, the token budget, this machine and its BLAS),
+so a restart of the same engine on the same machine seeds the step-time model with them
+before its first step. Live steps correct them as they would the warm-up's own.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import itertools
 import json
 import os
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -44,7 +48,8 @@ _PREFIX = "stepline-warmup-"
 _FIRST_TOKEN_ID = 3  # past the usual special tokens
 # Bump when the warm-up's steps change: samples measured by another recipe are not reused.
 # 2: decode context counted as the padded batch; fused and separate mixed steps measured
-_RECIPE_VERSION = 2
+# 3: the mixed steps' decode row is a short prompt of its own (episodes run in turns)
+_RECIPE_VERSION = 3
 # Kept samples older than this are measured again (the machine may have changed under them).
 MAX_SAMPLE_AGE_S = 7 * 24 * 3600
 
@@ -84,54 +89,150 @@ def save_samples(path: Path, samples: Sequence[Sample]) -> None:
 def measure_step_costs(
     runner: Any, config: SchedulerConfig, vocab_size: int, max_context: int
 ) -> list[Sample]:
-    """Run a dozen timed warm-up steps on `runner` (call on the executor thread) and
-    return their (features, seconds). Everything it admits is freed before it returns.
+    """Run the whole warm-up on `runner` (call on the executor thread) and return its
+    samples. Everything it admits is freed before it returns."""
+    warmup = Warmup(runner, config, vocab_size, max_context)
+    warmup.run()
+    return warmup.samples
+
+
+_Steps = Generator[None, None, None]  # an episode: yields before each of its steps
+
+
+class Warmup:
+    """The warm-up's timed steps, run in turns while the engine has nothing else to do.
+
+    `run` (on the executor thread) measures the steps not yet measured until they are all
+    done or `stop()` holds between two steps; either way it frees everything it admitted
+    before it returns, so a real step never meets a warm-up request. The steps come in
+    episodes (a prompt prefilled in chunks of growing size at growing offsets, then
+    decoded; short prompts prefilled beside a decode row, then decoded): a turn stopped
+    mid-episode runs that episode again from its start the next time, its steps measured
+    before taken again untimed (the chunks as one). A turn that starts measures at least
+    one step, so it gets done however short the idle gaps; a request arriving at an
+    engine that is still warming up waits for two warm-up steps at most.
 
     Chunk sizes follow the token budget (and the long-prefill cap), and the longest
     prompt stays well inside `max_context`.
     """
-    rng = random.Random(0)
-    cap = min(config.chunk_cap, config.max_step_tokens)
-    # Chunks up to half the budget, at offsets up to its size: on SmolLM2 in float32 on a
-    # 2-core CPU they take 3.9 s of a first start (restarts reuse the samples). Chunks of
-    # 1/64 to 1/8 took 2.2 s, but a 2,000-token prompt beside 4 decoders then reached its
-    # first token ~10% later (23.3 s against 20.9 s, medians of 3 and 2 runs): the fit
-    # extrapolated worse to the big chunks at long offsets that such a prompt runs.
-    sizes = [max(1, cap // d) for d in (16, 8, 4, 2)]
-    long_len = min(sum(sizes) + 1, max(2, max_context // 2))
-    num_short = max(1, min(3, config.max_num_seqs - 1, config.max_step_tokens // 32))
-    short_len = max(1, min(16, max_context // 4))
 
-    def prompt(n: int) -> tuple[int, ...]:
-        return tuple(rng.randrange(_FIRST_TOKEN_ID, vocab_size) for _ in range(n))
+    def __init__(
+        self,
+        runner: Any,
+        config: SchedulerConfig,
+        vocab_size: int,
+        max_context: int,
+        keep_at: Path | None = None,
+    ) -> None:
+        self.keep_at = keep_at  # where the samples are kept once all are measured
+        self.samples: list[Sample] = []
+        self.num_turns = 0  # calls to `run` before all was measured
+        self._runner = runner
+        self._vocab_size = vocab_size
+        cap = min(config.chunk_cap, config.max_step_tokens)
+        # Chunks up to half the budget, at offsets up to its size: on SmolLM2 in float32 on
+        # a 2-core CPU they take 3.9 s (restarts reuse the samples). Chunks of 1/64 to 1/8
+        # took 2.2 s, but a 2,000-token prompt beside 4 decoders then reached its first
+        # token ~10% later (23.3 s against 20.9 s, medians of 3 and 2 runs): the fit
+        # extrapolated worse to the big chunks at long offsets that such a prompt runs.
+        self._sizes = [max(1, cap // d) for d in (16, 8, 4, 2)]
+        self._long_len = min(sum(self._sizes) + 1, max(2, max_context // 2))
+        self._num_short = max(1, min(3, config.max_num_seqs - 1, config.max_step_tokens // 32))
+        self._short_len = max(1, min(16, max_context // 4))
+        self._episodes = [self._first_calls, self._chunks_then_decode, self._mixed_steps]
+        self._next = 0  # the episode the next turn starts (or starts again)
+        self._measured = 0  # timed steps of that episode measured by an earlier turn
 
-    session = _Session(runner)
-    try:
-        session.run_untimed(prompt(min(16, long_len)))  # first calls allocate and build
-        long_id = session.admit(prompt(long_len))
-        pos = 0
-        for n in sizes:  # chunks of growing size at growing offsets
-            n = min(n, long_len - pos)
-            if n < 1:
-                break
-            session.step(chunks=[(long_id, pos, pos + n)])
-            pos += n
-        if pos < long_len:
-            session.step(chunks=[(long_id, pos, long_len)])
-        for _ in range(2):
-            session.step()  # one decode row
-        short_ids = [session.admit(prompt(short_len)) for _ in range(num_short)]
-        # decode + prefills: first beside a decode forward built a step ahead, then (where
-        # the runner fuses steps) with the decode row inside the prefills' forward
+    @property
+    def done(self) -> bool:
+        return self._next == len(self._episodes)
+
+    def run(self, stop: Callable[[], bool] = lambda: False) -> list[Sample]:
+        """A turn: unless `stop()` holds now, measure at least one step, then more until all
+        are measured or `stop()` holds before one. Returns the samples this turn measured
+        (also added to `samples`)."""
+        measured: list[Sample] = []
+        if self.done or stop():
+            return measured
+        self.num_turns += 1
+        checked = False  # the first step of a turn runs whatever `stop` says: progress
+        while not self.done:
+            session = _Session(self._runner)
+            steps = self._episodes[self._next](session, random.Random(self._next), self._measured)
+            finished = True
+            try:
+                for _ in steps:
+                    if checked and stop():
+                        finished = False
+                        break
+                    checked = True
+            finally:
+                steps.close()
+                session.close()
+                measured += session.samples
+                self.samples += session.samples
+            if not finished:
+                self._measured += len(session.samples)
+                return measured
+            self._next, self._measured = self._next + 1, 0
+        return measured
+
+    def keep(self) -> None:
+        """Keep the samples at `keep_at` for the next start (file I/O: not on the loop)."""
+        if self.keep_at is not None:
+            save_samples(self.keep_at, self.samples)
+
+    def _prompt(self, rng: random.Random, n: int) -> tuple[int, ...]:
+        return tuple(rng.randrange(_FIRST_TOKEN_ID, self._vocab_size) for _ in range(n))
+
+    # An episode yields before each step it measures, so that a turn can stop between two;
+    # `done` of its timed steps were measured by an earlier turn: it runs them untimed.
+
+    def _first_calls(self, session: _Session, rng: random.Random, done: int) -> _Steps:
+        """Untimed: the first calls allocate and build."""
+        rid = session.admit(self._prompt(rng, min(16, self._long_len)))
+        session.step(chunks=[(rid, 0, session.prompt_len(rid))], timed=False)
+        session.step(timed=False)
+        yield from ()
+
+    def _chunks_then_decode(self, session: _Session, rng: random.Random, done: int) -> _Steps:
+        """Chunks of growing size at growing offsets, then one decode row."""
+        long_len = self._long_len
+        long_id = session.admit(self._prompt(rng, long_len))
+        ends = [end for end in itertools.accumulate(self._sizes) if end < long_len]
+        ends.append(long_len)
+        replayed = min(done, len(ends))
+        if replayed:  # the chunks measured before, as one (a turn stops after one step)
+            session.step(chunks=[(long_id, 0, ends[replayed - 1])], timed=False)
+        starts = [0, *ends]
+        for i in range(replayed, len(ends)):
+            yield
+            session.step(chunks=[(long_id, starts[i], ends[i])])
+        yield from _measured(done - len(ends), [session.step] * 2)
+
+    def _mixed_steps(self, session: _Session, rng: random.Random, done: int) -> _Steps:
+        """Short prompts beside a decode row: first beside a decode forward built a step
+        ahead, then (where the runner fuses steps) with the decode row inside the
+        prefills' forward; then a few decode steps of them all."""
+        short_len = self._short_len
+        decoder = session.admit(self._prompt(rng, short_len))
+        session.step(chunks=[(decoder, 0, short_len)], timed=False)
+        session.step(timed=False)  # decoding, as a running request is
+        short_ids = [session.admit(self._prompt(rng, short_len)) for _ in range(self._num_short)]
         half = short_len // 2
-        if half:
-            session.step(chunks=[(rid, 0, half) for rid in short_ids])
-        session.step(chunks=[(rid, half, short_len) for rid in short_ids])
-        for _ in range(3):
-            session.step()  # a few decode rows
-        return session.samples
-    finally:
-        session.close()
+        chunks = [[(rid, 0, half) for rid in short_ids]] if half else []
+        chunks.append([(rid, half, short_len) for rid in short_ids])
+        steps = [functools.partial(session.step, c) for c in chunks] + [session.step] * 3
+        yield from _measured(done, steps)
+
+
+def _measured(done: int, steps: Sequence[Callable[..., None]]) -> _Steps:
+    """Run `steps` (each takes `timed`): the first `done` untimed, each other one timed
+    after a yield."""
+    for i, step in enumerate(steps):
+        if i >= done:
+            yield
+        step(timed=i >= done)
 
 
 class _Session:
@@ -155,12 +256,8 @@ class _Session:
         self._pending.append(NewRequest(request_id=rid, prompt_token_ids=prompt, params=_PARAMS))
         return rid
 
-    def run_untimed(self, prompt: tuple[int, ...]) -> None:
-        rid = self.admit(prompt)
-        self.step(chunks=[(rid, 0, len(prompt))], timed=False)
-        self.step(timed=False)
-        self.runner.housekeep(Housekeeping(free=(rid,)))
-        del self._outputs[rid], self._prompts[rid]
+    def prompt_len(self, rid: str) -> int:
+        return self._prompts[rid]
 
     def step(self, chunks: Sequence[tuple[str, int, int]] = (), timed: bool = True) -> None:
         decodes = tuple(self._outputs)

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import threading
+
 import anyio
+import httpx
 from structlog.testing import capture_logs
 
 from stepline.api import Engine, SamplingParams
+from stepline.api.serve_cmd import serve_in_process
+from stepline.api.server import create_app
 from stepline.engine import cost_model
 from stepline.engine.cost_model import CostModel, Sample, StepCost, StepFeatures
+from stepline.engine.policy import SchedulerConfig
+from stepline.engine.runner import ModelRunner
+from stepline.engine.warmup import Warmup
 from stepline.events.log import read_events
 from stepline.events.models import ChunkPrefilled, TokensSampled
 
@@ -30,13 +38,24 @@ def _prompt(n: int) -> list[int]:
     return [3 + (i * 37) % 250 for i in range(n)]
 
 
+async def _warmed_up(engine: Engine) -> None:
+    """Wait until the engine's warm-up (run while it idles) has measured every step."""
+    with anyio.fail_after(120):
+        await engine.step_loop.wait_until(lambda: not engine.warming_up)
+
+
 async def test_the_warm_up_learns_a_cost_model_and_leaves_no_trace(tmp_path, demo, monkeypatch):
     monkeypatch.setenv("STEPLINE_CACHE_DIR", str(tmp_path / "cache"))  # no samples kept yet
     log = tmp_path / "run.jsonl"
     with capture_logs() as logs:
         opened = Engine.open(str(demo.path), max_step_tokens=64, max_num_seqs=4, event_log=log)
         async with opened as engine:
-            assert [e["event"] for e in logs if "warmup" in e["event"]] == ["warmup_measured"]
+            assert engine.warming_up  # it serves before the warm-up has run
+            await _warmed_up(engine)
+            assert [e["event"] for e in logs if "warmup" in e["event"]] == [
+                "warmup_pending",
+                "warmup_measured",
+            ]
             loop = engine.step_loop
             assert loop.cost_model is not None and loop.cost_model.cost is not None
             assert loop.runner.num_sequences == 0  # its requests are gone
@@ -49,6 +68,94 @@ async def test_the_warm_up_learns_a_cost_model_and_leaves_no_trace(tmp_path, dem
     assert all(e.step >= 1 and "warmup" not in str(e.request_id) for e in read_events(log))
 
 
+async def test_requests_sent_during_the_warm_up_are_served_and_it_finishes_later(
+    tmp_path, demo, monkeypatch
+):
+    monkeypatch.setenv("STEPLINE_CACHE_DIR", str(tmp_path / "cache"))
+    # Each of two turns of the warm-up, once it has measured a step, waits until a request
+    # is on its way (the HTTP server counts it as soon as its body is read): its next check
+    # between steps sees it.
+    stepped, sent = threading.Event(), threading.Event()
+    real_run = Warmup.run
+    stops = iter([True, True])
+
+    def run(self, stop):
+        checks = 0
+        hold = next(stops, False)
+
+        def checked() -> bool:
+            nonlocal checks
+            checks += 1
+            if checks == 2 and hold:
+                stepped.set()
+                sent.wait(30)
+            return stop()
+
+        return real_run(self, checked)
+
+    monkeypatch.setattr(Warmup, "run", run)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    with capture_logs() as logs:
+        async with Engine.open(str(demo.path), max_step_tokens=64, max_num_seqs=4) as engine:
+            for n in (5, 70):
+                await anyio.to_thread.run_sync(stepped.wait)
+                stepped.clear()
+                engine.arriving()
+                sent.set()
+                stream = await engine.submit(_prompt(n), params=params)
+                sent.clear()
+                out = [o async for o in stream]
+                assert sum(len(o.token_ids) for o in out) == 6
+                assert engine.warming_up  # the turn stopped for it, with steps left
+            await _warmed_up(engine)
+            loop = engine.step_loop
+            assert loop.runner.num_sequences == 0
+            assert loop.cost_model.cost is not None
+    measured = [e for e in logs if e["event"] == "warmup_measured"]
+    assert [(e["turns"], e["samples"]) for e in measured] == [(3, 12)]  # all, in 3 turns
+    assert len(list((tmp_path / "cache" / "warmup").iterdir())) == 1  # kept for next time
+
+
+async def test_health_says_ok_at_once_and_warming_up_until_the_warm_up_is_done(
+    tmp_path, demo, monkeypatch
+):
+    monkeypatch.setenv("STEPLINE_CACHE_DIR", str(tmp_path / "cache"))
+    go = threading.Event()  # the warm-up (~50 ms on the demo) waits until health was asked
+    real_run = Warmup.run
+    monkeypatch.setattr(Warmup, "run", lambda self, stop: go.wait(30) and real_run(self, stop))
+    async with Engine.open(str(demo.path), max_step_tokens=64) as engine:
+        async with serve_in_process(create_app(engine)) as url, httpx.AsyncClient() as http:
+            early = (await http.get(f"{url}/health")).json()
+            go.set()
+            await _warmed_up(engine)
+            later = (await http.get(f"{url}/health")).json()
+    assert early["status"] == "ok" and early["warming_up"] is True
+    assert later["status"] == "ok" and "warming_up" not in later
+
+
+def test_a_warm_up_stopped_between_steps_measures_what_an_unstopped_one_does(demo):
+    config = SchedulerConfig(max_step_tokens=64, max_num_seqs=4)
+    whole = Warmup(ModelRunner(demo), config, 300, demo.max_context)
+    whole.run()
+    runner = ModelRunner(demo)
+    stopped = Warmup(runner, config, 300, demo.max_context)
+    checks = 0
+
+    def every_third() -> bool:
+        nonlocal checks
+        checks += 1
+        return checks % 3 == 0
+
+    turns = 0
+    while not stopped.done:
+        stopped.run(every_third)
+        turns += 1
+        assert runner.num_sequences == 0  # a stopped turn frees what it admitted
+    assert turns > 3
+    assert [s.features for s in stopped.samples] == [s.features for s in whole.samples]
+    assert len(whole.samples) >= 8  # enough for the cost model to fit
+
+
 async def test_a_restart_seeds_its_cost_model_with_the_samples_measured_before(
     tmp_path, demo, monkeypatch
 ):
@@ -57,17 +164,19 @@ async def test_a_restart_seeds_its_cost_model_with_the_samples_measured_before(
     for max_step_tokens in (64, 64, 128):
         with capture_logs() as logs:
             async with Engine.open(str(demo.path), max_step_tokens=max_step_tokens) as engine:
+                await _warmed_up(engine)
                 costs.append(engine.step_loop.cost_model.cost)
         events.append([e["event"] for e in logs if "warmup" in e["event"]])
-    assert events == [["warmup_measured"], ["warmup_samples_reused"], ["warmup_measured"]]
+    measured = ["warmup_pending", "warmup_measured"]
+    assert events == [measured, ["warmup_samples_reused"], measured]
     assert costs[1] == costs[0]  # the same samples: the same fit
     # A kept file that is not what was written is measured again, never trusted.
     for kept in (tmp_path / "cache" / "warmup").iterdir():
         kept.write_text("{not json")
     with capture_logs() as logs:
-        async with Engine.open(str(demo.path), max_step_tokens=64):
-            pass
-    assert [e["event"] for e in logs if "warmup" in e["event"]] == ["warmup_measured"]
+        async with Engine.open(str(demo.path), max_step_tokens=64) as engine:
+            await _warmed_up(engine)
+    assert [e["event"] for e in logs if "warmup" in e["event"]] == measured
 
 
 async def test_without_a_target_there_is_no_warm_up(model_cache_dir):
