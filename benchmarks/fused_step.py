@@ -2,11 +2,12 @@
 forwards: the same plan on two runners of the same model, interleaved, median of several.
 
     .venv/bin/python benchmarks/fused_step.py [--model SmolLM2-135M-Instruct] [--rows 4]
-        [--chunk 256] [--context 200] [--repeats 7] [--dtype auto]
+        [--chunk 256] [--offset 256] [--context 200] [--repeats 7] [--dtype auto]
 
 Each trial starts from fresh requests: `--rows` prompts of `--context` tokens are prefilled
-and decode once, and a long prompt has had one chunk; the timed step is the decode rows
-plus the long prompt's next `--chunk` tokens (the runner's own measured `seconds`).
+and decode once, and a long prompt has had its first `--offset` tokens (default: one
+chunk); the timed step is the decode rows plus the long prompt's next `--chunk` tokens (the
+runner's own measured `seconds`). With `--rows 0` it is the chunk alone.
 """
 
 from __future__ import annotations
@@ -25,14 +26,16 @@ from stepline.events.models import RequestParams
 GREEDY = RequestParams(max_tokens=64, temperature=0, top_p=1, top_k=0, min_p=0, seed=None)
 
 
-def trial(runner: ModelRunner, rows: int, context: int, chunk: int, seed: int) -> float:
+def trial(
+    runner: ModelRunner, rows: int, context: int, chunk: int, offset: int, seed: int
+) -> float:
     rng = random.Random(seed)
 
     def prompt(n: int) -> tuple[int, ...]:
         return tuple(rng.randrange(3, 5000) for _ in range(n))
 
     news = [NewRequest(f"d{i}", prompt(context), GREEDY) for i in range(rows)]
-    long = NewRequest("long", prompt(2 * chunk + 1), GREEDY)
+    long = NewRequest("long", prompt(offset + chunk + 1), GREEDY)
     ids = tuple(n.request_id for n in news)
 
     def plan(step: int, decodes: tuple[str, ...], chunks: tuple[ScheduledChunk, ...]):
@@ -40,10 +43,11 @@ def trial(runner: ModelRunner, rows: int, context: int, chunk: int, seed: int) -
         return StepPlan(step=step, decodes=decodes, chunks=chunks, num_scheduled_tokens=num)
 
     prefill = tuple(ScheduledChunk(r, 0, context, (), True) for r in ids)
-    runner.run(StepWork(plan=plan(1, (), prefill), admit=tuple(news)))
-    first = (ScheduledChunk("long", 0, chunk, (), False),)
+    if news:
+        runner.run(StepWork(plan=plan(1, (), prefill), admit=tuple(news)))
+    first = (ScheduledChunk("long", 0, offset, (), False),)
     runner.run(StepWork(plan=plan(2, ids, first), admit=(long,)))
-    second = (ScheduledChunk("long", chunk, 2 * chunk, (), False),)
+    second = (ScheduledChunk("long", offset, offset + chunk, (), False),)
     seconds = runner.run(StepWork(plan=plan(3, ids, second))).seconds
     runner.housekeep(Housekeeping(free=(*ids, "long")))
     return seconds
@@ -54,6 +58,7 @@ def main() -> None:
     ap.add_argument("--model", default="SmolLM2-135M-Instruct")
     ap.add_argument("--rows", type=int, default=4)
     ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--offset", type=int, default=0, help="the chunk's (default: --chunk)")
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--dtype", choices=DTYPES, default="auto", help="the weights' (load_model)")
@@ -66,7 +71,8 @@ def main() -> None:
     times: dict[str, list[float]] = {name: [] for name in runners}
     for i in range(args.repeats + 1):  # the first round warms both up, and is dropped
         for name in runners if i % 2 else reversed(runners):
-            t = trial(runners[name], args.rows, args.context, args.chunk, seed=i)
+            offset = args.offset or args.chunk
+            t = trial(runners[name], args.rows, args.context, args.chunk, offset, seed=i)
             if i:
                 times[name].append(t)
     for name, ts in times.items():
@@ -74,7 +80,7 @@ def main() -> None:
     ratio = statistics.median(times["fused"]) / statistics.median(times["separate"])
     print(
         f"fused / separate: {ratio:.2f}  ({args.rows} decode rows of ~{args.context} "
-        f"tokens beside a {args.chunk}-token chunk)"
+        f"tokens beside a {args.chunk}-token chunk at offset {args.offset or args.chunk})"
     )
 
 

@@ -22,7 +22,7 @@ import mlx.core as mx
 import structlog
 from mlx_lm.models.cache import make_prompt_cache
 
-from stepline.engine import fused, step_sampling
+from stepline.engine import cpu_attention, fused, step_sampling
 from stepline.engine.constraints import advance
 from stepline.engine.cost_model import decode_runs_apart
 from stepline.engine.decode_order import DecodeOrder
@@ -117,6 +117,8 @@ class ModelRunner:
         self._ahead_seconds = 0.0  # the look-ahead's own time: part of the next step's
         # Which order decode-only steps run in (`_pipeline` or not), by measuring both.
         self.decode_order = DecodeOrder()
+        # Prompt attention in cache-sized blocks on the CPU (before `fused` wraps it too).
+        cpu_attention.install(self.model)
         self._split_head = split_head_works(self.model)
         # Whether a step's chunks and decode rows share one forward (`engine/fused.py`):
         # where the architecture is covered and a fused forward is proven on this model.

@@ -49,7 +49,8 @@ _FIRST_TOKEN_ID = 3  # past the usual special tokens
 # Bump when the warm-up's steps change: samples measured by another recipe are not reused.
 # 2: decode context counted as the padded batch; fused and separate mixed steps measured
 # 3: the mixed steps' decode row is a short prompt of its own (episodes run in turns)
-_RECIPE_VERSION = 3
+# 4: prompt attention in blocks on the CPU (engine/cpu_attention.py): steps got faster
+_RECIPE_VERSION = 4
 # Kept samples older than this are measured again (the machine may have changed under them).
 MAX_SAMPLE_AGE_S = 7 * 24 * 3600
 

@@ -1,0 +1,109 @@
+"""Prompt attention on MLX's CPU backend, in blocks of queries that stay in the CPU's cache.
+
+On the CPU, `mx.fast.scaled_dot_product_attention` for a prompt chunk is MLX's fallback:
+the whole (heads x queries x keys) score matrix, then a softmax whose `exp` is scalar code
+(~15 ns an element). At long context that is most of a prefill: on SmolLM2-135M in
+float32 on a 2-core CPU, a 40-token chunk at offset 1,800 spent ~380 of its ~550 ms there,
+~8 of every ~12 ms a layer in the softmax. Here a chunk's queries go in blocks sized so
+that a block's scores (~2 MB) stay in cache, each block against only the keys it can see
+(the causal triangle is skipped, not masked), and the softmax's `exp` is built from MLX's
+vector-friendly elementwise ops: 2^n x 2^f, 2^f from its Taylor series on [-1/2, 1/2]
+(relative error ~1e-7, float32's own rounding) and 2^n from the exponent bits. Per layer
+at 2,048 keys: 24 ms for 128 queries against 40 ms, 97 against 172 ms for 512.
+
+`install` wraps a model module's `scaled_dot_product_attention` (the name mlx-lm's models
+import from `mlx_lm.models.base`) for float32 prompt chunks under a causal mask on the
+CPU; everything else (decode rows, quantized caches, attention sinks, array masks, other
+dtypes, other devices) goes to mlx-lm's own function unchanged.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+
+_LOG2E = 1.4426950408889634
+# exp(f ln 2) = sum (f ln 2)^k / k!: degree 6 on |f| <= 1/2 errs by ~1e-7 relative
+_TAYLOR = tuple(math.log(2) ** k / math.factorial(k) for k in range(7))
+# Scores of one block of queries: at most this many floats (2 MB), at least MIN_BLOCK rows
+BLOCK_ELEMENTS = 1 << 19
+MIN_BLOCK = 8
+
+
+def fast_exp(x: mx.array) -> mx.array:
+    """exp(x) for float32 `x` <= 0 (softmax arguments): -inf and anything under 2^-126
+    become ~1e-38, not 0, which a softmax's sum does not notice."""
+    t = mx.maximum(x * _LOG2E, -126.0)
+    n = mx.round(t)
+    f = t - n
+    p = mx.array(_TAYLOR[-1], dtype=mx.float32)
+    for c in reversed(_TAYLOR[:-1]):
+        p = p * f + c
+    return p * ((n.astype(mx.int32) + 127) << 23).view(mx.float32)
+
+
+def causal_attention(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+    """Attention of the last L positions (`q` (B, H, L, D)) over `k`, `v` (B, Hk, S, D),
+    each query seeing the keys up to its own position; H a multiple of Hk (grouped
+    queries). What `mx.fast.scaled_dot_product_attention(..., mask="causal")` computes."""
+    b, h, length, d = q.shape
+    hk, s = k.shape[1], k.shape[2]
+    group = h // hk
+    block = max(MIN_BLOCK, BLOCK_ELEMENTS // (h * s))
+    # a group's query heads as rows of one matrix per key head: (B, Hk, group, L, D)
+    q = (q * scale).reshape(b, hk, group, length, d)
+    outs = []
+    for start in range(0, length, block):
+        end = min(length, start + block)
+        seen = s - length + end  # the block's last query sees keys [0, seen)
+        rows = q[:, :, :, start:end].reshape(b, hk, group * (end - start), d)
+        scores = rows @ k[:, :, :seen].swapaxes(-1, -2)  # (B, Hk, group * n, seen)
+        if end - start > 1:
+            position = mx.arange(s - length + start, seen)[:, None]
+            visible = position >= mx.arange(seen)[None]  # (n, seen)
+            scores = scores.reshape(b, hk, group, end - start, seen)
+            scores = mx.where(visible, scores, -mx.inf).reshape(b, hk, -1, seen)
+        weights = fast_exp(scores - scores.max(axis=-1, keepdims=True))
+        weights = weights * (1.0 / weights.sum(axis=-1, keepdims=True))
+        out = weights @ v[:, :, :seen]  # (B, Hk, group * n, D)
+        outs.append(out.reshape(b, hk, group, end - start, d))
+    out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=3)
+    return out.reshape(b, h, length, d)
+
+
+def _wrap(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
+    def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, **kwargs):
+        if (
+            isinstance(mask, str)
+            and mask == "causal"
+            and queries.shape[2] > 1
+            and queries.dtype == mx.float32
+            and keys.dtype == mx.float32
+            and kwargs.get("sinks") is None
+            and not hasattr(cache, "bits")  # quantized caches have their own path
+        ):
+            return causal_attention(queries, keys, values, scale)
+        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, **kwargs)
+
+    scaled_dot_product_attention.stepline_cpu = True  # type: ignore[attr-defined]
+    scaled_dot_product_attention.original = original  # type: ignore[attr-defined]
+    return scaled_dot_product_attention
+
+
+def install(model: Any) -> bool:
+    """Wrap the attention function of `model`'s mlx-lm module (once), on the CPU backend
+    only. False where it does not apply (another device; a module that does not call
+    `scaled_dot_product_attention` by that name)."""
+    if mx.default_device() != mx.cpu:
+        return False
+    module = importlib.import_module(type(model).__module__)
+    current = getattr(module, "scaled_dot_product_attention", None)
+    if current is None:
+        return False
+    if not getattr(current, "stepline_cpu", False):
+        module.scaled_dot_product_attention = _wrap(current)
+    return True

@@ -1,0 +1,63 @@
+"""Prompt attention in blocks on the CPU: what MLX's own attention computes, to float32's
+rounding, for every shape a prompt chunk takes."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from stepline.engine import cpu_attention
+from stepline.engine.cpu_attention import causal_attention, fast_exp
+
+
+def test_fast_exp_is_exp_to_float32_rounding_and_negligible_where_exp_underflows():
+    x = mx.concatenate([mx.linspace(-100, 0, 100_001), mx.array([-mx.inf, -1e30])])
+    ours, exact = fast_exp(x), mx.exp(x)
+    normal = exact >= 2.0**-126
+    assert mx.all(mx.where(normal, mx.abs(ours - exact) <= 3e-7 * exact, True)).item()
+    assert mx.all(mx.where(normal, True, ours <= 1.2e-38)).item()
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "queries", "keys"),
+    [
+        (9, 3, 2, 2),  # a two-token prompt
+        (9, 3, 40, 1840),  # a small chunk late in a long prompt
+        (4, 4, 300, 300),  # a whole prompt, no grouping, several blocks
+        (8, 2, 513, 1500),  # blocks that do not divide the chunk
+        (2, 1, 7, 9),
+    ],
+)
+def test_blocked_attention_matches_mlx_causal_attention(heads, kv_heads, queries, keys):
+    mx.random.seed(queries)
+    q = mx.random.normal((1, heads, queries, 64))
+    k = mx.random.normal((1, kv_heads, keys, 64))
+    v = mx.random.normal((1, kv_heads, keys, 64))
+    ours = causal_attention(q, k, v, scale=0.125)
+    theirs = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask="causal")
+    assert ours.shape == theirs.shape
+    assert mx.allclose(ours, theirs, rtol=1e-5, atol=1e-5).item()
+
+
+def test_a_model_prefilled_in_chunks_gives_the_logits_of_mlx_lms_attention(demo):
+    model = demo.model
+    module = __import__(type(model).__module__, fromlist=["_"])
+    assert cpu_attention.install(model)  # the CPU backend: installed (idempotent)
+    wrapped = module.scaled_dot_product_attention
+    prompt = mx.array([[3 + (i * 37) % 250 for i in range(300)]])
+
+    def chunked() -> mx.array:
+        cache = make_prompt_cache(model)
+        for start in range(0, 240, 60):
+            model(prompt[:, start : start + 60], cache=cache)
+        return model(prompt[:, 240:], cache=cache)[0, -1]
+
+    ours = chunked()
+    module.scaled_dot_product_attention = wrapped.original  # mlx-lm's own function
+    try:
+        theirs = chunked()
+    finally:
+        module.scaled_dot_product_attention = wrapped
+    assert mx.allclose(ours, theirs, rtol=1e-4, atol=1e-4).item()
+    assert mx.argmax(ours).item() == mx.argmax(theirs).item()
