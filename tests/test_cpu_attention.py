@@ -8,7 +8,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from stepline.engine import cpu_attention
-from stepline.engine.cpu_attention import causal_attention, fast_exp
+from stepline.engine.cpu_attention import causal_attention, fast_exp, row_attention
 
 
 def test_fast_exp_is_exp_to_float32_rounding_and_negligible_where_exp_underflows():
@@ -37,6 +37,25 @@ def test_blocked_attention_matches_mlx_causal_attention(heads, kv_heads, queries
     ours = causal_attention(q, k, v, scale=0.125)
     theirs = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask="causal")
     assert ours.shape == theirs.shape
+    assert mx.allclose(ours, theirs, rtol=1e-5, atol=1e-5).item()
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "additive"])
+def test_decode_rows_attention_matches_mlx_under_a_batch_caches_padding(mask_kind):
+    mx.random.seed(7)
+    rows, keys = 5, 1200
+    q = mx.random.normal((rows, 9, 1, 64))
+    k = mx.random.normal((rows, 3, keys, 64))
+    v = mx.random.normal((rows, 3, keys, 64))
+    padding = mx.array([0, 10, 600, 1100, 3])  # each row's left padding, as a batch has
+    visible = (mx.arange(keys)[None] >= padding[:, None]).reshape(rows, 1, 1, keys)
+    mask = {
+        "none": None,
+        "bool": visible,
+        "additive": mx.where(visible, 0.0, -mx.inf),
+    }[mask_kind]
+    ours = row_attention(q, k, v, 0.125, mask)
+    theirs = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
     assert mx.allclose(ours, theirs, rtol=1e-5, atol=1e-5).item()
 
 
