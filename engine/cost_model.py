@@ -59,6 +59,13 @@ MAX_LOAD_FACTOR = 4.0
 # ...and how many steps' worth of doubt that scale starts with: n live prefill steps move
 # it n / (n + SCALE_PRIOR_STEPS) of the way (in log terms) from 1 to what they measured.
 SCALE_PRIOR_STEPS = 1
+# A step with prefill whose prompt work (its time less the fit's fixed and decode parts) took
+# more than SURPRISE times what the fit priced it at prices the next step's prompt work at
+# what it took (up to MAX_LOAD_FACTOR times). The fit is robust, and slow to learn a kind of
+# step its samples never showed (a chunk deeper into a prompt than any seen: on SmolLM2
+# after a first start whose warm-up the traffic cut short, 121-token chunks at offset 1,500
+# priced at 0.56 s took 1.0-1.45 s, step after step); meanwhile the decoders pay.
+SURPRISE = 1.25
 # Prefill steps are kept per band of their chunks' mean context, each band its own window:
 # under 256 tokens, under 1024, under 4096, under 16384, and beyond.
 CONTEXT_BANDS = (256, 1024, 4096, 16384)
@@ -144,6 +151,14 @@ class StepCost:
         """Predicted seconds of a step with these features."""
         return sum(c * x for c, x in zip(self.coefficients(), features.vector(), strict=True))
 
+    def prompt_part(self, features: StepFeatures) -> float:
+        """The part of `predict` that prices the prompt tokens' own work (per token and per
+        attention pair), which a chunk's size scales."""
+        return (
+            self.per_prefill_token * features.prefill_tokens
+            + self.per_attention * features.prefill_attention
+        )
+
     def max_chunk_tokens(self, start: int, seconds: float) -> int:
         """The most tokens a chunk at offset `start` may have so that it costs at most
         `seconds` (0 if not even one token fits). The chunk's cost is per_chunk
@@ -204,6 +219,8 @@ class CostModel:
         self._num_live = 0  # live samples observed, ever
         self._since_fit = 0
         self._cost: StepCost | None = None
+        self._surprise = 1.0  # the last step's prompt work, measured / priced (see SURPRISE)
+        self._last: Sample | None = None  # the last step observed
         for s in seed:
             self.seed(s.features, s.seconds)
 
@@ -220,12 +237,25 @@ class CostModel:
         """A step with `features` took `seconds` (the executor's measured time)."""
         if not _usable(seconds):
             return
+        self._last = Sample(features, seconds)
+        self._surprise = self._surprised_by(features, seconds)
+        if self._surprise > 1:
+            self._since_fit = self._refit_every  # and let the fit see it at once
         self._history(features).append(Sample(features, seconds))
         self._since_fit += 1
         self._num_live += 1
         n = self._num_live
         if self._early_refits and n < self._refit_every and n & (n - 1) == 0:
             self._since_fit = self._refit_every  # a power of two: refit at the next read
+
+    def _surprised_by(self, features: StepFeatures, seconds: float) -> float:
+        """How much dearer than priced this step's prompt work was, if more than SURPRISE
+        times (capped at MAX_LOAD_FACTOR); 1 otherwise, and for a step without prefill."""
+        if self._cost is None or not features.has_prefill:
+            return 1.0
+        prompt = self._cost.prompt_part(features)
+        ratio = (seconds - (self._cost.predict(features) - prompt)) / prompt if prompt else 1.0
+        return min(ratio, MAX_LOAD_FACTOR) if ratio > SURPRISE else 1.0
 
     def _history(self, features: StepFeatures) -> deque[Sample]:
         """The window of live samples that a step of this kind goes to."""
@@ -238,7 +268,17 @@ class CostModel:
     @property
     def last(self) -> StepCost | None:
         """The last fit, as it is (no refit): enough to predict a step that sizes no chunk."""
-        return self._cost
+        return self._surprised(self._cost)
+
+    def _surprised(self, cost: StepCost | None) -> StepCost | None:
+        """`cost` with its prompt work priced as the last step's surprise says."""
+        if cost is None or self._surprise == 1:
+            return cost
+        return replace(
+            cost,
+            per_prefill_token=cost.per_prefill_token * self._surprise,
+            per_attention=cost.per_attention * self._surprise,
+        )
 
     @property
     def cost(self) -> StepCost | None:
@@ -250,7 +290,9 @@ class CostModel:
             samples = [*self._seed_samples(live), *live]
             if len(samples) >= MIN_SAMPLES:
                 self._cost = fit(samples)
-        return self._cost
+                if self._last is not None:  # surprised by what the new fit prices?
+                    self._surprise = self._surprised_by(self._last.features, self._last.seconds)
+        return self._surprised(self._cost)
 
     def _seed_samples(self, live: list[Sample]) -> list[Sample]:
         """The warm-up's samples of the kinds of step not yet seen enough live, scaled by

@@ -251,3 +251,31 @@ def test_a_step_whose_decode_rows_ride_in_its_chunks_forward_is_predicted_cheape
     apart = replace(fused, separate_decode=1)
     assert cost.predict(apart) - cost.predict(fused) == pytest.approx(0.004, rel=0.2)
     assert cost.predict(fused) == pytest.approx(TRUE.predict(fused), rel=0.1)
+
+
+def test_a_chunk_much_dearer_than_priced_makes_the_next_one_smaller_at_once():
+    """Deep into a long prompt, a chunk's attention can cost what no sample showed (a first
+    start whose warm-up was cut short). The next step must not repeat the mistake while the
+    robust fit is slow to learn it; a step that costs what the fit says ends the correction,
+    and so does a step without prefill."""
+    model = CostModel(seed=_samples(40, seed=3))
+    assert model.cost is not None
+    deep = StepFeatures(decode_rows=4, decode_context=4 * 300).with_chunk(1500, 120)
+    priced, prompt = model.cost.predict(deep), model.cost.prompt_part(deep)
+    took = priced + 2 * prompt  # its prompt work took 3x its price
+    model.observe(deep, took)
+    cost = model.cost
+    assert cost is not None
+    assert cost.predict(deep) == pytest.approx(took, rel=0.15)
+    fixed = priced - prompt
+    assert fixed + cost.prompt_part(StepFeatures().with_chunk(1620, 60)) > priced
+    # ... so the chunk that fits the time the last one was priced at is much smaller
+    assert cost.max_chunk_tokens(1620, prompt) < 0.6 * 120
+
+    model.observe(deep, priced)  # as the fit says, this time
+    assert model.cost is not None
+    assert model.cost.predict(deep) < priced + prompt
+    model.observe(deep, took)
+    model.observe(StepFeatures(decode_rows=4, decode_context=1200), 0.01)
+    assert model.cost is not None
+    assert model.cost.predict(deep) < 0.8 * took  # the fit has learned some, not all of it
