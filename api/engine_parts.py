@@ -28,6 +28,7 @@ from stepline.api.config import EngineConfig
 from stepline.engine.cost_model import CostModel
 from stepline.engine.policy import SchedulerConfig
 from stepline.engine.prefix_index import PrefixIndex
+from stepline.engine.warmup import Warmup
 from stepline.events.models import LogHeader, new_run_id, new_salt
 
 log = structlog.get_logger(__name__)
@@ -201,14 +202,14 @@ class EngineParts:
         )
         return step_loop, config
 
-    async def _warmup(self, sched: SchedulerConfig) -> tuple[list, Any]:
+    async def _warmup(self, sched: SchedulerConfig) -> tuple[list, Warmup | None]:
         """The step-time model's seed: the warm-up's samples kept from an earlier start of
         the same model, budget and machine, or else the warm-up that the step loop runs
         while idle (engine/warmup.py), to keep its samples for the next start."""
         from stepline.engine import _blas
         from stepline.engine.cache_dirs import cache_root
         from stepline.engine.prefix_files import model_fingerprint
-        from stepline.engine.warmup import Warmup, load_samples, samples_key
+        from stepline.engine.warmup import load_samples, samples_key
 
         loaded, runner = self.loaded, self.runner
         key = samples_key(

@@ -237,24 +237,26 @@ class CostModel:
         """A step with `features` took `seconds` (the executor's measured time)."""
         if not _usable(seconds):
             return
-        self._last = Sample(features, seconds)
-        self._surprise = self._surprised_by(features, seconds)
+        self._last = sample = Sample(features, seconds)
+        self._surprise = self._surprised_by(sample)
         if self._surprise > 1:
             self._since_fit = self._refit_every  # and let the fit see it at once
-        self._history(features).append(Sample(features, seconds))
+        self._history(features).append(sample)
         self._since_fit += 1
         self._num_live += 1
         n = self._num_live
         if self._early_refits and n < self._refit_every and n & (n - 1) == 0:
             self._since_fit = self._refit_every  # a power of two: refit at the next read
 
-    def _surprised_by(self, features: StepFeatures, seconds: float) -> float:
+    def _surprised_by(self, sample: Sample) -> float:
         """How much dearer than priced this step's prompt work was, if more than SURPRISE
         times (capped at MAX_LOAD_FACTOR); 1 otherwise, and for a step without prefill."""
+        features = sample.features
         if self._cost is None or not features.has_prefill:
             return 1.0
         prompt = self._cost.prompt_part(features)
-        ratio = (seconds - (self._cost.predict(features) - prompt)) / prompt if prompt else 1.0
+        rest = self._cost.predict(features) - prompt
+        ratio = (sample.seconds - rest) / prompt if prompt else 1.0
         return min(ratio, MAX_LOAD_FACTOR) if ratio > SURPRISE else 1.0
 
     def _history(self, features: StepFeatures) -> deque[Sample]:
@@ -291,7 +293,7 @@ class CostModel:
             if len(samples) >= MIN_SAMPLES:
                 self._cost = fit(samples)
                 if self._last is not None:  # surprised by what the new fit prices?
-                    self._surprise = self._surprised_by(self._last.features, self._last.seconds)
+                    self._surprise = self._surprised_by(self._last)
         return self._surprised(self._cost)
 
     def _seed_samples(self, live: list[Sample]) -> list[Sample]:

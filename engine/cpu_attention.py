@@ -22,12 +22,13 @@ other devices) goes to mlx-lm's own function unchanged.
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
+
+from stepline.engine.forward import wrap_attention
 
 _LOG2E = 1.4426950408889634
 # exp(f ln 2) = sum (f ln 2)^k / k!: degree 6 on |f| <= 1/2 errs by ~1e-7 relative
@@ -73,9 +74,7 @@ def causal_attention(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.
             visible = position >= mx.arange(seen)[None]  # (n, seen)
             scores = scores.reshape(b, hk, group, end - start, seen)
             scores = mx.where(visible, scores, -mx.inf).reshape(b, hk, -1, seen)
-        weights = fast_exp(scores - scores.max(axis=-1, keepdims=True))
-        weights = weights * (1.0 / weights.sum(axis=-1, keepdims=True))
-        out = weights @ v[:, :, :seen]  # (B, Hk, group * n, D)
+        out = _softmax(scores) @ v[:, :, :seen]  # (B, Hk, group * n, D)
         outs.append(out.reshape(b, hk, group, end - start, d))
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=3)
     return out.reshape(b, h, length, d)
@@ -96,9 +95,13 @@ def row_attention(
             scores = mx.where(mask, scores, -mx.inf)
         else:
             scores = scores + mask
+    return (_softmax(scores) @ v).reshape(b, h, 1, d)
+
+
+def _softmax(scores: mx.array) -> mx.array:
+    """Softmax over the last axis, with `fast_exp`."""
     weights = fast_exp(scores - scores.max(axis=-1, keepdims=True))
-    weights = weights * (1.0 / weights.sum(axis=-1, keepdims=True))
-    return (weights @ v).reshape(b, h, 1, d)
+    return weights * (1.0 / weights.sum(axis=-1, keepdims=True))
 
 
 def _wrap(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
@@ -116,7 +119,6 @@ def _wrap(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
                 return row_attention(queries, keys, values, scale, mask)
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, **kwargs)
 
-    scaled_dot_product_attention.stepline_cpu = True  # type: ignore[attr-defined]
     scaled_dot_product_attention.original = original  # type: ignore[attr-defined]
     return scaled_dot_product_attention
 
@@ -138,10 +140,4 @@ def install(model: Any) -> bool:
     `scaled_dot_product_attention` by that name)."""
     if mx.default_device() != mx.cpu:
         return False
-    module = importlib.import_module(type(model).__module__)
-    current = getattr(module, "scaled_dot_product_attention", None)
-    if current is None:
-        return False
-    if not getattr(current, "stepline_cpu", False):
-        module.scaled_dot_product_attention = _wrap(current)
-    return True
+    return wrap_attention(type(model).__module__, "stepline_cpu", _wrap)

@@ -4,6 +4,8 @@ splitting the model's body from its output head."""
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -49,3 +51,18 @@ def forward(
         return output_head(model, hidden[:, -1:, :])[:, -1, :] if logits else None
     out = model(tokens, cache=cache)
     return out[:, -1, :] if logits else None
+
+
+def wrap_attention(module_name: str, marker: str, wrap: Callable[[Any], Any]) -> bool:
+    """Replace mlx-lm module `module_name`'s `scaled_dot_product_attention` (the name its
+    attention calls, imported from `mlx_lm.models.base`) with `wrap(current)`, once: the
+    wrapper is marked with the attribute `marker`. False if the module has no such name."""
+    module = importlib.import_module(module_name)
+    current = getattr(module, "scaled_dot_product_attention", None)
+    if current is None:
+        return False
+    if not getattr(current, marker, False):
+        wrapped = wrap(current)
+        setattr(wrapped, marker, True)
+        module.scaled_dot_product_attention = wrapped
+    return True

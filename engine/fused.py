@@ -23,7 +23,6 @@ recurrent `ArraysCache` of hybrid models, other architectures) runs separate for
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +31,7 @@ import mlx.core as mx
 import structlog
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
-from stepline.engine.forward import output_head
+from stepline.engine.forward import output_head, wrap_attention
 from stepline.engine.prefix_cache import share_cache
 
 log = structlog.get_logger(__name__)
@@ -126,19 +125,12 @@ def _wrap(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
             start += size
         return mx.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
 
-    scaled_dot_product_attention.stepline_fused = True  # type: ignore[attr-defined]
     return scaled_dot_product_attention
 
 
 def install(module_name: str) -> bool:
     """Wrap `module_name`'s attention function (once); False if it is not a covered module."""
-    if module_name not in COVERED_MODULES:
-        return False
-    module = importlib.import_module(module_name)
-    current = module.scaled_dot_product_attention
-    if not getattr(current, "stepline_fused", False):
-        module.scaled_dot_product_attention = _wrap(current)
-    return True
+    return module_name in COVERED_MODULES and wrap_attention(module_name, "stepline_fused", _wrap)
 
 
 def body(model: Any, segments: Sequence[Segment]) -> mx.array:

@@ -3,6 +3,8 @@ rounding, for every shape a prompt chunk takes."""
 
 from __future__ import annotations
 
+import importlib
+
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
@@ -61,7 +63,7 @@ def test_decode_rows_attention_matches_mlx_under_a_batch_caches_padding(mask_kin
 
 def test_a_model_prefilled_in_chunks_gives_the_logits_of_mlx_lms_attention(demo):
     model = demo.model
-    module = __import__(type(model).__module__, fromlist=["_"])
+    module = importlib.import_module(type(model).__module__)
     assert cpu_attention.install(model)  # the CPU backend: installed (idempotent)
     wrapped = module.scaled_dot_product_attention
     prompt = mx.array([[3 + (i * 37) % 250 for i in range(300)]])
