@@ -156,13 +156,45 @@ def decode_context(state: RequestState) -> int:
     return state.num_prompt_tokens + state.num_output_tokens
 
 
-def padded_decode_context(contexts: Sequence[int]) -> int:
-    """The attention work of decode rows with these contexts: mlx-lm's batch cache
-    (`BatchKVCache`) left-pads every row to the longest, and attention runs over the padding
-    too. (Summed per row, 31 short chats beside one 4,000-token request were priced at a
-    tenth of their decode step: stepline-demo-large under Poisson arrivals measured 2-3 s
-    decode steps predicted at 0.5 s, and every stream stalled on them.)"""
-    return len(contexts) * max(contexts, default=0)
+# Where steps fuse (`engine/decode_groups.py`), a row joining the decode batch starts a
+# group of its own if joining the group it pads least would add more padded keys than this
+# to every step (on SmolLM2 ~12 us of CPU attention a key-row, against a few ms a step for
+# one more group's ops)...
+SPLIT_KEYS = 1024
+# ... and there are fewer groups than this.
+MAX_GROUPS = 4
+
+
+def place_row(groups: Sequence[tuple[int, int]], length: int, split: bool) -> int | None:
+    """The decode group a row of `length` keys joins, given each group's (rows, padded
+    length): the one it pads least; None for a group of its own (only where `split`)."""
+    best, added = None, 0
+    for i, (rows, padded) in enumerate(groups):
+        more = (rows + 1) * max(padded, length) - rows * padded - length
+        if best is None or more < added:
+            best, added = i, more
+    if best is None or (split and added > SPLIT_KEYS and len(groups) < MAX_GROUPS):
+        return None
+    return best
+
+
+def padded_decode_context(contexts: Sequence[int], split: bool = False) -> int:
+    """The attention work of decode rows with these contexts, in the order they joined the
+    batch: mlx-lm's batch cache (`BatchKVCache`) left-pads every row to the longest of its
+    group, and attention runs over the padding too; rows go in groups as `place_row` puts
+    them (one group unless `split`). (Summed per row, 31 short chats beside one 4,000-token
+    request were priced at a tenth of their decode step: stepline-demo-large under Poisson
+    arrivals measured 2-3 s decode steps predicted at 0.5 s, and every stream stalled on
+    them.)"""
+    groups: list[tuple[int, int]] = []
+    for n in contexts:
+        i = place_row(groups, n, split)
+        if i is None:
+            groups.append((1, n))
+        else:
+            rows, padded = groups[i]
+            groups[i] = (rows + 1, max(padded, n))
+    return sum(rows * padded for rows, padded in groups)
 
 
 def schedule(
@@ -195,7 +227,8 @@ def schedule(
             budget -= 1
             contexts.append(decode_context(s))
     features = StepFeatures(
-        decode_rows=len(decodes), decode_context=padded_decode_context(contexts)
+        decode_rows=len(decodes),
+        decode_context=padded_decode_context(contexts, split=config.fused_steps),
     )
     # The decode rows once a chunk joins them: plus their forward of their own, or not.
     prefilling = any(s.status is Status.PREFILLING for s in running)

@@ -25,6 +25,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from stepline.engine import cpu_attention, fused, step_sampling
 from stepline.engine.constraints import advance
 from stepline.engine.cost_model import decode_runs_apart
+from stepline.engine.decode_groups import DecodeCaches
 from stepline.engine.decode_order import DecodeOrder
 from stepline.engine.forward import forward, split_head_works
 from stepline.engine.grammar import DEFAULT_CACHE_BYTES, GrammarCompiler
@@ -104,7 +105,6 @@ class ModelRunner:
             )
         self._seqs: dict[str, Seq] = {}
         self._batch = NO_ROWS  # the decode batch's rows, in order
-        self._batch_cache: Cache | None = None
         # Each batch row's last token, the batch's next forward's input, where the array is
         # at hand (the tokens just sampled); None: gathered from the rows' outputs.
         self._inputs: mx.array | None = None
@@ -123,6 +123,8 @@ class ModelRunner:
         # Whether a step's chunks and decode rows share one forward (`engine/fused.py`):
         # where the architecture is covered and a fused forward is proven on this model.
         self.fuse = fuse and self._split_head and fused.fused_forward_works(self.model)
+        # The decode batch's caches: in groups of similar lengths where steps fuse.
+        self._decode = DecodeCaches(split=self.fuse)
         vocab = getattr(getattr(self.model, "args", None), "vocab_size", None)
         self.grammars = grammars or GrammarCompiler(
             loaded.tokenizer, vocab or len(loaded.tokenizer), max_bytes=grammar_cache_bytes
@@ -167,7 +169,7 @@ class ModelRunner:
             cache, fed = seq.cache, seq.output[:-1]
         else:
             row = self._batch.index[seq.request_id]
-            cache = [layer.extract(row) for layer in self._batch_cache]
+            cache = self._decode.extract(row)
             fed = seq.output if self._ahead is not None else seq.output[:-1]
         tokens = [*seq.prompt.tolist(), *fed]
         # Every layer that counts tokens must hold exactly these (a wrapped sliding window
@@ -187,36 +189,28 @@ class ModelRunner:
             return
         keep = [i for i, rid in enumerate(self._batch.ids) if rid not in gone]
         self._batch = self._batch.take(keep)
+        self._decode.filter(keep)
         if not keep:
-            self._batch_cache = self._inputs = None
+            self._inputs = None
             self._ahead = self._ahead_error = None
             self._ahead_seconds = 0.0
             return
         if self._inputs is not None:
             self._inputs = self._inputs[mx.array(keep)]
-        for layer in self._batch_cache:
-            layer.filter(keep)
 
     def _join_batch(self, seqs: list[Seq]) -> None:
         """Merge finished prefills into the decode batch."""
         if not seqs:
             return
         assert self._ahead is None, "rows join the batch only after its decode"
-        merged = [
-            type(layers[0]).merge(list(layers))
-            for layers in zip(*(s.cache for s in seqs), strict=True)
-        ]
-        if self._batch_cache is None:
-            self._batch_cache = merged
-        else:
-            for mine, theirs in zip(self._batch_cache, merged, strict=True):
-                mine.extend(theirs)
-        if self._inputs is not None:
-            joined = mx.array([s.last_token for s in seqs], dtype=mx.int32)
+        old = self._batch.seqs
+        order = self._decode.join(old, seqs)
+        if self._inputs is not None and order[: len(old)] == old:  # the rows joined at the end
+            joined = mx.array([s.last_token for s in order[len(old) :]], dtype=mx.int32)
             self._inputs = mx.concatenate([self._inputs, joined])
-        self._batch = self._batch + Rows(seqs)
-        for s in seqs:
-            s.cache = None
+        else:  # gathered from the rows' last tokens when next needed
+            self._inputs = None
+        self._batch = Rows(order)
 
     # -- one step -------------------------------------------------------------
 
@@ -260,7 +254,7 @@ class ModelRunner:
             and not any(c.start < k < c.end for k in c.checkpoints)
             and fused.can_fuse(self._seqs[c.request_id].cache or [], is_batch=False)
         ]
-        with_batch = bool(batch) and fused.can_fuse(self._batch_cache or [], is_batch=True)
+        with_batch = bool(batch) and self._decode.can_fuse()
         if len(together) + with_batch < 2:
             return [], False
         return together, with_batch
@@ -280,9 +274,9 @@ class ModelRunner:
             for s, c in zip(seqs, chunks, strict=True)
         ]
         rows = [[c.num_tokens - 1] if c.is_final else [] for c in chunks]
-        if batch:
-            segments.append(fused.Segment(self._next_inputs(), self._batch_cache, True))
-            rows.append(list(range(len(batch))))
+        groups = self._decode.segments(self._next_inputs()) if batch else []
+        segments += groups
+        rows += [list(range(g.size)) for g in groups]
         saved = [[layer.state for layer in s.cache] for s in segments]
         try:
             out = fused.forward(self.model, segments, rows)
@@ -305,7 +299,10 @@ class ModelRunner:
                     continue
             if x is not None:
                 logits[chunk.request_id] = x
-        return (out[-1] if batch else None), logits
+        decoded = [x for x in out[len(chunks) :] if x is not None]  # each group's rows
+        if not decoded:
+            return None, logits
+        return (decoded[0] if len(decoded) == 1 else mx.concatenate(decoded)), logits
 
     def housekeep(self, work: Housekeeping) -> StepResult:
         """Free ended requests, drop and load prefix-cache entries; no forward pass."""
@@ -484,7 +481,7 @@ class ModelRunner:
 
     def _decode_forward(self, inputs: mx.array) -> mx.array:
         """The decode batch's forward on `inputs` (B,), one token per row: (B, V) logits."""
-        return self.model(inputs.astype(mx.int32)[:, None], cache=self._batch_cache)[:, -1, :]
+        return self._decode.forward(self.model, inputs)
 
     def _pipeline(
         self, ahead: Ahead, pending: PendingSample, batch: Rows

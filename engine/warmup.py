@@ -268,7 +268,7 @@ class _Session:
         features = StepFeatures(
             decode_rows=len(decodes),
             decode_context=padded_decode_context(
-                [self._prompts[r] + self._outputs[r] for r in decodes]
+                [self._prompts[r] + self._outputs[r] for r in decodes], split=self._fused
             ),
             separate_decode=int(apart),
         )

@@ -184,7 +184,7 @@ class _FailingDecode:
         return getattr(self._model, name)
 
     def __call__(self, inputs, cache=None):
-        if cache is not None and cache is self._runner._batch_cache:
+        if cache is not None and any(cache is g for g in self._runner._decode.groups):
             raise RuntimeError("injected decode fault")
         return self._model(inputs, cache=cache)
 

@@ -358,3 +358,81 @@ def test_the_warm_up_measures_both_kinds_of_mixed_step(demo, demo_hybrid):
         mixed = [s.features for s in samples if s.features.decode_rows and s.features.has_prefill]
         assert sorted(f.separate_decode for f in mixed) == want, loaded.name
         assert runner.num_sequences == 0
+
+
+def test_rows_of_very_different_lengths_decode_in_groups_with_their_own_tokens(demo):
+    """A long prompt joining short decode rows decodes in a group of its own (one batch
+    cache would pad every short row to its length, every step); a short request joining
+    later goes in the short rows' group, in the middle of the batch; a row that leaves
+    shrinks its group only, and one that retires leaves its own cache behind. Every step
+    samples the logits one padded batch gives, and every request gets mlx-lm's tokens."""
+    grouped = ModelRunner(demo, prefix_cache_bytes=1 << 28)
+    unhurried = ModelRunner(demo, lookahead=False)  # samples every step's own logits
+    one = ModelRunner(demo, fuse=False, lookahead=False)
+    assert grouped.fuse
+    sampled, sampled_in_one = _capture_sampled(unhurried), _capture_sampled(one)
+    orders: list[tuple[list[str], list[str]]] = []  # each step's batch rows in each runner
+    start = unhurried.sampler.start
+
+    def spy(*a, **kw):
+        orders.append((list(unhurried._batch.ids), list(one._batch.ids)))
+        return start(*a, **kw)
+
+    unhurried.sampler.start = spy
+    prompts = {
+        "a": prompt_ids(20, seed=21),
+        "b": prompt_ids(9, seed=22),
+        "long": prompt_ids(1500, seed=23),
+        "c": prompt_ids(14, seed=24),
+    }
+    news = {rid: NewRequest(rid, tuple(p), GREEDY) for rid, p in prompts.items()}
+
+    def chunk(rid: str, start: int, end: int) -> ScheduledChunk:
+        return ScheduledChunk(rid, start, end, (), end == len(prompts[rid]))
+
+    steps = [  # (decodes, chunks, admitted, freed)
+        ((), (chunk("a", 0, 20), chunk("b", 0, 9)), ("a", "b"), ()),
+        (("a", "b"), (chunk("long", 0, 800),), ("long",), ()),
+        (("a", "b"), (chunk("long", 800, 1500),), (), ()),
+        *[(("a", "b", "long"), (), (), ())] * 2,
+        (("b", "long"), (chunk("c", 0, 14),), ("c",), ("a",)),
+        *[(("b", "long", "c"), (), (), ())] * 3,
+        (("b", "c"), (), (), ("long",)),
+    ]
+    tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
+    groups = []
+    for i, (decodes, chunks, admit, free) in enumerate(steps):
+        num = {rid: 1 for rid in decodes} | {c.request_id: c.num_tokens for c in chunks}
+        plan = StepPlan(step=i + 1, decodes=decodes, chunks=chunks, num_scheduled_tokens=num)
+        work = StepWork(
+            plan=plan,
+            admit=tuple(news[rid] for rid in admit),
+            free=free,
+            retire=frozenset(free),
+        )
+        got, want = grouped.run(work), one.run(work)
+        assert not got.failed and got.tokens == want.tokens == unhurried.run(work).tokens
+        for rid, token in got.tokens.items():
+            tokens[rid].append(token)
+        groups.append((list(grouped._decode.sizes), list(grouped._batch.ids)))
+        grouped.look_ahead()
+    assert groups[2] == ([2, 1], ["a", "b", "long"])  # long joined: a group of its own
+    assert groups[5] == ([2, 1], ["b", "c", "long"])  # a left, c joined the short rows
+    assert groups[-1] == ([2], ["b", "c"])
+    assert list(one._decode.sizes) == [2]  # without fused steps: one batch, padded
+    assert len(sampled) == len(sampled_in_one) == len(steps)
+    for got_logits, want_logits, (order, want_order) in zip(
+        sampled, sampled_in_one, orders, strict=True
+    ):  # the final chunks' rows, then the batch's in each runner's row order
+        finals = got_logits.shape[0] - len(order)
+        rows = [*range(finals), *(finals + want_order.index(rid) for rid in order)]
+        assert mx.allclose(got_logits, want_logits[mx.array(rows)], atol=1e-4)
+    for rid, prompt in prompts.items():
+        assert tokens[rid] == mlx_lm_greedy(demo.model, prompt, len(tokens[rid])), rid
+    # long's retired cache (its prompt and the tokens its forwards took in) is exactly its own
+    (fed,) = [t for t in grouped.store._entries if t[:1500] == tuple(prompts["long"])]
+    assert list(fed[1500:]) == tokens["long"][: len(fed) - 1500]
+    cache = grouped.store.get(fed, len(fed))
+    nxt = mx.array([[7]])
+    fresh = _prefilled(demo.model, list(fed))
+    assert mx.allclose(demo.model(nxt, cache=cache), demo.model(nxt, cache=fresh), atol=1e-4)

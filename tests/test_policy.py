@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from dataclasses import replace
 
 import pytest
 from core_driver import TOKEN, make_core, params, run_step
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 from stepline.actors.core import SchedulerCore
 from stepline.engine.cost_model import StepCost, StepFeatures
 from stepline.engine.policy import (
+    MAX_GROUPS,
     MAX_WAIT_STEPS,
     MIN_PREFILL_SHARE,
     ContextLengthExceededError,
@@ -23,6 +25,8 @@ from stepline.engine.policy import (
     StepPlan,
     check_admissible,
     decode_context,
+    padded_decode_context,
+    place_row,
     schedule,
 )
 from stepline.engine.prefix_index import PrefixPlan
@@ -329,10 +333,13 @@ def test_chunks_shrink_as_decode_rows_are_added():
     assert sizes[0] > sizes[1] > sizes[2] >= 1
 
 
-def test_decode_rows_are_priced_as_the_padded_batch_they_decode_in():
+@pytest.mark.parametrize("fused_steps", [False, True])
+def test_decode_rows_are_priced_as_the_padded_batch_they_decode_in(fused_steps):
     # One long conversation among short ones: the batch cache pads every row to the longest
-    # and attention runs over the padding, so the step costs what the padded batch costs.
-    core = make_core(config=TIMED, cost=COST)
+    # of its group and attention runs over the padding, so the step costs what the padded
+    # batch costs. Where steps fuse, the long one decodes in a group of its own.
+    config = replace(TIMED, fused_steps=fused_steps)
+    core = make_core(config=config, cost=COST)
     _decoders(core, 3)
     core.add("long-chat", range(6000), params(10_000))
     while core.states["long-chat"].status is not Status.DECODING:
@@ -341,9 +348,25 @@ def test_decode_rows_are_priced_as_the_padded_batch_they_decode_in():
     plan = next_plan(core)
     contexts = [decode_context(core.states[rid]) - 1 for rid in plan.decodes]  # before the step
     (chunk,) = plan.chunks
-    padded = StepFeatures(decode_rows=4, decode_context=4 * max(contexts))
+    short, long = sorted(contexts)[:3], max(contexts)
+    keys = 3 * max(short) + long if fused_steps else 4 * long
+    padded = StepFeatures(decode_rows=4, decode_context=keys)
     real = COST.predict(padded.with_chunk(chunk.start, chunk.num_tokens))
     assert plan.predicted_seconds == pytest.approx(real)  # what the chunk was sized by
+
+
+def test_decode_groups_keep_rows_of_very_different_lengths_apart_up_to_a_few_groups():
+    # a long row beside short ones goes alone; one that pads little joins the nearest group
+    assert padded_decode_context([400] * 4 + [2000], split=True) == 4 * 400 + 2000
+    assert padded_decode_context([400] * 4 + [2000], split=False) == 5 * 2000
+    assert padded_decode_context([400, 420, 2000, 30, 2010], split=True) == 3 * 420 + 2 * 2010
+    assert place_row([(4, 400), (1, 2000)], 30, split=True) == 0
+    assert place_row([(4, 400), (1, 2000)], 1900, split=True) == 1
+    # never more than MAX_GROUPS: past it a row joins the group it pads least
+    far_apart = [1000 * (2**i) for i in range(MAX_GROUPS + 1)]
+    groups = [(1, n) for n in far_apart[:MAX_GROUPS]]
+    assert place_row(groups[:-1], far_apart[-2], split=True) is None
+    assert place_row(groups, far_apart[-1], split=True) == MAX_GROUPS - 1
 
 
 def test_a_lone_prompt_prefills_with_the_whole_budget():
