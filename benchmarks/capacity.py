@@ -154,6 +154,12 @@ def rate_row(server: str, rate: float, plan, results: list[Result], slo: Slo, wa
         "worst_gap_p90_ms": 1000 * percentiles(gaps, (90,))[0],
         "output_tokens_per_s": sum(r.output_tokens for r in ok) / wall if wall else 0.0,
         "errors": sorted({r.error for r in results if r.error})[:2],
+        # each request: its arrival (s after the first), prompt tokens, TTFT and worst gap
+        # (s), and whether it met the SLO
+        "each": [
+            [a.at, a.prompt_tokens, r.ttft, worst_gap(r) if r.ok else None, m]
+            for r, a, m in zip(results, plan, met, strict=True)
+        ],
     }
 
 

@@ -2,19 +2,19 @@
 
 No MLX, no I/O, no clock. Per step, within `max_step_tokens` and `max_num_seqs`:
 1. every decoding request gets one token (oldest first, if the budget is short);
-2. requests mid-prefill get their next chunk, oldest first;
-3. waiting requests are admitted into what is left, if their KV fits (counted as the
-   running requests decode: in one batch, every row padded to the longest): shortest prompt
-   (what is left of it after its cached prefix) first, so that a burst of requests gets
-   most of its first tokens early; but a request that has waited `MAX_WAIT_STEPS` steps
-   goes before every younger one (oldest first among those), so a long prompt is
-   overtaken for a bounded number of steps, never forever.
+2. prompts get what is left, mid-prefill or waiting alike, shortest prompt left first (what
+   is left of it after its cached prefix), so that a burst of requests, or a chat arriving
+   while a long prompt prefills, gets its first token early; but a request admitted
+   `MAX_WAIT_STEPS` steps ago goes before every younger one (oldest first among those), so
+   a long prompt is overtaken for a bounded number of steps, never forever. A waiting
+   request starts only if its KV fits (counted as the running requests decode: in one
+   batch, every row padded to the longest).
 A chunk is min(remaining prompt, budget left, long-prefill cap).
 
 With a cost model (`StepCost`, fitted by engine/cost_model.py) and decode rows to protect,
 chunks are also sized so that the step's predicted time stays under `max_step_ms`: they
-shrink as their context grows and as decode rows are added. The oldest prefill always
-gets at least one token, so nothing starves; and a step is never so short that its
+shrink as their context grows and as decode rows are added. The first prompt in the order
+always gets at least one token, so nothing starves; and a step is never so short that its
 overheads (the decode rows, a chunk's fixed cost) take more than 1 - MIN_PREFILL_SHARE of
 it: on a machine where they are large beside the target, the step stretches so that the
 prompt's own work keeps most of it (every step pays the overheads, and a prompt cut into
@@ -252,7 +252,7 @@ def schedule(
             left = seconds - cost.predict(features if chunks else beside_chunks)
             n = min(n, cost.max_chunk_tokens(start, left))
             if not chunks and n < 1:
-                n = 1  # the oldest prefill always moves: nothing starves
+                n = 1  # the first prompt in the order always moves: nothing starves
         return n
 
     def add(s: RequestState, n: int, start: int) -> None:
@@ -262,32 +262,38 @@ def schedule(
         num_scheduled[s.request_id] = n
         budget -= n
 
-    for s in running:
-        if s.status is Status.PREFILLING and budget > 0:
-            n = chunk_size(s, s.num_computed_tokens)
-            if n > 0:
-                add(s, n, s.num_computed_tokens)
-
-    num_running = len(running)
+    # Prompts, mid-prefill or waiting, shortest left first; one admitted `MAX_WAIT_STEPS`
+    # steps ago before every younger one (`admission_key`).
+    prompts = [(s, s.num_computed_tokens) for s in running if s.status is Status.PREFILLING]
     candidates = admission_order(live, step, prefix)
+    prompts += [(s, first_chunk_start(s, prefix)) for s in candidates]
+    prompts.sort(key=lambda p: admission_key(p[0], step, p[1]))
+    num_running = len(running)
     lengths = [kv_length(s) for s in running] if candidates else []
-    for s in candidates:
-        if budget <= 0 or num_running >= config.max_num_seqs:
+    admitting = True  # waiting requests may still start this step
+    for s, start in prompts:
+        if budget <= 0:
             break
-        if (
-            config.max_kv_tokens is not None
-            and batch_kv_tokens([*lengths, kv_length(s)], config) > config.max_kv_tokens
-        ):
-            if is_aged(s, step):
-                break  # an aged request that does not fit holds back the younger ones
-            continue  # a young one waits; one behind it may fit
-        start = first_chunk_start(s, prefix)
+        waiting = s.status is Status.WAITING
+        if waiting:
+            if not admitting or num_running >= config.max_num_seqs:
+                continue
+            if (
+                config.max_kv_tokens is not None
+                and batch_kv_tokens([*lengths, kv_length(s)], config) > config.max_kv_tokens
+            ):
+                # an aged request that does not fit holds back the younger ones; a young
+                # one waits, and one behind it may fit
+                admitting = not is_aged(s, step)
+                continue
         n = chunk_size(s, start)
         if n < 1:
-            break  # no time left in this step: the rest next step, in order
+            admitting = admitting and not waiting  # no time left: the rest next step, in order
+            continue
         add(s, n, start)
-        num_running += 1
-        lengths.append(kv_length(s))
+        if waiting:
+            num_running += 1
+            lengths.append(kv_length(s))
 
     return StepPlan(
         step=step,
@@ -335,7 +341,7 @@ def prefix_candidates(
 
 
 def is_aged(s: RequestState, step: int) -> bool:
-    """Whether waiting request `s` has waited `MAX_WAIT_STEPS` steps by step `step`."""
+    """Whether request `s` was admitted `MAX_WAIT_STEPS` steps before step `step`."""
     return step - s.admitted_step >= MAX_WAIT_STEPS
 
 

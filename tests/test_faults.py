@@ -98,14 +98,17 @@ async def test_a_fault_in_one_requests_prefill_ends_only_that_request(tmp_path, 
     ) as engine:
         alone = await tokens_alone(engine)
         runner = engine.step_loop.runner
-        real_prefill = runner._prefill
+        real_prefill, real_fusable = runner._prefill, runner._fusable
 
         def prefill(chunk):
             if chunk.request_id == "doomed" and chunk.start > 0:  # its second chunk
                 raise RuntimeError("injected prefill fault")
             return real_prefill(chunk)
 
-        runner._prefill = prefill
+        def fusable(chunks, *args):  # the doomed request's chunks run a forward of their own
+            return real_fusable([c for c in chunks if c.request_id != "doomed"], *args)
+
+        runner._prefill, runner._fusable = prefill, fusable
         results = await run_together(engine, prompt_of(100, salt=9), params(seed=5))
         assert engine.healthy
         loop = engine.step_loop

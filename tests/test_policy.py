@@ -23,6 +23,7 @@ from stepline.engine.policy import (
     KVBudgetExceededError,
     SchedulerConfig,
     StepPlan,
+    admission_key,
     check_admissible,
     decode_context,
     padded_decode_context,
@@ -134,7 +135,7 @@ def test_a_running_request_given_no_tokens_in_a_step_is_kept_and_resumed():
     assert [(c.request_id, c.start) for c in p4.chunks][0] == ("b", 5)
 
 
-def test_no_running_prefill_is_ever_skipped_under_random_load():
+def test_a_prefill_is_only_skipped_for_prompts_that_go_before_it_and_all_finish():
     rng = random.Random(1)
     for _ in range(300):
         budget = rng.randint(2, 12)
@@ -145,15 +146,38 @@ def test_no_running_prefill_is_ever_skipped_under_random_load():
         )
         core = make_core(config=config)
         arrivals = sorted((rng.randint(0, 8), f"r{i}", rng.randint(1, 20)) for i in range(8))
-        for step in range(30):
+        for step in range(200):
             for t, rid, n in arrivals:
                 if t == step:
-                    core.add(rid, range(n), params(100))
+                    core.add(rid, range(n), params(3))
             if not core.states:
                 continue  # nobody has arrived yet
-            prefilling = [r for r, s in core.states.items() if s.status is Status.PREFILLING]
+            before = dict(core.states)
+            prefilling = [r for r, s in before.items() if s.status is Status.PREFILLING]
             plan = next_plan(core)
-            assert all(r in plan.num_scheduled_tokens for r in prefilling)
+
+            key = {
+                rid: admission_key(s, plan.step, s.num_computed_tokens) for rid, s in before.items()
+            }
+            for r in prefilling:
+                if r not in plan.num_scheduled_tokens:  # the prompts that went went first
+                    assert all(key[c.request_id] < key[r] for c in plan.chunks)
+            if step > 8 and not core.states:
+                break
+        assert not core.states  # every request was served to its end
+
+
+def test_a_chat_arriving_while_a_long_prompt_prefills_goes_first_unless_that_one_has_aged():
+    core = make_core(config=SchedulerConfig(max_step_tokens=512))
+    core.add("long", range(8000), params(1))
+    next_plan(core)
+    core.add("chat", range(100), params(1))
+    plan = next_plan(core)  # shortest prompt left first: the chat whole, the long one after
+    assert [(c.request_id, c.num_tokens) for c in plan.chunks] == [("chat", 100), ("long", 412)]
+    while plan.step <= MAX_WAIT_STEPS:
+        plan = next_plan(core)
+    core.add("late", range(100), params(1))  # long was admitted MAX_WAIT_STEPS steps ago
+    assert [(c.request_id, c.num_tokens) for c in next_plan(core).chunks] == [("long", 512)]
 
 
 def test_max_num_seqs_holds_when_resuming_and_admitting():
