@@ -4,9 +4,10 @@ No MLX, no I/O, no clock. Per step, within `max_step_tokens` and `max_num_seqs`:
 1. every decoding request gets one token (oldest first, if the budget is short);
 2. prompts get what is left, mid-prefill or waiting alike, shortest prompt left first (what
    is left of it after its cached prefix), so that a burst of requests, or a chat arriving
-   while a long prompt prefills, gets its first token early; but a request admitted
-   `MAX_WAIT_STEPS` steps ago goes before every younger one (oldest first among those), so
-   a long prompt is overtaken for a bounded number of steps, never forever. A waiting
+   while a long prompt prefills, gets its first token early; but a prompt that has not
+   moved for `MAX_WAIT_STEPS` steps (since it was admitted, or since its last chunk) goes
+   before every other (oldest first among those), so a long prompt is held back for a
+   bounded number of steps, never forever. A waiting
    request starts only if its KV fits (counted as the running requests decode: in one
    batch, every row padded to the longest).
 A chunk is min(remaining prompt, budget left, long-prefill cap).
@@ -45,8 +46,8 @@ DEFAULT_MAX_STEP_MS = 100.0
 # a stall of 0.22x mlx-lm's best BatchGenerator's at 1.39x its TTFT, 0.78 0.24x at 1.28x,
 # 0.8 0.36x at 1.15x.
 MIN_PREFILL_SHARE = 0.78
-# Waiting requests are admitted shortest prompt first; one that has waited this many steps
-# goes before every younger one. A burst of 16 chats of 32-512 tokens on stepline-demo:
+# Prompts go shortest first; one that has not moved for this many steps goes before every
+# other. A burst of 16 chats of 32-512 tokens on stepline-demo:
 # its median time to first token was about 0.8x that of admitting oldest first.
 MAX_WAIT_STEPS = 8
 
@@ -262,8 +263,8 @@ def schedule(
         num_scheduled[s.request_id] = n
         budget -= n
 
-    # Prompts, mid-prefill or waiting, shortest left first; one admitted `MAX_WAIT_STEPS`
-    # steps ago before every younger one (`admission_key`).
+    # Prompts, mid-prefill or waiting, shortest left first; one that has not moved for
+    # `MAX_WAIT_STEPS` steps before every other (`admission_key`).
     prompts = [(s, s.num_computed_tokens) for s in running if s.status is Status.PREFILLING]
     candidates = admission_order(live, step, prefix)
     prompts += [(s, first_chunk_start(s, prefix)) for s in candidates]
@@ -341,8 +342,9 @@ def prefix_candidates(
 
 
 def is_aged(s: RequestState, step: int) -> bool:
-    """Whether request `s` was admitted `MAX_WAIT_STEPS` steps before step `step`."""
-    return step - s.admitted_step >= MAX_WAIT_STEPS
+    """Whether request `s`'s prompt has not moved for `MAX_WAIT_STEPS` steps by step `step`
+    (since it was admitted, or since its last chunk)."""
+    return step - s.moved_step >= MAX_WAIT_STEPS
 
 
 def admission_key(s: RequestState, step: int, start: int) -> tuple[bool, int, int]:

@@ -53,6 +53,9 @@ class RequestState:
     params: RequestParams
     finish_reason: FinishReason | None = None
     admitted_step: int
+    # the last step its prompt moved (a chunk), or its admission: the scheduler puts a
+    # prompt that has not moved for a few steps before every younger one
+    moved_step: int
     admitted_seq: int  # arrival order: the scheduler serves older requests first
     admitted_ts: float
     first_token_ts: float | None = None
@@ -109,6 +112,7 @@ def apply(state: RequestState | None, event: Event | Decoding) -> RequestState:
             checkpoints=event.checkpoints,
             params=event.params,
             admitted_step=event.step,
+            moved_step=event.step,
             admitted_seq=event.seq,
             admitted_ts=event.ts,
         )
@@ -218,6 +222,7 @@ def _apply_chunk(state: RequestState, event: ChunkPrefilled) -> RequestState:
     return state.evolve(
         num_computed_tokens=event.end,
         status=Status.DECODING if done else Status.PREFILLING,
+        moved_step=event.step,
     )
 
 

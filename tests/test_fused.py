@@ -363,8 +363,9 @@ def test_the_warm_up_measures_both_kinds_of_mixed_step(demo, demo_hybrid):
 def test_rows_of_very_different_lengths_decode_in_groups_with_their_own_tokens(demo):
     """A long prompt joining short decode rows decodes in a group of its own (one batch
     cache would pad every short row to its length, every step); a short request joining
-    later goes in the short rows' group, in the middle of the batch; a row that leaves
-    shrinks its group only, and one that retires leaves its own cache behind. Every step
+    later goes in the short rows' group, in the middle of the batch, and a long one in the
+    long one's; a row that leaves shrinks its group only, and one that retires leaves its
+    own cache behind. Every step
     samples the logits one padded batch gives, and every request gets mlx-lm's tokens."""
     grouped = ModelRunner(demo, prefix_cache_bytes=1 << 28)
     unhurried = ModelRunner(demo, lookahead=False)  # samples every step's own logits
@@ -384,6 +385,7 @@ def test_rows_of_very_different_lengths_decode_in_groups_with_their_own_tokens(d
         "b": prompt_ids(9, seed=22),
         "long": prompt_ids(1500, seed=23),
         "c": prompt_ids(14, seed=24),
+        "near": prompt_ids(1400, seed=25),
     }
     news = {rid: NewRequest(rid, tuple(p), GREEDY) for rid, p in prompts.items()}
 
@@ -396,8 +398,9 @@ def test_rows_of_very_different_lengths_decode_in_groups_with_their_own_tokens(d
         (("a", "b"), (chunk("long", 800, 1500),), (), ()),
         *[(("a", "b", "long"), (), (), ())] * 2,
         (("b", "long"), (chunk("c", 0, 14),), ("c",), ("a",)),
-        *[(("b", "long", "c"), (), (), ())] * 3,
-        (("b", "c"), (), (), ("long",)),
+        (("b", "long", "c"), (chunk("near", 0, 1400),), ("near",), ()),
+        *[(("b", "long", "c", "near"), (), (), ())] * 2,
+        (("b", "c", "near"), (), (), ("long",)),
     ]
     tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
     groups = []
@@ -418,8 +421,9 @@ def test_rows_of_very_different_lengths_decode_in_groups_with_their_own_tokens(d
         grouped.look_ahead()
     assert groups[2] == ([2, 1], ["a", "b", "long"])  # long joined: a group of its own
     assert groups[5] == ([2, 1], ["b", "c", "long"])  # a left, c joined the short rows
-    assert groups[-1] == ([2], ["b", "c"])
-    assert list(one._decode.sizes) == [2]  # without fused steps: one batch, padded
+    assert groups[6] == ([2, 2], ["b", "c", "long", "near"])  # near joined long's group
+    assert groups[-1] == ([2, 1], ["b", "c", "near"])
+    assert list(one._decode.sizes) == [3]  # without fused steps: one batch, padded
     assert len(sampled) == len(sampled_in_one) == len(steps)
     for got_logits, want_logits, (order, want_order) in zip(
         sampled, sampled_in_one, orders, strict=True

@@ -167,17 +167,26 @@ def test_a_prefill_is_only_skipped_for_prompts_that_go_before_it_and_all_finish(
         assert not core.states  # every request was served to its end
 
 
-def test_a_chat_arriving_while_a_long_prompt_prefills_goes_first_unless_that_one_has_aged():
+def test_chats_arriving_while_a_long_prompt_prefills_go_first_unless_it_stops_moving():
     core = make_core(config=SchedulerConfig(max_step_tokens=512))
-    core.add("long", range(8000), params(1))
-    next_plan(core)
+    core.add("long", range(20_000), params(1))
+    for _ in range(2 * MAX_WAIT_STEPS):  # however long it has prefilled, while it moves
+        next_plan(core)
     core.add("chat", range(100), params(1))
     plan = next_plan(core)  # shortest prompt left first: the chat whole, the long one after
     assert [(c.request_id, c.num_tokens) for c in plan.chunks] == [("chat", 100), ("long", 412)]
-    while plan.step <= MAX_WAIT_STEPS:
+    # Chats that fill whole steps hold it back, but only until it has not moved for
+    # MAX_WAIT_STEPS steps; then it goes first.
+    held = 0
+    while True:
+        for i in range(2):
+            core.add(f"c{plan.step}-{i}", range(256), params(1))
         plan = next_plan(core)
-    core.add("late", range(100), params(1))  # long was admitted MAX_WAIT_STEPS steps ago
-    assert [(c.request_id, c.num_tokens) for c in next_plan(core).chunks] == [("long", 512)]
+        if plan.chunks[0].request_id == "long":
+            break
+        assert all(c.request_id != "long" for c in plan.chunks)
+        held += 1
+    assert held == MAX_WAIT_STEPS - 1
 
 
 def test_max_num_seqs_holds_when_resuming_and_admitting():
