@@ -10,7 +10,7 @@ Where a step's rows run as one fused forward (`engine/fused.py`: the projections
 once over every row, attention per segment), the batch is kept in groups instead: each
 group is a batch cache of its own, and a group is one more segment of the forward. A row
 that joins goes to the group it pads least, or starts a group of its own where that would
-add more than `policy.SPLIT_KEYS` padded keys to every step (`policy.place_row`). Without
+add more than `policy.SPLIT_KEYS` padded keys to every step (`policy.place_rows`). Without
 fusion the batch is one group, as mlx-lm keeps it.
 
 The batch's row order is the groups' rows, group after group. The step-time model prices
@@ -27,7 +27,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from stepline.engine import fused
 from stepline.engine.forward import output_head
-from stepline.engine.policy import place_row
+from stepline.engine.policy import place_rows
 from stepline.engine.sequences import Cache, Seq
 
 
@@ -40,9 +40,6 @@ class DecodeCaches:
         self.groups: list[Cache] = []  # each group's per-layer batch caches
         self.sizes: list[int] = []  # each group's rows
 
-    def __bool__(self) -> bool:
-        return bool(self.groups)
-
     def layers(self) -> list[Any]:
         """Every group's per-layer caches, as one list."""
         return [layer for group in self.groups for layer in group]
@@ -50,41 +47,29 @@ class DecodeCaches:
     def join(self, batch: Sequence[Seq], joining: Sequence[Seq]) -> list[Seq]:
         """Merge the prefilled caches of `joining` into the groups (each `Seq.cache` is taken);
         the batch's new row order (`batch`: its rows now, in order)."""
-        shapes = [
-            (rows, group[0].size() if self.split else 0)
-            for rows, group in zip(self.sizes, self.groups, strict=True)
-        ]
-        placed: list[list[Seq]] = [[] for _ in shapes]
-        for seq in joining:
-            assert seq.cache is not None
-            length = max(layer.size() for layer in seq.cache) if self.split else 0
-            i = place_row(shapes, length, self.split)
-            if i is None:
-                i = len(shapes)
-                shapes.append((0, 0))
-                placed.append([])
-            rows, padded = shapes[i]
-            shapes[i] = (rows + 1, max(padded, length))
-            placed[i].append(seq)
+        if self.split:
+            shapes = [
+                (rows, group[0].size()) for rows, group in zip(self.sizes, self.groups, strict=True)
+            ]
+            lengths = [max(layer.size() for layer in s.cache or []) for s in joining]
+            _, where = place_rows(shapes, lengths, split=True)
+        else:
+            where = [0] * len(joining)
         order, start = [], 0
-        for i, seqs in enumerate(placed):
+        for i in range(max([len(self.groups) - 1, *where]) + 1):
+            seqs = [s for s, g in zip(joining, where, strict=True) if g == i]
             kept = self.sizes[i] if i < len(self.sizes) else 0
             order += [*batch[start : start + kept], *seqs]
             start += kept
             if not seqs:
                 continue
-            merged = _own_batch(seqs[0].cache) if len(seqs) == 1 else None
-            if merged is None or i < len(self.groups):
-                merged = [
-                    type(layers[0]).merge(list(layers))
-                    for layers in zip(*(s.cache for s in seqs), strict=True)
-                ]
             if i < len(self.groups):
-                for mine, theirs in zip(self.groups[i], merged, strict=True):
+                for mine, theirs in zip(self.groups[i], _merged(seqs), strict=True):
                     mine.extend(theirs)
                 self.sizes[i] += len(seqs)
             else:
-                self.groups.append(merged)
+                own = _own_batch(seqs[0].cache) if len(seqs) == 1 else None
+                self.groups.append(own or _merged(seqs))
                 self.sizes.append(len(seqs))
             for s in seqs:
                 s.cache = None
@@ -133,6 +118,12 @@ class DecodeCaches:
         if len(self.groups) == 1:
             return model(inputs.astype(mx.int32)[:, None], cache=self.groups[0])[:, -1, :]
         return output_head(model, fused.body(model, self.segments(inputs)))[:, -1, :]
+
+
+def _merged(seqs: Sequence[Seq]) -> Cache:
+    """The prefilled caches of `seqs` as one batch cache per layer (mlx-lm's `merge`)."""
+    layers = zip(*(s.cache or [] for s in seqs), strict=True)
+    return [type(mine[0]).merge(list(mine)) for mine in layers]
 
 
 def _own_batch(cache: Cache | None) -> Cache | None:

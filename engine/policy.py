@@ -179,6 +179,23 @@ def place_row(groups: Sequence[tuple[int, int]], length: int, split: bool) -> in
     return best
 
 
+def place_rows(
+    groups: Sequence[tuple[int, int]], lengths: Sequence[int], split: bool
+) -> tuple[list[tuple[int, int]], list[int]]:
+    """Rows of `lengths` keys joining decode groups of (rows, padded length), in order, each
+    where `place_row` puts it: the groups after, and the group each row went to."""
+    after, where = list(groups), []
+    for n in lengths:
+        i = place_row(after, n, split)
+        if i is None:
+            i = len(after)
+            after.append((0, 0))
+        rows, padded = after[i]
+        after[i] = (rows + 1, max(padded, n))
+        where.append(i)
+    return after, where
+
+
 def padded_decode_context(contexts: Sequence[int], split: bool = False) -> int:
     """The attention work of decode rows with these contexts, in the order they joined the
     batch: mlx-lm's batch cache (`BatchKVCache`) left-pads every row to the longest of its
@@ -187,14 +204,7 @@ def padded_decode_context(contexts: Sequence[int], split: bool = False) -> int:
     request were priced at a tenth of their decode step: stepline-demo-large under Poisson
     arrivals measured 2-3 s decode steps predicted at 0.5 s, and every stream stalled on
     them.)"""
-    groups: list[tuple[int, int]] = []
-    for n in contexts:
-        i = place_row(groups, n, split)
-        if i is None:
-            groups.append((1, n))
-        else:
-            rows, padded = groups[i]
-            groups[i] = (rows + 1, max(padded, n))
+    groups, _ = place_rows([], contexts, split)
     return sum(rows * padded for rows, padded in groups)
 
 

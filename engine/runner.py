@@ -205,7 +205,8 @@ class ModelRunner:
         assert self._ahead is None, "rows join the batch only after its decode"
         old = self._batch.seqs
         order = self._decode.join(old, seqs)
-        if self._inputs is not None and order[: len(old)] == old:  # the rows joined at the end
+        at_end = all(a is b for a, b in zip(order, old, strict=False))  # joined after them
+        if self._inputs is not None and at_end:
             joined = mx.array([s.last_token for s in order[len(old) :]], dtype=mx.int32)
             self._inputs = mx.concatenate([self._inputs, joined])
         else:  # gathered from the rows' last tokens when next needed
