@@ -15,11 +15,14 @@ A chunk is min(remaining prompt, budget left, long-prefill cap).
 With a cost model (`StepCost`, fitted by engine/cost_model.py) and decode rows to protect,
 chunks are also sized so that the step's predicted time stays under `max_step_ms`: they
 shrink as their context grows and as decode rows are added. The first prompt in the order
-always gets at least one token, so nothing starves; and a step is never so short that its
-overheads (the decode rows, a chunk's fixed cost) take more than 1 - MIN_PREFILL_SHARE of
-it: on a machine where they are large beside the target, the step stretches so that the
-prompt's own work keeps most of it (every step pays the overheads, and a prompt cut into
-many small chunks would wait far longer for its first token than it takes to compute).
+always gets at least one token, so nothing starves. Within the target a step is no longer
+than it takes to give the prompt's own work PREFILL_SHARE of it (where the overheads, the
+decode rows and a chunk's fixed cost, are small, a longer step stalls the decoders for
+little gain), and it is never so short that the overheads take more than
+1 - MIN_PREFILL_SHARE of it: on a machine where they are large beside the target, the step
+stretches so that the prompt's own work keeps most of it (every step pays the overheads,
+and a prompt cut into many small chunks would wait far longer for its first token than it
+takes to compute). `step_seconds` says how long a step may be.
 With nobody decoding there is nobody to protect: a lone prompt prefills in chunks as big
 as the token rules allow.
 """
@@ -46,6 +49,16 @@ DEFAULT_MAX_STEP_MS = 100.0
 # a stall of 0.22x mlx-lm's best BatchGenerator's at 1.39x its TTFT, 0.78 0.24x at 1.28x,
 # 0.8 0.36x at 1.15x.
 MIN_PREFILL_SHARE = 0.78
+# ...and where the overheads are small beside the target, the step is no longer than it takes
+# to give the prompt's own work this share of it: a longer step would stall the decoders for
+# little gain in time to first token. On the small demos on a 2-core CPU, where a step's
+# overheads beside 4 decode rows are ~5 ms, steps of ~35 ms rather than 100: measured on the
+# hybrid demo over HTTP (a 1,984-token prompt beside 4 streams), the streams' longest gap
+# 96-124 ms against 234-339 ms, the prompt's first token within the runs' spread (594-853 ms
+# against 691-743 ms). Never shorter than SHORTEST_STEP of the target (a cost model whose
+# overheads come out near zero would otherwise plan steps of a token or two).
+PREFILL_SHARE = 0.85
+SHORTEST_STEP = 0.25
 # Prompts go shortest first; one that has not moved for this many steps goes before every
 # other. A burst of 16 chats of 32-512 tokens on stepline-demo:
 # its median time to first token was about 0.8x that of admitting oldest first.
@@ -196,6 +209,16 @@ def place_rows(
     return after, where
 
 
+def step_seconds(overheads: float, max_step_ms: float) -> float:
+    """How long a step beside decode rows may take, given its predicted `overheads` (the
+    decode rows and a chunk's fixed cost): as long as gives the prompt's own work
+    `PREFILL_SHARE` of it, within the target (but not under `SHORTEST_STEP` of it); past
+    the target only as far as keeps that share at `MIN_PREFILL_SHARE`."""
+    target = max_step_ms / 1e3
+    short = max(min(target, overheads / (1 - PREFILL_SHARE)), SHORTEST_STEP * target)
+    return max(short, overheads / (1 - MIN_PREFILL_SHARE))
+
+
 def padded_decode_context(contexts: Sequence[int], split: bool = False) -> int:
     """The attention work of decode rows with these contexts, in the order they joined the
     batch: mlx-lm's batch cache (`BatchKVCache`) left-pads every row to the longest of its
@@ -251,9 +274,7 @@ def schedule(
     seconds = 0.0
     if timed:
         assert cost is not None and config.max_step_ms is not None
-        # Where the target leaves the prefill too little of the step, the step stretches.
-        overheads = cost.predict(beside_chunks) + cost.per_chunk
-        seconds = max(config.max_step_ms / 1e3, overheads / (1 - MIN_PREFILL_SHARE))
+        seconds = step_seconds(cost.predict(beside_chunks) + cost.per_chunk, config.max_step_ms)
 
     def chunk_size(s: RequestState, start: int) -> int:
         """Tokens for this request's next chunk: the token rules, then the time left."""

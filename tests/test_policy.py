@@ -18,6 +18,8 @@ from stepline.engine.policy import (
     MAX_GROUPS,
     MAX_WAIT_STEPS,
     MIN_PREFILL_SHARE,
+    PREFILL_SHARE,
+    SHORTEST_STEP,
     ContextLengthExceededError,
     EmptyPromptError,
     KVBudgetExceededError,
@@ -354,16 +356,42 @@ def test_chunks_shrink_as_the_prompts_context_grows():
     assert sizes[-2] < 0.7 * sizes[0]  # late chunks attend to far more context
 
 
-def test_chunks_shrink_as_decode_rows_are_added():
-    # (while the target binds: past it, the step stretches; see the test under load)
+def test_chunks_shrink_as_decode_rows_are_added_while_the_target_binds():
+    # 16-20 ms of overheads: over 15% of a 100 ms step (the target binds), under 22% (the
+    # step need not stretch past it)
+    heavy = replace(COST, step=0.010, per_decode_row=0.002)
     sizes = []
-    for num_decoders in (1, 2, 3):
-        core = make_core(config=TIMED, cost=COST)
+    for num_decoders in (2, 3, 4):
+        core = make_core(config=TIMED, cost=heavy)
         _decoders(core, num_decoders)
         core.add("long", range(4000), params(1))
-        (chunk,) = next_plan(core).chunks
-        sizes.append(chunk.num_tokens)
+        plan = next_plan(core)
+        assert plan.predicted_seconds == pytest.approx(0.1, abs=0.001)
+        sizes.append(plan.chunks[0].num_tokens)
     assert sizes[0] > sizes[1] > sizes[2] >= 1
+
+
+def test_where_the_overheads_are_small_steps_are_shorter_than_the_target():
+    # The small demos on a CPU: 4 decode rows and a chunk's fixed cost take ~5 ms. A 100 ms
+    # step would stall the decoders for 95 ms of prompt work; the step is only as long as
+    # gives the prompt PREFILL_SHARE of it, and the prompt moves every step.
+    small = StepCost(step=0.002, per_chunk=0.001, per_prefill_token=0.0002, per_decode_row=0.0005)
+    core = make_core(config=TIMED, cost=small)
+    _decoders(core, 4)
+    core.add("long", range(2000), params(1))
+    overheads = 0.002 + 0.001 + 4 * 0.0005
+    plans = [next_plan(core) for _ in range(3)]
+    for plan in plans:
+        (chunk,) = plan.chunks
+        assert plan.predicted_seconds <= overheads / (1 - PREFILL_SHARE) + 1e-9  # ~33 ms
+        assert chunk.num_tokens * 0.0002 >= PREFILL_SHARE * plan.predicted_seconds - 0.0002
+    # ...but never shorter than SHORTEST_STEP of the target: overheads near zero (a fit
+    # gone wrong) must not cut a prompt into chunks of a token or two
+    core = make_core(config=TIMED, cost=StepCost(per_prefill_token=0.0002))
+    _decoders(core, 4)
+    core.add("long", range(2000), params(1))
+    (chunk,) = next_plan(core).chunks
+    assert chunk.num_tokens == int(SHORTEST_STEP * 0.1 / 0.0002)
 
 
 @pytest.mark.parametrize("fused_steps", [False, True])
@@ -548,7 +576,10 @@ def test_a_chunk_that_carries_the_decode_rows_gets_the_time_of_their_forward():
     """Where the executor fuses steps, a prompt's first chunk beside decoders pays for their
     forward built a step ahead, and its next chunks, which carry the decode rows in their
     own forward, do not; where it does not fuse, every chunk beside decoders pays for it."""
-    cost = StepCost(per_prefill_token=0.001, per_decode_row=0.001, per_separate_decode=0.015)
+    # 16 ms of overheads in one forward, 21 ms with a forward apart: the 100 ms target binds
+    cost = StepCost(
+        step=0.014, per_prefill_token=0.001, per_decode_row=0.001, per_separate_decode=0.005
+    )
     sizes = {}
     for fused_steps in (True, False):
         config = SchedulerConfig(max_step_tokens=512, max_step_ms=100, fused_steps=fused_steps)
@@ -560,5 +591,6 @@ def test_a_chunk_that_carries_the_decode_rows_gets_the_time_of_their_forward():
         assert [p.features.separate_decode for p in plans] == ([1, 0] if fused_steps else [1, 1])
         for p in plans:
             assert p.predicted_seconds == pytest.approx(0.1, abs=0.0011)
-    assert sizes[True] == [83, 98]  # 100 ms - 2 rows - 15 ms apart; then no forward apart
-    assert sizes[False] == [83, 83]
+    # 100 ms - 14 ms - 2 rows - 5 ms apart; then no forward apart
+    assert sizes[True] == [79, 84]
+    assert sizes[False] == [79, 79]
