@@ -42,13 +42,15 @@ from stepline.events.fold import RequestState, Status
 DEFAULT_MAX_STEP_MS = 100.0
 # The least share of a step with decode rows that a prefill chunk's own work gets: its time
 # to first token stays within about 1 / MIN_PREFILL_SHARE of its bare prefill time, while
-# the decoders wait at most a step of 1 / (1 - MIN_PREFILL_SHARE) times the overheads (4.5x:
-# about 0.25-0.35 s on a 2-core CPU with stepline-demo-large, where the decode forward costs
+# the decoders wait at most a step of 1 / (1 - MIN_PREFILL_SHARE) times the overheads (5.6x:
+# about 0.3-0.4 s on a 2-core CPU with stepline-demo-large, where the decode forward costs
 # ~30 ms live and a chunk's forward ~20 ms before any token; within the 100 ms target on a
 # machine 3x faster). Measured there (engine_bench.py --sections hol, 3 repeats): 0.75 gave
 # a stall of 0.22x mlx-lm's best BatchGenerator's at 1.39x its TTFT, 0.78 0.24x at 1.28x,
-# 0.8 0.36x at 1.15x.
-MIN_PREFILL_SHARE = 0.78
+# 0.8 0.36x at 1.15x. On SmolLM2-135M in float32 over HTTP (a 2,000-token prompt beside 4
+# streams, http_load.py, 3 runs each), against mlx_lm.server --prefill-step-size 512: 0.78
+# gave a stall of 0.12-0.13x at 0.96-1.04x its TTFT, 0.82 0.14-0.15x at 0.86-0.97x.
+MIN_PREFILL_SHARE = 0.82
 # ...and where the overheads are small beside the target, the step is no longer than it takes
 # to give the prompt's own work this share of it: a longer step would stall the decoders for
 # little gain in time to first token. On the small demos on a 2-core CPU, where a step's

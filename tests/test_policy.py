@@ -357,11 +357,11 @@ def test_chunks_shrink_as_the_prompts_context_grows():
 
 
 def test_chunks_shrink_as_decode_rows_are_added_while_the_target_binds():
-    # 16-20 ms of overheads: over 15% of a 100 ms step (the target binds), under 22% (the
-    # step need not stretch past it)
-    heavy = replace(COST, step=0.010, per_decode_row=0.002)
+    # 16-17.5 ms of overheads: over 1 - PREFILL_SHARE of a 100 ms step (the target binds),
+    # under 1 - MIN_PREFILL_SHARE (the step need not stretch past it)
+    heavy = replace(COST, step=0.013, per_decode_row=0.0008)
     sizes = []
-    for num_decoders in (2, 3, 4):
+    for num_decoders in (1, 2, 3):
         core = make_core(config=TIMED, cost=heavy)
         _decoders(core, num_decoders)
         core.add("long", range(4000), params(1))
@@ -440,20 +440,21 @@ def test_a_lone_prompt_prefills_with_the_whole_budget():
 
 
 def test_the_oldest_prefill_moves_even_when_decodes_fill_the_target():
-    crowded = StepCost(per_decode_row=0.004, per_prefill_token=0.001)  # 32 rows: 128 ms
+    crowded = StepCost(per_decode_row=0.0033, per_prefill_token=0.001)  # 31 rows: 102 ms
     core = make_core(config=TIMED, cost=crowded)
     _decoders(core, 31)
     core.add("long", range(1000), params(1))
     core.add("next", range(1000), params(1))
     plan = next_plan(core)
-    # The step stretches so that the 31 decode rows' 124 ms are 1 - MIN_PREFILL_SHARE of
-    # it (0.56 s), and the prefill gets the rest (439 tokens at 1 ms, within the 481 that the
+    # The step stretches so that the 31 decode rows' 102 ms are 1 - MIN_PREFILL_SHARE of
+    # it (0.57 s), and the prefill gets the rest (466 tokens at 1 ms, within the 481 that the
     # token budget leaves); the request behind it waits.
-    stretched = 0.124 / (1 - MIN_PREFILL_SHARE)
-    n = int((stretched - 0.124) / 0.001 + 1e-9)
+    rows = 31 * 0.0033
+    stretched = rows / (1 - MIN_PREFILL_SHARE)
+    n = int((stretched - rows) / 0.001 + 1e-9)
     assert 0 < n < 481
     assert [(c.request_id, c.num_tokens) for c in plan.chunks] == [("long", n)]
-    assert plan.predicted_seconds == pytest.approx(0.124 + n * 0.001)
+    assert plan.predicted_seconds == pytest.approx(rows + n * 0.001)
 
 
 def test_the_token_budget_and_the_cap_stay_hard_limits_with_a_cost_model():
@@ -565,7 +566,7 @@ def test_under_load_a_chunk_still_gets_most_of_the_step():
     plan = next_plan(core)
     (chunk,) = plan.chunks
     # The step stretches so that its 30 ms of overheads are 1 - MIN_PREFILL_SHARE of it:
-    # at 0.78, 136 ms, 106 ms of work beside them (96 tokens at 1.1 ms).
+    # at 0.82, 167 ms, 137 ms of work beside them (124 tokens at 1.1 ms).
     step = 0.030 / (1 - MIN_PREFILL_SHARE)
     assert chunk.num_tokens == int((step - 0.030) / 0.0011)
     assert chunk.num_tokens * 0.0011 >= MIN_PREFILL_SHARE * step - 0.0011  # most of the step
@@ -576,9 +577,9 @@ def test_a_chunk_that_carries_the_decode_rows_gets_the_time_of_their_forward():
     """Where the executor fuses steps, a prompt's first chunk beside decoders pays for their
     forward built a step ahead, and its next chunks, which carry the decode rows in their
     own forward, do not; where it does not fuse, every chunk beside decoders pays for it."""
-    # 16 ms of overheads in one forward, 21 ms with a forward apart: the 100 ms target binds
+    # 15.5 ms of overheads in one forward, 17.5 ms with a forward apart: the target binds
     cost = StepCost(
-        step=0.014, per_prefill_token=0.001, per_decode_row=0.001, per_separate_decode=0.005
+        step=0.0135, per_prefill_token=0.001, per_decode_row=0.001, per_separate_decode=0.002
     )
     sizes = {}
     for fused_steps in (True, False):
@@ -591,6 +592,6 @@ def test_a_chunk_that_carries_the_decode_rows_gets_the_time_of_their_forward():
         assert [p.features.separate_decode for p in plans] == ([1, 0] if fused_steps else [1, 1])
         for p in plans:
             assert p.predicted_seconds == pytest.approx(0.1, abs=0.0011)
-    # 100 ms - 14 ms - 2 rows - 5 ms apart; then no forward apart
-    assert sizes[True] == [79, 84]
-    assert sizes[False] == [79, 79]
+    # 100 ms - 13.5 ms - 2 rows - 2 ms apart; then no forward apart
+    assert sizes[True] == [82, 84]
+    assert sizes[False] == [82, 82]
