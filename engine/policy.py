@@ -54,11 +54,11 @@ MIN_PREFILL_SHARE = 0.82
 # ...and where the overheads are small beside the target, the step is no longer than it takes
 # to give the prompt's own work this share of it: a longer step would stall the decoders for
 # little gain in time to first token. On the small demos on a 2-core CPU, where a step's
-# overheads beside 4 decode rows are ~5 ms, steps of ~35 ms rather than 100: measured on the
-# hybrid demo over HTTP (a 1,984-token prompt beside 4 streams), the streams' longest gap
-# 96-124 ms against 234-339 ms, the prompt's first token within the runs' spread (594-853 ms
-# against 691-743 ms). Never shorter than SHORTEST_STEP of the target (a cost model whose
-# overheads come out near zero would otherwise plan steps of a token or two).
+# overheads beside 4 decode rows are ~5 ms, steps of ~35-45 ms rather than 100: measured on
+# the hybrid demo over HTTP (a 1,984-token prompt beside 4 streams, http_load.py), the
+# streams' longest gap 63-110 ms (6 runs) against 234-339 ms (3 runs), the prompt's first
+# token in 580-835 ms against 691-743 ms. Never shorter than SHORTEST_STEP of the target (a
+# cost model whose overheads come out near zero would otherwise plan steps of a token or two).
 PREFILL_SHARE = 0.85
 SHORTEST_STEP = 0.25
 # Prompts go shortest first; one that has not moved for this many steps goes before every
