@@ -299,7 +299,7 @@ def schedule(
     # Prompts, mid-prefill or waiting, shortest left first; one that has not moved for
     # `MAX_WAIT_STEPS` steps before every other (`admission_key`).
     prompts = [(s, s.num_computed_tokens) for s in running if s.status is Status.PREFILLING]
-    candidates = admission_order(live, step, prefix)
+    candidates = startable(live, prefix)
     prompts += [(s, first_chunk_start(s, prefix)) for s in candidates]
     prompts.sort(key=lambda p: admission_key(p[0], step, p[1]))
     num_running = len(running)
@@ -381,26 +381,25 @@ def is_aged(s: RequestState, step: int) -> bool:
 
 
 def admission_key(s: RequestState, step: int, start: int) -> tuple[bool, int, int]:
-    """Sort key of the admission order, for a request whose first chunk starts at `start`:
-    aged requests first, oldest first; then the others, shortest prompt left first, ties
-    oldest first."""
+    """Sort key of the prompts' order, for a prompt whose next chunk starts at `start`:
+    aged ones first (`is_aged`), oldest first; then the others, shortest prompt left first,
+    ties oldest first."""
     if is_aged(s, step):
         return (False, 0, s.admitted_seq)
     return (True, s.num_prompt_tokens - start, s.admitted_seq)
 
 
-def admission_order(live: list[RequestState], step: int, prefix: PrefixPlan) -> list[RequestState]:
-    """Waiting requests that may start this step, in the order they are admitted (see
-    `admission_key`, with each one's cache hit). Only requests the prefix plan looked at
+def startable(live: list[RequestState], prefix: PrefixPlan) -> list[RequestState]:
+    """Waiting requests that may start this step (`schedule` orders them among the prompts
+    by `admission_key`, with each one's cache hit). Only requests the prefix plan looked at
     may start (it looks at a window of the queue: the others' cache hits are unknown)."""
-    waiting = [
+    return [
         s
         for s in live
         if s.status is Status.WAITING
         and s.request_id not in prefix.deferred
         and (prefix.considered is None or s.request_id in prefix.considered)
     ]
-    return sorted(waiting, key=lambda s: admission_key(s, step, first_chunk_start(s, prefix)))
 
 
 def first_chunk_start(s: RequestState, prefix: PrefixPlan) -> int:
