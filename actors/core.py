@@ -98,8 +98,10 @@ class StepOutcome:
     the metrics take."""
 
     updates: dict[str, Update] = field(default_factory=dict)  # request_id -> its update
-    # for each token: (seconds since its request's admission or previous token, is first)
-    latencies: list[tuple[float, bool]] = field(default_factory=list)
+    # seconds since the request's previous token, for each token but a request's first ...
+    gaps: list[float] = field(default_factory=list)
+    # ... and since its admission, for each first token
+    firsts: list[float] = field(default_factory=list)
     cache_lookups: list[int] = field(default_factory=list)  # cached tokens of each first chunk
 
 
@@ -340,12 +342,14 @@ class SchedulerCore:
             request_ids=tuple(rid for rid, _ in live),
             token_ids=tuple(token for _, token in live),
         )
-        states, updates, latencies = self.states, out.updates, out.latencies
+        states, updates, ts = self.states, out.updates, event.ts
         for rid, token in live:
             before = states[rid]
             state = states[rid] = apply_sampled(before, event, 1)
-            since = before.last_token_ts or before.admitted_ts
-            latencies.append((state.last_token_ts - since, state.num_output_tokens == 1))
+            if before.last_token_ts is None:
+                out.firsts.append(ts - before.admitted_ts)
+            else:
+                out.gaps.append(ts - before.last_token_ts)
             update = updates.get(rid)
             if update is None:  # a decode row (a final chunk has one already)
                 update = updates[rid] = Update()

@@ -1,15 +1,62 @@
-"""Engine metrics in Prometheus form, one registry per engine."""
+"""Engine metrics in Prometheus form, one registry per engine.
+
+What a step changes is counted as it happens, cheaply: a step's token latencies go into
+their histograms in one call (`Buckets`, not one locked `Histogram.observe` a token).
+What is a state, not an event (requests by phase, the event log's lag, the prefix cache's
+size, MLX memory), is read when /metrics is scraped (`Gauge.set_function`), not set every
+step: a step only keeps the executor's last report.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from bisect import bisect_left
+from collections.abc import Callable, Collection, Iterable, Iterator
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.registry import Collector
 
 from stepline.events.fold import RequestState, Status
 from stepline.events.models import FinishReason
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class Buckets(Collector):
+    """A histogram that takes many values in one call (`observe_many`), exported as
+    Prometheus's own histogram family. For the step loop's thread: no lock (a scrape runs
+    on the same event loop)."""
+
+    def __init__(
+        self, name: str, documentation: str, bounds: Iterable[float], registry: CollectorRegistry
+    ) -> None:
+        self.name, self.documentation = name, documentation
+        self.bounds = tuple(sorted(bounds))
+        self.counts = [0] * (len(self.bounds) + 1)  # the last: above every bound (+Inf)
+        self.sum = 0.0
+        registry.register(self)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1  # a bucket holds values <= its bound
+        self.sum += value
+
+    def observe_many(self, values: Collection[float]) -> None:
+        counts, bounds = self.counts, self.bounds
+        for value in values:
+            counts[bisect_left(bounds, value)] += 1
+        self.sum += sum(values)
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        cumulative, buckets = 0, []
+        for bound, n in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            cumulative += n
+            buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), cumulative))
+        yield HistogramMetricFamily(self.name, self.documentation, buckets, sum_value=self.sum)
 
 
 class EngineMetrics:
@@ -31,30 +78,27 @@ class EngineMetrics:
         )
         self.admissions = Counter("stepline_requests_admitted", "Requests admitted", registry=r)
         self.steps = Counter("stepline_steps", "Steps run", registry=r)
-        self.budget_use = Histogram(
+        self.budget_use = Buckets(
             "stepline_step_budget_use",
             "Fraction of max_step_tokens each step used",
-            buckets=(0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0),
-            registry=r,
+            (0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0),
+            r,
         )
-        self.step_seconds = Histogram(
-            "stepline_step_seconds", "MLX time of one step", buckets=_LATENCY_BUCKETS, registry=r
+        self.step_seconds = Buckets(
+            "stepline_step_seconds", "MLX time of one step", _LATENCY_BUCKETS, r
         )
         self.scheduled_tokens = Counter(
             "stepline_scheduled_tokens", "Tokens computed (prefill + decode)", registry=r
         )
         self.generated_tokens = Counter("stepline_generated_tokens", "Tokens sampled", registry=r)
-        self.ttft = Histogram(
-            "stepline_time_to_first_token_seconds",
-            "Admission to first token",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+        self.ttft = Buckets(
+            "stepline_time_to_first_token_seconds", "Admission to first token", _LATENCY_BUCKETS, r
         )
-        self.itl = Histogram(
+        self.itl = Buckets(
             "stepline_inter_token_latency_seconds",
             "Time between a request's tokens",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+            _LATENCY_BUCKETS,
+            r,
         )
         self.prefix_hits = Counter(
             "stepline_prefix_cache_hits", "Requests that started from a cached prefix", registry=r
@@ -97,6 +141,8 @@ class EngineMetrics:
             "Events not written because the log failed (since it failed)",
             registry=r,
         )
+        self._memory: Any = None  # the executor's last memory counters (engine/memory.py)
+        self._prefix: Any = None  # the prefix store's last report (engine/work.PrefixReport)
 
     def admitted(self) -> None:
         self.admissions.inc()
@@ -111,20 +157,52 @@ class EngineMetrics:
         else:
             self.prefix_misses.inc()
 
-    def prefix_cache(self, index, report) -> None:
-        """From the step loop's index (memory tier) and the store's last report (disk)."""
-        self.prefix_bytes.set(index.nbytes)
-        self.prefix_entries.set(index.num_memory_entries)
-        self.prefix_evictions.set(index.evictions)
-        self.prefix_disk_bytes.set(report.disk_nbytes)
-        self.prefix_disk_entries.set(report.disk_entries)
-        self.prefix_disk_evictions.set(report.disk_evictions)
+    def watch(
+        self,
+        states: Callable[[], Iterable[RequestState]],
+        *,
+        index: Any = None,  # engine.prefix_index.PrefixIndex (its memory tier), or None
+        event_log: Any = None,  # events.log.EventLogWriter, or None
+    ) -> None:
+        """Read these when /metrics is scraped, on the event loop's thread: the unfinished
+        requests' `states`, the prefix index and the event log's health."""
 
-    def memory(self, counters) -> None:
-        if counters is not None:
-            self.mlx_active.set(counters.active)
-            self.mlx_cache.set(counters.cache)
-            self.mlx_peak.set(counters.peak)
+        def in_phase(status: Status) -> Callable[[], float]:
+            return lambda: sum(1 for s in states() if s.status is status)
+
+        self.waiting.set_function(in_phase(Status.WAITING))
+        self.prefilling.set_function(in_phase(Status.PREFILLING))
+        self.running.set_function(in_phase(Status.DECODING))
+        if index is not None:
+            self.prefix_bytes.set_function(lambda: index.nbytes)
+            self.prefix_entries.set_function(lambda: index.num_memory_entries)
+            self.prefix_evictions.set_function(lambda: index.evictions)
+        if event_log is not None:
+            self.event_log_lag.set_function(lambda: event_log.lag)
+            self.event_log_degraded.set_function(lambda: 1 if event_log.degraded else 0)
+            self.event_log_dropped.set_function(lambda: event_log.num_dropped)
+
+        def reported(name: str) -> Callable[[], float]:
+            return lambda: getattr(self._prefix, name) if self._prefix is not None else 0
+
+        self.prefix_disk_bytes.set_function(reported("disk_nbytes"))
+        self.prefix_disk_entries.set_function(reported("disk_entries"))
+        self.prefix_disk_evictions.set_function(reported("disk_evictions"))
+
+        def memory(name: str) -> Callable[[], float]:
+            return lambda: getattr(self._memory, name) if self._memory is not None else 0
+
+        self.mlx_active.set_function(memory("active"))
+        self.mlx_cache.set_function(memory("cache"))
+        self.mlx_peak.set_function(memory("peak"))
+
+    def executor_report(self, memory: Any, prefix: Any) -> None:
+        """The executor's last figures (engine.memory's counters, the prefix store's
+        report; None where it had none): what the gauges read when scraped."""
+        if memory is not None:
+            self._memory = memory
+        if prefix is not None:
+            self._prefix = prefix
 
     def step(self, num_tokens: int, budget: int, seconds: float) -> None:
         self.steps.inc()
@@ -132,26 +210,10 @@ class EngineMetrics:
         self.step_seconds.observe(seconds)
         self.scheduled_tokens.inc(num_tokens)
 
-    def tokens(self, latencies: list[tuple[float, bool]]) -> None:
-        """A step's tokens: for each, the time since its request's admission (its first
-        token) or since its previous token."""
-        if not latencies:
-            return
-        self.generated_tokens.inc(len(latencies))
-        for latency, first in latencies:
-            (self.ttft if first else self.itl).observe(latency)
-
-    def event_log(self, writer) -> None:
-        """The event log's health (`events.log.EventLogWriter`), when there is one."""
-        if writer is not None:
-            self.event_log_lag.set(writer.lag)
-            self.event_log_degraded.set(1 if writer.degraded else 0)
-            self.event_log_dropped.set(writer.num_dropped)
-
-    def gauges(self, states: Iterable[RequestState]) -> None:
-        counts = dict.fromkeys(Status, 0)
-        for s in states:
-            counts[s.status] += 1
-        self.waiting.set(counts[Status.WAITING])
-        self.prefilling.set(counts[Status.PREFILLING])
-        self.running.set(counts[Status.DECODING])
+    def tokens(self, gaps: Collection[float], firsts: Collection[float]) -> None:
+        """A step's tokens: the time since each request's previous token (`gaps`), and since
+        its admission for those that are its first (`firsts`)."""
+        if num := len(gaps) + len(firsts):
+            self.generated_tokens.inc(num)
+            self.itl.observe_many(gaps)
+            self.ttft.observe_many(firsts)

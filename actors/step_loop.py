@@ -86,6 +86,9 @@ class StepLoop:
         self.died = anyio.Event()  # set when the engine can serve no more (dead_reason says why)
         self.on_step: Callable[[StepLoop], None] | None = None  # test/inspection hook
         self._changed: anyio.Event | None = None  # set at the next change (`wait_until`)
+        self.metrics.watch(
+            lambda: self.core.states.values(), index=prefix_index, event_log=event_log
+        )
 
     # -- reading: the core's state ----------------------------------------------------
 
@@ -172,7 +175,6 @@ class StepLoop:
                 try:
                     if not self.core.has_work:
                         self._idle = True  # the next step gathers arrivals (`_gather`)
-                        self._gauges()  # what /metrics shows while idle: nothing running
                         self._tick()
                         if self._warmup is not None:
                             await self._warm_up(self._warmup)
@@ -280,7 +282,7 @@ class StepLoop:
         result = await self._run_executor(self.runner.housekeep, chores)
         if result is not None:
             self.core.apply_prefix_report(result.prefix)
-            self._observe_prefix(result)
+            self.metrics.executor_report(result.memory, result.prefix)
 
     async def _run_executor(
         self, fn: Callable, *args: Any, after: Callable[[], None] | None = None
@@ -385,21 +387,11 @@ class StepLoop:
 
     def _observe(self, work: StepWork, result: StepResult, outcome: StepOutcome) -> None:
         m = self.metrics
-        m.tokens(outcome.latencies)
+        m.tokens(outcome.gaps, outcome.firsts)
         for num_cached in outcome.cache_lookups:
             m.prefix_lookup(num_cached)
         m.step(work.plan.num_tokens, self.config.max_step_tokens, result.seconds)
-        m.memory(result.memory)
-        self._observe_prefix(result)
-        self._gauges()
-
-    def _observe_prefix(self, result: StepResult) -> None:
-        if result.prefix is not None and self.index is not None:
-            self.metrics.prefix_cache(self.index, result.prefix)
-
-    def _gauges(self) -> None:
-        self.metrics.gauges(self.states.values())
-        self.metrics.event_log(self._event_log)
+        m.executor_report(result.memory, result.prefix)
 
     def _die(self, reason: str) -> None:
         """The engine cannot go on (`reason` says what failed: the executor or this loop):

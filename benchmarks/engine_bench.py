@@ -205,7 +205,9 @@ class CpuMeter:
 
 
 def thread_cpu_seconds() -> dict[int, float]:
-    """CPU seconds of each thread of this process, by native thread id (Linux only)."""
+    """CPU seconds of each thread of this process, by native thread id (Linux only): to the
+    nanosecond for Python's threads (their CPU clocks), to the scheduler tick (/proc) for
+    the others (MLX's stream thread, OpenBLAS's workers)."""
     out: dict[int, float] = {}
     try:
         tids = os.listdir("/proc/self/task")
@@ -218,6 +220,10 @@ def thread_cpu_seconds() -> dict[int, float]:
         except OSError:
             continue  # the thread ended
         out[int(tid)] = (int(fields[11]) + int(fields[12])) / _TICK
+    for thread in threading.enumerate():
+        if thread.native_id in out and thread.ident is not None:
+            with contextlib.suppress(OSError):  # it ended meanwhile
+                out[thread.native_id] = time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
     return out
 
 
@@ -807,16 +813,34 @@ async def _profile(engines: dict[str, Engine], w: Workload, vocab: int, raw: dic
     runs = [(b, "off") for b in w.batches if b in (8, 32)]
     runs += [(b, "on") for b in sorted({w.event_log_batch, *w.batches} & {8, 32})]
     for b, event_log in runs:
-        log(f"profile batch {b}, event log {event_log}")
+        log(f"profile batch {b}, event log {event_log} ({w.repeats} runs)")
         try:
-            prof = await m.arun(profile_stepline, engines[event_log], b, w, vocab)
+            profs = [
+                await m.arun(profile_stepline, engines[event_log], b, w, vocab)
+                for _ in range(w.repeats)
+            ]
         except AttributeError as exc:  # the engine's internals moved: report the rest
             log(f"profile skipped: {exc!r}")
             return
+        prof = _median_profile(profs)
         bare = raw["decode"].get(str(b), {}).get("bare", [])
         prof["bare_step_ms"] = median([r["step_ms"] for r in bare])
         prof["event_log"] = event_log
         raw["profile"].append(prof)
+
+
+def _median_profile(profs: list[dict]) -> dict:
+    """Each figure's median over the profile's runs (its last run's other fields)."""
+    out = dict(profs[-1])
+    for key, value in out.items():
+        if isinstance(value, float):
+            out[key] = median([p[key] for p in profs])
+    threads = {k for p in profs for k in p["cpu_ms_per_step"]}
+    out["cpu_ms_per_step"] = {
+        k: median([p["cpu_ms_per_step"].get(k, 0.0) for p in profs]) for k in sorted(threads)
+    }
+    out["host_us_per_token_runs"] = [p["host_us_per_token"] for p in profs]
+    return out
 
 
 def paired(a: list[dict], b: list[dict], key: str, key_b: str | None = None) -> float:
@@ -1065,7 +1089,10 @@ def print_table(s: dict, w: Workload, env: dict) -> None:
             )
 
     if s["profile"]:
-        p("\n5. Where a stepline decode step goes (an instrumented run; ms per step, medians).")
+        p(
+            f"\n5. Where a stepline decode step goes (instrumented runs; ms per step, medians "
+            f"of {w.repeats} runs' medians)."
+        )
         p("   executor thread: run = forward (evaluated on the spot) + sampler + other;")
         p("   asyncio thread: hop = executor call minus run; commit = events, request actors,")
         p("   clients; loop = the rest (schedule, step record, metrics). bare = bare loop step.")
@@ -1093,7 +1120,11 @@ def print_table(s: dict, w: Workload, env: dict) -> None:
         for r in s["profile"]:
             target = "; target <= 35 us" if r["batch"] == 32 and r["event_log"] == "on" else ""
             us = r["host_us_per_token"]
-            p(f"   batch {r['batch']}, event log {r['event_log']}: {us:.1f} us{target}")
+            runs = ", ".join(f"{x:.1f}" for x in r["host_us_per_token_runs"])
+            p(
+                f"   batch {r['batch']}, event log {r['event_log']}: {us:.1f} us "
+                f"(median of {runs}){target}"
+            )
 
 
 def main(argv: Sequence[str] | None = None) -> None:

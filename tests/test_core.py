@@ -106,7 +106,7 @@ def test_a_request_aborted_while_its_step_ran_gets_nothing_from_that_step() -> N
     update = core.abort("a", FinishReason.CANCELLED, "cancelled by the client")
     assert update is not None and update.finish is FinishReason.CANCELLED
     out = core.update_from_output(work, sampled(work))
-    assert out.updates == {} and not out.latencies
+    assert out.updates == {} and not out.gaps and not out.firsts
     assert core.state_of("a").finish_reason is FinishReason.CANCELLED
     assert core.abort("a", FinishReason.CANCELLED) is None  # ends once
     chores = core.housekeeping()
@@ -135,9 +135,9 @@ def test_each_request_gets_one_update_a_step_with_its_logprobs() -> None:
     lp = TokenLogprob(7, -0.5)
     out = core.update_from_output(work, sampled(work, logprobs={"a": lp}))
     assert list(out.updates) == ["a"] and out.updates["a"].logprobs == [lp]
-    assert [first for _, first in out.latencies] == [True]
+    assert len(out.firsts) == 1 and not out.gaps  # its first token's latency is a TTFT
     _, out = run_step(core)
-    assert [first for _, first in out.latencies] == [False]
+    assert len(out.gaps) == 1 and not out.firsts
 
 
 def test_the_live_state_is_the_fold_of_the_events_at_every_step() -> None:

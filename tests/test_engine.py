@@ -435,6 +435,24 @@ async def test_latency_metrics_measure_the_gaps_between_tokens(model_cache_dir):
     assert itl["sum"] == pytest.approx(state.last_token_ts - state.first_token_ts, rel=1e-6)
 
 
+async def test_metrics_show_what_runs_when_scraped(model_cache_dir):
+    async with Engine.open("stepline-demo", max_step_tokens=32, max_num_seqs=4) as engine:
+        scraped = engine.metrics.registry.get_sample_value
+        params = SamplingParams(max_tokens=500, ignore_eos=True)
+        streams = [await engine.submit(f"chat {i}", params=params) for i in range(2)]
+        for stream in streams:
+            await anext(stream)  # each has its first token: both decode
+        assert scraped("stepline_requests_decoding") == 2
+        assert scraped("stepline_requests_waiting") == scraped("stepline_requests_prefilling") == 0
+        assert scraped("stepline_mlx_active_bytes") > 0  # the executor's last report
+        steps = scraped("stepline_step_seconds_count")
+        assert steps >= 2 and scraped("stepline_steps_total") == steps
+        for stream in streams:
+            await stream.aclose()
+        await wait_until(engine.step_loop, lambda: engine.step_loop.settled)
+        assert scraped("stepline_requests_decoding") == 0
+
+
 async def test_the_executor_runs_one_job_at_a_time_on_one_thread():
     executor = Executor()
     active = 0

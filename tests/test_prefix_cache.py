@@ -127,7 +127,7 @@ async def test_a_tiny_byte_budget_evicts_but_stays_correct(model, model_cache_di
     async with Engine.open(model, max_step_tokens=16, max_num_seqs=4, prefix_cache_gb=2e-5) as e:
         results = [await run(e, p, checkpoints=(10, 20)) for p in prompts]
         results += [await run(e, p + [11, 12]) for p in prompts]
-        evictions = e.metrics.prefix_evictions._value.get()
+        evictions = e.metrics.registry.get_sample_value("stepline_prefix_cache_evictions")
     assert evictions > 0
     queries = prompts + [p + [11, 12] for p in prompts]
     for query, got in zip(queries, results, strict=True):
