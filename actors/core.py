@@ -343,19 +343,20 @@ class SchedulerCore:
             token_ids=tuple(token for _, token in live),
         )
         states, updates, ts = self.states, out.updates, event.ts
+        gaps, firsts, logprobs = out.gaps, out.firsts, result.logprobs
         for rid, token in live:
             before = states[rid]
             state = states[rid] = apply_sampled(before, event, 1)
             if before.last_token_ts is None:
-                out.firsts.append(ts - before.admitted_ts)
+                firsts.append(ts - before.admitted_ts)
             else:
-                out.gaps.append(ts - before.last_token_ts)
+                gaps.append(ts - before.last_token_ts)
             update = updates.get(rid)
             if update is None:  # a decode row (a final chunk has one already)
-                update = updates[rid] = Update()
-            update.token_ids.append(token)
-            lp = result.logprobs.get(rid)
-            if lp is not None:
+                update = updates[rid] = Update(token_ids=[token])
+            else:
+                update.token_ids.append(token)
+            if logprobs and (lp := logprobs.get(rid)) is not None:
                 update.logprobs.append(lp)
             finish = self._finish_reason(state, token)
             if finish is not None:

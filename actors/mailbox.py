@@ -54,6 +54,11 @@ class Mailbox(Generic[T]):
                 self._waiter = None
         return self._messages.popleft()
 
+    @property
+    def pending(self) -> int:
+        """Messages in the mailbox, not yet read."""
+        return len(self._messages)
+
     def get_nowait(self) -> T:
         """The next message if there is one; raises anyio.WouldBlock if none has come yet
         (anyio.EndOfStream if none will)."""

@@ -41,6 +41,38 @@ class RequestOutput:
     logprobs: tuple[TokenLogprob, ...] = ()
     error: str | None = None  # what went wrong, when finish_reason is "error"
 
+    @classmethod
+    def made(
+        cls,
+        request_id: str,
+        text: str,
+        token_ids: tuple[int, ...],
+        finish_reason: str | None,
+        num_prompt_tokens: int,
+        num_output_tokens: int,
+        num_cached_tokens: int,
+        num_computed_tokens: int,
+        logprobs: tuple[TokenLogprob, ...],
+        error: str | None,
+    ) -> RequestOutput:
+        """An output from every one of its fields, made as `RequestState.evolve` makes a
+        state: without `__init__`, whose setting of each frozen field cost ~4x as much (the
+        request actor makes one a step per request)."""
+        new = object.__new__(cls)
+        new.__dict__.update(
+            request_id=request_id,
+            text=text,
+            token_ids=token_ids,
+            finish_reason=finish_reason,
+            num_prompt_tokens=num_prompt_tokens,
+            num_output_tokens=num_output_tokens,
+            num_cached_tokens=num_cached_tokens,
+            num_computed_tokens=num_computed_tokens,
+            logprobs=logprobs,
+            error=error,
+        )
+        return new
+
     @property
     def is_progress(self) -> bool:
         return not self.token_ids and self.finish_reason is None
@@ -185,16 +217,27 @@ class RequestActor:
         self._num_output_tokens = 0
         self._log = log.bind(request_id=request_id)
 
-    def _out(self, text: str, token_ids=(), finish=None, **kw) -> RequestOutput:
-        return RequestOutput(
-            request_id=self.request_id,
-            text=text,
-            token_ids=tuple(token_ids),
-            finish_reason=None if finish is None else str(finish),
-            num_prompt_tokens=self.num_prompt_tokens,
-            num_output_tokens=self._num_output_tokens,
-            num_cached_tokens=self.num_cached_tokens,
-            **kw,
+    def _out(
+        self,
+        text: str,
+        token_ids: tuple[int, ...] = (),
+        finish: FinishReason | None = None,
+        *,
+        num_computed_tokens: int = 0,
+        logprobs: tuple[TokenLogprob, ...] = (),
+        error: str | None = None,
+    ) -> RequestOutput:
+        return RequestOutput.made(
+            self.request_id,
+            text,
+            token_ids,
+            None if finish is None else str(finish),
+            self.num_prompt_tokens,
+            self._num_output_tokens,
+            self.num_cached_tokens,
+            num_computed_tokens,
+            logprobs,
+            error,
         )
 
     def on_update(self, update: Update) -> RequestOutput | None:
@@ -219,7 +262,10 @@ class RequestActor:
         tokens = update.token_ids
         self._num_output_tokens += len(tokens)
         printable = tokens[:-1] if update.stop_token else tokens
-        text = "".join([self._detok.add(t) for t in printable])
+        if len(printable) == 1:  # a decode step's one token
+            text = self._detok.add(printable[0])
+        else:
+            text = "".join([self._detok.add(t) for t in printable])
         finish = update.finish
         if finish is not None:
             text += self._detok.finalize()
@@ -233,7 +279,7 @@ class RequestActor:
             text += self._stops.flush()  # a partial stop string at the end is ordinary text
         return self._out(
             text,
-            tokens,
+            tuple(tokens),
             finish,
             num_computed_tokens=self.num_prompt_tokens,
             logprobs=tuple(update.logprobs),

@@ -32,11 +32,8 @@ class RequestStream:
             self.finished = True
             self._outputs.close()
             raise StopAsyncIteration from None
-        while out.finish_reason is None:
-            try:
-                out = out.then(self._outputs.get_nowait())
-            except (anyio.WouldBlock, anyio.EndOfStream):  # nothing more has come yet
-                break
+        while out.finish_reason is None and self._outputs.pending:  # it fell behind
+            out = out.then(self._outputs.get_nowait())
         if out.finish_reason is not None:
             self.finished = True
             self._outputs.close()

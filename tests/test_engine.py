@@ -594,6 +594,22 @@ async def test_a_stop_token_ends_the_request_and_is_counted_but_not_printed(mode
     assert "".join(o.text for o in outs) == engine.tokenizer.decode(ids[:first])
 
 
+async def test_a_reader_that_fell_behind_gets_what_it_missed_in_one_piece(model_cache_dir):
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    async with Engine.open("stepline-demo", max_step_tokens=64, max_num_seqs=4) as engine:
+        prompt = "the same prompt, twice"
+        prompt_outs = await collect(await engine.submit(prompt, params=params))
+        late = await engine.submit(prompt, params=params)
+        await wait_until(engine.step_loop, lambda: engine.step_loop.settled)  # all made
+        late_outs = await collect(late)
+    assert len(late_outs) == 1  # the whole output, as one
+    (out,) = late_outs
+    assert out.finish_reason == "length" and out.num_output_tokens == 30
+    assert out.token_ids == tuple(t for o in prompt_outs for t in o.token_ids)
+    assert out.text == "".join(o.text for o in prompt_outs)
+    assert len(prompt_outs) > 1
+
+
 async def test_streamed_text_never_splits_a_utf8_character(model_cache_dir):
     async with Engine.open("stepline-demo", max_step_tokens=64, max_num_seqs=4) as engine:
         # The demo tokenizer is byte-level: an emoji is several tokens.
