@@ -127,12 +127,10 @@ class Executor:
     ) -> T:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        # A caller cancelled mid-job never reads its result: mark it read, not "never retrieved".
-        future.add_done_callback(lambda f: f.cancelled() or f.exception())
         self._thread.jobs.put(_Job(self, fn, args, loop, future, barrier, after))
-        # Shield: a cancelled caller must not leave the thread mid-job with nobody
-        # owning the result; the job finishes and its result is dropped.
-        return await asyncio.shield(future)
+        # A caller cancelled mid-job cancels `future`: the job still finishes on the thread,
+        # and its result (or error) is dropped there (`_settle`).
+        return await future
 
     async def drain(self, settle: Callable[[], None] | None = None) -> None:
         """Wait until every job queued so far has finished (also for a dead executor), then

@@ -29,6 +29,12 @@ random prompts (no prefix-cache hits).
    subprocess (the preload must precede `import mlx`): STEPLINE_NO_OPENBLAS=1 turns it off;
    a third variant pins OpenBLAS to one thread (OPENBLAS_NUM_THREADS=1).
 
+5. The engine's own Python per token (`--sections host`): the same decode workload at batch
+   1, 8 and 32 with the event log on, against a runner that returns every token at once
+   (run on the executor thread, as a model's is): the event loop's and the log writer's
+   CPU per token, with no forward competing for the cores. It changes only with the
+   engine's code, where the figures beside a model move by 10-30% between runs on 2 cores.
+
 A profile pass (stepline at batch 8 and 32, instrumented) splits a decode step's wall time
 into the executor's `runner.run` (forward, sampling) and the asyncio side (schedule, events,
 request actors, the thread hop), next to the bare loop's step time.
@@ -69,12 +75,14 @@ from stepline.api.engine import run as engine_run
 from stepline.engine import _blas, step_sampling
 from stepline.engine.models import load_model
 from stepline.engine.sampling import PendingSample
+from stepline.engine.work import StepResult
 
 DEFAULT_MODEL = "stepline-demo-large"
 EVENT_LOG_PAIRS = 2  # on/off pairs per repeat: the difference sought is small
 NUM_DECODERS = 4  # head-of-line: requests decoding when the long prompt arrives
 DECODER_MAX_TOKENS = 2048  # head-of-line decoders: more than they get to make; then cancelled
 FIRST_TOKEN_ID = 3  # the demo tokenizers' ids 0..2 are special tokens
+HOST_TOKENS = 512  # tokens a request in the host section
 
 
 @dataclass(frozen=True)
@@ -94,7 +102,7 @@ class Workload:
     event_log_batch: int = 8
     blas_prompt: int = 512  # OpenBLAS section; the reference BLAS does ~40 tokens/s here
     profile: bool = True
-    sections: tuple[str, ...] = ("hol", "decode", "event_log", "blas")
+    sections: tuple[str, ...] = ("hol", "decode", "event_log", "host", "blas")
     max_foreign_cores: float = 0.25  # measure again while other processes keep more busy
     retries: int = 2
 
@@ -344,6 +352,61 @@ async def decode_stepline(engine: Engine, batch: int, w: Workload, vocab: int) -
         "seconds": seconds,
         "step_ms": 1e3 * seconds / len(ends) if ends else float("nan"),
         "step_ms_median": 1e3 * median(gaps),
+    }
+
+
+# -- the engine's own Python: a runner without a model ----------------------------------------
+
+
+class InstantRunner:
+    """Stands in for the model runner: every decode row and final chunk gets its token at
+    once (ids cycling over a few hundred, so the detokenizers decode real text). The
+    executor thread still runs it; what is left of a step is the engine's own work."""
+
+    def __init__(self, vocab: int) -> None:
+        self._ids = list(range(FIRST_TOKEN_ID, min(vocab, FIRST_TOKEN_ID + 300)))
+        self._next = 0
+
+    def run(self, work: Any) -> Any:
+        plan = work.plan
+        rows = [*plan.decodes, *(c.request_id for c in plan.chunks if c.is_final)]
+        ids, start = self._ids, self._next
+        self._next = (start + len(rows)) % len(ids)
+        tokens = {rid: ids[(start + i) % len(ids)] for i, rid in enumerate(rows)}
+        return StepResult(tokens=tokens, seconds=1e-3)
+
+    def housekeep(self, chores: Any) -> Any:
+        return StepResult()
+
+
+async def host_stepline(engine: Engine, batch: int, w: Workload, vocab: int) -> dict:
+    """`batch` requests of `w.decode_tokens` tokens against `InstantRunner`: the event
+    loop's and the event log writer's CPU per token (their CPU clocks)."""
+    loop = engine.step_loop
+    real, loop.runner = loop.runner, InstantRunner(vocab)
+    writer = loop.event_log
+    threads = [threading.main_thread(), *([writer._thread] if writer is not None else [])]
+    clocks = [time.pthread_getcpuclockid(t.ident) for t in threads if t.ident is not None]
+    try:
+        c0, t0 = [time.clock_gettime(c) for c in clocks], time.perf_counter()
+        tt = TokenTimes(batch)
+        tasks = []
+        for i in range(batch):
+            prompt = make_prompt(w.short_prompt, vocab)
+            stream = await engine.submit(prompt, params=greedy(HOST_TOKENS))
+            tasks.append(asyncio.create_task(tt.consume(i, stream)))
+        await asyncio.gather(*tasks)
+        await loop.wait_until(lambda: loop.settled)  # every end freed (on this runner)
+        seconds = time.perf_counter() - t0
+        cpu = [time.clock_gettime(c) - c0[i] for i, c in enumerate(clocks)]
+    finally:
+        loop.runner = real
+    tokens = sum(len(t) for t in tt.times)
+    return {
+        "batch": batch,
+        "host_us_per_token": 1e6 * sum(cpu) / tokens,
+        "loop_us_per_token": 1e6 * cpu[0] / tokens,
+        "tokens_per_s": tokens / seconds,
     }
 
 
@@ -746,6 +809,7 @@ async def run_all(model_name: str, w: Workload) -> dict:
         "event_log": {"off": [], "on": []},
         "blas": {name: [] for name in BLAS_VARIANTS},
         "profile": [],
+        "host": {str(b): [] for b in w.batches},
     }
     m = Measure(w)
     decode_bare(model, 2, replace(w, decode_tokens=4), vocab)  # warm-up
@@ -801,6 +865,15 @@ async def run_all(model_name: str, w: Workload) -> dict:
             pair = {"off": {}, "on": {"event_log": log_path}}
             async with fresh_engines(model_name, w, vocab, **pair) as engines:
                 await _profile(engines, w, vocab, raw, m)
+        if "host" in w.sections:
+            log_path = Path(tmp) / "events-host.jsonl"
+            async with fresh_engines(model_name, w, vocab, on={"event_log": log_path}) as engines:
+                for rep in range(w.repeats):
+                    for b in w.batches:
+                        log(f"repeat {rep + 1}/{w.repeats}: host, batch {b}")
+                        raw["host"][str(b)].append(
+                            await m.arun(host_stepline, engines["on"], b, w, vocab)
+                        )
         raw["event_log_bytes"] = log_size(Path(tmp))
     for rep in range(w.repeats if "blas" in w.sections else 0):
         for name, env in BLAS_VARIANTS.items():
@@ -954,6 +1027,16 @@ def summarize(raw: dict, w: Workload) -> dict:
             for name, rows in raw["blas"].items()
         }
         summary["blas_foreign_cores"] = _foreign([r for rows in raw["blas"].values() for r in rows])
+    if any(raw["host"].values()):
+        summary["host"] = {
+            b: {
+                "host_us_per_token": _med(rows, "host_us_per_token"),
+                "runs": [r["host_us_per_token"] for r in rows],
+                "loop_us_per_token": _med(rows, "loop_us_per_token"),
+                "tokens_per_s": _med(rows, "tokens_per_s"),
+            }
+            for b, rows in raw["host"].items()
+        }
     rows = [r for r in _all_rows(raw) if "attempts" in r]
     summary["measurements"] = len(rows)
     summary["measured_again"] = sum(r["attempts"] > 1 for r in rows)
@@ -1088,9 +1171,22 @@ def print_table(s: dict, w: Workload, env: dict) -> None:
                 f"{r['decode_b1_tokens_per_s']:17.1f}"
             )
 
+    if "host" in s:
+        p(
+            f"\n5. The engine's own Python (a runner that returns every token at once; event log "
+            f"on; {HOST_TOKENS} tokens a request; medians of {w.repeats}):"
+        )
+        p(f"   {'batch':>8}{'host us/token':>16}{'of it, loop':>14}{'tokens/s':>12}   runs")
+        for b, r in s["host"].items():
+            runs = ", ".join(f"{x:.1f}" for x in r["runs"])
+            p(
+                f"   {b:>8}{r['host_us_per_token']:16.1f}{r['loop_us_per_token']:14.1f}"
+                f"{r['tokens_per_s']:12.0f}   {runs}"
+            )
+
     if s["profile"]:
         p(
-            f"\n5. Where a stepline decode step goes (instrumented runs; ms per step, medians "
+            f"\n6. Where a stepline decode step goes (instrumented runs; ms per step, medians "
             f"of {w.repeats} runs' medians)."
         )
         p("   executor thread: run = forward (evaluated on the spot) + sampler + other;")
@@ -1146,8 +1242,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     ap.add_argument(
         "--sections",
-        default="hol,decode,event_log,blas",
-        help="comma-separated: hol, decode, event_log, blas (default: all)",
+        default="hol,decode,event_log,host,blas",
+        help="comma-separated: hol, decode, event_log, host, blas (default: all)",
     )
     ap.add_argument("--json", type=Path, help="also write every figure here")
     ap.add_argument(

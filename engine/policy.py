@@ -30,7 +30,7 @@ as the token rules allow.
 from __future__ import annotations
 
 from collections.abc import Callable, Container, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from stepline.engine.cost_model import StepCost, StepFeatures, decode_runs_apart
 from stepline.engine.prefix_index import Candidate, PrefixPlan
@@ -262,16 +262,17 @@ def schedule(
             num_scheduled[s.request_id] = 1
             budget -= 1
             contexts.append(decode_context(s))
-    features = StepFeatures(
-        decode_rows=len(decodes),
-        decode_context=padded_decode_context(contexts, split=config.fused_steps),
-    )
+    decode_rows = len(decodes)
+    decode_attention = padded_decode_context(contexts, split=config.fused_steps)
+    features = StepFeatures(decode_rows=decode_rows, decode_context=decode_attention)
     # The decode rows once a chunk joins them: plus their forward of their own, or not.
     prefilling = any(s.status is Status.PREFILLING for s in running)
     apart = bool(decodes) and decode_runs_apart(
         fused_steps=config.fused_steps, prefilling=prefilling
     )
-    beside_chunks = replace(features, separate_decode=int(apart))
+    beside_chunks = StepFeatures(
+        decode_rows=decode_rows, decode_context=decode_attention, separate_decode=int(apart)
+    )
     timed = cost is not None and config.max_step_ms is not None and bool(decodes)
     seconds = 0.0
     if timed:

@@ -156,6 +156,17 @@ def test_the_largest_chunk_that_fits_is_found_exactly(chunk, token, attention, s
     assert cost_of(n + 1) > seconds * (1 - 1e-9)
 
 
+@given(
+    st.lists(st.floats(0, 1.0), min_size=7, max_size=7),
+    st.lists(st.integers(0, 100_000), min_size=6, max_size=6),
+)
+def test_a_prediction_prices_every_feature_by_its_coefficient(coefficients, amounts):
+    cost = StepCost(*coefficients)
+    features = StepFeatures(*amounts)
+    priced = sum(c * x for c, x in zip(cost.coefficients(), features.vector(), strict=True))
+    assert cost.predict(features) == pytest.approx(priced, rel=1e-12, abs=1e-12)
+
+
 def test_coefficients_must_be_non_negative():
     with pytest.raises(ValueError, match="per_attention"):
         StepCost(per_attention=-1e-9)

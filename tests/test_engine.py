@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import math
 import threading
 import time
@@ -487,6 +488,33 @@ async def test_the_executor_runs_one_job_at_a_time_on_one_thread():
     executor.mark_dead(RuntimeError("gone"))
     with pytest.raises(ExecutorDeadError):
         await executor.call(job, 0)
+    executor.close()
+
+
+async def test_a_caller_cancelled_mid_job_leaves_the_job_to_finish_and_its_error_unread():
+    executor = Executor()
+    started, release, finished = threading.Event(), threading.Event(), threading.Event()
+    unhandled: list[dict] = []
+    asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: unhandled.append(ctx))
+
+    def slow_failure():
+        started.set()
+        release.wait(5)
+        finished.set()
+        raise ValueError("nobody reads this")
+
+    caller = asyncio.ensure_future(executor.call(slow_failure))
+    await anyio.to_thread.run_sync(started.wait, 5)
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    release.set()
+    assert await executor.call(lambda: "next") == "next"  # after the job, which finished
+    assert finished.is_set() and executor.dead is None
+    del caller
+    gc.collect()
+    await asyncio.sleep(0)
+    assert unhandled == []  # no "exception was never retrieved"
     executor.close()
 
 
