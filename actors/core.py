@@ -259,15 +259,12 @@ class SchedulerCore:
         self.step += 1
         self.in_step = True
         states = self.states
-        scheduled = plan.num_scheduled_tokens
+        scheduled = plan.num_scheduled_tokens  # the decode rows, then the chunks
         self._record(
             StepPlanned,
             request_ids=tuple(scheduled),
             num_tokens=tuple(scheduled.values()),
-            kinds=tuple(
-                "decode" if states[rid].status is Status.DECODING else "prefill"
-                for rid in scheduled
-            ),
+            kinds=("decode",) * len(plan.decodes) + ("prefill",) * len(plan.chunks),
             max_step_tokens=self.config.max_step_tokens,
             max_num_seqs=self.config.max_num_seqs,
         )

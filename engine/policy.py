@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from stepline.engine.cost_model import StepCost, StepFeatures, decode_runs_apart
 from stepline.engine.prefix_index import Candidate, PrefixPlan
@@ -127,7 +128,7 @@ class StepPlan:
     step: int
     decodes: tuple[str, ...] = ()  # request ids, one token each
     chunks: tuple[ScheduledChunk, ...] = ()  # prefill work, in scheduling order
-    # request_id -> tokens scheduled; decodes count 1
+    # request_id -> tokens scheduled (the decode rows first, then the chunks); decodes count 1
     num_scheduled_tokens: Mapping[str, int] = field(default_factory=dict)
     features: StepFeatures = StepFeatures()  # what the step computes, as the cost model sees it
     predicted_seconds: float | None = None  # the cost model's prediction; None without one
@@ -233,6 +234,9 @@ def padded_decode_context(contexts: Sequence[int], split: bool = False) -> int:
     return sum(rows * padded for rows, padded in groups)
 
 
+_arrival = attrgetter("admitted_seq")
+
+
 def schedule(
     states: Mapping[str, RequestState],
     config: SchedulerConfig,
@@ -248,7 +252,7 @@ def schedule(
     for a prefix another request is computing (`engine.prefix_index.plan_prefixes`).
     """
     prefix = prefix or PrefixPlan()
-    live = sorted((s for s in states.values() if not s.is_finished), key=lambda s: s.admitted_seq)
+    live = sorted((s for s in states.values() if not s.is_finished), key=_arrival)
     budget = config.max_step_tokens
     decodes: list[str] = []
     chunks: list[ScheduledChunk] = []

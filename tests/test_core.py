@@ -11,7 +11,7 @@ from stepline.engine.policy import AdmissionError, QueueFullError, SchedulerConf
 from stepline.engine.prefix_index import EntryInfo, PrefixIndex
 from stepline.engine.work import PrefixReport, StepResult, TokenLogprob
 from stepline.events.fold import Status, fold
-from stepline.events.models import FinishReason
+from stepline.events.models import FinishReason, StepPlanned
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_within_the_budget_then_decodes() -> None:
@@ -30,6 +30,21 @@ def test_a_long_prompt_is_prefilled_in_chunks_within_the_budget_then_decodes() -
     assert out.updates["a"].finish is FinishReason.LENGTH  # its second token: max_tokens
     assert core.state_of("a").num_output_tokens == 2
     assert not core.states and core.schedule() is None
+
+
+def test_a_steps_plan_names_each_members_tokens_and_kind() -> None:
+    core = make_core(max_step_tokens=8)
+    core.add("chat", (3, 4), params(max_tokens=10))
+    run_step(core)  # its prompt, whole: it decodes from now on
+    core.add("long", range(3, 23), params())
+    core.take_events()
+    work = core.schedule()
+    assert work is not None
+    (plan,) = [e for e in core.take_events() if isinstance(e, StepPlanned)]
+    assert list(zip(plan.request_ids, plan.num_tokens, plan.kinds, strict=True)) == [
+        ("chat", 1, "decode"),
+        ("long", 7, "prefill"),
+    ]
 
 
 def test_a_chunk_split_at_a_checkpoint_records_both_pieces_and_the_snapshot() -> None:
