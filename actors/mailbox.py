@@ -27,11 +27,12 @@ class Mailbox(Generic[T]):
     side closes it: the receiver when its actor is gone (puts then fail), the sender when
     nothing more will come. One reader at a time."""
 
-    __slots__ = ("_messages", "_waiter", "closed")
+    __slots__ = ("_messages", "_waiter", "_loop", "closed")
 
     def __init__(self) -> None:
         self._messages: deque[T] = deque()
         self._waiter: asyncio.Future[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the reader's, from its first wait
         self.closed = False
 
     def put(self, msg: T) -> bool:
@@ -47,7 +48,9 @@ class Mailbox(Generic[T]):
                 raise anyio.EndOfStream
             if self._waiter is not None:
                 raise RuntimeError("a mailbox has one reader")
-            waiter = self._waiter = asyncio.get_running_loop().create_future()
+            if self._loop is None:
+                self._loop = asyncio.get_running_loop()
+            waiter = self._waiter = self._loop.create_future()
             try:
                 await waiter
             finally:
