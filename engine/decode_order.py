@@ -1,16 +1,20 @@
 """Which order a decode-only step runs in, chosen by measuring both (pure: no MLX, no clock).
 
-A step with nothing but decode rows can start the next step's forward before it reads its
-own tokens (`ModelRunner._pipeline`, mlx-lm's own order) or read them first and start the
-next forward as its result goes back (`ModelRunner.look_ahead`). Which is faster depends on
-the machine and the model:
+A step with nothing but decode rows builds the next step's forward on its own tokens before
+it reads them (`ModelRunner._pipeline`, as mlx-lm's own loop does), and then either starts
+it before reading them too, or starts it as its result goes back (`ModelRunner.look_ahead`).
+Which is faster depends on the machine and the model:
 - where starting work returns at once (Metal), the first order hides the host's whole round
   trip (the step loop committing and planning) and leaves no gap on the device;
 - on Linux's CPU backend, starting work returns only once it is nearly done, and the first
   order exposes the round trip. Measured on a 2-core CPU (3 runs each, tokens/s against
-  mlx-lm's BatchGenerator at batch 1/8/32): stepline-demo-large 0.96/0.97/0.87 with the
-  first order, 0.83/0.87/0.72 with the second; the small hybrid demo, whose steps take a
-  few milliseconds, 0.77/0.61/0.60 and 0.95/0.66/0.66.
+  mlx-lm's BatchGenerator at batch 1/8/32), when the second order still read the tokens
+  before building the next forward: stepline-demo-large 0.96/0.97/0.87 with the first
+  order, 0.83/0.87/0.72 with the second; the small hybrid demo, whose steps take a few
+  milliseconds, 0.77/0.61/0.60 and 0.95/0.66/0.66. Building before reading made the
+  second order 7%, 16-18% and 7% faster on stepline-demo at batch 1, 8 and 32 (the
+  building overlaps the last of the tokens' computation), and changed nothing beyond the
+  noise on the hybrid demo (paired runs in one process, 5 of each).
 
 So each batch size tries both, in blocks of `BLOCK_STEPS` steps in the order first, second,
 second, first (a context that grows, or a neighbour's load that rises, then slows both

@@ -7,9 +7,9 @@ prompt cache; when its prompt is done the cache is merged into the decode batch
 logits. A final chunk computes logits for its last position only. Where the architecture
 allows (`engine/fused.py`), a step's chunks and decode rows run as one forward. The batch's
 next forward is built as a step ends (unless a prompt is mid-prefill where steps fuse: its
-next chunk will carry the rows) and computed while the step loop commits it; in a
-decode-only step it may start before the step's tokens are read (`engine/decode_order.py`
-picks the order that measures faster).
+next chunk will carry the rows) and computed while the step loop commits it; a
+decode-only step builds it before it reads its tokens, and may start it then too
+(`engine/decode_order.py` picks the order that measures faster).
 """
 
 from __future__ import annotations
@@ -398,14 +398,17 @@ class ModelRunner:
             self._fail(failed, request_id, what, exc)
 
         sample = step_sampling.sample_step
-        started: mx.array | None = None  # the next step's forward, if already started
+        started: mx.array | None = None  # the next step's forward, if already built
         pending = ahead.sample if ahead is not None else None
-        pipelined = False
         if batch and not plan.chunks and pending is not None and pending.tokens_final:
-            pipelined = self.decode_order.start(len(batch), time.perf_counter())
-        else:
+            # Decode rows only, their tokens read by evaluating them: the next forward is
+            # built on them before they are read (`_pipeline`).
+            start_now = self.decode_order.start(len(batch), time.perf_counter())
+            started, taken = self._pipeline(pending, ahead, batch, start_now=start_now)
+            self._record(taken, tokens, logprobs)
+            self._took(batch, taken.array)
+        elif ahead is None:
             self.decode_order.interrupt()
-        if ahead is None:
             if decoded is None and batch:
                 decoded = self._decode_forward(self._next_inputs())
             sampled = sample(self.sampler, finals, batch, decoded, fail)
@@ -413,11 +416,8 @@ class ModelRunner:
             if batch:  # the batch's rows come after the finals'
                 array = sampled.array
                 self._took(batch, array[len(finals) :] if array is not None and finals else array)
-        elif pipelined and pending is not None:
-            started, taken = self._pipeline(ahead, pending, batch)
-            self._record(taken, tokens, logprobs)
-            self._took(batch, taken.array)
         else:
+            self.decode_order.interrupt()
             self._record(sample(self.sampler, finals, NO_ROWS, None, fail), tokens, logprobs)
             taken = step_sampling.sample_ahead(self.sampler, ahead, batch, fail)
             self._record(taken, tokens, logprobs)
@@ -485,27 +485,33 @@ class ModelRunner:
         return self._decode.forward(self.model, inputs)
 
     def _pipeline(
-        self, ahead: Ahead, pending: PendingSample, batch: Rows
+        self, pending: PendingSample, ahead: Ahead, batch: Rows, *, start_now: bool
     ) -> tuple[mx.array | None, step_sampling.Sampled]:
-        """A step with nothing but decode rows, run as mlx-lm's own loop runs one (where
-        `decode_order` finds that faster than reading the tokens first): the next
+        """A step with nothing but decode rows, run as mlx-lm's own loop runs one: the next
         step's forward is built on this step's tokens while they are still being computed,
-        and started, before they are read. MLX then queues it right behind them: no gap on
-        the device while the host reads the tokens and builds the next graph (on Metal the
-        step loop's whole round trip is hidden behind it, too).
+        then they are read. Building a graph is the host's Python; it overlaps the last of
+        the tokens' computation instead of following it.
+
+        With `start_now` (where `decode_order` finds it faster) the forward is also started
+        before the tokens are read: MLX then queues it right behind them, with no gap on the
+        device while the host reads the tokens (on Metal the step loop's whole round trip is
+        hidden behind it, too). Otherwise `look_ahead` starts it as the step's result goes
+        back: on Linux's CPU backend starting work returns only once it is nearly done, and
+        starting it here would hold the result back that long.
 
         A row that ends at this step's token (a stop, a cancel, its length) still has the
         next one computed, never shown: the one token in flight, as with `_build_ahead`.
         Only where reading the tokens is just evaluating them (`tokens_final`): a failure to
         read them is then MLX's on the whole batch, and raises (the next forward depends on
-        them), where `sample_ahead` would sample each row again. Returns the started forward
+        them), where `sample_ahead` would sample each row again. Returns the built forward
         (None if it could not be built: the next step's fault) and this step's tokens."""
         rows = ahead.rows_of(batch)
         unread = pending.tokens if rows is None else pending.tokens[mx.array(rows)]
         started: mx.array | None = None
         try:
             started = self._decode_forward(unread)
-            mx.async_eval(started)
+            if start_now:
+                mx.async_eval(started)
         except Exception as exc:  # noqa: BLE001 - the batched decode's fault: see run
             self._ahead_error, started = exc, None
         out = pending.finish()
@@ -520,7 +526,7 @@ class ModelRunner:
         stop, a cancel) is skipped, so its token is never shown. The next step's prefill
         chunks run after it; their requests join the batch after it. A forward that cannot
         be built is the next step's fault (this step's tokens stand). `started`: the forward,
-        already built and started by `_pipeline`; only its sampling is built here."""
+        already built (and maybe started) by `_pipeline`; only its sampling is built here."""
         batch = self._batch
         if not self.lookahead or not batch or self._ahead_error is not None:
             return
@@ -528,8 +534,9 @@ class ModelRunner:
         prefilling = len(self._seqs) > len(batch) and any(
             s.cache is not None and not s.output for s in self._seqs.values()
         )
-        if not decode_runs_apart(fused_steps=self.fuse, prefilling=prefilling):
+        if started is None and not decode_runs_apart(fused_steps=self.fuse, prefilling=prefilling):
             return  # a prompt is mid-prefill: the next step runs these rows in its chunk's forward
+        # (A forward already built has written the rows' caches: it is kept, whatever comes.)
         logits = started
         if logits is None:
             try:
@@ -545,9 +552,9 @@ class ModelRunner:
         self._ahead = Ahead(batch, logits, sample)
 
     def look_ahead(self) -> None:
-        """Compute the look-ahead the last step built (after a pipelined step, `_pipeline`,
-        its forward is already running: this starts its sampling). The step loop has the
-        executor run this right after a step, as the step's result goes back
+        """Compute the look-ahead the last step built (after a decode-only step that started
+        it, `_pipeline`, its forward is already running: this starts its sampling). The step
+        loop has the executor run this right after a step, as the step's result goes back
         (`Executor.call`'s `after`, no round trip through the event loop): MLX computes
         without the GIL (on Linux's CPU backend `async_eval` returns only once the forward is
         nearly done) while the step loop commits that step and plans the next. Without it

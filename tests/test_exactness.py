@@ -199,18 +199,24 @@ async def _decode_step_calls(
     loaded, monkeypatch, params: SamplingParams, order: DecodeOrder, slow_pipeline: float = 0
 ) -> list[list[str]]:
     """Three requests of `params.max_tokens` tokens; each decode-only step's own calls
-    ("forward": a decode forward built, "read": sampled tokens read), in order, while all
-    three decode (an order is chosen for each batch size). The runner
+    ("forward": a decode forward built, "read": sampled tokens read, "start": MLX told to
+    compute the next forward, in the step or right after it, as its result goes back), in
+    order, while all three decode (an order is chosen for each batch size). The runner
     chooses orders with `order`; `slow_pipeline` adds that many seconds to every step that
-    starts the next forward first."""
+    starts the next forward before it reads its tokens."""
     calls: list[str] = []
-    real_finish = PendingSample.finish
+    real_finish, real_start = PendingSample.finish, mx.async_eval
 
     def finish(self):
         calls.append("read")
         return real_finish(self)
 
+    def start(*arrays):
+        calls.append("start")
+        return real_start(*arrays)
+
     monkeypatch.setattr(PendingSample, "finish", finish)
+    monkeypatch.setattr(mx, "async_eval", start)
     async with Engine.open(loaded.name, max_step_tokens=64, max_num_seqs=4) as engine:
         runner = engine.step_loop.runner
         runner.decode_order = order
@@ -221,9 +227,10 @@ async def _decode_step_calls(
             calls.append("decode-only run" if decode_only else "run")
             return real_run(work)
 
-        def pipeline(*args):
-            time.sleep(slow_pipeline)  # a slow forward, simulated: its time is the point
-            return real_pipeline(*args)
+        def pipeline(*args, start_now: bool):
+            if start_now:
+                time.sleep(slow_pipeline)  # a slow forward, simulated: its time is the point
+            return real_pipeline(*args, start_now=start_now)
 
         class Forward:
             def __call__(self, inputs, cache):
@@ -251,18 +258,27 @@ async def _decode_step_calls(
     return steps[:-1]  # the last one ends them: nothing more to build
 
 
-PIPELINED, READ_FIRST = ["forward", "read"], ["read", "forward"]
+# A decode-only step builds the next forward on its tokens before it reads them, and starts
+# it before reading them (STARTED_FIRST, then its sampling as the result goes back) or only
+# as the result goes back (STARTED_AFTER). Where reading the tokens is more than evaluating
+# them, it reads them, then builds the next forward (READ_FIRST).
+STARTED_FIRST = ["forward", "start", "read", "start"]
+STARTED_AFTER = ["forward", "read", "start"]
+READ_FIRST = ["read", "forward", "start"]
 
 
-async def test_a_decode_only_step_can_start_the_next_forward_before_it_reads_its_tokens(
+async def test_a_decode_only_step_builds_the_next_forward_before_it_reads_its_tokens(
     loaded, model_cache_dir, monkeypatch
 ):
-    """As mlx-lm's own loop does, so that the device has the next forward queued while the
-    host reads this step's tokens. Where reading them is more than evaluating them (here:
-    logprobs), the step reads them first, then builds the next forward."""
+    """As mlx-lm's own loop does: the host builds the next forward's graph while the
+    device still computes this step's tokens, and may also start it before reading them, so
+    that the device has it queued while the host reads. Where reading them is more than
+    evaluating them (here: logprobs), the step reads them first."""
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     steps = await _decode_step_calls(loaded, monkeypatch, greedy, DecodeOrder(fixed=True))
-    assert len(steps) >= 8 and all(step == PIPELINED for step in steps), steps
+    assert len(steps) >= 8 and all(step == STARTED_FIRST for step in steps), steps
+    steps = await _decode_step_calls(loaded, monkeypatch, greedy, DecodeOrder(fixed=False))
+    assert len(steps) >= 8 and all(step == STARTED_AFTER for step in steps), steps
     with_logprobs = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
     steps = await _decode_step_calls(loaded, monkeypatch, with_logprobs, DecodeOrder(fixed=True))
     assert len(steps) >= 8 and all(step == READ_FIRST for step in steps), steps
@@ -271,14 +287,15 @@ async def test_a_decode_only_step_can_start_the_next_forward_before_it_reads_its
 async def test_decode_only_steps_keep_the_order_measured_faster(
     loaded, model_cache_dir, monkeypatch
 ):
-    """Both orders are tried for a few steps; here starting the next forward first is made
-    slower (20 ms more a step), so the steps after the trial read their tokens first."""
+    """Both orders are tried for a few steps; here starting the next forward before reading
+    the tokens is made slower (20 ms more a step), so the steps after the trial start it
+    only as their result goes back."""
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
     order = DecodeOrder(block_steps=3)
     steps = await _decode_step_calls(loaded, monkeypatch, params, order, slow_pipeline=0.02)
-    trial = [PIPELINED] * 3 + [READ_FIRST] * 6 + [PIPELINED] * 3
+    trial = [STARTED_FIRST] * 3 + [STARTED_AFTER] * 6 + [STARTED_FIRST] * 3
     assert steps[:12] == trial, steps
-    assert len(steps) > 20 and all(step == READ_FIRST for step in steps[12:]), steps
+    assert len(steps) > 20 and all(step == STARTED_AFTER for step in steps[12:]), steps
 
 
 def _layer_arrays(layer) -> list[mx.array]:
