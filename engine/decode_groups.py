@@ -40,10 +40,6 @@ class DecodeCaches:
         self.groups: list[Cache] = []  # each group's per-layer batch caches
         self.sizes: list[int] = []  # each group's rows
 
-    def layers(self) -> list[Any]:
-        """Every group's per-layer caches, as one list."""
-        return [layer for group in self.groups for layer in group]
-
     def join(self, batch: Sequence[Seq], joining: Sequence[Seq]) -> list[Seq]:
         """Merge the prefilled caches of `joining` into the groups (each `Seq.cache` is taken);
         the batch's new row order (`batch`: its rows now, in order)."""
