@@ -47,10 +47,6 @@ class Buckets(Collector):
             counts[bisect_left(bounds, value)] += 1
         self.sum += sum(values)
 
-    @property
-    def count(self) -> int:
-        return sum(self.counts)
-
     def collect(self) -> Iterator[HistogramMetricFamily]:
         cumulative, buckets = 0, []
         for bound, n in zip((*self.bounds, float("inf")), self.counts, strict=True):
@@ -182,19 +178,16 @@ class EngineMetrics:
             self.event_log_degraded.set_function(lambda: 1 if event_log.degraded else 0)
             self.event_log_dropped.set_function(lambda: event_log.num_dropped)
 
-        def reported(name: str) -> Callable[[], float]:
-            return lambda: getattr(self._prefix, name) if self._prefix is not None else 0
+        def last(report: str, name: str) -> Callable[[], float]:
+            """A figure of the executor's last report of that kind (0 before the first)."""
+            return lambda: getattr(getattr(self, report), name, 0)
 
-        self.prefix_disk_bytes.set_function(reported("disk_nbytes"))
-        self.prefix_disk_entries.set_function(reported("disk_entries"))
-        self.prefix_disk_evictions.set_function(reported("disk_evictions"))
-
-        def memory(name: str) -> Callable[[], float]:
-            return lambda: getattr(self._memory, name) if self._memory is not None else 0
-
-        self.mlx_active.set_function(memory("active"))
-        self.mlx_cache.set_function(memory("cache"))
-        self.mlx_peak.set_function(memory("peak"))
+        self.prefix_disk_bytes.set_function(last("_prefix", "disk_nbytes"))
+        self.prefix_disk_entries.set_function(last("_prefix", "disk_entries"))
+        self.prefix_disk_evictions.set_function(last("_prefix", "disk_evictions"))
+        self.mlx_active.set_function(last("_memory", "active"))
+        self.mlx_cache.set_function(last("_memory", "cache"))
+        self.mlx_peak.set_function(last("_memory", "peak"))
 
     def executor_report(self, memory: Any, prefix: Any) -> None:
         """The executor's last figures (engine.memory's counters, the prefix store's

@@ -407,21 +407,23 @@ class ModelRunner:
             started, taken = self._pipeline(pending, ahead, batch, start_now=start_now)
             self._record(taken, tokens, logprobs)
             self._took(batch, taken.array)
-        elif ahead is None:
-            self.decode_order.interrupt()
-            if decoded is None and batch:
-                decoded = self._decode_forward(self._next_inputs())
-            sampled = sample(self.sampler, finals, batch, decoded, fail)
-            self._record(sampled, tokens, logprobs)
-            if batch:  # the batch's rows come after the finals'
-                array = sampled.array
-                self._took(batch, array[len(finals) :] if array is not None and finals else array)
         else:
             self.decode_order.interrupt()
-            self._record(sample(self.sampler, finals, NO_ROWS, None, fail), tokens, logprobs)
-            taken = step_sampling.sample_ahead(self.sampler, ahead, batch, fail)
-            self._record(taken, tokens, logprobs)
-            self._took(batch, taken.array)
+            if ahead is None:
+                if decoded is None and batch:
+                    decoded = self._decode_forward(self._next_inputs())
+                sampled = sample(self.sampler, finals, batch, decoded, fail)
+                self._record(sampled, tokens, logprobs)
+                if batch:  # the batch's rows come after the finals'
+                    array = sampled.array
+                    self._took(
+                        batch, array[len(finals) :] if array is not None and finals else array
+                    )
+            else:
+                self._record(sample(self.sampler, finals, NO_ROWS, None, fail), tokens, logprobs)
+                taken = step_sampling.sample_ahead(self.sampler, ahead, batch, fail)
+                self._record(taken, tokens, logprobs)
+                self._took(batch, taken.array)
         self._join_finals(finals, failed)
         self._build_ahead(started)
         return StepResult(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import math
 import threading
@@ -15,7 +16,7 @@ from helpers import wait_finished, wait_until
 
 import stepline.actors.core as core_module
 from stepline.actors.executor import Executor, ExecutorDeadError
-from stepline.actors.request import IncrementalDetokenizer
+from stepline.actors.request import IncrementalDetokenizer, RequestOutput
 from stepline.api import (
     ContextLengthExceededError,
     EmptyPromptError,
@@ -636,6 +637,27 @@ async def test_a_reader_that_fell_behind_gets_what_it_missed_in_one_piece(model_
     assert out.token_ids == tuple(t for o in prompt_outs for t in o.token_ids)
     assert out.text == "".join(o.text for o in prompt_outs)
     assert len(prompt_outs) > 1
+
+
+def test_an_output_made_field_by_field_equals_one_made_by_its_constructor() -> None:
+    values = {
+        "request_id": "r",
+        "text": "hi",
+        "token_ids": (5, 6),
+        "finish_reason": "length",
+        "num_prompt_tokens": 3,
+        "num_output_tokens": 2,
+        "num_cached_tokens": 1,
+        "num_computed_tokens": 3,
+        "logprobs": (),
+        "error": None,
+    }
+    # every field, so that a field added to RequestOutput must be added to `made` too
+    assert set(values) == {f.name for f in dataclasses.fields(RequestOutput)}
+    made = RequestOutput.made(**values)
+    assert made == RequestOutput(**values) and vars(made) == values
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        made.text = "changed"  # type: ignore[misc]
 
 
 async def test_streamed_text_never_splits_a_utf8_character(model_cache_dir):
