@@ -333,15 +333,24 @@ def _hol_figures(
     }
 
 
-async def decode_stepline(engine: Engine, batch: int, w: Workload, vocab: int) -> dict:
+async def stream_batch(
+    engine: Engine, batch: int, max_tokens: int, w: Workload, vocab: int
+) -> TokenTimes:
+    """`batch` greedy requests of `max_tokens` tokens each, read to the end as they stream:
+    each token's arrival time."""
     tt = TokenTimes(batch)
+    tasks = []
+    for i in range(batch):
+        prompt = make_prompt(w.short_prompt, vocab)
+        stream = await engine.submit(prompt, params=greedy(max_tokens))
+        tasks.append(asyncio.create_task(tt.consume(i, stream)))
+    await asyncio.gather(*tasks)
+    return tt
+
+
+async def decode_stepline(engine: Engine, batch: int, w: Workload, vocab: int) -> dict:
     with StepMarks(engine) as marks:
-        tasks = []
-        for i in range(batch):
-            prompt = make_prompt(w.short_prompt, vocab)
-            stream = await engine.submit(prompt, params=greedy(w.warm_tokens + w.decode_tokens))
-            tasks.append(asyncio.create_task(tt.consume(i, stream)))
-        await asyncio.gather(*tasks)
+        tt = await stream_batch(engine, batch, w.warm_tokens + w.decode_tokens, w, vocab)
     tps, n, seconds = steady_throughput(tt.times, w.warm_tokens)
     t0 = max(ts[w.warm_tokens - 1] for ts in tt.times)
     ends = [t for t in marks.ends if t0 <= t <= t0 + seconds]
@@ -384,28 +393,20 @@ async def host_stepline(engine: Engine, batch: int, w: Workload, vocab: int) -> 
     loop's and the event log writer's CPU per token (their CPU clocks)."""
     loop = engine.step_loop
     real, loop.runner = loop.runner, InstantRunner(vocab)
-    writer = loop.event_log
-    threads = [threading.main_thread(), *([writer._thread] if writer is not None else [])]
-    clocks = [time.pthread_getcpuclockid(t.ident) for t in threads if t.ident is not None]
     try:
-        c0, t0 = [time.clock_gettime(c) for c in clocks], time.perf_counter()
-        tt = TokenTimes(batch)
-        tasks = []
-        for i in range(batch):
-            prompt = make_prompt(w.short_prompt, vocab)
-            stream = await engine.submit(prompt, params=greedy(HOST_TOKENS))
-            tasks.append(asyncio.create_task(tt.consume(i, stream)))
-        await asyncio.gather(*tasks)
+        cpu0, t0 = thread_cpu_seconds(), time.perf_counter()
+        tt = await stream_batch(engine, batch, HOST_TOKENS, w, vocab)
         await loop.wait_until(lambda: loop.settled)  # every end freed (on this runner)
+        cpu = cpu_by_kind(cpu0, thread_cpu_seconds())
         seconds = time.perf_counter() - t0
-        cpu = [time.clock_gettime(c) - c0[i] for i, c in enumerate(clocks)]
     finally:
         loop.runner = real
     tokens = sum(len(t) for t in tt.times)
+    loop_cpu = cpu.get("asyncio", 0.0)
     return {
         "batch": batch,
-        "host_us_per_token": 1e6 * sum(cpu) / tokens,
-        "loop_us_per_token": 1e6 * cpu[0] / tokens,
+        "host_us_per_token": 1e6 * (loop_cpu + cpu.get("event-log", 0.0)) / tokens,
+        "loop_us_per_token": 1e6 * loop_cpu / tokens,
         "tokens_per_s": tokens / seconds,
     }
 
@@ -625,6 +626,16 @@ def instrumented(engine: Engine, cpu_at: tuple[int, int]):
             setattr(obj, name, value)
 
 
+def cpu_by_kind(cpu0: dict[int, float], cpu1: dict[int, float]) -> dict[str, float]:
+    """CPU seconds each kind of thread used between two `thread_cpu_seconds` snapshots."""
+    names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+    out: dict[str, float] = {}
+    for tid, seconds in cpu1.items():
+        kind = _thread_kind(tid, names)
+        out[kind] = out.get(kind, 0.0) + seconds - cpu0.get(tid, 0.0)
+    return out
+
+
 def _thread_kind(native_id: int, names: dict[int, str]) -> str:
     name = names.get(native_id)
     if name is None:
@@ -637,14 +648,10 @@ async def profile_stepline(engine: Engine, batch: int, w: Workload, vocab: int) 
     first, last = w.warm_tokens + 2, w.warm_tokens + w.decode_tokens - 2
     with instrumented(engine, cpu_at=(first, last)) as timings:
         figures = await decode_stepline(engine, batch, w, vocab)
-    names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
     cpu_ms: dict[str, float] = {}
     if len(timings["cpu"]) == 2:
-        cpu0, cpu1 = timings["cpu"]
-        for tid, seconds in cpu1.items():
-            kind = _thread_kind(tid, names)
-            used = 1e3 * (seconds - cpu0.get(tid, 0.0)) / (last - first)
-            cpu_ms[kind] = cpu_ms.get(kind, 0.0) + used
+        used = cpu_by_kind(*timings["cpu"])
+        cpu_ms = {kind: 1e3 * seconds / (last - first) for kind, seconds in used.items()}
     ms = {k: 1e3 * median(timings[k][first:last]) for k in TIMED + PER_STEP}
     wall = figures["step_ms_median"]
     host = sum(v for k, v in cpu_ms.items() if k in ("asyncio", "event-log"))
