@@ -27,7 +27,6 @@ from stepline.events.log import (
     read_runs,
 )
 from stepline.events.models import EVENT_ADAPTER
-from stepline.events.reexecute import ReexecuteReport, reexecute
 from stepline.events.replay import (
     InFlight,
     Percentiles,
@@ -49,9 +48,10 @@ from stepline.events.replay import (
     summarize,
     verify,
 )
-from stepline.events.timeline import format_ms
-from stepline.events.timeline_svg import render_html, render_svg
-from stepline.events.trace_export import export_trace
+from stepline.events.replay.reexecute import ReexecuteReport, reexecute
+from stepline.events.replay.svg import render_html, render_svg
+from stepline.events.replay.timeline import format_ms
+from stepline.events.replay.trace import export_trace
 
 EXIT_OK, EXIT_FAILED, EXIT_UNUSABLE = 0, 1, 2
 

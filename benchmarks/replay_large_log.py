@@ -44,8 +44,8 @@ from stepline.events.models import (
     TokensSampled,
 )
 from stepline.events.replay import summarize
-from stepline.events.timeline_svg import render_svg
-from stepline.events.trace_export import export_trace
+from stepline.events.replay.svg import render_svg
+from stepline.events.replay.trace import export_trace
 
 PARAMS = RequestParams(max_tokens=512, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=None)
 

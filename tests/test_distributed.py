@@ -24,7 +24,7 @@ import pytest
 
 from stepline.api import Engine
 from stepline.events.log import read_events, read_header
-from stepline.events.reexecute import reexecute
+from stepline.events.replay.reexecute import reexecute
 
 HERE = Path(__file__).parent
 WORKER = HERE / "distributed_worker.py"

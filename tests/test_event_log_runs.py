@@ -337,7 +337,7 @@ def test_a_version_2_log_reads_as_steps_of_rows_and_folds_and_verifies_as_writte
     """Schema 2 logged a step's members as `entries` and each request's tokens as its own
     `decoding` event; read today, they are a plan's rows and a step's tokens, and the
     requests' states and the checks come out as they did."""
-    from stepline.events.verify import verify
+    from stepline.events.replay.verify import verify
 
     path = tmp_path / "v2.jsonl"
     params = {"max_tokens": 2, "temperature": 0, "top_p": 1, "top_k": 0, "min_p": 0, "seed": None}

@@ -41,7 +41,7 @@ from stepline.events.replay import (
     summarize,
     verify,
 )
-from stepline.events.timeline_svg import SVG_NS, render_html, render_svg
+from stepline.events.replay.svg import SVG_NS, render_html, render_svg
 
 STEP = 0.1  # a step starts every 100 ms; its results come 50 ms in
 

@@ -22,8 +22,8 @@ from log_builder import LogBuilder
 from stepline.api.replay_cmd import Progress
 from stepline.events.models import FinishReason, RequestParams
 from stepline.events.replay import summarize
-from stepline.events.timeline_svg import SVG_NS, render_svg
-from stepline.events.trace_export import export_trace
+from stepline.events.replay.svg import SVG_NS, render_svg
+from stepline.events.replay.trace import export_trace
 
 GREEDY = RequestParams(max_tokens=20, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=None)
 LONG_ID = "chatcmpl-7f3a9c2e-4b1d-4e8a-9f6b-a1b2c3d4e5f6"  # longer than the old 20-char cut

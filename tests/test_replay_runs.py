@@ -23,7 +23,7 @@ from stepline.events.replay import (
     summarize,
     verify,
 )
-from stepline.events.timeline_svg import SVG_NS, render_svg
+from stepline.events.replay.svg import SVG_NS, render_svg
 
 
 def run(t0: float, *, timed: bool = True) -> LogBuilder:

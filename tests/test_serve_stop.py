@@ -16,7 +16,7 @@ import httpx
 from helpers import popen_serve, serve_argv
 
 from stepline.events.log import read_runs
-from stepline.events.verify import verify
+from stepline.events.replay.verify import verify
 
 NUM_STOPS = 3
 NUM_STREAMS = 8

@@ -11,7 +11,7 @@ import pytest
 from stepline.api import Engine, SamplingParams
 from stepline.api.json_limits import MAX_STOP_STRINGS
 from stepline.events.log import read_events
-from stepline.events.verify import verify
+from stepline.events.replay.verify import verify
 
 BAD_ARGS = [
     ({"checkpoints": [2.5]}, TypeError, "checkpoints"),

@@ -30,8 +30,8 @@ from pathlib import Path
 
 from stepline.events.log import read_header, read_runs
 from stepline.events.models import FinishReason
-from stepline.events.timeline import RequestLife, RunTimeline, StallMark, StepSpan, collect
-from stepline.events.timeline import format_ms as _ms
+from stepline.events.replay.timeline import RequestLife, RunTimeline, StallMark, StepSpan, collect
+from stepline.events.replay.timeline import format_ms as _ms
 
 SVG_NS = "http://www.w3.org/2000/svg"  # the namespace name, not something fetched
 

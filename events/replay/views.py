@@ -12,12 +12,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stepline.events.describe import (
-    UnknownRequestError,
-    describe_runs,
-    describe_status,
-    resolve_run,
-)
 from stepline.events.fold import RequestState, Status, fold
 from stepline.events.log import read_events, read_run_events, read_runs
 from stepline.events.models import (
@@ -33,7 +27,13 @@ from stepline.events.models import (
     Terminal,
     TokensSampled,
 )
-from stepline.events.stats import Percentiles, Report, percentiles
+from stepline.events.replay.describe import (
+    UnknownRequestError,
+    describe_runs,
+    describe_status,
+    resolve_run,
+)
+from stepline.events.replay.stats import Percentiles, Report, percentiles
 
 # ---------------------------------------------------------------------------------------------
 # Timeline of one request.

@@ -1,6 +1,6 @@
 """A run laid out in time: every step's span, every request's life, and the stalls between.
 
-What the picture (events/timeline_svg.py) and the trace export (events/trace_export.py) draw,
+What the picture (svg.py) and the trace export (trace.py) draw,
 collected in one streaming pass over one run of the log. Memory grows with the steps and the
 tokens of the run (a few bytes a token, in arrays), not with the events' text.
 
@@ -31,7 +31,7 @@ from stepline.events.models import (
     Terminal,
     per_request,
 )
-from stepline.events.stats import Distribution
+from stepline.events.replay.stats import Distribution
 
 _NAMED_PREFILLS = 3  # requests named in a step's description; the rest are counted
 DEFAULT_STALL_FACTOR = 3.0  # a stall: a gap over this many times the median gap

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stepline.events.timeline import RequestLife, RunTimeline, StepSpan, collect, format_ms
+from stepline.events.replay.timeline import RequestLife, RunTimeline, StepSpan, collect, format_ms
 
 ENGINE_PID, REQUESTS_PID, STEPS_TID = 1, 2, 1
 

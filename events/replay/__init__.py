@@ -3,14 +3,14 @@
 Pure analysis, MLX-free, one streaming pass per question (constant memory in the length of
 the log; proportional to the requests in it at most). One concern per module, gathered here:
 
-- `request_timeline`, `state_at_step`, `step_records` (events/views.py): one request's life;
+- `request_timeline`, `state_at_step`, `step_records` (views.py): one request's life;
   every request's state as of a step, by the same `fold` the engine uses; per step, its
   members, tokens each, budget used and time taken;
-- `summarize` (events/summary.py): outcomes, latency percentiles, budget utilisation, stalls,
+- `summarize` (summary.py): outcomes, latency percentiles, budget utilisation, stalls,
   slowest steps, idle time, requests in flight or interrupted;
-- `verify` (events/verify.py): every violation of the engine's invariants, with the events
+- `verify` (verify.py): every violation of the engine's invariants, with the events
   that show it, by the fold's own rules;
-- `Distribution`, `percentiles` (events/stats.py).
+- `Distribution`, `percentiles` (stats.py).
 
 A log may hold several runs (a restart appends one): views take `run` (1-based index or run
 id); the summary and verify cover every run, each on its own.
@@ -18,7 +18,7 @@ id); the summary and verify cover every run, each on its own.
 
 from __future__ import annotations
 
-from stepline.events.describe import (
+from stepline.events.replay.describe import (
     InFlight,
     RunNeededError,
     UnknownRequestError,
@@ -28,10 +28,10 @@ from stepline.events.describe import (
     describe_tokens,
     resolve_run,
 )
-from stepline.events.stats import Distribution, Percentiles, percentiles
-from stepline.events.summary import IdleGap, RunOverview, SlowStep, Stall, Summary, summarize
-from stepline.events.verify import VerifyReport, Violation, ViolationKind, verify
-from stepline.events.views import (
+from stepline.events.replay.stats import Distribution, Percentiles, percentiles
+from stepline.events.replay.summary import IdleGap, RunOverview, SlowStep, Stall, Summary, summarize
+from stepline.events.replay.verify import VerifyReport, Violation, ViolationKind, verify
+from stepline.events.replay.views import (
     RequestAtStep,
     RequestTimeline,
     StateAtStep,

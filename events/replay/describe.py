@@ -20,7 +20,7 @@ from stepline.events.models import (
     Terminal,
     TokensSampled,
 )
-from stepline.events.stats import Report
+from stepline.events.replay.stats import Report
 
 
 class UnknownRequestError(LookupError):

@@ -16,7 +16,6 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from stepline.events.describe import InFlight, dump_event, resolve_run
 from stepline.events.fold import FoldError, RequestState, Status, apply
 from stepline.events.log import LogCorruptError, LogRun, log_files, read_run_events, read_runs
 from stepline.events.models import (
@@ -29,7 +28,8 @@ from stepline.events.models import (
     Terminal,
     per_request,
 )
-from stepline.events.stats import Report
+from stepline.events.replay.describe import InFlight, dump_event, resolve_run
+from stepline.events.replay.stats import Report
 
 
 class ViolationKind(StrEnum):

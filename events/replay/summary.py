@@ -12,7 +12,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from stepline.events.describe import InFlight, resolve_run
 from stepline.events.fold import Status
 from stepline.events.log import LogRun, log_files, read_header, read_run_events, read_runs
 from stepline.events.models import (
@@ -25,8 +24,9 @@ from stepline.events.models import (
     Terminal,
     TokensSampled,
 )
-from stepline.events.stats import Distribution, Percentiles, Report, TopK
-from stepline.events.timeline import StepSpan, step_span
+from stepline.events.replay.describe import InFlight, resolve_run
+from stepline.events.replay.stats import Distribution, Percentiles, Report, TopK
+from stepline.events.replay.timeline import StepSpan, step_span
 
 _STALL_WINDOW = 4096  # steps looked back through for a stall's cause
 
