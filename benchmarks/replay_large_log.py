@@ -164,7 +164,7 @@ def simulate(
 # mark from before exec.
 _WRAPPER = """
 import sys
-import stepline.api.replay_cmd
+import stepline.api.cli.replay
 from stepline.api.cli import main
 code = main(sys.argv[1:]) if sys.argv[1:] else 0
 hwm = [line for line in open("/proc/self/status") if line.startswith("VmHWM")][0]

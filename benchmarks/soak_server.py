@@ -32,9 +32,9 @@ def serve_options(model: str, server_args: list[str]) -> argparse.Namespace:
     from stepline.api.cli import _add_engine_args, _engine_kwargs
 
     try:
-        from stepline.api.serve_cmd import add_serve_parser
+        from stepline.api.http.serve import add_serve_parser
     except ImportError:  # stepline before `serve` had a module of its own
-        from stepline.api.server import add_serve_parser  # type: ignore[no-redef]
+        from stepline.api.http.app import add_serve_parser  # type: ignore[no-redef]
 
     p = argparse.ArgumentParser(prog="stepline")
     add_serve_parser(p.add_subparsers(), _add_engine_args, _engine_kwargs)

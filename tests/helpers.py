@@ -90,8 +90,8 @@ async def open_served(**app_options: Any) -> AsyncIterator[Served]:
     """`stepline-demo` (128-token steps) served in this process; `app_options` go to
     `create_app`."""
     from stepline.api import Engine
-    from stepline.api.serve_cmd import serve_in_process
-    from stepline.api.server import create_app
+    from stepline.api.http.app import create_app
+    from stepline.api.http.serve import serve_in_process
 
     async with (
         Engine.open("stepline-demo", max_step_tokens=128) as engine,
@@ -124,7 +124,7 @@ def replay(*argv: str) -> tuple[int, str]:
     import argparse
     import io
 
-    from stepline.api.replay_cmd import add_replay_parser
+    from stepline.api.cli.replay import add_replay_parser
 
     parser = argparse.ArgumentParser(prog="stepline")
     add_replay_parser(parser.add_subparsers(dest="command"))

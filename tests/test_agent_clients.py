@@ -20,8 +20,8 @@ from helpers import WEATHER_ARGS, hold_open
 from pydantic import BaseModel, Field
 
 from stepline.api import Engine
-from stepline.api.serve_cmd import serve_in_process
-from stepline.api.server import create_app
+from stepline.api.http.app import create_app
+from stepline.api.http.serve import serve_in_process
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 MODEL = "stepline-demo"
@@ -222,7 +222,7 @@ async def test_anthropic_structured_outputs_follow_the_schema(claude):
 async def test_anthropic_clients_get_anthropic_errors_for_bugs_and_unknown_routes(
     claude, servers, monkeypatch
 ):
-    from stepline.api.anthropic_serving import AnthropicServing
+    from stepline.api.anthropic.serving import AnthropicServing
 
     def broken(*args, **kwargs):
         raise RuntimeError("a bug with <secret detail>")
@@ -584,7 +584,7 @@ async def test_the_agents_sdk_calls_its_tools_with_an_output_type(oai):
 
 
 async def test_while_the_model_loads_anthropic_clients_get_an_anthropic_503():
-    from stepline.api.loading import loading_app
+    from stepline.api.http.loading import loading_app
 
     transport = httpx.ASGITransport(app=loading_app("m"))
     async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:

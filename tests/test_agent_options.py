@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from stepline.api.agent_options import add_agent_args, agent_options, configure
+from stepline.api.pipeline.agent_options import add_agent_args, agent_options, configure
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -71,8 +71,8 @@ def test_options_the_model_cannot_honour_are_refused_at_start_up():
 
 
 def test_tools_a_model_cannot_render_or_parse_are_dropped_unless_forced():
-    from stepline.api.agents import ToolSpec, plan
-    from stepline.api.openai_schema import RequestError
+    from stepline.api.openai.schema import RequestError
+    from stepline.api.pipeline.agents import ToolSpec, plan
 
     tools = (ToolSpec("f", None, {"type": "object"}), ToolSpec("g", None, {"type": "object"}))
     no_tools_template = SimpleNamespace(chat_template="{{ messages }}", tool_parser=print)

@@ -17,8 +17,8 @@ import pytest_asyncio
 from helpers import hold_open
 
 from stepline.api import Engine
-from stepline.api.serve_cmd import serve_in_process
-from stepline.api.server import create_app
+from stepline.api.http.app import create_app
+from stepline.api.http.serve import serve_in_process
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 T = TypeVar("T")

@@ -17,8 +17,8 @@ from helpers import serve_argv
 from structlog.testing import capture_logs
 
 from stepline.api import Engine
-from stepline.api.serve_cmd import serve_in_process
-from stepline.api.server import create_app
+from stepline.api.http.app import create_app
+from stepline.api.http.serve import serve_in_process
 from stepline.events.log import (
     EventLogWriter,
     LogInUseError,

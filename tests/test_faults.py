@@ -308,8 +308,8 @@ async def test_with_a_key_health_says_what_broke_and_only_key_holders_get_the_de
 ):
     import httpx
 
-    from stepline.api.serve_cmd import serve_in_process
-    from stepline.api.server import create_app
+    from stepline.api.http.app import create_app
+    from stepline.api.http.serve import serve_in_process
 
     async with Engine.open("stepline-demo", max_step_tokens=32, max_num_seqs=8) as engine:
         runner = engine.step_loop.runner

@@ -22,9 +22,9 @@ from anyio.abc import SocketAttribute
 from helpers import hold_open
 
 from stepline.api import Engine
+from stepline.api.http.app import create_app
+from stepline.api.http.serve import serve_in_process
 from stepline.api.json_limits import MAX_JSON_DEPTH, MAX_STOP_STRINGS, MAX_TOOLS
-from stepline.api.serve_cmd import serve_in_process
-from stepline.api.server import create_app
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -288,7 +288,7 @@ async def test_many_consecutive_system_messages_are_merged_into_one(served):
     async with served.client() as http:
         r = await http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
-    from stepline.api.openai_schema import ChatCompletionRequest
+    from stepline.api.openai.schema import ChatCompletionRequest
 
     merged = ChatCompletionRequest.model_validate({"messages": messages}).engine_messages()
     assert [m["role"] for m in merged] == ["system", "user"]

@@ -203,8 +203,8 @@ async def test_a_chat_without_max_tokens_runs_to_the_kv_budget_not_into_a_refusa
 ):
     import httpx
 
-    from stepline.api.serve_cmd import serve_in_process
-    from stepline.api.server import create_app
+    from stepline.api.http.app import create_app
+    from stepline.api.http.serve import serve_in_process
 
     # The demo's context is 2,048 tokens; the budget holds 200 beside the room a request's
     # KV buffer grows by: "to the end of the context" can never fit, "to the end of the

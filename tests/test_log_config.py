@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 import structlog
 
-from stepline.api.log_config import configure_logging, flush_logging
+from stepline.api.http.log_config import configure_logging, flush_logging
 
 
 @pytest.fixture

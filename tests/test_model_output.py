@@ -7,7 +7,7 @@ import json
 import pytest
 from mlx_lm.tool_parsers import json_tools
 
-from stepline.api.model_output import OutputFormat, OutputSplitter, split_output
+from stepline.api.pipeline.model_output import OutputFormat, OutputSplitter, split_output
 
 QWEN = OutputFormat(
     think=("<think>", "</think>"),
@@ -149,8 +149,8 @@ def test_a_block_in_another_key_order_is_sent_whole_when_it_closes():
 
 
 def test_without_parallel_tool_calls_only_the_first_call_is_returned():
-    from stepline.api import openai_agents
-    from stepline.api.model_output import OutputDelta, ToolCall, ToolCallDelta
+    from stepline.api.openai import agents as openai_agents
+    from stepline.api.pipeline.model_output import OutputDelta, ToolCall, ToolCallDelta
 
     two = OutputDelta(
         tool_calls=[ToolCall("call_a", "f", "{}"), ToolCall("call_b", "g", "{}")],

@@ -18,8 +18,8 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from stepline.api import Engine, SamplingParams
-from stepline.api.serve_cmd import serve_in_process
-from stepline.api.server import create_app
+from stepline.api.http.app import create_app
+from stepline.api.http.serve import serve_in_process
 from stepline.engine.default_model import DEFAULT_MODEL
 from stepline.engine.models import load_model
 

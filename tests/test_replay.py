@@ -16,7 +16,7 @@ import pytest
 from helpers import replay
 from log_builder import PARAMS, T0, LogBuilder
 
-from stepline.api.replay_cmd import parse_step_range
+from stepline.api.cli.replay import parse_step_range
 from stepline.events.log import (
     EventLogWriter,
     TornLineWarning,

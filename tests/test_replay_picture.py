@@ -19,7 +19,7 @@ import pytest
 from helpers import replay
 from log_builder import LogBuilder
 
-from stepline.api.replay_cmd import Progress
+from stepline.api.cli.replay import Progress
 from stepline.events.models import FinishReason, RequestParams
 from stepline.events.replay import summarize
 from stepline.events.replay.svg import SVG_NS, render_svg

@@ -15,10 +15,10 @@ import pytest
 import pytest_asyncio
 from helpers import WEATHER_ARGS, ZONE_ARGS, Served, hold_open, open_served, wait_finished
 
-from stepline.api.errors import APIError
-from stepline.api.responses_schema import ResponseObject
-from stepline.api.responses_serving import ResponseStore, StoredResponse
-from stepline.api.resume import StreamRecord
+from stepline.api.pipeline.errors import APIError
+from stepline.api.pipeline.resume import StreamRecord
+from stepline.api.responses.schema import ResponseObject
+from stepline.api.responses.serving import ResponseStore, StoredResponse
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -14,9 +14,9 @@ import pytest
 from helpers import wait_until
 
 from stepline.api import Engine
-from stepline.api.responses_recovery import interrupted_responses
-from stepline.api.serve_cmd import serve_in_process
-from stepline.api.server import create_app
+from stepline.api.http.app import create_app
+from stepline.api.http.serve import serve_in_process
+from stepline.api.responses.recovery import interrupted_responses
 
 pytestmark = pytest.mark.asyncio
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from stepline.api.replay_cmd import add_replay_parser
+from stepline.api.cli.replay import add_replay_parser
 from stepline.events.log import read_runs
 
 STARTUP_S = 90  # loading MLX and the demo model on a busy machine

@@ -13,8 +13,8 @@ import pytest_asyncio
 from helpers import Served, hold_open, open_served, wait_finished
 from starlette.datastructures import Headers
 
-from stepline.api.resume import FrameCounter, ResumeRegistry, key_of
-from stepline.api.sse import PING
+from stepline.api.pipeline.resume import FrameCounter, ResumeRegistry, key_of
+from stepline.api.pipeline.sse import PING
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

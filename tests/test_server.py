@@ -24,16 +24,16 @@ from helpers import hold_open, wait_finished
 from prometheus_client.parser import text_string_to_metric_families
 
 from stepline.api import Engine
-from stepline.api.openai_schema import (
+from stepline.api.http.app import create_app
+from stepline.api.http.serve import add_serve_parser, bind_socket, run_serve, serve_in_process
+from stepline.api.openai.schema import (
     ChatChunkChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatDelta,
     RequestError,
 )
-from stepline.api.serve_cmd import add_serve_parser, bind_socket, run_serve, serve_in_process
-from stepline.api.server import create_app
-from stepline.api.sse import DONE, PING, EventStreamResponse, TextFrames, sse
+from stepline.api.pipeline.sse import DONE, PING, EventStreamResponse, TextFrames, sse
 from stepline.events.log import TornLineWarning, read_events
 from stepline.events.models import Terminal
 
@@ -818,7 +818,7 @@ async def test_serve_reports_a_port_in_use_before_loading_any_model(capsys):
 
 
 async def test_serve_prints_a_curl_line_that_streams():
-    from stepline.api.serve_cmd import _curl_line
+    from stepline.api.http.serve import _curl_line
 
     line = _curl_line("http://127.0.0.1:8000", "stepline-demo", api_key=None)
     assert line.startswith("curl -N http://127.0.0.1:8000/v1/chat/completions")

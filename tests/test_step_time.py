@@ -9,8 +9,8 @@ import httpx
 from structlog.testing import capture_logs
 
 from stepline.api import Engine, SamplingParams
-from stepline.api.serve_cmd import serve_in_process
-from stepline.api.server import create_app
+from stepline.api.http.app import create_app
+from stepline.api.http.serve import serve_in_process
 from stepline.engine import cost_model
 from stepline.engine.cost_model import CostModel, Sample, StepCost, StepFeatures
 from stepline.engine.policy import SchedulerConfig

@@ -27,14 +27,13 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
 from stepline.actors.step_loop import EngineDeadError
-from stepline.api.agents import AgentPlan
 from stepline.api.engine import SamplingParams
-from stepline.api.errors import APIError, Wire, context_error, validation_error
 from stepline.api.json_limits import InputLimitError, parse_body
-from stepline.api.model_output import OutputDelta, OutputFormat, OutputSplitter
-from stepline.api.openai_schema import RequestError, now
-from stepline.api.prompts import PromptTooLongError
-from stepline.api.resume import (
+from stepline.api.openai.schema import RequestError, now
+from stepline.api.pipeline.agents import AgentPlan
+from stepline.api.pipeline.errors import APIError, Wire, context_error, validation_error
+from stepline.api.pipeline.model_output import OutputDelta, OutputFormat, OutputSplitter
+from stepline.api.pipeline.resume import (
     FrameCounter,
     ResumableStreamResponse,
     ResumeRegistry,
@@ -42,7 +41,8 @@ from stepline.api.resume import (
     run_producer,
     wants_resumable,
 )
-from stepline.api.sse import OPENAI, Emit, EventStreamResponse
+from stepline.api.pipeline.sse import OPENAI, Emit, EventStreamResponse
+from stepline.api.prompts import PromptTooLongError
 from stepline.engine.grammar import GrammarError
 from stepline.engine.policy import ContextLengthExceededError, QueueFullError
 

@@ -26,7 +26,7 @@ import structlog
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from stepline.api.errors import APIError
+from stepline.api.pipeline.errors import APIError
 
 log = structlog.get_logger(__name__)
 

@@ -18,8 +18,8 @@ from pydantic import BaseModel
 from pydantic_core import to_json
 from starlette.types import Receive, Scope, Send
 
-from stepline.api.errors import APIError, Wire
-from stepline.api.openai_schema import ErrorDetail, ErrorResponse
+from stepline.api.openai.schema import ErrorDetail, ErrorResponse
+from stepline.api.pipeline.errors import APIError, Wire
 
 PING = b": ping\n\n"
 DONE = b"data: [DONE]\n\n"

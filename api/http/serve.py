@@ -24,21 +24,21 @@ import structlog
 import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from stepline.api.agent_options import add_agent_args, agent_options
 from stepline.api.engine import launch_rank, run
-from stepline.api.http_guard import (
+from stepline.api.http.guard import (
     RateLimitedExceptionHandler,
     RefuseAmbiguousLength,
     RequestLimit,
     head_deadline_protocol,
     raise_open_file_limit,
 )
-from stepline.api.loading import DEFAULT_MAX_BODY_BYTES, loading_app
-from stepline.api.log_config import LOG_FORMATS, LOG_LEVELS, configure_logging
-from stepline.api.responses_recovery import interrupted_responses
-from stepline.api.responses_serving import DEFAULT_TTL_S
-from stepline.api.resume import DEFAULT_GRACE_S
-from stepline.api.serving import DEFAULT_BODY_TIMEOUT_S
+from stepline.api.http.loading import DEFAULT_MAX_BODY_BYTES, loading_app
+from stepline.api.http.log_config import LOG_FORMATS, LOG_LEVELS, configure_logging
+from stepline.api.pipeline.agent_options import add_agent_args, agent_options
+from stepline.api.pipeline.resume import DEFAULT_GRACE_S
+from stepline.api.pipeline.serving import DEFAULT_BODY_TIMEOUT_S
+from stepline.api.responses.recovery import interrupted_responses
+from stepline.api.responses.serving import DEFAULT_TTL_S
 
 log = structlog.get_logger(__name__)
 
@@ -273,7 +273,7 @@ async def _serve(args: argparse.Namespace, sock: socket.socket, engine_kwargs: d
             log.info("open_file_limit", soft=soft, hard=hard)
             # The HTTP app's modules (the Anthropic SDK alone takes ~0.9 s) import on a thread
             # of their own while the engine loads and warms up, mostly outside the GIL.
-            app_modules = _BackgroundImport("stepline.api.server")
+            app_modules = _BackgroundImport("stepline.api.http.app")
             async with Engine.open(args.model, **engine_kwargs) as engine:
                 create_app = (await app_modules.module()).create_app
                 names = args.served_model_name or [engine.model_name]

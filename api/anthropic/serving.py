@@ -21,15 +21,15 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
-from stepline.api import anthropic_schema as schema
-from stepline.api.agents import AgentPlan, plan, reads_template_kwarg
-from stepline.api.anthropic_schema import ANTHROPIC
-from stepline.api.model_output import OutputDelta, ToolCall, split_output
-from stepline.api.serving import Call, Serving, Started
+from stepline.api.anthropic import schema
+from stepline.api.anthropic.schema import ANTHROPIC
+from stepline.api.pipeline.agents import AgentPlan, plan, reads_template_kwarg
+from stepline.api.pipeline.model_output import OutputDelta, ToolCall, split_output
+from stepline.api.pipeline.serving import Call, Serving, Started
 
 if TYPE_CHECKING:
     from stepline.actors.request import RequestOutput
-    from stepline.api.sse import Emit
+    from stepline.api.pipeline.sse import Emit
 
 _STOP_REASONS = {"length": "max_tokens"}
 

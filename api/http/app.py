@@ -30,14 +30,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from stepline.api.agent_options import configure
-from stepline.api.anthropic_serving import AnthropicServing, anthropic_router
-from stepline.api.errors import APIError
-from stepline.api.loading import DEFAULT_MAX_BODY_BYTES, wire_of
-from stepline.api.openai_serving import OpenAIServing
-from stepline.api.responses_serving import DEFAULT_TTL_S, ResponsesServing, responses_router
-from stepline.api.resume import DEFAULT_GRACE_S, ResumeRegistry, resume_response
-from stepline.api.serving import DEFAULT_BODY_TIMEOUT_S
+from stepline.api.anthropic.serving import AnthropicServing, anthropic_router
+from stepline.api.http.loading import DEFAULT_MAX_BODY_BYTES, wire_of
+from stepline.api.openai.serving import OpenAIServing
+from stepline.api.pipeline.agent_options import configure
+from stepline.api.pipeline.errors import APIError
+from stepline.api.pipeline.resume import DEFAULT_GRACE_S, ResumeRegistry, resume_response
+from stepline.api.pipeline.serving import DEFAULT_BODY_TIMEOUT_S
+from stepline.api.responses.serving import DEFAULT_TTL_S, ResponsesServing, responses_router
 
 if TYPE_CHECKING:
     from stepline.api.engine import Engine

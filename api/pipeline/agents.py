@@ -16,8 +16,8 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from stepline.api.model_output import OutputFormat
-from stepline.api.openai_schema import RequestError
+from stepline.api.openai.schema import RequestError
+from stepline.api.pipeline.model_output import OutputFormat
 from stepline.engine.grammar import (
     CallFormat,
     GrammarError,

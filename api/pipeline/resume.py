@@ -25,8 +25,8 @@ from starlette.datastructures import Headers
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from stepline.api.errors import APIError, Wire
-from stepline.api.sse import OPENAI, PING, Emit, EventStreamResponse
+from stepline.api.pipeline.errors import APIError, Wire
+from stepline.api.pipeline.sse import OPENAI, PING, Emit, EventStreamResponse
 
 log = structlog.get_logger(__name__)
 

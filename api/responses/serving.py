@@ -23,10 +23,18 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from starlette.background import BackgroundTask
 
-from stepline.api.agents import plan
-from stepline.api.errors import APIError
-from stepline.api.responses_output import OutputWriter
-from stepline.api.responses_schema import (
+from stepline.api.pipeline.agents import plan
+from stepline.api.pipeline.errors import APIError
+from stepline.api.pipeline.resume import (
+    ResumableStreamResponse,
+    StreamRecord,
+    follower_response,
+    key_of,
+    wants_resumable,
+)
+from stepline.api.pipeline.serving import Call, RequestFailed, Serving, Started
+from stepline.api.responses.output import OutputWriter
+from stepline.api.responses.schema import (
     IncompleteDetails,
     ResponseError,
     ResponseObject,
@@ -34,14 +42,6 @@ from stepline.api.responses_schema import (
     ResponseUsage,
     event_frame,
 )
-from stepline.api.resume import (
-    ResumableStreamResponse,
-    StreamRecord,
-    follower_response,
-    key_of,
-    wants_resumable,
-)
-from stepline.api.serving import Call, RequestFailed, Serving, Started
 
 if TYPE_CHECKING:
     from stepline.actors.request import RequestOutput

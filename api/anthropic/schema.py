@@ -17,9 +17,9 @@ from typing import Any, Literal
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from stepline.api.agents import ToolSpec, tool_spec, unique_tools
-from stepline.api.errors import APIError
-from stepline.api.openai_schema import RequestError, template_call
+from stepline.api.openai.schema import RequestError, template_call
+from stepline.api.pipeline.agents import ToolSpec, tool_spec, unique_tools
+from stepline.api.pipeline.errors import APIError
 from stepline.engine.sampling_limits import MAX_INT32
 
 

@@ -9,7 +9,7 @@ from typing import Protocol
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from stepline.api.openai_schema import ErrorDetail, ErrorResponse
+from stepline.api.openai.schema import ErrorDetail, ErrorResponse
 from stepline.engine.policy import ContextLengthExceededError
 
 

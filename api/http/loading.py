@@ -7,9 +7,9 @@ from __future__ import annotations
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from stepline.api.anthropic_schema import ANTHROPIC
-from stepline.api.errors import APIError, Wire
-from stepline.api.sse import OPENAI
+from stepline.api.anthropic.schema import ANTHROPIC
+from stepline.api.pipeline.errors import APIError, Wire
+from stepline.api.pipeline.sse import OPENAI
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # a 128k-token conversation is well under 1 MiB
 

@@ -18,8 +18,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 from pydantic_core import to_json
 
-from stepline.api.agents import ToolSpec, tool_spec, unique_tools
-from stepline.api.openai_schema import RequestError, call_arguments, template_call
+from stepline.api.openai.schema import RequestError, call_arguments, template_call
+from stepline.api.pipeline.agents import ToolSpec, tool_spec, unique_tools
 from stepline.engine.sampling_limits import MAX_INT32
 
 # OpenAI's limits on `metadata`: a stored response keeps it as long as the response.

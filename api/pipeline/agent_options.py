@@ -9,8 +9,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from stepline.api.agents import check_template_kwargs
-from stepline.api.openai_schema import RequestError
+from stepline.api.openai.schema import RequestError
+from stepline.api.pipeline.agents import check_template_kwargs
 
 # Names people know them by; each means "the think tags mlx-lm found in the vocabulary".
 REASONING_PARSERS = ("auto", "qwen3", "deepseek_r1", "think")

@@ -197,13 +197,13 @@ def main(argv: list[str] | None = None) -> int:
     _add_engine_args(g)
 
     try:
-        from stepline.api.serve_cmd import add_serve_parser
+        from stepline.api.http.serve import add_serve_parser
     except ImportError:
         add_serve_parser = None
     if add_serve_parser is not None:
         add_serve_parser(sub, _add_engine_args, _engine_kwargs)
     try:
-        from stepline.api.replay_cmd import add_replay_parser
+        from stepline.api.cli.replay import add_replay_parser
     except ImportError:
         add_replay_parser = None
     if add_replay_parser is not None:

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from stepline.api.agents import AgentPlan, openai_tools, plan
-from stepline.api.model_output import OutputDelta
-from stepline.api.openai_schema import (
+from stepline.api.openai.schema import (
     AssistantMessage,
     ChatCompletionRequest,
     ChatDelta,
@@ -19,6 +17,8 @@ from stepline.api.openai_schema import (
     RequestError,
     ToolCallOut,
 )
+from stepline.api.pipeline.agents import AgentPlan, openai_tools, plan
+from stepline.api.pipeline.model_output import OutputDelta
 
 
 def response_format_schema(rf: Any) -> tuple[dict[str, Any] | None, bool]:

@@ -14,9 +14,8 @@ from typing import TYPE_CHECKING
 from fastapi import Request
 from fastapi.responses import Response
 
-from stepline.api import openai_agents
-from stepline.api.model_output import split_output
-from stepline.api.openai_schema import (
+from stepline.api.openai import agents as openai_agents
+from stepline.api.openai.schema import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
@@ -35,8 +34,9 @@ from stepline.api.openai_schema import (
     Usage,
     now,
 )
-from stepline.api.serving import Call, Serving, Started, json_response
-from stepline.api.sse import DONE, PING, Emit, TextFrames, sse
+from stepline.api.pipeline.model_output import split_output
+from stepline.api.pipeline.serving import Call, Serving, Started, json_response
+from stepline.api.pipeline.sse import DONE, PING, Emit, TextFrames, sse
 
 if TYPE_CHECKING:
     from stepline.engine.work import TokenLogprob

@@ -6,9 +6,9 @@ from __future__ import annotations
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from stepline.api.model_output import OutputDelta, OutputSplitter
-from stepline.api.openai_schema import RequestError, call_arguments, template_call
-from stepline.api.responses_schema import (
+from stepline.api.openai.schema import RequestError, call_arguments, template_call
+from stepline.api.pipeline.model_output import OutputDelta, OutputSplitter
+from stepline.api.responses.schema import (
     FunctionCallItem,
     OutputMessage,
     OutputText,
@@ -17,7 +17,7 @@ from stepline.api.responses_schema import (
 )
 
 if TYPE_CHECKING:
-    from stepline.api.responses_serving import StoredResponse
+    from stepline.api.responses.serving import StoredResponse
 
 
 class OutputWriter:
