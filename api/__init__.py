@@ -2,7 +2,7 @@
 
 from stepline.actors.request import RequestOutput
 from stepline.actors.step_loop import EngineDeadError
-from stepline.api.engine import Engine, RequestStream, SamplingParams
+from stepline.api.engine import Engine, EngineClosedError, RequestStream, SamplingParams
 from stepline.api.prompts import PromptTooLongError
 from stepline.engine.policy import (
     AdmissionError,
@@ -17,6 +17,7 @@ __all__ = [
     "ContextLengthExceededError",
     "EmptyPromptError",
     "Engine",
+    "EngineClosedError",
     "EngineDeadError",
     "KVBudgetExceededError",
     "PromptTooLongError",

@@ -1,9 +1,15 @@
-"""The engine's options, in one typed model: `Engine.open`, the CLI and re-execution share it.
+"""Every option, with its default and its meaning, written once, in typed models.
 
-`Engine.open(...)` takes these as keyword arguments and validates them here; the CLI builds
-one from its flags; the event log's header records one (plus what the engine resolved, such
-as the measured KV budget in tokens), and `stepline replay --reexecute` reads it back to
-open an engine configured the same way. No MLX here.
+- `EngineConfig`: how an engine schedules, remembers and budgets. `Engine.open(...)` takes its
+  fields as keyword arguments and validates them here; the event log's header records one
+  (plus what the engine resolved, such as the measured KV budget in tokens), and
+  `stepline replay --reexecute` reads it back to open an engine configured the same way.
+- `EventLogConfig`: where the event log goes and what it keeps (also `Engine.open` keywords;
+  never recorded, so re-execution never writes into the log it reads).
+- `ServerConfig`: how `stepline serve` serves HTTP (`create_app` takes its fields as keywords).
+
+The command line's flags are made from these fields (`api/cli/flags.py`): a flag's default
+and help are its field's. No MLX here.
 """
 
 from __future__ import annotations
@@ -11,31 +17,81 @@ from __future__ import annotations
 import os
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from stepline.engine.policy import DEFAULT_MAX_STEP_MS
 
 
-class EngineConfig(BaseModel):
-    """How an engine schedules, remembers and budgets (see `Engine.open` for each field)."""
-
+class _Options(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    max_step_tokens: int = Field(512, ge=1)
-    max_num_seqs: int = Field(32, ge=1)
-    long_prefill_cap: int | None = Field(None, ge=1)
-    max_step_ms: float | None = Field(DEFAULT_MAX_STEP_MS, gt=0)
-    max_kv_tokens: int | None = Field(None, ge=1)
-    max_kv_gb: float | None = Field(None, gt=0)
-    max_waiting: int = Field(1024, ge=1)
-    mlx_cache_gb: float | None = Field(None, ge=0)
-    grammar_cache_mb: float = Field(256.0, ge=0)
-    seed: int = 0
-    prefix_cache_gb: float = Field(1.0, ge=0)
-    prefix_cache_dir: str | None = None
-    prefix_cache_disk_gb: float = Field(10.0, ge=0)
-    parallel: Literal["tensor", "pipeline"] | None = None
-    dtype: Literal["auto", "float32", "bfloat16", "float16", "keep"] = "auto"
+
+class EngineConfig(_Options):
+    """How an engine schedules, remembers and budgets."""
+
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "keep"] = Field(
+        "auto",
+        description="the weights' dtype: auto keeps them as stored on a GPU (Metal, CUDA) and "
+        "makes them float32 on the CPU backend, where quantized and 16-bit matmuls are ~17-20x "
+        "slower; keep: as stored; or dequantize and cast to the dtype named",
+    )
+    max_step_tokens: int = Field(512, ge=1, description="token budget of one step")
+    max_num_seqs: int = Field(32, ge=1, description="most requests running at once")
+    long_prefill_cap: int | None = Field(
+        None, ge=1, description="most prompt tokens one request gets per step (default: the budget)"
+    )
+    max_step_ms: float | None = Field(
+        DEFAULT_MAX_STEP_MS,
+        ge=0,
+        description="target time of a step while requests decode: prefill chunks are sized to "
+        "keep each step under it, by a step-time model learned online (0: tokens only)",
+    )
+    max_kv_tokens: int | None = Field(
+        None, ge=1, description="the same KV budget in tokens (instead of in GB)"
+    )
+    max_kv_gb: float | None = Field(
+        None,
+        gt=0,
+        description="memory for running requests' KV (prompt + max_tokens each, plus the room "
+        "a KV buffer may grow past them); requests wait for room, one that can never fit is "
+        "refused (default: 70% of memory less the weights and the prefix cache)",
+    )
+    max_waiting: int = Field(
+        1024, ge=1, description="most requests waiting to start; past it new ones are refused (429)"
+    )
+    mlx_cache_gb: float | None = Field(
+        None,
+        ge=0,
+        description="limit of MLX's buffer cache (freed memory kept for reuse; default: 10% of "
+        "memory, at most 0.5)",
+    )
+    grammar_cache_mb: float = Field(
+        256.0,
+        ge=0,
+        description="memory for compiled grammars (structured output, forced tool calls) kept "
+        "for reuse, as estimated from each grammar's size and the vocabulary",
+    )
+    seed: int = Field(0, description="the engine's sampling seed for requests that set none")
+    prefix_cache_gb: float = Field(1.0, ge=0, description="prefix cache memory (0: off)")
+    prefix_cache_dir: str | None = Field(
+        None, description="keep prefix-cache entries as files here too, reused after a restart"
+    )
+    prefix_cache_disk_gb: float = Field(
+        10.0, ge=0, description="most disk the prefix cache's files may use (oldest used first out)"
+    )
+    parallel: Literal["tensor", "pipeline"] | None = Field(
+        None, description="split the model across the ranks of an mlx.launch job (rank 0 serves)"
+    )
+
+    @field_validator("prefix_cache_dir", mode="before")
+    @classmethod
+    def _dir_text(cls, v: Any) -> Any:
+        return os.fspath(v) if isinstance(v, os.PathLike) else v
+
+    @field_validator("max_step_ms")
+    @classmethod
+    def _tokens_only(cls, v: float | None) -> float | None:
+        return v or None  # 0: schedule by tokens only
 
     @model_validator(mode="after")
     def _one_kv_budget(self) -> EngineConfig:
@@ -55,6 +111,130 @@ class EngineConfig(BaseModel):
     def open_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `Engine.open`."""
         return self.model_dump()
+
+
+class EventLogConfig(_Options):
+    """Where the event log goes and what it keeps."""
+
+    event_log: str | None = Field(None, description="append-only JSON-lines event log file")
+    event_log_rotate_mb: float | None = Field(
+        None, gt=0, description="start a new event-log file (run.1.jsonl, ...) past this size"
+    )
+    log_prompts: bool = Field(
+        True, description="store prompt token ids in the event log (false: counts and a hash)"
+    )
+    log_outputs: bool = Field(
+        True, description="store output token ids in the event log (false: only how many)"
+    )
+
+    @field_validator("event_log", mode="before")
+    @classmethod
+    def _path_text(cls, v: Any) -> Any:
+        return os.fspath(v) if isinstance(v, os.PathLike) else v
+
+    @property
+    def rotate_bytes(self) -> int | None:
+        mb = self.event_log_rotate_mb
+        return None if mb is None else int(mb * 2**20)
+
+
+class ServerConfig(_Options):
+    """How `stepline serve` serves HTTP."""
+
+    host: str = Field("127.0.0.1", description="address to bind")
+    port: int = Field(8000, ge=0, le=65535, description="port to bind (0: any free one)")
+    api_key: str | None = Field(
+        None,
+        description="require `Authorization: Bearer KEY` (or `x-api-key: KEY`) on every route "
+        "but / and /health (default: $STEPLINE_API_KEY; unset: no key)",
+    )
+    served_model_name: tuple[str, ...] = Field(
+        (),
+        description="a name clients may send as `model` (repeatable; the first is what "
+        "/v1/models lists; default: the model's own name)",
+    )
+    allowed_origins: tuple[str, ...] = Field(
+        (),
+        description="a web origin (https://app.example) allowed to call the server from a "
+        "browser (repeatable; default: none, no CORS headers)",
+    )
+    metrics_public: bool = Field(
+        False, description="serve /metrics without the API key (default: behind it)"
+    )
+    max_body_bytes: int = Field(
+        4 * 1024 * 1024,  # a 128k-token conversation is well under 1 MiB
+        ge=1,
+        description="largest request body accepted, else 413",
+    )
+    limit_concurrency: int = Field(
+        1024,
+        ge=1,
+        description="most requests in flight at once (a stream counts until it ends); 503 past "
+        "it. /health and /metrics always answer, and idle connections do not count",
+    )
+    timeout_keep_alive: float = Field(
+        5.0, gt=0, description="close an idle keep-alive connection after this many seconds"
+    )
+    timeout_request_head: float = Field(
+        10.0,  # a slow client on a bad link sends a head in < 1 s
+        gt=0,
+        description="close a connection that has not sent a whole request head this many "
+        "seconds after connecting or after its last response",
+    )
+    timeout_request_body: float = Field(
+        60.0,  # 4 MiB at 1 Mbit/s takes 34 s
+        gt=0,
+        description="answer 408 to a request whose body has not arrived whole this many "
+        "seconds after its head",
+    )
+    heartbeat_s: float = Field(
+        15.0,  # under the 30-60 s idle timeouts of common proxies
+        gt=0,
+        description="send a keep-alive comment on a stream that has been quiet this long",
+    )
+    log_format: Literal["console", "json"] = Field(
+        "console", description="console (readable) or json (one JSON object a line)"
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="the least severe log lines written"
+    )
+    stay_up_when_unhealthy: bool = Field(
+        False,
+        description="keep the process up (answering 503) after the engine fails, instead of "
+        "exiting with status 1 so that a supervisor restarts it",
+    )
+    strict_max_tokens: bool = Field(
+        False,
+        description="refuse (400) a max_tokens larger than the room left in the context; by "
+        "default it is clamped to that room and the response's x-stepline-max-tokens header "
+        "says so (agents such as Claude Code ask for 32000 whatever the model)",
+    )
+    reasoning_parser: Literal["auto", "qwen3", "deepseek_r1", "think"] | None = Field(
+        None,
+        description="split the model's think block into `reasoning_content` (OpenAI) / "
+        "thinking blocks (Anthropic); the tags are those mlx-lm finds in the vocabulary "
+        "(<think>...</think> for Qwen3 and DeepSeek-R1)",
+    )
+    chat_template: str | None = Field(
+        None, description="a Jinja chat template to use instead of the model's own"
+    )
+    default_chat_template_kwargs: dict[str, Any] | None = Field(
+        None,
+        description="template arguments for every request, e.g. '{\"enable_thinking\": false}'; "
+        "a request's chat_template_kwargs override them",
+    )
+    resume_grace_s: float = Field(
+        60.0,
+        ge=0,
+        description="a resumable stream whose client went away runs on this long for a "
+        "reconnect (GET /v1/requests/{id}/stream) and stays resumable this long after it ended",
+    )
+    responses_ttl_s: float = Field(
+        3600.0,
+        ge=0,
+        description="keep a /v1/responses response (for retrieve, streaming it again and "
+        "previous_response_id) this long after it ended",
+    )
 
 
 def launch_rank() -> int:

@@ -18,7 +18,6 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
-from pathlib import Path
 from typing import Any, TypeVar
 
 import anyio
@@ -30,22 +29,23 @@ from stepline.actors.messages import Arrival, Arrivals, Cancel, Submit, Update
 from stepline.actors.metrics import EngineMetrics
 from stepline.actors.request import RequestActor, RequestOutput
 from stepline.actors.step_loop import StepLoop
-from stepline.api.config import EngineConfig, launch_rank
-from stepline.api.engine_parts import (
-    EngineParts,
-    EventLogOptions,
-    vocab_size,
-    warn_without_openblas,
-)
+from stepline.api.config import EngineConfig, EventLogConfig, launch_rank
+from stepline.api.engine_parts import EngineParts, vocab_size, warn_without_openblas
 from stepline.api.json_limits import InputLimitError, check_text
 from stepline.api.params import SamplingParams
 from stepline.api.prompts import Prompts, PromptTooLongError, detokenizers
 from stepline.api.stream import RequestStream
 from stepline.engine.grammar import GrammarCompiler
-from stepline.engine.policy import DEFAULT_MAX_STEP_MS
 from stepline.events.models import FinishReason
 
-__all__ = ["Engine", "PromptTooLongError", "RequestStream", "SamplingParams", "launch_rank"]
+__all__ = [
+    "Engine",
+    "EngineClosedError",
+    "PromptTooLongError",
+    "RequestStream",
+    "SamplingParams",
+    "launch_rank",
+]
 
 log = structlog.get_logger(__name__)
 
@@ -103,88 +103,39 @@ class Engine:
         cls,
         model: str | None = None,
         *,
-        max_step_tokens: int = 512,
-        max_num_seqs: int = 32,
-        long_prefill_cap: int | None = None,
-        max_kv_tokens: int | None = None,
-        max_step_ms: float | None = DEFAULT_MAX_STEP_MS,
-        event_log: str | Path | None = None,
-        event_log_rotate_bytes: int | None = None,
-        log_prompts: bool = True,
-        log_outputs: bool = True,
-        seed: int = 0,
         on_checkpoint: Callable | None = None,
-        prefix_cache_gb: float = 1.0,
-        prefix_cache_dir: str | Path | None = None,
-        prefix_cache_disk_gb: float = 10.0,
-        max_kv_gb: float | None = None,
-        max_waiting: int = 1024,
-        mlx_cache_gb: float | None = None,
-        grammar_cache_mb: float = 256.0,
-        parallel: str | None = None,
-        dtype: str = "auto",
+        **options: Any,
     ) -> AsyncIterator[Engine]:
         """Load `model` (None = SmolLM2-135M-Instruct, a real instruct model from the package
         index; a demo name, a GGUF file, a local mlx-lm directory or a Hugging Face id) and
-        serve it until the block exits.
+        serve it until the block exits. `options` are the fields of `EngineConfig` (how it
+        schedules, remembers and budgets: `max_step_tokens=512`, `max_num_seqs=32`,
+        `max_step_ms=100`, `prefix_cache_gb=1.0`, `dtype="auto"`, ...) and of
+        `EventLogConfig` (`event_log=PATH`, `log_prompts`, ...), each documented there.
 
         Raises ModelNotFoundError if the model cannot be found, GGUFError for a GGUF file it
-        cannot serve, ValueError for a bad config.
-        `dtype` ("auto", "float32", "bfloat16", "float16", "keep") is the weights' dtype:
-        "auto" keeps them as stored on a GPU backend and makes them float32 on the CPU
-        backend, which has no fast quantized or 16-bit matmul (engine/models.py `fit_dtype`).
+        cannot serve, ValueError for a bad option (pydantic's ValidationError, naming it).
         `on_checkpoint(request_id, offset, cache)` runs on the executor thread.
-        `prefix_cache_gb` bounds the prefix cache's memory (0 turns it off).
-        `prefix_cache_dir` adds a disk tier: entries are also written there (in the
-        background, as safetensors files, at most `prefix_cache_disk_gb` of them, oldest
-        used evicted first) and reused by a later engine on the same model and directory.
         Memory guard: running requests' KV (prompt + max_tokens each, measured per token at
         load; each counted as long as the longest, as their batch pads them) must fit in
-        `max_kv_tokens`, or `max_kv_gb` (default: 70% of the machine's
-        memory less the weights and the prefix cache); requests wait until it does, and one
-        that never can is refused (AdmissionError naming the numbers). `mlx_cache_gb` limits
-        MLX's buffer cache (default: 10% of the machine's memory). At most `max_waiting`
-        requests wait for their first chunk; past that `submit` raises QueueFullError.
-        `parallel` ("tensor" or "pipeline") splits the model across the ranks of an
-        `mlx.launch` job (engine/distributed.py); the block runs on rank 0 only: on the other
-        ranks `open` serves rank 0 and then ends the process (`os._exit`). Raises
-        DistributedError (a ValueError) when the model or the launch cannot be split so.
-        `grammar_cache_mb` bounds the compiled grammars kept for structured output and
-        forced tool calls (each counted by the size of its grammar and the vocabulary).
-        `max_step_ms` is the target time of a step while requests decode: prefill chunks
-        are sized by a step-time model (seeded by a short warm-up, then learned from
-        measured steps) to keep each step under it. None schedules by tokens only. The
-        warm-up's samples are kept for the next start; without kept ones, the engine
-        serves at once and measures them while idle (`warming_up`).
+        `max_kv_tokens`, or `max_kv_gb`; requests wait until it does, and one that never can
+        is refused (AdmissionError naming the numbers). At most `max_waiting` requests wait
+        for their first chunk; past that `submit` raises QueueFullError. With `parallel`
+        ("tensor" or "pipeline") the block runs on rank 0 only: on the other ranks `open`
+        serves rank 0 and then ends the process (`os._exit`); raises DistributedError (a
+        ValueError) when the model or the launch cannot be split so. The step-time model's
+        warm-up samples are kept for the next start; without kept ones, the engine serves at
+        once and measures them while idle (`warming_up`).
         """
-        options = EngineConfig(
-            max_step_tokens=max_step_tokens,
-            max_num_seqs=max_num_seqs,
-            long_prefill_cap=long_prefill_cap,
-            max_step_ms=max_step_ms,
-            max_kv_tokens=max_kv_tokens,
-            max_kv_gb=max_kv_gb,
-            max_waiting=max_waiting,
-            mlx_cache_gb=mlx_cache_gb,
-            grammar_cache_mb=grammar_cache_mb,
-            seed=seed,
-            prefix_cache_gb=prefix_cache_gb,
-            prefix_cache_dir=str(prefix_cache_dir) if prefix_cache_dir is not None else None,
-            prefix_cache_disk_gb=prefix_cache_disk_gb,
-            parallel=parallel,
-            dtype=dtype,
-        )
+        log_fields = EventLogConfig.model_fields.keys() & options.keys()
+        events = EventLogConfig(**{k: options.pop(k) for k in log_fields})
+        config = EngineConfig(**options)
         warn_without_openblas()
         switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(min(switch_interval, SWITCH_INTERVAL_S))
         parts = EngineParts(Executor())
         try:
-            step_loop, config = await parts.assemble(
-                model,
-                options,
-                EventLogOptions(event_log, event_log_rotate_bytes, log_prompts, log_outputs),
-                on_checkpoint,
-            )
+            step_loop, recorded = await parts.assemble(model, config, events, on_checkpoint)
             async with anyio.create_task_group() as tg:
                 loop_scope = anyio.CancelScope()
 
@@ -200,7 +151,7 @@ class Engine:
                     step_loop=step_loop,
                     executor=parts.executor,
                     tg=tg,
-                    config=config,
+                    config=recorded,
                 )
                 try:
                     yield engine
@@ -286,7 +237,7 @@ class Engine:
         prompt is tokenized on a worker thread.
         """
         if self._closed or self._stopping:
-            raise RuntimeError("the engine is closed")
+            raise EngineClosedError("the engine is closed")
         check_submit_args(params, request_id, checkpoints, template_kwargs)
         # Counted from here (or from `arriving`) until its Submit is in the step loop's inbox.
         outer = _ARRIVAL.get()
@@ -308,7 +259,7 @@ class Engine:
                 reply=reply,
             )
             if self._stopping:  # shut down while this request was being prepared
-                raise RuntimeError("the engine is closed")
+                raise EngineClosedError("the engine is closed")
             try:
                 await self._step_loop.inbox.send(submit)
                 arrival.done()
@@ -379,7 +330,7 @@ class Engine:
             _ARRIVAL.set(None)
 
     def begin_shutdown(self) -> int:
-        """Refuse new requests (`submit` raises RuntimeError, as once closed) and cancel every
+        """Refuse new requests (`submit` raises EngineClosedError, as once closed) and cancel every
         request in flight: each ends now with `cancelled`, so open streams get their last
         frame within a step instead of being cut off when a server's grace period runs out.
         Returns how many were cancelled. Closing the engine still waits for them to end."""
@@ -463,6 +414,10 @@ class Engine:
         """For inspection and tests: the live scheduling state is `step_loop.states`; any
         recent request's state is `step_loop.state_of(request_id)`."""
         return self._step_loop
+
+
+class EngineClosedError(RuntimeError):
+    """The engine takes no new request: it is closed, or shutting down."""
 
 
 MAX_REQUEST_ID_CHARS = 256  # a request id is in every event of its request

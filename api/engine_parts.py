@@ -16,7 +16,6 @@ import platform
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -24,7 +23,7 @@ import structlog
 
 from stepline.actors.executor import Executor
 from stepline.actors.step_loop import ModelLimits, StepLoop
-from stepline.api.config import EngineConfig
+from stepline.api.config import EngineConfig, EventLogConfig
 from stepline.engine.cost_model import CostModel
 from stepline.engine.policy import SchedulerConfig
 from stepline.engine.prefix_index import PrefixIndex
@@ -50,14 +49,6 @@ def vocab_size(loaded: Any) -> int:
 
 
 @dataclasses.dataclass
-class EventLogOptions:
-    path: str | Path | None = None
-    rotate_bytes: int | None = None
-    log_prompts: bool = True
-    log_outputs: bool = True
-
-
-@dataclasses.dataclass
 class EngineParts:
     """An engine's parts, as far as they are built. MLX work runs on `executor` only."""
 
@@ -71,7 +62,7 @@ class EngineParts:
         self,
         model: str | None,
         options: EngineConfig,
-        events: EventLogOptions,
+        events: EventLogConfig,
         on_checkpoint: Callable | None = None,
     ) -> tuple[StepLoop, dict]:
         """Build every part; returns the step loop and the engine's config as recorded
@@ -162,7 +153,7 @@ class EngineParts:
             ).model_dump(),
             "distributed": topology.as_config() if topology is not None else None,
         }
-        if events.path is not None:
+        if events.event_log is not None:
             from stepline.events.log import EventLogWriter
 
             header = LogHeader(
@@ -176,7 +167,7 @@ class EngineParts:
             )
             # A restart with the same path appends a new run to the log.
             self.writer = EventLogWriter(
-                events.path, header, rotate_bytes=events.rotate_bytes, append=True
+                events.event_log, header, rotate_bytes=events.rotate_bytes, append=True
             )
         cost_model = warmup = None
         if options.max_step_ms is not None:

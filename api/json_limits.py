@@ -46,6 +46,10 @@ class InputLimitError(ValueError):
         self.code = code
 
 
+class NotJSONError(InputLimitError):
+    """Text that was meant to hold JSON and does not."""
+
+
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON (numbers must be finite)")
 
@@ -66,13 +70,14 @@ def parse_body(body: bytes | str) -> Any:
 
 def parse_nested(text: str, param: str) -> Any:
     """JSON sent as a string inside a body (a tool call's `arguments`), held to the same
-    depth and text rules. Raises InputLimitError naming `param`."""
+    depth and text rules. Raises NotJSONError for text that is no JSON, InputLimitError
+    naming `param` for JSON past the limits."""
     try:
         value = json.loads(text, parse_constant=_no_constant)
     except RecursionError:
         raise _too_deep(param) from None
     except ValueError:
-        raise InputLimitError(f"{param} is not JSON", param=param) from None
+        raise NotJSONError(f"{param} is not JSON", param=param) from None
     check_value(value, param)
     return value
 

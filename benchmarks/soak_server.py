@@ -29,15 +29,10 @@ IN_SERVER = ("waiting", "prefilling", "decoding")  # stepline_requests_* gauges
 
 def serve_options(model: str, server_args: list[str]) -> argparse.Namespace:
     """`stepline serve`'s own parse of the flags (its defaults, e.g. the prefix-cache budget)."""
-    from stepline.api.cli import _add_engine_args, _engine_kwargs
-
-    try:
-        from stepline.api.http.serve import add_serve_parser
-    except ImportError:  # stepline before `serve` had a module of its own
-        from stepline.api.http.app import add_serve_parser  # type: ignore[no-redef]
+    from stepline.api.cli.serve import add_serve_parser
 
     p = argparse.ArgumentParser(prog="stepline")
-    add_serve_parser(p.add_subparsers(), _add_engine_args, _engine_kwargs)
+    add_serve_parser(p.add_subparsers())
     return p.parse_args(["serve", "--model", model, *server_args])
 
 

@@ -222,12 +222,12 @@ async def test_anthropic_structured_outputs_follow_the_schema(claude):
 async def test_anthropic_clients_get_anthropic_errors_for_bugs_and_unknown_routes(
     claude, servers, monkeypatch
 ):
-    from stepline.api.anthropic.serving import AnthropicServing
+    from stepline.api.anthropic.serving import AnthropicDoor
 
     def broken(*args, **kwargs):
         raise RuntimeError("a bug with <secret detail>")
 
-    monkeypatch.setattr(AnthropicServing, "stop_reason", broken)
+    monkeypatch.setattr(AnthropicDoor, "stop_reason", broken)
     ask = {"model": MODEL, "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
     with pytest.raises(anthropic.InternalServerError) as err:
         await claude.messages.create(**ask)

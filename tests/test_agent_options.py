@@ -1,38 +1,12 @@
-"""The serve command's agent flags, and their checks against the served model."""
+"""The server's agent options, and their checks against the served model."""
 
 from __future__ import annotations
 
-import argparse
 from types import SimpleNamespace
 
 import pytest
 
-from stepline.api.pipeline.agent_options import add_agent_args, agent_options, configure
-
-
-def parse(*argv: str) -> argparse.Namespace:
-    p = argparse.ArgumentParser()
-    add_agent_args(p)
-    return p.parse_args(argv)
-
-
-def test_the_flags_become_create_app_options(tmp_path):
-    template = tmp_path / "t.jinja"
-    template.write_text("{{ messages[0]['content'] }}", encoding="utf-8")
-
-    args = parse(
-        "--reasoning-parser", "qwen3",
-        "--chat-template", str(template),
-        "--default-chat-template-kwargs", '{"enable_thinking": false}',
-        "--strict-max-tokens",
-    )  # fmt: skip
-
-    assert agent_options(args) == {
-        "strict_max_tokens": True,
-        "reasoning_parser": "qwen3",
-        "chat_template": "{{ messages[0]['content'] }}",
-        "default_chat_template_kwargs": {"enable_thinking": False},
-    }
+from stepline.api.pipeline.agents import configure
 
 
 def tokenizer(template: str, think: str | None = "<think>"):
@@ -71,8 +45,8 @@ def test_options_the_model_cannot_honour_are_refused_at_start_up():
 
 
 def test_tools_a_model_cannot_render_or_parse_are_dropped_unless_forced():
-    from stepline.api.openai.schema import RequestError
     from stepline.api.pipeline.agents import ToolSpec, plan
+    from stepline.api.pipeline.errors import APIError
 
     tools = (ToolSpec("f", None, {"type": "object"}), ToolSpec("g", None, {"type": "object"}))
     no_tools_template = SimpleNamespace(chat_template="{{ messages }}", tool_parser=print)
@@ -83,9 +57,9 @@ def test_tools_a_model_cannot_render_or_parse_are_dropped_unless_forced():
         assert offered.dropped_tools == ("f", "g")
         assert not offered.parse_tools and "tools" not in offered.template_kwargs
         assert offered.grammar is None
-    with pytest.raises(RequestError, match="does not render tools.*remove `tool_choice`"):
+    with pytest.raises(APIError, match="does not render tools.*remove `tool_choice`"):
         plan(no_tools_template, tools=tools, tool_choice="required")
-    with pytest.raises(RequestError, match="no tool-call format.*remove `tool_choice`"):
+    with pytest.raises(APIError, match="no tool-call format.*remove `tool_choice`"):
         plan(no_parser, tools=tools, tool_choice="f")
     # tool_choice "none" only shows the tools; nothing is parsed, so no parser is needed
     shown = plan(no_parser, tools=tools, tool_choice="none")

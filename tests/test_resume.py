@@ -13,8 +13,9 @@ import pytest_asyncio
 from helpers import Served, hold_open, open_served, wait_finished
 from starlette.datastructures import Headers
 
+from stepline.api.pipeline.errors import OPENAI
 from stepline.api.pipeline.resume import FrameCounter, ResumeRegistry, key_of
-from stepline.api.pipeline.sse import PING
+from stepline.api.pipeline.writer import PING
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -94,7 +95,7 @@ async def test_frames_are_numbered_from_zero_and_pings_are_not():
 async def test_a_stream_is_private_to_the_key_that_started_it():
     registry = ResumeRegistry(grace_s=60)
     mine = key_of(Headers({"authorization": "Bearer sk-a"}))
-    registry.open("chatcmpl-1", mine)
+    registry.open("chatcmpl-1", mine, OPENAI)
     assert registry.get("chatcmpl-1", mine).rid == "chatcmpl-1"
     theirs = key_of(Headers({"x-api-key": "sk-b"}))
     with pytest.raises(Exception, match="no stream 'chatcmpl-1' to resume"):

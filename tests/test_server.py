@@ -21,19 +21,17 @@ import pytest
 import pytest_asyncio
 from fastapi import FastAPI
 from helpers import hold_open, wait_finished
+from openai.types.chat import ChatCompletionChunk
+from openai.types.chat.chat_completion_chunk import Choice, ChoiceDelta
 from prometheus_client.parser import text_string_to_metric_families
 
 from stepline.api import Engine
+from stepline.api.cli.serve import add_serve_parser
 from stepline.api.http.app import create_app
-from stepline.api.http.serve import add_serve_parser, bind_socket, run_serve, serve_in_process
-from stepline.api.openai.schema import (
-    ChatChunkChoice,
-    ChatCompletionChunk,
-    ChatCompletionRequest,
-    ChatDelta,
-    RequestError,
-)
-from stepline.api.pipeline.sse import DONE, PING, EventStreamResponse, TextFrames, sse
+from stepline.api.http.serve import bind_socket, serve_in_process
+from stepline.api.openai.schema import ChatCompletionRequest
+from stepline.api.pipeline.errors import OPENAI, APIError
+from stepline.api.pipeline.writer import PING, StreamResponse, TextFrames, sse
 from stepline.events.log import TornLineWarning, read_events
 from stepline.events.models import Terminal
 
@@ -346,11 +344,13 @@ async def test_completion_stream_frames_are_text_deltas_one_finish_and_done(serv
 )
 async def test_text_frames_from_the_template_equal_the_model_dump(text):
     def chunk(content: str) -> ChatCompletionChunk:
-        choice = ChatChunkChoice(delta=ChatDelta(content=content))
-        return ChatCompletionChunk(id="chatcmpl-x", created=1, model="m", choices=[choice])
+        choice = Choice(index=0, delta=ChoiceDelta(content=content), finish_reason=None)
+        return ChatCompletionChunk(
+            id="chatcmpl-x", object="chat.completion.chunk", created=1, model="m", choices=[choice]
+        )
 
-    frames = TextFrames(chunk(TextFrames.SENTINEL), exclude={"usage"})
-    assert frames(text) == sse(chunk(text), exclude={"usage"})
+    frames = TextFrames(chunk(TextFrames.SENTINEL), exclude_unset=True)
+    assert frames(text) == sse(chunk(text), exclude_unset=True)
 
 
 async def test_a_long_prompt_gets_ping_comments_while_it_prefills(served):
@@ -375,7 +375,7 @@ async def test_the_heartbeat_pings_a_stream_that_sends_nothing_for_a_while():
     app = FastAPI()
     app.add_api_route(
         "/slow",
-        lambda: EventStreamResponse(slow, headers={}, heartbeat_s=0.1, on_close=nothing),
+        lambda: StreamResponse(slow, wire=OPENAI, headers={}, heartbeat_s=0.1, on_close=nothing),
     )
     async with serve_in_process(app) as url, httpx.AsyncClient(base_url=url) as http:
         with anyio.fail_after(10):
@@ -395,7 +395,7 @@ async def test_a_stream_cut_by_server_shutdown_still_ends_with_an_error_and_done
     app = FastAPI()
     app.add_api_route(
         "/forever",
-        lambda: EventStreamResponse(forever, headers={}, heartbeat_s=60, on_close=nothing),
+        lambda: StreamResponse(forever, wire=OPENAI, headers={}, heartbeat_s=60, on_close=nothing),
     )
     started = anyio.Event()
 
@@ -485,7 +485,7 @@ async def test_chat_request_refuses_image_parts_and_keeps_tool_messages():
     image = ChatCompletionRequest.model_validate(
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}
     )
-    with pytest.raises(RequestError, match="text-only"):
+    with pytest.raises(APIError, match="text-only"):
         image.engine_messages()
     tool = ChatCompletionRequest.model_validate(
         {"messages": [{"role": "tool", "content": "42", "tool_call_id": "x"}]}
@@ -794,24 +794,20 @@ async def test_an_engine_failure_fails_a_non_streaming_request_with_503(doomed):
 def _serve_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="command")
-
-    def add_engine_args(p):
-        p.add_argument("--model", default=None)
-
-    add_serve_parser(sub, add_engine_args, lambda args: {})
+    add_serve_parser(sub)
     return parser.parse_args(["serve", *argv])
 
 
 async def test_serve_binds_localhost_port_8000_by_default():
     args = _serve_args([])
-    assert (args.host, args.port, args.func) == ("127.0.0.1", 8000, run_serve)
+    assert (args.host, args.port) == ("127.0.0.1", 8000)
 
 
 async def test_serve_reports_a_port_in_use_before_loading_any_model(capsys):
     taken = bind_socket("127.0.0.1", 0)
     try:
         args = _serve_args(["--port", str(taken.getsockname()[1]), "--model", "/nonexistent"])
-        assert run_serve(args) == 1
+        assert args.func(args) == 1
     finally:
         taken.close()
     assert "cannot listen on 127.0.0.1" in capsys.readouterr().err
@@ -824,7 +820,6 @@ async def test_serve_prints_a_curl_line_that_streams():
     assert line.startswith("curl -N http://127.0.0.1:8000/v1/chat/completions")
     body = json.loads(line.split("-d '", 1)[1].rstrip("'"))
     assert body["stream"] is True and body["model"] == "stepline-demo"
-    assert DONE == b"data: [DONE]\n\n"
 
 
 async def test_a_failed_event_log_shows_on_health_and_metrics_while_serving_goes_on(tmp_path):

@@ -57,7 +57,7 @@ async def open_served() -> AsyncIterator[Served]:
                 metrics_public=True,
                 allowed_origins=["https://ok.example"],
             ),
-            create_app(engine, served_model_names=["gpt-4o", "default"]),
+            create_app(engine, served_model_name=["gpt-4o", "default"]),
         ]
         async with (
             serve_in_process(apps[0]) as url,
@@ -420,7 +420,7 @@ async def test_the_python_api_refuses_a_text_too_long_for_the_context_unread(ser
 
 
 async def test_a_body_trickled_too_slowly_gets_408(served):
-    app = create_app(served.engine, body_timeout_s=0.5)
+    app = create_app(served.engine, timeout_request_body=0.5)
     async with serve_in_process(app) as url:
         host, port = url.removeprefix("http://").split(":")
         with anyio.fail_after(10):

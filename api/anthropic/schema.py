@@ -3,7 +3,7 @@ models, and their translation to the neutral chat messages the chat template ren
 
 Requests are strict (a string is not a number); unknown top-level fields are ignored as
 Anthropic adds them, but a known feature the engine cannot honour (images, documents, server
-tools) is a RequestError naming it. A `system` message mid-conversation (Claude Code sends
+tools) is an APIError (400) naming it. A `system` message mid-conversation (Claude Code sends
 them) is a system turn; `thinking` (`enabled` with its `budget_tokens`, `adaptive`) turns the
 template's thinking on, and a budget is enforced by the grammar; `output_config.format`
 constrains the answer to a JSON schema.
@@ -11,14 +11,12 @@ constrains the answer to a JSON schema.
 
 from __future__ import annotations
 
-import json
 from typing import Any, Literal
 
-from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from stepline.api.openai.schema import RequestError, template_call
 from stepline.api.pipeline.agents import ToolSpec, tool_spec, unique_tools
+from stepline.api.pipeline.chat import template_call
 from stepline.api.pipeline.errors import APIError
 from stepline.engine.sampling_limits import MAX_INT32
 
@@ -94,7 +92,7 @@ class _Base(_Request):
         pass
 
     @property
-    def schema(self) -> dict[str, Any] | None:
+    def answer_schema(self) -> dict[str, Any] | None:
         """The JSON schema the answer must follow (structured outputs), if any."""
         fmt = self.output_config.format if self.output_config else None
         fmt = fmt or self.output_format
@@ -133,7 +131,8 @@ def tool_specs(req: _Base) -> tuple[ToolSpec, ...]:
     specs = []
     for i, tool in enumerate(req.tools or []):
         if tool.type not in (None, "custom"):
-            raise RequestError(
+            raise APIError(
+                400,
                 f"tools[{i}] is a server tool ({tool.type}): only custom tools are supported",
                 param=f"tools.{i}",
             )
@@ -148,7 +147,7 @@ def tool_choice(req: _Base) -> tuple[str | None, bool]:
         return None, True
     if c.type == "tool":
         if not c.name:
-            raise RequestError('tool_choice {"type": "tool"} needs a name', param="tool_choice")
+            raise APIError(400, 'tool_choice {"type": "tool"} needs a name', param="tool_choice")
         return c.name, False
     choice = {"auto": "auto", "any": "required", "none": "none"}[c.type]
     return choice, not c.disable_parallel_tool_use
@@ -189,7 +188,8 @@ def engine_messages(req: _Base) -> list[dict[str, Any]]:
             elif b.type in ("thinking", "redacted_thinking") and m.role == "assistant":
                 reasoning.append(b.thinking or "")
             else:
-                raise RequestError(
+                raise APIError(
+                    400,
                     f"{where}[{j}] is a {b.type!r} block, which this server does not serve on "
                     f"a {m.role} turn (text, tool_use, tool_result and thinking are served)",
                     param=f"{where}.{j}",
@@ -212,70 +212,11 @@ def _text(content: str | list[Block], where: str) -> str:
     parts = []
     for j, b in enumerate(content):
         if b.type != "text" or b.text is None:
-            raise RequestError(
+            raise APIError(
+                400,
                 f"{where}[{j}] is a {b.type!r} block: only text is served here",
                 param=f"{where}.{j}",
                 code="unsupported_content_type",
             )
         parts.append(b.text)
     return "\n".join(parts)
-
-
-# -- responses (messages and stream events: the `anthropic` package's own types) ------------
-
-
-class _Response(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
-
-class ErrorBody(_Response):
-    type: str
-    message: str
-
-
-class ErrorResponse(_Response):
-    type: Literal["error"] = "error"
-    error: ErrorBody
-
-
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    500: "api_error",
-    503: "overloaded_error",
-    529: "overloaded_error",
-}
-
-
-def event(name: str, payload: dict[str, Any]) -> bytes:
-    """One Anthropic server-sent event: `event: <name>` and its JSON data."""
-    data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
-    return f"event: {name}\ndata: {data}\n\n".encode()
-
-
-class AnthropicWire:
-    """How the Anthropic door writes errors: Anthropic's body, and in a stream its `error`
-    event (no [DONE]: Anthropic streams have none). Its streams are numbered only when
-    resumable: unasked, the framing is Anthropic's own."""
-
-    numbered = False
-
-    def error_response(self, err: APIError) -> Response:
-        kind = ERROR_TYPES.get(err.status_code, "api_error")
-        body = ErrorResponse(error=ErrorBody(type=kind, message=err.detail.message))
-        headers = dict(err.headers)  # e.g. retry-after
-        if err.request_id:
-            headers["request-id"] = headers["x-request-id"] = err.request_id
-        return JSONResponse(body.model_dump(), status_code=err.status_code, headers=headers)
-
-    def error_frames(self, err: APIError) -> bytes:
-        kind = ERROR_TYPES.get(err.status_code, "api_error")
-        error = {"type": kind, "message": err.detail.message}
-        return event("error", {"type": "error", "error": error})
-
-
-ANTHROPIC = AnthropicWire()

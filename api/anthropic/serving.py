@@ -1,7 +1,8 @@
 """The Anthropic Messages API: `POST /v1/messages` (streamed or not) and
 `POST /v1/messages/count_tokens`, a thin adapter over the pipeline every door shares
-(`Serving.start` / `pieces` / `stream_response` / `handle`): one event log, prefix cache,
-cancellation path, parameter builder, output splitter and stream writer.
+(`Serving.start` / `pieces` / `stream` / `handle`): one event log, prefix cache, cancellation
+path, parameter builder, output splitter and stream writer. Messages and stream events are
+the `anthropic` package's own types.
 
 Every request gets an id `msg_<hex>`, its id in the event log. Errors, in a body or as a
 stream's last event, are Anthropic's `{"type": "error", "error": {"type", "message"}}`; a
@@ -22,45 +23,50 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from stepline.api.anthropic import schema
-from stepline.api.anthropic.schema import ANTHROPIC
+from stepline.api.anthropic.wire import ANTHROPIC, event
 from stepline.api.pipeline.agents import AgentPlan, plan, reads_template_kwarg
+from stepline.api.pipeline.errors import APIError
 from stepline.api.pipeline.model_output import OutputDelta, ToolCall, split_output
-from stepline.api.pipeline.serving import Call, Serving, Started
+from stepline.api.pipeline.serving import Call, Piece, Serving, Started
 
 if TYPE_CHECKING:
     from stepline.actors.request import RequestOutput
-    from stepline.api.pipeline.sse import Emit
 
 _STOP_REASONS = {"length": "max_tokens"}
 
 
-class AnthropicServing(Serving):
+class AnthropicDoor:
+    def __init__(self, serving: Serving):
+        self.serving = serving
+
     def _plan(self, req: schema.MessagesRequest | schema.CountTokensRequest) -> AgentPlan:
         choice, parallel = schema.tool_choice(req)
         kwargs = schema.template_kwargs(req)
-        if not reads_template_kwarg(self.engine.tokenizer, "enable_thinking"):
+        tokenizer = self.serving.engine.tokenizer
+        if not reads_template_kwarg(tokenizer, "enable_thinking"):
             kwargs.pop("enable_thinking", None)  # a model that does not think: nothing to turn on
         return plan(
-            self.engine.tokenizer,
+            tokenizer,
             tools=schema.tool_specs(req),
             tool_choice=choice,
             parallel_tool_calls=parallel,
-            schema=req.schema,
-            template_kwargs={**self.default_template_kwargs, **kwargs},
+            schema=req.answer_schema,
+            template_kwargs={**self.serving.default_template_kwargs, **kwargs},
             schema_param=req.schema_param,
         )
 
     async def count_tokens(self, request: Request, rid: str) -> Response:
-        req = await self.parse(request, schema.CountTokensRequest, generates=False)
+        req = await self.serving.parse(request, schema.CountTokensRequest, generates=False)
         agent = self._plan(req)
-        ids, _ = await self.prepare(
+        ids, _ = await self.serving.prepare(
             messages=schema.engine_messages(req), template_kwargs=agent.template_kwargs
         )
         return JSONResponse({"input_tokens": len(ids)})
 
     async def messages(self, request: Request, rid: str) -> Response:
-        req = await self.parse(request, schema.MessagesRequest)
-        started = await self.start(
+        serving = self.serving
+        req = await serving.parse(request, schema.MessagesRequest)
+        started = await serving.start(
             Call(
                 rid,
                 req,
@@ -69,27 +75,25 @@ class AnthropicServing(Serving):
                 messages=schema.engine_messages(req),
                 max_tokens=req.max_tokens,
                 # Thinking splits out when the request turns it on, or the server's parser is.
-                reasoning=self.reasoning or (req.thinking is not None and req.thinking.on),
+                reasoning=serving.reasoning or (req.thinking is not None and req.thinking.on),
                 think_budget=req.think_budget,
                 headers={"request-id": rid},
             )
         )
         if req.stream:
-            producer = _Stream(self, req, started)
-            return self.stream_response(
-                started,
-                producer.run,
-                resumable_from=self.asks_resumable(request, False),
-                wire=ANTHROPIC,
-            )
-        outs = await self.collect(request, started.stream)
+            renderer = MessageRenderer(self, req, started)
+            record = None
+            if serving.asks_resumable(request, False):
+                record = serving.keep(request, started, ANTHROPIC, resumable=True)
+            return serving.stream(started, renderer, ANTHROPIC, record=record)
+        outs = await serving.collect(request, started)
         split = split_output("".join(o.text for o in outs), started.fmt, started.tools)
         stop_reason, stop_sequence = self.stop_reason(req, outs, split.tool_calls)
         body = sdk.Message(
             id=rid,
             type="message",
             role="assistant",
-            model=self.response_model(req.model),
+            model=serving.response_model(req.model),
             content=_blocks(split),
             stop_reason=stop_reason,  # type: ignore[arg-type]
             stop_sequence=stop_sequence,
@@ -106,13 +110,14 @@ class AnthropicServing(Serving):
             return _STOP_REASONS.get(reason, reason), None
         if calls:
             return "tool_use", None
+        tokenizer = self.serving.engine.tokenizer
         ids = [t for o in outs for t in o.token_ids]
-        eos = set(self.engine.tokenizer.eos_token_ids or ())
+        eos = set(tokenizer.eos_token_ids or ())
         if ids and ids[-1] in eos or not req.stop_sequences:
             return "end_turn", None
         # The text stops just before the stop string: the full decode shows which one it was.
         text = "".join(o.text for o in outs)
-        rest = self.engine.tokenizer.decode(ids)[len(text) :]
+        rest = tokenizer.decode(ids)[len(text) :]
         found = [s for s in req.stop_sequences if s and rest.startswith(s)]
         return ("stop_sequence", max(found, key=len)) if found else ("end_turn", None)
 
@@ -136,7 +141,7 @@ def _event(body: sdk.RawMessageStreamEvent) -> bytes:
     return b"event: " + body.type.encode() + b"\ndata: " + _json(body) + b"\n\n"
 
 
-PING = schema.event("ping", {"type": "ping"})
+PING = event("ping", {"type": "ping"})
 
 
 def _blocks(split: OutputDelta) -> list[sdk.ContentBlock]:
@@ -158,55 +163,55 @@ def _tool_id(call_id: str) -> str:
     return "toolu_" + call_id.removeprefix("call_")
 
 
-class _Stream:
-    """Renders one request's pieces as a streamed message: blocks open as their kind of
-    output starts and close when another kind starts or the message ends."""
+class MessageRenderer:
+    """Renders one request's pieces as a streamed message: message_start (with a ping) at the
+    first piece, blocks that open as their kind of output starts and close when another kind
+    starts or the message ends, then message_delta (stop reason, usage) and message_stop."""
 
-    def __init__(
-        self, serving: AnthropicServing, req: schema.MessagesRequest, started: Started
-    ) -> None:
-        self.serving, self.req, self.started = serving, req, started
+    def __init__(self, door: AnthropicDoor, req: schema.MessagesRequest, started: Started):
+        self.door, self.req, self.started = door, req, started
+        self.splitter = started.splitter()
         self.index = -1
         self.open: str | None = None  # kind of the open block: "text", "thinking", "tool_use"
         self.calls: list[ToolCall] = []
+        self.outs: list[RequestOutput] = []
+        self.began = False  # message_start sent (progress pieces come before any output)
 
-    async def run(self, emit: Emit) -> None:
-        outs: list[RequestOutput] = []
+    def frames(self, piece: Piece) -> bytes:
+        out = piece.out
         frames: list[bytes] = []
-        began = False  # message_start sent (progress pieces come before any output)
-        async for piece in self.serving.pieces(self.started, self.started.splitter()):
-            out = piece.out
-            if not began:
-                began = True
-                frames.append(self._message_start(out))
-                frames.append(PING)
-            if piece.is_progress:
-                await emit(b"".join(frames) or PING)
-                frames = []
-                continue
-            outs.append(out)
-            frames.extend(self._pieces(piece.delta))
-            if out.finish_reason is not None:
-                frames.extend(self._close())
-                reason, sequence = self.serving.stop_reason(self.req, outs, self.calls)
-                usage = _usage(out)  # streamed usage carries input and cache counts too
-                delta = sdk.RawMessageDeltaEvent(
-                    type="message_delta",
-                    delta={"stop_reason": reason, "stop_sequence": sequence},  # type: ignore[arg-type]
-                    usage=sdk.MessageDeltaUsage(**usage.model_dump(exclude_unset=True)),
-                )
-                frames.append(_event(delta))
-                frames.append(_event(sdk.RawMessageStopEvent(type="message_stop")))
-            if frames:
-                await emit(b"".join(frames))
-                frames = []
+        if not self.began:
+            self.began = True
+            frames.append(self._message_start(out))
+            frames.append(PING)
+        if piece.is_progress:
+            return b"".join(frames) or PING
+        self.outs.append(out)
+        frames.extend(self._pieces(piece.delta))
+        if out.finish_reason is not None:
+            frames.extend(self._close())
+            reason, sequence = self.door.stop_reason(self.req, self.outs, self.calls)
+            usage = _usage(out)  # streamed usage carries input and cache counts too
+            delta = sdk.RawMessageDeltaEvent(
+                type="message_delta",
+                delta={"stop_reason": reason, "stop_sequence": sequence},  # type: ignore[arg-type]
+                usage=sdk.MessageDeltaUsage(**usage.model_dump(exclude_unset=True)),
+            )
+            frames.append(_event(delta))
+            frames.append(_event(sdk.RawMessageStopEvent(type="message_stop")))
+        return b"".join(frames)
+
+    def failed(self, err: APIError) -> bytes:
+        return ANTHROPIC.frames(err)
+
+    cancelled = failed
 
     def _message_start(self, out: RequestOutput) -> bytes:
         message = sdk.Message(
             id=self.started.rid,
             type="message",
             role="assistant",
-            model=self.serving.response_model(self.req.model),
+            model=self.door.serving.response_model(self.req.model),
             content=[],
             stop_reason=None,
             stop_sequence=None,
@@ -263,18 +268,18 @@ class _Stream:
         return frames
 
 
-def anthropic_router(serving: AnthropicServing) -> APIRouter:
+def router(serving: Serving) -> APIRouter:
     """The Anthropic routes (the app's key check covers them: `x-api-key` or a Bearer token)."""
-    router = APIRouter()
+    door = AnthropicDoor(serving)
+    routes = APIRouter()
 
-    @router.post("/v1/messages")
+    @routes.post("/v1/messages")
     async def messages(request: Request) -> Response:
-        rid = f"msg_{uuid.uuid4().hex}"
-        return await serving.handle(request, rid, serving.messages, ANTHROPIC)
+        return await serving.handle(request, f"msg_{uuid.uuid4().hex}", door.messages, ANTHROPIC)
 
-    @router.post("/v1/messages/count_tokens")
+    @routes.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:
         rid = f"count_{uuid.uuid4().hex}"
-        return await serving.handle(request, rid, serving.count_tokens, ANTHROPIC)
+        return await serving.handle(request, rid, door.count_tokens, ANTHROPIC)
 
-    return router
+    return routes

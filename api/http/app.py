@@ -1,17 +1,15 @@
-"""The HTTP app: `create_app` registers every route in one place, with the API-key check,
-the OpenAI-style error handlers, and the probes (/health, /metrics).
+"""The HTTP app: `create_app` puts the doors (`doors.DOORS`) over one pipeline, with the
+API-key check, the error handlers, resumed streams and the probes.
 
-    POST /v1/chat/completions, POST /v1/completions   (streaming with server-sent events, or not)
-    POST /v1/messages, POST /v1/messages/count_tokens  (Anthropic, in `anthropic_serving`)
-    GET  /v1/requests/{id}/stream                      (resume a stream, in `resume`)
-    POST /v1/responses, GET|DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel
-                                                       (OpenAI Responses, `responses_serving`)
-    GET  /v1/models, GET /v1/models/{name}, GET|HEAD /, GET /health, GET /metrics, GET /docs,
-    GET  /redoc
+    POST /v1/chat/completions, /v1/completions, GET /v1/models[/{name}]   (api/openai)
+    POST /v1/responses, GET|DELETE /v1/responses/{id}, POST .../cancel     (api/responses)
+    POST /v1/messages, /v1/messages/count_tokens                           (api/anthropic)
+    GET  /v1/requests/{id}/stream        (resume a stream: api/pipeline/resume.py)
+    GET|HEAD /, GET /health, GET /metrics, GET /docs, GET /redoc
 
-Errors are OpenAI-style `{"error": {"message", "type", "param", "code"}}` bodies (Anthropic's
-shape under /v1/messages), unknown routes included. The handlers
-live in their own modules (`openai_serving`), running the process in `serve_cmd`.
+Errors are in the shape of the door a path belongs to (OpenAI's
+`{"error": {"message", "type", "param", "code"}}` elsewhere), unknown routes included.
+`http/serve.py` runs it.
 """
 
 from __future__ import annotations
@@ -30,98 +28,39 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from stepline.api.anthropic.serving import AnthropicServing, anthropic_router
-from stepline.api.http.loading import DEFAULT_MAX_BODY_BYTES, wire_of
-from stepline.api.openai.serving import OpenAIServing
-from stepline.api.pipeline.agent_options import configure
+from stepline.api.config import ServerConfig
+from stepline.api.http.doors import doors, error_response
 from stepline.api.pipeline.errors import APIError
-from stepline.api.pipeline.resume import DEFAULT_GRACE_S, ResumeRegistry, resume_response
-from stepline.api.pipeline.serving import DEFAULT_BODY_TIMEOUT_S
-from stepline.api.responses.serving import DEFAULT_TTL_S, ResponsesServing, responses_router
+from stepline.api.pipeline.resume import presented_key, resume_response
+from stepline.api.pipeline.serving import Serving
 
 if TYPE_CHECKING:
     from stepline.api.engine import Engine
 
 log = structlog.get_logger(__name__)
 
-DEFAULT_HEARTBEAT_S = 15.0  # under the 30-60 s idle timeouts of common proxies
-
 
 def create_app(
-    engine: Engine,
-    *,
-    api_key: str | None = None,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    heartbeat_s: float = DEFAULT_HEARTBEAT_S,
-    served_model_names: Sequence[str] = (),
-    allowed_origins: Sequence[str] = (),
-    metrics_public: bool = False,
-    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
-    reasoning_parser: str | None = None,
-    chat_template: str | None = None,
-    default_chat_template_kwargs: dict | None = None,
-    resume_grace_s: float = DEFAULT_GRACE_S,
-    responses_ttl_s: float = DEFAULT_TTL_S,
-    interrupted_responses: Sequence[tuple[str, float]] = (),
-    strict_max_tokens: bool = False,
+    engine: Engine, *, interrupted_responses: Sequence[tuple[str, float]] = (), **options: Any
 ) -> FastAPI:
-    """The HTTP app serving `engine`.
+    """The HTTP app serving `engine`; `options` are `ServerConfig`'s fields (its `api_key`,
+    `max_body_bytes`, `served_model_name`, `strict_max_tokens`, ...; the process's, such as
+    `host`, are ignored here). `interrupted_responses`: (id, admitted at) of what the event
+    log says a restart cut off (`responses.recovery`), answered as failed.
 
-    With `api_key`, every route but /health (and /metrics with `metrics_public`) wants
+    With `api_key`, every route but / and /health (and /metrics with `metrics_public`) wants
     `Authorization: Bearer <api_key>` or `x-api-key: <api_key>` (401 otherwise): the API,
-    /docs, /redoc and /openapi.json alike. `served_model_names`: the names clients may send as
-    `model` (the first is listed; default: the engine's model name). `allowed_origins`: the
-    web origins allowed to call it from a browser (CORS); none by default. A body must
-    arrive whole within `body_timeout_s` (408 otherwise). The last three are the agent
-    options (`agent_options.configure`); raises ValueError if the model cannot honour them.
-    A resumable stream whose client went away is cancelled if nobody reconnects within
-    `resume_grace_s`, and can be resumed until `resume_grace_s` after it ended. A stored
-    /v1/responses response is kept `responses_ttl_s` after it ended; `interrupted_responses`
-    ((id, admitted at) from `responses_recovery`) are answered as failed by the restart.
-    A max_tokens past the room left in the context is clamped to it (the response says so in
-    `x-stepline-max-tokens`), or with `strict_max_tokens` refused with a 400.
+    /docs, /redoc and /openapi.json alike. Raises ValueError (pydantic's, naming the option)
+    for a bad option, and for agent options the model cannot honour.
     """
-    serving = OpenAIServing(
-        engine,
-        max_body_bytes=max_body_bytes,
-        heartbeat_s=heartbeat_s,
-        served_model_names=served_model_names,
-        body_timeout_s=body_timeout_s,
-    )
+    config = ServerConfig(**options)
+    serving = Serving(engine, config, interrupted_responses)
     app = FastAPI(title="stepline", summary="OpenAI-compatible LLM server", version="0.1.0")
     app.state.serving = serving
-    serving.resume = ResumeRegistry(resume_grace_s)
-    responses = ResponsesServing(
-        engine,
-        max_body_bytes=max_body_bytes,
-        heartbeat_s=heartbeat_s,
-        served_model_names=served_model_names,
-        body_timeout_s=body_timeout_s,
-        ttl_s=responses_ttl_s,
-    )
-    responses.resume = serving.resume
-    for rid, admitted_at in interrupted_responses:
-        responses.recover(rid, admitted_at)
-    anthropic = AnthropicServing(
-        engine,
-        max_body_bytes=max_body_bytes,
-        heartbeat_s=heartbeat_s,
-        served_model_names=served_model_names,
-        body_timeout_s=body_timeout_s,
-    )
-    anthropic.resume = serving.resume
-    for front in (serving, anthropic, responses):
-        front.strict_max_tokens = strict_max_tokens
-        front.reasoning, front.default_template_kwargs = configure(
-            engine.tokenizer,
-            reasoning_parser=reasoning_parser,
-            chat_template=chat_template,
-            default_chat_template_kwargs=default_chat_template_kwargs,
-        )
 
     @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+    async def _api_error(request: Request, exc: APIError) -> Response:
+        return error_response(request.url.path, exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
@@ -134,42 +73,22 @@ def create_app(
         else:
             err = APIError(exc.status_code, str(exc.detail), code="http_error")
         err.headers.update(exc.headers or {})
-        log.info("request_error", status=err.status_code, code=err.detail.code, route=what)
-        return wire_of(request.url.path).error_response(err)
+        log.info("request_error", status=err.status_code, code=err.code, route=what)
+        return error_response(request.url.path, err)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return APIError(400, "the request is malformed", code="invalid_value").response()
+    async def _invalid(request: Request, exc: RequestValidationError) -> Response:
+        err = APIError(400, "the request is malformed", code="invalid_value")
+        return error_response(request.url.path, err)
 
-    # -- routes: every one the server has, in one place --
+    # -- routes: the doors', then the server's own --
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await serving.chat(request)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await serving.completions(request)
+    for door in doors():
+        app.include_router(door.routes(serving))
 
     @app.get("/v1/requests/{request_id}/stream")
     async def resume_stream(request: Request, request_id: str) -> Response:
-        return resume_response(serving.resume, request_id, request.headers, heartbeat_s)
-
-    app.include_router(responses_router(responses))  # /v1/responses[/{id}[/cancel]]
-    app.include_router(anthropic_router(anthropic))  # /v1/messages, /v1/messages/count_tokens
-
-    @app.get("/v1/models")
-    async def models() -> JSONResponse:
-        return JSONResponse(serving.models().model_dump())
-
-    @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str) -> JSONResponse:
-        if model_id not in serving.served_model_names:
-            raise APIError(
-                404, f"The model {model_id!r} does not exist", param="model", code="model_not_found"
-            )
-        card = serving.models().data[0].model_copy(update={"id": model_id})
-        return JSONResponse(card.model_dump())
+        return resume_response(serving.resume, request_id, request.headers, config.heartbeat_s)
 
     @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
     async def root() -> JSONResponse:
@@ -187,7 +106,7 @@ def create_app(
                 body.update(status="degraded", event_log=problem)
             return JSONResponse(body)
         reason = engine.unhealthy_reason or "the engine is shut down"
-        if api_key is not None and not has_key(request.headers, api_key.encode()):
+        if config.api_key is not None and not has_key(request.headers, config.api_key.encode()):
             # /health is open to all: what broke, but its detail (an exception's text) only
             # for those with the key.
             reason = reason.split(":", 1)[0] + " (send the API key for the detail)"
@@ -199,13 +118,13 @@ def create_app(
 
     # -- middleware: the last added runs first --
 
-    if api_key is not None:
-        open_paths = {"/", "/health", "/metrics"} if metrics_public else {"/", "/health"}
-        app.add_middleware(RequireKey, api_key=api_key, open_paths=frozenset(open_paths))
-    if allowed_origins:
+    if config.api_key is not None:
+        open_paths = {"/", "/health", "/metrics"} if config.metrics_public else {"/", "/health"}
+        app.add_middleware(RequireKey, api_key=config.api_key, open_paths=frozenset(open_paths))
+    if config.allowed_origins:
         app.add_middleware(
             CORSMiddleware,
-            allow_origins=list(allowed_origins),
+            allow_origins=list(config.allowed_origins),
             allow_methods=["GET", "POST", "DELETE"],
             allow_headers=[
                 "authorization",
@@ -239,14 +158,12 @@ class RequireKey:
             "`Authorization: Bearer <key>`",
             code="invalid_api_key",
         )
-        await wire_of(scope["path"]).error_response(error)(scope, receive, send)
+        await error_response(scope["path"], error)(scope, receive, send)
 
     def _has_key(self, scope: Scope) -> bool:
         return has_key(Headers(scope=scope), self.key)
 
 
 def has_key(headers: Headers, key: bytes) -> bool:
-    """Whether `headers` carry `key` as `Authorization: Bearer` or `x-api-key`."""
-    scheme, _, token = headers.get("authorization", "").partition(" ")
-    given = token.strip() if scheme.lower() == "bearer" else headers.get("x-api-key", "")
-    return hmac.compare_digest(given.encode(), key)
+    """Whether `headers` carry `key` (`presented_key`)."""
+    return hmac.compare_digest(presented_key(headers).encode(), key)

@@ -26,6 +26,7 @@ import structlog
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from stepline.api.http.doors import error_response
 from stepline.api.pipeline.errors import APIError
 
 log = structlog.get_logger(__name__)
@@ -109,9 +110,9 @@ class RequestLimit:
                 f"the server has {self.num_in_flight} requests in flight, its limit "
                 "(--limit-concurrency): retry shortly",
                 code="server_busy",
+                headers={"retry-after": "1"},
             )
-            busy.headers["retry-after"] = "1"
-            await busy.response()(scope, receive, send)
+            await error_response(scope["path"], busy)(scope, receive, send)
             return
         self.num_in_flight += 1
         try:
@@ -138,9 +139,9 @@ class RefuseAmbiguousLength:
                     400,
                     "the request has both Transfer-Encoding and Content-Length: send one",
                     code="ambiguous_length",
+                    headers={"connection": "close"},
                 )
-                refused.headers["connection"] = "close"
-                await refused.response()(scope, receive, send)
+                await error_response(scope["path"], refused)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 

@@ -1,9 +1,9 @@
-"""`stepline serve`: the command's flags, the listening socket, and uvicorn run in this
-process (`run_serve`), or in a test's event loop (`serve_in_process`)."""
+"""The `stepline serve` process: the listening socket, the loading app until the engine is
+ready, and uvicorn run in this process (`run_serve`), or in a test's event loop
+(`serve_in_process`). Its flags are made in api/cli/serve.py."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import atexit
 import functools
@@ -24,6 +24,7 @@ import structlog
 import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from stepline.api.config import ServerConfig
 from stepline.api.engine import launch_rank, run
 from stepline.api.http.guard import (
     RateLimitedExceptionHandler,
@@ -32,20 +33,13 @@ from stepline.api.http.guard import (
     head_deadline_protocol,
     raise_open_file_limit,
 )
-from stepline.api.http.loading import DEFAULT_MAX_BODY_BYTES, loading_app
-from stepline.api.http.log_config import LOG_FORMATS, LOG_LEVELS, configure_logging
-from stepline.api.pipeline.agent_options import add_agent_args, agent_options
-from stepline.api.pipeline.resume import DEFAULT_GRACE_S
-from stepline.api.pipeline.serving import DEFAULT_BODY_TIMEOUT_S
+from stepline.api.http.loading import loading_app
+from stepline.api.http.log_config import configure_logging
 from stepline.api.responses.recovery import interrupted_responses
-from stepline.api.responses.serving import DEFAULT_TTL_S
 
 log = structlog.get_logger(__name__)
 
-DEFAULT_LIMIT_CONCURRENCY = 1024  # requests in flight, the probes aside
 PROBE_PATHS = frozenset({"/health", "/metrics"})
-DEFAULT_TIMEOUT_KEEP_ALIVE_S = 5.0  # uvicorn's default
-DEFAULT_TIMEOUT_REQUEST_HEAD_S = 10.0  # a slow client on a bad link sends a head in < 1 s
 UNHEALTHY_EXIT_DELAY_S = 1.0  # streams get their error frames, probes see 503, then exit
 
 
@@ -115,23 +109,20 @@ def _url(host: str, port: int) -> str:
 
 def server_config(
     app: Any,
+    cfg: ServerConfig,
     *,
     log_level: str = "warning",
     access_log: bool = False,
     graceful_shutdown_s: float = 5.0,
-    limit_concurrency: int | None = DEFAULT_LIMIT_CONCURRENCY,
-    timeout_keep_alive_s: float = DEFAULT_TIMEOUT_KEEP_ALIVE_S,
-    timeout_request_head_s: float = DEFAULT_TIMEOUT_REQUEST_HEAD_S,
 ) -> uvicorn.Config:
-    """uvicorn's config for `app`: logging left to `log_config` (log_config=None), at most
-    `limit_concurrency` requests in flight (503 past it; /health and /metrics always
-    answer, and idle connections do not count), idle keep-alive connections closed after
-    `timeout_keep_alive_s`, and a connection that has not sent a whole request head
-    `timeout_request_head_s` after connecting (or after its last response) closed. A request
-    with both Transfer-Encoding and Content-Length is refused (400) and its connection
-    closed."""
-    if limit_concurrency is not None:
-        app = RequestLimit(app, limit=limit_concurrency, open_paths=PROBE_PATHS)
+    """uvicorn's config for `app` under `cfg`: logging left to `log_config`
+    (log_config=None), at most `cfg.limit_concurrency` requests in flight (503 past it;
+    /health and /metrics always answer, and idle connections do not count), idle keep-alive
+    connections closed after `cfg.timeout_keep_alive`, and a connection that has not sent a
+    whole request head `cfg.timeout_request_head` after connecting (or after its last
+    response) closed. A request with both Transfer-Encoding and Content-Length is refused
+    (400) and its connection closed."""
+    app = RequestLimit(app, limit=cfg.limit_concurrency, open_paths=PROBE_PATHS)
     app = RefuseAmbiguousLength(app)
     return uvicorn.Config(
         app,
@@ -141,8 +132,8 @@ def server_config(
         access_log=access_log,
         timeout_graceful_shutdown=graceful_shutdown_s,  # type: ignore[arg-type]
         limit_concurrency=None,  # uvicorn's counts idle connections: RequestLimit instead
-        timeout_keep_alive=timeout_keep_alive_s,  # type: ignore[arg-type]
-        http=head_deadline_protocol(timeout_request_head_s),
+        timeout_keep_alive=cfg.timeout_keep_alive,  # type: ignore[arg-type]
+        http=head_deadline_protocol(cfg.timeout_request_head),
     )
 
 
@@ -153,15 +144,17 @@ async def serve_in_process(
     host: str = "127.0.0.1",
     port: int = 0,
     graceful_shutdown_s: float = 2.0,
-    **config: Any,
+    **options: Any,
 ) -> AsyncIterator[str]:
     """Run `app` under uvicorn in this event loop and yield its base URL (no `/v1`); stops
     the server on exit (open streams get `graceful_shutdown_s`, then are cancelled). For tests
-    and benchmarks; `config` goes to `server_config`."""
+    and benchmarks; `options` are `ServerConfig`'s process fields (`limit_concurrency`,
+    `timeout_keep_alive`, `timeout_request_head`)."""
     sock = bind_socket(host, port)
     bound_port = sock.getsockname()[1]
+    cfg = ServerConfig(host=host, port=bound_port, **options)
     server = _Server(
-        server_config(app, graceful_shutdown_s=graceful_shutdown_s, **config), own_signals=False
+        server_config(app, cfg, graceful_shutdown_s=graceful_shutdown_s), own_signals=False
     )
     async with anyio.create_task_group() as tg:
         tg.start_soon(lambda: server.serve(sockets=[sock]))
@@ -237,22 +230,17 @@ class _BackgroundImport:
         return importlib.import_module(self._name)
 
 
-async def _serve(args: argparse.Namespace, sock: socket.socket, engine_kwargs: dict) -> None:
+async def _serve(
+    model: str | None, engine_kwargs: dict, cfg: ServerConfig, sock: socket.socket
+) -> None:
     from stepline.api.engine import Engine
 
     asyncio.get_running_loop().set_exception_handler(RateLimitedExceptionHandler())
-    what = _describe_model(args.model)
-    switch = _AppSwitch(loading_app(args.model or "SmolLM2-135M-Instruct"))
-    config = server_config(
-        switch,
-        log_level=args.log_level,
-        access_log=True,
-        limit_concurrency=args.limit_concurrency,
-        timeout_keep_alive_s=args.timeout_keep_alive,
-        timeout_request_head_s=args.timeout_request_head,
-    )
+    what = _describe_model(model)
+    switch = _AppSwitch(loading_app(model or "SmolLM2-135M-Instruct"))
+    config = server_config(switch, cfg, log_level=cfg.log_level, access_log=True)
     server = _Server(config, own_signals=True)
-    url = _url(args.host, sock.getsockname()[1])
+    url = _url(cfg.host, sock.getsockname()[1])
     print(f"stepline: loading {what}", flush=True)
     print(f"stepline: {url}/health answers 503 (loading) until the model is ready", flush=True)
     t0 = time.monotonic()
@@ -271,49 +259,41 @@ async def _serve(args: argparse.Namespace, sock: socket.socket, engine_kwargs: d
             # After that import: mlx_lm.utils sets the limit to (2048, 4096) when imported.
             soft, hard = raise_open_file_limit()
             log.info("open_file_limit", soft=soft, hard=hard)
-            # The HTTP app's modules (the Anthropic SDK alone takes ~0.9 s) import on a thread
-            # of their own while the engine loads and warms up, mostly outside the GIL.
+            # The HTTP app's modules (the SDKs whose types the doors build take ~1 s) import
+            # on a thread of their own while the engine loads and warms up, mostly outside
+            # the GIL.
             app_modules = _BackgroundImport("stepline.api.http.app")
-            async with Engine.open(args.model, **engine_kwargs) as engine:
+            async with Engine.open(model, **engine_kwargs) as engine:
                 create_app = (await app_modules.module()).create_app
-                names = args.served_model_name or [engine.model_name]
+                names = cfg.served_model_name or (engine.model_name,)
                 interrupted: list[tuple[str, float]] = []
-                if args.event_log is not None:  # background responses a crash cut off
-                    since = time.time() - args.responses_ttl_s
+                event_log = engine_kwargs.get("event_log")
+                if event_log is not None:  # background responses a crash cut off
+                    since = time.time() - cfg.responses_ttl_s
                     interrupted = await anyio.to_thread.run_sync(
-                        functools.partial(interrupted_responses, args.event_log, since=since)
+                        functools.partial(interrupted_responses, event_log, since=since)
                     )
                 server.on_shutdown = engine.begin_shutdown
                 switch.app = create_app(
-                    engine,
-                    api_key=args.api_key,
-                    max_body_bytes=args.max_body_bytes,
-                    served_model_names=names,
-                    allowed_origins=args.allowed_origins or (),
-                    metrics_public=args.metrics_public,
-                    body_timeout_s=args.timeout_request_body,
-                    resume_grace_s=args.resume_grace_s,
-                    responses_ttl_s=args.responses_ttl_s,
-                    interrupted_responses=interrupted,
-                    **agent_options(args),
+                    engine, interrupted_responses=interrupted, **cfg.model_dump()
                 )
                 print(
                     f"stepline: loaded {engine.model_name} from {engine.loaded.path} in "
                     f"{time.monotonic() - t0:.1f} s; weights {engine.loaded.weights}",
                     flush=True,
                 )
-                served_as = f" (as {', '.join(names)})" if args.served_model_name else ""
+                served_as = f" (as {', '.join(names)})" if cfg.served_model_name else ""
                 print(
                     f"stepline: serving {engine.model_name}{served_as} at {url}/v1 "
                     "(OpenAI-compatible)"
                 )
-                if args.api_key and os.environ.get("STEPLINE_API_KEY") != args.api_key:
+                if cfg.api_key and os.environ.get("STEPLINE_API_KEY") != cfg.api_key:
                     print("stepline: set STEPLINE_API_KEY to the key for the curl line below")
-                print(f"try:\n  {_curl_line(url, names[0], args.api_key)}", flush=True)
+                print(f"try:\n  {_curl_line(url, names[0], cfg.api_key)}", flush=True)
                 if (problem := engine.event_log_problem) is not None:  # a full disk at start
                     print(f"stepline: warning: {problem}", file=sys.stderr, flush=True)
                 reason = await engine.wait_unhealthy()
-                if args.stay_up_when_unhealthy:
+                if cfg.stay_up_when_unhealthy:
                     await anyio.sleep_forever()
                 # Every request has ended with an error; /health says 503 meanwhile. Exit
                 # non-zero after a moment, so a supervisor restarts a healthy server.
@@ -334,26 +314,25 @@ async def _serve_other_rank(model: str | None, engine_kwargs: dict) -> None:
         raise AssertionError("only rank 0 runs an engine's block")
 
 
-def run_serve(args: argparse.Namespace) -> int:
+def run_serve(model: str | None, engine_kwargs: dict, cfg: ServerConfig) -> int:
     """`stepline serve`: listen, load the model, serve it until Ctrl-C or SIGTERM, then end
     the process with status 0 (1 if the engine failed; see `_end_process`). Returns 1 if it
     cannot listen; raises what stops it from loading."""
-    engine_kwargs = args.engine_kwargs(args)
     if engine_kwargs.get("parallel") and launch_rank() > 0:  # no HTTP: it mirrors rank 0
-        anyio.run(_serve_other_rank, args.model, engine_kwargs)
+        anyio.run(_serve_other_rank, model, engine_kwargs)
     try:
-        sock = bind_socket(args.host, args.port)
+        sock = bind_socket(cfg.host, cfg.port)
     except OSError as exc:
         print(
-            f"stepline: error: cannot listen on {args.host}:{args.port}: {exc.strerror or exc} "
+            f"stepline: error: cannot listen on {cfg.host}:{cfg.port}: {exc.strerror or exc} "
             "(choose another --port, or stop what is using it)",
             file=sys.stderr,
         )
         return 1
-    configure_logging(args.log_format, args.log_level)
+    configure_logging(cfg.log_format, cfg.log_level)
     status = 0
     try:
-        run(_serve, args, sock, engine_kwargs)  # on uvloop (and httptools, if installed)
+        run(_serve, model, engine_kwargs, cfg, sock)  # on uvloop (and httptools, if installed)
     except EngineFailed:
         status = 1
     finally:
@@ -371,112 +350,3 @@ def _end_process(status: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
-
-
-def add_serve_parser(
-    subparsers: Any,
-    add_engine_args: Callable[[argparse.ArgumentParser], None],
-    engine_kwargs: Callable[[argparse.Namespace], dict],
-) -> argparse.ArgumentParser:
-    """Add `stepline serve` to the CLI's subparsers."""
-    p = subparsers.add_parser(
-        "serve",
-        help="serve the model over an OpenAI-compatible HTTP API",
-        description="Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, "
-        "/v1/completions, /v1/models, /health, /metrics).",
-    )
-    add_engine_args(p)
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000; 0 = any)")
-    p.add_argument(
-        "--stay-up-when-unhealthy",
-        action="store_true",
-        help="keep the process up (answering 503) after the engine fails, instead of exiting "
-        "with status 1 so that a supervisor restarts it",
-    )
-    p.add_argument(
-        "--api-key",
-        default=os.environ.get("STEPLINE_API_KEY") or None,
-        help="require `Authorization: Bearer KEY` on /v1 routes (default: $STEPLINE_API_KEY; "
-        "unset = no key)",
-    )
-    p.add_argument(
-        "--max-body-bytes",
-        type=int,
-        default=DEFAULT_MAX_BODY_BYTES,
-        help=f"largest request body accepted, else 413 (default: {DEFAULT_MAX_BODY_BYTES})",
-    )
-    p.add_argument(
-        "--served-model-name",
-        action="append",
-        metavar="NAME",
-        help="a name clients may send as `model` (repeatable; the first is what /v1/models "
-        "lists; default: the model's own name)",
-    )
-    p.add_argument(
-        "--allowed-origins",
-        action="append",
-        metavar="ORIGIN",
-        help="a web origin (https://app.example) allowed to call the server from a browser "
-        "(repeatable; default: none, no CORS headers)",
-    )
-    p.add_argument(
-        "--metrics-public",
-        action="store_true",
-        help="serve /metrics without the API key (default: behind it when --api-key is set)",
-    )
-    p.add_argument(
-        "--limit-concurrency",
-        type=int,
-        default=DEFAULT_LIMIT_CONCURRENCY,
-        help="most requests in flight at once (a stream counts until it ends); 503 past it. "
-        "/health and /metrics always answer, and idle connections do not count "
-        f"(default: {DEFAULT_LIMIT_CONCURRENCY})",
-    )
-    p.add_argument(
-        "--timeout-keep-alive",
-        type=float,
-        default=DEFAULT_TIMEOUT_KEEP_ALIVE_S,
-        help="close an idle keep-alive connection after this many seconds "
-        f"(default: {DEFAULT_TIMEOUT_KEEP_ALIVE_S:g})",
-    )
-    p.add_argument(
-        "--timeout-request-head",
-        type=float,
-        default=DEFAULT_TIMEOUT_REQUEST_HEAD_S,
-        help="close a connection that has not sent a whole request head this many seconds "
-        "after connecting or after its last response "
-        f"(default: {DEFAULT_TIMEOUT_REQUEST_HEAD_S:g})",
-    )
-    p.add_argument(
-        "--timeout-request-body",
-        type=float,
-        default=DEFAULT_BODY_TIMEOUT_S,
-        help="answer 408 to a request whose body has not arrived whole this many seconds "
-        f"after its head (default: {DEFAULT_BODY_TIMEOUT_S:g})",
-    )
-    p.add_argument(
-        "--log-format",
-        choices=LOG_FORMATS,
-        default="console",
-        help="console (readable) or json (one JSON object a line) (default: console)",
-    )
-    p.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="(default: info)")
-    add_agent_args(p)  # --reasoning-parser, --chat-template, --default-chat-template-kwargs
-    p.add_argument(
-        "--resume-grace-s",
-        type=float,
-        default=DEFAULT_GRACE_S,
-        help="a resumable stream whose client went away runs on this long for a reconnect "
-        "(GET /v1/requests/{id}/stream) and stays resumable this long after it ended "
-        f"(default: {DEFAULT_GRACE_S:g})",
-    )
-    p.add_argument(
-        "--responses-ttl-s",
-        type=float,
-        default=DEFAULT_TTL_S,
-        help="keep a /v1/responses response (for retrieve, streaming it again and "
-        f"previous_response_id) this long after it ended (default: {DEFAULT_TTL_S:g})",
-    )
-    p.set_defaults(func=run_serve, engine_kwargs=engine_kwargs)
-    return p

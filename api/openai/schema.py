@@ -1,37 +1,21 @@
-"""OpenAI's request and response bodies, as pydantic models. No MLX, no engine.
+"""OpenAI's request bodies (/v1/chat/completions, /v1/completions), as pydantic models. No MLX,
+no engine; responses are built from the `openai` package's own types (`serving`).
 
 Requests are validated in strict mode (a string is not a number, a bool is not an int), as
 OpenAI's own API does; fields this server does not know are ignored, so clients that send
 newer optional fields keep working. Features the engine cannot honour (n > 1, logit_bias,
-...) are refused with a RequestError that says so, never silently ignored.
-
-Responses dump to exactly OpenAI's shapes: `null` where OpenAI sends null, and a streaming
-`delta` that holds only the keys that changed.
+...) are refused with an APIError (400) that says so, never silently ignored.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import BaseModel, ConfigDict, Field
 
-from stepline.api.json_limits import InputLimitError, parse_nested
+from stepline.api.pipeline.chat import call_arguments, template_call
+from stepline.api.pipeline.errors import APIError
 from stepline.engine.sampling_limits import MAX_INT32
-
-
-class RequestError(ValueError):
-    """A request the server refuses with 400; the message says what to change."""
-
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.code = code
-
-
-# -- requests -------------------------------------------------------------------------------
-
 
 MAX_TEMPERATURE = 100.0
 MAX_REPETITION_PENALTY = 10.0
@@ -106,29 +90,33 @@ class _SamplingFields(_Request):
     reasoning_effort: str | None = None  # passed to templates that read it, refused otherwise
 
     def check_supported(self) -> None:
-        """Raise RequestError for a feature this server does not implement."""
+        """Raise APIError for a feature this server does not implement."""
         if self.n is not None and self.n > 1:
-            raise RequestError(
+            raise APIError(
+                400,
                 f"n={self.n} is not supported: this server returns one choice per request; "
                 "send n separate requests (with different seeds) instead",
                 param="n",
                 code="unsupported_parameter",
             )
         if self.functions or self.function_call is not None:
-            raise RequestError(
+            raise APIError(
+                400,
                 "the legacy `functions`/`function_call` are not supported: send `tools` and "
                 "`tool_choice` instead",
                 param="functions" if self.functions else "function_call",
                 code="unsupported_parameter",
             )
         if self.logit_bias:
-            raise RequestError(
+            raise APIError(
+                400,
                 "logit_bias is not supported by this server: remove it",
                 param="logit_bias",
                 code="unsupported_parameter",
             )
         if self.stream_options is not None and not self.stream:
-            raise RequestError(
+            raise APIError(
+                400,
                 "stream_options is only allowed when stream is true",
                 param="stream_options",
             )
@@ -162,7 +150,7 @@ class ChatCompletionRequest(_SamplingFields):
     def num_logprobs(self) -> int | None:
         """Top alternatives per token for the engine: None = no logprobs at all."""
         if self.top_logprobs is not None and not self.logprobs:
-            raise RequestError("top_logprobs requires logprobs=true", param="top_logprobs")
+            raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def engine_messages(self) -> list[dict[str, Any]]:
@@ -170,13 +158,14 @@ class ChatCompletionRequest(_SamplingFields):
         `system`, consecutive same-role messages merged (strict templates demand alternation),
         assistant `tool_calls` and `tool` messages (with their `tool_call_id`) kept as they are.
 
-        Raises RequestError for non-text content parts and missing content.
+        Raises APIError for non-text content parts and missing content.
         """
         merged: list[dict[str, Any]] = []
         parts: dict[int, list[str]] = {}  # merged message index -> the contents it merges
         for i, m in enumerate(self.messages):
             if m.role == "function":
-                raise RequestError(
+                raise APIError(
+                    400,
                     f"messages[{i}]: legacy `function` messages are not supported: send `tool` "
                     "messages with a tool_call_id",
                     param=f"messages.{i}",
@@ -207,29 +196,14 @@ def _optional_text(content: str | list[ContentPart] | None, index: int) -> str:
     return "" if content is None else _text_content(content, index)
 
 
-def template_call(call_id: str | None, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
-    """A call the assistant made, as chat templates render it (in its `tool_calls`)."""
-    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
-
-
-def call_arguments(arguments: Any, param: str) -> Any:
-    """A call's arguments as sent back in a conversation: JSON text is parsed (templates
-    render objects). Raises RequestError for text that is not JSON."""
-    if not isinstance(arguments, str):
-        return arguments
-    try:  # held to the body's depth and text limits: templates recurse into it
-        return parse_nested(arguments or "{}", param)
-    except InputLimitError as exc:
-        raise RequestError(exc.message, param=exc.param, code=exc.code) from None
-
-
 def _tool_calls(calls: list[dict[str, Any]], index: int) -> list[dict[str, Any]]:
     """Assistant tool calls with their arguments parsed, as chat templates render them."""
     out = []
     for j, call in enumerate(calls):
         fn = call.get("function")
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise RequestError(
+            raise APIError(
+                400,
                 f"messages[{index}].tool_calls[{j}] needs function.name and function.arguments",
                 param=f"messages.{index}.tool_calls.{j}",
             )
@@ -241,7 +215,8 @@ def _tool_calls(calls: list[dict[str, Any]], index: int) -> list[dict[str, Any]]
 
 def _text_content(content: str | list[ContentPart] | None, index: int) -> str:
     if content is None:
-        raise RequestError(
+        raise APIError(
+            400,
             f"messages[{index}].content is missing: send a string or a list of text parts",
             param=f"messages.{index}.content",
         )
@@ -250,7 +225,8 @@ def _text_content(content: str | list[ContentPart] | None, index: int) -> str:
     texts = []
     for j, part in enumerate(content):
         if part.type != "text" or part.text is None:
-            raise RequestError(
+            raise APIError(
+                400,
                 f"messages[{index}].content[{j}] has type {part.type!r}: this server serves "
                 "a text-only model, send only parts of type 'text' with a 'text' field",
                 param=f"messages.{index}.content.{j}",
@@ -270,229 +246,41 @@ class CompletionRequest(_SamplingFields):
     def check_supported(self) -> None:
         super().check_supported()
         if self.best_of is not None and self.best_of > 1:
-            raise RequestError(
+            raise APIError(
+                400,
                 "best_of > 1 is not supported: send separate requests instead",
                 param="best_of",
                 code="unsupported_parameter",
             )
         if self.echo:
-            raise RequestError(
+            raise APIError(
+                400,
                 "echo is not supported: the prompt is not returned",
                 param="echo",
                 code="unsupported_parameter",
             )
         if self.suffix:
-            raise RequestError(
+            raise APIError(
+                400,
                 "suffix (fill-in-the-middle) is not supported",
                 param="suffix",
                 code="unsupported_parameter",
             )
 
     def engine_prompt(self) -> str | list[int]:
-        """The one prompt as text or token ids. Raises RequestError for a batch of prompts."""
+        """The one prompt as text or token ids. Raises APIError for a batch of prompts."""
         p = self.prompt
         if isinstance(p, str):
             return p
         if not p:
-            raise RequestError("prompt is empty: send a string or token ids", param="prompt")
+            raise APIError(400, "prompt is empty: send a string or token ids", param="prompt")
         if isinstance(p[0], int):
             return list(p)  # type: ignore[arg-type]
         if len(p) > 1:
-            raise RequestError(
+            raise APIError(
+                400,
                 f"prompt is a batch of {len(p)} prompts: send one prompt per request",
                 param="prompt",
                 code="unsupported_parameter",
             )
         return p[0]  # type: ignore[return-value]
-
-
-# -- responses ------------------------------------------------------------------------------
-
-
-class _Response(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
-
-def now() -> int:
-    return int(time.time())
-
-
-class PromptTokensDetails(_Response):
-    cached_tokens: int = 0
-
-
-class Usage(_Response):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
-
-    @classmethod
-    def of(cls, num_prompt: int, num_completion: int, num_cached: int) -> Usage:
-        return cls(
-            prompt_tokens=num_prompt,
-            completion_tokens=num_completion,
-            total_tokens=num_prompt + num_completion,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached),
-        )
-
-
-class TopLogprob(_Response):
-    token: str
-    logprob: float
-    bytes: list[int] | None
-
-
-class ChatTokenLogprob(_Response):
-    token: str
-    logprob: float
-    bytes: list[int] | None
-    top_logprobs: list[TopLogprob]
-
-
-class ChatLogprobs(_Response):
-    content: list[ChatTokenLogprob]
-
-
-class FunctionCall(_Response):
-    name: str
-    arguments: str  # JSON text
-
-
-class ToolCallOut(_Response):
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class AssistantMessage(_Response):
-    """`content` is null when the answer is only tool calls; `tool_calls` and
-    `reasoning_content` (vLLM's extension) appear only when there are some."""
-
-    role: Literal["assistant"] = "assistant"
-    content: str | None
-    tool_calls: list[ToolCallOut] | None = None
-    reasoning_content: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_absent(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        out = handler(self)
-        for key in ("tool_calls", "reasoning_content"):
-            if out.get(key) is None:
-                out.pop(key, None)
-        return out
-
-
-class ChatChoice(_Response):
-    index: int = 0
-    message: AssistantMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str
-
-
-class ChatCompletion(_Response):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=now)
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class ChatDelta(_Response):
-    """Only the keys that changed: `{"role": ..., "content": ""}`, `{"content": ...}`, `{}`."""
-
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    reasoning_content: str | None = None
-    tool_calls: list[DeltaToolCall] | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
-
-
-class DeltaFunction(_Response):
-    name: str | None = None
-    arguments: str = ""
-
-    @model_serializer(mode="wrap")
-    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
-
-
-class DeltaToolCall(_Response):
-    """One piece of a streamed tool call: the first has id, type and name; the rest add
-    `function.arguments` text, all under the call's `index`."""
-
-    index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
-    function: DeltaFunction
-
-    @model_serializer(mode="wrap")
-    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
-
-
-class ChatChunkChoice(_Response):
-    index: int = 0
-    delta: ChatDelta
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionChunk(_Response):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None  # sent (as null until the last chunk) only with include_usage
-
-
-class CompletionLogprobs(_Response):
-    tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
-    text_offset: list[int]
-
-
-class CompletionChoice(_Response):
-    index: int = 0
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class Completion(_Response):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=now)
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class ModelCard(_Response):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "stepline"
-    max_model_len: int
-
-
-class ModelList(_Response):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class ErrorDetail(_Response):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(_Response):
-    error: ErrorDetail

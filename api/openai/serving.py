@@ -1,4 +1,7 @@
-"""The OpenAI endpoints' handlers: /v1/chat/completions, /v1/completions, /v1/models.
+"""The OpenAI door's handlers: /v1/chat/completions, /v1/completions, /v1/models, over the
+pipeline every door shares (`Serving`). Responses and stream chunks are the `openai`
+package's own types, dumped with the fields set (`exclude_unset`): `null` where OpenAI sends
+null, and a streaming `delta` that holds only the keys that changed.
 
 Every request gets an id (`chatcmpl-<hex>` / `cmpl-<hex>`) that is its id in the engine's
 event log, returned as the body's `id` and the `x-request-id` header. A client that
@@ -7,47 +10,68 @@ disconnects cancels its request (its cache is freed within one step).
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from fastapi import Request
-from fastapi.responses import Response
-
-from stepline.api.openai import agents as openai_agents
-from stepline.api.openai.schema import (
-    ChatChoice,
-    ChatChunkChoice,
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from openai.types import Completion, CompletionChoice, CompletionUsage, Model
+from openai.types.chat import (
     ChatCompletion,
     ChatCompletionChunk,
-    ChatCompletionRequest,
-    ChatDelta,
-    ChatLogprobs,
-    ChatTokenLogprob,
-    Completion,
-    CompletionChoice,
-    CompletionLogprobs,
-    CompletionRequest,
-    ModelCard,
-    ModelList,
-    TopLogprob,
-    Usage,
-    now,
+    ChatCompletionTokenLogprob,
+    chat_completion,
+    chat_completion_chunk,
 )
+from openai.types.chat.chat_completion_token_logprob import TopLogprob
+from openai.types.completion_choice import Logprobs
+from openai.types.completion_usage import PromptTokensDetails
+
+from stepline.api.openai import agents
+from stepline.api.openai.schema import ChatCompletionRequest, CompletionRequest
+from stepline.api.pipeline.errors import OPENAI, APIError
 from stepline.api.pipeline.model_output import split_output
-from stepline.api.pipeline.serving import Call, Serving, Started, json_response
-from stepline.api.pipeline.sse import DONE, PING, Emit, TextFrames, sse
+from stepline.api.pipeline.serving import Call, Piece, Serving, Started, json_response
+from stepline.api.pipeline.writer import PING, TextFrames
 
 if TYPE_CHECKING:
+    from stepline.actors.request import RequestOutput
     from stepline.engine.work import TokenLogprob
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+DONE = b"data: [DONE]\n\n"
 
 
-class OpenAIServing(Serving):
+def usage(out: RequestOutput) -> CompletionUsage:
+    return CompletionUsage(
+        prompt_tokens=out.num_prompt_tokens,
+        completion_tokens=out.num_output_tokens,
+        total_tokens=out.num_prompt_tokens + out.num_output_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens),
+    )
+
+
+def _json(body: Any) -> bytes:
+    return b"data: " + body.model_dump_json(exclude_unset=True).encode() + b"\n\n"
+
+
+class OpenAIDoor:
     """Turns OpenAI requests into engine requests and engine outputs into OpenAI responses."""
 
-    def _chat_logprobs(self, lps: Sequence[TokenLogprob]) -> list[ChatTokenLogprob]:
+    def __init__(self, serving: Serving):
+        self.serving = serving
+        self.created = int(time.time())
+        self._token_text: dict[int, str] = {}
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.serving.engine.tokenizer.decode([token_id])
+        return text
+
+    def chat_logprobs(self, lps: Sequence[TokenLogprob]) -> list[ChatCompletionTokenLogprob]:
         out = []
         for lp in lps:
             token = self.token_text(lp.token_id)
@@ -56,21 +80,19 @@ class OpenAIServing(Serving):
                 for i, v in lp.top
             ]
             out.append(
-                ChatTokenLogprob(
+                ChatCompletionTokenLogprob(
                     token=token, logprob=lp.logprob, bytes=list(token.encode()), top_logprobs=top
                 )
             )
         return out
 
-    def _completion_logprobs(
-        self, lps: Sequence[TokenLogprob], text_offset: int
-    ) -> CompletionLogprobs:
+    def completion_logprobs(self, lps: Sequence[TokenLogprob], text_offset: int) -> Logprobs:
         tokens = [self.token_text(lp.token_id) for lp in lps]
         offsets = []
         for t in tokens:
             offsets.append(text_offset)
             text_offset += len(t)
-        return CompletionLogprobs(
+        return Logprobs(
             tokens=tokens,
             token_logprobs=[lp.logprob for lp in lps],
             top_logprobs=[{self.token_text(i): v for i, v in lp.top} for lp in lps],
@@ -79,15 +101,13 @@ class OpenAIServing(Serving):
 
     # -- /v1/chat/completions --
 
-    async def chat(self, request: Request) -> Response:
-        return await self.handle(request, f"chatcmpl-{uuid.uuid4().hex}", self._chat)
-
-    async def _chat(self, request: Request, rid: str) -> Response:
-        req = await self.parse(request, ChatCompletionRequest)
+    async def chat(self, request: Request, rid: str) -> Response:
+        serving = self.serving
+        req = await serving.parse(request, ChatCompletionRequest)
         num_logprobs = req.num_logprobs
-        agent = openai_agents.chat_plan(req, self.engine.tokenizer, self.default_template_kwargs)
+        agent = agents.chat_plan(req, serving.engine.tokenizer, serving.default_template_kwargs)
         # Chat boundaries (end of the system prompt, of earlier turns) feed the prefix cache.
-        started = await self.start(
+        started = await serving.start(
             Call(
                 rid,
                 req,
@@ -99,104 +119,51 @@ class OpenAIServing(Serving):
                 if req.max_completion_tokens
                 else "max_tokens",
                 logprobs=num_logprobs,
-                reasoning=self.reasoning,
+                reasoning=serving.reasoning,
             )
         )
-        created = now()
+        created = int(time.time())
+        model = serving.response_model(req.model)
         if req.stream:
-            return self.stream_response(
-                started,
-                lambda emit: self._chat_stream(emit, started, req, created),
-                resumable_from=self.asks_resumable(request, req.resumable),
-            )
-        outs = await self.collect(request, started.stream)
+            renderer = ChatRenderer(self, started, req, model, created)
+            return self._stream(request, started, renderer, req.resumable)
+        outs = await serving.collect(request, started)
         last = outs[-1]
         split = split_output("".join(o.text for o in outs), started.fmt, started.tools)
         logprobs = None
         if num_logprobs is not None:
-            logprobs = ChatLogprobs(
-                content=self._chat_logprobs([lp for o in outs for lp in o.logprobs])
-            )
+            lps = [lp for o in outs for lp in o.logprobs]
+            logprobs = chat_completion.ChoiceLogprobs(content=self.chat_logprobs(lps))
+        choice = chat_completion.Choice(
+            index=0,
+            message=agents.message(split, parallel=req.parallel_tool_calls),
+            logprobs=logprobs,
+            finish_reason=agents.finish_reason(last.finish_reason, len(split.tool_calls)),  # type: ignore[arg-type]
+        )
         body = ChatCompletion(
             id=rid,
+            object="chat.completion",
             created=created,
-            model=self.response_model(req.model),
-            choices=[
-                ChatChoice(
-                    message=openai_agents.message(split, parallel=req.parallel_tool_calls),
-                    logprobs=logprobs,
-                    finish_reason=openai_agents.finish_reason(
-                        last.finish_reason, len(split.tool_calls)
-                    ),
-                )
-            ],
-            usage=Usage.of(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens),
+            model=model,
+            choices=[choice],
+            usage=usage(last),
         )
-        return json_response(body, headers=started.headers)
+        return json_response(body, headers=started.headers, exclude_unset=True)
 
-    async def _chat_stream(
-        self, emit: Emit, started: Started, req: ChatCompletionRequest, created: int
-    ) -> None:
-        rid = started.rid
-        model = self.response_model(req.model)
-        exclude = None if req.include_usage else {"usage"}
-        want_logprobs = req.logprobs
-
-        def chunk(delta: ChatDelta, finish: str | None = None, lps=()) -> bytes:
-            logprobs = ChatLogprobs(content=self._chat_logprobs(lps)) if want_logprobs else None
-            choice = ChatChunkChoice(delta=delta, logprobs=logprobs, finish_reason=finish)
-            body = ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice])
-            return sse(body, exclude=exclude)
-
-        text_frame = TextFrames(
-            ChatCompletionChunk(
-                id=rid,
-                created=created,
-                model=model,
-                choices=[ChatChunkChoice(delta=ChatDelta(content=TextFrames.SENTINEL))],
-            ),
-            exclude=exclude,
-        )
-        splitter = started.splitter()
-        frames = [chunk(ChatDelta(role="assistant", content=""))]  # sent with the first output
-        async for piece in self.pieces(started, splitter):
-            out, delta = piece.out, piece.delta
-            if piece.is_progress:
-                await emit(PING)  # a long prompt is prefilling: keep proxies from timing out
-                continue
-            if want_logprobs and out.logprobs:
-                frames.append(chunk(ChatDelta(content=delta.content), lps=out.logprobs))
-                delta.content = ""
-            if delta.content and not delta.reasoning and not delta.tool_call_deltas:
-                frames.append(text_frame(delta.content))  # the common case, pre-encoded
-            else:
-                pieces = openai_agents.deltas(delta, parallel=req.parallel_tool_calls)
-                frames.extend(chunk(d) for d in pieces)
-            if out.finish_reason is not None:
-                reason = openai_agents.finish_reason(out.finish_reason, splitter.num_tool_calls)
-                frames.append(chunk(ChatDelta(), finish=reason))
-                if req.include_usage:
-                    usage = Usage.of(
-                        out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens
-                    )
-                    body = ChatCompletionChunk(
-                        id=rid, created=created, model=model, choices=[], usage=usage
-                    )
-                    frames.append(sse(body))
-                frames.append(DONE)
-            if frames:
-                await emit(b"".join(frames))
-                frames = []
+    def _stream(self, request: Request, started: Started, renderer, resumable: bool) -> Response:
+        serving = self.serving
+        record = None
+        if serving.asks_resumable(request, resumable):
+            record = serving.keep(request, started, OPENAI, resumable=True)
+        return serving.stream(started, renderer, OPENAI, record=record)
 
     # -- /v1/completions --
 
-    async def completions(self, request: Request) -> Response:
-        return await self.handle(request, f"cmpl-{uuid.uuid4().hex}", self._completions)
-
-    async def _completions(self, request: Request, rid: str) -> Response:
-        req = await self.parse(request, CompletionRequest)
-        agent = openai_agents.completion_plan(req, self.engine.tokenizer)
-        started = await self.start(
+    async def completions(self, request: Request, rid: str) -> Response:
+        serving = self.serving
+        req = await serving.parse(request, CompletionRequest)
+        agent = agents.completion_plan(req, serving.engine.tokenizer)
+        started = await serving.start(
             Call(
                 rid,
                 req,
@@ -208,87 +175,225 @@ class OpenAIServing(Serving):
                 logprobs=req.logprobs,
             )
         )
-        created = now()
+        created = int(time.time())
+        model = serving.response_model(req.model)
         if req.stream:
-            return self.stream_response(
-                started,
-                lambda emit: self._completion_stream(emit, started, req, created),
-                resumable_from=self.asks_resumable(request, req.resumable),
-            )
-        outs = await self.collect(request, started.stream)
+            renderer = CompletionRenderer(self, started, req, model, created)
+            return self._stream(request, started, renderer, req.resumable)
+        outs = await serving.collect(request, started)
         last = outs[-1]
         logprobs = None
         if req.logprobs is not None:
-            logprobs = self._completion_logprobs([lp for o in outs for lp in o.logprobs], 0)
+            logprobs = self.completion_logprobs([lp for o in outs for lp in o.logprobs], 0)
+        choice = CompletionChoice(
+            index=0,
+            text="".join(o.text for o in outs),
+            logprobs=logprobs,
+            finish_reason=last.finish_reason,  # type: ignore[arg-type]
+        )
         body = Completion(
             id=rid,
+            object="text_completion",
             created=created,
-            model=self.response_model(req.model),
-            choices=[
-                CompletionChoice(
-                    text="".join(o.text for o in outs),
-                    logprobs=logprobs,
-                    finish_reason=last.finish_reason,
-                )
-            ],
-            usage=Usage.of(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens),
+            model=model,
+            choices=[choice],
+            usage=usage(last),
         )
-        return json_response(body, headers=started.headers)
+        return json_response(body, headers=started.headers, exclude_unset=True)
 
-    async def _completion_stream(
-        self, emit: Emit, started: Started, req: CompletionRequest, created: int
-    ) -> None:
-        rid = started.rid
-        model = self.response_model(req.model)
-        exclude = None if req.include_usage else {"usage"}
-        want_logprobs = req.logprobs is not None
-        offset = 0
+    # -- /v1/models --
 
-        def chunk(text: str, finish: str | None = None, lps=()) -> bytes:
-            logprobs = self._completion_logprobs(lps, offset) if want_logprobs else None
-            choice = CompletionChoice(text=text, logprobs=logprobs, finish_reason=finish)
-            return sse(
-                Completion(id=rid, created=created, model=model, choices=[choice]),
-                exclude=exclude,
-            )
-
-        text_frame = TextFrames(
-            Completion(
-                id=rid,
-                created=created,
-                model=model,
-                choices=[CompletionChoice(text=TextFrames.SENTINEL)],
-            ),
-            exclude=exclude,
+    def model_card(self, name: str) -> Model:
+        return Model(
+            id=name,
+            object="model",
+            created=self.created,
+            owned_by="stepline",
+            **{"max_model_len": self.serving.engine.max_context},  # vLLM's extension
         )
-        async for piece in self.pieces(started, started.splitter()):
-            out = piece.out
-            if piece.is_progress:
-                await emit(PING)
-                continue
-            frames = []  # this output's frames, sent in one write
-            if want_logprobs and out.logprobs:
-                frames.append(chunk(out.text, lps=out.logprobs))
-            elif out.text:
-                frames.append(text_frame(out.text))
-            offset += len(out.text)
-            if out.finish_reason is not None:
-                frames.append(chunk("", finish=out.finish_reason))
-                if req.include_usage:
-                    usage = Usage.of(
-                        out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens
-                    )
-                    body = Completion(id=rid, created=created, model=model, choices=[], usage=usage)
-                    frames.append(sse(body))
-                frames.append(DONE)
-            if frames:
-                await emit(b"".join(frames))
 
-    # -- the rest --
-
-    def models(self) -> ModelList:
+    def models(self) -> dict[str, Any]:
         """The served model under its first name (the others are accepted as `model` too)."""
-        card = ModelCard(
-            id=self.model_name, created=self.created, max_model_len=self.engine.max_context
+        card = self.model_card(self.serving.model_name)
+        return {"object": "list", "data": [card.model_dump(exclude_unset=True)]}
+
+
+class ChatRenderer:
+    """A streamed chat completion: the role's chunk with the first output, a chunk per piece
+    (text pre-encoded, `TextFrames`), the finish reason's chunk, usage when asked, `[DONE]`."""
+
+    def __init__(
+        self,
+        door: OpenAIDoor,
+        started: Started,
+        req: ChatCompletionRequest,
+        model: str,
+        created: int,
+    ):
+        self.door = door
+        self.req = req
+        self.splitter = started.splitter()
+        self.rid, self.model, self.created = started.rid, model, created
+        self.include_usage = req.include_usage
+        self.text_frame = TextFrames(
+            self._chunk(chat_completion_chunk.ChoiceDelta(content=TextFrames.SENTINEL)),
+            exclude_unset=True,
         )
-        return ModelList(data=[card])
+        self.began = False
+
+    def _chunk(
+        self, delta: chat_completion_chunk.ChoiceDelta, finish: str | None = None, lps=()
+    ) -> ChatCompletionChunk:
+        logprobs = None
+        if self.req.logprobs:
+            logprobs = chat_completion_chunk.ChoiceLogprobs(content=self.door.chat_logprobs(lps))
+        choice = chat_completion_chunk.Choice(
+            index=0,
+            delta=delta,
+            logprobs=logprobs,
+            finish_reason=finish,  # type: ignore[arg-type]
+        )
+        fields: dict[str, Any] = {"usage": None} if self.include_usage else {}
+        return ChatCompletionChunk(
+            id=self.rid,
+            object="chat.completion.chunk",
+            created=self.created,
+            model=self.model,
+            choices=[choice],
+            **fields,
+        )
+
+    def frame(self, delta: chat_completion_chunk.ChoiceDelta, **kw: Any) -> bytes:
+        return _json(self._chunk(delta, **kw))
+
+    def frames(self, piece: Piece) -> bytes:
+        if piece.is_progress:
+            return PING  # a long prompt is prefilling: keep proxies from timing out
+        out, delta = piece.out, piece.delta
+        frames = []
+        if not self.began:  # the role, with the first output
+            self.began = True
+            frames.append(
+                self.frame(chat_completion_chunk.ChoiceDelta(role="assistant", content=""))
+            )
+        if self.req.logprobs and out.logprobs:
+            content = chat_completion_chunk.ChoiceDelta(content=delta.content)
+            frames.append(self.frame(content, lps=out.logprobs))
+            delta.content = ""
+        if delta.content and not delta.reasoning and not delta.tool_call_deltas:
+            frames.append(self.text_frame(delta.content))  # the common case, pre-encoded
+        else:
+            for d in agents.deltas(delta, parallel=self.req.parallel_tool_calls):
+                frames.append(self.frame(d))
+        if out.finish_reason is not None:
+            reason = agents.finish_reason(out.finish_reason, self.splitter.num_tool_calls)
+            frames.append(self.frame(chat_completion_chunk.ChoiceDelta(), finish=reason))
+            if self.include_usage:
+                body = ChatCompletionChunk(
+                    id=self.rid,
+                    object="chat.completion.chunk",
+                    created=self.created,
+                    model=self.model,
+                    choices=[],
+                    usage=usage(out),
+                )
+                frames.append(_json(body))
+            frames.append(DONE)
+        return b"".join(frames)
+
+    def failed(self, err: APIError) -> bytes:
+        return OPENAI.frames(err)
+
+    cancelled = failed
+
+
+class CompletionRenderer:
+    """A streamed completion: a chunk per output's text, the finish reason's chunk, usage
+    when asked, `[DONE]`."""
+
+    def __init__(
+        self, door: OpenAIDoor, started: Started, req: CompletionRequest, model: str, created: int
+    ):
+        self.door = door
+        self.req = req
+        self.splitter = started.splitter()
+        self.rid, self.model, self.created = started.rid, model, created
+        self.include_usage = req.include_usage
+        self.offset = 0  # characters sent so far (logprobs' text_offset)
+        self.text_frame = TextFrames(self._body(TextFrames.SENTINEL), exclude_unset=True)
+
+    def _body(self, text: str, finish: str | None = None, logprobs: Logprobs | None = None):
+        choice = CompletionChoice.model_construct(
+            index=0, text=text, logprobs=logprobs, finish_reason=finish
+        )
+        fields: dict[str, Any] = {"usage": None} if self.include_usage else {}
+        return Completion(
+            id=self.rid,
+            object="text_completion",
+            created=self.created,
+            model=self.model,
+            choices=[choice],
+            **fields,
+        )
+
+    def frames(self, piece: Piece) -> bytes:
+        if piece.is_progress:
+            return PING
+        out = piece.out
+        frames = []
+        if self.req.logprobs is not None and out.logprobs:
+            lps = self.door.completion_logprobs(out.logprobs, self.offset)
+            frames.append(_json(self._body(out.text, logprobs=lps)))
+        elif out.text:
+            frames.append(self.text_frame(out.text))
+        self.offset += len(out.text)
+        if out.finish_reason is not None:
+            logprobs: Logprobs | None = None
+            if self.req.logprobs is not None:
+                logprobs = self.door.completion_logprobs([], 0)
+            frames.append(_json(self._body("", finish=out.finish_reason, logprobs=logprobs)))
+            if self.include_usage:
+                body = Completion(
+                    id=self.rid,
+                    object="text_completion",
+                    created=self.created,
+                    model=self.model,
+                    choices=[],
+                    usage=usage(out),
+                )
+                frames.append(_json(body))
+            frames.append(DONE)
+        return b"".join(frames)
+
+    def failed(self, err: APIError) -> bytes:
+        return OPENAI.frames(err)
+
+    cancelled = failed
+
+
+def router(serving: Serving) -> APIRouter:
+    """The OpenAI routes (the app's key check covers them)."""
+    door = OpenAIDoor(serving)
+    routes = APIRouter()
+
+    @routes.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await serving.handle(request, f"chatcmpl-{uuid.uuid4().hex}", door.chat, OPENAI)
+
+    @routes.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await serving.handle(request, f"cmpl-{uuid.uuid4().hex}", door.completions, OPENAI)
+
+    @routes.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse(door.models())
+
+    @routes.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> JSONResponse:
+        if model_id not in serving.served_model_names:
+            raise APIError(
+                404, f"The model {model_id!r} does not exist", param="model", code="model_not_found"
+            )
+        return JSONResponse(door.model_card(model_id).model_dump(exclude_unset=True))
+
+    return routes

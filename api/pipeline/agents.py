@@ -4,7 +4,7 @@
 chat-template options (OpenAI's or Anthropic's, already in neutral form) and the served
 tokenizer; it holds what the engine needs: the chat template's extra arguments, the grammar
 that forces the output (a JSON schema, or a tool call for `required` / a named tool), and how
-to split the output (`OutputFormat`). Everything the model cannot honour is a RequestError,
+to split the output (`OutputFormat`). Everything the model cannot honour is an APIError (400),
 with one exception: tools offered (not forced) to a model whose chat template cannot show
 or read tool calls are left out and named (`AgentPlan.dropped_tools`), so that an agent
 that always sends its tools (Claude Code, Codex) still gets its answer in text.
@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from stepline.api.openai.schema import RequestError
+from stepline.api.pipeline.errors import APIError
 from stepline.api.pipeline.model_output import OutputFormat
 from stepline.engine.grammar import (
     CallFormat,
@@ -88,7 +88,7 @@ class AgentPlan:
                 think=think,
             )
         except GrammarError as exc:
-            raise RequestError(str(exc), param=self.grammar_param) from None
+            raise APIError(400, str(exc), param=self.grammar_param) from None
         return replace(self, grammar=grammar)
 
 
@@ -139,16 +139,17 @@ _SCHEMA_KEYS = frozenset(
 
 
 def openai_tools(tools: Any, param: str = "tools") -> tuple[ToolSpec, ...]:
-    """OpenAI `tools` (function tools) as ToolSpecs. Raises RequestError if malformed."""
+    """OpenAI `tools` (function tools) as ToolSpecs. Raises APIError if malformed."""
     if tools is None:
         return ()
     if not isinstance(tools, list):
-        raise RequestError(f"{param} must be a list of tools", param=param)
+        raise APIError(400, f"{param} must be a list of tools", param=param)
     specs = []
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn, dict):
-            raise RequestError(
+            raise APIError(
+                400,
                 f'{param}[{i}] must be {{"type": "function", "function": {{"name": ...}}}}: '
                 "only function tools are supported",
                 param=f"{param}.{i}",
@@ -160,14 +161,14 @@ def openai_tools(tools: Any, param: str = "tools") -> tuple[ToolSpec, ...]:
 
 
 def tool_spec(name: Any, description: Any, parameters: Any, i: int, param: str) -> ToolSpec:
-    """Tool `i` of request field `param`, checked. Raises RequestError if malformed."""
+    """Tool `i` of request field `param`, checked. Raises APIError if malformed."""
     if not isinstance(name, str) or not name:
-        raise RequestError(f"{param}[{i}] needs a non-empty string name", param=f"{param}.{i}")
+        raise APIError(400, f"{param}[{i}] needs a non-empty string name", param=f"{param}.{i}")
     if parameters is None:
         parameters = {"type": "object", "properties": {}}
     if not isinstance(parameters, dict):
-        raise RequestError(
-            f"{param}[{i}].parameters must be a JSON schema object", param=f"{param}.{i}"
+        raise APIError(
+            400, f"{param}[{i}].parameters must be a JSON schema object", param=f"{param}.{i}"
         )
     return ToolSpec(name, description if isinstance(description, str) else None, parameters)
 
@@ -183,13 +184,13 @@ def _why_tools_unusable(tokenizer: Any, parse: bool) -> str | None:
 
 
 def unique_tools(specs: list[ToolSpec], param: str) -> tuple[ToolSpec, ...]:
-    """`specs`, if no two share a name. Raises RequestError otherwise."""
+    """`specs`, if no two share a name. Raises APIError otherwise."""
     counts: dict[str, int] = {}  # linear: `list.count` per name was quadratic
     for spec in specs:
         counts[spec.name] = counts.get(spec.name, 0) + 1
     dupes = sorted(n for n, c in counts.items() if c > 1)
     if dupes:
-        raise RequestError(f"{param}: duplicate tool names {dupes}", param=param)
+        raise APIError(400, f"{param}: duplicate tool names {dupes}", param=param)
     return tuple(specs)
 
 
@@ -205,23 +206,25 @@ def plan(
     tool_choice_param: str = "tool_choice",
     schema_param: str = "response_format",
 ) -> AgentPlan:
-    """The engine-side plan of a request. Raises RequestError for what cannot be honoured."""
+    """The engine-side plan of a request. Raises APIError for what cannot be honoured."""
     kwargs = dict(template_kwargs or {})
     check_template_kwargs(tokenizer, kwargs)
     if tool_choice is not None and not tools and tool_choice != "none":
-        raise RequestError(
-            f"{tool_choice_param} is set but no tools are given", param=tool_choice_param
+        raise APIError(
+            400, f"{tool_choice_param} is set but no tools are given", param=tool_choice_param
         )
     forced = tool_choice not in (None, "auto", "none")
     if forced and tool_choice != "required" and tool_choice not in {t.name for t in tools}:
-        raise RequestError(
+        raise APIError(
+            400,
             f"{tool_choice_param} names {tool_choice!r}, which is not one of the tools",
             param=tool_choice_param,
         )
     unusable = _why_tools_unusable(tokenizer, parse=tool_choice != "none") if tools else None
     if unusable is not None:
         if forced:
-            raise RequestError(
+            raise APIError(
+                400,
                 f"{unusable}, so the forced tool call cannot be made: remove `{tool_choice_param}`",
                 param=tool_choice_param,
                 code="unsupported_parameter",
@@ -269,7 +272,7 @@ def plan(
         elif schema is not None:
             grammar = json_schema_grammar(schema)
     except GrammarError as exc:
-        raise RequestError(str(exc), param=grammar_param) from None
+        raise APIError(400, str(exc), param=grammar_param) from None
     return AgentPlan(
         template_kwargs=kwargs,
         grammar=grammar,
@@ -295,12 +298,14 @@ def check_template_kwargs(tokenizer: Any, kwargs: dict[str, Any]) -> None:
     """
     for key in kwargs:
         if key in ("tools", "add_generation_prompt", "messages", "tokenize"):
-            raise RequestError(
+            raise APIError(
+                400,
                 f"chat_template_kwargs may not set {key!r}: it is set from the request",
                 param="chat_template_kwargs",
             )
         if not reads_template_kwarg(tokenizer, key):
-            raise RequestError(
+            raise APIError(
+                400,
                 f"this model's chat template does not read {key!r}, so it would be ignored: "
                 "remove it",
                 param="chat_template_kwargs" if key != "reasoning_effort" else key,
@@ -311,3 +316,28 @@ def check_template_kwargs(tokenizer: Any, kwargs: dict[str, Any]) -> None:
 def _template_source(tokenizer: Any) -> str:
     source = getattr(tokenizer, "chat_template", None)
     return source if isinstance(source, str) else json.dumps(source or "")
+
+
+def configure(
+    tokenizer: Any,
+    *,
+    reasoning_parser: str | None,
+    chat_template: str | None,
+    default_chat_template_kwargs: dict[str, Any] | None,
+) -> tuple[bool, dict[str, Any]]:
+    """The server-wide agent options (`ServerConfig`), checked against the served model at
+    start-up: apply the chat template to `tokenizer`; return (split reasoning, default
+    template kwargs). Raises ValueError naming the flag when the model cannot honour it."""
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    if reasoning_parser is not None and not getattr(tokenizer, "think_start", None):
+        raise ValueError(
+            f"--reasoning-parser {reasoning_parser}: this model's vocabulary has no think tags "
+            "that mlx-lm recognises, so there is no reasoning to split"
+        )
+    defaults = dict(default_chat_template_kwargs or {})
+    try:
+        check_template_kwargs(tokenizer, defaults)
+    except APIError as exc:
+        raise ValueError(f"--default-chat-template-kwargs: {exc.message}") from None
+    return reasoning_parser is not None, defaults

@@ -1,67 +1,109 @@
-"""Errors at the HTTP edge: `APIError`, answered in the shape of the API that was called (a
-`Wire`: OpenAI's by default) with its status code, and the conversions from the errors
-beneath it (pydantic validation, context length)."""
+"""The error catalogue: what went wrong with a request, as its client is told.
+
+`APIError` is the one exception a door, the pipeline or a schema raises for a request it
+cannot serve: an HTTP status, a message that says what to change, the request field it
+concerns (`param`) and a stable `code`. What the engine raises (a prompt past the context, a
+full queue, a dead executor, a grammar that does not compile, ...) becomes one in one place,
+`api_error`; the messages that more than one place needs are written once, below.
+
+A `Wire` is how one API writes an error: a whole response (`response`) or a stream's last
+frames (`frames`). Each wire format does that in exactly one place; OpenAI's shape,
+`{"error": {"message", "type", "param", "code"}}`, is the server's default (probes, unknown
+routes, the OpenAI and Responses doors). No engine here: light enough for the app that
+answers while the model loads.
+"""
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
+import structlog
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
+from pydantic_core import to_json
 
-from stepline.api.openai.schema import ErrorDetail, ErrorResponse
-from stepline.engine.policy import ContextLengthExceededError
+log = structlog.get_logger(__name__)
 
 
 class APIError(Exception):
-    """An error the server answers with an OpenAI-style body and `status_code`."""
+    """A request the server refuses or could not finish: `status_code` and what to tell the
+    client. `type` is OpenAI's error type (by default from the status)."""
 
     def __init__(
         self,
         status_code: int,
         message: str,
         *,
-        type: str | None = None,
         param: str | None = None,
         code: str | None = None,
+        type: str | None = None,
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.status_code = status_code
-        self.detail = ErrorDetail(
-            message=message,
-            type=type or ("invalid_request_error" if status_code < 500 else "server_error"),
-            param=param,
-            code=code,
-        )
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or ("invalid_request_error" if status_code < 500 else "server_error")
+        self.headers: dict[str, str] = dict(headers or {})  # e.g. Retry-After
         self.request_id: str | None = None
-        self.headers: dict[str, str] = {}  # e.g. Retry-After
-
-    def response(self) -> JSONResponse:
-        headers = dict(self.headers)
-        if self.request_id:
-            headers["x-request-id"] = self.request_id
-        body = ErrorResponse(error=self.detail).model_dump()
-        return JSONResponse(body, status_code=self.status_code, headers=headers)
 
 
 class Wire(Protocol):
-    """How one API writes an error: as a whole response, and as a stream's last frames (the
-    one error wrapper, `Serving.handle`, and every stream writer use it)."""
+    """How one API writes an error (see the module docstring)."""
 
     numbered: bool  # its streams' frames carry `id: N` even when not resumable
+    media_type: str  # of its streams
+    ping: bytes | None  # what keeps an idle stream alive (None: nothing can)
 
-    def error_response(self, err: APIError) -> Response: ...
+    def response(self, err: APIError) -> Response: ...
 
-    def error_frames(self, err: APIError) -> bytes: ...
+    def frames(self, err: APIError) -> bytes: ...
 
 
-def _is_type_tag(part: str) -> bool:
-    # pydantic puts union branches in `loc` ("str", "list[ContentPart]"); they are no param.
-    return "[" in part or part in {"str", "int", "float", "bool", "none"} or "-" in part
+# -- the catalogue ---------------------------------------------------------------------------
+
+
+def internal_error(rid: str | None, code: str = "server_error") -> APIError:
+    """A bug or an engine fault: the client gets the request id; the detail is in the log."""
+    where = f" (request id {rid})" if rid else ""
+    return APIError(500, f"internal error{where}", code=code)
+
+
+def client_closed() -> APIError:
+    return APIError(499, "the client closed the connection", code="client_closed")
+
+
+def shutting_down(what: str = "the server is shutting down") -> APIError:
+    return APIError(503, what, code="shutting_down")
+
+
+def engine_unhealthy(rid: str | None = None) -> APIError:
+    where = f" (request id {rid})" if rid else ""
+    return APIError(
+        503,
+        f"the engine failed and can serve no request until it is restarted{where}",
+        code="engine_unhealthy",
+    )
+
+
+def context_exceeded(num_prompt: int, max_context: int, param: str, *, at_least: bool) -> APIError:
+    """A prompt that does not fit the model's context (`at_least`: a lower bound, counted
+    without tokenizing it)."""
+    count = f"at least {num_prompt}" if at_least else str(num_prompt)
+    return APIError(
+        400,
+        f"This model's maximum context length is {max_context} tokens, but the prompt has "
+        f"{count} tokens: shorten the prompt (at most {max_context - 1} tokens, so one token "
+        "can be generated)",
+        param=param,
+        code="context_length_exceeded",
+    )
 
 
 def validation_error(exc: ValidationError) -> APIError:
-    """The 400 for a body that fails validation, naming the first bad field."""
+    """The 400 for a body (or parameters) that fail validation, naming the first bad field."""
     err = exc.errors()[0]
     if err["type"] == "json_invalid":
         return APIError(400, f"the body is not valid JSON: {err['msg']}", code="invalid_json")
@@ -71,13 +113,85 @@ def validation_error(exc: ValidationError) -> APIError:
     return APIError(400, f"{where}{err['msg']}", param=param, code="invalid_value")
 
 
-def context_error(exc: ContextLengthExceededError, param: str) -> APIError:
-    """The 400 for a prompt that does not fit the model's context."""
-    return APIError(
-        400,
-        f"This model's maximum context length is {exc.max_context} tokens, but the prompt has "
-        f"{exc.num_prompt_tokens} tokens: shorten the prompt (at most {exc.max_context - 1} "
-        "tokens, so one token can be generated)",
-        param=param,
-        code="context_length_exceeded",
-    )
+def _is_type_tag(part: str) -> bool:
+    # pydantic puts union branches in `loc` ("str", "list[ContentPart]"); they are no param.
+    return "[" in part or part in {"str", "int", "float", "bool", "none"} or "-" in part
+
+
+def known_error(
+    exc: BaseException, *, prompt_param: str = "messages", grammar_param: str = "response_format"
+) -> APIError | None:
+    """`exc`, raised anywhere under a door, as what the client is told; None for what the
+    catalogue does not know (a bug: the caller lets it through, and it is logged as one).
+    `prompt_param` and `grammar_param` name the request's fields that hold its prompt and its
+    output format."""
+    # Imported here: the engine's modules are not loaded while the model loads.
+    from stepline.actors.step_loop import EngineDeadError
+    from stepline.api.engine import EngineClosedError
+    from stepline.api.json_limits import InputLimitError
+    from stepline.api.prompts import PromptTooLongError
+    from stepline.engine.grammar import GrammarError
+    from stepline.engine.policy import AdmissionError, ContextLengthExceededError, QueueFullError
+
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ContextLengthExceededError):
+        at_least = isinstance(exc, PromptTooLongError)
+        return context_exceeded(
+            exc.num_prompt_tokens, exc.max_context, prompt_param, at_least=at_least
+        )
+    if isinstance(exc, QueueFullError):
+        retry_after = max(1, math.ceil(exc.retry_after_s))
+        return APIError(
+            429,
+            f"the server is busy ({exc.num_waiting} requests waiting, at most "
+            f"{exc.max_waiting}): retry after {retry_after} s",
+            type="rate_limit_error",
+            code="queue_full",
+            headers={"retry-after": str(retry_after)},
+        )
+    if isinstance(exc, EngineDeadError):
+        log.error("request_refused", reason=str(exc))
+        return engine_unhealthy()
+    if isinstance(exc, EngineClosedError):
+        return shutting_down()
+    if isinstance(exc, GrammarError):  # a schema llguidance cannot compile
+        return APIError(400, str(exc), param=grammar_param, code="invalid_schema")
+    if isinstance(exc, InputLimitError):
+        return APIError(400, exc.message, param=exc.param, code=exc.code)
+    if isinstance(exc, ValidationError):
+        return validation_error(exc)
+    if isinstance(exc, AdmissionError):  # an empty prompt, KV that can never fit
+        return APIError(400, str(exc), param=prompt_param)
+    if isinstance(exc, ValueError):  # a bad token id, a template that refused the messages
+        return APIError(400, f"{prompt_param}: {exc}", param=prompt_param)
+    return None
+
+
+# -- OpenAI's shape, the server's default ----------------------------------------------------
+
+
+def _openai_body(err: APIError) -> dict:
+    return {
+        "error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}
+    }
+
+
+class OpenAIWire:
+    """OpenAI's errors: `{"error": {...}}` bodies; in a stream, an error event then `[DONE]`."""
+
+    numbered = True
+    media_type = "text/event-stream"
+    ping = b": ping\n\n"
+
+    def response(self, err: APIError) -> Response:
+        headers = dict(err.headers)
+        if err.request_id:
+            headers["x-request-id"] = err.request_id
+        return JSONResponse(_openai_body(err), status_code=err.status_code, headers=headers)
+
+    def frames(self, err: APIError) -> bytes:
+        return b"data: " + to_json(_openai_body(err)) + b"\n\ndata: [DONE]\n\n"
+
+
+OPENAI = OpenAIWire()

@@ -1,127 +1,341 @@
-"""A Responses API answer's output items as the model's text streams in (`OutputWriter`):
-the assistant message and the function calls, each with its stream events."""
+"""A Responses API answer as the model's text streams in (`ResponseRenderer`): the response
+object kept current (status, output items, usage) and each change as a stream event, in the
+`openai` package's own types. The events' `sequence_number`s count from 0, one per frame, so
+they are the numbers the pipeline's record gives the frames (`id: N`)."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from stepline.api.openai.schema import RequestError, call_arguments, template_call
+from openai.types import responses as sdk
+from openai.types.responses.response import IncompleteDetails
+from openai.types.responses.response_usage import InputTokensDetails, OutputTokensDetails
+from pydantic import BaseModel
+from pydantic_core import to_json
+
+from stepline.api.pipeline.chat import call_arguments, template_call
+from stepline.api.pipeline.errors import APIError
 from stepline.api.pipeline.model_output import OutputDelta, OutputSplitter
-from stepline.api.responses.schema import (
-    FunctionCallItem,
-    OutputMessage,
-    OutputText,
-    event_frame,
-    flat_name,
-)
+from stepline.api.pipeline.serving import Piece, RequestFailed
+from stepline.api.responses.schema import flat_name
 
 if TYPE_CHECKING:
-    from stepline.api.responses.serving import StoredResponse
+    from stepline.actors.request import RequestOutput
+
+Item = sdk.ResponseOutputMessage | sdk.ResponseFunctionToolCall
 
 
-class OutputWriter:
-    """A response's output items as the model's text streams in: an assistant message for
-    its text, a `function_call` item for each tool call (split out by `splitter`), each
-    with its stream events. Without tools the message opens at the start (`message_first`);
-    with them it opens at the first text, so an answer that only calls tools has only
-    function_call items."""
+def event_frame(event: BaseModel | dict[str, Any]) -> bytes:
+    """One stream event: `event: <type>` and its JSON."""
+    if isinstance(event, BaseModel):
+        data = event.model_dump_json(exclude_unset=True).encode()
+        kind = event.type  # type: ignore[attr-defined]
+    else:
+        data, kind = to_json(event), event["type"]
+    return b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n"
+
+
+def usage(out: RequestOutput) -> sdk.ResponseUsage:
+    return sdk.ResponseUsage(
+        input_tokens=out.num_prompt_tokens,
+        # Nothing is written for a request as such: the prefix cache keeps what it chooses.
+        input_tokens_details=InputTokensDetails(
+            cached_tokens=out.num_cached_tokens, cache_write_tokens=0
+        ),
+        output_tokens=out.num_output_tokens,
+        output_tokens_details=OutputTokensDetails(reasoning_tokens=0),
+        total_tokens=out.num_prompt_tokens + out.num_output_tokens,
+    )
+
+
+def failure(code: str, message: str) -> sdk.ResponseError:
+    # Built unchecked: the SDK's `code` lists OpenAI's codes, ours name what happened here.
+    return sdk.ResponseError.model_construct(code=code, message=message)
+
+
+def failed_response(rid: str, model: str, created_at: float, code: str, message: str):
+    """A response that failed with nothing in it but why."""
+    return sdk.Response(
+        id=rid,
+        object="response",
+        created_at=int(created_at),
+        status="failed",
+        background=True,
+        model=model,
+        output=[],
+        parallel_tool_calls=True,
+        tool_choice="auto",
+        tools=[],
+        error=failure(code, message),
+    )
+
+
+class ResponseRenderer:
+    """A response's events as the model's text streams in: response.created / .in_progress,
+    an assistant message for its text, a `function_call` item for each tool call (split out by
+    `splitter`), each with its events, then .completed / .incomplete / .failed / .cancelled.
+    Without tools the message opens at the start (`message_first`); with them it opens at the
+    first text, so an answer that only calls tools has only function_call items.
+    `on_end(message)` gets the answer as the conversation's next message once it ended by
+    itself or at its token limit."""
 
     def __init__(
         self,
-        stored: StoredResponse,
+        response: sdk.Response,
         splitter: OutputSplitter,
         *,
         parallel: bool,  # else only the first call is kept
         message_first: bool,  # the message opens at the start (no tools)
         names: dict[str, tuple[str, str]] | None = None,  # flat name -> (namespace, name)
+        on_end: Any = None,
     ):
-        self.names = names or {}
-        self.resp = stored.response
-        self.record = stored.record
+        self.resp = response
         self.splitter = splitter
         self.parallel = parallel
         self.message_first = message_first
-        self.message: OutputMessage | None = None
-        self.part = OutputText()
-        self.calls: dict[int, FunctionCallItem] = {}  # by the call's index in the answer
+        self.names = names or {}
+        self.on_end = on_end
+        self.seq = 0  # the next event's sequence_number
+        self.began = False
+        self.message: sdk.ResponseOutputMessage | None = None
+        self.part = sdk.ResponseOutputText(type="output_text", text="", annotations=[], logprobs=[])
+        self.calls: dict[int, sdk.ResponseFunctionToolCall] = {}  # by the call's index
+        self.last: RequestOutput | None = None
 
-    def emit(self, event_type: str, **fields: Any) -> None:
-        self.record.append_event(event_frame(event_type, len(self.record.frames), **fields))
+    # -- the pipeline's renderer --
 
-    def _where(self, item: OutputMessage | FunctionCallItem) -> dict[str, Any]:
+    def frames(self, piece: Piece) -> bytes:
+        out: list[bytes] = self._begin()
+        if piece.is_progress:
+            return b"".join(out)
+        self.last = piece.out
+        out += self._write(piece.delta)
+        reason = piece.out.finish_reason
+        if reason is not None:
+            out += self._end(complete=reason == "stop")
+        return b"".join(out)
+
+    def failed(self, err: APIError) -> bytes:
+        out = self._begin()
+        if isinstance(err, RequestFailed):
+            self.last = err.out
+            if err.out.finish_reason == "cancelled":
+                return b"".join(out + self._cancelled())
+        self._set_usage()
+        self.resp.status = "failed"
+        self._abandon()
+        self.resp.error = failure(err.code or "server_error", err.message)
+        out.append(self._emit("response.failed", sdk.ResponseFailedEvent, response=self.resp))
+        return b"".join(out)
+
+    def cancelled(self, err: APIError) -> bytes:
+        return b"".join(self._begin() + self._cancelled())
+
+    # -- events --
+
+    def _emit(self, kind: str, cls: type[BaseModel] | None = None, **fields: Any) -> bytes:
+        """Event `kind` (of SDK class `cls`; None for a type the SDK has no class for)."""
+        n, self.seq = self.seq, self.seq + 1
+        if cls is None:
+            body: dict[str, Any] = {"type": kind, "sequence_number": n}
+            for name, value in fields.items():
+                body[name] = value.model_dump(exclude_unset=True, mode="json")
+            return event_frame(body)
+        return event_frame(cls(type=kind, sequence_number=n, **fields))
+
+    def _begin(self) -> list[bytes]:
+        if self.began:
+            return []
+        self.began = True
+        out = [self._emit("response.created", sdk.ResponseCreatedEvent, response=self.resp)]
+        self.resp.status = "in_progress"
+        out.append(
+            self._emit("response.in_progress", sdk.ResponseInProgressEvent, response=self.resp)
+        )
+        if self.message_first:
+            out += self._open_message()
+        return out
+
+    def _where(self, item: Item) -> dict[str, Any]:
         return {"item_id": item.id, "output_index": self.resp.output.index(item)}
 
-    def _index(self, item: OutputMessage | FunctionCallItem) -> dict[str, Any]:
+    def _index(self, item: Item) -> dict[str, Any]:
         return {"output_index": self.resp.output.index(item), "item": item}
 
-    def open_message(self) -> OutputMessage:
-        if self.message is None:
-            self.message = OutputMessage(id=f"msg_{uuid.uuid4().hex}")
-            self.resp.output = [*self.resp.output, self.message]
-            self.emit("response.output_item.added", **self._index(self.message))
-            self.message.content = [self.part]
-            where = self._where(self.message)
-            self.emit("response.content_part.added", **where, content_index=0, part=OutputText())
-        return self.message
+    def _open_message(self) -> list[bytes]:
+        if self.message is not None:
+            return []
+        self.message = sdk.ResponseOutputMessage(
+            id=f"msg_{uuid.uuid4().hex}",
+            type="message",
+            role="assistant",
+            status="in_progress",
+            content=[],
+        )
+        self.resp.output = [*self.resp.output, self.message]
+        out = [
+            self._emit(
+                "response.output_item.added",
+                sdk.ResponseOutputItemAddedEvent,
+                **self._index(self.message),
+            )
+        ]
+        self.message.content = [self.part]
+        empty = self.part.model_copy()
+        out.append(
+            self._emit(
+                "response.content_part.added",
+                sdk.ResponseContentPartAddedEvent,
+                **self._where(self.message),
+                content_index=0,
+                part=empty,
+            )
+        )
+        return out
 
-    def write(self, piece: OutputDelta) -> None:
+    def _write(self, piece: OutputDelta) -> list[bytes]:
         """The events of one split piece of the answer (`splitter`'s)."""
+        out: list[bytes] = []
         if piece.content:
-            where = self._where(self.open_message())
+            out += self._open_message()
+            assert self.message is not None
             self.part.text += piece.content
-            delta = piece.content
-            self.emit(
-                "response.output_text.delta", **where, content_index=0, delta=delta, logprobs=[]
+            out.append(
+                self._emit(
+                    "response.output_text.delta",
+                    sdk.ResponseTextDeltaEvent,
+                    **self._where(self.message),
+                    content_index=0,
+                    delta=piece.content,
+                    logprobs=[],
+                )
             )
         for d in piece.tool_call_deltas:
             if d.index > 0 and not self.parallel:
                 continue
             if d.id is not None:
                 namespace, name = self.names.get(d.name or "", (None, d.name or ""))
-                item = FunctionCallItem(
-                    id=f"fc_{uuid.uuid4().hex}", call_id=d.id, name=name, namespace=namespace
+                item = sdk.ResponseFunctionToolCall(
+                    id=f"fc_{uuid.uuid4().hex}",
+                    type="function_call",
+                    call_id=d.id,
+                    name=name,
+                    arguments="",
+                    status="in_progress",
+                    namespace=namespace,
                 )
                 self.calls[d.index] = item
                 self.resp.output = [*self.resp.output, item]
-                self.emit("response.output_item.added", **self._index(item))
+                out.append(
+                    self._emit(
+                        "response.output_item.added",
+                        sdk.ResponseOutputItemAddedEvent,
+                        **self._index(item),
+                    )
+                )
             item = self.calls[d.index]
             if d.arguments:
                 item.arguments += d.arguments
-                self.emit(
-                    "response.function_call_arguments.delta", **self._where(item), delta=d.arguments
+                out.append(
+                    self._emit(
+                        "response.function_call_arguments.delta",
+                        sdk.ResponseFunctionCallArgumentsDeltaEvent,
+                        **self._where(item),
+                        delta=d.arguments,
+                    )
                 )
             if d.done:
-                self._close_call(item, "completed")
+                out += self._close_call(item, "completed")
+        return out
 
-    def _close_call(self, item: FunctionCallItem, status: str) -> None:
+    def _close_call(self, item: sdk.ResponseFunctionToolCall, status: str) -> list[bytes]:
         if item.status != "in_progress":
-            return
+            return []
+        out = []
         if status == "completed":
-            self.emit(
-                "response.function_call_arguments.done",
-                **self._where(item),
-                name=item.name,
-                arguments=item.arguments,
+            out.append(
+                self._emit(
+                    "response.function_call_arguments.done",
+                    sdk.ResponseFunctionCallArgumentsDoneEvent,
+                    **self._where(item),
+                    name=item.name,
+                    arguments=item.arguments,
+                )
             )
         item.status = status  # type: ignore[assignment]
-        self.emit("response.output_item.done", **self._index(item))
+        out.append(
+            self._emit(
+                "response.output_item.done", sdk.ResponseOutputItemDoneEvent, **self._index(item)
+            )
+        )
+        return out
 
-    def close(self, *, complete: bool) -> None:
+    def _end(self, *, complete: bool) -> list[bytes]:
         """The answer ended (`complete`: by itself, not at its token limit): close every
-        item, with its final events; an answer with no item gets an empty message."""
+        item with its final events (an answer with no item gets an empty message), then the
+        response's last event."""
+        out: list[bytes] = []
         if self.message is None and not self.resp.output:
-            self.open_message()
+            out += self._open_message()
         if self.message is not None:
             where = {**self._where(self.message), "content_index": 0}
-            self.emit("response.output_text.done", **where, text=self.part.text, logprobs=[])
-            self.emit("response.content_part.done", **where, part=self.part)
+            out.append(
+                self._emit(
+                    "response.output_text.done",
+                    sdk.ResponseTextDoneEvent,
+                    **where,
+                    text=self.part.text,
+                    logprobs=[],
+                )
+            )
+            out.append(
+                self._emit(
+                    "response.content_part.done",
+                    sdk.ResponseContentPartDoneEvent,
+                    **where,
+                    part=self.part,
+                )
+            )
             self.message.status = "completed" if complete else "incomplete"
-            self.emit("response.output_item.done", **self._index(self.message))
+            out.append(
+                self._emit(
+                    "response.output_item.done",
+                    sdk.ResponseOutputItemDoneEvent,
+                    **self._index(self.message),
+                )
+            )
         for item in self.calls.values():
-            self._close_call(item, "incomplete")  # cut off before its block closed
+            out += self._close_call(item, "incomplete")  # cut off before its block closed
+        self._set_usage()
+        if complete:
+            self.resp.status = "completed"
+            self.resp.completed_at = int(time.time())
+            out.append(
+                self._emit("response.completed", sdk.ResponseCompletedEvent, response=self.resp)
+            )
+        else:
+            self.resp.status = "incomplete"
+            self.resp.incomplete_details = IncompleteDetails(reason="max_output_tokens")
+            out.append(
+                self._emit("response.incomplete", sdk.ResponseIncompleteEvent, response=self.resp)
+            )
+        if self.on_end is not None:
+            self.on_end(self.assistant_message())
+        return out
 
-    def abandon(self) -> None:
+    def _cancelled(self) -> list[bytes]:
+        self._set_usage()
+        self.resp.status = "cancelled"
+        self._abandon()
+        return [self._emit("response.cancelled", response=self.resp)]
+
+    def _set_usage(self) -> None:
+        if self.last is not None:
+            self.resp.usage = usage(self.last)
+
+    def _abandon(self) -> None:
         """The answer was cancelled or failed: what it wrote is incomplete (no events)."""
         if self.message is not None:
             self.message.status = "incomplete"
@@ -130,16 +344,16 @@ class OutputWriter:
                 item.status = "incomplete"
 
     def assistant_message(self) -> dict[str, Any]:
-        """The answer as the conversation's next message (for `previous_response_id`)."""
+        """The answer as the conversation's next message (for `previous_response_id`): its
+        text and its calls, a call cut off by the token limit with the arguments it got."""
         message: dict[str, Any] = {"role": "assistant", "content": self.part.text}
         calls = []
         for c in self.calls.values():
-            if c.status == "completed":
-                try:
-                    arguments = call_arguments(c.arguments, "arguments")
-                except RequestError:  # the model's own text: kept as it wrote it
-                    arguments = c.arguments
-                calls.append(template_call(c.call_id, flat_name(c.namespace, c.name), arguments))
+            try:
+                arguments = call_arguments(c.arguments, "arguments")
+            except APIError:  # the model's own text past the body's limits: kept as it is
+                arguments = c.arguments
+            calls.append(template_call(c.call_id, flat_name(c.namespace, c.name), arguments))
         if calls:
             message["tool_calls"] = calls
         return message

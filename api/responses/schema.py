@@ -1,25 +1,22 @@
-"""The OpenAI Responses API's bodies: the create request (`ResponsesRequest`), the response
-object (`ResponseObject`) and the stream's events (`event_frame`).
+"""The OpenAI Responses API's create request (`ResponsesRequest`); the response object and
+its stream events are the `openai` package's own types (`output`).
 
 `input` is a string or a list of items: messages (`content` a string or
 `input_text`/`output_text` parts), the model's earlier `function_call`s and their
 `function_call_output`s. Function `tools` (with `tool_choice`, `parallel_tool_calls`; the
 functions of `namespace` tools flattened; hosted tools dropped) and structured output with
-`text.format` (`json_schema`, `json_object`). The output is a list of items: an assistant
-message and/or `function_call`s.
-"""
+`text.format` (`json_schema`, `json_object`)."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
-from pydantic_core import to_json
 
-from stepline.api.openai.schema import RequestError, call_arguments, template_call
 from stepline.api.pipeline.agents import ToolSpec, tool_spec, unique_tools
+from stepline.api.pipeline.chat import call_arguments, template_call
+from stepline.api.pipeline.errors import APIError
 from stepline.engine.sampling_limits import MAX_INT32
 
 # OpenAI's limits on `metadata`: a stored response keeps it as long as the response.
@@ -132,16 +129,18 @@ class ResponsesRequest(_Request):
     text: TextOptions | None = None
 
     def check_supported(self) -> None:
-        """Raises RequestError for what this server does not do."""
+        """Raises APIError for what this server does not do."""
         fmt = self.text_format
         if fmt is not None and fmt.type == "json_schema" and fmt.schema_ is None:
-            raise RequestError(
+            raise APIError(
+                400,
                 "text.format.schema must be a JSON schema object, as in "
                 '{"type": "json_schema", "name": ..., "schema": {...}}',
                 param="text.format.schema",
             )
         if self.background and not self.store:
-            raise RequestError(
+            raise APIError(
+                400,
                 "a background response must be stored: drop `store: false`",
                 param="store",
                 code="invalid_value",
@@ -154,7 +153,7 @@ class ResponsesRequest(_Request):
     def messages(self) -> list[dict[str, Any]]:
         """`input` as chat messages, as chat templates render them: developer messages
         become system ones, function calls the assistant's `tool_calls` (consecutive ones
-        in one message), their outputs `tool` messages. Raises RequestError for a call
+        in one message), their outputs `tool` messages. Raises APIError for a call
         whose arguments are not JSON."""
         if isinstance(self.input, str):
             return [{"role": "user", "content": self.input}]
@@ -180,7 +179,7 @@ class ResponsesRequest(_Request):
     def tool_specs(self) -> ToolSet:
         """The function `tools` (Responses' flat shape), with the functions of `namespace`
         tools among them under `flat_name`s. Hosted tools (web search, file search, ...) are
-        dropped and named in `dropped`: a local model cannot run them. Raises RequestError
+        dropped and named in `dropped`: a local model cannot run them. Raises APIError
         for a malformed tool, or a `tool_choice` that forces a dropped one."""
         specs: list[ToolSpec] = []
         dropped: list[str] = []
@@ -192,7 +191,7 @@ class ResponsesRequest(_Request):
             elif kind == "namespace" and isinstance(tool.get("tools"), list):
                 ns = tool.get("name")
                 if not isinstance(ns, str) or not ns:
-                    raise RequestError(f"tools[{i}] needs a name", param=f"tools.{i}")
+                    raise APIError(400, f"tools[{i}] needs a name", param=f"tools.{i}")
                 for j, inner in enumerate(tool["tools"]):
                     if not isinstance(inner, dict) or inner.get("type") != "function":
                         what = inner.get("type") if isinstance(inner, dict) else inner
@@ -206,7 +205,8 @@ class ResponsesRequest(_Request):
                 dropped.append(str(kind))
         choice = self.tool_choice
         if isinstance(choice, dict) and choice.get("type") not in (None, "function"):
-            raise RequestError(
+            raise APIError(
+                400,
                 f"tool_choice forces a {choice.get('type')!r} tool: this server runs function "
                 "tools only, hosted tools (web search, file search, ...) are not available",
                 param="tool_choice",
@@ -226,7 +226,8 @@ class ResponsesRequest(_Request):
             name = choice.get("name")
             if isinstance(name, str):
                 return flat_name(choice.get("namespace"), name)
-        raise RequestError(
+        raise APIError(
+            400,
             'tool_choice must be "auto", "none", "required" or {"type": "function", "name": ...}',
             param="tool_choice",
         )
@@ -248,106 +249,3 @@ def flat_name(namespace: str | None, name: str) -> str:
 
 def _function(tool: dict[str, Any], i: int, param: str) -> ToolSpec:
     return tool_spec(tool.get("name"), tool.get("description"), tool.get("parameters"), i, param)
-
-
-class OutputText(BaseModel):
-    type: Literal["output_text"] = "output_text"
-    text: str = ""
-    annotations: list[Any] = []
-    logprobs: list[Any] = []
-
-
-class OutputMessage(BaseModel):
-    id: str
-    type: Literal["message"] = "message"
-    role: Literal["assistant"] = "assistant"
-    status: Literal["in_progress", "completed", "incomplete"] = "in_progress"
-    content: list[OutputText] = []
-
-
-class FunctionCallItem(BaseModel):
-    """A call of one of the request's function tools: run it and send back its
-    `function_call_output` with this `call_id`."""
-
-    id: str
-    type: Literal["function_call"] = "function_call"
-    call_id: str
-    name: str
-    arguments: str = ""
-    status: Literal["in_progress", "completed", "incomplete"] = "in_progress"
-    namespace: str | None = None  # of a function of a `namespace` tool (`name` is its own)
-
-
-class InputTokensDetails(BaseModel):
-    cached_tokens: int = 0
-
-
-class OutputTokensDetails(BaseModel):
-    reasoning_tokens: int = 0
-
-
-class ResponseUsage(BaseModel):
-    input_tokens: int
-    input_tokens_details: InputTokensDetails
-    output_tokens: int
-    output_tokens_details: OutputTokensDetails = OutputTokensDetails()
-    total_tokens: int
-
-    @classmethod
-    def of(cls, num_prompt: int, num_output: int, num_cached: int) -> ResponseUsage:
-        return cls(
-            input_tokens=num_prompt,
-            input_tokens_details=InputTokensDetails(cached_tokens=num_cached),
-            output_tokens=num_output,
-            total_tokens=num_prompt + num_output,
-        )
-
-
-class ResponseError(BaseModel):
-    code: str
-    message: str
-
-
-class IncompleteDetails(BaseModel):
-    reason: Literal["max_output_tokens"]
-
-
-class ResponseObject(BaseModel):
-    """The response as `retrieve` returns it and the stream's lifecycle events carry it."""
-
-    id: str
-    object: Literal["response"] = "response"
-    created_at: int = Field(default_factory=lambda: int(time.time()))
-    status: Status
-    background: bool = False
-    error: ResponseError | None = None
-    incomplete_details: IncompleteDetails | None = None
-    instructions: str | None = None
-    max_output_tokens: int | None = None
-    model: str
-    output: list[OutputMessage | FunctionCallItem] = []
-    parallel_tool_calls: bool = True
-    previous_response_id: str | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    tool_choice: str | dict[str, Any] = "auto"
-    tools: list[Any] = []
-    text: dict[str, Any] = {"format": {"type": "text"}}
-    truncation: str = "disabled"
-    usage: ResponseUsage | None = None
-    metadata: dict[str, str] = {}
-    store: bool = True
-
-    @property
-    def output_text(self) -> str:
-        return "".join(
-            c.text for m in self.output if isinstance(m, OutputMessage) for c in m.content
-        )
-
-
-def event_frame(event_type: str, sequence_number: int, **fields: Any) -> bytes:
-    """One stream event: `event: <type>` and its JSON (its `sequence_number` included)."""
-    body = {"type": event_type, "sequence_number": sequence_number}
-    for name, value in fields.items():
-        body[name] = value.model_dump() if isinstance(value, BaseModel) else value
-    return b"event: " + event_type.encode() + b"\ndata: " + to_json(body) + b"\n\n"

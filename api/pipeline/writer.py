@@ -1,10 +1,12 @@
-"""Server-sent events: the frames (`sse`, `TextFrames`, `PING`, `DONE`, `error_frame`) and
-`EventStreamResponse`, the response that writes them.
+"""The one stream writer: `StreamResponse` writes what a producer emits, in its wire's framing
+(server-sent events, or JSON lines for Ollama's API), with keep-alive pings while nothing is
+sent, and a client's disconnect cancels the producer. Also the SSE frames' building blocks
+(`sse`, `TextFrames`, `PING`).
 
 Streams are written by hand, not with sse-starlette: the frames must be byte-exact
-(`data: {json}\\n\\n`, `: ping\\n\\n` comments, `data: [DONE]\\n\\n`), pings must also go out for
-each prefill chunk of a long prompt, and a disconnect must cancel the request even
-mid-prefill, when nothing is being sent; a small response class does exactly that.
+(`data: {json}\\n\\n`, `: ping\\n\\n` comments), pings must also go out for each prefill chunk
+of a long prompt, and a disconnect must cancel the request even mid-prefill, when nothing is
+being sent; a small response class does exactly that.
 """
 
 from __future__ import annotations
@@ -18,18 +20,20 @@ from pydantic import BaseModel
 from pydantic_core import to_json
 from starlette.types import Receive, Scope, Send
 
-from stepline.api.openai.schema import ErrorDetail, ErrorResponse
-from stepline.api.pipeline.errors import APIError, Wire
+from stepline.api.pipeline.errors import APIError, Wire, shutting_down
 
 PING = b": ping\n\n"
-DONE = b"data: [DONE]\n\n"
 
 Emit = Callable[[bytes], Awaitable[None]]
+Producer = Callable[[Emit], Awaitable[None]]
 
 
-def sse(payload: BaseModel, *, exclude: set[str] | None = None) -> bytes:
+def sse(
+    payload: BaseModel, *, exclude: set[str] | None = None, exclude_unset: bool = False
+) -> bytes:
     """One server-sent event carrying `payload` as compact JSON."""
-    return b"data: " + payload.model_dump_json(exclude=exclude).encode() + b"\n\n"
+    data = payload.model_dump_json(exclude=exclude, exclude_unset=exclude_unset)
+    return b"data: " + data.encode() + b"\n\n"
 
 
 class TextFrames:
@@ -40,68 +44,51 @@ class TextFrames:
 
     SENTINEL = "\x00stepline-text\x00"
 
-    def __init__(self, example: BaseModel, *, exclude: set[str] | None = None):
-        self._head, self._tail = sse(example, exclude=exclude).split(to_json(self.SENTINEL))
+    def __init__(
+        self, example: BaseModel, *, exclude: set[str] | None = None, exclude_unset: bool = False
+    ):
+        frame = sse(example, exclude=exclude, exclude_unset=exclude_unset)
+        self._head, self._tail = frame.split(to_json(self.SENTINEL))
 
     def __call__(self, text: str) -> bytes:
         return self._head + to_json(text) + self._tail
 
 
-def error_frame(message: str, *, code: str | None = None) -> bytes:
-    """An OpenAI-style error body as one event (a stream's last frame before [DONE])."""
-    detail = ErrorDetail(message=message, type="server_error", param=None, code=code)
-    return sse(ErrorResponse(error=detail))
+class StreamResponse(Response):
+    """A streamed response whose body `produce(emit)` writes, framed as `wire` frames it.
 
-
-class OpenAIWire:
-    """How the OpenAI endpoints write errors: `{"error": {...}}` bodies, and in a stream an
-    error event then `[DONE]`."""
-
-    numbered = True
-
-    def error_response(self, err: APIError) -> Response:
-        return err.response()
-
-    def error_frames(self, err: APIError) -> bytes:
-        return error_frame(err.detail.message, code=err.detail.code) + DONE
-
-
-OPENAI = OpenAIWire()
-
-
-class EventStreamResponse(Response):
-    """A `text/event-stream` response whose body `produce(emit)` writes.
-
-    While `produce` runs, a `: ping` comment goes out whenever nothing was sent for
-    `heartbeat_s`, and a client disconnect cancels `produce`. `on_close` runs at the end
-    whatever happened (it cancels the engine request if it is still running). Stopped by the
-    server's shutdown, the stream ends with `wire`'s error frames.
+    While `produce` runs, `wire.ping` goes out whenever nothing was sent for `heartbeat_s`
+    (never, for a wire without pings), and a client disconnect cancels `produce`. `on_close`
+    runs at the end whatever happened (it cancels the engine request if it is still running).
+    Stopped by the server's shutdown before `produce` ended, the stream ends with `on_cancel`'s
+    frames (by default the wire's error frames).
     """
-
-    media_type = "text/event-stream"
 
     def __init__(
         self,
-        produce: Callable[[Emit], Awaitable[None]],
+        produce: Producer,
         *,
+        wire: Wire,
         headers: dict[str, str],
         heartbeat_s: float,
         on_close: Callable[[], Awaitable[None]],
-        wire: Wire = OPENAI,
+        on_cancel: Callable[[APIError], bytes] | None = None,
     ):
         # No Response.__init__: it would set `content-length: 0`.
-        self._wire = wire
         self.status_code = 200
         self.background = None
         self._produce = produce
+        self._ping = wire.ping
         self._heartbeat_s = heartbeat_s
         self._on_close = on_close
+        self._on_cancel = on_cancel or wire.frames
+        self.media_type = wire.media_type
         self.init_headers({"cache-control": "no-cache", "x-accel-buffering": "no", **headers})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         lock = anyio.Lock()  # one writer at a time: the producer or the heartbeat
         last_sent = time.monotonic()
-        produced = False  # the producer is done: its last frame ([DONE]) is out
+        produced = False  # the producer is done: its last frame is out
         disconnected = False
         ended = False  # the response's last message is sent
 
@@ -111,15 +98,15 @@ class EventStreamResponse(Response):
                 await send({"type": "http.response.body", "body": data, "more_body": True})
                 last_sent = time.monotonic()
 
-        async def heartbeat() -> None:
+        async def heartbeat(ping: bytes) -> None:
             nonlocal last_sent
             while True:
                 await anyio.sleep(max(0.0, last_sent + self._heartbeat_s - time.monotonic()))
                 async with lock:
-                    if produced:  # never a ping after [DONE]
+                    if produced:  # never a ping after the last frame
                         return
                     if time.monotonic() - last_sent >= self._heartbeat_s:
-                        await send({"type": "http.response.body", "body": PING, "more_body": True})
+                        await send({"type": "http.response.body", "body": ping, "more_body": True})
                         last_sent = time.monotonic()
 
         async def watch_disconnect(scope: anyio.CancelScope) -> None:
@@ -133,7 +120,8 @@ class EventStreamResponse(Response):
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             async with anyio.create_task_group() as tg:
                 tg.start_soon(watch_disconnect, tg.cancel_scope)
-                tg.start_soon(heartbeat)
+                if self._ping is not None:
+                    tg.start_soon(heartbeat, self._ping)
                 await self._produce(emit)
                 produced = True
                 tg.cancel_scope.cancel()
@@ -144,12 +132,12 @@ class EventStreamResponse(Response):
             pass
         except anyio.get_cancelled_exc_class():
             # Cancelled from outside (the server's graceful-shutdown timeout): the client
-            # still gets an error frame and [DONE], as after any other failure.
+            # still gets its last frames, as after any other failure.
             if not (ended or disconnected):
                 body = b""
                 if not produced:
-                    message = "the server shut down before the request finished"
-                    body = self._wire.error_frames(APIError(503, message, code="shutting_down"))
+                    err = shutting_down("the server shut down before the request finished")
+                    body = self._on_cancel(err)
                 with anyio.CancelScope(shield=True), anyio.move_on_after(1):
                     await send({"type": "http.response.body", "body": body, "more_body": False})
             raise

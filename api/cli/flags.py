@@ -1,0 +1,103 @@
+"""Command-line flags made from the config models' fields (api/config.py), so that an option's
+default and meaning are written once: `--max-step-tokens` is `EngineConfig.max_step_tokens`,
+its default and help are the field's. A flag's value is read back into the model
+(`options`), which validates it as `Engine.open` and `create_app` would."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
+
+
+def _read_file(path: str) -> str:
+    try:
+        return Path(path).expanduser().read_text(encoding="utf-8")
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {exc.strerror or exc}") from None
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
+# How a few fields read from the command line, where not as their type says.
+FILE = {"type": _read_file, "metavar": "FILE"}  # the flag names a file; the field holds its text
+JSON_OBJECT = {"type": _json_object, "metavar": "JSON"}
+
+
+def _base(annotation: Any) -> tuple[Any, bool]:
+    """The field's type without None, and whether None is allowed."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return (args[0] if len(args) == 1 else annotation), True
+    return annotation, False
+
+
+def _flag(name: str, info: FieldInfo, special: dict[str, Any]) -> dict[str, Any]:
+    kind, _ = _base(info.annotation)
+    default = info.default
+    kw: dict[str, Any] = {"dest": name, "default": default}
+    help_text = (info.description or "").replace("%", "%%")
+    if typing.get_origin(kind) is Literal:
+        kw["choices"] = list(typing.get_args(kind))
+    elif kind is bool:
+        if default:  # a flag that is on unless turned off
+            kw.update(choices=[True, False], type=lambda v: v.lower() in ("true", "1", "yes"))
+            kw["metavar"] = "{true,false}"
+        else:
+            kw["action"] = "store_true"
+    elif typing.get_origin(kind) is tuple:
+        kw.update(action="append", default=None, metavar="VALUE")
+    elif kind in (int, float, str):
+        kw["type"] = kind
+    kw.update(special)
+    shown = default if not isinstance(default, tuple) else None
+    if shown is not None and "store_true" != kw.get("action"):
+        help_text += f" (default: {shown})" if help_text else f"(default: {shown})"
+    kw["help"] = help_text
+    return kw
+
+
+def add_flags(
+    parser: argparse.ArgumentParser | Any,
+    model: type[BaseModel],
+    special: dict[str, dict[str, Any]] | None = None,
+    skip: tuple[str, ...] = (),
+) -> None:
+    """A `--field-name` flag for each of `model`'s fields (but `skip`); `special[name]`
+    overrides how one reads (argparse keywords)."""
+    special = special or {}
+    for name, info in model.model_fields.items():
+        if name in skip:
+            continue
+        flag = "--" + name.replace("_", "-")
+        parser.add_argument(flag, **_flag(name, info, special.get(name, {})))
+
+
+def options(args: argparse.Namespace, model: type[BaseModel]) -> dict[str, Any]:
+    """The values of `model`'s flags in `args`, by field name (those left at their default
+    are left out, so the model's own default applies)."""
+    out = {}
+    for name, info in model.model_fields.items():
+        if not hasattr(args, name):
+            continue
+        value = getattr(args, name)
+        if value is None and info.default != value:
+            continue  # a repeatable flag never given
+        if isinstance(value, list):
+            value = tuple(value)
+        out[name] = value
+    return out

@@ -1,0 +1,32 @@
+"""The neutral chat messages every door translates its conversation into: OpenAI's shape,
+which chat templates render (`role`, `content`, an assistant's `tool_calls`, a tool's
+`tool_call_id`). What the server returns, it accepts back: a tool call cut off by the token
+limit is answered with `arguments` that are not JSON, and an agent sends it back in its next
+request's history; that text is rendered as it was. No MLX."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from stepline.api.json_limits import InputLimitError, NotJSONError, parse_nested
+from stepline.api.pipeline.errors import APIError
+
+
+def template_call(call_id: str | None, name: str, arguments: Any) -> dict[str, Any]:
+    """A call the assistant made, as chat templates render it (in its `tool_calls`)."""
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def call_arguments(arguments: Any, param: str) -> Any:
+    """A call's arguments as sent back in a conversation: JSON text is parsed (templates
+    render objects); text that is not JSON (a call cut off by the token limit) stays the text
+    it was. Raises APIError for JSON past the body's depth and text limits (templates recurse
+    into it)."""
+    if not isinstance(arguments, str):
+        return arguments
+    try:
+        return parse_nested(arguments or "{}", param)
+    except NotJSONError:
+        return arguments
+    except InputLimitError as exc:
+        raise APIError(400, exc.message, param=exc.param, code=exc.code) from None
