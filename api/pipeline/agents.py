@@ -173,7 +173,7 @@ def tool_spec(name: Any, description: Any, parameters: Any, i: int, param: str) 
     return ToolSpec(name, description if isinstance(description, str) else None, parameters)
 
 
-def _why_tools_unusable(tokenizer: Any, parse: bool) -> str | None:
+def tools_unusable(tokenizer: Any, parse: bool) -> str | None:
     """Why this model cannot be offered tools (`parse`: and have its calls read back), or
     None if it can."""
     if parse and getattr(tokenizer, "tool_parser", None) is None:
@@ -220,7 +220,7 @@ def plan(
             f"{tool_choice_param} names {tool_choice!r}, which is not one of the tools",
             param=tool_choice_param,
         )
-    unusable = _why_tools_unusable(tokenizer, parse=tool_choice != "none") if tools else None
+    unusable = tools_unusable(tokenizer, parse=tool_choice != "none") if tools else None
     if unusable is not None:
         if forced:
             raise APIError(

@@ -213,13 +213,16 @@ class Serving:
 
     # -- request side --
 
-    async def read_body(self, request: Request) -> bytes:
-        """The body, if it is JSON (415 otherwise: a page cannot send JSON cross-site without
-        a CORS preflight), within the size limit (413), and whole within the body timeout
-        (408). A client that hangs up while sending it gets its request logged as cancelled
-        and answered 499."""
+    async def read_body(self, request: Request, *, any_media_type: bool = False) -> bytes:
+        """The body, if it is sent as JSON (415 otherwise: a page cannot send JSON cross-site
+        without a CORS preflight), within the size limit (413), and whole within the body
+        timeout (408). `any_media_type`: for an API whose documented clients send JSON with
+        no content type (Ollama's `curl -d`), any is taken from a request that comes from no
+        web page (it has no `Origin`). A client that hangs up while sending it gets its
+        request logged as cancelled and answered 499."""
         media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
-        if media_type not in JSON_MEDIA_TYPES:
+        lenient = any_media_type and "origin" not in request.headers
+        if media_type not in JSON_MEDIA_TYPES and not lenient:
             raise APIError(
                 415,
                 f"the body must be JSON sent as `Content-Type: application/json`, not "
@@ -254,10 +257,18 @@ class Serving:
             raise client_closed() from None
         return b"".join(chunks)
 
-    async def parse(self, request: Request, cls: type[_R], *, generates: bool = True) -> _R:
+    async def parse(
+        self,
+        request: Request,
+        cls: type[_R],
+        *,
+        generates: bool = True,
+        any_media_type: bool = False,
+    ) -> _R:
         """The body as a `cls`, validated on a worker thread (a 4 MiB body takes a while).
-        A request that `generates` counts as on its way to the engine from here."""
-        body = await self.read_body(request)
+        A request that `generates` counts as on its way to the engine from here.
+        `any_media_type`: see `read_body`."""
+        body = await self.read_body(request, any_media_type=any_media_type)
         if generates:
             self.engine.arriving()  # until it is submitted, or `handle` ends
 
