@@ -1,0 +1,257 @@
+"""Ollama's request bodies (`/api/chat`, `/api/generate`, `/api/show`) as pydantic models, and
+their translation to what the pipeline takes. No MLX, no engine.
+
+`options` are mapped to sampling: `num_predict` (-1 or -2: as far as the context goes),
+`temperature`, `top_p`, `top_k`, `min_p`, `seed`, `stop`, `presence_penalty`,
+`frequency_penalty`, `repeat_penalty` (over the whole context: `repeat_last_n` is accepted and
+not applied). The options that tune Ollama's runtime (`num_ctx`, `num_gpu`, `num_thread`,
+...) change no answer here and are accepted; sampling this engine does not do (`mirostat`,
+`typical_p`, `tfs_z` past their neutral values) is a 400 naming the option. `format` is
+`"json"` (any JSON object) or a JSON schema; `keep_alive` is accepted (the served model stays
+loaded); `images`, a Go `template`, `suffix` and the deprecated `context` are refused.
+`stream` is true unless the request says false, as Ollama's own server does.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from stepline.api.pipeline.chat import call_arguments, template_call
+from stepline.api.pipeline.errors import APIError
+from stepline.engine.sampling_limits import MAX_INT32, MAX_REPETITION_PENALTY
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True, allow_inf_nan=False)
+
+
+StopString = Annotated[str, Field(min_length=1)]
+
+
+class Options(_Request):
+    num_predict: int | None = Field(None, ge=-2, le=MAX_INT32)
+    temperature: float | None = Field(None, ge=0.0, le=100.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)
+    min_p: float | None = Field(None, ge=0.0, lt=1.0)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    stop: list[StopString] | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repeat_penalty: float | None = Field(None, gt=0.0, le=MAX_REPETITION_PENALTY)
+    repeat_last_n: int | None = None
+    # Sampling this engine does not do: refused past their neutral values (`check`).
+    mirostat: int | None = None
+    typical_p: float | None = None
+    tfs_z: float | None = None
+
+    def check(self) -> None:
+        for name, neutral in (("mirostat", 0), ("typical_p", 1.0), ("tfs_z", 1.0)):
+            value = getattr(self, name)
+            if value is not None and value != neutral:
+                raise APIError(
+                    400,
+                    f"options.{name} is not supported by this server: remove it (or set it to "
+                    f"{neutral})",
+                    param=f"options.{name}",
+                    code="unsupported_parameter",
+                )
+
+
+NO_OPTIONS = Options.model_validate({})
+
+
+class OllamaRequest(_Request):
+    """What /api/chat and /api/generate share."""
+
+    model: str = Field(min_length=1)
+    format: str | dict[str, Any] | None = None
+    options: Options | None = None
+    stream: bool = True
+    keep_alive: float | str | None = None  # accepted: the served model stays loaded
+    think: bool | str | None = None
+
+    @field_validator("model")
+    @classmethod
+    def _default_tag(cls, v: str) -> str:
+        return v.removesuffix(":latest")  # Ollama's names default to the `latest` tag
+
+    def check_supported(self) -> None:
+        if self.options is not None:
+            self.options.check()
+        if isinstance(self.format, str) and self.format not in ("", "json"):
+            raise APIError(400, 'format must be "json" or a JSON schema object', param="format")
+
+    @property
+    def opts(self) -> Options:
+        return self.options or NO_OPTIONS
+
+    # The sampling fields by their engine names (`Serving.sampling`).
+    @property
+    def temperature(self) -> float | None:
+        return self.opts.temperature
+
+    @property
+    def top_p(self) -> float | None:
+        return self.opts.top_p
+
+    @property
+    def top_k(self) -> int | None:
+        return self.opts.top_k
+
+    @property
+    def min_p(self) -> float | None:
+        return self.opts.min_p
+
+    @property
+    def seed(self) -> int | None:
+        return self.opts.seed
+
+    @property
+    def presence_penalty(self) -> float | None:
+        return self.opts.presence_penalty
+
+    @property
+    def frequency_penalty(self) -> float | None:
+        return self.opts.frequency_penalty
+
+    @property
+    def repetition_penalty(self) -> float | None:
+        return self.opts.repeat_penalty
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        return tuple(self.opts.stop or ())
+
+    @property
+    def max_tokens(self) -> int | None:
+        n = self.opts.num_predict
+        return n if n is not None and n > 0 else None  # -1, -2: as far as the context goes
+
+    def answer_format(self) -> tuple[dict[str, Any] | None, bool]:
+        """(JSON schema, any JSON object) of `format`."""
+        if isinstance(self.format, dict):
+            return self.format, False
+        return None, self.format == "json"
+
+    def thinking(self) -> bool | None:
+        """Whether to think (`think`: a bool, or a level such as "high"), None: as the model
+        does by default."""
+        if self.think is None:
+            return None
+        return self.think is not False
+
+
+class ToolCallFunction(_Request):
+    name: str
+    arguments: dict[str, Any] | str = Field(default_factory=dict)
+
+
+class ToolCall(_Request):
+    function: ToolCallFunction
+
+
+class Message(_Request):
+    role: str
+    content: str | None = None
+    thinking: str | None = None
+    images: list[Any] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_name: str | None = None
+
+
+class ChatRequest(OllamaRequest):
+    messages: list[Message] = Field(default_factory=list)
+    tools: list[dict[str, Any]] | None = None
+
+    def engine_messages(self) -> list[dict[str, Any]]:
+        """The messages as chat templates render them: an assistant's calls with their
+        arguments parsed (text that is not JSON kept as it was), a tool's answer with the
+        name of its tool. Raises APIError for images (a text-only model) and unknown roles."""
+        out: list[dict[str, Any]] = []
+        for i, m in enumerate(self.messages):
+            if m.images:
+                raise APIError(
+                    400,
+                    f"messages[{i}] has images: this server serves a text-only model",
+                    param=f"messages.{i}.images",
+                    code="unsupported_content_type",
+                )
+            if m.role not in ("system", "user", "assistant", "tool"):
+                raise APIError(
+                    400,
+                    f"messages[{i}].role must be system, user, assistant or tool, got {m.role!r}",
+                    param=f"messages.{i}.role",
+                )
+            message: dict[str, Any] = {"role": m.role, "content": m.content or ""}
+            if m.role == "assistant" and m.tool_calls:
+                message["tool_calls"] = [
+                    template_call(
+                        None,
+                        c.function.name,
+                        call_arguments(
+                            c.function.arguments, f"messages.{i}.tool_calls.{j}.function.arguments"
+                        ),
+                    )
+                    for j, c in enumerate(m.tool_calls)
+                ]
+            if m.role == "assistant" and m.thinking:
+                message["reasoning_content"] = m.thinking
+            if m.role == "tool" and m.tool_name:
+                message["name"] = m.tool_name
+            out.append(message)
+        return out
+
+
+class GenerateRequest(OllamaRequest):
+    prompt: str = ""
+    system: str | None = None
+    suffix: str | None = None
+    template: str | None = None
+    context: list[int] | None = None
+    raw: bool = False
+    images: list[Any] | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        refused = (
+            ("images", bool(self.images), "this server serves a text-only model"),
+            ("suffix", bool(self.suffix), "fill-in-the-middle is not supported"),
+            ("template", bool(self.template), "the model's own (Jinja) chat template is used"),
+            ("context", bool(self.context), "send the conversation to /api/chat instead"),
+        )
+        for name, given, why in refused:
+            if given:
+                raise APIError(
+                    400, f"{name} is not supported: {why}", param=name, code="unsupported_parameter"
+                )
+
+    def engine_input(self) -> tuple[str | None, list[dict[str, Any]] | None]:
+        """(raw prompt, chat messages): the prompt as is with `raw`, else as a user turn
+        after the `system` prompt, rendered by the chat template."""
+        if self.raw:
+            return self.prompt, None
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        return None, [*system, {"role": "user", "content": self.prompt}]
+
+
+class ShowRequest(_Request):
+    model: str = Field(min_length=1)
+    verbose: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _older_spelling(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "model" not in data and "name" in data:
+            return {**data, "model": data["name"]}
+        return data
+
+    @field_validator("model")
+    @classmethod
+    def _default_tag(cls, v: str) -> str:
+        return v.removesuffix(":latest")
+
+    def check_supported(self) -> None:
+        pass

@@ -1,0 +1,362 @@
+"""The Ollama door's handlers, over the pipeline every door shares: `POST /api/chat` and
+`/api/generate` (streamed as JSON lines unless `"stream": false`), `GET /api/tags`,
+`/api/ps`, `/api/version`, `POST /api/show`.
+
+Every request gets an id (`ollama-<hex>`), its id in the event log and its `x-request-id`.
+The last line of an answer (`"done": true`) carries its `done_reason` (`stop`, `length`) and
+Ollama's counts and durations (nanoseconds): the prompt's tokens and the time to the first
+token (`prompt_eval_*`), the answer's tokens and the time after it (`eval_*`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic_core import to_json
+
+from stepline.api.ollama.schema import ChatRequest, GenerateRequest, OllamaRequest, ShowRequest
+from stepline.api.ollama.wire import OLLAMA
+from stepline.api.pipeline.agents import (
+    AgentPlan,
+    openai_tools,
+    plan,
+    reads_template_kwarg,
+    tools_unusable,
+)
+from stepline.api.pipeline.errors import APIError
+from stepline.api.pipeline.model_output import OutputDelta, ToolCall, split_output
+from stepline.api.pipeline.serving import Call, Piece, Serving, Started
+
+if TYPE_CHECKING:
+    from stepline.actors.request import RequestOutput
+
+API_VERSION = "0.12.0"  # the Ollama API these routes follow, for clients that check it
+NEVER = "2999-12-31T23:59:59Z"  # /api/ps's expires_at: the served model is never unloaded
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat().replace("+00:00", "Z")
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What Ollama's model listings say of the served model, read once from its files."""
+
+    size: int  # bytes of weights
+    num_params: int
+    dtype: str  # of the largest tensor, as safetensors names it (F32, BF16, U32 if packed)
+    family: str  # config.json's model_type
+    digest: str
+    modified_at: str
+
+    @classmethod
+    def read(cls, path: Path) -> ModelFacts:
+        size = num_params = 0
+        dtypes: dict[str, int] = {}
+        for f in sorted(path.glob("*.safetensors")):
+            size += f.stat().st_size
+            for dtype, n in _tensor_sizes(f):
+                num_params += n
+                dtypes[dtype] = dtypes.get(dtype, 0) + n
+        config_file = path / "config.json"
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        stamp = config_file.stat().st_mtime if config_file.is_file() else time.time()
+        digest = hashlib.sha256(f"{path.resolve()}:{size}:{stamp}".encode()).hexdigest()
+        return cls(
+            size=size,
+            num_params=num_params,
+            dtype=max(dtypes, key=lambda d: dtypes[d]) if dtypes else "",
+            family=str(config.get("model_type", "")),
+            digest=digest,
+            modified_at=datetime.fromtimestamp(stamp, UTC).isoformat().replace("+00:00", "Z"),
+        )
+
+    @property
+    def parameter_size(self) -> str:
+        n = self.num_params
+        if n >= 1e9:
+            return f"{n / 1e9:.1f}B"
+        return f"{n / 1e6:.0f}M" if n >= 1e6 else f"{n / 1e6:.1f}M"
+
+
+def _tensor_sizes(file: Path) -> list[tuple[str, int]]:
+    """(dtype, elements) of each tensor in a safetensors file, from its header alone."""
+    with file.open("rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    out = []
+    for name, info in header.items():
+        if name != "__metadata__":
+            n = 1
+            for d in info["shape"]:
+                n *= d
+            out.append((info["dtype"], n))
+    return out
+
+
+class OllamaDoor:
+    def __init__(self, serving: Serving):
+        self.serving = serving
+        engine = serving.engine
+        self.facts = ModelFacts.read(Path(engine.loaded.path))
+
+    # -- models --
+
+    def details(self) -> dict[str, Any]:
+        f = self.facts
+        return {
+            "parent_model": "",
+            "format": "safetensors",
+            "family": f.family,
+            "families": [f.family] if f.family else None,
+            "parameter_size": f.parameter_size,
+            "quantization_level": f.dtype,
+        }
+
+    def card(self) -> dict[str, Any]:
+        name = self.serving.model_name
+        f = self.facts
+        return {
+            "name": name,
+            "model": name,
+            "modified_at": f.modified_at,
+            "size": f.size,
+            "digest": f.digest,
+            "details": self.details(),
+        }
+
+    def tags(self) -> dict[str, Any]:
+        return {"models": [self.card()]}
+
+    def ps(self) -> dict[str, Any]:
+        card = self.card()
+        del card["modified_at"]
+        context = self.serving.engine.max_context
+        return {"models": [{**card, "expires_at": NEVER, "context_length": context}]}
+
+    async def show(self, request: Request, rid: str) -> Response:
+        await self.serving.parse(request, ShowRequest, generates=False, any_media_type=True)
+        tokenizer = self.serving.engine.tokenizer
+        f = self.facts
+        capabilities = ["completion"]
+        if tools_unusable(tokenizer, parse=True) is None:
+            capabilities.append("tools")
+        if getattr(tokenizer, "think_start", None):
+            capabilities.append("thinking")
+        template = getattr(tokenizer, "chat_template", None)
+        return JSONResponse(
+            {
+                "modelfile": f"# served by stepline from {self.serving.engine.loaded.path}",
+                "parameters": "",
+                "template": template if isinstance(template, str) else "",
+                "details": self.details(),
+                "model_info": {
+                    "general.architecture": f.family,
+                    "general.parameter_count": f.num_params,
+                    f"{f.family}.context_length": self.serving.engine.max_context,
+                },
+                "capabilities": capabilities,
+                "modified_at": f.modified_at,
+            }
+        )
+
+    # -- chat and generate --
+
+    def _plan(self, req: OllamaRequest, tools: Any = None) -> AgentPlan:
+        serving = self.serving
+        tokenizer = serving.engine.tokenizer
+        kwargs = dict(serving.default_template_kwargs)
+        think = req.thinking()
+        if think and not getattr(tokenizer, "think_start", None):
+            raise APIError(
+                400,
+                f"{serving.model_name!r} does not support thinking: drop `think`",
+                param="think",
+                code="unsupported_parameter",
+            )
+        if think is not None and reads_template_kwarg(tokenizer, "enable_thinking"):
+            kwargs["enable_thinking"] = think
+        schema, json_object = req.answer_format()
+        return plan(
+            tokenizer,
+            tools=openai_tools(tools),
+            schema=schema,
+            json_object=json_object,
+            template_kwargs=kwargs,
+            schema_param="format",
+        )
+
+    async def chat(self, request: Request, rid: str) -> Response:
+        serving = self.serving
+        t0 = time.monotonic()
+        req = await serving.parse(request, ChatRequest, any_media_type=True)
+        if not req.messages:  # Ollama's way to load a model: it is loaded
+            body = self._head(req, {"message": {"role": "assistant", "content": ""}})
+            return JSONResponse({**body, "done": True, "done_reason": "load"})
+        started = await serving.start(
+            Call(
+                rid,
+                req,
+                self._plan(req, req.tools),
+                "messages",
+                messages=req.engine_messages(),
+                max_tokens=req.max_tokens,
+                max_tokens_param="options.num_predict",
+                reasoning=serving.reasoning or bool(req.thinking()),
+            )
+        )
+        renderer = OllamaRenderer(self, req, started, t0, chat=True)
+        if req.stream:
+            return serving.stream(started, renderer, OLLAMA)
+        return await self._whole(request, req, started, renderer)
+
+    async def generate(self, request: Request, rid: str) -> Response:
+        serving = self.serving
+        t0 = time.monotonic()
+        req = await serving.parse(request, GenerateRequest, any_media_type=True)
+        if not req.prompt and not req.system:  # Ollama's way to load a model: it is loaded
+            return JSONResponse(
+                {**self._head(req, {"response": ""}), "done": True, "done_reason": "load"}
+            )
+        prompt, messages = req.engine_input()
+        started = await serving.start(
+            Call(
+                rid,
+                req,
+                self._plan(req),
+                "prompt",
+                prompt=prompt,
+                messages=messages,
+                max_tokens=req.max_tokens,
+                max_tokens_param="options.num_predict",
+                reasoning=serving.reasoning or bool(req.thinking()),
+            )
+        )
+        renderer = OllamaRenderer(self, req, started, t0, chat=False)
+        if req.stream:
+            return serving.stream(started, renderer, OLLAMA)
+        return await self._whole(request, req, started, renderer)
+
+    async def _whole(
+        self, request: Request, req: OllamaRequest, started: Started, renderer: OllamaRenderer
+    ) -> Response:
+        outs = await self.serving.collect(request, started)
+        split = split_output("".join(o.text for o in outs), started.fmt, started.tools)
+        renderer.first_at = renderer.first_at or time.monotonic()
+        body = {**renderer.body(split), **renderer.done(outs[-1])}
+        return Response(to_json(body), media_type="application/json", headers=started.headers)
+
+    def _head(self, req: OllamaRequest, fields: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "model": self.serving.response_model(req.model),
+            "created_at": _now(),
+            **fields,
+        }
+
+
+def _call(call: ToolCall) -> dict[str, Any]:
+    # Ollama's calls carry their arguments as an object (a cut-off call's: empty).
+    return {"function": {"name": call.name, "arguments": call.input}}
+
+
+class OllamaRenderer:
+    """One answer as Ollama's JSON lines: a line per piece of text, thinking or completed
+    tool calls (`"done": false`), then the last line with the counts and durations."""
+
+    def __init__(
+        self, door: OllamaDoor, req: OllamaRequest, started: Started, t0: float, *, chat: bool
+    ):
+        self.door, self.req, self.chat = door, req, chat
+        self.splitter = started.splitter()
+        self.t0 = t0
+        self.first_at: float | None = None  # when the first token came
+
+    def body(self, delta: OutputDelta) -> dict[str, Any]:
+        """A line's answer part: the chat message, or generate's `response`."""
+        if self.chat:
+            message: dict[str, Any] = {"role": "assistant", "content": delta.content}
+            if delta.reasoning:
+                message["thinking"] = delta.reasoning
+            if delta.tool_calls:
+                message["tool_calls"] = [_call(c) for c in delta.tool_calls]
+            return self.door._head(self.req, {"message": message})
+        fields: dict[str, Any] = {"response": delta.content}
+        if delta.reasoning:
+            fields["thinking"] = delta.reasoning
+        return self.door._head(self.req, fields)
+
+    def done(self, out: RequestOutput) -> dict[str, Any]:
+        """The last line's own fields."""
+        end = time.monotonic()
+        first = self.first_at or end
+        return {
+            "done": True,
+            "done_reason": out.finish_reason,
+            "total_duration": int((end - self.t0) * 1e9),
+            "load_duration": 0,
+            "prompt_eval_count": out.num_prompt_tokens,
+            "prompt_eval_duration": int((first - self.t0) * 1e9),
+            "eval_count": out.num_output_tokens,
+            "eval_duration": int((end - first) * 1e9),
+        }
+
+    def frames(self, piece: Piece) -> bytes:
+        if piece.is_progress:
+            return b""
+        if self.first_at is None:
+            self.first_at = time.monotonic()
+        out = piece.out
+        lines = []
+        if piece.delta:
+            lines.append(to_json({**self.body(piece.delta), "done": False}) + b"\n")
+        if out.finish_reason is not None:
+            last = {**self.body(OutputDelta()), **self.done(out)}
+            lines.append(to_json(last) + b"\n")
+        return b"".join(lines)
+
+    def failed(self, err: APIError) -> bytes:
+        return OLLAMA.frames(err)
+
+    cancelled = failed
+
+
+def router(serving: Serving) -> APIRouter:
+    """Ollama's routes (the app's key check covers them)."""
+    door = OllamaDoor(serving)
+    routes = APIRouter()
+
+    @routes.post("/api/chat")
+    async def chat(request: Request) -> Response:
+        return await serving.handle(request, f"ollama-{uuid.uuid4().hex}", door.chat, OLLAMA)
+
+    @routes.post("/api/generate")
+    async def generate(request: Request) -> Response:
+        return await serving.handle(request, f"ollama-{uuid.uuid4().hex}", door.generate, OLLAMA)
+
+    @routes.post("/api/show")
+    async def show(request: Request) -> Response:
+        return await serving.handle(request, f"show-{uuid.uuid4().hex}", door.show, OLLAMA)
+
+    @routes.get("/api/tags")
+    async def tags() -> JSONResponse:
+        return JSONResponse(door.tags())
+
+    @routes.get("/api/ps")
+    async def ps() -> JSONResponse:
+        return JSONResponse(door.ps())
+
+    @routes.get("/api/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": API_VERSION})
+
+    return routes
