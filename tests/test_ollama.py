@@ -75,6 +75,7 @@ async def test_a_greedy_chat_says_what_the_openai_door_says(served, c):
     assert answer.eval_count == 12
     assert answer.prompt_eval_count == same.usage.prompt_tokens
     assert answer.total_duration >= answer.prompt_eval_duration > 0
+    assert answer.eval_duration > 0  # clients show eval_count / eval_duration as tokens/s
 
 
 async def test_a_streamed_chat_adds_up_to_the_whole_answer(c):

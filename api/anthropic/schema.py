@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from stepline.api.pipeline.agents import ToolSpec, tool_spec, unique_tools
-from stepline.api.pipeline.chat import template_call
+from stepline.api.pipeline.chat import joined_text, template_call
 from stepline.api.pipeline.errors import APIError
 from stepline.engine.sampling_limits import MAX_INT32
 
@@ -207,16 +207,4 @@ def engine_messages(req: _Base) -> list[dict[str, Any]]:
 
 
 def _text(content: str | list[Block], where: str) -> str:
-    if isinstance(content, str):
-        return content
-    parts = []
-    for j, b in enumerate(content):
-        if b.type != "text" or b.text is None:
-            raise APIError(
-                400,
-                f"{where}[{j}] is a {b.type!r} block: only text is served here",
-                param=f"{where}.{j}",
-                code="unsupported_content_type",
-            )
-        parts.append(b.text)
-    return "\n".join(parts)
+    return content if isinstance(content, str) else joined_text(content, where)

@@ -197,62 +197,38 @@ class OllamaDoor:
         )
 
     async def chat(self, request: Request, rid: str) -> Response:
-        serving = self.serving
-        t0 = time.monotonic()
-        req = await serving.parse(request, ChatRequest, any_media_type=True)
+        t0 = time.time()
+        req = await self.serving.parse(request, ChatRequest, any_media_type=True)
         if not req.messages:  # Ollama's way to load a model: it is loaded
             body = self._head(req, {"message": {"role": "assistant", "content": ""}})
             return JSONResponse({**body, "done": True, "done_reason": "load"})
-        started = await serving.start(
-            Call(
-                rid,
-                req,
-                self._plan(req, req.tools),
-                "messages",
-                messages=req.engine_messages(),
-                max_tokens=req.max_tokens,
-                max_tokens_param="options.num_predict",
-                reasoning=serving.reasoning or bool(req.thinking()),
-            )
-        )
-        renderer = OllamaRenderer(self, req, started, t0, chat=True)
-        if req.stream:
-            return serving.stream(started, renderer, OLLAMA)
-        return await self._whole(request, req, started, renderer)
+        call = Call(rid, req, self._plan(req, req.tools), "messages", req.engine_messages())
+        return await self._answer(request, req, call, t0, chat=True)
 
     async def generate(self, request: Request, rid: str) -> Response:
-        serving = self.serving
-        t0 = time.monotonic()
-        req = await serving.parse(request, GenerateRequest, any_media_type=True)
+        t0 = time.time()
+        req = await self.serving.parse(request, GenerateRequest, any_media_type=True)
         if not req.prompt and not req.system:  # Ollama's way to load a model: it is loaded
-            return JSONResponse(
-                {**self._head(req, {"response": ""}), "done": True, "done_reason": "load"}
-            )
+            body = self._head(req, {"response": ""})
+            return JSONResponse({**body, "done": True, "done_reason": "load"})
         prompt, messages = req.engine_input()
-        started = await serving.start(
-            Call(
-                rid,
-                req,
-                self._plan(req),
-                "prompt",
-                prompt=prompt,
-                messages=messages,
-                max_tokens=req.max_tokens,
-                max_tokens_param="options.num_predict",
-                reasoning=serving.reasoning or bool(req.thinking()),
-            )
-        )
-        renderer = OllamaRenderer(self, req, started, t0, chat=False)
+        call = Call(rid, req, self._plan(req), "prompt", messages, prompt)
+        return await self._answer(request, req, call, t0, chat=False)
+
+    async def _answer(
+        self, request: Request, req: OllamaRequest, call: Call, t0: float, *, chat: bool
+    ) -> Response:
+        """`call` (with the request's token limit and thinking) streamed, or whole."""
+        serving = self.serving
+        call.max_tokens = req.max_tokens
+        call.max_tokens_param = "options.num_predict"
+        call.reasoning = serving.reasoning or bool(req.thinking())
+        started = await serving.start(call)
+        renderer = OllamaRenderer(self, req, started, t0, chat=chat)
         if req.stream:
             return serving.stream(started, renderer, OLLAMA)
-        return await self._whole(request, req, started, renderer)
-
-    async def _whole(
-        self, request: Request, req: OllamaRequest, started: Started, renderer: OllamaRenderer
-    ) -> Response:
-        outs = await self.serving.collect(request, started)
+        outs = await serving.collect(request, started)
         split = split_output("".join(o.text for o in outs), started.fmt, started.tools)
-        renderer.first_at = renderer.first_at or time.monotonic()
         body = {**renderer.body(split), **renderer.done(outs[-1])}
         return Response(to_json(body), media_type="application/json", headers=started.headers)
 
@@ -278,8 +254,7 @@ class OllamaRenderer:
     ):
         self.door, self.req, self.chat = door, req, chat
         self.splitter = started.splitter()
-        self.t0 = t0
-        self.first_at: float | None = None  # when the first token came
+        self.t0 = t0  # when the request arrived (time.time())
 
     def body(self, delta: OutputDelta) -> dict[str, Any]:
         """A line's answer part: the chat message, or generate's `response`."""
@@ -296,9 +271,10 @@ class OllamaRenderer:
         return self.door._head(self.req, fields)
 
     def done(self, out: RequestOutput) -> dict[str, Any]:
-        """The last line's own fields."""
-        end = time.monotonic()
-        first = self.first_at or end
+        """The last line's own fields; when the first token came is the engine's record."""
+        end = time.time()
+        state = self.door.serving.engine.step_loop.state_of(out.request_id)
+        first = state.first_token_ts if state is not None and state.first_token_ts else end
         return {
             "done": True,
             "done_reason": out.finish_reason,
@@ -313,8 +289,6 @@ class OllamaRenderer:
     def frames(self, piece: Piece) -> bytes:
         if piece.is_progress:
             return b""
-        if self.first_at is None:
-            self.first_at = time.monotonic()
         out = piece.out
         lines = []
         if piece.delta:

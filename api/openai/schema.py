@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from stepline.api.pipeline.chat import call_arguments, template_call
+from stepline.api.pipeline.chat import call_arguments, joined_text, template_call
 from stepline.api.pipeline.errors import APIError
 from stepline.engine.sampling_limits import MAX_INT32
 
@@ -222,18 +222,7 @@ def _text_content(content: str | list[ContentPart] | None, index: int) -> str:
         )
     if isinstance(content, str):
         return content
-    texts = []
-    for j, part in enumerate(content):
-        if part.type != "text" or part.text is None:
-            raise APIError(
-                400,
-                f"messages[{index}].content[{j}] has type {part.type!r}: this server serves "
-                "a text-only model, send only parts of type 'text' with a 'text' field",
-                param=f"messages.{index}.content.{j}",
-                code="unsupported_content_type",
-            )
-        texts.append(part.text)
-    return "\n".join(texts)
+    return joined_text(content, f"messages.{index}.content")
 
 
 class CompletionRequest(_SamplingFields):

@@ -218,9 +218,67 @@ class OpenAIDoor:
         return {"object": "list", "data": [card.model_dump(exclude_unset=True)]}
 
 
-class ChatRenderer:
+class _StreamRenderer:
+    """What a streamed chat completion and a streamed completion share: every chunk is a
+    `Body` of the request's id, model and time; the last ones are the finish reason's, usage
+    (when asked) and `[DONE]`; a failure is OpenAI's error frame and `[DONE]`."""
+
+    Body: type[ChatCompletionChunk] | type[Completion]
+    OBJECT: str
+
+    def __init__(
+        self,
+        door: OpenAIDoor,
+        started: Started,
+        req: ChatCompletionRequest | CompletionRequest,
+        model: str,
+        created: int,
+    ):
+        self.door = door
+        self.splitter = started.splitter()
+        self.rid, self.model, self.created = started.rid, model, created
+        self.include_usage = req.include_usage
+
+    def body(self, choice: Any) -> Any:
+        """A chunk with one choice; `usage` null until the last when usage is asked for."""
+        fields: dict[str, Any] = {"usage": None} if self.include_usage else {}
+        return self.Body(
+            id=self.rid,
+            object=self.OBJECT,  # type: ignore[arg-type]
+            created=self.created,
+            model=self.model,
+            choices=[choice],
+            **fields,
+        )
+
+    def tail(self, out: RequestOutput) -> list[bytes]:
+        """The frames after the finish reason's: usage (when asked for), `[DONE]`."""
+        frames = []
+        if self.include_usage:
+            body = self.Body(
+                id=self.rid,
+                object=self.OBJECT,  # type: ignore[arg-type]
+                created=self.created,
+                model=self.model,
+                choices=[],
+                usage=usage(out),
+            )
+            frames.append(_json(body))
+        frames.append(DONE)
+        return frames
+
+    def failed(self, err: APIError) -> bytes:
+        return OPENAI.frames(err)
+
+    cancelled = failed
+
+
+class ChatRenderer(_StreamRenderer):
     """A streamed chat completion: the role's chunk with the first output, a chunk per piece
     (text pre-encoded, `TextFrames`), the finish reason's chunk, usage when asked, `[DONE]`."""
+
+    Body = ChatCompletionChunk
+    OBJECT = "chat.completion.chunk"
 
     def __init__(
         self,
@@ -230,11 +288,8 @@ class ChatRenderer:
         model: str,
         created: int,
     ):
-        self.door = door
+        super().__init__(door, started, req, model, created)
         self.req = req
-        self.splitter = started.splitter()
-        self.rid, self.model, self.created = started.rid, model, created
-        self.include_usage = req.include_usage
         self.text_frame = TextFrames(
             self._chunk(chat_completion_chunk.ChoiceDelta(content=TextFrames.SENTINEL)),
             exclude_unset=True,
@@ -253,15 +308,7 @@ class ChatRenderer:
             logprobs=logprobs,
             finish_reason=finish,  # type: ignore[arg-type]
         )
-        fields: dict[str, Any] = {"usage": None} if self.include_usage else {}
-        return ChatCompletionChunk(
-            id=self.rid,
-            object="chat.completion.chunk",
-            created=self.created,
-            model=self.model,
-            choices=[choice],
-            **fields,
-        )
+        return self.body(choice)
 
     def frame(self, delta: chat_completion_chunk.ChoiceDelta, **kw: Any) -> bytes:
         return _json(self._chunk(delta, **kw))
@@ -273,9 +320,8 @@ class ChatRenderer:
         frames = []
         if not self.began:  # the role, with the first output
             self.began = True
-            frames.append(
-                self.frame(chat_completion_chunk.ChoiceDelta(role="assistant", content=""))
-            )
+            first = chat_completion_chunk.ChoiceDelta(role="assistant", content="")
+            frames.append(self.frame(first))
         if self.req.logprobs and out.logprobs:
             content = chat_completion_chunk.ChoiceDelta(content=delta.content)
             frames.append(self.frame(content, lps=out.logprobs))
@@ -288,53 +334,32 @@ class ChatRenderer:
         if out.finish_reason is not None:
             reason = agents.finish_reason(out.finish_reason, self.splitter.num_tool_calls)
             frames.append(self.frame(chat_completion_chunk.ChoiceDelta(), finish=reason))
-            if self.include_usage:
-                body = ChatCompletionChunk(
-                    id=self.rid,
-                    object="chat.completion.chunk",
-                    created=self.created,
-                    model=self.model,
-                    choices=[],
-                    usage=usage(out),
-                )
-                frames.append(_json(body))
-            frames.append(DONE)
+            frames += self.tail(out)
         return b"".join(frames)
 
-    def failed(self, err: APIError) -> bytes:
-        return OPENAI.frames(err)
 
-    cancelled = failed
-
-
-class CompletionRenderer:
+class CompletionRenderer(_StreamRenderer):
     """A streamed completion: a chunk per output's text, the finish reason's chunk, usage
     when asked, `[DONE]`."""
+
+    Body = Completion
+    OBJECT = "text_completion"
 
     def __init__(
         self, door: OpenAIDoor, started: Started, req: CompletionRequest, model: str, created: int
     ):
-        self.door = door
+        super().__init__(door, started, req, model, created)
         self.req = req
-        self.splitter = started.splitter()
-        self.rid, self.model, self.created = started.rid, model, created
-        self.include_usage = req.include_usage
         self.offset = 0  # characters sent so far (logprobs' text_offset)
         self.text_frame = TextFrames(self._body(TextFrames.SENTINEL), exclude_unset=True)
 
     def _body(self, text: str, finish: str | None = None, logprobs: Logprobs | None = None):
+        # Unchecked: the SDK's type has no null finish reason, which every chunk but the
+        # last has.
         choice = CompletionChoice.model_construct(
             index=0, text=text, logprobs=logprobs, finish_reason=finish
         )
-        fields: dict[str, Any] = {"usage": None} if self.include_usage else {}
-        return Completion(
-            id=self.rid,
-            object="text_completion",
-            created=self.created,
-            model=self.model,
-            choices=[choice],
-            **fields,
-        )
+        return self.body(choice)
 
     def frames(self, piece: Piece) -> bytes:
         if piece.is_progress:
@@ -352,23 +377,8 @@ class CompletionRenderer:
             if self.req.logprobs is not None:
                 logprobs = self.door.completion_logprobs([], 0)
             frames.append(_json(self._body("", finish=out.finish_reason, logprobs=logprobs)))
-            if self.include_usage:
-                body = Completion(
-                    id=self.rid,
-                    object="text_completion",
-                    created=self.created,
-                    model=self.model,
-                    choices=[],
-                    usage=usage(out),
-                )
-                frames.append(_json(body))
-            frames.append(DONE)
+            frames += self.tail(out)
         return b"".join(frames)
-
-    def failed(self, err: APIError) -> bytes:
-        return OPENAI.frames(err)
-
-    cancelled = failed
 
 
 def router(serving: Serving) -> APIRouter:

@@ -6,6 +6,7 @@ request's history; that text is rendered as it was. No MLX."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from stepline.api.json_limits import InputLimitError, NotJSONError, parse_nested
@@ -30,3 +31,21 @@ def call_arguments(arguments: Any, param: str) -> Any:
         return arguments
     except InputLimitError as exc:
         raise APIError(400, exc.message, param=exc.param, code=exc.code) from None
+
+
+def joined_text(parts: Sequence[Any], where: str) -> str:
+    """The text of a message's content `parts` (each with a `type` and a `text`), joined by
+    newlines. Raises APIError naming the first part that is not text (`where[j]`): this
+    server serves a text-only model."""
+    texts = []
+    for j, part in enumerate(parts):
+        if part.type != "text" or part.text is None:
+            raise APIError(
+                400,
+                f"{where}[{j}] has type {part.type!r}: this server serves a text-only model, "
+                "send only parts of type 'text' with a 'text' field",
+                param=f"{where}.{j}",
+                code="unsupported_content_type",
+            )
+        texts.append(part.text)
+    return "\n".join(texts)
