@@ -79,6 +79,11 @@ def shutting_down(what: str = "the server is shutting down") -> APIError:
     return APIError(503, what, code="shutting_down")
 
 
+def cut_by_shutdown() -> APIError:
+    """The server stopped while the request ran: its stream's last frames say so."""
+    return shutting_down("the server shut down before the request finished")
+
+
 def engine_unhealthy(rid: str | None = None) -> APIError:
     where = f" (request id {rid})" if rid else ""
     return APIError(

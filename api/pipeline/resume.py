@@ -26,7 +26,7 @@ from starlette.datastructures import Headers
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from stepline.api.pipeline.errors import APIError, Wire
+from stepline.api.pipeline.errors import APIError, Wire, cut_by_shutdown
 from stepline.api.pipeline.writer import Emit, Producer, StreamResponse
 
 log = structlog.get_logger(__name__)
@@ -212,10 +212,14 @@ class StreamRecord:
                 await self.append(on_cancel(APIError(499, "cancelled", code="cancelled")))
         except anyio.get_cancelled_exc_class():
             if self.abandoned:
-                message = f"the request was cancelled: nobody reconnected within {self.grace_s:g} s"
+                err = APIError(
+                    500,
+                    f"the request was cancelled: nobody reconnected within {self.grace_s:g} s",
+                    code="cancelled",
+                )
             else:
-                message = "the server shut down before the request finished"
-            await self.append(on_cancel(APIError(500, message, code="cancelled")))
+                err = cut_by_shutdown()
+            await self.append(on_cancel(err))
             raise
         finally:
             self._scope = None

@@ -20,7 +20,7 @@ from pydantic import BaseModel
 from pydantic_core import to_json
 from starlette.types import Receive, Scope, Send
 
-from stepline.api.pipeline.errors import APIError, Wire, shutting_down
+from stepline.api.pipeline.errors import APIError, Wire, cut_by_shutdown
 
 PING = b": ping\n\n"
 
@@ -136,8 +136,7 @@ class StreamResponse(Response):
             if not (ended or disconnected):
                 body = b""
                 if not produced:
-                    err = shutting_down("the server shut down before the request finished")
-                    body = self._on_cancel(err)
+                    body = self._on_cancel(cut_by_shutdown())
                 with anyio.CancelScope(shield=True), anyio.move_on_after(1):
                     await send({"type": "http.response.body", "body": body, "more_body": False})
             raise
