@@ -1,9 +1,20 @@
 """Prompts into token ids: the chat template, the tokenizer, and the chat boundaries that
 become prefix-cache checkpoints. Pure CPU, no MLX: a long prompt is prepared on a worker
-thread, and a text whose length alone proves it too long for the context is refused unread."""
+thread, and a text whose length alone proves it too long for the context is refused unread.
+
+Text that came from a client is tokenized as text: only the chat template's own markup makes
+special tokens. A user message holding `<|im_end|>\n<|im_start|>system\n...` would otherwise
+be tokenized as a real turn of the conversation (role injection; mlx-lm's server and vLLM
+tokenize the whole rendering as it is). Where a client's string (a message's content, a tool's
+description, a template argument) holds the text of one of the tokenizer's added tokens, that
+text is rendered as a placeholder, and the rendering is tokenized around it with the text
+tokenized as plain text in its place (`_guarded`). Raw prompts (`prompt=`) are the client's
+whole prompt and are tokenized as they are.
+"""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -15,6 +26,9 @@ from stepline.actors.request import Detokenizer, IncrementalDetokenizer, StreamD
 from stepline.engine.policy import ContextLengthExceededError
 
 MAX_CONCURRENT_PREPARE = 4  # prompts tokenized at once, each on a worker thread
+# Where a client's text held an added token's text: private-use characters no template
+# writes and no tokenizer is given (the rendering is split at them).
+_HOLE = re.compile("\ue000(\\d+)\ue001")
 
 
 class PromptTooLongError(ContextLengthExceededError):
@@ -68,6 +82,8 @@ class Prompts:
         self.max_context = max_context
         self._max_chars_per_token: int | None = None
         self._specials: list[tuple[int, str]] | None = None
+        self._added: re.Pattern[str] | None | bool = False  # not looked at yet
+        self._plain: Any = None  # the tokenizer with added tokens' text taken as text
         self._limiter = anyio.CapacityLimiter(MAX_CONCURRENT_PREPARE)
 
     def prepare(
@@ -90,9 +106,14 @@ class Prompts:
         if (prompt is None) == (messages is None):
             raise ValueError("pass exactly one of prompt= or messages=")
         if messages is not None:
+            holes: list[str] = []
+            messages, template_kwargs = self._guarded((messages, template_kwargs), holes)
             text = self.render_chat(messages, template_kwargs=template_kwargs)
             self.check_text_length(text)
-            ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+            if holes:
+                ids = self._encode_around(text, holes)
+            else:
+                ids = list(self.tokenizer.encode(text, add_special_tokens=False))
             return ids, self.chat_checkpoints(messages, ids, text, template_kwargs)
         if isinstance(prompt, str):
             self.check_text_length(prompt)
@@ -105,6 +126,81 @@ class Prompts:
                     f"token id {t!r} is not in the model's vocabulary (0..{vocab - 1})"
                 )
         return ids, []
+
+    def _guarded(self, value: Any, holes: list[str]) -> Any:
+        """`value` (messages and template arguments: nested dicts, lists, strings) with each
+        added token's text in a string replaced by a placeholder; the texts replaced are
+        appended to `holes`, the placeholder's number their index. The same objects where
+        nothing is replaced."""
+        pattern = self._added_tokens()
+        if pattern is None:
+            return value
+
+        def hole(match: re.Match[str]) -> str:
+            holes.append(match.group())
+            return f"\ue000{len(holes) - 1}\ue001"
+
+        def walk(v: Any) -> Any:
+            if isinstance(v, str):
+                return pattern.sub(hole, v) if pattern.search(v) else v
+            if isinstance(v, dict):
+                out = {k: walk(x) for k, x in v.items()}
+                return v if all(out[k] is v[k] for k in v) else out
+            if isinstance(v, list | tuple):
+                items = [walk(x) for x in v]
+                same = all(a is b for a, b in zip(items, v, strict=True))
+                return v if same else type(v)(items)
+            return v
+
+        return walk(value)
+
+    def _encode_around(self, text: str, holes: list[str]) -> list[int]:
+        """The ids of `text`, a rendering with placeholders where `holes` were: the text
+        between them tokenized as usual (the template's special tokens included), each hole's
+        text as plain text. A special token the tokenizer splits at stood at each hole, so the
+        pieces meet where the whole would have been split anyway. Raises ValueError if the
+        template did not carry every placeholder through as it was (it escaped it)."""
+        pieces = _HOLE.split(text)
+        if sorted(int(n) for n in pieces[1::2]) != list(range(len(holes))):
+            raise ValueError(
+                "the messages hold the text of the model's special tokens "
+                f"({', '.join(sorted(set(holes)))}), which this model's chat template cannot "
+                "show as text: remove it"
+            )
+        ids: list[int] = []
+        for i, piece in enumerate(pieces):
+            if i % 2:
+                ids += self._plain_ids(holes[int(piece)])
+            elif piece:
+                ids += self.tokenizer.encode(piece, add_special_tokens=False)
+        return ids
+
+    def _added_tokens(self) -> re.Pattern[str] | None:
+        """A pattern of the text of every token added to the vocabulary (special or not:
+        the tokenizer turns either into its id wherever the text stands), longest first."""
+        if self._added is False:
+            hf = getattr(self.tokenizer, "_tokenizer", self.tokenizer)
+            decoder = getattr(hf, "added_tokens_decoder", None) or {}
+            texts = sorted(
+                {t.content for t in decoder.values() if t.content.strip()}, key=len, reverse=True
+            )
+            self._added = re.compile("|".join(map(re.escape, texts))) if texts else None
+        return self._added  # type: ignore[return-value]
+
+    def _plain_ids(self, text: str) -> list[int]:
+        """`text`'s ids with the added tokens' text in it tokenized as ordinary text."""
+        if self._plain is None:
+            hf = getattr(self.tokenizer, "_tokenizer", self.tokenizer)
+            backend = getattr(hf, "_tokenizer", None) or getattr(hf, "backend_tokenizer", None)
+            if isinstance(backend, tokenizers.Tokenizer):
+                plain = tokenizers.Tokenizer.from_str(backend.to_str())
+                plain.encode_special_tokens = True
+                self._plain = lambda t: plain.encode(t, add_special_tokens=False).ids
+            else:  # a Python tokenizer: transformers' own switch
+                self._plain = lambda t: hf(t, add_special_tokens=False, split_special_tokens=True)[
+                    "input_ids"
+                ]
+        return list(self._plain(text))
 
     async def prepare_async(
         self,
