@@ -82,10 +82,19 @@ class LogLock:
         self._say_who_holds_it(file)
 
     def release(self) -> None:
-        """Remove the lock file and let the lock go (idempotent)."""
+        """Remove the lock file and let the lock go (idempotent). A lock file that cannot be
+        removed (its folder became read-only) is left, and said: the next writer takes it."""
         if self._file is not None:
             if _same_file(self._file, self.path):
-                self.path.unlink(missing_ok=True)  # while still held: see __init__
+                try:
+                    self.path.unlink(missing_ok=True)  # while still held: see __init__
+                except OSError as exc:
+                    log.warning(
+                        "event_log_lock_left",
+                        path=str(self.path),
+                        error=exc.strerror or repr(exc),
+                        effect="harmless: the next writer takes the lock file over",
+                    )
             self._file.close()  # closing the descriptor releases the flock
             self._file = None
 

@@ -5,6 +5,7 @@ and says so. Real files, real processes."""
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import subprocess
@@ -84,6 +85,26 @@ def test_two_writers_in_one_process_are_refused_too(tmp_path):
     assert [e.seq for e in read_events(path)] == [1]
 
 
+def test_a_lock_file_left_on_a_read_only_folder_is_said_and_the_writer_closes(
+    tmp_path, monkeypatch
+):
+    path = tmp_path / "run.jsonl"
+    writer = EventLogWriter(path, run_header())
+    writer.append(decoding(1))
+
+    def read_only(self, missing_ok=False):
+        raise OSError(errno.EROFS, "Read-only file system", str(self))
+
+    monkeypatch.setattr(type(path), "unlink", read_only)  # the folder was remounted read-only
+    with capture_logs() as logs:
+        writer.close()  # no error: the run is whole, only the lock file stays
+    monkeypatch.undo()
+    [left] = [e for e in logs if e["event"] == "event_log_lock_left"]
+    assert left["path"].endswith("run.jsonl.lock") and "Read-only" in left["error"]
+    assert [e.seq for e in read_events(path)] == [1]
+    EventLogWriter(path, run_header(), append=True).close()  # the next writer takes it over
+
+
 def test_serve_on_a_log_another_process_writes_exits_with_a_message_naming_it(demo, tmp_path):
     path = tmp_path / "run.jsonl"
     with EventLogWriter(path, run_header(), append=True):
@@ -147,6 +168,7 @@ from stepline.api import Engine, SamplingParams
 path = sys.argv[1]
 # The log's file may grow no more: every write to it fails as on a full disk (EFBIG here).
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+import errno
 import os
 size = os.path.getsize(path)
 resource.setrlimit(resource.RLIMIT_FSIZE, (size, resource.RLIM_INFINITY))

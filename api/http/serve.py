@@ -40,6 +40,8 @@ from stepline.api.responses.recovery import interrupted_responses
 log = structlog.get_logger(__name__)
 
 PROBE_PATHS = frozenset({"/health", "/metrics"})
+# ServerConfig's fields uvicorn's process uses (`server_config`); the rest are the app's.
+PROCESS_OPTIONS = frozenset({"limit_concurrency", "timeout_keep_alive", "timeout_request_head"})
 UNHEALTHY_EXIT_DELAY_S = 1.0  # streams get their error frames, probes see 503, then exit
 
 
@@ -148,8 +150,11 @@ async def serve_in_process(
 ) -> AsyncIterator[str]:
     """Run `app` under uvicorn in this event loop and yield its base URL (no `/v1`); stops
     the server on exit (open streams get `graceful_shutdown_s`, then are cancelled). For tests
-    and benchmarks; `options` are `ServerConfig`'s process fields (`limit_concurrency`,
-    `timeout_keep_alive`, `timeout_request_head`)."""
+    and benchmarks; `options` are `ServerConfig`'s fields for the process (`PROCESS_OPTIONS`:
+    the app's own, such as `timeout_request_body`, go to `create_app`). Raises TypeError for
+    any other."""
+    if stray := options.keys() - PROCESS_OPTIONS:
+        raise TypeError(f"serve_in_process takes the process's options only, not {sorted(stray)}")
     sock = bind_socket(host, port)
     bound_port = sock.getsockname()[1]
     cfg = ServerConfig(host=host, port=bound_port, **options)
