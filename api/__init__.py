@@ -2,7 +2,13 @@
 
 from stepline.actors.request import RequestOutput
 from stepline.actors.step_loop import EngineDeadError
-from stepline.api.engine import Engine, EngineClosedError, RequestStream, SamplingParams
+from stepline.api.engine import (
+    Engine,
+    EngineClosedError,
+    RequestStream,
+    SamplingParams,
+    WrongEventLoopError,
+)
 from stepline.api.prompts import PromptTooLongError
 from stepline.engine.policy import (
     AdmissionError,
@@ -25,4 +31,5 @@ __all__ = [
     "RequestOutput",
     "RequestStream",
     "SamplingParams",
+    "WrongEventLoopError",
 ]

@@ -41,6 +41,7 @@ from stepline.events.models import FinishReason
 __all__ = [
     "Engine",
     "EngineClosedError",
+    "WrongEventLoopError",
     "PromptTooLongError",
     "RequestStream",
     "SamplingParams",
@@ -90,6 +91,7 @@ class Engine:
         self._executor = executor
         self._tg = tg
         self._closed = False
+        self._loop = asyncio.get_running_loop()  # the actors' mailboxes live on it
         self._stopping = False  # begin_shutdown: no new requests
         self.prompts = Prompts(
             loaded.tokenizer, vocab_size=self.vocab_size, max_context=self.max_context
@@ -233,11 +235,19 @@ class Engine:
         malformed prompt (GrammarError for a grammar that does not
         compile) or a `top_k` / stop token id outside the model's vocabulary, AdmissionError
         (EmptyPromptError, ContextLengthExceededError — PromptTooLongError when the text's
-        length alone proves it —, EngineDeadError, ...) if the engine cannot serve it. The
-        prompt is tokenized on a worker thread.
+        length alone proves it —, EngineDeadError, ...) if the engine cannot serve it,
+        EngineClosedError once it is closed, WrongEventLoopError when awaited on another
+        event loop than the one the engine was opened on. The prompt is tokenized on a worker
+        thread.
         """
         if self._closed or self._stopping:
             raise EngineClosedError("the engine is closed")
+        if asyncio.get_running_loop() is not self._loop:
+            raise WrongEventLoopError(
+                "the engine serves the event loop it was opened on: submit (and generate) from "
+                "a task on that loop; from another thread, hand the call to it with "
+                "asyncio.run_coroutine_threadsafe(..., loop)"
+            )
         check_submit_args(params, request_id, checkpoints, template_kwargs)
         # Counted from here (or from `arriving`) until its Submit is in the step loop's inbox.
         outer = _ARRIVAL.get()
@@ -418,6 +428,11 @@ class Engine:
 
 class EngineClosedError(RuntimeError):
     """The engine takes no new request: it is closed, or shutting down."""
+
+
+class WrongEventLoopError(RuntimeError):
+    """A request was submitted from another event loop than the engine's: its answers could
+    never reach it."""
 
 
 MAX_REQUEST_ID_CHARS = 256  # a request id is in every event of its request

@@ -4,11 +4,13 @@ stays whole (these once ended the engine with a gap in the log, or degraded the 
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
+import anyio
 import pytest
 
-from stepline.api import Engine, SamplingParams
+from stepline.api import Engine, SamplingParams, WrongEventLoopError
 from stepline.api.json_limits import MAX_STOP_STRINGS
 from stepline.events.log import read_events
 from stepline.events.replay.verify import verify
@@ -62,3 +64,26 @@ async def test_wrong_arguments_are_refused_naming_them_and_the_engine_serves_on(
 def test_sampling_params_refuse_what_the_log_could_not_record(fields, match) -> None:
     with pytest.raises(ValueError, match=match):
         SamplingParams(**fields)
+
+
+@pytest.mark.asyncio
+async def test_a_request_from_another_threads_event_loop_is_refused_at_once(demo) -> None:
+    async with Engine.open("stepline-demo", max_step_tokens=128) as engine:
+
+        async def elsewhere() -> None:
+            async for _ in engine.generate([1, 2, 3], params=SamplingParams(max_tokens=2)):
+                pass
+
+        def other_thread() -> BaseException | None:
+            try:
+                asyncio.run(elsewhere())
+            except BaseException as exc:
+                return exc
+            return None
+
+        with anyio.fail_after(10):  # it used to wait forever
+            error = await anyio.to_thread.run_sync(other_thread)
+        assert isinstance(error, WrongEventLoopError)
+        assert "run_coroutine_threadsafe" in str(error)
+        outs = [o async for o in engine.generate([1, 2, 3], params=SamplingParams(max_tokens=2))]
+        assert outs[-1].finish_reason == "length" and engine.healthy
