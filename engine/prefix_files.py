@@ -361,11 +361,32 @@ def load_entry_file(path: Path, tokens: tuple[int, ...], model_id: str) -> Cache
     if len(states) != len(info.classes) or any(c not in _CACHE_CLASSES for c in info.classes):
         raise _BadFile(f"unexpected cache classes {info.classes}")
     cache = [_CACHE_CLASSES[c].from_state(s) for c, s in zip(info.classes, states, strict=True)]
-    for layer in cache:
+    for i, layer in enumerate(cache):
         offset = getattr(layer, "offset", None)
         if isinstance(offset, int) and offset != len(tokens):
             raise _BadFile(f"a layer holds {offset} tokens, the entry says {len(tokens)}")
+        check_arrays(i, layer, len(tokens))
     return cache
+
+
+def check_arrays(i: int, layer: Any, num_tokens: int) -> None:
+    """Raise _BadFile if layer `i`'s arrays cannot be what an entry of `num_tokens` tokens
+    holds: a KV layer's arrays with fewer rows on their token axis than the tokens it claims
+    (the window's, for a rotating one), or any array with a NaN or an infinity (every request
+    served from it would end at its first token). Whole files (their crc32 right) can be
+    wrong: written by a faulty build, or crafted."""
+    kind = type(layer).__name__
+    window = getattr(layer, "max_size", None)
+    held = num_tokens if window is None else min(num_tokens, window)
+    for name, leaf in tree_flatten(layer.state):
+        if not isinstance(leaf, mx.array):
+            continue
+        if kind in _KV_CLASSES and leaf.ndim >= 2 and leaf.shape[-2] < held:
+            raise _BadFile(
+                f"layer {i} array {name!r} holds {leaf.shape[-2]} tokens, the entry {held}"
+            )
+        if mx.issubdtype(leaf.dtype, mx.floating) and not mx.isfinite(leaf).all().item():
+            raise _BadFile(f"layer {i} array {name!r} holds a NaN or an infinity")
 
 
 # -- the model's layout ---------------------------------------------------------------
