@@ -14,6 +14,9 @@ Who owns which fact about a request:
 | fact                                   | owner                                              |
 |----------------------------------------|----------------------------------------------------|
 | prompt ids, params, checkpoints        | its `RequestState` (from `Admitted`)               |
+| its token limit                        | `params.max_tokens`, cut to the context when it is |
+|                                        | admitted (`add`); the runner reads it              |
+|                                        | (`NewRequest.params`), never recomputes it         |
 | phase (waiting / prefilling / decoding /| `RequestState.status`; ended requests move to     |
 | ended), tokens computed, output count  | `finished`                                         |
 | its cache hit and where it came from   | `RequestState.num_cached_tokens` / `cache_source`  |
@@ -45,6 +48,7 @@ from stepline.engine.policy import (
     SchedulerConfig,
     check_admissible,
     check_queue,
+    max_output_tokens,
     prefix_candidates,
     schedule,
 )
@@ -55,7 +59,6 @@ from stepline.engine.work import (
     PrefixReport,
     StepResult,
     StepWork,
-    max_output_tokens,
 )
 from stepline.events.fold import RequestState, Status, apply, apply_sampled
 from stepline.events.models import (
@@ -162,9 +165,11 @@ class SchedulerCore:
         params: RequestParams,
         checkpoints: Sequence[int] = (),
     ) -> None:
-        """Admit a request into the waiting queue. Raises AdmissionError (EngineDeadError,
-        QueueFullError, ...) if it cannot be served; a request that got as far as the
-        checks is recorded as admitted and at once rejected, so the log says why."""
+        """Admit a request into the waiting queue, its `max_tokens` cut to what the model's
+        context leaves after its prompt (`max_output_tokens`: the `admitted` event records the
+        limit it runs to). Raises AdmissionError (EngineDeadError, QueueFullError, ...) if it
+        cannot be served; a request that got as far as the checks is recorded as admitted
+        and at once rejected, so the log says why."""
         if request_id in self._recent_ids:
             raise AdmissionError(f"request id {request_id!r} was already used: send a new one")
         self._recent_ids[request_id] = None
@@ -176,7 +181,12 @@ class SchedulerCore:
             if self.dead_reason is not None:
                 raise EngineDeadError(f"the engine is unhealthy: {self.dead_reason}")
             check_queue(self.states, self.config)
-            check_admissible(len(ids), params.max_tokens, self.limits.max_context, self.config)
+            # It ends at the context anyway: its KV is counted (and refused) only up to there.
+            max_context = self.limits.max_context
+            max_tokens = max_output_tokens(params.max_tokens, len(ids), max_context)
+            check_admissible(len(ids), max_tokens, max_context, self.config)
+            if max_tokens < params.max_tokens:
+                params = params.model_copy(update={"max_tokens": max_tokens})
         except AdmissionError as exc:
             refused = exc
         self._record(
@@ -399,12 +409,12 @@ class SchedulerCore:
         return "disk" if rid in self._disk_tries else "memory"
 
     def _finish_reason(self, state: RequestState, token: int) -> FinishReason | None:
-        """Whether `token`, just recorded, ends the request: a stop token, or its length."""
+        """Whether `token`, just recorded, ends the request: a stop token, or its length (its
+        `max_tokens`, cut to the context when it was admitted)."""
         p = state.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.limits.eos_token_ids):
             return FinishReason.STOP
-        limit = max_output_tokens(p, state.num_prompt_tokens, self.limits.max_context)
-        if state.num_output_tokens >= limit:
+        if state.num_output_tokens >= p.max_tokens:
             return FinishReason.LENGTH
         return None
 

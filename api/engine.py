@@ -305,19 +305,15 @@ class Engine:
         checkpoints: Sequence[int],
         template_kwargs: dict[str, Any] | None,
     ) -> tuple[list[int], SamplingParams, tuple[int, ...]]:
-        """A request's checks and token ids (see `submit`): its ids, its params (max_tokens
-        cut to the room left in the context) and its checkpoints (chat boundaries added)."""
+        """A request's checks and token ids (see `submit`): its ids, its params and its
+        checkpoints (chat boundaries added). A max_tokens past the room its prompt leaves in
+        the context is the scheduler core's to cut (`SchedulerCore.add`)."""
         params = params or SamplingParams()
         params.check_vocabulary(self.vocab_size)
         if params.grammar is not None:
             # Off the step loop and the executor: the runner's lookup is then a cache hit.
             await anyio.to_thread.run_sync(self.grammars.compile, params.grammar)
         ids, chat_checkpoints = await self.prepare_async(prompt, messages, template_kwargs)
-        room = self.max_context - len(ids)
-        if 0 < room < params.max_tokens:
-            # It ends at the context anyway; recording that keeps the KV guard from
-            # reserving (or refusing it for) tokens it can never generate.
-            params = params.model_copy(update={"max_tokens": room})
         return ids, params, (*checkpoints, *chat_checkpoints)
 
     def arriving(self) -> None:

@@ -416,10 +416,33 @@ class AdmissionError(ValueError):
     """A request that can never be served under this configuration."""
 
 
+def max_output_tokens(
+    requested: int | None,
+    num_prompt_tokens: int,
+    max_context: int,
+    config: SchedulerConfig | None = None,
+) -> int:
+    """The most tokens a request of `num_prompt_tokens` may generate: `requested` (None: as
+    many as there is room for), no more than the model's context leaves after the prompt,
+    and, given `config`, no more than its KV budget leaves (`max_kv_tokens` less the prompt
+    and `kv_tokens_per_seq`; at least 1, so that a prompt that alone overflows the budget is
+    refused by `check_admissible`, which says why). 0 or less only for a prompt that fills
+    the context (`check_admissible` refuses it).
+
+    The scheduler core records a request's `max_tokens` as this (without `config`) when it
+    admits it: the core, the runner and the request actor read that one value."""
+    room = max_context - num_prompt_tokens
+    if config is not None and config.max_kv_tokens is not None:
+        fits = config.max_kv_tokens - num_prompt_tokens - config.kv_tokens_per_seq
+        room = min(room, max(fits, 1))
+    return room if requested is None else min(requested, room)
+
+
 def check_admissible(
     num_prompt_tokens: int, max_tokens: int, max_context: int, config: SchedulerConfig
 ) -> None:
-    """Raise AdmissionError (subclass by cause) if the request can never run."""
+    """Raise AdmissionError (subclass by cause) if the request can never run. `max_tokens`
+    is its limit within the context (`max_output_tokens`): its KV is counted up to there."""
     if num_prompt_tokens < 1:
         raise EmptyPromptError("the prompt is empty: send at least one token")
     if num_prompt_tokens >= max_context:

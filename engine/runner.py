@@ -47,7 +47,6 @@ from stepline.engine.work import (
     StepWork,
     TokenLogprob,
     is_collective_error,
-    max_output_tokens,
 )
 
 log = structlog.get_logger(__name__)
@@ -151,7 +150,7 @@ class ModelRunner:
             sampling=sampling,
             history=RowHistory(new.prompt_token_ids) if sampling.needs_history else None,
             cache=self._start_cache(new),
-            max_output=max_output_tokens(p, len(new.prompt_token_ids), self.loaded.max_context),
+            params=p,
             constraint=self.grammars.matcher(p.grammar) if p.grammar is not None else None,
         )
 
@@ -466,13 +465,14 @@ class ModelRunner:
         self._inputs = array.astype(mx.int32) if kept else None
 
     def _join_finals(self, finals: list[tuple[Seq, mx.array]], failed: dict[str, str]) -> None:
-        # A request that ended at its first token (max_tokens=1, or no room left in the
-        # context) never joins: merging its cache would pad every row to its length.
+        # A request that ended at its first token (max_tokens=1: asked for, or all the room
+        # its prompt left in the context) never joins: merging its cache would pad every row
+        # to its length.
         self._join_batch(
             [
                 seq
                 for seq, _ in finals
-                if seq.request_id not in failed and seq.num_generated < seq.max_output
+                if seq.request_id not in failed and seq.num_generated < seq.params.max_tokens
             ]
         )
 

@@ -12,6 +12,7 @@ import mlx.core as mx
 
 from stepline.engine.penalties import RowHistory
 from stepline.engine.sampling import PendingSample, RowSampling, SamplingRows
+from stepline.events.models import RequestParams
 
 Cache = list[Any]  # one mlx-lm cache object per layer
 
@@ -25,7 +26,9 @@ class Seq:
     sampling: RowSampling
     history: RowHistory | None
     cache: Cache | None  # own cache while prefilling; None once merged into the batch
-    max_output: int  # it ends by length at this many tokens (`work.max_output_tokens`)
+    # as the scheduler core recorded them (`NewRequest.params`): it ends by length at
+    # `max_tokens`, already cut to the context
+    params: RequestParams
     output: list[int] = field(default_factory=list)
     checkpoints: list[int] = field(default_factory=list)
     constraint: Any = None  # llguidance matcher of a grammar-constrained request

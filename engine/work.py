@@ -16,7 +16,8 @@ class NewRequest:
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
-    params: RequestParams  # its logprobs among them
+    # as the core recorded it: max_tokens is its limit, within the context; logprobs among them
+    params: RequestParams
     prefix: Tokens | None = None  # the prefix-cache entry it starts from, if any
     num_cached_tokens: int = 0  # of that entry, the tokens it uses (<= len(prefix))
 
@@ -87,13 +88,6 @@ class PrefixReport:
     disk_nbytes: int = 0
     disk_entries: int = 0
     disk_evictions: int = 0
-
-
-def max_output_tokens(params: RequestParams, num_prompt_tokens: int, max_context: int) -> int:
-    """The most tokens a request generates: its `max_tokens`, or what the model's context
-    leaves after its prompt. The scheduler core ends it by length there; the runner
-    does not merge a request into the decode batch that ends at its first token."""
-    return min(params.max_tokens, max_context - num_prompt_tokens)
 
 
 def is_collective_error(exc: BaseException) -> bool:

@@ -36,14 +36,15 @@ def make_core(
     *,
     config: SchedulerConfig | None = None,
     cost: StepCost | None = None,
+    limits: ModelLimits = LIMITS,
     **kw,
 ) -> SchedulerCore:
-    """A core of `config` (default: `max_step_tokens`, 4 sequences, tokens only), its steps
-    priced by `cost` if given."""
+    """A core of `config` (default: `max_step_tokens`, 4 sequences, tokens only) for a model
+    of `limits`, its steps priced by `cost` if given."""
     if config is None:
         config = SchedulerConfig(max_step_tokens=max_step_tokens, max_num_seqs=4, max_step_ms=None)
     cost_model = FixedCost(cost) if cost is not None else None
-    return SchedulerCore(config, LIMITS, cost_model=cost_model, **kw)
+    return SchedulerCore(config, limits, cost_model=cost_model, **kw)
 
 
 def sampled(work: StepWork, token: int = TOKEN, **extra) -> StepResult:

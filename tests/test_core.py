@@ -6,12 +6,17 @@ import pytest
 from core_driver import EOS, LIMITS, make_core, params, run_step, sampled
 
 import stepline.actors.core as core_module
-from stepline.actors.core import EngineDeadError
-from stepline.engine.policy import AdmissionError, QueueFullError, SchedulerConfig
+from stepline.actors.core import EngineDeadError, ModelLimits
+from stepline.engine.policy import (
+    AdmissionError,
+    KVBudgetExceededError,
+    QueueFullError,
+    SchedulerConfig,
+)
 from stepline.engine.prefix_index import EntryInfo, PrefixIndex
 from stepline.engine.work import PrefixReport, StepResult, TokenLogprob
 from stepline.events.fold import Status, fold
-from stepline.events.models import FinishReason, StepPlanned
+from stepline.events.models import Admitted, FinishReason, StepPlanned
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_within_the_budget_then_decodes() -> None:
@@ -30,6 +35,35 @@ def test_a_long_prompt_is_prefilled_in_chunks_within_the_budget_then_decodes() -
     assert out.updates["a"].finish is FinishReason.LENGTH  # its second token: max_tokens
     assert core.state_of("a").num_output_tokens == 2
     assert not core.states and core.schedule() is None
+
+
+SMALL = ModelLimits(max_context=16, eos_token_ids=frozenset({EOS}))
+
+
+def test_a_request_asking_past_the_context_is_admitted_with_the_room_left_and_ends_there() -> None:
+    core = make_core(limits=SMALL)
+    core.add("a", range(3, 13), params(max_tokens=100))  # 10 prompt tokens: room for 6
+    events = core.take_events()
+    (admitted,) = [e for e in events if isinstance(e, Admitted)]
+    assert admitted.params.max_tokens == 6  # the limit it runs to, for replay to see
+    work, out = run_step(core)
+    assert work.admit[0].params.max_tokens == 6  # the runner's limit is the recorded one
+    while core.states:
+        _, out = run_step(core)
+    assert out.updates["a"].finish is FinishReason.LENGTH
+    assert core.state_of("a").num_output_tokens == 6  # prompt and output fill the context
+    events += core.take_events()
+    assert fold(events)["a"] == core.state_of("a")
+
+
+def test_a_request_asking_past_the_context_counts_against_the_kv_budget_only_up_to_it() -> None:
+    config = SchedulerConfig(max_step_tokens=64, max_num_seqs=4, max_kv_tokens=20, max_step_ms=None)
+    core = make_core(config=config, limits=SMALL)
+    core.add("a", range(3, 13), params(max_tokens=1000))  # 10 + 6 fits in 20; 10 + 1000 not
+    assert core.states["a"].params.max_tokens == 6
+    tight = SchedulerConfig(max_step_tokens=64, max_num_seqs=4, max_kv_tokens=14, max_step_ms=None)
+    with pytest.raises(KVBudgetExceededError, match=r"max_tokens \(6\)"):
+        make_core(config=tight, limits=SMALL).add("b", range(3, 13), params(max_tokens=1000))
 
 
 def test_a_steps_plan_names_each_members_tokens_and_kind() -> None:
