@@ -18,7 +18,8 @@ Who owns which fact about a request:
 |                                        | admitted (`add`); the runner reads it              |
 |                                        | (`NewRequest.params`), never recomputes it         |
 | phase (waiting / prefilling / decoding /| `RequestState.status`; ended requests move to     |
-| ended), tokens computed, output count  | `finished`                                         |
+| ended), tokens computed, output count  | `finished`; its actor reads the count in each      |
+|                                        | `Update`, never counts for itself                  |
 | its cache hit and where it came from   | `RequestState.num_cached_tokens` / `cache_source`  |
 |                                        | (from its first `ChunkPrefilled`)                  |
 | the executor still holds its arrays    | `_to_free` (until the next step or housekeeping)   |
@@ -209,16 +210,22 @@ class SchedulerCore:
     ) -> Update | None:
         """End a live request the steps did not end (cancelled, its actor failed, a fault).
         Returns the update for its actor, or None if it had ended already."""
-        if request_id not in self.states:
+        state = self.states.get(request_id)
+        if state is None:
             return None
         self._record(Terminal, request_id=request_id, reason=reason, message=message)
-        return Update(finish=reason, message=message)
+        return Update(num_output_tokens=state.num_output_tokens, finish=reason, message=message)
 
     def fail(self, reason: str) -> dict[str, Update]:
         """The engine cannot go on: end every live request with an error; admit no more.
         Returns each ended request's update."""
         self.dead_reason = reason
-        updates = {rid: Update(finish=FinishReason.ERROR, message=reason) for rid in self.states}
+        updates = {
+            rid: Update(
+                num_output_tokens=s.num_output_tokens, finish=FinishReason.ERROR, message=reason
+            )
+            for rid, s in self.states.items()
+        }
         for rid in updates:
             self._record(Terminal, request_id=rid, reason=FinishReason.ERROR, message=reason)
         self._to_free.clear()
@@ -363,6 +370,7 @@ class SchedulerCore:
                 update = updates[rid] = Update(token_ids=[token])
             else:
                 update.token_ids.append(token)
+            update.num_output_tokens = state.num_output_tokens
             if logprobs and (lp := logprobs.get(rid)) is not None:
                 update.logprobs.append(lp)
             finish = self._finish_reason(state, token)

@@ -63,6 +63,7 @@ class Update:
     request per step."""
 
     token_ids: list[int] = field(default_factory=list)  # sampled this step
+    num_output_tokens: int = 0  # the request's tokens sampled so far, this step's included
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token where asked for
     num_computed_tokens: int = 0  # prompt tokens in the cache so far (0: not said)
     num_cached_tokens: int | None = None  # of those, served by the prefix cache (first chunk)

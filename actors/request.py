@@ -4,7 +4,8 @@ It owns what is not the model's: the incremental detokenizer (never splits a UTF
 character), stop strings (matched on text, never emitted), and the client's output
 stream. It wakes once per step (one `Update` from the step loop) and never waits on a
 slow client: the client's mailbox takes at most one output per step, and a client that
-fell behind takes what piled up as one output (`RequestStream`).
+fell behind takes what piled up as one output (`RequestStream`). The counts it reports
+(output tokens, cached prompt tokens) are the scheduler core's, sent with each update.
 """
 
 from __future__ import annotations
@@ -214,7 +215,7 @@ class RequestActor:
         self._inbox = inbox
         self._output = output
         self._on_end = on_end  # tells the step loop the actor ended the request itself
-        self._num_output_tokens = 0
+        self._num_output_tokens = 0  # the core's count, from the last update
         self._log = log.bind(request_id=request_id)
 
     def _out(
@@ -245,6 +246,7 @@ class RequestActor:
         (None when it says nothing new to the client)."""
         if update.num_cached_tokens is not None:
             self.num_cached_tokens = update.num_cached_tokens
+        self._num_output_tokens = update.num_output_tokens
         if update.token_ids:
             try:
                 return self._on_tokens(update)
@@ -260,7 +262,6 @@ class RequestActor:
 
     def _on_tokens(self, update: Update) -> RequestOutput:
         tokens = update.token_ids
-        self._num_output_tokens += len(tokens)
         printable = tokens[:-1] if update.stop_token else tokens
         if len(printable) == 1:  # a decode step's one token
             text = self._detok.add(printable[0])

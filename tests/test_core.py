@@ -51,7 +51,7 @@ def test_a_request_asking_past_the_context_is_admitted_with_the_room_left_and_en
     while core.states:
         _, out = run_step(core)
     assert out.updates["a"].finish is FinishReason.LENGTH
-    assert core.state_of("a").num_output_tokens == 6  # prompt and output fill the context
+    assert out.updates["a"].num_output_tokens == 6  # prompt and output fill the context
     events += core.take_events()
     assert fold(events)["a"] == core.state_of("a")
 
@@ -64,6 +64,17 @@ def test_a_request_asking_past_the_context_counts_against_the_kv_budget_only_up_
     tight = SchedulerConfig(max_step_tokens=64, max_num_seqs=4, max_kv_tokens=14, max_step_ms=None)
     with pytest.raises(KVBudgetExceededError, match=r"max_tokens \(6\)"):
         make_core(config=tight, limits=SMALL).add("b", range(3, 13), params(max_tokens=1000))
+
+
+def test_each_update_carries_the_requests_output_count_as_the_core_keeps_it() -> None:
+    core = make_core()
+    core.add("a", (3, 4), params(max_tokens=5))
+    core.add("b", (3, 4, 5), params(max_tokens=5))
+    counts = [run_step(core)[1].updates["a"].num_output_tokens for _ in range(3)]
+    assert counts == [1, 2, 3] and core.states["a"].num_output_tokens == 3
+    cancelled = core.abort("a", FinishReason.CANCELLED)
+    assert cancelled is not None and cancelled.num_output_tokens == 3
+    assert core.fail("executor failed")["b"].num_output_tokens == 3
 
 
 def test_a_steps_plan_names_each_members_tokens_and_kind() -> None:
