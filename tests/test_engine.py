@@ -307,6 +307,24 @@ def test_bad_sampling_params_name_the_field(make, error):
     assert field in ("max_tokens", "temperature", "top_p")
 
 
+async def test_a_request_asking_past_the_context_ends_by_length_where_the_context_ends(
+    tmp_path, model_cache_dir
+):
+    log = tmp_path / "l.jsonl"
+    params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+    async with Engine.open(
+        "stepline-demo", max_step_tokens=512, max_num_seqs=4, event_log=log
+    ) as engine:
+        room = 3
+        outs = await collect(
+            await engine.submit(long_prompt(engine.max_context - room), params=params)
+        )
+    assert outs[-1].finish_reason == "length" and outs[-1].num_output_tokens == room
+    assert sum(len(o.token_ids) for o in outs) == room
+    (admitted,) = [e for e in read_events(log) if isinstance(e, Admitted)]
+    assert admitted.params.max_tokens == room  # the limit it ran to, as replay reads it
+
+
 async def test_bad_requests_are_refused_clearly_and_the_engine_serves_on(tmp_path, model_cache_dir):
     log = tmp_path / "l.jsonl"
     async with Engine.open(

@@ -28,6 +28,7 @@ from stepline.engine.policy import (
     admission_key,
     check_admissible,
     decode_context,
+    max_output_tokens,
     padded_decode_context,
     place_row,
     schedule,
@@ -288,6 +289,22 @@ def test_inadmissible_requests_say_why():
     assert (err.value.num_prompt_tokens, err.value.max_context) == (3000, 2048)
     with pytest.raises(ValueError, match="max_tokens"):
         check_admissible(50, 80, 2048, config)
+
+
+def test_a_requests_token_limit_is_what_it_asked_within_the_context_and_the_kv_budget():
+    # 100 prompt tokens in a 1,000-token context: room for 900
+    assert max_output_tokens(50, 100, 1000) == 50
+    assert max_output_tokens(5000, 100, 1000) == 900
+    assert max_output_tokens(None, 100, 1000) == 900  # asked for nothing: all the room
+    # A KV budget of 500 tokens with 40 of them fixed per request leaves 360, when asked for
+    kv = SchedulerConfig(max_kv_tokens=500, kv_tokens_per_seq=40)
+    assert max_output_tokens(None, 100, 1000, kv) == 360
+    assert max_output_tokens(5000, 100, 1000, kv) == 360
+    assert max_output_tokens(5000, 100, 1000) == 900  # the context alone
+    # A prompt that alone overflows the budget: 1, so that the admission check says why
+    assert max_output_tokens(None, 480, 1000, kv) == 1
+    with pytest.raises(KVBudgetExceededError):
+        check_admissible(480, max_output_tokens(None, 480, 1000, kv), 1000, kv)
 
 
 def test_config_rejects_nonsense():
