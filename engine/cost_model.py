@@ -274,10 +274,6 @@ class CostModel:
         return self._prefill[features.context_band] if features.has_prefill else self._decode
 
     @property
-    def num_samples(self) -> int:
-        return len(self._seed) + len(self._decode) + sum(len(p) for p in self._prefill)
-
-    @property
     def last(self) -> StepCost | None:
         """The last fit, as it is (no refit): enough to predict a step that sizes no chunk."""
         return self._surprised(self._cost)

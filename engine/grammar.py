@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -43,11 +43,6 @@ def json_schema_grammar(schema: dict[str, Any]) -> str:
         return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=_JSON_OPTIONS)
     except ValueError as exc:
         raise GrammarError(f"invalid JSON schema: {exc}") from exc
-
-
-def json_object_grammar() -> str:
-    """Any JSON object (OpenAI's `json_object` mode)."""
-    return json_schema_grammar({"type": "object"})
 
 
 def markup(tokenizer: Any, text: str) -> str:
@@ -269,8 +264,3 @@ class GrammarCompiler:
     def matcher(self, grammar: str) -> llguidance.LLMatcher:
         """A fresh matcher for one request (a copy of the compiled one). Raises GrammarError."""
         return self.compile(grammar).deep_copy()
-
-    def accepts(self, grammar: str, token_ids: Iterable[int]) -> bool:
-        """Whether `token_ids` is a complete sentence of `grammar` (for tests and checks)."""
-        m = self.matcher(grammar)
-        return all(m.consume_token(t) for t in token_ids) and m.is_accepting()

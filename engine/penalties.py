@@ -21,11 +21,10 @@ class RowHistory:
     `append` is O(1). Requests without penalties need none.
     """
 
-    __slots__ = ("_seen", "_counts", "_generated", "_first_seen", "_max_id")
+    __slots__ = ("_seen", "_generated", "_first_seen", "_max_id")
 
     def __init__(self, prompt_ids: Iterable[int] = ()) -> None:
         self._seen: set[int] = set(prompt_ids)  # distinct prompt + generated ids (repetition)
-        self._counts: dict[int, int] = {}  # generated id -> times generated (presence, frequency)
         self._generated: list[int] = []
         self._first_seen: list[int] = []  # generated ids new to `_seen` when generated, in order
         self._max_id = max(self._seen, default=-1)  # to reject ids outside the vocabulary
@@ -34,7 +33,6 @@ class RowHistory:
         if token_id not in self._seen:
             self._seen.add(token_id)
             self._first_seen.append(token_id)
-        self._counts[token_id] = self._counts.get(token_id, 0) + 1
         self._generated.append(token_id)
         self._max_id = max(self._max_id, token_id)
 
@@ -42,11 +40,6 @@ class RowHistory:
     def seen_ids(self) -> set[int]:
         """Distinct token ids of the prompt and the generated tokens (do not mutate)."""
         return self._seen
-
-    @property
-    def generated_counts(self) -> dict[int, int]:
-        """Generated token id -> how many times it was generated (do not mutate)."""
-        return self._counts
 
     @property
     def generated(self) -> list[int]:

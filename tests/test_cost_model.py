@@ -121,10 +121,15 @@ def test_the_model_follows_a_machine_that_slows_down():
 
 
 def test_unusable_times_are_ignored():
-    model = CostModel(refit_every=1)
+    model, clean = CostModel(refit_every=1), CostModel(refit_every=1)
     for bad in (0.0, -1.0, float("nan"), float("inf")):
         model.observe(StepFeatures(decode_rows=1), bad)
-    assert model.num_samples == 0
+        model.seed(StepFeatures(decode_rows=1), bad)
+    assert model.cost is None and model.last is None
+    for s in _samples(3 * MIN_SAMPLES, seed=5):
+        model.observe(s.features, s.seconds)
+        clean.observe(s.features, s.seconds)
+    assert model.cost == clean.cost  # the fit of the usable times alone
 
 
 def test_chunk_attention_counts_every_query_and_key_pair():

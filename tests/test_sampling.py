@@ -394,7 +394,7 @@ def test_a_batch_whose_rows_and_parameters_disagree_is_rejected():
 def test_history_counts_what_the_executor_appends():
     history = history_of([5, 6, 5], [7, 7, 5])
     assert history.seen_ids == {5, 6, 7}
-    assert history.generated_counts == {7: 2, 5: 1}
+    assert history.generated == [7, 7, 5]
     assert history.num_generated == 3
 
 
