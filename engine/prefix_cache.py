@@ -11,14 +11,11 @@ the live cache (`compact_cache`), because a view would keep its whole parent buf
 alive — a 256-token growth block, or the entire decode batch — and the memory the
 cache reports would be a fraction of what it holds. Hits share an entry's arrays
 (`share_cache`); MLX copies a buffer only when one of them writes to it.
-
-`PrefixCache` puts an index and a store together in one thread, for direct use.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +24,7 @@ from mlx_lm.models.cache import KVCache, can_trim_prompt_cache
 
 from stepline.engine.prefix_disk import DiskTier
 from stepline.engine.prefix_files import Layout
-from stepline.engine.prefix_index import EntryInfo, PrefixIndex, Tokens
+from stepline.engine.prefix_index import EntryInfo, Tokens
 from stepline.engine.work import PrefixReport
 
 Cache = list[Any]
@@ -185,102 +182,3 @@ class PrefixStore:
         """Let the queued disk writes finish and stop the writer thread."""
         if self.disk is not None:
             self.disk.close(timeout)
-
-
-@dataclass(frozen=True)
-class PrefixHit:
-    num_tokens: int  # prompt tokens the cache already holds
-    cache: Cache  # this request's own cache objects (sharing the entry's arrays)
-    source: str  # "memory" or "disk"
-
-
-@dataclass
-class PrefixCacheStats:
-    hits: int = 0  # from either tier
-    misses: int = 0
-    evictions: int = 0  # from memory
-    inserts: int = 0
-    nbytes: int = 0  # in memory
-    entries: int = 0  # in memory
-    cached_tokens: int = 0  # prompt tokens served from the cache, in total
-    disk_hits: int = 0  # of `hits`, served by loading a file
-
-
-class PrefixCache:
-    """An index and a store on one thread: insert snapshots, look prompts up.
-
-    The engine splits these between the step loop and the executor; this keeps them
-    together for direct use (tools, tests) with exactly the engine's rules.
-    """
-
-    def __init__(
-        self,
-        max_bytes: int,
-        *,
-        disk_dir: str | Path | None = None,
-        disk_max_bytes: int = 0,
-        model_id: str = "",
-        layout: Layout | None = None,
-    ):
-        self.index = PrefixIndex(max_bytes)
-        self.store = PrefixStore(
-            disk_dir=disk_dir, disk_max_bytes=disk_max_bytes, model_id=model_id, layout=layout
-        )
-        self.stats = PrefixCacheStats()
-        for info in self.store.disk_entries():
-            self.index.add_disk(info.tokens, info.trimmable)
-
-    @property
-    def disk(self) -> DiskTier | None:
-        return self.store.disk
-
-    def __len__(self) -> int:
-        return self.index.num_memory_entries
-
-    def _sync(self) -> None:
-        report = self.store.take_report()
-        for tokens in self.index.apply(report.new, report.disk_added, report.disk_removed):
-            self.store.drop(tokens)
-        self.stats.nbytes = self.index.nbytes
-        self.stats.entries = self.index.num_memory_entries
-        self.stats.evictions = self.index.evictions
-
-    def insert(self, tokens: Sequence[int], cache: Cache, *, persist: bool = True) -> None:
-        """Keep `cache`, whose state is exactly that after `tokens` (copied: see module)."""
-        if not tokens:
-            return
-        self.store.put(tokens, cache, persist=persist)
-        self.stats.inserts += 1
-        self._sync()
-
-    def lookup(self, prompt: Sequence[int]) -> PrefixHit | None:
-        """The longest usable cached prefix of `prompt` (at most len(prompt) - 1 tokens).
-
-        A disk entry is loaded into memory; a file that turns out unusable is dropped
-        (logged) and the next best entry is tried.
-        """
-        self._sync()
-        while (match := self.index.best(prompt)) is not None:
-            if match.source == "disk":
-                loaded = self.store.promote(match.tokens)
-                if not loaded:
-                    self._sync()
-                    continue
-                self.stats.disk_hits += 1
-            self.index.touch(match.tokens)
-            cache = self.store.get(match.tokens, match.num_tokens)
-            self._sync()
-            self.stats.hits += 1
-            self.stats.cached_tokens += match.num_tokens
-            return PrefixHit(match.num_tokens, cache, match.source)
-        self.stats.misses += 1
-        return None
-
-    def flush(self, timeout: float | None = None) -> bool:
-        """Wait until the disk tier's queued writes are on disk; False on timeout."""
-        ok = self.store.flush(timeout)
-        self._sync()
-        return ok
-
-    def close(self, timeout: float | None = 30.0) -> None:
-        self.store.close(timeout)

@@ -8,9 +8,9 @@ import anyio
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
+from prefix_parts import Prefixes
 
 from stepline.api import Engine, SamplingParams
-from stepline.engine.prefix_cache import PrefixCache
 from stepline.engine.runner import snapshot_cache
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3)
@@ -95,17 +95,17 @@ def test_a_hybrid_entry_is_never_used_at_an_offset_it_was_not_taken_at(demo_hybr
         model(mx.array(prompt[:n])[None], cache=cache)
         return snapshot_cache(cache)
 
-    pc = PrefixCache(max_bytes=1 << 30)
-    pc.insert(prompt[:20], snapshot(20))
-    pc.insert(prompt[:50], snapshot(50))
+    pc = Prefixes(1 << 30)
+    pc.put(prompt[:20], snapshot(20))
+    pc.put(prompt[:50], snapshot(50))
     # A naive trie lookup would cut the 50-token entry back to the 40 shared tokens.
     hit = pc.lookup(prompt[:40] + ids(5, 7))
-    assert hit.num_tokens == 20
+    assert hit is not None and hit.num_tokens == 20
+    assert all(layer.offset == 20 for layer in hit.cache if hasattr(layer, "offset"))
     # The whole prompt again: 50 would leave nothing to compute, so the entry at 20 it is.
-    assert pc.lookup(prompt).num_tokens == 20
-    assert pc.lookup(prompt + [5, 6]).num_tokens == 50
+    assert (hit := pc.lookup(prompt)) is not None and hit.num_tokens == 20
+    assert (hit := pc.lookup(prompt + [5, 6])) is not None and hit.num_tokens == 50
     assert pc.lookup(ids(30, 8)) is None
-    assert (pc.stats.hits, pc.stats.misses) == (3, 1)
 
 
 def test_a_trimmable_entry_serves_any_shorter_common_prefix(demo):
@@ -113,12 +113,15 @@ def test_a_trimmable_entry_serves_any_shorter_common_prefix(demo):
     prompt = ids(50, 9)
     cache = make_prompt_cache(model)
     model(mx.array(prompt)[None], cache=cache)
-    pc = PrefixCache(max_bytes=1 << 30)
-    pc.insert(prompt, snapshot_cache(cache))
+    pc = Prefixes(1 << 30)
+    pc.put(prompt, snapshot_cache(cache))
     hit = pc.lookup(prompt[:33] + ids(4, 10))
-    assert hit.num_tokens == 33 and all(layer.offset == 33 for layer in hit.cache)
+    assert hit is not None and hit.num_tokens == 33
+    assert all(layer.offset == 33 for layer in hit.cache)
     again = pc.lookup(prompt[:10] + [7, 7])
-    assert again.num_tokens == 10  # the first hit's trim did not touch the shared entry
+    assert again is not None and again.num_tokens == 10
+    # the first hit's trim did not touch the shared entry
+    assert all(layer.offset == 10 for layer in again.cache)
 
 
 @pytest.mark.parametrize("model", ["stepline-demo", "stepline-demo-hybrid"])

@@ -12,11 +12,12 @@ import pytest
 from helpers import wait_until
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, KVCache, load_prompt_cache, make_prompt_cache
+from prefix_parts import Prefixes
 from structlog.testing import capture_logs
 
 import stepline.engine.prefix_files as prefix_files
 from stepline.api import Engine, SamplingParams
-from stepline.engine.prefix_cache import PrefixCache
+from stepline.engine.prefix_cache import PrefixStore
 from stepline.engine.prefix_files import WRITER_THREAD_NAME, entry_file_name, model_fingerprint
 from stepline.engine.runner import snapshot_cache
 from stepline.events.log import read_events
@@ -216,6 +217,19 @@ def entry(model, prompt: list[int]):
     return snapshot_cache(cache)
 
 
+def write(directory: Path, model_id: str, entries: dict[tuple[int, ...], list]) -> None:
+    """Files of `entries` (tokens -> their cache), as an engine that ran before left them."""
+    store = PrefixStore(disk_dir=directory, disk_max_bytes=1 << 30, model_id=model_id)
+    for tokens, cache in entries.items():
+        store.put(tokens, cache)
+    store.close()
+
+
+def restarted(directory: Path, model_id: str, disk_max_bytes: int = 1 << 30) -> Prefixes:
+    """The prefix cache of an engine started on `directory`: its files are what it has."""
+    return Prefixes(1 << 30, disk_dir=directory, disk_max_bytes=disk_max_bytes, model_id=model_id)
+
+
 async def test_a_whole_file_whose_arrays_do_not_fit_the_model_is_dropped_with_a_warning(
     demo, tmp_path
 ):
@@ -232,9 +246,7 @@ async def test_a_whole_file_whose_arrays_do_not_fit_the_model_is_dropped_with_a_
         else:
             kv.state = (keys.astype(mx.float16), values.astype(mx.float16), *rest)
         crafted.append(kv)
-    pc = PrefixCache(0, disk_dir=cache_dir, disk_max_bytes=1 << 30, model_id=model_id)
-    pc.insert(SYSTEM, crafted)
-    pc.close()
+    write(cache_dir, model_id, {tuple(SYSTEM): crafted})
     assert len(files(cache_dir)) == 1
 
     for restart in range(2):
@@ -254,73 +266,72 @@ async def test_a_whole_file_whose_arrays_do_not_fit_the_model_is_dropped_with_a_
 
 def test_the_size_cap_evicts_the_least_recently_used_file(demo, tmp_path):
     prompts = [[k, *ids(29, k)] for k in (10, 11, 12)]  # no prefix shared
-    probe = PrefixCache(0, disk_dir=tmp_path / "probe", disk_max_bytes=1 << 30, model_id="m")
-    probe.insert(prompts[0], entry(demo.model, prompts[0]))
-    probe.flush()
-    size = probe.disk.stats.nbytes
+    write(tmp_path / "probe", "m", {tuple(prompts[0]): entry(demo.model, prompts[0])})
+    (size,) = [p.stat().st_size for p in files(tmp_path / "probe")]
 
-    pc = PrefixCache(0, disk_dir=tmp_path / "capped", disk_max_bytes=int(size * 2.5), model_id="m")
+    capped = tmp_path / "capped"
+    pc = Prefixes(1 << 30, disk_dir=capped, disk_max_bytes=int(size * 2.5), model_id="m")
     a, b, c = prompts
-    pc.insert(a, entry(demo.model, a))
-    pc.insert(b, entry(demo.model, b))
+    pc.put(a, entry(demo.model, a))
+    pc.put(b, entry(demo.model, b))
     pc.flush()
-    assert pc.lookup([*a, 1]).num_tokens == 30  # a is now used more recently than b
-    pc.insert(c, entry(demo.model, c))
+    hit = pc.lookup([*a, 1])
+    assert hit is not None and hit.num_tokens == 30  # a is now used more recently than b
+    pc.put(c, entry(demo.model, c))
     pc.flush()
+    assert pc.store.disk is not None and pc.store.disk.stats.evictions == 1
+    pc.store.close()
+    assert sum(p.stat().st_size for p in files(capped)) <= size * 2.5
+    assert len(files(capped)) == 2
 
-    assert pc.disk.stats.evictions == 1
-    assert pc.lookup([*b, 1]) is None
-    assert pc.lookup([*a, 1]).source == "disk" and pc.lookup([*c, 1]).source == "disk"
-    pc.flush()
-    assert sum(p.stat().st_size for p in files(tmp_path / "capped")) <= size * 2.5
-    assert len(files(tmp_path / "capped")) == 2
+    again = restarted(capped, "m", int(size * 2.5))
+    assert again.lookup([*b, 1]) is None
+    for kept in (a, c):
+        hit = again.lookup([*kept, 1])
+        assert hit is not None and (hit.num_tokens, hit.source) == (30, "disk")
 
 
 def test_after_a_restart_the_index_is_rebuilt_and_files_are_read_on_a_hit(demo, tmp_path):
     prompt = ids(50, 13)
-    first = PrefixCache(0, disk_dir=tmp_path, disk_max_bytes=1 << 30, model_id="m")
-    first.insert(prompt[:20], entry(demo.model, prompt[:20]))
-    first.insert(prompt[:50], entry(demo.model, prompt[:50]))
-    first.close()
+    entries = {tuple(prompt[:n]): entry(demo.model, prompt[:n]) for n in (20, 50)}
+    write(tmp_path, "m", entries)
 
-    again = PrefixCache(1 << 30, disk_dir=tmp_path, disk_max_bytes=1 << 30, model_id="m")
+    again = restarted(tmp_path, "m")
     again.flush()
     # One trimmable entry serves every shorter prefix: the 20-token file was redundant.
-    assert again.disk.stats.entries == 1 and len(files(tmp_path)) == 1
+    assert again.store.disk is not None and again.store.disk.stats.entries == 1
+    assert len(files(tmp_path)) == 1
     hit = again.lookup(prompt[:33] + [5, 5])
-    assert (hit.num_tokens, hit.source) == (33, "disk")
+    assert hit is not None and (hit.num_tokens, hit.source) == (33, "disk")
     assert all(layer.offset == 33 for layer in hit.cache)
-    assert again.lookup(prompt[:10] + [5]).source == "memory"  # loaded once, then kept
+    hit = again.lookup(prompt[:10] + [5])
+    assert hit is not None and hit.source == "memory"  # loaded once, then kept
 
 
 def test_a_hybrid_file_is_used_only_at_its_own_offset(demo_hybrid, tmp_path):
     prompt = ids(50, 14)
-    first = PrefixCache(0, disk_dir=tmp_path, disk_max_bytes=1 << 30, model_id="h")
-    first.insert(prompt[:20], entry(demo_hybrid.model, prompt[:20]))
-    first.insert(prompt[:50], entry(demo_hybrid.model, prompt[:50]))
-    first.close()
+    entries = {tuple(prompt[:n]): entry(demo_hybrid.model, prompt[:n]) for n in (20, 50)}
+    write(tmp_path, "h", entries)
 
-    again = PrefixCache(0, disk_dir=tmp_path, disk_max_bytes=1 << 30, model_id="h")
-    assert again.lookup(prompt[:40] + [5, 5]).num_tokens == 20
-    assert again.lookup(prompt).num_tokens == 20  # 50 would leave nothing to compute
-    assert again.lookup([*prompt, 5]).num_tokens == 50
+    again = restarted(tmp_path, "h")
+    assert (hit := again.lookup(prompt[:40] + [5, 5])) is not None and hit.num_tokens == 20
+    # 50 would leave nothing to compute
+    assert (hit := again.lookup(prompt)) is not None and hit.num_tokens == 20
+    assert (hit := again.lookup([*prompt, 5])) is not None and hit.num_tokens == 50
     assert again.lookup(prompt[:15]) is None
 
 
 def test_a_file_from_another_model_is_never_used(demo, tmp_path):
     prompt = ids(30, 15)
-    theirs = PrefixCache(0, disk_dir=tmp_path, disk_max_bytes=1 << 30, model_id="model-a")
-    theirs.insert(prompt, entry(demo.model, prompt))
-    theirs.close()
+    write(tmp_path, "model-a", {tuple(prompt): entry(demo.model, prompt)})
     (path,) = files(tmp_path)
 
-    ours = PrefixCache(0, disk_dir=tmp_path, disk_max_bytes=1 << 30, model_id="model-b")
-    assert ours.lookup([*prompt, 1]) is None
+    assert restarted(tmp_path, "model-b").lookup([*prompt, 1]) is None
     # Not even under the name our own entry for these tokens would have.
     os.replace(path, tmp_path / entry_file_name("model-b", prompt))
-    ours = PrefixCache(0, disk_dir=tmp_path, disk_max_bytes=1 << 30, model_id="model-b")
+    ours = restarted(tmp_path, "model-b")
     assert ours.lookup([*prompt, 1]) is None
-    assert ours.disk.stats.entries == 0
+    assert ours.store.disk is not None and ours.store.disk.stats.entries == 0
     assert len(files(tmp_path)) == 1  # another model's file: left alone, not deleted
 
 
@@ -331,10 +342,8 @@ def test_models_are_told_apart_by_their_weights_not_their_names(demo, demo_hybri
 
 def test_a_file_holding_other_tokens_than_its_index_entry_is_not_used(demo, tmp_path):
     one, two = ids(30, 16), ids(30, 17)
-    pc = PrefixCache(0, disk_dir=tmp_path, disk_max_bytes=1 << 30, model_id="m")
-    pc.insert(one, entry(demo.model, one))
-    pc.insert(two, entry(demo.model, two))
-    pc.flush()
+    write(tmp_path, "m", {tuple(one): entry(demo.model, one), tuple(two): entry(demo.model, two)})
+    pc = restarted(tmp_path, "m")
     # As if the two token lists hashed to one file name: one entry's file holds the other.
     os.replace(tmp_path / entry_file_name("m", two), tmp_path / entry_file_name("m", one))
     with capture_logs() as logs:
@@ -353,16 +362,13 @@ def test_files_are_mlx_lm_prompt_cache_files_and_keep_bfloat16(tmp_path):
     rec.state = ([None, mx.random.normal((1, 3, 4)).astype(mx.bfloat16)], None, None)
     cache = [kv, rec]
     tokens = ids(12, 18)
-    pc = PrefixCache(0, disk_dir=tmp_path, disk_max_bytes=1 << 30, model_id="m")
-    pc.insert(tokens, cache)
-    pc.close()
+    write(tmp_path, "m", {tuple(tokens): cache})
 
     (path,) = files(tmp_path)
     loaded, metadata = load_prompt_cache(str(path), return_metadata=True)
     assert metadata["tokens"] == ",".join(map(str, tokens))
-    hit = PrefixCache(0, disk_dir=tmp_path, disk_max_bytes=1 << 30, model_id="m").lookup(
-        [*tokens, 1]
-    )
+    hit = restarted(tmp_path, "m").lookup([*tokens, 1])
+    assert hit is not None and hit.source == "disk"
     for got in (loaded, hit.cache):
         for (name, want), (_, have) in zip(
             tree_flatten([c.state for c in cache]),
