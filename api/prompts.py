@@ -106,14 +106,9 @@ class Prompts:
         if (prompt is None) == (messages is None):
             raise ValueError("pass exactly one of prompt= or messages=")
         if messages is not None:
-            holes: list[str] = []
-            messages, template_kwargs = self._guarded((messages, template_kwargs), holes)
-            text = self.render_chat(messages, template_kwargs=template_kwargs)
+            text, holes = self._render(messages, template_kwargs)
             self.check_text_length(text)
-            if holes:
-                ids = self._encode_around(text, holes)
-            else:
-                ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+            ids = self._encode(text, holes)
             return ids, self.chat_checkpoints(messages, ids, text, template_kwargs)
         if isinstance(prompt, str):
             self.check_text_length(prompt)
@@ -126,6 +121,26 @@ class Prompts:
                     f"token id {t!r} is not in the model's vocabulary (0..{vocab - 1})"
                 )
         return ids, []
+
+    def _render(
+        self,
+        messages: Sequence[dict],
+        template_kwargs: dict[str, Any] | None,
+        add_generation_prompt: bool = True,
+    ) -> tuple[str, list[str]]:
+        """The chat template's rendering of `messages` with the added tokens' text in
+        clients' strings as placeholders (`_guarded`), and the texts they stand for. The
+        template's arguments are walked first (templates render tools before the turns), so a
+        prefix of the conversation renders to a prefix of the whole."""
+        holes: list[str] = []
+        template_kwargs, messages = self._guarded((template_kwargs, messages), holes)
+        return self.render_chat(messages, add_generation_prompt, template_kwargs), holes
+
+    def _encode(self, text: str, holes: list[str]) -> list[int]:
+        """The ids of a rendering (`_render`)."""
+        if holes:
+            return self._encode_around(text, holes)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def _guarded(self, value: Any, holes: list[str]) -> Any:
         """`value` (messages and template arguments: nested dicts, lists, strings) with each
@@ -268,8 +283,8 @@ class Prompts:
 
         Found from the chat template's rendering of message prefixes; a boundary whose
         tokens are not an exact prefix of `ids` is left out, never guessed. With `text`, the
-        rendering of `messages`, a boundary followed by a special token (`<|im_start|>`) is
-        found without tokenizing its prefix again (`_split_offset`).
+        rendering of `messages` (`_render`'s), a boundary followed by a special token
+        (`<|im_start|>`) is found without tokenizing its prefix again (`_split_offset`).
         """
         cuts = set()
         if messages and messages[0].get("role") in ("system", "developer"):
@@ -280,8 +295,8 @@ class Prompts:
         found = [len(ids)]
         for n in sorted(cuts):
             try:
-                prefix_text = self.render_chat(
-                    messages[:n], add_generation_prompt=False, template_kwargs=template_kwargs
+                prefix_text, holes = self._render(
+                    messages[:n], template_kwargs, add_generation_prompt=False
                 )
             except Exception:  # noqa: BLE001 - a template may refuse a partial chat
                 continue
@@ -293,7 +308,7 @@ class Prompts:
                     if 0 < k < len(ids):
                         found.append(k)
                     continue
-            prefix = self.tokenizer.encode(prefix_text, add_special_tokens=False)
+            prefix = self._encode(prefix_text, holes)
             if 0 < len(prefix) < len(ids) and list(ids[: len(prefix)]) == prefix:
                 found.append(len(prefix))
         return found
