@@ -53,6 +53,7 @@ from stepline.api.pipeline.resume import (
     wants_resumable,
 )
 from stepline.api.pipeline.writer import Emit, StreamResponse
+from stepline.engine.policy import max_output_tokens
 from stepline.engine.sampling_limits import GREEDY_TEMPERATURE
 
 if TYPE_CHECKING:
@@ -304,39 +305,32 @@ class Serving:
         prompt_param: str,
         param: str = "max_tokens",
     ) -> int:
-        """The request's token limit: `requested`, or by default the room left in the context
-        (within the KV budget). A `requested` past the room is clamped to it
-        (agents such as Claude Code cannot be told a local model's context), unless
-        `strict_max_tokens`, where past the context it is a 400."""
+        """The request's token limit (`policy.max_output_tokens`, the engine's one): `requested`,
+        or by default `default` or the room left in the context, within the KV budget. A
+        `requested` past the room is clamped to it (agents such as Claude Code cannot be told
+        a local model's context), unless `strict_max_tokens`, where past the context it is a
+        400."""
         max_context = self.engine.max_context
         if num_prompt >= max_context:
             raise context_exceeded(num_prompt, max_context, prompt_param, at_least=False)
-        context_room = room = max_context - num_prompt
-        # No further than the KV budget lets it either: otherwise a plain chat on a
-        # long-context model whose budget is below its context would be refused as "can never
-        # fit".
-        config = self.engine.step_loop.config
-        if config.max_kv_tokens is not None:
-            fits = config.max_kv_tokens - num_prompt - config.kv_tokens_per_seq
-            room = min(room, max(fits, 1))
-        if requested is None:
-            return min(default or room, room)
-        if requested <= room:
-            return requested
-        if not self.config.strict_max_tokens:
-            log.info("max_tokens_clamped", requested=requested, effective=room, param=param)
-            return room
-        if requested > context_room:
-            raise APIError(
-                400,
-                f"This model's maximum context length is {max_context} tokens, but "
-                f"{num_prompt + requested} tokens were requested ({num_prompt} in the prompt, "
-                f"{requested} in the completion): shorten the prompt or lower {param} to at "
-                f"most {context_room}",
-                param=param,
-                code="context_length_exceeded",
-            )
-        return requested  # past the KV budget: the submission says by how much
+        if requested is not None and self.config.strict_max_tokens:
+            context_room = max_output_tokens(None, num_prompt, max_context)
+            if requested > context_room:
+                raise APIError(
+                    400,
+                    f"This model's maximum context length is {max_context} tokens, but "
+                    f"{num_prompt + requested} tokens were requested ({num_prompt} in the "
+                    f"prompt, {requested} in the completion): shorten the prompt or lower "
+                    f"{param} to at most {context_room}",
+                    param=param,
+                    code="context_length_exceeded",
+                )
+            return requested  # past the KV budget: the submission says by how much
+        asked = requested if requested is not None else (default or None)
+        limit = max_output_tokens(asked, num_prompt, max_context, self.engine.step_loop.config)
+        if requested is not None and limit < requested:
+            log.info("max_tokens_clamped", requested=requested, effective=limit, param=param)
+        return limit
 
     def sampling(
         self, req: Any, max_tokens: int, logprobs: int | None, grammar: str | None = None
