@@ -16,7 +16,7 @@ any length runs). Its answers are gibberish; a turn ends at an end-of-text token
 token limit (`--max-kv-tokens` bounds that: Claude Code asks for 32,000). What is checked is
 that every request a CLI sends gets a 2xx.
 
-Not a test (it needs npm and a few minutes); see README "Claude Code / Codex against stepline".
+Not a test (it needs npm and a few minutes); see "Claude Code and Codex" in docs/agents.md.
 """
 
 from __future__ import annotations

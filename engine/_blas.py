@@ -25,7 +25,7 @@ from pathlib import Path
 from stepline.engine.cache_dirs import cache_root
 
 _loaded: str | None = None  # path of the OpenBLAS we loaded, or None
-_reason: str = "not attempted"  # why we did not, for `stepline info` and the logs
+_reason: str = "not attempted"  # why we did not, for the logs (`status`)
 
 
 def _site_dirs() -> list[Path]:

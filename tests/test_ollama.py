@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import httpx
 import jsonschema
@@ -14,6 +15,8 @@ import openai
 import pytest
 import pytest_asyncio
 from helpers import WEATHER_ARGS, Served, hold_open, open_served, wait_finished
+
+from stepline.api.ollama.serving import ModelFacts
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -165,3 +168,8 @@ async def test_a_stream_whose_client_leaves_is_cancelled(served):
                 break
     state = await wait_finished(served.engine.step_loop, rid)
     assert state.finish_reason == "cancelled"
+
+
+async def test_a_quantized_models_listing_counts_its_parameters_not_its_packed_words(smollm2):
+    facts = ModelFacts.read(Path(smollm2.path))  # SmolLM2-135M, 4-bit on disk
+    assert (facts.parameter_size, facts.quantization_level) == ("135M", "Q4")

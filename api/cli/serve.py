@@ -17,10 +17,10 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
 
     p = subparsers.add_parser(
         "serve",
-        help="serve the model over HTTP (OpenAI, Anthropic, Responses APIs)",
+        help="serve the model over HTTP (OpenAI, Responses, Anthropic and Ollama APIs)",
         description="Serve a model over HTTP: the OpenAI API (/v1/chat/completions, "
-        "/v1/completions, /v1/models, /v1/responses), Anthropic's (/v1/messages), /health, "
-        "/metrics.",
+        "/v1/completions, /v1/models, /v1/responses), Anthropic's (/v1/messages), Ollama's "
+        "(/api/chat, /api/generate, /api/tags, ...), /health, /metrics.",
     )
     add_engine_args(p)
     add_flags(

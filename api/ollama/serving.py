@@ -54,28 +54,40 @@ class ModelFacts:
 
     size: int  # bytes of weights
     num_params: int
-    dtype: str  # of the largest tensor, as safetensors names it (F32, BF16, U32 if packed)
+    quantization_level: str  # Q4, Q8 (mlx-lm's quantization), else the weights' dtype (F32)
     family: str  # config.json's model_type
     digest: str
     modified_at: str
 
     @classmethod
     def read(cls, path: Path) -> ModelFacts:
+        config_file = path / "config.json"
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        quant = config.get("quantization") or {}
         size = num_params = 0
         dtypes: dict[str, int] = {}
         for f in sorted(path.glob("*.safetensors")):
             size += f.stat().st_size
-            for dtype, n in _tensor_sizes(f):
+            for name, dtype, n in _tensors(f):
+                module, _, kind = name.rpartition(".")
+                if kind in ("scales", "biases") and quant:
+                    continue  # a quantized weight's companions: no parameters of their own
+                if dtype == "U32" and quant:  # packed: 32 bits hold 32 / bits parameters
+                    bits = (quant.get(module) or {}).get("bits", quant.get("bits", 32))
+                    n = n * 32 // bits
                 num_params += n
                 dtypes[dtype] = dtypes.get(dtype, 0) + n
-        config_file = path / "config.json"
-        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
         stamp = config_file.stat().st_mtime if config_file.is_file() else time.time()
         digest = hashlib.sha256(f"{path.resolve()}:{size}:{stamp}".encode()).hexdigest()
+        level = (
+            f"Q{quant['bits']}"
+            if "bits" in quant
+            else max(dtypes, key=dtypes.__getitem__, default="")
+        )
         return cls(
             size=size,
             num_params=num_params,
-            dtype=max(dtypes, key=lambda d: dtypes[d]) if dtypes else "",
+            quantization_level=level,
             family=str(config.get("model_type", "")),
             digest=digest,
             modified_at=datetime.fromtimestamp(stamp, UTC).isoformat().replace("+00:00", "Z"),
@@ -89,8 +101,8 @@ class ModelFacts:
         return f"{n / 1e6:.0f}M" if n >= 1e6 else f"{n / 1e6:.1f}M"
 
 
-def _tensor_sizes(file: Path) -> list[tuple[str, int]]:
-    """(dtype, elements) of each tensor in a safetensors file, from its header alone."""
+def _tensors(file: Path) -> list[tuple[str, str, int]]:
+    """(name, dtype, elements) of each tensor in a safetensors file, from its header alone."""
     with file.open("rb") as f:
         (length,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(length))
@@ -100,7 +112,7 @@ def _tensor_sizes(file: Path) -> list[tuple[str, int]]:
             n = 1
             for d in info["shape"]:
                 n *= d
-            out.append((info["dtype"], n))
+            out.append((name, info["dtype"], n))
     return out
 
 
@@ -120,7 +132,7 @@ class OllamaDoor:
             "family": f.family,
             "families": [f.family] if f.family else None,
             "parameter_size": f.parameter_size,
-            "quantization_level": f.dtype,
+            "quantization_level": f.quantization_level,
         }
 
     def card(self) -> dict[str, Any]:
