@@ -4,7 +4,7 @@ whether everyone else is frozen — /health's latency and the longest gap of bys
     .venv/bin/python benchmarks/freeze_probe.py --url http://127.0.0.1:8000 --seconds 60
     .venv/bin/python benchmarks/soak.py --freeze-probe        # beside the soak's own load
 
-The hostile bodies are those that once froze the whole server (issue 23): JSON nested 900
+The hostile bodies are those that can freeze a whole server: JSON nested 900
 deep (in `chat_template_kwargs`, in a tool call's `arguments`, in an Anthropic body), lone
 surrogates (a chat message, a background Response's `metadata`), 60,000 tools, 60,000 stop
 sequences, 20,000 consecutive system messages, a Responses replay from `starting_after`

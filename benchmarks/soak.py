@@ -21,7 +21,7 @@ clients: a stream that never gave a finish_reason or an error frame, no answer w
 LOG --verify`), and a PASS/FAIL line. Exit status: 0 PASS, 1 FAIL, 2 the run could not start.
 
 With --freeze-probe, a prober runs beside the load (benchmarks/freeze_probe.py): every
---probe-every seconds one hostile body that once froze the whole server (900-deep JSON, lone
+--probe-every seconds one hostile body of the kinds that can freeze a server (900-deep JSON, lone
 surrogates, 60,000 tools, ...), a /health poller and bystander streams; the worst /health
 latency (target < 1 s) and the bystanders' longest gap (< 2 s) join the verdict.
 

@@ -1,8 +1,8 @@
 """One writer per event log: an advisory lock (`flock`) on `<log>.lock`, held while a writer
 has the log open, with who holds it written inside so that a refused writer can name it.
 
-Two `stepline serve` (or a server and an `Engine.open`) on the same `--event-log` once both
-started and interleaved their runs into one corrupt file. The lock is the kernel's: it goes
+Two `stepline serve` (or a server and an `Engine.open`) writing the same `--event-log` would
+interleave their runs into one corrupt file. The lock is the kernel's: it goes
 with the process that held it, however that process ends, so a crashed server never blocks
 its own restart. The lock file is removed when the writer closes (a crash leaves it, for the
 next writer to take); a writer that locked a file just removed tries again.

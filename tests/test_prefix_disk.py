@@ -234,7 +234,7 @@ async def test_a_whole_file_whose_arrays_do_not_fit_the_model_is_dropped_with_a_
     demo, tmp_path
 ):
     # A file with a right crc32 and token list, in the model's own name, whose arrays have
-    # other shapes (and another dtype): once every chat answer failed on it, across restarts.
+    # other shapes (and another dtype): served from, it would fail every chat, across restarts.
     cache_dir = tmp_path / "prefix-cache"
     model_id = _model_id("stepline-demo")
     crafted = []

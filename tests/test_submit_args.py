@@ -1,6 +1,6 @@
 """`Engine.submit` with arguments of the wrong type or value: each is a TypeError or
 ValueError naming the argument, raised at once; the engine serves on and its event log
-stays whole (these once ended the engine with a gap in the log, or degraded the log)."""
+stays whole (each would otherwise end the engine with a gap in the log, or degrade it)."""
 
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ async def test_a_request_from_another_threads_event_loop_is_refused_at_once(demo
                 return exc
             return None
 
-        with anyio.fail_after(10):  # it used to wait forever
+        with anyio.fail_after(10):  # not forever: its answers could never reach it
             error = await anyio.to_thread.run_sync(other_thread)
         assert isinstance(error, WrongEventLoopError)
         assert "run_coroutine_threadsafe" in str(error)
