@@ -36,6 +36,8 @@ log = structlog.get_logger(__name__)
 def warn_without_openblas() -> None:
     """Say so when MLX runs on its reference BLAS (7-20x slower on Linux): it is silent
     otherwise, and the usual cause (importing mlx before stepline) is easy to fix."""
+    import mlx.core  # noqa: F401 - MLX's first import is where OpenBLAS is loaded, if at all
+
     from stepline.engine._blas import status
 
     loaded, reason = status()
