@@ -13,7 +13,8 @@ Who owns which fact about a request:
 
 | fact                                   | owner                                              |
 |----------------------------------------|----------------------------------------------------|
-| prompt ids, params, checkpoints        | its `RequestState` (from `Admitted`)               |
+| prompt ids, params, checkpoints, its   | its `RequestState` (from `Admitted`)               |
+| client (who sent it: fair share)       |                                                    |
 | its token limit                        | `params.max_tokens`, cut to the context when it is |
 |                                        | admitted (`add`); the runner reads it              |
 |                                        | (`NewRequest.params`), never recomputes it         |
@@ -165,12 +166,14 @@ class SchedulerCore:
         prompt_token_ids: Sequence[int],
         params: RequestParams,
         checkpoints: Sequence[int] = (),
+        client: str | None = None,
     ) -> None:
-        """Admit a request into the waiting queue, its `max_tokens` cut to what the model's
-        context leaves after its prompt (`max_output_tokens`: the `admitted` event records the
-        limit it runs to). Raises AdmissionError (EngineDeadError, QueueFullError, ...) if it
-        cannot be served; a request that got as far as the checks is recorded as admitted
-        and at once rejected, so the log says why."""
+        """Admit a request of `client` (None: the anonymous one; the policy shares the slots
+        fairly between clients) into the waiting queue, its `max_tokens` cut to what the
+        model's context leaves after its prompt (`max_output_tokens`: the `admitted` event
+        records the limit it runs to). Raises AdmissionError (EngineDeadError,
+        QueueFullError, ...) if it cannot be served; a request that got as far as the checks
+        is recorded as admitted and at once rejected, so the log says why."""
         if request_id in self._recent_ids:
             raise AdmissionError(f"request id {request_id!r} was already used: send a new one")
         self._recent_ids[request_id] = None
@@ -198,6 +201,7 @@ class SchedulerCore:
             prompt_sha256=prompt_digest(self.salt, ids),
             checkpoints=tuple(sorted({c for c in checkpoints if 0 < c <= len(ids)})),
             params=params,
+            client=client,
         )
         if refused is not None:
             self._record(

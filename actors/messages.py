@@ -45,6 +45,7 @@ class Submit:
     checkpoints: tuple[int, ...]
     actor: Mailbox[Update]  # the request actor's inbox
     reply: asyncio.Future  # set to None when admitted, or to the AdmissionError
+    client: str | None = None  # who sent it (fair share between clients); None: anonymous
 
 
 @dataclass(frozen=True)

@@ -329,7 +329,9 @@ class StepLoop:
         if msg.reply.done():  # the submitter was cancelled before we got here
             return
         try:
-            self.core.add(msg.request_id, msg.prompt_token_ids, msg.params, msg.checkpoints)
+            self.core.add(
+                msg.request_id, msg.prompt_token_ids, msg.params, msg.checkpoints, msg.client
+            )
         except AdmissionError as exc:
             msg.reply.set_exception(exc)
             return

@@ -225,13 +225,16 @@ class Engine:
         request_id: str | None = None,
         checkpoints: Sequence[int] = (),
         template_kwargs: dict[str, Any] | None = None,
+        client: str | None = None,
     ) -> RequestStream:
         """Admit one request and return its output stream. `template_kwargs` go to the chat
         template with `messages`; `params.grammar` constrains the output (compiled here, on a
-        worker thread).
+        worker thread). `client` names who sends it (the HTTP server: a fingerprint of its API
+        key and `user`; None: the one anonymous client): the running slots are shared fairly
+        between clients, and one client may fill at most three quarters of the waiting queue.
 
         Raises TypeError or ValueError naming the argument for `params`, `request_id`,
-        `checkpoints` or `template_kwargs` of the wrong type or value, ValueError for a
+        `checkpoints`, `template_kwargs` or `client` of the wrong type or value, ValueError for a
         malformed prompt (GrammarError for a grammar that does not
         compile) or a `top_k` / stop token id outside the model's vocabulary, AdmissionError
         (EmptyPromptError, ContextLengthExceededError — PromptTooLongError when the text's
@@ -248,7 +251,7 @@ class Engine:
                 "a task on that loop; from another thread, hand the call to it with "
                 "asyncio.run_coroutine_threadsafe(..., loop)"
             )
-        check_submit_args(params, request_id, checkpoints, template_kwargs)
+        check_submit_args(params, request_id, checkpoints, template_kwargs, client)
         # Counted from here (or from `arriving`) until its Submit is in the step loop's inbox.
         outer = _ARRIVAL.get()
         arrival = outer if outer is not None and outer.open else self._arrivals.arrive()
@@ -267,6 +270,7 @@ class Engine:
                 checkpoints=checkpoints,
                 actor=inbox,
                 reply=reply,
+                client=client,
             )
             if self._stopping:  # shut down while this request was being prepared
                 raise EngineClosedError("the engine is closed")
@@ -366,6 +370,7 @@ class Engine:
         request_id: str | None = None,
         checkpoints: Sequence[int] = (),
         template_kwargs: dict[str, Any] | None = None,
+        client: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its outputs as they come; the last has a finish_reason.
 
@@ -378,6 +383,7 @@ class Engine:
             request_id=request_id,
             checkpoints=checkpoints,
             template_kwargs=template_kwargs,
+            client=client,
         )
         async with stream:
             async for out in stream:
@@ -432,26 +438,21 @@ class WrongEventLoopError(RuntimeError):
 
 
 MAX_REQUEST_ID_CHARS = 256  # a request id is in every event of its request
+MAX_CLIENT_CHARS = 256  # a client is in every request's `admitted` event
 
 
-def check_submit_args(params: Any, request_id: Any, checkpoints: Any, template_kwargs: Any) -> None:
+def check_submit_args(
+    params: Any, request_id: Any, checkpoints: Any, template_kwargs: Any, client: Any = None
+) -> None:
     """Raise TypeError / ValueError naming the `submit` argument that is of the wrong type or
     value. Checked before anything reaches the step loop or the event log, where a bad one
     ended the engine (a float checkpoint, a bytes id) or degraded the log (a lone surrogate)."""
     if params is not None and not isinstance(params, SamplingParams):
         raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
     if request_id is not None:
-        if not isinstance(request_id, str):
-            raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
-        if not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS:
-            raise ValueError(
-                f"request_id must have 1 to {MAX_REQUEST_ID_CHARS} characters, "
-                f"got {len(request_id)}"
-            )
-        try:
-            check_text(request_id, "request_id")
-        except InputLimitError as exc:
-            raise ValueError(exc.message) from None
+        _check_name(request_id, "request_id", MAX_REQUEST_ID_CHARS)
+    if client is not None:
+        _check_name(client, "client", MAX_CLIENT_CHARS)
     if isinstance(checkpoints, str | bytes) or not isinstance(checkpoints, Sequence):
         raise TypeError(
             f"checkpoints must be a sequence of token offsets (ints), got "
@@ -466,3 +467,16 @@ def check_submit_args(params: Any, request_id: Any, checkpoints: Any, template_k
             raise ValueError(f"checkpoints[{i}] must be a token offset >= 0, got {c}")
     if template_kwargs is not None and not isinstance(template_kwargs, dict):
         raise TypeError(f"template_kwargs must be a dict, got {type(template_kwargs).__name__}")
+
+
+def _check_name(value: Any, name: str, max_chars: int) -> None:
+    """Raise TypeError / ValueError unless `value` is a str of 1 to `max_chars` characters
+    that the event log can write."""
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, got {type(value).__name__}")
+    if not 0 < len(value) <= max_chars:
+        raise ValueError(f"{name} must have 1 to {max_chars} characters, got {len(value)}")
+    try:
+        check_text(value, name)
+    except InputLimitError as exc:
+        raise ValueError(exc.message) from None

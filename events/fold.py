@@ -58,6 +58,7 @@ class RequestState:
     moved_step: int
     admitted_seq: int  # arrival order: the scheduler serves older requests first
     admitted_ts: float
+    client: str | None = None  # who sent it (`Admitted.client`): fair share between clients
     first_token_ts: float | None = None
     last_token_ts: float | None = None
     finished_step: int | None = None
@@ -115,6 +116,7 @@ def apply(state: RequestState | None, event: Event | Decoding) -> RequestState:
             moved_step=event.step,
             admitted_seq=event.seq,
             admitted_ts=event.ts,
+            client=event.client,
         )
     rid = getattr(event, "request_id", None)
     if state is None:

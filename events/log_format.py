@@ -160,15 +160,23 @@ def _v2_to_v3(raw: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _v3_to_v4(raw: dict[str, Any]) -> dict[str, Any]:
+    # Schema 4 only added `Admitted.client`, whose default (None: the anonymous client) is
+    # who sent every request of a version-3 log.
+    return raw
+
+
 _UPCASTERS[1] = _v1_to_v2
 _UPCASTERS[2] = _v2_to_v3
-_NO_OP_UPCASTERS = {1}  # upcasters that change nothing: their records parse as they are
+_UPCASTERS[3] = _v3_to_v4
+# upcasters that change nothing (by version): while registered, their records parse as they are
+_NO_OP_UPCASTERS = {1: _v1_to_v2, 3: _v3_to_v4}
 
 
 def needs_upcast(version: int) -> bool:
     """Whether records of `version` must go through upcasters (else: parse them directly)."""
     return any(
-        v not in _NO_OP_UPCASTERS or _UPCASTERS.get(v) is not _v1_to_v2
+        v not in _NO_OP_UPCASTERS or _UPCASTERS.get(v) is not _NO_OP_UPCASTERS[v]
         for v in range(version, SCHEMA_VERSION)
     )
 

@@ -12,7 +12,9 @@ place of one `Decoding` event per request, and a step's members as parallel tupl
 `StepPlanned`; the 2 -> 3 upcaster turns each `Decoding` into a `TokensSampled` of its
 request's rows, and a plan's `entries` into those tuples. `Decoding` stays as the
 per-request view of a `TokensSampled` (`decodings()`), which is what the readers of the log
-fold and show.
+fold and show. 4 added `Admitted.client` (who sent the request, for fair share between
+clients); its default (None: the one anonymous client) describes a version-3 log, so the
+3 -> 4 upcaster changes nothing.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Annotated, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 
 class FinishReason(StrEnum):
@@ -83,6 +85,10 @@ class Admitted(_Event):
     num_cached_tokens: int = 0
     cache_source: str | None = None
     params: RequestParams
+    # Who sent it: the scheduler shares the running slots fairly between clients
+    # (engine/policy.py). The HTTP server's fingerprint of its API key and `user`, never
+    # the key itself; None: the anonymous client (every request that names none).
+    client: str | None = None
 
 
 StepKind = Literal["prefill", "decode"]

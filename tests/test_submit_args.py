@@ -28,6 +28,10 @@ BAD_ARGS = [
     ({"request_id": "x" * 257}, ValueError, "request_id"),
     ({"params": {"max_tokens": 2}}, TypeError, "params"),
     ({"template_kwargs": [1]}, TypeError, "template_kwargs"),
+    ({"client": 5}, TypeError, "client"),
+    ({"client": ""}, ValueError, "client"),
+    ({"client": "\ud800"}, ValueError, "client"),
+    ({"client": "c" * 257}, ValueError, "client"),
 ]
 
 

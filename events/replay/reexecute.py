@@ -388,6 +388,7 @@ async def _run_again(
                     params=SamplingParams(**_accepted(SamplingParams, params.model_dump())),
                     request_id=rid,
                     checkpoints=rec.admitted.checkpoints,
+                    client=rec.admitted.client,
                 )
             except Exception as exc:  # rejected now, though admitted when recorded
                 results[rid] = ([], None, f"not admitted on re-execution: {exc}")
