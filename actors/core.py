@@ -184,7 +184,7 @@ class SchedulerCore:
         try:
             if self.dead_reason is not None:
                 raise EngineDeadError(f"the engine is unhealthy: {self.dead_reason}")
-            check_queue(self.states, self.config)
+            check_queue(self.states, self.config, client)
             # It ends at the context anyway: its KV is counted (and refused) only up to there.
             max_context = self.limits.max_context
             max_tokens = max_output_tokens(params.max_tokens, len(ids), max_context)

@@ -12,6 +12,16 @@ No MLX, no I/O, no clock. Per step, within `max_step_tokens` and `max_num_seqs`:
    batch, every row padded to the longest).
 A chunk is min(remaining prompt, budget left, long-prefill cap).
 
+Fair share between clients (`RequestState.client`: an API key and `user`, over HTTP). A
+client's share is `max_num_seqs` / the clients with live requests. While more than one
+client waits, a waiting request whose client would already run its share when it starts
+goes after every other prompt (`fair_order`): one client's hundreds of requests, aged or
+not, do not keep another's chat from the next free slot. The held ones go the client with
+fewer running first, then in the order above. With one client waiting, the order is
+exactly the one above. Nothing running is stopped for it: a client's share is taken back as
+its requests end. A client may also fill at most three quarters of the waiting queue
+(`SchedulerConfig.max_waiting_per_client`): the rest is kept for others.
+
 With a cost model (`StepCost`, fitted by engine/cost_model.py) and decode rows to protect,
 chunks are also sized so that the step's predicted time stays under `max_step_ms`: they
 shrink as their context grows and as decode rows are added. The first prompt in the order
@@ -29,7 +39,8 @@ as the token rules allow.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Collection, Container, Mapping, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
 
@@ -108,6 +119,12 @@ class SchedulerConfig:
     @property
     def chunk_cap(self) -> int:
         return self.long_prefill_cap or self.max_step_tokens
+
+    @property
+    def max_waiting_per_client(self) -> int:
+        """Most requests one client may have waiting: the last quarter of the queue is kept
+        for the others (none is, in a queue of 3 or fewer)."""
+        return self.max_waiting - self.max_waiting // 4
 
 
 @dataclass(frozen=True)
@@ -235,6 +252,7 @@ def padded_decode_context(contexts: Sequence[int], split: bool = False) -> int:
 
 
 _arrival = attrgetter("admitted_seq")
+_RUNNING = (Status.PREFILLING, Status.DECODING)
 
 
 def schedule(
@@ -258,7 +276,7 @@ def schedule(
     chunks: list[ScheduledChunk] = []
     num_scheduled: dict[str, int] = {}
 
-    running = [s for s in live if s.status in (Status.DECODING, Status.PREFILLING)]
+    running = [s for s in live if s.status in _RUNNING]
     contexts: list[int] = []
     for s in running:
         if s.status is Status.DECODING and budget > 0:
@@ -302,11 +320,13 @@ def schedule(
         budget -= n
 
     # Prompts, mid-prefill or waiting, shortest left first; one that has not moved for
-    # `MAX_WAIT_STEPS` steps before every other (`admission_key`).
+    # `MAX_WAIT_STEPS` steps before every other (`admission_key`); a waiting one whose client
+    # runs its fair share after those of clients that do not (`fair_order`).
     prompts = [(s, s.num_computed_tokens) for s in running if s.status is Status.PREFILLING]
     candidates = startable(live, prefix)
     prompts += [(s, first_chunk_start(s, prefix)) for s in candidates]
     prompts.sort(key=lambda p: admission_key(p[0], step, p[1]))
+    prompts = fair_order(prompts, live, config.max_num_seqs)
     num_running = len(running)
     lengths = [kv_length(s) for s in running] if candidates else []
     admitting = True  # waiting requests may still start this step
@@ -353,8 +373,9 @@ def prefix_candidates(
 ) -> list[Candidate]:
     """The requests whose cached prefix step `step` may look up (`plan_prefixes`): those
     prefilling towards a checkpoint, and the head of the waiting queue in the admission
-    order (`max_num_seqs` of them, cache hits not known yet: none beyond it can start
-    first). `disk_tried`: requests a disk entry was already loaded for."""
+    order, fair share included (`max_num_seqs` of them, cache hits not known yet: none
+    beyond it can start first). `disk_tried`: requests a disk entry was already loaded
+    for."""
 
     def candidate(s: RequestState, *, waiting: bool) -> Candidate:
         return Candidate(
@@ -376,7 +397,11 @@ def prefix_candidates(
         ):
             running.append(candidate(s, waiting=False))
     queue.sort(key=lambda s: admission_key(s, step, s.num_computed_tokens))
-    return [*running, *(candidate(s, waiting=True) for s in queue[: config.max_num_seqs])]
+    order = fair_order(
+        [(s, s.num_computed_tokens) for s in queue], states.values(), config.max_num_seqs
+    )
+    head = order[: config.max_num_seqs]
+    return [*running, *(candidate(s, waiting=True) for s, _ in head)]
 
 
 def is_aged(s: RequestState, step: int) -> bool:
@@ -392,6 +417,37 @@ def admission_key(s: RequestState, step: int, start: int) -> tuple[bool, int, in
     if is_aged(s, step):
         return (False, 0, s.admitted_seq)
     return (True, s.num_prompt_tokens - start, s.admitted_seq)
+
+
+Prompt = tuple[RequestState, int]  # a request, and where its next chunk starts
+
+
+def fair_order(
+    prompts: list[Prompt], live: Collection[RequestState], max_num_seqs: int
+) -> list[Prompt]:
+    """`prompts` (in the order `admission_key` gives them) with fair share between the
+    clients of the `live` requests, a client's share being `max_num_seqs` / the number of
+    clients with live requests. Where more than one client waits, a waiting request whose
+    client would already run its share when it starts (those of its client before it counted
+    as started) goes after every other prompt; the held ones go fewest running first, then
+    in their order. With one client waiting, `prompts` as they are."""
+    if len({s.client for s, _ in prompts if s.status is Status.WAITING}) < 2:
+        return prompts
+    share = max_num_seqs / len({s.client for s in live})
+    running = Counter(s.client for s in live if s.status in _RUNNING)
+    kept: list[Prompt] = []
+    held: list[tuple[int, int, Prompt]] = []
+    for i, p in enumerate(prompts):
+        s = p[0]
+        if s.status is Status.WAITING:
+            place = running[s.client]  # its client's running requests when it starts
+            running[s.client] += 1
+            if place >= share:
+                held.append((place, i, p))
+                continue
+        kept.append(p)
+    held.sort(key=lambda h: h[:2])
+    return kept + [p for _, _, p in held]
 
 
 def startable(live: list[RequestState], prefix: PrefixPlan) -> list[RequestState]:
@@ -452,11 +508,20 @@ def check_admissible(
         raise KVBudgetExceededError(needed, num_prompt_tokens, max_tokens, config)
 
 
-def check_queue(states: Mapping[str, RequestState], config: SchedulerConfig) -> None:
-    """Raise QueueFullError if `max_waiting` requests already wait for their first chunk."""
-    num_waiting = sum(1 for s in states.values() if s.status is Status.WAITING)
+def check_queue(
+    states: Mapping[str, RequestState], config: SchedulerConfig, client: str | None = None
+) -> None:
+    """Raise QueueFullError if `max_waiting` requests already wait for their first chunk, or
+    `max_waiting_per_client` of `client`'s do."""
+    num_waiting = mine = 0
+    for s in states.values():
+        if s.status is Status.WAITING:
+            num_waiting += 1
+            mine += s.client == client
     if num_waiting >= config.max_waiting:
         raise QueueFullError(num_waiting, config.max_waiting)
+    if mine >= config.max_waiting_per_client:
+        raise QueueFullError(mine, config.max_waiting_per_client, per_client=True)
 
 
 class KVBudgetExceededError(AdmissionError):
@@ -491,16 +556,33 @@ class EmptyPromptError(AdmissionError):
 
 
 class QueueFullError(AdmissionError):
-    """The waiting queue is full: try again later (HTTP 429 with Retry-After)."""
+    """The waiting queue is full, or the client's share of it (`per_client`: then the
+    numbers are the client's): try again later (HTTP 429 with Retry-After)."""
 
-    def __init__(self, num_waiting: int, max_waiting: int, retry_after_s: float = 1.0):
+    def __init__(
+        self,
+        num_waiting: int,
+        max_waiting: int,
+        retry_after_s: float = 1.0,
+        *,
+        per_client: bool = False,
+    ):
         self.num_waiting = num_waiting
         self.max_waiting = max_waiting
         self.retry_after_s = retry_after_s
-        super().__init__(
-            f"the engine's waiting queue is full ({num_waiting} of {max_waiting} requests "
-            "waiting): retry later"
-        )
+        self.per_client = per_client
+        if per_client:
+            message = (
+                f"this client already has {num_waiting} requests waiting, the most one client "
+                "may have (the rest of the engine's waiting queue is kept for other clients): "
+                "retry later"
+            )
+        else:
+            message = (
+                f"the engine's waiting queue is full ({num_waiting} of {max_waiting} requests "
+                "waiting): retry later"
+            )
+        super().__init__(message)
 
 
 class ContextLengthExceededError(AdmissionError):

@@ -147,10 +147,16 @@ def known_error(
         )
     if isinstance(exc, QueueFullError):
         retry_after = max(1, math.ceil(exc.retry_after_s))
+        busy = (
+            f"you have {exc.num_waiting} requests waiting, the most one client may have: the "
+            "rest of the server's queue is kept for other clients"
+            if exc.per_client
+            else f"the server is busy ({exc.num_waiting} requests waiting, at most "
+            f"{exc.max_waiting})"
+        )
         return APIError(
             429,
-            f"the server is busy ({exc.num_waiting} requests waiting, at most "
-            f"{exc.max_waiting}): retry after {retry_after} s",
+            f"{busy}: retry after {retry_after} s",
             type="rate_limit_error",
             code="queue_full",
             headers={"retry-after": str(retry_after)},
