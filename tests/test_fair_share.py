@@ -6,12 +6,22 @@ from __future__ import annotations
 
 import json
 import random
+import time
+from contextlib import AsyncExitStack
 from pathlib import Path
 
+import anyio
+import httpx
 import pytest
 from core_driver import TOKEN, make_core, params, run_step
+from helpers import wait_finished, wait_until
+from starlette.datastructures import Headers
 
+from stepline.api import Engine
+from stepline.api.http.app import create_app
+from stepline.api.http.serve import serve_in_process
 from stepline.api.pipeline.errors import known_error
+from stepline.api.pipeline.serving import client_of
 from stepline.engine.cost_model import StepCost
 from stepline.engine.policy import (
     MAX_WAIT_STEPS,
@@ -200,7 +210,22 @@ async def test_a_client_past_its_share_of_the_queue_is_told_it_is_its_own_share(
     assert err.headers == {"retry-after": "1"}
 
 
-# -- old logs ---------------------------------------------------------------------------------
+# -- who a client is --------------------------------------------------------------------------
+
+
+def test_a_client_is_its_key_and_its_user_as_fingerprints():
+    keyed = Headers({"authorization": "Bearer sk-secret"})
+    same_key = Headers({"x-api-key": "sk-secret"})
+    other = Headers({"authorization": "Bearer sk-other"})
+    none = Headers({})
+    assert client_of(keyed) == client_of(same_key) != client_of(other)
+    assert client_of(keyed, "alice") != client_of(keyed, "bob") != client_of(keyed)
+    assert client_of(none, "alice") != client_of(keyed, "alice")
+    assert client_of(none) is None and client_of(none, "") is None
+    for client in (client_of(keyed, "alice"), client_of(none, "alice@example.com")):
+        assert client is not None and "secret" not in client and "alice" not in client
+    key, user = client_of(keyed, "alice").split()
+    assert key.startswith("key:") and user.startswith("user:")
 
 
 def test_a_version_3_log_loads_with_every_request_from_the_anonymous_client(tmp_path: Path):
@@ -221,3 +246,119 @@ def test_a_version_3_log_loads_with_every_request_from_the_anonymous_client(tmp_
     (event,) = read_events(path)
     assert isinstance(event, Admitted) and event.client is None
     assert fold([event])["r"].client is None
+
+
+# -- over HTTP ---------------------------------------------------------------------------------
+
+
+def chat(text: str, max_tokens: int, **extra) -> dict:
+    return {
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+        **extra,
+    }
+
+
+@pytest.mark.asyncio
+async def test_streams_one_client_never_reads_do_not_keep_another_clients_chat_waiting(
+    demo, tmp_path: Path
+):
+    path = tmp_path / "events.jsonl"
+    a_key, b_key = {"authorization": "Bearer sk-client-a"}, {"authorization": "Bearer sk-b"}
+    async with (
+        Engine.open(
+            "stepline-demo", max_num_seqs=2, max_waiting=8, prefix_cache_gb=0, event_log=path
+        ) as engine,
+        serve_in_process(create_app(engine)) as url,
+        httpx.AsyncClient(base_url=url, timeout=60) as http,
+        AsyncExitStack() as streams,
+    ):
+        loop = engine.step_loop
+        # Each step takes 20 ms at least: a's 1,500-token streams hold their slots for 30 s
+        # or more, however fast this machine, while the test sends the rest.
+        run = loop.runner.run
+        loop.runner.run = lambda work: (time.sleep(0.02), run(work))[1]
+
+        async def open_stream(body: dict, headers: dict) -> httpx.Response:
+            r = await streams.enter_async_context(
+                http.stream("POST", "/v1/chat/completions", json=body, headers=headers)
+            )
+            assert r.status_code == 200
+            return r
+
+        # Client a: two streams that hold both slots until it hangs up, never read ...
+        held = [await open_stream(chat(f"tale {i}", 1500, stream=True), a_key) for i in range(2)]
+        held_ids = [r.headers["x-request-id"] for r in held]
+        await wait_until(
+            loop, lambda: all(loop.state_of(r).status is Status.DECODING for r in held_ids)
+        )
+        # ... six more, waiting: its share of the queue (3/4 of 8) ...
+        queued = [await open_stream(chat(f"story {i}", 4, stream=True), a_key) for i in range(6)]
+        queued_ids = [r.headers["x-request-id"] for r in queued]
+        # ... and a seventh is refused; another client still gets in.
+        refused = await http.post("/v1/chat/completions", json=chat("one more", 4), headers=a_key)
+        assert refused.status_code == 429
+        assert refused.json()["error"]["message"].startswith("you have 6 requests waiting")
+
+        b = await open_stream(chat("Tell me about bread.", 8, stream=True), b_key)
+        b_id = b.headers["x-request-id"]
+        assert all(loop.state_of(r).status is Status.WAITING for r in [*queued_ids, b_id])
+        await held[0].aclose()  # a hangs up one stream: a slot frees
+        await wait_finished(loop, held_ids[0])
+        await wait_until(loop, lambda: loop.state_of(b_id).status is not Status.WAITING)
+        # b took it; a's queue, older and shorter, still waits.
+        assert all(loop.state_of(r).status is Status.WAITING for r in queued_ids)
+        with anyio.fail_after(30):
+            frames = [line async for line in b.aiter_lines() if line.startswith("data: ")]
+        assert frames[-1] == "data: [DONE]"
+        assert json.loads(frames[-2][6:])["choices"][0]["finish_reason"] == "length"
+
+    admitted = {e.request_id: e for e in read_events(path) if isinstance(e, Admitted)}
+    a_clients = {admitted[r].client for r in [*held_ids, *queued_ids]}
+    assert a_clients == {client_of(Headers(a_key))}
+    assert admitted[b_id].client == client_of(Headers(b_key)) != client_of(Headers(a_key))
+    assert not any("sk-" in (e.client or "") for e in admitted.values())
+
+
+@pytest.mark.asyncio
+async def test_every_door_names_its_client_by_key_and_end_user(demo, tmp_path: Path):
+    path = tmp_path / "events.jsonl"
+    asks = [
+        ("/v1/chat/completions", chat("hi", 1, user="alice"), {"authorization": "Bearer k1"}),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 1, "user": "bob"}, {}),
+        ("/v1/responses", {"input": "hi", "max_output_tokens": 1, "safety_identifier": "c"}, {}),
+        ("/v1/responses", {"input": "hi", "max_output_tokens": 1, "user": "d"}, {}),
+        (
+            "/v1/messages",
+            {**chat("hi", 1), "model": "stepline-demo", "metadata": {"user_id": "erin"}},
+            {"x-api-key": "k2"},
+        ),
+        (
+            "/api/chat",
+            {"model": "stepline-demo", "messages": [{"role": "user", "content": "hi"}]}
+            | {"stream": False, "options": {"num_predict": 1}},
+            {"authorization": "Bearer k3"},
+        ),
+        ("/v1/chat/completions", chat("hi", 1), {}),
+    ]
+    expected = [
+        client_of(Headers({"authorization": "Bearer k1"}), "alice"),
+        client_of(Headers({}), "bob"),
+        client_of(Headers({}), "c"),
+        client_of(Headers({}), "d"),
+        client_of(Headers({"x-api-key": "k2"}), "erin"),
+        client_of(Headers({"authorization": "Bearer k3"})),
+        None,
+    ]
+    async with (
+        Engine.open("stepline-demo", event_log=path) as engine,
+        serve_in_process(create_app(engine)) as url,
+        httpx.AsyncClient(base_url=url, timeout=60) as http,
+    ):
+        for route, body, headers in asks:
+            r = await http.post(route, json=body, headers=headers)
+            assert r.status_code == 200, r.text
+    clients = [e.client for e in read_events(path) if isinstance(e, Admitted)]
+    assert clients == expected

@@ -120,11 +120,17 @@ class MessagesRequest(_Base):
     top_k: int | None = Field(None, ge=0)
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # stepline: reproducible sampling
     stream: bool = False
-    metadata: dict[str, Any] | None = None  # user_id only; nothing to honour
+    metadata: dict[str, Any] | None = None  # user_id only: who the end user is
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
         return tuple(self.stop_sequences or ())
+
+    @property
+    def user_id(self) -> str | None:
+        """`metadata.user_id`, the end user (fair share between clients), if a string."""
+        value = (self.metadata or {}).get("user_id")
+        return value if isinstance(value, str) else None
 
 
 def tool_specs(req: _Base) -> tuple[ToolSpec, ...]:

@@ -27,7 +27,7 @@ from stepline.api.anthropic.wire import ANTHROPIC, event
 from stepline.api.pipeline.agents import AgentPlan, plan, reads_template_kwarg
 from stepline.api.pipeline.errors import APIError
 from stepline.api.pipeline.model_output import OutputDelta, ToolCall, split_output
-from stepline.api.pipeline.serving import Call, Piece, Serving, Started
+from stepline.api.pipeline.serving import Call, Piece, Serving, Started, client_of
 
 if TYPE_CHECKING:
     from stepline.actors.request import RequestOutput
@@ -78,6 +78,7 @@ class AnthropicDoor:
                 reasoning=serving.reasoning or (req.thinking is not None and req.thinking.on),
                 think_budget=req.think_budget,
                 headers={"request-id": rid},
+                client=client_of(request.headers, req.user_id),
             )
         )
         if req.stream:

@@ -35,7 +35,7 @@ from stepline.api.pipeline.agents import (
 )
 from stepline.api.pipeline.errors import APIError
 from stepline.api.pipeline.model_output import OutputDelta, ToolCall, split_output
-from stepline.api.pipeline.serving import Call, Piece, Serving, Started
+from stepline.api.pipeline.serving import Call, Piece, Serving, Started, client_of
 
 if TYPE_CHECKING:
     from stepline.actors.request import RequestOutput
@@ -235,6 +235,7 @@ class OllamaDoor:
         call.max_tokens = req.max_tokens
         call.max_tokens_param = "options.num_predict"
         call.reasoning = serving.reasoning or bool(req.thinking())
+        call.client = client_of(request.headers)  # Ollama's requests name no user
         started = await serving.start(call)
         renderer = OllamaRenderer(self, req, started, t0, chat=chat)
         if req.stream:

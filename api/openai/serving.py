@@ -33,7 +33,7 @@ from stepline.api.openai import agents
 from stepline.api.openai.schema import ChatCompletionRequest, CompletionRequest
 from stepline.api.pipeline.errors import OPENAI, APIError
 from stepline.api.pipeline.model_output import split_output
-from stepline.api.pipeline.serving import Call, Piece, Serving, Started, json_response
+from stepline.api.pipeline.serving import Call, Piece, Serving, Started, client_of, json_response
 from stepline.api.pipeline.writer import PING, TextFrames
 
 if TYPE_CHECKING:
@@ -120,6 +120,7 @@ class OpenAIDoor:
                 else "max_tokens",
                 logprobs=num_logprobs,
                 reasoning=serving.reasoning,
+                client=client_of(request.headers, req.user),
             )
         )
         created = int(time.time())
@@ -173,6 +174,7 @@ class OpenAIDoor:
                 max_tokens=req.max_tokens,
                 default_max_tokens=DEFAULT_COMPLETION_MAX_TOKENS,
                 logprobs=req.logprobs,
+                client=client_of(request.headers, req.user),
             )
         )
         created = int(time.time())

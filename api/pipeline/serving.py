@@ -17,6 +17,7 @@ detail goes to the server log under the same id.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -27,6 +28,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 from starlette.background import BackgroundTask
+from starlette.datastructures import Headers
 from starlette.requests import ClientDisconnect
 
 from stepline.api.config import ServerConfig
@@ -50,6 +52,7 @@ from stepline.api.pipeline.resume import (
     ResumeRegistry,
     StreamRecord,
     key_of,
+    presented_key,
     wants_resumable,
 )
 from stepline.api.pipeline.writer import Emit, StreamResponse
@@ -119,6 +122,25 @@ class Call:
     reasoning: bool = False  # split think blocks into reasoning
     think_budget: int | None = None  # most tokens the think block may take
     headers: dict[str, str] = field(default_factory=dict)  # for the response
+    client: str | None = None  # who sends it (`client_of`); None: the anonymous client
+
+
+def client_of(headers: Headers, user: str | None = None) -> str | None:
+    """Who sends a request, for fair share between clients (`Engine.submit`'s `client`): the
+    API key it carries and, within a key, the end user its body names (`user`, ...). A
+    server has one `--api-key`, which every client then carries: `user` is what tells them
+    apart. Each as a fingerprint, since the event log records the client (a key, or a
+    user's e-mail, must not reach it); None for a request with neither (every such request
+    is one anonymous client)."""
+    key = presented_key(headers)
+    parts = [f"key:{_fingerprint(key)}"] if key else []
+    if user:
+        parts.append(f"user:{_fingerprint(user)}")
+    return " ".join(parts) or None
+
+
+def _fingerprint(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
 @dataclass
@@ -431,7 +453,11 @@ class Serving:
             agent = agent.with_think_budget(tokenizer, call.think_budget, prompt_text)
         params = self.sampling(call.sampling, max_tokens, call.logprobs, agent.grammar)
         stream = await self.engine.submit(
-            prompt=ids, params=params, request_id=call.rid, checkpoints=checkpoints
+            prompt=ids,
+            params=params,
+            request_id=call.rid,
+            checkpoints=checkpoints,
+            client=call.client,
         )
         fmt = agent.output_format(tokenizer, reasoning=call.reasoning, prompt_text=prompt_text)
         headers = {"x-request-id": call.rid, **call.headers}

@@ -123,6 +123,9 @@ class ResponsesRequest(_Request):
     store: bool = True
     previous_response_id: str | None = None
     metadata: Metadata | None = None
+    # The end user (fair share between clients): `safety_identifier`, or the older `user`.
+    safety_identifier: str | None = None
+    user: str | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True

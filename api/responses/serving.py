@@ -30,7 +30,7 @@ from pydantic import TypeAdapter, ValidationError
 from stepline.api.pipeline.agents import plan
 from stepline.api.pipeline.errors import OPENAI, APIError
 from stepline.api.pipeline.resume import Kept, StreamRecord, follower_response, frame_cursor, key_of
-from stepline.api.pipeline.serving import Call, Serving
+from stepline.api.pipeline.serving import Call, Serving, client_of
 from stepline.api.responses.output import ResponseRenderer, event_frame, failed_response
 from stepline.api.responses.schema import ResponsesRequest, TextFormat
 
@@ -165,6 +165,7 @@ class ResponsesDoor:
                 messages=system + turn,
                 max_tokens=req.max_output_tokens,
                 max_tokens_param="max_output_tokens",
+                client=client_of(request.headers, req.safety_identifier or req.user),
             )
         )
         response = sdk.Response(
