@@ -206,6 +206,7 @@ class RequestActor:
         inbox: Mailbox[Update],
         output: Mailbox[RequestOutput],
         on_end: Callable[[FinishReason], None] = lambda reason: None,
+        keep: object = None,
     ):
         self.request_id = request_id
         self.num_prompt_tokens = num_prompt_tokens
@@ -215,6 +216,9 @@ class RequestActor:
         self._inbox = inbox
         self._output = output
         self._on_end = on_end  # tells the step loop the actor ended the request itself
+        # Held until the request ends: its compiled grammar, which the executor then finds
+        # compiled when it admits the request (`GrammarCompiler.hold`).
+        self._keep = keep
         self._num_output_tokens = 0  # the core's count, from the last update
         self._log = log.bind(request_id=request_id)
 

@@ -35,7 +35,8 @@ from stepline.api.json_limits import InputLimitError, check_text
 from stepline.api.params import SamplingParams
 from stepline.api.prompts import Prompts, PromptTooLongError, detokenizers
 from stepline.api.stream import RequestStream
-from stepline.engine.grammar import GrammarCompiler
+from stepline.engine import grammar
+from stepline.engine.grammar import Compiled, GrammarCompiler, GrammarError
 from stepline.events.models import FinishReason
 
 __all__ = [
@@ -98,6 +99,9 @@ class Engine:
         )
         # Compiles constrained requests' grammars; shared with the executor's runner.
         self.grammars: GrammarCompiler = step_loop.runner.grammars
+        # Compiles at once: at most half the cores, so that a burst of complex schemas leaves
+        # the steps the rest (three at a time once stopped every stream on 2 cores).
+        self._compiling = anyio.CapacityLimiter(grammar.compile_slots())
 
     @classmethod
     @asynccontextmanager
@@ -235,8 +239,9 @@ class Engine:
 
         Raises TypeError or ValueError naming the argument for `params`, `request_id`,
         `checkpoints`, `template_kwargs` or `client` of the wrong type or value, ValueError for a
-        malformed prompt (GrammarError for a grammar that does not
-        compile) or a `top_k` / stop token id outside the model's vocabulary, AdmissionError
+        malformed prompt (GrammarError for a grammar that does not compile, fails at its
+        start or is past `grammar.LIMITS` or `grammar.COMPILE_TIMEOUT_S`: too complex) or a
+        `top_k` / stop token id outside the model's vocabulary, AdmissionError
         (EmptyPromptError, ContextLengthExceededError — PromptTooLongError when the text's
         length alone proves it —, EngineDeadError, ...) if the engine cannot serve it,
         EngineClosedError once it is closed, WrongEventLoopError when awaited on another
@@ -256,7 +261,7 @@ class Engine:
         outer = _ARRIVAL.get()
         arrival = outer if outer is not None and outer.open else self._arrivals.arrive()
         try:
-            ids, params, checkpoints = await self._prepare_submit(
+            ids, params, checkpoints, held = await self._prepare_submit(
                 prompt, messages, params, checkpoints, template_kwargs
             )
             rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
@@ -297,6 +302,7 @@ class Engine:
             inbox=inbox,
             output=outputs,
             on_end=lambda reason: self._send_cancel(rid, reason),
+            keep=held,
         )
         self._tg.start_soon(actor.run, name=f"request-{rid}")
         return RequestStream(rid, outputs, cancel=lambda: self._send_cancel(rid))
@@ -308,17 +314,35 @@ class Engine:
         params: SamplingParams | None,
         checkpoints: Sequence[int],
         template_kwargs: dict[str, Any] | None,
-    ) -> tuple[list[int], SamplingParams, tuple[int, ...]]:
-        """A request's checks and token ids (see `submit`): its ids, its params and its
-        checkpoints (chat boundaries added). A max_tokens past the room its prompt leaves in
-        the context is the scheduler core's to cut (`SchedulerCore.add`)."""
+    ) -> tuple[list[int], SamplingParams, tuple[int, ...], Compiled | None]:
+        """A request's checks and token ids (see `submit`): its ids, its params, its
+        checkpoints (chat boundaries added) and its compiled grammar, if any. A max_tokens
+        past the room its prompt leaves in the context is the scheduler core's to cut
+        (`SchedulerCore.add`)."""
         params = params or SamplingParams()
         params.check_vocabulary(self.vocab_size)
-        if params.grammar is not None:
-            # Off the step loop and the executor: the runner's lookup is then a cache hit.
-            await anyio.to_thread.run_sync(self.grammars.compile, params.grammar)
+        held = await self._compile(params.grammar) if params.grammar is not None else None
         ids, chat_checkpoints = await self.prepare_async(prompt, messages, template_kwargs)
-        return ids, params, (*checkpoints, *chat_checkpoints)
+        return ids, params, (*checkpoints, *chat_checkpoints), held
+
+    async def _compile(self, grammar_text: str) -> Compiled:
+        """`grammar_text` compiled on a worker thread, off the step loop and the executor,
+        held so that the runner's lookup at admission finds it. Raises GrammarError for a
+        grammar llguidance refuses, one that fails at its start, or one whose compile takes
+        longer than `grammar.COMPILE_TIMEOUT_S` (the thread finishes it meanwhile, within
+        `grammar.LIMITS`, for the cache)."""
+        await anyio.to_thread.run_sync(self.grammars.prepare)  # once, not timed
+        limit = grammar.COMPILE_TIMEOUT_S
+        try:
+            async with self._compiling:  # the wait for a slot is not the grammar's time
+                with anyio.fail_after(limit):
+                    return await anyio.to_thread.run_sync(
+                        self.grammars.hold, grammar_text, abandon_on_cancel=True
+                    )
+        except TimeoutError:
+            raise GrammarError(
+                f"the schema is too complex: compiling its grammar took more than {limit:g} s"
+            ) from None
 
     def arriving(self) -> None:
         """Count the request this task is preparing (parsing, tokenizing) as on its way to the

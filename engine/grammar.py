@@ -5,7 +5,14 @@ the event log records it and re-execution decodes under the same grammar. `Gramm
 turns a grammar into a pristine `LLMatcher` once (cached by the grammar text, thread-safe);
 each request gets a cheap `deep_copy` of it whose state advances with that request's tokens.
 The API compiles in a worker thread at submission, so neither the step loop nor the executor
-waits for a compile; the executor's lookup is then a cache hit.
+waits for a compile; the executor's lookup is then a cache hit (the API holds the compiled
+grammar until the request ends, so that the cache cannot let it go before its admission).
+
+Every matcher runs under `LIMITS`, llguidance's own bounds on a grammar's size and on the
+work one mask may take, so one request's grammar cannot hold a step for seconds. Compiling a
+grammar also runs its first steps (`_check_start`): a grammar that fails there (a `$ref`
+loop that admits no value, a pattern or a recursion past the limits) is refused at
+submission.
 
 The builders below make grammars from what clients send: a JSON schema (`response_format`),
 any JSON object (`json_object`), or a forced tool call in the chat template's
@@ -14,14 +21,19 @@ any JSON object (`json_object`), or a forced tool call in the chat template's
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import llguidance
+import numpy as np
+from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
@@ -32,7 +44,49 @@ _JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
 
 
 class GrammarError(ValueError):
-    """A schema or grammar llguidance cannot compile; the message says what is wrong."""
+    """A schema or grammar llguidance cannot compile, or cannot follow within `LIMITS`; the
+    message says what is wrong."""
+
+
+# llguidance's limits (`LLParserLimits`), for every matcher. Their unit is fuel, not time, so
+# whether a grammar fits does not depend on how busy the machine is (and a re-execution
+# decodes under the same verdicts). Measured on a shared 2-core Linux machine, SmolLM2's 49k
+# vocabulary (llguidance quotes a fast machine's speeds, about 5x ours):
+# - step_lexer_fuel, step_max_items: the work of one mask (and of taking in one token), inside
+#   a step. Ordinary schemas use at most 6k fuel and 30 items a step after their first; a
+#   string `pattern` of a{10000} reached mid-output took 154 ms a mask at llguidance's
+#   defaults (200k, 50k) and takes 11 ms at these, a recursion the grammar can never close
+#   62 ms before failing and 25 ms.
+# - initial_lexer_fuel: the lexer's set-up, spent by a grammar's first mask, which
+#   `_check_start` computes at compile time, off the step. llguidance's default: an `anyOf`
+#   of 1,500 objects needs 770k of it (0.1-0.4 s).
+# - max_items_in_row, max_lexer_states, max_grammar_size: the size of what a grammar may
+#   build; llguidance's defaults (an `anyOf` of more than 2,000 objects is past the first).
+LIMITS = llguidance.LLParserLimits(
+    step_lexer_fuel=50_000,
+    step_max_items=20_000,
+    initial_lexer_fuel=1_000_000,
+    max_items_in_row=2_000,
+    max_lexer_states=250_000,
+    max_grammar_size=500_000,
+    verbose_errors=False,  # errors reach clients: the reason, not the parser's state
+)
+# The longest a client waits for its grammar to compile (the tokenizer's one-time set-up
+# aside), past which it is refused as too complex. A backstop: `LIMITS` bound the work (a
+# grammar at the edge of initial_lexer_fuel took 1-2.7 s here), this bounds the wait on a
+# machine too busy to do it.
+COMPILE_TIMEOUT_S = 10.0
+
+
+def compile_slots() -> int:
+    """How many grammars may compile at once: half the cores (at least one)."""
+    return max(1, (os.cpu_count() or 2) // 2)
+
+
+# How many tokens `_check_start` tries at most, where the grammar leaves at most
+# `_FEW_STARTS` tokens to choose from (where it leaves more, the model's choice decides).
+_PROBE_TOKENS = 16
+_FEW_STARTS = 4
 
 
 def json_schema_grammar(schema: dict[str, Any]) -> str:
@@ -209,11 +263,21 @@ class GrammarCompiler:
         self._nbytes = 0  # of the entries kept, as `grammar_nbytes` counts them
         self._lock = threading.Lock()
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
-        self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._compiled: OrderedDict[str, Compiled] = OrderedDict()
+        # Every grammar compiled and still held by someone (a request not yet admitted), kept
+        # or not: the executor finds it here, and never compiles inside a step.
+        self._held: weakref.WeakValueDictionary[str, Compiled] = weakref.WeakValueDictionary()
+        # The digests of the latest grammars refused, with why: a refusal depends on fuel, not
+        # time, so the same grammar again is refused without compiling it again.
+        self._refused: OrderedDict[bytes, str] = OrderedDict()
 
     @property
     def vocab_size(self) -> int:
         return self._vocab_size
+
+    def prepare(self) -> None:
+        """Build llguidance's tokenizer now (once), so that timing a compile leaves it out."""
+        self._tokenizer()
 
     def _tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
@@ -228,26 +292,52 @@ class GrammarCompiler:
     def compile(self, grammar: str) -> llguidance.LLMatcher:
         """The pristine matcher of `grammar`, compiled now or found in the cache.
 
-        Raises GrammarError if llguidance refuses the grammar.
+        Raises GrammarError if llguidance refuses the grammar, or it fails at its start.
         """
+        return self.hold(grammar).matcher
+
+    def hold(self, grammar: str) -> Compiled:
+        """`grammar` compiled (as `compile`), in a handle that keeps it compiled while
+        anyone holds it, however many grammars the cache meets meanwhile. Raises
+        GrammarError."""
+        key = hashlib.sha256(grammar.encode()).digest()
         with self._lock:
-            hit = self._compiled.get(grammar)
+            hit = self._compiled.get(grammar) or self._held.get(grammar)
             if hit is not None:
-                self._compiled.move_to_end(grammar)
+                self._keep(grammar, hit)
                 return hit
-        matcher = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0)
-        if matcher.is_error():
-            raise GrammarError(f"the grammar does not compile: {matcher.get_error()}")
+            refused = self._refused.get(key)
+        if refused is not None:
+            raise GrammarError(refused)
+        try:
+            matcher = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0, limits=LIMITS)
+            if matcher.is_error():
+                raise GrammarError(_refusal("the grammar does not compile", matcher.get_error()))
+            _check_start(matcher, self._vocab_size)
+        except GrammarError as exc:
+            with self._lock:
+                self._refused[key] = str(exc)
+                while len(self._refused) > self._max_entries:
+                    self._refused.popitem(last=False)
+            raise
+        compiled = Compiled(matcher)
         with self._lock:
-            if grammar not in self._compiled:
-                self._nbytes += self.grammar_nbytes(grammar)
-            self._compiled[grammar] = matcher
-            while len(self._compiled) > 1 and (
-                len(self._compiled) > self._max_entries or self._nbytes > self._max_bytes
-            ):
-                dropped, _ = self._compiled.popitem(last=False)
-                self._nbytes -= self.grammar_nbytes(dropped)
-        return matcher
+            self._held[grammar] = compiled
+            self._keep(grammar, compiled)
+        return compiled
+
+    def _keep(self, grammar: str, compiled: Compiled) -> None:
+        """Make `grammar` the cache's most recently used (under the lock)."""
+        if grammar in self._compiled:
+            self._compiled.move_to_end(grammar)
+            return
+        self._nbytes += self.grammar_nbytes(grammar)
+        self._compiled[grammar] = compiled
+        while len(self._compiled) > 1 and (
+            len(self._compiled) > self._max_entries or self._nbytes > self._max_bytes
+        ):
+            dropped, _ = self._compiled.popitem(last=False)
+            self._nbytes -= self.grammar_nbytes(dropped)
 
     def grammar_nbytes(self, grammar: str) -> int:
         """The memory a compiled `grammar` is counted as holding (an estimate: see above)."""
@@ -262,5 +352,70 @@ class GrammarCompiler:
         return len(self._compiled)
 
     def matcher(self, grammar: str) -> llguidance.LLMatcher:
-        """A fresh matcher for one request (a copy of the compiled one). Raises GrammarError."""
-        return self.compile(grammar).deep_copy()
+        """A fresh matcher for one request (a copy of the compiled one): the executor's lookup
+        at admission, which finds what the request holds; it compiles only where nobody does
+        (a distributed rank, a runner driven directly). Raises GrammarError."""
+        with self._lock:
+            hit = self._held.get(grammar) or self._compiled.get(grammar)
+        return (hit or self.hold(grammar)).matcher.deep_copy()
+
+
+class Compiled:
+    """A compiled grammar: its pristine `matcher`, copied for each request that uses it."""
+
+    __slots__ = ("__weakref__", "matcher")
+
+    def __init__(self, matcher: llguidance.LLMatcher):
+        self.matcher = matcher
+
+
+def _check_start(matcher: llguidance.LLMatcher, vocab_size: int) -> None:
+    """Compute `matcher`'s first mask (llguidance's lexer set-up, which would otherwise land
+    in a step: every copy starts from it) and take in the tokens its start leaves little
+    choice of, on copies, up to `_PROBE_TOKENS` of them. Raises GrammarError if the grammar
+    fails there: one that admits no output ("NoExtension": a `$ref` loop), or one past
+    `LIMITS` at its first tokens (a recursion that never closes, a pattern too large to
+    lex), which every request under it would hit."""
+    bitmask = allocate_token_bitmask(1, vocab_size)
+    todo = [matcher]
+    tried = 0
+    while todo and tried < _PROBE_TOKENS:
+        current = todo.pop()
+        fill_next_token_bitmask(current, bitmask)
+        if current.is_error():
+            raise GrammarError(_refusal("the schema cannot be followed", current.get_error()))
+        if current.is_stopped():
+            continue
+        allowed = _allowed(bitmask, vocab_size)
+        if len(allowed) > _FEW_STARTS:
+            continue
+        for token in allowed[: _PROBE_TOKENS - tried]:
+            tried += 1
+            probe = current.deep_copy()
+            if not probe.consume_token(token):
+                raise GrammarError(_refusal("the schema cannot be followed", probe.get_error()))
+            todo.append(probe)
+
+
+def _allowed(bitmask: np.ndarray, vocab_size: int) -> list[int]:
+    bits = np.unpackbits(bitmask[0].view(np.uint8), bitorder="little")[:vocab_size]
+    return [int(t) for t in np.flatnonzero(bits)]
+
+
+def _refusal(what: str, error: str) -> str:
+    """A client's message for llguidance's `error`: its first line (what hit which limit),
+    said as what the client can change."""
+    detail = error.strip().splitlines()[0] if error.strip() else "unknown error"
+    if detail.startswith("NoExtension"):
+        return (
+            f"{what}: no output satisfies it (a $ref that only refers to itself, or "
+            "constraints no value can meet)"
+        )
+    lowered = detail.lower()
+    if any(word in lowered for word in ("limit", "fuel", "too many", "too large", "max is")):
+        return (
+            f"{what}: the schema is too complex for the grammar engine's limits ({detail}); "
+            "simplify it (fewer alternatives, shorter counted repetitions, no recursion that "
+            "can never end)"
+        )
+    return f"{what}: {detail}"

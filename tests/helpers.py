@@ -119,6 +119,45 @@ ZONE_ARGS = {
 }
 
 
+# Schemas the grammar cannot follow (issue 36), each once served as a 200 with '', '{' or '{"'
+# and finish_reason "stop"; and why each is refused.
+COUNTED = "^(((a{100}){100}){100})$"  # a string of a million a's: past the lexer's limits
+UNFOLLOWABLE = {
+    "a $ref loop": (
+        {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+        "no output satisfies it",
+    ),
+    "a $ref to itself": ({"$ref": "#"}, "no output satisfies it"),
+    "a recursion that never closes": (
+        {
+            "$defs": {
+                "node": {
+                    "type": "object",
+                    "properties": {"next": {"$ref": "#/$defs/node"}},
+                    "required": ["next"],
+                }
+            },
+            "$ref": "#/$defs/node",
+        },
+        "too complex",
+    ),
+    "an anyOf of 3,000 objects": (
+        {
+            "anyOf": [
+                {
+                    "type": "object",
+                    "properties": {f"k{i}": {"type": "integer"}},
+                    "required": [f"k{i}"],
+                }
+                for i in range(3000)
+            ]
+        },
+        "too complex",
+    ),
+    "a counted pattern": ({"type": "string", "pattern": COUNTED}, "too complex"),
+}
+
+
 def replay(*argv: str) -> tuple[int, str]:
     """`stepline replay ARGV...` in this process: (its exit status, what it printed)."""
     import argparse

@@ -5,15 +5,23 @@ still parses and validates because the grammar forces it."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import TypeVar
 
+import anyio
 import jsonschema
 import openai
 import pytest
 import pytest_asyncio
-from helpers import WEATHER_ARGS, ZONE_ARGS, hold_open
+from helpers import (
+    COUNTED,
+    UNFOLLOWABLE,
+    WEATHER_ARGS,
+    ZONE_ARGS,
+    hold_open,
+)
 from pydantic import BaseModel, Field
 
 from stepline.api import Engine
@@ -298,3 +306,90 @@ async def test_a_schema_that_does_not_compile_is_a_400_naming_response_format(cl
         )
     assert err.value.body["param"] == "response_format"
     assert "nonsense" in err.value.body["message"]
+
+
+@pytest.mark.parametrize("name", list(UNFOLLOWABLE))
+async def test_a_schema_the_grammar_cannot_follow_is_a_400_naming_response_format(client, name):
+    schema, why = UNFOLLOWABLE[name]
+    with pytest.raises(openai.BadRequestError) as err:
+        await client.chat.completions.create(
+            model="stepline-demo",
+            messages=[{"role": "user", "content": "hi"}],
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": schema, "strict": True},
+            },
+        )
+    body = err.value.body
+    assert (body["param"], body["code"]) == ("response_format", "invalid_schema")
+    assert "cannot be followed" in body["message"] and why in body["message"]
+
+
+async def test_a_tool_whose_parameters_the_grammar_cannot_follow_is_a_400_naming_tools(client):
+    counted = {
+        "type": "object",
+        "properties": {"s": {"type": "string", "pattern": COUNTED}},
+        "required": ["s"],
+    }
+    with pytest.raises(openai.BadRequestError) as err:
+        await client.chat.completions.create(
+            model="stepline-demo",
+            messages=ASK,
+            tools=[{"type": "function", "function": {"name": "f", "parameters": counted}}],
+            tool_choice="required",
+        )
+    assert err.value.body["param"] == "tools"
+    assert "too complex" in err.value.body["message"]
+
+
+async def test_counted_pattern_schemas_are_refused_while_another_stream_keeps_its_pace(client):
+    # Issue 36: three such requests once froze every stream for 1.3 s on this model (their
+    # masks were computed inside steps). Now they are refused at submission, compiled off
+    # the step loop; a bystander's stream keeps going meanwhile.
+    hostile = {
+        "type": "json_schema",
+        "json_schema": {"name": "x", "schema": UNFOLLOWABLE["a counted pattern"][0]},
+    }
+    streaming, refused = anyio.Event(), anyio.Event()
+    arrivals: list[float] = []
+    outcomes: list[str] = []
+
+    async def bystander() -> None:
+        stream = await client.chat.completions.create(
+            model="stepline-demo",
+            messages=ASK,
+            max_tokens=1900,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        after = 0
+        async for _chunk in stream:
+            arrivals.append(time.perf_counter())
+            streaming.set()
+            after += refused.is_set()
+            if after >= 30:
+                break
+        await stream.close()
+
+    async def attack() -> None:
+        try:
+            await client.chat.completions.create(
+                model="stepline-demo", messages=ASK, response_format=hostile, max_tokens=20
+            )
+            outcomes.append("served")
+        except openai.BadRequestError as exc:
+            outcomes.append(exc.body["code"])
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(bystander)
+        await streaming.wait()
+        async with anyio.create_task_group() as attackers:
+            for _ in range(3):
+                attackers.start_soon(attack)
+        refused.set()
+    assert outcomes == ["invalid_schema"] * 3
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
+    # Steps of this model take milliseconds; compiling runs on worker threads (without the
+    # GIL) and may slow them on a busy 2-core machine, never stop them for a second.
+    assert len(gaps) >= 30 and max(gaps) < 1.0

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import threading
 
 import anyio
 import jsonschema
 import pytest
+from helpers import UNFOLLOWABLE
 
 from stepline.api import Engine, SamplingParams
+from stepline.engine import grammar as grammar_module
 from stepline.engine.grammar import GrammarError, json_schema_grammar, markup, tool_call_grammar
 
 PERSON = {
@@ -100,6 +103,83 @@ async def test_a_grammar_that_does_not_compile_is_refused_at_submission(model_ca
             await engine.submit("hi", params=SamplingParams(grammar=grammar))
         text, _ = await text_of(engine, SamplingParams(max_tokens=3, temperature=0))
     assert text  # and the engine serves on
+
+
+@pytest.mark.parametrize("name", list(UNFOLLOWABLE))
+async def test_a_schema_the_grammar_cannot_follow_is_refused_at_submission(model_cache_dir, name):
+    schema, why = UNFOLLOWABLE[name]
+    params = SamplingParams(max_tokens=20, temperature=0, grammar=json_schema_grammar(schema))
+    async with Engine.open("stepline-demo", max_step_tokens=64) as engine:
+        with pytest.raises(GrammarError, match="cannot be followed") as refused:
+            await engine.submit("hi", params=params)
+        text, last = await text_of(engine, SamplingParams(max_tokens=3, temperature=0))
+    assert why in str(refused.value)
+    assert text and last.finish_reason == "length"  # and the engine serves on
+
+
+async def test_a_recursion_past_the_step_item_limit_is_refused_by_our_limit(demo):
+    # llguidance's own default (50,000 items a step) would let a mask run 2.5x as long.
+    schema = UNFOLLOWABLE["a recursion that never closes"][0]
+    compiler = grammar_module.GrammarCompiler(demo.tokenizer, demo.model.args.vocab_size)
+    with pytest.raises(GrammarError, match=f"limit {grammar_module.LIMITS.step_max_items}"):
+        compiler.compile(json_schema_grammar(schema))
+
+
+async def test_a_grammar_slower_to_compile_than_the_time_limit_is_refused(
+    model_cache_dir, monkeypatch
+):
+    big = {
+        "anyOf": [
+            {"type": "object", "properties": {f"k{i}": {"type": "integer"}}, "required": [f"k{i}"]}
+            for i in range(1000)
+        ]
+    }  # tens of milliseconds to compile, at least
+    params = SamplingParams(max_tokens=3, grammar=json_schema_grammar(big))
+    async with Engine.open("stepline-demo", max_step_tokens=64) as engine:
+        monkeypatch.setattr(grammar_module, "COMPILE_TIMEOUT_S", 0.001)
+        with pytest.raises(GrammarError, match="too complex: compiling its grammar took more"):
+            await engine.submit("hi", params=params)
+
+
+async def test_no_grammar_compiles_on_the_executor_though_the_cache_lets_them_go(
+    model_cache_dir, monkeypatch
+):
+    threads: list[str] = []
+    check_start = grammar_module._check_start
+
+    def recording(matcher, vocab_size):
+        threads.append(threading.current_thread().name)
+        check_start(matcher, vocab_size)
+
+    monkeypatch.setattr(grammar_module, "_check_start", recording)
+    schemas = [
+        {
+            "type": "object",
+            "properties": {f"k{i}": {"type": "boolean"}},
+            "required": [f"k{i}"],
+            "additionalProperties": False,
+        }
+        for i in range(6)
+    ]
+    # A cache that keeps only the newest grammar: each request's is let go before it starts.
+    async with Engine.open(
+        "stepline-demo", max_step_tokens=16, max_num_seqs=2, grammar_cache_mb=0
+    ) as engine:
+        results: dict[int, tuple[str, object]] = {}
+
+        async def run(i: int) -> None:
+            grammar = json_schema_grammar(schemas[i])
+            params = SamplingParams(max_tokens=30, temperature=0, grammar=grammar)
+            results[i] = await text_of(engine, params, prompt=f"json {i} " * 20)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(schemas)):
+                tg.start_soon(run, i)
+    # (A compile another test abandoned past its time limit may still finish meanwhile.)
+    assert len(threads) >= len(schemas) and "stepline-executor" not in threads
+    for i, (text, last) in results.items():
+        assert last.finish_reason == "stop"
+        jsonschema.validate(json.loads(text), schemas[i])
 
 
 async def test_cancelling_a_constrained_request_mid_decode_leaves_the_engine_serving(
