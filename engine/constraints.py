@@ -32,7 +32,9 @@ def apply_grammar_masks(logits: mx.array, rows: Sequence[int], matchers: Sequenc
     """`logits` (B, V) with the tokens that `matchers[i]` forbids set to -inf in row `rows[i]`.
 
     Returns `logits` itself when `rows` is empty. A matcher whose grammar has ended allows only
-    its end-of-sequence tokens, so a finished grammar ends its request with a stop token.
+    its end-of-sequence tokens, so a finished grammar ends its request with a stop token; so
+    does one in llguidance's error state (a limit hit computing the mask), which `advance`
+    then reports.
     """
     if not rows:
         return logits
@@ -51,6 +53,13 @@ def apply_grammar_masks(logits: mx.array, rows: Sequence[int], matchers: Sequenc
     return logits
 
 
-def advance(matcher: Any, token_id: int) -> None:
-    """Move `matcher` past the token its request just sampled."""
-    matcher.consume_token(token_id)
+def advance(matcher: Any, token_id: int) -> str | None:
+    """Move `matcher` past the token its request just sampled. Returns None, or what failed
+    once the matcher is in llguidance's error state (it never leaves it): its last mask could
+    not be computed, or this token could not be taken in, within the grammar's limits. Such a
+    mask allowed only the end-of-sequence tokens, so the token is no valid output."""
+    # (A matcher in its error state still takes an end-of-sequence token: hence both checks.)
+    if matcher.consume_token(token_id) and not matcher.is_error():
+        return None
+    error: str = matcher.get_error()
+    return error.strip().splitlines()[0] if error.strip() else "the grammar refused the token"

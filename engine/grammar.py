@@ -12,7 +12,8 @@ Every matcher runs under `LIMITS`, llguidance's own bounds on a grammar's size a
 work one mask may take, so one request's grammar cannot hold a step for seconds. Compiling a
 grammar also runs its first steps (`_check_start`): a grammar that fails there (a `$ref`
 loop that admits no value, a pattern or a recursion past the limits) is refused at
-submission.
+submission. One that fails later puts its matcher in llguidance's error state; the executor
+checks it after every token and ends that request with an error.
 
 The builders below make grammars from what clients send: a JSON schema (`response_format`),
 any JSON object (`json_object`), or a forced tool call in the chat template's
@@ -303,7 +304,7 @@ class GrammarCompiler:
         key = hashlib.sha256(grammar.encode()).digest()
         with self._lock:
             hit = self._compiled.get(grammar) or self._held.get(grammar)
-            if hit is not None:
+            if hit is not None and not hit.spent:
                 self._keep(grammar, hit)
                 return hit
             refused = self._refused.get(key)
@@ -353,20 +354,35 @@ class GrammarCompiler:
 
     def matcher(self, grammar: str) -> llguidance.LLMatcher:
         """A fresh matcher for one request (a copy of the compiled one): the executor's lookup
-        at admission, which finds what the request holds; it compiles only where nobody does
-        (a distributed rank, a runner driven directly). Raises GrammarError."""
+        at admission, which finds what the request holds (spent or not); it compiles only
+        where nobody does (a distributed rank, a runner driven directly). Raises
+        GrammarError."""
         with self._lock:
             hit = self._held.get(grammar) or self._compiled.get(grammar)
         return (hit or self.hold(grammar)).matcher.deep_copy()
+
+    def forget(self, grammar: str) -> None:
+        """A request under `grammar` failed mid-generation. llguidance's copies of a compiled
+        grammar share its lexer, which that request may have exhausted: the next submission
+        compiles it afresh (requests that hold this one fail at their next mask, with an
+        error of their own)."""
+        with self._lock:
+            kept = self._compiled.pop(grammar, None)
+            if kept is not None:
+                self._nbytes -= self.grammar_nbytes(grammar)
+            for compiled in (kept, self._held.get(grammar)):
+                if compiled is not None:
+                    compiled.spent = True
 
 
 class Compiled:
     """A compiled grammar: its pristine `matcher`, copied for each request that uses it."""
 
-    __slots__ = ("__weakref__", "matcher")
+    __slots__ = ("__weakref__", "matcher", "spent")
 
     def __init__(self, matcher: llguidance.LLMatcher):
         self.matcher = matcher
+        self.spent = False  # a request under it failed: see `GrammarCompiler.forget`
 
 
 def _check_start(matcher: llguidance.LLMatcher, vocab_size: int) -> None:

@@ -39,6 +39,7 @@ from stepline.engine.sequences import NO_ROWS, Ahead, Cache, Rows, Seq
 from stepline.engine.work import (
     ADMISSION_FAILED,
     CHECKPOINT_FAILED,
+    GRAMMAR_FAILED,
     PREFILL_FAILED,
     Housekeeping,
     NewRequest,
@@ -404,7 +405,7 @@ class ModelRunner:
             # built on them before they are read (`_pipeline`).
             start_now = self.decode_order.start(len(batch), time.perf_counter())
             started, taken = self._pipeline(pending, ahead, batch, start_now=start_now)
-            self._record(taken, tokens, logprobs)
+            self._record(taken, tokens, logprobs, failed)
             self._took(batch, taken.array)
         else:
             self.decode_order.interrupt()
@@ -412,16 +413,18 @@ class ModelRunner:
                 if decoded is None and batch:
                     decoded = self._decode_forward(self._next_inputs())
                 sampled = sample(self.sampler, finals, batch, decoded, fail)
-                self._record(sampled, tokens, logprobs)
+                self._record(sampled, tokens, logprobs, failed)
                 if batch:  # the batch's rows come after the finals'
                     array = sampled.array
                     self._took(
                         batch, array[len(finals) :] if array is not None and finals else array
                     )
             else:
-                self._record(sample(self.sampler, finals, NO_ROWS, None, fail), tokens, logprobs)
+                self._record(
+                    sample(self.sampler, finals, NO_ROWS, None, fail), tokens, logprobs, failed
+                )
                 taken = step_sampling.sample_ahead(self.sampler, ahead, batch, fail)
-                self._record(taken, tokens, logprobs)
+                self._record(taken, tokens, logprobs, failed)
                 self._took(batch, taken.array)
         self._join_finals(finals, failed)
         self._build_ahead(started)
@@ -439,23 +442,34 @@ class ModelRunner:
             memory=read_memory_counters(),
         )
 
-    @staticmethod
     def _record(
+        self,
         sampled: step_sampling.Sampled,
         tokens: dict[str, int],
         logprobs: dict[str, TokenLogprob],
+        failed: dict[str, str],
     ) -> None:
-        """Each request takes its sampled token (its output, penalty history, grammar)."""
+        """Each request takes its sampled token (its output, penalty history, grammar). A
+        request whose grammar failed (its matcher in llguidance's error state: a limit hit)
+        ends with `GRAMMAR_FAILED`, its token unshown, and its grammar is compiled afresh for
+        the next request; its row stays in the batch this step (the step's forwards are
+        built on it) and goes with the core's free."""
         for seq, token in zip(sampled.seqs, sampled.tokens, strict=True):
             seq.output.append(token)
             if seq.history is not None:
                 seq.history.append(token)
             if seq.constraint is not None:
-                advance(seq.constraint, token)
+                error = advance(seq.constraint, token)
+                if error is not None:
+                    log.warning("grammar_failed", request_id=seq.request_id, error=error)
+                    failed[seq.request_id] = f"{GRAMMAR_FAILED}: {error}"
+                    if seq.params.grammar is not None:
+                        self.grammars.forget(seq.params.grammar)
+                    continue
             tokens[seq.request_id] = token
         if sampled.any_logprobs:
             for seq, lp in zip(sampled.seqs, sampled.logprobs, strict=True):
-                if lp is not None:
+                if lp is not None and seq.request_id in tokens:
                     logprobs[seq.request_id] = lp
 
     def _took(self, batch: Rows, array: mx.array | None) -> None:

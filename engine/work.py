@@ -57,7 +57,8 @@ class StepResult:
     seconds: float = 0.0  # wall time of the MLX work
     prefix: PrefixReport | None = None  # what the prefix store did in this step
     # request_id -> what failed (one of the *_FAILED messages): the executor dropped the
-    # request's state; the step's other work stands. The exception went to the log.
+    # request's state (a failed grammar's row stays in the batch until the core frees it);
+    # the step's other work stands. The exception went to the log.
     failed: Mapping[str, str] = field(default_factory=dict)
     memory: MemoryCounters | None = None  # MLX's allocator after this step
 
@@ -67,6 +68,8 @@ ADMISSION_FAILED = "the executor could not set up this request"
 PREFILL_FAILED = "the forward pass of this request's prompt failed"
 CHECKPOINT_FAILED = "this request's checkpoint (snapshot or on_checkpoint hook) failed"
 SAMPLING_FAILED = "sampling this request's next token failed"
+# followed by ": " and llguidance's reason (a limit the schema hit, in `grammar.LIMITS`)
+GRAMMAR_FAILED = "the grammar of this request's structured output failed mid-generation"
 
 
 @dataclass(frozen=True)

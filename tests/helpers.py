@@ -156,6 +156,16 @@ UNFOLLOWABLE = {
     ),
     "a counted pattern": ({"type": "string", "pattern": COUNTED}, "too complex"),
 }
+# Followable at its start (the model picks a digit first), but whatever it picks, the counted
+# pattern that follows is past the lexer's limits: the grammar fails mid-generation.
+FAILS_LATER = {
+    "type": "object",
+    "properties": {
+        "n": {"type": "integer", "minimum": 0, "maximum": 9},
+        "x": {"type": "string", "pattern": COUNTED},
+    },
+    "required": ["n", "x"],
+}
 
 
 def replay(*argv: str) -> tuple[int, str]:

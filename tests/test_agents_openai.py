@@ -17,6 +17,7 @@ import pytest
 import pytest_asyncio
 from helpers import (
     COUNTED,
+    FAILS_LATER,
     UNFOLLOWABLE,
     WEATHER_ARGS,
     ZONE_ARGS,
@@ -340,6 +341,30 @@ async def test_a_tool_whose_parameters_the_grammar_cannot_follow_is_a_400_naming
         )
     assert err.value.body["param"] == "tools"
     assert "too complex" in err.value.body["message"]
+
+
+async def test_a_grammar_that_fails_mid_generation_is_an_error_never_a_stop(client):
+    ask = {
+        "model": "stepline-demo",
+        "messages": [{"role": "user", "content": "hi"}],
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "x", "schema": FAILS_LATER},
+        },
+        "temperature": 0,
+        "max_tokens": 40,
+    }
+    with pytest.raises(openai.BadRequestError) as err:
+        await client.chat.completions.create(**ask)
+    assert err.value.body["code"] == "grammar_failed"
+    assert "failed mid-generation" in err.value.body["message"]
+
+    stream = await client.chat.completions.create(**ask, stream=True)
+    reasons = []
+    with pytest.raises(openai.APIError, match="failed mid-generation"):
+        async for chunk in stream:
+            reasons += [c.finish_reason for c in chunk.choices]
+    assert "stop" not in reasons  # the stream ends with the error frame, not a "stop"
 
 
 async def test_counted_pattern_schemas_are_refused_while_another_stream_keeps_its_pace(client):

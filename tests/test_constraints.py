@@ -8,11 +8,12 @@ import threading
 import anyio
 import jsonschema
 import pytest
-from helpers import UNFOLLOWABLE
+from helpers import FAILS_LATER, UNFOLLOWABLE
 
 from stepline.api import Engine, SamplingParams
 from stepline.engine import grammar as grammar_module
 from stepline.engine.grammar import GrammarError, json_schema_grammar, markup, tool_call_grammar
+from stepline.engine.work import GRAMMAR_FAILED
 
 PERSON = {
     "type": "object",
@@ -115,6 +116,20 @@ async def test_a_schema_the_grammar_cannot_follow_is_refused_at_submission(model
         text, last = await text_of(engine, SamplingParams(max_tokens=3, temperature=0))
     assert why in str(refused.value)
     assert text and last.finish_reason == "length"  # and the engine serves on
+
+
+async def test_a_grammar_that_fails_mid_generation_ends_its_request_with_an_error(model_cache_dir):
+    params = SamplingParams(max_tokens=40, temperature=0, grammar=json_schema_grammar(FAILS_LATER))
+    async with Engine.open("stepline-demo", max_step_tokens=64) as engine:
+        # The second one runs as the first did: the first's failure left the compiled grammar
+        # it shared (its lexer) spent, so it was compiled afresh.
+        runs = [await text_of(engine, params) for _ in range(2)]
+        again, _ = await text_of(engine, SamplingParams(max_tokens=3, temperature=0))
+    for text, last in runs:
+        assert last.finish_reason == "error"  # never "stop" over a cut document
+        assert last.error.startswith(GRAMMAR_FAILED) and "lexer" in last.error
+        assert text.startswith('{"n":') and '"x"' not in text  # what came before the failure
+    assert again
 
 
 async def test_a_recursion_past_the_step_item_limit_is_refused_by_our_limit(demo):

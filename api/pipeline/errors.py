@@ -93,6 +93,18 @@ def engine_unhealthy(rid: str | None = None) -> APIError:
     )
 
 
+def grammar_failed(error: str, rid: str | None) -> APIError:
+    """A request whose structured output's grammar failed mid-generation (`error`: what the
+    engine said, the limit its schema hit): its output so far is no whole document."""
+    where = f" (request id {rid})" if rid else ""
+    return APIError(
+        400,
+        f"{error}; the output was cut there: simplify the schema (fewer alternatives, shorter "
+        f"counted repetitions){where}",
+        code="grammar_failed",
+    )
+
+
 def context_exceeded(num_prompt: int, max_context: int, param: str, *, at_least: bool) -> APIError:
     """A prompt that does not fit the model's context (`at_least`: a lower bound, counted
     without tokenizing it)."""

@@ -41,6 +41,7 @@ from stepline.api.pipeline.errors import (
     client_closed,
     context_exceeded,
     engine_unhealthy,
+    grammar_failed,
     internal_error,
     known_error,
     shutting_down,
@@ -58,6 +59,7 @@ from stepline.api.pipeline.resume import (
 from stepline.api.pipeline.writer import Emit, StreamResponse
 from stepline.engine.policy import max_output_tokens
 from stepline.engine.sampling_limits import GREEDY_TEMPERATURE
+from stepline.engine.work import GRAMMAR_FAILED
 
 if TYPE_CHECKING:
     from stepline.actors.request import RequestOutput
@@ -478,6 +480,9 @@ class Serving:
         rid = out.request_id
         if out.finish_reason == "cancelled":
             return shutting_down("the request was cancelled: the server is shutting down")
+        if out.error is not None and out.error.startswith(GRAMMAR_FAILED):
+            log.info("request_failed", request_id=rid, error=out.error)  # its schema's fault
+            return grammar_failed(out.error, rid)
         log.error("request_failed", request_id=rid, error=out.error)
         if not self.engine.healthy:
             return engine_unhealthy(rid)
