@@ -331,6 +331,9 @@ class Engine:
         grammar llguidance refuses, one that fails at its start, or one whose compile takes
         longer than `grammar.COMPILE_TIMEOUT_S` (the thread finishes it meanwhile, within
         `grammar.LIMITS`, for the cache)."""
+        hit = self.grammars.find(grammar_text)  # a cache hit waits for no compile
+        if hit is not None:
+            return hit
         await anyio.to_thread.run_sync(self.grammars.prepare)  # once, not timed
         limit = grammar.COMPILE_TIMEOUT_S
         try:

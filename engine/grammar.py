@@ -262,7 +262,8 @@ class GrammarCompiler:
         self._max_entries = max_entries
         self._max_bytes = max_bytes
         self._nbytes = 0  # of the entries kept, as `grammar_nbytes` counts them
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # held for lookups only: `find` runs on the event loop
+        self._tokenizer_lock = threading.Lock()  # held while the tokenizer is built
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
         self._compiled: OrderedDict[str, Compiled] = OrderedDict()
         # Every grammar compiled and still held by someone (a request not yet admitted), kept
@@ -281,7 +282,7 @@ class GrammarCompiler:
         self._tokenizer()
 
     def _tokenizer(self) -> llguidance.LLTokenizer:
-        with self._lock:
+        with self._tokenizer_lock:
             if self._ll_tokenizer is None:
                 import llguidance.hf
 
@@ -301,12 +302,11 @@ class GrammarCompiler:
         """`grammar` compiled (as `compile`), in a handle that keeps it compiled while
         anyone holds it, however many grammars the cache meets meanwhile. Raises
         GrammarError."""
+        hit = self.find(grammar)
+        if hit is not None:
+            return hit
         key = hashlib.sha256(grammar.encode()).digest()
         with self._lock:
-            hit = self._compiled.get(grammar) or self._held.get(grammar)
-            if hit is not None and not hit.spent:
-                self._keep(grammar, hit)
-                return hit
             refused = self._refused.get(key)
         if refused is not None:
             raise GrammarError(refused)
@@ -326,6 +326,16 @@ class GrammarCompiler:
             self._held[grammar] = compiled
             self._keep(grammar, compiled)
         return compiled
+
+    def find(self, grammar: str) -> Compiled | None:
+        """`grammar` compiled, if it is (as `hold` would return it, held the same way); None
+        where it would compile. Quick: it takes the lock for a lookup, never a compile."""
+        with self._lock:
+            hit = self._compiled.get(grammar) or self._held.get(grammar)
+            if hit is None or hit.spent:
+                return None
+            self._keep(grammar, hit)
+            return hit
 
     def _keep(self, grammar: str, compiled: Compiled) -> None:
         """Make `grammar` the cache's most recently used (under the lock)."""

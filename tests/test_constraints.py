@@ -156,6 +156,28 @@ async def test_a_grammar_slower_to_compile_than_the_time_limit_is_refused(
             await engine.submit("hi", params=params)
 
 
+async def test_a_request_whose_grammar_is_compiled_waits_for_no_other_compile(model_cache_dir):
+    grammar = json_schema_grammar({"enum": ["yes", "no"]})
+    params = SamplingParams(max_tokens=12, temperature=0, grammar=grammar)
+    async with Engine.open("stepline-demo", max_step_tokens=64) as engine:
+        engine._compiling.total_tokens = 1
+        await text_of(engine, params)  # compiled once
+        busy, done = anyio.Event(), anyio.Event()
+
+        async def compiling() -> None:  # every compile slot busy (a complex schema, say)
+            async with engine._compiling:
+                busy.set()
+                await done.wait()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(compiling)
+            await busy.wait()
+            with anyio.fail_after(10):
+                text, last = await text_of(engine, params)
+            done.set()
+    assert json.loads(text) in ("yes", "no") and last.finish_reason == "stop"
+
+
 async def test_no_grammar_compiles_on_the_executor_though_the_cache_lets_them_go(
     model_cache_dir, monkeypatch
 ):
