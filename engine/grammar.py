@@ -50,9 +50,9 @@ class GrammarError(ValueError):
 
 
 # llguidance's limits (`LLParserLimits`), for every matcher. Their unit is fuel, not time, so
-# whether a grammar fits does not depend on how busy the machine is (and a re-execution
-# decodes under the same verdicts). Measured on a shared 2-core Linux machine, SmolLM2's 49k
-# vocabulary (llguidance quotes a fast machine's speeds, about 5x ours):
+# whether a grammar fits does not depend on how busy the machine is. Measured on a shared
+# 2-core Linux machine, SmolLM2's 49k vocabulary (llguidance quotes a fast machine's speeds,
+# about 5x ours):
 # - step_lexer_fuel, step_max_items: the work of one mask (and of taking in one token), inside
 #   a step. Ordinary schemas use at most 6k fuel and 30 items a step after their first; a
 #   string `pattern` of a{10000} reached mid-output took 154 ms a mask at llguidance's
