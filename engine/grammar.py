@@ -150,6 +150,44 @@ class ThinkFormat:
     opened: bool = False
 
 
+def _embedded(schema: Any, at: str, prefix: str, defs: dict[str, Any]) -> Any:
+    """`schema` (a tool's parameters, written as a document of its own) as it reads at JSON
+    pointer `at` inside a larger one: its `$defs` / `definitions` move into `defs` under
+    names starting with `prefix` (two tools may each define a `Point`), and its `$ref`s are
+    rewritten to match: `#/$defs/X` to the moved definition, any other pointer into it (`#`,
+    `#/properties/...`) to the same place under `at`. pydantic writes nested models this way,
+    and an embedded `#/$defs/X` would otherwise point at the outer document."""
+    moved = {
+        **(schema.get("definitions") or {} if isinstance(schema, dict) else {}),
+        **(schema.get("$defs") or {} if isinstance(schema, dict) else {}),
+    }
+
+    def ref(target: str) -> str:
+        for section in ("#/$defs/", "#/definitions/"):
+            if target.startswith(section):
+                name, _, rest = target[len(section) :].partition("/")
+                return f"#/$defs/{prefix}{name}" + (f"/{rest}" if rest else "")
+        if target == "#" or target.startswith("#/"):
+            return at + target[1:]
+        return target  # a URL: left to the grammar engine (which refuses it, naming it)
+
+    def walk(value: Any, top: bool = False) -> Any:
+        if isinstance(value, list):
+            return [walk(v) for v in value]
+        if not isinstance(value, dict):
+            return value
+        out = {}
+        for key, v in value.items():
+            if top and key in ("$defs", "definitions"):
+                continue
+            out[key] = ref(v) if key == "$ref" and isinstance(v, str) else walk(v)
+        return out
+
+    for name, definition in moved.items():
+        defs[f"{prefix}{name}"] = walk(definition)
+    return walk(schema, top=True)
+
+
 def answer_grammar(
     calls: CallFormat | None = None,
     *,
@@ -164,19 +202,23 @@ def answer_grammar(
     rules: list[str] = []
     answers: list[str] = []
     if calls is not None and calls.tools:
-        alternatives = [
-            {
-                "type": "object",
-                "properties": {
-                    "name": {"const": name},
-                    "arguments": parameters or {"type": "object"},
-                },
-                "required": ["name", "arguments"],
-                "additionalProperties": False,
-            }
-            for name, parameters in calls.tools
-        ]
-        body = alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
+        one = len(calls.tools) == 1
+        defs: dict[str, Any] = {}
+        alternatives = []
+        for i, (name, parameters) in enumerate(calls.tools):
+            at = "#/properties/arguments" if one else f"#/anyOf/{i}/properties/arguments"
+            arguments = _embedded(parameters or {"type": "object"}, at, f"t{i}_", defs)
+            alternatives.append(
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": name}, "arguments": arguments},
+                    "required": ["name", "arguments"],
+                    "additionalProperties": False,
+                }
+            )
+        body = alternatives[0] if one else {"anyOf": alternatives}
+        if defs:
+            body = {**body, "$defs": defs}
         repeat = 'call ("\\n" call)*' if calls.parallel else "call"
         rules += [
             f"calls: {repeat}",

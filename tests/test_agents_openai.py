@@ -108,6 +108,35 @@ async def test_a_named_tool_choice_calls_exactly_that_tool(client):
     jsonschema.validate(json.loads(call.function.arguments), schema_of("get_time"))
 
 
+class Point(BaseModel):
+    x: int = Field(ge=0, le=9)
+    y: int = Field(ge=0, le=9)
+
+
+class Segment(BaseModel):
+    start: Point
+    end: Point
+
+
+async def test_a_tool_whose_parameters_use_defs_is_called_with_valid_arguments(client):
+    # pydantic writes nested models under $defs, referred to as #/$defs/Point: inside the
+    # grammar's call wrapper those pointers must still find them.
+    schema = Segment.model_json_schema()
+    assert "$defs" in schema
+    tools = [{"type": "function", "function": {"name": "draw", "parameters": schema}}, *TOOLS]
+    r = await client.chat.completions.create(
+        model="stepline-demo",
+        messages=[{"role": "user", "content": "Draw a line."}],
+        tools=tools,
+        tool_choice={"type": "function", "function": {"name": "draw"}},
+        temperature=0,
+    )
+    [call] = r.choices[0].message.tool_calls
+    assert call.function.name == "draw"
+    Segment.model_validate_json(call.function.arguments)
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+
+
 async def test_streamed_tool_calls_arrive_as_openai_deltas_and_validate(client):
     stream = await client.chat.completions.create(
         model="stepline-demo",
