@@ -83,6 +83,7 @@ class StepLoop:
         self._idle = True  # nothing has run since the loop last waited for work
         self._warmup = warmup if cost_model is not None else None
         self._warming = False  # a turn of the warm-up is on the executor
+        self._turn_over = threading.Event()  # set: the executor ends the turn at its next step
         self.died = anyio.Event()  # set when the engine can serve no more (dead_reason says why)
         self.on_step: Callable[[StepLoop], None] | None = None  # test/inspection hook
         self._changed: anyio.Event | None = None  # set at the next change (`wait_until`)
@@ -248,7 +249,7 @@ class StepLoop:
         kept for the next start."""
         model = self.core.cost_model
         inbox, arrivals = self._inbox, self.arrivals
-        over = threading.Event()
+        over = self._turn_over = threading.Event()
 
         def stop() -> bool:  # on the executor thread: reads counters only
             stats = inbox.statistics()
@@ -277,6 +278,12 @@ class StepLoop:
             self._warmup = None
             await anyio.to_thread.run_sync(warmup.keep)
             log.info("warmup_measured", samples=len(warmup.samples), turns=warmup.num_turns)
+
+    def end_warm_up(self) -> None:
+        """No more warm-up (the engine is shutting down): a turn on the executor ends at its
+        next step, and none starts again."""
+        self._warmup = None
+        self._turn_over.set()
 
     async def _housekeep(self, chores: Housekeeping) -> None:
         result = await self._run_executor(self.runner.housekeep, chores)

@@ -110,6 +110,7 @@ class Engine:
         model: str | None = None,
         *,
         on_checkpoint: Callable | None = None,
+        mlx_wait_at_close_s: float | None = None,
         **options: Any,
     ) -> AsyncIterator[Engine]:
         """Load `model` (None = SmolLM2-135M-Instruct, a real instruct model from the package
@@ -132,6 +133,12 @@ class Engine:
         ValueError) when the model or the launch cannot be split so. The step-time model's
         warm-up samples are kept for the next start; without kept ones, the engine serves at
         once and measures them while idle (`warming_up`).
+
+        Closing waits for the MLX work still running (the model's load, a warm-up step, a
+        step: none can be interrupted), so that none runs when the interpreter tears down.
+        `mlx_wait_at_close_s` is for a caller that ends the process right after the block
+        with `os._exit`, as `stepline serve` does: closing then waits that long at most and
+        leaves the rest running. The event log is closed either way.
         """
         log_fields = EventLogConfig.model_fields.keys() & options.keys()
         events = EventLogConfig(**{k: options.pop(k) for k in log_fields})
@@ -139,7 +146,7 @@ class Engine:
         warn_without_openblas()
         switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(min(switch_interval, SWITCH_INTERVAL_S))
-        parts = EngineParts(Executor())
+        parts = EngineParts(Executor(), mlx_wait_at_close_s=mlx_wait_at_close_s)
         try:
             step_loop, recorded = await parts.assemble(model, config, events, on_checkpoint)
             async with anyio.create_task_group() as tg:
@@ -370,8 +377,10 @@ class Engine:
         """Refuse new requests (`submit` raises EngineClosedError, as once closed) and cancel every
         request in flight: each ends now with `cancelled`, so open streams get their last
         frame within a step instead of being cut off when a server's grace period runs out.
-        Returns how many were cancelled. Closing the engine still waits for them to end."""
+        Returns how many were cancelled. Closing the engine still waits for them to end.
+        The step-time model's warm-up, if it has steps left, stops at its next step."""
         self._stopping = True
+        self._step_loop.end_warm_up()  # no MLX work of its own while the server drains
         in_flight = list(self._step_loop.states)  # read only; the step loop cancels them
         for rid in in_flight:
             self._send_cancel(rid)

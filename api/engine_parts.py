@@ -59,6 +59,8 @@ class EngineParts:
     runner: Any = None
     topology: Any = None  # a distributed run's place in the launch (engine/distributed.py)
     writer: Any = None  # the event log's writer
+    # How long `close` waits for MLX work still running; None: until it ends (see `close`).
+    mlx_wait_at_close_s: float | None = None
 
     async def assemble(
         self,
@@ -226,17 +228,26 @@ class EngineParts:
         return [], warmup
 
     async def close(self) -> None:
-        """Take apart what was built, in order; the executor last."""
+        """Take apart what was built, in order; the executor last.
+
+        It waits for the MLX work still running on the executor thread (the model's load, a
+        warm-up step, a step) to end, or for `mlx_wait_at_close_s` at most: then that work is left
+        running, and so is the prefix cache's index (the executor thread owns it), and the
+        caller must end the process without the interpreter's teardown (`os._exit`), as
+        `stepline serve` does. The event log is closed either way."""
         from stepline.engine.runner import mx_synchronize
 
         runner, executor = self.runner, self.executor
         with anyio.CancelScope(shield=True):
-            if self.topology is not None and runner is not None and executor.dead is None:
-                await executor.call(runner.close)  # the other ranks exit
-            # The decode look-ahead may still be computing (mx.async_eval): the
-            # interpreter's exit must not tear MLX down under it.
-            await executor.drain(settle=mx_synchronize)
-            if runner is not None and runner.store is not None:
+            with anyio.move_on_after(self.mlx_wait_at_close_s) as waiting:
+                if self.topology is not None and runner is not None and executor.dead is None:
+                    await executor.call(runner.close)  # the other ranks exit
+                # The decode look-ahead may still be computing (mx.async_eval): the
+                # interpreter's exit must not tear MLX down under it.
+                await executor.drain(settle=mx_synchronize)
+            if waiting.cancelled_caught:
+                log.warning("mlx_work_left_running", waited_s=self.mlx_wait_at_close_s)
+            elif runner is not None and runner.store is not None:
                 # Let queued disk writes finish (file I/O only: no MLX on this thread).
                 await anyio.to_thread.run_sync(runner.store.close)
         executor.close()

@@ -201,15 +201,18 @@ def serve_argv(*options: str) -> list[str]:
     ]
 
 
-def popen_serve(argv: list[str], stderr: Any) -> subprocess.Popen:
+def popen_serve(
+    argv: list[str], stderr: Any, env: dict[str, str] | None = None
+) -> subprocess.Popen:
     """Start a `stepline serve` command line (`serve_argv`) with its stdout a text pipe,
-    unbuffered, so the lines it prints (the URL, "serving") arrive as printed."""
+    unbuffered, so the lines it prints (the URL, "serving") arrive as printed; `env` is added
+    to this process's environment."""
     return subprocess.Popen(
         argv,
         stdout=subprocess.PIPE,
         stderr=stderr,
         text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
     )
 
 

@@ -43,6 +43,10 @@ PROBE_PATHS = frozenset({"/health", "/metrics"})
 # ServerConfig's fields uvicorn's process uses (`server_config`); the rest are the app's.
 PROCESS_OPTIONS = frozenset({"limit_concurrency", "timeout_keep_alive", "timeout_request_head"})
 UNHEALTHY_EXIT_DELAY_S = 1.0  # streams get their error frames, probes see 503, then exit
+# At a stop, how long the engine's close waits for MLX work still running (a step usually
+# ends within it; the model's load, or a warm-up step on a busy CPU, may take a minute and
+# cannot be interrupted): the process then ends without it (`_end_process`).
+MLX_WAIT_AT_EXIT_S = 1.0
 
 
 class EngineFailed(RuntimeError):
@@ -229,7 +233,8 @@ class _BackgroundImport:
             self._error = exc
 
     async def module(self) -> Any:
-        await anyio.to_thread.run_sync(self._thread.join)
+        # Cancelled (a stop while loading): the import goes on, and the process ends anyway.
+        await anyio.to_thread.run_sync(self._thread.join, abandon_on_cancel=True)
         if self._error is not None:
             raise self._error
         return importlib.import_module(self._name)
@@ -259,8 +264,8 @@ async def _serve(
             tg.start_soon(functools.partial(run_server, cancel=tg.cancel_scope))
             await server.ready.wait()
             # MLX, mlx-lm and transformers take seconds to import: not on the event loop,
-            # which answers /health meanwhile.
-            await anyio.to_thread.run_sync(_import_engine_modules)
+            # which answers /health meanwhile (and a stop meanwhile does not wait for them).
+            await anyio.to_thread.run_sync(_import_engine_modules, abandon_on_cancel=True)
             # After that import: mlx_lm.utils sets the limit to (2048, 4096) when imported.
             soft, hard = raise_open_file_limit()
             log.info("open_file_limit", soft=soft, hard=hard)
@@ -268,7 +273,8 @@ async def _serve(
             # on a thread of their own while the engine loads and warms up, mostly outside
             # the GIL.
             app_modules = _BackgroundImport("stepline.api.http.app")
-            async with Engine.open(model, **engine_kwargs) as engine:
+            opened = Engine.open(model, mlx_wait_at_close_s=MLX_WAIT_AT_EXIT_S, **engine_kwargs)
+            async with opened as engine:
                 create_app = (await app_modules.module()).create_app
                 names = cfg.served_model_name or (engine.model_name,)
                 interrupted: list[tuple[str, float]] = []
@@ -276,7 +282,8 @@ async def _serve(
                 if event_log is not None:  # background responses a crash cut off
                     since = time.time() - cfg.responses_ttl_s
                     interrupted = await anyio.to_thread.run_sync(
-                        functools.partial(interrupted_responses, event_log, since=since)
+                        functools.partial(interrupted_responses, event_log, since=since),
+                        abandon_on_cancel=True,  # a long log's read: a stop does not wait
                     )
                 server.on_shutdown = engine.begin_shutdown
                 switch.app = create_app(
@@ -347,7 +354,8 @@ def run_serve(model: str | None, engine_kwargs: dict, cfg: ServerConfig) -> int:
 
 def _end_process(status: int) -> NoReturn:
     """Exit with `status` now that the engine is closed and its log written, without the
-    interpreter's teardown. In that teardown a daemon thread that wakes in native code (the
+    interpreter's teardown: MLX work that the close did not wait for (`MLX_WAIT_AT_EXIT_S`)
+    ends with the process. In that teardown a daemon thread that wakes in native code (the
     MLX thread, a tokenizer's worker, MLX's ring backend) is ended with a forced unwind that
     C++ turns into std::terminate: "terminate called without an active exception", exit
     134, which a supervisor counts as a crash. The atexit handlers still run."""
