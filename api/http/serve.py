@@ -26,6 +26,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from stepline.api.config import ServerConfig
 from stepline.api.engine import launch_rank, run
+from stepline.api.http.doors import DOORS
 from stepline.api.http.guard import (
     RateLimitedExceptionHandler,
     RefuseAmbiguousLength,
@@ -217,18 +218,19 @@ def _import_engine_modules() -> None:
 
 
 class _BackgroundImport:
-    """Imports a module on a thread of its own, from now on; `module()` waits for it (and
-    raises what the import raised)."""
+    """Imports modules on a thread of its own, from now on; `module()` waits for them (and
+    raises what an import raised) and returns the first."""
 
-    def __init__(self, name: str):
-        self._name = name
+    def __init__(self, *names: str):
+        self._names = names
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name=f"import-{name}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"import-{names[0]}", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         try:
-            importlib.import_module(self._name)
+            for name in self._names:
+                importlib.import_module(name)
         except BaseException as exc:  # noqa: BLE001 - raised again where it is awaited
             self._error = exc
 
@@ -237,7 +239,7 @@ class _BackgroundImport:
         await anyio.to_thread.run_sync(self._thread.join, abandon_on_cancel=True)
         if self._error is not None:
             raise self._error
-        return importlib.import_module(self._name)
+        return importlib.import_module(self._names[0])
 
 
 async def _serve(
@@ -269,10 +271,13 @@ async def _serve(
             # After that import: mlx_lm.utils sets the limit to (2048, 4096) when imported.
             soft, hard = raise_open_file_limit()
             log.info("open_file_limit", soft=soft, hard=hard)
-            # The HTTP app's modules (the SDKs whose types the doors build take ~1 s) import
-            # on a thread of their own while the engine loads and warms up, mostly outside
-            # the GIL.
-            app_modules = _BackgroundImport("stepline.api.http.app")
+            # The HTTP app's modules import on a thread of their own while the engine loads
+            # and warms up, mostly outside the GIL: the doors' handlers too, which import the
+            # SDKs whose types they build (2-10 s; imported by `create_app`, on the event
+            # loop, they held /health's answers that long).
+            app_modules = _BackgroundImport(
+                "stepline.api.http.app", *(f"stepline.api.{door}.serving" for door in DOORS)
+            )
             opened = Engine.open(model, mlx_wait_at_close_s=MLX_WAIT_AT_EXIT_S, **engine_kwargs)
             async with opened as engine:
                 create_app = (await app_modules.module()).create_app
