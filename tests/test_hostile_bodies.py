@@ -446,3 +446,48 @@ async def test_a_request_with_both_transfer_encoding_and_content_length_is_refus
     received = await anyio.to_thread.run_sync(send_and_read)
     assert received.startswith(b"HTTP/1.1 400")
     assert received.count(b"HTTP/1.1") == 1
+
+
+def _send_chunked_head(url: str, path: str, chunk_size: str) -> tuple[bytes, float]:
+    """A chunked request whose first chunk says it holds `chunk_size` (hex) bytes, sent with
+    a few of them; what the server answers until it closes, and how long that took."""
+    host, port = url.removeprefix("http://").split(":")
+    request = (
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Transfer-Encoding: chunked\r\n\r\n{chunk_size}\r\n{{"
+    ).encode()
+    t0 = time.monotonic()
+    with socket.create_connection((host, int(port)), timeout=30) as conn:
+        conn.sendall(request)
+        received = b""
+        while chunk := conn.recv(65536):  # until the server closes the connection
+            received += chunk
+    return received, time.monotonic() - t0
+
+
+@pytest.mark.parametrize(
+    ("path", "chunk_size", "status", "code"),
+    [
+        # 20 hex digits, the most h11 takes: no body is that large
+        ("/v1/chat/completions", "f" * 20, 400, "invalid_chunk_size"),
+        # twice the 4 MiB body limit: what its Content-Length would get
+        ("/v1/messages", f"{8 * 1024 * 1024:x}", 413, "request_too_large"),
+    ],
+)
+async def test_a_chunk_past_the_body_limit_is_refused_at_once_in_the_doors_shape(
+    served, path, chunk_size, status, code
+):
+    received, took = await anyio.to_thread.run_sync(
+        _send_chunked_head, served.url, path, chunk_size
+    )
+    head, _, body = received.partition(b"\r\n\r\n")
+    assert head.startswith(f"HTTP/1.1 {status} ".encode()), received
+    assert b"connection: close" in head.lower()
+    assert took < 10  # not the body's 60 s deadline
+    error = json.loads(body)
+    if path.startswith("/v1/messages"):  # Anthropic's shape
+        assert error["type"] == "error" and error["error"]["type"] == "request_too_large"
+    else:
+        assert error["error"]["code"] == code
+    async with served.client() as http:  # the server serves on
+        assert (await http.get("/health")).status_code == 200

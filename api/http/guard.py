@@ -1,13 +1,17 @@
 """What keeps hostile or broken clients from taking the server down: a deadline for each
-request head (uvicorn has none), TCP_NODELAY on every connection, a limit on requests in
-flight that never refuses the probes, the open-file limit raised to what the system allows,
-and accept errors logged at most once a second.
+request head (uvicorn has none), chunk sizes past the body limit refused at once, TCP_NODELAY
+on every connection, a limit on requests in flight that never refuses the probes, the
+open-file limit raised to what the system allows, and accept errors logged at most once a
+second.
 
 uvicorn times out idle keep-alive connections (`timeout_keep_alive`), but a connection that
 sends part of a request head and then nothing is never timed out (slowloris): each holds a
 file descriptor until the process runs out, and then every client, /health included, is
-refused. `head_deadline_protocol` closes such connections; it is uvicorn's own HTTP protocol
-class with one timer added, passed as `Config(http=...)`. uvicorn's own `limit_concurrency`
+refused. `guarded_protocol` closes such connections; it is uvicorn's own HTTP protocol
+class with one timer added, passed as `Config(http=...)`. With h11 (uvicorn's parser unless
+httptools is installed) it also refuses a chunked body's chunk that says it holds more than
+the body limit: h11 takes chunk sizes of up to 20 hex digits and waits for that many bytes,
+so the client waited for the body deadline (408) instead. uvicorn's own `limit_concurrency`
 counts idle connections too (2,500 idle sockets made /health answer 503, and a load balancer
 would pull the server): `RequestLimit` counts requests in flight instead, and never /health
 or /metrics.
@@ -16,18 +20,20 @@ or /metrics.
 from __future__ import annotations
 
 import asyncio
+import http
 import resource
 import socket
 import time
 from collections.abc import Callable
 from typing import Any
 
+import h11
 import structlog
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from stepline.api.http.doors import error_response
-from stepline.api.pipeline.errors import APIError
+from stepline.api.pipeline.errors import APIError, body_too_large
 
 log = structlog.get_logger(__name__)
 
@@ -71,6 +77,66 @@ class _HeadDeadline:
         self._head_timer = None
         if self._waiting_for_head() and not self.transport.is_closing():
             self.transport.close()
+
+
+# A chunk size this large is no size at all (it overflows a signed 64-bit count): 400, as
+# nginx answers; a chunk within it but past the body limit is 413, as its Content-Length
+# would be.
+_MAX_CHUNK_SIZE = 2**63 - 1
+
+
+class _ChunkLimit:
+    """Mixin for uvicorn's h11 protocol: a chunk of a chunked body that says it holds more
+    than `max_body_bytes` is refused at once, in the error shape of the request's door
+    (`error_response`), and its connection closed; the app's request then sees the client
+    gone."""
+
+    max_body_bytes: int = 4 * 1024 * 1024
+    # Provided by uvicorn's H11Protocol.
+    conn: h11.Connection
+    transport: asyncio.Transport
+    cycle: Any
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)  # type: ignore[misc]
+        left = _chunk_bytes_left(self.conn)
+        if left > self.max_body_bytes and not self.transport.is_closing():
+            if left > _MAX_CHUNK_SIZE:
+                err = APIError(
+                    400,
+                    f"a chunk of the body says it holds {left} bytes, more than any body "
+                    "can: the chunked encoding is malformed",
+                    code="invalid_chunk_size",
+                )
+            else:
+                err = body_too_large(self.max_body_bytes)
+            self._refuse(err)
+
+    def _refuse(self, err: APIError) -> None:
+        cycle = self.cycle
+        log.info("request_refused", status=err.status_code, reason=err.message)
+        if cycle is not None and not cycle.response_started:
+            if self.conn.our_state is h11.SEND_RESPONSE:
+                response = error_response(cycle.scope["path"], err)
+                headers = [(k, v) for k, v in response.raw_headers if k != b"connection"]
+                head = h11.Response(
+                    status_code=response.status_code,
+                    headers=[*headers, (b"connection", b"close")],
+                    reason=http.HTTPStatus(response.status_code).phrase.encode(),
+                )
+                for event in (head, h11.Data(data=bytes(response.body)), h11.EndOfMessage()):
+                    self.transport.write(self.conn.send(event))
+            # What the app sends from now on goes nowhere: the client has its answer.
+            cycle.disconnected = True
+            cycle.message_event.set()
+        self.transport.close()
+
+
+def _chunk_bytes_left(conn: h11.Connection) -> int:
+    """How many bytes h11 still waits for in the chunk it is reading (0 when none). h11 has
+    no public accessor: it keeps the count in its body reader. Were that renamed, this reads
+    0 and such a body waits for its deadline (408) as before."""
+    return int(getattr(getattr(conn, "_reader", None), "_bytes_in_chunk", 0))
 
 
 def set_nodelay(transport: asyncio.BaseTransport) -> None:
@@ -146,20 +212,21 @@ class RefuseAmbiguousLength:
         await self.app(scope, receive, send)
 
 
-def head_deadline_protocol(head_timeout_s: float) -> type:
+def guarded_protocol(head_timeout_s: float, max_body_bytes: int) -> type:
     """uvicorn's HTTP protocol class (httptools when installed, else h11) with a deadline of
-    `head_timeout_s` for every request head."""
-    base: type = H11Protocol
+    `head_timeout_s` for every request head, and with h11, chunks of more than
+    `max_body_bytes` refused as they are announced (httptools tells no chunk's size)."""
+    bases: tuple[type, ...] = (_HeadDeadline, _ChunkLimit, H11Protocol)
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-        base = HttpToolsProtocol
+        bases = (_HeadDeadline, HttpToolsProtocol)
     except ImportError:  # httptools is optional (uvicorn[standard])
         pass
     return type(
-        f"HeadDeadline{base.__name__}",
-        (_HeadDeadline, base),
-        {"head_timeout_s": head_timeout_s},
+        f"Guarded{bases[-1].__name__}",
+        bases,
+        {"head_timeout_s": head_timeout_s, "max_body_bytes": max_body_bytes},
     )
 
 

@@ -31,7 +31,7 @@ from stepline.api.http.guard import (
     RateLimitedExceptionHandler,
     RefuseAmbiguousLength,
     RequestLimit,
-    head_deadline_protocol,
+    guarded_protocol,
     raise_open_file_limit,
 )
 from stepline.api.http.loading import loading_app
@@ -128,7 +128,8 @@ def server_config(
     connections closed after `cfg.timeout_keep_alive`, and a connection that has not sent a
     whole request head `cfg.timeout_request_head` after connecting (or after its last
     response) closed. A request with both Transfer-Encoding and Content-Length is refused
-    (400) and its connection closed."""
+    (400) and its connection closed, and so is a chunk of a chunked body that says it holds
+    more than `cfg.max_body_bytes` (413; 400 for a size past any body's)."""
     app = RequestLimit(app, limit=cfg.limit_concurrency, open_paths=PROBE_PATHS)
     app = RefuseAmbiguousLength(app)
     return uvicorn.Config(
@@ -140,7 +141,7 @@ def server_config(
         timeout_graceful_shutdown=graceful_shutdown_s,  # type: ignore[arg-type]
         limit_concurrency=None,  # uvicorn's counts idle connections: RequestLimit instead
         timeout_keep_alive=cfg.timeout_keep_alive,  # type: ignore[arg-type]
-        http=head_deadline_protocol(cfg.timeout_request_head),
+        http=guarded_protocol(cfg.timeout_request_head, cfg.max_body_bytes),
     )
 
 

@@ -75,6 +75,15 @@ def client_closed() -> APIError:
     return APIError(499, "the client closed the connection", code="client_closed")
 
 
+def body_too_large(limit: int) -> APIError:
+    """A body past the server's limit (`max_body_bytes`): by its length, or as it arrives."""
+    return APIError(
+        413,
+        f"the request body is larger than this server's limit of {limit} bytes",
+        code="request_too_large",
+    )
+
+
 def shutting_down(what: str = "the server is shutting down") -> APIError:
     return APIError(503, what, code="shutting_down")
 

@@ -38,6 +38,7 @@ from stepline.api.pipeline.agents import AgentPlan, configure
 from stepline.api.pipeline.errors import (
     APIError,
     Wire,
+    body_too_large,
     client_closed,
     context_exceeded,
     engine_unhealthy,
@@ -255,11 +256,7 @@ class Serving:
                 code="unsupported_media_type",
             )
         limit = self.config.max_body_bytes
-        too_large = APIError(
-            413,
-            f"the request body is larger than this server's limit of {limit} bytes",
-            code="request_too_large",
-        )
+        too_large = body_too_large(limit)
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > limit:
             raise too_large
