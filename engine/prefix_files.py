@@ -26,6 +26,8 @@ import structlog
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
 
+from stepline.engine.throttle import Throttle
+
 log = structlog.get_logger(__name__)
 
 Cache = list[Any]
@@ -466,6 +468,8 @@ class _Writer:
     def __init__(self, directory: Path):
         self.directory = directory
         self.done: queue.SimpleQueue[tuple[tuple[int, ...], int | None]] = queue.SimpleQueue()
+        # A full disk fails every write: one warning a second for each kind of failure.
+        self._failures = Throttle(interval_s=1.0)
         self._ops: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._closing = False
@@ -520,7 +524,14 @@ class _Writer:
                 elif kind == "touch":
                     os.utime(arg)
             except Exception as exc:  # noqa: BLE001 - a failed write costs a cache entry, no more
-                log.warning("prefix_cache_disk_io_failed", op=kind, error=repr(exc))
+                left_out = self._failures.admit((kind, type(exc).__name__))
+                if left_out is not None:
+                    log.warning(
+                        "prefix_cache_disk_io_failed",
+                        op=kind,
+                        error=repr(exc),
+                        left_out_since_last=left_out,
+                    )
 
 
 @atexit.register

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import threading
@@ -20,6 +21,7 @@ from stepline.api import Engine, SamplingParams
 from stepline.engine.prefix_cache import PrefixStore
 from stepline.engine.prefix_files import WRITER_THREAD_NAME, entry_file_name, model_fingerprint
 from stepline.engine.runner import snapshot_cache
+from stepline.engine.throttle import Throttle
 from stepline.events.log import read_events
 from stepline.events.models import ChunkPrefilled
 
@@ -379,3 +381,35 @@ def test_files_are_mlx_lm_prompt_cache_files_and_keep_bfloat16(tmp_path):
                 assert have.dtype == mx.bfloat16 and mx.array_equal(want, have), name
             else:
                 assert want == have, name
+
+
+def test_failed_disk_writes_are_logged_once_a_second_with_the_count_left_out(
+    demo, tmp_path, monkeypatch
+):
+    # A full disk fails every write (147 warnings in 40 s): the writer thread logs one a
+    # second, saying how many it left out; the entries are still served from memory.
+    now = [100.0]
+    monkeypatch.setattr(
+        prefix_files, "Throttle", lambda interval_s: Throttle(interval_s, clock=lambda: now[0])
+    )
+
+    def full_disk(payload):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(prefix_files, "write_entry_file", full_disk)
+    prompts = [[k, *ids(9, k)] for k in range(20, 60)]
+    pc = restarted(tmp_path, "m")
+    with capture_logs() as logs:
+        for at, batch in ((100.0, prompts[:30]), (100.5, prompts[30:35]), (101.1, prompts[35:])):
+            now[0] = at
+            for prompt in batch:
+                pc.put(prompt, entry(demo.model, prompt))
+            pc.flush()
+    pc.store.close()
+    failed = [e for e in logs if e["event"] == "prefix_cache_disk_io_failed"]
+    assert [(e["op"], e["left_out_since_last"]) for e in failed] == [("write", 0), ("write", 34)]
+    assert "No space left on device" in failed[0]["error"]
+    assert pc.store.disk is not None and pc.store.disk.stats.write_errors == 40
+    assert files(tmp_path) == []
+    hit = pc.lookup([*prompts[0], 1])
+    assert hit is not None and hit.num_tokens == 10

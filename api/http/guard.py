@@ -34,6 +34,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from stepline.api.http.doors import error_response
 from stepline.api.pipeline.errors import APIError, body_too_large
+from stepline.engine.throttle import Throttle
 
 log = structlog.get_logger(__name__)
 
@@ -252,20 +253,14 @@ class RateLimitedExceptionHandler:
     fill a disk in minutes."""
 
     def __init__(self, interval_s: float = 1.0, clock: Callable[[], float] = time.monotonic):
-        self.interval_s = interval_s
-        self._clock = clock
-        self._last: dict[tuple[str, str], float] = {}
-        self._suppressed: dict[tuple[str, str], int] = {}
+        self._throttle = Throttle(interval_s, clock)
 
     def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
         exc = context.get("exception")
         key = (str(context.get("message", "")), type(exc).__name__ if exc else "")
-        now = self._clock()
-        if now - self._last.get(key, -float("inf")) < self.interval_s:
-            self._suppressed[key] = self._suppressed.get(key, 0) + 1
+        left_out = self._throttle.admit(key)
+        if left_out is None:
             return
-        self._last[key] = now
-        left_out = self._suppressed.pop(key, 0)
         log.error(
             "event_loop_error",
             message=key[0],
