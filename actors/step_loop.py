@@ -269,6 +269,8 @@ class StepLoop:
         if samples is None:  # the executor died (the loop is dead now)
             self._warmup = None
             return
+        for report in warmup.take_prefix_reports():  # a disk write that ended meanwhile
+            self.core.apply_prefix_report(report)
         if model is None or model is not self.core.cost_model:  # replaced: not its seed
             self._warmup = None
             return

@@ -38,7 +38,7 @@ from stepline.engine.policy import (
     StepPlan,
     padded_decode_context,
 )
-from stepline.engine.work import Housekeeping, NewRequest, StepWork
+from stepline.engine.work import Housekeeping, NewRequest, PrefixReport, StepWork
 from stepline.events.models import RequestParams
 
 _PARAMS = RequestParams(
@@ -127,6 +127,9 @@ class Warmup:
     ) -> None:
         self.keep_at = keep_at  # where the samples are kept once all are measured
         self.samples: list[Sample] = []
+        # What the prefix store reported with the warm-up's steps (a disk write that ended
+        # meanwhile): the step loop's index must hear it (`take_prefix_reports`).
+        self._prefix_reports: list[PrefixReport] = []
         self.num_turns = 0  # calls to `run` before all was measured
         self._runner = runner
         self._vocab_size = vocab_size
@@ -172,11 +175,18 @@ class Warmup:
                 session.close()
                 measured += session.samples
                 self.samples += session.samples
+                self._prefix_reports += session.prefix_reports
             if not finished:
                 self._measured += len(session.samples)
                 return measured
             self._next, self._measured = self._next + 1, 0
         return measured
+
+    def take_prefix_reports(self) -> list[PrefixReport]:
+        """The prefix store's reports that the turns so far received, once (call between
+        turns): the runner hands each report to the call that asks, and a warm-up step asks."""
+        reports, self._prefix_reports = self._prefix_reports, []
+        return reports
 
     def keep(self) -> None:
         """Keep the samples at `keep_at` for the next start (file I/O: not on the loop)."""
@@ -242,6 +252,7 @@ class _Session:
     def __init__(self, runner: Any):
         self.runner = runner
         self.samples: list[Sample] = []
+        self.prefix_reports: list[PrefixReport] = []  # the results' (see `Warmup`)
         self._prompts: dict[str, int] = {}  # request id -> prompt length
         self._outputs: dict[str, int] = {}  # decoding request id -> tokens generated
         self._prefilling: set[str] = set()  # requests with a chunk done and more to come
@@ -290,6 +301,8 @@ class _Session:
         admit = tuple(n for n in self._pending if n.request_id in num)
         self._pending = [n for n in self._pending if n.request_id not in num]
         result = self.runner.run(StepWork(plan=plan, admit=admit))
+        if result.prefix is not None:
+            self.prefix_reports.append(result.prefix)
         self._prefilling = {c.request_id for c in scheduled if not c.is_final}
         for rid in result.tokens:
             self._outputs[rid] = self._outputs.get(rid, 0) + 1
@@ -300,4 +313,6 @@ class _Session:
         """Free every warm-up request; none goes to the prefix cache."""
         ids = list(self._prompts)
         if ids:
-            self.runner.housekeep(Housekeeping(free=tuple(ids)))
+            result = self.runner.housekeep(Housekeeping(free=tuple(ids)))
+            if result.prefix is not None:
+                self.prefix_reports.append(result.prefix)

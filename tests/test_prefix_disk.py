@@ -22,6 +22,7 @@ from stepline.engine.prefix_cache import PrefixStore
 from stepline.engine.prefix_files import WRITER_THREAD_NAME, entry_file_name, model_fingerprint
 from stepline.engine.runner import snapshot_cache
 from stepline.engine.throttle import Throttle
+from stepline.engine.warmup import Warmup
 from stepline.events.log import read_events
 from stepline.events.models import ChunkPrefilled
 
@@ -184,6 +185,24 @@ async def test_a_file_damaged_while_the_engine_runs_is_skipped_and_the_request_r
     assert warm[2] == 0
     assert [e["reason"] for e in skipped(logs)] == ["its data does not match its crc32"]
     same(warm, await cold("stepline-demo", SYSTEM + SECOND))
+
+
+async def test_what_the_store_reports_to_a_warm_up_step_is_handed_on(model_cache_dir, tmp_path):
+    # The runner hands what the prefix store did to whichever call asks next, and a warm-up
+    # step asks: a file written before it reached the step loop's index only if the warm-up
+    # handed it on (on a busy machine the warm-up ran between a write and the next request,
+    # and the file was never used).
+    cache_dir = tmp_path / "prefix-cache"
+    async with open_engine("stepline-demo", cache_dir, prefix_cache_gb=0, max_step_ms=None) as e:
+        loop = e.step_loop
+        store, model = loop.runner.store, e.loaded.model
+        await loop.executor.call(lambda: store.put(SYSTEM, entry(model, SYSTEM)))
+        assert await loop.executor.call(store.flush, 30.0)  # on disk, not yet reported
+        warmup = Warmup(loop.runner, loop.config, e.vocab_size, e.max_context)
+        await loop.executor.call(warmup.run)
+        reports = warmup.take_prefix_reports()
+        assert [info.tokens for r in reports for info in r.disk_added] == [tuple(SYSTEM)]
+        assert warmup.take_prefix_reports() == []  # handed on once
 
 
 async def test_disk_files_are_written_by_the_writer_thread_not_the_executor(
