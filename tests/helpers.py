@@ -5,15 +5,20 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
+import pytest
+
+from stepline.actors import step_loop
 
 if TYPE_CHECKING:
     from stepline.actors.step_loop import StepLoop
+    from stepline.api import Engine
+    from stepline.api.stream import RequestStream
     from stepline.events.fold import RequestState
 
 T = TypeVar("T")
@@ -58,6 +63,29 @@ async def wait_until(loop: StepLoop, predicate: Callable[[], bool], within: floa
     loop's state, or the executor's (which changes only inside a step or housekeeping call)."""
     with anyio.fail_after(within):
         await loop.wait_until(predicate)
+
+
+async def submit_together(
+    engine: Engine, requests: Sequence[dict[str, Any]]
+) -> list[RequestStream]:
+    """Submit `requests` (each `Engine.submit`'s arguments) at once to an engine that is
+    idle, and return their streams, in order. An idle engine waits for the requests on their
+    way before its first step (at most `GATHER_S`: here, however long it takes), so all of
+    them are admitted before any runs; sent one after another on a busy machine, the first
+    had run for steps before the last came."""
+    loop = engine.step_loop
+    await wait_until(loop, lambda: loop.settled, within=60)
+    streams: list[RequestStream | None] = [None] * len(requests)
+
+    async def submit(i: int) -> None:
+        streams[i] = await engine.submit(**requests[i])
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(step_loop, "GATHER_S", 60.0)
+        async with anyio.create_task_group() as tg:
+            for i in range(len(requests)):
+                tg.start_soon(submit, i)
+    return [stream for stream in streams if stream is not None]
 
 
 async def wait_finished(loop: StepLoop, request_id: str, within: float = 10.0) -> RequestState:

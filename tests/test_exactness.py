@@ -8,7 +8,7 @@ import time
 import anyio
 import mlx.core as mx
 import pytest
-from helpers import wait_until
+from helpers import submit_together, wait_until
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -217,7 +217,9 @@ async def _decode_step_calls(
 
     monkeypatch.setattr(PendingSample, "finish", finish)
     monkeypatch.setattr(mx, "async_eval", start)
-    async with Engine.open(loaded.name, max_step_tokens=64, max_num_seqs=4) as engine:
+    # No step-time target: no warm-up, whose steps would run through the patched runner.
+    opened = Engine.open(loaded.name, max_step_tokens=64, max_num_seqs=4, max_step_ms=None)
+    async with opened as engine:
         runner = engine.step_loop.runner
         runner.decode_order = order
         real_run, real_pipeline, model = runner.run, runner._pipeline, runner.model
@@ -243,8 +245,9 @@ async def _decode_step_calls(
 
         runner.run, runner._pipeline, runner.model = run, pipeline, Forward()
         calls.clear()
-        streams = [await engine.submit(prompt_ids(20 + i, seed=i), params=params) for i in range(3)]
-        for stream in streams:
+        # Admitted together (63 tokens: one step), all three decode in every step but the last.
+        requests = [dict(prompt=prompt_ids(20 + i, seed=i), params=params) for i in range(3)]
+        for stream in await submit_together(engine, requests):
             got = [t async for out in stream for t in out.token_ids]
             assert len(got) == params.max_tokens
     steps, step = [], None

@@ -12,7 +12,7 @@ from stepline.api import Engine, SamplingParams
 from stepline.api.http.app import create_app
 from stepline.api.http.serve import serve_in_process
 from stepline.engine import cost_model
-from stepline.engine.cost_model import CostModel, Sample, StepCost, StepFeatures
+from stepline.engine.cost_model import CostModel, StepCost, StepFeatures
 from stepline.engine.policy import SchedulerConfig
 from stepline.engine.runner import ModelRunner
 from stepline.engine.warmup import Warmup
@@ -24,14 +24,25 @@ from stepline.events.models import ChunkPrefilled, TokensSampled
 KNOWN = StepCost(step=0.002, per_prefill_token=0.001, per_decode_row=0.005)
 
 
-def _known_model() -> CostModel:
-    """A cost model that answers KNOWN and never refits (measured times would move it)."""
-    seeds = [
-        Sample(f, KNOWN.predict(f))
-        for f in [StepFeatures(decode_rows=r) for r in (1, 2, 4, 8)]
-        + [StepFeatures().with_chunk(s, n) for s, n in ((0, 16), (16, 64), (80, 256), (0, 500))]
-    ]
-    return CostModel(refit_every=10**9, seed=seeds, early_refits=False)
+class FixedCost(CostModel):
+    """A cost model that answers `cost` whatever the steps measure: a test of the policy's
+    decisions feeds it the costs it needs, not this machine's (a step slowed by a busy
+    machine made a learning model refit to the demo model's real, far smaller, costs)."""
+
+    def __init__(self, cost: StepCost) -> None:
+        super().__init__()
+        self._fixed = cost
+
+    @property
+    def cost(self) -> StepCost:
+        return self._fixed
+
+    @property
+    def last(self) -> StepCost:
+        return self._fixed
+
+    def observe(self, features: StepFeatures, seconds: float) -> None:
+        pass  # measured times must not move it
 
 
 def _prompt(n: int) -> list[int]:
@@ -196,7 +207,7 @@ async def test_a_prompt_arriving_while_others_decode_gets_chunks_that_fit_the_ta
         event_log=log,
         prefix_cache_gb=0,
     ) as engine:
-        engine.step_loop.cost_model = _known_model()
+        engine.step_loop.cost_model = FixedCost(KNOWN)
         # Alone: nobody to protect, so the whole budget.
         alone = await engine.submit(_prompt(1200), params=SamplingParams(max_tokens=1))
         async for _ in alone:
