@@ -74,6 +74,11 @@ class EngineMetrics:
         )
         self.admissions = Counter("stepline_requests_admitted", "Requests admitted", registry=r)
         self.steps = Counter("stepline_steps", "Steps run", registry=r)
+        self.heap_trims = Counter(
+            "stepline_heap_trims",
+            "Times the C heap's free memory went back to the system",
+            registry=r,
+        )
         self.budget_use = Buckets(
             "stepline_step_budget_use",
             "Fraction of max_step_tokens each step used",

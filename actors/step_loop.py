@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -30,6 +31,7 @@ from stepline.actors.executor import Executor, ExecutorDeadError
 from stepline.actors.mailbox import Mailbox
 from stepline.actors.messages import Arrivals, Cancel, Submit, Update
 from stepline.actors.metrics import EngineMetrics
+from stepline.engine import heap
 from stepline.engine.cost_model import CostModel
 from stepline.engine.policy import AdmissionError, SchedulerConfig
 from stepline.engine.prefix_index import PrefixIndex
@@ -47,6 +49,8 @@ log = structlog.get_logger(__name__)
 # prompts, not whichever was ready first (the others would wait for that whole step). A lone
 # request, or one arriving while others run, never waits.
 GATHER_S = 0.03
+# A loop that never goes idle gives the C heap's free memory back this often (`_trim_heap`).
+TRIM_EVERY_S = 60.0
 
 
 class StepLoop:
@@ -82,6 +86,8 @@ class StepLoop:
         self._actors: dict[str, Mailbox[Update]] = {}  # live request -> its actor's inbox
         self._idle = True  # nothing has run since the loop last waited for work
         self._warmup = warmup if cost_model is not None else None
+        self._trimmed_at = time.monotonic()  # when `_trim_heap` last ran ...
+        self._trimmed_at_seq = 0  # ... and the core's last event then
         self._warming = False  # a turn of the warm-up is on the executor
         self._turn_over = threading.Event()  # set: the executor ends the turn at its next step
         self.died = anyio.Event()  # set when the engine can serve no more (dead_reason says why)
@@ -180,6 +186,7 @@ class StepLoop:
                         if self._warmup is not None:
                             await self._warm_up(self._warmup)
                             self._tick()
+                        await self._trim_heap(idle=True)
                         try:
                             msg = await self._inbox.receive()  # idle: sleep until work arrives
                         except anyio.EndOfStream:
@@ -187,6 +194,7 @@ class StepLoop:
                         self._handle([msg, *self._drain()])
                     else:
                         self._handle(self._drain())
+                        await self._trim_heap(idle=False)
                     await self._step()
                     self._tick()
                 except Exception as exc:
@@ -286,6 +294,19 @@ class StepLoop:
         next step, and none starts again."""
         self._warmup = None
         self._turn_over.set()
+
+    async def _trim_heap(self, *, idle: bool) -> None:
+        """Give the C heap's free memory back to the system (engine/heap.py), on the
+        executor's thread: once when the loop goes idle after work, and every
+        TRIM_EVERY_S while it never does. Without it RSS stays at a burst's high-water mark."""
+        now = time.monotonic()
+        worked = self.core.seq != self._trimmed_at_seq
+        if not worked or not (idle or now - self._trimmed_at >= TRIM_EVERY_S):
+            return
+        self._trimmed_at, self._trimmed_at_seq = now, self.core.seq
+        if await self._run_executor(heap.trim):
+            self.metrics.heap_trims.inc()
+            self._tick()
 
     async def _housekeep(self, chores: Housekeeping) -> None:
         result = await self._run_executor(self.runner.housekeep, chores)
