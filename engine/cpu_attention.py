@@ -8,8 +8,9 @@ float32 on a 2-core CPU, a 40-token chunk at offset 1,800 spent ~380 of its ~550
 that a block's scores (~2 MB) stay in cache, each block against only the keys it can see
 (the causal triangle is skipped, not masked), and the softmax's `exp` is built from MLX's
 vector-friendly elementwise ops: 2^n x 2^f, 2^f from its Taylor series on [-1/2, 1/2]
-(relative error ~1e-7, float32's own rounding) and 2^n from the exponent bits. Per layer
-at 2,048 keys: 24 ms for 128 queries against 40 ms, 97 against 172 ms for 512.
+(relative error ~1e-7, float32's own rounding) and 2^n from the exponent bits; the product
+reads no subnormal weight (`weights`). Per layer (9 query heads, 3 KV heads): 128 queries
+at 2,048 keys 28 ms against MLX's 36; a whole 160-token prompt 2.2 against 3.6 ms.
 
 Decode rows at long context (`row_attention`) take the same softmax.
 
@@ -42,9 +43,10 @@ ROW_MIN_KEYS = 1024
 
 
 def fast_exp(x: mx.array) -> mx.array:
-    """exp(x) for float32 `x` <= 0 (softmax arguments): -inf and anything under 2^-126
-    become ~1e-38, not 0, which a softmax's sum does not notice."""
-    t = mx.maximum(x * _LOG2E, -126.0)
+    """exp(x) for float32 `x` <= 0 (softmax arguments): -inf and anything under 2^-125.5
+    become 2^-125.5 (~2.5e-38), not 0, which a softmax's sum does not notice; never a
+    subnormal float (`_attend` says why)."""
+    t = mx.maximum(x * _LOG2E, -125.5)
     n = mx.round(t)
     f = t - n
     p = mx.array(_TAYLOR[-1], dtype=mx.float32)
@@ -74,7 +76,7 @@ def causal_attention(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.
             visible = position >= mx.arange(seen)[None]  # (n, seen)
             scores = scores.reshape(b, hk, group, end - start, seen)
             scores = mx.where(visible, scores, -mx.inf).reshape(b, hk, -1, seen)
-        out = _softmax(scores) @ v[:, :, :seen]  # (B, Hk, group * n, D)
+        out = _attend(scores, v[:, :, :seen])  # (B, Hk, group * n, D)
         outs.append(out.reshape(b, hk, group, end - start, d))
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=3)
     return out.reshape(b, h, length, d)
@@ -95,13 +97,24 @@ def row_attention(
             scores = mx.where(mask, scores, -mx.inf)
         else:
             scores = scores + mask
-    return (_softmax(scores) @ v).reshape(b, h, 1, d)
+    return _attend(scores, v).reshape(b, h, 1, d)
 
 
-def _softmax(scores: mx.array) -> mx.array:
-    """Softmax over the last axis, with `fast_exp`."""
-    weights = fast_exp(scores - scores.max(axis=-1, keepdims=True))
-    return weights * (1.0 / weights.sum(axis=-1, keepdims=True))
+def _attend(scores: mx.array, v: mx.array) -> mx.array:
+    """softmax(`scores`) @ `v`, its division by the softmax's sum made on the product (D
+    wide, not keys wide): see `weights`."""
+    w, inverse_sum = weights(scores)
+    return (w @ v) * inverse_sum
+
+
+def weights(scores: mx.array) -> tuple[mx.array, mx.array]:
+    """A softmax over the last axis, unnormalized: `fast_exp` of the scores less their
+    maximum, and 1 / their sum. Each weight is a normal float, and stays one as the
+    product reads it: x86 CPUs read subnormal operands ~50x slower, and masked keys'
+    weights divided by the sum were subnormal (a 160-token chunk's masked triangle made
+    SmolLM2's whole prefill 2.4x slower than MLX's own attention)."""
+    w = fast_exp(scores - scores.max(axis=-1, keepdims=True))
+    return w, 1.0 / w.sum(axis=-1, keepdims=True)
 
 
 def _wrap(original: Callable[..., mx.array]) -> Callable[..., mx.array]:

@@ -10,15 +10,27 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from stepline.engine import cpu_attention
-from stepline.engine.cpu_attention import causal_attention, fast_exp, row_attention
+from stepline.engine.cpu_attention import causal_attention, fast_exp, row_attention, weights
 
 
 def test_fast_exp_is_exp_to_float32_rounding_and_negligible_where_exp_underflows():
     x = mx.concatenate([mx.linspace(-100, 0, 100_001), mx.array([-mx.inf, -1e30])])
     ours, exact = fast_exp(x), mx.exp(x)
-    normal = exact >= 2.0**-126
-    assert mx.all(mx.where(normal, mx.abs(ours - exact) <= 3e-7 * exact, True)).item()
-    assert mx.all(mx.where(normal, True, ours <= 1.2e-38)).item()
+    kept = exact >= 2.0**-125.5
+    assert mx.all(mx.where(kept, mx.abs(ours - exact) <= 3e-7 * exact, True)).item()
+    assert mx.all(mx.where(kept, True, ours <= 2.6e-38)).item()
+    assert mx.all(ours >= 2.0**-126).item()  # never subnormal
+
+
+def test_the_weights_attention_multiplies_are_never_subnormal_and_make_the_softmax():
+    # a causal block's masked keys (-inf) beside 2,000 visible ones: normalized, their
+    # weights were subnormal, which x86 reads ~50x slower
+    scores = mx.random.normal((2, 3, 8, 2048), key=mx.random.key(0))
+    scores = mx.where(mx.arange(2048) < 2000, scores, -mx.inf)
+    w, inverse_sum = weights(scores)
+    assert mx.all(w >= 2.0**-126).item()
+    softmax = mx.softmax(scores, axis=-1)
+    assert mx.allclose(w * inverse_sum, softmax, rtol=1e-5, atol=1e-12).item()
 
 
 @pytest.mark.parametrize(
