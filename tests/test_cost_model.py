@@ -26,7 +26,7 @@ TRUE = StepCost(
     per_prefill_token=0.0004,
     per_attention=3e-8,
     per_decode_row=0.0015,
-    per_decode_context=2e-7,
+    per_decode_context=3e-8,  # a decode row's key is a query-key pair: `fit` ties them
     per_separate_decode=0.004,
 )
 
@@ -66,6 +66,41 @@ def assert_close_coefficients(got: StepCost, want: StepCost, rel: float) -> None
 
 def test_the_fit_recovers_known_coefficients_from_noisy_steps():
     assert_close_coefficients(fit(_samples(200, seed=0)), TRUE, rel=0.15)
+
+
+# What SmolLM2's engine had measured as a burst of 16 chats began (its warm-up's steps and
+# its first live ones): (chunks, prompt tokens, prompt attention pairs, decode rows, decode
+# context, separate decode, seconds). Its decode steps took 0.20-0.22 s at 16 rows of ~400
+# keys a few steps later.
+SMOLLM2_BURST = [
+    (1, 32, 528, 0, 0, 0, 0.187),
+    (1, 64, 4128, 0, 0, 0, 0.291),
+    (1, 128, 20544, 0, 0, 0, 0.541),
+    (1, 256, 90240, 0, 0, 0, 1.289),
+    (1, 1, 481, 0, 0, 0, 0.151),
+    (0, 0, 0, 1, 482, 0, 0.241),
+    (0, 0, 0, 1, 483, 0, 0.125),
+    (3, 24, 108, 1, 18, 1, 0.203),
+    (3, 24, 300, 1, 19, 0, 0.230),
+    (0, 0, 0, 4, 80, 0, 0.268),
+    (0, 0, 0, 4, 84, 0, 0.117),
+    (0, 0, 0, 4, 88, 0, 0.118),
+    (0, 0, 0, 1, 32, 0, 0.173),
+    (0, 0, 0, 1, 33, 0, 0.098),
+    (0, 0, 0, 1, 34, 0, 0.098),
+    (1, 31, 496, 0, 0, 0, 0.219),
+]
+
+
+def test_decode_rows_at_a_context_no_decode_step_had_yet_are_priced_as_their_key_pairs():
+    """Fitted apart from the prompt's attention, the decode context's price was whatever the
+    few short decode steps left it: 16 rows of 400 keys priced at 0.64 s, and every step
+    beside them let run 3x as long as the step-time floor means."""
+    samples = [Sample(StepFeatures(*row[:6]), row[6]) for row in SMOLLM2_BURST]
+    cost = fit(samples)
+    assert cost.per_decode_context == cost.per_attention
+    sixteen = StepFeatures(decode_rows=16, decode_context=16 * 400)
+    assert 0.15 <= cost.predict(sixteen) <= 0.3
 
 
 def test_the_fit_ignores_outliers():
