@@ -204,7 +204,9 @@ def _sse_data(raw: bytes) -> list:
 async def test_a_killed_rank_ends_every_request_with_an_error_and_the_job_exits(
     demo, tmp_path, ranks
 ):
-    url = _serve(tmp_path, ranks, env={"STEPLINE_DIST_EXIT_S": "1"})
+    # Rank 0 ends itself this long after the loss: time for the streams' ends and /health
+    # to be read on a busy machine (1 s was not, once).
+    url = _serve(tmp_path, ranks, env={"STEPLINE_DIST_EXIT_S": "5"})
     body = {
         "model": "stepline-demo",
         "messages": [{"role": "user", "content": "tell me everything"}],
