@@ -100,7 +100,7 @@ class StepRecorder:
     tokens, seconds, and the decode groups' shape before it ran."""
 
     def __init__(self, runner: Any):
-        self.runner, self.steps = runner, []
+        self.runner, self.steps, self.plans = runner, [], []
         self._run = runner.run
         runner.run = self.run
 
@@ -112,11 +112,10 @@ class StepRecorder:
             rows * group[0].size()
             for rows, group in zip(groups, getattr(decode, "groups", []), strict=False)
         )
-        contexts = sum(
-            max(c.size() for c in (s.cache or [])) if s.cache else 0
-            for s in getattr(self.runner, "_seqs", {}).values()
-        )
+        batch = getattr(self.runner, "_batch", None)
+        contexts = sum(int(q.prompt.shape[0]) + len(q.output) for q in getattr(batch, "seqs", ()))
         result = self._run(work)
+        self.plans.append((plan, result.seconds))
         self.steps.append(
             {
                 "kind": step_kind(plan),
@@ -143,14 +142,17 @@ def summarize_steps(steps: list[dict], makespan: float) -> dict[str, Any]:
         k["seconds"] += s["seconds"]
         k["rows"] += s["decodes"]
         k["chunk_tokens"] += s["chunk_tokens"]
+        k["longest"] = max(k["longest"], s["seconds"])
     decode = [s for s in steps if s["kind"] == "decode"]
     executor = sum(s["seconds"] for s in steps)
+    own = sum(s["own_keys"] for s in decode)
     return {
         "kinds": {k: dict(v) for k, v in by.items()},
         "executor_s": executor,
         "outside_s": makespan - executor,
         "decode_groups_mean": statistics.fmean(s["groups"] for s in decode) if decode else 0,
         "decode_groups_max": max((s["groups"] for s in decode), default=0),
+        "decode_padding": sum(s["padded_keys"] for s in decode) / own - 1 if own else 0.0,
     }
 
 
@@ -265,12 +267,14 @@ def report_breakdown(f: Figures) -> None:
         print(
             f"    {kind:<8} {int(n):4d} steps {k['seconds']:6.2f} s "
             f"({1e3 * k['seconds'] / n:6.1f} ms each; {k['rows'] / n:4.1f} decode rows, "
-            f"{k['chunk_tokens'] / n:6.1f} prompt tokens a step)"
+            f"{k['chunk_tokens'] / n:6.1f} prompt tokens a step; longest "
+            f"{1e3 * k['longest']:.0f} ms)"
         )
     print(
         f"    executor {b['executor_s']:.2f} s of the makespan's {f.makespan:.2f} s; "
         f"outside it {b['outside_s']:.2f} s; decode groups a decode step: mean "
-        f"{b['decode_groups_mean']:.2f}, max {b['decode_groups_max']}"
+        f"{b['decode_groups_mean']:.2f}, max {b['decode_groups_max']}; keys attended past "
+        f"the rows' own (padding): {100 * b['decode_padding']:.0f}%"
     )
 
 

@@ -9,7 +9,9 @@ Workloads (all greedy, streamed over SSE, with `stream_options.include_usage`):
   head-of-line  4 long decodes; once they stream, one long prompt (~4,000 tokens, cut to the
                 model's context) arrives. Its TTFT, and the decoders' worst inter-token gap
                 while it prefills, show whether a long prefill stalls running decodes.
-  burst         16 requests at once, mixed prompt (32-512) and output (16-128) lengths.
+  burst         16 requests at once, prompts of 64-256 tokens, 96-160 output tokens each
+                (`ignore_eos`: stepline generates them all; peers that ignore the field stop
+                early, so compare tokens/s, which is per output token).
   shared-prefix one long system prompt, 16 short questions, 4 at a time.
   overhead      16 identical streams, through HTTP and through the engine's Python API in
                 this process (stepline only): the HTTP layer's cost in output tokens/s.
@@ -246,10 +248,11 @@ async def head_of_line(t: Target, client, prompts: Prompts, args) -> Run:
 
 async def burst(t: Target, client, prompts: Prompts, args) -> Run:
     rng = random.Random(0)
+    (plo, phi), (olo, ohi) = args.burst_prompt, args.burst_output
     # Texts of their own: head-of-line's decoders took seeds 0-3, and a server that ran it
     # first served the burst's first prompts from its prefix cache.
     bodies = [
-        chat(t.model, prompts.text(rng.randint(32, 512), seed=10_000 + i), rng.randint(16, 128))
+        chat(t.model, prompts.text(rng.randint(plo, phi), seed=10_000 + i), rng.randint(olo, ohi))
         for i in range(args.burst)
     ]
     t0 = time.perf_counter()
@@ -411,12 +414,14 @@ class Spawned:
         log_dir: Path,
         stepline_args: list[str],
         peer_args: Sequence[str] = (),
+        vllm_mlx_bin: str | None = None,
     ):
         from benchmarks.served_model import served_dir
         from stepline.engine.models import DEMO_MODELS
 
         self.kind = kind
         self.port = free_port()
+        env = None  # this process's
         self.base_url = f"http://127.0.0.1:{self.port}"
         # Built (or converted and saved as served) once, before any server starts.
         path = served_dir(model_name)
@@ -446,16 +451,25 @@ class Spawned:
             cmd += list(peer_args)
         elif kind == "vllm_mlx":
             self.model = str(path)
-            exe = shutil.which("vllm-mlx")
+            exe = vllm_mlx_bin or shutil.which("vllm-mlx")
             if exe is None:
-                raise SystemExit("--spawn vllm_mlx: no vllm-mlx on PATH")
+                raise SystemExit("--spawn vllm_mlx: no vllm-mlx on PATH (or --vllm-mlx-bin)")
             cmd = [exe, "serve", str(path), "--host", "127.0.0.1", "--port", str(self.port)]
             cmd += list(peer_args)
+            # vllm-mlx runs in an environment of its own: OpenBLAS goes in as stepline loads
+            # it (this process loaded it), with the same number of threads
+            import mlx.core  # noqa: F401  (stepline.engine loads OpenBLAS before it)
+
+            from stepline.engine import _blas
+
+            openblas, _ = _blas.status()
+            if openblas is not None:
+                env = {**os.environ, "LD_PRELOAD": openblas}
         else:
             raise SystemExit(f"--spawn: unknown server {kind!r} (stepline, mlx_lm or vllm_mlx)")
         self.log_path = log_dir / f"{kind}.log"
         self._log = open(self.log_path, "wb")  # closed in stop()
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
 
     async def wait_ready(self, limit_s: float = 180) -> None:
         async with httpx.AsyncClient(base_url=self.base_url, timeout=5) as client:
@@ -544,7 +558,8 @@ def load_tokenizer(model_name: str) -> Any:
         return None
 
 
-async def main_async(args) -> list[dict[str, Any]]:
+async def main_async(args, runs: list[Run]) -> list[dict[str, Any]]:
+    """Every workload on every server (`runs` gets each run), their summary rows."""
     deadline = time.monotonic() + args.time_limit
     rows: list[dict[str, Any]] = []
     spawn = [s for s in (args.spawn or "").split(",") if s]
@@ -562,17 +577,75 @@ async def main_async(args) -> list[dict[str, Any]]:
         rows += [summary(r) for r in await run_target(t, prompts, args, deadline)]
         return rows
     with tempfile.TemporaryDirectory(prefix="http-load-") as log_dir:
-        for kind in spawn:  # one at a time: they would fight over the same cores
-            server = Spawned(
-                kind, args.model, Path(log_dir), args.stepline_args.split(), args.peer_args.split()
-            )
-            try:
-                await server.wait_ready()
-                t = Target(kind, server.base_url, server.model, server.context, server.proc.pid)
-                rows += [summary(r) for r in await run_target(t, prompts, args, deadline)]
-            finally:
-                server.stop()
+        for r in range(args.repeats):
+            # one server at a time (they would fight over the same cores), a fresh one each
+            # repeat (no prefix cache carried over), in an order that rotates
+            for kind in spawn[r % len(spawn) :] + spawn[: r % len(spawn)]:
+                extra = [*args.peer_args.split(), *getattr(args, f"{kind}_args", "").split()]
+                server = Spawned(
+                    kind,
+                    args.model,
+                    Path(log_dir),
+                    args.stepline_args.split(),
+                    extra,
+                    args.vllm_mlx_bin,
+                )
+                try:
+                    await server.wait_ready()
+                    t = Target(kind, server.base_url, server.model, server.context, server.proc.pid)
+                    for run in await run_target(t, prompts, args, deadline):
+                        rows.append({**summary(run), "repeat": r + 1})
+                        runs.append(run)
+                finally:
+                    server.stop()
     return rows
+
+
+def span(text: str) -> tuple[int, int]:
+    lo, hi = (int(x) for x in text.split("-"))
+    return lo, hi
+
+
+# What each workload's comparison reads from a run, and whether more is better.
+FIGURES = {
+    "tok/s": (lambda run: summary(run)["tokens_per_s"], True),
+    "TTFT p50 (s)": (
+        lambda run: percentiles([r.ttft for r in run.results if r.ok and r.ttft])[0],
+        False,
+    ),
+    "ITL p50 (s)": (
+        lambda run: percentiles([g for r in run.results if r.ok for g in r.itls])[0],
+        False,
+    ),
+    "stall (ms)": (lambda run: run.notes.get("decode_stall_max_ms", float("nan")), False),
+}
+
+
+def compare(runs: list[Run]) -> None:
+    """Each workload's figures on each server (medians over repeats), and stepline's against
+    the best peer's for each figure (the median of the repeats' ratios, repeat i of stepline
+    against repeat i of the peer)."""
+    import statistics
+
+    by: dict[tuple[str, str], list[Run]] = {}
+    for run in runs:
+        by.setdefault((run.workload, run.server), []).append(run)
+    for workload in dict.fromkeys(run.workload for run in runs):
+        servers = [srv for (w, srv) in by if w == workload]
+        if "stepline" not in servers or len(servers) < 2:
+            continue
+        print(f"\n{workload}: medians of {len(by[(workload, 'stepline')])} repeat(s)")
+        for name, (figure, more_is_better) in FIGURES.items():
+            values = {srv: [figure(run) for run in by[(workload, srv)]] for srv in servers}
+            if all(v != v for vs in values.values() for v in vs):  # NaN everywhere
+                continue
+            medians = {srv: statistics.median(vs) for srv, vs in values.items()}
+            peers = [srv for srv in servers if srv != "stepline"]
+            best = (max if more_is_better else min)(peers, key=lambda srv: medians[srv])
+            ratios = [a / b for a, b in zip(values["stepline"], values[best], strict=False) if b]
+            shown = ", ".join(f"{srv} {medians[srv]:.3g}" for srv in servers)
+            ratio = statistics.median(ratios) if ratios else float("nan")
+            print(f"  {name:<13} {shown}; stepline / {best} (best peer): {ratio:.2f}x")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -603,6 +676,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hol-prompt-tokens", type=int, default=4000)
     p.add_argument("--hol-decode-tokens", type=int, default=256)
     p.add_argument("--burst", type=int, default=16, help="requests in the burst")
+    p.add_argument("--burst-prompt", type=span, default=(64, 256), help="prompt tokens, LO-HI")
+    p.add_argument("--burst-output", type=span, default=(96, 160), help="output tokens, LO-HI")
+    p.add_argument(
+        "--repeats", type=int, default=1, help="runs of every spawned server, in turn (medians)"
+    )
+    p.add_argument("--mlx-lm-args", dest="mlx_lm_args", default="", help="mlx_lm.server's own")
+    p.add_argument("--vllm-mlx-args", dest="vllm_mlx_args", default="", help="vllm-mlx's own")
+    p.add_argument("--vllm-mlx-bin", default=None, help="the vllm-mlx executable (default: PATH's)")
     p.add_argument("--prefix-tokens", type=int, default=1024)
     p.add_argument("--questions", type=int, default=16)
     p.add_argument("--streams", type=int, default=16, help="streams of the overhead workload")
@@ -616,8 +697,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown workloads {sorted(unknown)}; choose from {[*WORKLOADS, 'overhead']}")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-    rows = asyncio.run(main_async(args))
+    runs: list[Run] = []
+    rows = asyncio.run(main_async(args, runs))
     print_table(rows)
+    compare(runs)
     engine = next((r for r in rows if r["server"] == "stepline-engine"), None)
     http = next(
         (
