@@ -170,10 +170,14 @@ async def run_stepline(model: str, burst: Burst, options: dict[str, Any]) -> Fig
                     times[i].extend([now] * len(out.token_ids))
 
         t0 = time.perf_counter()
-        streams = [
-            await engine.submit(p, params=SamplingParams(max_tokens=n, ignore_eos=True))
-            for p, n in zip(burst.prompts, burst.outputs, strict=True)
-        ]
+        # submitted together, as clients of a server send them: the engine's first step
+        # waits (briefly) for the requests still being prepared
+        streams = await asyncio.gather(
+            *(
+                engine.submit(p, params=SamplingParams(max_tokens=n, ignore_eos=True))
+                for p, n in zip(burst.prompts, burst.outputs, strict=True)
+            )
+        )
         await asyncio.gather(*(consume(i, s) for i, s in enumerate(streams)))
         recorder.close()
         f = figures(t0, times, {})
