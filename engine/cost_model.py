@@ -334,6 +334,10 @@ def _usable(seconds: float) -> bool:
     return seconds > 0 and seconds < float("inf")
 
 
+# `StepFeatures.vector`'s columns that `fit` prices with one coefficient
+_ATTENTION, _DECODE_CONTEXT = 3, 5
+
+
 def fit(samples: Sequence[Sample]) -> StepCost:
     """Robust non-negative fit of `StepCost` to `samples` (relative errors, two trims).
 
@@ -368,10 +372,6 @@ def fit(samples: Sequence[Sample]) -> StepCost:
         coef = _nnls(a[keep], b[keep])
     coef = np.insert(coef, _DECODE_CONTEXT, coef[_ATTENTION])
     return StepCost(*(float(c) for c in coef))
-
-
-# `StepFeatures.vector`'s columns that `fit` prices with one coefficient
-_ATTENTION, _DECODE_CONTEXT = 3, 5
 
 
 def _nnls(a, b):  # type: ignore[no-untyped-def]

@@ -45,7 +45,7 @@ ROW_MIN_KEYS = 1024
 def fast_exp(x: mx.array) -> mx.array:
     """exp(x) for float32 `x` <= 0 (softmax arguments): -inf and anything under 2^-125.5
     become 2^-125.5 (~2.5e-38), not 0, which a softmax's sum does not notice; never a
-    subnormal float (`_attend` says why)."""
+    subnormal float (`weights` says why)."""
     t = mx.maximum(x * _LOG2E, -125.5)
     n = mx.round(t)
     f = t - n
