@@ -14,6 +14,7 @@ import anyio
 import pytest
 
 from stepline.actors import step_loop
+from stepline.engine.cost_model import StepCost
 
 if TYPE_CHECKING:
     from stepline.actors.step_loop import StepLoop
@@ -22,6 +23,17 @@ if TYPE_CHECKING:
     from stepline.events.fold import RequestState
 
 T = TypeVar("T")
+
+# A fixed step-time model for scheduling tests, roughly stepline-demo-large on a CPU: 20 ms
+# a step, 0.4 ms a prompt token, attention noticeable past a few thousand tokens of context.
+DEMO_LARGE_COST = StepCost(
+    step=0.004,
+    per_chunk=0.002,
+    per_prefill_token=0.0004,
+    per_attention=4e-8,
+    per_decode_row=0.002,
+    per_decode_context=1e-6,
+)
 
 
 async def hold_open(cm: AbstractAsyncContextManager[T]) -> tuple[T, Callable[[], Awaitable[None]]]:

@@ -14,7 +14,7 @@ import anyio
 import httpx
 import pytest
 from core_driver import TOKEN, make_core, params, run_step
-from helpers import wait_finished, wait_until
+from helpers import DEMO_LARGE_COST, wait_finished, wait_until
 from starlette.datastructures import Headers
 
 from stepline.api import Engine
@@ -22,7 +22,6 @@ from stepline.api.http.app import create_app
 from stepline.api.http.serve import serve_in_process
 from stepline.api.pipeline.errors import known_error
 from stepline.api.pipeline.serving import client_of
-from stepline.engine.cost_model import StepCost
 from stepline.engine.policy import (
     MAX_WAIT_STEPS,
     QueueFullError,
@@ -35,14 +34,7 @@ from stepline.events.fold import RequestState, Status, fold
 from stepline.events.log import read_events
 from stepline.events.models import Admitted, ChunkPrefilled, Terminal, TokensSampled
 
-COST = StepCost(
-    step=0.004,
-    per_chunk=0.002,
-    per_prefill_token=0.0004,
-    per_attention=4e-8,
-    per_decode_row=0.002,
-    per_decode_context=1e-6,
-)
+COST = DEMO_LARGE_COST  # roughly stepline-demo-large on a CPU (helpers.py)
 
 
 def started_order(core, until: str, max_steps: int = 100) -> list[str]:

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 from core_driver import TOKEN, make_core, params, run_step
+from helpers import DEMO_LARGE_COST
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -339,16 +340,7 @@ def test_a_request_past_the_kv_budget_is_refused_in_tokens_and_gb():
 
 # -- a step-time target with a cost model ------------------------------------------------------
 
-# Roughly stepline-demo-large on a CPU: 20 ms a step, 0.4 ms a prompt token, attention
-# noticeable past a few thousand tokens of context.
-COST = StepCost(
-    step=0.004,
-    per_chunk=0.002,
-    per_prefill_token=0.0004,
-    per_attention=4e-8,
-    per_decode_row=0.002,
-    per_decode_context=1e-6,
-)
+COST = DEMO_LARGE_COST  # roughly stepline-demo-large on a CPU (helpers.py)
 TIMED = SchedulerConfig(max_step_tokens=512, max_num_seqs=32, max_step_ms=100)
 
 

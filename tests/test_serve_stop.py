@@ -83,10 +83,7 @@ def test_sigterm_with_open_streams_exits_0_within_10_s_every_time(demo, tmp_path
                 t.start()
             for _ in threads:  # every stream has its first frame
                 assert started.acquire(timeout=60)
-            t0 = time.monotonic()
-            proc.send_signal(signal.SIGTERM)
-            status = proc.wait(timeout=60)
-            took = time.monotonic() - t0
+            status, took = stop(proc)
             for t in threads:
                 t.join(timeout=30)
         finally:
