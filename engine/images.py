@@ -1,0 +1,122 @@
+"""Images in prompts, before any model sees them: the bytes a client sent, checked against
+the limits and decoded once, named by their content digest. MLX-free; Pillow (the `vision`
+extra) is imported only when an image is decoded.
+
+What a vision model makes of an image (its token span, its pixel values) is the model's
+business (`engine/vision.py`); here an image is only validated data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from dataclasses import dataclass, field
+from typing import Any
+
+# Defaults of the limits (EngineConfig's max_image_bytes, max_image_pixels,
+# max_images_per_request): a 4K screenshot as PNG is 2-8 MB and 8.3 Mpixels.
+MAX_IMAGE_BYTES = 20 * 2**20
+MAX_IMAGE_PIXELS = 5000 * 5000
+MAX_IMAGES_PER_REQUEST = 8
+
+
+class ImageError(ValueError):
+    """An image the server will not take: corrupt, too large, or too many. `param` names
+    where it came from in the request (`messages.0.content.1`), `code` says what is wrong."""
+
+    def __init__(self, message: str, *, param: str | None = None, code: str = "invalid_image"):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    max_bytes: int = MAX_IMAGE_BYTES
+    max_pixels: int = MAX_IMAGE_PIXELS
+    max_images: int = MAX_IMAGES_PER_REQUEST
+
+
+@dataclass(frozen=True)
+class ImageData:
+    """One image of a prompt, decoded and checked: its bytes as sent, their SHA-256 (what
+    the prefix cache and the event log know it by), its size in pixels, and its pixels as
+    RGB (Pillow's image, decoded once)."""
+
+    data: bytes = field(repr=False)
+    digest: str
+    width: int
+    height: int
+    media_type: str  # image/png, image/jpeg, ... as the bytes say (not as the client claimed)
+    pixels: Any = field(repr=False, compare=False)  # PIL.Image.Image, mode RGB
+
+    @property
+    def num_bytes(self) -> int:
+        return len(self.data)
+
+
+def digest_of(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def decode_image(data: bytes, *, where: str, limits: ImageLimits = ImageLimits()) -> ImageData:
+    """`data` (an image file's bytes) decoded to RGB pixels. Raises ImageError naming `where`
+    for bytes past `limits.max_bytes`, pixels past `limits.max_pixels` (checked from the
+    header, before the pixels are decoded) and for anything Pillow cannot read whole."""
+    if len(data) > limits.max_bytes:
+        raise ImageError(
+            f"{where} is {len(data):,} bytes: images of at most {limits.max_bytes:,} bytes "
+            "are served (max_image_bytes)",
+            param=where,
+            code="image_too_large",
+        )
+    try:
+        from PIL import Image
+    except ImportError:  # pragma: no cover - the vision extra brings Pillow
+        raise ImageError(
+            "images need Pillow: pip install 'stepline[vision]'", param=where
+        ) from None
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            width, height = img.size
+            if width * height > limits.max_pixels:
+                raise ImageError(
+                    f"{where} is {width}x{height} pixels: images of at most "
+                    f"{limits.max_pixels:,} pixels are served (max_image_pixels)",
+                    param=where,
+                    code="image_too_large",
+                )
+            media_type = Image.MIME.get(img.format or "", "application/octet-stream")
+            rgb = img.convert("RGB")  # decodes every pixel: a truncated file fails here
+    except ImageError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - Pillow raises many kinds for a corrupt file
+        raise ImageError(
+            f"{where} is not an image this server can read ({type(exc).__name__}: {exc}); "
+            "send PNG, JPEG, WebP or GIF",
+            param=where,
+        ) from None
+    return ImageData(
+        data=data,
+        digest=digest_of(data),
+        width=width,
+        height=height,
+        media_type=media_type,
+        pixels=rgb,
+    )
+
+
+def image_parts(messages: Any) -> list[ImageData]:
+    """The images of chat `messages`, in order: content parts `{"type": "image", "image":
+    ImageData}` (the neutral form every door translates its image parts into)."""
+    found: list[ImageData] = []
+    for m in messages or ():
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list):
+            for part in content:
+                if isinstance(part, dict) and part.get("type") == "image":
+                    image = part.get("image")
+                    if isinstance(image, ImageData):
+                        found.append(image)
+    return found
