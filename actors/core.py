@@ -44,6 +44,7 @@ from typing import Any
 
 from stepline.actors.messages import Update
 from stepline.engine.cost_model import CostModel
+from stepline.engine.images import PromptImage, check_spans, prompt_key
 from stepline.engine.policy import (
     AdmissionError,
     ScheduledChunk,
@@ -51,6 +52,7 @@ from stepline.engine.policy import (
     check_admissible,
     check_queue,
     max_output_tokens,
+    outside_images,
     prefix_candidates,
     schedule,
 )
@@ -139,6 +141,9 @@ class SchedulerCore:
         self._drops: list[Tokens] = []  # prefix entries the index let go, for the store
         self._promote: tuple[Tokens, ...] = ()  # disk entries a plan wants loaded
         self._disk_tries: set[str] = set()  # requests a disk entry was loaded for
+        # waiting request -> its images' encoder inputs (pixels: not the fold's, not logged),
+        # until its first chunk hands them to the executor
+        self._images: dict[str, tuple[PromptImage, ...]] = {}
 
     # -- reading ------------------------------------------------------------------------
 
@@ -167,6 +172,7 @@ class SchedulerCore:
         params: RequestParams,
         checkpoints: Sequence[int] = (),
         client: str | None = None,
+        images: Sequence[PromptImage] = (),
     ) -> None:
         """Admit a request of `client` (None: the anonymous one; the policy shares the slots
         fairly between clients) into the waiting queue, its `max_tokens` cut to what the
@@ -180,6 +186,7 @@ class SchedulerCore:
         while len(self._recent_ids) > _KEEP_IDS:
             self._recent_ids.popitem(last=False)
         ids = tuple(prompt_token_ids)
+        check_spans(images, len(ids))
         refused: AdmissionError | None = None
         try:
             if self.dead_reason is not None:
@@ -202,12 +209,15 @@ class SchedulerCore:
             checkpoints=tuple(sorted({c for c in checkpoints if 0 < c <= len(ids)})),
             params=params,
             client=client,
+            images=tuple(i.ref() for i in images),
         )
         if refused is not None:
             self._record(
                 Terminal, request_id=request_id, reason=FinishReason.REJECTED, message=str(refused)
             )
             raise refused
+        if images:  # what the encoder reads, until the executor has it
+            self._images[request_id] = tuple(images)
 
     def abort(
         self, request_id: str, reason: FinishReason, message: str | None = None
@@ -302,12 +312,12 @@ class SchedulerCore:
         states = self.states
         candidates = prefix_candidates(
             states,
-            lambda rid: states[rid].prompt_token_ids or (),
+            lambda rid: prompt_key(states[rid].prompt_token_ids or (), states[rid].images),
             self.step + 1,
             self.config,
             self._disk_tries,
         )
-        prefix = plan_prefixes(candidates, self.index)
+        prefix = outside_images(plan_prefixes(candidates, self.index), states)
         self._disk_tries.update(prefix.loading)
         return prefix
 
@@ -322,6 +332,7 @@ class SchedulerCore:
             params=state.params,
             prefix=match.tokens if match is not None else None,
             num_cached_tokens=match.num_tokens if match is not None else 0,
+            images=self._images.pop(rid, ()),
         )
 
     def update_from_output(self, work: StepWork, result: StepResult) -> StepOutcome:
@@ -404,6 +415,9 @@ class SchedulerCore:
                     end=offset,
                     num_cached_tokens=cached if first else 0,
                     cache_source=self._cache_source(rid) if cached and first else None,
+                    images=tuple(
+                        i.digest for i in state.images if pos <= i.start and i.end <= offset
+                    ),
                 )
                 first = False
                 pos = offset
@@ -458,6 +472,7 @@ class SchedulerCore:
             if reason is not FinishReason.REJECTED:  # else it never reached the executor
                 self._to_free[rid] = reason in _REUSABLE
             self._disk_tries.discard(rid)
+            self._images.pop(rid, None)
         else:
             self.states[rid] = state
         return event

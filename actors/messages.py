@@ -6,6 +6,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 from stepline.actors.mailbox import Mailbox
+from stepline.engine.images import PromptImage
 from stepline.engine.work import TokenLogprob
 from stepline.events.models import FinishReason, RequestParams
 
@@ -46,6 +47,7 @@ class Submit:
     actor: Mailbox[Update]  # the request actor's inbox
     reply: asyncio.Future  # set to None when admitted, or to the AdmissionError
     client: str | None = None  # who sent it (fair share between clients); None: anonymous
+    images: tuple[PromptImage, ...] = ()  # the prompt's images, in order (a vision model)
 
 
 @dataclass(frozen=True)

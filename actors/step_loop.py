@@ -360,7 +360,12 @@ class StepLoop:
             return
         try:
             self.core.add(
-                msg.request_id, msg.prompt_token_ids, msg.params, msg.checkpoints, msg.client
+                msg.request_id,
+                msg.prompt_token_ids,
+                msg.params,
+                msg.checkpoints,
+                msg.client,
+                images=msg.images,
             )
         except AdmissionError as exc:
             msg.reply.set_exception(exc)

@@ -33,10 +33,11 @@ from stepline.api.config import EngineConfig, EventLogConfig, launch_rank
 from stepline.api.engine_parts import EngineParts, vocab_size, warn_without_openblas
 from stepline.api.json_limits import InputLimitError, check_text
 from stepline.api.params import SamplingParams
-from stepline.api.prompts import Prompts, PromptTooLongError, detokenizers
+from stepline.api.prompts import Prepared, Prompts, PromptTooLongError, detokenizers
 from stepline.api.stream import RequestStream
 from stepline.engine import grammar
 from stepline.engine.grammar import Compiled, GrammarCompiler, GrammarError
+from stepline.engine.images import PromptImage
 from stepline.events.models import FinishReason
 
 __all__ = [
@@ -95,7 +96,10 @@ class Engine:
         self._loop = asyncio.get_running_loop()  # the actors' mailboxes live on it
         self._stopping = False  # begin_shutdown: no new requests
         self.prompts = Prompts(
-            loaded.tokenizer, vocab_size=self.vocab_size, max_context=self.max_context
+            loaded.tokenizer,
+            vocab_size=self.vocab_size,
+            max_context=self.max_context,
+            images=loaded.vision.images if loaded.vision is not None else None,
         )
         # Compiles constrained requests' grammars; shared with the executor's runner.
         self.grammars: GrammarCompiler = step_loop.runner.grammars
@@ -185,8 +189,9 @@ class Engine:
         prompt: str | Sequence[int] | None = None,
         messages: Sequence[dict] | None = None,
         template_kwargs: dict[str, Any] | None = None,
-    ) -> tuple[list[int], list[int]]:
-        """See `Prompts.prepare`: token ids and chat checkpoints (CPU work, on this thread)."""
+    ) -> Prepared:
+        """See `Prompts.prepare`: token ids, chat checkpoints and images (CPU work, on this
+        thread)."""
         return self.prompts.prepare(prompt, messages, template_kwargs)
 
     async def prepare_async(
@@ -194,7 +199,7 @@ class Engine:
         prompt: str | Sequence[int] | None = None,
         messages: Sequence[dict] | None = None,
         template_kwargs: dict[str, Any] | None = None,
-    ) -> tuple[list[int], list[int]]:
+    ) -> Prepared:
         """See `Prompts.prepare_async`: `prepare` on a worker thread."""
         return await self.prompts.prepare_async(prompt, messages, template_kwargs)
 
@@ -205,7 +210,7 @@ class Engine:
         template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """Token ids for a raw prompt, token ids, or chat messages (chat template applied)."""
-        return self.prompts.prepare(prompt, messages, template_kwargs)[0]
+        return self.prompts.prepare(prompt, messages, template_kwargs).ids
 
     def render_chat(
         self,
@@ -219,6 +224,12 @@ class Engine:
     def chat_checkpoints(self, messages: Sequence[dict], ids: Sequence[int]) -> list[int]:
         """Token offsets of chat boundaries in `ids` (see `Prompts.chat_checkpoints`)."""
         return self.prompts.chat_checkpoints(messages, ids)
+
+    @property
+    def accepts_images(self) -> bool:
+        """Whether the model reads images (a vision-language model): messages may hold image
+        parts."""
+        return self.prompts.images is not None
 
     @property
     def max_chars_per_token(self) -> int:
@@ -237,12 +248,16 @@ class Engine:
         checkpoints: Sequence[int] = (),
         template_kwargs: dict[str, Any] | None = None,
         client: str | None = None,
+        images: Sequence[PromptImage] = (),
     ) -> RequestStream:
         """Admit one request and return its output stream. `template_kwargs` go to the chat
         template with `messages`; `params.grammar` constrains the output (compiled here, on a
         worker thread). `client` names who sends it (the HTTP server: a fingerprint of its API
         key and `user`; None: the one anonymous client): the running slots are shared fairly
         between clients, and one client may fill at most three quarters of the waiting queue.
+        A vision model's `messages` may hold image parts (`{"type": "image", "image": <an
+        image file's bytes>}`); a prompt of token ids prepared with images (`prepare`) comes
+        with its `images` (`Prepared.images`).
 
         Raises TypeError or ValueError naming the argument for `params`, `request_id`,
         `checkpoints`, `template_kwargs` or `client` of the wrong type or value, ValueError for a
@@ -252,7 +267,8 @@ class Engine:
         (EmptyPromptError, ContextLengthExceededError — PromptTooLongError when the text's
         length alone proves it —, EngineDeadError, ...) if the engine cannot serve it,
         EngineClosedError once it is closed, WrongEventLoopError when awaited on another
-        event loop than the one the engine was opened on. The prompt is tokenized on a worker
+        event loop than the one the engine was opened on, ImageError for an image a text model
+        cannot read or bytes that are not an image. The prompt is tokenized on a worker
         thread.
         """
         if self._closed or self._stopping:
@@ -268,9 +284,11 @@ class Engine:
         outer = _ARRIVAL.get()
         arrival = outer if outer is not None and outer.open else self._arrivals.arrive()
         try:
-            ids, params, checkpoints, held = await self._prepare_submit(
+            prepared, params, checkpoints, held = await self._prepare_submit(
                 prompt, messages, params, checkpoints, template_kwargs
             )
+            ids = prepared.ids
+            images = prepared.images or tuple(images)
             rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
             inbox: Mailbox[Update] = Mailbox()
             outputs: Mailbox[RequestOutput] = Mailbox()
@@ -283,6 +301,7 @@ class Engine:
                 actor=inbox,
                 reply=reply,
                 client=client,
+                images=images,
             )
             if self._stopping:  # shut down while this request was being prepared
                 raise EngineClosedError("the engine is closed")
@@ -321,7 +340,7 @@ class Engine:
         params: SamplingParams | None,
         checkpoints: Sequence[int],
         template_kwargs: dict[str, Any] | None,
-    ) -> tuple[list[int], SamplingParams, tuple[int, ...], Compiled | None]:
+    ) -> tuple[Prepared, SamplingParams, tuple[int, ...], Compiled | None]:
         """A request's checks and token ids (see `submit`): its ids, its params, its
         checkpoints (chat boundaries added) and its compiled grammar, if any. A max_tokens
         past the room its prompt leaves in the context is the scheduler core's to cut
@@ -329,8 +348,8 @@ class Engine:
         params = params or SamplingParams()
         params.check_vocabulary(self.vocab_size)
         held = await self._compile(params.grammar) if params.grammar is not None else None
-        ids, chat_checkpoints = await self.prepare_async(prompt, messages, template_kwargs)
-        return ids, params, (*checkpoints, *chat_checkpoints), held
+        prepared = await self.prepare_async(prompt, messages, template_kwargs)
+        return prepared, params, (*checkpoints, *prepared.checkpoints), held
 
     async def _compile(self, grammar_text: str) -> Compiled:
         """`grammar_text` compiled on a worker thread, off the step loop and the executor,

@@ -10,12 +10,19 @@ description, a template argument) holds the text of one of the tokenizer's added
 text is rendered as a placeholder, and the rendering is tokenized around it with the text
 tokenized as plain text in its place (`_guarded`). Raw prompts (`prompt=`) are the client's
 whole prompt and are tokenized as they are.
+
+Images (a vision model's prompts): a message's content may hold `{"type": "image", "image":
+...}` parts (`ImageData` from a door, or an image file's bytes from the Python API). The chat
+template renders each as the model's placeholder; the rendering is tokenized around them and
+each image's own token span (its markers and placeholder tokens, the model family's:
+`engine/vision.py`) goes in its place, with what its vision encoder reads.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -23,12 +30,22 @@ import tokenizers
 from jinja2 import TemplateError
 
 from stepline.actors.request import Detokenizer, IncrementalDetokenizer, StreamDetokenizer
+from stepline.engine.images import ImageData, ImageError, PromptImage, decode_image
 from stepline.engine.policy import ContextLengthExceededError
 
 MAX_CONCURRENT_PREPARE = 4  # prompts tokenized at once, each on a worker thread
 # Where a client's text held an added token's text: private-use characters no template
 # writes and no tokenizer is given (the rendering is split at them).
 _HOLE = re.compile("\ue000(\\d+)\ue001")
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A prompt ready to submit: its token ids, its chat checkpoints, and its images."""
+
+    ids: list[int]
+    checkpoints: list[int]
+    images: tuple[PromptImage, ...] = ()
 
 
 class PromptTooLongError(ContextLengthExceededError):
@@ -76,8 +93,10 @@ class Prompts:
     """Token ids for one tokenizer (an mlx-lm TokenizerWrapper or anything with `encode`,
     `apply_chat_template` and `get_vocab`) and a model of `max_context` tokens."""
 
-    def __init__(self, tokenizer: Any, *, vocab_size: int, max_context: int):
+    def __init__(self, tokenizer: Any, *, vocab_size: int, max_context: int, images: Any = None):
         self.tokenizer = tokenizer
+        # a vision model's image prompts (`engine.vision.Idefics3Images`, ...); None: text only
+        self.images = images
         self.vocab_size = vocab_size
         self.max_context = max_context
         self._max_chars_per_token: int | None = None
@@ -91,8 +110,9 @@ class Prompts:
         prompt: str | Sequence[int] | None = None,
         messages: Sequence[dict] | None = None,
         template_kwargs: dict[str, Any] | None = None,
-    ) -> tuple[list[int], list[int]]:
-        """A prompt's token ids and its chat checkpoints (none for a raw prompt): the chat
+    ) -> Prepared:
+        """A prompt's token ids, its chat checkpoints (none for a raw prompt) and its images
+        (the messages' image parts, each with its token span): the chat
         template is rendered once for the whole conversation (and once for each boundary's
         prefix), and the whole is tokenized once (a boundary's prefix again only when no
         special token follows it). `template_kwargs` (`tools`, `enable_thinking`, ...) go to
@@ -100,19 +120,24 @@ class Prompts:
 
         CPU work that can take seconds for a long prompt: `prepare_async` runs it off the event
         loop. Raises ValueError for a malformed prompt or messages (a template's own error
-        included), and PromptTooLongError when the text is too long for the context even before
-        it is tokenized.
+        included), PromptTooLongError when the text is too long for the context even before
+        it is tokenized, and ImageError for an image part a text model cannot read or bytes
+        that are not an image.
         """
         if (prompt is None) == (messages is None):
             raise ValueError("pass exactly one of prompt= or messages=")
         if messages is not None:
+            messages, images = self._take_images(messages)
             text, holes = self._render(messages, template_kwargs)
             self.check_text_length(text)
-            ids = self._encode(text, holes)
-            return ids, self.chat_checkpoints(messages, ids, text, template_kwargs)
+            if images:
+                ids, spans = self._encode_images(text, holes, images)
+            else:
+                ids, spans = self._encode(text, holes), ()
+            return Prepared(ids, self.chat_checkpoints(messages, ids, text, template_kwargs), spans)
         if isinstance(prompt, str):
             self.check_text_length(prompt)
-            return list(self.tokenizer.encode(prompt)), []
+            return Prepared(list(self.tokenizer.encode(prompt)), [])
         ids = list(prompt)  # type: ignore[arg-type]
         vocab = self.vocab_size
         for t in ids:
@@ -120,7 +145,70 @@ class Prompts:
                 raise ValueError(
                     f"token id {t!r} is not in the model's vocabulary (0..{vocab - 1})"
                 )
-        return ids, []
+        return Prepared(ids, [])
+
+    def _take_images(self, messages: Sequence[dict]) -> tuple[Sequence[dict], list[ImageData]]:
+        """The messages with each image part as `{"type": "image"}` (what templates read), and
+        the images, decoded, in order. Raises ImageError for an image sent to a text model,
+        and for bytes that are not an image."""
+        images: list[ImageData] = []
+        out: list[dict] | None = None
+        for i, m in enumerate(messages):
+            content = m.get("content") if isinstance(m, dict) else None
+            if not isinstance(content, list) or not any(
+                isinstance(p, dict) and p.get("type") == "image" for p in content
+            ):
+                continue
+            parts = []
+            for j, part in enumerate(content):
+                if isinstance(part, dict) and part.get("type") == "image":
+                    where = f"messages.{i}.content.{j}"
+                    if self.images is None:
+                        raise ImageError(
+                            f"{where} is an image, but this server's model reads text only: "
+                            "serve a vision-language model to send images",
+                            param=where,
+                            code="unsupported_content_type",
+                        )
+                    images.append(_image_data(part.get("image"), where))
+                    part = {k: v for k, v in part.items() if k != "image"}
+                parts.append(part)
+            if out is None:
+                out = list(messages)
+            out[i] = {**m, "content": parts}
+        return (messages if out is None else out), images
+
+    def _encode_images(
+        self, text: str, holes: list[str], images: list[ImageData]
+    ) -> tuple[list[int], tuple[PromptImage, ...]]:
+        """The ids of a rendering with an image placeholder for each of `images`: the text
+        around them as `_encode`, each image's span (`Expanded.text`, tokenized) in its place.
+        Raises ValueError if the template did not render one placeholder per image."""
+        pieces = text.split(self.images.placeholder)
+        if len(pieces) != len(images) + 1:
+            raise ValueError(
+                f"the chat template rendered {len(pieces) - 1} image placeholders for "
+                f"{len(images)} images: this model's template cannot show these images here"
+            )
+        if holes:
+            _check_holes(text, holes)
+        ids: list[int] = []
+        spans = []
+        for k, piece in enumerate(pieces):
+            if piece:
+                ids += (
+                    self._encode_around(piece, holes, whole=False)
+                    if holes
+                    else self._encode(piece, holes)
+                )
+            if k < len(images):
+                expanded = self.images.expand(images[k])
+                span = list(self.tokenizer.encode(expanded.text, add_special_tokens=False))
+                spans.append(
+                    PromptImage(len(ids), len(ids) + len(span), images[k], expanded.inputs)
+                )
+                ids += span
+        return ids, tuple(spans)
 
     def _render(
         self,
@@ -169,19 +257,16 @@ class Prompts:
 
         return walk(value)
 
-    def _encode_around(self, text: str, holes: list[str]) -> list[int]:
+    def _encode_around(self, text: str, holes: list[str], *, whole: bool = True) -> list[int]:
         """The ids of `text`, a rendering with placeholders where `holes` were: the text
         between them tokenized as usual (the template's special tokens included), each hole's
         text as plain text. A special token the tokenizer splits at stood at each hole, so the
         pieces meet where the whole would have been split anyway. Raises ValueError if the
-        template did not carry every placeholder through as it was (it escaped it)."""
+        template did not carry every placeholder through as it was (it escaped it); `whole`:
+        `text` is all of the rendering (else a piece of it, checked as a whole already)."""
+        if whole:
+            _check_holes(text, holes)
         pieces = _HOLE.split(text)
-        if sorted(int(n) for n in pieces[1::2]) != list(range(len(holes))):
-            raise ValueError(
-                "the messages hold the text of the model's special tokens "
-                f"({', '.join(sorted(set(holes)))}), which this model's chat template cannot "
-                "show as text: remove it"
-            )
         ids: list[int] = []
         for i, piece in enumerate(pieces):
             if i % 2:
@@ -222,7 +307,7 @@ class Prompts:
         prompt: str | Sequence[int] | None = None,
         messages: Sequence[dict] | None = None,
         template_kwargs: dict[str, Any] | None = None,
-    ) -> tuple[list[int], list[int]]:
+    ) -> Prepared:
         """`prepare` on a worker thread (tokenizers are pure CPU, no MLX, and release the GIL
         while they encode), at most `MAX_CONCURRENT_PREPARE` at once."""
         return await anyio.to_thread.run_sync(
@@ -352,3 +437,28 @@ class Prompts:
             nested = any(a != b and a in b for a in texts for b in texts)
             self._specials = [] if nested else specials
         return self._specials
+
+
+def _check_holes(text: str, holes: list[str]) -> None:
+    """Raise ValueError unless a rendering carried each hole's placeholder through as it was
+    (a template that escaped it would show the client's text differently)."""
+    if sorted(int(n) for n in _HOLE.findall(text)) != list(range(len(holes))):
+        raise ValueError(
+            "the messages hold the text of the model's special tokens "
+            f"({', '.join(sorted(set(holes)))}), which this model's chat template cannot "
+            "show as text: remove it"
+        )
+
+
+def _image_data(value: Any, where: str) -> ImageData:
+    """An image part's image: as a door decoded it, or an image file's bytes (Python API).
+    Raises ImageError for anything else."""
+    if isinstance(value, ImageData):
+        return value
+    if isinstance(value, bytes | bytearray | memoryview):
+        return decode_image(bytes(value), where=where)
+    raise ImageError(
+        f"{where}.image must be an image file's bytes (PNG, JPEG, WebP, GIF), got "
+        f"{type(value).__name__}",
+        param=where,
+    )

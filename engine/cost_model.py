@@ -14,6 +14,9 @@ A step's time is modelled as a linear function of what it computes:
                                                       fitted as per_attention: see `fit`)
             + per_separate_decode * separate_decode  (the decode rows ran in a forward of
                                                       their own beside the step's chunks)
+            + per_image_token * image tokens         (the vision encoder, for the image spans
+                                                      the step's chunks hold: their tokens
+                                                      are prompt tokens too, this is the rest)
 
 Where the executor fuses a step (`engine/fused.py`: chunks and decode rows in one forward),
 every step reads the weights once, and a chunk's fixed cost is its segment's (its attention
@@ -82,13 +85,15 @@ class StepFeatures:
     decode_rows: int = 0
     decode_context: int = 0  # decode rows x the longest row's context (padded batch)
     separate_decode: int = 0  # 1: the decode rows ran in a forward of their own beside chunks
+    image_tokens: int = 0  # tokens of the image spans whose encoder runs in this step
 
-    def with_chunk(self, start: int, num_tokens: int) -> StepFeatures:
+    def with_chunk(self, start: int, num_tokens: int, image_tokens: int = 0) -> StepFeatures:
         return replace(
             self,
             num_chunks=self.num_chunks + 1,
             prefill_tokens=self.prefill_tokens + num_tokens,
             prefill_attention=self.prefill_attention + chunk_attention(start, num_tokens),
+            image_tokens=self.image_tokens + image_tokens,
         )
 
     def vector(self) -> tuple[float, ...]:
@@ -101,6 +106,7 @@ class StepFeatures:
             float(self.decode_rows),
             float(self.decode_context),
             float(self.separate_decode),
+            float(self.image_tokens),
         )
 
     @property
@@ -138,6 +144,7 @@ class StepCost:
     per_decode_row: float = 0.0
     per_decode_context: float = 0.0
     per_separate_decode: float = 0.0
+    per_image_token: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -160,6 +167,7 @@ class StepCost:
             + self.per_decode_row * f.decode_rows
             + self.per_decode_context * f.decode_context
             + self.per_separate_decode * f.separate_decode
+            + self.per_image_token * f.image_tokens
         )
 
     def prompt_part(self, features: StepFeatures) -> float:

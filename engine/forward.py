@@ -42,14 +42,22 @@ def output_head(model: Any, hidden: mx.array) -> mx.array:
 
 
 def forward(
-    model: Any, tokens: mx.array, cache: list[Any], *, logits: bool, split: bool
+    model: Any,
+    tokens: mx.array,
+    cache: list[Any],
+    *,
+    logits: bool,
+    split: bool,
+    embeddings: mx.array | None = None,
 ) -> mx.array | None:
     """Run `tokens` (1, L) through `model` into `cache`; last-position logits if asked
-    (`split`: what `split_head_works` said for this model)."""
+    (`split`: what `split_head_works` said for this model). `embeddings` (1, L, D): the
+    tokens' input embeddings, where they are not the embedding table's (an image span)."""
+    extra = {} if embeddings is None else {"input_embeddings": embeddings}
     if split:
-        hidden = model.model(tokens, cache=cache)
+        hidden = model.model(tokens, cache=cache, **extra)
         return output_head(model, hidden[:, -1:, :])[:, -1, :] if logits else None
-    out = model(tokens, cache=cache)
+    out = model(tokens, cache=cache, **extra)
     return out[:, -1, :] if logits else None
 
 

@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # mlx_lm imports transformers (~1 s); load it only when loadi
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 DEFAULT_DEMO = "stepline-demo"
+VISION_DEMO = "stepline-demo-vision"  # engine/vision.py builds it (the vision extra)
 
 log = structlog.get_logger(__name__)
 
@@ -220,6 +221,8 @@ class LoadedModel:
     path: Path
     max_context: int  # config max_position_embeddings
     weights: str = ""  # the weights' dtype as loaded, and why (`fit_dtype`)
+    # a vision-language model's encoder and image prompts (`engine/vision.py`); None: text
+    vision: Any = None
 
 
 def _spec_hash(spec: DemoSpec) -> str:
@@ -502,6 +505,11 @@ def _load_dir(path: Path, name: str, dtype: str = "auto") -> LoadedModel:
             f"{name!r}: local path {path} exists but has no config.json; "
             "point at a directory in mlx-lm / Hugging Face layout"
         )
+    config = json.loads((path / "config.json").read_text())
+    if isinstance(config.get("vision_config"), dict):  # a vision-language model (mlx-vlm)
+        from stepline.engine.vision import load_vision
+
+        return load_vision(path, name, dtype)
     model, tokenizer, config = load(str(path), return_config=True)
     weights = fit_dtype(model, dtype)
     max_context = config.get("max_position_embeddings") or config.get("text_config", {}).get(
@@ -556,6 +564,10 @@ def load_model(name_or_path: str | None = None, dtype: str = "auto") -> LoadedMo
         return _load_dir(_gguf_dir(default_gguf(cache_root(None))), name, dtype)
     if name in DEMO_MODELS:
         return _load_dir(demo_model_path(name), name, dtype)
+    if name == VISION_DEMO:
+        from stepline.engine.vision import demo_path
+
+        return _load_dir(demo_path(), name, dtype)
     local = Path(name).expanduser()
     if local.is_dir():
         return _load_dir(local.resolve(), name, dtype)
@@ -569,7 +581,7 @@ def load_model(name_or_path: str | None = None, dtype: str = "auto") -> LoadedMo
     if hf_path is None:
         raise ModelNotFoundError(
             f"model {name!r} not found: tried local path {local.resolve()} ({local_note}), "
-            f"Hugging Face id {name!r} ({reason}); built-in models are {DEFAULT_MODEL} and "
-            f"{', '.join(DEMO_MODELS)}"
+            f"Hugging Face id {name!r} ({reason}); built-in models are {DEFAULT_MODEL}, "
+            f"{', '.join(DEMO_MODELS)} and {VISION_DEMO}"
         )
     return _load_dir(hf_path, name, dtype)

@@ -41,10 +41,11 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Collection, Container, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from operator import attrgetter
 
 from stepline.engine.cost_model import StepCost, StepFeatures, decode_runs_apart
+from stepline.engine.images import inside_image
 from stepline.engine.prefix_index import Candidate, PrefixPlan
 from stepline.events.fold import RequestState, Status
 
@@ -185,6 +186,39 @@ def _chunk(state: RequestState, num_tokens: int, start: int | None = None) -> Sc
     )
 
 
+def image_tokens(state: RequestState, start: int, end: int) -> int:
+    """Tokens of the image spans that lie whole in [start, end): what the encoder reads."""
+    return sum(i.end - i.start for i in state.images if start <= i.start and i.end <= end)
+
+
+def fit_images(state: RequestState, start: int, n: int, fits: Callable[[int], bool]) -> int:
+    """A chunk of at most `n` tokens at `start` cut so that it never ends inside an image
+    span, and (`fits`) so that the spans it holds fit the step's time: cut back to the start
+    of the last span it holds until it fits. 0: the span at `start` must wait for a step
+    with room for it."""
+    end = start + n
+    while end > start:
+        inside = next((i for i in state.images if i.start < end < i.end), None)
+        if inside is not None:
+            end = inside.start if inside.start > start else start
+            continue
+        spans = [i for i in state.images if start <= i.start and i.end <= end]
+        if not spans or fits(end - start):
+            break
+        end = spans[-1].start if spans[-1].start > start else start
+    return end - start
+
+
+def oversized_image(state: RequestState, start: int) -> int:
+    """Tokens of a chunk that is the image span starting at `start` whole (0: none does).
+    The first prompt of a step whose span fits no step's room runs it alone, past the
+    budget or the time target, rather than never (the log's `chunk-prefilled` says so)."""
+    for i in state.images:
+        if i.start == start:
+            return i.end - i.start
+    return 0
+
+
 def decode_context(state: RequestState) -> int:
     """Tokens a decoding request's next token attends to."""
     return state.num_prompt_tokens + state.num_output_tokens
@@ -302,7 +336,8 @@ def schedule(
         seconds = step_seconds(cost.predict(beside_chunks) + cost.per_chunk, config.max_step_ms)
 
     def chunk_size(s: RequestState, start: int) -> int:
-        """Tokens for this request's next chunk: the token rules, then the time left."""
+        """Tokens for this request's next chunk: the token rules, then the time left, then
+        its image spans (whole or not at all)."""
         n = min(s.num_prompt_tokens - start, budget, config.chunk_cap)
         if timed and n > 0:
             assert cost is not None
@@ -310,11 +345,25 @@ def schedule(
             n = min(n, cost.max_chunk_tokens(start, left))
             if not chunks and n < 1:
                 n = 1  # the first prompt in the order always moves: nothing starves
+        if s.images and n > 0:
+            n = fit_images(s, start, n, lambda n: fits(s, start, n))
         return n
+
+    def fits(s: RequestState, start: int, n: int) -> bool:
+        """Whether a chunk [start, start + n) fits the step's time, its encoder priced."""
+        if not timed:
+            return True
+        assert cost is not None
+        after = (features if chunks else beside_chunks).with_chunk(
+            start, n, image_tokens(s, start, start + n)
+        )
+        return cost.predict(after) <= seconds
 
     def add(s: RequestState, n: int, start: int) -> None:
         nonlocal budget, features
-        features = (features if chunks else beside_chunks).with_chunk(start, n)
+        features = (features if chunks else beside_chunks).with_chunk(
+            start, n, image_tokens(s, start, start + n) if s.images else 0
+        )
         chunks.append(_chunk(s, n, start))
         num_scheduled[s.request_id] = n
         budget -= n
@@ -346,6 +395,8 @@ def schedule(
                 admitting = not is_aged(s, step)
                 continue
         n = chunk_size(s, start)
+        if n < 1 and not chunks and s.images:
+            n = oversized_image(s, start)  # nothing else runs beside it this step
         if n < 1:
             admitting = admitting and not waiting  # no time left: the rest next step, in order
             continue
@@ -461,6 +512,31 @@ def startable(live: list[RequestState], prefix: PrefixPlan) -> list[RequestState
         and s.request_id not in prefix.deferred
         and (prefix.considered is None or s.request_id in prefix.considered)
     ]
+
+
+def outside_images(prefix: PrefixPlan, states: Mapping[str, RequestState]) -> PrefixPlan:
+    """`prefix` with each cache hit that would end inside an image span of its request cut
+    back to the span's start (none: before its first token). Keys of different images
+    differ from their span's first token on (`images.prompt_key`), so this is a guard; an
+    entry that serves only at its exact length never ends inside a span (chunks do not)."""
+    cut = {}
+    for rid, n in prefix.cached.items():
+        s = states.get(rid)
+        image = inside_image(s.images, n) if s is not None and s.images else None
+        if image is not None:
+            cut[rid] = image.start
+    if not cut:
+        return prefix
+    cached, matches = dict(prefix.cached), dict(prefix.matches)
+    for rid, n in cut.items():
+        if n == 0:
+            cached.pop(rid)
+            matches.pop(rid, None)
+        else:
+            cached[rid] = n
+            if rid in matches:
+                matches[rid] = replace(matches[rid], num_tokens=n)
+    return replace(prefix, cached=cached, matches=matches)
 
 
 def first_chunk_start(s: RequestState, prefix: PrefixPlan) -> int:

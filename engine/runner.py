@@ -29,6 +29,7 @@ from stepline.engine.decode_groups import DecodeCaches
 from stepline.engine.decode_order import DecodeOrder
 from stepline.engine.forward import forward, split_head_works
 from stepline.engine.grammar import DEFAULT_CACHE_BYTES, GrammarCompiler
+from stepline.engine.images import prompt_key
 from stepline.engine.memory import read_memory_counters
 from stepline.engine.models import LoadedModel
 from stepline.engine.policy import ScheduledChunk
@@ -153,6 +154,8 @@ class ModelRunner:
             cache=self._start_cache(new),
             params=p,
             constraint=self.grammars.matcher(p.grammar) if p.grammar is not None else None,
+            images=new.images,
+            key=prompt_key(new.prompt_token_ids, new.images) if new.images else None,
         )
 
     def _start_cache(self, new: NewRequest) -> Cache:
@@ -171,7 +174,7 @@ class ModelRunner:
             row = self._batch.index[seq.request_id]
             cache = self._decode.extract(row)
             fed = seq.output if self._ahead is not None else seq.output[:-1]
-        tokens = [*seq.prompt.tolist(), *fed]
+        tokens = [*seq.key_of(seq.prompt.shape[0]), *fed]
         # Every layer that counts tokens must hold exactly these (a wrapped sliding window
         # does not: it lost its oldest tokens, and cannot serve as a prefix of anything).
         offsets = {c.offset for c in cache if isinstance(getattr(c, "offset", None), int)}
@@ -230,6 +233,7 @@ class ModelRunner:
                 seq.cache,
                 logits=last,
                 split=self._split_head,
+                embeddings=self._embeddings(seq, pos, end),
             )
             if end in chunk.checkpoints:
                 mx.eval([c.state for c in seq.cache])
@@ -242,6 +246,16 @@ class ModelRunner:
             mx.eval([c.state for c in seq.cache])  # bound the lazy graph between steps
         return logits
 
+    def _embeddings(self, seq: Seq, start: int, end: int) -> mx.array | None:
+        """Input embeddings of prompt tokens [start, end) when image spans lie in them (the
+        vision encoder runs here), else None: the embedding table's."""
+        spans = tuple(
+            (i.start, i.end, i.inputs) for i in seq.images if start <= i.start and i.end <= end
+        )
+        if not spans:
+            return None
+        return self.loaded.vision.encoder.embeddings(seq.prompt[start:end], start, spans)
+
     def _fusable(
         self, chunks: Sequence[ScheduledChunk], failed: Mapping[str, str], batch: Rows
     ) -> tuple[list[ScheduledChunk], bool]:
@@ -253,6 +267,7 @@ class ModelRunner:
             for c in chunks
             if c.request_id not in failed
             and not any(c.start < k < c.end for k in c.checkpoints)
+            and not any(c.start <= i.start < c.end for i in self._seqs[c.request_id].images)
             and fused.can_fuse(self._seqs[c.request_id].cache or [], is_batch=False)
         ]
         with_batch = bool(batch) and self._decode.can_fuse()
@@ -326,7 +341,7 @@ class ModelRunner:
         seq.checkpoints.append(end)
         snapshot = snapshot_cache(seq.cache)
         if self.store is not None:
-            self.store.put(seq.prompt[:end].tolist(), snapshot)
+            self.store.put(seq.key_of(end), snapshot)
         if self.on_checkpoint is not None:
             self.on_checkpoint(seq.request_id, end, share_cache(snapshot))
 

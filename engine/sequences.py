@@ -10,6 +10,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from stepline.engine.images import PromptImage
 from stepline.engine.penalties import RowHistory
 from stepline.engine.sampling import PendingSample, RowSampling, SamplingRows
 from stepline.events.models import RequestParams
@@ -32,6 +33,13 @@ class Seq:
     output: list[int] = field(default_factory=list)
     checkpoints: list[int] = field(default_factory=list)
     constraint: Any = None  # llguidance matcher of a grammar-constrained request
+    images: tuple[PromptImage, ...] = ()  # the prompt's images (a vision model's)
+    # the prompt as the prefix cache knows it (`images.prompt_key`); None: its token ids
+    key: tuple[int, ...] | None = None
+
+    def key_of(self, end: int) -> list[int]:
+        """The prefix cache's key of the prompt's first `end` tokens."""
+        return list(self.key[:end]) if self.key is not None else self.prompt[:end].tolist()
 
     @property
     def num_generated(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from stepline.engine.images import PromptImage
 from stepline.engine.policy import StepPlan
 from stepline.engine.prefix_index import EntryInfo, Tokens
 from stepline.events.models import RequestParams
@@ -20,6 +21,7 @@ class NewRequest:
     params: RequestParams
     prefix: Tokens | None = None  # the prefix-cache entry it starts from, if any
     num_cached_tokens: int = 0  # of that entry, the tokens it uses (<= len(prefix))
+    images: tuple[PromptImage, ...] = ()  # the prompt's images (spans and encoder inputs)
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from stepline.events.models import (
     Decoding,
     Event,
     FinishReason,
+    ImageRef,
     RequestParams,
     StepFinished,
     StepPlanned,
@@ -59,6 +60,7 @@ class RequestState:
     admitted_seq: int  # arrival order: the scheduler serves older requests first
     admitted_ts: float
     client: str | None = None  # who sent it (`Admitted.client`): fair share between clients
+    images: tuple[ImageRef, ...] = ()  # its prompt's images: spans a chunk never ends inside
     first_token_ts: float | None = None
     last_token_ts: float | None = None
     finished_step: int | None = None
@@ -117,6 +119,7 @@ def apply(state: RequestState | None, event: Event | Decoding) -> RequestState:
             admitted_seq=event.seq,
             admitted_ts=event.ts,
             client=event.client,
+            images=event.images,
         )
     rid = getattr(event, "request_id", None)
     if state is None:

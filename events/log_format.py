@@ -166,11 +166,18 @@ def _v3_to_v4(raw: dict[str, Any]) -> dict[str, Any]:
     return raw
 
 
+def _v4_to_v5(raw: dict[str, Any]) -> dict[str, Any]:
+    # Schema 5 only added images (`Admitted.images`, `ChunkPrefilled.images`), whose defaults
+    # (none) describe every request of a version-4 log.
+    return raw
+
+
 _UPCASTERS[1] = _v1_to_v2
 _UPCASTERS[2] = _v2_to_v3
 _UPCASTERS[3] = _v3_to_v4
+_UPCASTERS[4] = _v4_to_v5
 # upcasters that change nothing (by version): while registered, their records parse as they are
-_NO_OP_UPCASTERS = {1: _v1_to_v2, 3: _v3_to_v4}
+_NO_OP_UPCASTERS = {1: _v1_to_v2, 3: _v3_to_v4, 4: _v4_to_v5}
 
 
 def needs_upcast(version: int) -> bool:

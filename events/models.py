@@ -14,7 +14,8 @@ request's rows, and a plan's `entries` into those tuples. `Decoding` stays as th
 per-request view of a `TokensSampled` (`decodings()`), which is what the readers of the log
 fold and show. 4 added `Admitted.client` (who sent the request, for fair share between
 clients); its default (None: the one anonymous client) describes a version-3 log, so the
-3 -> 4 upcaster changes nothing.
+3 -> 4 upcaster changes nothing. 5 added images (`Admitted.images`, `ChunkPrefilled.images`);
+their default (none) describes a version-4 log, so the 4 -> 5 upcaster changes nothing.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Annotated, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 
 class FinishReason(StrEnum):
@@ -89,6 +90,22 @@ class Admitted(_Event):
     # (engine/policy.py). The HTTP server's fingerprint of its API key and `user`, never
     # the key itself; None: the anonymous client (every request that names none).
     client: str | None = None
+    images: tuple[ImageRef, ...] = ()  # the prompt's images, in prompt order
+
+
+class ImageRef(BaseModel):
+    """An image of a prompt, as the log knows it: its content digest (SHA-256 of the bytes
+    sent), its size, and the prompt tokens it stands for. A chunk never ends inside
+    [start, end): the vision encoder reads the whole image in one step."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    digest: str
+    start: int
+    end: int
+    num_bytes: int
+    width: int
+    height: int
 
 
 StepKind = Literal["prefill", "decode"]
@@ -140,6 +157,7 @@ class ChunkPrefilled(_Event):
     end: int
     num_cached_tokens: int = 0
     cache_source: str | None = None  # "memory" or "disk" when num_cached_tokens > 0
+    images: tuple[str, ...] = ()  # digests of the images the vision encoder read in it
 
 
 class CheckpointReached(_Event):

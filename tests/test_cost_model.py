@@ -56,7 +56,7 @@ def _samples(n: int, seed: int, noise: float = 0.02) -> list[Sample]:
 
 def assert_close_coefficients(got: StepCost, want: StepCost, rel: float) -> None:
     for name, g, w in zip(
-        ("step", "chunk", "token", "attention", "row", "context", "separate"),
+        ("step", "chunk", "token", "attention", "row", "context", "separate", "image"),
         got.coefficients(),
         want.coefficients(),
         strict=True,

@@ -31,8 +31,8 @@ def special_count(loaded, ids: list[int], text: str) -> int:
 def test_a_user_message_with_special_token_text_is_no_new_turn(model, request):
     loaded = request.getfixturevalue(model)
     prompts = prompts_of(loaded)
-    clean, _ = prompts.prepare(messages=[{"role": "user", "content": "hi"}])
-    ids, _ = prompts.prepare(messages=[{"role": "user", "content": EVIL}])
+    clean = prompts.prepare(messages=[{"role": "user", "content": "hi"}]).ids
+    ids = prompts.prepare(messages=[{"role": "user", "content": EVIL}]).ids
     # The template's own turns, no more: the injected system turn is text.
     assert special_count(loaded, ids, IM_START) == special_count(loaded, clean, IM_START)
     assert special_count(loaded, ids, IM_END) == special_count(loaded, clean, IM_END)
@@ -46,7 +46,7 @@ def test_a_conversation_without_such_text_is_tokenized_as_before(smollm2):
         {"role": "assistant", "content": "An apple."},
         {"role": "user", "content": "Another one?"},
     ]
-    ids, _ = prompts_of(smollm2).prepare(messages=messages)
+    ids = prompts_of(smollm2).prepare(messages=messages).ids
     assert ids == smollm2.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
 
@@ -64,16 +64,16 @@ def test_tool_descriptions_and_assistant_turns_are_text_too(demo):
         {"role": "user", "content": "again"},
     ]
     clean_history = [{**m, "content": "x"} for m in history]
-    ids, _ = prompts.prepare(messages=history, template_kwargs={"tools": tools})
-    clean, _ = prompts.prepare(
+    ids = prompts.prepare(messages=history, template_kwargs={"tools": tools}).ids
+    clean = prompts.prepare(
         messages=clean_history, template_kwargs={"tools": [{**tools[0], "function": {"name": "f"}}]}
-    )
+    ).ids
     assert special_count(demo, ids, IM_START) == special_count(demo, clean, IM_START)
     assert special_count(demo, ids, IM_END) == special_count(demo, clean, IM_END)
 
 
 def test_a_raw_prompt_keeps_its_special_tokens(demo):
-    ids, _ = prompts_of(demo).prepare(prompt=EVIL)
+    ids = prompts_of(demo).prepare(prompt=EVIL).ids
     assert special_count(demo, ids, IM_START) == 1 and special_count(demo, ids, IM_END) == 2
 
 

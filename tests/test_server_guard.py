@@ -476,7 +476,8 @@ async def test_chat_checkpoints_from_one_tokenization_equal_those_from_tokenizin
     engine = served.engine
     counting = CountingTokenizer(engine.tokenizer)
     prompts = Prompts(counting, vocab_size=engine.vocab_size, max_context=engine.max_context)
-    ids, fast = prompts.prepare(messages=messages)
+    prepared = prompts.prepare(messages=messages)
+    ids, fast = prepared.ids, prepared.checkpoints
     literal = any("<|im_" in m["content"] for m in messages)  # tokenized apart, as text
     # The whole conversation once (with literal special-token texts, the 4 pieces around the
     # 3 of them): no prefix tokenized again.

@@ -58,10 +58,10 @@ class AnthropicDoor:
     async def count_tokens(self, request: Request, rid: str) -> Response:
         req = await self.serving.parse(request, schema.CountTokensRequest, generates=False)
         agent = self._plan(req)
-        ids, _ = await self.serving.prepare(
+        prepared = await self.serving.prepare(
             messages=schema.engine_messages(req), template_kwargs=agent.template_kwargs
         )
-        return JSONResponse({"input_tokens": len(ids)})
+        return JSONResponse({"input_tokens": len(prepared.ids)})
 
     async def messages(self, request: Request, rid: str) -> Response:
         serving = self.serving

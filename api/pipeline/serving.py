@@ -58,6 +58,7 @@ from stepline.api.pipeline.resume import (
     wants_resumable,
 )
 from stepline.api.pipeline.writer import Emit, StreamResponse
+from stepline.api.prompts import Prepared
 from stepline.engine.policy import max_output_tokens
 from stepline.engine.sampling_limits import GREEDY_TEMPERATURE
 from stepline.engine.work import GRAMMAR_FAILED
@@ -409,9 +410,10 @@ class Serving:
         messages: list[dict] | None = None,
         template_kwargs: dict[str, Any] | None = None,
         param: str = "messages",  # the request field errors name
-    ) -> tuple[list[int], list[int]]:
-        """Token ids and chat checkpoints, computed off the event loop. Raises APIError for a
-        prompt past the context, or messages the chat template refuses."""
+    ) -> Prepared:
+        """Token ids, chat checkpoints and images, computed off the event loop. Raises APIError
+        for a prompt past the context, messages the chat template refuses, or an image the
+        model cannot read."""
         try:
             return await self.engine.prepare_async(prompt, messages, template_kwargs)
         except ValueError as exc:
@@ -433,12 +435,13 @@ class Serving:
 
     async def _start(self, call: Call) -> Started:
         agent = call.agent
-        ids, checkpoints = await self.prepare(
+        prepared = await self.prepare(
             prompt=call.prompt,
             messages=call.messages,
             template_kwargs=agent.template_kwargs,
             param=call.prompt_param,
         )
+        ids = prepared.ids
         max_tokens = self.max_tokens(
             call.max_tokens,
             len(ids),
@@ -455,8 +458,9 @@ class Serving:
             prompt=ids,
             params=params,
             request_id=call.rid,
-            checkpoints=checkpoints,
+            checkpoints=prepared.checkpoints,
             client=call.client,
+            images=prepared.images,
         )
         fmt = agent.output_format(tokenizer, reasoning=call.reasoning, prompt_text=prompt_text)
         headers = {"x-request-id": call.rid, **call.headers}

@@ -1,0 +1,369 @@
+"""Vision-language models through mlx-vlm (the `vision` extra), served by the text engine.
+
+A vision-language model is a text model that reads, at an image's token span, the vision
+encoder's output instead of its token embeddings. stepline loads the checkpoint with mlx-vlm
+(its model classes, processor and vision encoder) and runs the text part as the mlx-lm model
+of the same architecture, on the same weight arrays, so everything the engine does for text
+models (batched decode, fused steps, CPU attention, the prefix cache) holds for it unchanged;
+only a prompt chunk that holds an image span is fed embeddings: the chunk's token embeddings
+with each image's span replaced by `vlm.get_input_embeddings` of that span alone (the encoder
+runs there, inside the step that prefills the span, which is why a span is never split).
+
+Families (`FAMILIES`): Idefics3 (SmolVLM) and Gemma 3, whose text models place tokens with
+plain 1-D positions. Models whose positions depend on the image grid (Qwen2-VL's M-RoPE) keep
+per-request position state that a batched decode does not carry: refused with a message.
+
+`stepline-demo-vision` is a random-weight Idefics3 built on first use (like the text demos),
+with the demo tokenizer, for tests and for trying images offline.
+
+mlx-vlm is imported only here, and this module only when a vision model is loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import structlog
+from mlx.utils import tree_flatten, tree_unflatten
+
+from stepline.engine.images import ImageData
+from stepline.engine.models import VISION_DEMO
+
+log = structlog.get_logger(__name__)
+
+_DEMO_BUILD_VERSION = 1
+
+
+class VisionUnavailableError(RuntimeError):
+    """A vision model was asked for and cannot be served here (no mlx-vlm, or a family whose
+    text model stepline cannot batch); the message says what to do."""
+
+
+def _require_mlx_vlm() -> None:
+    try:
+        importlib.import_module("mlx_vlm")
+    except ImportError:
+        raise VisionUnavailableError(
+            "this is a vision-language model: install the vision extra "
+            "(pip install 'stepline[vision]', which brings mlx-vlm) to serve it"
+        ) from None
+
+
+def is_vision_config(config: Mapping[str, Any]) -> bool:
+    """Whether a checkpoint's config.json describes a vision-language model."""
+    return isinstance(config.get("vision_config"), dict)
+
+
+@dataclass(frozen=True)
+class Expanded:
+    """One image as a prompt holds it: the text of its token span (markers and placeholder
+    tokens, the family's own) and what the vision encoder reads (numpy arrays)."""
+
+    text: str
+    inputs: Mapping[str, np.ndarray]
+
+
+class Idefics3Images:
+    """Idefics3 / SmolVLM: an image is cut into tiles plus a downscaled global view; each
+    tile's patches become `image_seq_len` tokens between row/column markers."""
+
+    def __init__(self, processor: Any):
+        from mlx_vlm.models.idefics3.processing_idefics3 import get_image_prompt_string
+
+        self._processor = processor
+        self._prompt_string = get_image_prompt_string
+        self.placeholder = processor.image_token  # what the chat template renders
+
+    def expand(self, image: ImageData) -> Expanded:
+        p = self._processor
+        out = p.image_processor([[image.pixels]], return_row_col_info=True, return_tensors="np")
+        text = self._prompt_string(
+            out["rows"][0][0],
+            out["cols"][0][0],
+            p.image_seq_len,
+            fake_token_around_image=p.fake_image_token,
+            image_token=p.image_token,
+            global_img_token=p.global_image_tag,
+        )
+        inputs = {"pixel_values": np.asarray(out["pixel_values"])}
+        if "pixel_attention_mask" in out:
+            inputs["pixel_attention_mask"] = np.asarray(out["pixel_attention_mask"])
+        return Expanded(text, inputs)
+
+
+class Gemma3Images:
+    """Gemma 3: an image is resized to the encoder's square and becomes `mm_tokens_per_image`
+    soft tokens between begin/end markers."""
+
+    def __init__(self, processor: Any):
+        self._processor = processor
+        self.placeholder = processor.boi_token
+
+    def expand(self, image: ImageData) -> Expanded:
+        p = self._processor
+        out = p.image_processor([image.pixels], return_tensors="np")
+        return Expanded(p.full_image_sequence, {"pixel_values": np.asarray(out["pixel_values"])})
+
+
+# model_type -> how its prompts hold images
+FAMILIES: dict[str, type] = {
+    "idefics3": Idefics3Images,
+    "smolvlm": Idefics3Images,
+    "gemma3": Gemma3Images,
+}
+
+
+class VisionEncoder:
+    """The vision side of a loaded model, on the executor's thread: a prompt chunk's input
+    embeddings, its image spans encoded."""
+
+    def __init__(self, vlm: Any, text_model: Any):
+        self.vlm = vlm
+        self._embed_tokens = _embedding_layer(text_model)
+
+    def embeddings(
+        self, ids: mx.array, start: int, images: tuple[tuple[int, int, Mapping[str, Any]], ...]
+    ) -> mx.array:
+        """(1, L, D) input embeddings of prompt tokens `ids` (positions start..start + L),
+        where `images` are (span start, span end, encoder inputs) lying whole inside it."""
+        pieces, at = [], start
+        for s, e, inputs in images:
+            if s > at:
+                pieces.append(self._embed_tokens(ids[None, at - start : s - start]))
+            arrays = {k: mx.array(v) for k, v in inputs.items()}
+            out = self.vlm.get_input_embeddings(ids[None, s - start : e - start], **arrays)
+            embeds = getattr(out, "inputs_embeds", out)
+            pieces.append(embeds.astype(pieces[0].dtype if pieces else embeds.dtype))
+            at = e
+        end = start + ids.shape[0]
+        if end > at:
+            pieces.append(self._embed_tokens(ids[None, at - start :]))
+        return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=1)
+
+
+def _embedding_layer(text_model: Any) -> Any:
+    return text_model.model.embed_tokens
+
+
+@dataclass(frozen=True)
+class VisionParts:
+    """What a LoadedModel of a vision-language model carries beside the text model."""
+
+    model_type: str
+    encoder: VisionEncoder  # executor thread only
+    images: Any  # Idefics3Images | Gemma3Images: prompt-side, MLX-free calls
+
+
+def _text_model(vlm: Any, config: dict[str, Any]) -> Any:
+    """The mlx-lm model of the VLM's text architecture, holding the VLM's own text weights
+    (the same arrays: nothing is copied)."""
+    text_config = dict(config.get("text_config") or {})
+    lm_config = getattr(vlm.config, "text_config", None)
+    if lm_config is not None and hasattr(lm_config, "__dataclass_fields__"):
+        import dataclasses
+
+        text_config = {**dataclasses.asdict(lm_config), **text_config}
+    model_type = text_config.get("model_type")
+    if model_type in (None, config.get("model_type")):  # gemma3's text part
+        model_type = {"gemma3": "gemma3_text"}.get(config.get("model_type", ""), model_type)
+        text_config["model_type"] = model_type
+    try:
+        arch = importlib.import_module(f"mlx_lm.models.{model_type}")
+    except ImportError:
+        raise VisionUnavailableError(
+            f"the text model of this {config.get('model_type')} checkpoint ({model_type}) is "
+            "not an mlx-lm architecture"
+        ) from None
+    model = arch.Model(arch.ModelArgs.from_dict(text_config))
+    source = dict(tree_flatten(vlm.language_model.parameters()))
+    mine = dict(tree_flatten(model.parameters()))
+    weights = []
+    for key in mine:
+        for candidate in (key, key.removeprefix("model."), f"model.{key}"):
+            if candidate in source:
+                weights.append((key, source[candidate]))
+                break
+        else:
+            if key == "lm_head.weight":  # tied in the VLM: mlx-lm unties by the config
+                continue
+            raise VisionUnavailableError(f"the text model's weight {key} is not in the checkpoint")
+    model.update(tree_unflatten(weights))
+    return model
+
+
+def load_vision(path: Path, name: str, dtype: str) -> Any:
+    """A LoadedModel of the vision-language checkpoint at `path` (mlx-vlm layout).
+
+    Raises VisionUnavailableError without mlx-vlm or for a family not in FAMILIES."""
+    _require_mlx_vlm()
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+    from mlx_vlm.utils import load_model as load_vlm
+    from mlx_vlm.utils import load_processor
+
+    from stepline.engine.models import LoadedModel, fit_dtype
+
+    config = json.loads((path / "config.json").read_text())
+    model_type = config.get("model_type", "")
+    family = FAMILIES.get(model_type)
+    if family is None:
+        raise VisionUnavailableError(
+            f"vision-language models of type {model_type!r} are not served yet; served: "
+            f"{', '.join(sorted(FAMILIES))} (Qwen-VL's 3-D positions need per-request state "
+            "in the batched decode)"
+        )
+    vlm = load_vlm(path)
+    weights = fit_dtype(vlm, dtype)
+    processor = load_processor(path, add_detokenizer=False)
+    eos = config.get("eos_token_id") or config.get("text_config", {}).get("eos_token_id")
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    eos_ids += [t for t in getattr(processor, "additional_eos_token_ids", ()) if t is not None]
+    tokenizer = load_tokenizer(path, eos_token_ids=sorted(set(eos_ids)) or None)
+    text = _text_model(vlm, config)
+    text_config = config.get("text_config") or {}
+    max_context = text_config.get("max_position_embeddings") or config.get(
+        "max_position_embeddings"
+    )
+    return LoadedModel(
+        model=text,
+        tokenizer=tokenizer,
+        name=name,
+        path=path,
+        max_context=int(max_context or 4096),
+        weights=weights,
+        vision=VisionParts(model_type, VisionEncoder(vlm, text), family(processor)),
+    )
+
+
+# -- the demo -------------------------------------------------------------------
+
+
+def demo_path(cache_dir: str | Path | None = None) -> Path:
+    """The directory of `stepline-demo-vision`, built there on first use."""
+    _require_mlx_vlm()
+    from stepline.engine.cache_dirs import build_once, cache_root
+    from stepline.engine.models import _CORPUS_PATH
+
+    recipe = json.dumps(
+        {"v": _DEMO_BUILD_VERSION, "demo": _DEMO, "corpus": _CORPUS_PATH.read_text()},
+        sort_keys=True,
+    )
+    digest = hashlib.sha256(recipe.encode()).hexdigest()[:12]
+    final = cache_root(cache_dir) / "models" / f"{VISION_DEMO}-{digest}"
+    build_once(final, _build_demo)
+    return final
+
+
+# The demo's shape: a 2-layer text model of the text demo's size; 64-pixel tiles of 8-pixel
+# patches, shuffled by 2: 16 tokens a tile, up to 2x2 tiles and a global view (~90 tokens).
+_DEMO = {
+    "text": {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 2,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+    },
+    "vision": {
+        "model_type": "idefics3",
+        "hidden_size": 32,
+        "num_attention_heads": 2,
+        "patch_size": 8,
+        "num_hidden_layers": 2,
+        "intermediate_size": 64,
+        "image_size": 64,
+    },
+    "image_seq_len": 16,
+    "longest_edge": 128,
+    "seed": 5,
+    "init_std": 0.05,
+}
+
+
+def _build_demo(out: Path) -> None:
+    from mlx_vlm.models.idefics3.processing_idefics3 import Idefics3Processor
+    from mlx_vlm.utils import get_model_and_args, update_module_configs
+    from transformers import PreTrainedTokenizerFast
+    from transformers.models.idefics3.image_processing_pil_idefics3 import (
+        Idefics3ImageProcessorPil,
+    )
+
+    from stepline.engine import models as text_demo
+
+    (out / "tokenizer.json").write_text(text_demo._train_tokenizer_json(1024), encoding="utf-8")
+    for filename, content in text_demo._tokenizer_files(4096).items():
+        (out / filename).write_text(json.dumps(content, indent=2) + "\n", encoding="utf-8")
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(out))
+    rows = [f"<row_{r}_col_{c}>" for r in (1, 2) for c in (1, 2)]
+    tokenizer.add_tokens(["<global-img>", *rows], special_tokens=False)
+    image_processor = Idefics3ImageProcessorPil(
+        size={"longest_edge": _DEMO["longest_edge"]},
+        max_image_size={"longest_edge": _DEMO["vision"]["image_size"]},
+        do_image_splitting=True,
+    )
+    template = text_demo.CHAT_TEMPLATE.replace(
+        "{%- if part['type'] == 'text' %}{{- part['text'] }}{%- endif %}",
+        "{%- if part['type'] == 'text' %}{{- part['text'] }}"
+        "{%- elif part['type'] == 'image' %}{{- '<image>' }}{%- endif %}",
+    )
+    tokenizer.chat_template = template
+    processor = Idefics3Processor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        image_seq_len=_DEMO["image_seq_len"],
+        chat_template=template,
+    )
+    processor.save_pretrained(str(out))
+    vocab = len(processor.tokenizer)
+    eos = [
+        text_demo.SPECIAL_TOKENS.index(text_demo.IM_END),
+        text_demo.SPECIAL_TOKENS.index(text_demo.ENDOFTEXT),
+    ]
+    config = {
+        "model_type": "idefics3",
+        "text_config": {**_DEMO["text"], "vocab_size": vocab},
+        "vision_config": dict(_DEMO["vision"]),
+        "scale_factor": 2,
+        "image_token_id": processor.image_token_id,
+        "vocab_size": vocab,
+        "eos_token_id": eos,
+        "torch_dtype": "float32",
+    }
+    module, _ = get_model_and_args(json.loads(json.dumps(config)))
+    raw = json.loads(json.dumps(config))
+    model = module.Model(
+        update_module_configs(module.ModelConfig.from_dict(raw), module, raw, ["text", "vision"])
+    )
+    params = dict(tree_flatten(model.parameters()))
+    names = sorted(params)
+    keys = mx.random.split(mx.random.key(_DEMO["seed"]), len(names))
+    weights = {}
+    for i, name in enumerate(names):
+        shape = params[name].shape
+        if "norm" in name and len(shape) == 1:
+            value = mx.ones(shape) if name.endswith("weight") else mx.zeros(shape)
+        elif name.endswith("bias"):
+            value = mx.zeros(shape)
+        else:
+            value = _DEMO["init_std"] * mx.random.normal(shape, key=keys[i])
+        weights[name] = value.astype(mx.float32)
+    # As in the text demos: a random model must not rank the special tokens first.
+    head = "language_model.lm_head.weight"
+    added = len(text_demo.SPECIAL_TOKENS) + len(text_demo.MARKUP_TOKENS)
+    image_tokens = mx.arange(len(tokenizer) - len(rows) - 1, vocab)  # markers, <image>, ...
+    reserved = mx.concatenate([mx.arange(added), image_tokens])
+    weights[head] = weights[head].at[reserved].multiply(0.0)
+    mx.save_safetensors(str(out / "model.safetensors"), weights)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
