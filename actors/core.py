@@ -42,9 +42,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import structlog
+
 from stepline.actors.messages import Update
 from stepline.engine.cost_model import CostModel
-from stepline.engine.images import PromptImage, check_spans, prompt_key
+from stepline.engine.images import PromptImage, check_spans, inside_image, prompt_key
 from stepline.engine.policy import (
     AdmissionError,
     ScheduledChunk,
@@ -87,6 +89,9 @@ _KEEP_FINISHED = 1024  # ended requests' states kept for inspection
 # ... and at most this many prompt token ids among them (a 128k-token prompt's state holds
 # 128k of them: 1,024 such states would keep gigabytes alive).
 _KEEP_FINISHED_TOKENS = 262_144
+
+
+log = structlog.get_logger(__name__)
 
 
 class EngineDeadError(AdmissionError):
@@ -206,7 +211,12 @@ class SchedulerCore:
             num_prompt_tokens=len(ids),
             prompt_token_ids=ids,  # the log's writer leaves them out if told to
             prompt_sha256=prompt_digest(self.salt, ids),
-            checkpoints=tuple(sorted({c for c in checkpoints if 0 < c <= len(ids)})),
+            # none inside an image: its span is computed in one forward
+            checkpoints=tuple(
+                sorted(
+                    {c for c in checkpoints if 0 < c <= len(ids) and not inside_image(images, c)}
+                )
+            ),
             params=params,
             client=client,
             images=tuple(i.ref() for i in images),
@@ -289,6 +299,14 @@ class SchedulerCore:
             return None
         self.step += 1
         self.in_step = True
+        if plan.num_tokens > self.config.max_step_tokens:  # an image span no step could hold
+            log.info(
+                "image_span_over_budget",
+                step=self.step,
+                request_id=plan.chunks[0].request_id,
+                num_tokens=plan.num_tokens,
+                max_step_tokens=self.config.max_step_tokens,
+            )
         states = self.states
         scheduled = plan.num_scheduled_tokens  # the decode rows, then the chunks
         self._record(

@@ -223,6 +223,13 @@ def _apply_chunk(state: RequestState, event: ChunkPrefilled) -> RequestState:
             f"request {rid} has a chunk ending at {event.end}, past its "
             f"{state.num_prompt_tokens}-token prompt (seq {event.seq})",
         )
+    for image in state.images:
+        if image.start < event.end < image.end:
+            raise FoldError(
+                "chunk-splits-image",
+                f"request {rid} has a chunk ending at {event.end}, inside its image's span "
+                f"[{image.start}, {image.end}) (seq {event.seq})",
+            )
     done = event.end == state.num_prompt_tokens
     return state.evolve(
         num_computed_tokens=event.end,

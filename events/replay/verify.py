@@ -42,6 +42,7 @@ class ViolationKind(StrEnum):
     AFTER_TERMINAL = "event-after-terminal"
     NON_CONTIGUOUS_CHUNK = "non-contiguous-chunk"  # a gap, an overlap or an empty chunk
     CHUNK_PAST_PROMPT = "chunk-past-prompt"
+    CHUNK_SPLITS_IMAGE = "chunk-splits-image"  # a chunk ends inside an image's token span
     PROMPT_NOT_COVERED = "prompt-not-covered"  # tokens or a normal finish before the prompt
     CHECKPOINT_AHEAD = "checkpoint-ahead-of-prefill"  # snapshot of tokens not yet computed
     STEP_OVER_BUDGET = "step-over-budget"
@@ -208,10 +209,22 @@ class _Verifier:
         elif isinstance(event, ChunkPrefilled | Terminal):
             self.evidence[rid] = event
 
+    def _one_image_alone(self, event: StepPlanned) -> bool:
+        """Whether the step's one prompt chunk is an image span whole: a span no step could
+        hold runs alone, past the budget (`policy.oversized_image`)."""
+        chunks = [e for e in event.entries if e.kind == "prefill"]
+        if len(chunks) != 1:
+            return False
+        state = self.states.get(chunks[0].request_id)
+        return state is not None and any(
+            i.end - i.start == chunks[0].num_tokens and i.start >= state.num_computed_tokens
+            for i in state.images
+        )
+
     def check_step(self, event: StepPlanned) -> None:
         self.num_steps += 1
         used = sum(event.num_tokens)
-        if used > event.max_step_tokens:
+        if used > event.max_step_tokens and not self._one_image_alone(event):
             self.flag(
                 ViolationKind.STEP_OVER_BUDGET,
                 f"step {event.step} schedules {used} tokens, over its budget of "

@@ -1,0 +1,186 @@
+"""Images in the same scheduler, on `stepline-demo-vision` (a random-weight Idefics3, the
+family of SmolVLM): concurrent image requests, chunked under a small budget and batched with
+text requests, answer exactly what mlx-vlm's own generation answers for each alone; the log
+records every image and no chunk ends inside one; the prefix cache tells images apart by
+their content."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from pathlib import Path
+
+import anyio
+import numpy as np
+import pytest
+
+pytest.importorskip("mlx_vlm", reason="the vision extra: pip install -e '.[vision]'")
+
+from PIL import Image  # noqa: E402
+
+from stepline.api.engine import Engine  # noqa: E402
+from stepline.api.params import SamplingParams  # noqa: E402
+from stepline.engine.images import ImageError  # noqa: E402
+from stepline.engine.models import VISION_DEMO  # noqa: E402
+from stepline.events.log import read_events  # noqa: E402
+from stepline.events.models import Admitted, ChunkPrefilled  # noqa: E402
+from stepline.events.replay import verify  # noqa: E402
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
+
+
+def png(seed: int, width: int = 150, height: int = 100) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue()
+
+
+def chat(text: str, image: bytes | None = None) -> list[dict]:
+    if image is None:
+        return [{"role": "user", "content": text}]
+    return [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": text}, {"type": "image", "image": image}],
+        }
+    ]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """mlx-vlm's own greedy generation of one chat on the demo, alone: its token ids."""
+    from mlx_vlm import generate, load
+
+    from stepline.engine.vision import demo_path
+
+    model, processor = load(str(demo_path()))
+
+    def run(messages: list[dict], max_tokens: int = 10) -> list[int]:
+        images = [
+            Image.open(io.BytesIO(p["image"])).convert("RGB")
+            for m in messages
+            if isinstance(m["content"], list)
+            for p in m["content"]
+            if p["type"] == "image"
+        ]
+        shown = [
+            {**m, "content": [{"type": p["type"], "text": p.get("text")} for p in m["content"]]}
+            if isinstance(m["content"], list)
+            else m
+            for m in messages
+        ]
+        prompt = processor.tokenizer.apply_chat_template(
+            shown, add_generation_prompt=True, tokenize=False
+        )
+        out = generate(
+            model,
+            processor,
+            prompt,
+            image=images or None,
+            max_tokens=max_tokens,
+            temperature=0.0,
+            verbose=False,
+        )
+        return list(out.token_ids)
+
+    return run
+
+
+async def collect(engine: Engine, messages: list[dict], **params: object) -> list:
+    outs = []
+    async for out in engine.generate(messages=messages, params=GREEDY.model_copy(update=params)):
+        outs.append(out)
+    return outs
+
+
+def token_ids(outs: list) -> list[int]:
+    return [t for o in outs for t in o.token_ids]
+
+
+@pytest.mark.parametrize("max_step_tokens", [32, 128])
+async def test_concurrent_image_and_text_requests_answer_what_mlx_vlm_answers_each_alone(
+    reference, max_step_tokens: int
+) -> None:
+    # 32: the larger images' spans (94 tokens) fit no step and run alone; 128: spans fit, and
+    # chunks of text and images share steps with decode rows.
+    chats = [
+        chat("What is in this picture?", png(0)),
+        chat("Describe it in one word.", png(1, 60, 60)),
+        chat("Tell me about the sea and the sky, at length please."),
+        chat("And this one, what is it?", png(0)),
+    ]
+    async with Engine.open(VISION_DEMO, max_step_tokens=max_step_tokens, max_num_seqs=8) as engine:
+        results: list[list] = [[] for _ in chats]
+
+        async def run(i: int) -> None:
+            results[i] = await collect(engine, chats[i])
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(chats)):
+                tg.start_soon(run, i)
+    for messages, outs in zip(chats, results, strict=True):
+        assert outs[-1].finish_reason == "length"
+        assert token_ids(outs) == reference(messages)
+
+
+async def test_the_log_records_each_image_and_no_chunk_ends_inside_its_span(
+    tmp_path: Path,
+) -> None:
+    log = tmp_path / "events.jsonl"
+    image = png(2, 120, 90)
+    async with Engine.open(
+        VISION_DEMO, max_step_tokens=48, max_num_seqs=4, event_log=str(log)
+    ) as engine:
+        prepared = engine.prepare(messages=chat("What is this?", image))
+        outs = await collect(engine, chat("What is this?", image))
+        text_outs = await collect(engine, chat("No image here."))
+    assert outs[-1].finish_reason == text_outs[-1].finish_reason == "length"
+    events = list(read_events(log))
+    admitted = [e for e in events if isinstance(e, Admitted)]
+    (ref,) = admitted[0].images
+    span = prepared.images[0]
+    assert ref.digest == hashlib.sha256(image).hexdigest()
+    assert (ref.start, ref.end) == (span.start, span.end) and ref.end - ref.start > 48
+    assert (ref.width, ref.height, ref.num_bytes) == (120, 90, len(image))
+    assert admitted[1].images == ()
+    rid = admitted[0].request_id
+    chunks = [e for e in events if isinstance(e, ChunkPrefilled) and e.request_id == rid]
+    marked = [c for c in chunks if c.images]
+    assert [c.images for c in marked] == [(ref.digest,)]
+    assert (marked[0].start, marked[0].end) == (ref.start, ref.end)  # alone: past the budget
+    assert not any(ref.start < c.end < ref.end for c in chunks)
+    assert verify(log).ok  # the oversized image step is not a budget violation
+
+
+async def test_a_different_image_shares_no_cache_and_the_same_image_next_turn_is_a_hit(
+    reference,
+) -> None:
+    first = chat("What is in this picture?", png(3))
+    async with Engine.open(VISION_DEMO, max_step_tokens=256, max_num_seqs=4) as engine:
+        span = engine.prepare(messages=first).images[0]
+        answer = await collect(engine, first)
+        # Same text, another image: the cache serves the text before the image, not the span.
+        other = await collect(engine, chat("What is in this picture?", png(4)))
+        assert 0 < other[-1].num_cached_tokens <= span.start
+        assert token_ids(other) == reference(chat("What is in this picture?", png(4)))
+        # The next turn of the first chat: its image is not computed again.
+        turn = [
+            *first,
+            {"role": "assistant", "content": "".join(o.text for o in answer)},
+            {"role": "user", "content": "Say more."},
+        ]
+        more = await collect(engine, turn)
+        assert more[-1].num_cached_tokens >= span.end
+        assert token_ids(more) == reference(turn)
+
+
+async def test_an_image_sent_to_a_text_model_or_bytes_that_are_no_image_are_refused() -> None:
+    async with Engine.open(VISION_DEMO, max_step_tokens=64) as engine:
+        with pytest.raises(ImageError, match="not an image"):
+            await engine.submit(messages=chat("What is this?", b"\x89PNG\r\n\x1a\n broken"))
+    async with Engine.open("stepline-demo", max_step_tokens=64) as engine:
+        assert not engine.accepts_images
+        with pytest.raises(ImageError, match="reads text only") as err:
+            await engine.submit(messages=chat("What is this?", png(0)))
+        assert err.value.code == "unsupported_content_type"
