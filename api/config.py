@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from stepline.engine.images import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, MAX_IMAGES_PER_REQUEST
 from stepline.engine.policy import DEFAULT_MAX_STEP_MS
 
 
@@ -222,6 +223,35 @@ class ServerConfig(_Options):
         None,
         description="template arguments for every request, e.g. '{\"enable_thinking\": false}'; "
         "a request's chat_template_kwargs override them",
+    )
+    allow_image_urls: bool = Field(
+        False,
+        description="fetch the http(s) URLs of image parts; off, a request sends its images as "
+        "data URLs or base64. On, the server fetches any URL a client names, hosts on its own "
+        "network included: turn it on only where every client may reach what the server can",
+    )
+    image_fetch_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="answer 400 for an image URL whose fetch (redirects and body included) "
+        "takes longer than this many seconds",
+    )
+    max_image_bytes: int = Field(
+        MAX_IMAGE_BYTES,
+        ge=1,
+        description="largest image accepted, in bytes as sent (a fetched one's too), else 400; "
+        "an image sent in the body also counts toward --max-body-bytes",
+    )
+    max_image_pixels: int = Field(
+        MAX_IMAGE_PIXELS,
+        ge=1,
+        description="most pixels (width x height) in one image, else 400; read from the "
+        "image's header, before its pixels are decoded",
+    )
+    max_images_per_request: int = Field(
+        MAX_IMAGES_PER_REQUEST,
+        ge=1,
+        description="most images in one request (its whole conversation), else 400",
     )
     resume_grace_s: float = Field(
         60.0,

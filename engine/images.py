@@ -17,7 +17,7 @@ from typing import Any
 
 from stepline.events.models import ImageRef
 
-# Defaults of the limits (EngineConfig's max_image_bytes, max_image_pixels,
+# Defaults of the limits (ServerConfig's max_image_bytes, max_image_pixels,
 # max_images_per_request): a 4K screenshot as PNG is 2-8 MB and 8.3 Mpixels.
 MAX_IMAGE_BYTES = 20 * 2**20
 MAX_IMAGE_PIXELS = 5000 * 5000

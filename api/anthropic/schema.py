@@ -2,11 +2,13 @@
 models, and their translation to the neutral chat messages the chat template renders. No MLX.
 
 Requests are strict (a string is not a number); unknown top-level fields are ignored as
-Anthropic adds them, but a known feature the engine cannot honour (images, documents, server
-tools) is an APIError (400) naming it. A `system` message mid-conversation (Claude Code sends
-them) is a system turn; `thinking` (`enabled` with its `budget_tokens`, `adaptive`) turns the
-template's thinking on, and a budget is enforced by the grammar; `output_config.format`
-constrains the answer to a JSON schema.
+Anthropic adds them, but a known feature the engine cannot honour (documents, server tools)
+is an APIError (400) naming it. `image` blocks (a `base64` or `url` source) are served in
+user turns and in their `tool_result`s, to a model that reads images
+(`images.resolve_images`). A `system` message mid-conversation (Claude Code sends them) is a
+system turn; `thinking` (`enabled` with its `budget_tokens`, `adaptive`) turns the template's
+thinking on, and a budget is enforced by the grammar; `output_config.format` constrains the
+answer to a JSON schema.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from stepline.api.pipeline.agents import ToolSpec, tool_spec, unique_tools
-from stepline.api.pipeline.chat import joined_text, template_call
+from stepline.api.pipeline.chat import joined_text, template_call, unsupported_part
 from stepline.api.pipeline.errors import APIError
+from stepline.api.pipeline.images import ImageSource, content_of, image_part, text_part
 from stepline.engine.sampling_limits import MAX_INT32
 
 
@@ -39,6 +42,7 @@ class Block(BaseModel):
     content: str | list[Block] | None = None  # tool_result
     is_error: bool | None = None  # tool_result
     thinking: str | None = None  # thinking (an earlier turn's, sent back)
+    source: dict[str, Any] | None = None  # image: {"type": "base64" | "url", ...}
 
 
 class Message(_Request):
@@ -168,7 +172,9 @@ def template_kwargs(req: _Base) -> dict[str, Any]:
 def engine_messages(req: _Base) -> list[dict[str, Any]]:
     """The conversation as OpenAI-style chat messages (what chat templates render): the
     system prompt first, `tool_result` blocks as `tool` messages, `tool_use` blocks as the
-    assistant's `tool_calls`, earlier `thinking` blocks as its `reasoning_content`."""
+    assistant's `tool_calls`, earlier `thinking` blocks as its `reasoning_content`. A user
+    turn's (or tool result's) content with `image` blocks is its parts in order, each image a
+    placeholder until `resolve_images` (`images.content_of`)."""
     out: list[dict[str, Any]] = []
     if req.system:
         out.append({"role": "system", "content": _text(req.system, "system")})
@@ -180,14 +186,17 @@ def engine_messages(req: _Base) -> list[dict[str, Any]]:
         if isinstance(m.content, str):
             out.append({"role": m.role, "content": m.content})
             continue
-        texts, calls, reasoning = [], [], []
+        parts: list[dict[str, Any]] = []
+        calls, reasoning = [], []
         for j, b in enumerate(m.content):
             if b.type == "text" and b.text is not None:
-                texts.append(b.text)
+                parts.append(text_part(b.text))
+            elif b.type == "image" and m.role == "user":
+                parts.append(_image(b, f"{where}.{j}"))
             elif b.type == "tool_result" and m.role == "user":
-                content = _text(b.content or "", f"{where}.{j}.content")
+                content = _result(b.content, f"{where}.{j}.content")
                 if b.is_error:
-                    content = f"Error: {content}"
+                    content = _error(content)
                 out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": content})
             elif b.type == "tool_use" and m.role == "assistant" and b.name:
                 calls.append(template_call(b.id, b.name, b.input or {}))
@@ -197,19 +206,75 @@ def engine_messages(req: _Base) -> list[dict[str, Any]]:
                 raise APIError(
                     400,
                     f"{where}[{j}] is a {b.type!r} block, which this server does not serve on "
-                    f"a {m.role} turn (text, tool_use, tool_result and thinking are served)",
+                    f"a {m.role} turn (text, image, tool_use, tool_result and thinking are "
+                    "served)",
                     param=f"{where}.{j}",
                     code="unsupported_content_type",
                 )
-        if m.role == "user" and not texts:
+        if m.role == "user" and not parts:
             continue  # only tool results: they are the tool messages above
-        message: dict[str, Any] = {"role": m.role, "content": "\n".join(texts)}
+        message: dict[str, Any] = {"role": m.role, "content": content_of(parts)}
         if calls:
             message["tool_calls"] = calls
         if reasoning and any(reasoning):
             message["reasoning_content"] = "\n".join(reasoning)
         out.append(message)
     return out
+
+
+def _image(block: Block, where: str) -> dict[str, Any]:
+    """An `image` block's placeholder (`images.image_part`). Raises APIError for a source
+    that is neither `base64` nor `url`."""
+    source = block.source or {}
+    kind = source.get("type")
+    if kind == "base64" and isinstance(source.get("data"), str):
+        media_type = source.get("media_type")
+        return image_part(
+            ImageSource(
+                where,
+                data=source["data"],
+                media_type=media_type if isinstance(media_type, str) else None,
+            )
+        )
+    if kind == "url" and isinstance(source.get("url"), str):
+        return image_part(ImageSource(where, url=source["url"]))
+    if kind == "file":
+        raise APIError(
+            400,
+            f"{where}.source is a file: this server keeps no files; send the image as a "
+            '{"type": "base64", ...} or {"type": "url", ...} source',
+            param=f"{where}.source",
+            code="unsupported_content_type",
+        )
+    raise APIError(
+        400,
+        f"{where}.source must be {{'type': 'base64', 'media_type': ..., 'data': ...}} or "
+        "{'type': 'url', 'url': ...}",
+        param=f"{where}.source",
+    )
+
+
+def _result(content: str | list[Block] | None, where: str) -> Any:
+    """A `tool_result`'s content: its text, or where it has images its parts
+    (`images.content_of`)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for j, b in enumerate(content):
+        if b.type == "text" and b.text is not None:
+            parts.append(text_part(b.text))
+        elif b.type == "image":
+            parts.append(_image(b, f"{where}.{j}"))
+        else:
+            raise unsupported_part(f"{where}.{j}", b.type, "'text' and 'image'")
+    return content_of(parts)
+
+
+def _error(content: Any) -> Any:
+    """A failed tool's result, marked as such for the model."""
+    if isinstance(content, str):
+        return f"Error: {content}"
+    return [text_part("Error:"), *content]
 
 
 def _text(content: str | list[Block], where: str) -> str:

@@ -58,8 +58,9 @@ class AnthropicDoor:
     async def count_tokens(self, request: Request, rid: str) -> Response:
         req = await self.serving.parse(request, schema.CountTokensRequest, generates=False)
         agent = self._plan(req)
+        messages = await self.serving.with_images(schema.engine_messages(req))
         prepared = await self.serving.prepare(
-            messages=schema.engine_messages(req), template_kwargs=agent.template_kwargs
+            messages=messages, template_kwargs=agent.template_kwargs
         )
         return JSONResponse({"input_tokens": len(prepared.ids)})
 

@@ -8,7 +8,8 @@ not applied). The options that tune Ollama's runtime (`num_ctx`, `num_gpu`, `num
 ...) change no answer here and are accepted; sampling this engine does not do (`mirostat`,
 `typical_p`, `tfs_z` past their neutral values) is a 400 naming the option. `format` is
 `"json"` (any JSON object) or a JSON schema; `keep_alive` is accepted (the served model stays
-loaded); `images`, a Go `template`, `suffix` and the deprecated `context` are refused.
+loaded); `images` (base64, before the message's text) go to a model that reads images; a Go
+`template`, `suffix` and the deprecated `context` are refused.
 `stream` is true unless the request says false, as Ollama's own server does.
 """
 
@@ -20,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from stepline.api.pipeline.chat import call_arguments, template_call
 from stepline.api.pipeline.errors import APIError
+from stepline.api.pipeline.images import ImageSource, content_of, image_part, text_part
 from stepline.engine.sampling_limits import MAX_INT32, MAX_REPETITION_PENALTY
 
 
@@ -157,7 +159,7 @@ class Message(_Request):
     role: str
     content: str | None = None
     thinking: str | None = None
-    images: list[Any] | None = None
+    images: list[str] | None = None  # base64
     tool_calls: list[ToolCall] | None = None
     tool_name: str | None = None
 
@@ -169,23 +171,18 @@ class ChatRequest(OllamaRequest):
     def engine_messages(self) -> list[dict[str, Any]]:
         """The messages as chat templates render them: an assistant's calls with their
         arguments parsed (text that is not JSON kept as it was), a tool's answer with the
-        name of its tool. Raises APIError for images (a text-only model) and unknown roles."""
+        name of its tool, a message's `images` as parts before its text (`with_images`).
+        Raises APIError for unknown roles."""
         out: list[dict[str, Any]] = []
         for i, m in enumerate(self.messages):
-            if m.images:
-                raise APIError(
-                    400,
-                    f"messages[{i}] has images: this server serves a text-only model",
-                    param=f"messages.{i}.images",
-                    code="unsupported_content_type",
-                )
             if m.role not in ("system", "user", "assistant", "tool"):
                 raise APIError(
                     400,
                     f"messages[{i}].role must be system, user, assistant or tool, got {m.role!r}",
                     param=f"messages.{i}.role",
                 )
-            message: dict[str, Any] = {"role": m.role, "content": m.content or ""}
+            content = with_images(m.content or "", m.images, f"messages.{i}.images")
+            message: dict[str, Any] = {"role": m.role, "content": content}
             if m.role == "assistant" and m.tool_calls:
                 message["tool_calls"] = [
                     template_call(
@@ -212,12 +209,12 @@ class GenerateRequest(OllamaRequest):
     template: str | None = None
     context: list[int] | None = None
     raw: bool = False
-    images: list[Any] | None = None
+    images: list[str] | None = None  # base64, for the prompt (not with `raw`)
 
     def check_supported(self) -> None:
         super().check_supported()
         refused = (
-            ("images", bool(self.images), "this server serves a text-only model"),
+            ("images", bool(self.images) and self.raw, "a raw prompt holds text only"),
             ("suffix", bool(self.suffix), "fill-in-the-middle is not supported"),
             ("template", bool(self.template), "the model's own (Jinja) chat template is used"),
             ("context", bool(self.context), "send the conversation to /api/chat instead"),
@@ -234,7 +231,17 @@ class GenerateRequest(OllamaRequest):
         if self.raw:
             return self.prompt, None
         system = [{"role": "system", "content": self.system}] if self.system else []
-        return None, [*system, {"role": "user", "content": self.prompt}]
+        prompt = with_images(self.prompt, self.images, "images")
+        return None, [*system, {"role": "user", "content": prompt}]
+
+
+def with_images(text: str, images: list[str] | None, where: str) -> Any:
+    """A message's content: its `text`, after its base64 `images` (placeholders until
+    `resolve_images`) if it has any."""
+    if not images:
+        return text
+    parts = [image_part(ImageSource(f"{where}.{j}", data=data)) for j, data in enumerate(images)]
+    return content_of([*parts, text_part(text)])
 
 
 class ShowRequest(_Request):

@@ -13,8 +13,15 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from stepline.api.pipeline.chat import call_arguments, joined_text, template_call
+from stepline.api.pipeline.chat import call_arguments, template_call, unsupported_part
 from stepline.api.pipeline.errors import APIError
+from stepline.api.pipeline.images import (
+    ImageSource,
+    content_of,
+    image_part,
+    joined_content,
+    text_part,
+)
 from stepline.engine.sampling_limits import MAX_INT32
 
 MAX_TEMPERATURE = 100.0
@@ -36,12 +43,14 @@ class StreamOptions(_Request):
 
 
 class ContentPart(BaseModel):
-    """One part of a message's content; only `text` parts are served (text-only models)."""
+    """One part of a message's content: `text`, or `image_url` (its `image_url` an object
+    with a `url`, or the URL itself)."""
 
     model_config = ConfigDict(strict=True, extra="allow", frozen=True)
 
     type: str
     text: str | None = None
+    image_url: Any = None  # {"url": ..., "detail": ...}, or the URL (`_image_url`)
 
 
 class ChatMessage(_Request):
@@ -154,14 +163,17 @@ class ChatCompletionRequest(_SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def engine_messages(self) -> list[dict[str, Any]]:
-        """The messages as the chat template wants them: string content, `developer` as
-        `system`, consecutive same-role messages merged (strict templates demand alternation),
-        assistant `tool_calls` and `tool` messages (with their `tool_call_id`) kept as they are.
+        """The messages as the chat template wants them: `developer` as `system`,
+        consecutive same-role messages merged (strict templates demand alternation),
+        assistant `tool_calls` and `tool` messages (with their `tool_call_id`) kept as they
+        are. Content is a string, or where a message has images its parts in order
+        (`images.content_of`), each image a placeholder until `resolve_images`.
 
-        Raises APIError for non-text content parts and missing content.
+        Raises APIError for content parts that are neither text nor images, and missing
+        content.
         """
         merged: list[dict[str, Any]] = []
-        parts: dict[int, list[str]] = {}  # merged message index -> the contents it merges
+        contents: dict[int, list[Any]] = {}  # merged message index -> the contents it merges
         for i, m in enumerate(self.messages):
             if m.role == "function":
                 raise APIError(
@@ -173,27 +185,27 @@ class ChatCompletionRequest(_SamplingFields):
                 )
             role = "system" if m.role == "developer" else m.role
             if m.role == "assistant" and (m.tool_calls or m.reasoning_content):
-                message: dict[str, Any] = {"role": role, "content": _optional_text(m.content, i)}
+                message: dict[str, Any] = {"role": role, "content": _optional_content(m.content, i)}
                 if m.tool_calls:
                     message["tool_calls"] = _tool_calls(m.tool_calls, i)
                 if m.reasoning_content:
                     message["reasoning_content"] = m.reasoning_content
                 merged.append(message)
                 continue
-            content = _text_content(m.content, i)
+            content = _content(m.content, i)
             if m.role == "tool":
                 merged.append({"role": "tool", "content": content, "tool_call_id": m.tool_call_id})
             elif merged and merged[-1]["role"] == role and set(merged[-1]) == {"role", "content"}:
-                parts.setdefault(len(merged) - 1, [merged[-1]["content"]]).append(content)
+                contents.setdefault(len(merged) - 1, [merged[-1]["content"]]).append(content)
             else:
                 merged.append({"role": role, "content": content})
-        for at, texts in parts.items():  # joined once: appending in the loop was quadratic
-            merged[at]["content"] = "\n\n".join(texts)
+        for at, parts in contents.items():  # joined once: appending in the loop was quadratic
+            merged[at]["content"] = joined_content(parts, "\n\n")
         return merged
 
 
-def _optional_text(content: str | list[ContentPart] | None, index: int) -> str:
-    return "" if content is None else _text_content(content, index)
+def _optional_content(content: str | list[ContentPart] | None, index: int) -> Any:
+    return "" if content is None else _content(content, index)
 
 
 def _tool_calls(calls: list[dict[str, Any]], index: int) -> list[dict[str, Any]]:
@@ -213,16 +225,39 @@ def _tool_calls(calls: list[dict[str, Any]], index: int) -> list[dict[str, Any]]
     return out
 
 
-def _text_content(content: str | list[ContentPart] | None, index: int) -> str:
+def _content(content: str | list[ContentPart] | None, index: int) -> Any:
+    where = f"messages.{index}.content"
     if content is None:
         raise APIError(
             400,
             f"messages[{index}].content is missing: send a string or a list of text parts",
-            param=f"messages.{index}.content",
+            param=where,
         )
     if isinstance(content, str):
         return content
-    return joined_text(content, f"messages.{index}.content")
+    return content_of([_part(part, f"{where}.{j}") for j, part in enumerate(content)])
+
+
+def _part(part: ContentPart, where: str) -> dict[str, Any]:
+    """A content part in neutral form: text, or an image's placeholder."""
+    if part.type == "text" and part.text is not None:
+        return text_part(part.text)
+    if part.type == "image_url":
+        return image_part(ImageSource(where, url=_image_url(part.image_url, where)))
+    raise unsupported_part(where, part.type, "'text' (with a 'text') and 'image_url'")
+
+
+def _image_url(value: Any, where: str) -> str:
+    """The URL of an `image_url` part: `{"url": ..., "detail": ...}` (detail accepted: the
+    model sees the image it has), or the URL itself. Raises APIError for anything else."""
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str):
+        raise APIError(
+            400,
+            f'{where}.image_url must be {{"url": "data:image/png;base64,..."}} (or an http(s) URL)',
+            param=f"{where}.image_url",
+        )
+    return url
 
 
 class CompletionRequest(_SamplingFields):

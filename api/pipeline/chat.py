@@ -34,18 +34,23 @@ def call_arguments(arguments: Any, param: str) -> Any:
 
 
 def joined_text(parts: Sequence[Any], where: str) -> str:
-    """The text of a message's content `parts` (each with a `type` and a `text`), joined by
-    newlines. Raises APIError naming the first part that is not text (`where[j]`): this
-    server serves a text-only model."""
+    """The text of `parts` (each with a `type` and a `text`), joined by newlines, where only
+    text is served (a system prompt). Raises APIError naming the first part that is not
+    text (`where.j`)."""
     texts = []
     for j, part in enumerate(parts):
         if part.type != "text" or part.text is None:
-            raise APIError(
-                400,
-                f"{where}[{j}] has type {part.type!r}: this server serves a text-only model, "
-                "send only parts of type 'text' with a 'text' field",
-                param=f"{where}.{j}",
-                code="unsupported_content_type",
-            )
+            raise unsupported_part(f"{where}.{j}", part.type, "'text' (with a 'text')")
         texts.append(part.text)
     return "\n".join(texts)
+
+
+def unsupported_part(where: str, kind: Any, served: str) -> APIError:
+    """The error of content part `where` of type `kind`, which is not among the `served`
+    ones."""
+    return APIError(
+        400,
+        f"{where} has type {kind!r}: only parts of type {served} are served here",
+        param=where,
+        code="unsupported_content_type",
+    )

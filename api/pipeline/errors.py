@@ -157,6 +157,7 @@ def known_error(
     from stepline.api.json_limits import InputLimitError
     from stepline.api.prompts import PromptTooLongError
     from stepline.engine.grammar import GrammarError
+    from stepline.engine.images import ImageError
     from stepline.engine.policy import AdmissionError, ContextLengthExceededError, QueueFullError
 
     if isinstance(exc, APIError):
@@ -189,6 +190,8 @@ def known_error(
         return shutting_down()
     if isinstance(exc, GrammarError):  # a schema llguidance cannot compile
         return APIError(400, str(exc), param=grammar_param, code="invalid_schema")
+    if isinstance(exc, ImageError):  # corrupt, too large, too many, not fetched, text only
+        return APIError(400, exc.message, param=exc.param, code=exc.code)
     if isinstance(exc, InputLimitError):
         return APIError(400, exc.message, param=exc.param, code=exc.code)
     if isinstance(exc, ValidationError):

@@ -47,6 +47,7 @@ from stepline.api.pipeline.errors import (
     known_error,
     shutting_down,
 )
+from stepline.api.pipeline.images import ImageOptions, resolve_images
 from stepline.api.pipeline.model_output import OutputDelta, OutputFormat, OutputSplitter
 from stepline.api.pipeline.resume import (
     FrameCounter,
@@ -59,6 +60,7 @@ from stepline.api.pipeline.resume import (
 )
 from stepline.api.pipeline.writer import Emit, StreamResponse
 from stepline.api.prompts import Prepared
+from stepline.engine.images import ImageError, ImageLimits
 from stepline.engine.policy import max_output_tokens
 from stepline.engine.sampling_limits import GREEDY_TEMPERATURE
 from stepline.engine.work import GRAMMAR_FAILED
@@ -220,6 +222,16 @@ class Serving:
         self.interrupted = interrupted
         self.served_model_names: tuple[str, ...] = config.served_model_name or (engine.model_name,)
         self.resume = ResumeRegistry(config.resume_grace_s)
+        self.images = ImageOptions(
+            # Whether the model reads images: Engine.accepts_images, which comes with the
+            # vision models (until then, no engine does).
+            accepts_images=getattr(engine, "accepts_images", False),
+            allow_urls=config.allow_image_urls,
+            fetch_timeout_s=config.image_fetch_timeout_s,
+            limits=ImageLimits(
+                config.max_image_bytes, config.max_image_pixels, config.max_images_per_request
+            ),
+        )
         # Applies --chat-template to the tokenizer; raises ValueError for what the model
         # cannot honour.
         self.reasoning, self.default_template_kwargs = configure(
@@ -419,6 +431,14 @@ class Serving:
         except ValueError as exc:
             raise known_error(exc, prompt_param=param) or exc from None
 
+    async def with_images(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """`messages` with their image parts fetched and decoded (`resolve_images`). Raises
+        APIError (400) for images this server does not take: any, to a text-only model."""
+        try:
+            return await resolve_images(messages, self.images)
+        except ImageError as exc:
+            raise known_error(exc) or exc from None
+
     async def start(self, call: Call) -> Started:
         """`call` into an engine request, up to its admission: the prompt's tokens (off the
         event loop), its token limit, the think budget, its sampling parameters, and the
@@ -435,9 +455,10 @@ class Serving:
 
     async def _start(self, call: Call) -> Started:
         agent = call.agent
+        messages = None if call.messages is None else await self.with_images(call.messages)
         prepared = await self.prepare(
             prompt=call.prompt,
-            messages=call.messages,
+            messages=messages,
             template_kwargs=agent.template_kwargs,
             param=call.prompt_param,
         )

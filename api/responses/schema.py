@@ -2,7 +2,8 @@
 its stream events are the `openai` package's own types (`output`).
 
 `input` is a string or a list of items: messages (`content` a string or
-`input_text`/`output_text` parts), the model's earlier `function_call`s and their
+`input_text`/`output_text` parts, and `input_image` parts with an `image_url`: a data URL, or
+an http(s) URL the server fetches if allowed), the model's earlier `function_call`s and their
 `function_call_output`s. Function `tools` (with `tool_choice`, `parallel_tool_calls`; the
 functions of `namespace` tools flattened; hosted tools dropped) and structured output with
 `text.format` (`json_schema`, `json_object`)."""
@@ -17,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 from stepline.api.pipeline.agents import ToolSpec, tool_spec, unique_tools
 from stepline.api.pipeline.chat import call_arguments, template_call
 from stepline.api.pipeline.errors import APIError
+from stepline.api.pipeline.images import ImageSource, content_of, image_part, text_part
 from stepline.engine.sampling_limits import MAX_INT32
 
 # OpenAI's limits on `metadata`: a stored response keeps it as long as the response.
@@ -42,16 +44,53 @@ class InputPart(_Request):
     type: Literal["input_text", "output_text", "text"]
     text: str
 
+    def part(self, where: str) -> dict[str, Any]:
+        return text_part(self.text)
+
+
+class InputImage(_Request):
+    type: Literal["input_image"]
+    image_url: str | None = None  # a data URL, or an http(s) URL
+    file_id: str | None = None  # a file uploaded to OpenAI's Files API: none here
+    detail: str | None = None  # low / high / auto: accepted, the model sees the image it has
+
+    def part(self, where: str) -> dict[str, Any]:
+        """The image's placeholder (`images.image_part`). Raises APIError for a `file_id`."""
+        if self.image_url is not None:
+            return image_part(ImageSource(where, url=self.image_url))
+        if self.file_id is not None:
+            raise APIError(
+                400,
+                f"{where} names file {self.file_id!r}: this server keeps no files; send the "
+                "image as an image_url (a data URL: data:image/png;base64,...)",
+                param=f"{where}.file_id",
+                code="unsupported_content_type",
+            )
+        raise APIError(400, f"{where} needs an image_url", param=f"{where}.image_url")
+
+
+InputContent = Annotated[
+    Annotated[InputPart, Tag("text")] | Annotated[InputImage, Tag("image")],
+    Discriminator(
+        lambda v: "image" if _item_type(v) == "input_image" else "text",
+        custom_error_type="invalid_content_part",
+        custom_error_message="a content part is an input_text, output_text or input_image",
+    ),
+]
+
+
+def _content(content: str | list[InputContent], where: str) -> Any:
+    """Content as chat templates render it: text (the parts' joined), or where it has
+    images its parts in order (`images.content_of`)."""
+    if isinstance(content, str):
+        return content
+    return content_of([p.part(f"{where}.{j}") for j, p in enumerate(content)], sep="")
+
 
 class InputMessage(_Request):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[InputPart]
-
-    def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(p.text for p in self.content)
+    content: str | list[InputContent]
 
 
 class FunctionCallInput(_Request):
@@ -69,12 +108,7 @@ class FunctionCallOutputInput(_Request):
 
     type: Literal["function_call_output"]
     call_id: str
-    output: str | list[InputPart]
-
-    def text(self) -> str:
-        if isinstance(self.output, str):
-            return self.output
-        return "".join(p.text for p in self.output)
+    output: str | list[InputContent]
 
 
 def _item_type(value: Any) -> str:
@@ -156,17 +190,19 @@ class ResponsesRequest(_Request):
     def messages(self) -> list[dict[str, Any]]:
         """`input` as chat messages, as chat templates render them: developer messages
         become system ones, function calls the assistant's `tool_calls` (consecutive ones
-        in one message), their outputs `tool` messages. Raises APIError for a call
-        whose arguments are not JSON."""
+        in one message), their outputs `tool` messages; an image a placeholder until
+        `resolve_images`. Raises APIError for a call whose arguments are not JSON, and an
+        image sent as a file."""
         if isinstance(self.input, str):
             return [{"role": "user", "content": self.input}]
         out: list[dict[str, Any]] = []
         for i, item in enumerate(self.input):
             if isinstance(item, InputMessage):
                 role = "system" if item.role == "developer" else item.role
-                out.append({"role": role, "content": item.text()})
+                out.append({"role": role, "content": _content(item.content, f"input.{i}.content")})
             elif isinstance(item, FunctionCallOutputInput):
-                out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
+                output = _content(item.output, f"input.{i}.output")
+                out.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
             else:
                 args = call_arguments(item.arguments, f"input.{i}.arguments")
                 name = flat_name(item.namespace, item.name)

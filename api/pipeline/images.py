@@ -1,0 +1,304 @@
+"""The images of a request, from what a door received to checked, decoded data: the one path
+under every door. No MLX.
+
+A door's schema turns each image part into a placeholder, `{"type": "image", "source":
+ImageSource}` (`image_part`), in the neutral messages' content parts; `resolve_images` then
+replaces every placeholder with `{"type": "image", "image": ImageData}`, the part chat
+templates of vision models render as their image placeholder. A message with no image keeps
+its content as a string (`content_of`), so text models' prompts are unchanged.
+
+Sources: data URLs (`data:image/png;base64,...`), base64 data (Anthropic's `base64` source,
+Ollama's `images`), and http(s) URLs, fetched only when the server allows it
+(`allow_image_urls`): a server that fetches any URL a client names reaches what the client
+cannot, hosts on its own network included. Everything that can be checked without fetching
+or decoding (the model reads images, how many there are, the URLs' schemes) is checked before
+anything is fetched or decoded; decoding (Pillow, CPU) runs on a worker thread.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import anyio
+
+from stepline.engine.images import ImageData, ImageError, ImageLimits, decode_image
+
+MAX_REDIRECTS = 3  # an image URL's redirects followed
+_SHOWN_URL_CHARS = 120  # of a URL quoted in an error
+
+
+@dataclass(frozen=True)
+class ImageSource:
+    """One image part as a door received it, not yet fetched or decoded: a `url` (`data:` or
+    `http(s):`) or base64 `data`, and the request field it came from (`where`, as errors
+    name it: `messages.0.content.1`)."""
+
+    where: str
+    url: str | None = field(default=None, repr=False)  # a data URL holds the whole image
+    data: str | None = field(default=None, repr=False)  # base64
+    media_type: str | None = None  # of `data`, as the client said (Anthropic)
+
+
+@dataclass(frozen=True)
+class ImageOptions:
+    """How a server takes images (ServerConfig's image options, and whether its model reads
+    images at all)."""
+
+    accepts_images: bool = False  # the model reads images (`Engine.accepts_images`)
+    allow_urls: bool = False  # fetch http(s) image URLs
+    fetch_timeout_s: float = 10.0  # most time one image URL's fetch takes, redirects included
+    limits: ImageLimits = ImageLimits()
+
+
+def image_part(source: ImageSource) -> dict[str, Any]:
+    """The placeholder of an image part in neutral content, until `resolve_images`."""
+    return {"type": "image", "source": source}
+
+
+def text_part(text: str) -> dict[str, Any]:
+    return {"type": "text", "text": text}
+
+
+def content_of(parts: Sequence[dict[str, Any]], sep: str = "\n") -> str | list[dict[str, Any]]:
+    """A message's neutral content from its parts, in order (`text_part`s and `image_part`s):
+    the texts joined by `sep` where it has no image (what text models' templates render, as
+    before images were served), else the parts."""
+    if any(p["type"] == "image" for p in parts):
+        return list(parts)
+    return sep.join(p["text"] for p in parts)
+
+
+def joined_content(contents: Sequence[str | list[dict[str, Any]]], sep: str) -> Any:
+    """Several contents as one message's (consecutive messages of a role merged): strings
+    joined by `sep`; with images, the parts of all in order."""
+    if all(isinstance(c, str) for c in contents):
+        return sep.join(contents)  # type: ignore[arg-type]
+    parts: list[dict[str, Any]] = []
+    for c in contents:
+        parts.extend([text_part(c)] if isinstance(c, str) else c)
+    return parts
+
+
+def _placeholders(messages: Sequence[dict[str, Any]]) -> list[ImageSource]:
+    return [
+        part["source"]
+        for m in messages
+        if isinstance(m.get("content"), list)
+        for part in m["content"]
+        if _is_placeholder(part)
+    ]
+
+
+def _is_placeholder(part: Any) -> bool:
+    return (
+        isinstance(part, dict)
+        and part.get("type") == "image"
+        and isinstance(part.get("source"), ImageSource)
+    )
+
+
+async def resolve_images(
+    messages: list[dict[str, Any]], options: ImageOptions
+) -> list[dict[str, Any]]:
+    """`messages` with each image placeholder (`image_part`) replaced by `{"type": "image",
+    "image": ImageData}`; messages without images are returned as they are (`messages` is not
+    changed). Before anything is fetched or decoded: refused if the model reads text only,
+    or for more images than `options.limits.max_images`, and every source is checked.
+
+    Raises ImageError (`param`: the part's field; `code`: what is wrong) for an image the
+    model cannot read (`unsupported_content_type`), too many images (`too_many_images`), a
+    URL that is not fetched (`image_url_not_allowed`, `invalid_image_url`), one whose fetch
+    failed or took too long (`image_fetch_failed`, `image_fetch_timeout`), bytes or pixels
+    past the limits (`image_too_large`), and bytes that are no image (`invalid_image`)."""
+    sources = _placeholders(messages)
+    if not sources:
+        return messages
+    if not options.accepts_images:
+        where = sources[0].where
+        raise ImageError(
+            f"{where} is an image: this server's model reads text only; send text only",
+            param=where,
+            code="unsupported_content_type",
+        )
+    limit = options.limits.max_images
+    if len(sources) > limit:
+        raise ImageError(
+            f"the request has {len(sources)} images: at most {limit} are served in one request "
+            "(max_images_per_request)",
+            param=sources[limit].where,
+            code="too_many_images",
+        )
+    for source in sources:
+        _check(source, options)
+    async with _Fetcher(options) as fetcher:
+        images = iter([await _image(source, options, fetcher) for source in sources])
+    return [_with_images(m, images) for m in messages]
+
+
+def _with_images(message: dict[str, Any], images: Iterator[ImageData]) -> dict[str, Any]:
+    """`message` with its placeholders replaced by the next of `images` (in the order
+    `_placeholders` found them)."""
+    content = message.get("content")
+    if not isinstance(content, list) or not any(_is_placeholder(p) for p in content):
+        return message
+    parts = [{"type": "image", "image": next(images)} if _is_placeholder(p) else p for p in content]
+    return {**message, "content": parts}
+
+
+def _check(source: ImageSource, options: ImageOptions) -> None:
+    """What can be said of `source` without fetching or decoding it."""
+    where = source.where
+    if source.url is None:
+        if source.media_type is not None and not source.media_type.startswith("image/"):
+            raise ImageError(
+                f"{where} has media type {source.media_type!r}: send an image (image/png, "
+                "image/jpeg, image/webp, image/gif)",
+                param=where,
+            )
+        return
+    scheme, colon, _ = source.url.partition(":")
+    scheme = scheme.lower() if colon else ""
+    if scheme == "data":
+        _data_url(source.url, where)
+    elif scheme in ("http", "https"):
+        if not options.allow_urls:
+            raise ImageError(
+                f"{where} is an image URL: this server does not fetch image URLs; send the "
+                "image as a data URL (data:image/png;base64,...), or start the server with "
+                "--allow-image-urls",
+                param=where,
+                code="image_url_not_allowed",
+            )
+    else:
+        raise ImageError(
+            f"{where} is a {scheme or 'schemeless'!r} URL: send a data URL "
+            "(data:image/png;base64,...) or an http(s) URL",
+            param=where,
+            code="invalid_image_url",
+        )
+
+
+def _data_url(url: str, where: str) -> str:
+    """The base64 payload of data URL `url`. Raises ImageError for one that is not a
+    base64-encoded image."""
+    header, sep, payload = url[len("data:") :].partition(",")
+    params = [p.strip().lower() for p in header.split(";")]
+    if not sep or not params[0].startswith("image/") or "base64" not in params[1:]:
+        what = params[0] or "no media type"
+        raise ImageError(
+            f"{where} is not a base64 image data URL ({what}): send "
+            "data:image/png;base64,... (or image/jpeg, image/webp, image/gif)",
+            param=where,
+        )
+    return payload
+
+
+async def _image(source: ImageSource, options: ImageOptions, fetcher: _Fetcher) -> ImageData:
+    where, limits = source.where, options.limits
+    if source.url is not None and source.url[:5].lower() != "data:":
+        data = await fetcher.fetch(source.url, where)
+        return await anyio.to_thread.run_sync(
+            partial(decode_image, data, where=where, limits=limits)
+        )
+    text = _data_url(source.url, where) if source.url is not None else source.data or ""
+    if len(text) // 4 * 3 > limits.max_bytes + 3:  # past the limit whatever it decodes to
+        raise _too_large(where, limits.max_bytes)
+    return await anyio.to_thread.run_sync(partial(_decoded, text, where, limits))
+
+
+def _decoded(text: str, where: str, limits: ImageLimits) -> ImageData:
+    return decode_image(_base64(text, where), where=where, limits=limits)
+
+
+_NO_SPACE = str.maketrans("", "", " \t\r\n")
+
+
+def _base64(text: str, where: str) -> bytes:
+    """`text` decoded; line breaks (`base64` wraps its output) are left out. Raises
+    ImageError for anything else that is not base64."""
+    for attempt in (text, text.translate(_NO_SPACE)):
+        try:
+            return base64.b64decode(attempt, validate=True)
+        except (binascii.Error, ValueError):
+            pass
+    raise ImageError(
+        f"{where} is not valid base64: send the image's bytes base64-encoded",
+        param=where,
+    )
+
+
+def _too_large(where: str, max_bytes: int) -> ImageError:
+    return ImageError(
+        f"{where} is larger than {max_bytes:,} bytes, the most this server takes in one image "
+        "(max_image_bytes)",
+        param=where,
+        code="image_too_large",
+    )
+
+
+def _shown(url: str) -> str:
+    return url if len(url) <= _SHOWN_URL_CHARS else url[:_SHOWN_URL_CHARS] + "..."
+
+
+class _Fetcher:
+    """Fetches image URLs for one request: an HTTP client opened at the first URL."""
+
+    def __init__(self, options: ImageOptions):
+        self.options = options
+        self._client: Any = None
+
+    async def __aenter__(self) -> _Fetcher:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+
+    async def fetch(self, url: str, where: str) -> bytes:
+        """The body of `url`, within the byte and time limits. Raises ImageError."""
+        import httpx  # the `openai` and `anthropic` packages bring it; only fetching needs it
+
+        timeout = self.options.fetch_timeout_s
+        if self._client is None:
+            self._client = httpx.AsyncClient(
+                follow_redirects=True, max_redirects=MAX_REDIRECTS, timeout=timeout
+            )
+        try:
+            with anyio.fail_after(timeout):  # the whole fetch: a trickled body too
+                return await self._download(url, where)
+        except (TimeoutError, httpx.TimeoutException):
+            problem = f"did not arrive within {timeout:g} s (image_fetch_timeout_s)"
+            code = "image_fetch_timeout"
+        except httpx.TooManyRedirects:
+            problem, code = f"was redirected more than {MAX_REDIRECTS} times", "image_fetch_failed"
+        except httpx.UnsupportedProtocol:
+            problem, code = "was redirected to a URL that is not http(s)", "image_fetch_failed"
+        except httpx.HTTPError as exc:
+            problem, code = f"could not be fetched ({type(exc).__name__})", "image_fetch_failed"
+        raise ImageError(f"{where}: the image at {_shown(url)} {problem}", param=where, code=code)
+
+    async def _download(self, url: str, where: str) -> bytes:
+        max_bytes = self.options.limits.max_bytes
+        async with self._client.stream("GET", url) as response:
+            if not response.is_success:
+                raise ImageError(
+                    f"{where}: fetching the image at {_shown(url)} was answered "
+                    f"{response.status_code} {response.reason_phrase}".rstrip(),
+                    param=where,
+                    code="image_fetch_failed",
+                )
+            length = response.headers.get("content-length", "")
+            if length.isdigit() and int(length) > max_bytes:
+                raise _too_large(where, max_bytes)
+            chunks, size = [], 0
+            async for chunk in response.aiter_bytes():
+                size += len(chunk)
+                if size > max_bytes:
+                    raise _too_large(where, max_bytes)
+                chunks.append(chunk)
+        return b"".join(chunks)
