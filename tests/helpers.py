@@ -126,15 +126,15 @@ class Served:
 
 
 @asynccontextmanager
-async def open_served(**app_options: Any) -> AsyncIterator[Served]:
-    """`stepline-demo` (128-token steps) served in this process; `app_options` go to
+async def open_served(model: str = "stepline-demo", **app_options: Any) -> AsyncIterator[Served]:
+    """`model` (128-token steps) served in this process; `app_options` go to
     `create_app`."""
     from stepline.api import Engine
     from stepline.api.http.app import create_app
     from stepline.api.http.serve import serve_in_process
 
     async with (
-        Engine.open("stepline-demo", max_step_tokens=128) as engine,
+        Engine.open(model, max_step_tokens=128) as engine,
         serve_in_process(create_app(engine, **app_options)) as url,
     ):
         yield Served(engine, url)

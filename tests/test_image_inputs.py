@@ -32,6 +32,7 @@ from stepline.api.cli.serve import add_serve_parser
 from stepline.api.config import ServerConfig
 from stepline.api.ollama.schema import ChatRequest, GenerateRequest
 from stepline.api.openai.schema import ChatCompletionRequest
+from stepline.api.params import SamplingParams as engine_params
 from stepline.api.pipeline.errors import known_error
 from stepline.api.pipeline.images import ImageOptions, resolve_images
 from stepline.api.responses.schema import ResponsesRequest
@@ -51,6 +52,11 @@ def png(width: int = 3, height: int = 2) -> bytes:
 
 
 PNG = png()
+# A picture the vision demo cuts into tiles (random pixels: 150 x 100).
+_pixels = Image.frombytes("RGB", (150, 100), bytes((i * 7919) % 251 for i in range(150 * 100 * 3)))
+_buf = io.BytesIO()
+_pixels.save(_buf, "PNG")
+PICTURE = _buf.getvalue()
 PNG_B64 = base64.b64encode(PNG).decode()
 DATA_URL = f"data:image/png;base64,{PNG_B64}"
 
@@ -110,6 +116,8 @@ def host() -> Iterator[ImageHost]:
             path = self.path
             if path == "/cat.png":
                 self.send(200, PNG, Content_Length=str(len(PNG)), Content_Type="image/png")
+            elif path == "/picture.png":
+                self.send(200, PICTURE, Content_Length=str(len(PICTURE)), Content_Type="image/png")
             elif path == "/redirect":
                 self.send(302, Location="/cat.png", Content_Length="0")
             elif path == "/loop":
@@ -506,7 +514,133 @@ async def test_a_text_request_is_served_as_before(served):
     assert answer.choices[0].finish_reason in ("stop", "length")
 
 
-# End-to-end image requests through each door (OpenAI chat, Responses, Anthropic with its
-# tool_result images, Ollama), answered by a model that reads images, go here once
-# `--model stepline-demo-vision` exists (a corrupt image answered 400 invalid_image by every
-# door; an image URL fetched from `host`).
+# -- the doors, on a model that reads images ------------------------------------------------
+
+VISION = "stepline-demo-vision"
+PICTURE_URL = "data:image/png;base64," + base64.b64encode(PICTURE).decode()
+QUESTION = "What is in this picture?"
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def vision() -> AsyncIterator[Served]:
+    pytest.importorskip("mlx_vlm", reason="the vision extra: pip install -e '.[vision]'")
+    value, close = await hold_open(open_served(VISION, allow_image_urls=True))
+    try:
+        yield value
+    finally:
+        await close()
+
+
+async def test_every_door_answers_an_image_as_the_python_api_does(vision, host):
+    engine = vision.engine
+    messages = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": QUESTION}, {"type": "image", "image": PICTURE}],
+        }
+    ]
+    prepared = engine.prepare(messages=messages)
+    assert prepared.images and prepared.images[0].end - prepared.images[0].start > 64
+    want = ""
+    async for out in engine.generate(
+        messages=messages, params=engine_params(max_tokens=8, temperature=0.0)
+    ):
+        want += out.text
+    openai_parts = [{"type": "text", "text": QUESTION}, image_url(PICTURE_URL)]
+    fetched = [{"type": "text", "text": QUESTION}, image_url(f"{host.url}/picture.png")]
+    async with vision.client() as client:
+        for parts in (openai_parts, fetched):
+            answer = await client.chat.completions.create(
+                model=VISION,
+                max_tokens=8,
+                temperature=0.0,
+                messages=[{"role": "user", "content": parts}],
+            )
+            assert answer.choices[0].message.content == want
+            assert answer.usage is not None
+            assert answer.usage.prompt_tokens == len(prepared.ids)
+        response = await client.responses.create(
+            model=VISION,
+            max_output_tokens=8,
+            temperature=0.0,
+            input=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "input_text", "text": QUESTION},
+                        {"type": "input_image", "image_url": PICTURE_URL, "detail": "auto"},
+                    ],
+                }
+            ],
+        )
+        assert response.output_text == want
+    async with anthropic.AsyncAnthropic(
+        base_url=vision.url, api_key="sk-one", max_retries=0
+    ) as client:
+        message = await client.messages.create(
+            model=VISION,
+            max_tokens=8,
+            extra_body={"temperature": 0.0},
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": QUESTION},
+                        {
+                            "type": "image",
+                            "source": {
+                                "type": "base64",
+                                "media_type": "image/png",
+                                "data": base64.b64encode(PICTURE).decode(),
+                            },
+                        },
+                    ],
+                }
+            ],
+        )
+        usage = message.usage  # the earlier doors' requests left the prompt in the cache
+        assert usage.input_tokens + (usage.cache_read_input_tokens or 0) == len(prepared.ids)
+        assert "".join(b.text for b in message.content if b.type == "text") == want
+
+
+async def test_a_corrupt_image_is_a_400_at_every_door_and_the_engine_serves_on(vision):
+    broken = "data:image/png;base64," + base64.b64encode(PICTURE[: len(PICTURE) // 2]).decode()
+    async with vision.client() as client:
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.chat.completions.create(
+                model=VISION,
+                max_tokens=4,
+                messages=[{"role": "user", "content": [image_url(broken)]}],
+            )
+        assert caught.value.code == "invalid_image"
+        assert caught.value.param == "messages.0.content.0"
+    async with anthropic.AsyncAnthropic(
+        base_url=vision.url, api_key="sk-one", max_retries=0
+    ) as client:
+        with pytest.raises(anthropic.BadRequestError) as refused_here:
+            await client.messages.create(
+                model=VISION,
+                max_tokens=4,
+                messages=[
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "image",
+                                "source": {
+                                    "type": "base64",
+                                    "media_type": "image/png",
+                                    "data": broken.split(",", 1)[1],
+                                },
+                            }
+                        ],
+                    }
+                ],
+            )
+        assert refused_here.value.status_code == 400
+    async with vision.client() as client:
+        answer = await client.chat.completions.create(
+            model=VISION, max_tokens=2, messages=[{"role": "user", "content": "hi"}]
+        )
+    assert answer.choices[0].finish_reason in ("stop", "length")
+    assert vision.engine.healthy
