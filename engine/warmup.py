@@ -145,6 +145,11 @@ class Warmup:
         self._num_short = max(1, min(3, config.max_num_seqs - 1, config.max_step_tokens // 32))
         self._short_len = max(1, min(16, max_context // 4))
         self._episodes = [self._first_calls, self._chunks_then_decode, self._mixed_steps]
+        self._max_context = max_context
+        # A vision model's encoder is part of the step that prefills an image's span.
+        self._vision = getattr(getattr(runner, "loaded", None), "vision", None)
+        if self._vision is not None:
+            self._episodes.append(self._images)
         self._next = 0  # the episode the next turn starts (or starts again)
         self._measured = 0  # timed steps of that episode measured by an earlier turn
 
@@ -237,6 +242,45 @@ class Warmup:
         steps = [functools.partial(session.step, c) for c in chunks] + [session.step] * 3
         yield from _measured(done, steps)
 
+    def _images(self, session: _Session, rng: random.Random, done: int) -> _Steps:
+        """A vision model's image spans, each prefilled whole beside a decode row: a small
+        image and a large one (the encoder's cost grows with the tiles it reads). The first
+        one's step is run untimed before (the encoder's first call builds)."""
+        short_len = self._short_len
+        decoder = session.admit(self._prompt(rng, short_len))
+        session.step(chunks=[(decoder, 0, short_len)], timed=False)
+        session.step(timed=False)
+        steps = []
+        for size in ((224, 224), (224, 224), (800, 600)):
+            prompt, images = self._image_prompt(rng, size)
+            if len(prompt) >= self._max_context // 2:
+                continue
+            rid = session.admit(prompt, images)
+            steps.append(functools.partial(session.step, [(rid, 0, len(prompt))]))
+        if steps:
+            steps[0](timed=False)
+            yield from _measured(done, steps[1:])
+
+    def _image_prompt(
+        self, rng: random.Random, size: tuple[int, int]
+    ) -> tuple[tuple[int, ...], tuple[Any, ...]]:
+        """A prompt of a few tokens, an image of `size` pixels (one gray), and a few more."""
+        import io
+
+        from PIL import Image
+
+        from stepline.engine.images import PromptImage, decode_image
+
+        out = io.BytesIO()
+        Image.new("RGB", size, (rng.randrange(256),) * 3).save(out, format="PNG")
+        data = decode_image(out.getvalue(), where="warm-up")
+        assert self._vision is not None
+        expanded = self._vision.images.expand(data)
+        span = tuple(self._runner.loaded.tokenizer.encode(expanded.text, add_special_tokens=False))
+        before, after = self._prompt(rng, 4), self._prompt(rng, 4)
+        image = PromptImage(len(before), len(before) + len(span), data, expanded.inputs)
+        return (*before, *span, *after), (image,)
+
 
 def _measured(done: int, steps: Sequence[Callable[..., None]]) -> _Steps:
     """Run `steps` (each takes `timed`): the first `done` untimed, each other one timed
@@ -259,14 +303,18 @@ class _Session:
         self._prefilling: set[str] = set()  # requests with a chunk done and more to come
         self._fused = bool(getattr(runner, "fuse", False))
         self._pending: list[NewRequest] = []
+        self._images: dict[str, tuple[Any, ...]] = {}  # request id -> its prompt's images
         self._step = 0
         self._num_admitted = 0
 
-    def admit(self, prompt: tuple[int, ...]) -> str:
+    def admit(self, prompt: tuple[int, ...], images: tuple[Any, ...] = ()) -> str:
         rid = f"{_PREFIX}{self._num_admitted}"
         self._num_admitted += 1
         self._prompts[rid] = len(prompt)
-        self._pending.append(NewRequest(request_id=rid, prompt_token_ids=prompt, params=_PARAMS))
+        self._images[rid] = images
+        self._pending.append(
+            NewRequest(request_id=rid, prompt_token_ids=prompt, params=_PARAMS, images=images)
+        )
         return rid
 
     def prompt_len(self, rid: str) -> int:
@@ -289,7 +337,10 @@ class _Session:
             scheduled.append(
                 ScheduledChunk(rid, start, end, (), is_final=end == self._prompts[rid])
             )
-            features = features.with_chunk(start, end - start)
+            encoded = sum(
+                i.end - i.start for i in self._images[rid] if start <= i.start and i.end <= end
+            )
+            features = features.with_chunk(start, end - start, encoded)
         num = {r: 1 for r in decodes} | {c.request_id: c.num_tokens for c in scheduled}
         self._step += 1
         plan = StepPlan(

@@ -184,3 +184,20 @@ async def test_an_image_sent_to_a_text_model_or_bytes_that_are_no_image_are_refu
         with pytest.raises(ImageError, match="reads text only") as err:
             await engine.submit(messages=chat("What is this?", png(0)))
         assert err.value.code == "unsupported_content_type"
+
+
+def test_the_warm_up_of_a_vision_model_prices_its_encoder() -> None:
+    from stepline.engine.cost_model import fit
+    from stepline.engine.models import load_model
+    from stepline.engine.policy import SchedulerConfig
+    from stepline.engine.runner import ModelRunner
+    from stepline.engine.warmup import Warmup
+
+    loaded = load_model(VISION_DEMO)
+    runner = ModelRunner(loaded)
+    warmup = Warmup(runner, SchedulerConfig(max_step_tokens=128), 1000, loaded.max_context)
+    warmup.run()
+    assert runner.num_sequences == 0  # it frees what it admitted
+    encoded = [s for s in warmup.samples if s.features.image_tokens]
+    assert len(encoded) >= 2 and all(s.features.decode_rows >= 1 for s in encoded)
+    assert fit(warmup.samples).per_image_token > 0
