@@ -37,7 +37,8 @@ from stepline.api.prompts import Prepared, Prompts, PromptTooLongError, detokeni
 from stepline.api.stream import RequestStream
 from stepline.engine import grammar
 from stepline.engine.grammar import Compiled, GrammarCompiler, GrammarError
-from stepline.engine.images import PromptImage
+from stepline.engine.images import ImageError, PromptImage
+from stepline.events.image_files import images_dir, keep_image
 from stepline.events.models import FinishReason
 
 __all__ = [
@@ -289,6 +290,14 @@ class Engine:
             )
             ids = prepared.ids
             images = prepared.images or tuple(images)
+            if images and not self.accepts_images:
+                raise ImageError(
+                    f"{self.model_name} reads text only: a prompt with images needs a "
+                    "vision-language model",
+                    code="unsupported_content_type",
+                )
+            if images:
+                await self._keep_images(images)
             rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
             inbox: Mailbox[Update] = Mailbox()
             outputs: Mailbox[RequestOutput] = Mailbox()
@@ -350,6 +359,24 @@ class Engine:
         held = await self._compile(params.grammar) if params.grammar is not None else None
         prepared = await self.prepare_async(prompt, messages, template_kwargs)
         return prepared, params, (*checkpoints, *prepared.checkpoints), held
+
+    async def _keep_images(self, images: Sequence[PromptImage]) -> None:
+        """Keep the prompt's images beside the event log, where it keeps prompts (for
+        re-execution: `events/image_files.py`), on a worker thread. A failure to write is
+        logged; the request is served."""
+        writer = self._step_loop.event_log
+        if writer is None or not writer.header.log_prompts:
+            return
+        directory = images_dir(writer.path)
+
+        def keep() -> None:
+            for image in images:
+                keep_image(directory, image.digest, image.image.data)
+
+        try:
+            await anyio.to_thread.run_sync(keep)
+        except OSError as exc:
+            log.warning("image_not_kept", directory=str(directory), error=repr(exc))
 
     async def _compile(self, grammar_text: str) -> Compiled:
         """`grammar_text` compiled on a worker thread, off the step loop and the executor,

@@ -201,3 +201,36 @@ def test_the_warm_up_of_a_vision_model_prices_its_encoder() -> None:
     encoded = [s for s in warmup.samples if s.features.image_tokens]
     assert len(encoded) >= 2 and all(s.features.decode_rows >= 1 for s in encoded)
     assert fit(warmup.samples).per_image_token > 0
+
+
+async def test_a_run_with_images_is_re_executed_token_for_token_from_the_images_kept(
+    tmp_path: Path,
+) -> None:
+    import shutil
+
+    from stepline.events.image_files import images_dir
+    from stepline.events.replay.reexecute import load_recorded_run, plan_reexecution, reexecute
+
+    log = tmp_path / "events.jsonl"
+    chats = [
+        chat("What is in this picture?", png(5)),
+        chat("Describe it.", png(6, 60, 60)),
+        chat("Just text."),
+    ]
+    async with Engine.open(
+        VISION_DEMO, max_step_tokens=48, max_num_seqs=4, event_log=str(log)
+    ) as engine:
+        async with anyio.create_task_group() as tg:
+            for messages in chats:
+                tg.start_soon(collect, engine, messages)
+    kept = sorted(p.name for p in images_dir(log).iterdir())
+    assert kept == sorted(
+        hashlib.sha256(png(s, *wh)).hexdigest() for s, wh in ((5, ()), (6, (60, 60)))
+    )
+    report = await reexecute(log, VISION_DEMO)
+    assert report.ok and report.num_compared == 3
+    # Without the images beside the log, their requests are said to be skipped up front.
+    shutil.rmtree(images_dir(log))
+    plan = plan_reexecution(load_recorded_run(log))
+    assert plan.num_comparable == 1
+    assert plan.skipped == {"its images were not kept beside the log": 2}

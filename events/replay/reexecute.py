@@ -21,6 +21,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from stepline.engine.sampling_limits import GREEDY_TEMPERATURE
+from stepline.events.image_files import images_dir, read_image
 from stepline.events.log import read_events, read_runs
 from stepline.events.models import (
     Admitted,
@@ -135,6 +136,7 @@ class RecordedRequest:
 class RecordedRun:
     header: LogHeader
     requests: list[RecordedRequest]  # in arrival order
+    images_at: Path | None = None  # where the prompts' images were kept (image_files.py)
 
 
 def load_recorded_run(path: str | Path, run: int = 1) -> RecordedRun:
@@ -158,7 +160,7 @@ def load_recorded_run(path: str | Path, run: int = 1) -> RecordedRun:
             if rec is not None and rec.finish is None:
                 rec.finish = event.reason
     ordered = sorted(by_id.values(), key=lambda r: r.admitted.seq)
-    return RecordedRun(header=header, requests=ordered)
+    return RecordedRun(header=header, requests=ordered, images_at=images_dir(path))
 
 
 def why_cannot_run(run: RecordedRun, model: str | None) -> str | None:
@@ -180,10 +182,14 @@ def why_cannot_run(run: RecordedRun, model: str | None) -> str | None:
     return None
 
 
-def _skip_reason(rec: RecordedRequest) -> str | None:
+def _skip_reason(rec: RecordedRequest, images_at: Path | None = None) -> str | None:
     p = rec.admitted.params
     if rec.finish is FinishReason.REJECTED:
         return "rejected when recorded"
+    if rec.admitted.images and (
+        images_at is None or any(not (images_at / i.digest).is_file() for i in rec.admitted.images)
+    ):
+        return "its images were not kept beside the log"
     if p.temperature >= GREEDY_TEMPERATURE and p.seed is None:
         return "sampled without a seed, so not reproducible"
     if rec.finish is not FinishReason.STOP and rec.finish is not FinishReason.LENGTH:
@@ -194,7 +200,9 @@ def _skip_reason(rec: RecordedRequest) -> str | None:
 
 def plan_reexecution(run: RecordedRun) -> ReexecutePlan:
     """Which requests of a recorded run re-execution compares, and why it skips the rest."""
-    reasons = Counter(r for r in map(_skip_reason, run.requests) if r is not None)
+    reasons = Counter(
+        r for r in (_skip_reason(rec, run.images_at) for rec in run.requests) if r is not None
+    )
     return ReexecutePlan(
         num_requests=len(run.requests),
         num_comparable=len(run.requests) - sum(reasons.values()),
@@ -279,7 +287,7 @@ async def reexecute(
     to_run = []
     for rec in recorded.requests:
         rid = rec.admitted.request_id
-        skip = _skip_reason(rec)
+        skip = _skip_reason(rec, recorded.images_at)
         if skip is not None:
             comparisons[rid] = RequestComparison(
                 request_id=rid,
@@ -383,12 +391,14 @@ async def _run_again(
             rid = rec.admitted.request_id
             params = _replay_params(rec)
             try:
+                images = _images(engine, rec, recorded.images_at) if rec.admitted.images else ()
                 stream = await engine.submit(
                     rec.admitted.prompt_token_ids,
                     params=SamplingParams(**_accepted(SamplingParams, params.model_dump())),
                     request_id=rid,
                     checkpoints=rec.admitted.checkpoints,
                     client=rec.admitted.client,
+                    images=images,
                 )
             except Exception as exc:  # rejected now, though admitted when recorded
                 results[rid] = ([], None, f"not admitted on re-execution: {exc}")
@@ -396,3 +406,28 @@ async def _run_again(
                 continue
             tasks.append(asyncio.create_task(consume(rid, stream)))
         await asyncio.gather(*tasks)
+
+
+def _images(engine: Any, rec: RecordedRequest, images_at: Path | None) -> tuple[Any, ...]:
+    """A recorded request's images, read back from beside the log and made into what the
+    model's encoder reads, at their recorded spans. Raises ValueError for an image that is
+    gone, or whose span the model makes differently now."""
+    from stepline.engine.images import PromptImage, decode_image
+
+    if not engine.accepts_images:
+        raise ValueError(f"{engine.model_name} reads text only, and this request had images")
+    out = []
+    for ref in rec.admitted.images:
+        data = read_image(images_at, ref.digest) if images_at is not None else None
+        if data is None:
+            raise ValueError(f"its image {ref.digest[:12]} is not kept beside the log")
+        image = decode_image(data, where=f"image {ref.digest[:12]}")
+        expanded = engine.prompts.images.expand(image)
+        span = engine.tokenizer.encode(expanded.text, add_special_tokens=False)
+        if len(span) != ref.end - ref.start:
+            raise ValueError(
+                f"the model makes {len(span)} tokens of image {ref.digest[:12]}, the log "
+                f"{ref.end - ref.start}"
+            )
+        out.append(PromptImage(ref.start, ref.end, image, expanded.inputs))
+    return tuple(out)
