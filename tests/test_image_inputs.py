@@ -523,7 +523,6 @@ QUESTION = "What is in this picture?"
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def vision() -> AsyncIterator[Served]:
-    pytest.importorskip("mlx_vlm", reason="the vision extra: pip install -e '.[vision]'")
     value, close = await hold_open(open_served(VISION, allow_image_urls=True))
     try:
         yield value

@@ -1,8 +1,8 @@
 """Images in the same scheduler, on `stepline-demo-vision` (a random-weight Idefics3, the
-family of SmolVLM): concurrent image requests, chunked under a small budget and batched with
-text requests, answer exactly what mlx-vlm's own generation answers for each alone; the log
-records every image and no chunk ends inside one; the prefix cache tells images apart by
-their content."""
+family of SmolVLM; the vision extra, which the test install brings): concurrent image
+requests, chunked under a small budget and batched with text requests, answer exactly what
+mlx-vlm's own generation answers for each alone; the log records every image and no chunk
+ends inside one; the prefix cache tells images apart by their content."""
 
 from __future__ import annotations
 
@@ -13,18 +13,15 @@ from pathlib import Path
 import anyio
 import numpy as np
 import pytest
+from PIL import Image
 
-pytest.importorskip("mlx_vlm", reason="the vision extra: pip install -e '.[vision]'")
-
-from PIL import Image  # noqa: E402
-
-from stepline.api.engine import Engine  # noqa: E402
-from stepline.api.params import SamplingParams  # noqa: E402
-from stepline.engine.images import ImageError  # noqa: E402
-from stepline.engine.models import VISION_DEMO  # noqa: E402
-from stepline.events.log import read_events  # noqa: E402
-from stepline.events.models import Admitted, ChunkPrefilled  # noqa: E402
-from stepline.events.replay import verify  # noqa: E402
+from stepline.api.engine import Engine
+from stepline.api.params import SamplingParams
+from stepline.engine.images import ImageError
+from stepline.engine.models import VISION_DEMO
+from stepline.events.log import read_events
+from stepline.events.models import Admitted, ChunkPrefilled
+from stepline.events.replay import verify
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
 
