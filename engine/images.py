@@ -24,6 +24,11 @@ MAX_IMAGE_PIXELS = 5000 * 5000
 MAX_IMAGES_PER_REQUEST = 8
 
 
+class VisionUnavailableError(RuntimeError):
+    """A vision model was asked for and cannot be served here (no mlx-vlm, or a family whose
+    text model stepline cannot batch); the message says what to do."""
+
+
 class ImageError(ValueError):
     """An image the server will not take: corrupt, too large, or too many. `param` names
     where it came from in the request (`messages.0.content.1`), `code` says what is wrong."""

@@ -34,17 +34,12 @@ import numpy as np
 import structlog
 from mlx.utils import tree_flatten, tree_unflatten
 
-from stepline.engine.images import ImageData
+from stepline.engine.images import ImageData, VisionUnavailableError
 from stepline.engine.models import VISION_DEMO
 
 log = structlog.get_logger(__name__)
 
 _DEMO_BUILD_VERSION = 1
-
-
-class VisionUnavailableError(RuntimeError):
-    """A vision model was asked for and cannot be served here (no mlx-vlm, or a family whose
-    text model stepline cannot batch); the message says what to do."""
 
 
 def _require_mlx_vlm() -> None:

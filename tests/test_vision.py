@@ -231,3 +231,16 @@ async def test_a_run_with_images_is_re_executed_token_for_token_from_the_images_
     plan = plan_reexecution(load_recorded_run(log))
     assert plan.num_comparable == 1
     assert plan.skipped == {"its images were not kept beside the log": 2}
+
+
+def test_stepline_generate_asks_about_an_image_file(tmp_path: Path, capsys) -> None:
+    from stepline.api.cli import main
+
+    picture = tmp_path / "picture.png"
+    picture.write_bytes(png(7))
+    argv = ["generate", "What is this?", "--image", str(picture), "--model", VISION_DEMO]
+    assert main([*argv, "--max-tokens", "6", "--temperature", "0"]) == 0
+    out = capsys.readouterr()
+    assert "output 6 tokens (length)" in out.err and out.out.strip()
+    assert main(["generate", "hi", "--image", str(tmp_path / "gone.png")]) == 2
+    assert "No such file" in capsys.readouterr().err

@@ -6,6 +6,8 @@ import argparse
 import sys
 import time
 
+import anyio
+
 from stepline.api.cli.flags import add_flags, options
 from stepline.api.config import EngineConfig, EventLogConfig
 
@@ -38,6 +40,12 @@ async def _generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         ignore_eos=args.ignore_eos,
     )
+    content: str | list[dict] = args.prompt
+    if args.image:  # the images first, then the question (as vision chats are written)
+        content = [
+            *[{"type": "image", "image": await anyio.Path(f).read_bytes()} for f in args.image],
+            {"type": "text", "text": args.prompt},
+        ]
     async with Engine.open(args.model, **engine_kwargs(args)) as engine:
         t0 = time.perf_counter()
         first = None
@@ -45,7 +53,7 @@ async def _generate(args: argparse.Namespace) -> int:
         source = (
             {"prompt": args.prompt}
             if args.raw
-            else {"messages": [{"role": "user", "content": args.prompt}]}
+            else {"messages": [{"role": "user", "content": content}]}
         )
         async for out in engine.generate(**source, params=params):
             if out.token_ids and first is None:
@@ -77,6 +85,13 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--temperature", type=float, default=0.7)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true", help="generate max-tokens tokens")
+    g.add_argument(
+        "--image",
+        action="append",
+        metavar="FILE",
+        help="an image file to ask about (a vision model: e.g. --model stepline-demo-vision); "
+        "repeat for several",
+    )
     add_engine_args(g)
 
     from stepline.api.cli.replay import add_replay_parser
@@ -101,7 +116,17 @@ def main(argv: list[str] | None = None) -> int:
         error: BaseException = exc
         while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
             error = error.exceptions[0]  # raised through the engine's task group
-        clear = (ModelNotFoundError, ValueError, FileExistsError, PermissionError, LogInUseError)
+        from stepline.engine.images import VisionUnavailableError
+
+        clear = (
+            ModelNotFoundError,
+            ValueError,
+            FileExistsError,
+            FileNotFoundError,
+            PermissionError,
+            LogInUseError,
+            VisionUnavailableError,
+        )
         if isinstance(error, clear):
             print(f"stepline: error: {error}", file=sys.stderr)
             return 2
