@@ -288,6 +288,14 @@ _DEMO = {
 
 
 def _build_demo(out: Path) -> None:
+    build_idefics3(out, _DEMO)
+
+
+def build_idefics3(out: Path, shape: Mapping[str, Any], tokenizer_from: Path | None = None) -> None:
+    """A random-weight Idefics3 checkpoint of `shape` (`_DEMO`'s keys) at `out`, with the
+    demo tokenizer (or the tokenizer files of the text checkpoint at `tokenizer_from`: its
+    ids, the demo's ChatML template) and the image tokens added. The demo is one; the
+    benchmarks build one of a real model's shape (random weights, the real costs)."""
     from mlx_vlm.models.idefics3.processing_idefics3 import Idefics3Processor
     from mlx_vlm.utils import get_model_and_args, update_module_configs
     from transformers import PreTrainedTokenizerFast
@@ -297,15 +305,25 @@ def _build_demo(out: Path) -> None:
 
     from stepline.engine import models as text_demo
 
-    (out / "tokenizer.json").write_text(text_demo._train_tokenizer_json(1024), encoding="utf-8")
-    for filename, content in text_demo._tokenizer_files(4096).items():
-        (out / filename).write_text(json.dumps(content, indent=2) + "\n", encoding="utf-8")
+    if tokenizer_from is None:
+        tokenizer_json = text_demo._train_tokenizer_json(1024)
+    else:
+        tokenizer_json = (tokenizer_from / "tokenizer.json").read_text(encoding="utf-8")
+    (out / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
+    if tokenizer_from is None:
+        max_context = shape["text"]["max_position_embeddings"]
+        for filename, content in text_demo._tokenizer_files(max_context).items():
+            (out / filename).write_text(json.dumps(content, indent=2) + "\n", encoding="utf-8")
+    else:
+        config = (tokenizer_from / "tokenizer_config.json").read_text(encoding="utf-8")
+        (out / "tokenizer_config.json").write_text(config, encoding="utf-8")
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(out))
-    rows = [f"<row_{r}_col_{c}>" for r in (1, 2) for c in (1, 2)]
+    tiles = shape["longest_edge"] // shape["vision"]["image_size"]
+    rows = [f"<row_{r}_col_{c}>" for r in range(1, tiles + 1) for c in range(1, tiles + 1)]
     tokenizer.add_tokens(["<global-img>", *rows], special_tokens=False)
     image_processor = Idefics3ImageProcessorPil(
-        size={"longest_edge": _DEMO["longest_edge"]},
-        max_image_size={"longest_edge": _DEMO["vision"]["image_size"]},
+        size={"longest_edge": shape["longest_edge"]},
+        max_image_size={"longest_edge": shape["vision"]["image_size"]},
         do_image_splitting=True,
     )
     template = text_demo.CHAT_TEMPLATE.replace(
@@ -317,7 +335,7 @@ def _build_demo(out: Path) -> None:
     processor = Idefics3Processor(
         image_processor=image_processor,
         tokenizer=tokenizer,
-        image_seq_len=_DEMO["image_seq_len"],
+        image_seq_len=shape["image_seq_len"],
         chat_template=template,
     )
     processor.save_pretrained(str(out))
@@ -328,9 +346,9 @@ def _build_demo(out: Path) -> None:
     ]
     config = {
         "model_type": "idefics3",
-        "text_config": {**_DEMO["text"], "vocab_size": vocab},
-        "vision_config": dict(_DEMO["vision"]),
-        "scale_factor": 2,
+        "text_config": {**shape["text"], "vocab_size": vocab},
+        "vision_config": dict(shape["vision"]),
+        "scale_factor": shape.get("scale_factor", 2),
         "image_token_id": processor.image_token_id,
         "vocab_size": vocab,
         "eos_token_id": eos,
@@ -343,16 +361,16 @@ def _build_demo(out: Path) -> None:
     )
     params = dict(tree_flatten(model.parameters()))
     names = sorted(params)
-    keys = mx.random.split(mx.random.key(_DEMO["seed"]), len(names))
+    keys = mx.random.split(mx.random.key(shape["seed"]), len(names))
     weights = {}
     for i, name in enumerate(names):
-        shape = params[name].shape
-        if "norm" in name and len(shape) == 1:
-            value = mx.ones(shape) if name.endswith("weight") else mx.zeros(shape)
+        dims = params[name].shape
+        if "norm" in name and len(dims) == 1:
+            value = mx.ones(dims) if name.endswith("weight") else mx.zeros(dims)
         elif name.endswith("bias"):
-            value = mx.zeros(shape)
+            value = mx.zeros(dims)
         else:
-            value = _DEMO["init_std"] * mx.random.normal(shape, key=keys[i])
+            value = shape["init_std"] * mx.random.normal(dims, key=keys[i])
         weights[name] = value.astype(mx.float32)
     # As in the text demos: a random model must not rank the special tokens first.
     head = "language_model.lm_head.weight"
