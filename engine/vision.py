@@ -96,7 +96,9 @@ class Idefics3Images:
 
 class Gemma3Images:
     """Gemma 3: an image is resized to the encoder's square and becomes `mm_tokens_per_image`
-    soft tokens between begin/end markers."""
+    soft tokens between begin/end markers, a blank line either side (the processor's
+    `full_image_sequence`). With pan-and-scan on in the processor's config, the span also
+    holds the crops, each such a sequence, in the sentence mlx-vlm's processor writes."""
 
     def __init__(self, processor: Any):
         self._processor = processor
@@ -105,7 +107,22 @@ class Gemma3Images:
     def expand(self, image: ImageData) -> Expanded:
         p = self._processor
         out = p.image_processor([image.pixels], return_tensors="np")
-        return Expanded(p.full_image_sequence, {"pixel_values": np.asarray(out["pixel_values"])})
+        num_crops = int(np.asarray(out.get("num_crops", [0])).sum())
+        text = p.boi_token
+        if num_crops:  # as mlx_vlm.models.gemma3.processing_gemma3.Gemma3Processor.__call__
+            text = (
+                f"Here is the original image {p.boi_token} and here are some crops to help you "
+                "see better " + " ".join([p.boi_token] * num_crops)
+            )
+        text = text.replace(p.boi_token, p.full_image_sequence)
+        # mlx-vlm's Gemma 3 makes a 4-D attention mask of `mask` beside the embeddings (and
+        # fails without one); the span's embeddings do not depend on it.
+        span = p.tokenizer.encode(text, add_special_tokens=False)
+        inputs = {
+            "pixel_values": np.asarray(out["pixel_values"]),
+            "mask": np.ones((1, len(span)), dtype=np.int32),
+        }
+        return Expanded(text, inputs)
 
 
 # model_type -> how its prompts hold images
