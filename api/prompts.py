@@ -194,7 +194,13 @@ class Prompts:
             _check_holes(text, holes)
         ids: list[int] = []
         spans = []
+        expansions = [self.images.expand(image) for image in images]
         for k, piece in enumerate(pieces):
+            # the text the family writes around a span goes with the text beside it
+            if k > 0:
+                piece = expansions[k - 1].trail + piece
+            if k < len(images):
+                piece += expansions[k].lead
             if piece:
                 ids += (
                     self._encode_around(piece, holes, whole=False)
@@ -202,7 +208,7 @@ class Prompts:
                     else self._encode(piece, holes)
                 )
             if k < len(images):
-                expanded = self.images.expand(images[k])
+                expanded = expansions[k]
                 span = list(self.tokenizer.encode(expanded.text, add_special_tokens=False))
                 spans.append(
                     PromptImage(len(ids), len(ids) + len(span), images[k], expanded.inputs)

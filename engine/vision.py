@@ -64,6 +64,10 @@ class Expanded:
 
     text: str
     inputs: Mapping[str, np.ndarray]
+    # text the family writes around the span, tokenized with the text beside it (as the
+    # whole rendering would be: Gemma's blank lines merge with a turn's newline)
+    lead: str = ""
+    trail: str = ""
 
 
 class Idefics3Images:
@@ -115,14 +119,16 @@ class Gemma3Images:
                 "see better " + " ".join([p.boi_token] * num_crops)
             )
         text = text.replace(p.boi_token, p.full_image_sequence)
+        core = text.strip("\n")
+        lead, trail = text[: len(text) - len(text.lstrip("\n"))], text[len(text.rstrip("\n")) :]
         # mlx-vlm's Gemma 3 makes a 4-D attention mask of `mask` beside the embeddings (and
         # fails without one); the span's embeddings do not depend on it.
-        span = p.tokenizer.encode(text, add_special_tokens=False)
+        span = p.tokenizer.encode(core, add_special_tokens=False)
         inputs = {
             "pixel_values": np.asarray(out["pixel_values"]),
             "mask": np.ones((1, len(span)), dtype=np.int32),
         }
-        return Expanded(text, inputs)
+        return Expanded(core, inputs, lead=lead, trail=trail)
 
 
 # model_type -> how its prompts hold images
