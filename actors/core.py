@@ -50,6 +50,7 @@ from stepline.engine.images import PromptImage, check_spans, inside_image, promp
 from stepline.engine.policy import (
     AdmissionError,
     ScheduledChunk,
+    ScheduledEncode,
     SchedulerConfig,
     check_admissible,
     check_queue,
@@ -73,6 +74,7 @@ from stepline.events.models import (
     ChunkPrefilled,
     Event,
     FinishReason,
+    ImageEncoded,
     RequestParams,
     StepFinished,
     StepPlanned,
@@ -309,18 +311,22 @@ class SchedulerCore:
             )
         states = self.states
         scheduled = plan.num_scheduled_tokens  # the decode rows, then the chunks
+        encodes = plan.encodes  # then the encoder's work (no tokens)
         self._record(
             StepPlanned,
-            request_ids=tuple(scheduled),
-            num_tokens=tuple(scheduled.values()),
-            kinds=("decode",) * len(plan.decodes) + ("prefill",) * len(plan.chunks),
+            request_ids=(*scheduled, *(e.request_id for e in encodes)),
+            num_tokens=(*scheduled.values(), *(0 for _ in encodes)),
+            kinds=("decode",) * len(plan.decodes)
+            + ("prefill",) * len(plan.chunks)
+            + ("encode",) * len(encodes),
             max_step_tokens=self.config.max_step_tokens,
             max_num_seqs=self.config.max_num_seqs,
         )
+        starting = [c.request_id for c in plan.chunks] + [e.request_id for e in encodes]
         admit = tuple(
-            self._new_request(c.request_id, prefix)
-            for c in plan.chunks
-            if states[c.request_id].status is Status.WAITING
+            self._new_request(rid, prefix)
+            for rid in starting
+            if states[rid].status is Status.WAITING
         )
         return StepWork(plan=plan, admit=admit, **self._take_housekeeping().__dict__)
 
@@ -369,6 +375,8 @@ class SchedulerCore:
             update = self.abort(rid, FinishReason.ERROR, what)
             if update is not None:
                 updates[rid] = update
+        for encode in plan.encodes:
+            self._encoded(encode, out)
         for chunk in plan.chunks:
             self._chunk_done(chunk, result, out)
         states = self.states
@@ -412,6 +420,27 @@ class SchedulerCore:
                 update.stop_token = finish is FinishReason.STOP
                 self._record(Terminal, request_id=rid, reason=finish, message=None)
 
+    def _encoded(self, encode: ScheduledEncode, out: StepOutcome) -> None:
+        """Record an image's encoder units done (a request's first step: its cache hit)."""
+        rid = encode.request_id
+        state = self.states.get(rid)
+        if state is None:
+            return
+        if state.status is Status.WAITING:
+            out.cache_lookups.append(encode.cached)
+            if encode.cached:  # its first step: the cache hit it starts from
+                update = out.updates.setdefault(rid, Update())
+                update.num_cached_tokens = update.num_computed_tokens = encode.cached
+        self._record(
+            ImageEncoded,
+            request_id=rid,
+            image=encode.image,
+            start=encode.start,
+            end=encode.end,
+            num_cached_tokens=encode.cached,
+            cache_source=self._cache_source(rid) if encode.cached else None,
+        )
+
     def _chunk_done(self, chunk: ScheduledChunk, result: StepResult, out: StepOutcome) -> None:
         rid = chunk.request_id
         state = self.states.get(rid)
@@ -434,7 +463,7 @@ class SchedulerCore:
                     num_cached_tokens=cached if first else 0,
                     cache_source=self._cache_source(rid) if cached and first else None,
                     images=tuple(
-                        i.digest for i in state.images if pos <= i.start and i.end <= offset
+                        i.digest for i in state.images if i.start < offset and pos < i.end
                     ),
                 )
                 first = False

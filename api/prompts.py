@@ -211,7 +211,14 @@ class Prompts:
                 expanded = expansions[k]
                 span = list(self.tokenizer.encode(expanded.text, add_special_tokens=False))
                 spans.append(
-                    PromptImage(len(ids), len(ids) + len(span), images[k], expanded.inputs)
+                    PromptImage(
+                        len(ids),
+                        len(ids) + len(span),
+                        images[k],
+                        expanded.inputs,
+                        units=expanded.units,
+                        whole=expanded.whole,
+                    )
                 )
                 ids += span
         return ids, tuple(spans)

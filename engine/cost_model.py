@@ -14,9 +14,9 @@ A step's time is modelled as a linear function of what it computes:
                                                       fitted as per_attention: see `fit`)
             + per_separate_decode * separate_decode  (the decode rows ran in a forward of
                                                       their own beside the step's chunks)
-            + per_image_token * image tokens         (the vision encoder, for the image spans
-                                                      the step's chunks hold: their tokens
-                                                      are prompt tokens too, this is the rest)
+            + per_encode_unit * encoder units        (a vision model's encoder: its work for
+                                                      an image comes in units of like size,
+                                                      a step runs some: `engine/vision.py`)
 
 Where the executor fuses a step (`engine/fused.py`: chunks and decode rows in one forward),
 every step reads the weights once, and a chunk's fixed cost is its segment's (its attention
@@ -85,16 +85,18 @@ class StepFeatures:
     decode_rows: int = 0
     decode_context: int = 0  # decode rows x the longest row's context (padded batch)
     separate_decode: int = 0  # 1: the decode rows ran in a forward of their own beside chunks
-    image_tokens: int = 0  # tokens of the image spans whose encoder runs in this step
+    encode_units: int = 0  # units of vision-encoder work (images) run in this step
 
-    def with_chunk(self, start: int, num_tokens: int, image_tokens: int = 0) -> StepFeatures:
+    def with_chunk(self, start: int, num_tokens: int) -> StepFeatures:
         return replace(
             self,
             num_chunks=self.num_chunks + 1,
             prefill_tokens=self.prefill_tokens + num_tokens,
             prefill_attention=self.prefill_attention + chunk_attention(start, num_tokens),
-            image_tokens=self.image_tokens + image_tokens,
         )
+
+    def with_encode(self, units: int) -> StepFeatures:
+        return replace(self, encode_units=self.encode_units + units)
 
     def vector(self) -> tuple[float, ...]:
         """In `StepCost`'s field order: a leading 1 for the fixed cost."""
@@ -106,12 +108,14 @@ class StepFeatures:
             float(self.decode_rows),
             float(self.decode_context),
             float(self.separate_decode),
-            float(self.image_tokens),
+            float(self.encode_units),
         )
 
     @property
     def has_prefill(self) -> bool:
-        return self.num_chunks > 0
+        """A step of prompt work: chunks, or an image's encoder (kept with the prefills, so
+        the decode-only steps' window does not push the encoder's samples out)."""
+        return self.num_chunks > 0 or self.encode_units > 0
 
     @property
     def context_band(self) -> int:
@@ -144,7 +148,7 @@ class StepCost:
     per_decode_row: float = 0.0
     per_decode_context: float = 0.0
     per_separate_decode: float = 0.0
-    per_image_token: float = 0.0
+    per_encode_unit: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -167,7 +171,7 @@ class StepCost:
             + self.per_decode_row * f.decode_rows
             + self.per_decode_context * f.decode_context
             + self.per_separate_decode * f.separate_decode
-            + self.per_image_token * f.image_tokens
+            + self.per_encode_unit * f.encode_units
         )
 
     def prompt_part(self, features: StepFeatures) -> float:

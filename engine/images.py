@@ -173,6 +173,8 @@ class PromptImage:
     end: int
     image: ImageData
     inputs: Mapping[str, Any] = field(repr=False, compare=False)
+    units: int = 1  # the encoder's work in units steps run some of (`engine/vision.py`)
+    whole: bool = True  # the span's tokens go in one chunk (else chunked once encoded)
 
     @property
     def digest(self) -> str:
@@ -187,6 +189,8 @@ class PromptImage:
             num_bytes=self.image.num_bytes,
             width=self.image.width,
             height=self.image.height,
+            units=self.units,
+            whole=self.whole,
         )
 
 

@@ -142,10 +142,26 @@ class ScheduledChunk:
 
 
 @dataclass(frozen=True)
+class ScheduledEncode:
+    """Vision-encoder work for one image of a request's prompt: units [start, end)."""
+
+    request_id: str
+    image: int  # which of the prompt's images (prompt order)
+    start: int
+    end: int
+    cached: int = 0  # a request's first step: the prompt tokens its cache hit serves
+
+    @property
+    def num_units(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
 class StepPlan:
     step: int
     decodes: tuple[str, ...] = ()  # request ids, one token each
     chunks: tuple[ScheduledChunk, ...] = ()  # prefill work, in scheduling order
+    encodes: tuple[ScheduledEncode, ...] = ()  # vision-encoder work (no tokens)
     # request_id -> tokens scheduled (the decode rows first, then the chunks); decodes count 1
     num_scheduled_tokens: Mapping[str, int] = field(default_factory=dict)
     features: StepFeatures = StepFeatures()  # what the step computes, as the cost model sees it
@@ -157,7 +173,7 @@ class StepPlan:
 
     @property
     def is_empty(self) -> bool:
-        return not self.decodes and not self.chunks
+        return not self.decodes and not self.chunks and not self.encodes
 
 
 def kv_length(state: RequestState) -> int:
@@ -186,36 +202,36 @@ def _chunk(state: RequestState, num_tokens: int, start: int | None = None) -> Sc
     )
 
 
-def image_tokens(state: RequestState, start: int, end: int) -> int:
-    """Tokens of the image spans that lie whole in [start, end): what the encoder reads."""
-    return sum(i.end - i.start for i in state.images if start <= i.start and i.end <= end)
+def pending_image(state: RequestState, start: int) -> int | None:
+    """The first of the request's images, from prompt position `start` on, whose encoder
+    work is not all done (its index), or None."""
+    for i, image in enumerate(state.images):
+        if image.end > start and state.encoded[i] < image.units:
+            return i
+    return None
 
 
-def fit_images(state: RequestState, start: int, n: int, fits: Callable[[int], bool]) -> int:
-    """A chunk of at most `n` tokens at `start` cut so that it never ends inside an image
-    span, and (`fits`) so that the spans it holds fit the step's time: cut back to the start
-    of the last span it holds until it fits. 0: the span at `start` must wait for a step
-    with room for it."""
+def cut_at_images(state: RequestState, start: int, n: int) -> int:
+    """A chunk of at most `n` tokens at `start`, cut so that it stops before any image span
+    not yet encoded, and never ends inside a span that goes whole; 0: the span at `start`
+    goes whole and does not fit."""
     end = start + n
-    while end > start:
-        inside = next((i for i in state.images if i.start < end < i.end), None)
-        if inside is not None:
-            end = inside.start if inside.start > start else start
+    for i, image in enumerate(state.images):
+        if image.start >= end or image.end <= start:
             continue
-        spans = [i for i in state.images if start <= i.start and i.end <= end]
-        if not spans or fits(end - start):
+        if state.encoded[i] < image.units or (image.whole and end < image.end):
+            end = max(image.start, start)
             break
-        end = spans[-1].start if spans[-1].start > start else start
     return end - start
 
 
-def oversized_image(state: RequestState, start: int) -> int:
-    """Tokens of a chunk that is the image span starting at `start` whole (0: none does).
-    The first prompt of a step whose span fits no step's room runs it alone, past the
-    budget or the time target, rather than never (the log's `chunk-prefilled` says so)."""
-    for i in state.images:
-        if i.start == start:
-            return i.end - i.start
+def whole_image_at(state: RequestState, start: int) -> int:
+    """Tokens of the span of a whole image starting at `start` (0: none does). The first
+    prompt of a step whose whole span fits no step's room runs it alone, past the budget or
+    the time target, rather than never (the log's `chunk-prefilled` says so)."""
+    for image in state.images:
+        if image.whole and image.start == start:
+            return image.end - image.start
     return 0
 
 
@@ -308,6 +324,8 @@ def schedule(
     budget = config.max_step_tokens
     decodes: list[str] = []
     chunks: list[ScheduledChunk] = []
+    encodes: list[ScheduledEncode] = []
+    units = 0  # the encoder units in `encodes`
     num_scheduled: dict[str, int] = {}
 
     running = [s for s in live if s.status in _RUNNING]
@@ -341,29 +359,31 @@ def schedule(
         n = min(s.num_prompt_tokens - start, budget, config.chunk_cap)
         if timed and n > 0:
             assert cost is not None
-            left = seconds - cost.predict(features if chunks else beside_chunks)
+            base = features if chunks else beside_chunks
+            left = seconds - cost.predict(base.with_encode(units))
             n = min(n, cost.max_chunk_tokens(start, left))
             if not chunks and n < 1:
                 n = 1  # the first prompt in the order always moves: nothing starves
         if s.images and n > 0:
-            n = fit_images(s, start, n, lambda n: fits(s, start, n))
+            n = cut_at_images(s, start, n)
         return n
 
-    def fits(s: RequestState, start: int, n: int) -> bool:
-        """Whether a chunk [start, start + n) fits the step's time, its encoder priced."""
-        if not timed:
-            return True
-        assert cost is not None
-        after = (features if chunks else beside_chunks).with_chunk(
-            start, n, image_tokens(s, start, start + n)
-        )
-        return cost.predict(after) <= seconds
+    def encode_size(s: RequestState, i: int) -> int:
+        """Encoder units for image `i` of this request: what is left, then the time left;
+        the step's first work always moves (nothing starves)."""
+        k = s.images[i].units - s.encoded[i]
+        if timed:
+            assert cost is not None
+            left = seconds - cost.predict(features.with_encode(units))
+            if cost.per_encode_unit > 0:
+                k = min(k, max(0, int(left / cost.per_encode_unit)))
+            if not chunks and not encodes:
+                k = max(k, 1)
+        return k
 
     def add(s: RequestState, n: int, start: int) -> None:
         nonlocal budget, features
-        features = (features if chunks else beside_chunks).with_chunk(
-            start, n, image_tokens(s, start, start + n) if s.images else 0
-        )
+        features = (features if chunks else beside_chunks).with_chunk(start, n)
         chunks.append(_chunk(s, n, start))
         num_scheduled[s.request_id] = n
         budget -= n
@@ -394,13 +414,25 @@ def schedule(
                 # one waits, and one behind it may fit
                 admitting = not is_aged(s, step)
                 continue
-        n = chunk_size(s, start)
-        if n < 1 and not chunks and s.images:
-            n = oversized_image(s, start)  # nothing else runs beside it this step
-        if n < 1:
-            admitting = admitting and not waiting  # no time left: the rest next step, in order
-            continue
-        add(s, n, start)
+        image = pending_image(s, start) if s.images else None
+        if image is not None and s.images[image].start <= start:
+            # its next work is the image's encoder: units, as many as the time allows
+            k = encode_size(s, image)
+            if k < 1:
+                admitting = admitting and not waiting
+                continue
+            done = s.encoded[image]
+            cached = start if waiting else 0
+            encodes.append(ScheduledEncode(s.request_id, image, done, done + k, cached))
+            units += k
+        else:
+            n = chunk_size(s, start)
+            if n < 1 and not chunks and s.images:
+                n = whole_image_at(s, start)  # nothing else runs beside it this step
+            if n < 1:
+                admitting = admitting and not waiting  # no time left: the rest next step
+                continue
+            add(s, n, start)
         if waiting:
             num_running += 1
             lengths.append(kv_length(s))
@@ -409,9 +441,10 @@ def schedule(
         step=step,
         decodes=tuple(decodes),
         chunks=tuple(chunks),
+        encodes=tuple(encodes),
         num_scheduled_tokens=num_scheduled,
-        features=features,
-        predicted_seconds=cost.predict(features) if cost is not None else None,
+        features=features.with_encode(units),
+        predicted_seconds=cost.predict(features.with_encode(units)) if cost is not None else None,
     )
 
 

@@ -32,7 +32,7 @@ from stepline.engine.grammar import DEFAULT_CACHE_BYTES, GrammarCompiler
 from stepline.engine.images import prompt_key
 from stepline.engine.memory import read_memory_counters
 from stepline.engine.models import LoadedModel
-from stepline.engine.policy import ScheduledChunk
+from stepline.engine.policy import ScheduledChunk, ScheduledEncode
 from stepline.engine.prefix_cache import PrefixStore, compact_cache, share_cache
 from stepline.engine.prefix_files import model_cache_layout, model_fingerprint
 from stepline.engine.sampling import PendingSample, RowHistory, RowSampling, Sampler
@@ -40,6 +40,7 @@ from stepline.engine.sequences import NO_ROWS, Ahead, Cache, Rows, Seq
 from stepline.engine.work import (
     ADMISSION_FAILED,
     CHECKPOINT_FAILED,
+    ENCODE_FAILED,
     GRAMMAR_FAILED,
     PREFILL_FAILED,
     Housekeeping,
@@ -247,14 +248,29 @@ class ModelRunner:
         return logits
 
     def _embeddings(self, seq: Seq, start: int, end: int) -> mx.array | None:
-        """Input embeddings of prompt tokens [start, end) when image spans lie in them (the
-        vision encoder runs here), else None: the embedding table's."""
+        """Input embeddings of prompt tokens [start, end) where image spans overlap them
+        (their encoder's output, computed in earlier units), else None: the embedding
+        table's."""
         spans = tuple(
-            (i.start, i.end, i.inputs) for i in seq.images if start <= i.start and i.end <= end
+            (image.start, image.end, seq.encodes[i].embeddings)
+            for i, image in enumerate(seq.images)
+            if image.start < end and start < image.end
         )
         if not spans:
             return None
         return self.loaded.vision.encoder.embeddings(seq.prompt[start:end], start, spans)
+
+    def _encode(self, work: ScheduledEncode) -> None:
+        """Units of the encoder's work for one image of a request's prompt."""
+        from stepline.engine.vision import EncodeJob
+
+        seq = self._seqs[work.request_id]
+        job = seq.encodes.get(work.image)
+        if job is None:
+            image = seq.images[work.image]
+            span = seq.prompt[image.start : image.end]
+            job = seq.encodes[work.image] = EncodeJob(span, image.inputs, image.units)
+        self.loaded.vision.encoder.run(job, work.start, work.end)
 
     def _fusable(
         self, chunks: Sequence[ScheduledChunk], failed: Mapping[str, str], batch: Rows
@@ -267,7 +283,9 @@ class ModelRunner:
             for c in chunks
             if c.request_id not in failed
             and not any(c.start < k < c.end for k in c.checkpoints)
-            and not any(c.start <= i.start < c.end for i in self._seqs[c.request_id].images)
+            and not any(
+                i.start < c.end and c.start < i.end for i in self._seqs[c.request_id].images
+            )
             and fused.can_fuse(self._seqs[c.request_id].cache or [], is_batch=False)
         ]
         with_batch = bool(batch) and self._decode.can_fuse()
@@ -364,6 +382,13 @@ class ModelRunner:
             except Exception as exc:
                 self._fail(failed, new.request_id, ADMISSION_FAILED, exc)
         plan = work.plan
+        for encode in plan.encodes:
+            if encode.request_id in failed:
+                continue
+            try:
+                self._encode(encode)
+            except Exception as exc:
+                self._fail(failed, encode.request_id, ENCODE_FAILED, exc)
         batch = self._batch
         if batch.index.keys() != set(plan.decodes):
             raise RuntimeError(

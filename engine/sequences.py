@@ -34,6 +34,8 @@ class Seq:
     checkpoints: list[int] = field(default_factory=list)
     constraint: Any = None  # llguidance matcher of a grammar-constrained request
     images: tuple[PromptImage, ...] = ()  # the prompt's images (a vision model's)
+    # image (its index) -> its encoder work (`engine.vision.EncodeJob`), its embeddings
+    encodes: dict[int, Any] = field(default_factory=dict)
     # the prompt as the prefix cache knows it (`images.prompt_key`); None: its token ids
     key: tuple[int, ...] | None = None
 

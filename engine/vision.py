@@ -68,17 +68,23 @@ class Expanded:
     # whole rendering would be: Gemma's blank lines merge with a turn's newline)
     lead: str = ""
     trail: str = ""
+    units: int = 1  # the encoder's work, in units of like cost (a step runs some)
+    whole: bool = True  # the span's tokens go in one chunk (else chunked once encoded)
 
 
 class Idefics3Images:
     """Idefics3 / SmolVLM: an image is cut into tiles plus a downscaled global view; each
-    tile's patches become `image_seq_len` tokens between row/column markers."""
+    tile's patches become `image_seq_len` tokens between row/column markers. The vision
+    encoder reads each tile on its own, layer by layer: its work comes in units of one layer
+    of one tile (on SmolVLM-256M, 13 tiles of a screenshot x 12 layers), and the text model
+    attends to image tokens causally, so the span is chunked as text once encoded."""
 
-    def __init__(self, processor: Any):
+    def __init__(self, processor: Any, num_layers: int = 1):
         from mlx_vlm.models.idefics3.processing_idefics3 import get_image_prompt_string
 
         self._processor = processor
         self._prompt_string = get_image_prompt_string
+        self._num_layers = num_layers
         self.placeholder = processor.image_token  # what the chat template renders
 
     def expand(self, image: ImageData) -> Expanded:
@@ -92,10 +98,12 @@ class Idefics3Images:
             image_token=p.image_token,
             global_img_token=p.global_image_tag,
         )
-        inputs = {"pixel_values": np.asarray(out["pixel_values"])}
+        pixels = np.asarray(out["pixel_values"])
+        inputs = {"pixel_values": pixels}
         if "pixel_attention_mask" in out:
             inputs["pixel_attention_mask"] = np.asarray(out["pixel_attention_mask"])
-        return Expanded(text, inputs)
+        tiles = int((pixels.reshape(pixels.shape[1], -1) != 0).any(axis=1).sum())  # no padding
+        return Expanded(text, inputs, units=tiles * self._num_layers, whole=False)
 
 
 class Gemma3Images:
@@ -139,36 +147,114 @@ FAMILIES: dict[str, type] = {
 }
 
 
-class VisionEncoder:
-    """The vision side of a loaded model, on the executor's thread: a prompt chunk's input
-    embeddings, its image spans encoded."""
+class EncodeJob:
+    """One image's encoder work in progress on the executor: what the family keeps between
+    units, and, once all are done, the span's input embeddings (1, span, D)."""
 
-    def __init__(self, vlm: Any, text_model: Any):
+    def __init__(self, span_ids: mx.array, inputs: Mapping[str, Any], units: int) -> None:
+        self.span_ids = span_ids  # (span,) int32
+        self.inputs = inputs
+        self.units = units
+        self.done = 0
+        self.state: dict[str, Any] = {}
+        self.embeddings: mx.array | None = None
+
+
+class VisionEncoder:
+    """The vision side of a loaded model, on the executor's thread: an image's encoder work,
+    unit by unit (`run`), and a prompt chunk's input embeddings (`embeddings`)."""
+
+    def __init__(self, vlm: Any, text_model: Any, model_type: str):
         self.vlm = vlm
-        self._embed_tokens = _embedding_layer(text_model)
+        self._embed_tokens = text_model.model.embed_tokens
+        self._tiled = FAMILIES.get(model_type) is Idefics3Images
+
+    def run(self, job: EncodeJob, start: int, end: int) -> None:
+        """Units [start, end) of `job`, evaluated; the span's embeddings at its last."""
+        assert start == job.done < end <= job.units, (start, end, job.done, job.units)
+        if self._tiled:
+            self._run_tiles(job, start, end)
+        else:  # one unit: the family's whole encoder, as mlx-vlm runs it
+            arrays = {k: mx.array(v) for k, v in job.inputs.items()}
+            out = self.vlm.get_input_embeddings(job.span_ids[None], **arrays)
+            job.embeddings = getattr(out, "inputs_embeds", out)
+        job.done = end
+        mx.eval(job.embeddings if job.embeddings is not None else list(job.state.values()))
+
+    def _run_tiles(self, job: EncodeJob, start: int, end: int) -> None:
+        """Idefics3: unit u is layer u % L of tile u // L; a tile's last layer pools and
+        projects it (mlx-vlm's `get_input_embeddings`, one tile at a time)."""
+        vlm, state = self.vlm, job.state
+        vision = vlm.vision_model
+        layers = vision.encoder.layers
+        if not state:
+            state.update(_idefics3_tiles(vlm, job.inputs))
+            state["features"] = []
+        for u in range(start, end):
+            tile, layer = divmod(u, len(layers))
+            if layer == 0:
+                pixels = state["pixels"][tile : tile + 1]
+                h = vision.embeddings(
+                    pixels.transpose(0, 2, 3, 1),
+                    patch_attention_mask=state["patch_mask"][tile : tile + 1],
+                )
+                h = h.astype(vision.embeddings.patch_embedding.weight.dtype)
+            else:
+                h = state["hidden"]
+            h = layers[layer](h, mask=None)
+            if layer == len(layers) - 1:
+                pooled = vision.post_layernorm(h).astype(state["pixels"].dtype)
+                features = vlm.connector(pooled)
+                state["features"].append(features.reshape(-1, features.shape[-1]))
+                state.pop("hidden", None)
+            else:
+                state["hidden"] = h
+        if end == job.units:
+            features = mx.concatenate(state["features"])
+            ids = job.span_ids[None]
+            job.embeddings = vlm._prepare_inputs_for_multimodal(
+                features, vlm.language_model.embed_tokens(ids), ids
+            )
+            state.clear()
 
     def embeddings(
-        self, ids: mx.array, start: int, images: tuple[tuple[int, int, Mapping[str, Any]], ...]
+        self, ids: mx.array, start: int, spans: tuple[tuple[int, int, mx.array], ...]
     ) -> mx.array:
         """(1, L, D) input embeddings of prompt tokens `ids` (positions start..start + L),
-        where `images` are (span start, span end, encoder inputs) lying whole inside it."""
+        where `spans` are (span start, span end, the span's embeddings) overlapping it."""
         pieces, at = [], start
-        for s, e, inputs in images:
+        end = start + ids.shape[0]
+        for s, e, embeds in spans:
             if s > at:
                 pieces.append(self._embed_tokens(ids[None, at - start : s - start]))
-            arrays = {k: mx.array(v) for k, v in inputs.items()}
-            out = self.vlm.get_input_embeddings(ids[None, s - start : e - start], **arrays)
-            embeds = getattr(out, "inputs_embeds", out)
-            pieces.append(embeds.astype(pieces[0].dtype if pieces else embeds.dtype))
-            at = e
-        end = start + ids.shape[0]
+            lo, hi = max(s, at), min(e, end)
+            pieces.append(
+                embeds[:, lo - s : hi - s].astype(pieces[0].dtype if pieces else embeds.dtype)
+            )
+            at = hi
         if end > at:
             pieces.append(self._embed_tokens(ids[None, at - start :]))
         return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=1)
 
 
-def _embedding_layer(text_model: Any) -> Any:
-    return text_model.model.embed_tokens
+def _idefics3_tiles(vlm: Any, inputs: Mapping[str, Any]) -> dict[str, mx.array]:
+    """An image's tiles (padding tiles dropped) and each tile's patch mask, as mlx-vlm's
+    Idefics3 `get_input_embeddings` makes them."""
+    pixels = mx.array(inputs["pixel_values"])
+    _, n, c, height, width = pixels.shape
+    pixels = pixels.reshape(n, c, height, width)
+    real = np.where(np.asarray((pixels == 0.0).sum(axis=(-1, -2, -3)) != c * height * width))[0]
+    pixels = pixels[mx.array(real)]
+    if "pixel_attention_mask" in inputs:
+        mask = mx.array(inputs["pixel_attention_mask"]).reshape(n, height, width)
+        mask = mask[mx.array(real)]
+    else:
+        mask = mx.ones((pixels.shape[0], height, width), dtype=mx.bool_)
+    patch = vlm.config.vision_config.patch_size
+    ph, pw = height // patch, width // patch
+    blocks = mask[:, : ph * patch, : pw * patch].reshape(mask.shape[0], ph, patch, pw, patch)
+    patch_mask = blocks.transpose(0, 1, 3, 2, 4).sum(axis=(-1, -2)) > 0
+    return {"pixels": pixels, "patch_mask": patch_mask}
 
 
 @dataclass(frozen=True)
@@ -244,6 +330,10 @@ def load_vision(path: Path, name: str, dtype: str) -> Any:
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
     eos_ids += [t for t in getattr(processor, "additional_eos_token_ids", ()) if t is not None]
     tokenizer = load_tokenizer(path, eos_token_ids=sorted(set(eos_ids)) or None)
+    if family is Idefics3Images:
+        images = family(processor, vlm.config.vision_config.num_hidden_layers)
+    else:
+        images = family(processor)
     text = _text_model(vlm, config)
     text_config = config.get("text_config") or {}
     max_context = text_config.get("max_position_embeddings") or config.get(
@@ -256,7 +346,7 @@ def load_vision(path: Path, name: str, dtype: str) -> Any:
         path=path,
         max_context=int(max_context or 4096),
         weights=weights,
-        vision=VisionParts(model_type, VisionEncoder(vlm, text), family(processor)),
+        vision=VisionParts(model_type, VisionEncoder(vlm, text, model_type), images),
     )
 
 

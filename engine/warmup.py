@@ -34,6 +34,7 @@ import structlog
 from stepline.engine.cost_model import Sample, StepFeatures, decode_runs_apart
 from stepline.engine.policy import (
     ScheduledChunk,
+    ScheduledEncode,
     SchedulerConfig,
     StepPlan,
     padded_decode_context,
@@ -243,23 +244,31 @@ class Warmup:
         yield from _measured(done, steps)
 
     def _images(self, session: _Session, rng: random.Random, done: int) -> _Steps:
-        """A vision model's image spans, each prefilled whole beside a decode row: a small
-        image and a large one (the encoder's cost grows with the tiles it reads). The first
-        one's step is run untimed before (the encoder's first call builds)."""
+        """A vision model's encoder, beside a decode row: units of an image's encoder work
+        in steps of 1, 2 and 3 units (an encoder whose work is one unit: whole images).
+        The first unit runs untimed (the encoder's first call builds); the image's span is
+        never prefilled: its request is freed after."""
         short_len = self._short_len
         decoder = session.admit(self._prompt(rng, short_len))
         session.step(chunks=[(decoder, 0, short_len)], timed=False)
         session.step(timed=False)
-        steps = []
-        for size in ((224, 224), (224, 224), (800, 600)):
-            prompt, images = self._image_prompt(rng, size)
-            if len(prompt) >= self._max_context // 2:
-                continue
-            rid = session.admit(prompt, images)
-            steps.append(functools.partial(session.step, [(rid, 0, len(prompt))]))
-        if steps:
-            steps[0](timed=False)
-            yield from _measured(done, steps[1:])
+        prompt, images = self._image_prompt(rng, (224, 224))
+        if len(prompt) >= self._max_context // 2:
+            return
+        rid = session.admit(prompt, images)
+        session.step(chunks=[(rid, 0, images[0].start)], timed=False)
+        units = images[0].units
+        if units >= 7:
+            session.step(encodes=[(rid, 0, 0, 1)], timed=False)
+            bounds = [(1, 2), (2, 4), (4, 7)]
+            steps = [functools.partial(session.step, encodes=[(rid, 0, a, b)]) for a, b in bounds]
+        else:  # whole images: one unit each, three images (the first untimed)
+            more = [session.admit(*self._image_prompt(rng, (224, 224))) for _ in range(2)]
+            for other in more:
+                session.step(chunks=[(other, 0, images[0].start)], timed=False)
+            session.step(encodes=[(rid, 0, 0, units)], timed=False)
+            steps = [functools.partial(session.step, encodes=[(r, 0, 0, units)]) for r in more]
+        yield from _measured(done, steps)
 
     def _image_prompt(
         self, rng: random.Random, size: tuple[int, int]
@@ -278,7 +287,14 @@ class Warmup:
         expanded = self._vision.images.expand(data)
         span = tuple(self._runner.loaded.tokenizer.encode(expanded.text, add_special_tokens=False))
         before, after = self._prompt(rng, 4), self._prompt(rng, 4)
-        image = PromptImage(len(before), len(before) + len(span), data, expanded.inputs)
+        image = PromptImage(
+            len(before),
+            len(before) + len(span),
+            data,
+            expanded.inputs,
+            units=expanded.units,
+            whole=expanded.whole,
+        )
         return (*before, *span, *after), (image,)
 
 
@@ -303,7 +319,6 @@ class _Session:
         self._prefilling: set[str] = set()  # requests with a chunk done and more to come
         self._fused = bool(getattr(runner, "fuse", False))
         self._pending: list[NewRequest] = []
-        self._images: dict[str, tuple[Any, ...]] = {}  # request id -> its prompt's images
         self._step = 0
         self._num_admitted = 0
 
@@ -311,7 +326,6 @@ class _Session:
         rid = f"{_PREFIX}{self._num_admitted}"
         self._num_admitted += 1
         self._prompts[rid] = len(prompt)
-        self._images[rid] = images
         self._pending.append(
             NewRequest(request_id=rid, prompt_token_ids=prompt, params=_PARAMS, images=images)
         )
@@ -320,7 +334,14 @@ class _Session:
     def prompt_len(self, rid: str) -> int:
         return self._prompts[rid]
 
-    def step(self, chunks: Sequence[tuple[str, int, int]] = (), timed: bool = True) -> None:
+    def step(
+        self,
+        chunks: Sequence[tuple[str, int, int]] = (),
+        timed: bool = True,
+        encodes: Sequence[tuple[str, int, int, int]] = (),
+    ) -> None:
+        """One step of `chunks` (request, start, end), the decode rows, and `encodes`
+        (request, image, first unit, end unit)."""
         decodes = tuple(self._outputs)
         apart = bool(decodes and chunks) and decode_runs_apart(
             fused_steps=self._fused, prefilling=bool(self._prefilling)
@@ -337,21 +358,22 @@ class _Session:
             scheduled.append(
                 ScheduledChunk(rid, start, end, (), is_final=end == self._prompts[rid])
             )
-            encoded = sum(
-                i.end - i.start for i in self._images[rid] if start <= i.start and i.end <= end
-            )
-            features = features.with_chunk(start, end - start, encoded)
+            features = features.with_chunk(start, end - start)
+        scheduled_encodes = tuple(ScheduledEncode(*e) for e in encodes)
+        features = features.with_encode(sum(e.num_units for e in scheduled_encodes))
         num = {r: 1 for r in decodes} | {c.request_id: c.num_tokens for c in scheduled}
         self._step += 1
         plan = StepPlan(
             step=self._step,
             decodes=decodes,
             chunks=tuple(scheduled),
+            encodes=scheduled_encodes,
             num_scheduled_tokens=num,
             features=features,
         )
-        admit = tuple(n for n in self._pending if n.request_id in num)
-        self._pending = [n for n in self._pending if n.request_id not in num]
+        starting = set(num) | {e.request_id for e in scheduled_encodes}
+        admit = tuple(n for n in self._pending if n.request_id in starting)
+        self._pending = [n for n in self._pending if n.request_id not in starting]
         result = self.runner.run(StepWork(plan=plan, admit=admit))
         if result.prefix is not None:
             self.prefix_reports.append(result.prefix)

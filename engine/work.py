@@ -68,6 +68,7 @@ class StepResult:
 # What a request fault says (stable, for the terminal event; the detail goes to the log).
 ADMISSION_FAILED = "the executor could not set up this request"
 PREFILL_FAILED = "the forward pass of this request's prompt failed"
+ENCODE_FAILED = "the vision encoder failed on this request's image"
 CHECKPOINT_FAILED = "this request's checkpoint (snapshot or on_checkpoint hook) failed"
 SAMPLING_FAILED = "sampling this request's next token failed"
 # followed by ": " and llguidance's reason (a limit the schema hit, in `grammar.LIMITS`)

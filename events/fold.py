@@ -18,6 +18,7 @@ from stepline.events.models import (
     Decoding,
     Event,
     FinishReason,
+    ImageEncoded,
     ImageRef,
     RequestParams,
     StepFinished,
@@ -60,7 +61,8 @@ class RequestState:
     admitted_seq: int  # arrival order: the scheduler serves older requests first
     admitted_ts: float
     client: str | None = None  # who sent it (`Admitted.client`): fair share between clients
-    images: tuple[ImageRef, ...] = ()  # its prompt's images: spans a chunk never ends inside
+    images: tuple[ImageRef, ...] = ()  # its prompt's images, in prompt order
+    encoded: tuple[int, ...] = ()  # of each image, the encoder's units done
     first_token_ts: float | None = None
     last_token_ts: float | None = None
     finished_step: int | None = None
@@ -120,6 +122,7 @@ def apply(state: RequestState | None, event: Event | Decoding) -> RequestState:
             admitted_ts=event.ts,
             client=event.client,
             images=event.images,
+            encoded=(0,) * len(event.images),
         )
     rid = getattr(event, "request_id", None)
     if state is None:
@@ -140,6 +143,8 @@ def apply(state: RequestState | None, event: Event | Decoding) -> RequestState:
         )
     if isinstance(event, ChunkPrefilled):
         return _apply_chunk(state, event)
+    if isinstance(event, ImageEncoded):
+        return _apply_encoded(state, event)
     if isinstance(event, CheckpointReached):
         if event.offset > state.num_computed_tokens:
             raise FoldError(
@@ -185,20 +190,46 @@ def apply_sampled(
     )
 
 
+def _cache_hit(state: RequestState, event: ChunkPrefilled | ImageEncoded) -> RequestState:
+    """`state` with the prefix-cache hit its first step names (none: as it was)."""
+    if not event.num_cached_tokens:
+        return state
+    if state.status is not Status.WAITING or state.num_computed_tokens:
+        raise FoldError(
+            "cache-hit-mid-prefill",
+            f"request {state.request_id} starts from the prefix cache after its prefill began "
+            f"(seq {event.seq})",
+        )
+    return state.evolve(
+        num_computed_tokens=event.num_cached_tokens,
+        num_cached_tokens=event.num_cached_tokens,
+        cache_source=event.cache_source,
+    )
+
+
+def _apply_encoded(state: RequestState, event: ImageEncoded) -> RequestState:
+    rid = state.request_id
+    state = _cache_hit(state, event)
+    i = event.image
+    if not 0 <= i < len(state.images):
+        raise FoldError(
+            "unknown-image", f"request {rid} has no image {i} to encode (seq {event.seq})"
+        )
+    done, units = state.encoded[i], state.images[i].units
+    if not done == event.start < event.end <= units:
+        raise FoldError(
+            "non-contiguous-encoding",
+            f"request {rid} encodes units [{event.start}, {event.end}) of image {i}, which had "
+            f"{done} of {units} done (seq {event.seq})",
+        )
+    encoded = (*state.encoded[:i], event.end, *state.encoded[i + 1 :])
+    status = Status.PREFILLING if state.status is Status.WAITING else state.status
+    return state.evolve(encoded=encoded, status=status, moved_step=event.step)
+
+
 def _apply_chunk(state: RequestState, event: ChunkPrefilled) -> RequestState:
     rid = state.request_id
-    if event.num_cached_tokens:  # the first chunk, starting from a prefix-cache hit
-        if state.status is not Status.WAITING or state.num_computed_tokens:
-            raise FoldError(
-                "cache-hit-mid-prefill",
-                f"request {rid} starts from the prefix cache after its prefill began "
-                f"(seq {event.seq})",
-            )
-        state = state.evolve(
-            num_computed_tokens=event.num_cached_tokens,
-            num_cached_tokens=event.num_cached_tokens,
-            cache_source=event.cache_source,
-        )
+    state = _cache_hit(state, event)
     computed = state.num_computed_tokens
     if event.end <= event.start:
         raise FoldError(
@@ -223,8 +254,14 @@ def _apply_chunk(state: RequestState, event: ChunkPrefilled) -> RequestState:
             f"request {rid} has a chunk ending at {event.end}, past its "
             f"{state.num_prompt_tokens}-token prompt (seq {event.seq})",
         )
-    for image in state.images:
-        if image.start < event.end < image.end:
+    for i, image in enumerate(state.images):
+        if event.end > image.start and image.end > event.start and state.encoded[i] < image.units:
+            raise FoldError(
+                "chunk-before-encoding",
+                f"request {rid} has a chunk [{event.start}, {event.end}) in its image's span "
+                f"[{image.start}, {image.end}) before the image was encoded (seq {event.seq})",
+            )
+        if image.whole and image.start < event.end < image.end:
             raise FoldError(
                 "chunk-splits-image",
                 f"request {rid} has a chunk ending at {event.end}, inside its image's span "

@@ -14,8 +14,9 @@ request's rows, and a plan's `entries` into those tuples. `Decoding` stays as th
 per-request view of a `TokensSampled` (`decodings()`), which is what the readers of the log
 fold and show. 4 added `Admitted.client` (who sent the request, for fair share between
 clients); its default (None: the one anonymous client) describes a version-3 log, so the
-3 -> 4 upcaster changes nothing. 5 added images (`Admitted.images`, `ChunkPrefilled.images`);
-their default (none) describes a version-4 log, so the 4 -> 5 upcaster changes nothing.
+3 -> 4 upcaster changes nothing. 5 added images (`Admitted.images`, `ChunkPrefilled.images`,
+`ImageEncoded`); their default (none) describes a version-4 log, so the 4 -> 5 upcaster
+changes nothing.
 """
 
 from __future__ import annotations
@@ -95,8 +96,11 @@ class Admitted(_Event):
 
 class ImageRef(BaseModel):
     """An image of a prompt, as the log knows it: its content digest (SHA-256 of the bytes
-    sent), its size, and the prompt tokens it stands for. A chunk never ends inside
-    [start, end): the vision encoder reads the whole image in one step."""
+    sent), its size, the prompt tokens it stands for ([start, end)), and the vision
+    encoder's work for it in `units` (steps may run some of them each: `ImageEncoded`). No
+    chunk reaches into the span before its units are all done; where `whole`, the span's
+    tokens are then prefilled in one chunk (a family whose image tokens attend to each
+    other both ways), else they are chunked as text is."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -106,9 +110,12 @@ class ImageRef(BaseModel):
     num_bytes: int
     width: int
     height: int
+    units: int = 1
+    whole: bool = True
 
 
-StepKind = Literal["prefill", "decode"]
+# "encode": vision-encoder work for a request's image (no prompt tokens: num_tokens 0)
+StepKind = Literal["prefill", "decode", "encode"]
 
 
 class StepEntry(NamedTuple):
@@ -157,7 +164,22 @@ class ChunkPrefilled(_Event):
     end: int
     num_cached_tokens: int = 0
     cache_source: str | None = None  # "memory" or "disk" when num_cached_tokens > 0
-    images: tuple[str, ...] = ()  # digests of the images the vision encoder read in it
+    images: tuple[str, ...] = ()  # digests of the images whose span tokens it holds
+
+
+class ImageEncoded(_Event):
+    """Units [start, end) of the vision encoder's work for the request's image number
+    `image` (in prompt order) were computed; at the image's `units` its span's embeddings
+    are ready. A request whose first step encodes says here how many prompt tokens it
+    starts with from the prefix cache (as a first chunk does)."""
+
+    type: Literal["image-encoded"] = "image-encoded"
+    request_id: str
+    image: int
+    start: int
+    end: int
+    num_cached_tokens: int = 0
+    cache_source: str | None = None
 
 
 class CheckpointReached(_Event):
@@ -248,6 +270,7 @@ Event = Annotated[
     | StepPlanned
     | StepFinished
     | ChunkPrefilled
+    | ImageEncoded
     | CheckpointReached
     | TokensSampled
     | Terminal,

@@ -5,8 +5,9 @@ the prefix cache knows a span by its image's content."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from core_driver import make_core, params, sampled
-from helpers import DEMO_LARGE_COST
 
 from stepline.actors.core import SchedulerCore
 from stepline.engine.cost_model import StepCost
@@ -15,7 +16,9 @@ from stepline.engine.policy import SchedulerConfig, StepPlan
 from stepline.events.fold import Status
 
 
-def image(start: int, end: int, seed: str = "a") -> PromptImage:
+def image(
+    start: int, end: int, seed: str = "a", *, units: int = 1, whole: bool = True
+) -> PromptImage:
     data = ImageData(
         data=seed.encode(),
         digest=(seed * 64)[:64],
@@ -24,80 +27,105 @@ def image(start: int, end: int, seed: str = "a") -> PromptImage:
         media_type="image/png",
         pixels=None,
     )
-    return PromptImage(start, end, data, inputs={})
+    return PromptImage(start, end, data, inputs={}, units=units, whole=whole)
 
 
 def step(core: SchedulerCore) -> StepPlan:
-    """One step of the core on what a model would return (past the budget allowed: a span
-    no step holds runs alone)."""
+    """One step of the core on what a model would return (past the budget allowed: a whole
+    span no step holds runs alone)."""
     work = core.schedule()
     assert work is not None
     core.update_from_output(work, sampled(work))
     return work.plan
 
 
-def chunks_of(core: SchedulerCore, rid: str) -> list[tuple[int, int, int]]:
-    """(step, start, end) of each of `rid`'s chunks, until it ends."""
+def work_of(core: SchedulerCore, rid: str) -> list[tuple[str, int, int]]:
+    """Each step's work for `rid` until it ends: ("encode", first unit, end unit) or
+    ("chunk", start, end)."""
     out = []
     while rid in core.states:
         plan = step(core)
-        out += [(plan.step, c.start, c.end) for c in plan.chunks if c.request_id == rid]
+        out += [("encode", e.start, e.end) for e in plan.encodes if e.request_id == rid]
+        out += [("chunk", c.start, c.end) for c in plan.chunks if c.request_id == rid]
     return out
 
 
-def test_a_chunk_stops_before_an_image_span_and_a_span_no_step_holds_runs_alone():
+def test_a_whole_span_is_encoded_then_runs_in_one_chunk_alone_when_no_step_holds_it():
     core = make_core(max_step_tokens=32)
     core.add("r", range(100), params(1), images=[image(20, 60)])
-    chunks = chunks_of(core, "r")
-    assert [(s, e) for _, s, e in chunks] == [(0, 20), (20, 60), (60, 92), (92, 100)]
-    assert chunks[1][0] == chunks[0][0] + 1  # the next step, and alone in it
+    assert work_of(core, "r") == [
+        ("chunk", 0, 20),  # the text before it
+        ("encode", 0, 1),  # its encoder, before any of its tokens
+        ("chunk", 20, 60),  # 40 tokens: more than a step holds, alone
+        ("chunk", 60, 92),
+        ("chunk", 92, 100),
+    ]
 
 
-def test_an_image_that_does_not_fit_what_is_left_of_a_step_waits_for_the_next():
+def test_an_encoded_span_that_is_not_whole_is_chunked_as_text():
+    core = make_core(max_step_tokens=32)
+    core.add("r", range(100), params(1), images=[image(20, 60, units=3, whole=False)])
+    assert work_of(core, "r") == [
+        ("chunk", 0, 20),
+        ("encode", 0, 3),  # tokens only: the encoder's work all at once
+        ("chunk", 20, 52),
+        ("chunk", 52, 84),
+        ("chunk", 84, 100),
+    ]
+
+
+def test_a_whole_image_that_does_not_fit_what_is_left_of_a_step_waits_for_the_next():
     core = make_core(max_step_tokens=32)
     core.add("text", range(24), params(5))
-    core.add("img", range(30), params(5), images=[image(0, 20)])
+    core.add("img", range(30), params(5), images=[image(2, 20)])
     first = step(core)
-    assert [(c.request_id, c.start, c.end) for c in first.chunks] == [("text", 0, 24)]
-    second = step(core)
-    assert second.decodes == ("text",)
-    assert [(c.request_id, c.start, c.end) for c in second.chunks] == [("img", 0, 30)]
+    assert [(c.request_id, c.start, c.end) for c in first.chunks] == [
+        ("text", 0, 24),
+        ("img", 0, 2),
+    ]
+    assert [(e.request_id, e.start, e.end) for e in step(core).encodes] == [("img", 0, 1)]
+    third = step(core)
+    assert third.decodes == ("text",)
+    assert [(c.request_id, c.start, c.end) for c in third.chunks] == [("img", 2, 30)]
 
 
-def test_the_encoder_is_priced_so_an_image_beside_decode_rows_keeps_the_step_target():
-    config = SchedulerConfig(max_step_tokens=512, max_num_seqs=8, max_step_ms=100)
-    for per_image_token, expect in [
-        (0.0, [(0, 200)]),  # unpriced, the whole prompt fits the target in one step
-        (0.005, [(0, 10), (10, 30), (30, 200)]),  # the span's 0.1 s: alone, then the rest
-    ]:
-        cost = StepCost(
-            step=0.004, per_chunk=0.002, per_prefill_token=0.0002, per_decode_row=0.002,
-            per_image_token=per_image_token,
-        )  # fmt: skip
-        core = make_core(config=config, cost=cost)
-        for i in range(4):
-            core.add(f"d{i}", range(8), params(10_000))
-        while any(s.status is not Status.DECODING for s in core.states.values()):
-            step(core)
-        core.add("img", range(200), params(1), images=[image(10, 30)])
-        plans = []
-        while "img" in core.states:
-            plans.append(step(core))
-        assert [(c.start, c.end) for p in plans for c in p.chunks] == expect
-        for p in plans:
-            assert p.decodes  # the streams decode in every step
-            if p.chunks[0].start != 10:  # the span alone may go past; the rest stays within
-                assert p.predicted_seconds is not None and p.predicted_seconds <= 0.1
+COST = StepCost(step=0.004, per_chunk=0.002, per_prefill_token=0.0002, per_decode_row=0.002)
+TIMED = SchedulerConfig(max_step_tokens=512, max_num_seqs=8, max_step_ms=100)
 
 
-def test_with_the_large_demos_cost_an_image_span_and_text_share_a_step_within_the_target():
-    config = SchedulerConfig(max_step_tokens=512, max_num_seqs=8, max_step_ms=100)
-    cost = StepCost(**{**DEMO_LARGE_COST.__dict__, "per_image_token": 0.0001})
-    core = make_core(config=config, cost=cost)
-    core.add("img", range(120), params(1), images=[image(40, 80)])
-    plan = step(core)  # nobody decodes: as much as the token rules allow, span whole
-    assert [(c.start, c.end) for c in plan.chunks] == [(0, 120)]
-    assert plan.features.image_tokens == 40
+def decoding(core: SchedulerCore, n: int) -> None:
+    for i in range(n):
+        core.add(f"d{i}", range(8), params(10_000))
+    while any(s.status is not Status.DECODING for s in core.states.values()):
+        step(core)
+
+
+def test_the_encoders_units_spread_over_steps_that_keep_the_target_beside_decode_rows():
+    cost = replace(COST, per_encode_unit=0.03)  # a unit costs 30 ms: 3 fit beside 4 rows
+    core = make_core(config=TIMED, cost=cost)
+    decoding(core, 4)
+    core.add("img", range(200), params(1), images=[image(10, 110, units=10, whole=False)])
+    plans = []
+    while "img" in core.states:
+        plans.append(step(core))
+    encodes = [(e.start, e.end) for p in plans for e in p.encodes]
+    assert encodes[0][0] == 0 and encodes[-1][1] == 10
+    assert all(b - a <= 3 for a, b in encodes) and len(encodes) >= 4
+    chunks = [(c.start, c.end) for p in plans for c in p.chunks]
+    assert chunks[0] == (0, 10) and chunks[-1][1] == 200
+    for p in plans:
+        assert p.decodes  # the streams decode in every step, and each step keeps the target
+        assert p.predicted_seconds is not None and p.predicted_seconds <= 0.1
+        assert p.features.encode_units == sum(e.num_units for e in p.encodes)
+
+
+def test_a_unit_larger_than_the_target_still_moves_one_a_step():
+    cost = replace(COST, per_encode_unit=0.5)
+    core = make_core(config=TIMED, cost=cost)
+    decoding(core, 2)
+    core.add("img", range(40), params(1), images=[image(0, 20, units=3, whole=False)])
+    encodes = [(e.start, e.end) for p in (step(core) for _ in range(3)) for e in p.encodes]
+    assert encodes == [(0, 1), (1, 2), (2, 3)]
 
 
 def test_the_prefix_cache_knows_a_span_by_its_image_and_the_text_around_it_by_its_tokens():

@@ -20,7 +20,7 @@ from stepline.api.params import SamplingParams
 from stepline.engine.images import ImageError
 from stepline.engine.models import VISION_DEMO
 from stepline.events.log import read_events
-from stepline.events.models import Admitted, ChunkPrefilled
+from stepline.events.models import Admitted, ChunkPrefilled, ImageEncoded
 from stepline.events.replay import verify
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
@@ -121,13 +121,15 @@ async def test_concurrent_image_and_text_requests_answer_what_mlx_vlm_answers_ea
         assert token_ids(outs) == reference(messages)
 
 
-async def test_the_log_records_each_image_and_no_chunk_ends_inside_its_span(
+async def test_the_log_records_each_image_its_encoder_steps_and_the_chunks_that_hold_it(
     tmp_path: Path,
 ) -> None:
     log = tmp_path / "events.jsonl"
     image = png(2, 120, 90)
+    # The tokens-only policy runs an image's encoder whole in one step; with a cost model that
+    # prices it, in as many units as the time allows (tests/test_image_scheduling.py).
     async with Engine.open(
-        VISION_DEMO, max_step_tokens=48, max_num_seqs=4, event_log=str(log)
+        VISION_DEMO, max_step_tokens=48, max_num_seqs=4, event_log=str(log), max_step_ms=None
     ) as engine:
         prepared = engine.prepare(messages=chat("What is this?", image))
         outs = await collect(engine, chat("What is this?", image))
@@ -140,14 +142,18 @@ async def test_the_log_records_each_image_and_no_chunk_ends_inside_its_span(
     assert ref.digest == hashlib.sha256(image).hexdigest()
     assert (ref.start, ref.end) == (span.start, span.end) and ref.end - ref.start > 48
     assert (ref.width, ref.height, ref.num_bytes) == (120, 90, len(image))
+    assert ref.units == 5 * 2 and not ref.whole  # 2 x 2 tiles and the global view, 2 layers
     assert admitted[1].images == ()
     rid = admitted[0].request_id
+    encoded = [e for e in events if isinstance(e, ImageEncoded)]
+    assert [(e.request_id, e.image, e.start, e.end) for e in encoded] == [(rid, 0, 0, 10)]
     chunks = [e for e in events if isinstance(e, ChunkPrefilled) and e.request_id == rid]
     marked = [c for c in chunks if c.images]
-    assert [c.images for c in marked] == [(ref.digest,)]
-    assert (marked[0].start, marked[0].end) == (ref.start, ref.end)  # alone: past the budget
-    assert not any(ref.start < c.end < ref.end for c in chunks)
-    assert verify(log).ok  # the oversized image step is not a budget violation
+    assert [c.images for c in marked] == [(ref.digest,)] * len(marked)
+    assert marked[0].start == ref.start and marked[-1].end >= ref.end
+    assert all(c.seq > encoded[0].seq for c in marked)  # the encoder first
+    assert max(c.end - c.start for c in chunks) <= 48  # a span chunked as text, in budget
+    assert verify(log).ok
 
 
 async def test_a_different_image_shares_no_cache_and_the_same_image_next_turn_is_a_hit(
@@ -195,9 +201,9 @@ def test_the_warm_up_of_a_vision_model_prices_its_encoder() -> None:
     warmup = Warmup(runner, SchedulerConfig(max_step_tokens=128), 1000, loaded.max_context)
     warmup.run()
     assert runner.num_sequences == 0  # it frees what it admitted
-    encoded = [s for s in warmup.samples if s.features.image_tokens]
+    encoded = [s for s in warmup.samples if s.features.encode_units]
     assert len(encoded) >= 2 and all(s.features.decode_rows >= 1 for s in encoded)
-    assert fit(warmup.samples).per_image_token > 0
+    assert fit(warmup.samples).per_encode_unit > 0
 
 
 async def test_a_run_with_images_is_re_executed_token_for_token_from_the_images_kept(

@@ -148,12 +148,6 @@ def test_a_gemma3_prompt_starts_with_one_bos(stepline_prompts, reference):
         assert stepline_prompts.prepare(messages=messages).ids[:2] == start
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="stepline tokenizes an image's span apart from the text around it: the blank "
-    "line before <start_of_image> and the turn's newline are one newline-run token in the "
-    "whole rendering's tokenization (api/prompts.py, _encode_images)",
-)
 def test_an_image_first_in_its_turn_has_mlx_vlms_ids(stepline_prompts, reference):
     assert "\n\n\n" in NEWLINE_RUNS  # "user\n" + "\n\n<start_of_image>": one token
     image = png(0)

@@ -429,5 +429,14 @@ def _images(engine: Any, rec: RecordedRequest, images_at: Path | None) -> tuple[
                 f"the model makes {len(span)} tokens of image {ref.digest[:12]}, the log "
                 f"{ref.end - ref.start}"
             )
-        out.append(PromptImage(ref.start, ref.end, image, expanded.inputs))
+        out.append(
+            PromptImage(
+                ref.start,
+                ref.end,
+                image,
+                expanded.inputs,
+                units=expanded.units,
+                whole=expanded.whole,
+            )
+        )
     return tuple(out)

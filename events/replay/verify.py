@@ -23,6 +23,7 @@ from stepline.events.models import (
     ChunkPrefilled,
     Decoding,
     Event,
+    ImageEncoded,
     StepFinished,
     StepPlanned,
     Terminal,
@@ -42,7 +43,10 @@ class ViolationKind(StrEnum):
     AFTER_TERMINAL = "event-after-terminal"
     NON_CONTIGUOUS_CHUNK = "non-contiguous-chunk"  # a gap, an overlap or an empty chunk
     CHUNK_PAST_PROMPT = "chunk-past-prompt"
-    CHUNK_SPLITS_IMAGE = "chunk-splits-image"  # a chunk ends inside an image's token span
+    CHUNK_SPLITS_IMAGE = "chunk-splits-image"  # a chunk ends inside a whole image's span
+    CHUNK_BEFORE_ENCODING = "chunk-before-encoding"  # an image's tokens before its encoder
+    UNKNOWN_IMAGE = "unknown-image"  # encoder work for an image the prompt does not hold
+    NON_CONTIGUOUS_ENCODING = "non-contiguous-encoding"  # encoder units skipped or twice
     PROMPT_NOT_COVERED = "prompt-not-covered"  # tokens or a normal finish before the prompt
     CHECKPOINT_AHEAD = "checkpoint-ahead-of-prefill"  # snapshot of tokens not yet computed
     STEP_OVER_BUDGET = "step-over-budget"
@@ -84,6 +88,10 @@ def _carry_on(state: RequestState, event: Event) -> RequestState:
         )
     if isinstance(event, Decoding):
         return state.evolve(num_output_tokens=state.num_output_tokens + event.num_tokens)
+    if isinstance(event, ImageEncoded) and 0 <= event.image < len(state.encoded):
+        i = event.image
+        encoded = (*state.encoded[:i], max(state.encoded[i], event.end), *state.encoded[i + 1 :])
+        return state.evolve(encoded=encoded)
     if isinstance(event, Terminal):
         return state.evolve(
             status=Status.FINISHED,
@@ -206,7 +214,7 @@ class _Verifier:
             # Kept as evidence without its prompt: memory stays bounded by the requests.
             self.evidence[rid] = event.model_copy(update={"prompt_token_ids": None})
             self.states[rid] = after.evolve(prompt_token_ids=None)
-        elif isinstance(event, ChunkPrefilled | Terminal):
+        elif isinstance(event, ChunkPrefilled | ImageEncoded | Terminal):
             self.evidence[rid] = event
 
     def _one_image_alone(self, event: StepPlanned) -> bool:
@@ -217,7 +225,9 @@ class _Verifier:
             return False
         state = self.states.get(chunks[0].request_id)
         return state is not None and any(
-            i.end - i.start == chunks[0].num_tokens and i.start >= state.num_computed_tokens
+            i.whole
+            and i.end - i.start == chunks[0].num_tokens
+            and i.start >= state.num_computed_tokens
             for i in state.images
         )
 
