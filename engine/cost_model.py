@@ -237,6 +237,10 @@ class CostModel:
         self._decode: deque[Sample] = deque(maxlen=window)
         band = max(MIN_SAMPLES, window // 2)
         self._prefill = [deque[Sample](maxlen=band) for _ in range(len(CONTEXT_BANDS) + 1)]
+        # steps that ran a vision encoder's units: the warm-up's word for them stands until
+        # enough of them ran live (in a prefill band, the streams' own prompts crowded them
+        # out, and an encoder priced at nothing ran whole: 62 s a step on SmolVLM's shape)
+        self._encode: deque[Sample] = deque(maxlen=band)
         self._refit_every = refit_every
         self._early_refits = early_refits  # also refit at 1, 2, 4, 8 live samples
         self._num_live = 0  # live samples observed, ever
@@ -284,6 +288,8 @@ class CostModel:
 
     def _history(self, features: StepFeatures) -> deque[Sample]:
         """The window of live samples that a step of this kind goes to."""
+        if features.encode_units:
+            return self._encode
         return self._prefill[features.context_band] if features.has_prefill else self._decode
 
     @property
@@ -307,7 +313,7 @@ class CostModel:
         trust one."""
         if self._since_fit >= self._refit_every or (self._cost is None and self._since_fit):
             self._since_fit = 0
-            live = [*self._decode, *(s for p in self._prefill for s in p)]
+            live = [*self._decode, *self._encode, *(s for p in self._prefill for s in p)]
             samples = [*self._seed_samples(live), *live]
             if len(samples) >= MIN_SAMPLES:
                 self._cost = fit(samples)

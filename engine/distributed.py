@@ -47,7 +47,13 @@ import mlx.core as mx
 import numpy as np
 import structlog
 
-from stepline.engine.models import DEFAULT_DEMO, DEMO_MODELS, LoadedModel, demo_model_path
+from stepline.engine.models import (
+    DEFAULT_DEMO,
+    DEMO_MODELS,
+    VISION_DEMO,
+    LoadedModel,
+    demo_model_path,
+)
 from stepline.engine.work import Housekeeping, StepResult, StepWork, is_collective_error
 
 log = structlog.get_logger(__name__)
@@ -131,6 +137,9 @@ def load_sharded(name_or_path: str | None, parallel: str) -> tuple[LoadedModel, 
             f"parallel must be one of {', '.join(PARALLEL_MODES)}, got {parallel!r}"
         )
     name = name_or_path or DEFAULT_DEMO
+    vision = f"{name} is a vision-language model: they are served on one process for now"
+    if name == VISION_DEMO:
+        raise DistributedError(vision)
     if name in DEMO_MODELS:
         path: Path | None = demo_model_path(name)
     elif Path(name).expanduser().is_dir():
@@ -139,6 +148,8 @@ def load_sharded(name_or_path: str | None, parallel: str) -> tuple[LoadedModel, 
         path = None  # a Hugging Face id
     if path is not None:
         config = load_config(path)
+        if isinstance(config.get("vision_config"), dict):
+            raise DistributedError(vision)
         problem = _unsupported(name, config.get("model_type", "?"), _supported(config), parallel)
         if problem is not None:
             raise DistributedError(problem)

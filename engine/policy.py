@@ -375,8 +375,9 @@ def schedule(
         if timed:
             assert cost is not None
             left = seconds - cost.predict(features.with_encode(units))
-            if cost.per_encode_unit > 0:
-                k = min(k, max(0, int(left / cost.per_encode_unit)))
+            # an encoder not priced yet runs a unit a step until the model has its measure
+            price = cost.per_encode_unit
+            k = min(k, max(0, int(left / price)) if price > 0 else 1)
             if not chunks and not encodes:
                 k = max(k, 1)
         return k

@@ -4,10 +4,11 @@ A vision-language model is a text model that reads, at an image's token span, th
 encoder's output instead of its token embeddings. stepline loads the checkpoint with mlx-vlm
 (its model classes, processor and vision encoder) and runs the text part as the mlx-lm model
 of the same architecture, on the same weight arrays, so everything the engine does for text
-models (batched decode, fused steps, CPU attention, the prefix cache) holds for it unchanged;
-only a prompt chunk that holds an image span is fed embeddings: the chunk's token embeddings
-with each image's span replaced by `vlm.get_input_embeddings` of that span alone (the encoder
-runs there, inside the step that prefills the span, which is why a span is never split).
+models (batched decode, fused steps, CPU attention, the prefix cache) holds for it unchanged.
+An image's encoder work is its own, in units a step runs some of (`VisionEncoder.run`: for
+Idefics3 one layer of one tile, for others the whole encoder, as mlx-vlm's
+`get_input_embeddings` runs it); its output, the span's embeddings, is kept with the request,
+and a prompt chunk that holds image tokens is fed those embeddings instead of the tokens'.
 
 Families (`FAMILIES`): Idefics3 (SmolVLM) and Gemma 3, whose text models place tokens with
 plain 1-D positions. Models whose positions depend on the image grid (Qwen2-VL's M-RoPE) keep

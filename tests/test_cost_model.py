@@ -330,3 +330,22 @@ def test_a_chunk_much_dearer_than_priced_makes_the_next_one_smaller_at_once():
     model.observe(StepFeatures(decode_rows=4, decode_context=1200), 0.01)
     assert model.cost is not None
     assert model.cost.predict(deep) < 0.8 * took  # the fit has learned some, not all of it
+
+
+def test_the_warm_ups_price_of_an_image_encoder_stands_while_live_prompts_fill_the_bands():
+    """A vision model's warm-up measures its encoder's units; live, the streams' own prompts
+    fill the prefill windows long before an image arrives. The encoder's samples must not be
+    pushed out with them: priced at nothing, an image's encoder ran whole in one step (62 s
+    on SmolVLM-256M's shape, every stream stalled)."""
+    true = replace(TRUE, per_encode_unit=0.4)
+    decode = StepFeatures(decode_rows=4, decode_context=4 * 40)
+    seeds = [
+        Sample(f, true.predict(f)) for f in (_random_step(random.Random(i)) for i in range(16))
+    ]
+    seeds += [Sample(decode.with_encode(k), true.predict(decode.with_encode(k))) for k in (1, 2, 3)]
+    model = CostModel(seed=seeds)
+    prompts = [StepFeatures(decode_rows=4, decode_context=160).with_chunk(0, 64)] * 40
+    for f in prompts + [decode] * 40:
+        model.observe(f, true.predict(f))
+    assert model.cost is not None
+    assert model.cost.per_encode_unit == pytest.approx(0.4, rel=0.2)

@@ -151,3 +151,11 @@ def test_checkpoints_inside_an_image_span_are_dropped_and_spans_must_lie_in_the_
             assert "token span" in str(exc)
         else:
             raise AssertionError(f"{bad} was accepted")
+
+
+def test_an_encoder_not_priced_yet_runs_one_unit_a_step():
+    core = make_core(config=TIMED, cost=COST)  # per_encode_unit 0: no measure of it yet
+    decoding(core, 2)
+    core.add("img", range(40), params(1), images=[image(0, 20, units=3, whole=False)])
+    encodes = [(e.start, e.end) for p in (step(core) for _ in range(3)) for e in p.encodes]
+    assert encodes == [(0, 1), (1, 2), (2, 3)]
