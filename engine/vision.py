@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -411,7 +411,6 @@ def build_idefics3(out: Path, shape: Mapping[str, Any], tokenizer_from: Path | N
     ids, the demo's ChatML template) and the image tokens added. The demo is one; the
     benchmarks build one of a real model's shape (random weights, the real costs)."""
     from mlx_vlm.models.idefics3.processing_idefics3 import Idefics3Processor
-    from mlx_vlm.utils import get_model_and_args, update_module_configs
     from transformers import PreTrainedTokenizerFast
     from transformers.models.idefics3.image_processing_pil_idefics3 import (
         Idefics3ImageProcessorPil,
@@ -468,24 +467,7 @@ def build_idefics3(out: Path, shape: Mapping[str, Any], tokenizer_from: Path | N
         "eos_token_id": eos,
         "torch_dtype": "float32",
     }
-    module, _ = get_model_and_args(json.loads(json.dumps(config)))
-    raw = json.loads(json.dumps(config))
-    model = module.Model(
-        update_module_configs(module.ModelConfig.from_dict(raw), module, raw, ["text", "vision"])
-    )
-    params = dict(tree_flatten(model.parameters()))
-    names = sorted(params)
-    keys = mx.random.split(mx.random.key(shape["seed"]), len(names))
-    weights = {}
-    for i, name in enumerate(names):
-        dims = params[name].shape
-        if "norm" in name and len(dims) == 1:
-            value = mx.ones(dims) if name.endswith("weight") else mx.zeros(dims)
-        elif name.endswith("bias"):
-            value = mx.zeros(dims)
-        else:
-            value = shape["init_std"] * mx.random.normal(dims, key=keys[i])
-        weights[name] = value.astype(mx.float32)
+    weights = random_weights(config, shape["seed"], shape["init_std"])
     # As in the text demos: a random model must not rank the special tokens first.
     head = "language_model.lm_head.weight"
     added = len(text_demo.SPECIAL_TOKENS) + len(text_demo.MARKUP_TOKENS)
@@ -494,3 +476,35 @@ def build_idefics3(out: Path, shape: Mapping[str, Any], tokenizer_from: Path | N
     weights[head] = weights[head].at[reserved].multiply(0.0)
     mx.save_safetensors(str(out / "model.safetensors"), weights)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+
+
+def random_weights(
+    config: Mapping[str, Any],
+    seed: int,
+    init_std: float,
+    norm: Callable[[str], float] | None = None,
+) -> dict[str, mx.array]:
+    """Seeded random float32 weights of the mlx-vlm model that `config` (a config.json)
+    describes, by parameter name: biases 0, norms `norm(name)` (default 1), the rest normal
+    of `init_std`, each from its own key (independent of MLX's global RNG)."""
+    from mlx_vlm.utils import get_model_and_args, update_module_configs
+
+    raw = json.loads(json.dumps(config))
+    module, _ = get_model_and_args(raw)
+    model = module.Model(
+        update_module_configs(module.ModelConfig.from_dict(raw), module, raw, ["text", "vision"])
+    )
+    params = dict(tree_flatten(model.parameters()))
+    names = sorted(params)
+    keys = mx.random.split(mx.random.key(seed), len(names))
+    weights = {}
+    for i, name in enumerate(names):
+        dims = params[name].shape
+        if name.endswith("bias"):
+            value = mx.zeros(dims)
+        elif "norm" in name and len(dims) == 1:
+            value = mx.full(dims, norm(name) if norm is not None else 1.0)
+        else:
+            value = init_std * mx.random.normal(dims, key=keys[i])
+        weights[name] = value.astype(mx.float32)
+    return weights

@@ -105,14 +105,13 @@ def tiny_gemma3(path: Path, *, pan_and_scan: bool = False) -> Path:
     cuts an image wider or taller than 1.2:1 into up to 2 crops of at least 32 pixels, each
     encoded as an image of its own (Gemma 3's option, off in its own checkpoints)."""
     import mlx.core as mx
-    from mlx.utils import tree_flatten
     from mlx_vlm.models.gemma3.processing_gemma3 import Gemma3Processor
-    from mlx_vlm.utils import get_model_and_args, update_module_configs
     from tokenizers import AddedToken, Tokenizer, processors
     from transformers import PreTrainedTokenizerFast
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
     from stepline.engine import models as text_demo
+    from stepline.engine.vision import random_weights
 
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = Tokenizer.from_str(text_demo._train_tokenizer_json(1024))
@@ -192,25 +191,13 @@ def tiny_gemma3(path: Path, *, pan_and_scan: bool = False) -> Path:
         "vocab_size": vocab,
         "torch_dtype": "float32",
     }
-    raw = json.loads(json.dumps(config))
-    module, _ = get_model_and_args(raw)
-    model = module.Model(
-        update_module_configs(module.ModelConfig.from_dict(raw), module, raw, ["text", "vision"])
+    # Gemma's RMSNorm scales by 1 + weight; SigLIP's LayerNorm by weight.
+    weights = random_weights(
+        config,
+        GEMMA3["seed"],
+        GEMMA3["init_std"],
+        norm=lambda name: 1.0 if name.startswith("vision_tower") else 0.0,
     )
-    params = dict(tree_flatten(model.parameters()))
-    names = sorted(params)
-    keys = mx.random.split(mx.random.key(GEMMA3["seed"]), len(names))
-    weights = {}
-    for i, name in enumerate(names):
-        shape = params[name].shape
-        if name.endswith("bias"):
-            value = mx.zeros(shape)
-        elif len(shape) == 1 and "norm" in name:
-            # Gemma's RMSNorm scales by 1 + weight; SigLIP's LayerNorm by weight.
-            value = mx.ones(shape) if name.startswith("vision_tower") else mx.zeros(shape)
-        else:
-            value = GEMMA3["init_std"] * mx.random.normal(shape, key=keys[i])
-        weights[name] = value.astype(mx.float32)
     # An lm_head of its own (Gemma 3 ties it to the embeddings; mlx-vlm makes one either way,
     # which stepline's text model reads), so that the tokens a random model must not rank
     # first get a row of zeros (a logit of 0, where some other token's is above) and keep
