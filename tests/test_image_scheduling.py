@@ -159,3 +159,16 @@ def test_an_encoder_not_priced_yet_runs_one_unit_a_step():
     core.add("img", range(40), params(1), images=[image(0, 20, units=3, whole=False)])
     encodes = [(e.start, e.end) for p in (step(core) for _ in range(3)) for e in p.encodes]
     assert encodes == [(0, 1), (1, 2), (2, 3)]
+
+
+def test_replay_says_where_a_request_waits_for_its_images_encoder():
+    from stepline.events.replay.describe import describe_images
+
+    core = make_core(config=TIMED, cost=COST)
+    decoding(core, 2)
+    core.add("img", range(40), params(1), images=[image(4, 20, units=3, whole=False)])
+    assert describe_images(core.states["img"]) == ""  # waiting
+    step(core)  # the text before the image
+    assert describe_images(core.states["img"]) == ", image 1 of 1 encoded 0 of 3 units"
+    step(core)
+    assert describe_images(core.states["img"]) == ", image 1 of 1 encoded 1 of 3 units"

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from stepline.events.fold import Status
+from stepline.events.fold import RequestState, Status
 from stepline.events.log import LogRun, read_runs
 from stepline.events.models import (
     Admitted,
@@ -91,6 +91,20 @@ def describe_status(
     if status is Status.DECODING:
         return f"decoding, {num_output} token{'s' * (num_output != 1)}"
     return f"finished: {reason.value if reason else '?'}, {num_output} tokens"
+
+
+def describe_images(state: RequestState) -> str:
+    """', image 1 of 2 encoded 4 of 10 units' while the prefill has reached an image whose
+    encoder is not done (its tokens wait for it); '' otherwise."""
+    if state.status is not Status.PREFILLING:
+        return ""
+    for i, (image, done) in enumerate(zip(state.images, state.encoded, strict=True)):
+        if done < image.units and image.start <= state.num_computed_tokens:
+            return (
+                f", image {i + 1} of {len(state.images)} encoded {done} of {image.units} "
+                f"unit{'s' * (image.units != 1)}"
+            )
+    return ""
 
 
 def describe_tokens(token_ids: tuple[int, ...] | None, num_tokens: int) -> str:

@@ -29,6 +29,7 @@ from stepline.events.models import (
 )
 from stepline.events.replay.describe import (
     UnknownRequestError,
+    describe_images,
     describe_runs,
     describe_status,
     resolve_run,
@@ -350,7 +351,8 @@ def _at_step(s: RequestState) -> RequestAtStep:
             s.num_prompt_tokens,
             s.num_output_tokens,
             s.finish_reason,
-        ),
+        )
+        + describe_images(s),
         num_prompt_tokens=s.num_prompt_tokens,
         num_computed_tokens=s.num_computed_tokens,
         num_output_tokens=s.num_output_tokens,
