@@ -165,6 +165,8 @@ class OllamaDoor:
             capabilities.append("tools")
         if getattr(tokenizer, "think_start", None):
             capabilities.append("thinking")
+        if self.serving.engine.accepts_images:  # what Ollama's clients look for to send images
+            capabilities.append("vision")
         template = getattr(tokenizer, "chat_template", None)
         return JSONResponse(
             {
