@@ -35,6 +35,15 @@ and a prompt cut into many small chunks would wait far longer for its first toke
 takes to compute). `step_seconds` says how long a step may be.
 With nobody decoding there is nobody to protect: a lone prompt prefills in chunks as big
 as the token rules allow.
+
+Images (`RequestState.images`, a vision model's prompts). A prompt that reaches an image
+whose encoder work is not done gets encoder units next, not tokens: as many as the time
+left allows (priced `per_encode_unit`; at least one for a step's first work, so an encoder
+dearer than the target still moves; all of them without a cost model). No chunk reaches
+into an image before its units are done. Then its tokens are chunked as text, or, for an
+image that goes `whole`, in one chunk: cut before it when it does not fit what is left of
+the step, and run alone, past the budget, by the step's first prompt when no step would
+hold it.
 """
 
 from __future__ import annotations

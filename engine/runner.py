@@ -245,6 +245,9 @@ class ModelRunner:
             pos = end
         if logits is None:
             mx.eval([c.state for c in seq.cache])  # bound the lazy graph between steps
+        for i, image in enumerate(seq.images):  # a span's embeddings, once all in the cache
+            if image.end <= chunk.end:
+                seq.encodes.pop(i, None)
         return logits
 
     def _embeddings(self, seq: Seq, start: int, end: int) -> mx.array | None:
