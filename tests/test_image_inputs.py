@@ -646,13 +646,13 @@ async def test_a_corrupt_image_is_a_400_at_every_door_and_the_engine_serves_on(v
 
 
 async def test_ollamas_clients_see_a_vision_model_and_send_it_images(vision):
-    client = ollama.AsyncClient(host=vision.url)
-    shown = await client.show(VISION)
+    async with ollama.AsyncClient(host=vision.url) as client:
+        shown = await client.show(VISION)
+        answer = await client.chat(
+            model=VISION,
+            messages=[{"role": "user", "content": QUESTION, "images": [PICTURE]}],
+            options={"num_predict": 4, "temperature": 0},
+        )
     assert "vision" in (shown.capabilities or [])
-    answer = await client.chat(
-        model=VISION,
-        messages=[{"role": "user", "content": QUESTION, "images": [PICTURE]}],
-        options={"num_predict": 4, "temperature": 0},
-    )
     assert answer.done_reason == "length" and answer.message.content
     assert answer.prompt_eval_count > 64  # the image's span is in the prompt
