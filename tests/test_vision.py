@@ -21,7 +21,7 @@ from stepline.engine.images import ImageError
 from stepline.engine.models import VISION_DEMO
 from stepline.events.log import read_events
 from stepline.events.models import Admitted, ChunkPrefilled, ImageEncoded
-from stepline.events.replay import verify
+from stepline.events.replay import timeline, verify
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
 
@@ -154,6 +154,10 @@ async def test_the_log_records_each_image_its_encoder_steps_and_the_chunks_that_
     assert all(c.seq > encoded[0].seq for c in marked)  # the encoder first
     assert max(c.end - c.start for c in chunks) <= 48  # a span chunked as text, in budget
     assert verify(log).ok
+    # Replay's picture and summary name the encoder's steps.
+    steps = timeline.collect(log).steps.values()
+    (encoder,) = [s for s in steps if s.encodes]
+    assert encoder.encodes == (rid,) and f"{rid} image encoder" in encoder.describe()
 
 
 async def test_a_different_image_shares_no_cache_and_the_same_image_next_turn_is_a_hit(

@@ -37,6 +37,7 @@ SVG_NS = "http://www.w3.org/2000/svg"  # the namespace name, not something fetch
 
 COLOURS = {
     "prefill": "#4e79a7",
+    "encode": "#76b7b2",
     "decode": "#59a14f",
     "waiting": "#bab0ac",
     "checkpoint": "#000000",
@@ -63,6 +64,7 @@ _STEP_TICKS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10_000, 20_
 _LEGEND = (
     ("waiting", "waiting"),
     ("prefill chunk", "prefill"),
+    ("image encoder", "encode"),
     ("decode", "decode"),
     ("first token", "first-token"),
     ("stall", "stall"),
@@ -398,6 +400,8 @@ class _Picture:
                 fill = COLOURS["stall"]
             elif any(s.num_chunk_tokens for s in group):
                 fill = COLOURS["prefill"]
+            elif any(s.encodes for s in group):
+                fill = COLOURS["encode"]
             else:
                 fill = COLOURS["step"]
             h = max(height(worst.seconds), 0.5)

@@ -53,6 +53,7 @@ class StepSpan:
     num_chunk_tokens: int
     prefills: list[tuple[str, int]]  # (request id, tokens): the first few prefill entries
     num_prefills: int
+    encodes: tuple[str, ...] = ()  # requests whose image's encoder ran units in it
 
     @property
     def end(self) -> float:
@@ -68,6 +69,7 @@ class StepSpan:
         parts = [f"{rid} prefill {n} tokens" for rid, n in self.prefills]
         if self.num_prefills > len(self.prefills):
             parts.append(f"{self.num_prefills - len(self.prefills)} more prefills")
+        parts += [f"{rid} image encoder" for rid in self.encodes]
         if self.num_decode_rows:
             parts.append(f"{self.num_decode_rows} decode row{'s' * (self.num_decode_rows != 1)}")
         used = f"{self.num_tokens}/{self.max_step_tokens} tokens"
@@ -230,6 +232,7 @@ def step_span(event: StepPlanned, start: float) -> StepSpan:
         num_chunk_tokens=sum(n for _, n in prefills),
         prefills=prefills[:_NAMED_PREFILLS],
         num_prefills=len(prefills),
+        encodes=tuple(e.request_id for e in event.entries if e.kind == "encode"),
     )
 
 

@@ -95,6 +95,7 @@ def _step(span: StepSpan, end: float, caused: list) -> list[dict[str, Any]]:
         "max_step_tokens": span.max_step_tokens,
         "decode_rows": span.num_decode_rows,
         "chunk_tokens": span.num_chunk_tokens,
+        "image_encoders": len(span.encodes),
         "contents": span.contents(),
     }
     if caused:
