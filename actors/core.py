@@ -213,7 +213,8 @@ class SchedulerCore:
             num_prompt_tokens=len(ids),
             prompt_token_ids=ids,  # the log's writer leaves them out if told to
             prompt_sha256=prompt_digest(self.salt, ids),
-            # none inside an image: its span is computed in one forward
+            # none inside an image: a cache hit ending there is cut back to the image's start
+            # (`outside_images`), and a whole image's span is computed in one forward
             checkpoints=tuple(
                 sorted(
                     {c for c in checkpoints if 0 < c <= len(ids) and not inside_image(images, c)}

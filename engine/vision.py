@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import structlog
 from mlx.utils import tree_flatten, tree_unflatten
@@ -289,15 +290,32 @@ def _text_model(vlm: Any, config: dict[str, Any]) -> Any:
         ) from None
     model = arch.Model(arch.ModelArgs.from_dict(text_config))
     source = dict(tree_flatten(vlm.language_model.parameters()))
+
+    def in_source(key: str) -> str | None:
+        for candidate in (key, key.removeprefix("model."), f"model.{key}"):
+            if candidate in source:
+                return candidate
+        return None
+
+    quantization = config.get("quantization") or config.get("quantization_config")
+    if quantization and any(k.endswith(".scales") for k in source):  # kept quantized
+        nn.quantize(
+            model,
+            group_size=quantization.get("group_size", 64),
+            bits=quantization.get("bits", 4),
+            mode=quantization.get("mode", "affine"),
+            class_predicate=lambda path, _: in_source(f"{path}.scales") is not None,
+        )
     mine = dict(tree_flatten(model.parameters()))
     weights = []
     for key in mine:
-        for candidate in (key, key.removeprefix("model."), f"model.{key}"):
-            if candidate in source:
-                weights.append((key, source[candidate]))
-                break
+        found = in_source(key)
+        if found is not None:
+            weights.append((key, source[found]))
         else:
-            if key == "lm_head.weight":  # tied in the VLM: mlx-lm unties by the config
+            tied = [k for k in source if k.endswith("embed_tokens.weight")]
+            if key == "lm_head.weight" and tied:  # the VLM ties it to the embeddings
+                weights.append((key, source[tied[0]]))
                 continue
             raise VisionUnavailableError(f"the text model's weight {key} is not in the checkpoint")
     model.update(tree_unflatten(weights))

@@ -254,3 +254,39 @@ def test_stepline_generate_asks_about_an_image_file(tmp_path: Path, capsys) -> N
     assert "output 6 tokens (length)" in out.err and out.out.strip()
     assert main(["generate", "hi", "--image", str(tmp_path / "gone.png")]) == 2
     assert "No such file" in capsys.readouterr().err
+
+
+async def test_a_quantized_checkpoint_kept_quantized_answers_what_mlx_vlm_answers(
+    tmp_path: Path,
+) -> None:
+    # On a GPU a quantized checkpoint is served as stored (--dtype auto); here, --dtype keep.
+    from mlx_vlm import generate, load
+    from mlx_vlm.convert import convert
+
+    from stepline.engine.vision import demo_path
+
+    path = tmp_path / "demo-4bit"
+    convert(str(demo_path()), mlx_path=str(path), quantize=True, q_bits=4, q_group_size=32)
+    messages = chat("What is in this picture?", png(8))
+    async with Engine.open(str(path), dtype="keep", max_step_tokens=64) as engine:
+        assert "4-bit quantized" in engine.step_loop.runner.loaded.weights
+        mine = token_ids(await collect(engine, messages))
+    model, processor = load(str(path))
+    prompt = processor.tokenizer.apply_chat_template(
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "What is in this picture?"},
+                    {"type": "image"},
+                ],
+            }
+        ],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    image = Image.open(io.BytesIO(png(8))).convert("RGB")
+    out = generate(
+        model, processor, prompt, image=[image], max_tokens=10, temperature=0.0, verbose=False
+    )
+    assert mine == list(out.token_ids)
