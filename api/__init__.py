@@ -10,6 +10,7 @@ from stepline.api.engine import (
     WrongEventLoopError,
 )
 from stepline.api.prompts import PromptTooLongError
+from stepline.engine.images import ImageError
 from stepline.engine.policy import (
     AdmissionError,
     ContextLengthExceededError,
@@ -25,6 +26,7 @@ __all__ = [
     "Engine",
     "EngineClosedError",
     "EngineDeadError",
+    "ImageError",
     "KVBudgetExceededError",
     "PromptTooLongError",
     "QueueFullError",
