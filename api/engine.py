@@ -37,7 +37,7 @@ from stepline.api.prompts import Prepared, Prompts, PromptTooLongError, detokeni
 from stepline.api.stream import RequestStream
 from stepline.engine import grammar
 from stepline.engine.grammar import Compiled, GrammarCompiler, GrammarError
-from stepline.engine.images import ImageError, PromptImage
+from stepline.engine.images import PromptImage, text_only
 from stepline.events.image_files import images_dir, keep_image
 from stepline.events.models import FinishReason
 
@@ -291,11 +291,7 @@ class Engine:
             ids = prepared.ids
             images = prepared.images or tuple(images)
             if images and not self.accepts_images:
-                raise ImageError(
-                    f"{self.model_name} reads text only: a prompt with images needs a "
-                    "vision-language model",
-                    code="unsupported_content_type",
-                )
+                raise text_only()
             if images:
                 await self._keep_images(images)
             rid = request_id or f"req-{uuid.uuid4().hex[:16]}"

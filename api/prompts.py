@@ -30,7 +30,14 @@ import tokenizers
 from jinja2 import TemplateError
 
 from stepline.actors.request import Detokenizer, IncrementalDetokenizer, StreamDetokenizer
-from stepline.engine.images import ImageData, ImageError, PromptImage, decode_image
+from stepline.engine.images import (
+    ImageData,
+    ImageError,
+    PromptImage,
+    decode_image,
+    place_image,
+    text_only,
+)
 from stepline.engine.policy import ContextLengthExceededError
 
 MAX_CONCURRENT_PREPARE = 4  # prompts tokenized at once, each on a worker thread
@@ -164,12 +171,7 @@ class Prompts:
                 if isinstance(part, dict) and part.get("type") == "image":
                     where = f"messages.{i}.content.{j}"
                     if self.images is None:
-                        raise ImageError(
-                            f"{where} is an image, but this server's model reads text only: "
-                            "serve a vision-language model to send images",
-                            param=where,
-                            code="unsupported_content_type",
-                        )
+                        raise text_only(where)
                     images.append(_image_data(part.get("image"), where))
                     part = {k: v for k, v in part.items() if k != "image"}
                 parts.append(part)
@@ -193,7 +195,7 @@ class Prompts:
         if holes:
             _check_holes(text, holes)
         ids: list[int] = []
-        spans = []
+        spans: list[PromptImage] = []
         expansions = [self.images.expand(image) for image in images]
         for k, piece in enumerate(pieces):
             # the text the family writes around a span goes with the text beside it
@@ -208,18 +210,8 @@ class Prompts:
                     else self._encode(piece, holes)
                 )
             if k < len(images):
-                expanded = expansions[k]
-                span = list(self.tokenizer.encode(expanded.text, add_special_tokens=False))
-                spans.append(
-                    PromptImage(
-                        len(ids),
-                        len(ids) + len(span),
-                        images[k],
-                        expanded.inputs,
-                        units=expanded.units,
-                        whole=expanded.whole,
-                    )
-                )
+                span, placed = place_image(expansions[k], images[k], self.tokenizer, len(ids))
+                spans.append(placed)
                 ids += span
         return ids, tuple(spans)
 

@@ -65,6 +65,16 @@ class ImageData:
         return len(self.data)
 
 
+def text_only(where: str | None = None) -> ImageError:
+    """The error for an image sent to a model that reads text only (`where`: the part)."""
+    what = f"{where} is an image, but this" if where else "the prompt has images, but this"
+    return ImageError(
+        f"{what} server's model reads text only: serve a vision-language model to send images",
+        param=where,
+        code="unsupported_content_type",
+    )
+
+
 def digest_of(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -114,21 +124,6 @@ def decode_image(data: bytes, *, where: str, limits: ImageLimits = ImageLimits()
         media_type=media_type,
         pixels=rgb,
     )
-
-
-def image_parts(messages: Any) -> list[ImageData]:
-    """The images of chat `messages`, in order: content parts `{"type": "image", "image":
-    ImageData}` (the neutral form every door translates its image parts into)."""
-    found: list[ImageData] = []
-    for m in messages or ():
-        content = m.get("content") if isinstance(m, dict) else None
-        if isinstance(content, list):
-            for part in content:
-                if isinstance(part, dict) and part.get("type") == "image":
-                    image = part.get("image")
-                    if isinstance(image, ImageData):
-                        found.append(image)
-    return found
 
 
 @functools.lru_cache(maxsize=256)
@@ -205,3 +200,21 @@ def check_spans(images: Sequence[Any], num_tokens: int) -> None:
                 f"of {num_tokens} tokens, after the previous image's"
             )
         at = image.end
+
+
+def place_image(
+    expanded: Any, image: ImageData, tokenizer: Any, start: int
+) -> tuple[list[int], PromptImage]:
+    """`image` in a prompt at token position `start`, as its vision model's family expanded
+    it (`expanded`: `engine.vision.Expanded`, the span's text and the encoder's inputs): the
+    span's token ids and the `PromptImage` of [start, start + len(ids))."""
+    ids = list(tokenizer.encode(expanded.text, add_special_tokens=False))
+    placed = PromptImage(
+        start,
+        start + len(ids),
+        image,
+        expanded.inputs,
+        units=expanded.units,
+        whole=expanded.whole,
+    )
+    return ids, placed

@@ -512,18 +512,23 @@ def _load_dir(path: Path, name: str, dtype: str = "auto") -> LoadedModel:
         return load_vision(path, name, dtype)
     model, tokenizer, config = load(str(path), return_config=True)
     weights = fit_dtype(model, dtype)
-    max_context = config.get("max_position_embeddings") or config.get("text_config", {}).get(
-        "max_position_embeddings"
-    )
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
         name=name,
         path=path,
-        # A config without it is rare; 4096 is a conservative context for such a model.
-        max_context=int(max_context or 4096),
+        max_context=max_context_of(config),
         weights=weights,
     )
+
+
+def max_context_of(config: dict[str, Any]) -> int:
+    """A checkpoint's context in tokens, from its config.json (or its text model's part)."""
+    max_context = config.get("max_position_embeddings") or (config.get("text_config") or {}).get(
+        "max_position_embeddings"
+    )
+    # A config without it is rare; 4096 is a conservative context for such a model.
+    return int(max_context or 4096)
 
 
 def _gguf_dir(path: Path) -> Path:

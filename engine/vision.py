@@ -331,7 +331,7 @@ def load_vision(path: Path, name: str, dtype: str) -> Any:
     from mlx_vlm.utils import load_model as load_vlm
     from mlx_vlm.utils import load_processor
 
-    from stepline.engine.models import LoadedModel, fit_dtype
+    from stepline.engine.models import LoadedModel, fit_dtype, max_context_of
 
     config = json.loads((path / "config.json").read_text())
     model_type = config.get("model_type", "")
@@ -354,16 +354,12 @@ def load_vision(path: Path, name: str, dtype: str) -> Any:
     else:
         images = family(processor)
     text = _text_model(vlm, config)
-    text_config = config.get("text_config") or {}
-    max_context = text_config.get("max_position_embeddings") or config.get(
-        "max_position_embeddings"
-    )
     return LoadedModel(
         model=text,
         tokenizer=tokenizer,
         name=name,
         path=path,
-        max_context=int(max_context or 4096),
+        max_context=max_context_of(config),
         weights=weights,
         vision=VisionParts(model_type, VisionEncoder(vlm, text, model_type), images),
     )

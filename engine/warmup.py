@@ -278,22 +278,15 @@ class Warmup:
 
         from PIL import Image
 
-        from stepline.engine.images import PromptImage, decode_image
+        from stepline.engine.images import decode_image, place_image
 
         out = io.BytesIO()
         Image.new("RGB", size, (rng.randrange(256),) * 3).save(out, format="PNG")
         data = decode_image(out.getvalue(), where="warm-up")
         assert self._vision is not None
-        expanded = self._vision.images.expand(data)
-        span = tuple(self._runner.loaded.tokenizer.encode(expanded.text, add_special_tokens=False))
         before, after = self._prompt(rng, 4), self._prompt(rng, 4)
-        image = PromptImage(
-            len(before),
-            len(before) + len(span),
-            data,
-            expanded.inputs,
-            units=expanded.units,
-            whole=expanded.whole,
+        span, image = place_image(
+            self._vision.images.expand(data), data, self._runner.loaded.tokenizer, len(before)
         )
         return (*before, *span, *after), (image,)
 

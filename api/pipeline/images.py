@@ -26,7 +26,7 @@ from typing import Any
 
 import anyio
 
-from stepline.engine.images import ImageData, ImageError, ImageLimits, decode_image
+from stepline.engine.images import ImageData, ImageError, ImageLimits, decode_image, text_only
 
 MAX_REDIRECTS = 3  # an image URL's redirects followed
 _SHOWN_URL_CHARS = 120  # of a URL quoted in an error
@@ -119,12 +119,7 @@ async def resolve_images(
     if not sources:
         return messages
     if not options.accepts_images:
-        where = sources[0].where
-        raise ImageError(
-            f"{where} is an image: this server's model reads text only; send text only",
-            param=where,
-            code="unsupported_content_type",
-        )
+        raise text_only(sources[0].where)
     limit = options.limits.max_images
     if len(sources) > limit:
         raise ImageError(

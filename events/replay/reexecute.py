@@ -412,10 +412,10 @@ def _images(engine: Any, rec: RecordedRequest, images_at: Path | None) -> tuple[
     """A recorded request's images, read back from beside the log and made into what the
     model's encoder reads, at their recorded spans. Raises ValueError for an image that is
     gone, or whose span the model makes differently now."""
-    from stepline.engine.images import PromptImage, decode_image
+    from stepline.engine.images import decode_image, place_image, text_only
 
     if not engine.accepts_images:
-        raise ValueError(f"{engine.model_name} reads text only, and this request had images")
+        raise text_only()
     out = []
     for ref in rec.admitted.images:
         data = read_image(images_at, ref.digest) if images_at is not None else None
@@ -423,20 +423,11 @@ def _images(engine: Any, rec: RecordedRequest, images_at: Path | None) -> tuple[
             raise ValueError(f"its image {ref.digest[:12]} is not kept beside the log")
         image = decode_image(data, where=f"image {ref.digest[:12]}")
         expanded = engine.prompts.images.expand(image)
-        span = engine.tokenizer.encode(expanded.text, add_special_tokens=False)
-        if len(span) != ref.end - ref.start:
+        _, placed = place_image(expanded, image, engine.tokenizer, ref.start)
+        if placed.end != ref.end:
             raise ValueError(
-                f"the model makes {len(span)} tokens of image {ref.digest[:12]}, the log "
-                f"{ref.end - ref.start}"
+                f"the model makes {placed.end - placed.start} tokens of image "
+                f"{ref.digest[:12]}, the log {ref.end - ref.start}"
             )
-        out.append(
-            PromptImage(
-                ref.start,
-                ref.end,
-                image,
-                expanded.inputs,
-                units=expanded.units,
-                whole=expanded.whole,
-            )
-        )
+        out.append(placed)
     return tuple(out)
