@@ -222,9 +222,14 @@ def _apply_encoded(state: RequestState, event: ImageEncoded) -> RequestState:
             f"request {rid} encodes units [{event.start}, {event.end}) of image {i}, which had "
             f"{done} of {units} done (seq {event.seq})",
         )
-    encoded = (*state.encoded[:i], event.end, *state.encoded[i + 1 :])
     status = Status.PREFILLING if state.status is Status.WAITING else state.status
-    return state.evolve(encoded=encoded, status=status, moved_step=event.step)
+    return with_encoded(state, i, event.end).evolve(status=status, moved_step=event.step)
+
+
+def with_encoded(state: RequestState, image: int, units: int) -> RequestState:
+    """`state` with `units` of its image number `image`'s encoder work done."""
+    encoded = (*state.encoded[:image], units, *state.encoded[image + 1 :])
+    return state.evolve(encoded=encoded)
 
 
 def _apply_chunk(state: RequestState, event: ChunkPrefilled) -> RequestState:

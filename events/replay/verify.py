@@ -16,7 +16,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from stepline.events.fold import FoldError, RequestState, Status, apply
+from stepline.events.fold import FoldError, RequestState, Status, apply, with_encoded
 from stepline.events.log import LogCorruptError, LogRun, log_files, read_run_events, read_runs
 from stepline.events.models import (
     Admitted,
@@ -89,9 +89,7 @@ def _carry_on(state: RequestState, event: Event) -> RequestState:
     if isinstance(event, Decoding):
         return state.evolve(num_output_tokens=state.num_output_tokens + event.num_tokens)
     if isinstance(event, ImageEncoded) and 0 <= event.image < len(state.encoded):
-        i = event.image
-        encoded = (*state.encoded[:i], max(state.encoded[i], event.end), *state.encoded[i + 1 :])
-        return state.evolve(encoded=encoded)
+        return with_encoded(state, event.image, max(state.encoded[event.image], event.end))
     if isinstance(event, Terminal):
         return state.evolve(
             status=Status.FINISHED,
