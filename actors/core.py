@@ -101,6 +101,17 @@ class EngineDeadError(AdmissionError):
 
 
 @dataclass(frozen=True)
+class LogPlace:
+    """Where a model's events go on in a log that several models share (api/pool.py): its
+    name, put on each event, and the last sequence number and step of its earlier loads in
+    this run, so that its events read as one run of one model."""
+
+    model: str
+    seq: int = 0
+    step: int = 0
+
+
+@dataclass(frozen=True)
 class ModelLimits:
     max_context: int  # prompt + output tokens the model supports
     eos_token_ids: frozenset[int]
@@ -128,6 +139,7 @@ class SchedulerCore:
         index: PrefixIndex | None = None,  # None: no prefix cache
         cost_model: CostModel | None = None,  # learns step times; None: tokens only
         salt: str | None = None,  # the event log's prompt-digest salt
+        place: LogPlace | None = None,  # in a log of several models; None: the run's one
     ) -> None:
         self.config = config
         self.limits = limits
@@ -137,8 +149,9 @@ class SchedulerCore:
         self.states: dict[str, RequestState] = {}  # unfinished requests
         self.finished: OrderedDict[str, RequestState] = OrderedDict()  # the recent ended ones
         self._finished_tokens = 0  # prompt token ids held in `finished`
-        self.seq = 0  # the last event's sequence number
-        self.step = 0  # the last step scheduled
+        self.model = place.model if place is not None else None  # on every event
+        self.seq = place.seq if place is not None else 0  # the last event's sequence number
+        self.step = place.step if place is not None else 0  # the last step scheduled
         self.in_step = False  # between `schedule` and `update_from_output`
         self.dead_reason: str | None = None  # set once the engine can serve no more
         self._events: list[Event] = []  # recorded, not yet taken (`take_events`)
@@ -500,6 +513,16 @@ class SchedulerCore:
 
     # -- recording -----------------------------------------------------------------------
 
+    def record_model_event(self, cls: type, **fields: Any) -> Any:
+        """Record an event of the model's own (`ModelLoaded`, `ModelUnloaded`): in its
+        sequence, for the log. Returns the event."""
+        return self._record(cls, **fields)
+
+    @property
+    def place(self) -> LogPlace | None:
+        """Where this model's events stop now (for its next load), in a log of several."""
+        return None if self.model is None else LogPlace(self.model, self.seq, self.step)
+
     def _record(self, cls: type, **fields: Any) -> Any:
         """Record one event: apply it to its request's state (the fold's `apply`) and keep
         it for the log. Returns the event."""
@@ -507,7 +530,7 @@ class SchedulerCore:
         # Events between steps N and N+1 belong to step N+1, so that folding the log up to
         # step N gives exactly the state the core had when step N ended.
         step = self.step if self.in_step else self.step + 1
-        event = cls(seq=self.seq, ts=time.time(), step=step, **fields)
+        event = cls(seq=self.seq, ts=time.time(), step=step, model=self.model, **fields)
         self._events.append(event)
         rid = event.request_id
         if rid is None:

@@ -26,7 +26,13 @@ import anyio
 import structlog
 from anyio.streams.memory import MemoryObjectSendStream
 
-from stepline.actors.core import EngineDeadError, ModelLimits, SchedulerCore, StepOutcome
+from stepline.actors.core import (
+    EngineDeadError,
+    LogPlace,
+    ModelLimits,
+    SchedulerCore,
+    StepOutcome,
+)
 from stepline.actors.executor import Executor, ExecutorDeadError
 from stepline.actors.mailbox import Mailbox
 from stepline.actors.messages import Arrivals, Cancel, Submit, Update
@@ -68,6 +74,7 @@ class StepLoop:
         cost_model: CostModel | None = None,  # learns step times; None: tokens only
         arrivals: Arrivals | None = None,  # requests the API is preparing
         warmup: Warmup | None = None,  # seeds `cost_model` while this loop idles
+        place: LogPlace | None = None,  # in a log several models share (actors/core.py)
     ):
         self.executor = executor
         self.runner = runner
@@ -79,6 +86,7 @@ class StepLoop:
             index=prefix_index,
             cost_model=cost_model,
             salt=getattr(event_log, "salt", None),
+            place=place,
         )
         self._event_log = event_log
         self.inbox: MemoryObjectSendStream
@@ -409,6 +417,13 @@ class StepLoop:
                 self._end(rid, FinishReason.ERROR, "the request's actor failed")
         self._log_events()
         return held
+
+    def log_model_event(self, cls: type, **fields: Any) -> Any:
+        """Record and log an event of the model's own (`ModelLoaded`, `ModelUnloaded`: a
+        server of several models). Returns the event."""
+        event = self.core.record_model_event(cls, **fields)
+        self._log_events()
+        return event
 
     def _log_events(self) -> None:
         events = self.core.take_events()

@@ -21,6 +21,7 @@ from typing import Any
 import anyio
 import structlog
 
+from stepline.actors.core import LogPlace
 from stepline.actors.executor import Executor
 from stepline.actors.step_loop import ModelLimits, StepLoop
 from stepline.api.config import EngineConfig, EventLogConfig
@@ -50,6 +51,15 @@ def vocab_size(loaded: Any) -> int:
     return getattr(args, "vocab_size", None) or len(loaded.tokenizer._tokenizer)
 
 
+@dataclasses.dataclass(frozen=True)
+class SharedLog:
+    """An event log several models' engines write (a server of several models, api/pool.py):
+    its writer, which the pool owns and closes, and where this model's events go on."""
+
+    writer: Any  # events.log.EventLogWriter
+    place: LogPlace
+
+
 @dataclasses.dataclass
 class EngineParts:
     """An engine's parts, as far as they are built. MLX work runs on `executor` only."""
@@ -59,6 +69,7 @@ class EngineParts:
     runner: Any = None
     topology: Any = None  # a distributed run's place in the launch (engine/distributed.py)
     writer: Any = None  # the event log's writer
+    shared_log: SharedLog | None = None  # the writer is the pool's: not closed here
     # How long `close` waits for MLX work still running; None: until it ends (see `close`).
     mlx_wait_at_close_s: float | None = None
 
@@ -157,7 +168,9 @@ class EngineParts:
             ).model_dump(),
             "distributed": topology.as_config() if topology is not None else None,
         }
-        if events.event_log is not None:
+        if self.shared_log is not None:
+            self.writer = self.shared_log.writer
+        elif events.event_log is not None:
             from stepline.events.log import EventLogWriter
 
             header = LogHeader(
@@ -194,6 +207,7 @@ class EngineParts:
             prefix_index=index,
             cost_model=cost_model,
             warmup=warmup,
+            place=self.shared_log.place if self.shared_log is not None else None,
         )
         return step_loop, config
 
@@ -251,5 +265,5 @@ class EngineParts:
                 # Let queued disk writes finish (file I/O only: no MLX on this thread).
                 await anyio.to_thread.run_sync(runner.store.close)
         executor.close()
-        if self.writer is not None:
+        if self.writer is not None and self.shared_log is None:
             self.writer.close()

@@ -404,6 +404,8 @@ class EventLogWriter:
             event = event.model_copy(update={"token_ids": None})
         elif not self.header.log_prompts and isinstance(event, Admitted):
             event = event.model_copy(update={"prompt_token_ids": None})
+        if event.model is None:  # the run's one model: not said on every line
+            return event.model_dump_json(exclude=_NO_MODEL).encode() + b"\n"
         return event.model_dump_json().encode() + b"\n"
 
     def _must_rotate(self, size: int) -> bool:
@@ -465,6 +467,9 @@ class EventLogWriter:
             error=repr(exc),
             note="the log is degraded: later events are dropped; the engine keeps running",
         )
+
+
+_NO_MODEL = frozenset({"model"})
 
 
 def _items(item: Any) -> list[Any]:

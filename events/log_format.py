@@ -172,12 +172,19 @@ def _v4_to_v5(raw: dict[str, Any]) -> dict[str, Any]:
     return raw
 
 
+def _v5_to_v6(raw: dict[str, Any]) -> dict[str, Any]:
+    # Schema 6 only added several models (`model` on events, `LogHeader.models`, the model
+    # events), whose defaults (none: the run's one model) describe a version-5 log.
+    return raw
+
+
 _UPCASTERS[1] = _v1_to_v2
 _UPCASTERS[2] = _v2_to_v3
 _UPCASTERS[3] = _v3_to_v4
 _UPCASTERS[4] = _v4_to_v5
+_UPCASTERS[5] = _v5_to_v6
 # upcasters that change nothing (by version): while registered, their records parse as they are
-_NO_OP_UPCASTERS = {1: _v1_to_v2, 3: _v3_to_v4, 4: _v4_to_v5}
+_NO_OP_UPCASTERS = {1: _v1_to_v2, 3: _v3_to_v4, 4: _v4_to_v5, 5: _v5_to_v6}
 
 
 def needs_upcast(version: int) -> bool:

@@ -16,7 +16,12 @@ fold and show. 4 added `Admitted.client` (who sent the request, for fair share b
 clients); its default (None: the one anonymous client) describes a version-3 log, so the
 3 -> 4 upcaster changes nothing. 5 added images (`Admitted.images`, `ChunkPrefilled.images`,
 `ImageEncoded`); their default (none) describes a version-4 log, so the 4 -> 5 upcaster
-changes nothing.
+changes nothing. 6 added several models in one server: every event may name the model
+it belongs to (`model`; None: the run's one model), the run's header lists the models it
+serves (`LogHeader.models`), and `ModelLoaded`, `ModelLoadFailed` and `ModelUnloaded`
+record their loads and unloads. A model's events (its `seq` and `step`) count on from its
+earlier loads within a run, so each model's events read as one run of one model; the 5 -> 6
+upcaster changes nothing.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from typing import Annotated, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 
 class FinishReason(StrEnum):
@@ -44,9 +49,12 @@ class FinishReason(StrEnum):
 class _Event(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    seq: int  # position in the log, contiguous from 1
+    seq: int  # position in the log, contiguous from 1 (per model, in a log of several)
     ts: float  # time.time() when the step loop recorded it
     step: int  # engine step; 0 = before the first step
+    # The served model it belongs to, in a log of several (`LogHeader.models`); None: the
+    # run's one model. Left out of the line when None.
+    model: str | None = None
 
 
 class RequestParams(BaseModel):
@@ -265,6 +273,41 @@ class StepFinished(_Event):
     predicted_seconds: float | None = None  # the scheduler's cost-model prediction, if any
 
 
+class ModelLoaded(_Event):
+    """A server of several models loaded `model`: its sizes (what the memory budget counts),
+    how long the load took and the engine config it serves with (resolved, as a single
+    model's header records it: re-execution opens the same)."""
+
+    type: Literal["model-loaded"] = "model-loaded"
+    request_id: None = None
+    path: str
+    weights_bytes: int  # measured once loaded
+    kv_bytes: int  # its running requests' KV budget
+    prefix_cache_bytes: int  # its prefix cache's budget
+    load_seconds: float
+    config: dict = Field(default_factory=dict)
+
+
+class ModelLoadFailed(_Event):
+    """A load of `model` failed (missing files, a bad GGUF, no room): the requests waiting
+    for it were refused with `message`."""
+
+    type: Literal["model-load-failed"] = "model-load-failed"
+    request_id: None = None
+    message: str
+
+
+class ModelUnloaded(_Event):
+    """`model` was unloaded: `reason` says why (memory: room for another model; idle: its
+    time to live passed; shutdown)."""
+
+    type: Literal["model-unloaded"] = "model-unloaded"
+    request_id: None = None
+    reason: Literal["memory", "idle", "shutdown", "failed"]
+    bytes_freed: int  # what the memory budget counted for it
+    idle_seconds: float  # since its last request ended
+
+
 Event = Annotated[
     Admitted
     | StepPlanned
@@ -273,7 +316,10 @@ Event = Annotated[
     | ImageEncoded
     | CheckpointReached
     | TokensSampled
-    | Terminal,
+    | Terminal
+    | ModelLoaded
+    | ModelLoadFailed
+    | ModelUnloaded,
     Field(discriminator="type"),
 ]
 EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
@@ -303,6 +349,10 @@ class LogHeader(BaseModel):
     log_outputs: bool = True  # output token ids stored (else only their count)
     run_id: str | None = None  # names the run; None in logs written before runs had ids
     salt: str | None = None  # hex key of this run's prompt digests; None: unsalted SHA-256
+    # A server of several models: each model's name -> how it is configured (its path,
+    # aliases, budgets); `model` and `config` are then empty. Each load's resolved config is
+    # its `model-loaded` event's.
+    models: dict[str, dict] = Field(default_factory=dict)
 
 
 def new_run_id() -> str:
