@@ -37,6 +37,7 @@ from stepline.actors.executor import Executor, ExecutorDeadError
 from stepline.actors.mailbox import Mailbox
 from stepline.actors.messages import Arrivals, Cancel, Submit, Update
 from stepline.actors.metrics import EngineMetrics
+from stepline.actors.turns import Turns
 from stepline.engine import heap
 from stepline.engine.cost_model import CostModel
 from stepline.engine.policy import AdmissionError, SchedulerConfig
@@ -75,6 +76,7 @@ class StepLoop:
         arrivals: Arrivals | None = None,  # requests the API is preparing
         warmup: Warmup | None = None,  # seeds `cost_model` while this loop idles
         place: LogPlace | None = None,  # in a log several models share (actors/core.py)
+        turns: Turns | None = None,  # several models' loops share the executor thread
     ):
         self.executor = executor
         self.runner = runner
@@ -89,6 +91,7 @@ class StepLoop:
             place=place,
         )
         self._event_log = event_log
+        self._turns = turns if place is not None else None
         self.inbox: MemoryObjectSendStream
         self.inbox, self._inbox = anyio.create_memory_object_stream(inbox_size)
         self._actors: dict[str, Mailbox[Update]] = {}  # live request -> its actor's inbox
@@ -267,10 +270,13 @@ class StepLoop:
         inbox, arrivals = self._inbox, self.arrivals
         over = self._turn_over = threading.Event()
 
+        turns, name = self._turns, self.core.model
+
         def stop() -> bool:  # on the executor thread: reads counters only
             stats = inbox.statistics()
             return (
                 over.is_set()
+                or (turns is not None and name is not None and turns.others_waiting(name))
                 or stats.current_buffer_used > 0
                 or stats.open_send_streams == 0
                 or arrivals.preparing > 0
@@ -325,8 +331,13 @@ class StepLoop:
     async def _run_executor(
         self, fn: Callable, *args: Any, after: Callable[[], None] | None = None
     ) -> Any:
+        """`fn(*args)` on the executor (in this model's turn, where several models share it);
+        None once the executor failed (this loop is then dead)."""
         try:
-            return await self.executor.call(fn, *args, after=after)
+            if self._turns is None or self.core.model is None:
+                return await self.executor.call(fn, *args, after=after)
+            async with self._turns.turn(self.core.model):
+                return await self.executor.call(fn, *args, after=after)
         except ExecutorDeadError as exc:
             self._die(f"executor failed: {exc!r}")
         except Exception as exc:

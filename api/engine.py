@@ -32,7 +32,7 @@ from stepline.actors.step_loop import StepLoop
 from stepline.api.config import EngineConfig, EventLogConfig, launch_rank
 from stepline.api.engine_parts import (
     EngineParts,
-    SharedLog,
+    PoolMember,
     vocab_size,
     warn_without_openblas,
 )
@@ -121,7 +121,7 @@ class Engine:
         *,
         on_checkpoint: Callable | None = None,
         mlx_wait_at_close_s: float | None = None,
-        shared_log: SharedLog | None = None,
+        member: PoolMember | None = None,
         **options: Any,
     ) -> AsyncIterator[Engine]:
         """Load `model` (None = SmolLM2-135M-Instruct, a real instruct model from the package
@@ -149,9 +149,9 @@ class Engine:
         step: none can be interrupted), so that none runs when the interpreter tears down.
         `mlx_wait_at_close_s` is for a caller that ends the process right after the block
         with `os._exit`, as `stepline serve` does: closing then waits that long at most and
-        leaves the rest running. The event log is closed either way, unless it is a
-        `shared_log` (a server of several models: the pool's writer, and where this model's
-        events go on in it; `event_log` is then ignored).
+        leaves the rest running. The event log is closed either way, unless the engine is a
+        pool's `member` (one of a server's several models, api/pool.py: the log is the
+        pool's, and `event_log` is ignored).
         """
         log_fields = EventLogConfig.model_fields.keys() & options.keys()
         events = EventLogConfig(**{k: options.pop(k) for k in log_fields})
@@ -159,9 +159,7 @@ class Engine:
         warn_without_openblas()
         switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(min(switch_interval, SWITCH_INTERVAL_S))
-        parts = EngineParts(
-            Executor(), mlx_wait_at_close_s=mlx_wait_at_close_s, shared_log=shared_log
-        )
+        parts = EngineParts(Executor(), mlx_wait_at_close_s=mlx_wait_at_close_s, member=member)
         try:
             step_loop, recorded = await parts.assemble(model, config, events, on_checkpoint)
             async with anyio.create_task_group() as tg:

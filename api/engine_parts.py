@@ -24,6 +24,7 @@ import structlog
 from stepline.actors.core import LogPlace
 from stepline.actors.executor import Executor
 from stepline.actors.step_loop import ModelLimits, StepLoop
+from stepline.actors.turns import Turns
 from stepline.api.config import EngineConfig, EventLogConfig
 from stepline.engine.cost_model import CostModel
 from stepline.engine.policy import SchedulerConfig
@@ -52,12 +53,14 @@ def vocab_size(loaded: Any) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class SharedLog:
-    """An event log several models' engines write (a server of several models, api/pool.py):
-    its writer, which the pool owns and closes, and where this model's events go on."""
+class PoolMember:
+    """An engine that is one of a server's several models (api/pool.py): the event log they
+    share (the pool's writer, which it closes; None: no log), where this model's events go on
+    in it, and the turns the models' step loops take on the executor thread."""
 
-    writer: Any  # events.log.EventLogWriter
+    writer: Any  # events.log.EventLogWriter, or None
     place: LogPlace
+    turns: Turns
 
 
 @dataclasses.dataclass
@@ -69,7 +72,7 @@ class EngineParts:
     runner: Any = None
     topology: Any = None  # a distributed run's place in the launch (engine/distributed.py)
     writer: Any = None  # the event log's writer
-    shared_log: SharedLog | None = None  # the writer is the pool's: not closed here
+    member: PoolMember | None = None  # one of several models: the writer is the pool's
     # How long `close` waits for MLX work still running; None: until it ends (see `close`).
     mlx_wait_at_close_s: float | None = None
 
@@ -168,8 +171,8 @@ class EngineParts:
             ).model_dump(),
             "distributed": topology.as_config() if topology is not None else None,
         }
-        if self.shared_log is not None:
-            self.writer = self.shared_log.writer
+        if self.member is not None:
+            self.writer = self.member.writer
         elif events.event_log is not None:
             from stepline.events.log import EventLogWriter
 
@@ -207,7 +210,8 @@ class EngineParts:
             prefix_index=index,
             cost_model=cost_model,
             warmup=warmup,
-            place=self.shared_log.place if self.shared_log is not None else None,
+            place=self.member.place if self.member is not None else None,
+            turns=self.member.turns if self.member is not None else None,
         )
         return step_loop, config
 
@@ -265,5 +269,5 @@ class EngineParts:
                 # Let queued disk writes finish (file I/O only: no MLX on this thread).
                 await anyio.to_thread.run_sync(runner.store.close)
         executor.close()
-        if self.writer is not None and self.shared_log is None:
+        if self.writer is not None and self.member is None:
             self.writer.close()
