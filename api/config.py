@@ -7,6 +7,8 @@
 - `EventLogConfig`: where the event log goes and what it keeps (also `Engine.open` keywords;
   never recorded, so re-execution never writes into the log it reads).
 - `ServerConfig`: how `stepline serve` serves HTTP (`create_app` takes its fields as keywords).
+- `ModelSpec`, `PoolConfig`: a server of several models (api/pool.py): each model by name, and
+  the memory and idle time that decide which stay loaded (`--model NAME=PATH`, `--models FILE`).
 
 The command line's flags are made from these fields (`api/cli/flags.py`): a flag's default
 and help are its field's. No MLX here.
@@ -265,6 +267,143 @@ class ServerConfig(_Options):
         description="keep a /v1/responses response (for retrieve, streaming it again and "
         "previous_response_id) this long after it ended",
     )
+
+
+MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/@-]{0,127}$"
+
+
+class ModelSpec(_Options):
+    """One model of a server of several: the name clients send as `model` (and its aliases),
+    what to load, and its own engine options over the server's."""
+
+    name: str = Field(pattern=MODEL_NAME_PATTERN, description="the name clients send as `model`")
+    model: str | None = Field(
+        None,
+        description="what to load: a GGUF file, an mlx-lm directory, a Hugging Face id "
+        "or a built-in name (default: the name itself)",
+    )
+    aliases: tuple[str, ...] = Field((), description="other names clients may send for it")
+    pinned: bool = Field(False, description="never unloaded (for room or for idleness)")
+    ttl_s: float | None = Field(
+        None, gt=0, description="unload it after this many idle seconds (default: the server's)"
+    )
+    options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="its `EngineConfig` fields (max_step_tokens, max_kv_gb, dtype, ...) over "
+        "the server's",
+    )
+
+    @field_validator("options")
+    @classmethod
+    def _engine_options(cls, v: dict[str, Any]) -> dict[str, Any]:
+        unknown = sorted(set(v) - set(EngineConfig.model_fields))
+        if unknown:
+            raise ValueError(
+                f"unknown option {', '.join(map(repr, unknown))}: a model takes "
+                f"{', '.join(k for k in EngineConfig.model_fields if k != 'parallel')}"
+            )
+        if v.get("parallel") is not None:
+            raise ValueError("a server of several models cannot split one across ranks (parallel)")
+        EngineConfig(**v)  # each value checked now, not at its first load
+        return v
+
+    @property
+    def source(self) -> str:
+        """What to load (`Engine.open`'s model)."""
+        return self.model or self.name
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.name, *self.aliases)
+
+    def engine_config(self, server: dict[str, Any]) -> EngineConfig:
+        """Its engine options: `server`'s (the command line's), with its own over them."""
+        return EngineConfig(**{**server, **self.options})
+
+    @classmethod
+    def parse(cls, text: str) -> ModelSpec:
+        """A `--model` value: `NAME=WHAT` (served as NAME), or `WHAT` (served by its own name:
+        a file's or directory's without its suffix). Raises ValueError."""
+        import re
+        from pathlib import Path
+
+        name, sep, what = text.partition("=")
+        if sep and name and "/" not in name and not name.startswith((".", "~")):
+            return cls.model_validate({"name": name, "model": what})
+        if re.match(MODEL_NAME_PATTERN, text) and not Path(text).expanduser().exists():
+            return cls.model_validate({"name": text})
+        return cls.model_validate({"name": Path(text).stem or text, "model": text})
+
+
+class PoolConfig(_Options):
+    """A server of several models: which, and what decides that a model stays loaded."""
+
+    models: tuple[ModelSpec, ...] = Field(min_length=1)
+    max_memory_gb: float | None = Field(
+        None,
+        gt=0,
+        description="memory all loaded models may take together (weights, KV budget, prefix "
+        "cache): least recently used idle models are unloaded to make room (default: 70%% of "
+        "the machine's)",
+    )
+    model_ttl_s: float | None = Field(
+        None, gt=0, description="unload a model after this many idle seconds (default: never)"
+    )
+
+    @model_validator(mode="after")
+    def _names_once(self) -> PoolConfig:
+        seen: dict[str, str] = {}
+        for spec in self.models:
+            for name in spec.names:
+                if name in seen:
+                    raise ValueError(
+                        f"the name {name!r} is given to two models ({seen[name]!r} and "
+                        f"{spec.name!r}): each name must be one model's"
+                    )
+                seen[name] = spec.name
+        return self
+
+    def spec_of(self, name: str) -> ModelSpec | None:
+        """The model a client's `model` names (by its name or an alias), or None."""
+        return next((s for s in self.models if name in s.names), None)
+
+
+def read_models_file(path: str | os.PathLike) -> tuple[ModelSpec, ...]:
+    """The models of a TOML file: a `[models.NAME]` table for each, with `model`, `aliases`,
+    `pinned`, `ttl_s` and any `EngineConfig` field (`max_step_tokens`, `max_kv_gb`, ...):
+
+        [models.small]
+        model = "SmolLM2-135M-Instruct"
+        aliases = ["claude-haiku-4-5"]
+        pinned = true
+
+    Raises ValueError naming the file and what is wrong; OSError if it cannot be read."""
+    import tomllib
+
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"{path}: not TOML ({exc})") from None
+    tables = data.get("models")
+    extra = sorted(set(data) - {"models"})
+    if not isinstance(tables, dict) or not tables or extra:
+        raise ValueError(
+            f"{path}: expected only [models.NAME] tables (one a model)"
+            + (f", not {', '.join(map(repr, extra))}" if extra else "")
+        )
+    own = {"model", "aliases", "pinned", "ttl_s"}
+    specs = []
+    for name, table in tables.items():
+        if not isinstance(table, dict):
+            raise ValueError(f"{path}: [models.{name}] must be a table")
+        fields = {k: v for k, v in table.items() if k in own}
+        options = {k: v for k, v in table.items() if k not in own}
+        try:
+            specs.append(ModelSpec.model_validate({**fields, "name": name, "options": options}))
+        except ValueError as exc:
+            raise ValueError(f"{path}: [models.{name}]: {exc}") from None
+    return tuple(specs)
 
 
 def launch_rank() -> int:

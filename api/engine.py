@@ -482,6 +482,12 @@ class Engine:
         return self.unhealthy_reason is None and not self._closed
 
     @property
+    def busy(self) -> bool:
+        """Requests in flight, or on their way (`arriving`): a server of several models never
+        unloads a busy one."""
+        return bool(self._step_loop.states) or self._arrivals.preparing > 0
+
+    @property
     def warming_up(self) -> bool:
         """The step-time model's warm-up still has steps to measure while the engine idles
         (the first start of a model on this machine): chunks are sized by tokens alone and

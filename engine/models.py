@@ -16,6 +16,7 @@ import hashlib
 import importlib
 import json
 import os
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -543,6 +544,41 @@ def _gguf_dir(path: Path) -> Path:
     if not converted:
         log.info("gguf_cached", file=str(path), directory=str(directory))
     return directory
+
+
+def estimate_weights_bytes(name_or_path: str | None, dtype: str = "auto") -> int | None:
+    """What `load_model(name_or_path, dtype)`'s weights will take in memory, from its files
+    alone (nothing is built, converted or downloaded): their size, scaled from the stored
+    precision to the one `fit_dtype` chooses (float32 on the CPU backend). An estimate for a
+    server's memory budget (a GGUF file's precision is read from its name); None where the
+    files are not here yet (a Hugging Face id, a demo not built yet)."""
+    from stepline.engine.default_model import DEFAULT_MODEL, installed_gguf
+
+    name = DEFAULT_MODEL if name_or_path is None else name_or_path
+    path: Path | None
+    if name == DEFAULT_MODEL:
+        path = installed_gguf() or cache_root(None) / "downloads" / "SmolLM2-135M-Instruct.gguf"
+    elif name in DEMO_MODELS:
+        path = cache_root(None) / "models" / f"{name}-{_spec_hash(DEMO_MODELS[name])}"
+    else:
+        path = Path(name).expanduser()
+    if path.is_file():  # GGUF: its type from its name (Q4_1: ~5 bits a weight), else 8-bit
+        size = path.stat().st_size
+        kind = re.search(r"(?i)\b(?:Q(\d)|(F|BF)(16|32))", path.stem.replace(".", " "))
+        stored_bits = 8.0 if kind is None else float(kind[1] and int(kind[1]) + 1 or kind[3])
+    elif (path / "config.json").is_file():
+        size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+        config = json.loads((path / "config.json").read_text())
+        quant = config.get("quantization") or config.get("quantization_config") or {}
+        text_config = config.get("text_config") or {}
+        stored = str(config.get("torch_dtype") or text_config.get("torch_dtype"))
+        stored_bits = float(quant.get("bits") or (16 if "16" in stored else 32))
+    else:
+        return None
+    target_bits = {"float32": 32, "bfloat16": 16, "float16": 16}.get(dtype)
+    if dtype == "auto":
+        target_bits = None if _gpu_backend() is not None else 32
+    return int(size * (target_bits or stored_bits) / stored_bits)
 
 
 def load_model(name_or_path: str | None = None, dtype: str = "auto") -> LoadedModel:

@@ -22,7 +22,7 @@ import structlog
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
@@ -36,16 +36,20 @@ from stepline.api.pipeline.serving import Serving
 
 if TYPE_CHECKING:
     from stepline.api.engine import Engine
+    from stepline.api.pool import ModelPool
 
 log = structlog.get_logger(__name__)
 
 
 def create_app(
-    engine: Engine, *, interrupted_responses: Sequence[tuple[str, float]] = (), **options: Any
+    engine: Engine | ModelPool,
+    *,
+    interrupted_responses: Sequence[tuple[str, float]] = (),
+    **options: Any,
 ) -> FastAPI:
-    """The HTTP app serving `engine`; `options` are `ServerConfig`'s fields (its `api_key`,
-    `max_body_bytes`, `served_model_name`, `strict_max_tokens`, ...; the process's, such as
-    `host`, are ignored here). `interrupted_responses`: (id, admitted at) of what the event
+    """The HTTP app serving `engine`, or the models of a pool (api/pool.py); `options` are
+    `ServerConfig`'s fields (its `api_key`, `max_body_bytes`, `served_model_name`,
+    `strict_max_tokens`, ...; the process's, such as `host`, are ignored here). `interrupted_responses`: (id, admitted at) of what the event
     log says a restart cut off (`responses.recovery`), answered as failed.
 
     With `api_key`, every route but / and /health (and /metrics with `metrics_public`) wants
@@ -95,8 +99,16 @@ def create_app(
         # Clients probe it before their first request (Claude Code sends `HEAD /`).
         return JSONResponse({"status": "ok", "model": serving.model_name})
 
+    pool = serving.pool
+    if pool is not None:
+        registry = CollectorRegistry()
+        registry.register(pool)  # every model's metrics, labelled by model
+
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
+        if pool is not None:  # each model's state: one model's fault is that model's
+            return JSONResponse(pool.health())
+        assert not isinstance(engine, ModelPool)
         if engine.healthy:
             body: dict[str, Any] = {"status": "ok", "model": serving.model_name}
             if engine.warming_up:
@@ -114,7 +126,8 @@ def create_app(
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        source = registry if pool is not None else engine.metrics.registry  # type: ignore[union-attr]
+        return Response(generate_latest(source), media_type=CONTENT_TYPE_LATEST)
 
     # -- middleware: the last added runs first --
 

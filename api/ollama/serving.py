@@ -35,6 +35,7 @@ from stepline.api.pipeline.agents import (
 )
 from stepline.api.pipeline.errors import APIError
 from stepline.api.pipeline.model_output import OutputDelta, ToolCall, split_output
+from stepline.api.pipeline.served import ServedModel
 from stepline.api.pipeline.serving import Call, Piece, Serving, Started, client_of
 
 if TYPE_CHECKING:
@@ -119,13 +120,19 @@ def _tensors(file: Path) -> list[tuple[str, str, int]]:
 class OllamaDoor:
     def __init__(self, serving: Serving):
         self.serving = serving
-        engine = serving.engine
-        self.facts = ModelFacts.read(Path(engine.loaded.path))
 
     # -- models --
 
-    def details(self) -> dict[str, Any]:
-        f = self.facts
+    def facts(self, served: ServedModel) -> ModelFacts:
+        """What the listings say of a loaded model, read from its files once."""
+        facts = served.door_facts.get("ollama")
+        if facts is None:
+            facts = served.door_facts["ollama"] = ModelFacts.read(Path(served.engine.loaded.path))
+        return facts
+
+    def details(self, f: ModelFacts | None) -> dict[str, Any]:
+        if f is None:  # a model not loaded yet: its files are read once it is
+            return {"parent_model": "", "format": "safetensors", "family": "", "families": None}
         return {
             "parent_model": "",
             "format": "safetensors",
@@ -135,31 +142,48 @@ class OllamaDoor:
             "quantization_level": f.quantization_level,
         }
 
-    def card(self) -> dict[str, Any]:
-        name = self.serving.model_name
-        f = self.facts
+    def card(self, name: str, f: ModelFacts | None) -> dict[str, Any]:
         return {
             "name": name,
             "model": name,
-            "modified_at": f.modified_at,
-            "size": f.size,
-            "digest": f.digest,
-            "details": self.details(),
+            "modified_at": f.modified_at if f is not None else _now(),
+            "size": f.size if f is not None else 0,
+            "digest": f.digest if f is not None else "",
+            "details": self.details(f),
         }
 
+    def _served(self, name: str) -> ServedModel | None:
+        serving = self.serving
+        if serving.pool is None:
+            return serving.one
+        entry = serving.pool.entry_of(name)
+        return entry.served if entry is not None and entry.engine is not None else None
+
     def tags(self) -> dict[str, Any]:
-        return {"models": [self.card()]}
+        """Every served model, loaded or not."""
+        cards = []
+        for name in self.serving.listed_names:
+            served = self._served(name)
+            cards.append(self.card(name, self.facts(served) if served is not None else None))
+        return {"models": cards}
 
     def ps(self) -> dict[str, Any]:
-        card = self.card()
-        del card["modified_at"]
-        context = self.serving.engine.max_context
-        return {"models": [{**card, "expires_at": NEVER, "context_length": context}]}
+        """The loaded models."""
+        models = []
+        for name in self.serving.listed_names:
+            served = self._served(name)
+            if served is None:
+                continue
+            card = self.card(name, self.facts(served))
+            del card["modified_at"]
+            context = served.engine.max_context
+            models.append({**card, "expires_at": NEVER, "context_length": context})
+        return {"models": models}
 
     async def show(self, request: Request, rid: str) -> Response:
         await self.serving.parse(request, ShowRequest, generates=False, any_media_type=True)
         tokenizer = self.serving.engine.tokenizer
-        f = self.facts
+        f = self.facts(self.serving.model)
         capabilities = ["completion"]
         if tools_unusable(tokenizer, parse=True) is None:
             capabilities.append("tools")
@@ -173,7 +197,7 @@ class OllamaDoor:
                 "modelfile": f"# served by stepline from {self.serving.engine.loaded.path}",
                 "parameters": "",
                 "template": template if isinstance(template, str) else "",
-                "details": self.details(),
+                "details": self.details(f),
                 "model_info": {
                     "general.architecture": f.family,
                     "general.parameter_count": f.num_params,
@@ -194,7 +218,7 @@ class OllamaDoor:
         if think and not getattr(tokenizer, "think_start", None):
             raise APIError(
                 400,
-                f"{serving.model_name!r} does not support thinking: drop `think`",
+                f"{serving.model.name!r} does not support thinking: drop `think`",
                 param="think",
                 code="unsupported_parameter",
             )

@@ -63,13 +63,9 @@ class OpenAIDoor:
     def __init__(self, serving: Serving):
         self.serving = serving
         self.created = int(time.time())
-        self._token_text: dict[int, str] = {}
 
     def token_text(self, token_id: int) -> str:
-        text = self._token_text.get(token_id)
-        if text is None:
-            text = self._token_text[token_id] = self.serving.engine.tokenizer.decode([token_id])
-        return text
+        return self.serving.model.token_text(token_id)
 
     def chat_logprobs(self, lps: Sequence[TokenLogprob]) -> list[ChatCompletionTokenLogprob]:
         out = []
@@ -206,18 +202,21 @@ class OpenAIDoor:
     # -- /v1/models --
 
     def model_card(self, name: str) -> Model:
-        return Model(
-            id=name,
-            object="model",
-            created=self.created,
-            owned_by="stepline",
-            **{"max_model_len": self.serving.engine.max_context},  # vLLM's extension
-        )
+        """`name`'s card: with its context (vLLM's `max_model_len`) once it is loaded, and in a
+        server of several models whether it is (`loaded`, stepline's)."""
+        extra: dict[str, Any] = {}
+        engine = self.serving.loaded_engine(name)
+        if engine is not None:
+            extra["max_model_len"] = engine.max_context
+        if self.serving.pool is not None:
+            extra["loaded"] = engine is not None
+        return Model(id=name, object="model", created=self.created, owned_by="stepline", **extra)
 
     def models(self) -> dict[str, Any]:
-        """The served model under its first name (the others are accepted as `model` too)."""
-        card = self.model_card(self.serving.model_name)
-        return {"object": "list", "data": [card.model_dump(exclude_unset=True)]}
+        """Every served model under its first name, loaded or not (their other names are
+        accepted as `model` too)."""
+        cards = [self.model_card(name) for name in self.serving.listed_names]
+        return {"object": "list", "data": [c.model_dump(exclude_unset=True) for c in cards]}
 
 
 class _StreamRenderer:
@@ -402,7 +401,7 @@ def router(serving: Serving) -> APIRouter:
 
     @routes.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> JSONResponse:
-        if model_id not in serving.served_model_names:
+        if model_id not in serving.served_model_names:  # its other names get the card too
             raise APIError(
                 404, f"The model {model_id!r} does not exist", param="model", code="model_not_found"
             )

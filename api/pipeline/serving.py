@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -34,7 +35,7 @@ from starlette.requests import ClientDisconnect
 from stepline.api.config import ServerConfig
 from stepline.api.json_limits import parse_body
 from stepline.api.params import SamplingParams
-from stepline.api.pipeline.agents import AgentPlan, configure
+from stepline.api.pipeline.agents import AgentPlan
 from stepline.api.pipeline.errors import (
     APIError,
     Wire,
@@ -58,9 +59,10 @@ from stepline.api.pipeline.resume import (
     presented_key,
     wants_resumable,
 )
+from stepline.api.pipeline.served import ServedModel
 from stepline.api.pipeline.writer import Emit, StreamResponse
 from stepline.api.prompts import Prepared
-from stepline.engine.images import ImageError, ImageLimits
+from stepline.engine.images import ImageError
 from stepline.engine.policy import max_output_tokens
 from stepline.engine.sampling_limits import GREEDY_TEMPERATURE
 from stepline.engine.work import GRAMMAR_FAILED
@@ -68,6 +70,7 @@ from stepline.engine.work import GRAMMAR_FAILED
 if TYPE_CHECKING:
     from stepline.actors.request import RequestOutput
     from stepline.api.engine import Engine, RequestStream
+    from stepline.api.pool import ModelPool
 
 log = structlog.get_logger(__name__)
 
@@ -205,50 +208,136 @@ class Renderer(Protocol):
         ...
 
 
+@dataclass
+class _Binding:
+    """A request's model, bound to its task by `Serving.bind`."""
+
+    served: ServedModel
+    entry: Any = None  # its pool entry (a server of several models), released once
+    released: bool = False
+
+
+# The model of the request this task serves (`Serving.bind`): read by the doors' handlers and
+# renderers through `Serving.model`, which run in that task (or in tasks it started).
+_BOUND: ContextVar[_Binding | None] = ContextVar("stepline_served_model", default=None)
+
+
 class Serving:
-    """The pipeline, for every door of one app: the engine, the server's options and the
-    resumable streams' records."""
+    """The pipeline, for every door of one app: the served models, the server's options and
+    the resumable streams' records. A request's model is bound to its task when its body is
+    parsed (`parse` -> `bind`: loaded first, in a server of several models); `model` (and
+    `engine`, `reasoning`, ...) are then that model's."""
 
     def __init__(
         self,
-        engine: Engine,
+        engine: Engine | ModelPool,
         config: ServerConfig,
         interrupted: Sequence[tuple[str, float]] = (),
     ):
-        self.engine = engine
         self.config = config
         # (request id, admitted at) of what the event log says the last run left unfinished
         # (`responses.recovery`): the Responses door answers those as failed.
         self.interrupted = interrupted
-        self.served_model_names: tuple[str, ...] = config.served_model_name or (engine.model_name,)
         self.resume = ResumeRegistry(config.resume_grace_s)
-        self.images = ImageOptions(
-            # Whether the model reads images: Engine.accepts_images, which comes with the
-            # vision models (until then, no engine does).
-            accepts_images=getattr(engine, "accepts_images", False),
-            allow_urls=config.allow_image_urls,
-            fetch_timeout_s=config.image_fetch_timeout_s,
-            limits=ImageLimits(
-                config.max_image_bytes, config.max_image_pixels, config.max_images_per_request
-            ),
-        )
-        # Applies --chat-template to the tokenizer; raises ValueError for what the model
-        # cannot honour.
-        self.reasoning, self.default_template_kwargs = configure(
-            engine.tokenizer,
-            reasoning_parser=config.reasoning_parser,
-            chat_template=config.chat_template,
-            default_chat_template_kwargs=config.default_chat_template_kwargs,
-        )
+        self.pool: ModelPool | None = None
+        self.one: ServedModel | None = None
+        if hasattr(engine, "acquire"):  # several models (api/pool.py)
+            self.pool = engine  # type: ignore[assignment]
+        else:
+            names = config.served_model_name or (engine.model_name,)  # type: ignore[union-attr]
+            self.one = ServedModel(engine, config, names)  # type: ignore[arg-type]
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        """Every name a client may send as `model`."""
+        return self.pool.names if self.pool is not None else self.one.names  # type: ignore[union-attr]
 
     @property
     def model_name(self) -> str:
-        """The name this server lists and answers with by default."""
+        """The name this server lists first and answers with by default."""
         return self.served_model_names[0]
 
     def response_model(self, requested: str | None) -> str:
         """The `model` of a response: the name the client asked for (it is a served one)."""
-        return requested if requested is not None else self.model_name
+        return requested if requested is not None else self.model.name
+
+    @property
+    def listed_names(self) -> tuple[str, ...]:
+        """Each model's first name, as /v1/models lists them."""
+        if self.pool is not None:
+            return tuple(self.pool.entries)
+        assert self.one is not None
+        return (self.one.name,)
+
+    def loaded_engine(self, name: str) -> Engine | None:
+        """The engine of the model `name` names, if it is loaded now."""
+        if self.pool is None:
+            return self.one.engine if self.one is not None and name in self.one.names else None
+        entry = self.pool.entry_of(name)
+        return entry.engine if entry is not None else None
+
+    @property
+    def model(self) -> ServedModel:
+        """The model of the request this task serves (`bind`); a server of one model's."""
+        binding = _BOUND.get()
+        if binding is not None:
+            return binding.served
+        if self.one is None:
+            raise RuntimeError("no model is bound to this task: parse the request first")
+        return self.one
+
+    @property
+    def engine(self) -> Engine:
+        return self.model.engine
+
+    @property
+    def reasoning(self) -> Any:
+        return self.model.reasoning
+
+    @property
+    def default_template_kwargs(self) -> dict[str, Any]:
+        return self.model.default_template_kwargs
+
+    @property
+    def images(self) -> ImageOptions:
+        return self.model.images
+
+    async def bind(self, requested: str | None) -> ServedModel:
+        """Bind the model `requested` names (None: the first one) to this task's request,
+        loading it first in a server of several models (the caller waits meanwhile); it stays
+        loaded until the request is in its engine (`handle` releases it). Raises APIError:
+        404 for a name no model has, 400 for a model larger than the memory budget, 503 for
+        one whose load failed."""
+        self.check_model(requested)
+        if self.pool is None:
+            assert self.one is not None
+            _BOUND.set(_Binding(self.one))
+            return self.one
+        from stepline.api.pool import ModelTooLargeError, ModelUnavailableError
+
+        try:
+            entry = await self.pool.acquire(requested or self.model_name)
+        except ModelTooLargeError as exc:
+            raise APIError(400, str(exc), param="model", code="model_too_large") from None
+        except ModelUnavailableError as exc:
+            raise APIError(
+                503, str(exc), code="model_unavailable", headers={"retry-after": "5"}
+            ) from None
+        _BOUND.set(_Binding(entry.served, entry))
+        return entry.served
+
+    def _unbind(self) -> None:
+        """`handle`'s end: a request that did not reach its engine is no longer arriving, and
+        a pool's model may be unloaded once its requests are all in it (or ended)."""
+        binding = _BOUND.get()
+        if binding is None:
+            if self.one is not None:
+                self.one.engine.arrived()
+            return
+        binding.served.engine.arrived()
+        if binding.entry is not None and not binding.released and self.pool is not None:
+            binding.released = True
+            self.pool.release(binding.entry)
 
     # -- request side --
 
@@ -304,8 +393,8 @@ class Serving:
         A request that `generates` counts as on its way to the engine from here.
         `any_media_type`: see `read_body`."""
         body = await self.read_body(request, any_media_type=any_media_type)
-        if generates:
-            self.engine.arriving()  # until it is submitted, or `handle` ends
+        if generates and self.one is not None:
+            self.one.engine.arriving()  # until it is submitted, or `handle` ends
 
         def validate() -> _R:
             return cls.model_validate(parse_body(body))  # type: ignore[attr-defined]
@@ -315,7 +404,7 @@ class Serving:
         except ValueError as exc:  # the body's limits, pydantic's validation
             raise known_error(exc) or exc from None
         req.check_supported()
-        self.check_model(req.model)
+        await self.bind(req.model)  # a pool's model: loaded first, and arriving from then
         return req
 
     def check_model(self, model: str | None) -> None:
@@ -660,7 +749,7 @@ class Serving:
             log.exception("request_failed", request_id=rid)
             err = internal_error(rid)
         finally:
-            self.engine.arrived()  # a request that failed before it was submitted
+            self._unbind()
         err.request_id = rid
         log.info(
             "request_error",

@@ -232,7 +232,7 @@ class ResponsesDoor:
         no input and no output, only the failure."""
         response = failed_response(
             rid,
-            self.serving.model_name,
+            self.serving.model_name,  # which model it was for is not in the log
             admitted_at,
             "server_restarted",
             "the server stopped before this response finished and its output is lost: create "

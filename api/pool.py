@@ -1,0 +1,596 @@
+"""A server of several models: each by name, loaded when a request first names it, unloaded
+when memory is wanted for another or when it idles past its time to live.
+
+    async with ModelPool.open(pool_config, engine_options, events) as pool:
+        entry = await pool.acquire("small")     # loads it if needed; counts as arriving
+        await entry.engine.submit(...)
+
+Each loaded model is an `Engine` of its own (scheduler core, step loop, prefix cache); all
+of them share the one executor thread, taking turns on it (`actors/turns.py`), and one event
+log: the run's header lists the models, each event names its model, and loads and unloads
+are events too (`model-loaded`, `model-load-failed`, `model-unloaded`). Which model runs
+next and which stay loaded is `engine/model_policy.py`'s decision; this module applies it.
+Loads run one at a time, as tasks of the pool (a request that stops waiting does not stop
+its model's load).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import structlog
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from stepline.actors.core import LogPlace
+from stepline.actors.executor import Executor
+from stepline.actors.turns import Turns
+from stepline.api.config import EngineConfig, EventLogConfig, ModelSpec, PoolConfig
+from stepline.api.engine import Engine
+from stepline.api.engine_parts import PoolMember
+from stepline.engine.model_policy import DoesNotFitError, Resident, expired, to_unload
+from stepline.events.models import (
+    LogHeader,
+    ModelLoaded,
+    ModelLoadFailed,
+    ModelUnloaded,
+    new_run_id,
+    new_salt,
+)
+
+log = structlog.get_logger(__name__)
+
+# The share of the machine's memory all models may take together, when no --max-memory-gb.
+DEFAULT_MEMORY_FRACTION = 0.7
+# A model given no KV budget of its own gets this share of the server's memory budget (alone,
+# an engine's default is most of the machine's memory).
+DEFAULT_KV_SHARE = 0.1
+# A model whose load failed fails the requests for it this long before it is tried again.
+RETRY_FAILED_LOAD_S = 30.0
+# How often idle times are checked (time to live) and busy models noticed.
+WATCH_EVERY_S = 1.0
+
+
+class ModelState(enum.StrEnum):
+    UNLOADED = "unloaded"
+    LOADING = "loading"
+    LOADED = "loaded"
+    UNLOADING = "unloading"
+    FAILED = "failed"  # its last load failed: `error` says why
+
+
+class ModelUnavailableError(RuntimeError):
+    """A configured model cannot serve: its load failed (the message says why)."""
+
+
+class ModelTooLargeError(ValueError):
+    """A model cannot fit in the server's memory budget even alone."""
+
+
+@dataclass
+class Entry:
+    """One configured model: its state, and its engine while loaded."""
+
+    spec: ModelSpec
+    config: EngineConfig  # the server's engine options with its own over them
+    state: ModelState = ModelState.UNLOADED
+    engine: Engine | None = None
+    served: Any = None  # what the pool's `on_load` built for it (the HTTP pipeline's part)
+    footprint_bytes: int = 0  # weights + KV budget + prefix cache, as loaded
+    known_bytes: int | None = None  # the footprint measured at its last load
+    last_used: float = field(default_factory=time.monotonic)
+    error: str | None = None  # why its last load failed
+    refused: str | None = None  # why it can never load: larger than the whole budget
+    users: int = 0  # requests between `acquire` and `release` (not yet in its engine's states)
+    retry_at: float = 0.0  # a failed load is tried again from then
+    place: LogPlace | None = None  # where its events go on in the log
+    unload: anyio.Event = field(default_factory=anyio.Event)
+    unload_reason: str = "shutdown"
+    loaded_at: float = 0.0
+
+    @property
+    def busy(self) -> bool:
+        return self.users > 0 or (self.engine is not None and self.engine.busy)
+
+    def resident(self) -> Resident:
+        return Resident(
+            self.spec.name, self.footprint_bytes, self.last_used, self.busy, self.spec.pinned
+        )
+
+
+class ModelPool:
+    """The configured models and the loaded ones' engines. Create with `ModelPool.open`."""
+
+    def __init__(
+        self,
+        config: PoolConfig,
+        engine_options: dict[str, Any],
+        *,
+        budget_bytes: int,
+        writer: Any,
+        tg: anyio.abc.TaskGroup,
+        on_load: Callable[[Engine, ModelSpec], Any] | None,
+        mlx_wait_at_close_s: float | None,
+    ):
+        self.config = config
+        self.budget_bytes = budget_bytes
+        self.entries = {
+            s.name: Entry(
+                s,
+                _with_kv_budget(s.engine_config(engine_options), budget_bytes),
+                place=LogPlace(s.name),
+            )
+            for s in config.models
+        }
+        self.turns = Turns(tuple(self.entries))
+        self._writer = writer
+        self._tg = tg
+        self._on_load = on_load
+        self._mlx_wait = mlx_wait_at_close_s
+        self._executor = Executor()  # the pool's own MLX work (freeing the cache) on the thread
+        self._loading = anyio.Lock()  # one load at a time: each sees the others' memory
+        self._changed = anyio.Event()
+        self._closing = False
+
+    @classmethod
+    @asynccontextmanager
+    async def open(
+        cls,
+        config: PoolConfig,
+        engine_options: dict[str, Any] | None = None,
+        events: EventLogConfig | None = None,
+        *,
+        on_load: Callable[[Engine, ModelSpec], Any] | None = None,
+        mlx_wait_at_close_s: float | None = None,
+    ) -> AsyncIterator[ModelPool]:
+        """Serve `config`'s models until the block exits (each loaded on its first request;
+        pinned ones at once). `engine_options`: `EngineConfig` fields for every model (each
+        model's own options go over them); `events`: the one event log of them all.
+        `on_load(engine, spec)` runs as each model loads (what it returns is its entry's
+        `served`; what it raises fails the load). Raises ValueError for a bad option."""
+        options = dict(engine_options or {})
+        for spec in config.models:
+            spec.engine_config(options)  # a bad option fails now, not at a first request
+        events = events or EventLogConfig()
+        writer = None
+        if events.event_log is not None:
+            from stepline.events.log import EventLogWriter
+
+            header = LogHeader(
+                created=time.time(),
+                models={s.name: s.model_dump() for s in config.models},
+                log_prompts=events.log_prompts,
+                log_outputs=events.log_outputs,
+                run_id=new_run_id(),
+                salt=new_salt(),
+            )
+            writer = EventLogWriter(
+                events.event_log, header, rotate_bytes=events.rotate_bytes, append=True
+            )
+        try:
+            budget = await _budget_bytes(config.max_memory_gb)
+            async with anyio.create_task_group() as tg:
+                pool = cls(
+                    config,
+                    options,
+                    budget_bytes=budget,
+                    writer=writer,
+                    tg=tg,
+                    on_load=on_load,
+                    mlx_wait_at_close_s=mlx_wait_at_close_s,
+                )
+                log.info(
+                    "models_configured",
+                    models=list(pool.entries),
+                    max_memory_gb=round(budget / 2**30, 2),
+                )
+                tg.start_soon(pool._watch)
+                for entry in pool.entries.values():
+                    if entry.spec.pinned:
+                        tg.start_soon(pool._load_for_pin, entry)
+                try:
+                    yield pool
+                finally:
+                    await pool._close()
+                    tg.cancel_scope.cancel()
+        finally:
+            if writer is not None:
+                writer.close()
+
+    # -- reading ------------------------------------------------------------------------
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every name a client may send as `model` (each model's, then its aliases)."""
+        return tuple(n for e in self.entries.values() for n in e.spec.names)
+
+    def entry_of(self, name: str) -> Entry | None:
+        """The model `name` names (by its name or an alias), or None."""
+        spec = self.config.spec_of(name)
+        return None if spec is None else self.entries[spec.name]
+
+    def loaded(self) -> list[Entry]:
+        return [e for e in self.entries.values() if e.state is ModelState.LOADED]
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(e.footprint_bytes for e in self.entries.values() if e.engine is not None)
+
+    def health(self) -> dict[str, Any]:
+        """/health's body: each model's state (loaded, unloaded, loading, unloading, failed:
+        with why), the memory used of the budget; `degraded` when a model failed to load or
+        the event log stopped writing."""
+        models: dict[str, Any] = {}
+        degraded = False
+        for name, e in self.entries.items():
+            about: dict[str, Any] = {"state": str(e.state)}
+            if e.engine is not None:
+                if e.engine.warming_up:
+                    about["warming_up"] = True
+                if (reason := e.engine.unhealthy_reason) is not None:
+                    about.update(state="failed", error=reason.split(":", 1)[0])
+            if e.error is not None and e.state is ModelState.FAILED:
+                about["error"] = e.error
+            if e.refused is not None:
+                about.update(state="refused", error=e.refused)
+            degraded |= about["state"] in ("failed", "refused")
+            models[name] = about
+        body: dict[str, Any] = {
+            "status": "degraded" if degraded else "ok",
+            "models": models,
+            "memory_gb": {
+                "used": round(self.used_bytes / 2**30, 3),
+                "budget": round(self.budget_bytes / 2**30, 3),
+            },
+        }
+        if self._writer is not None and self._writer.degraded:
+            lost = f"{self._writer.error_message}; {self._writer.num_dropped} events dropped"
+            body.update(status="degraded", event_log=lost)
+        return body
+
+    def collect(self) -> Iterator[Metric]:
+        """Every loaded model's metrics, each sample labelled with its `model`, and the pool's
+        own: whether each model is loaded, and the memory they use of the budget (a
+        prometheus_client collector: `registry.register(pool)`)."""
+        merged: dict[str, Metric] = {}
+        for entry in self.loaded():
+            assert entry.engine is not None
+            for metric in entry.engine.metrics.registry.collect():
+                into = merged.get(metric.name)
+                if into is None:
+                    into = merged[metric.name] = Metric(
+                        metric.name, metric.documentation, metric.type, metric.unit
+                    )
+                for sample in metric.samples:
+                    labels = {**sample.labels, "model": entry.spec.name}
+                    into.add_sample(
+                        sample.name, labels, sample.value, sample.timestamp, sample.exemplar
+                    )
+        yield from merged.values()
+        loaded = GaugeMetricFamily(
+            "stepline_model_loaded", "whether the model is loaded (1) or not (0)", labels=["model"]
+        )
+        for name, e in self.entries.items():
+            loaded.add_metric([name], 1.0 if e.state is ModelState.LOADED else 0.0)
+        yield loaded
+        yield GaugeMetricFamily(
+            "stepline_models_memory_bytes",
+            "memory the loaded models take (weights, KV budget, prefix cache)",
+            value=self.used_bytes,
+        )
+        yield GaugeMetricFamily(
+            "stepline_models_memory_budget_bytes",
+            "memory all models may take together (--max-memory-gb)",
+            value=self.budget_bytes,
+        )
+
+    # -- requests -----------------------------------------------------------------------
+
+    async def acquire(self, name: str) -> Entry:
+        """The loaded model `name` names, loading it (and unloading others for room) first if
+        need be. The model stays loaded for the caller until it calls `release(entry)` (by
+        then its request is in the engine, or ended); the request counts as arriving at the
+        engine (`Engine.arriving`). Raises KeyError for a name no model has,
+        ModelTooLargeError for a model the memory budget cannot hold, ModelUnavailableError
+        when its load failed or the server is shutting down."""
+        entry = self.entry_of(name)
+        if entry is None:
+            raise KeyError(name)
+        while True:
+            if self._closing:
+                raise ModelUnavailableError("the server is shutting down")
+            if entry.refused is not None:
+                raise ModelTooLargeError(entry.refused)
+            if entry.state is ModelState.LOADED and entry.engine is not None:
+                entry.last_used = time.monotonic()
+                entry.users += 1  # from now on never unloaded under this request
+                entry.engine.arriving()
+                return entry
+            if entry.state is ModelState.FAILED and time.monotonic() < entry.retry_at:
+                raise ModelUnavailableError(entry.error or "its load failed")
+            if entry.state in (ModelState.UNLOADED, ModelState.FAILED):
+                entry.state = ModelState.LOADING
+                self._tg.start_soon(self._load, entry)
+            await self._wait_for_change()
+
+    def release(self, entry: Entry) -> None:
+        """The caller of `acquire` is done with `entry` (its request is in the engine's states
+        or ended)."""
+        entry.users -= 1
+        entry.last_used = time.monotonic()
+
+    async def _wait_for_change(self) -> None:
+        await self._changed.wait()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    # -- loading and unloading ----------------------------------------------------------
+
+    async def _load_for_pin(self, entry: Entry) -> None:
+        if entry.state is ModelState.UNLOADED:
+            entry.state = ModelState.LOADING
+            await self._load(entry)
+
+    async def _load(self, entry: Entry) -> None:
+        """Load `entry` (its state is LOADING): make room, open its engine in a task of the
+        pool, and settle its state (LOADED, FAILED, or UNLOADED with `error` when it can never
+        fit); every waiter hears of it."""
+        spec = entry.spec
+        try:
+            async with self._loading:
+                need = entry.known_bytes or await self._estimate(entry)
+                if not await self._make_room(entry, need):
+                    return
+                t0 = time.monotonic()
+                log.info("model_loading", model=spec.name, source=spec.source, estimate_bytes=need)
+                await self._tg.start(self._hold, entry, t0)
+            await self._fit_after_load(entry)
+        except DoesNotFitError as exc:
+            await self._unload(entry, "memory")  # measured once loaded: larger than estimated
+            entry.state, entry.refused = ModelState.UNLOADED, str(exc)
+            log.warning("model_refused", model=spec.name, need=exc.need, budget=exc.budget)
+        except Exception as exc:  # a load's failure is that model's: the others serve on
+            entry.state, entry.engine, entry.served = ModelState.FAILED, None, None
+            entry.error = f"the model {spec.name!r} could not be loaded: {_reason(exc)}"
+            entry.retry_at = time.monotonic() + RETRY_FAILED_LOAD_S
+            log.error("model_load_failed", model=spec.name, error=repr(exc))
+            self._log_failed(entry)
+        finally:
+            self._notify()
+
+    async def _estimate(self, entry: Entry) -> int:
+        """The footprint `entry` will have: its weights from their files (`estimate_weights_
+        bytes`), its KV budget and its prefix cache's budget."""
+        from stepline.engine.models import estimate_weights_bytes
+
+        weights = await self._executor.call(
+            estimate_weights_bytes, entry.spec.model, entry.config.dtype
+        )
+        if weights is None:
+            log.info("model_size_unknown", model=entry.spec.name, until="it is loaded")
+        return (weights or 0) + _kv_bytes_guess(entry.config) + _prefix_bytes(entry.config)
+
+    async def _make_room(self, entry: Entry, need: int) -> bool:
+        """Unload idle models until `need` fits; wait while only busy ones are in the way.
+        Returns False if the pool closed meanwhile. Raises DoesNotFitError."""
+        while not self._closing:
+            others = [e.resident() for e in self.entries.values() if e.engine is not None]
+            victims = to_unload(others, need, self.budget_bytes, entry.spec.name)
+            if victims is None:
+                log.info("model_waits_for_room", model=entry.spec.name, need_bytes=need)
+                await self._wait_for_change()  # `_watch` notices models going idle
+                continue
+            for name in victims:
+                await self._unload(self.entries[name], "memory")
+            if victims and self.used_bytes + need > self.budget_bytes:
+                continue  # one became busy meanwhile and stayed: choose again
+            return True
+        return False
+
+    async def _fit_after_load(self, entry: Entry) -> None:
+        """Once loaded, its measured footprint decides: idle models are unloaded while the
+        loaded ones are over the budget. Raises DoesNotFitError if it is over it alone."""
+        others = [e.resident() for e in self.entries.values() if e.engine and e is not entry]
+        victims = to_unload(others, entry.footprint_bytes, self.budget_bytes, entry.spec.name)
+        for name in victims or ():
+            await self._unload(self.entries[name], "memory")
+        if self.used_bytes > self.budget_bytes:
+            log.warning(
+                "memory_over_budget",
+                used_gb=round(self.used_bytes / 2**30, 3),
+                budget_gb=round(self.budget_bytes / 2**30, 3),
+                why="the models in the way are busy or pinned",
+            )
+
+    async def _hold(
+        self, entry: Entry, t0: float, *, task_status=anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Open `entry`'s engine, serve it until it is told to unload, then close it."""
+        from stepline.engine.memory import weights_bytes
+
+        spec = entry.spec
+        assert entry.place is not None
+        member = PoolMember(self._writer, entry.place, self.turns)
+        opened = Engine.open(
+            spec.source,
+            member=member,
+            mlx_wait_at_close_s=self._mlx_wait,
+            **entry.config.open_kwargs(),
+        )
+        started = False
+        try:
+            async with opened as engine:
+                entry.served = self._on_load(engine, spec) if self._on_load is not None else None
+                weights = await self._executor.call(weights_bytes, engine.loaded.model)
+                sched = engine.step_loop.config
+                kv = sched.max_kv_tokens * sched.kv_bytes_per_token
+                prefix = _prefix_bytes(entry.config)
+                entry.footprint_bytes = entry.known_bytes = weights + kv + prefix
+                seconds = time.monotonic() - t0
+                engine.step_loop.log_model_event(
+                    ModelLoaded,
+                    path=str(engine.loaded.path),
+                    weights_bytes=weights,
+                    kv_bytes=kv,
+                    prefix_cache_bytes=prefix,
+                    load_seconds=round(seconds, 3),
+                    config=engine.config,
+                )
+                log.info(
+                    "model_loaded",
+                    model=spec.name,
+                    path=str(engine.loaded.path),
+                    weights_gb=round(weights / 2**30, 3),
+                    kv_gb=round(kv / 2**30, 3),
+                    prefix_cache_gb=round(prefix / 2**30, 3),
+                    seconds=round(seconds, 2),
+                    used_gb=round((self.used_bytes + entry.footprint_bytes) / 2**30, 3),
+                )
+                entry.engine, entry.state, entry.error = engine, ModelState.LOADED, None
+                entry.last_used = entry.loaded_at = time.monotonic()
+                entry.unload = anyio.Event()
+                task_status.started()
+                started = True
+                await entry.unload.wait()
+                idle_s = time.monotonic() - entry.last_used
+                engine.step_loop.log_model_event(
+                    ModelUnloaded,
+                    reason=entry.unload_reason,
+                    bytes_freed=entry.footprint_bytes,
+                    idle_seconds=round(idle_s, 3),
+                )
+                entry.place = engine.step_loop.core.place
+                engine.begin_shutdown()  # none in flight (it was idle); a late one ends now
+        except Exception as exc:
+            if not started:
+                raise  # the load failed (`_load` says so)
+            log.error("model_close_failed", model=spec.name, error=repr(exc))  # its own
+        finally:
+            freed, entry.footprint_bytes = entry.footprint_bytes, 0
+            entry.engine = entry.served = None
+            if entry.state is not ModelState.FAILED:
+                entry.state = ModelState.UNLOADED
+            with anyio.CancelScope(shield=True):
+                await self._free_memory()
+            if freed:
+                log.info(
+                    "model_unloaded",
+                    model=spec.name,
+                    reason=entry.unload_reason,
+                    freed_gb=round(freed / 2**30, 3),
+                )
+            self._notify()
+
+    async def _unload(self, entry: Entry, reason: str) -> None:
+        """Unload `entry` and wait until its memory is free; one that is busy now (a request
+        came since it was chosen) stays, except at shutdown."""
+        if entry.state is not ModelState.LOADED or (entry.busy and reason != "shutdown"):
+            return
+        entry.state, entry.unload_reason = ModelState.UNLOADING, reason
+        entry.unload.set()
+        while entry.state is ModelState.UNLOADING:
+            await self._wait_for_change()
+
+    async def _free_memory(self) -> None:
+        """Give an unloaded model's memory back: MLX's buffer cache, then the C heap."""
+        import mlx.core as mx
+
+        from stepline.engine import heap
+
+        try:
+            await self._executor.call(mx.clear_cache)
+            await self._executor.call(heap.trim)
+        except Exception as exc:  # noqa: BLE001 - memory stays cached; the pool serves on
+            log.warning("memory_not_freed", error=repr(exc))
+
+    def _log_failed(self, entry: Entry) -> None:
+        if self._writer is None or entry.place is None:
+            return
+        place = entry.place
+        entry.place = LogPlace(place.model, place.seq + 1, place.step)
+        self._writer.append(
+            ModelLoadFailed(
+                seq=place.seq + 1,
+                ts=time.time(),
+                step=place.step + 1,
+                model=place.model,
+                message=entry.error or "",
+            )
+        )
+
+    async def _watch(self) -> None:
+        """Every WATCH_EVERY_S: a busy model is in use now (LRU), and an idle one past its time
+        to live is unloaded."""
+        ttl = {n: e.spec.ttl_s or self.config.model_ttl_s for n, e in self.entries.items()}
+        while True:
+            await anyio.sleep(WATCH_EVERY_S)
+            now = time.monotonic()
+            was_busy = False
+            for entry in self.loaded():
+                if entry.busy:
+                    entry.last_used, was_busy = now, True
+            for name in expired([e.resident() for e in self.loaded()], ttl, now):
+                self._tg.start_soon(self._unload, self.entries[name], "idle")
+            for entry in self.loaded():
+                if entry.engine is not None and entry.engine.unhealthy_reason is not None:
+                    # Its executor failed: its requests ended with an error; a new request
+                    # loads it again.
+                    log.error(
+                        "model_failed", model=entry.spec.name, reason=entry.engine.unhealthy_reason
+                    )
+                    entry.users = 0
+                    self._tg.start_soon(self._unload, entry, "failed")
+            if not was_busy:
+                self._notify()  # a load waiting for room looks again
+
+    def begin_shutdown(self) -> int:
+        """Refuse new requests and cancel those in flight, in every model (`Engine.
+        begin_shutdown`). Returns how many were cancelled."""
+        self._closing = True
+        self._notify()
+        return sum(e.engine.begin_shutdown() for e in self.loaded() if e.engine is not None)
+
+    async def _close(self) -> None:
+        self._closing = True
+        for entry in list(self.entries.values()):
+            if entry.state is ModelState.LOADED:
+                await self._unload(entry, "shutdown")
+
+
+async def _budget_bytes(max_memory_gb: float | None) -> int:
+    if max_memory_gb is not None:
+        return int(max_memory_gb * 2**30)
+    from stepline.engine.memory import machine_memory_bytes
+
+    return int(await Executor().call(machine_memory_bytes) * DEFAULT_MEMORY_FRACTION)
+
+
+def _with_kv_budget(config: EngineConfig, budget_bytes: int) -> EngineConfig:
+    """`config`, with DEFAULT_KV_SHARE of the server's budget as its KV budget if it has none."""
+    if config.max_kv_gb is not None or config.max_kv_tokens is not None:
+        return config
+    return config.model_copy(update={"max_kv_gb": budget_bytes * DEFAULT_KV_SHARE / 2**30})
+
+
+def _kv_bytes_guess(config: EngineConfig) -> int:
+    """The KV budget a model will have before its footprint per token is measured: its
+    max_kv_gb (a server of several models wants one per model, else the KV is measured at
+    load), else nothing yet."""
+    return int((config.max_kv_gb or 0) * 2**30)
+
+
+def _prefix_bytes(config: EngineConfig) -> int:
+    return int(config.prefix_cache_gb * 2**30)
+
+
+def _reason(exc: BaseException) -> str:
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return str(exc) or type(exc).__name__
