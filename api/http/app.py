@@ -49,8 +49,9 @@ def create_app(
 ) -> FastAPI:
     """The HTTP app serving `engine`, or the models of a pool (api/pool.py); `options` are
     `ServerConfig`'s fields (its `api_key`, `max_body_bytes`, `served_model_name`,
-    `strict_max_tokens`, ...; the process's, such as `host`, are ignored here). `interrupted_responses`: (id, admitted at) of what the event
-    log says a restart cut off (`responses.recovery`), answered as failed.
+    `strict_max_tokens`, ...; the process's, such as `host`, are ignored here).
+    `interrupted_responses`: (id, admitted at) of what the event log says a restart cut off
+    (`responses.recovery`), answered as failed.
 
     With `api_key`, every route but / and /health (and /metrics with `metrics_public`) wants
     `Authorization: Bearer <api_key>` or `x-api-key: <api_key>` (401 otherwise): the API,
