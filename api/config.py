@@ -343,7 +343,7 @@ class PoolConfig(_Options):
         None,
         gt=0,
         description="memory all loaded models may take together (weights, KV budget, prefix "
-        "cache): least recently used idle models are unloaded to make room (default: 70%% of "
+        "cache): least recently used idle models are unloaded to make room (default: 70% of "
         "the machine's)",
     )
     model_ttl_s: float | None = Field(

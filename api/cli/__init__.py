@@ -19,9 +19,20 @@ MODEL_HELP = (
 )
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """`--model` and a flag for each `EngineConfig` and `EventLogConfig` field."""
-    p.add_argument("--model", default=None, help=MODEL_HELP)
+def add_engine_args(p: argparse.ArgumentParser, *, several: bool = False) -> None:
+    """`--model` (repeatable with `several`) and a flag for each `EngineConfig` and
+    `EventLogConfig` field."""
+    if several:
+        p.add_argument(
+            "--model",
+            action="append",
+            default=None,
+            metavar="[NAME=]MODEL",
+            help=MODEL_HELP + "; repeat it to serve several models (each loaded on its first "
+            "request), NAME= serving one under that name",
+        )
+    else:
+        p.add_argument("--model", default=None, help=MODEL_HELP)
     add_flags(p, EngineConfig, skip=("seed",))  # `generate --seed` is its request's
     add_flags(p, EventLogConfig)
 

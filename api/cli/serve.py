@@ -8,7 +8,7 @@ import os
 from typing import Any
 
 from stepline.api.cli.flags import FILE, JSON_OBJECT, add_flags, options
-from stepline.api.config import ServerConfig
+from stepline.api.config import ModelSpec, PoolConfig, ServerConfig, read_models_file
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -22,7 +22,15 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         "/v1/completions, /v1/models, /v1/responses), Anthropic's (/v1/messages), Ollama's "
         "(/api/chat, /api/generate, /api/tags, ...), /health, /metrics.",
     )
-    add_engine_args(p)
+    add_engine_args(p, several=True)
+    p.add_argument(
+        "--models",
+        metavar="FILE",
+        default=None,
+        help="a TOML file of models to serve, a [models.NAME] table each (model, aliases, "
+        "pinned, ttl_s and any engine option); see docs/models.md",
+    )
+    add_flags(p, PoolConfig, skip=("models",))
     add_flags(
         p,
         ServerConfig,
@@ -43,4 +51,27 @@ def _run(args: argparse.Namespace) -> int:
     from stepline.api.cli import engine_kwargs
     from stepline.api.http.serve import run_serve
 
-    return run_serve(args.model, engine_kwargs(args), ServerConfig(**options(args, ServerConfig)))
+    server = ServerConfig(**options(args, ServerConfig))
+    return run_serve(what_to_serve(args), engine_kwargs(args), server)
+
+
+def what_to_serve(args: argparse.Namespace) -> str | PoolConfig | None:
+    """One model (its name, None: the default one), or several: more than one `--model`, a
+    `--model NAME=MODEL`, `--models FILE`, or a pool's own option (`--max-memory-gb`,
+    `--model-ttl-s`). Raises ValueError for a bad one."""
+    given = args.model or []
+    pool_options = options(args, PoolConfig)
+    several = len(given) > 1 or args.models is not None or bool(pool_options)
+    if not several and not any("=" in m for m in given):
+        return given[0] if given else None
+    specs = [ModelSpec.parse(m) for m in given]
+    if args.models is not None:
+        specs.extend(read_models_file(args.models))
+    if not specs:
+        specs = [ModelSpec.parse("SmolLM2-135M-Instruct")]
+    if args.served_model_name:
+        raise ValueError(
+            "--served-model-name names a single model: with several, name each with "
+            "--model NAME=MODEL or aliases in --models"
+        )
+    return PoolConfig(models=tuple(specs), **pool_options)

@@ -24,7 +24,7 @@ import structlog
 import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from stepline.api.config import ServerConfig
+from stepline.api.config import EngineConfig, EventLogConfig, PoolConfig, ServerConfig
 from stepline.api.engine import launch_rank, run
 from stepline.api.http.doors import DOORS
 from stepline.api.http.guard import (
@@ -244,19 +244,22 @@ class _BackgroundImport:
 
 
 async def _serve(
-    model: str | None, engine_kwargs: dict, cfg: ServerConfig, sock: socket.socket
+    model: str | PoolConfig | None, engine_kwargs: dict, cfg: ServerConfig, sock: socket.socket
 ) -> None:
-    from stepline.api.engine import Engine
-
+    """Serve `model` (or a pool's models) on `sock` until a stop; raises EngineFailed when a
+    single model's engine fails."""
     asyncio.get_running_loop().set_exception_handler(RateLimitedExceptionHandler())
-    what = _describe_model(model)
-    switch = _AppSwitch(loading_app(model or "SmolLM2-135M-Instruct"))
+    several = isinstance(model, PoolConfig)
+    loading_name = ", ".join(s.name for s in model.models) if several else model  # type: ignore[union-attr]
+    switch = _AppSwitch(loading_app(loading_name or "SmolLM2-135M-Instruct"))
     config = server_config(switch, cfg, log_level=cfg.log_level, access_log=True)
     server = _Server(config, own_signals=True)
     url = _url(cfg.host, sock.getsockname()[1])
-    print(f"stepline: loading {what}", flush=True)
-    print(f"stepline: {url}/health answers 503 (loading) until the model is ready", flush=True)
-    t0 = time.monotonic()
+    if isinstance(model, PoolConfig):
+        print(f"stepline: serving {loading_name}: each loads on its first request", flush=True)
+    else:
+        print(f"stepline: loading {_describe_model(model)}", flush=True)
+        print(f"stepline: {url}/health answers 503 (loading) until the model is ready", flush=True)
 
     async def run_server(*, cancel: anyio.CancelScope) -> None:
         await server.serve(sockets=[sock])
@@ -279,50 +282,109 @@ async def _serve(
             app_modules = _BackgroundImport(
                 "stepline.api.http.app", *(f"stepline.api.{door}.serving" for door in DOORS)
             )
-            opened = Engine.open(model, mlx_wait_at_close_s=MLX_WAIT_AT_EXIT_S, **engine_kwargs)
-            async with opened as engine:
-                create_app = (await app_modules.module()).create_app
-                names = cfg.served_model_name or (engine.model_name,)
-                interrupted: list[tuple[str, float]] = []
-                event_log = engine_kwargs.get("event_log")
-                if event_log is not None:  # background responses a crash cut off
-                    since = time.time() - cfg.responses_ttl_s
-                    interrupted = await anyio.to_thread.run_sync(
-                        functools.partial(interrupted_responses, event_log, since=since),
-                        abandon_on_cancel=True,  # a long log's read: a stop does not wait
-                    )
-                server.on_shutdown = engine.begin_shutdown
-                switch.app = create_app(
-                    engine, interrupted_responses=interrupted, **cfg.model_dump()
+            interrupted: list[tuple[str, float]] = []
+            event_log = engine_kwargs.get("event_log")
+            if event_log is not None:  # background responses a crash cut off
+                since = time.time() - cfg.responses_ttl_s
+                interrupted = await anyio.to_thread.run_sync(
+                    functools.partial(interrupted_responses, event_log, since=since),
+                    abandon_on_cancel=True,  # a long log's read: a stop does not wait
                 )
-                print(
-                    f"stepline: loaded {engine.model_name} from {engine.loaded.path} in "
-                    f"{time.monotonic() - t0:.1f} s; weights {engine.loaded.weights}",
-                    flush=True,
+            if isinstance(model, PoolConfig):
+                await _serve_pool(
+                    model, engine_kwargs, cfg, server, switch, app_modules, url, interrupted
                 )
-                served_as = f" (as {', '.join(names)})" if cfg.served_model_name else ""
-                print(
-                    f"stepline: serving {engine.model_name}{served_as} at {url}/v1 "
-                    "(OpenAI-compatible)"
-                )
-                if cfg.api_key and os.environ.get("STEPLINE_API_KEY") != cfg.api_key:
-                    print("stepline: set STEPLINE_API_KEY to the key for the curl line below")
-                print(f"try:\n  {_curl_line(url, names[0], cfg.api_key)}", flush=True)
-                if (problem := engine.event_log_problem) is not None:  # a full disk at start
-                    print(f"stepline: warning: {problem}", file=sys.stderr, flush=True)
-                reason = await engine.wait_unhealthy()
-                if cfg.stay_up_when_unhealthy:
-                    await anyio.sleep_forever()
-                # Every request has ended with an error; /health says 503 meanwhile. Exit
-                # non-zero after a moment, so a supervisor restarts a healthy server.
-                log.error("engine_unhealthy_exiting", reason=reason)
-                print(f"stepline: error: the engine failed ({reason}); exiting", file=sys.stderr)
-                await anyio.sleep(UNHEALTHY_EXIT_DELAY_S)
-                raise EngineFailed(reason)
+                return
+            await _serve_engine(
+                model, engine_kwargs, cfg, server, switch, app_modules, url, interrupted
+            )
     except BaseExceptionGroup as group:  # one failure (a model not found): raise it alone
         if len(group.exceptions) == 1:
             raise group.exceptions[0] from None
         raise
+
+
+async def _serve_engine(
+    model: str | None,
+    engine_kwargs: dict,
+    cfg: ServerConfig,
+    server: _Server,
+    switch: _AppSwitch,
+    app_modules: _BackgroundImport,
+    url: str,
+    interrupted: list[tuple[str, float]],
+) -> None:
+    from stepline.api.engine import Engine
+
+    t0 = time.monotonic()
+    opened = Engine.open(model, mlx_wait_at_close_s=MLX_WAIT_AT_EXIT_S, **engine_kwargs)
+    async with opened as engine:
+        create_app = (await app_modules.module()).create_app
+        names = cfg.served_model_name or (engine.model_name,)
+        server.on_shutdown = engine.begin_shutdown
+        switch.app = create_app(engine, interrupted_responses=interrupted, **cfg.model_dump())
+        print(
+            f"stepline: loaded {engine.model_name} from {engine.loaded.path} in "
+            f"{time.monotonic() - t0:.1f} s; weights {engine.loaded.weights}",
+            flush=True,
+        )
+        served_as = f" (as {', '.join(names)})" if cfg.served_model_name else ""
+        print(f"stepline: serving {engine.model_name}{served_as} at {url}/v1 (OpenAI-compatible)")
+        _print_try(url, names[0], cfg)
+        if (problem := engine.event_log_problem) is not None:  # a full disk at start
+            print(f"stepline: warning: {problem}", file=sys.stderr, flush=True)
+        reason = await engine.wait_unhealthy()
+        if cfg.stay_up_when_unhealthy:
+            await anyio.sleep_forever()
+        # Every request has ended with an error; /health says 503 meanwhile. Exit
+        # non-zero after a moment, so a supervisor restarts a healthy server.
+        log.error("engine_unhealthy_exiting", reason=reason)
+        print(f"stepline: error: the engine failed ({reason}); exiting", file=sys.stderr)
+        await anyio.sleep(UNHEALTHY_EXIT_DELAY_S)
+        raise EngineFailed(reason)
+
+
+async def _serve_pool(
+    pool_config: PoolConfig,
+    engine_kwargs: dict,
+    cfg: ServerConfig,
+    server: _Server,
+    switch: _AppSwitch,
+    app_modules: _BackgroundImport,
+    url: str,
+    interrupted: list[tuple[str, float]],
+) -> None:
+    """Serve several models until a stop: a model's failure is that model's (its requests
+    get errors, /health says so), so only a stop ends it."""
+    from stepline.api.pipeline.served import served_model_factory
+    from stepline.api.pool import ModelPool
+
+    options = {k: v for k, v in engine_kwargs.items() if k in EngineConfig.model_fields}
+    events = EventLogConfig(**{k: v for k, v in engine_kwargs.items() if k not in options})
+    opened = ModelPool.open(
+        pool_config,
+        options,
+        events,
+        on_load=served_model_factory(cfg),
+        mlx_wait_at_close_s=MLX_WAIT_AT_EXIT_S,
+    )
+    async with opened as pool:
+        create_app = (await app_modules.module()).create_app
+        server.on_shutdown = pool.begin_shutdown
+        switch.app = create_app(pool, interrupted_responses=interrupted, **cfg.model_dump())
+        print(
+            f"stepline: serving {', '.join(pool.names)} at {url}/v1 (OpenAI-compatible); "
+            f"memory budget {pool.budget_bytes / 2**30:.1f} GB",
+            flush=True,
+        )
+        _print_try(url, pool.names[0], cfg)
+        await anyio.sleep_forever()
+
+
+def _print_try(url: str, name: str, cfg: ServerConfig) -> None:
+    if cfg.api_key and os.environ.get("STEPLINE_API_KEY") != cfg.api_key:
+        print("stepline: set STEPLINE_API_KEY to the key for the curl line below")
+    print(f"try:\n  {_curl_line(url, name, cfg.api_key)}", flush=True)
 
 
 async def _serve_other_rank(model: str | None, engine_kwargs: dict) -> None:
@@ -332,11 +394,15 @@ async def _serve_other_rank(model: str | None, engine_kwargs: dict) -> None:
         raise AssertionError("only rank 0 runs an engine's block")
 
 
-def run_serve(model: str | None, engine_kwargs: dict, cfg: ServerConfig) -> int:
-    """`stepline serve`: listen, load the model, serve it until Ctrl-C or SIGTERM, then end
-    the process with status 0 (1 if the engine failed; see `_end_process`). Returns 1 if it
-    cannot listen; raises what stops it from loading."""
+def run_serve(model: str | PoolConfig | None, engine_kwargs: dict, cfg: ServerConfig) -> int:
+    """`stepline serve`: listen, load the model (or serve a pool's models, each loaded on
+    its first request), serve until Ctrl-C or SIGTERM, then end the process with status 0 (1
+    if a single model's engine failed; see `_end_process`). Returns 1 if it cannot listen;
+    raises what stops it from loading."""
+    if isinstance(model, PoolConfig) and engine_kwargs.get("parallel"):
+        raise ValueError("--parallel serves one model: give one --model")
     if engine_kwargs.get("parallel") and launch_rank() > 0:  # no HTTP: it mirrors rank 0
+        assert not isinstance(model, PoolConfig)
         anyio.run(_serve_other_rank, model, engine_kwargs)
     try:
         sock = bind_socket(cfg.host, cfg.port)
