@@ -19,7 +19,14 @@ from __future__ import annotations
 import os
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from stepline.engine.images import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, MAX_IMAGES_PER_REQUEST
 from stepline.engine.policy import DEFAULT_MAX_STEP_MS
@@ -401,8 +408,12 @@ def read_models_file(path: str | os.PathLike) -> tuple[ModelSpec, ...]:
         options = {k: v for k, v in table.items() if k not in own}
         try:
             specs.append(ModelSpec.model_validate({**fields, "name": name, "options": options}))
-        except ValueError as exc:
-            raise ValueError(f"{path}: [models.{name}]: {exc}") from None
+        except ValidationError as exc:
+            err = exc.errors(include_url=False)[0]
+            where = ".".join(str(p) for p in err["loc"] if p != "options")
+            what = err["msg"].removeprefix("Value error, ")
+            where = f"{where}: " if where else ""
+            raise ValueError(f"{path}: [models.{name}]: {where}{what}") from None
     return tuple(specs)
 
 

@@ -130,7 +130,7 @@ class ModelPool:
         self.turns = Turns(tuple(self.entries))
         self._writer = writer
         self._tg = tg
-        self._on_load = on_load
+        self.on_load = on_load  # builds each model's `served` as it loads (the HTTP app sets it)
         self._mlx_wait = mlx_wait_at_close_s
         self._executor = Executor()  # the pool's own MLX work (freeing the cache) on the thread
         self._loading = anyio.Lock()  # one load at a time: each sees the others' memory
@@ -427,7 +427,7 @@ class ModelPool:
         started = False
         try:
             async with opened as engine:
-                entry.served = self._on_load(engine, spec) if self._on_load is not None else None
+                entry.served = self.on_load(engine, spec) if self.on_load is not None else None
                 weights = await self._executor.call(weights_bytes, engine.loaded.model)
                 sched = engine.step_loop.config
                 kv = sched.max_kv_tokens * sched.kv_bytes_per_token
@@ -458,16 +458,18 @@ class ModelPool:
                 entry.unload = anyio.Event()
                 task_status.started()
                 started = True
-                await entry.unload.wait()
-                idle_s = time.monotonic() - entry.last_used
-                engine.step_loop.log_model_event(
-                    ModelUnloaded,
-                    reason=entry.unload_reason,
-                    bytes_freed=entry.footprint_bytes,
-                    idle_seconds=round(idle_s, 3),
-                )
-                entry.place = engine.step_loop.core.place
-                engine.begin_shutdown()  # none in flight (it was idle); a late one ends now
+                try:
+                    await entry.unload.wait()
+                finally:  # also when the server stops (cancelled): the log says so
+                    idle_s = time.monotonic() - entry.last_used
+                    engine.step_loop.log_model_event(
+                        ModelUnloaded,
+                        reason=entry.unload_reason,
+                        bytes_freed=entry.footprint_bytes,
+                        idle_seconds=round(idle_s, 3),
+                    )
+                    entry.place = engine.step_loop.core.place
+                    engine.begin_shutdown()  # none in flight (it was idle); a late one ends now
         except Exception as exc:
             if not started:
                 raise  # the load failed (`_load` says so)
@@ -475,18 +477,18 @@ class ModelPool:
         finally:
             freed, entry.footprint_bytes = entry.footprint_bytes, 0
             entry.engine = entry.served = None
-            if entry.state is not ModelState.FAILED:
+            if started:  # else `_load` settles its state (FAILED)
                 entry.state = ModelState.UNLOADED
             with anyio.CancelScope(shield=True):
                 await self._free_memory()
-            if freed:
+            if started:
                 log.info(
                     "model_unloaded",
                     model=spec.name,
                     reason=entry.unload_reason,
                     freed_gb=round(freed / 2**30, 3),
                 )
-            self._notify()
+                self._notify()
 
     async def _unload(self, entry: Entry, reason: str) -> None:
         """Unload `entry` and wait until its memory is free; one that is busy now (a request

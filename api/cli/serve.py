@@ -60,7 +60,8 @@ def what_to_serve(args: argparse.Namespace) -> str | PoolConfig | None:
     `--model NAME=MODEL`, `--models FILE`, or a pool's own option (`--max-memory-gb`,
     `--model-ttl-s`). Raises ValueError for a bad one."""
     given = args.model or []
-    pool_options = options(args, PoolConfig)
+    # `--models FILE` is read below; a pool option left at its default says nothing
+    pool_options = {k: v for k, v in options(args, PoolConfig).items() if k != "models" and v}
     several = len(given) > 1 or args.models is not None or bool(pool_options)
     if not several and not any("=" in m for m in given):
         return given[0] if given else None

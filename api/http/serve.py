@@ -356,7 +356,6 @@ async def _serve_pool(
 ) -> None:
     """Serve several models until a stop: a model's failure is that model's (its requests
     get errors, /health says so), so only a stop ends it."""
-    from stepline.api.pipeline.served import served_model_factory
     from stepline.api.pool import ModelPool
 
     options = {k: v for k, v in engine_kwargs.items() if k in EngineConfig.model_fields}
@@ -365,7 +364,6 @@ async def _serve_pool(
         pool_config,
         options,
         events,
-        on_load=served_model_factory(cfg),
         mlx_wait_at_close_s=MLX_WAIT_AT_EXIT_S,
     )
     async with opened as pool:

@@ -59,7 +59,7 @@ from stepline.api.pipeline.resume import (
     presented_key,
     wants_resumable,
 )
-from stepline.api.pipeline.served import ServedModel
+from stepline.api.pipeline.served import ServedModel, served_model_factory
 from stepline.api.pipeline.writer import Emit, StreamResponse
 from stepline.api.prompts import Prepared
 from stepline.engine.images import ImageError
@@ -243,6 +243,10 @@ class Serving:
         self.one: ServedModel | None = None
         if hasattr(engine, "acquire"):  # several models (api/pool.py)
             self.pool = engine  # type: ignore[assignment]
+            build = served_model_factory(config)
+            self.pool.on_load = build  # type: ignore[union-attr]
+            for entry in self.pool.loaded():  # type: ignore[union-attr]
+                entry.served = build(entry.engine, entry.spec)
         else:
             names = config.served_model_name or (engine.model_name,)  # type: ignore[union-attr]
             self.one = ServedModel(engine, config, names)  # type: ignore[arg-type]

@@ -1,0 +1,297 @@
+"""Several models in one server (api/pool.py): served by name over real HTTP, loaded on their
+first request, unloaded for memory and for idleness, never under a request; one model's
+failure is that model's; one event log for them all."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from stepline.api import Engine
+from stepline.api.cli.serve import add_serve_parser, what_to_serve
+from stepline.api.config import EventLogConfig, ModelSpec, PoolConfig, read_models_file
+from stepline.api.http.app import create_app
+from stepline.api.http.serve import serve_in_process
+from stepline.api.pool import ModelPool, ModelState
+from stepline.events.log import read_events, read_runs
+from stepline.events.models import ModelLoaded, ModelLoadFailed, ModelUnloaded
+
+# Small budgets: a demo model's footprint is its ~1 MB of weights and these.
+SMALL = {"max_kv_gb": 0.01, "prefix_cache_gb": 0.01, "max_step_ms": 0, "max_step_tokens": 64}
+PROMPTS = ["Tell me a story", "Count to ten", "What is red?", "Name a bird"]
+
+
+def spec(name: str, model: str, **fields: Any) -> ModelSpec:
+    return ModelSpec.model_validate({"name": name, "model": model, **fields})
+
+
+@asynccontextmanager
+async def served_pool(
+    *specs: ModelSpec, log: Path | None = None, **pool: Any
+) -> AsyncIterator[tuple[ModelPool, str]]:
+    config = PoolConfig(models=specs, **pool)
+    events = EventLogConfig(event_log=str(log) if log else None)
+    async with ModelPool.open(config, SMALL, events) as models:
+        async with serve_in_process(create_app(models)) as url:
+            yield models, url
+
+
+def client(url: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+
+
+async def greedy(api: openai.AsyncOpenAI, model: str, prompt: str, n: int = 12) -> str:
+    stream = await api.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=n,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    parts = [c.choices[0].delta.content or "" async for c in stream if c.choices]
+    return "".join(parts)
+
+
+async def four_streams(api: openai.AsyncOpenAI, model: str, into: dict) -> None:
+    async def one(prompt: str) -> None:
+        into[(model, prompt)] = await greedy(api, model, prompt)
+
+    async with anyio.create_task_group() as tg:
+        for p in PROMPTS:
+            tg.start_soon(one, p)
+
+
+async def test_two_models_served_together_answer_what_each_answers_alone():
+    alone: dict = {}
+    for name, model in (("a", "stepline-demo"), ("b", "stepline-demo-hybrid")):
+        async with Engine.open(model, **SMALL) as engine:
+            async with serve_in_process(create_app(engine, served_model_name=(name,))) as url:
+                async with client(url) as api:
+                    await four_streams(api, name, alone)
+    together: dict = {}
+    with anyio.fail_after(120):
+        async with (
+            served_pool(spec("a", "stepline-demo"), spec("b", "stepline-demo-hybrid")) as (_, url),
+            client(url) as api,
+            anyio.create_task_group() as tg,
+        ):
+            tg.start_soon(four_streams, api, "a", together)
+            tg.start_soon(four_streams, api, "b", together)
+    assert together == alone
+    assert len({v for k, v in alone.items() if k[0] == "a"}) > 1  # the prompts differ
+
+
+async def test_models_are_listed_loaded_or_not_and_an_unknown_one_is_a_404_naming_them():
+    with anyio.fail_after(60):
+        async with served_pool(
+            spec("a", "stepline-demo", aliases=("alpha",)), spec("b", "stepline-demo-hybrid")
+        ) as (_, url):
+            async with httpx.AsyncClient(base_url=url) as http, client(url) as api:
+                listed = (await http.get("/v1/models")).json()["data"]
+                assert [(m["id"], m["loaded"]) for m in listed] == [("a", False), ("b", False)]
+                assert (await http.get("/health")).json()["models"]["a"] == {"state": "unloaded"}
+                assert await greedy(api, "alpha", "hi", 3)  # by its alias: loads a
+                listed = (await http.get("/v1/models")).json()["data"]
+                assert [(m["id"], m["loaded"]) for m in listed] == [("a", True), ("b", False)]
+                assert listed[0]["max_model_len"] > 0
+                tags = (await http.get("/api/tags")).json()["models"]
+                assert [t["name"] for t in tags] == ["a", "b"]
+                r = await http.post(
+                    "/v1/chat/completions",
+                    json={"model": "zz", "messages": [{"role": "user", "content": "hi"}]},
+                )
+                assert r.status_code == 404
+                assert "'a', 'alpha', 'b'" in r.json()["error"]["message"]
+
+
+async def test_a_model_whose_load_fails_fails_its_requests_and_the_others_serve(tmp_path):
+    missing = str(tmp_path / "no-such-model")
+    with anyio.fail_after(60):
+        async with (
+            served_pool(spec("good", "stepline-demo"), spec("bad", missing)) as (_, url),
+            client(url) as api,
+        ):
+            with pytest.raises(openai.APIStatusError) as err:
+                await greedy(api, "bad", "hi")
+            assert err.value.status_code == 503
+            message = err.value.body["message"]  # type: ignore[index]
+            assert "'bad' could not be loaded" in message and "no-such-model" in message
+            assert await greedy(api, "good", "hi", 3)
+            async with httpx.AsyncClient(base_url=url) as http:
+                health = (await http.get("/health")).json()
+            assert health["status"] == "degraded"
+            assert health["models"]["bad"]["state"] == "failed"
+            assert health["models"]["good"]["state"] == "loaded"
+
+
+async def test_a_budget_for_one_model_unloads_the_idle_one_and_logs_it(tmp_path):
+    log = tmp_path / "run.jsonl"
+    with anyio.fail_after(120):
+        async with (
+            served_pool(
+                spec("a", "stepline-demo"),
+                spec("b", "stepline-demo-hybrid"),
+                log=log,
+                max_memory_gb=0.03,
+            ) as (models, url),
+            client(url) as api,
+        ):
+            answers = [await greedy(api, m, "hi", 4) for m in "abab"]
+            assert answers[0] == answers[2] and answers[1] == answers[3]  # same after a reload
+            assert [e.state for e in models.entries.values()] == [
+                ModelState.UNLOADED,
+                ModelState.LOADED,
+            ]
+            assert models.used_bytes <= models.budget_bytes
+    [run] = read_runs(log)
+    assert set(run.header.models) == {"a", "b"}
+    events = list(read_events(log))
+    kinds = [(e.type, e.model) for e in events if isinstance(e, ModelLoaded | ModelUnloaded)]
+    assert kinds[:4] == [
+        ("model-loaded", "a"),
+        ("model-unloaded", "a"),
+        ("model-loaded", "b"),
+        ("model-unloaded", "b"),
+    ]
+    assert {e.reason for e in events if isinstance(e, ModelUnloaded)} == {"memory", "shutdown"}
+    for name in "ab":  # each model's events go on across its loads: one sequence, one step count
+        mine = [e for e in events if e.model == name]
+        assert [e.seq for e in mine] == list(range(1, len(mine) + 1))
+        assert [e.step for e in mine] == sorted(e.step for e in mine)
+
+
+async def test_a_model_with_a_request_in_flight_is_never_unloaded_for_another():
+    with anyio.fail_after(120):
+        async with (
+            served_pool(
+                spec("a", "stepline-demo"), spec("b", "stepline-demo-hybrid"), max_memory_gb=0.03
+            ) as (models, url),
+            client(url) as api,
+        ):
+            long = await api.chat.completions.create(
+                model="a",
+                messages=[{"role": "user", "content": "go"}],
+                max_tokens=200,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            first = await anext(aiter(long))  # a is loaded and streaming
+            result: dict[str, str] = {}
+
+            async def ask_b() -> None:
+                result["b"] = await greedy(api, "b", "hi", 3)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(ask_b)
+                rest = [c async for c in long]
+                assert "b" not in result  # b waited for a's request to end
+            assert first.choices[0].delta.role == "assistant"
+            assert rest[-1].choices[0].finish_reason == "length"  # never cut off
+            assert result["b"]
+
+
+async def test_a_model_larger_than_the_whole_budget_is_refused_with_a_400_naming_sizes():
+    with anyio.fail_after(60):
+        async with (
+            served_pool(spec("a", "stepline-demo"), max_memory_gb=0.005) as (_, url),
+            client(url) as api,
+        ):
+            with pytest.raises(openai.BadRequestError) as err:
+                await greedy(api, "a", "hi")
+            assert "needs 0.02 GB" in str(err.value) and "budget of 0.00 GB" in str(err.value)
+
+
+async def test_an_idle_model_past_its_time_to_live_is_unloaded(monkeypatch):
+    monkeypatch.setattr("stepline.api.pool.WATCH_EVERY_S", 0.02)
+    with anyio.fail_after(60):
+        async with (
+            served_pool(
+                spec("a", "stepline-demo", ttl_s=0.05),
+                spec("b", "stepline-demo-hybrid", pinned=True),
+            ) as (models, url),
+            client(url) as api,
+        ):
+            await greedy(api, "a", "hi", 3)
+            a, b = models.entries["a"], models.entries["b"]
+            while a.state is not ModelState.UNLOADED:
+                await models._wait_for_change()
+            assert b.state is ModelState.LOADED  # pinned: loaded at once, and stays
+
+
+async def test_metrics_are_labelled_by_model():
+    with anyio.fail_after(60):
+        async with (
+            served_pool(spec("a", "stepline-demo"), spec("b", "stepline-demo")) as (_, url),
+            client(url) as api,
+            httpx.AsyncClient(base_url=url) as http,
+        ):
+            await greedy(api, "a", "hi", 3)
+            text = (await http.get("/metrics")).text
+    samples = {
+        (s.name, s.labels.get("model")): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    assert samples[("stepline_model_loaded", "a")] == 1.0
+    assert samples[("stepline_model_loaded", "b")] == 0.0
+    assert samples[("stepline_requests_admitted_total", "a")] >= 1
+
+
+def serve_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers())
+    return parser.parse_args(["serve", *argv])
+
+
+def test_one_model_is_served_as_before_and_several_make_a_pool(tmp_path):
+    assert what_to_serve(serve_args()) is None
+    assert what_to_serve(serve_args("--model", "stepline-demo")) == "stepline-demo"
+    pool = what_to_serve(serve_args("--model", "a=stepline-demo", "--model", "stepline-demo"))
+    assert isinstance(pool, PoolConfig)
+    assert [(s.name, s.source) for s in pool.models] == [
+        ("a", "stepline-demo"),
+        ("stepline-demo", "stepline-demo"),
+    ]
+    file = tmp_path / "models.toml"
+    file.write_text(
+        '[models.small]\nmodel = "stepline-demo"\naliases = ["haiku"]\npinned = true\n'
+        "max_step_tokens = 256\n"
+    )
+    pool = what_to_serve(serve_args("--models", str(file), "--max-memory-gb", "2"))
+    assert isinstance(pool, PoolConfig) and pool.max_memory_gb == 2
+    [small] = pool.models
+    assert small.names == ("small", "haiku") and small.pinned
+    assert small.engine_config({"max_num_seqs": 8}).max_step_tokens == 256
+
+
+def test_a_models_file_with_a_mistake_names_it(tmp_path):
+    file = tmp_path / "models.toml"
+    file.write_text('[models.small]\nmodel = "stepline-demo"\nmax_stp_tokens = 256\n')
+    with pytest.raises(ValueError, match=r"\[models.small\].*unknown option 'max_stp_tokens'"):
+        read_models_file(file)
+    file.write_text('[models.a]\nmodel = "x"\n[models.b]\nmodel = "y"\naliases = ["a"]\n')
+    with pytest.raises(ValueError, match="'a' is given to two models"):
+        what_to_serve(serve_args("--models", str(file)))
+
+
+async def test_a_failed_load_is_in_the_log(tmp_path):
+    log = tmp_path / "run.jsonl"
+    with anyio.fail_after(60):
+        async with (
+            served_pool(spec("bad", str(tmp_path / "nothing")), log=log) as (_, url),
+            client(url) as api,
+        ):
+            with pytest.raises(openai.APIStatusError):
+                await greedy(api, "bad", "hi")
+    [failed] = [e for e in read_events(log) if isinstance(e, ModelLoadFailed)]
+    assert failed.model == "bad" and failed.seq == 1 and "nothing" in failed.message
