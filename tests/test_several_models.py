@@ -62,6 +62,14 @@ async def greedy(api: openai.AsyncOpenAI, model: str, prompt: str, n: int = 12) 
     return "".join(parts)
 
 
+async def ask(api: openai.AsyncOpenAI, model: str, prompt: str = "hi") -> str:
+    """A whole (non-streamed) answer: its errors come as HTTP statuses."""
+    reply = await api.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=3
+    )
+    return reply.choices[0].message.content or ""
+
+
 async def four_streams(api: openai.AsyncOpenAI, model: str, into: dict) -> None:
     async def one(prompt: str) -> None:
         into[(model, prompt)] = await greedy(api, model, prompt)
@@ -122,7 +130,7 @@ async def test_a_model_whose_load_fails_fails_its_requests_and_the_others_serve(
             client(url) as api,
         ):
             with pytest.raises(openai.APIStatusError) as err:
-                await greedy(api, "bad", "hi")
+                await ask(api, "bad")
             assert err.value.status_code == 503
             message = err.value.body["message"]  # type: ignore[index]
             assert "'bad' could not be loaded" in message and "no-such-model" in message
@@ -207,7 +215,7 @@ async def test_a_model_larger_than_the_whole_budget_is_refused_with_a_400_naming
             client(url) as api,
         ):
             with pytest.raises(openai.BadRequestError) as err:
-                await greedy(api, "a", "hi")
+                await ask(api, "a")
             assert "needs 0.02 GB" in str(err.value) and "budget of 0.00 GB" in str(err.value)
 
 
@@ -292,6 +300,54 @@ async def test_a_failed_load_is_in_the_log(tmp_path):
             client(url) as api,
         ):
             with pytest.raises(openai.APIStatusError):
-                await greedy(api, "bad", "hi")
+                await ask(api, "bad")
     [failed] = [e for e in read_events(log) if isinstance(e, ModelLoadFailed)]
     assert failed.model == "bad" and failed.seq == 1 and "nothing" in failed.message
+
+
+@asynccontextmanager
+async def gated_loads(monkeypatch) -> AsyncIterator[anyio.Event]:
+    """Models load only once the yielded event is set."""
+    gate = anyio.Event()
+    original = Engine.open
+
+    @asynccontextmanager
+    async def gated_open(*args: Any, **kwargs: Any) -> AsyncIterator[Engine]:
+        await gate.wait()
+        async with original(*args, **kwargs) as engine:
+            yield engine
+
+    monkeypatch.setattr(Engine, "open", gated_open)
+    yield gate
+
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}
+
+
+async def test_a_stream_for_a_model_still_loading_gets_pings_then_its_tokens(monkeypatch):
+    config = PoolConfig(models=(spec("a", "stepline-demo"), spec("b", str(Path("/no/such")))))
+    with anyio.fail_after(60):
+        async with (
+            gated_loads(monkeypatch) as gate,
+            ModelPool.open(config, SMALL) as models,
+            serve_in_process(create_app(models, heartbeat_s=0.01)) as url,
+            httpx.AsyncClient(base_url=url) as http,
+        ):
+            async with http.stream(
+                "POST", "/v1/chat/completions", json={"model": "a", **CHAT}
+            ) as r:
+                assert r.status_code == 200 and r.headers["x-request-id"]
+                chunks = aiter(r.aiter_raw())
+                assert (await anext(chunks)).startswith(b": ping")  # headers and pings: at once
+                gate.set()
+                rest = b"".join([c async for c in chunks]).replace(b": ping\n\n", b"")
+            frames = [f for f in rest.split(b"\n\n") if f.strip()]
+            assert frames[-1].endswith(b"data: [DONE]")
+            assert b'"finish_reason":"length"' in frames[-2]
+            # A model whose load fails: the stream has begun, so its error is a frame.
+            async with http.stream(
+                "POST", "/v1/chat/completions", json={"model": "b", **CHAT}
+            ) as r:
+                body = await r.aread()
+            assert r.status_code == 200
+            assert b"'b' could not be loaded" in body and body.endswith(b"data: [DONE]\n\n")

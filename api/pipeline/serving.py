@@ -17,7 +17,10 @@ detail goes to the server log under the same id.
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import hashlib
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -217,6 +220,9 @@ class _Binding:
     released: bool = False
 
 
+# Set by `bind` when a streamed request waits for its model to load (`handle` then starts its
+# stream and pings meanwhile).
+_LOADING: ContextVar[anyio.Event | None] = ContextVar("stepline_model_loading", default=None)
 # The model of the request this task serves (`Serving.bind`): read by the doors' handlers and
 # renderers through `Serving.model`, which run in that task (or in tasks it started).
 _BOUND: ContextVar[_Binding | None] = ContextVar("stepline_served_model", default=None)
@@ -306,7 +312,7 @@ class Serving:
     def images(self) -> ImageOptions:
         return self.model.images
 
-    async def bind(self, requested: str | None) -> ServedModel:
+    async def bind(self, requested: str | None, *, streams: bool = False) -> ServedModel:
         """Bind the model `requested` names (None: the first one) to this task's request,
         loading it first in a server of several models (the caller waits meanwhile); it stays
         loaded until the request is in its engine (`handle` releases it). Raises APIError:
@@ -317,10 +323,17 @@ class Serving:
             assert self.one is not None
             _BOUND.set(_Binding(self.one))
             return self.one
-        from stepline.api.pool import ModelTooLargeError, ModelUnavailableError
+        from stepline.api.pool import ModelState, ModelTooLargeError, ModelUnavailableError
 
+        name = requested or self.model_name
+        entry = self.pool.entry_of(name)
+        loading = _LOADING.get()
+        if streams and loading is not None and entry is not None and entry.refused is None:
+            failed = entry.state is ModelState.FAILED and time.monotonic() < entry.retry_at
+            if entry.state is not ModelState.LOADED and not failed:
+                loading.set()  # the stream starts now, and pings until the model is loaded
         try:
-            entry = await self.pool.acquire(requested or self.model_name)
+            entry = await self.pool.acquire(name)
         except ModelTooLargeError as exc:
             raise APIError(400, str(exc), param="model", code="model_too_large") from None
         except ModelUnavailableError as exc:
@@ -408,7 +421,11 @@ class Serving:
         except ValueError as exc:  # the body's limits, pydantic's validation
             raise known_error(exc) or exc from None
         req.check_supported()
-        await self.bind(req.model)  # a pool's model: loaded first, and arriving from then
+        # A pool's model: loaded first (a plain stream pings meanwhile), arriving from then.
+        plain_stream = getattr(req, "stream", False) and not self.asks_resumable(
+            request, getattr(req, "resumable", False)
+        )
+        await self.bind(req.model, streams=bool(plain_stream))
         return req
 
     def check_model(self, model: str | None) -> None:
@@ -741,10 +758,38 @@ class Serving:
     async def handle(self, request: Request, rid: str, handler: Callable, wire: Wire) -> Response:
         """The one error wrapper: run `handler` with the request id bound to every log line;
         an error is answered in `wire`'s shape and carries the request id. A bug is a 500 that
-        names the request id, and its traceback goes to the log."""
+        names the request id, and its traceback goes to the log. In a server of several
+        models, a streamed request whose model must load first gets its stream's headers at
+        once and pings while the model loads (`_after_load`)."""
         # Bound for the rest of this request's task (uvicorn runs each request in a task of its
         # own), so that its access-log line, written after this returns, carries the id too.
         structlog.contextvars.bind_contextvars(request_id=rid)
+        if self.pool is None or wire.ping is None:
+            outcome = await self._run(request, rid, handler)
+            return outcome if isinstance(outcome, Response) else wire.response(outcome)
+        # The handler runs in a task of its own, in a context this task keeps: its model
+        # (`_BOUND`) is bound there, where its stream is then written.
+        loading = anyio.Event()  # `bind` sets it: a streamed request waits for its model
+        ctx = contextvars.copy_context()
+        ctx.run(_LOADING.set, loading)
+        loop = asyncio.get_running_loop()
+        task = loop.create_task(self._run(request, rid, handler), context=ctx)
+        signal = loop.create_task(loading.wait())
+        try:
+            await asyncio.wait({task, signal}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            task.cancel()
+            raise
+        finally:
+            signal.cancel()
+        if not task.done():
+            return self._after_load(task, ctx, rid, wire)
+        _BOUND.set(ctx.get(_BOUND))  # the response (a stream's renderers) runs in this task
+        outcome = task.result()
+        return outcome if isinstance(outcome, Response) else wire.response(outcome)
+
+    async def _run(self, request: Request, rid: str, handler: Callable) -> Response | APIError:
+        """`handler`'s response, or the error to answer (logged, with the request id)."""
         try:
             return await handler(request, rid)
         except APIError as exc:
@@ -762,4 +807,36 @@ class Serving:
             param=err.param,
             message=err.message,
         )
-        return wire.response(err)
+        return err
+
+    def _after_load(
+        self, task: asyncio.Task, ctx: contextvars.Context, rid: str, wire: Wire
+    ) -> Response:
+        """A stream that starts now and pings (`wire.ping`) until `task`, the handler waiting
+        for its model to load, is done; then the handler's stream goes on in it (or its error
+        in the wire's frames). A client that leaves meanwhile cancels the handler."""
+
+        async def produce(emit: Emit) -> None:
+            outcome = await task
+            if isinstance(outcome, APIError):
+                await emit(wire.frames(outcome))
+            elif isinstance(outcome, StreamResponse):
+                try:  # its renderers read the request's model: in the handler's context
+                    await asyncio.get_running_loop().create_task(
+                        outcome.produce_into(emit), context=ctx
+                    )
+                finally:
+                    await outcome.close()
+            else:  # a whole answer after all (a stream asked of an answer that cannot stream)
+                await emit(bytes(outcome.body))
+
+        async def on_close() -> None:
+            task.cancel()  # a client gone while its model loads: the request is dropped
+
+        return StreamResponse(
+            produce,
+            wire=wire,
+            headers={"x-request-id": rid},
+            heartbeat_s=self.config.heartbeat_s,
+            on_close=on_close,
+        )

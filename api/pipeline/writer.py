@@ -85,6 +85,15 @@ class StreamResponse(Response):
         self.media_type = wire.media_type
         self.init_headers({"cache-control": "no-cache", "x-accel-buffering": "no", **headers})
 
+    async def produce_into(self, emit: Emit) -> None:
+        """Write this stream's frames into another stream's `emit` (one that started before
+        this one existed: `Serving.handle`'s, while a model loaded)."""
+        await self._produce(emit)
+
+    async def close(self) -> None:
+        """What ends this stream's request when it was written into another (`produce_into`)."""
+        await self._on_close()
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         lock = anyio.Lock()  # one writer at a time: the producer or the heartbeat
         last_sent = time.monotonic()
