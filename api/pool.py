@@ -492,8 +492,10 @@ class ModelPool:
 
     async def _unload(self, entry: Entry, reason: str) -> None:
         """Unload `entry` and wait until its memory is free; one that is busy now (a request
-        came since it was chosen) stays, except at shutdown."""
-        if entry.state is not ModelState.LOADED or (entry.busy and reason != "shutdown"):
+        came since it was chosen) stays, except at shutdown or after its engine failed."""
+        if entry.state is not ModelState.LOADED or (
+            entry.busy and reason not in ("shutdown", "failed")
+        ):
             return
         entry.state, entry.unload_reason = ModelState.UNLOADING, reason
         entry.unload.set()
@@ -534,10 +536,9 @@ class ModelPool:
         while True:
             await anyio.sleep(WATCH_EVERY_S)
             now = time.monotonic()
-            was_busy = False
             for entry in self.loaded():
                 if entry.busy:
-                    entry.last_used, was_busy = now, True
+                    entry.last_used = now
             for name in expired([e.resident() for e in self.loaded()], ttl, now):
                 self._tg.start_soon(self._unload, self.entries[name], "idle")
             for entry in self.loaded():
@@ -549,8 +550,7 @@ class ModelPool:
                     )
                     entry.users = 0
                     self._tg.start_soon(self._unload, entry, "failed")
-            if not was_busy:
-                self._notify()  # a load waiting for room looks again
+            self._notify()  # a load waiting for room looks again: a model may be idle now
 
     def begin_shutdown(self) -> int:
         """Refuse new requests and cancel those in flight, in every model (`Engine.

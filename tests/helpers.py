@@ -224,21 +224,13 @@ def replay(*argv: str) -> tuple[int, str]:
 
 
 def serve_argv(*options: str) -> list[str]:
-    """The command line of `stepline serve` on the demo model, on a free port, in a child
-    Python process (the one running the tests)."""
+    """The command line of `stepline serve` on the demo model (or the `--model` among
+    `options`: two would serve both), on a free port, in a child Python process (the one
+    running the tests)."""
     import sys
 
-    return [
-        sys.executable,
-        "-m",
-        "stepline.api.cli",
-        "serve",
-        "--model",
-        "stepline-demo",
-        "--port",
-        "0",
-        *options,
-    ]
+    model = [] if "--model" in options else ["--model", "stepline-demo"]
+    return [sys.executable, "-m", "stepline.api.cli", "serve", *model, "--port", "0", *options]
 
 
 def popen_serve(

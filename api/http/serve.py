@@ -235,6 +235,10 @@ class _BackgroundImport:
         except BaseException as exc:  # noqa: BLE001 - raised again where it is awaited
             self._error = exc
 
+    async def settle(self, within_s: float = 30.0) -> None:
+        """Wait (at most `within_s`) for the imports to end, whatever they raise."""
+        await anyio.to_thread.run_sync(self._thread.join, within_s)
+
     async def module(self) -> Any:
         # Cancelled (a stop while loading): the import goes on, and the process ends anyway.
         await anyio.to_thread.run_sync(self._thread.join, abandon_on_cancel=True)
@@ -290,14 +294,22 @@ async def _serve(
                     functools.partial(interrupted_responses, event_log, since=since),
                     abandon_on_cancel=True,  # a long log's read: a stop does not wait
                 )
-            if isinstance(model, PoolConfig):
-                await _serve_pool(
-                    model, engine_kwargs, cfg, server, switch, app_modules, url, interrupted
-                )
-                return
-            await _serve_engine(
-                model, engine_kwargs, cfg, server, switch, app_modules, url, interrupted
-            )
+            try:
+                if isinstance(model, PoolConfig):
+                    await _serve_pool(
+                        model, engine_kwargs, cfg, server, switch, app_modules, url, interrupted
+                    )
+                else:
+                    await _serve_engine(
+                        model, engine_kwargs, cfg, server, switch, app_modules, url, interrupted
+                    )
+            except Exception:
+                # The process ends with the interpreter's teardown after this error (a model
+                # not found, a log another process writes): not while a module still imports
+                # in native code on that thread, which aborts it ("terminate called ...").
+                with anyio.CancelScope(shield=True):
+                    await app_modules.settle()
+                raise
     except BaseExceptionGroup as group:  # one failure (a model not found): raise it alone
         if len(group.exceptions) == 1:
             raise group.exceptions[0] from None
