@@ -389,6 +389,14 @@ def test_verify_names_the_two_terminals(tmp_path: Path) -> None:
     assert "terminal r2: stop" in text and "terminal r2: cancelled" in text
 
 
+def test_verify_shows_the_tokens_that_came_before_the_prompt_was_covered(tmp_path: Path) -> None:
+    code, text = replay(str(write(tmp_path, _prompt_not_covered(_events()))), "--verify")
+
+    assert code == 1
+    assert "prompt-not-covered" in text
+    assert "decoding r1 [5]" in text  # the request's part of the step's tokens
+
+
 def test_verify_reports_requests_in_flight_apart_from_violations(tmp_path: Path) -> None:
     b = two_requests()
     b.admit("r3", 20)

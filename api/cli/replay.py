@@ -30,7 +30,7 @@ from stepline.events.log import (
     log_files,
     read_runs,
 )
-from stepline.events.models import EVENT_ADAPTER
+from stepline.events.models import EVENT_ADAPTER, Decoding
 from stepline.events.replay import (
     InFlight,
     ModelLoads,
@@ -746,6 +746,10 @@ def _text_verify(v: VerifyReport) -> list[str]:
 
 
 def _describe_dict(raw: dict) -> str:
+    # A violation may show one request's part of a step's tokens: a `Decoding`, which is
+    # no event of the log's own (not in the union).
+    if raw.get("type") == "decoding":
+        return describe_event(Decoding.model_validate(raw))
     return describe_event(EVENT_ADAPTER.validate_python(raw))
 
 
