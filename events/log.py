@@ -49,6 +49,7 @@ from stepline.events.log_reader import (
     LogRun,
     read_events,
     read_header,
+    read_models,
     read_run_events,
     read_runs,
 )
@@ -65,6 +66,7 @@ __all__ = [
     "log_files",
     "read_events",
     "read_header",
+    "read_models",
     "read_run_events",
     "read_runs",
     "register_upcaster",

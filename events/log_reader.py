@@ -122,17 +122,33 @@ def _starts_new_run(following: _Line | None, current: LogHeader | None) -> bool:
 
 
 def read_run_events(
-    path: str | Path, *, strict: bool = False, run: int | None = None
+    path: str | Path,
+    *,
+    strict: bool = False,
+    run: int | None = None,
+    model: str | None = None,
 ) -> Iterator[tuple[LogRun, Event]]:
     """Yield (its run, event) for every event of the log set at `path`, in order, streaming.
 
-    With `run`, only the events of that run (its 1-based index). A torn last line of a run is
-    skipped with a TornLineWarning (with `strict`, it raises LogCorruptError instead).
-    Raises FileNotFoundError if `path` does not exist, LogCorruptError (with path and line
-    number) for a bad line anywhere else, UnsupportedSchemaError for a schema version this
-    stepline cannot read.
+    With `run`, only the events of that run (its 1-based index). With `model`, only the
+    events of that model (an event that names none belongs to its run's one model:
+    `LogHeader.model_of`); in a log several models share, each model's events read as a run
+    of one model. A torn last line of a run is skipped with a TornLineWarning (with `strict`,
+    it raises LogCorruptError instead). Raises FileNotFoundError if `path` does not exist,
+    LogCorruptError (with path and line number) for a bad line anywhere else,
+    UnsupportedSchemaError for a schema version this stepline cannot read.
     """
-    path = Path(path)
+    events = _run_events(Path(path), strict, run)
+    if model is None:
+        yield from events
+        return
+    for item in events:
+        log_run, event = item
+        if log_run.header.model_of(event) == model:
+            yield item
+
+
+def _run_events(path: Path, strict: bool, run: int | None) -> Iterator[tuple[LogRun, Event]]:
     files = log_files(path)
     if not files:
         raise FileNotFoundError(f"no event log at {path}")
@@ -184,14 +200,19 @@ def read_run_events(
 
 
 def read_events(
-    path: str | Path, *, strict: bool = False, run: int | None = None
+    path: str | Path,
+    *,
+    strict: bool = False,
+    run: int | None = None,
+    model: str | None = None,
 ) -> Iterator[Event]:
-    """Yield every event of the log set that starts at `path` (of one run, with `run`).
+    """Yield every event of the log set that starts at `path` (of one run, with `run`; of one
+    model, with `model`).
 
     The events of every run, one run after the other (sequence numbers start again at 1 in
     each run): use `read_run_events` to tell them apart. Raises what `read_run_events` raises.
     """
-    return map(itemgetter(1), read_run_events(path, strict=strict, run=run))
+    return map(itemgetter(1), read_run_events(path, strict=strict, run=run, model=model))
 
 
 def read_runs(path: str | Path) -> list[LogRun]:
@@ -220,6 +241,15 @@ def read_runs(path: str | Path) -> list[LogRun]:
             continue
         runs.append(LogRun(index=len(runs) + 1, header=header, file=str(file_path), line=line_no))
     return runs
+
+
+def read_models(path: str | Path, *, run: int | None = None) -> tuple[str, ...]:
+    """The names of the models the log at `path` serves (in `run`, or in any of its runs), in
+    the order their headers list them: a run's `models`, else its one `model`
+    (`LogHeader.model_names`). Raises what `read_runs` raises."""
+    runs = read_runs(path)
+    chosen = runs if run is None else [r for r in runs if r.index == run]
+    return tuple(dict.fromkeys(name for r in chosen for name in r.header.model_names))
 
 
 def read_header(path: str | Path) -> LogHeader:

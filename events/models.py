@@ -327,8 +327,11 @@ EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
 
 def per_request(event: Event) -> Sequence[Event | Decoding]:
     """`event` as events of one request each: a step's `TokensSampled` as each request's
-    `Decoding`, any other event as itself."""
-    return event.decodings() if isinstance(event, TokensSampled) else (event,)
+    `Decoding`; an event of no request (a step's plan or time, a model's load or unload) as
+    none; any other event as itself."""
+    if isinstance(event, TokensSampled):
+        return event.decodings()
+    return () if event.request_id is None else (event,)
 
 
 class LogHeader(BaseModel):
@@ -353,6 +356,19 @@ class LogHeader(BaseModel):
     # aliases, budgets); `model` and `config` are then empty. Each load's resolved config is
     # its `model-loaded` event's.
     models: dict[str, dict] = Field(default_factory=dict)
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """The names of the models the run serves: its `models`, else its one `model` (none
+        when the header names no model)."""
+        if self.models:
+            return tuple(self.models)
+        return (self.model,) if self.model is not None else ()
+
+    def model_of(self, event: Event) -> str | None:
+        """The name of the model `event` of this run belongs to (an event that names none
+        belongs to the run's one model)."""
+        return event.model if event.model is not None else self.model
 
 
 def new_run_id() -> str:

@@ -45,6 +45,7 @@ class LogBuilder:
         timed: bool = False,
         step_every: float | None = None,
         loop_seconds: float = 0.0,
+        model_name: str | None = None,  # the model every event names (a log models share)
         **header,  # LogHeader fields: log_prompts, run_id, salt, ...
     ) -> None:
         self.t0 = self.ts = t0
@@ -54,6 +55,7 @@ class LogBuilder:
         self.params, self.timed = params, timed
         self.step_every, self.loop_seconds = step_every, loop_seconds
         self.prompts: dict[str, int] = {}  # request id -> its prompt's length
+        self.model_name = model_name
         config = {
             "max_step_tokens": max_step_tokens,
             "max_num_seqs": max_num_seqs,
@@ -62,9 +64,16 @@ class LogBuilder:
         self.header = LogHeader(created=t0, model="demo", config=config, **header)
 
     def _add(self, cls, **fields):
-        event = cls(seq=len(self.events) + 1, ts=self.ts, step=self.step, **fields)
+        event = cls(
+            seq=len(self.events) + 1, ts=self.ts, step=self.step, model=self.model_name, **fields
+        )
         self.events.append(event)
         return event
+
+    def model_event(self, cls, **fields) -> None:
+        """An event of the model's own (`ModelLoaded`, `ModelLoadFailed`, `ModelUnloaded`),
+        between steps as the step loop records it."""
+        self._add(cls, **fields)
 
     def admit(
         self,

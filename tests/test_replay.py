@@ -389,6 +389,14 @@ def test_verify_names_the_two_terminals(tmp_path: Path) -> None:
     assert "terminal r2: stop" in text and "terminal r2: cancelled" in text
 
 
+def test_verify_shows_the_tokens_that_came_before_the_prompt_was_covered(tmp_path: Path) -> None:
+    code, text = replay(str(write(tmp_path, _prompt_not_covered(_events()))), "--verify")
+
+    assert code == 1
+    assert "prompt-not-covered" in text
+    assert "decoding r1 [5]" in text  # the request's part of the step's tokens
+
+
 def test_verify_reports_requests_in_flight_apart_from_violations(tmp_path: Path) -> None:
     b = two_requests()
     b.admit("r3", 20)
@@ -497,9 +505,13 @@ def test_reexecution_says_why_it_cannot_run_without_logged_prompts(tmp_path: Pat
     assert "log_prompts=False" in text and "--log-prompts=true" in text
 
 
-def test_model_only_goes_with_reexecute(tmp_path: Path, capsys) -> None:
-    assert replay(str(write(tmp_path, two_requests().events)), "--model", "m")[0] == 2
-    assert "--model only goes with --reexecute" in capsys.readouterr().err
+def test_a_model_the_log_does_not_serve_is_an_error_naming_its_model(
+    tmp_path: Path, capsys
+) -> None:
+    path = write(tmp_path, two_requests().events)
+    assert replay(str(path), "--model", "m")[0] == 2
+    assert "no model 'm'" in (err := capsys.readouterr().err) and "its models are demo" in err
+    assert replay(str(path), "--model", "demo", "--at-step", "2")[0] == 0  # its one model
 
 
 # -- distributions ---------------------------------------------------------------------------

@@ -3,6 +3,10 @@
 The CLI (api/cli.py) wires it in with `add_replay_parser(subparsers)`; `run_replay(args)`
 returns the exit code: 0 fine, 1 violations found (verify), or tokens diverged or nothing
 could be compared (reexecute), 2 the log or the arguments cannot be used (message on stderr).
+
+A log several models share (a server of several): the summary and verify go model by model,
+`--request` finds its request's model, and the views of steps, states, pictures, traces and
+re-execution need `--model NAME`.
 """
 
 from __future__ import annotations
@@ -26,15 +30,20 @@ from stepline.events.log import (
     log_files,
     read_runs,
 )
-from stepline.events.models import EVENT_ADAPTER
+from stepline.events.models import EVENT_ADAPTER, Decoding
 from stepline.events.replay import (
     InFlight,
+    ModelLoads,
+    ModelNeededError,
+    ModelSummaries,
+    ModelVerifyReports,
     Percentiles,
     RequestTimeline,
     RunNeededError,
     StateAtStep,
     StepsReport,
     Summary,
+    UnknownModelError,
     UnknownRequestError,
     UnknownRunError,
     VerifyReport,
@@ -42,12 +51,16 @@ from stepline.events.replay import (
     describe_status,
     describe_tokens,
     request_timeline,
+    resolve_model,
     resolve_run,
     state_at_step,
     step_records,
     summarize,
+    summarize_models,
     verify,
+    verify_models,
 )
+from stepline.events.replay.describe import describe_bytes
 from stepline.events.replay.reexecute import ReexecuteReport, reexecute
 from stepline.events.replay.svg import render_html, render_svg
 from stepline.events.replay.timeline import format_ms
@@ -119,7 +132,14 @@ def add_replay_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
         help="one run of a log that holds several (restarts append runs): its number (1 = the "
         "first) or its run id; default: every run, each on its own",
     )
-    p.add_argument("--model", help="with --reexecute: the model to use (default: the log's)")
+    p.add_argument(
+        "--model",
+        metavar="NAME",
+        help="one model of a log several models share (a server of several): every view "
+        "looks at its events alone; the views of steps, states, pictures, traces and "
+        "--reexecute need it there. In a log of one model, with --reexecute: the model to "
+        "load instead of the log's",
+    )
     p.add_argument("--svg", type=Path, metavar="FILE", help="write a timeline picture (SVG)")
     p.add_argument("--html", type=Path, metavar="FILE", help="write a timeline picture (HTML)")
     p.add_argument(
@@ -157,9 +177,6 @@ def add_replay_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
 def run_replay(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
     """Run `stepline replay` with parsed `args`; returns the exit code."""
     out = out or sys.stdout
-    if args.model and not args.reexecute:
-        print("stepline replay: --model only goes with --reexecute", file=sys.stderr)
-        return EXIT_UNUSABLE
     if args.request and (args.at_step is not None or args.summary or args.verify or args.reexecute):
         print(
             "stepline replay: --request goes with --steps (and pictures), not with "
@@ -178,6 +195,8 @@ def run_replay(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
             UnknownRequestError,
             UnknownRunError,
             RunNeededError,
+            UnknownModelError,
+            ModelNeededError,
         ) as exc:
             print(f"stepline replay: {exc}", file=sys.stderr)
             code = EXIT_UNUSABLE
@@ -204,17 +223,25 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
     run = resolve_run(args.log, args.run)
     stall_s = args.stall_ms / 1000 if args.stall_ms is not None else None
     progress = Progress(sys.stderr, args.log)
+    # A log several models share: `--model` names one of them. In a log of one model it
+    # names that one, or with --reexecute what to load in its place.
+    shared = any(r.header.models for r in read_runs(args.log) if run in (None, r.index))
+    model = args.model
+    if model is not None and (shared or not args.reexecute):
+        resolve_model(args.log, model, run=run)  # an unknown name fails here
 
     # The view first: it fails on an unknown request id before any file is written.
     report: BaseModel | None = None
     text: Callable[[Any], list[str]] = _text_summary
     code = EXIT_OK
     if args.reexecute:
+        name = resolve_model(args.log, model, run=run, needed=True) if shared else None
         rx = asyncio.run(
             reexecute(
                 args.log,
-                model=args.model,
+                model=None if shared else model,
                 run=run,
+                name=name,
                 on_plan=lambda plan: print(
                     f"stepline replay: {plan.describe()}", file=sys.stderr, flush=True
                 ),
@@ -225,13 +252,16 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
         report, text = rx, _text_reexecute
         code = EXIT_UNUSABLE if rx.cannot_run else (EXIT_OK if rx.ok else EXIT_FAILED)
     elif args.request:
-        timeline = request_timeline(args.log, args.request, run=run)
+        timeline = request_timeline(args.log, args.request, run=run, model=model)
         report, text = timeline.within(first, last), _text_timeline
+        model = model or timeline.model  # its pictures are of its model's steps
     elif args.at_step is not None:
         report = _per_run(
             args.log,
             run,
-            lambda r: state_at_step(args.log, args.at_step, run=r, progress=progress.events),
+            lambda r: state_at_step(
+                args.log, args.at_step, run=r, model=model, progress=progress.events
+            ),
         )
         text = _each(_text_state)
         progress.done()
@@ -239,16 +269,27 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
         report = _per_run(
             args.log,
             run,
-            lambda r: step_records(args.log, first, last, run=r, progress=progress.events),
+            lambda r: step_records(
+                args.log, first, last, run=r, model=model, progress=progress.events
+            ),
         )
         text = _each(_text_steps)
         progress.done()
+    elif args.verify and shared and model is None:
+        mv = verify_models(args.log, run=run)
+        report, text = mv, _text_model_verify
+        code = EXIT_OK if mv.ok else EXIT_FAILED
     elif args.verify:
-        vr = verify(args.log, run=run)
+        vr = verify(args.log, run=run, model=model)
         report, text = vr, _text_verify
         code = EXIT_OK if vr.ok else EXIT_FAILED
+    elif (args.summary or not (args.svg or args.html or args.trace)) and shared and model is None:
+        report = summarize_models(args.log, run=run, progress=progress.events)
+        text = _text_model_summaries
+        progress.done()
     elif args.summary or not (args.svg or args.html or args.trace):
-        report, text = summarize(args.log, run=run, progress=progress.events), _text_summary
+        report = summarize(args.log, run=run, model=model, progress=progress.events)
+        text = _text_summary
         progress.done()
 
     for target, render in ((args.svg, render_svg), (args.html, render_html)):
@@ -260,6 +301,7 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
                 request_ids=request_ids,
                 top=args.top,
                 run=resolve_run(args.log, run, needed=True),
+                model=model,
                 time_axis=args.time_axis,
                 stall_s=stall_s,
                 progress=progress.events,
@@ -272,6 +314,7 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
             args.log,
             args.trace,
             run=resolve_run(args.log, run, needed=True),
+            model=model,
             stall_s=stall_s,
             progress=progress.events,
         )
@@ -391,8 +434,9 @@ def _text_timeline(t: RequestTimeline) -> list[str]:
         end = f"interrupted (run {t.run} ended without ending it: the engine stopped)"
     else:
         end = "no terminal event (in flight when the log ends)"
+    served = f" (model {t.model})" if t.model is not None else ""
     lines = [
-        f"request {t.request_id}: {t.num_prompt_tokens} prompt tokens{cached}, "
+        f"request {t.request_id}{served}: {t.num_prompt_tokens} prompt tokens{cached}, "
         f"{t.num_output_tokens} output tokens, {end}",
         f"  queueing {_s(t.queueing_s)}  TTFT {_s(t.ttft_s)}  ITL p50 {_s(t.itl.p50)} "
         f"p99 {_s(t.itl.p99)} max {_s(t.itl.max)}  end-to-end {_s(t.e2e_s)}",
@@ -436,7 +480,8 @@ def _text_timeline(t: RequestTimeline) -> list[str]:
 
 def _text_state(s: StateAtStep) -> list[str]:
     counts = ", ".join(f"{n} {k}" for k, n in s.counts.items()) or "no requests"
-    lines = [f"state at step {s.step}: {counts}"]
+    of = f" of model {s.model}" if s.model is not None else ""
+    lines = [f"state at step {s.step}{of}: {counts}"]
     if s.past_end:
         lines[0] = (
             f"step {s.step} is past the end of the log (its last step is {s.last_step}); "
@@ -491,9 +536,27 @@ def _row(name: str, p: Percentiles) -> str:
     )
 
 
+def _text_model_summaries(ms: ModelSummaries) -> list[str]:
+    names = [s.model or "?" for s in ms.models]
+    lines = [
+        f"log {ms.files[0]}: {len(names)} models ({', '.join(names)}), each on its own "
+        "(--model NAME for one)"
+    ]
+    for one in ms.models:
+        lines.append(f"== model {one.model} ==")
+        lines.extend(_text_summary(one))
+    return lines
+
+
 def _text_summary(s: Summary) -> list[str]:
     h = s.header
-    config = ", ".join(f"{k}={v}" for k, v in sorted(h.config.items()))
+    model = h.model
+    settings = h.config
+    if s.model is not None and h.models:  # one model of a log several share
+        path = s.loads.path if s.loads is not None else h.models.get(s.model, {}).get("model")
+        model = f"{s.model} ({path})" if path else s.model
+        settings = s.loads.config if s.loads is not None else {}
+    config = ", ".join(f"{k}={v}" for k, v in sorted(settings.items()))
     outcomes = ", ".join(f"{n} {k}" for k, n in s.outcomes.items()) or "none"
     if len(s.runs) > 1:
         steps = "steps"  # numbered afresh in each run
@@ -502,9 +565,10 @@ def _text_summary(s: Summary) -> list[str]:
     u = s.budget_utilisation
     lines = [
         f"log {s.files[0]} ({len(s.files)} file{'s' * (len(s.files) != 1)}), "
-        f"schema {h.schema_version}, model {h.model}, prompts logged: {h.log_prompts}, "
+        f"schema {h.schema_version}, model {model}, prompts logged: {h.log_prompts}, "
         f"outputs logged: {h.log_outputs}",
         f"config: {config or '-'}",
+        *_load_lines(s.loads),
         *_run_lines(s),
         f"{s.num_events} events, {s.num_steps} {steps}, over {_s(s.duration_s)}" + _time_split(s),
         f"requests: {s.num_requests} ({outcomes})",
@@ -566,6 +630,33 @@ def _text_summary(s: Summary) -> list[str]:
     return lines
 
 
+def _load_lines(loads: ModelLoads | None) -> list[str]:
+    if loads is None:
+        return []
+    lines = [f"loads: {loads.num_loads}"]
+    if loads.num_loads:
+        t = loads.load_s
+        lines[0] += (
+            f", taking {_s(t.mean)} on average (longest {_s(t.max)}); the last: weights "
+            f"{_bytes(loads.weights_bytes)}, KV {_bytes(loads.kv_bytes)}, prefix cache "
+            f"{_bytes(loads.prefix_cache_bytes)}"
+        )
+    if loads.unloads:
+        reasons = ", ".join(f"{n} {why}" for why, n in loads.unloads.items())
+        lines.append(f"unloads: {reasons} ({_bytes(loads.bytes_freed)} freed)")
+    if loads.num_load_failures:
+        lines.append(f"load failures: {loads.num_load_failures}")
+        lines.extend(
+            f"  {message}" + (f" ({n} times)" if n > 1 else "")
+            for message, n in loads.load_failures.items()
+        )
+    return lines
+
+
+def _bytes(num_bytes: int | None) -> str:
+    return "-" if num_bytes is None else describe_bytes(num_bytes)
+
+
 def _run_lines(s: Summary) -> list[str]:
     if len(s.runs) <= 1:
         return []
@@ -599,10 +690,29 @@ def _in_flight_lines(in_flight: tuple[InFlight, ...], multi: bool = False) -> li
     ]
 
 
+def _text_model_verify(mv: ModelVerifyReports) -> list[str]:
+    names = [v.model or "?" for v in mv.models]
+    lines = [
+        f"verify {mv.files[0] if mv.files else '?'}: {len(names)} models ({', '.join(names)}), "
+        "each verified on its own"
+    ]
+    for one in mv.models:
+        lines.append(f"== model {one.model} ==")
+        lines.extend(_text_verify(one))
+    failed = [v.model or "?" for v in mv.models if not v.ok]
+    lines.append(
+        f"FAILED: violations in model {', '.join(failed)}"
+        if failed
+        else "OK: no violations in any model"
+    )
+    return lines
+
+
 def _text_verify(v: VerifyReport) -> list[str]:
     multi = len(v.runs) > 1
+    of = f" model {v.model} of" if v.model is not None else ""
     lines = [
-        f"verify {v.files[0] if v.files else '?'}: {v.num_events} events, "
+        f"verify{of} {v.files[0] if v.files else '?'}: {v.num_events} events, "
         f"{v.num_requests} requests, {v.num_steps} steps"
         + (f", {len(v.runs)} runs (each verified on its own)" if multi else "")
     ]
@@ -636,6 +746,10 @@ def _text_verify(v: VerifyReport) -> list[str]:
 
 
 def _describe_dict(raw: dict) -> str:
+    # A violation may show one request's part of a step's tokens: a `Decoding`, which is
+    # no event of the log's own (not in the union).
+    if raw.get("type") == "decoding":
+        return describe_event(Decoding.model_validate(raw))
     return describe_event(EVENT_ADAPTER.validate_python(raw))
 
 

@@ -13,24 +13,47 @@ the log; proportional to the requests in it at most). One concern per module, ga
 - `Distribution`, `percentiles` (stats.py).
 
 A log may hold several runs (a restart appends one): views take `run` (1-based index or run
-id); the summary and verify cover every run, each on its own.
+id); the summary and verify cover every run, each on its own. A log may be shared by several
+models (a server of several): views take `model`; `summarize_models` and `verify_models`
+cover each model on its own, and the views of steps and states need one model
+(`ModelNeededError`).
 """
 
 from __future__ import annotations
 
 from stepline.events.replay.describe import (
     InFlight,
+    ModelNeededError,
     RunNeededError,
+    UnknownModelError,
     UnknownRequestError,
     UnknownRunError,
     describe_event,
     describe_status,
     describe_tokens,
+    resolve_model,
     resolve_run,
 )
 from stepline.events.replay.stats import Distribution, Percentiles, percentiles
-from stepline.events.replay.summary import IdleGap, RunOverview, SlowStep, Stall, Summary, summarize
-from stepline.events.replay.verify import VerifyReport, Violation, ViolationKind, verify
+from stepline.events.replay.summary import (
+    IdleGap,
+    ModelLoads,
+    ModelSummaries,
+    RunOverview,
+    SlowStep,
+    Stall,
+    Summary,
+    summarize,
+    summarize_models,
+)
+from stepline.events.replay.verify import (
+    ModelVerifyReports,
+    VerifyReport,
+    Violation,
+    ViolationKind,
+    verify,
+    verify_models,
+)
 from stepline.events.replay.views import (
     RequestAtStep,
     RequestTimeline,
@@ -47,6 +70,10 @@ __all__ = [
     "Distribution",
     "IdleGap",
     "InFlight",
+    "ModelLoads",
+    "ModelNeededError",
+    "ModelSummaries",
+    "ModelVerifyReports",
     "Percentiles",
     "RequestAtStep",
     "RequestTimeline",
@@ -59,6 +86,7 @@ __all__ = [
     "StepRecord",
     "StepsReport",
     "Summary",
+    "UnknownModelError",
     "UnknownRequestError",
     "UnknownRunError",
     "VerifyReport",
@@ -69,9 +97,12 @@ __all__ = [
     "describe_tokens",
     "percentiles",
     "request_timeline",
+    "resolve_model",
     "resolve_run",
     "state_at_step",
     "step_records",
     "summarize",
+    "summarize_models",
     "verify",
+    "verify_models",
 ]

@@ -1,5 +1,5 @@
-"""Pieces every replay view shares: picking a run, describing a state or an event for people,
-and the record of a request that a run left unfinished."""
+"""Pieces every replay view shares: picking a run and a model, describing a state or an event
+for people, and the record of a request that a run left unfinished."""
 
 from __future__ import annotations
 
@@ -15,6 +15,9 @@ from stepline.events.models import (
     Decoding,
     Event,
     FinishReason,
+    ModelLoaded,
+    ModelLoadFailed,
+    ModelUnloaded,
     StepFinished,
     StepPlanned,
     Terminal,
@@ -58,6 +61,41 @@ def resolve_run(path: str | Path, run: int | str | None, *, needed: bool = False
 
 def describe_runs(runs: list[LogRun]) -> str:
     return ", ".join(r.name for r in runs)
+
+
+class UnknownModelError(LookupError):
+    """The log serves no model of the asked-for name."""
+
+
+class ModelNeededError(LookupError):
+    """The question is about one model, and the log serves several: say which."""
+
+
+def resolve_model(
+    path: str | Path, model: str | None, *, run: int | None = None, needed: bool = False
+) -> str | None:
+    """The model a view of the log at `path` (of its `run`) looks at: `model`, once checked to
+    be one the log serves (`read_models`).
+
+    With `model` None: None (every event), and with `needed` ModelNeededError if the log
+    serves several models (their steps interleave, so a view of steps or states must pick
+    one). Raises UnknownModelError for a model the log does not serve.
+    """
+    runs = read_runs(path)
+    chosen = [r for r in runs if run in (None, r.index)]
+    names = tuple(dict.fromkeys(name for r in chosen for name in r.header.model_names))
+    where = f"run {run} of {path}" if run is not None and len(runs) > 1 else str(path)
+    if model is None:
+        if needed and len(names) > 1:
+            raise ModelNeededError(
+                f"{where} holds {len(names)} models ({', '.join(names)}), whose steps "
+                "interleave: pick one with --model"
+            )
+        return None
+    if model not in names:
+        served = f"its models are {', '.join(names)}" if names else "it names no model"
+        raise UnknownModelError(f"no model {model!r} in {where}: {served}")
+    return model
 
 
 class InFlight(Report):
@@ -148,7 +186,30 @@ def describe_event(event: Event | Decoding) -> str:
     if isinstance(event, Terminal):
         msg = f" ({event.message})" if event.message else ""
         return f"{head} {rid}: {event.reason.value}{msg}"
+    if isinstance(event, ModelLoaded):
+        return (
+            f"{head} {event.model}: {event.path} in {event.load_seconds:.2f} s, weights "
+            f"{describe_bytes(event.weights_bytes)}, KV {describe_bytes(event.kv_bytes)}, "
+            f"prefix cache {describe_bytes(event.prefix_cache_bytes)}"
+        )
+    if isinstance(event, ModelLoadFailed):
+        return f"{head} {event.model}: {event.message}"
+    if isinstance(event, ModelUnloaded):
+        return (
+            f"{head} {event.model}: {event.reason}, {describe_bytes(event.bytes_freed)} freed, "
+            f"idle {event.idle_seconds:.1f} s"
+        )
     return head
+
+
+def describe_bytes(num_bytes: int) -> str:
+    """'512 B', '3.2 MiB', '1.50 GiB'."""
+    if num_bytes < 1024:
+        return f"{num_bytes} B"
+    if num_bytes < 2**30:
+        unit, size = ("KiB", num_bytes / 1024) if num_bytes < 2**20 else ("MiB", num_bytes / 2**20)
+        return f"{size:.1f} {unit}"
+    return f"{num_bytes / 2**30:.2f} GiB"
 
 
 def dump_event(event: Event) -> dict[str, Any]:

@@ -4,6 +4,8 @@ The recorded requests (prompts, sampling parameters and seeds, checkpoints) are 
 their arrival order to an engine with the recorded budget (`max_step_tokens`,
 `max_num_seqs`, `long_prefill_cap`, from the log header's `config`). Tokens are compared
 request by request; the first divergence names the request, the position and both tokens.
+In a log several models share, one model's requests are run again, on the model and with
+the config of its first `model-loaded` event.
 
 This module imports without MLX; the engine is imported when `reexecute` runs.
 """
@@ -27,6 +29,7 @@ from stepline.events.models import (
     Admitted,
     FinishReason,
     LogHeader,
+    ModelLoaded,
     RequestParams,
     Terminal,
     TokensSampled,
@@ -76,7 +79,8 @@ class ReexecutePlan(_Report):
 
 class ReexecuteReport(_Report):
     path: str
-    model: str | None
+    model: str | None  # what ran them again
+    name: str | None = None  # in a log several models share: whose requests
     cannot_run: str | None = None  # why re-execution was impossible; nothing was run
     num_requests: int = 0
     num_same: int = 0
@@ -98,8 +102,9 @@ class ReexecuteReport(_Report):
     def describe(self) -> list[str]:
         if self.cannot_run:
             return [f"cannot re-execute {self.path}: {self.cannot_run}"]
+        of = f"model {self.name} of {self.path}" if self.name is not None else self.path
         lines = [
-            f"re-executed {self.num_requests} requests of {self.path} with {self.model}: "
+            f"re-executed {self.num_requests} requests of {of} with {self.model}: "
             f"{self.num_same} same, {self.num_diverged} diverged, {self.num_skipped} skipped"
         ]
         if self.num_compared == 0:
@@ -137,18 +142,42 @@ class RecordedRun:
     header: LogHeader
     requests: list[RecordedRequest]  # in arrival order
     images_at: Path | None = None  # where the prompts' images were kept (image_files.py)
+    name: str | None = None  # in a log several models share: the model they were sent to
+    loaded: ModelLoaded | None = None  # that model's first load in the run
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """The engine config the requests were served with: the header's, or in a log several
+        models share, the model's first load's."""
+        if self.name is not None and self.header.models:
+            return self.loaded.config if self.loaded is not None else {}
+        return self.header.config
+
+    @property
+    def model(self) -> str | None:
+        """What served them: the header's model, or in a log several models share, what the
+        model's first load loaded (else what the header configures for it)."""
+        if self.name is not None and self.header.models:
+            if self.loaded is not None:
+                return self.loaded.path
+            return self.header.models.get(self.name, {}).get("model")
+        return self.header.model or self.header.config.get("model")
 
 
-def load_recorded_run(path: str | Path, run: int = 1) -> RecordedRun:
-    """Every admitted request of one run of the log (1-based), with its recorded output tokens
-    and finish reason. Raises IndexError for a run the log does not hold."""
+def load_recorded_run(path: str | Path, run: int = 1, name: str | None = None) -> RecordedRun:
+    """Every admitted request of one run of the log (1-based; of the model `name`, in a log
+    several models share), with its recorded output tokens and finish reason. Raises
+    IndexError for a run the log does not hold."""
     runs = read_runs(path)
     if not 1 <= run <= len(runs):
         raise IndexError(f"{path} holds {len(runs)} runs, not a run {run}")
     header = runs[run - 1].header
     by_id: dict[str, RecordedRequest] = {}
-    for event in read_events(path, run=run):
-        if isinstance(event, Admitted):
+    loaded: ModelLoaded | None = None
+    for event in read_events(path, run=run, model=name):
+        if isinstance(event, ModelLoaded):
+            loaded = loaded or event
+        elif isinstance(event, Admitted):
             by_id.setdefault(event.request_id, RecordedRequest(event))
         elif isinstance(event, TokensSampled):
             for one in event.decodings():
@@ -160,11 +189,26 @@ def load_recorded_run(path: str | Path, run: int = 1) -> RecordedRun:
             if rec is not None and rec.finish is None:
                 rec.finish = event.reason
     ordered = sorted(by_id.values(), key=lambda r: r.admitted.seq)
-    return RecordedRun(header=header, requests=ordered, images_at=images_dir(path))
+    return RecordedRun(
+        header=header, requests=ordered, images_at=images_dir(path), name=name, loaded=loaded
+    )
 
 
 def why_cannot_run(run: RecordedRun, model: str | None) -> str | None:
     """The reason re-execution is impossible for this log, or None."""
+    names = run.header.model_names
+    if run.header.models and run.name is None:
+        return (
+            f"the run holds {len(names)} models ({', '.join(names)}): pick the one to "
+            "re-execute with --model"
+        )
+    if run.header.models and run.name not in names:
+        return f"the run holds no model {run.name!r}: its models are {', '.join(names)}"
+    if run.header.models and run.loaded is None and run.requests:
+        return (
+            f"model {run.name} has no model-loaded event in this run, so the log does not "
+            "say how it was configured"
+        )
     if not run.header.log_prompts or any(r.admitted.prompt_token_ids is None for r in run.requests):
         return (
             "the log was written with log_prompts=False, so it holds only each prompt's "
@@ -253,17 +297,21 @@ async def reexecute(
     model: str | None = None,
     *,
     run: int | None = None,
+    name: str | None = None,
     on_plan: Callable[[ReexecutePlan], None] | None = None,
     on_progress: Callable[[int, int], None] | None = None,
 ) -> ReexecuteReport:
     """Run the requests of one run of the log again through a fresh engine and compare tokens.
 
-    `model` overrides the log's model; `run` (1-based) is needed when the log holds several
-    runs. Returns a report with `cannot_run` set (and nothing run) when the log cannot be
-    re-executed, e.g. when it was written with log_prompts=False or log_outputs=False, or
-    holds several runs and `run` is None. Before it loads a model it calls `on_plan` with
-    what it can compare (when nothing can be, it loads none); as requests finish it calls
-    `on_progress(done, total)`. Raises what `read_events` raises for an unreadable log.
+    `model` overrides what the log says was loaded; `run` (1-based) is needed when the log
+    holds several runs; `name` picks the model whose requests run again in a log several
+    models share (needed where the run holds more than one: it then runs on what that
+    model's first `model-loaded` event loaded, configured as it says). Returns a report with
+    `cannot_run` set (and nothing run) when the log cannot be re-executed, e.g. when it was
+    written with log_prompts=False or log_outputs=False, or holds several runs and `run` is
+    None. Before it loads a model it calls `on_plan` with what it can compare (when nothing
+    can be, it loads none); as requests finish it calls `on_progress(done, total)`. Raises
+    what `read_events` raises for an unreadable log.
     """
     if run is None:
         num_runs = len(read_runs(path))
@@ -274,11 +322,15 @@ async def reexecute(
                 cannot_run=f"the log holds {num_runs} runs (the engine was restarted): "
                 "pick one with --run",
             )
-    recorded = load_recorded_run(path, run or 1)
-    model = model or recorded.header.model or recorded.header.config.get("model")
+    header = read_runs(path)[(run or 1) - 1].header
+    if name is None and len(header.models) == 1:
+        (name,) = header.models  # the run's one model
+    recorded = load_recorded_run(path, run or 1, name if header.models else None)
+    model = model or recorded.model
+    name = recorded.name
     reason = why_cannot_run(recorded, model)
     if reason is not None:
-        return ReexecuteReport(path=str(path), model=model, cannot_run=reason)
+        return ReexecuteReport(path=str(path), model=model, name=name, cannot_run=reason)
 
     plan = plan_reexecution(recorded)
     if on_plan is not None:
@@ -339,6 +391,7 @@ async def reexecute(
     return ReexecuteReport(
         path=str(path),
         model=model,
+        name=name,
         num_requests=len(ordered),
         num_same=sum(c.outcome == "same" for c in ordered),
         num_diverged=sum(c.outcome == "diverged" for c in ordered),
@@ -363,9 +416,7 @@ async def _run_again(
 
     # Configured as the recorded run was, on one process (a distributed run's tokens are
     # the same as one process's).
-    engine_options = EngineConfig.from_header(recorded.header.config).model_copy(
-        update={"parallel": None}
-    )
+    engine_options = EngineConfig.from_header(recorded.config).model_copy(update={"parallel": None})
     done = 0
 
     def finished() -> None:

@@ -2,7 +2,9 @@
 
 A log of several runs is summarised run by run (requests, steps and sequence numbers start
 afresh in each run) and in total; requests a run left unfinished before a restart are
-`interrupted`, those unfinished when the log ends `in-flight`.
+`interrupted`, those unfinished when the log ends `in-flight`. A log several models share is
+summarised model by model (`summarize_models`), each with its loads and unloads; each model's
+events read as a log of that model alone.
 """
 
 from __future__ import annotations
@@ -13,18 +15,29 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stepline.events.fold import Status
-from stepline.events.log import LogRun, log_files, read_header, read_run_events, read_runs
+from stepline.events.log import (
+    LogRun,
+    log_files,
+    read_header,
+    read_models,
+    read_run_events,
+    read_runs,
+)
 from stepline.events.models import (
     Admitted,
     ChunkPrefilled,
     Decoding,
+    Event,
     LogHeader,
+    ModelLoaded,
+    ModelLoadFailed,
+    ModelUnloaded,
     StepFinished,
     StepPlanned,
     Terminal,
     TokensSampled,
 )
-from stepline.events.replay.describe import InFlight, resolve_run
+from stepline.events.replay.describe import InFlight, resolve_model, resolve_run
 from stepline.events.replay.stats import Distribution, Percentiles, Report, TopK
 from stepline.events.replay.timeline import StepSpan, step_span
 
@@ -73,9 +86,76 @@ class RunOverview(Report):
     outcomes: dict[str, int]
 
 
+class ModelLoads(Report):
+    """A model's loads and unloads, in a log several models share."""
+
+    path: str | None  # what its latest load loaded
+    config: dict  # the engine config it serves with (its first load's, resolved)
+    num_loads: int
+    load_s: Percentiles  # how long each load took
+    # its latest load's sizes (None: never loaded)
+    weights_bytes: int | None
+    kv_bytes: int | None
+    prefix_cache_bytes: int | None
+    unloads: dict[str, int]  # reason -> how many
+    bytes_freed: int  # by its unloads, in total
+    num_load_failures: int
+    load_failures: dict[str, int]  # message -> how many (the most frequent few)
+
+
+_FAILURES_KEPT = 5  # distinct load-failure messages a summary names
+
+
+class _LoadTracker:
+    """Folds a model's `model-loaded`, `model-load-failed` and `model-unloaded` events."""
+
+    def __init__(self) -> None:
+        self.first: ModelLoaded | None = None
+        self.latest: ModelLoaded | None = None
+        self.num_loads = 0
+        self.load_s = Distribution()
+        self.unloads: Counter[str] = Counter()
+        self.bytes_freed = 0
+        self.failures: Counter[str] = Counter()
+        self.seen = False
+
+    def add(self, event: ModelLoaded | ModelLoadFailed | ModelUnloaded) -> None:
+        self.seen = True
+        if isinstance(event, ModelLoaded):
+            self.first = self.first or event
+            self.latest = event
+            self.num_loads += 1
+            self.load_s.add(event.load_seconds)
+        elif isinstance(event, ModelUnloaded):
+            self.unloads[event.reason] += 1
+            self.bytes_freed += event.bytes_freed
+        else:
+            self.failures[event.message] += 1
+
+    def report(self) -> ModelLoads | None:
+        if not self.seen:
+            return None
+        latest = self.latest
+        return ModelLoads(
+            path=latest.path if latest is not None else None,
+            config=self.first.config if self.first is not None else {},
+            num_loads=self.num_loads,
+            load_s=self.load_s.percentiles(),
+            weights_bytes=latest.weights_bytes if latest is not None else None,
+            kv_bytes=latest.kv_bytes if latest is not None else None,
+            prefix_cache_bytes=latest.prefix_cache_bytes if latest is not None else None,
+            unloads=dict(self.unloads.most_common()),
+            bytes_freed=self.bytes_freed,
+            num_load_failures=self.failures.total(),
+            load_failures=dict(self.failures.most_common(_FAILURES_KEPT)),
+        )
+
+
 class Summary(Report):
     files: tuple[str, ...]
     header: LogHeader  # the first run's
+    model: str | None = None  # in a log several models share: whose summary this is
+    loads: ModelLoads | None = None  # that model's loads and unloads (None: none logged)
     runs: tuple[RunOverview, ...]
     num_events: int
     num_steps: int
@@ -103,6 +183,14 @@ class Summary(Report):
     longest_idle: tuple[IdleGap, ...]
     in_flight: tuple[InFlight, ...]  # unfinished when the log ends
     interrupted: tuple[InFlight, ...]  # unfinished when a run ended and another began
+
+
+class ModelSummaries(Report):
+    """The summary of a log several models share: one per model, in the order the log's
+    headers list them."""
+
+    files: tuple[str, ...]
+    models: tuple[Summary, ...]
 
 
 @dataclass(slots=True)
@@ -162,6 +250,7 @@ class _Summariser:
         self.in_flight: list[InFlight] = []
         self.run: LogRun | None = None
         self.first_header: LogHeader | None = None
+        self.loads = _LoadTracker()
 
     def start_run(self, run: LogRun) -> None:
         self.end_run(last=False)
@@ -201,6 +290,12 @@ class _Summariser:
         )
         self.run = None
 
+    def feed(self, run: LogRun, event: Event) -> None:
+        """`event` of `run`: a new run starts afresh."""
+        if self.run is None or self.run.index != run.index:
+            self.start_run(run)
+        self.add(event)
+
     def add(self, event) -> None:  # an Event
         self.num_events += 1
         self.run_events += 1
@@ -239,6 +334,8 @@ class _Summariser:
                 return  # a second terminal, or an unknown request: verify's business
             self.run_outcomes[event.reason.value] += 1
             self.e2e.add(event.ts - t.admitted_ts)
+        elif kind is ModelLoaded or kind is ModelLoadFailed or kind is ModelUnloaded:
+            self.loads.add(event)
 
     def decoding(self, event: Decoding) -> None:
         t = self.tracks.get(event.request_id)
@@ -339,30 +436,68 @@ def summarize(
     *,
     top: int = 5,
     run: int | str | None = None,
+    model: str | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> Summary:
-    """Outcomes, latencies, scheduling figures and time of the log (or of one `run`).
+    """Outcomes, latencies, scheduling figures and time of the log (or of one `run`; of one
+    `model`, in a log several models share: with its loads and unloads).
 
     Tolerant: events that break the invariants are counted as they come (verify reports
     them). `progress`, if given, is called with the number of events read every 10,000
-    events. Raises what `read_events` raises, and UnknownRunError.
+    events. Raises what `read_events` raises, UnknownRunError and UnknownModelError.
     """
     index = resolve_run(path, run)
+    model = resolve_model(path, model, run=index)
+    summariser = _Summariser(top)
+    for num_events, (log_run, event) in enumerate(
+        read_run_events(path, run=index, model=model), start=1
+    ):
+        summariser.feed(log_run, event)
+        if progress is not None and num_events % 10_000 == 0:
+            progress(num_events)
+    return _summary(path, index, summariser, model, len(read_runs(path)))
+
+
+def summarize_models(
+    path: str | Path,
+    *,
+    top: int = 5,
+    run: int | str | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> ModelSummaries:
+    """The summary of each model of a log several models share (of one `run`), in one pass:
+    what `summarize` says of each. A model the headers list but that has no event gets an
+    empty summary. Raises what `summarize` raises."""
+    index = resolve_run(path, run)
+    summarisers = {name: _Summariser(top) for name in read_models(path, run=index)}
+    for num_events, (log_run, event) in enumerate(read_run_events(path, run=index), start=1):
+        name = log_run.header.model_of(event)
+        summariser = summarisers.get(name) if name is not None else None
+        if summariser is None:  # an event of a model no header lists: verify's business
+            summariser = summarisers.setdefault(name or "?", _Summariser(top))
+        summariser.feed(log_run, event)
+        if progress is not None and num_events % 10_000 == 0:
+            progress(num_events)
+    num_runs = len(read_runs(path))
+    return ModelSummaries(
+        files=tuple(str(p) for p in log_files(path)),
+        models=tuple(_summary(path, index, s, name, num_runs) for name, s in summarisers.items()),
+    )
+
+
+def _summary(
+    path: str | Path, index: int | None, s: _Summariser, model: str | None, num_runs: int
+) -> Summary:
     header = read_header(path)
-    s = _Summariser(top)
-    for log_run, event in read_run_events(path, run=index):
-        if s.run is None or s.run.index != log_run.index:
-            s.start_run(log_run)
-        s.add(event)
-        if progress is not None and s.num_events % 10_000 == 0:
-            progress(s.num_events)
     if s.run is not None:
-        s.end_run(last=s.run.index == len(read_runs(path)))
+        s.end_run(last=s.run.index == num_runs)
     if index is not None and s.runs:
         header = s.first_header or header
     return Summary(
         files=tuple(str(p) for p in log_files(path)),
         header=header,
+        model=model,
+        loads=s.loads.report(),
         runs=tuple(s.runs),
         num_events=s.num_events,
         num_steps=s.num_steps,

@@ -191,6 +191,7 @@ def render_svg(
     top: int = 25,
     xmlns: bool = True,
     run: int | None = None,
+    model: str | None = None,
     time_axis: bool = False,
     stall_s: float | None = None,
     progress: Callable[[int], None] | None = None,
@@ -199,12 +200,13 @@ def render_svg(
 
     With `request_ids`, only those requests, zoomed to their lives unless steps are given.
     Otherwise, past `top` requests, the `top` that waited longest for a token are drawn and
-    the rest folded. `run` picks one run of a log that holds several (1-based); `time_axis`
-    lays steps out by time; `stall_s` is the stall threshold (default: three times the
-    median gap between tokens). Raises what `read_events` raises.
+    the rest folded. `run` picks one run of a log that holds several (1-based), `model` one
+    model of a log several share; `time_axis` lays steps out by time; `stall_s` is the stall
+    threshold (default: three times the median gap between tokens). Raises what `collect`
+    raises.
     """
     # Every request is collected, drawn or not: the strip shows whom each step stalled.
-    timeline = collect(path, run=run, stall_s=stall_s, progress=progress)
+    timeline = collect(path, run=run, model=model, stall_s=stall_s, progress=progress)
     return _Picture(timeline, first_step, last_step, request_ids, top, time_axis).svg(xmlns)
 
 
@@ -330,8 +332,8 @@ class _Picture:
         t = self.t
         stalls = self.stalls_shown
         text = (
-            f"{Path(t.path).name}: steps {self.lo}..{self.hi}, {self.num_visible} request"
-            f"{'s' * (self.num_visible != 1)}"
+            f"{Path(t.path).name}{f' (model {t.model})' if t.model else ''}: steps "
+            f"{self.lo}..{self.hi}, {self.num_visible} request{'s' * (self.num_visible != 1)}"
         )
         if self.folded:
             text += f" (the {len(self.rows)} that waited longest for a token drawn, slowest first)"
@@ -602,31 +604,29 @@ def render_html(
     request_ids: set[str] | None = None,
     top: int = 25,
     run: int | None = None,
+    model: str | None = None,
     time_axis: bool = False,
     stall_s: float | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> str:
-    """The same timeline in a self-contained HTML page (inline SVG, inline style)."""
+    """The same timeline in a self-contained HTML page (inline SVG, inline style), headed by
+    the model and the config it ran with (in a log several models share: the model's first
+    load's)."""
     header = read_header(path) if run is None else read_runs(path)[run - 1].header
-    svg = render_svg(
-        path,
-        first_step=first_step,
-        last_step=last_step,
-        request_ids=request_ids,
-        top=top,
-        xmlns=False,
-        run=run,
-        time_axis=time_axis,
-        stall_s=stall_s,
-        progress=progress,
-    )
-    config = ", ".join(f"{k}={v}" for k, v in sorted(header.config.items()))
+    timeline = collect(path, run=run, model=model, stall_s=stall_s, progress=progress)
+    picture = _Picture(timeline, first_step, last_step, request_ids, top, time_axis)
+    name, config = header.model, header.config
+    if timeline.model is not None and header.models:
+        loaded = timeline.loaded
+        name = f"{timeline.model} ({loaded.path})" if loaded is not None else timeline.model
+        config = loaded.config if loaded is not None else {}
+    settings = ", ".join(f"{k}={v}" for k, v in sorted(config.items()))
     return (
         '<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
         f"<title>stepline replay: {_a(Path(path).name)}</title>\n"
         "<style>body{font-family:system-ui,sans-serif;margin:1em}"
         "div.scroll{overflow:auto;border:1px solid #ddd}</style>\n</head>\n<body>\n"
         f"<h1>{_a(Path(path).name)}</h1>\n"
-        f"<p>model {_a(header.model)} · {_a(config)}</p>\n"
-        f'<div class="scroll">\n{svg}</div>\n</body>\n</html>\n'
+        f"<p>model {_a(name)} · {_a(settings)}</p>\n"
+        f'<div class="scroll">\n{picture.svg(xmlns=False)}</div>\n</body>\n</html>\n'
     )

@@ -1,8 +1,8 @@
 """A run laid out in time: every step's span, every request's life, and the stalls between.
 
-What the picture (svg.py) and the trace export (trace.py) draw,
-collected in one streaming pass over one run of the log. Memory grows with the steps and the
-tokens of the run (a few bytes a token, in arrays), not with the events' text.
+What the picture (svg.py) and the trace export (trace.py) draw, collected in one streaming
+pass over one run of the log (of one model, in a log several share). Memory grows with the
+steps and the tokens of the run (a few bytes a token, in arrays), not with the events' text.
 
 Times are seconds from the run's first event. A step starts when it was planned and lasts
 what the executor measured (`step-finished`); in logs without those, until the next plan.
@@ -26,11 +26,13 @@ from stepline.events.models import (
     ChunkPrefilled,
     Decoding,
     Event,
+    ModelLoaded,
     StepFinished,
     StepPlanned,
     Terminal,
     per_request,
 )
+from stepline.events.replay.describe import resolve_model
 from stepline.events.replay.stats import Distribution
 
 _NAMED_PREFILLS = 3  # requests named in a step's description; the rest are counted
@@ -198,6 +200,8 @@ class RunTimeline:
     stall_threshold: float  # seconds
     median_gap: float | None
     stalls: list[StallMark]  # every stall of the run, worst first
+    model: str | None = None  # in a log several models share: whose steps
+    loaded: ModelLoaded | None = None  # that model's first load in the run, if logged
 
     @property
     def first_step(self) -> int | None:
@@ -240,17 +244,22 @@ def collect(
     path: str | Path,
     *,
     run: int | None = None,
+    model: str | None = None,
     request_ids: set[str] | None = None,
     stall_s: float | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> RunTimeline:
-    """Every step and request of one run (`run`, 1-based; None for a log of one run).
+    """Every step and request of one run (`run`, 1-based; None for a log of one run) and one
+    model (`model`; None for a log of one model).
 
     `request_ids` keeps only those requests' lives (every step is kept: steps show what
     else ran). `stall_s` is the stall threshold in seconds (default: three times the median gap
     between two tokens of a request, over the whole run). `progress`, if given, is called
-    with the number of events read every 10,000 events. Raises what `read_events` raises.
+    with the number of events read every 10,000 events. Raises what `read_events` raises,
+    ModelNeededError if the log serves several models and `model` is None, UnknownModelError.
     """
+    model = resolve_model(path, model, run=run, needed=True)
+    loaded: ModelLoaded | None = None
     steps: dict[int, StepSpan] = {}
     requests: dict[str, RequestLife] = {}
     t0: float | None = None
@@ -258,7 +267,7 @@ def collect(
     gaps = Distribution()
     last_token_at: dict[str, float] = {}
     num_events = 0
-    for event in read_events(path, run=run):
+    for event in read_events(path, run=run, model=model):
         num_events += 1
         if progress is not None and num_events % 10_000 == 0:
             progress(num_events)
@@ -280,6 +289,8 @@ def collect(
                 span.seconds, span.predicted = event.seconds, event.predicted_seconds
                 span.estimated = False
             continue
+        if isinstance(event, ModelLoaded) and loaded is None:
+            loaded = event
         # A step's tokens are every request's event at once: each request's part in turn.
         for one in per_request(event):
             _request_event(one, at, requests, request_ids, last_token_at, gaps)
@@ -294,6 +305,8 @@ def collect(
         stall_threshold=stall_s,
         median_gap=median,
         stalls=[],
+        model=model if model is not None else (loaded.model if loaded is not None else None),
+        loaded=loaded,
     )
     for life in requests.values():
         life.stalls = find_stalls(life, timeline)

@@ -244,20 +244,23 @@ def export_trace(
     target: str | Path,
     *,
     run: int | None = None,
+    model: str | None = None,
     stall_s: float | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> TraceStats:
-    """Write one run of the log at `path` to `target` as Trace Event JSON.
+    """Write one run of the log at `path` (one model of a log several share) to `target` as
+    Trace Event JSON.
 
-    `run` picks one run of a log of several (1-based); `stall_s` is the stall threshold in
-    seconds (default: three times the run's median gap between tokens). Raises what `read_events`
-    raises, and OSError if `target` cannot be written.
+    `run` picks one run of a log of several (1-based), `model` one model; `stall_s` is the
+    stall threshold in seconds (default: three times the run's median gap between tokens).
+    Raises what `collect` raises, and OSError if `target` cannot be written.
     """
-    timeline = collect(path, run=run, stall_s=stall_s, progress=progress)
+    timeline = collect(path, run=run, model=model, stall_s=stall_s, progress=progress)
     other = {
         "source": "stepline replay --trace",
         "log": str(path),
         "run": run,
+        "model": timeline.model,
         "stall_threshold_ms": round(timeline.stall_threshold * 1000, 3),
     }
     compact = json.JSONEncoder(separators=(",", ":")).encode

@@ -6,7 +6,10 @@ carries on as if the event had happened. The rules about the log itself (sequenc
 step order) and about a step (budget, max_num_seqs, members) are checked here.
 
 Runs are verified one after the other: sequence numbers start again at 1 in each, and a
-request a run left unfinished before a restart is `interrupted`, not a violation.
+request a run left unfinished before a restart is `interrupted`, not a violation. In a log
+several models share, each model's events are checked as a run of their own (its sequence
+numbers contiguous from 1, its steps never going back); `verify_models` reports each model
+apart.
 """
 
 from __future__ import annotations
@@ -17,7 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from stepline.events.fold import FoldError, RequestState, Status, apply, with_encoded
-from stepline.events.log import LogCorruptError, LogRun, log_files, read_run_events, read_runs
+from stepline.events.log import (
+    LogCorruptError,
+    LogRun,
+    log_files,
+    read_models,
+    read_run_events,
+    read_runs,
+)
 from stepline.events.models import (
     Admitted,
     ChunkPrefilled,
@@ -29,7 +39,7 @@ from stepline.events.models import (
     Terminal,
     per_request,
 )
-from stepline.events.replay.describe import InFlight, dump_event, resolve_run
+from stepline.events.replay.describe import InFlight, dump_event, resolve_model, resolve_run
 from stepline.events.replay.stats import Report
 
 
@@ -52,6 +62,7 @@ class ViolationKind(StrEnum):
     STEP_OVER_BUDGET = "step-over-budget"
     STEP_OVER_MAX_NUM_SEQS = "step-over-max-num-seqs"
     DUPLICATE_STEP_ENTRY = "duplicate-step-entry"  # a request twice in one step
+    UNKNOWN_MODEL = "unknown-model"  # an event of a model its run's header does not list
     CORRUPT_LOG = "corrupt-log"  # a line that cannot be read; verification stops there
 
 
@@ -67,6 +78,7 @@ class Violation(Report):
 class VerifyReport(Report):
     files: tuple[str, ...]
     runs: tuple[LogRun, ...]
+    model: str | None = None  # in a log several models share: whose events were checked
     num_events: int
     num_requests: int
     num_steps: int
@@ -75,6 +87,15 @@ class VerifyReport(Report):
     violations: tuple[Violation, ...]  # at most `max_per_kind` of each kind
     in_flight: tuple[InFlight, ...]  # no terminal when the log ends: apart, not a violation
     interrupted: tuple[InFlight, ...]  # no terminal when a run ended and the next began
+
+
+class ModelVerifyReports(Report):
+    """Verification of a log several models share: one report per model, in the order the
+    log's headers list them."""
+
+    files: tuple[str, ...]
+    ok: bool  # every model's report is
+    models: tuple[VerifyReport, ...]
 
 
 def _carry_on(state: RequestState, event: Event) -> RequestState:
@@ -118,7 +139,10 @@ class _Verifier:
         # Per request, the event to show beside a violation: its admission (without the
         # prompt), its last chunk, or its terminal.
         self.evidence: dict[str, Event] = {}
-        self.prev: Event | None = None
+        # Each model's last event: a model's sequence numbers and steps are its own.
+        self.prev: dict[str | None, Event] = {}
+        self.listed = run.header.models  # the models the run serves (none: its one model)
+        self.unlisted: set[str | None] = set()
 
     def end_run(self, *, last: bool) -> None:
         if self.run is None:
@@ -139,6 +163,29 @@ class _Verifier:
         ]
         (self.in_flight if last else self.interrupted).extend(left)
         self.run = None
+
+    def corrupt(self, exc: LogCorruptError) -> None:
+        """A line that cannot be read: verification stops there."""
+        self.counts[ViolationKind.CORRUPT_LOG.value] += 1
+        self.violations.append(Violation(kind=ViolationKind.CORRUPT_LOG, message=str(exc)))
+
+    def report(self, path: str | Path, num_runs: int, model: str | None) -> VerifyReport:
+        """What was found, once the log (as far as it was read) is through."""
+        if self.run is not None:
+            self.end_run(last=self.run.index == num_runs)
+        return VerifyReport(
+            files=tuple(str(p) for p in log_files(path)),
+            runs=tuple(self.runs),
+            model=model,
+            num_events=self.num_events,
+            num_requests=self.num_requests,
+            num_steps=self.num_steps,
+            ok=not self.counts,
+            counts=dict(self.counts),
+            violations=tuple(self.violations),
+            in_flight=tuple(self.in_flight),
+            interrupted=tuple(self.interrupted),
+        )
 
     def flag(
         self,
@@ -172,7 +219,16 @@ class _Verifier:
                 self.check_request_event(one)
 
     def check_order(self, event: Event) -> None:
-        prev = self.prev
+        model = event.model
+        if self.listed and model not in self.listed and model not in self.unlisted:
+            self.unlisted.add(model)
+            self.flag(
+                ViolationKind.UNKNOWN_MODEL,
+                f"an event of model {model!r}, which the run's header does not list "
+                f"(it lists {', '.join(self.listed)})",
+                event,
+            )
+        prev = self.prev.get(model)
         expected = 1 if prev is None else prev.seq + 1
         if event.seq > expected:
             missing = f"{expected}" if event.seq == expected + 1 else f"{expected}..{event.seq - 1}"
@@ -192,7 +248,7 @@ class _Verifier:
                 event,
             )
         if prev is None or event.seq >= prev.seq:
-            self.prev = event
+            self.prev[model] = event
 
     def check_request_event(self, event: Event | Decoding) -> None:
         rid = event.request_id
@@ -276,41 +332,79 @@ class _Verifier:
 
 
 def verify(
-    path: str | Path, *, max_per_kind: int = 100, run: int | str | None = None
+    path: str | Path,
+    *,
+    max_per_kind: int = 100,
+    run: int | str | None = None,
+    model: str | None = None,
 ) -> VerifyReport:
-    """Check the log (every run of it, or one `run`) against the engine's invariants, in one
-    streaming pass.
+    """Check the log (every run of it, or one `run`; every model of it, or one `model`)
+    against the engine's invariants, in one streaming pass.
 
-    Checks, per run: sequence numbers contiguous from 1; steps never go back; every event
-    belongs to an admitted request; at most one terminal per request and nothing after it;
-    chunks contiguous, in order, inside the prompt, covering it (prefix-cache hits accounted
-    for) before tokens or a stop/length finish; checkpoints not ahead of prefill; no step
-    over its token budget or max_num_seqs, nor with a request twice. Requests with no
-    terminal when their run ends are reported apart (`interrupted` if a later run followed,
-    `in_flight` at the end of the log), not as violations. A line that cannot be read is a
-    `corrupt-log` violation, and verification stops there. Raises UnknownRunError.
+    Checks, per run and model: sequence numbers contiguous from 1; steps never go back;
+    every event belongs to an admitted request; at most one terminal per request and
+    nothing after it; chunks contiguous, in order, inside the prompt, covering it
+    (prefix-cache hits accounted for) before tokens or a stop/length finish; checkpoints
+    not ahead of prefill; no step over its token budget or max_num_seqs, nor with a request
+    twice; in a log several models share, every event of a model its run's header lists.
+    Requests with no terminal when their run ends are reported apart (`interrupted` if a
+    later run followed, `in_flight` at the end of the log), not as violations. A line that
+    cannot be read is a `corrupt-log` violation, and verification stops there. Raises
+    UnknownRunError, UnknownModelError.
     """
     index = resolve_run(path, run)
+    model = resolve_model(path, model, run=index)
     v = _Verifier(max_per_kind)
     try:
-        for log_run, event in read_run_events(path, run=index):
+        for log_run, event in read_run_events(path, run=index, model=model):
             if v.run is None or v.run.index != log_run.index:
                 v.start_run(log_run)
             v.check(event)
     except LogCorruptError as exc:
-        v.counts[ViolationKind.CORRUPT_LOG.value] += 1
-        v.violations.append(Violation(kind=ViolationKind.CORRUPT_LOG, message=str(exc)))
-    if v.run is not None:
-        v.end_run(last=v.run.index == len(read_runs(path)))
-    return VerifyReport(
+        v.corrupt(exc)
+    return v.report(path, len(read_runs(path)), model)
+
+
+def verify_models(
+    path: str | Path, *, max_per_kind: int = 100, run: int | str | None = None
+) -> ModelVerifyReports:
+    """`verify` of each model of a log several models share (of one `run`), in one pass: each
+    model's events checked as a log of their own, and a request id that two models admit
+    reported (ids are unique across a run's models). Raises UnknownRunError."""
+    index = resolve_run(path, run)
+    verifiers = {name: _Verifier(max_per_kind) for name in read_models(path, run=index)}
+    owners: dict[str, str | None] = {}  # request id -> the model that admitted it, this run
+    run_now = None
+    try:
+        for log_run, event in read_run_events(path, run=index):
+            if run_now != log_run.index:
+                run_now, owners = log_run.index, {}
+            name = log_run.header.model_of(event)
+            v = verifiers.get(name) if name is not None else None
+            if v is None:  # a model no header lists (its check names it)
+                v = verifiers.setdefault(name or "?", _Verifier(max_per_kind))
+            if v.run is None or v.run.index != log_run.index:
+                v.start_run(log_run)
+            v.check(event)
+            if isinstance(event, Admitted):
+                owner = owners.setdefault(event.request_id, name)
+                if owner != name:
+                    v.flag(
+                        ViolationKind.ADMITTED_TWICE,
+                        f"request {event.request_id} admitted by model {name}, and before by "
+                        f"model {owner} (request ids are unique across a run's models)",
+                        event,
+                        request_id=event.request_id,
+                    )
+    except LogCorruptError as exc:
+        if not verifiers:
+            verifiers["?"] = _Verifier(max_per_kind)
+        for v in verifiers.values():  # reading stopped there for every model
+            v.corrupt(exc)
+    num_runs = len(read_runs(path))
+    reports = tuple(v.report(path, num_runs, name) for name, v in verifiers.items())
+    return ModelVerifyReports(
         files=tuple(str(p) for p in log_files(path)),
-        runs=tuple(v.runs),
-        num_events=v.num_events,
-        num_requests=v.num_requests,
-        num_steps=v.num_steps,
-        ok=not v.counts,
-        counts=dict(v.counts),
-        violations=tuple(v.violations),
-        in_flight=tuple(v.in_flight),
-        interrupted=tuple(v.interrupted),
+        ok=all(r.ok for r in reports),
+        models=reports,
     )

@@ -1,7 +1,9 @@
 """Replay's views of a run: one request's timeline, every request's state at a step, steps.
 
 Each is one streaming pass over the log (memory bounded by the requests or steps asked
-about). In a log of several runs, a view looks at one run (`run`, its 1-based index).
+about). In a log of several runs, a view looks at one run (`run`, its 1-based index); in a
+log several models share, the views of steps and states look at one model (`model`), while a
+request's timeline finds its model.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from stepline.events.replay.describe import (
     describe_images,
     describe_runs,
     describe_status,
+    resolve_model,
     resolve_run,
 )
 from stepline.events.replay.stats import Percentiles, Report, percentiles
@@ -88,6 +91,7 @@ class TerminalRecord(Report):
 class RequestTimeline(Report):
     request_id: str
     run: int  # the run it belongs to (1-based)
+    model: str | None = None  # in a log several models share: the model that served it
     num_prompt_tokens: int
     num_cached_tokens: int
     cache_source: str | None
@@ -186,17 +190,25 @@ def _note(life: _Life, event: Event | Decoding) -> None:
 
 
 def request_timeline(
-    path: str | Path, request_id: str, *, run: int | str | None = None
+    path: str | Path,
+    request_id: str,
+    *,
+    run: int | str | None = None,
+    model: str | None = None,
 ) -> RequestTimeline:
-    """The life of `request_id`, from the log alone (in `run`, or in whichever run has it).
+    """The life of `request_id`, from the log alone (in `run`, or in whichever run has it; of
+    `model`, or of whichever model served it: request ids are unique across a run's models).
 
     Raises UnknownRequestError if no run admitted it, or several did and `run` is None;
-    UnknownRunError for a run the log does not hold; and what `read_events` raises.
+    UnknownRunError for a run the log does not hold; UnknownModelError for a model it does
+    not serve; and what `read_events` raises.
     """
     index = resolve_run(path, run)
+    model = resolve_model(path, model, run=index)
     lives: dict[int, _Life] = {}
     outputs_logged: dict[int, bool] = {}
-    for log_run, event in read_run_events(path, run=index):
+    models: dict[int, str | None] = {}
+    for log_run, event in read_run_events(path, run=index, model=model):
         life = lives.get(log_run.index)
         if isinstance(event, StepPlanned):
             share = _share(event, request_id) if life is not None else None
@@ -212,10 +224,13 @@ def request_timeline(
             if life is None:
                 lives[log_run.index] = _Life(event)
                 outputs_logged[log_run.index] = log_run.header.log_outputs
+                models[log_run.index] = event.model
         elif life is not None and life.terminal is None:  # nothing follows it (verify checks)
             _note(life, event)
     if not lives:
         where = f"run {run} of {path}" if run is not None else str(path)
+        if model is not None:
+            where = f"model {model} of {where}"
         raise UnknownRequestError(
             f"no request {request_id!r} in {where}: see the summary for the requests it holds"
         )
@@ -227,7 +242,8 @@ def request_timeline(
         )
     ((found, life),) = lives.items()
     later_run = life.terminal is None and found < len(read_runs(path))
-    return _timeline(request_id, found, life, outputs_logged[found], later_run)
+    timeline = _timeline(request_id, found, life, outputs_logged[found], later_run)
+    return timeline.model_copy(update={"model": models[found]})
 
 
 def _timeline(
@@ -298,6 +314,7 @@ class RequestAtStep(Report):
 class StateAtStep(Report):
     step: int
     run: int
+    model: str | None = None  # in a log several models share: whose steps
     last_step: int  # the last step the run's log reaches
     past_end: bool  # `step` is past it: the state shown is the one when the log ends
     counts: dict[str, int]  # status -> number of requests
@@ -309,21 +326,26 @@ def state_at_step(
     step: int,
     *,
     run: int | str | None = None,
+    model: str | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> StateAtStep:
-    """Every request's state after step `step`, by folding the log with the engine's `apply`.
+    """Every request's state after step `step` (of `model`'s steps, in a log several models
+    share), by folding the log with the engine's `apply`.
 
     `progress`, if given, is called with the number of events read every 10,000 events.
     Raises FoldError if the log cannot be folded (run verify to see why), RunNeededError if
-    the log holds several runs and `run` is None, UnknownRunError.
+    the log holds several runs and `run` is None, ModelNeededError if it serves several
+    models and `model` is None, UnknownRunError, UnknownModelError.
     """
     index = resolve_run(path, run, needed=True)
     assert index is not None
+    model = resolve_model(path, model, run=index, needed=True)
     last_step = 0
 
     def tracked() -> Iterator[Event]:
         nonlocal last_step
-        for num_events, event in enumerate(read_events(path, run=index), start=1):
+        events = read_events(path, run=index, model=model)
+        for num_events, event in enumerate(events, start=1):
             last_step = max(last_step, event.step)
             if progress is not None and num_events % 10_000 == 0:
                 progress(num_events)
@@ -334,6 +356,7 @@ def state_at_step(
     return StateAtStep(
         step=step,
         run=index,
+        model=model,
         last_step=last_step,
         past_end=step > last_step,
         counts=dict(Counter(s.status.value for s in ordered)),
@@ -392,6 +415,7 @@ class StepRecord(Report):
 
 class StepsReport(Report):
     run: int
+    model: str | None = None  # in a log several models share: whose steps
     first: int | None
     last: int | None
     last_step: int | None  # the run's last planned step
@@ -447,19 +471,24 @@ def step_records(
     last: int | None = None,
     *,
     run: int | str | None = None,
+    model: str | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> StepsReport:
-    """Every step numbered first..last (inclusive; None = unbounded) with its members.
+    """Every step numbered first..last (inclusive; None = unbounded) with its members (of
+    `model`'s steps, in a log several models share).
 
     `progress`, if given, is called with the number of events read every 10,000 events.
-    Raises RunNeededError if the log holds several runs and `run` is None, UnknownRunError.
+    Raises RunNeededError if the log holds several runs and `run` is None, ModelNeededError
+    if it serves several models and `model` is None, UnknownRunError, UnknownModelError.
     """
     index = resolve_run(path, run, needed=True)
     assert index is not None
+    model = resolve_model(path, model, run=index, needed=True)
     records: list[StepRecord] = []
     current: _OpenStep | None = None
     last_step: int | None = None
-    for num_events, event in enumerate(read_events(path, run=index), start=1):
+    events = read_events(path, run=index, model=model)
+    for num_events, event in enumerate(events, start=1):
         if progress is not None and num_events % 10_000 == 0:
             progress(num_events)
         if isinstance(event, StepPlanned):
@@ -481,4 +510,6 @@ def step_records(
                 current.finished.append(event.request_id)
     if current is not None:
         records.append(_step_record(current, None))
-    return StepsReport(run=index, first=first, last=last, last_step=last_step, steps=tuple(records))
+    return StepsReport(
+        run=index, model=model, first=first, last=last, last_step=last_step, steps=tuple(records)
+    )
