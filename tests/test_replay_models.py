@@ -13,11 +13,13 @@ import heapq
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import replay
 from log_builder import T0, LogBuilder
 
+from stepline.actors.turns import Turns
 from stepline.events.log import EventLogWriter, read_events, read_models
 from stepline.events.models import (
     FinishReason,
@@ -37,18 +39,18 @@ PROMPTS = {
 }
 
 
-async def _serve(writer: EventLogWriter, name: str) -> None:
+async def _serve(writer: EventLogWriter, name: str, turns: Any) -> None:
     from stepline.actors.core import LogPlace
     from stepline.api import Engine, SamplingParams
-    from stepline.api.engine_parts import SharedLog
+    from stepline.api.engine_parts import PoolMember
 
     async with Engine.open(
         "stepline-demo",
-        shared_log=SharedLog(writer, LogPlace(name)),
+        member=PoolMember(writer, LogPlace(name), turns),
         max_step_tokens=32,
         max_num_seqs=4,
     ) as engine:
-        engine._step_loop.log_model_event(
+        engine.step_loop.log_model_event(
             ModelLoaded,
             path="stepline-demo",
             weights_bytes=3 * 2**20,
@@ -71,7 +73,8 @@ async def _record_two_models(path: Path) -> None:
     header = LogHeader(created=time.time(), models=MODELS, run_id=new_run_id(), salt=new_salt())
     writer = EventLogWriter(path, header)
     try:
-        await asyncio.gather(_serve(writer, "a"), _serve(writer, "b"))
+        turns = Turns(("a", "b"))  # their steps take turns on the executor, as in a pool's
+        await asyncio.gather(_serve(writer, "a", turns), _serve(writer, "b", turns))
     finally:
         writer.close()
 

@@ -14,6 +14,7 @@ import anyio
 import httpx
 import openai
 import pytest
+from helpers import replay
 from prometheus_client.parser import text_string_to_metric_families
 
 from stepline.api import Engine
@@ -176,6 +177,11 @@ async def test_a_budget_for_one_model_unloads_the_idle_one_and_logs_it(tmp_path)
         mine = [e for e in events if e.model == name]
         assert [e.seq for e in mine] == list(range(1, len(mine) + 1))
         assert [e.step for e in mine] == sorted(e.step for e in mine)
+    # Replay reads the pool's log model by model.
+    status, verified = replay(str(log), "--verify")
+    assert status == 0 and "OK: no violations in any model" in verified
+    status, summary = replay(str(log), "--model", "b")
+    assert status == 0 and "requests: 2 (2 length)" in summary and "loads: 2" in summary
 
 
 async def test_a_model_with_a_request_in_flight_is_never_unloaded_for_another():
