@@ -50,6 +50,9 @@ DEFAULT_MEMORY_FRACTION = 0.7
 # A model given no KV budget of its own gets this share of the server's memory budget (alone,
 # an engine's default is most of the machine's memory).
 DEFAULT_KV_SHARE = 0.1
+# MLX's buffer cache, when no --mlx-cache-gb: this share of the budget, at most DEFAULT_CACHE_MAX.
+DEFAULT_CACHE_SHARE = 0.1
+DEFAULT_CACHE_MAX = 2**29
 # A model whose load failed fails the requests for it this long before it is tried again.
 RETRY_FAILED_LOAD_S = 30.0
 # How often idle times are checked (time to live) and busy models noticed.
@@ -119,10 +122,18 @@ class ModelPool:
     ):
         self.config = config
         self.budget_bytes = budget_bytes
+        # MLX's buffer cache (freed memory it keeps for reuse) is the process's: one limit for
+        # every model, counted once in the budget.
+        cache_gb = engine_options.get("mlx_cache_gb")
+        self.cache_bytes = (
+            int(cache_gb * 2**30)
+            if cache_gb is not None
+            else min(int(budget_bytes * DEFAULT_CACHE_SHARE), DEFAULT_CACHE_MAX)
+        )
         self.entries = {
             s.name: Entry(
                 s,
-                _with_kv_budget(s.engine_config(engine_options), budget_bytes),
+                _with_budgets(s.engine_config(engine_options), budget_bytes, self.cache_bytes),
                 place=LogPlace(s.name),
             )
             for s in config.models
@@ -219,7 +230,14 @@ class ModelPool:
 
     @property
     def used_bytes(self) -> int:
-        return sum(e.footprint_bytes for e in self.entries.values() if e.engine is not None)
+        """The loaded models' footprints, and MLX's buffer cache limit."""
+        loaded = sum(e.footprint_bytes for e in self.entries.values() if e.engine is not None)
+        return loaded + self.cache_bytes
+
+    @property
+    def models_budget_bytes(self) -> int:
+        """What the models may take together: the budget less MLX's buffer cache."""
+        return self.budget_bytes - self.cache_bytes
 
     def health(self) -> dict[str, Any]:
         """/health's body: each model's state (loaded, unloaded, loading, unloading, failed:
@@ -319,10 +337,12 @@ class ModelPool:
             await self._wait_for_change()
 
     def release(self, entry: Entry) -> None:
-        """The caller of `acquire` is done with `entry` (its request is in the engine's states
-        or ended)."""
+        """The caller of `acquire` is done with `entry` (its request is in the engine's states,
+        or failed before); in the caller's task, which ends its arrival too."""
         entry.users -= 1
         entry.last_used = time.monotonic()
+        if entry.engine is not None:
+            entry.engine.arrived()
 
     async def _wait_for_change(self) -> None:
         await self._changed.wait()
@@ -382,7 +402,7 @@ class ModelPool:
         Returns False if the pool closed meanwhile. Raises DoesNotFitError."""
         while not self._closing:
             others = [e.resident() for e in self.entries.values() if e.engine is not None]
-            victims = to_unload(others, need, self.budget_bytes, entry.spec.name)
+            victims = to_unload(others, need, self.models_budget_bytes, entry.spec.name)
             if victims is None:
                 log.info("model_waits_for_room", model=entry.spec.name, need_bytes=need)
                 await self._wait_for_change()  # `_watch` notices models going idle
@@ -398,7 +418,9 @@ class ModelPool:
         """Once loaded, its measured footprint decides: idle models are unloaded while the
         loaded ones are over the budget. Raises DoesNotFitError if it is over it alone."""
         others = [e.resident() for e in self.entries.values() if e.engine and e is not entry]
-        victims = to_unload(others, entry.footprint_bytes, self.budget_bytes, entry.spec.name)
+        victims = to_unload(
+            others, entry.footprint_bytes, self.models_budget_bytes, entry.spec.name
+        )
         for name in victims or ():
             await self._unload(self.entries[name], "memory")
         if self.used_bytes > self.budget_bytes:
@@ -477,6 +499,7 @@ class ModelPool:
         finally:
             freed, entry.footprint_bytes = entry.footprint_bytes, 0
             entry.engine = entry.served = None
+            engine = opened = None  # type: ignore[assignment]  # its memory is free once unused
             if started:  # else `_load` settles its state (FAILED)
                 entry.state = ModelState.UNLOADED
             with anyio.CancelScope(shield=True):
@@ -504,10 +527,13 @@ class ModelPool:
 
     async def _free_memory(self) -> None:
         """Give an unloaded model's memory back: MLX's buffer cache, then the C heap."""
+        import gc
+
         import mlx.core as mx
 
         from stepline.engine import heap
 
+        gc.collect()  # an engine's parts refer to each other: freed by the collector
         try:
             await self._executor.call(mx.clear_cache)
             await self._executor.call(heap.trim)
@@ -574,11 +600,13 @@ async def _budget_bytes(max_memory_gb: float | None) -> int:
     return int(await Executor().call(machine_memory_bytes) * DEFAULT_MEMORY_FRACTION)
 
 
-def _with_kv_budget(config: EngineConfig, budget_bytes: int) -> EngineConfig:
-    """`config`, with DEFAULT_KV_SHARE of the server's budget as its KV budget if it has none."""
-    if config.max_kv_gb is not None or config.max_kv_tokens is not None:
-        return config
-    return config.model_copy(update={"max_kv_gb": budget_bytes * DEFAULT_KV_SHARE / 2**30})
+def _with_budgets(config: EngineConfig, budget_bytes: int, cache_bytes: int) -> EngineConfig:
+    """`config`, with DEFAULT_KV_SHARE of the server's budget as its KV budget if it has none,
+    and the server's one limit of MLX's buffer cache."""
+    update: dict[str, Any] = {"mlx_cache_gb": cache_bytes / 2**30}
+    if config.max_kv_gb is None and config.max_kv_tokens is None:
+        update["max_kv_gb"] = budget_bytes * DEFAULT_KV_SHARE / 2**30
+    return config.model_copy(update=update)
 
 
 def _kv_bytes_guess(config: EngineConfig) -> int:

@@ -21,6 +21,7 @@ import asyncio
 import contextvars
 import hashlib
 import time
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -211,13 +212,22 @@ class Renderer(Protocol):
         ...
 
 
-@dataclass
 class _Binding:
-    """A request's model, bound to its task by `Serving.bind`."""
+    """A request's model, bound to its task by `Serving.bind`. It holds the model weakly: a
+    context outlives its request (a cancelled timer keeps it until its time), and must not
+    keep an unloaded model's memory; the model is loaded while its request runs."""
 
-    served: ServedModel
-    entry: Any = None  # its pool entry (a server of several models), released once
-    released: bool = False
+    def __init__(self, served: ServedModel, entry: Any = None):
+        self._served = weakref.ref(served)
+        self.entry = entry  # its pool entry (a server of several models), released once
+        self.released = False
+
+    @property
+    def served(self) -> ServedModel:
+        served = self._served()
+        if served is None:
+            raise RuntimeError("the request's model was unloaded after the request ended")
+        return served
 
 
 # Set by `bind` when a streamed request waits for its model to load (`handle` then starts its
@@ -347,14 +357,12 @@ class Serving:
         """`handle`'s end: a request that did not reach its engine is no longer arriving, and
         a pool's model may be unloaded once its requests are all in it (or ended)."""
         binding = _BOUND.get()
-        if binding is None:
-            if self.one is not None:
-                self.one.engine.arrived()
-            return
-        binding.served.engine.arrived()
-        if binding.entry is not None and not binding.released and self.pool is not None:
-            binding.released = True
-            self.pool.release(binding.entry)
+        if binding is not None and binding.entry is not None:
+            if not binding.released and self.pool is not None:
+                binding.released = True
+                self.pool.release(binding.entry)  # its arrival ends there too
+        elif self.one is not None:
+            self.one.engine.arrived()
 
     # -- request side --
 
