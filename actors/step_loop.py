@@ -19,7 +19,7 @@ import contextlib
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import anyio
@@ -92,6 +92,7 @@ class StepLoop:
         )
         self._event_log = event_log
         self._turns = turns if place is not None else None
+        self._in_turn = False  # this loop holds its turn (`_turn`)
         self.inbox: MemoryObjectSendStream
         self.inbox, self._inbox = anyio.create_memory_object_stream(inbox_size)
         self._actors: dict[str, Mailbox[Update]] = {}  # live request -> its actor's inbox
@@ -217,8 +218,28 @@ class StepLoop:
                     self._tick()
 
     async def _step(self) -> None:
-        core = self.core
         await self._gather()
+        # One turn on the executor for the step and its housekeeping: another model's step
+        # never comes between them.
+        async with self._turn():
+            await self._plan_and_run()
+
+    @contextlib.asynccontextmanager
+    async def _turn(self) -> AsyncIterator[None]:
+        """This model's turn on the executor while in the block (where several models share
+        it; `_run_executor` then takes none of its own)."""
+        if self._turns is None or self.core.model is None or self._in_turn:
+            yield
+            return
+        async with self._turns.turn(self.core.model):
+            self._in_turn = True
+            try:
+                yield
+            finally:
+                self._in_turn = False
+
+    async def _plan_and_run(self) -> None:
+        core = self.core
         # Finished requests become prefix-cache entries first: a waiting request may start
         # from one (the next turn of a chat).
         if (before := core.housekeeping(before_step=True)) is not None:
@@ -237,6 +258,8 @@ class StepLoop:
         # The next decode forward (if the runner built one) computes on the executor while
         # this step commits: it starts right after the step, without waiting for this loop.
         ahead = getattr(self.runner, "look_ahead", None)  # a distributed runner has none
+        if ahead is not None and self._turns is not None:
+            ahead = self._yielding(ahead)
         result = await self._run_executor(self.runner.run, work, after=ahead)
         if result is None:
             return
@@ -249,6 +272,19 @@ class StepLoop:
         if self.on_step is not None:
             self.on_step(self)  # sees the state as the step left it
         self._handle(later)
+
+    def _yielding(self, ahead: Callable[[], None]) -> Callable[[], None]:
+        """`ahead`, unless another model waits for its turn when the step ends (read on the
+        executor thread): its step goes first, and this model's next step computes its own
+        forward. On the CPU backend the look-ahead's forward runs before the turn passes."""
+        turns, name = self._turns, self.core.model
+        assert turns is not None and name is not None
+
+        def ahead_unless_waited_for() -> None:
+            if not turns.others_waiting(name):
+                ahead()
+
+        return ahead_unless_waited_for
 
     async def _gather(self) -> None:
         """Before the first step after idling, wait (at most GATHER_S) for the requests still
@@ -334,9 +370,7 @@ class StepLoop:
         """`fn(*args)` on the executor (in this model's turn, where several models share it);
         None once the executor failed (this loop is then dead)."""
         try:
-            if self._turns is None or self.core.model is None:
-                return await self.executor.call(fn, *args, after=after)
-            async with self._turns.turn(self.core.model):
+            async with self._turn():
                 return await self.executor.call(fn, *args, after=after)
         except ExecutorDeadError as exc:
             self._die(f"executor failed: {exc!r}")
