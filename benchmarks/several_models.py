@@ -88,7 +88,7 @@ async def exact(repeats: int) -> None:
         print(f"exact, repeat {r + 1}: {same} of {len(alone)} streams the same as alone")
 
 
-async def switch(repeats: int, system_repeat: int = 20) -> None:
+async def switch(repeats: int, system_repeat: int = 20, same_chat: bool = False) -> None:
     import anyio
 
     from stepline.api import Engine, SamplingParams
@@ -102,7 +102,7 @@ async def switch(repeats: int, system_repeat: int = 20) -> None:
     async def first_token(engine: Any) -> float:
         """The first token of a chat no earlier request began with (no prefix-cache hit)."""
         nonlocal asked
-        asked += 1
+        asked += 0 if same_chat else 1
         system = f"Session {asked}. " + "You are a careful assistant. " * system_repeat
         messages = [{"role": "system", "content": system}, CHAT[1]]
         t0 = time.perf_counter()
@@ -259,13 +259,18 @@ def main() -> None:
         help="switch: the system prompt is 'You are a careful assistant. ' this many times "
         "(20: a 200-token chat)",
     )
+    parser.add_argument(
+        "--same-chat",
+        action="store_true",
+        help="switch: the same chat every time (its prefix cached after the first: a short step)",
+    )
     args = parser.parse_args()
     only = set(args.only.split(","))
     os.environ.setdefault("STEPLINE_LOG_LEVEL", "warning")
     if "exact" in only:
         anyio.run(exact, args.repeats)
     if "switch" in only:
-        anyio.run(switch, args.repeats, args.system_repeat)
+        anyio.run(switch, args.repeats, args.system_repeat, args.same_chat)
     if "memory" in only:
         memory(args.budget_gb, args.requests)
 

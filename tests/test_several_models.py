@@ -5,6 +5,8 @@ failure is that model's; one event log for them all."""
 from __future__ import annotations
 
 import argparse
+import re
+import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -14,7 +16,7 @@ import anyio
 import httpx
 import openai
 import pytest
-from helpers import replay
+from helpers import popen_serve, replay, serve_argv
 from prometheus_client.parser import text_string_to_metric_families
 
 from stepline.api import Engine
@@ -357,3 +359,36 @@ async def test_a_stream_for_a_model_still_loading_gets_pings_then_its_tokens(mon
                 body = await r.aread()
             assert r.status_code == 200
             assert b"'b' could not be loaded" in body and body.endswith(b"data: [DONE]\n\n")
+
+
+def test_stepline_serve_with_two_models_serves_both_and_a_sigterm_ends_it_with_0(tmp_path):
+    log = tmp_path / "run.jsonl"
+    argv = serve_argv(
+        "--model", "a=stepline-demo", "--model", "b=stepline-demo-hybrid", "--event-log", str(log)
+    )
+    stderr = (tmp_path / "stderr.txt").open("w")
+    proc = popen_serve(argv, stderr)
+    try:
+        assert proc.stdout is not None
+        url = ""
+        for line in proc.stdout:  # its first lines: what it serves and where
+            if m := re.search(r"serving a, b at (http://127\.0\.0\.1:\d+)/v1", line):
+                url = m.group(1)
+                break
+        assert url, "stepline serve ended before it said what it serves"
+        with httpx.Client(base_url=url, timeout=60) as http:
+            body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+            assert http.post("/v1/chat/completions", json={"model": "b", **body}).is_success
+            models = http.get("/health").json()["models"]
+        assert models == {"a": {"state": "unloaded"}, "b": {"state": "loaded"}}
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()  # type: ignore[union-attr]
+        stderr.close()
+    assert "Traceback" not in (tmp_path / "stderr.txt").read_text()
+    unloaded = [e for e in read_events(log) if isinstance(e, ModelUnloaded)]
+    assert [(e.model, e.reason) for e in unloaded] == [("b", "shutdown")]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import dataclasses
 import functools
 import importlib.util
 import os
@@ -294,15 +295,12 @@ async def _serve(
                     functools.partial(interrupted_responses, event_log, since=since),
                     abandon_on_cancel=True,  # a long log's read: a stop does not wait
                 )
+            up = _Up(cfg, server, switch, app_modules, url, interrupted)
             try:
                 if isinstance(model, PoolConfig):
-                    await _serve_pool(
-                        model, engine_kwargs, cfg, server, switch, app_modules, url, interrupted
-                    )
+                    await _serve_pool(model, engine_kwargs, up)
                 else:
-                    await _serve_engine(
-                        model, engine_kwargs, cfg, server, switch, app_modules, url, interrupted
-                    )
+                    await _serve_engine(model, engine_kwargs, up)
             except Exception:
                 # The process ends with the interpreter's teardown after this error (a model
                 # not found, a log another process writes): not while a module still imports
@@ -316,25 +314,35 @@ async def _serve(
         raise
 
 
-async def _serve_engine(
-    model: str | None,
-    engine_kwargs: dict,
-    cfg: ServerConfig,
-    server: _Server,
-    switch: _AppSwitch,
-    app_modules: _BackgroundImport,
-    url: str,
-    interrupted: list[tuple[str, float]],
-) -> None:
+@dataclasses.dataclass(frozen=True)
+class _Up:
+    """The server as it is up, before its app: what serving one model or several goes on from."""
+
+    cfg: ServerConfig
+    server: _Server
+    switch: _AppSwitch  # answers with the loading app until the real one is set
+    app_modules: _BackgroundImport  # the app's modules, importing on a thread
+    url: str
+    interrupted: list[tuple[str, float]]  # background responses a crash cut off
+
+    async def start_app(self, served: Any, on_shutdown: Callable[[], object]) -> None:
+        """Serve `served` (an engine, or a pool of models) with the real app from now on."""
+        create_app = (await self.app_modules.module()).create_app
+        self.server.on_shutdown = on_shutdown
+        options = self.cfg.model_dump()
+        self.switch.app = create_app(served, interrupted_responses=self.interrupted, **options)
+
+
+async def _serve_engine(model: str | None, engine_kwargs: dict, up: _Up) -> None:
     from stepline.api.engine import Engine
+
+    cfg, url = up.cfg, up.url
 
     t0 = time.monotonic()
     opened = Engine.open(model, mlx_wait_at_close_s=MLX_WAIT_AT_EXIT_S, **engine_kwargs)
     async with opened as engine:
-        create_app = (await app_modules.module()).create_app
         names = cfg.served_model_name or (engine.model_name,)
-        server.on_shutdown = engine.begin_shutdown
-        switch.app = create_app(engine, interrupted_responses=interrupted, **cfg.model_dump())
+        await up.start_app(engine, engine.begin_shutdown)
         print(
             f"stepline: loaded {engine.model_name} from {engine.loaded.path} in "
             f"{time.monotonic() - t0:.1f} s; weights {engine.loaded.weights}",
@@ -356,16 +364,7 @@ async def _serve_engine(
         raise EngineFailed(reason)
 
 
-async def _serve_pool(
-    pool_config: PoolConfig,
-    engine_kwargs: dict,
-    cfg: ServerConfig,
-    server: _Server,
-    switch: _AppSwitch,
-    app_modules: _BackgroundImport,
-    url: str,
-    interrupted: list[tuple[str, float]],
-) -> None:
+async def _serve_pool(pool_config: PoolConfig, engine_kwargs: dict, up: _Up) -> None:
     """Serve several models until a stop: a model's failure is that model's (its requests
     get errors, /health says so), so only a stop ends it."""
     from stepline.api.pool import ModelPool
@@ -379,15 +378,13 @@ async def _serve_pool(
         mlx_wait_at_close_s=MLX_WAIT_AT_EXIT_S,
     )
     async with opened as pool:
-        create_app = (await app_modules.module()).create_app
-        server.on_shutdown = pool.begin_shutdown
-        switch.app = create_app(pool, interrupted_responses=interrupted, **cfg.model_dump())
+        await up.start_app(pool, pool.begin_shutdown)
         print(
-            f"stepline: serving {', '.join(pool.names)} at {url}/v1 (OpenAI-compatible); "
+            f"stepline: serving {', '.join(pool.names)} at {up.url}/v1 (OpenAI-compatible); "
             f"memory budget {pool.budget_bytes / 2**30:.1f} GB",
             flush=True,
         )
-        _print_try(url, pool.names[0], cfg)
+        _print_try(up.url, pool.names[0], up.cfg)
         await anyio.sleep_forever()
 
 
