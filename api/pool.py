@@ -367,6 +367,7 @@ class ModelPool:
             async with self._loading:
                 need = entry.known_bytes or await self._estimate(entry)
                 if not await self._make_room(entry, need):
+                    entry.state = ModelState.UNLOADED  # the server stops: no load
                     return
                 t0 = time.monotonic()
                 log.info("model_loading", model=spec.name, source=spec.source, estimate_bytes=need)

@@ -140,5 +140,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         if isinstance(error, clear):
             print(f"stepline: error: {error}", file=sys.stderr)
+            if args.command == "serve":  # MLX's threads may run: no interpreter teardown
+                from stepline.api.http.serve import end_process
+
+                end_process(2)
             return 2
         raise

@@ -47,7 +47,7 @@ PROCESS_OPTIONS = frozenset({"limit_concurrency", "timeout_keep_alive", "timeout
 UNHEALTHY_EXIT_DELAY_S = 1.0  # streams get their error frames, probes see 503, then exit
 # At a stop, how long the engine's close waits for MLX work still running (a step usually
 # ends within it; the model's load, or a warm-up step on a busy CPU, may take a minute and
-# cannot be interrupted): the process then ends without it (`_end_process`).
+# cannot be interrupted): the process then ends without it (`end_process`).
 MLX_WAIT_AT_EXIT_S = 1.0
 
 
@@ -236,10 +236,6 @@ class _BackgroundImport:
         except BaseException as exc:  # noqa: BLE001 - raised again where it is awaited
             self._error = exc
 
-    async def settle(self, within_s: float = 30.0) -> None:
-        """Wait (at most `within_s`) for the imports to end, whatever they raise."""
-        await anyio.to_thread.run_sync(self._thread.join, within_s)
-
     async def module(self) -> Any:
         # Cancelled (a stop while loading): the import goes on, and the process ends anyway.
         await anyio.to_thread.run_sync(self._thread.join, abandon_on_cancel=True)
@@ -296,18 +292,10 @@ async def _serve(
                     abandon_on_cancel=True,  # a long log's read: a stop does not wait
                 )
             up = _Up(cfg, server, switch, app_modules, url, interrupted)
-            try:
-                if isinstance(model, PoolConfig):
-                    await _serve_pool(model, engine_kwargs, up)
-                else:
-                    await _serve_engine(model, engine_kwargs, up)
-            except Exception:
-                # The process ends with the interpreter's teardown after this error (a model
-                # not found, a log another process writes): not while a module still imports
-                # in native code on that thread, which aborts it ("terminate called ...").
-                with anyio.CancelScope(shield=True):
-                    await app_modules.settle()
-                raise
+            if isinstance(model, PoolConfig):
+                await _serve_pool(model, engine_kwargs, up)
+            else:
+                await _serve_engine(model, engine_kwargs, up)
     except BaseExceptionGroup as group:  # one failure (a model not found): raise it alone
         if len(group.exceptions) == 1:
             raise group.exceptions[0] from None
@@ -404,7 +392,7 @@ async def _serve_other_rank(model: str | None, engine_kwargs: dict) -> None:
 def run_serve(model: str | PoolConfig | None, engine_kwargs: dict, cfg: ServerConfig) -> int:
     """`stepline serve`: listen, load the model (or serve a pool's models, each loaded on
     its first request), serve until Ctrl-C or SIGTERM, then end the process with status 0 (1
-    if a single model's engine failed; see `_end_process`). Returns 1 if it cannot listen;
+    if a single model's engine failed; see `end_process`). Returns 1 if it cannot listen;
     raises what stops it from loading."""
     if isinstance(model, PoolConfig) and engine_kwargs.get("parallel"):
         raise ValueError("--parallel serves one model: give one --model")
@@ -428,10 +416,10 @@ def run_serve(model: str | PoolConfig | None, engine_kwargs: dict, cfg: ServerCo
         status = 1
     finally:
         sock.close()
-    _end_process(status)
+    end_process(status)
 
 
-def _end_process(status: int) -> NoReturn:
+def end_process(status: int) -> NoReturn:
     """Exit with `status` now that the engine is closed and its log written, without the
     interpreter's teardown: MLX work that the close did not wait for (`MLX_WAIT_AT_EXIT_S`)
     ends with the process. In that teardown a daemon thread that wakes in native code (the
