@@ -20,10 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import hashlib
-import time
-import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -63,7 +60,12 @@ from stepline.api.pipeline.resume import (
     presented_key,
     wants_resumable,
 )
-from stepline.api.pipeline.served import ServedModel, served_model_factory
+from stepline.api.pipeline.served import (
+    ServedModel,
+    ServedModels,
+    adopt_binding,
+    watch_loading,
+)
 from stepline.api.pipeline.writer import Emit, StreamResponse
 from stepline.api.prompts import Prepared
 from stepline.engine.images import ImageError
@@ -212,32 +214,6 @@ class Renderer(Protocol):
         ...
 
 
-class _Binding:
-    """A request's model, bound to its task by `Serving.bind`. It holds the model weakly: a
-    context outlives its request (a cancelled timer keeps it until its time), and must not
-    keep an unloaded model's memory; the model is loaded while its request runs."""
-
-    def __init__(self, served: ServedModel, entry: Any = None):
-        self._served = weakref.ref(served)
-        self.entry = entry  # its pool entry (a server of several models), released once
-        self.released = False
-
-    @property
-    def served(self) -> ServedModel:
-        served = self._served()
-        if served is None:
-            raise RuntimeError("the request's model was unloaded after the request ended")
-        return served
-
-
-# Set by `bind` when a streamed request waits for its model to load (`handle` then starts its
-# stream and pings meanwhile).
-_LOADING: ContextVar[anyio.Event | None] = ContextVar("stepline_model_loading", default=None)
-# The model of the request this task serves (`Serving.bind`): read by the doors' handlers and
-# renderers through `Serving.model`, which run in that task (or in tasks it started).
-_BOUND: ContextVar[_Binding | None] = ContextVar("stepline_served_model", default=None)
-
-
 class Serving:
     """The pipeline, for every door of one app: the served models, the server's options and
     the resumable streams' records. A request's model is bound to its task when its body is
@@ -255,56 +231,34 @@ class Serving:
         # (`responses.recovery`): the Responses door answers those as failed.
         self.interrupted = interrupted
         self.resume = ResumeRegistry(config.resume_grace_s)
-        self.pool: ModelPool | None = None
-        self.one: ServedModel | None = None
-        if hasattr(engine, "acquire"):  # several models (api/pool.py)
-            self.pool = engine  # type: ignore[assignment]
-            build = served_model_factory(config)
-            self.pool.on_load = build  # type: ignore[union-attr]
-            for entry in self.pool.loaded():  # type: ignore[union-attr]
-                entry.served = build(entry.engine, entry.spec)
-        else:
-            names = config.served_model_name or (engine.model_name,)  # type: ignore[union-attr]
-            self.one = ServedModel(engine, config, names)  # type: ignore[arg-type]
+        self.models = ServedModels(engine, config)  # which model serves a request
+        self.pool, self.one = self.models.pool, self.models.one
 
     @property
     def served_model_names(self) -> tuple[str, ...]:
         """Every name a client may send as `model`."""
-        return self.pool.names if self.pool is not None else self.one.names  # type: ignore[union-attr]
+        return self.models.names
 
     @property
     def model_name(self) -> str:
         """The name this server lists first and answers with by default."""
-        return self.served_model_names[0]
+        return self.models.names[0]
+
+    @property
+    def listed_names(self) -> tuple[str, ...]:
+        return self.models.listed_names
+
+    def loaded_engine(self, name: str) -> Engine | None:
+        return self.models.loaded_engine(name)
 
     def response_model(self, requested: str | None) -> str:
         """The `model` of a response: the name the client asked for (it is a served one)."""
         return requested if requested is not None else self.model.name
 
     @property
-    def listed_names(self) -> tuple[str, ...]:
-        """Each model's first name, as /v1/models lists them."""
-        if self.pool is not None:
-            return tuple(self.pool.entries)
-        assert self.one is not None
-        return (self.one.name,)
-
-    def loaded_engine(self, name: str) -> Engine | None:
-        """The engine of the model `name` names, if it is loaded now."""
-        if self.pool is None:
-            return self.one.engine if self.one is not None and name in self.one.names else None
-        entry = self.pool.entry_of(name)
-        return entry.engine if entry is not None else None
-
-    @property
     def model(self) -> ServedModel:
-        """The model of the request this task serves (`bind`); a server of one model's."""
-        binding = _BOUND.get()
-        if binding is not None:
-            return binding.served
-        if self.one is None:
-            raise RuntimeError("no model is bound to this task: parse the request first")
-        return self.one
+        """The model of the request this task serves (`ServedModels.current`)."""
+        return self.models.current
 
     @property
     def engine(self) -> Engine:
@@ -321,48 +275,6 @@ class Serving:
     @property
     def images(self) -> ImageOptions:
         return self.model.images
-
-    async def bind(self, requested: str | None, *, streams: bool = False) -> ServedModel:
-        """Bind the model `requested` names (None: the first one) to this task's request,
-        loading it first in a server of several models (the caller waits meanwhile); it stays
-        loaded until the request is in its engine (`handle` releases it). Raises APIError:
-        404 for a name no model has, 400 for a model larger than the memory budget, 503 for
-        one whose load failed."""
-        self.check_model(requested)
-        if self.pool is None:
-            assert self.one is not None
-            _BOUND.set(_Binding(self.one))
-            return self.one
-        from stepline.api.pool import ModelState, ModelTooLargeError, ModelUnavailableError
-
-        name = requested or self.model_name
-        entry = self.pool.entry_of(name)
-        loading = _LOADING.get()
-        if streams and loading is not None and entry is not None and entry.refused is None:
-            failed = entry.state is ModelState.FAILED and time.monotonic() < entry.retry_at
-            if entry.state is not ModelState.LOADED and not failed:
-                loading.set()  # the stream starts now, and pings until the model is loaded
-        try:
-            entry = await self.pool.acquire(name)
-        except ModelTooLargeError as exc:
-            raise APIError(400, str(exc), param="model", code="model_too_large") from None
-        except ModelUnavailableError as exc:
-            raise APIError(
-                503, str(exc), code="model_unavailable", headers={"retry-after": "5"}
-            ) from None
-        _BOUND.set(_Binding(entry.served, entry))
-        return entry.served
-
-    def _unbind(self) -> None:
-        """`handle`'s end: a request that did not reach its engine is no longer arriving, and
-        a pool's model may be unloaded once its requests are all in it (or ended)."""
-        binding = _BOUND.get()
-        if binding is not None and binding.entry is not None:
-            if not binding.released and self.pool is not None:
-                binding.released = True
-                self.pool.release(binding.entry)  # its arrival ends there too
-        elif self.one is not None:
-            self.one.engine.arrived()
 
     # -- request side --
 
@@ -433,20 +345,12 @@ class Serving:
         plain_stream = getattr(req, "stream", False) and not self.asks_resumable(
             request, getattr(req, "resumable", False)
         )
-        await self.bind(req.model, streams=bool(plain_stream))
+        await self.models.bind(req.model, streams=bool(plain_stream))
         return req
 
     def check_model(self, model: str | None) -> None:
         """Raises APIError 404 if `model` is given and not a name this server serves."""
-        if model is not None and model not in self.served_model_names:
-            names = ", ".join(repr(n) for n in self.served_model_names)
-            raise APIError(
-                404,
-                f"The model {model!r} does not exist: this server serves {names} "
-                "(see GET /v1/models)",
-                param="model",
-                code="model_not_found",
-            )
+        self.models.check(model)
 
     def max_tokens(
         self,
@@ -776,10 +680,9 @@ class Serving:
             outcome = await self._run(request, rid, handler)
             return outcome if isinstance(outcome, Response) else wire.response(outcome)
         # The handler runs in a task of its own, in a context this task keeps: its model
-        # (`_BOUND`) is bound there, where its stream is then written.
-        loading = anyio.Event()  # `bind` sets it: a streamed request waits for its model
+        # is bound there (`ServedModels.bind`), where its stream is then written.
         ctx = contextvars.copy_context()
-        ctx.run(_LOADING.set, loading)
+        loading = ctx.run(watch_loading)  # set if the request streams and waits for its model
         loop = asyncio.get_running_loop()
         task = loop.create_task(self._run(request, rid, handler), context=ctx)
         signal = loop.create_task(loading.wait())
@@ -792,7 +695,7 @@ class Serving:
             signal.cancel()
         if not task.done():
             return self._after_load(task, ctx, rid, wire)
-        _BOUND.set(ctx.get(_BOUND))  # the response (a stream's renderers) runs in this task
+        adopt_binding(ctx)  # the response (a stream's renderers) runs in this task
         outcome = task.result()
         return outcome if isinstance(outcome, Response) else wire.response(outcome)
 
@@ -806,7 +709,7 @@ class Serving:
             log.exception("request_failed", request_id=rid)
             err = internal_error(rid)
         finally:
-            self._unbind()
+            self.models.unbind()
         err.request_id = rid
         log.info(
             "request_error",
