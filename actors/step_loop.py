@@ -219,6 +219,9 @@ class StepLoop:
 
     async def _step(self) -> None:
         await self._gather()
+        if self._turns is None:
+            await self._plan_and_run()
+            return
         # One turn on the executor for the step and its housekeeping: another model's step
         # never comes between them.
         async with self._turn():
@@ -370,6 +373,8 @@ class StepLoop:
         """`fn(*args)` on the executor (in this model's turn, where several models share it);
         None once the executor failed (this loop is then dead)."""
         try:
+            if self._turns is None or self._in_turn:
+                return await self.executor.call(fn, *args, after=after)
             async with self._turn():
                 return await self.executor.call(fn, *args, after=after)
         except ExecutorDeadError as exc:
