@@ -11,6 +11,8 @@
   while another model (SmolLM2 under another name) decodes 4 streams, against its first
   token with nothing else running (--system-repeat sets its length; every chat begins
   differently: no prefix-cache hits). Medians of --repeats.
+- stall (not in the default run): a loaded model's 4 streams while another model loads on
+  the same executor thread: their longest gap between tokens, before and during the load.
 - memory: `stepline serve` with two SmolLM2 models ("a", "b") and a --max-memory-gb that
   holds one of them; 20 requests alternating a, b; every one must succeed; the process's
   peak RSS (VmHWM) against the budget.
@@ -185,6 +187,54 @@ async def switch(repeats: int, system_repeat: int = 20, same_chat: bool = False)
     )
 
 
+async def load_stall() -> None:
+    """A loaded model's 4 streams while another model loads (on the same executor thread):
+    their longest gap between two tokens, against their longest before the load."""
+    import anyio
+
+    from stepline.api import SamplingParams
+    from stepline.api.config import ModelSpec, PoolConfig
+    from stepline.api.pool import ModelPool
+
+    specs = (
+        ModelSpec.model_validate({"name": "b", "model": SMOL, "pinned": True}),
+        ModelSpec.model_validate({"name": "c", "model": SMOL}),
+    )
+    async with ModelPool.open(PoolConfig(models=specs)) as pool:
+        while pool.entries["b"].engine is None:
+            await pool._wait_for_change()
+        b = pool.entries["b"].engine
+        times: list[float] = []
+        decoding = anyio.Event()
+
+        async def decode(i: int) -> None:
+            p = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
+            async for out in b.generate(f"Story {i}: once upon a time", params=p):
+                if i == 0:
+                    times.append(time.perf_counter())
+                if out.num_output_tokens >= 8:
+                    decoding.set()
+
+        async with anyio.create_task_group() as tg:
+            for i in range(4):
+                tg.start_soon(decode, i)
+            await decoding.wait()
+            await anyio.sleep(2)
+            t0 = time.perf_counter()
+            entry = await pool.acquire("c")
+            pool.release(entry)
+            t1 = time.perf_counter()
+            await anyio.sleep(1)
+            tg.cancel_scope.cancel()
+    gaps_before = [b - a for a, b in zip(times, times[1:], strict=False) if b < t0]
+    gaps_during = [b - a for a, b in zip(times, times[1:], strict=False) if b >= t0 and a <= t1]
+    print(
+        f"load stall: a second SmolLM2 loaded in {t1 - t0:.2f} s; the other model's "
+        f"streams' longest gap meanwhile {max(gaps_during) * 1000:.0f} ms, before it "
+        f"{max(gaps_before) * 1000:.0f} ms"
+    )
+
+
 def memory(budget_gb: float, requests: int) -> None:
     import httpx
 
@@ -271,6 +321,8 @@ def main() -> None:
         anyio.run(exact, args.repeats)
     if "switch" in only:
         anyio.run(switch, args.repeats, args.system_repeat, args.same_chat)
+    if "stall" in only:
+        anyio.run(load_stall)
     if "memory" in only:
         memory(args.budget_gb, args.requests)
 
