@@ -289,7 +289,7 @@ def memory(budget_gb: float, requests: int) -> None:
     peak_gb = peak_kb / 2**20
     print(
         f"memory: {requests} alternating requests, {failures} failed; peak RSS {peak_gb:.3f} GB "
-        f"against a budget of {budget_gb} GB (+{(peak_gb - budget_gb) * 1024:.0f} MB; target "
+        f"against a budget of {budget_gb} GB ({(peak_gb - budget_gb) * 1024:+.0f} MB; target "
         f"<= +200 MB); models then: {health['models']}, {health['memory_gb']}"
     )
 
