@@ -93,6 +93,9 @@ class StepLoop:
         self._event_log = event_log
         self._turns = turns if place is not None else None
         self._in_turn = False  # this loop holds its turn (`_turn`)
+        # The next decode forward (if the runner built one) computes on the executor while
+        # this step commits: it starts right after the step, without waiting for this loop.
+        self._ahead = self._look_ahead()
         self.inbox: MemoryObjectSendStream
         self.inbox, self._inbox = anyio.create_memory_object_stream(inbox_size)
         self._actors: dict[str, Mailbox[Update]] = {}  # live request -> its actor's inbox
@@ -258,12 +261,7 @@ class StepLoop:
                 with contextlib.suppress(anyio.EndOfStream):  # the engine is closing
                     self._handle([await self._inbox.receive()])
             return
-        # The next decode forward (if the runner built one) computes on the executor while
-        # this step commits: it starts right after the step, without waiting for this loop.
-        ahead = getattr(self.runner, "look_ahead", None)  # a distributed runner has none
-        if ahead is not None and self._turns is not None:
-            ahead = self._yielding(ahead)
-        result = await self._run_executor(self.runner.run, work, after=ahead)
+        result = await self._run_executor(self.runner.run, work, after=self._ahead)
         if result is None:
             return
         # Cancels that arrived during the step win over its results; requests sent meanwhile
@@ -276,12 +274,16 @@ class StepLoop:
             self.on_step(self)  # sees the state as the step left it
         self._handle(later)
 
-    def _yielding(self, ahead: Callable[[], None]) -> Callable[[], None]:
-        """`ahead`, unless another model waits for its turn when the step ends (read on the
-        executor thread): its step goes first, and this model's next step computes its own
-        forward. On the CPU backend the look-ahead's forward runs before the turn passes."""
+    def _look_ahead(self) -> Callable[[], None] | None:
+        """What the executor runs after a step (`Executor.call`'s `after`): the runner's
+        look-ahead (a distributed runner has none). Where several models share the executor,
+        none while another model waits for its turn when the step ends (read on the executor
+        thread): its step goes first, and this model's next step computes its own forward (on
+        the CPU backend the look-ahead's forward runs before the turn passes)."""
+        ahead = getattr(self.runner, "look_ahead", None)
         turns, name = self._turns, self.core.model
-        assert turns is not None and name is not None
+        if ahead is None or turns is None or name is None:
+            return ahead
 
         def ahead_unless_waited_for() -> None:
             if not turns.others_waiting(name):

@@ -94,7 +94,6 @@ class Entry:
     place: LogPlace | None = None  # where its events go on in the log
     unload: anyio.Event = field(default_factory=anyio.Event)
     unload_reason: str = "shutdown"
-    loaded_at: float = 0.0
 
     @property
     def busy(self) -> bool:
@@ -477,7 +476,7 @@ class ModelPool:
                     used_gb=round((self.used_bytes + entry.footprint_bytes) / 2**30, 3),
                 )
                 entry.engine, entry.state, entry.error = engine, ModelState.LOADED, None
-                entry.last_used = entry.loaded_at = time.monotonic()
+                entry.last_used = time.monotonic()
                 entry.unload = anyio.Event()
                 task_status.started()
                 started = True

@@ -15,7 +15,7 @@ import argparse
 import asyncio
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TextIO
@@ -537,14 +537,18 @@ def _row(name: str, p: Percentiles) -> str:
 
 
 def _text_model_summaries(ms: ModelSummaries) -> list[str]:
-    names = [s.model or "?" for s in ms.models]
-    lines = [
-        f"log {ms.files[0]}: {len(names)} models ({', '.join(names)}), each on its own "
-        "(--model NAME for one)"
-    ]
-    for one in ms.models:
+    heading = (f"log {ms.files[0]}: ", ", each on its own (--model NAME for one)")
+    return _model_by_model(heading, ms.models, _text_summary)
+
+
+def _model_by_model(heading: tuple[str, str], reports: Sequence[Any], text: Callable) -> list[str]:
+    """A line naming the models between `heading`'s two parts, then each model's report as
+    `text` writes one, under a line naming it."""
+    names = [r.model or "?" for r in reports]
+    lines = [f"{heading[0]}{len(names)} models ({', '.join(names)}){heading[1]}"]
+    for one in reports:
         lines.append(f"== model {one.model} ==")
-        lines.extend(_text_summary(one))
+        lines.extend(text(one))
     return lines
 
 
@@ -691,14 +695,10 @@ def _in_flight_lines(in_flight: tuple[InFlight, ...], multi: bool = False) -> li
 
 
 def _text_model_verify(mv: ModelVerifyReports) -> list[str]:
-    names = [v.model or "?" for v in mv.models]
-    lines = [
-        f"verify {mv.files[0] if mv.files else '?'}: {len(names)} models ({', '.join(names)}), "
-        "each verified on its own"
-    ]
-    for one in mv.models:
-        lines.append(f"== model {one.model} ==")
-        lines.extend(_text_verify(one))
+    file = mv.files[0] if mv.files else "?"
+    lines = _model_by_model(
+        (f"verify {file}: ", ", each verified on its own"), mv.models, _text_verify
+    )
     failed = [v.model or "?" for v in mv.models if not v.ok]
     lines.append(
         f"FAILED: violations in model {', '.join(failed)}"

@@ -100,7 +100,7 @@ def create_app(
         # Clients probe it before their first request (Claude Code sends `HEAD /`).
         return JSONResponse({"status": "ok", "model": serving.model_name})
 
-    pool = serving.pool
+    pool = serving.models.pool
     if pool is not None:
         registry = CollectorRegistry()
         registry.register(pool)  # every model's metrics, labelled by model

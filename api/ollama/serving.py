@@ -152,26 +152,19 @@ class OllamaDoor:
             "details": self.details(f),
         }
 
-    def _served(self, name: str) -> ServedModel | None:
-        serving = self.serving
-        if serving.pool is None:
-            return serving.one
-        entry = serving.pool.entry_of(name)
-        return entry.served if entry is not None and entry.engine is not None else None
-
     def tags(self) -> dict[str, Any]:
         """Every served model, loaded or not."""
         cards = []
-        for name in self.serving.listed_names:
-            served = self._served(name)
+        for name in self.serving.models.listed_names:
+            served = self.serving.models.loaded(name)
             cards.append(self.card(name, self.facts(served) if served is not None else None))
         return {"models": cards}
 
     def ps(self) -> dict[str, Any]:
         """The loaded models."""
         models = []
-        for name in self.serving.listed_names:
-            served = self._served(name)
+        for name in self.serving.models.listed_names:
+            served = self.serving.models.loaded(name)
             if served is None:
                 continue
             card = self.card(name, self.facts(served))

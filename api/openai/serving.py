@@ -205,17 +205,17 @@ class OpenAIDoor:
         """`name`'s card: with its context (vLLM's `max_model_len`) once it is loaded, and in a
         server of several models whether it is (`loaded`, stepline's)."""
         extra: dict[str, Any] = {}
-        engine = self.serving.loaded_engine(name)
-        if engine is not None:
-            extra["max_model_len"] = engine.max_context
-        if self.serving.pool is not None:
-            extra["loaded"] = engine is not None
+        served = self.serving.models.loaded(name)
+        if served is not None:
+            extra["max_model_len"] = served.engine.max_context
+        if self.serving.models.pool is not None:
+            extra["loaded"] = served is not None
         return Model(id=name, object="model", created=self.created, owned_by="stepline", **extra)
 
     def models(self) -> dict[str, Any]:
         """Every served model under its first name, loaded or not (their other names are
         accepted as `model` too)."""
-        cards = [self.model_card(name) for name in self.serving.listed_names]
+        cards = [self.model_card(name) for name in self.serving.models.listed_names]
         return {"object": "list", "data": [c.model_dump(exclude_unset=True) for c in cards]}
 
 

@@ -67,15 +67,6 @@ class ServedModel:
         return text
 
 
-def served_model_factory(config: ServerConfig):
-    """What a pool of models calls as each model loads (`ModelPool.open(on_load=...)`)."""
-
-    def build(engine: Engine, spec: Any) -> ServedModel:
-        return ServedModel(engine, config, spec.names)
-
-    return build
-
-
 class _Binding:
     """A request's model, bound to its task by `ServedModels.bind`. It holds the model weakly:
     a context outlives its request (a cancelled timer keeps it until its time), and must not
@@ -122,7 +113,10 @@ class ServedModels:
         self.one: ServedModel | None = None
         if hasattr(engine, "acquire"):  # several models (api/pool.py)
             pool: ModelPool = engine  # type: ignore[assignment]
-            build = served_model_factory(config)
+
+            def build(engine: Engine, spec: Any) -> ServedModel:
+                return ServedModel(engine, config, spec.names)
+
             pool.on_load = build
             for entry in pool.loaded():  # loaded before the app existed (pinned ones)
                 entry.served = build(entry.engine, entry.spec)
@@ -147,12 +141,12 @@ class ServedModels:
         assert self.one is not None
         return (self.one.name,)
 
-    def loaded_engine(self, name: str) -> Engine | None:
-        """The engine of the model `name` names, if it is loaded now."""
+    def loaded(self, name: str) -> ServedModel | None:
+        """The model `name` names, if it is loaded now."""
         if self.pool is None:
-            return self.one.engine if self.one is not None and name in self.one.names else None
+            return self.one if self.one is not None and name in self.one.names else None
         entry = self.pool.entry_of(name)
-        return entry.engine if entry is not None else None
+        return entry.served if entry is not None and entry.engine is not None else None
 
     def check(self, model: str | None) -> None:
         """Raises APIError 404 if `model` is given and not a name this server serves."""

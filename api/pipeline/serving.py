@@ -232,7 +232,6 @@ class Serving:
         self.interrupted = interrupted
         self.resume = ResumeRegistry(config.resume_grace_s)
         self.models = ServedModels(engine, config)  # which model serves a request
-        self.pool, self.one = self.models.pool, self.models.one
 
     @property
     def served_model_names(self) -> tuple[str, ...]:
@@ -243,13 +242,6 @@ class Serving:
     def model_name(self) -> str:
         """The name this server lists first and answers with by default."""
         return self.models.names[0]
-
-    @property
-    def listed_names(self) -> tuple[str, ...]:
-        return self.models.listed_names
-
-    def loaded_engine(self, name: str) -> Engine | None:
-        return self.models.loaded_engine(name)
 
     def response_model(self, requested: str | None) -> str:
         """The `model` of a response: the name the client asked for (it is a served one)."""
@@ -330,8 +322,8 @@ class Serving:
         A request that `generates` counts as on its way to the engine from here.
         `any_media_type`: see `read_body`."""
         body = await self.read_body(request, any_media_type=any_media_type)
-        if generates and self.one is not None:
-            self.one.engine.arriving()  # until it is submitted, or `handle` ends
+        if generates and self.models.one is not None:
+            self.models.one.engine.arriving()  # until it is submitted, or `handle` ends
 
         def validate() -> _R:
             return cls.model_validate(parse_body(body))  # type: ignore[attr-defined]
@@ -676,7 +668,7 @@ class Serving:
         # Bound for the rest of this request's task (uvicorn runs each request in a task of its
         # own), so that its access-log line, written after this returns, carries the id too.
         structlog.contextvars.bind_contextvars(request_id=rid)
-        if self.pool is None or wire.ping is None:
+        if self.models.pool is None or wire.ping is None:
             outcome = await self._run(request, rid, handler)
             return outcome if isinstance(outcome, Response) else wire.response(outcome)
         # The handler runs in a task of its own, in a context this task keeps: its model
