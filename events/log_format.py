@@ -178,11 +178,21 @@ def _v5_to_v6(raw: dict[str, Any]) -> dict[str, Any]:
     return raw
 
 
+def _v6_to_v7(raw: dict[str, Any]) -> dict[str, Any]:
+    # Schema 7 calls a step's tokens `decoding` (3 to 6: `tokens`); its other additions (chunk
+    # limits, held requests, warm-up and host load, refusals at a door) default to "not
+    # recorded".
+    if raw.get("type") == "tokens":
+        return {**raw, "type": "decoding"}
+    return raw
+
+
 _UPCASTERS[1] = _v1_to_v2
 _UPCASTERS[2] = _v2_to_v3
 _UPCASTERS[3] = _v3_to_v4
 _UPCASTERS[4] = _v4_to_v5
 _UPCASTERS[5] = _v5_to_v6
+_UPCASTERS[6] = _v6_to_v7
 # upcasters that change nothing (by version): while registered, their records parse as they are
 _NO_OP_UPCASTERS = {1: _v1_to_v2, 3: _v3_to_v4, 4: _v4_to_v5, 5: _v5_to_v6}
 

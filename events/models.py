@@ -21,7 +21,14 @@ it belongs to (`model`; None: the run's one model), the run's header lists the m
 serves (`LogHeader.models`), and `ModelLoaded`, `ModelLoadFailed` and `ModelUnloaded`
 record their loads and unloads. A model's events (its `seq` and `step`) count on from its
 earlier loads within a run, so each model's events read as one run of one model; the 5 -> 6
-upcaster changes nothing.
+upcaster changes nothing. 7 says why: a step's plan records what sized each chunk
+(`StepPlanned.limits`) and which requests sat the step out and why (`held_ids`,
+`held_reasons`); a step's time records the engine's warm-up and the host's load
+(`StepFinished.warming_up`, `cpu_share`, `load_avg`); a request refused at a door is a lone
+`Terminal` (reason rejected, with the error's `code` and `status`); and a step's tokens are
+a `decoding` event (the mission's name; 3 to 6 called it `tokens`). The 6 -> 7 upcaster
+renames `tokens` to `decoding`; the other additions' defaults (not recorded) describe a
+version-6 log.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from typing import Annotated, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 
 class FinishReason(StrEnum):
@@ -122,6 +129,20 @@ class ImageRef(BaseModel):
     whole: bool = True
 
 
+# What sized a prefill chunk (`StepPlanned.limits`): the prompt's end; a checkpoint (chunks
+# end at checkpoints); the step's token budget; the step-time target (the cost model's
+# prediction); the floor (the smallest chunk the time target may cut to); the long-prefill cap;
+# KV memory; an image's span (atomic, or waiting for its encoding).
+ChunkLimit = Literal[
+    "prompt-end", "checkpoint", "budget", "time", "floor", "long-prefill-cap", "kv", "image"
+]
+# Why a request that could have run sat a step out (`StepPlanned.held_reasons`): no token of
+# the budget left; the time target reached; max_num_seqs running; its KV does not fit; its
+# client had its fair share; its image did not fit the step.
+HeldReason = Literal["budget", "time", "max-num-seqs", "kv", "fair-share", "image"]
+# At most this many held requests are recorded a step (the oldest first).
+MAX_HELD = 8
+
 # "encode": vision-encoder work for a request's image (no prompt tokens: num_tokens 0)
 StepKind = Literal["prefill", "decode", "encode"]
 
@@ -146,11 +167,22 @@ class StepPlanned(_Event):
     kinds: tuple[StepKind, ...]
     max_step_tokens: int
     max_num_seqs: int
+    # per member, what sized its chunk (None: a decode or encode row); empty: not recorded
+    # (logs before schema 7)
+    limits: tuple[ChunkLimit | None, ...] = ()
+    # requests that could have joined the step and did not (at most MAX_HELD, oldest first),
+    # and why (`held_reasons[i]` for `held_ids[i]`)
+    held_ids: tuple[str, ...] = ()
+    held_reasons: tuple[HeldReason, ...] = ()
 
     @model_validator(mode="after")
     def _rows_line_up(self) -> StepPlanned:
         if not len(self.request_ids) == len(self.num_tokens) == len(self.kinds):
             raise ValueError("request_ids, num_tokens and kinds must have one item per member")
+        if self.limits and len(self.limits) != len(self.request_ids):
+            raise ValueError("limits must have one item per member (or none)")
+        if len(self.held_ids) != len(self.held_reasons):
+            raise ValueError("held_ids and held_reasons must have one item per held request")
         return self
 
     @property
@@ -216,12 +248,12 @@ class Decoding(_Event):
 
 
 class TokensSampled(_Event):
-    """The tokens a step sampled, one row per token: `request_ids[i]` sampled
+    """The `decoding` event: the tokens a step sampled, one row per token: `request_ids[i]` sampled
     `token_ids[i]`. One event per step for every request it sampled for, in place of one
     event per request: on the hot path that is one model built, applied and written a step,
     not one a token. `decodings()` gives each request's part as a `Decoding`."""
 
-    type: Literal["tokens"] = "tokens"
+    type: Literal["decoding"] = "decoding"
     request_id: None = None
     request_ids: tuple[str, ...]
     token_ids: tuple[int, ...] | None  # None when the log leaves outputs out (log_outputs)
@@ -262,6 +294,10 @@ class Terminal(_Event):
     request_id: str
     reason: FinishReason
     message: str | None = None  # for error / rejected: what went wrong
+    # For a request refused at a door (never admitted: no `admitted` event before it), the
+    # error's code and HTTP status the client got (e.g. "context_length_exceeded", 400)
+    code: str | None = None
+    status: int | None = None
 
 
 class StepFinished(_Event):
@@ -271,6 +307,9 @@ class StepFinished(_Event):
     request_id: None = None
     seconds: float  # the executor's measured wall time of the step
     predicted_seconds: float | None = None  # the scheduler's cost-model prediction, if any
+    warming_up: bool = False  # the engine was still warming up (compiling, learning its costs)
+    cpu_share: float | None = None  # the process's CPU seconds over the step's wall seconds
+    load_avg: float | None = None  # the machine's 1-minute load average when the step ended
 
 
 class ModelLoaded(_Event):

@@ -150,7 +150,7 @@ def test_a_steps_tokens_whose_rows_do_not_line_up_are_a_corrupt_line(tmp_path: P
     path = tmp_path / "run.jsonl"
     write_log(path, one_request())
     lines = path.read_bytes().splitlines(keepends=True)
-    i = next(i for i, line in enumerate(lines) if b'"type":"tokens"' in line)
+    i = next(i for i, line in enumerate(lines) if b'"type":"decoding"' in line)
     lines[i] = lines[i].replace(b'"token_ids":[42]', b'"token_ids":[42,43]')
     path.write_bytes(b"".join(lines))
 

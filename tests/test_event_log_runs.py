@@ -84,7 +84,12 @@ def test_appending_to_an_existing_log_starts_a_new_run_with_its_own_header(tmp_p
     assert [(r.index, r.header) for r in runs] == [(1, first), (2, second)]
     assert runs[0].header.run_id != runs[1].header.run_id
     tagged = [(run.index, e.seq, e.type) for run, e in read_run_events(path)]
-    assert tagged == [(1, 1, "admitted"), (1, 2, "tokens"), (2, 1, "admitted"), (2, 2, "tokens")]
+    assert tagged == [
+        (1, 1, "admitted"),
+        (1, 2, "decoding"),
+        (2, 1, "admitted"),
+        (2, 2, "decoding"),
+    ]
     assert [e.token_ids for e in read_events(path, run=2) if isinstance(e, TokensSampled)] == [(6,)]
     assert [f.name for f in tmp_path.iterdir()] == ["run.jsonl"]  # one file, two headers
 
@@ -155,8 +160,8 @@ def test_a_version_1_log_reads_and_a_run_of_this_version_appends_to_it(tmp_path:
 
     events = list(read_run_events(path))
     assert [(run.header.schema_version, e.type, e.request_ids) for run, e in events] == [
-        (1, "tokens", ("r", "r")),  # its decoding event, upcast to a step's tokens
-        (SCHEMA_VERSION, "tokens", ("r",)),
+        (1, "decoding", ("r", "r")),  # one request's decoding event, upcast to a step's
+        (SCHEMA_VERSION, "decoding", ("r",)),
     ]
     assert events[0][0].header.salt is None  # schema 1: digests unsalted
 
@@ -233,7 +238,8 @@ def test_a_full_disk_degrades_the_log_counts_every_lost_event_and_never_raises(
 ) -> None:
     path = tmp_path / "run.jsonl"
     writer = EventLogWriter(path, run_header())
-    writer._file = _FullDisk(writer._file, budget=300)  # type: ignore[assignment]
+    # 290 bytes end inside a line: the disk cuts it short
+    writer._file = _FullDisk(writer._file, budget=290)  # type: ignore[assignment]
     events = [decoding(i, "r", i) for i in range(1, 21)]
     with capture_logs() as logs:
         for e in events:
@@ -371,3 +377,15 @@ def test_a_version_2_log_reads_as_steps_of_rows_and_folds_and_verifies_as_writte
         ("a", "decoding"),
         ("b", "decoding"),
     ]
+
+
+def test_a_version_6_logs_tokens_events_read_as_decoding_events(tmp_path: Path) -> None:
+    path = tmp_path / "run.jsonl"
+    old_header = {"type": "header", "schema_version": 6, "created": 1.0}
+    old_event = {"seq": 1, "ts": 1.0, "step": 1, "type": "tokens", "request_ids": ["r", "q"]}
+    old_event["token_ids"] = [4, 5]
+    path.write_text(f"{json.dumps(old_header)}\n{json.dumps(old_event)}\n", encoding="utf-8")
+
+    [(run, event)] = read_run_events(path)
+    assert (run.header.schema_version, event.type) == (6, "decoding")
+    assert isinstance(event, TokensSampled) and event.request_ids == ("r", "q")
