@@ -1,7 +1,8 @@
 """Benchmark: `stepline replay` on a large event log (default 1,000,000 events).
 
 Writes a log of a simulated busy engine (continuous batching, chunked prefill under a token
-budget, checkpoints, a few cancellations) with the real EventLogWriter, then times
+budget, checkpoints, a few cancellations; each step's plan with what sized its chunks and
+who sat it out, and its measured time against a step-time target) with the real EventLogWriter, then times
 `stepline replay LOG` (the summary) and `stepline replay LOG --verify` in fresh processes
 and reports their peak resident memory, next to a process that only imports the command.
 Also reports the Python-heap peak of `summarize()` measured with tracemalloc, and the size
@@ -39,6 +40,7 @@ from stepline.events.models import (
     FinishReason,
     LogHeader,
     RequestParams,
+    StepFinished,
     StepPlanned,
     Terminal,
     TokensSampled,
@@ -106,17 +108,26 @@ def simulate(
             if r.computed == r.num_prompt and budget > 0:
                 entries.append((r, "decode", 1))
                 budget -= 1
+        limits: list[str | None] = [None] * len(entries)
+
+        def chunk(r: _Req) -> None:
+            nonlocal budget
+            left = r.num_prompt - r.computed
+            k = min(left, budget, long_prefill_cap)
+            limits.append(
+                "prompt-end" if k == left else "budget" if k == budget else "long-prefill-cap"
+            )
+            entries.append((r, "prefill", k))
+            budget -= k
+
         for r in running:
             if r.computed < r.num_prompt and budget > 0:
-                k = min(r.num_prompt - r.computed, budget, long_prefill_cap)
-                entries.append((r, "prefill", k))
-                budget -= k
+                chunk(r)
         while waiting and budget > 0 and len(running) < max_num_seqs:
             r = waiting.pop(0)
             running.append(r)
-            k = min(r.num_prompt, budget, long_prefill_cap)
-            entries.append((r, "prefill", k))
-            budget -= k
+            chunk(r)
+        held = waiting[:8]
         ts += 0.002
         yield ev(
             StepPlanned,
@@ -125,8 +136,20 @@ def simulate(
             kinds=tuple(kind for _, kind, _ in entries),
             max_step_tokens=max_step_tokens,
             max_num_seqs=max_num_seqs,
+            limits=tuple(limits),
+            held_ids=tuple(r.rid for r in held),
+            held_reasons=("budget" if budget == 0 else "max-num-seqs",) * len(held),
         )
-        ts += 0.004 + (max_step_tokens - budget) * 2e-5  # the forward pass
+        predicted = 0.004 + (max_step_tokens - budget) * 2e-5  # the forward pass
+        seconds = predicted * rng.uniform(0.8, 1.3)
+        ts += seconds
+        yield ev(
+            StepFinished,
+            seconds=seconds,
+            predicted_seconds=predicted,
+            cpu_share=rng.uniform(1.5, 2.0),
+            load_avg=2.0,
+        )
         sampled = []
         for r, kind, k in entries:
             if kind == "prefill":
@@ -234,12 +257,19 @@ def main() -> int:
     p.add_argument("--keep", action="store_true", help="keep the log afterwards")
     p.add_argument("--rotate-bytes", type=int, default=None)
     p.add_argument("--reuse", action="store_true", help="time an existing --dir log again")
+    p.add_argument("--write-only", action="store_true", help="write the log, time nothing")
+    p.add_argument("--no-pictures", action="store_true", help="skip --svg and --trace")
     args = p.parse_args()
 
     workdir = args.dir or Path(tempfile.mkdtemp(prefix="stepline-replay-bench-"))
     workdir.mkdir(parents=True, exist_ok=True)
     path = workdir / "run.jsonl"
-    config = {"max_step_tokens": 512, "max_num_seqs": 64, "long_prefill_cap": 256}
+    config = {
+        "max_step_tokens": 512,
+        "max_num_seqs": 64,
+        "long_prefill_cap": 256,
+        "max_step_ms": 14.0,
+    }
     header = LogHeader(created=time.time(), model="simulated", config=config, log_prompts=False)
     try:
         if args.reuse and path.exists():
@@ -248,6 +278,8 @@ def main() -> int:
             _write(path, header, args.events, args.rotate_bytes, args.max_output)
         size = sum(f.stat().st_size for f in log_files(path))
         print(f"log: {size / 2**20:.1f} MiB in {len(log_files(path))} file(s)")
+        if args.write_only:
+            return 0
 
         base_s, base_mib, _ = _child([])
         print(f"baseline process (imports the command only): {base_s:.2f} s, {base_mib:.0f} MiB")
@@ -266,7 +298,8 @@ def main() -> int:
             f"{peak / 2**20:.1f} MiB ({summary.num_requests:,} requests, "
             f"{summary.num_steps:,} steps, {summary.num_output_tokens:,} output tokens)"
         )
-        _pictures(path, workdir)
+        if not args.no_pictures:
+            _pictures(path, workdir)
         own_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(f"this process peak RSS: {own_mib:.0f} MiB")
     finally:

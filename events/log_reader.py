@@ -13,10 +13,13 @@ the log, or the line just before the next run's header. It is skipped with a
 from __future__ import annotations
 
 import json
+import mmap
+import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from operator import itemgetter
 from pathlib import Path
+from typing import Any, BinaryIO
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -63,13 +66,50 @@ def _lines(files: list[Path]) -> Iterator[_Line]:
                 yield path, 1, b""
 
 
-def _with_next(lines: Iterator[_Line]) -> Iterator[tuple[_Line, _Line | None]]:
-    """Each line with the one after it (None after the last)."""
-    pending = next(lines, None)
-    while pending is not None:
-        following = next(lines, None)
-        yield pending, following
-        pending = following
+def _header_lines(files: list[Path]) -> Iterator[tuple[_Line, _Line | None]]:
+    """Each header line of the files (a file's first line, or a line that starts as a header
+    does), with the line after it, found by searching each file's bytes rather than reading
+    it line by line."""
+    found: list[tuple[_Line, _Line | None]] = []
+    for i, path in enumerate(files):
+        with open(path, "rb") as f:
+            data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if _size(f) else b""
+        try:
+            starts = [0]
+            for prefix in HEADER_PREFIXES:
+                at = data.find(b"\n" + prefix)
+                while at >= 0:
+                    starts.append(at + 1)
+                    at = data.find(b"\n" + prefix, at + 1)
+            starts.sort()
+            line_no, counted = 1, 0
+            for start in starts:
+                line_no += data[counted:start].count(b"\n")
+                counted = start
+                end = data.find(b"\n", start)
+                end = len(data) if end < 0 else end + 1
+                line = data[start:end]
+                if end < len(data):
+                    nxt = data.find(b"\n", end)
+                    following: _Line | None = (path, line_no + 1, data[end : nxt + 1 or None])
+                else:
+                    following = _first_line(files[i + 1 :])
+                found.append(((path, line_no, line), following))
+        finally:
+            if isinstance(data, mmap.mmap):
+                data.close()
+    return iter(found)
+
+
+def _size(f: BinaryIO) -> int:
+    return os.fstat(f.fileno()).st_size
+
+
+def _first_line(files: list[Path]) -> _Line | None:
+    for path in files:
+        with open(path, "rb") as f:
+            return path, 1, f.readline()
+    return None
 
 
 def _is_header_line(line_no: int, line: bytes) -> bool:
@@ -138,7 +178,22 @@ def read_run_events(
     LogCorruptError (with path and line number) for a bad line anywhere else,
     UnsupportedSchemaError for a schema version this stepline cannot read.
     """
-    events = _run_events(Path(path), strict, run)
+    return run_events(path, strict=strict, run=run, model=model)
+
+
+def run_events(
+    path: str | Path,
+    *,
+    strict: bool = False,
+    run: int | None = None,
+    model: str | None = None,
+    decode: Callable[[bytes], Any] | None = None,
+) -> Iterator[tuple[LogRun, Any]]:
+    """`read_run_events`, with `decode` turning a good line of the current schema into its
+    event (by default the validated `Event`; events/scan.py's light structs for bulk reads).
+    `decode` raises pydantic's ValidationError for a line it refuses. Lines of an older
+    schema are always validated (their upcasters work on dicts)."""
+    events = _run_events(Path(path), strict, run, decode or EVENT_ADAPTER.validate_json)
     if model is None:
         yield from events
         return
@@ -148,13 +203,14 @@ def read_run_events(
             yield item
 
 
-def _run_events(path: Path, strict: bool, run: int | None) -> Iterator[tuple[LogRun, Event]]:
+def _run_events(
+    path: Path, strict: bool, run: int | None, validate: Callable[[bytes], Any]
+) -> Iterator[tuple[LogRun, Any]]:
     files = log_files(path)
     if not files:
         raise FileNotFoundError(f"no event log at {path}")
     current: LogRun | None = None
     version, upcast_it = SCHEMA_VERSION, False
-    validate = EVENT_ADAPTER.validate_json
     lines = _lines(files)
     item = next(lines, None)
     while item is not None:  # one line of lookahead: is a bad line the last of its run?
@@ -224,10 +280,27 @@ def read_runs(path: str | Path) -> list[LogRun]:
     files = log_files(path)
     if not files:
         raise FileNotFoundError(f"no event log at {path}")
+    # The same files, unchanged since the last call (replay asks more than once per view)
+    signature = tuple((str(f), *_stamp(f)) for f in files)
+    runs = _RUNS_SEEN.get(signature)
+    if runs is None:
+        runs = _read_runs(files)
+        _RUNS_SEEN.clear()  # one log at a time: bounded
+        _RUNS_SEEN[signature] = runs
+    return list(runs)
+
+
+_RUNS_SEEN: dict[tuple, list[LogRun]] = {}
+
+
+def _stamp(path: Path) -> tuple[int, int, int]:
+    st = path.stat()
+    return st.st_size, st.st_mtime_ns, st.st_ino
+
+
+def _read_runs(files: list[Path]) -> list[LogRun]:
     runs: list[LogRun] = []
-    for (file_path, line_no, line), following in _with_next(_lines(files)):
-        if not _is_header_line(line_no, line):
-            continue
+    for (file_path, line_no, line), following in _header_lines(files):
         current = runs[-1].header if runs else None
         try:
             if not line.strip():

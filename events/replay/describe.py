@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from stepline.events.fold import RequestState, Status
 from stepline.events.log import LogRun, read_runs
 from stepline.events.models import (
@@ -24,6 +26,7 @@ from stepline.events.models import (
     TokensSampled,
 )
 from stepline.events.replay.stats import Report
+from stepline.events.scan import to_builtins
 
 
 class UnknownRequestError(LookupError):
@@ -212,5 +215,8 @@ def describe_bytes(num_bytes: int) -> str:
     return f"{num_bytes / 2**30:.2f} GiB"
 
 
-def dump_event(event: Event) -> dict[str, Any]:
+def dump_event(event: Any) -> dict[str, Any]:
+    """An event (validated, or scan.py's light struct) as the JSON its log line holds."""
+    if isinstance(event, msgspec.Struct):
+        return to_builtins(event)
     return event.model_dump(mode="json")

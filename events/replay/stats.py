@@ -43,29 +43,59 @@ class Distribution:
 
     Exact while it holds at most 100,000 samples; past that it folds them into a log-scale
     histogram whose percentiles are within 1% of the exact ones. Mean and max stay exact.
+    Samples wait in a buffer and are folded 100,000 at a time (numpy), so `add` is an append.
     """
 
     def __init__(self) -> None:
-        self._values: array[float] | None = array("d")
+        self._buf: array[float] = array("d")
         self._bins: Counter[int] = Counter()
-        self.count = 0
+        self._spilled = 0  # samples folded into the histogram
         self._sum = 0.0
         self._max = -math.inf
         self._min = math.inf
 
+    @property
+    def count(self) -> int:
+        return self._spilled + len(self._buf)
+
     def add(self, value: float) -> None:
-        self.count += 1
-        self._sum += value
-        self._max = max(self._max, value)
-        self._min = min(self._min, value)
-        if self._values is not None:
-            self._values.append(value)
-            if len(self._values) > _EXACT_LIMIT:
-                for v in self._values:
-                    self._bins[self._bin(v)] += 1
-                self._values = None
-        else:
-            self._bins[self._bin(value)] += 1
+        buf = self._buf
+        buf.append(value)
+        if len(buf) > _EXACT_LIMIT:
+            self._spill()
+
+    def add_many(self, value: float, count: int) -> None:
+        """`add(value)` `count` times."""
+        if count == 1:
+            self.add(value)
+        elif count > 1:
+            if len(self._buf) + count > _EXACT_LIMIT:
+                self._spill()
+                self._max = max(self._max, value)
+                self._min = min(self._min, value)
+                self._sum += value * count
+                self._bins[self._bin(value)] += count
+                self._spilled += count
+            else:
+                self._buf.extend(array("d", (value,)) * count)
+
+    def _spill(self) -> None:
+        """Fold the buffer into the histogram."""
+        buf = self._buf
+        if not buf:
+            return
+        import numpy as np  # only for large distributions: importing replay loads no BLAS
+
+        values = np.frombuffer(buf, dtype=np.float64)
+        self._sum += float(values.sum())
+        self._max = max(self._max, float(values.max()))
+        self._min = min(self._min, float(values.min()))
+        clipped = np.maximum(values, _BIN_FLOOR) / _BIN_FLOOR
+        index = np.where(values <= _BIN_FLOOR, 0, 1 + np.log(clipped) // math.log(_BIN_GROWTH))
+        found, counts = np.unique(index.astype(np.int64), return_counts=True)
+        self._bins.update(dict(zip(found.tolist(), counts.tolist(), strict=True)))
+        self._spilled += len(buf)
+        self._buf = array("d")
 
     @staticmethod
     def _bin(value: float) -> int:
@@ -86,8 +116,8 @@ class Distribution:
     def _quantiles(self, qs: tuple[float, ...]) -> list[float | None]:
         if self.count == 0:
             return [None for _ in qs]
-        if self._values is not None:
-            ordered = sorted(self._values)
+        if not self._spilled:
+            ordered = sorted(self._buf)
             out: list[float | None] = []
             for q in qs:
                 pos = q * (len(ordered) - 1)
@@ -95,6 +125,7 @@ class Distribution:
                 hi = min(lo + 1, len(ordered) - 1)
                 out.append(ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo))
             return out
+        self._spill()
         bins = sorted(self._bins.items())
         out = []
         for q in qs:
@@ -113,8 +144,12 @@ class Distribution:
         if self.count == 0:
             return Percentiles(count=0)
         p50, p90, p99 = self._quantiles((0.5, 0.9, 0.99))
+        if self._spilled:
+            total, high = self._sum, self._max
+        else:
+            total, high = math.fsum(self._buf), max(self._buf)
         return Percentiles(
-            count=self.count, mean=self._sum / self.count, p50=p50, p90=p90, p99=p99, max=self._max
+            count=self.count, mean=total / self.count, p50=p50, p90=p90, p99=p99, max=high
         )
 
 

@@ -14,20 +14,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from pydantic import Field
+
 from stepline.events.fold import Status
 from stepline.events.log import (
     LogRun,
     log_files,
     read_header,
     read_models,
-    read_run_events,
     read_runs,
 )
 from stepline.events.models import (
     Admitted,
     ChunkPrefilled,
-    Decoding,
-    Event,
+    FinishReason,
     LogHeader,
     ModelLoaded,
     ModelLoadFailed,
@@ -38,8 +38,10 @@ from stepline.events.models import (
     TokensSampled,
 )
 from stepline.events.replay.describe import InFlight, resolve_model, resolve_run
+from stepline.events.replay.stalls import DecodingRows, StallBook, StallCause
 from stepline.events.replay.stats import Distribution, Percentiles, Report, TopK
 from stepline.events.replay.timeline import StepSpan, step_span
+from stepline.events.scan import scan_run_events
 
 _STALL_WINDOW = 4096  # steps looked back through for a stall's cause
 
@@ -63,6 +65,10 @@ class SlowStep(Report):
     num_seqs: int
     estimated: bool = False  # the log has no step-finished events (written before schema 2)
     run: int = 1
+    predicted_s: float | None = None  # the scheduler's cost-model prediction
+    warming_up: bool = False  # the engine was warming up
+    cpu_share: float | None = None  # the process's CPU seconds per wall second in it
+    load_avg: float | None = None  # the machine's load average when it ended
 
 
 class IdleGap(Report):
@@ -179,6 +185,15 @@ class Summary(Report):
     budget_utilisation: Percentiles  # per step: tokens / max_step_tokens
     seqs_per_step: Percentiles
     longest_stalls: tuple[Stall, ...]
+    stall_threshold_s: float = 0.0  # a wait between two tokens over this is a stall
+    # stalls added up per causing request (the biggest prompt work of the slowest step in
+    # the wait), most stalled seconds first
+    stall_causes: tuple[StallCause, ...] = ()
+    step_time: StepTimes | None = None  # steps against the step-time target
+    # what sized the prompt chunks (limit -> chunks), and why runnable requests sat a step
+    # out (reason -> times); empty for logs before schema 7
+    chunk_limits: dict[str, int] = Field(default_factory=dict)
+    held_reasons: dict[str, int] = Field(default_factory=dict)
     slowest_steps: tuple[SlowStep, ...]
     longest_idle: tuple[IdleGap, ...]
     in_flight: tuple[InFlight, ...]  # unfinished when the log ends
@@ -200,44 +215,55 @@ class _Track:
     admitted_step: int
     admitted_ts: float
     first_scheduled_ts: float | None = None
-    num_output: int = 0
-    first_token_ts: float | None = None
-    last_token_ts: float = 0.0
-    last_token_step: int = 0
     chunked: bool = False
 
-    @property
-    def status(self) -> Status:
+    def status(self, num_output: int) -> Status:
         if self.num_computed >= self.num_prompt_tokens:
             return Status.DECODING
         return Status.PREFILLING if self.chunked else Status.WAITING
 
 
-def _unfinished(tracks: dict[str, _Track], run: int) -> list[InFlight]:
-    return [
-        InFlight(
-            request_id=rid,
-            status=t.status,
-            num_prompt_tokens=t.num_prompt_tokens,
-            num_computed_tokens=t.num_computed,
-            num_output_tokens=t.num_output,
-            admitted_step=t.admitted_step,
-            run=run,
-        )
-        for rid, t in tracks.items()
-    ]
+class StepTimes(Report):
+    """Steps against the step-time target (the engine config's `max_step_ms`), which holds
+    for steps with decode rows; and what the host was doing."""
+
+    target_s: float | None  # None: the run has no target (tokens only)
+    num_steps: int  # steps measured (with a step-finished event)
+    num_decode_steps: int  # of which with decode rows: those the target is for
+    num_over: int  # decode steps over the target
+    worst_s: float | None  # the longest decode step
+    worst_step: int | None
+    # measured / predicted time, per step with a prediction (1.0: the cost model was right)
+    over_prediction: Percentiles
+    num_warming_up: int  # steps the engine ran while warming up
+    cpu_share: Percentiles  # the process's CPU seconds per wall second, per step
+    load_avg: Percentiles  # the machine's 1-minute load average, per step
+
+
+def _target_s(config: dict) -> float | None:
+    ms = config.get("max_step_ms")
+    return ms / 1e3 if isinstance(ms, int | float) and ms > 0 else None
 
 
 class _Summariser:
-    """Accumulates over the whole log; per-run state is reset at each run's start."""
+    """Accumulates over the whole log; per-run state is reset at each run's start. Takes
+    validated events or scan.py's light ones (it reads fields and dispatches on `type`)."""
 
     def __init__(self, top: int) -> None:
+        self.top = top
         self.outcomes: Counter[str] = Counter()
-        self.ttft, self.itl, self.queueing, self.e2e = (Distribution() for _ in range(4))
+        self.ttft, self.queueing, self.e2e = (Distribution() for _ in range(3))
         self.utilisation, self.seqs = Distribution(), Distribution()
+        self.over_prediction, self.cpu_share, self.load_avg = (Distribution() for _ in range(3))
         self.stalls, self.slow_steps, self.idle_gaps = TopK(top), TopK(top), TopK(top)
+        self.book = StallBook()
+        self.limits: Counter[str] = Counter()
+        self.held: Counter[str] = Counter()
         self.num_events = self.num_steps = 0
         self.num_prompt = self.num_cached = self.num_prefilled = self.num_output = 0
+        self.num_measured = self.num_decode_steps = self.num_over = self.num_warming = 0
+        self.worst: tuple[float, int] | None = None
+        self.target_s: float | None = None
         self.first_ts: float | None = None
         self.last_ts: float | None = None
         self.first_step: int | None = None
@@ -251,12 +277,25 @@ class _Summariser:
         self.run: LogRun | None = None
         self.first_header: LogHeader | None = None
         self.loads = _LoadTracker()
+        self._handlers: dict[str, Callable] = {
+            "decoding": self.decoding,
+            "step": self.step_planned,
+            "step-finished": self.step_finished,
+            "chunk-prefilled": self.chunk,
+            "admitted": self.admitted,
+            "terminal": self.terminal,
+            "model-loaded": self.model_loaded,
+            "model-load-failed": self.loads.add,
+            "model-unloaded": self.loads.add,
+        }
 
     def start_run(self, run: LogRun) -> None:
         self.end_run(last=False)
         self.run = run
         self.first_header = self.first_header or run.header
+        self.target_s = _target_s(run.header.config)
         self.tracks: dict[str, _Track] = {}
+        self.rows = DecodingRows()
         self.run_outcomes: Counter[str] = Counter()
         self.run_events = self.run_steps = 0
         self.prev_step: StepPlanned | None = None
@@ -268,7 +307,18 @@ class _Summariser:
     def end_run(self, *, last: bool) -> None:
         if self.run is None:
             return
-        left = _unfinished(self.tracks, self.run.index)
+        left = [
+            InFlight(
+                request_id=rid,
+                status=t.status(0),
+                num_prompt_tokens=t.num_prompt_tokens,
+                num_computed_tokens=t.num_computed,
+                num_output_tokens=self.rows.num_tokens(rid),
+                admitted_step=t.admitted_step,
+                run=self.run.index,
+            )
+            for rid, t in self.tracks.items()
+        ]
         (self.in_flight if last else self.interrupted).extend(left)
         if left:
             self.run_outcomes["in-flight" if last else "interrupted"] += len(left)
@@ -290,91 +340,126 @@ class _Summariser:
         )
         self.run = None
 
-    def feed(self, run: LogRun, event: Event) -> None:
+    def feed(self, run: LogRun, event) -> None:  # an Event or a light one
         """`event` of `run`: a new run starts afresh."""
         if self.run is None or self.run.index != run.index:
             self.start_run(run)
         self.add(event)
 
-    def add(self, event) -> None:  # an Event
+    def add(self, event) -> None:  # an Event or a light one
         self.num_events += 1
         self.run_events += 1
         if self.first_ts is None:
             self.first_ts = event.ts
         self.last_ts = event.ts
-        kind = type(event)
-        if kind is TokensSampled:
-            for one in event.decodings():
-                self.decoding(one)
-        elif kind is StepPlanned:
-            self.step_planned(event)
-        elif kind is StepFinished:
-            self.step_finished(event)
-        elif kind is ChunkPrefilled:
-            self.num_prefilled += event.end - event.start
-            self.num_cached += event.num_cached_tokens  # the first chunk says what it reused
-            t = self.tracks.get(event.request_id)
-            if t is not None:
-                t.num_computed = max(t.num_computed, event.end)
-                t.chunked = True
-        elif kind is Admitted:
-            if event.request_id in self.tracks:
-                return
-            self.tracks[event.request_id] = _Track(
-                num_prompt_tokens=event.num_prompt_tokens,
-                num_computed=event.num_cached_tokens,
-                admitted_step=event.step,
-                admitted_ts=event.ts,
-            )
-            self.num_prompt += event.num_prompt_tokens
-            self.num_cached += event.num_cached_tokens
-        elif kind is Terminal:
-            t = self.tracks.pop(event.request_id, None)
-            if t is None:
-                return  # a second terminal, or an unknown request: verify's business
-            self.run_outcomes[event.reason.value] += 1
-            self.e2e.add(event.ts - t.admitted_ts)
-        elif kind is ModelLoaded or kind is ModelLoadFailed or kind is ModelUnloaded:
-            self.loads.add(event)
+        handler = self._handlers.get(event.type)
+        if handler is not None:
+            handler(event)
 
-    def decoding(self, event: Decoding) -> None:
-        t = self.tracks.get(event.request_id)
-        if t is None:
+    def admitted(self, event: Admitted) -> None:
+        if event.request_id in self.tracks:
             return
-        self.num_output += event.num_tokens
-        if t.first_token_ts is None:
-            t.first_token_ts = event.ts
-            self.ttft.add(event.ts - t.admitted_ts)
-        else:
-            gap = event.ts - t.last_token_ts
-            self.itl.add(gap)
-            assert self.run is not None  # models are built at the end: this runs per token
+        self.tracks[event.request_id] = _Track(
+            num_prompt_tokens=event.num_prompt_tokens,
+            num_computed=event.num_cached_tokens,
+            admitted_step=event.step,
+            admitted_ts=event.ts,
+        )
+        self.num_prompt += event.num_prompt_tokens
+        self.num_cached += event.num_cached_tokens
+
+    def chunk(self, event: ChunkPrefilled) -> None:
+        self.num_prefilled += event.end - event.start
+        self.num_cached += event.num_cached_tokens  # the first chunk says what it reused
+        t = self.tracks.get(event.request_id)
+        if t is not None:
+            t.num_computed = max(t.num_computed, event.end)
+            t.chunked = True
+
+    def terminal(self, event: Terminal) -> None:
+        t = self.tracks.pop(event.request_id, None)
+        self.rows.end(event.request_id)
+        if t is None:
+            if event.reason == FinishReason.REJECTED:  # refused at a door: never admitted
+                self.run_outcomes[FinishReason.REJECTED.value] += 1
+            return  # else a second terminal, or an unknown request: verify's business
+        self.run_outcomes[str(event.reason)] += 1
+        self.e2e.add(event.ts - t.admitted_ts)
+
+    def model_loaded(self, event: ModelLoaded) -> None:
+        self.loads.add(event)
+        self.target_s = _target_s(event.config)
+
+    def decoding(self, event: TokensSampled) -> None:
+        ids, ts, step = event.request_ids, event.ts, event.step
+        rows = self.rows
+        prev_ids, prev_set = rows.prev_ids, rows.prev_set
+        prev_ts, prev_step = rows.prev_ts, rows.prev_step
+        firsts, resumed, n_on = rows.feed(ids, ts, step)
+        self.num_output += len(ids)
+        tracks = self.tracks
+        for rid in firsts:
+            t = tracks.get(rid)
+            if t is not None:
+                self.ttft.add(ts - t.admitted_ts)
+        assert self.run is not None
+        run = self.run.index
+        if n_on:
+            gap = ts - prev_ts
+            span = self._slowest(prev_step, step)
+            self.book.wait(gap, n_on, self._cause(span), span.step if span else step)
             if self.stalls.would_take(gap):
-                a, b = t.last_token_step, event.step
-                # Spans are kept, not described: an estimated step's time is known only at
-                # the next plan.
-                spans = [span for span in self.recent if a < span.step <= b]
-                self.stalls.offer(gap, (event.request_id, gap, a, b, self.run.index, spans))
-        t.last_token_ts = event.ts
-        t.last_token_step = event.step
-        t.num_output += event.num_tokens
+                on = prev_ids if ids == prev_ids else [r for r in ids if r in prev_set]
+                for rid in dict.fromkeys(on):
+                    if not self.stalls.would_take(gap):
+                        break
+                    self.stalls.offer(gap, (rid, gap, prev_step, step, run, span))
+        for rid, gap, last_step in resumed:
+            span = self._slowest(last_step, step)
+            self.book.wait(gap, 1, self._cause(span), span.step if span else step)
+            if self.stalls.would_take(gap):
+                self.stalls.offer(gap, (rid, gap, last_step, step, run, span))
+
+    def _slowest(self, after: int, upto: int) -> StepSpan | None:
+        """The slowest step in (after, upto] that the recent steps hold."""
+        best = None
+        for span in reversed(self.recent):
+            if span.step <= after:
+                break
+            if span.step <= upto and (best is None or span.seconds > best.seconds):
+                best = span
+        return best
+
+    def _cause(self, span: StepSpan | None) -> int:
+        if span is None or span.cause is None:
+            return -1
+        assert self.run is not None
+        return self.book.cause_index(self.run.index, span.cause)
 
     def step_planned(self, event: StepPlanned) -> None:
         assert self.run is not None
         if self.recent and self.recent[-1].estimated:  # no measurement: until this plan
             self.recent[-1].seconds = max(0.0, event.ts - self.recent[-1].start)
-        self.recent.append(step_span(event, event.ts))
+        span = step_span(event, event.ts)
+        self.recent.append(span)
         self.num_steps += 1
         self.run_steps += 1
         if self.first_step is None:
             self.first_step = event.step
         self.last_step = event.step
-        used = sum(event.num_tokens)
-        for rid in event.request_ids:
-            t = self.tracks.get(rid)
-            if t is not None and t.first_scheduled_ts is None:
-                t.first_scheduled_ts = event.ts
-                self.queueing.add(event.ts - t.admitted_ts)
+        used = span.num_tokens
+        n_decode = span.num_decode_rows
+        if n_decode < len(event.request_ids):
+            tracks = self.tracks
+            for rid in event.request_ids[n_decode:]:
+                t = tracks.get(rid)
+                if t is not None and t.first_scheduled_ts is None:
+                    t.first_scheduled_ts = event.ts
+                    self.queueing.add(event.ts - t.admitted_ts)
+            if event.limits:
+                self.limits.update(x for x in event.limits[n_decode:] if x is not None)
+        if event.held_reasons:
+            self.held.update(event.held_reasons)
         self.utilisation.add(used / event.max_step_tokens)
         self.seqs.add(len(event.request_ids))
         prev, done = self.prev_step, self.prev_finished
@@ -391,20 +476,58 @@ class _Summariser:
 
     def step_finished(self, event: StepFinished) -> None:
         self.measured = True
-        if self.recent and self.recent[-1].step == event.step:
-            span = self.recent[-1]
-            span.seconds, span.predicted, span.estimated = (
-                event.seconds,
-                event.predicted_seconds,
-                False,
-            )
-        self.busy += event.seconds
+        self.num_measured += 1
+        seconds = event.seconds
+        span = self.recent[-1] if self.recent and self.recent[-1].step == event.step else None
+        if span is not None:
+            span.seconds, span.predicted, span.estimated = seconds, event.predicted_seconds, False
+        self.busy += seconds
+        if event.predicted_seconds:
+            self.over_prediction.add(seconds / event.predicted_seconds)
+        if event.warming_up:
+            self.num_warming += 1
+        if event.cpu_share is not None:
+            self.cpu_share.add(event.cpu_share)
+        if event.load_avg is not None:
+            self.load_avg.add(event.load_avg)
+        if span is not None and span.num_decode_rows:
+            self.num_decode_steps += 1
+            if self.target_s is not None and seconds > self.target_s:
+                self.num_over += 1
+            if self.worst is None or seconds > self.worst[0]:
+                self.worst = (seconds, event.step)
         prev = self.prev_step
         if prev is not None and prev.step == event.step:
             self.prev_finished = event
-            self.slow_steps.offer(
-                event.seconds, self._slow(prev, event.seconds, self.prev_tokens, estimated=False)
-            )
+            if self.slow_steps.would_take(seconds):
+                slow = self._slow(prev, seconds, self.prev_tokens, estimated=False)
+                self.slow_steps.offer(
+                    seconds,
+                    slow.model_copy(
+                        update={
+                            "predicted_s": event.predicted_seconds,
+                            "warming_up": event.warming_up,
+                            "cpu_share": event.cpu_share,
+                            "load_avg": event.load_avg,
+                        }
+                    ),
+                )
+
+    def step_times(self) -> StepTimes | None:
+        if not self.num_measured:
+            return None
+        return StepTimes(
+            target_s=self.target_s,
+            num_steps=self.num_measured,
+            num_decode_steps=self.num_decode_steps,
+            num_over=self.num_over,
+            worst_s=self.worst[0] if self.worst else None,
+            worst_step=self.worst[1] if self.worst else None,
+            over_prediction=self.over_prediction.percentiles(),
+            num_warming_up=self.num_warming,
+            cpu_share=self.cpu_share.percentiles(),
+            load_avg=self.load_avg.percentiles(),
+        )
 
     def _slow(self, step: StepPlanned, seconds: float, tokens: int, *, estimated: bool) -> SlowStep:
         assert self.run is not None
@@ -418,8 +541,7 @@ class _Summariser:
         )
 
 
-def _stall(rid: str, seconds: float, a: int, b: int, run: int, spans: list[StepSpan]) -> Stall:
-    cause = max(spans, key=lambda span: span.seconds, default=None)
+def _stall(rid: str, seconds: float, a: int, b: int, run: int, cause: StepSpan | None) -> Stall:
     return Stall(
         request_id=rid,
         seconds=seconds,
@@ -450,7 +572,7 @@ def summarize(
     model = resolve_model(path, model, run=index)
     summariser = _Summariser(top)
     for num_events, (log_run, event) in enumerate(
-        read_run_events(path, run=index, model=model), start=1
+        scan_run_events(path, run=index, model=model), start=1
     ):
         summariser.feed(log_run, event)
         if progress is not None and num_events % 10_000 == 0:
@@ -470,7 +592,7 @@ def summarize_models(
     empty summary. Raises what `summarize` raises."""
     index = resolve_run(path, run)
     summarisers = {name: _Summariser(top) for name in read_models(path, run=index)}
-    for num_events, (log_run, event) in enumerate(read_run_events(path, run=index), start=1):
+    for num_events, (log_run, event) in enumerate(scan_run_events(path, run=index), start=1):
         name = log_run.header.model_of(event)
         summariser = summarisers.get(name) if name is not None else None
         if summariser is None:  # an event of a model no header lists: verify's business
@@ -513,12 +635,17 @@ def _summary(
         num_prefilled_tokens=s.num_prefilled,
         num_output_tokens=s.num_output,
         ttft_s=s.ttft.percentiles(),
-        itl_s=s.itl.percentiles(),
+        itl_s=s.book.gaps.percentiles(),
         queueing_s=s.queueing.percentiles(),
         e2e_s=s.e2e.percentiles(),
         budget_utilisation=s.utilisation.percentiles(),
         seqs_per_step=s.seqs.percentiles(),
         longest_stalls=tuple(_stall(*item) for item in s.stalls.items()),
+        stall_threshold_s=s.book.threshold(),
+        stall_causes=tuple(s.book.by_cause(s.top)),
+        step_time=s.step_times(),
+        chunk_limits=dict(s.limits.most_common()),
+        held_reasons=dict(s.held.most_common()),
         slowest_steps=tuple(s.slow_steps.items()),
         longest_idle=tuple(s.idle_gaps.items()),
         in_flight=tuple(s.in_flight),

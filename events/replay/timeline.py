@@ -56,6 +56,9 @@ class StepSpan:
     prefills: list[tuple[str, int]]  # (request id, tokens): the first few prefill entries
     num_prefills: int
     encodes: tuple[str, ...] = ()  # requests whose image's encoder ran units in it
+    # the request whose prompt work was the biggest in it (its largest chunk; else the first
+    # image it encoded): what a stall in this step is laid at; None: no prompt work
+    cause: str | None = None
 
     @property
     def end(self) -> float:
@@ -221,23 +224,36 @@ class RunTimeline:
 
 
 def step_span(event: StepPlanned, start: float) -> StepSpan:
-    """The span of a planned step starting at `start`; its time is estimated until its
-    step-finished event (or the next plan) says otherwise."""
-    prefills = [(e.request_id, e.num_tokens) for e in event.entries if e.kind == "prefill"]
+    """The span of a planned step (a `StepPlanned` or its light struct) starting at `start`;
+    its time is estimated until its step-finished event (or the next plan) says otherwise."""
+    ids, tokens, kinds = event.request_ids, event.num_tokens, event.kinds
+    n_decode = kinds.count("decode")
+    if "decode" in kinds[n_decode:]:  # not decode rows first (as the engine writes them)
+        rest = [i for i, kind in enumerate(kinds) if kind != "decode"]
+    else:
+        rest = list(range(n_decode, len(kinds)))
+    prefills = [(ids[i], tokens[i]) for i in rest if kinds[i] == "prefill"]
+    encodes = tuple(ids[i] for i in rest if kinds[i] == "encode")
+    cause = max(prefills, key=_tokens)[0] if prefills else (encodes[0] if encodes else None)
     return StepSpan(
         step=event.step,
         start=start,
         seconds=0.0,
         predicted=None,
         estimated=True,
-        num_tokens=sum(event.num_tokens),
+        num_tokens=sum(tokens),
         max_step_tokens=event.max_step_tokens,
-        num_decode_rows=event.kinds.count("decode"),
+        num_decode_rows=n_decode,
         num_chunk_tokens=sum(n for _, n in prefills),
         prefills=prefills[:_NAMED_PREFILLS],
         num_prefills=len(prefills),
-        encodes=tuple(e.request_id for e in event.entries if e.kind == "encode"),
+        encodes=encodes,
+        cause=cause,
     )
+
+
+def _tokens(prefill: tuple[str, int]) -> int:
+    return prefill[1]
 
 
 def collect(

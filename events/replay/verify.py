@@ -25,7 +25,6 @@ from stepline.events.log import (
     LogRun,
     log_files,
     read_models,
-    read_run_events,
     read_runs,
 )
 from stepline.events.models import (
@@ -34,13 +33,15 @@ from stepline.events.models import (
     Decoding,
     Event,
     ImageEncoded,
-    StepFinished,
     StepPlanned,
     Terminal,
+    TokensSampled,
     per_request,
 )
 from stepline.events.replay.describe import InFlight, dump_event, resolve_model, resolve_run
+from stepline.events.replay.stalls import DecodingRows
 from stepline.events.replay.stats import Report
+from stepline.events.scan import scan_run_events, token_ids
 
 
 class ViolationKind(StrEnum):
@@ -136,6 +137,8 @@ class _Verifier:
         self.run = run
         self.runs.append(run)
         self.states: dict[str, RequestState] = {}
+        self.decoding: set[str] = set()  # the requests whose state is decoding
+        self.rows = DecodingRows()  # their tokens (a state's `num_output_tokens` is not kept)
         # Per request, the event to show beside a violation: its admission (without the
         # prompt), its last chunk, or its terminal.
         self.evidence: dict[str, Event] = {}
@@ -154,7 +157,7 @@ class _Verifier:
                 status=s.status,
                 num_prompt_tokens=s.num_prompt_tokens,
                 num_computed_tokens=s.num_computed_tokens,
-                num_output_tokens=s.num_output_tokens,
+                num_output_tokens=self.rows.num_tokens(s.request_id),
                 admitted_step=s.admitted_step,
                 run=self.run.index,
             )
@@ -209,13 +212,43 @@ class _Verifier:
             )
         )
 
-    def check(self, event: Event) -> None:
+    def check(self, event: Event) -> None:  # or a light step event (events/scan.py)
         self.num_events += 1
         self.check_order(event)
-        if isinstance(event, StepPlanned):
-            self.check_step(event)
-        elif not isinstance(event, StepFinished):
+        kind = event.type
+        if kind == "step":
+            self.check_step(event)  # type: ignore[arg-type]
+        elif kind == "decoding":
+            self.check_rows(event)  # type: ignore[arg-type]
+        elif kind != "step-finished":
             for one in per_request(event):
+                self.check_request_event(one)
+
+    def check_rows(self, event: TokensSampled) -> None:
+        """A step's tokens: each row's request must be decoding (`apply_sampled`'s rule).
+        Checked for the rows in bulk (a set inclusion); a row that breaks it is applied on its
+        own, so that `apply` says what is wrong. Token counts go to `rows`."""
+        ids = event.request_ids
+        self.rows.feed(ids, event.ts, event.step)
+        if self.decoding.issuperset(ids):
+            return
+        tokens = token_ids(event)
+        for rid, n in Counter(ids).items():
+            if rid not in self.decoding:
+                mine = (
+                    None
+                    if tokens is None
+                    else tuple(t for r, t in zip(ids, tokens, strict=True) if r == rid)
+                )
+                one = Decoding(
+                    seq=event.seq,
+                    ts=event.ts,
+                    step=event.step,
+                    model=event.model,
+                    request_id=rid,
+                    token_ids=mine,
+                    token_count=None if mine is not None else n,
+                )
                 self.check_request_event(one)
 
     def check_order(self, event: Event) -> None:
@@ -264,6 +297,10 @@ class _Verifier:
                 return  # nothing to carry on with: the first admission and terminal stand
             after = _carry_on(state, event)
         self.states[rid] = after
+        if after.status is Status.DECODING:
+            self.decoding.add(rid)
+        else:
+            self.decoding.discard(rid)
         if isinstance(event, Admitted):
             # Kept as evidence without its prompt: memory stays bounded by the requests.
             self.evidence[rid] = event.model_copy(update={"prompt_token_ids": None})
@@ -274,14 +311,17 @@ class _Verifier:
     def _one_image_alone(self, event: StepPlanned) -> bool:
         """Whether the step's one prompt chunk is an image span whole: a span no step could
         hold runs alone, past the budget (`policy.oversized_image`)."""
-        chunks = [e for e in event.entries if e.kind == "prefill"]
+        chunks = [
+            (rid, n)
+            for rid, n, kind in zip(event.request_ids, event.num_tokens, event.kinds, strict=True)
+            if kind == "prefill"
+        ]
         if len(chunks) != 1:
             return False
-        state = self.states.get(chunks[0].request_id)
+        ((rid, n),) = chunks
+        state = self.states.get(rid)
         return state is not None and any(
-            i.whole
-            and i.end - i.start == chunks[0].num_tokens
-            and i.start >= state.num_computed_tokens
+            i.whole and i.end - i.start == n and i.start >= state.num_computed_tokens
             for i in state.images
         )
 
@@ -302,9 +342,14 @@ class _Verifier:
                 f"{event.max_num_seqs}",
                 event,
             )
+        ids = event.request_ids
+        states = self.states
+        if len(set(ids)) == len(ids) and all(
+            (state := states.get(rid)) is not None and not state.is_finished for rid in ids
+        ):
+            return  # the usual step: every member known, live and once
         seen: set[str] = set()
-        for entry in event.entries:
-            rid = entry.request_id
+        for rid in ids:
             if rid in seen:
                 self.flag(
                     ViolationKind.DUPLICATE_STEP_ENTRY,
@@ -313,7 +358,7 @@ class _Verifier:
                     request_id=rid,
                 )
             seen.add(rid)
-            state = self.states.get(rid)
+            state = states.get(rid)
             if state is None:
                 self.flag(
                     ViolationKind.UNKNOWN_REQUEST,
@@ -356,7 +401,7 @@ def verify(
     model = resolve_model(path, model, run=index)
     v = _Verifier(max_per_kind)
     try:
-        for log_run, event in read_run_events(path, run=index, model=model):
+        for log_run, event in scan_run_events(path, run=index, model=model, requests=False):
             if v.run is None or v.run.index != log_run.index:
                 v.start_run(log_run)
             v.check(event)
@@ -376,7 +421,7 @@ def verify_models(
     owners: dict[str, str | None] = {}  # request id -> the model that admitted it, this run
     run_now = None
     try:
-        for log_run, event in read_run_events(path, run=index):
+        for log_run, event in scan_run_events(path, run=index, requests=False):
             if run_now != log_run.index:
                 run_now, owners = log_run.index, {}
             name = log_run.header.model_of(event)
