@@ -1,9 +1,9 @@
 """Benchmark: `stepline replay` on a large event log (default 1,000,000 events).
 
 Writes a log of a simulated busy engine (continuous batching, chunked prefill under a token
-budget, checkpoints, a few cancellations; each step's plan with what sized its chunks and
-who sat it out, and its measured time against a step-time target) with the real EventLogWriter, then times
-`stepline replay LOG` (the summary) and `stepline replay LOG --verify` in fresh processes
+budget, checkpoints, a few cancellations; each step's plan with what sized its chunks and who
+sat it out, and its measured time against a step-time target) with the real EventLogWriter,
+then times `stepline replay LOG` (the summary) and `stepline replay LOG --verify` in fresh processes
 and reports their peak resident memory, next to a process that only imports the command.
 Also reports the Python-heap peak of `summarize()` measured with tracemalloc, and the size
 and time of the picture (`--svg`, slowest 25 requests drawn, the rest folded) and of the
@@ -110,7 +110,7 @@ def simulate(
                 budget -= 1
         limits: list[str | None] = [None] * len(entries)
 
-        def chunk(r: _Req) -> None:
+        def chunk(r: _Req, entries=entries, limits=limits) -> None:
             nonlocal budget
             left = r.num_prompt - r.computed
             k = min(left, budget, long_prefill_cap)
