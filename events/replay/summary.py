@@ -28,6 +28,7 @@ from stepline.events.models import (
     Admitted,
     ChunkPrefilled,
     FinishReason,
+    ImageEncoded,
     LogHeader,
     ModelLoaded,
     ModelLoadFailed,
@@ -282,6 +283,7 @@ class _Summariser:
             "step": self.step_planned,
             "step-finished": self.step_finished,
             "chunk-prefilled": self.chunk,
+            "image-encoded": self.encoded,
             "admitted": self.admitted,
             "terminal": self.terminal,
             "model-loaded": self.model_loaded,
@@ -374,6 +376,13 @@ class _Summariser:
         t = self.tracks.get(event.request_id)
         if t is not None:
             t.num_computed = max(t.num_computed, event.end)
+            t.chunked = True
+
+    def encoded(self, event: ImageEncoded) -> None:
+        self.num_cached += event.num_cached_tokens  # the first step says what it reused
+        t = self.tracks.get(event.request_id)
+        if t is not None:
+            t.num_computed = max(t.num_computed, event.num_cached_tokens)
             t.chunked = True
 
     def terminal(self, event: Terminal) -> None:
