@@ -7,13 +7,25 @@ The HTTP tests drive a real uvicorn on 127.0.0.1 with the official `openai` clie
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from core_driver import make_core, params
+from helpers import replay
 from log_builder import LogBuilder
 
 from stepline.engine.policy import QueueFullError, SchedulerConfig
 from stepline.events.fold import FoldError, Status, fold
 from stepline.events.models import FinishReason
+from stepline.events.replay import (
+    UnknownRequestError,
+    request_timeline,
+    state_at_step,
+    summarize,
+    verify,
+)
+from stepline.events.replay.reexecute import load_recorded_run
+from stepline.events.replay.svg import render_svg
 
 # -- the fold and the scheduler core (no model) ------------------------------------------------
 
@@ -68,3 +80,49 @@ def test_a_full_queue_refuses_with_a_lone_terminal_naming_429_and_nothing_of_the
     events = [e for e in core.take_events() if e.request_id == "one-too-many"]
     assert [(e.type, e.code, e.status) for e in events] == [("terminal", "queue_full", 429)]
     assert core.state_of("one-too-many").finish_reason is FinishReason.REJECTED
+
+
+# -- replay of a log that holds refusals (hand-made) -------------------------------------------
+
+
+def served_and_refused() -> LogBuilder:
+    """r1 served (stop) between two refusals: a 400 and a 413."""
+    b = LogBuilder(step_every=0.1)
+    b.refuse("bad-params", "invalid_value", 400)
+    b.admit("r1", 2)
+    b.do_step(prefill={"r1": (0, 2)})
+    b.end("r1", FinishReason.STOP)
+    b.refuse("too-big", "request_too_large", 413)
+    return b
+
+
+def test_replay_counts_refusals_as_rejected_and_verifies_the_log(tmp_path: Path) -> None:
+    path = served_and_refused().write(tmp_path / "run.jsonl")
+
+    assert summarize(path).outcomes == {"rejected": 2, "stop": 1}
+    code, text = replay(str(path))
+    assert code == 0 and "requests: 3 (2 rejected, 1 stop)" in text
+    report = verify(path)
+    assert report.ok and report.num_requests == 3
+    at_end = state_at_step(path, 9)
+    assert at_end.counts == {"finished": 3}
+    assert "finished: rejected, 0 tokens" in [r.description for r in at_end.requests]
+
+
+def test_asking_for_a_refused_request_says_it_was_refused_and_why(tmp_path: Path, capsys) -> None:
+    path = served_and_refused().write(tmp_path / "run.jsonl")
+
+    with pytest.raises(UnknownRequestError, match="refused before it was admitted"):
+        request_timeline(path, "too-big")
+    assert replay(str(path), "--request", "too-big")[0] == 2
+    assert "(413 request_too_large: refused: request_too_large)" in capsys.readouterr().err
+
+
+def test_pictures_traces_and_reexecution_leave_refusals_out(tmp_path: Path) -> None:
+    path = served_and_refused().write(tmp_path / "run.jsonl")
+    trace = tmp_path / "trace.json"
+
+    assert render_svg(path).count('class="request"') == 1
+    assert replay(str(path), "--trace", str(trace))[0] == 0
+    assert "too-big" not in trace.read_text() and "r1" in trace.read_text()
+    assert [r.admitted.request_id for r in load_recorded_run(path).requests] == ["r1"]

@@ -331,7 +331,9 @@ class _Summariser:
         elif kind is Terminal:
             t = self.tracks.pop(event.request_id, None)
             if t is None:
-                return  # a second terminal, or an unknown request: verify's business
+                if event.status is not None:  # refused at a door: never admitted
+                    self.run_outcomes[event.reason.value] += 1
+                return  # else a second terminal, or an unknown request: verify's business
             self.run_outcomes[event.reason.value] += 1
             self.e2e.add(event.ts - t.admitted_ts)
         elif kind is ModelLoaded or kind is ModelLoadFailed or kind is ModelUnloaded:
