@@ -49,6 +49,7 @@ from stepline.engine.cost_model import CostModel
 from stepline.engine.images import PromptImage, check_spans, inside_image, prompt_key
 from stepline.engine.policy import (
     AdmissionError,
+    QueueFullError,
     ScheduledChunk,
     ScheduledEncode,
     SchedulerConfig,
@@ -86,6 +87,8 @@ from stepline.events.models import (
 __all__ = ["EngineDeadError", "ModelLimits", "SchedulerCore", "StepOutcome"]
 
 _REUSABLE = (FinishReason.STOP, FinishReason.LENGTH)  # ended cleanly: cache worth keeping
+# A full queue's refusal, as the HTTP server answers it (api/pipeline/errors.py `known_error`)
+QUEUE_FULL_CODE, QUEUE_FULL_STATUS = "queue_full", 429
 _KEEP_IDS = 100_000  # request ids refused as reused within this many requests
 _KEEP_FINISHED = 1024  # ended requests' states kept for inspection
 # ... and at most this many prompt token ids among them (a 128k-token prompt's state holds
@@ -198,20 +201,33 @@ class SchedulerCore:
         fairly between clients) into the waiting queue, its `max_tokens` cut to what the
         model's context leaves after its prompt (`max_output_tokens`: the `admitted` event
         records the limit it runs to). Raises AdmissionError (EngineDeadError,
-        QueueFullError, ...) if it cannot be served; a request that got as far as the checks
-        is recorded as admitted and at once rejected, so the log says why."""
+        QueueFullError, ...) if it cannot be served. One the full queue refuses is recorded
+        as a door's refusal (`refuse`: a lone terminal); one that got as far as the checks of
+        its prompt is recorded as admitted and at once rejected, so the log says why."""
         if request_id in self._recent_ids:
             raise AdmissionError(f"request id {request_id!r} was already used: send a new one")
-        self._recent_ids[request_id] = None
-        while len(self._recent_ids) > _KEEP_IDS:
-            self._recent_ids.popitem(last=False)
+        self._remember(request_id)
         ids = tuple(prompt_token_ids)
         check_spans(images, len(ids))
+        if self.dead_reason is None:
+            try:
+                check_queue(self.states, self.config, client)
+            except QueueFullError as exc:
+                # Refused before it joins the queue, whatever its prompt: at the door, as the
+                # HTTP server answers it (429 queue_full, api/pipeline/errors.py).
+                self._record(
+                    Terminal,
+                    request_id=request_id,
+                    reason=FinishReason.REJECTED,
+                    message=str(exc),
+                    code=QUEUE_FULL_CODE,
+                    status=QUEUE_FULL_STATUS,
+                )
+                raise
         refused: AdmissionError | None = None
         try:
             if self.dead_reason is not None:
                 raise EngineDeadError(f"the engine is unhealthy: {self.dead_reason}")
-            check_queue(self.states, self.config, client)
             # It ends at the context anyway: its KV is counted (and refused) only up to there.
             max_context = self.limits.max_context
             max_tokens = max_output_tokens(params.max_tokens, len(ids), max_context)
@@ -244,6 +260,28 @@ class SchedulerCore:
             raise refused
         if images:  # what the encoder reads, until the executor has it
             self._images[request_id] = tuple(images)
+
+    def refuse(self, request_id: str, message: str, *, code: str, status: int) -> Terminal | None:
+        """Record a request refused before it reached the engine (at an HTTP door: bad
+        parameters, a body too large, an unknown model): a lone `terminal`, reason rejected,
+        with the error's `code` and HTTP `status`, and nothing of its prompt. Returns the
+        event; None for an id the core has seen already (its own events tell its end)."""
+        if request_id in self._recent_ids:
+            return None
+        self._remember(request_id)
+        return self._record(
+            Terminal,
+            request_id=request_id,
+            reason=FinishReason.REJECTED,
+            message=message,
+            code=code,
+            status=status,
+        )
+
+    def _remember(self, request_id: str) -> None:
+        self._recent_ids[request_id] = None
+        while len(self._recent_ids) > _KEEP_IDS:
+            self._recent_ids.popitem(last=False)
 
     def abort(
         self, request_id: str, reason: FinishReason, message: str | None = None

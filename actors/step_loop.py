@@ -477,6 +477,21 @@ class StepLoop:
         self._log_events()
         return event
 
+    def log_refusal(
+        self, request_id: str, message: str, *, code: str, status: int
+    ) -> Terminal | None:
+        """Record and log a request a door refused before it reached this engine (`SchedulerCore.
+        refuse`: a lone terminal). Nothing without an event log, or for an id the core has
+        seen (its own events say how it ended). Not counted among the finished requests'
+        metrics: the engine never had it. Returns the event, if recorded."""
+        if self._event_log is None:
+            return None
+        event = self.core.refuse(request_id, message, code=code, status=status)
+        if event is not None:
+            # The loop logs its own events before each await: the core holds only this one.
+            self._event_log.append_many(self.core.take_events())
+        return event
+
     def _log_events(self) -> None:
         events = self.core.take_events()
         if not events:

@@ -423,6 +423,14 @@ class Engine:
             arrival.done()
             _ARRIVAL.set(None)
 
+    def log_refusal(self, request_id: str, message: str, *, code: str, status: int) -> None:
+        """Record in the event log a request refused before it reached the engine (an HTTP
+        door's 4xx: bad parameters, a body too large, an unknown model): a lone `terminal`,
+        rejected, with the error's `code` and HTTP `status` and nothing of its prompt.
+        Nothing without an event log, once the engine is closed, or for an id it has seen."""
+        if not self._closed:
+            self._step_loop.log_refusal(request_id, message, code=code, status=status)
+
     def begin_shutdown(self) -> int:
         """Refuse new requests (`submit` raises EngineClosedError, as once closed) and cancel every
         request in flight: each ends now with `cancelled`, so open streams get their last

@@ -35,10 +35,12 @@ from stepline.api.engine import Engine
 from stepline.api.engine_parts import PoolMember
 from stepline.engine.model_policy import DoesNotFitError, Resident, expired, to_unload
 from stepline.events.models import (
+    FinishReason,
     LogHeader,
     ModelLoaded,
     ModelLoadFailed,
     ModelUnloaded,
+    Terminal,
     new_run_id,
     new_salt,
 )
@@ -146,6 +148,7 @@ class ModelPool:
         self._loading = anyio.Lock()  # one load at a time: each sees the others' memory
         self._changed = anyio.Event()
         self._closing = False
+        self._run_seq = 0  # the last sequence number of the run's own events (model None)
 
     @classmethod
     @asynccontextmanager
@@ -539,6 +542,35 @@ class ModelPool:
             await self._executor.call(heap.trim)
         except Exception as exc:  # noqa: BLE001 - memory stays cached; the pool serves on
             log.warning("memory_not_freed", error=repr(exc))
+
+    def log_refusal(
+        self, request_id: str, message: str, *, code: str, status: int, model: str | None
+    ) -> None:
+        """Record in the log a request a door refused before it reached an engine (a lone
+        `terminal`, `Engine.log_refusal`): under `model`, the one it was bound to (loaded
+        then), if still loaded (else nothing: it may have reached that model, whose events
+        say so); refused before it was bound to any (None), under the run: model None, in a
+        sequence of the run's own. Nothing without a log."""
+        if model is not None:
+            entry = self.entry_of(model)
+            if entry is not None and entry.state is ModelState.LOADED and entry.engine is not None:
+                entry.engine.log_refusal(request_id, message, code=code, status=status)
+            return
+        if self._writer is None:
+            return
+        self._run_seq += 1
+        self._writer.append(
+            Terminal(
+                seq=self._run_seq,
+                ts=time.time(),
+                step=0,
+                request_id=request_id,
+                reason=FinishReason.REJECTED,
+                message=message,
+                code=code,
+                status=status,
+            )
+        )
 
     def _log_failed(self, entry: Entry) -> None:
         if self._writer is None or entry.place is None:

@@ -66,6 +66,9 @@ class RequestState:
     first_token_ts: float | None = None
     last_token_ts: float | None = None
     finished_step: int | None = None
+    # False: refused at a door (a lone `terminal`, reason rejected): it never reached the
+    # engine, so it has no prompt and no parameters (`params` is `NOT_ADMITTED`)
+    admitted: bool = True
 
     @property
     def is_finished(self) -> bool:
@@ -80,6 +83,13 @@ class RequestState:
         fields.update(self.__dict__)
         fields.update(changes)
         return new
+
+
+# What a request refused at a door holds as its parameters: it was never admitted, so it has
+# none; these say it generates nothing (`RequestState.admitted` is False).
+NOT_ADMITTED = RequestParams(
+    max_tokens=0, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=None
+)
 
 
 class FoldError(ValueError):
@@ -99,7 +109,8 @@ _NORMAL_ENDS = (FinishReason.STOP, FinishReason.LENGTH)
 def apply(state: RequestState | None, event: Event | Decoding) -> RequestState:
     """Return the request's state after `event`, one request's event (a step's
     `TokensSampled` is applied per request: `decodings()`, or `apply_sampled` for each row).
-    Raises FoldError on an impossible event."""
+    A `terminal` (rejected) with no state before it is a request refused at a door: it starts
+    and ends there. Raises FoldError on an impossible event."""
     if isinstance(event, Admitted):
         if state is not None:
             raise FoldError(
@@ -126,6 +137,8 @@ def apply(state: RequestState | None, event: Event | Decoding) -> RequestState:
         )
     rid = getattr(event, "request_id", None)
     if state is None:
+        if isinstance(event, Terminal) and event.reason is FinishReason.REJECTED:
+            return _refused(event)
         raise FoldError(
             "unknown-request",
             f"{event.type} for request {rid}, which was never admitted (seq {event.seq})",
@@ -169,6 +182,28 @@ def apply(state: RequestState | None, event: Event | Decoding) -> RequestState:
             finished_step=event.step,
         )
     raise FoldError("not-a-request-event", f"not a request event: {event.type}")
+
+
+def _refused(event: Terminal) -> RequestState:
+    """The state of a request refused at a door: ended (rejected) where it arrived, with no
+    prompt, no parameters and nothing computed."""
+    return RequestState(
+        request_id=event.request_id,
+        status=Status.FINISHED,
+        num_prompt_tokens=0,
+        num_computed_tokens=0,
+        num_cached_tokens=0,
+        prompt_token_ids=None,
+        checkpoints=(),
+        params=NOT_ADMITTED,
+        finish_reason=FinishReason.REJECTED,
+        admitted_step=event.step,
+        moved_step=event.step,
+        admitted_seq=event.seq,
+        admitted_ts=event.ts,
+        finished_step=event.step,
+        admitted=False,
+    )
 
 
 def apply_sampled(

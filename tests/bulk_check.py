@@ -59,10 +59,12 @@ def _agree(path: Path, run: int, model: str | None, states: dict, *, last: bool)
     where = f"{path} run {run} model {model}"
     s = summarize(path, run=run, model=model, top=3)
     ended = [st for st in states.values() if st.is_finished]
-    lone: list = []  # requests refused at a door (a lone terminal): no admission, no latency
+    lone = [st for st in ended if not st.admitted]  # refused at a door: no latency
     outcomes: dict[str, int] = {}
     for st in states.values():
-        key = st.finish_reason.value if st.finish_reason else ("in-flight" if last else "interrupted")
+        key = (
+            st.finish_reason.value if st.finish_reason else ("in-flight" if last else "interrupted")
+        )
         outcomes[key] = outcomes.get(key, 0) + 1
     assert s.outcomes == outcomes, where
     assert s.num_output_tokens == sum(st.num_output_tokens for st in states.values()), where

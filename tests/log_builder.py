@@ -162,6 +162,18 @@ class LogBuilder:
     def end(self, rid: str, reason: FinishReason, message: str | None = None) -> None:
         self._add(Terminal, request_id=rid, reason=reason, message=message)
 
+    def refuse(self, rid: str, code: str = "invalid_value", status: int = 400) -> None:
+        """A request refused at a door: a lone terminal, as the HTTP server records it."""
+        message = f"refused: {code}"
+        self._add(
+            Terminal,
+            request_id=rid,
+            reason=FinishReason.REJECTED,
+            message=message,
+            code=code,
+            status=status,
+        )
+
     def write(self, path: Path, events: Iterable | None = None, *, append: bool = False) -> Path:
         """Write this log (or `events` under its header) to `path`: a new file, or appended
         as a run of its own."""

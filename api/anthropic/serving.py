@@ -282,6 +282,6 @@ def router(serving: Serving) -> APIRouter:
     @routes.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:
         rid = f"count_{uuid.uuid4().hex}"
-        return await serving.handle(request, rid, door.count_tokens, ANTHROPIC)
+        return await serving.handle(request, rid, door.count_tokens, ANTHROPIC, generates=False)
 
     return routes

@@ -351,7 +351,8 @@ def router(serving: Serving) -> APIRouter:
 
     @routes.post("/api/show")
     async def show(request: Request) -> Response:
-        return await serving.handle(request, f"show-{uuid.uuid4().hex}", door.show, OLLAMA)
+        rid = f"show-{uuid.uuid4().hex}"
+        return await serving.handle(request, rid, door.show, OLLAMA, generates=False)
 
     @routes.get("/api/tags")
     async def tags() -> JSONResponse:

@@ -160,6 +160,19 @@ class ServedModels:
                 code="model_not_found",
             )
 
+    def log_refusal(self, request_id: str, message: str, *, code: str, status: int) -> None:
+        """Record in the event log a request a door refused before it reached its engine
+        (`Engine.log_refusal`): in a pool, under the model this task's request is bound to
+        (`bind`), else under the run (`ModelPool.log_refusal`)."""
+        if self.pool is None:
+            assert self.one is not None
+            self.one.engine.log_refusal(request_id, message, code=code, status=status)
+            return
+        binding = _BOUND.get()
+        entry = binding.entry if binding is not None else None
+        name = entry.spec.name if entry is not None else None
+        self.pool.log_refusal(request_id, message, code=code, status=status, model=name)
+
     @property
     def current(self) -> ServedModel:
         """The model of the request this task serves (`bind`); a server of one model's."""

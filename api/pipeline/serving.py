@@ -91,6 +91,10 @@ SAMPLING_FIELDS = (
     "frequency_penalty",
     "repetition_penalty",
 )
+# The statuses of a request refused before it reaches the engine (bad parameters, an unknown
+# model, a body too large, a full queue), which the event log records (`Serving.handle`);
+# the engine records its own (a full queue: it refused it, and the log has it already).
+REFUSALS = frozenset({400, 404, 413, 422, 429})
 EFFECTIVE_MAX_TOKENS_HEADER = "x-stepline-max-tokens"  # set when a max_tokens was clamped
 # The tools a request's `tools` lost: hosted ones (Responses), or all of them when the model's
 # chat template cannot show or read tool calls.
@@ -659,24 +663,34 @@ class Serving:
         """Whether `request` asked for a resumable stream (in its body or by header)."""
         return in_body or wants_resumable(request.headers)
 
-    async def handle(self, request: Request, rid: str, handler: Callable, wire: Wire) -> Response:
+    async def handle(
+        self,
+        request: Request,
+        rid: str,
+        handler: Callable,
+        wire: Wire,
+        *,
+        generates: bool = True,
+    ) -> Response:
         """The one error wrapper: run `handler` with the request id bound to every log line;
         an error is answered in `wire`'s shape and carries the request id. A bug is a 500 that
-        names the request id, and its traceback goes to the log. In a server of several
-        models, a streamed request whose model must load first gets its stream's headers at
-        once and pings while the model loads (`_after_load`)."""
+        names the request id, and its traceback goes to the log. A request that `generates`
+        and is refused before it reaches the engine (a 4xx of `REFUSALS`) is recorded in the
+        event log as refused (`ServedModels.log_refusal`). In a server of several models, a
+        streamed request whose model must load first gets its stream's headers at once and
+        pings while the model loads (`_after_load`)."""
         # Bound for the rest of this request's task (uvicorn runs each request in a task of its
         # own), so that its access-log line, written after this returns, carries the id too.
         structlog.contextvars.bind_contextvars(request_id=rid)
         if self.models.pool is None or wire.ping is None:
-            outcome = await self._run(request, rid, handler)
+            outcome = await self._run(request, rid, handler, generates)
             return outcome if isinstance(outcome, Response) else wire.response(outcome)
         # The handler runs in a task of its own, in a context this task keeps: its model
         # is bound there (`ServedModels.bind`), where its stream is then written.
         ctx = contextvars.copy_context()
         loading = ctx.run(watch_loading)  # set if the request streams and waits for its model
         loop = asyncio.get_running_loop()
-        task = loop.create_task(self._run(request, rid, handler), context=ctx)
+        task = loop.create_task(self._run(request, rid, handler, generates), context=ctx)
         signal = loop.create_task(loading.wait())
         try:
             await asyncio.wait({task, signal}, return_when=asyncio.FIRST_COMPLETED)
@@ -691,8 +705,11 @@ class Serving:
         outcome = task.result()
         return outcome if isinstance(outcome, Response) else wire.response(outcome)
 
-    async def _run(self, request: Request, rid: str, handler: Callable) -> Response | APIError:
-        """`handler`'s response, or the error to answer (logged, with the request id)."""
+    async def _run(
+        self, request: Request, rid: str, handler: Callable, generates: bool
+    ) -> Response | APIError:
+        """`handler`'s response, or the error to answer (logged, with the request id; a
+        refusal of a request that `generates` recorded in the event log too)."""
         try:
             return await handler(request, rid)
         except APIError as exc:
@@ -710,6 +727,10 @@ class Serving:
             param=err.param,
             message=err.message,
         )
+        if generates and err.status_code in REFUSALS and not isinstance(err, RequestFailed):
+            # What the client was told (what was wrong, which field); nothing of the body.
+            code = err.code or err.type
+            self.models.log_refusal(rid, err.message, code=code, status=err.status_code)
         return err
 
     def _after_load(

@@ -27,7 +27,6 @@ from stepline.events.log import (
 from stepline.events.models import (
     Admitted,
     ChunkPrefilled,
-    FinishReason,
     ImageEncoded,
     LogHeader,
     ModelLoaded,
@@ -389,8 +388,8 @@ class _Summariser:
         t = self.tracks.pop(event.request_id, None)
         self.rows.end(event.request_id)
         if t is None:
-            if event.reason == FinishReason.REJECTED:  # refused at a door: never admitted
-                self.run_outcomes[FinishReason.REJECTED.value] += 1
+            if event.status is not None:  # refused at a door: never admitted
+                self.run_outcomes[str(event.reason)] += 1
             return  # else a second terminal, or an unknown request: verify's business
         self.run_outcomes[str(event.reason)] += 1
         self.e2e.add(event.ts - t.admitted_ts)

@@ -253,7 +253,9 @@ class _Verifier:
 
     def check_order(self, event: Event) -> None:
         model = event.model
-        if self.listed and model not in self.listed and model not in self.unlisted:
+        # None in a log of several: the run's own events (a refusal before any model had it)
+        listed = model is None or model in self.listed
+        if self.listed and not listed and model not in self.unlisted:
             self.unlisted.add(model)
             self.flag(
                 ViolationKind.UNKNOWN_MODEL,

@@ -206,6 +206,7 @@ def request_timeline(
     index = resolve_run(path, run)
     model = resolve_model(path, model, run=index)
     lives: dict[int, _Life] = {}
+    refused: Terminal | None = None  # its lone terminal: refused at a door, never admitted
     outputs_logged: dict[int, bool] = {}
     models: dict[int, str | None] = {}
     for log_run, event in read_run_events(path, run=index, model=model):
@@ -227,10 +228,17 @@ def request_timeline(
                 models[log_run.index] = event.model
         elif life is not None and life.terminal is None:  # nothing follows it (verify checks)
             _note(life, event)
+        elif life is None and isinstance(event, Terminal):
+            refused = event
     if not lives:
         where = f"run {run} of {path}" if run is not None else str(path)
         if model is not None:
             where = f"model {model} of {where}"
+        if refused is not None:
+            raise UnknownRequestError(
+                f"request {request_id!r} was refused before it was admitted ({refused.status} "
+                f"{refused.code}: {refused.message}), at step {refused.step} of {where}"
+            )
         raise UnknownRequestError(
             f"no request {request_id!r} in {where}: see the summary for the requests it holds"
         )
