@@ -65,6 +65,7 @@ from stepline.events.replay.reexecute import ReexecuteReport, reexecute
 from stepline.events.replay.svg import render_html, render_svg
 from stepline.events.replay.timeline import format_ms
 from stepline.events.replay.trace import export_trace
+from stepline.events.replay.why import RequestWhy
 
 EXIT_OK, EXIT_FAILED, EXIT_UNUSABLE = 0, 1, 2
 
@@ -445,6 +446,7 @@ def _text_timeline(t: RequestTimeline) -> list[str]:
             if t.outputs_logged
             else ["  output token ids were not logged (log_outputs=False): only their counts"]
         ),
+        *(_text_why(t.why) if t.why is not None else []),
         f"  {'step':>6}  {'t':>10}  event",
     ]
     if t.first_step is not None or t.last_step is not None:
@@ -475,6 +477,34 @@ def _text_timeline(t: RequestTimeline) -> list[str]:
             others = f"with {_names(share.others)}" if share.others else "alone"
             context = f"   [step: {share.step_tokens}/{share.max_step_tokens} tokens, {others}]"
         lines.append(f"  {step:>6}  {_s(ts - t.admitted_ts):>10}  {what}{context}")
+    return lines
+
+
+def _text_why(w: RequestWhy) -> list[str]:
+    """Where the request's time went: queued, its prefill and what bound it, its stalls."""
+    held = ", ".join(f"{reason} {n}" for reason, n in w.held.items())
+    queued = (
+        f"  queued {_s(w.queued_s)} ({w.num_steps_waiting} steps ran before its first"
+        + (f"; it sat out steps for: {held}" if held else "")
+        + ")"
+    )
+    lines = [queued, f"  {w.summary_line()}"]
+    if w.num_suffered:
+        causes = "; ".join(
+            f"{c.cause or 'steps with no prompt work'}: {c.num_stalls} ({_s(c.seconds)}, "
+            f"worst step {c.worst_step} {_s(c.worst_s)})"
+            for c in w.suffered
+        )
+        lines.append(
+            f"  stalled {w.num_suffered} times over {_s(w.stall_threshold_s)}, "
+            f"{_s(w.suffered_s)} in total, by {causes}"
+        )
+    if w.caused is not None:
+        c = w.caused
+        lines.append(
+            f"  caused {c.num_stalls} stalls of other requests' streams, {_s(c.seconds)} in "
+            f"total, in {c.num_steps} steps (worst: step {c.worst_step}, {_s(c.worst_s)})"
+        )
     return lines
 
 

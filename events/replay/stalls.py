@@ -180,9 +180,17 @@ class StallBook:
         median = self.gaps.quantile(0.5)
         return max(MIN_STALL_S, DEFAULT_STALL_FACTOR * median) if median is not None else 0.0
 
-    def by_cause(self, top: int, stall_s: float | None = None) -> list[StallCause]:
-        """The `top` causes by stalled seconds, biggest first."""
+    def by_cause(
+        self, top: int, stall_s: float | None = None, *, only: tuple[int, str] | None = None
+    ) -> list[StallCause]:
+        """The `top` causes by stalled seconds, biggest first (with `only`: that (run, request
+        id)'s, if it caused any)."""
         limit = self.threshold(stall_s)
+        wanted = None
+        if only is not None:
+            wanted = self._index.get(only)
+            if wanted is None:
+                return []
         num: Counter[int] = Counter()
         total: dict[int, float] = {}
         worst: dict[int, tuple[float, int]] = {}
@@ -190,7 +198,7 @@ class StallBook:
         for seconds, count, cause, step in zip(
             self.waits, self.counts, self.causes, self.cause_steps, strict=True
         ):
-            if seconds < limit or limit <= 0:
+            if seconds < limit or limit <= 0 or (wanted is not None and cause != wanted):
                 continue
             num[cause] += count
             total[cause] = total.get(cause, 0.0) + seconds * count

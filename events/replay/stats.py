@@ -169,6 +169,8 @@ class TopK:
         self._n = 0
 
     def offer(self, key: float, item: Any) -> None:
+        if self.k <= 0:
+            return
         self._n += 1
         entry = (key, -self._n, item)  # ties: the earlier one wins
         if len(self._heap) < self.k:

@@ -41,6 +41,7 @@ from stepline.events.replay.describe import InFlight, resolve_model, resolve_run
 from stepline.events.replay.stalls import DecodingRows, StallBook, StallCause
 from stepline.events.replay.stats import Distribution, Percentiles, Report, TopK
 from stepline.events.replay.timeline import StepSpan, step_span
+from stepline.events.replay.why import Focus, RequestWhy, explain
 from stepline.events.scan import scan_run_events
 
 _STALL_WINDOW = 4096  # steps looked back through for a stall's cause
@@ -249,8 +250,9 @@ class _Summariser:
     """Accumulates over the whole log; per-run state is reset at each run's start. Takes
     validated events or scan.py's light ones (it reads fields and dispatches on `type`)."""
 
-    def __init__(self, top: int) -> None:
+    def __init__(self, top: int, focus: Focus | None = None) -> None:
         self.top = top
+        self.focus = focus  # a request to note the why of (`request_why`)
         self.outcomes: Counter[str] = Counter()
         self.ttft, self.queueing, self.e2e = (Distribution() for _ in range(3))
         self.utilisation, self.seqs = Distribution(), Distribution()
@@ -368,6 +370,9 @@ class _Summariser:
         )
         self.num_prompt += event.num_prompt_tokens
         self.num_cached += event.num_cached_tokens
+        focus = self.focus
+        if focus is not None and event.request_id == focus.request_id:
+            focus.admitted_ts, focus.admitted_step = event.ts, event.step
 
     def chunk(self, event: ChunkPrefilled) -> None:
         self.num_prefilled += event.end - event.start
@@ -427,6 +432,14 @@ class _Summariser:
             self.book.wait(gap, 1, self._cause(span), span.step if span else step)
             if self.stalls.would_take(gap):
                 self.stalls.offer(gap, (rid, gap, last_step, step, run, span))
+        focus = self.focus
+        if focus is not None and focus.request_id in ids:
+            rid = focus.request_id
+            if rid in prev_set:
+                focus.waits.append((ts - prev_ts, self._slowest(prev_step, step)))
+            for other, gap, last_step in resumed:
+                if other == rid:
+                    focus.waits.append((gap, self._slowest(last_step, step)))
 
     def _slowest(self, after: int, upto: int) -> StepSpan | None:
         """The slowest step in (after, upto] that the recent steps hold."""
@@ -468,6 +481,8 @@ class _Summariser:
                 self.limits.update(x for x in event.limits[n_decode:] if x is not None)
         if event.held_reasons:
             self.held.update(event.held_reasons)
+        if self.focus is not None:
+            self.focus.planned(event, event.ts)
         self.utilisation.add(used / event.max_step_tokens)
         self.seqs.add(len(event.request_ids))
         prev, done = self.prev_step, self.prev_finished
@@ -490,6 +505,8 @@ class _Summariser:
         if span is not None:
             span.seconds, span.predicted, span.estimated = seconds, event.predicted_seconds, False
         self.busy += seconds
+        if self.focus is not None:
+            self.focus.finished(event.step, seconds, event.ts)
         if event.predicted_seconds:
             self.over_prediction.add(seconds / event.predicted_seconds)
         if event.warming_up:
@@ -659,3 +676,17 @@ def _summary(
         in_flight=tuple(s.in_flight),
         interrupted=tuple(s.interrupted),
     )
+
+
+def request_why(
+    path: str | Path, request_id: str, *, run: int | None = None, model: str | None = None
+) -> RequestWhy:
+    """Why `request_id` (of `run`, 1-based, None for a log of one run; of `model`) took the
+    time it took (why.py): one pass over its run with this summary's fold, following it.
+    Raises what `summarize` raises."""
+    s = _Summariser(0, Focus(request_id))
+    for log_run, event in scan_run_events(path, run=run, model=model):
+        s.feed(log_run, event)
+    assert s.focus is not None
+    caused = s.book.by_cause(1, only=(s.run.index if s.run else 1, request_id))
+    return explain(s.focus, s.book.threshold(), caused[0] if caused else None)

@@ -15,19 +15,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from stepline.events.fold import RequestState, Status, fold
-from stepline.events.log import read_events, read_run_events, read_runs
+from stepline.events.log import read_events, read_runs
 from stepline.events.models import (
     Admitted,
-    CheckpointReached,
     ChunkPrefilled,
-    Decoding,
     Event,
     FinishReason,
     RequestParams,
     StepFinished,
     StepPlanned,
     Terminal,
-    TokensSampled,
 )
 from stepline.events.replay.describe import (
     UnknownRequestError,
@@ -38,6 +35,9 @@ from stepline.events.replay.describe import (
     resolve_run,
 )
 from stepline.events.replay.stats import Percentiles, Report, percentiles
+from stepline.events.replay.summary import request_why
+from stepline.events.replay.why import RequestWhy
+from stepline.events.scan import scan_run_events, to_builtins, token_ids
 
 # ---------------------------------------------------------------------------------------------
 # Timeline of one request.
@@ -118,6 +118,7 @@ class RequestTimeline(Report):
     # latencies above stay those of the whole life.
     first_step: int | None = None
     last_step: int | None = None
+    why: RequestWhy | None = None  # where its time went, and what stalled it or it stalled
 
     def within(self, first: int | None, last: int | None) -> RequestTimeline:
         """The same timeline with only the records of steps first..last (inclusive)."""
@@ -167,9 +168,10 @@ def _share(event: StepPlanned, request_id: str) -> StepShare | None:
     )
 
 
-def _note(life: _Life, event: Event | Decoding) -> None:
+def _note(life: _Life, event) -> None:  # one request's event, validated or light
     at = {"seq": event.seq, "step": event.step, "ts": event.ts}
-    if isinstance(event, ChunkPrefilled):
+    kind = event.type
+    if kind == "chunk-prefilled":
         life.chunks.append(
             ChunkRecord(
                 **at,
@@ -179,14 +181,26 @@ def _note(life: _Life, event: Event | Decoding) -> None:
                 cache_source=event.cache_source,
             )
         )
-    elif isinstance(event, CheckpointReached):
+    elif kind == "checkpoint-reached":
         life.checkpoints.append(CheckpointRecord(**at, offset=event.offset))
-    elif isinstance(event, Decoding):
-        life.tokens.append(
-            TokensRecord(**at, token_ids=event.token_ids, num_tokens=event.num_tokens)
-        )
-    elif isinstance(event, Terminal):
+    elif kind == "terminal":
         life.terminal = event
+
+
+def _tokens_of(event, request_id: str) -> TokensRecord:  # a step's decoding event
+    """The request's tokens of a step's `decoding` event (validated or light)."""
+    ids = token_ids(event)
+    rows = event.request_ids
+    mine = (
+        None if ids is None else tuple(t for r, t in zip(rows, ids, strict=True) if r == request_id)
+    )
+    return TokensRecord(
+        seq=event.seq,
+        step=event.step,
+        ts=event.ts,
+        token_ids=mine,
+        num_tokens=rows.count(request_id),
+    )
 
 
 def request_timeline(
@@ -209,26 +223,26 @@ def request_timeline(
     refused: Terminal | None = None  # its lone terminal: refused at a door, never admitted
     outputs_logged: dict[int, bool] = {}
     models: dict[int, str | None] = {}
-    for log_run, event in read_run_events(path, run=index, model=model):
+    for log_run, event in scan_run_events(path, run=index, model=model):
         life = lives.get(log_run.index)
-        if isinstance(event, StepPlanned):
+        kind = event.type
+        if kind == "step":
             share = _share(event, request_id) if life is not None else None
             if share is not None and life is not None and life.terminal is None:
                 life.steps.append(share)
-        elif isinstance(event, TokensSampled):
+        elif kind == "decoding":
             if life is not None and life.terminal is None and request_id in event.request_ids:
-                (mine,) = (d for d in event.decodings() if d.request_id == request_id)
-                _note(life, mine)
-        elif isinstance(event, StepFinished) or event.request_id != request_id:
+                life.tokens.append(_tokens_of(event, request_id))
+        elif event.request_id != request_id:
             continue
-        elif isinstance(event, Admitted):
+        elif kind == "admitted":
             if life is None:
-                lives[log_run.index] = _Life(event)
+                lives[log_run.index] = _Life(_validated(event))
                 outputs_logged[log_run.index] = log_run.header.log_outputs
                 models[log_run.index] = event.model
         elif life is not None and life.terminal is None:  # nothing follows it (verify checks)
             _note(life, event)
-        elif life is None and isinstance(event, Terminal):
+        elif life is None and kind == "terminal":
             refused = event
     if not lives:
         where = f"run {run} of {path}" if run is not None else str(path)
@@ -251,7 +265,12 @@ def request_timeline(
     ((found, life),) = lives.items()
     later_run = life.terminal is None and found < len(read_runs(path))
     timeline = _timeline(request_id, found, life, outputs_logged[found], later_run)
-    return timeline.model_copy(update={"model": models[found]})
+    why = request_why(path, request_id, run=found, model=models[found] or model)
+    return timeline.model_copy(update={"model": models[found], "why": why})
+
+
+def _validated(event) -> Admitted:  # an admitted event, validated or light
+    return event if isinstance(event, Admitted) else Admitted.model_validate(to_builtins(event))
 
 
 def _timeline(
