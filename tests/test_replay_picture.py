@@ -145,6 +145,36 @@ def test_the_step_time_strip_shows_measured_and_predicted_time_on_hover(stall_lo
     assert "step 9 predicted 60.0 ms" in predicted
 
 
+def test_the_step_time_strip_draws_the_configured_target_as_a_line(tmp_path: Path) -> None:
+    rec = stalled_run()
+    rec.header = rec.header.model_copy(update={"config": {**rec.header.config, "max_step_ms": 60}})
+    root = ET.fromstring(render_svg(rec.write(tmp_path / "run.jsonl")))
+
+    bars = _strip_bars(root)
+    line = next(e for e in root.iter(_q("line")) if e.get("class") == "target")
+    bottom = float(bars[2].get("y", 0)) + float(bars[2].get("height", 0))
+    tallest = float(bars[STALL_STEP].get("height", 0))
+    assert (bottom - float(line.get("y1", 0))) / tallest == pytest.approx(60 / 141, rel=0.02)
+    assert _title(line).startswith("step-time target 60.0 ms (max_step_ms)")
+    assert "1 of 17 steps took longer" in _title(line)  # step 9
+    assert "target 60.0 ms" in [t.text for t in root.iter(_q("text"))]
+
+
+def test_a_target_above_every_step_stays_in_view_and_none_draws_no_line(
+    stall_log: Path, tmp_path: Path
+) -> None:
+    rec = stalled_run()
+    rec.header = rec.header.model_copy(update={"config": {**rec.header.config, "max_step_ms": 500}})
+    root = ET.fromstring(render_svg(rec.write(tmp_path / "slow-target.jsonl")))
+    line = next(e for e in root.iter(_q("line")) if e.get("class") == "target")
+    strip_top = min(float(b.get("y", 0)) for b in _strip_bars(root).values())
+    assert float(line.get("y1", 0)) <= strip_top  # the top of the strip: 500 ms
+    assert "0 of 17 steps took longer" in _title(line)
+
+    plain = ET.fromstring(render_svg(stall_log))  # a header without max_step_ms
+    assert not [e for e in plain.iter(_q("line")) if e.get("class") == "target"]
+
+
 def test_every_row_shows_its_step_boundaries(stall_log: Path) -> None:
     root = ET.fromstring(render_svg(stall_log))
 
@@ -655,6 +685,13 @@ def test_a_trace_of_a_real_engine_run_passes_the_check(
         assert drawn == {f"r{i}" for i in range(8)}
     else:
         assert 3 <= len(drawn) < 8
+
+
+def test_the_picture_of_a_real_run_draws_its_step_time_target(engine_log: Path) -> None:
+    root = ET.fromstring(render_svg(engine_log))
+
+    line = next(e for e in root.iter(_q("line")) if e.get("class") == "target")
+    assert _title(line).startswith("step-time target 50.0 ms (max_step_ms)")
 
 
 def test_perfetto_reads_the_trace_of_a_real_run_without_dropping_a_slice(
