@@ -157,7 +157,9 @@ def test_the_step_time_strip_draws_the_configured_target_as_a_line(tmp_path: Pat
     assert (bottom - float(line.get("y1", 0))) / tallest == pytest.approx(60 / 141, rel=0.02)
     assert _title(line).startswith("step-time target 60.0 ms (max_step_ms)")
     assert "1 of 17 steps took longer" in _title(line)  # step 9
-    assert "target 60.0 ms" in [t.text for t in root.iter(_q("text"))]
+    label = next(t for t in root.iter(_q("text")) if t.text == "target 60.0 ms")
+    assert float(label.get("x", 0)) > float(line.get("x2", 0))  # right of the plot, in view
+    assert float(label.get("x", 0)) + len("target 60.0 ms") * 6.7 <= float(root.get("width", 0))
 
 
 def test_a_target_above_every_step_stays_in_view_and_none_draws_no_line(

@@ -294,7 +294,8 @@ class _Picture:
             facts.append(self.stalling_steps())
         lines = [self.heading(), *facts]
         text_w = max(len(line) for line in lines) * _CHAR_W + 8
-        width = int(max(plot_right + _WAIT_W + 10, _LEGEND_W, text_w))
+        target_w = len(f"target {_ms(self.target)}") * _CHAR_W + 12 if self.target else 0.0
+        width = int(max(plot_right + max(_WAIT_W + 10, target_w), _LEGEND_W, text_w))
         heading_y = 38
         facts_y = heading_y + 16
         ticks_y = facts_y + 16 * len(facts) + 14
@@ -460,9 +461,9 @@ class _Picture:
                 f"prefill chunks are sized to keep a step under it; {over} of {len(spans)} "
                 "steps took longer</title></line>"
             )
-            out.append(
-                f'<text x="4" y="{gy + 4}" fill="{COLOURS["target"]}">target '
-                f"{_ms(self.target)}</text>"
+            out.append(  # right of the plot: the stall threshold's label is on the left
+                f'<text x="{axis.xb(self.hi) + 8}" y="{gy + 4}" fill="{COLOURS["target"]}">'
+                f"target {_ms(self.target)}</text>"
             )
         threshold = self.t.stall_threshold
         if 0 < threshold <= tallest:
