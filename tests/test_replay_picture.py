@@ -2,28 +2,35 @@
 
 The logs are written by hand (tests/log_builder.py) through the real writer (no model): three
 requests decode at 20 ms a step until a long prompt arrives; its 2048-token chunk makes step 9
-take 141 ms, and the three streams freeze for it.
+take 141 ms, and the three streams freeze for it. One log is a real run of the demo model.
 """
 
 from __future__ import annotations
 
+import asyncio
 import io
 import itertools
 import json
+import os
+import random
 import re
+import shutil
+import tempfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import jsonschema
 import pytest
 from helpers import replay
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from log_builder import LogBuilder
 
 from stepline.api.cli.replay import Progress
 from stepline.events.models import FinishReason, RequestParams
 from stepline.events.replay import summarize
 from stepline.events.replay.svg import SVG_NS, render_svg
-from stepline.events.replay.trace import export_trace
+from stepline.events.replay.trace import check_trace, export_trace
 
 GREEDY = RequestParams(max_tokens=20, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=None)
 LONG_ID = "chatcmpl-7f3a9c2e-4b1d-4e8a-9f6b-a1b2c3d4e5f6"  # longer than the old 20-char cut
@@ -136,6 +143,38 @@ def test_the_step_time_strip_shows_measured_and_predicted_time_on_hover(stall_lo
     )
     predicted = [_title(line) for line in root.iter(_q("line")) if "predicted" in _title(line)]
     assert "step 9 predicted 60.0 ms" in predicted
+
+
+def test_the_step_time_strip_draws_the_configured_target_as_a_line(tmp_path: Path) -> None:
+    rec = stalled_run()
+    rec.header = rec.header.model_copy(update={"config": {**rec.header.config, "max_step_ms": 60}})
+    root = ET.fromstring(render_svg(rec.write(tmp_path / "run.jsonl")))
+
+    bars = _strip_bars(root)
+    line = next(e for e in root.iter(_q("line")) if e.get("class") == "target")
+    bottom = float(bars[2].get("y", 0)) + float(bars[2].get("height", 0))
+    tallest = float(bars[STALL_STEP].get("height", 0))
+    assert (bottom - float(line.get("y1", 0))) / tallest == pytest.approx(60 / 141, rel=0.02)
+    assert _title(line).startswith("step-time target 60.0 ms (max_step_ms)")
+    assert "1 of 17 steps took longer" in _title(line)  # step 9
+    label = next(t for t in root.iter(_q("text")) if t.text == "target 60.0 ms")
+    assert float(label.get("x", 0)) > float(line.get("x2", 0))  # right of the plot, in view
+    assert float(label.get("x", 0)) + len("target 60.0 ms") * 6.7 <= float(root.get("width", 0))
+
+
+def test_a_target_above_every_step_stays_in_view_and_none_draws_no_line(
+    stall_log: Path, tmp_path: Path
+) -> None:
+    rec = stalled_run()
+    rec.header = rec.header.model_copy(update={"config": {**rec.header.config, "max_step_ms": 500}})
+    root = ET.fromstring(render_svg(rec.write(tmp_path / "slow-target.jsonl")))
+    line = next(e for e in root.iter(_q("line")) if e.get("class") == "target")
+    strip_top = min(float(b.get("y", 0)) for b in _strip_bars(root).values())
+    assert float(line.get("y1", 0)) <= strip_top  # the top of the strip: 500 ms
+    assert "0 of 17 steps took longer" in _title(line)
+
+    plain = ET.fromstring(render_svg(stall_log))  # a header without max_step_ms
+    assert not [e for e in plain.iter(_q("line")) if e.get("class") == "target"]
 
 
 def test_every_row_shows_its_step_boundaries(stall_log: Path) -> None:
@@ -353,6 +392,21 @@ def _slices(trace: dict, pid: int, tid: int) -> list[dict]:
     ]
 
 
+def _life(trace: dict, rid: str) -> dict:
+    """A request's own slice: named by its id, its phases nested in it."""
+    return next(e for e in trace["traceEvents"] if e.get("cat") == "request" and e["name"] == rid)
+
+
+def _phases(trace: dict, rid: str, ph: str = "X") -> list[dict]:
+    return [
+        e
+        for e in trace["traceEvents"]
+        if e["ph"] == ph
+        and e.get("args", {}).get("request_id") == rid
+        and not (ph == "X" and e.get("cat") == "request")  # its life, not a phase
+    ]
+
+
 def test_the_trace_is_trace_event_json_with_the_stall_where_it_happened(
     stall_log: Path, tmp_path: Path, capsys
 ) -> None:
@@ -363,51 +417,313 @@ def test_the_trace_is_trace_event_json_with_the_stall_where_it_happened(
 
     trace = json.loads(target.read_text(encoding="utf-8"))
     jsonschema.validate(trace, TRACE_EVENT_SCHEMA)
+    assert check_trace(trace) == []
     names = {
         (e["pid"], e["tid"]): e["args"]["name"]
         for e in trace["traceEvents"]
         if e["ph"] == "M" and e["name"] == "thread_name"
     }
     engine = next(k for k, v in names.items() if v == "steps")
-    tracks = {v: k for k, v in names.items()}
-    assert set(tracks) == {"steps", *DECODING, LATE}  # full ids
-
-    # Slices on one track nest or follow each other: viewers draw them as written.
-    for pid, tid in names:
-        spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in _slices(trace, pid, tid))
-        for (_, end), (start, _) in zip(spans, spans[1:], strict=False):
-            assert start >= end - 1e-3
+    # Four requests in flight at once: four tracks, each request a slice named by its full id.
+    assert sorted(v for v in names.values() if v != "steps") == [
+        f"requests #{i}" for i in (1, 2, 3, 4)
+    ]
+    lives = {rid: _life(trace, rid) for rid in [*DECODING, LATE]}
+    assert len({(e["pid"], e["tid"]) for e in lives.values()}) == 4
 
     step9 = next(e for e in _slices(trace, *engine) if e["name"] == f"step {STALL_STEP}")
-    assert step9["dur"] == pytest.approx(141_000)
+    assert step9["dur"] == 141_000
     assert step9["args"]["predicted_ms"] == 60.0 and step9["args"]["chunk_tokens"] == 2048
     for rid in DECODING:
-        stall = [e for e in _slices(trace, *tracks[rid]) if e["cat"] == "stall"]
+        stall = [e for e in _phases(trace, rid) if e["cat"] == "stall"]
         assert [s["name"] for s in stall] == ["stall 147.0 ms"]
-        assert (stall[0]["ts"], stall[0]["dur"]) == pytest.approx((step9["ts"], step9["dur"]))
+        assert (stall[0]["ts"], stall[0]["dur"]) == (step9["ts"], step9["dur"])
         assert stall[0]["args"]["cause_step"] == STALL_STEP
+        assert stall[0]["tid"] == lives[rid]["tid"]
     flows = [e for e in trace["traceEvents"] if e["ph"] in "sf"]
     assert len(flows) == 6
     for start in (e for e in flows if e["ph"] == "s"):
         assert step9["ts"] <= start["ts"] <= step9["ts"] + step9["dur"]  # from inside step 9
-    kinds = [e["name"] for e in _slices(trace, *tracks[LATE])]
+    kinds = [e["name"] for e in _phases(trace, LATE)]
     assert kinds == ["queued", "prefill [0, 2048)", "prefill [2048, 3000)", "decode"]
-    assert [e["name"] for e in trace["traceEvents"] if e["ph"] == "i" and
-            (e["pid"], e["tid"]) == tracks[LATE]] == ["first token", "stop"]  # fmt: skip
+    assert [e["name"] for e in _phases(trace, LATE, "i")] == ["first token", "stop"]
+    late = lives[LATE]
+    for phase in [*_phases(trace, LATE), *_phases(trace, LATE, "i")]:  # nested in its life
+        assert (
+            late["ts"]
+            <= phase["ts"]
+            <= phase["ts"] + phase.get("dur", 0)
+            <= late["ts"] + late["dur"]
+        )
 
 
-def test_a_big_log_exports_to_a_trace_that_still_validates(busy_log: Path, tmp_path: Path) -> None:
+def test_steps_back_to_back_meet_at_one_whole_microsecond(tmp_path: Path) -> None:
+    # Steps that start where the one before ends, at times with fractions of a microsecond:
+    # rounding each slice's start and length apart made 28 of these 200 steps end a
+    # nanosecond after the next one began, and Perfetto drops such a slice.
+    rec = recorder()
+    rec.loop_seconds = 0.0
+    rec.admit("r1", 40)
+    rec.do_step([], {"r1": (0, 40)}, seconds=0.01)
+    for i in range(200):
+        rec.do_step(["r1"], seconds=0.002 + i * 1e-6 / 7)
+    rec.end("r1", FinishReason.LENGTH)
+    path = rec.write(tmp_path / "run.jsonl")
+    export_trace(path, tmp_path / "t.json", stall_s=1.0)
+
+    trace = json.loads((tmp_path / "t.json").read_text(encoding="utf-8"))
+    assert check_trace(trace, max_tracks=2) == []
+    steps = _slices(trace, 1, 1)
+    assert len(steps) == 201
+    for slice_, following in itertools.pairwise(steps):
+        assert isinstance(slice_["ts"], int) and isinstance(slice_["dur"], int)
+        assert slice_["ts"] + slice_["dur"] == following["ts"]
+    decode = next(e for e in _phases(trace, "r1") if e["name"] == "decode")
+    assert decode["ts"] == steps[1]["ts"]  # the same boundary, the same number
+    assert decode["ts"] + decode["dur"] == steps[-1]["ts"] + steps[-1]["dur"]
+
+
+def test_ten_thousand_requests_share_a_bounded_number_of_tracks(
+    busy_log: Path, tmp_path: Path
+) -> None:
     stats = export_trace(busy_log, tmp_path / "busy.json")
 
-    assert stats.num_requests == 10_000
+    assert stats.num_requests == stats.num_requests_drawn == 10_000
+    assert stats.num_tracks <= 128  # 64 in flight, and those admitted in their last step
     trace = json.loads((tmp_path / "busy.json").read_text(encoding="utf-8"))
     assert len(trace["traceEvents"]) == stats.num_events
+    assert check_trace(trace, max_tracks=stats.num_tracks + 1) == []
+    assert trace["otherData"]["requests_not_drawn"] == 0
     stall = [e for e in trace["traceEvents"] if e.get("cat") == "stall" and e["ph"] == "X"]
     assert [e["args"]["gap_ms"] > 290 for e in stall] == [True]
+    assert stall[0]["args"]["request_id"] == "req-04321"
     # Validating 100,000 events takes jsonschema seconds: the first few thousand and the stall
     # cover every kind of event the export writes.
     jsonschema.validate({"traceEvents": trace["traceEvents"][:3000] + stall}, TRACE_EVENT_SCHEMA)
     assert (tmp_path / "busy.json").stat().st_size < 40 * 2**20
+
+
+def test_past_its_tracks_a_trace_draws_the_requests_that_waited_longest(
+    busy_log: Path, tmp_path: Path, capsys
+) -> None:
+    target = tmp_path / "few.json"
+    code, _ = replay(str(busy_log), "--trace", str(target), "--trace-tracks", "16")
+    assert code == 0
+    assert "10000 requests on 16 tracks (" in capsys.readouterr().err
+
+    trace = json.loads(target.read_text(encoding="utf-8"))
+    assert check_trace(trace, max_tracks=17) == []
+    lives = [e for e in trace["traceEvents"] if e.get("cat") == "request" and e["ph"] == "X"]
+    assert 0 < len(lives) < 10_000
+    assert "req-04321" in {e["name"] for e in lives}  # the one that waited 300 ms
+    not_drawn = trace["otherData"]["requests_not_drawn"]
+    assert not_drawn == 10_000 - len(lives)
+    process = next(e for e in trace["traceEvents"] if e["ph"] == "M" and e["pid"] == 2)
+    assert f"{not_drawn} of 10000 not drawn" in process["args"]["name"]
+
+
+def test_a_trace_of_one_request_draws_it_alone_beside_every_step(
+    stall_log: Path, tmp_path: Path
+) -> None:
+    target = tmp_path / "one.json"
+    assert replay(str(stall_log), "--request", "r2", "--trace", str(target))[0] == 0
+
+    trace = json.loads(target.read_text(encoding="utf-8"))
+    lives = [
+        e["name"] for e in trace["traceEvents"] if e.get("cat") == "request" and e["ph"] == "X"
+    ]
+    assert lives == ["r2"]
+    assert len(_slices(trace, 1, 1)) == 17
+
+
+def random_run(rng: random.Random) -> LogBuilder:
+    """Requests arriving at random, 4 at a time under a 16-token budget, steps of random
+    length (fractions of a microsecond included), back to back or not; a request now and
+    then sits steps out, so some gaps are stalls."""
+    rec = recorder(max_step_tokens=16)
+    rec.loop_seconds = rng.choice([0.0, 1e-7, 0.0003])
+    arriving = [(f"q{i}", rng.randint(1, 40), rng.randint(1, 8)) for i in range(rng.randint(1, 24))]
+    waiting: list[tuple[str, int, int]] = []
+    prefilling: dict[str, int] = {}  # request -> prompt tokens computed
+    decoding: dict[str, int] = {}  # request -> tokens still to make
+    lengths: dict[str, tuple[int, int]] = {}
+    while arriving or waiting or prefilling or decoding:
+        for _ in range(rng.randint(0, 3)):
+            if arriving:
+                rid, n, out = arriving.pop(0)
+                rec.admit(rid, n)
+                waiting.append((rid, n, out))
+                lengths[rid] = (n, out)
+        while waiting and len(prefilling) + len(decoding) < 4:
+            prefilling[waiting.pop(0)[0]] = 0
+        decode = [rid for rid in decoding if rng.random() > 0.15]  # the rest sit it out
+        budget = 16 - len(decode)
+        chunks = {}
+        for rid, done in prefilling.items():
+            n = min(lengths[rid][0] - done, budget)
+            if n > 0:
+                chunks[rid] = (done, done + n)
+                budget -= n
+        rec.do_step(decode, chunks, seconds=rng.uniform(0.0005, 0.05), predicted=0.01)
+        for rid, (_, end) in chunks.items():
+            prefilling[rid] = end
+            if end == lengths[rid][0]:
+                del prefilling[rid]
+                decoding[rid] = lengths[rid][1] - 1
+        for rid in decode:
+            decoding[rid] -= 1
+        for rid in [r for r, left in decoding.items() if left <= 0]:
+            del decoding[rid]
+            rec.end(rid, rng.choice([FinishReason.STOP, FinishReason.LENGTH]))
+    return rec
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), tracks=st.integers(1, 6))
+def test_any_run_gives_a_trace_with_no_partly_overlapping_slices(seed: int, tracks: int) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = random_run(random.Random(seed)).write(Path(tmp) / "run.jsonl")
+        stats = export_trace(path, Path(tmp) / "t.json", tracks=tracks)
+        trace = json.loads((Path(tmp) / "t.json").read_text(encoding="utf-8"))
+    assert check_trace(trace, max_tracks=tracks + 1) == []
+    assert stats.num_tracks <= tracks and stats.num_requests_drawn >= 1
+
+
+# What the checker must refuse, each in a trace of its own: name, events, the problem's words.
+def _x(name: str, ts, dur, tid: int = 1) -> dict:
+    return {"ph": "X", "name": name, "pid": 1, "tid": tid, "ts": ts, "dur": dur}
+
+
+BROKEN_TRACES = {
+    "partly overlapping": ([_x("a", 0, 10), _x("b", 5, 10)], "overlaps 'a' [0, 10) partly"),
+    "negative duration": ([_x("a", 0, -1)], "negative duration"),
+    "fractional time": ([_x("a", 0.5, 10)], "is not an integer"),
+    "unknown phase": ([{"ph": "Q", "name": "a", "pid": 1, "tid": 1, "ts": 0}], "unknown phase"),
+    "end without begin": (
+        [{"ph": "E", "name": "a", "pid": 1, "tid": 1, "ts": 3}],
+        "an E with no B open",
+    ),
+    "begin without end": (
+        [{"ph": "B", "name": "a", "pid": 1, "tid": 1, "ts": 3}],
+        "is never closed",
+    ),
+    "too many tracks": ([_x("a", 0, 1, tid=1), _x("b", 0, 1, tid=2)], "2 tracks, more than 1"),
+    "flow backwards": (
+        [
+            _x("a", 0, 10),
+            {"ph": "s", "name": "f", "cat": "c", "id": 1, "pid": 1, "tid": 1, "ts": 8},
+            {"ph": "f", "name": "f", "cat": "c", "id": 1, "pid": 1, "tid": 1, "ts": 2, "bp": "e"},
+        ],
+        "before it starts",
+    ),
+}
+
+
+@pytest.mark.parametrize("broken", BROKEN_TRACES, ids=list(BROKEN_TRACES))
+def test_the_checker_catches_what_a_viewer_would_drop(broken: str) -> None:
+    events, words = BROKEN_TRACES[broken]
+    problems = check_trace({"traceEvents": events}, max_tracks=1)
+    assert any(words in p for p in problems), problems
+
+
+def test_the_checker_accepts_nested_and_adjacent_slices() -> None:
+    events = [
+        _x("life", 0, 30),
+        _x("queued", 0, 10),
+        _x("prefill", 10, 10),
+        _x("decode", 20, 10),
+        _x("empty", 30, 0),
+        _x("next life", 30, 5),
+        {"ph": "B", "name": "b", "pid": 1, "tid": 1, "ts": 40},
+        {"ph": "E", "name": "b", "pid": 1, "tid": 1, "ts": 45},
+    ]
+    assert check_trace({"traceEvents": events}, max_tracks=1) == []
+
+
+# -- a real engine's run ---------------------------------------------------------------------
+
+
+async def _record_a_run(path: Path) -> None:
+    """Eight requests of the demo model, four at a time: more in flight than three tracks."""
+    from stepline.api import Engine, SamplingParams
+
+    async with Engine.open(
+        "stepline-demo", max_step_tokens=32, max_num_seqs=4, max_step_ms=50.0, event_log=path
+    ) as engine:
+        streams = [
+            await engine.submit(
+                f"request {i} says hello " * (i + 2),
+                params=SamplingParams(max_tokens=6 + i, temperature=0.0),
+                request_id=f"r{i}",
+            )
+            for i in range(8)
+        ]
+        for stream in streams:
+            async for _ in stream:
+                pass
+
+
+@pytest.fixture(scope="module")
+def engine_log(tmp_path_factory: pytest.TempPathFactory, model_cache_dir: Path) -> Path:
+    path = tmp_path_factory.mktemp("engine") / "run.jsonl"
+    asyncio.run(_record_a_run(path))
+    return path
+
+
+@pytest.mark.parametrize("tracks", [3, 128])
+def test_a_trace_of_a_real_engine_run_passes_the_check(
+    engine_log: Path, tmp_path: Path, tracks: int
+) -> None:
+    stats = export_trace(engine_log, tmp_path / "t.json", tracks=tracks)
+
+    trace = json.loads((tmp_path / "t.json").read_text(encoding="utf-8"))
+    assert check_trace(trace, max_tracks=tracks + 1) == []
+    assert stats.num_requests == 8 and stats.num_tracks <= tracks
+    drawn = {
+        e["name"] for e in trace["traceEvents"] if e.get("cat") == "request" and e["ph"] == "X"
+    }
+    assert len(drawn) == stats.num_requests_drawn
+    if tracks == 128:
+        assert drawn == {f"r{i}" for i in range(8)}
+    else:
+        assert 3 <= len(drawn) < 8
+
+
+def test_the_picture_of_a_real_run_draws_its_step_time_target(engine_log: Path) -> None:
+    root = ET.fromstring(render_svg(engine_log))
+
+    line = next(e for e in root.iter(_q("line")) if e.get("class") == "target")
+    assert _title(line).startswith("step-time target 50.0 ms (max_step_ms)")
+
+
+def test_perfetto_reads_the_trace_of_a_real_run_without_dropping_a_slice(
+    engine_log: Path, tmp_path: Path
+) -> None:
+    """Perfetto's own trace processor. It is a binary the `perfetto` package downloads from
+    Google at run time; give its path in STEPLINE_TRACE_PROCESSOR where it cannot."""
+    tp_module = pytest.importorskip("perfetto.trace_processor", reason="no perfetto package")
+    binary = os.environ.get("STEPLINE_TRACE_PROCESSOR") or shutil.which("trace_processor_shell")
+    if binary is None:
+        pytest.skip("no trace_processor_shell binary (STEPLINE_TRACE_PROCESSOR or on PATH)")
+    target = tmp_path / "t.json"
+    stats = export_trace(engine_log, target, tracks=3)
+    trace = json.loads(target.read_text(encoding="utf-8"))
+    written = sum(e["ph"] in ("X", "i") for e in trace["traceEvents"])
+
+    config = tp_module.TraceProcessorConfig(bin_path=binary)
+    with tp_module.TraceProcessor(trace=str(target), config=config) as tp:
+        num_slices = next(iter(tp.query("select count(*) as n from slice"))).n
+        lost = [
+            (row.name, row.value)
+            for row in tp.query(
+                "select name, value from stats where value > 0 "
+                "and severity in ('error', 'data_loss')"
+            )
+        ]
+        steps = next(iter(tp.query("select count(*) as n from slice where name glob 'step *'"))).n
+    assert lost == []
+    assert num_slices == written  # every complete slice and instant, none dropped
+    assert steps == stats.num_steps
 
 
 # -- progress ---------------------------------------------------------------------------------

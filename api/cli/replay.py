@@ -64,7 +64,7 @@ from stepline.events.replay.describe import describe_bytes
 from stepline.events.replay.reexecute import ReexecuteReport, reexecute
 from stepline.events.replay.svg import render_html, render_svg
 from stepline.events.replay.timeline import format_ms
-from stepline.events.replay.trace import export_trace
+from stepline.events.replay.trace import DEFAULT_TRACKS, export_trace
 from stepline.events.replay.why import RequestWhy
 
 EXIT_OK, EXIT_FAILED, EXIT_UNUSABLE = 0, 1, 2
@@ -168,7 +168,16 @@ def add_replay_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
         type=Path,
         metavar="FILE",
         help="write the run as Chrome Trace Event JSON (open it in ui.perfetto.dev or "
-        "chrome://tracing)",
+        "chrome://tracing); with --request, that request alone",
+    )
+    p.add_argument(
+        "--trace-tracks",
+        type=_positive_int,
+        default=DEFAULT_TRACKS,
+        metavar="N",
+        help="a trace packs requests onto at most N tracks; past N in flight at once, those "
+        "that waited longest for a token are drawn and the rest counted "
+        f"(default {DEFAULT_TRACKS})",
     )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run_replay)
@@ -316,14 +325,24 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
             args.trace,
             run=resolve_run(args.log, run, needed=True),
             model=model,
+            request_ids=request_ids,
             stall_s=stall_s,
+            tracks=args.trace_tracks,
             progress=progress.events,
         )
         progress.done()
+        not_drawn = (
+            f" ({stats.num_requests_not_drawn} not drawn: in flight while all "
+            f"{stats.num_tracks} tracks were taken; --trace-tracks N draws more, --request ID "
+            "one)"
+            if stats.num_requests_not_drawn
+            else ""
+        )
         print(
-            f"wrote {args.trace}: {stats.num_steps} steps, {stats.num_requests} requests, "
-            f"{stats.num_stalls} stalls over {stats.stall_threshold_s * 1000:.1f} ms "
-            "(open it in ui.perfetto.dev or chrome://tracing)",
+            f"wrote {args.trace}: {stats.num_steps} steps, {stats.num_requests} requests on "
+            f"{stats.num_tracks} tracks{not_drawn}, {stats.num_stalls} stalls over "
+            f"{stats.stall_threshold_s * 1000:.1f} ms (open it in ui.perfetto.dev or "
+            "chrome://tracing)",
             file=sys.stderr,
         )
     if report is not None:

@@ -4,10 +4,12 @@ From the top: a heading (the log, the steps shown, how many requests and stalls)
 request its figures (TTFT, queue time, prefill chunks, worst gap, cached tokens), then the
 **step-time strip**: one bar per step as tall as the executor took, with the scheduler's
 prediction as a tick, steps that carried prefill chunks in blue and steps that stalled
-someone in red. Below it one row per request: a grey line while it waits, its prefill chunks
-and decode tokens, step boundaries where steps are wide enough to show them, every gap
-between two of its tokens above the stall threshold in red (its hover text names the step
-that caused it), its first token as a diamond where it came out, checkpoints and its end.
+someone in red, and the step-time target the run was configured with (`max_step_ms` in the
+log header's config) as a dashed line across it. Below it one row per request: a grey line
+while it waits, its prefill chunks and decode tokens, step boundaries where steps are wide
+enough to show them, every gap between two of its tokens above the stall threshold in red
+(its hover text names the step that caused it), its first token as a diamond where it came
+out, checkpoints and its end.
 Every element says what it is, with its times, on hover (SVG <title>). Nothing is loaded
 from anywhere: no scripts, fonts, images or links.
 
@@ -45,6 +47,7 @@ COLOURS = {
     "stall": "#e15759",
     "step": "#9aa5b1",
     "predicted": "#222222",
+    "target": "#6a3d9a",
     FinishReason.STOP.value: "#1b5e20",
     FinishReason.LENGTH.value: "#6a1b9a",
     FinishReason.CANCELLED.value: "#f28e2b",
@@ -207,7 +210,28 @@ def render_svg(
     """
     # Every request is collected, drawn or not: the strip shows whom each step stalled.
     timeline = collect(path, run=run, model=model, stall_s=stall_s, progress=progress)
-    return _Picture(timeline, first_step, last_step, request_ids, top, time_axis).svg(xmlns)
+    target = step_time_target(_run_config(path, run, timeline)[1])
+    picture = _Picture(timeline, first_step, last_step, request_ids, top, time_axis, target)
+    return picture.svg(xmlns)
+
+
+def _run_config(path: str | Path, run: int | None, timeline: RunTimeline) -> tuple[str, dict]:
+    """The model and the config the run was started with (in a log several models share:
+    the model's first load's)."""
+    header = read_header(path) if run is None else read_runs(path)[run - 1].header
+    name, config = header.model, header.config
+    if timeline.model is not None and header.models:
+        loaded = timeline.loaded
+        name = f"{timeline.model} ({loaded.path})" if loaded is not None else timeline.model
+        config = loaded.config if loaded is not None else {}
+    return name, config
+
+
+def step_time_target(config: dict) -> float | None:
+    """The step-time target in seconds (`max_step_ms`), or None where the run had none (0, or
+    a log written before the option)."""
+    ms = config.get("max_step_ms")
+    return ms / 1000 if isinstance(ms, int | float) and ms > 0 else None
 
 
 class _Picture:
@@ -219,8 +243,10 @@ class _Picture:
         request_ids: set[str] | None,
         top: int,
         time_axis: bool,
+        target: float | None = None,
     ) -> None:
         self.t = timeline
+        self.target = target  # the step-time target, seconds
         picked = [r for r in timeline.requests.values() if r.request_id in (request_ids or ())]
         self.lo, self.hi = _range(timeline, first, last, picked)
         lo, hi = self.lo, self.hi
@@ -268,7 +294,8 @@ class _Picture:
             facts.append(self.stalling_steps())
         lines = [self.heading(), *facts]
         text_w = max(len(line) for line in lines) * _CHAR_W + 8
-        width = int(max(plot_right + _WAIT_W + 10, _LEGEND_W, text_w))
+        target_w = len(f"target {_ms(self.target)}") * _CHAR_W + 12 if self.target else 0.0
+        width = int(max(plot_right + max(_WAIT_W + 10, target_w), _LEGEND_W, text_w))
         heading_y = 38
         facts_y = heading_y + 16
         ticks_y = facts_y + 16 * len(facts) + 14
@@ -377,9 +404,10 @@ class _Picture:
         axis, top, bottom = self.axis, self.strip_top, self.strip_bottom
         spans = [self.t.steps[s] for s in range(self.lo, self.hi + 1) if s in self.t.steps]
         out = ['<g class="steps">']
-        tallest = max((max(s.seconds, s.predicted or 0.0) for s in spans), default=0.0)
+        slowest = max((max(s.seconds, s.predicted or 0.0) for s in spans), default=0.0)
+        tallest = max(slowest, self.target or 0.0) if spans else 0.0  # the target in view
         out.append(f'<text x="4" y="{top + 10}">step time</text>')
-        out.append(f'<text x="4" y="{top + 24}">max {_ms(tallest)}</text>')
+        out.append(f'<text x="4" y="{top + 24}">max {_ms(slowest)}</text>')
         if any(span.estimated for span in spans):  # a log written before step-finished events
             out.append(f'<text x="4" y="{top + 38}">(estimated)</text>')
         out.append(
@@ -423,6 +451,20 @@ class _Picture:
                     f'stroke="{COLOURS["predicted"]}" stroke-width="1.5">'
                     f"<title>step {worst.step} predicted {_ms(worst.predicted)}</title></line>"
                 )
+        if self.target is not None:
+            gy = _r(bottom - height(self.target))
+            over = sum(s.seconds > self.target for s in spans)
+            out.append(
+                f'<line class="target" x1="{self.left}" y1="{gy}" x2="{axis.xb(self.hi)}" '
+                f'y2="{gy}" stroke="{COLOURS["target"]}" stroke-dasharray="6,3" '
+                f'stroke-width="1.2"><title>step-time target {_ms(self.target)} (max_step_ms): '
+                f"prefill chunks are sized to keep a step under it; {over} of {len(spans)} "
+                "steps took longer</title></line>"
+            )
+            out.append(  # right of the plot: the stall threshold's label is on the left
+                f'<text x="{axis.xb(self.hi) + 8}" y="{gy + 4}" fill="{COLOURS["target"]}">'
+                f"target {_ms(self.target)}</text>"
+            )
         threshold = self.t.stall_threshold
         if 0 < threshold <= tallest:
             ty = _r(bottom - height(threshold))
@@ -612,14 +654,10 @@ def render_html(
     """The same timeline in a self-contained HTML page (inline SVG, inline style), headed by
     the model and the config it ran with (in a log several models share: the model's first
     load's)."""
-    header = read_header(path) if run is None else read_runs(path)[run - 1].header
     timeline = collect(path, run=run, model=model, stall_s=stall_s, progress=progress)
-    picture = _Picture(timeline, first_step, last_step, request_ids, top, time_axis)
-    name, config = header.model, header.config
-    if timeline.model is not None and header.models:
-        loaded = timeline.loaded
-        name = f"{timeline.model} ({loaded.path})" if loaded is not None else timeline.model
-        config = loaded.config if loaded is not None else {}
+    name, config = _run_config(path, run, timeline)
+    target = step_time_target(config)
+    picture = _Picture(timeline, first_step, last_step, request_ids, top, time_axis, target)
     settings = ", ".join(f"{k}={v}" for k, v in sorted(config.items()))
     return (
         '<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
