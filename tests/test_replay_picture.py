@@ -236,7 +236,9 @@ def test_the_summary_names_the_step_that_caused_each_stall(stall_log: Path) -> N
     assert top.cause is not None
     assert top.cause.startswith("step 9 took 141.0 ms (predicted 60.0 ms): late prefill 2048")
     _, text = replay(str(stall_log))
-    assert "  r2: 147.0 ms from step 8 to 9: step 9 took 141.0 ms" in text
+    # one wait of three requests, shown once, then added up under the prompt that caused it
+    assert " and 2 other requests: 147.0 ms from step 8 to 9: step 9 took 141.0 ms" in text
+    assert "  late: 3 stalls, 441.0 ms in total, in 1 step (worst: step 9, 147.0 ms)" in text
 
 
 def test_request_and_steps_combine(stall_log: Path, tmp_path: Path) -> None:

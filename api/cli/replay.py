@@ -40,6 +40,7 @@ from stepline.events.replay import (
     Percentiles,
     RequestTimeline,
     RunNeededError,
+    SlowStep,
     StateAtStep,
     StepsReport,
     Summary,
@@ -499,6 +500,70 @@ def _text_timeline(t: RequestTimeline) -> list[str]:
     return lines
 
 
+def _why_lines(s: Summary) -> list[str]:
+    """Stalls by cause, steps against the target, chunk limits and held requests."""
+    lines = []
+    if s.stall_causes:
+        lines.append(
+            f"stalls (waits over {_s(s.stall_threshold_s)}) by the request that caused them:"
+        )
+        for c in s.stall_causes:
+            who = c.request_id or "steps with no prompt work"
+            lines.append(
+                f"  {who}: {_plural(c.num_stalls, 'stall')}, {_s(c.seconds)} in total, in "
+                f"{_plural(c.num_steps, 'step')} (worst: step {c.worst_step}, {_s(c.worst_s)})"
+            )
+    t = s.step_time
+    if t is not None and t.target_s is not None:
+        ratio = t.over_prediction
+        predicted = (
+            f"; measured/predicted p50 {ratio.p50:.2f}, p90 {ratio.p90:.2f}, max {ratio.max:.2f}"
+            if ratio.count
+            else ""
+        )
+        lines.append(
+            f"step time: {t.num_over} of {t.num_decode_steps} decode steps over the "
+            f"{_s(t.target_s)} target (worst: step {t.worst_step}, {_s(t.worst_s)}){predicted}"
+        )
+    if t is not None and (t.num_warming_up or t.cpu_share.count or t.load_avg.count):
+        host = []
+        if t.num_warming_up:
+            host.append(f"{t.num_warming_up} steps while warming up")
+        if t.cpu_share.count:
+            host.append(f"CPU {t.cpu_share.p50:.2f} cores p50, {t.cpu_share.max:.2f} max")
+        if t.load_avg.count:
+            host.append(f"load average {t.load_avg.p50:.2f} p50, {t.load_avg.max:.2f} max")
+        lines.append("host: " + "; ".join(host))
+    if s.chunk_limits:
+        bound = ", ".join(f"{k} {n}" for k, n in s.chunk_limits.items())
+        lines.append(f"prompt chunks sized by: {bound}")
+    if s.held_reasons:
+        held = ", ".join(f"{k} {n}" for k, n in s.held_reasons.items())
+        lines.append(f"requests sat steps out for: {held}")
+    return lines
+
+
+def _times(n: int) -> str:
+    return "once" if n == 1 else "twice" if n == 2 else f"{n} times"
+
+
+def _plural(n: int, what: str) -> str:
+    return f"{n} {what}" + ("s" if n != 1 else "")
+
+
+def _host(st: SlowStep) -> str:
+    parts = []
+    if st.predicted_s is not None:
+        parts.append(f"predicted {_s(st.predicted_s)}")
+    if st.warming_up:
+        parts.append("warming up")
+    if st.cpu_share is not None:
+        parts.append(f"CPU {st.cpu_share:.2f} cores")
+    if st.load_avg is not None:
+        parts.append(f"load {st.load_avg:.2f}")
+    return f" ({', '.join(parts)})" if parts else ""
+
+
 def _text_why(w: RequestWhy) -> list[str]:
     """Where the request's time went: queued, its prefill and what bound it, its stalls."""
     held = ", ".join(f"{reason} {n}" for reason, n in w.held.items())
@@ -510,19 +575,21 @@ def _text_why(w: RequestWhy) -> list[str]:
     lines = [queued, f"  {w.summary_line()}"]
     if w.num_suffered:
         causes = "; ".join(
-            f"{c.cause or 'steps with no prompt work'}: {c.num_stalls} ({_s(c.seconds)}, "
-            f"worst step {c.worst_step} {_s(c.worst_s)})"
+            f"{_times(c.num_stalls)} by "
+            + (f"{c.cause}'s prompt" if c.cause else "steps with no prompt work")
+            + f" ({_s(c.seconds)}; worst: step {c.worst_step}, {_s(c.worst_s)})"
             for c in w.suffered
         )
         lines.append(
-            f"  stalled {w.num_suffered} times over {_s(w.stall_threshold_s)}, "
-            f"{_s(w.suffered_s)} in total, by {causes}"
+            f"  stalled {_times(w.num_suffered)} (waits over {_s(w.stall_threshold_s)}), "
+            f"{_s(w.suffered_s)} in total: {causes}"
         )
     if w.caused is not None:
         c = w.caused
         lines.append(
-            f"  caused {c.num_stalls} stalls of other requests' streams, {_s(c.seconds)} in "
-            f"total, in {c.num_steps} steps (worst: step {c.worst_step}, {_s(c.worst_s)})"
+            f"  its prompt stalled other requests' streams {_times(c.num_stalls)}, "
+            f"{_s(c.seconds)} in total, in {_plural(c.num_steps, 'step')} (worst: step "
+            f"{c.worst_step}, {_s(c.worst_s)})"
         )
     return lines
 
@@ -643,10 +710,13 @@ def _text_summary(s: Summary) -> list[str]:
         lines.append("longest stalls (between two tokens of a request):")
         for st in s.longest_stalls:
             cause = f": {st.cause}" if st.cause else ""
+            more = st.num_requests - 1
+            others = f" and {more} other request{'s' * (more != 1)}" if more else ""
             lines.append(
-                f"  {st.request_id}: {_s(st.seconds)} from step {st.from_step} to "
+                f"  {st.request_id}{others}: {_s(st.seconds)} from step {st.from_step} to "
                 f"{st.to_step}{cause}"
             )
+    lines += _why_lines(s)
     multi = len(s.runs) > 1
     if s.slowest_steps:
         estimated = any(st.estimated for st in s.slowest_steps)
@@ -663,7 +733,7 @@ def _text_summary(s: Summary) -> list[str]:
             where = f"run {st.run} " if multi else ""
             lines.append(
                 f"  {where}step {st.step}: {_s(st.seconds)}, {st.num_tokens} tokens, "
-                f"{st.num_seqs} request{'s' * (st.num_seqs != 1)}"
+                f"{st.num_seqs} request{'s' * (st.num_seqs != 1)}" + _host(st)
             )
     if s.longest_idle and s.longest_idle[0].seconds >= _IDLE_SHOWN_S:
         lines.append("longest idle gaps (nothing to run):")

@@ -57,6 +57,7 @@ class Stall(Report):
     run: int = 1
     cause_step: int | None = None  # the slowest step in the wait
     cause: str | None = None  # what that step held and how long it took
+    num_requests: int = 1  # requests that waited the same wait (`request_id` the first)
 
 
 class SlowStep(Report):
@@ -406,7 +407,7 @@ class _Summariser:
     def decoding(self, event: TokensSampled) -> None:
         ids, ts, step = event.request_ids, event.ts, event.step
         rows = self.rows
-        prev_ids, prev_set = rows.prev_ids, rows.prev_set
+        prev_set = rows.prev_set
         prev_ts, prev_step = rows.prev_ts, rows.prev_step
         firsts, resumed, n_on = rows.feed(ids, ts, step)
         self.num_output += len(ids)
@@ -421,17 +422,14 @@ class _Summariser:
             gap = ts - prev_ts
             span = self._slowest(prev_step, step)
             self.book.wait(gap, n_on, self._cause(span), span.step if span else step)
-            if self.stalls.would_take(gap):
-                on = prev_ids if ids == prev_ids else [r for r in ids if r in prev_set]
-                for rid in dict.fromkeys(on):
-                    if not self.stalls.would_take(gap):
-                        break
-                    self.stalls.offer(gap, (rid, gap, prev_step, step, run, span))
+            if self.stalls.would_take(gap):  # one wait, named by its first request
+                rid = next(r for r in ids if r in prev_set)
+                self.stalls.offer(gap, (rid, gap, prev_step, step, run, span, n_on))
         for rid, gap, last_step in resumed:
             span = self._slowest(last_step, step)
             self.book.wait(gap, 1, self._cause(span), span.step if span else step)
             if self.stalls.would_take(gap):
-                self.stalls.offer(gap, (rid, gap, last_step, step, run, span))
+                self.stalls.offer(gap, (rid, gap, last_step, step, run, span, 1))
         focus = self.focus
         if focus is not None and focus.request_id in ids:
             rid = focus.request_id
@@ -566,9 +564,12 @@ class _Summariser:
         )
 
 
-def _stall(rid: str, seconds: float, a: int, b: int, run: int, cause: StepSpan | None) -> Stall:
+def _stall(
+    rid: str, seconds: float, a: int, b: int, run: int, cause: StepSpan | None, n: int
+) -> Stall:
     return Stall(
         request_id=rid,
+        num_requests=n,
         seconds=seconds,
         from_step=a,
         to_step=b,

@@ -54,8 +54,9 @@ class RequestWhy(Report):
             else ""
         )
         bound = ", ".join(f"{_LIMIT_NAMES.get(k, k)} {n}" for k, n in self.limits.items())
+        chunks = f"{self.num_chunks} chunk" + ("s" if self.num_chunks != 1 else "")
         return (
-            f"prefill: {self.num_chunks} chunks{mean} ({self.num_prefill_tokens} tokens in "
+            f"prefill: {chunks}{mean} ({self.num_prefill_tokens} tokens in "
             f"{self.prefill_s * 1000:.0f} ms)" + (f", bound by {bound}" if bound else "")
         )
 
