@@ -46,6 +46,7 @@ class LogBuilder:
         step_every: float | None = None,
         loop_seconds: float = 0.0,
         model_name: str | None = None,  # the model every event names (a log models share)
+        max_step_ms: float | None = None,  # the step-time target the header's config names
         **header,  # LogHeader fields: log_prompts, run_id, salt, ...
     ) -> None:
         self.t0 = self.ts = t0
@@ -60,6 +61,7 @@ class LogBuilder:
             "max_step_tokens": max_step_tokens,
             "max_num_seqs": max_num_seqs,
             "long_prefill_cap": None,
+            **({"max_step_ms": max_step_ms} if max_step_ms is not None else {}),
         }
         self.header = LogHeader(created=t0, model="demo", config=config, **header)
 
@@ -99,10 +101,16 @@ class LogBuilder:
         )
 
     def plan(
-        self, *entries: tuple[str, str, int], seconds: float = 0.05, predicted: float | None = None
+        self,
+        *entries: tuple[str, str, int],
+        seconds: float = 0.05,
+        predicted: float | None = None,
+        limits: tuple[str | None, ...] = (),
+        held: Mapping[str, str] | None = None,
     ) -> None:
-        """Start the next step with (request id, kind, tokens) entries; the executor takes
-        `seconds`. Its results (`chunk`, `token`, ...) follow."""
+        """Start the next step with (request id, kind, tokens) entries (`limits`: what sized
+        each; `held`: requests that sat it out -> why); the executor takes `seconds`. Its
+        results (`chunk`, `token`, ...) follow."""
         self.step += 1
         if self.step_every is not None:
             self.ts = self.t0 + self.step * self.step_every
@@ -113,6 +121,9 @@ class LogBuilder:
             kinds=tuple(k for _, k, _ in entries),
             max_step_tokens=self.max_step_tokens,
             max_num_seqs=self.max_num_seqs,
+            limits=limits,
+            held_ids=tuple(held or {}),
+            held_reasons=tuple((held or {}).values()),
         )
         self.ts += seconds
         if self.timed:
