@@ -13,8 +13,6 @@ the log, or the line just before the next run's header. It is skipped with a
 from __future__ import annotations
 
 import json
-import mmap
-import os
 import warnings
 from collections.abc import Callable, Iterator
 from operator import itemgetter
@@ -55,54 +53,56 @@ class LogRun(BaseModel):
 _Line = tuple[Path, int, bytes]  # file, 1-based line number, the line
 
 
-def _lines(files: list[Path]) -> Iterator[_Line]:
-    for path in files:
-        with open(path, "rb") as f:
-            empty = True
-            for line_no, line in enumerate(f, start=1):
-                empty = False
-                yield path, line_no, line
-            if empty:
-                yield path, 1, b""
-
-
 def _header_lines(files: list[Path]) -> Iterator[tuple[_Line, _Line | None]]:
     """Each header line of the files (a file's first line, or a line that starts as a header
-    does), with the line after it, found by searching each file's bytes rather than reading
-    it line by line."""
-    found: list[tuple[_Line, _Line | None]] = []
+    does), with the line after it, found by searching each file's bytes a block at a time
+    rather than reading it line by line."""
     for i, path in enumerate(files):
         with open(path, "rb") as f:
-            data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if _size(f) else b""
-        try:
-            starts = [0]
-            for prefix in HEADER_PREFIXES:
-                at = data.find(b"\n" + prefix)
-                while at >= 0:
-                    starts.append(at + 1)
-                    at = data.find(b"\n" + prefix, at + 1)
-            starts.sort()
+            starts = _header_starts(f)
             line_no, counted = 1, 0
             for start in starts:
-                line_no += data[counted:start].count(b"\n")
+                f.seek(counted)
+                line_no += _count_newlines(f, start - counted)
+                f.seek(start)
+                line = f.readline()
                 counted = start
-                end = data.find(b"\n", start)
-                end = len(data) if end < 0 else end + 1
-                line = data[start:end]
-                if end < len(data):
-                    nxt = data.find(b"\n", end)
-                    following: _Line | None = (path, line_no + 1, data[end : nxt + 1 or None])
+                nxt = f.readline()
+                if nxt:
+                    following: _Line | None = (path, line_no + 1, nxt)
                 else:
                     following = _first_line(files[i + 1 :])
-                found.append(((path, line_no, line), following))
-        finally:
-            if isinstance(data, mmap.mmap):
-                data.close()
-    return iter(found)
+                yield (path, line_no, line), following
 
 
-def _size(f: BinaryIO) -> int:
-    return os.fstat(f.fileno()).st_size
+_BLOCK = 1 << 24  # bytes searched at a time for header lines
+
+
+def _header_starts(f: BinaryIO) -> list[int]:
+    """Where the file's header lines start: 0, and after each newline a header follows."""
+    starts = [0]
+    needles = [b"\n" + prefix for prefix in HEADER_PREFIXES]
+    overlap = max(map(len, needles)) - 1
+    offset, tail = 0, b""
+    while block := f.read(_BLOCK):
+        data = tail + block
+        base = offset - len(tail)
+        for needle in needles:
+            at = data.find(needle)
+            while at >= 0:
+                starts.append(base + at + 1)
+                at = data.find(needle, at + 1)
+        offset += len(block)
+        tail = data[-overlap:]
+    return sorted(set(starts))
+
+
+def _count_newlines(f: BinaryIO, size: int) -> int:
+    n = 0
+    while size > 0 and (block := f.read(min(size, _BLOCK))):
+        n += block.count(b"\n")
+        size -= len(block)
+    return n
 
 
 def _first_line(files: list[Path]) -> _Line | None:
@@ -211,48 +211,86 @@ def _run_events(
         raise FileNotFoundError(f"no event log at {path}")
     current: LogRun | None = None
     version, upcast_it = SCHEMA_VERSION, False
-    lines = _lines(files)
-    item = next(lines, None)
-    while item is not None:  # one line of lookahead: is a bad line the last of its run?
-        following = next(lines, None)
-        file_path, line_no, line = item
-        item = following
-        if line_no == 1 or line.startswith(HEADER_PREFIXES):
-            header_now = current.header if current is not None else None
-            try:
-                if not line.strip():
-                    raise LogCorruptError(file_path, line_no, "the file is empty (no header)")
-                header, version = parse_header_line(file_path, line, line_no)
-                upcast_it = needs_upcast(version)
-            except LogCorruptError as exc:
-                if not _starts_new_run(following, header_now):
-                    raise
-                _torn(file_path, line_no, line, strict, exc)  # a crash mid-header
-                continue
-            if line_no == 1 and header == header_now:
-                continue  # the next file of a rotated run
-            index = current.index + 1 if current is not None else 1
-            if run is not None and index > run:
-                return
-            current = LogRun(index=index, header=header, file=str(file_path), line=line_no)
-            continue
-        assert current is not None  # line 1 of every file is a header
-        if run is not None and current.index != run:
-            continue
-        try:
-            if upcast_it:
-                event = _parse_event(file_path, line_no, line, version, upcast_it)
-            else:
+    blocks = _blocks(files)
+    block = next(blocks, None)
+    while block is not None:  # a block of lines ahead: is a bad line the last of its run?
+        ahead = next(blocks, None)
+        file_path, first_no, lines = block
+        block = ahead
+        for i, line in enumerate(lines):
+            # The usual line, quickly: an event of the current run, in the current schema.
+            if (
+                line.startswith(_EVENT_PREFIX)
+                and not upcast_it
+                and current is not None
+                and (run is None or current.index == run)
+            ):
                 try:
                     event = validate(line)
-                except ValidationError:  # say what is wrong, with the line's place
+                except ValidationError:
+                    pass  # the way below says what is wrong, and where
+                else:
+                    yield current, event
+                    continue
+            line_no = first_no + i
+            if i + 1 < len(lines):
+                following: _Line | None = (file_path, line_no + 1, lines[i + 1])
+            else:
+                following = (ahead[0], ahead[1], ahead[2][0]) if ahead is not None else None
+            if line_no == 1 or line.startswith(HEADER_PREFIXES):
+                header_now = current.header if current is not None else None
+                try:
+                    if not line.strip():
+                        raise LogCorruptError(file_path, line_no, "the file is empty (no header)")
+                    header, version = parse_header_line(file_path, line, line_no)
+                    upcast_it = needs_upcast(version)
+                except LogCorruptError as exc:
+                    if not _starts_new_run(following, header_now):
+                        raise
+                    _torn(file_path, line_no, line, strict, exc)  # a crash mid-header
+                    continue
+                if line_no == 1 and header == header_now:
+                    continue  # the next file of a rotated run
+                index = current.index + 1 if current is not None else 1
+                if run is not None and index > run:
+                    return
+                current = LogRun(index=index, header=header, file=str(file_path), line=line_no)
+                continue
+            assert current is not None  # line 1 of every file is a header
+            if run is not None and current.index != run:
+                continue
+            try:
+                if upcast_it:
                     event = _parse_event(file_path, line_no, line, version, upcast_it)
-        except LogCorruptError as exc:
-            if not _starts_new_run(following, current.header):
-                raise
-            _torn(file_path, line_no, line, strict, exc)
-            continue
-        yield current, event
+                else:
+                    try:
+                        event = validate(line)
+                    except ValidationError:  # say what is wrong, with the line's place
+                        event = _parse_event(file_path, line_no, line, version, upcast_it)
+            except LogCorruptError as exc:
+                if not _starts_new_run(following, current.header):
+                    raise
+                _torn(file_path, line_no, line, strict, exc)
+                continue
+            yield current, event
+
+
+# How the writer starts an event's line (`seq` first; a header starts with `type`)
+_EVENT_PREFIX = b'{"seq":'
+_LINES_AHEAD = 1 << 20  # bytes of lines read at a time
+
+
+def _blocks(files: list[Path]) -> Iterator[tuple[Path, int, list[bytes]]]:
+    """The files' lines a block at a time: (file, the first line's number, lines); an empty
+    file is one empty line."""
+    for path in files:
+        with open(path, "rb") as f:
+            line_no = 1
+            while lines := f.readlines(_LINES_AHEAD):
+                yield path, line_no, lines
+                line_no += len(lines)
+            if line_no == 1:
+                yield path, 1, [b""]
 
 
 def read_events(

@@ -20,7 +20,7 @@ from array import array
 from collections import Counter
 from dataclasses import dataclass, field
 
-from stepline.events.replay.stats import Distribution, Report, TopK
+from stepline.events.replay.stats import Percentiles, Report, TopK, weighted_percentiles
 from stepline.events.replay.timeline import DEFAULT_STALL_FACTOR, MIN_STALL_S
 
 NO_CAUSE = ""  # the cause of a wait whose slowest step ran no prompt work
@@ -147,12 +147,12 @@ class StallBook:
     """Every wait between two tokens, with its cause; added up per cause at the end."""
 
     def __init__(self) -> None:
-        self.gaps = Distribution()  # every wait (the inter-token gaps)
         self.waits = array("d")  # per recorded wait: seconds,
-        self.counts = array("l")  # how many requests waited it,
+        self.counts = array("q")  # how many requests waited it,
         self.causes = array("l")  # its cause (index into `names`; -1: unknown),
         self.cause_steps = array("l")  # and the step that caused it
         self.names: list[_Cause] = []
+        self._percentiles: Percentiles | None = None  # once the run is read
         self._index: dict[tuple[int, str], int] = {}
 
     def cause_index(self, run: int, name: str) -> int:
@@ -167,7 +167,6 @@ class StallBook:
         """`count` requests waited `seconds` between two tokens, for `cause` (at `step`)."""
         if count <= 0:
             return
-        self.gaps.add_many(seconds, count)
         self.waits.append(seconds)
         self.counts.append(count)
         self.causes.append(cause)
@@ -177,8 +176,15 @@ class StallBook:
         """The stall threshold: `stall_s`, else three times the median wait (at least 1 ms)."""
         if stall_s is not None:
             return stall_s
-        median = self.gaps.quantile(0.5)
+        median = self.percentiles().p50
         return max(MIN_STALL_S, DEFAULT_STALL_FACTOR * median) if median is not None else 0.0
+
+    def percentiles(self) -> Percentiles:
+        """Of every wait (the inter-token gaps), each counted as often as it was waited: as
+        `Distribution` gives them (interpolated between samples), from the recorded waits."""
+        if self._percentiles is None:
+            self._percentiles = weighted_percentiles(self.waits, self.counts)
+        return self._percentiles
 
     def by_cause(
         self, top: int, stall_s: float | None = None, *, only: tuple[int, str] | None = None

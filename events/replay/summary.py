@@ -10,9 +10,10 @@ events read as a log of that model alone.
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pydantic import Field
 
@@ -44,6 +45,7 @@ from stepline.events.replay.timeline import StepSpan, step_span
 from stepline.events.replay.why import Focus, RequestWhy, explain
 from stepline.events.scan import scan_run_events
 
+Progress = Callable[[int], None]
 _STALL_WINDOW = 4096  # steps looked back through for a stall's cause
 
 
@@ -350,6 +352,33 @@ class _Summariser:
             self.start_run(run)
         self.add(event)
 
+    def consume(self, items: Iterable[tuple[LogRun, Any]], progress: Progress | None) -> None:
+        """`feed` every (run, event) of `items`, calling `progress` every 10,000 events."""
+        handlers = self._handlers
+        run: LogRun | None = None
+        n = first = 0  # events read; the number of the current run's first
+        event = None
+        for n, (log_run, event) in enumerate(items, start=1):  # noqa: B007 (read below)
+            if log_run is not run:
+                self._count(n - 1 - first)  # the run before: `feed` counted its first event
+                self.feed(log_run, event)
+                run, first = log_run, n
+            else:
+                handler = handlers.get(event.type)
+                if handler is not None:
+                    handler(event)
+            if progress is not None and n % 10_000 == 0:
+                progress(n)
+        if event is not None:
+            self.last_ts = event.ts
+            self._count(n - first)
+
+    def _count(self, events: int) -> None:
+        """`events` more events of the current run, handled without `add`."""
+        if events > 0:
+            self.num_events += events
+            self.run_events += events
+
     def add(self, event) -> None:  # an Event or a light one
         self.num_events += 1
         self.run_events += 1
@@ -476,7 +505,7 @@ class _Summariser:
                     t.first_scheduled_ts = event.ts
                     self.queueing.add(event.ts - t.admitted_ts)
             if event.limits:
-                self.limits.update(x for x in event.limits[n_decode:] if x is not None)
+                self.limits.update(filter(None, event.limits[n_decode:]))
         if event.held_reasons:
             self.held.update(event.held_reasons)
         if self.focus is not None:
@@ -486,13 +515,14 @@ class _Summariser:
         prev, done = self.prev_step, self.prev_finished
         if prev is not None and done is None:  # no measurement: until the next plan
             gap = event.ts - prev.ts
-            self.slow_steps.offer(gap, self._slow(prev, gap, self.prev_tokens, estimated=True))
+            if self.slow_steps.would_take(gap):
+                self.slow_steps.offer(gap, self._slow(prev, gap, self.prev_tokens, estimated=True))
         elif prev is not None and done is not None:
             idle = max(0.0, event.ts - done.ts)
             self.idle += idle
-            self.idle_gaps.offer(
-                idle, IdleGap(after_step=prev.step, seconds=idle, run=self.run.index)
-            )
+            if self.idle_gaps.would_take(idle):
+                gap_ = IdleGap(after_step=prev.step, seconds=idle, run=self.run.index)
+                self.idle_gaps.offer(idle, gap_)
         self.prev_step, self.prev_tokens, self.prev_finished = event, used, None
 
     def step_finished(self, event: StepFinished) -> None:
@@ -597,12 +627,7 @@ def summarize(
     index = resolve_run(path, run)
     model = resolve_model(path, model, run=index)
     summariser = _Summariser(top)
-    for num_events, (log_run, event) in enumerate(
-        scan_run_events(path, run=index, model=model), start=1
-    ):
-        summariser.feed(log_run, event)
-        if progress is not None and num_events % 10_000 == 0:
-            progress(num_events)
+    summariser.consume(scan_run_events(path, run=index, model=model), progress)
     return _summary(path, index, summariser, model, len(read_runs(path)))
 
 
@@ -661,7 +686,7 @@ def _summary(
         num_prefilled_tokens=s.num_prefilled,
         num_output_tokens=s.num_output,
         ttft_s=s.ttft.percentiles(),
-        itl_s=s.book.gaps.percentiles(),
+        itl_s=s.book.percentiles(),
         queueing_s=s.queueing.percentiles(),
         e2e_s=s.e2e.percentiles(),
         budget_utilisation=s.utilisation.percentiles(),
@@ -686,8 +711,7 @@ def request_why(
     time it took (why.py): one pass over its run with this summary's fold, following it.
     Raises what `summarize` raises."""
     s = _Summariser(0, Focus(request_id))
-    for log_run, event in scan_run_events(path, run=run, model=model):
-        s.feed(log_run, event)
+    s.consume(scan_run_events(path, run=run, model=model), None)
     assert s.focus is not None
     caused = s.book.by_cause(1, only=(s.run.index if s.run else 1, request_id))
     return explain(s.focus, s.book.threshold(), caused[0] if caused else None)
