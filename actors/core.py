@@ -335,6 +335,11 @@ class SchedulerCore:
             + ("encode",) * len(encodes),
             max_step_tokens=self.config.max_step_tokens,
             max_num_seqs=self.config.max_num_seqs,
+            limits=(None,) * len(plan.decodes)
+            + tuple(c.limit for c in plan.chunks)
+            + (None,) * len(encodes),
+            held_ids=tuple(rid for rid, _ in plan.held),
+            held_reasons=tuple(why for _, why in plan.held),
         )
         starting = [c.request_id for c in plan.chunks] + [e.request_id for e in encodes]
         admit = tuple(
