@@ -44,6 +44,7 @@ from typing import Any
 
 import structlog
 
+from stepline.actors.host import StepConditions
 from stepline.actors.messages import Update
 from stepline.engine.cost_model import CostModel
 from stepline.engine.images import PromptImage, check_spans, inside_image, prompt_key
@@ -373,6 +374,11 @@ class SchedulerCore:
             + ("encode",) * len(encodes),
             max_step_tokens=self.config.max_step_tokens,
             max_num_seqs=self.config.max_num_seqs,
+            limits=(None,) * len(plan.decodes)
+            + tuple(c.limit for c in plan.chunks)
+            + (None,) * len(encodes),
+            held_ids=tuple(rid for rid, _ in plan.held),
+            held_reasons=tuple(why for _, why in plan.held),
         )
         starting = [c.request_id for c in plan.chunks] + [e.request_id for e in encodes]
         admit = tuple(
@@ -411,12 +417,25 @@ class SchedulerCore:
             images=self._images.pop(rid, ()),
         )
 
-    def update_from_output(self, work: StepWork, result: StepResult) -> StepOutcome:
-        """Record step `work`'s outcome — its time, requests the executor dropped, chunks,
-        checkpoints, tokens, ends by stop token or length — and return each request's
-        update. Requests no longer live (aborted while the step ran) are skipped."""
+    def update_from_output(
+        self, work: StepWork, result: StepResult, ran_under: StepConditions | None = None
+    ) -> StepOutcome:
+        """Record step `work`'s outcome — its time and what it `ran_under` (the engine's
+        warm-up, the host's load), requests the executor dropped, chunks, checkpoints,
+        tokens, ends by stop token or length — and return each request's update. Requests no
+        longer live (aborted while the step ran) are skipped."""
         plan = work.plan
-        self._record(StepFinished, seconds=result.seconds, predicted_seconds=plan.predicted_seconds)
+        ran_under = ran_under or StepConditions()
+        self._record(
+            StepFinished,
+            seconds=result.seconds,
+            predicted_seconds=plan.predicted_seconds,
+            # still learning its step times: the warm-up's, or a model with no fit yet
+            warming_up=ran_under.warming_up
+            or (self.cost_model is not None and plan.predicted_seconds is None),
+            cpu_share=ran_under.cpu_share,
+            load_avg=ran_under.load_avg,
+        )
         if self.cost_model is not None:
             self.cost_model.observe(plan.features, result.seconds)
         out = StepOutcome()

@@ -3,7 +3,7 @@
     drain the inbox -> core.add / core.abort
     work = core.schedule()                              pure bookkeeping, no MLX
     result = await executor.call(runner.run, work)      MLX, on the executor thread
-    outcome = core.update_from_output(work, result)     events -> states
+    outcome = core.update_from_output(work, result, ran_under)   events -> states
     append the events to the log, give each request actor its update, observe metrics
 
 With nothing to do, it runs the step-time model's warm-up (engine/warmup.py) in turns that
@@ -34,6 +34,7 @@ from stepline.actors.core import (
     StepOutcome,
 )
 from stepline.actors.executor import Executor, ExecutorDeadError
+from stepline.actors.host import HostMeter
 from stepline.actors.mailbox import Mailbox
 from stepline.actors.messages import Arrivals, Cancel, Submit, Update
 from stepline.actors.metrics import EngineMetrics
@@ -105,6 +106,7 @@ class StepLoop:
         self._trimmed_at_seq = 0  # ... and the core's last event then
         self._warming = False  # a turn of the warm-up is on the executor
         self._turn_over = threading.Event()  # set: the executor ends the turn at its next step
+        self._host = HostMeter()  # what each step ran under (CPU share, load average)
         self.died = anyio.Event()  # set when the engine can serve no more (dead_reason says why)
         self.on_step: Callable[[StepLoop], None] | None = None  # test/inspection hook
         self._changed: anyio.Event | None = None  # set at the next change (`wait_until`)
@@ -261,13 +263,15 @@ class StepLoop:
                 with contextlib.suppress(anyio.EndOfStream):  # the engine is closing
                     self._handle([await self._inbox.receive()])
             return
+        self._host.start()
         result = await self._run_executor(self.runner.run, work, after=self._ahead)
         if result is None:
             return
+        ran_under = self._host.stop(warming_up=self.warming_up)
         # Cancels that arrived during the step win over its results; requests sent meanwhile
         # are admitted after it, for the first step they can join (they age from there).
         later = self._handle(self._drain(), admit=False)
-        outcome = core.update_from_output(work, result)
+        outcome = core.update_from_output(work, result, ran_under)
         later += self._deliver(outcome.updates)
         self._observe(work, result, outcome)
         if self.on_step is not None:

@@ -44,6 +44,9 @@ into an image before its units are done. Then its tokens are chunked as text, or
 image that goes `whole`, in one chunk: cut before it when it does not fit what is left of
 the step, and run alone, past the budget, by the step's first prompt when no step would
 hold it.
+
+A plan says why it is what it is: what sized each chunk (`ScheduledChunk.limit`, from
+`chunk_size`) and which requests sat the step out and why (`StepPlan.held`: engine/held.py).
 """
 
 from __future__ import annotations
@@ -51,12 +54,15 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Collection, Container, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from operator import attrgetter
 
 from stepline.engine.cost_model import StepCost, StepFeatures, decode_runs_apart
+from stepline.engine.held import oldest_held
 from stepline.engine.images import inside_image
 from stepline.engine.prefix_index import Candidate, PrefixPlan
 from stepline.events.fold import RequestState, Status
+from stepline.events.models import ChunkLimit, HeldReason
 
 # A step every 100 ms is 10 tokens/s for every stream while a long prompt prefills: still
 # faster than anyone reads, and long enough that a chunk's fixed cost (a forward call, the
@@ -144,6 +150,8 @@ class ScheduledChunk:
     end: int  # one past the last
     checkpoints: tuple[int, ...]  # checkpoint offsets in (start, end]: snapshot there
     is_final: bool  # end == prompt length: logits of the last position are sampled
+    # what sized it (`schedule`'s word: see `chunk_size` there); None: made by hand
+    limit: ChunkLimit | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -175,6 +183,9 @@ class StepPlan:
     num_scheduled_tokens: Mapping[str, int] = field(default_factory=dict)
     features: StepFeatures = StepFeatures()  # what the step computes, as the cost model sees it
     predicted_seconds: float | None = None  # the cost model's prediction; None without one
+    # (request_id, why) of the oldest requests that could have joined and did not: at most
+    # MAX_HELD, oldest first (engine/held.py)
+    held: tuple[tuple[str, HeldReason], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -199,8 +210,7 @@ def batch_kv_tokens(lengths: Sequence[int], config: SchedulerConfig) -> int:
     return len(lengths) * (max(lengths, default=0) + config.kv_tokens_per_seq)
 
 
-def _chunk(state: RequestState, num_tokens: int, start: int | None = None) -> ScheduledChunk:
-    start = state.num_computed_tokens if start is None else start
+def _chunk(state: RequestState, num_tokens: int, start: int, limit: ChunkLimit) -> ScheduledChunk:
     end = start + num_tokens
     return ScheduledChunk(
         request_id=state.request_id,
@@ -208,6 +218,7 @@ def _chunk(state: RequestState, num_tokens: int, start: int | None = None) -> Sc
         end=end,
         checkpoints=tuple(c for c in state.checkpoints if start < c <= end),
         is_final=end == state.num_prompt_tokens,
+        limit=limit,
     )
 
 
@@ -358,24 +369,39 @@ def schedule(
     )
     timed = cost is not None and config.max_step_ms is not None and bool(decodes)
     seconds = 0.0
+    over_time: ChunkLimit = "time"  # what a chunk the time left cuts is limited by
     if timed:
         assert cost is not None and config.max_step_ms is not None
         seconds = step_seconds(cost.predict(beside_chunks) + cost.per_chunk, config.max_step_ms)
+        if seconds > config.max_step_ms / 1e3:  # stretched past the target to its floor
+            over_time = "floor"
 
-    def chunk_size(s: RequestState, start: int) -> int:
+    def chunk_size(s: RequestState, start: int) -> tuple[int, ChunkLimit]:
         """Tokens for this request's next chunk: the token rules, then the time left, then
-        its image spans (whole or not at all)."""
-        n = min(s.num_prompt_tokens - start, budget, config.chunk_cap)
+        its image spans (whole or not at all); and what limited it: the rule that gave the
+        size, the first of prompt-end, budget, long-prefill-cap where they tie, and the time
+        ("floor" where the step is stretched past the target, or the chunk is the one token
+        the first prompt always gets) or an image only where they cut below those."""
+        n, limit = s.num_prompt_tokens - start, "prompt-end"
+        if budget < n:
+            n, limit = budget, "budget"
+        cap = config.long_prefill_cap
+        if cap is not None and cap < n:
+            n, limit = cap, "long-prefill-cap"
         if timed and n > 0:
             assert cost is not None
             base = features if chunks else beside_chunks
             left = seconds - cost.predict(base.with_encode(units))
-            n = min(n, cost.max_chunk_tokens(start, left))
+            fits = cost.max_chunk_tokens(start, left)
+            if fits < n:
+                n, limit = fits, over_time
             if not chunks and n < 1:
-                n = 1  # the first prompt in the order always moves: nothing starves
+                n, limit = 1, "floor"  # the first prompt in the order always moves
         if s.images and n > 0:
-            n = cut_at_images(s, start, n)
-        return n
+            cut = cut_at_images(s, start, n)
+            if cut < n:
+                n, limit = cut, "image"
+        return n, limit
 
     def encode_size(s: RequestState, i: int) -> int:
         """Encoder units for image `i` of this request: what is left, then the time left;
@@ -391,10 +417,10 @@ def schedule(
                 k = max(k, 1)
         return k
 
-    def add(s: RequestState, n: int, start: int) -> None:
+    def add(s: RequestState, n: int, start: int, limit: ChunkLimit) -> None:
         nonlocal budget, features
         features = (features if chunks else beside_chunks).with_chunk(start, n)
-        chunks.append(_chunk(s, n, start))
+        chunks.append(_chunk(s, n, start, limit))
         num_scheduled[s.request_id] = n
         budget -= n
 
@@ -405,48 +431,72 @@ def schedule(
     candidates = startable(live, prefix)
     prompts += [(s, first_chunk_start(s, prefix)) for s in candidates]
     prompts.sort(key=lambda p: admission_key(p[0], step, p[1]))
-    prompts = fair_order(prompts, live, config.max_num_seqs)
+    kept, moved = fair_split(prompts, live, config.max_num_seqs)
+    prompts = kept + moved if moved else kept
     num_running = len(running)
     lengths = [kv_length(s) for s in running] if candidates else []
-    admitting = True  # waiting requests may still start this step
-    for s, start in prompts:
+    closed: HeldReason | None = None  # why waiting requests may no longer start this step
+    held: dict[str, HeldReason] = {}  # prompts left out for their own reasons, and why
+    out_of_budget = False  # the budget ran out before the order's end
+    last_started = -1  # the last waiting request of `kept` (in their order) that started
+    for i, (s, start) in enumerate(prompts):
         if budget <= 0:
+            out_of_budget = True
             break
         waiting = s.status is Status.WAITING
         if waiting:
-            if not admitting or num_running >= config.max_num_seqs:
-                continue
+            if closed is not None or num_running >= config.max_num_seqs:
+                continue  # held for `closed`, or max-num-seqs (`oldest_held`'s `waiting`)
             if (
                 config.max_kv_tokens is not None
                 and batch_kv_tokens([*lengths, kv_length(s)], config) > config.max_kv_tokens
             ):
                 # an aged request that does not fit holds back the younger ones; a young
                 # one waits, and one behind it may fit
-                admitting = not is_aged(s, step)
+                held[s.request_id] = "kv"
+                if is_aged(s, step):
+                    closed = "kv"
                 continue
         image = pending_image(s, start) if s.images else None
         if image is not None and s.images[image].start <= start:
             # its next work is the image's encoder: units, as many as the time allows
             k = encode_size(s, image)
             if k < 1:
-                admitting = admitting and not waiting
+                held[s.request_id] = "time"
+                if waiting and closed is None:
+                    closed = "time"
                 continue
             done = s.encoded[image]
             cached = start if waiting else 0
             encodes.append(ScheduledEncode(s.request_id, image, done, done + k, cached))
             units += k
         else:
-            n = chunk_size(s, start)
+            n, limit = chunk_size(s, start)
             if n < 1 and not chunks and s.images:
-                n = whole_image_at(s, start)  # nothing else runs beside it this step
+                n, limit = whole_image_at(s, start), "image"  # nothing else runs beside it
             if n < 1:
-                admitting = admitting and not waiting  # no time left: the rest next step
+                # no time left (or an image span that does not fit): the rest next step
+                why: HeldReason = "image" if limit == "image" else "time"
+                held[s.request_id] = why
+                if waiting and closed is None:
+                    closed = why
                 continue
-            add(s, n, start)
+            add(s, n, start, limit)
         if waiting:
+            if i < len(kept):
+                last_started = i
             num_running += 1
             lengths.append(kv_length(s))
 
+    went_before = None
+    if moved and last_started >= 0:
+        last, at = prompts[last_started]  # `kept` keeps the order: the last that started
+        went_before = partial(_goes_before, admission_key(last, step, at), step, prefix)
+
+    if closed is None:  # why the waiting requests left out with no reason of their own were
+        full = num_running >= config.max_num_seqs
+        closed = "budget" if out_of_budget and not full else "max-num-seqs"
+    scheduled = {*num_scheduled, *(e.request_id for e in encodes)} if encodes else num_scheduled
     return StepPlan(
         step=step,
         decodes=tuple(decodes),
@@ -455,6 +505,14 @@ def schedule(
         num_scheduled_tokens=num_scheduled,
         features=features.with_encode(units),
         predicted_seconds=cost.predict(features.with_encode(units)) if cost is not None else None,
+        held=oldest_held(
+            live,
+            scheduled,
+            held,
+            prefix.deferred,
+            closed,
+            went_before=went_before,
+        ),
     )
 
 
@@ -513,6 +571,14 @@ def admission_key(s: RequestState, step: int, start: int) -> tuple[bool, int, in
     return (True, s.num_prompt_tokens - start, s.admitted_seq)
 
 
+def _goes_before(
+    key: tuple[bool, int, int], step: int, prefix: PrefixPlan, s: RequestState
+) -> bool:
+    """Whether waiting request `s` goes before a prompt of admission key `key` (but for
+    fair share): `schedule`'s test of a held request's "fair-share"."""
+    return s.status is Status.WAITING and admission_key(s, step, first_chunk_start(s, prefix)) < key
+
+
 Prompt = tuple[RequestState, int]  # a request, and where its next chunk starts
 
 
@@ -525,8 +591,17 @@ def fair_order(
     client would already run its share when it starts (those of its client before it counted
     as started) goes after every other prompt; the held ones go fewest running first, then
     in their order. With one client waiting, `prompts` as they are."""
+    kept, held = fair_split(prompts, live, max_num_seqs)
+    return kept + held if held else kept
+
+
+def fair_split(
+    prompts: list[Prompt], live: Collection[RequestState], max_num_seqs: int
+) -> tuple[list[Prompt], list[Prompt]]:
+    """`fair_order`'s order in two parts: the prompts that keep their place, and those that
+    go after them (none with one client waiting)."""
     if len({s.client for s, _ in prompts if s.status is Status.WAITING}) < 2:
-        return prompts
+        return prompts, []
     share = max_num_seqs / len({s.client for s in live})
     running = Counter(s.client for s in live if s.status in _RUNNING)
     kept: list[Prompt] = []
@@ -541,7 +616,7 @@ def fair_order(
                 continue
         kept.append(p)
     held.sort(key=lambda h: h[:2])
-    return kept + [p for _, _, p in held]
+    return kept, [p for _, _, p in held]
 
 
 def startable(live: list[RequestState], prefix: PrefixPlan) -> list[RequestState]:

@@ -132,14 +132,18 @@ class ImageRef(BaseModel):
 # What sized a prefill chunk (`StepPlanned.limits`): the prompt's end; a checkpoint (chunks
 # end at checkpoints); the step's token budget; the step-time target (the cost model's
 # prediction); the floor (the smallest chunk the time target may cut to); the long-prefill cap;
-# KV memory; an image's span (atomic, or waiting for its encoding).
+# KV memory; an image's span (atomic, or waiting for its encoding). engine/policy.py names
+# neither "checkpoint" nor "kv" today: a chunk runs through its checkpoints (the runner splits
+# it there, and its `chunk-prefilled` events end there), and KV memory only gates admission
+# (a held request's "kv").
 ChunkLimit = Literal[
     "prompt-end", "checkpoint", "budget", "time", "floor", "long-prefill-cap", "kv", "image"
 ]
 # Why a request that could have run sat a step out (`StepPlanned.held_reasons`): no token of
 # the budget left; the time target reached; max_num_seqs running; its KV does not fit; its
-# client had its fair share; its image did not fit the step.
-HeldReason = Literal["budget", "time", "max-num-seqs", "kv", "fair-share", "image"]
+# client had its fair share; its image did not fit the step; it waits for a prefix that an
+# earlier request is computing, or for its cache entry to load from disk (it starts from it).
+HeldReason = Literal["budget", "time", "max-num-seqs", "kv", "fair-share", "image", "prefix"]
 # At most this many held requests are recorded a step (the oldest first).
 MAX_HELD = 8
 

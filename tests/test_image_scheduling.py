@@ -89,6 +89,27 @@ def test_a_whole_image_that_does_not_fit_what_is_left_of_a_step_waits_for_the_ne
     assert [(c.request_id, c.start, c.end) for c in third.chunks] == [("img", 2, 30)]
 
 
+def test_a_chunk_cut_at_an_image_and_a_prompt_held_for_its_span_say_image():
+    core = make_core(max_step_tokens=32)
+    core.add("r", range(100), params(1), images=[image(20, 60)])
+    chunks = []
+    while "r" in core.states:
+        chunks += [(c.start, c.end, c.limit) for c in step(core).chunks]
+    assert chunks == [
+        (0, 20, "image"),  # cut before the image: its encoder has not run
+        (20, 60, "image"),  # the whole span, alone, past the budget
+        (60, 92, "budget"),
+        (92, 100, "prompt-end"),
+    ]
+    core = make_core(max_step_tokens=32)
+    core.add("a", range(20), params(5))
+    core.add("img", range(30), params(5), images=[image(0, 18)])
+    step(core)  # a prefills; img's encoder runs
+    core.add("b", range(25), params(5))
+    plan = step(core)  # b takes 25 of the 31 tokens the decode row leaves: the span needs 18
+    assert [c.request_id for c in plan.chunks] == ["b"] and plan.held == (("img", "image"),)
+
+
 COST = StepCost(step=0.004, per_chunk=0.002, per_prefill_token=0.0002, per_decode_row=0.002)
 TIMED = SchedulerConfig(max_step_tokens=512, max_num_seqs=8, max_step_ms=100)
 

@@ -17,7 +17,7 @@ from stepline.engine.policy import SchedulerConfig
 from stepline.engine.runner import ModelRunner
 from stepline.engine.warmup import Warmup
 from stepline.events.log import read_events
-from stepline.events.models import ChunkPrefilled, TokensSampled
+from stepline.events.models import ChunkPrefilled, StepFinished, StepPlanned, TokensSampled
 
 # Prefill costs 1 ms a token, a decode row 5 ms: a 100 ms step has room for ~90 prompt
 # tokens beside one decode row.
@@ -76,6 +76,8 @@ async def test_the_warm_up_learns_a_cost_model_and_leaves_no_trace(tmp_path, dem
             params = SamplingParams(max_tokens=4)
             out = [o async for o in engine.generate(_prompt(40), params=params)]
             assert out[-1].finish_reason is not None
+    finished = [e for e in read_events(log) if isinstance(e, StepFinished)]
+    assert finished and not any(e.warming_up for e in finished)  # all after the warm-up
     assert all(e.step >= 1 and "warmup" not in str(e.request_id) for e in read_events(log))
 
 
@@ -106,8 +108,10 @@ async def test_requests_sent_during_the_warm_up_are_served_and_it_finishes_later
 
     monkeypatch.setattr(Warmup, "run", run)
     params = SamplingParams(max_tokens=6, ignore_eos=True)
+    log = tmp_path / "run.jsonl"
     with capture_logs() as logs:
-        async with Engine.open(str(demo.path), max_step_tokens=64, max_num_seqs=4) as engine:
+        opened = Engine.open(str(demo.path), max_step_tokens=64, max_num_seqs=4, event_log=log)
+        async with opened as engine:
             for n in (5, 70):
                 await anyio.to_thread.run_sync(stepped.wait)
                 stepped.clear()
@@ -124,6 +128,9 @@ async def test_requests_sent_during_the_warm_up_are_served_and_it_finishes_later
             assert loop.cost_model.cost is not None
     measured = [e for e in logs if e["event"] == "warmup_measured"]
     assert [(e["turns"], e["samples"]) for e in measured] == [(3, 12)]  # all, in 3 turns
+    # the log says its steps ran while the engine was warming up
+    steps = [e for e in read_events(log) if isinstance(e, StepFinished)]
+    assert steps and all(e.warming_up for e in steps)
     assert len(list((tmp_path / "cache" / "warmup").iterdir())) == 1  # kept for next time
 
 
@@ -254,6 +261,25 @@ async def test_a_prompt_arriving_while_others_decode_gets_chunks_that_fit_the_ta
     # little gain: policy.PREFILL_SHARE)
     assert late_chunks and max(late_chunks) == 39
     assert sum(chunks[late.request_id]) == 1200
+    # The log's steps say what sized each chunk: the budget, then the prompt's end, while
+    # alone; the time target beside the decoder.
+    limits = {
+        rid: [
+            limit
+            for e in events
+            if isinstance(e, StepPlanned)
+            for r, limit in zip(e.request_ids, e.limits, strict=True)
+            if r == rid
+        ]
+        for rid in (alone.request_id, late.request_id)
+    }
+    assert limits[alone.request_id] == ["budget", "budget", "prompt-end"]
+    assert limits[late.request_id][:-1] == ["time"] * (len(limits[late.request_id]) - 1)
+    # ... and each step's end what the host was doing: the process's CPU share of it, the
+    # machine's load (not this run's figures: that they are there)
+    finished = [e for e in events if isinstance(e, StepFinished)]
+    assert finished and all(e.cpu_share is not None and e.cpu_share >= 0 for e in finished)
+    assert all(e.load_avg is not None and e.load_avg >= 0 for e in finished)
 
 
 async def test_steps_that_only_decode_never_refit_the_cost_model(monkeypatch, model_cache_dir):
