@@ -21,8 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from stepline.api.engine import Engine
-from stepline.engine.sampling import SamplingParams
+from stepline.api import Engine, SamplingParams
 
 DECODERS = 4
 

@@ -119,7 +119,7 @@ def test_request_names_what_bound_its_chunks_in_one_line(
         "prefill: 2 chunks x 400.0 ms mean step (2000 tokens in 800 ms), bound by the token "
         "budget 1, the prompt's end 1" in text
     )
-    assert "its prompt stalled other requests' streams 6 times, 2.400 s in total" in text
+    assert "its prompt stalled other requests' streams 6 times, 2.400 s in total over" in text
 
 
 def test_request_names_the_prompt_that_stalled_it_and_why_it_waited(

@@ -588,8 +588,8 @@ def _text_why(w: RequestWhy) -> list[str]:
         c = w.caused
         lines.append(
             f"  its prompt stalled other requests' streams {_times(c.num_stalls)}, "
-            f"{_s(c.seconds)} in total, in {_plural(c.num_steps, 'step')} (worst: step "
-            f"{c.worst_step}, {_s(c.worst_s)})"
+            f"{_s(c.seconds)} in total over those streams, in {_plural(c.num_steps, 'step')} "
+            f"(worst: step {c.worst_step}, {_s(c.worst_s)})"
         )
     return lines
 

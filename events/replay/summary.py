@@ -402,7 +402,7 @@ class _Summariser:
         self.num_cached += event.num_cached_tokens
         focus = self.focus
         if focus is not None and event.request_id == focus.request_id:
-            focus.admitted_ts, focus.admitted_step = event.ts, event.step
+            focus.admitted_ts = event.ts
 
     def chunk(self, event: ChunkPrefilled) -> None:
         self.num_prefilled += event.end - event.start

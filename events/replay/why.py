@@ -64,7 +64,7 @@ class RequestWhy(Report):
 _LIMIT_NAMES = {
     "time": "the step-time target",
     "budget": "the token budget",
-    "floor": "the floor",
+    "floor": "the floor (the least a prompt gets past the time target)",
     "prompt-end": "the prompt's end",
     "checkpoint": "a checkpoint",
     "long-prefill-cap": "the long-prefill cap",
@@ -79,9 +79,9 @@ class Focus:
 
     request_id: str
     admitted_ts: float | None = None
-    admitted_step: int | None = None
     first_step: int | None = None
     first_step_ts: float | None = None
+    steps_waiting: int = 0  # steps planned between its admission and its first
     held: Counter[str] = field(default_factory=Counter)
     limits: Counter[str] = field(default_factory=Counter)
     num_chunks: int = 0
@@ -98,6 +98,8 @@ class Focus:
         if rid in event.held_ids:
             self.held[event.held_reasons[event.held_ids.index(rid)]] += 1
         if rid not in ids:
+            if self.admitted_ts is not None and self.first_step is None:
+                self.steps_waiting += 1
             return
         i = ids.index(rid)
         if self.first_step is None:
@@ -145,11 +147,7 @@ def explain(focus: Focus, threshold: float, caused: StallCause | None) -> Reques
     return RequestWhy(
         request_id=focus.request_id,
         queued_s=queued,
-        num_steps_waiting=(
-            focus.first_step - focus.admitted_step - 1
-            if focus.first_step is not None and focus.admitted_step is not None
-            else 0
-        ),
+        num_steps_waiting=focus.steps_waiting,
         held=dict(focus.held.most_common()),
         num_chunks=focus.num_chunks,
         num_prefill_tokens=focus.num_prefill_tokens,
