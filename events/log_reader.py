@@ -188,12 +188,14 @@ def run_events(
     run: int | None = None,
     model: str | None = None,
     decode: Callable[[bytes], Any] | None = None,
+    errors: tuple[type[Exception], ...] = (),
 ) -> Iterator[tuple[LogRun, Any]]:
     """`read_run_events`, with `decode` turning a good line of the current schema into its
     event (by default the validated `Event`; events/scan.py's light structs for bulk reads).
-    `decode` raises pydantic's ValidationError for a line it refuses. Lines of an older
-    schema are always validated (their upcasters work on dicts)."""
-    events = _run_events(Path(path), strict, run, decode or EVENT_ADAPTER.validate_json)
+    A line `decode` refuses (pydantic's ValidationError, or one of `errors`) is validated,
+    which says what is wrong with it (or reads an event `decode` does not know). Lines of an
+    older schema are always validated (their upcasters work on dicts)."""
+    events = _run_events(Path(path), strict, run, decode or EVENT_ADAPTER.validate_json, errors)
     if model is None:
         yield from events
         return
@@ -204,8 +206,13 @@ def run_events(
 
 
 def _run_events(
-    path: Path, strict: bool, run: int | None, validate: Callable[[bytes], Any]
+    path: Path,
+    strict: bool,
+    run: int | None,
+    validate: Callable[[bytes], Any],
+    errors: tuple[type[Exception], ...],
 ) -> Iterator[tuple[LogRun, Any]]:
+    refused: tuple[type[Exception], ...] = (ValidationError, *errors)
     files = log_files(path)
     if not files:
         raise FileNotFoundError(f"no event log at {path}")
@@ -227,7 +234,7 @@ def _run_events(
             ):
                 try:
                     event = validate(line)
-                except ValidationError:
+                except refused:
                     pass  # the way below says what is wrong, and where
                 else:
                     yield current, event
@@ -265,7 +272,7 @@ def _run_events(
                 else:
                     try:
                         event = validate(line)
-                    except ValidationError:  # say what is wrong, with the line's place
+                    except refused:  # say what is wrong, with the line's place
                         event = _parse_event(file_path, line_no, line, version, upcast_it)
             except LogCorruptError as exc:
                 if not _starts_new_run(following, current.header):

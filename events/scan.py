@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 import msgspec
 
 from stepline.events.log_reader import LogRun, run_events
-from stepline.events.models import EVENT_ADAPTER, MAX_HELD, Event
+from stepline.events.models import EVENT_ADAPTER, MAX_HELD, Event, FinishReason
 
 _NULL = msgspec.Raw(b"null")
 
@@ -118,7 +118,7 @@ class LightCheckpoint(_Light, tag="checkpoint-reached", kw_only=True, frozen=Tru
 class LightTerminal(_Light, tag="terminal", kw_only=True, frozen=True):
     type: ClassVar[str] = "terminal"
     request_id: str
-    reason: str
+    reason: FinishReason
     message: str | None = None
     code: str | None = None
     status: int | None = None
@@ -170,7 +170,9 @@ def _decoder(kinds: tuple[type[_Light], ...]) -> Callable[[bytes], Any]:
 
 
 _LIGHT_STEPS = _decoder(STEP_KINDS)
-_LIGHT_ALL = _decoder(ALL_KINDS)
+# Every kind in one decoder: msgspec tells them apart by the tag; a line of another kind
+# (model loads, image encoding) is refused and then validated.
+_LIGHT_ALL = msgspec.json.Decoder(LightEvent).decode
 
 
 def scan_run_events(
@@ -184,7 +186,11 @@ def scan_run_events(
     with `requests` its request events (admitted, chunk, checkpoint, terminal) too; other
     events (model loads, image encoding) and every event of an older schema are validated
     events. Raises what `read_run_events` raises."""
-    return run_events(path, run=run, model=model, decode=_LIGHT_ALL if requests else _LIGHT_STEPS)
+    if requests:
+        return run_events(
+            path, run=run, model=model, decode=_LIGHT_ALL, errors=(msgspec.MsgspecError,)
+        )
+    return run_events(path, run=run, model=model, decode=_LIGHT_STEPS)
 
 
 def token_ids(event: Any) -> tuple[int, ...] | None:

@@ -15,25 +15,19 @@ the wait: the step that made the request's stream freeze.
 from __future__ import annotations
 
 from array import array
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stepline.events.log import read_events
 from stepline.events.models import (
-    Admitted,
-    CheckpointReached,
-    ChunkPrefilled,
-    Decoding,
-    Event,
     ModelLoaded,
-    StepFinished,
     StepPlanned,
     Terminal,
-    per_request,
 )
 from stepline.events.replay.describe import resolve_model
 from stepline.events.replay.stats import Distribution
+from stepline.events.scan import scan_run_events
 
 _NAMED_PREFILLS = 3  # requests named in a step's description; the rest are counted
 DEFAULT_STALL_FACTOR = 3.0  # a stall: a gap over this many times the median gap
@@ -283,14 +277,18 @@ def collect(
     gaps = Distribution()
     last_token_at: dict[str, float] = {}
     num_events = 0
-    for event in read_events(path, run=run, model=model):
+    for _, event in scan_run_events(path, run=run, model=model):
         num_events += 1
         if progress is not None and num_events % 10_000 == 0:
             progress(num_events)
         if t0 is None:
             t0 = event.ts
         at = event.ts - t0
-        if isinstance(event, StepPlanned):
+        kind = event.type
+        if kind == "decoding":
+            _decoding(event, at, requests, request_ids, last_token_at, gaps)
+            continue
+        if kind == "step":
             if previous is not None and previous.estimated:
                 previous.seconds = max(0.0, at - previous.start)  # older logs: until this plan
             previous = steps[event.step] = step_span(event, at)
@@ -299,7 +297,7 @@ def collect(
                 if life is not None and life.first_scheduled_at is None:
                     life.first_scheduled_at = at
             continue
-        if isinstance(event, StepFinished):
+        if kind == "step-finished":
             span = steps.get(event.step)
             if span is not None:
                 span.seconds, span.predicted = event.seconds, event.predicted_seconds
@@ -307,9 +305,8 @@ def collect(
             continue
         if isinstance(event, ModelLoaded) and loaded is None:
             loaded = event
-        # A step's tokens are every request's event at once: each request's part in turn.
-        for one in per_request(event):
-            _request_event(one, at, requests, request_ids, last_token_at, gaps)
+        if event.request_id is not None:
+            _request_event(event, at, requests, request_ids)
     median = gaps.quantile(0.5)
     if stall_s is None:
         stall_s = max(MIN_STALL_S, DEFAULT_STALL_FACTOR * median) if median is not None else 0.0
@@ -331,25 +328,46 @@ def collect(
     return timeline
 
 
-def _request_event(
-    event: Event | Decoding,
+def _decoding(
+    event,  # a step's decoding event (validated or light)
     at: float,
     requests: dict[str, RequestLife],
     request_ids: set[str] | None,
     last_token_at: dict[str, float],
     gaps: Distribution,
 ) -> None:
-    """One request's event, into its life (and its gaps into every request's distribution)."""
-    rid = event.request_id
-    assert rid is not None
-    if isinstance(event, Decoding):  # every request's gaps set the default threshold
+    """A step's tokens: each request's part, into its life (and every request's gap into the
+    gaps' distribution, which sets the default stall threshold)."""
+    ids = event.request_ids
+    counts = Counter(ids) if len(set(ids)) != len(ids) else None
+    step = event.step
+    for rid in dict.fromkeys(ids) if counts is not None else ids:
         before = last_token_at.get(rid)
         if before is not None:
             gaps.add(at - before)
         last_token_at[rid] = at
+        if request_ids is not None and rid not in request_ids:
+            continue
+        life = requests.get(rid)
+        if life is None or life.terminal is not None:
+            continue  # verify's business, not the picture's
+        life.token_steps.append(step)
+        life.token_counts.append(counts[rid] if counts is not None else 1)
+        life.token_times.append(at)
+
+
+def _request_event(
+    event,  # one request's event (validated or light)
+    at: float,
+    requests: dict[str, RequestLife],
+    request_ids: set[str] | None,
+) -> None:
+    """One request's event, into its life."""
+    rid = event.request_id
     if request_ids is not None and rid not in request_ids:
         return
-    if isinstance(event, Admitted):
+    kind = event.type
+    if kind == "admitted":
         if rid not in requests:
             requests[rid] = RequestLife(
                 request_id=rid,
@@ -363,18 +381,14 @@ def _request_event(
     life = requests.get(rid)
     if life is None or life.terminal is not None:
         return  # verify's business, not the picture's
-    if isinstance(event, ChunkPrefilled):
+    if kind == "chunk-prefilled":
         start, _ = life.chunks.get(event.step, (event.start, event.end))
         life.chunks[event.step] = (start, event.end)  # a chunk split at a checkpoint
         life.num_chunk_events += 1
         life.num_cached_tokens = max(life.num_cached_tokens, event.num_cached_tokens)
-    elif isinstance(event, Decoding):
-        life.token_steps.append(event.step)
-        life.token_counts.append(event.num_tokens)
-        life.token_times.append(at)
-    elif isinstance(event, CheckpointReached):
+    elif kind == "checkpoint-reached":
         life.checkpoints.append((event.step, event.offset))
-    elif isinstance(event, Terminal):
+    elif kind == "terminal":
         life.terminal, life.terminal_at = event, at
 
 
