@@ -16,9 +16,10 @@ from __future__ import annotations
 
 from array import array
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from stepline.events.models import (
     ModelLoaded,
@@ -28,6 +29,9 @@ from stepline.events.models import (
 from stepline.events.replay.describe import resolve_model
 from stepline.events.replay.stats import Distribution
 from stepline.events.scan import scan_run_events
+
+if TYPE_CHECKING:
+    import numpy as np
 
 _NAMED_PREFILLS = 3  # requests named in a step's description; the rest are counted
 DEFAULT_STALL_FACTOR = 3.0  # a stall: a gap over this many times the median gap
@@ -114,7 +118,9 @@ class RequestLife:
     checkpoints: list[tuple[int, int]] = field(default_factory=list)  # (step, offset)
     terminal: Terminal | None = None
     terminal_at: float | None = None
-    stalls: list[StallMark] = field(default_factory=list)  # worst first, after `finish`
+    stalls: list[StallMark] = field(default_factory=list)  # worst first, after `collect`
+    # the longest wait between two of its tokens, set by `collect` once the run is read
+    worst_gap: float | None = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -134,14 +140,11 @@ class RequestLife:
     def e2e(self) -> float | None:
         return None if self.terminal_at is None else self.terminal_at - self.admitted_at
 
-    def gaps(self) -> Iterable[tuple[int, float]]:
-        """(index of the later token event, seconds since the one before)."""
-        times = self.token_times
-        return ((i, times[i] - times[i - 1]) for i in range(1, len(times)))
+    def gaps(self) -> np.ndarray:
+        """Seconds between each token event and the one before (element i: events i, i+1)."""
+        import numpy as np  # imported here: importing replay loads no BLAS
 
-    @property
-    def worst_gap(self) -> float | None:
-        return max((g for _, g in self.gaps()), default=None)
+        return np.diff(np.frombuffer(self.token_times, dtype=np.float64))
 
     @property
     def longest_wait(self) -> float:
@@ -275,7 +278,8 @@ def collect(
     t0: float | None = None
     previous: StepSpan | None = None
     gaps = Distribution()
-    last_token_at: dict[str, float] = {}
+    # with every request kept, the gaps are read off the lives at the end (in bulk)
+    last_token_at: dict[str, float] | None = None if request_ids is None else {}
     num_events = 0
     for _, event in scan_run_events(path, run=run, model=model):
         num_events += 1
@@ -307,6 +311,11 @@ def collect(
             loaded = event
         if event.request_id is not None:
             _request_event(event, at, requests, request_ids)
+    for life in requests.values():
+        between = life.gaps()
+        life.worst_gap = float(between.max()) if len(between) else None
+        if last_token_at is None:
+            gaps.extend(between)
     median = gaps.quantile(0.5)
     if stall_s is None:
         stall_s = max(MIN_STALL_S, DEFAULT_STALL_FACTOR * median) if median is not None else 0.0
@@ -333,21 +342,23 @@ def _decoding(
     at: float,
     requests: dict[str, RequestLife],
     request_ids: set[str] | None,
-    last_token_at: dict[str, float],
+    last_token_at: dict[str, float] | None,
     gaps: Distribution,
 ) -> None:
-    """A step's tokens: each request's part, into its life (and every request's gap into the
-    gaps' distribution, which sets the default stall threshold)."""
+    """A step's tokens: each request's part, into its life (and, where only some requests'
+    lives are kept, every request's gap into the gaps' distribution, which sets the default
+    stall threshold: the run's, not the kept requests')."""
     ids = event.request_ids
     counts = Counter(ids) if len(set(ids)) != len(ids) else None
     step = event.step
     for rid in dict.fromkeys(ids) if counts is not None else ids:
-        before = last_token_at.get(rid)
-        if before is not None:
-            gaps.add(at - before)
-        last_token_at[rid] = at
-        if request_ids is not None and rid not in request_ids:
-            continue
+        if last_token_at is not None:
+            before = last_token_at.get(rid)
+            if before is not None:
+                gaps.add(at - before)
+            last_token_at[rid] = at
+            if request_ids is not None and rid not in request_ids:
+                continue
         life = requests.get(rid)
         if life is None or life.terminal is not None:
             continue  # verify's business, not the picture's
@@ -396,11 +407,14 @@ def find_stalls(life: RequestLife, timeline: RunTimeline) -> list[StallMark]:
     """The request's gaps over the timeline's threshold, worst first, each with its cause."""
     if timeline.stall_threshold <= 0:
         return []
-    marks = []
+    marks: list[StallMark] = []
+    between_tokens = life.gaps()
+    over = (between_tokens >= timeline.stall_threshold).nonzero()[0]
+    if not len(over):
+        return marks
     member_steps = set(life.token_steps) | set(life.chunks)
-    for i, gap in life.gaps():
-        if gap < timeline.stall_threshold:
-            continue
+    for index in over.tolist():
+        i, gap = index + 1, float(between_tokens[index])
         a, b = life.token_steps[i - 1], life.token_steps[i]
         between = [timeline.steps[s] for s in range(a + 1, b + 1) if s in timeline.steps]
         cause = max(between, key=lambda s: s.seconds, default=None)
