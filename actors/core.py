@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,6 +62,7 @@ from stepline.engine.policy import (
     schedule,
 )
 from stepline.engine.prefix_index import PrefixIndex, PrefixPlan, Tokens, plan_prefixes
+from stepline.engine.speculative import Drafter, SpeculativeConfig, speculates
 from stepline.engine.work import (
     Housekeeping,
     NewRequest,
@@ -144,8 +145,12 @@ class SchedulerCore:
         cost_model: CostModel | None = None,  # learns step times; None: tokens only
         salt: str | None = None,  # the event log's prompt-digest salt
         place: LogPlace | None = None,  # in a log of several models; None: the run's one
+        speculative: SpeculativeConfig | None = None,  # drafted decoding; None: none
     ) -> None:
         self.config = config
+        self.speculative = speculative
+        # request -> its prompt lookup, while it may draft (engine/speculative.py)
+        self._drafters: dict[str, Drafter] = {}
         self.limits = limits
         self.index = index
         self.cost_model = cost_model
@@ -261,6 +266,8 @@ class SchedulerCore:
             raise refused
         if images:  # what the encoder reads, until the executor has it
             self._images[request_id] = tuple(images)
+        if self.speculative is not None and speculates(params) and not images:
+            self._drafters[request_id] = Drafter(self.speculative, ids)
 
     def refuse(self, request_id: str, message: str, *, code: str, status: int) -> Terminal | None:
         """Record a request refused before it reached the engine (at an HTTP door: bad
@@ -348,7 +355,9 @@ class SchedulerCore:
             # prediction, for the log, comes from the last fit.
             chunked = any(s.status is not Status.DECODING for s in self.states.values())
             cost = self.cost_model.cost if chunked else self.cost_model.last
-        plan = schedule(self.states, self.config, self.step + 1, cost, prefix)
+        plan = schedule(
+            self.states, self.config, self.step + 1, cost, prefix, self._propose_drafts()
+        )
         self._promote = prefix.promote
         if plan.is_empty:
             return None
@@ -388,6 +397,18 @@ class SchedulerCore:
         )
         return StepWork(plan=plan, admit=admit, **self._take_housekeeping().__dict__)
 
+    def _propose_drafts(self) -> dict[str, tuple[int, ...]] | None:
+        """Each decoding request's drafts, where it still drafts (one that stopped is not
+        asked again: the executor moves it to the decode batch)."""
+        if not self._drafters:
+            return None
+        states = self.states
+        return {
+            rid: d.propose()
+            for rid, d in self._drafters.items()
+            if d.active and states[rid].status is Status.DECODING
+        }
+
     def _plan_prefixes(self) -> PrefixPlan:
         if self.index is None or not any(s.status is Status.WAITING for s in self.states.values()):
             return PrefixPlan()
@@ -413,6 +434,7 @@ class SchedulerCore:
             prompt_token_ids=state.prompt_token_ids or (),
             params=state.params,
             prefix=match.tokens if match is not None else None,
+            speculate=rid in self._drafters,
             num_cached_tokens=match.num_tokens if match is not None else 0,
             images=self._images.pop(rid, ()),
         )
@@ -451,41 +473,76 @@ class SchedulerCore:
         for chunk in plan.chunks:
             self._chunk_done(chunk, result, out)
         states = self.states
-        live = [(rid, token) for rid, token in result.tokens.items() if rid in states]
+        drafted = result.drafted
+        live = [
+            (rid, [*drafted[rid], token] if rid in drafted else [token])
+            for rid, token in result.tokens.items()
+            if rid in states
+        ]
+        if self._drafters:
+            self._drafts_verified(plan.drafts, drafted, live)
         if live:
             self._tokens_sampled(live, result, out)
         self.in_step = False
         self.apply_prefix_report(result.prefix)
         return out
 
-    def _tokens_sampled(
-        self, live: list[tuple[str, int]], result: StepResult, out: StepOutcome
+    def _drafts_verified(
+        self,
+        proposed: Mapping[str, tuple[int, ...]],
+        accepted: Mapping[str, tuple[int, ...]],
+        live: list[tuple[str, list[int]]],
     ) -> None:
-        """Record a step's tokens as one event, apply each row to its request with the fold's
-        `apply_sampled`, and end the requests a token ends (stop token, length)."""
+        """Each drafting request's drafter takes the step's tokens in, and hears how many of
+        its drafts were kept (where it drafted)."""
+        drafters = self._drafters
+        for rid, tokens in live:
+            drafter = drafters.get(rid)
+            if drafter is None:
+                continue
+            if rid in proposed:
+                drafter.observe(len(proposed[rid]), len(accepted.get(rid, ())))
+            drafter.extend(tokens)
+
+    def _tokens_sampled(
+        self, live: list[tuple[str, list[int]]], result: StepResult, out: StepOutcome
+    ) -> None:
+        """Record a step's tokens as one event (a row a token: a row that kept drafts has
+        several), apply each request's rows with the fold's `apply_sampled`, and end the
+        requests a token ends (stop token, length): the tokens after it are dropped."""
+        limits = self.limits
+        kept: list[tuple[str, list[int], FinishReason | None]] = []
+        for rid, tokens in live:
+            before = self.states[rid]
+            finish = None
+            for i, token in enumerate(tokens):
+                finish = _finish_reason(before, before.num_output_tokens + i + 1, token, limits)
+                if finish is not None:
+                    del tokens[i + 1 :]
+                    break
+            kept.append((rid, tokens, finish))
         event = self._record(
             TokensSampled,
-            request_ids=tuple(rid for rid, _ in live),
-            token_ids=tuple(token for _, token in live),
+            request_ids=tuple(rid for rid, tokens, _ in kept for _ in tokens),
+            token_ids=tuple(token for _, tokens, _ in kept for token in tokens),
         )
         states, updates, ts = self.states, out.updates, event.ts
         gaps, firsts, logprobs = out.gaps, out.firsts, result.logprobs
-        for rid, token in live:
+        for rid, tokens, finish in kept:
             before = states[rid]
-            state = states[rid] = apply_sampled(before, event, 1)
+            state = states[rid] = apply_sampled(before, event, len(tokens))
             if before.last_token_ts is None:
                 firsts.append(ts - before.admitted_ts)
             else:
                 gaps.append(ts - before.last_token_ts)
             update = updates.get(rid)
             if update is None:  # a decode row (a final chunk has one already)
-                update = updates[rid] = Update(token_ids=[token])
+                update = updates[rid] = Update(token_ids=tokens)
             else:
-                update.token_ids.append(token)
+                update.token_ids.extend(tokens)
             update.num_output_tokens = state.num_output_tokens
             if logprobs and (lp := logprobs.get(rid)) is not None:
                 update.logprobs.append(lp)
-            finish = self._finish_reason(state, token)
             if finish is not None:
                 update.finish = finish
                 update.stop_token = finish is FinishReason.STOP
@@ -552,16 +609,6 @@ class SchedulerCore:
         disk entry was loaded for was served from disk."""
         return "disk" if rid in self._disk_tries else "memory"
 
-    def _finish_reason(self, state: RequestState, token: int) -> FinishReason | None:
-        """Whether `token`, just recorded, ends the request: a stop token, or its length (its
-        `max_tokens`, cut to the context when it was admitted)."""
-        p = state.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.limits.eos_token_ids):
-            return FinishReason.STOP
-        if state.num_output_tokens >= p.max_tokens:
-            return FinishReason.LENGTH
-        return None
-
     def apply_prefix_report(self, report: PrefixReport | None) -> None:
         """The prefix store's changes (after a step or housekeeping), into the index."""
         if report is None or self.index is None:
@@ -601,6 +648,7 @@ class SchedulerCore:
                 self._to_free[rid] = reason in _REUSABLE
             self._disk_tries.discard(rid)
             self._images.pop(rid, None)
+            self._drafters.pop(rid, None)
         else:
             self.states[rid] = state
         return event
@@ -616,6 +664,19 @@ class SchedulerCore:
         ):
             _, dropped = self.finished.popitem(last=False)
             self._finished_tokens -= _num_ids(dropped)
+
+
+def _finish_reason(
+    state: RequestState, num_output_tokens: int, token: int, limits: ModelLimits
+) -> FinishReason | None:
+    """Whether `token`, the request's `num_output_tokens`-th, ends it: a stop token, or its
+    length (its `max_tokens`, cut to the context when it was admitted)."""
+    p = state.params
+    if token in p.stop_token_ids or (not p.ignore_eos and token in limits.eos_token_ids):
+        return FinishReason.STOP
+    if num_output_tokens >= p.max_tokens:
+        return FinishReason.LENGTH
+    return None
 
 
 def _num_ids(state: RequestState) -> int:

@@ -43,6 +43,7 @@ from stepline.engine import heap
 from stepline.engine.cost_model import CostModel
 from stepline.engine.policy import AdmissionError, SchedulerConfig
 from stepline.engine.prefix_index import PrefixIndex
+from stepline.engine.speculative import SpeculativeConfig
 from stepline.engine.warmup import Warmup
 from stepline.engine.work import Housekeeping, StepResult, StepWork
 from stepline.events.fold import RequestState
@@ -78,6 +79,7 @@ class StepLoop:
         warmup: Warmup | None = None,  # seeds `cost_model` while this loop idles
         place: LogPlace | None = None,  # in a log several models share (actors/core.py)
         turns: Turns | None = None,  # several models' loops share the executor thread
+        speculative: SpeculativeConfig | None = None,  # drafted decoding (engine/speculative.py)
     ):
         self.executor = executor
         self.runner = runner
@@ -90,6 +92,7 @@ class StepLoop:
             cost_model=cost_model,
             salt=getattr(event_log, "salt", None),
             place=place,
+            speculative=speculative,
         )
         self._event_log = event_log
         self._turns = turns if place is not None else None

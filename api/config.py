@@ -30,6 +30,7 @@ from pydantic import (
 
 from stepline.engine.images import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, MAX_IMAGES_PER_REQUEST
 from stepline.engine.policy import DEFAULT_MAX_STEP_MS
+from stepline.engine.speculative import SpeculativeConfig, parse_speculative_config
 
 
 class _Options(BaseModel):
@@ -92,6 +93,19 @@ class EngineConfig(_Options):
     parallel: Literal["tensor", "pipeline"] | None = Field(
         None, description="split the model across the ranks of an mlx.launch job (rank 0 serves)"
     )
+    speculative_config: SpeculativeConfig | None = Field(
+        None,
+        description='drafted decoding, as JSON: {"method": "ngram", "num_speculative_tokens": '
+        "K} drafts K tokens a step from the request's own prompt and output (prompt_lookup_min, "
+        "prompt_lookup_max: the n-gram lengths matched, default 2 and 5); greedy requests only",
+    )
+
+    @field_validator("speculative_config", mode="before")
+    @classmethod
+    def _speculative(cls, v: Any) -> Any:
+        if v is None or isinstance(v, SpeculativeConfig):
+            return v
+        return parse_speculative_config(v)
 
     @field_validator("prefix_cache_dir", mode="before")
     @classmethod
@@ -107,6 +121,8 @@ class EngineConfig(_Options):
     def _one_kv_budget(self) -> EngineConfig:
         if self.max_kv_tokens is not None and self.max_kv_gb is not None:
             raise ValueError("pass max_kv_tokens or max_kv_gb, not both")
+        if self.speculative_config is not None and self.parallel is not None:
+            raise ValueError("speculative_config is not supported with parallel")
         return self
 
     @classmethod

@@ -115,6 +115,10 @@ class EngineParts:
             )
             self.loaded = loaded
         log.info("model_loaded", model=loaded.name, path=str(loaded.path), weights=loaded.weights)
+        if options.speculative_config is not None:
+            from stepline.engine.verify import check_speculation
+
+            await executor.call(check_speculation, loaded.model)
         topology = self.topology
         prefix_dir = options.prefix_cache_dir
         self.runner = await executor.call(
@@ -217,6 +221,7 @@ class EngineParts:
             warmup=warmup,
             place=self.member.place if self.member is not None else None,
             turns=self.member.turns if self.member is not None else None,
+            speculative=options.speculative_config,
         )
         return step_loop, config
 

@@ -95,6 +95,15 @@ class StepFeatures:
             prefill_attention=self.prefill_attention + chunk_attention(start, num_tokens),
         )
 
+    def with_drafts(self, context: int, num_tokens: int) -> StepFeatures:
+        """Plus a decode row's drafted tokens (engine/speculative.py), verified at its
+        `context`: priced as prompt tokens are, inside a forward the step runs anyway."""
+        return replace(
+            self,
+            prefill_tokens=self.prefill_tokens + num_tokens,
+            prefill_attention=self.prefill_attention + chunk_attention(context, num_tokens),
+        )
+
     def with_encode(self, units: int) -> StepFeatures:
         return replace(self, encode_units=self.encode_units + units)
 

@@ -89,6 +89,10 @@ MIN_PREFILL_SHARE = 0.82
 # cost model whose overheads come out near zero would otherwise plan steps of a token or two).
 PREFILL_SHARE = 0.85
 SHORTEST_STEP = 0.25
+# Drafted tokens (engine/speculative.py) may make a step whose decode rows alone take longer
+# than the target up to this many times as long: a drafting row gains a token for every
+# draft kept, and every other row waits that much longer for its one.
+DRAFT_STRETCH = 1.5
 # Prompts go shortest first; one that has not moved for this many steps goes before every
 # other. A burst of 16 chats of 32-512 tokens on stepline-demo:
 # its median time to first token was about 0.8x that of admitting oldest first.
@@ -186,6 +190,10 @@ class StepPlan:
     # (request_id, why) of the oldest requests that could have joined and did not: at most
     # MAX_HELD, oldest first (engine/held.py)
     held: tuple[tuple[str, HeldReason], ...] = ()
+    # request_id -> the drafted tokens its decode row carries (engine/speculative.py), for
+    # every decode row that drafts (() where it found none this step): the executor runs
+    # these rows against their own caches; its scheduled tokens count them
+    drafts: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -331,6 +339,7 @@ def schedule(
     step: int,
     cost: StepCost | None = None,
     prefix: PrefixPlan | None = None,
+    drafts: Mapping[str, Sequence[int]] | None = None,
 ) -> StepPlan:
     """Build step `step`'s plan from every unfinished request's state.
 
@@ -338,6 +347,8 @@ def schedule(
     `config.max_step_ms` while there are decode rows (see the module docstring).
     `prefix` says where waiting requests start (their cache hits) and which of them wait
     for a prefix another request is computing (`engine.prefix_index.plan_prefixes`).
+    `drafts`: the tokens each drafting request proposes (`engine/speculative.py`); they get
+    what the budget and the time leave after every decode row's token, before any prompt.
     """
     prefix = prefix or PrefixPlan()
     live = sorted((s for s in states.values() if not s.is_finished), key=_arrival)
@@ -359,8 +370,14 @@ def schedule(
     decode_rows = len(decodes)
     decode_attention = padded_decode_context(contexts, split=config.fused_steps)
     features = StepFeatures(decode_rows=decode_rows, decode_context=decode_attention)
-    # The decode rows once a chunk joins them: plus their forward of their own, or not.
-    prefilling = any(s.status is Status.PREFILLING for s in running)
+    drafted: dict[str, tuple[int, ...]] = {}
+    if drafts:
+        budget, features = _fit_drafts(
+            drafts, states, decodes, budget, features, config, cost, num_scheduled, drafted
+        )
+    # The decode rows once a chunk joins them: plus their forward of their own, or not
+    # (drafting rows run in the chunks' forward as a prompt's chunk does).
+    prefilling = bool(drafted) or any(s.status is Status.PREFILLING for s in running)
     apart = bool(decodes) and decode_runs_apart(
         fused_steps=config.fused_steps, prefilling=prefilling
     )
@@ -513,7 +530,48 @@ def schedule(
             closed,
             went_before=went_before,
         ),
+        drafts=drafted,
     )
+
+
+def _fit_drafts(
+    drafts: Mapping[str, Sequence[int]],
+    states: Mapping[str, RequestState],
+    decodes: Sequence[str],
+    budget: int,
+    features: StepFeatures,
+    config: SchedulerConfig,
+    cost: StepCost | None,
+    num_scheduled: dict[str, int],
+    out: dict[str, tuple[int, ...]],
+) -> tuple[int, StepFeatures]:
+    """Each decode row's drafts, cut to the budget left, to the tokens its request may still
+    make, and (with a cost model and a target) to the step's time: the target, or where the
+    decode rows alone take longer, `DRAFT_STRETCH` times their time; into `out` and the rows'
+    scheduled tokens. Returns the budget left and the step's features with them."""
+    timed = cost is not None and config.max_step_ms is not None
+    target = 0.0
+    if timed:
+        assert cost is not None and config.max_step_ms is not None
+        target = max(config.max_step_ms / 1e3, DRAFT_STRETCH * cost.predict(features))
+    for rid in decodes:
+        proposed = drafts.get(rid)
+        if proposed is None:
+            continue
+        s = states[rid]
+        room = s.params.max_tokens - s.num_output_tokens - 1  # the row's own token first
+        n = max(0, min(len(proposed), budget, room))
+        context = decode_context(s)
+        if timed and n > 0:
+            assert cost is not None
+            while n > 0 and cost.predict(features.with_drafts(context, n)) > target:
+                n -= 1
+        out[rid] = tuple(proposed[:n])
+        if n:
+            features = features.with_drafts(context, n)
+            num_scheduled[rid] += n
+            budget -= n
+    return budget, features
 
 
 def prefix_candidates(

@@ -37,12 +37,14 @@ from stepline.engine.prefix_cache import PrefixStore, compact_cache, share_cache
 from stepline.engine.prefix_files import model_cache_layout, model_fingerprint
 from stepline.engine.sampling import PendingSample, RowHistory, RowSampling, Sampler
 from stepline.engine.sequences import NO_ROWS, Ahead, Cache, Rows, Seq
+from stepline.engine.verify import Verify
 from stepline.engine.work import (
     ADMISSION_FAILED,
     CHECKPOINT_FAILED,
     ENCODE_FAILED,
     GRAMMAR_FAILED,
     PREFILL_FAILED,
+    VERIFY_FAILED,
     Housekeeping,
     NewRequest,
     PrefixReport,
@@ -157,6 +159,7 @@ class ModelRunner:
             constraint=self.grammars.matcher(p.grammar) if p.grammar is not None else None,
             images=new.images,
             key=prompt_key(new.prompt_token_ids, new.images) if new.images else None,
+            solo=new.speculate,
         )
 
     def _start_cache(self, new: NewRequest) -> Cache:
@@ -276,11 +279,16 @@ class ModelRunner:
         self.loaded.vision.encoder.run(job, work.start, work.end)
 
     def _fusable(
-        self, chunks: Sequence[ScheduledChunk], failed: Mapping[str, str], batch: Rows
+        self,
+        chunks: Sequence[ScheduledChunk],
+        failed: Mapping[str, str],
+        batch: Rows,
+        others: int = 0,
     ) -> tuple[list[ScheduledChunk], bool]:
         """The chunks a fused forward can take (plain KV caches, no checkpoint inside: a
         snapshot inside a chunk needs a forward that stops there), and whether the decode
-        rows go with them; ([], False) where fewer than two segments would share it."""
+        rows go with them; ([], False) where fewer than two segments would share it
+        (`others`: segments it has beside them, drafting rows')."""
         together = [
             c
             for c in chunks
@@ -292,16 +300,21 @@ class ModelRunner:
             and fused.can_fuse(self._seqs[c.request_id].cache or [], is_batch=False)
         ]
         with_batch = bool(batch) and self._decode.can_fuse()
-        if len(together) + with_batch < 2:
+        if len(together) + with_batch + others < 2:
             return [], False
         return together, with_batch
 
     def _fused_step(
-        self, chunks: list[ScheduledChunk], batch: Rows, failed: dict[str, str]
+        self,
+        chunks: list[ScheduledChunk],
+        batch: Rows,
+        failed: dict[str, str],
+        verifies: Sequence[Verify] = (),
     ) -> tuple[mx.array | None, dict[str, mx.array]] | None:
-        """`chunks` and the decode rows of `batch` in one forward (`engine/fused.py`),
-        evaluated; checkpoints at the chunks' ends are snapshotted after it. Returns the
-        decode rows' logits (None without rows) and each final chunk's last-position logits.
+        """`chunks`, the drafting rows `verifies` (their logits go in each `Verify`) and the
+        decode rows of `batch` in one forward (`engine/fused.py`), evaluated; checkpoints at
+        the chunks' ends are snapshotted after it. Returns the decode rows' logits (None
+        without rows) and each final chunk's last-position logits.
         None if the forward could not be built: every cache is as it was, and the step runs
         them as separate forwards (where a request's fault is pinned on it). A fault while
         evaluating it is the step's, as the decode batch's is."""
@@ -311,6 +324,9 @@ class ModelRunner:
             for s, c in zip(seqs, chunks, strict=True)
         ]
         rows = [[c.num_tokens - 1] if c.is_final else [] for c in chunks]
+        for v in verifies:
+            segments.append(fused.Segment(v.inputs(), v.seq.cache or []))
+            rows.append(list(range(v.num_tokens)))
         groups = self._decode.segments(self._next_inputs()) if batch else []
         segments += groups
         rows += [list(range(g.size)) for g in groups]
@@ -336,7 +352,9 @@ class ModelRunner:
                     continue
             if x is not None:
                 logits[chunk.request_id] = x
-        decoded = [x for x in out[len(chunks) :] if x is not None]  # each group's rows
+        for v, x in zip(verifies, out[len(chunks) :], strict=False):
+            v.logits = x
+        decoded = [x for x in out[len(chunks) + len(verifies) :] if x is not None]
         if not decoded:
             return None, logits
         return (decoded[0] if len(decoded) == 1 else mx.concatenate(decoded)), logits
@@ -392,11 +410,20 @@ class ModelRunner:
                 self._encode(encode)
             except Exception as exc:
                 self._fail(failed, encode.request_id, ENCODE_FAILED, exc)
+        drafts = plan.drafts
+        if plan.decodes and self._seqs.keys() != self._batch.index.keys():
+            self._stop_drafting([rid for rid in plan.decodes if rid not in drafts])
         batch = self._batch
-        if batch.index.keys() != set(plan.decodes):
+        if batch.index.keys() != {rid for rid in plan.decodes if rid not in drafts}:
             raise RuntimeError(
-                f"plan decodes {sorted(plan.decodes)} but the batch holds {sorted(batch.ids)}"
+                f"plan decodes {sorted(plan.decodes)} (drafting: {sorted(drafts)}) but the "
+                f"batch holds {sorted(batch.ids)}"
             )
+        solo = [
+            Verify(self._seqs[rid], d)
+            for rid, d in drafts.items()
+            if rid not in failed and rid in self._seqs
+        ]
 
         for seq in self._checkpointed:
             seq.checkpoints.clear()
@@ -405,15 +432,20 @@ class ModelRunner:
         last_logits: dict[str, mx.array] = {}  # final chunks' last-position logits
         decoded: mx.array | None = None  # the decode rows' logits, if a fused forward ran them
         separate = list(plan.chunks)
+        apart = solo  # drafting rows not in the fused forward
         if self.fuse:  # the decode rows too, unless their forward was built a step ahead
             rows = batch if ahead is None else NO_ROWS
-            together, with_batch = self._fusable(plan.chunks, failed, rows)
-            if together or with_batch:
-                done = self._fused_step(together, batch if with_batch else NO_ROWS, failed)
+            verifies = [v for v in solo if fused.can_fuse(v.seq.cache or [], is_batch=False)]
+            together, with_batch = self._fusable(plan.chunks, failed, rows, len(verifies))
+            if len(together) + with_batch + len(verifies) >= 2:
+                done = self._fused_step(
+                    together, batch if with_batch else NO_ROWS, failed, verifies
+                )
                 if done is not None:
                     decoded, fused_logits = done
                     last_logits.update(fused_logits)
                     separate = [c for c in plan.chunks if c not in together]
+                    apart = [v for v in solo if v not in verifies]
         for chunk in separate:
             if chunk.request_id in failed:
                 continue
@@ -428,13 +460,14 @@ class ModelRunner:
             if chunk.is_final:
                 assert logits is not None
                 last_logits[chunk.request_id] = logits
+        tokens: dict[str, int] = {}
+        drafted = self._verify(solo, apart, tokens, failed)
         # final chunks, in the plan's order: (request, last-position logits)
         finals = [
             (self._seqs[c.request_id], last_logits[c.request_id])
             for c in plan.chunks
             if c.request_id in last_logits and c.request_id not in failed
         ]
-        tokens: dict[str, int] = {}
         logprobs: dict[str, TokenLogprob] = {}
 
         def fail(request_id: str, what: str, exc: BaseException) -> None:
@@ -473,6 +506,7 @@ class ModelRunner:
         self._build_ahead(started)
         return StepResult(
             tokens=tokens,
+            drafted=drafted,
             logprobs=logprobs,
             checkpoints={
                 s.request_id: tuple(s.checkpoints)
@@ -524,14 +558,54 @@ class ModelRunner:
     def _join_finals(self, finals: list[tuple[Seq, mx.array]], failed: dict[str, str]) -> None:
         # A request that ended at its first token (max_tokens=1: asked for, or all the room
         # its prompt left in the context) never joins: merging its cache would pad every row
-        # to its length.
+        # to its length. A drafting one decodes on its own cache until it stops drafting.
         self._join_batch(
             [
                 seq
                 for seq, _ in finals
-                if seq.request_id not in failed and seq.num_generated < seq.params.max_tokens
+                if seq.request_id not in failed
+                and seq.num_generated < seq.params.max_tokens
+                and not seq.solo
             ]
         )
+
+    def _stop_drafting(self, request_ids: Sequence[str]) -> None:
+        """Drafting requests the plan decodes without drafts: they stopped drafting (for
+        good), and join the decode batch before this step's forward."""
+        seqs = [self._seqs[rid] for rid in request_ids if rid in self._seqs]
+        leaving = [s for s in seqs if s.solo and s.output and s.cache is not None]
+        for seq in leaving:
+            seq.solo = False
+        self._join_batch(leaving)
+
+    def _verify(
+        self,
+        solo: list[Verify],
+        apart: list[Verify],
+        tokens: dict[str, int],
+        failed: dict[str, str],
+    ) -> dict[str, tuple[int, ...]]:
+        """The drafting rows' tokens: the forwards of those not in the fused one (`apart`,
+        each on its own; a fault there is that request's), then every row's kept drafts
+        and the target's token after them (`Verify.accept`), its rejected drafts trimmed
+        from its cache. Each row's last token goes in `tokens`; returns the drafts kept."""
+        for v in apart:
+            try:
+                v.logits = self.model(v.inputs()[None], cache=v.seq.cache)[0]
+            except Exception as exc:
+                self._fail(failed, v.seq.request_id, VERIFY_FAILED, exc)
+        ready = [v for v in solo if v.logits is not None and v.seq.request_id not in failed]
+        if not ready:
+            return {}
+        targets = mx.argmax(mx.concatenate([v.logits for v in ready]), axis=-1).tolist()
+        drafted: dict[str, tuple[int, ...]] = {}
+        start = 0
+        for v in ready:
+            kept = v.accept(targets[start : start + v.num_tokens])
+            start += v.num_tokens
+            tokens[v.seq.request_id] = kept[-1]
+            drafted[v.seq.request_id] = tuple(kept[:-1])
+        return drafted
 
     def _next_inputs(self) -> mx.array:
         """Each batch row's last token: the batch's next forward's inputs (B,)."""
@@ -589,9 +663,10 @@ class ModelRunner:
         batch = self._batch
         if not self.lookahead or not batch or self._ahead_error is not None:
             return
-        # Requests outside the batch are prefilling, or ended at their first token.
+        # Requests outside the batch are prefilling, drafting (their rows run in the next
+        # step's fused forward, as a chunk does), or ended at their first token.
         prefilling = len(self._seqs) > len(batch) and any(
-            s.cache is not None and not s.output for s in self._seqs.values()
+            s.cache is not None and (s.solo or not s.output) for s in self._seqs.values()
         )
         if started is None and not decode_runs_apart(fused_steps=self.fuse, prefilling=prefilling):
             return  # a prompt is mid-prefill: the next step runs these rows in its chunk's forward

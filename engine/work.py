@@ -22,6 +22,9 @@ class NewRequest:
     prefix: Tokens | None = None  # the prefix-cache entry it starts from, if any
     num_cached_tokens: int = 0  # of that entry, the tokens it uses (<= len(prefix))
     images: tuple[PromptImage, ...] = ()  # the prompt's images (spans and encoder inputs)
+    # it drafts (engine/speculative.py): its rows run against its own cache until a plan
+    # leaves it out of `StepPlan.drafts`, when it joins the decode batch
+    speculate: bool = False
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,8 @@ class TokenLogprob:
 class StepResult:
     # request_id -> the token sampled for it this step (decodes and final chunks)
     tokens: Mapping[str, int] = field(default_factory=dict)
+    # request_id -> the drafted tokens it kept this step, before `tokens[request_id]`
+    drafted: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     # request_id -> its token's logprobs, where asked for
     logprobs: Mapping[str, TokenLogprob] = field(default_factory=dict)
     # request_id -> checkpoint offsets snapshotted this step, in order
@@ -71,6 +76,7 @@ PREFILL_FAILED = "the forward pass of this request's prompt failed"
 ENCODE_FAILED = "the vision encoder failed on this request's image"
 CHECKPOINT_FAILED = "this request's checkpoint (snapshot or on_checkpoint hook) failed"
 SAMPLING_FAILED = "sampling this request's next token failed"
+VERIFY_FAILED = "the forward pass of this request's drafted tokens failed"
 # followed by ": " and llguidance's reason (a limit the schema hit, in `grammar.LIMITS`)
 GRAMMAR_FAILED = "the grammar of this request's structured output failed mid-generation"
 

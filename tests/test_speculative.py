@@ -1,0 +1,281 @@
+"""Speculative decoding (engine/speculative.py): drafts from a request's own tokens, verified
+in the step, the same greedy tokens as without them, and fewer steps where output copies."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import anyio
+import pytest
+from core_driver import make_core, params
+
+from stepline.api import Engine, SamplingParams
+from stepline.api.cli import main
+from stepline.api.config import EngineConfig
+from stepline.engine.cost_model import StepCost
+from stepline.engine.policy import SchedulerConfig
+from stepline.engine.speculative import (
+    PATIENCE_STEPS,
+    WINDOW,
+    Drafter,
+    SpeculativeConfig,
+    accept_greedy,
+    parse_speculative_config,
+)
+from stepline.engine.work import StepResult
+from stepline.events.log import read_events
+from stepline.events.models import StepPlanned, TokensSampled
+from stepline.events.replay.summary import request_why, summarize
+
+NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
+NGRAM_JSON = '{"method": "ngram", "num_speculative_tokens": 4}'
+
+# -- the config ---------------------------------------------------------------------------
+
+
+def test_the_config_reads_vllms_shape_and_says_what_is_wrong():
+    config = parse_speculative_config(
+        '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'
+    )
+    assert config == SpeculativeConfig(
+        method="ngram", num_speculative_tokens=3, prompt_lookup_min=2, prompt_lookup_max=4
+    )
+    assert parse_speculative_config(None) is None
+    with pytest.raises(ValueError, match="'draft_model' is not supported"):
+        parse_speculative_config('{"method": "draft_model", "model": "x"}')
+    with pytest.raises(ValueError, match="not JSON"):
+        parse_speculative_config("{method: ngram")
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        parse_speculative_config('{"method": "ngram"}')
+    with pytest.raises(ValueError, match="must not exceed"):
+        parse_speculative_config(
+            '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 6}'
+        )
+    with pytest.raises(ValueError, match="speculative_config"):
+        EngineConfig(speculative_config='{"method": "ngram", "num_speculative_tokens": 0}')
+    assert EngineConfig(speculative_config=NGRAM_JSON).speculative_config == NGRAM
+
+
+# -- drafting and accepting ---------------------------------------------------------------
+
+
+def test_a_drafter_proposes_what_followed_the_latest_earlier_occurrence_of_its_suffix():
+    drafter = Drafter(NGRAM, [1, 2, 3, 4, 5, 6, 9, 2, 3, 7, 8])
+    assert drafter.propose() == ()  # "7 8" occurred nowhere before
+    drafter.extend([9, 2, 3])
+    # "9 2 3" last occurred at 6-8 (followed by 7 8 9 2), over "2 3" at 1-2 (followed by 4)
+    assert drafter.propose() == (7, 8, 9, 2)
+    assert drafter.propose(most=2) == (7, 8)
+
+
+def test_k_grows_after_full_acceptance_and_falls_to_what_was_kept():
+    drafter = Drafter(SpeculativeConfig(method="ngram", num_speculative_tokens=6), [1])
+    drafter.k = 3
+    drafter.observe(3, 3)
+    assert drafter.k == 4
+    drafter.observe(4, 1)
+    assert drafter.k == 2
+    drafter.observe(2, 0)
+    assert drafter.k == 1
+
+
+def test_a_request_that_copies_nothing_or_keeps_nothing_stops_drafting():
+    idle = Drafter(NGRAM, [1, 2, 1, 2])
+    for _ in range(PATIENCE_STEPS - 1):
+        idle.observe(0, 0)
+    assert idle.active
+    idle.observe(0, 0)
+    assert not idle.active and idle.propose() == ()
+
+    wrong = Drafter(NGRAM, [1, 2, 1, 2])
+    for _ in range(WINDOW):
+        wrong.observe(2, 0)
+    assert not wrong.active
+
+
+def test_greedy_acceptance_keeps_the_agreeing_drafts_and_the_targets_next_token():
+    assert accept_greedy([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]
+    assert accept_greedy([5, 6, 7], [5, 9, 7, 8]) == [5, 9]
+    assert accept_greedy([5, 6, 7], [4, 6, 7, 8]) == [4]
+    assert accept_greedy([], [4]) == [4]
+
+
+# -- the scheduler ------------------------------------------------------------------------
+
+
+def _decoding_core(config: SchedulerConfig, cost: StepCost | None = None, max_tokens: int = 64):
+    """A core with request r0 decoding (its first token 1) after a prompt that repeats, so
+    that it drafts: its tokens end "15 16 17 18 11", last seen followed by "12 13 14 15"
+    (token 2 is the end of sequence)."""
+    core = make_core(config=config, cost=cost, speculative=NGRAM)
+    core.add("r0", list(range(11, 19)) * 4, params(max_tokens=max_tokens))
+    while core.states["r0"].num_output_tokens == 0:
+        work = core.schedule()
+        assert work is not None and not work.plan.drafts
+        assert all(n.speculate for n in work.admit)
+        final = any(c.is_final for c in work.plan.chunks)
+        core.update_from_output(work, StepResult(tokens={"r0": 11} if final else {}))
+    return core
+
+
+def test_drafts_take_what_the_budget_leaves_after_every_decode_rows_token():
+    core = _decoding_core(SchedulerConfig(max_step_tokens=3, max_num_seqs=2, max_step_ms=None))
+    plan = core.schedule().plan
+    assert plan.decodes == ("r0",)
+    assert plan.drafts == {"r0": (12, 13)}  # 4 proposed, 2 fit beside its own token
+    assert plan.num_scheduled_tokens == {"r0": 3}
+
+
+def test_drafts_stop_at_the_tokens_a_request_may_still_make():
+    core = _decoding_core(SchedulerConfig(max_step_tokens=64, max_step_ms=None), max_tokens=3)
+    assert core.schedule().plan.drafts == {"r0": (12,)}  # 1 made, its own token, then 1 draft
+
+
+def test_drafts_are_cut_to_the_time_target_by_the_cost_model():
+    # 1 ms a step, 0.5 ms a decode row, 30 ms a drafted token: under 100 ms, 3 drafts
+    cost = StepCost(step=0.001, per_decode_row=0.0005, per_prefill_token=0.03)
+    core = _decoding_core(SchedulerConfig(max_step_tokens=64, max_step_ms=100), cost)
+    assert core.schedule().plan.drafts == {"r0": (12, 13, 14)}
+
+
+def test_kept_drafts_are_rows_of_the_decoding_event_and_a_stop_token_ends_them():
+    core = _decoding_core(SchedulerConfig(max_step_tokens=64, max_step_ms=None))
+    work = core.schedule()
+    assert work.plan.drafts == {"r0": (12, 13, 14, 15)}
+    out = core.update_from_output(
+        work, StepResult(tokens={"r0": 9}, drafted={"r0": (12, 13, 14)})
+    )  # 3 kept, then the target's own token
+    assert out.updates["r0"].token_ids == [12, 13, 14, 9]
+    assert core.states["r0"].num_output_tokens == 5
+    event = [e for e in core.take_events() if isinstance(e, TokensSampled)][-1]
+    assert event.request_ids == ("r0",) * 4 and event.token_ids == (12, 13, 14, 9)
+
+    work = core.schedule()
+    out = core.update_from_output(work, StepResult(tokens={"r0": 6}, drafted={"r0": (2, 2)}))
+    assert out.updates["r0"].token_ids == [2]  # EOS (2) ends it: nothing after is kept
+    assert out.updates["r0"].finish is not None and "r0" not in core.states
+
+
+# -- the engine ---------------------------------------------------------------------------
+
+# Prompts a random-weight demo continues by repeating itself: drafts are kept.
+PROMPTS = [
+    [11, 12, 13, 14, 15, 16, 17, 18] * 6,
+    [21, 22, 23] * 12 + [24, 25],
+    list(range(30, 90)),
+    [40, 41, 42, 43] * 9,
+]
+
+
+async def _generate(spec: str | None, log: Path | None = None, **kw) -> list[list[int]]:
+    options = {"max_step_tokens": 40, "max_num_seqs": 8, "max_step_ms": None, **kw}
+    if spec is not None:
+        options["speculative_config"] = spec
+    if log is not None:
+        options["event_log"] = str(log)
+    out: list[list[int]] = [[] for _ in PROMPTS]
+    async with Engine.open("stepline-demo", **options) as engine:
+
+        async def one(i: int) -> None:
+            p = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+            async for o in engine.generate(PROMPTS[i], params=p, request_id=f"r{i}"):
+                out[i].extend(o.token_ids)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(PROMPTS)):
+                tg.start_soon(one, i)
+    return out
+
+
+async def test_batched_chunked_greedy_output_is_the_same_with_drafts_and_takes_fewer_steps(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):
+    plain = await _generate(None, tmp_path / "plain.jsonl")
+    drafted = await _generate(NGRAM_JSON, tmp_path / "drafted.jsonl")
+    assert drafted == plain
+    assert all(len(o) == 48 for o in drafted)
+
+    events = list(read_events(tmp_path / "drafted.jsonl"))
+    kept = Counter()
+    for e in events:
+        if isinstance(e, TokensSampled):
+            for rid, n in Counter(e.request_ids).items():
+                kept[rid] += n - 1
+    assert sum(kept.values()) >= 24  # drafts were kept: fewer steps made the same tokens
+    proposed = sum(
+        n - 1
+        for e in events
+        if isinstance(e, StepPlanned)
+        for n, kind in zip(e.num_tokens, e.kinds, strict=True)
+        if kind == "decode"
+    )
+    assert proposed >= sum(kept.values())
+    # prompts were chunked beside drafting rows, every step within the budget
+    plans = [e for e in events if isinstance(e, StepPlanned)]
+    assert any("prefill" in p.kinds and "decode" in p.kinds for p in plans)
+    assert all(sum(p.num_tokens) <= 40 for p in plans)
+
+    def steps_of(rid: str, events) -> int:
+        return sum(isinstance(e, TokensSampled) and rid in e.request_ids for e in events)
+
+    plain_events = list(read_events(tmp_path / "plain.jsonl"))
+    assert steps_of("r0", events) <= steps_of("r0", plain_events) - kept["r0"]
+    assert kept["r0"] > 0
+
+    # replay says it: over the run and for one request, the figures the log holds
+    drafts = summarize(tmp_path / "drafted.jsonl").drafts
+    assert drafts is not None
+    assert (drafts.num_proposed, drafts.num_accepted) == (proposed, sum(kept.values()))
+    assert summarize(tmp_path / "plain.jsonl").drafts is None
+    why = request_why(tmp_path / "drafted.jsonl", "r0")
+    assert why.num_kept == kept["r0"]
+    assert main(["replay", str(tmp_path / "drafted.jsonl"), "--request", "r0"]) == 0
+    assert f"{kept['r0']} kept" in capsys.readouterr().out
+
+
+async def test_a_drafted_request_ends_at_max_tokens_and_at_its_stop_token_exactly():
+    plain = await _generate(None, max_step_tokens=64)
+    stop = plain[0][20]
+    for spec in (None, NGRAM_JSON):
+        options = {"max_step_tokens": 64, "max_step_ms": None}
+        if spec:
+            options["speculative_config"] = spec
+        async with Engine.open("stepline-demo", **options) as engine:
+            p = SamplingParams(max_tokens=7, temperature=0, ignore_eos=True)
+            short = [t async for o in engine.generate(PROMPTS[0], params=p) for t in o.token_ids]
+            p = SamplingParams(max_tokens=48, temperature=0, stop_token_ids=[stop])
+            outs = [o async for o in engine.generate(PROMPTS[0], params=p)]
+        assert short == plain[0][:7]
+        tokens = [t for o in outs for t in o.token_ids]
+        assert tokens == plain[0][: plain[0].index(stop) + 1]
+        assert outs[-1].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("model", ["stepline-demo-hybrid", "stepline-demo-sliding"])
+async def test_a_model_whose_caches_cannot_be_cut_back_is_refused_with_a_reason(model: str):
+    with pytest.raises(ValueError, match="cannot be cut back past rejected drafts"):
+        async with Engine.open(model, speculative_config=NGRAM_JSON):
+            pass
+
+
+async def test_sampled_requests_decode_as_before_beside_drafting_ones():
+    async with Engine.open(
+        "stepline-demo", max_step_tokens=64, max_step_ms=None, speculative_config=NGRAM_JSON
+    ) as engine:
+        seeded = SamplingParams(max_tokens=24, temperature=0.8, seed=7, ignore_eos=True)
+        greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+        async def tokens(prompt, p):
+            return [t async for o in engine.generate(prompt, params=p) for t in o.token_ids]
+
+        alone = await tokens(PROMPTS[1], seeded)
+        together: list[list[int]] = [[], []]
+
+        async def put(i, prompt, p):
+            together[i] = await tokens(prompt, p)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(put, 0, PROMPTS[1], seeded)
+            tg.start_soon(put, 1, PROMPTS[0], greedy)
+    assert together[0] == alone
