@@ -540,6 +540,13 @@ def _why_lines(s: Summary) -> list[str]:
     if s.held_reasons:
         held = ", ".join(f"{k} {n}" for k, n in s.held_reasons.items())
         lines.append(f"requests sat steps out for: {held}")
+    d = s.drafts
+    if d is not None:
+        lines.append(
+            f"drafts: {d.num_proposed} proposed in {_plural(d.num_rows, 'decode row')} of "
+            f"{_plural(d.num_requests, 'request')}, {d.num_accepted} kept "
+            f"({100 * d.acceptance:.0f}%)"
+        )
     return lines
 
 
@@ -573,6 +580,8 @@ def _text_why(w: RequestWhy) -> list[str]:
         + ")"
     )
     lines = [queued, f"  {w.summary_line()}"]
+    if (drafts := w.drafts_line()) is not None:
+        lines.append(f"  {drafts}")
     if w.num_suffered:
         causes = "; ".join(
             f"{_times(c.num_stalls)} by "

@@ -10,7 +10,7 @@ events read as a log of that model alone.
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -198,6 +198,7 @@ class Summary(Report):
     # out (reason -> times); empty for logs before schema 7
     chunk_limits: dict[str, int] = Field(default_factory=dict)
     held_reasons: dict[str, int] = Field(default_factory=dict)
+    drafts: Drafts | None = None  # speculative decoding's drafts (None: nothing drafted)
     slowest_steps: tuple[SlowStep, ...]
     longest_idle: tuple[IdleGap, ...]
     in_flight: tuple[InFlight, ...]  # unfinished when the log ends
@@ -225,6 +226,60 @@ class _Track:
         if self.num_computed >= self.num_prompt_tokens:
             return Status.DECODING
         return Status.PREFILLING if self.chunked else Status.WAITING
+
+
+class Drafts(Report):
+    """Speculative decoding (engine/speculative.py): drafted tokens the steps verified and
+    how many the target model kept."""
+
+    num_proposed: int  # drafted tokens, over every drafting decode row
+    num_accepted: int  # of which kept
+    num_rows: int  # decode rows that carried drafts
+    num_requests: int  # requests that drafted
+
+    @property
+    def acceptance(self) -> float:
+        return self.num_accepted / self.num_proposed if self.num_proposed else 0.0
+
+
+class _DraftTally:
+    """Drafts per decode row from a step's plan (its tokens past the row's one), kept ones
+    from the step's decoding event (the row's tokens past one)."""
+
+    def __init__(self) -> None:
+        self.pending: dict[str, int] = {}  # this step's drafting rows -> drafts
+        self.proposed = self.accepted = self.rows = 0
+        self.requests: set[str] = set()
+
+    def planned(self, ids: Sequence[str], tokens: Sequence[int], num_decode: int) -> None:
+        pending = self.pending = {}
+        for i in range(num_decode):
+            if tokens[i] > 1:
+                pending[ids[i]] = tokens[i] - 1
+        if pending:
+            self.proposed += sum(pending.values())
+            self.rows += len(pending)
+            self.requests.update(pending)
+
+    def decoded(self, ids: Sequence[str]) -> dict[str, int]:
+        """This step's kept drafts per drafting row ({} where none drafted)."""
+        pending, self.pending = self.pending, {}
+        if not pending:
+            return {}
+        counts = Counter(rid for rid in ids if rid in pending)
+        kept = {rid: min(n, max(0, counts[rid] - 1)) for rid, n in pending.items()}
+        self.accepted += sum(kept.values())
+        return kept
+
+    def report(self) -> Drafts | None:
+        if not self.rows:
+            return None
+        return Drafts(
+            num_proposed=self.proposed,
+            num_accepted=self.accepted,
+            num_rows=self.rows,
+            num_requests=len(self.requests),
+        )
 
 
 class StepTimes(Report):
@@ -264,6 +319,7 @@ class _Summariser:
         self.book = StallBook()
         self.limits: Counter[str] = Counter()
         self.held: Counter[str] = Counter()
+        self.drafts = _DraftTally()
         self.num_events = self.num_steps = 0
         self.num_prompt = self.num_cached = self.num_prefilled = self.num_output = 0
         self.num_measured = self.num_decode_steps = self.num_over = self.num_warming = 0
@@ -435,6 +491,12 @@ class _Summariser:
 
     def decoding(self, event: TokensSampled) -> None:
         ids, ts, step = event.request_ids, event.ts, event.step
+        if self.drafts.pending:
+            proposed = self.drafts.pending
+            kept = self.drafts.decoded(ids)
+            focus = self.focus
+            if focus is not None and focus.request_id in kept:
+                focus.drafted(proposed[focus.request_id], kept[focus.request_id])
         rows = self.rows
         prev_set = rows.prev_set
         prev_ts, prev_step = rows.prev_ts, rows.prev_step
@@ -508,6 +570,8 @@ class _Summariser:
                 self.limits.update(filter(None, event.limits[n_decode:]))
         if event.held_reasons:
             self.held.update(event.held_reasons)
+        if n_decode and used > n_decode + span.num_chunk_tokens:  # drafting decode rows
+            self.drafts.planned(event.request_ids, event.num_tokens, n_decode)
         if self.focus is not None:
             self.focus.planned(event, event.ts)
         self.utilisation.add(used / event.max_step_tokens)
@@ -697,6 +761,7 @@ def _summary(
         step_time=s.step_times(),
         chunk_limits=dict(s.limits.most_common()),
         held_reasons=dict(s.held.most_common()),
+        drafts=s.drafts.report(),
         slowest_steps=tuple(s.slow_steps.items()),
         longest_idle=tuple(s.idle_gaps.items()),
         in_flight=tuple(s.in_flight),

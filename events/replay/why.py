@@ -43,6 +43,20 @@ class RequestWhy(Report):
     num_suffered: int
     suffered_s: float
     caused: StallCause | None  # the stalls of other requests' streams its prompt work caused
+    # speculative decoding: drafted tokens verified, kept, and the steps it drafted in
+    num_drafted: int = 0
+    num_kept: int = 0
+    num_drafting_steps: int = 0
+
+    def drafts_line(self) -> str | None:
+        """'drafts: 120 proposed in 30 steps, 96 kept (80%)'; None where it drafted none."""
+        if not self.num_drafted:
+            return None
+        share = 100 * self.num_kept / self.num_drafted
+        steps = f"{self.num_drafting_steps} step" + ("s" if self.num_drafting_steps != 1 else "")
+        return (
+            f"drafts: {self.num_drafted} proposed in {steps}, {self.num_kept} kept ({share:.0f}%)"
+        )
 
     def summary_line(self) -> str:
         """'prefill: 57 chunks x 48.1 ms mean step, bound by time target 41, budget 15, ...'"""
@@ -91,6 +105,14 @@ class Focus:
     first_chunk_ts: float | None = None
     last_chunk_end: float | None = None
     waits: list[tuple[float, StepSpan | None]] = field(default_factory=list)
+    num_drafted: int = 0
+    num_kept: int = 0
+    num_drafting_steps: int = 0
+
+    def drafted(self, proposed: int, kept: int) -> None:
+        self.num_drafted += proposed
+        self.num_kept += kept
+        self.num_drafting_steps += 1
 
     def planned(self, event, step_ts: float) -> None:  # a step (validated or light)
         ids = event.request_ids
@@ -163,4 +185,7 @@ def explain(focus: Focus, threshold: float, caused: StallCause | None) -> Reques
         num_suffered=sum(s.num_stalls for s in suffered),
         suffered_s=sum(s.seconds for s in suffered),
         caused=caused,
+        num_drafted=focus.num_drafted,
+        num_kept=focus.num_kept,
+        num_drafting_steps=focus.num_drafting_steps,
     )
