@@ -49,7 +49,7 @@ def source_file(seed: int, tokens: int) -> str:
             f"def item_{seed}_{i}(count, price):",
             f'    """The value of stock {i}, with {seed + i}% tax."""',
             f"    total = count * price * {1 + (seed + i) / 100:.2f}",
-            f"    return math.floor(total * 100) / 100",
+            "    return math.floor(total * 100) / 100",
             "",
         ]
         i += 1
