@@ -44,6 +44,7 @@ from stepline.engine.work import (
     ENCODE_FAILED,
     GRAMMAR_FAILED,
     PREFILL_FAILED,
+    SAMPLING_FAILED,
     VERIFY_FAILED,
     Housekeeping,
     NewRequest,
@@ -597,7 +598,19 @@ class ModelRunner:
         ready = [v for v in solo if v.logits is not None and v.seq.request_id not in failed]
         if not ready:
             return {}
-        targets = mx.argmax(mx.concatenate([v.logits for v in ready]), axis=-1).tolist()
+        # each position's pick by its row's own sampling, at the output index it would have
+        # been sampled at without drafts (a seeded row's noise is keyed by it)
+        rows = [v.seq.sampling for v in ready for _ in range(v.num_tokens)]
+        positions = [v.seq.num_generated + j for v in ready for j in range(v.num_tokens)]
+        try:
+            logits = mx.concatenate([v.logits for v in ready])
+            targets = self.sampler.sample(logits, rows, positions).tokens
+        except Exception as exc:
+            if is_collective_error(exc):
+                raise
+            for v in ready:
+                self._fail(failed, v.seq.request_id, SAMPLING_FAILED, exc)
+            return {}
         drafted: dict[str, tuple[int, ...]] = {}
         start = 0
         for v in ready:

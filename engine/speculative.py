@@ -1,9 +1,14 @@
 """Speculative decoding: drafts from a request's own tokens, verified inside the step.
 
 A decode row may carry drafted tokens: the step's forward computes the row's last token and
-its drafts together, and the row keeps the drafts the target model agrees with, plus the
-token the target model gives after them (`accept_greedy`). On a model whose decode forward
-is bound by reading its weights, verifying k drafts costs about as much as one token.
+its drafts together, the row's own sampling picks the token at each of those places, and the
+row keeps the drafts that equal those picks, plus the pick after the last one kept
+(`accept`). Every token kept is the one the row would have sampled without drafts: a greedy
+row's argmax, and a sampled row's draw, whose randomness is the same function of (seed,
+position) as without drafts (engine/sampling.py draws by Gumbel-max with position-keyed
+noise), so seeded output is the same token for token, and an unseeded row's tokens are
+exact draws from the target model's distribution. On a model whose decode forward is bound
+by reading its weights, verifying k drafts costs about as much as one token.
 
 Drafts come from prompt lookup (`method: "ngram"`, vLLM's name): the latest earlier place
 in the request's prompt and output where its last n tokens occurred, and the tokens that
@@ -11,8 +16,8 @@ followed there. Agents copy (an edited file, a diff, a JSON document whose keys 
 given), and copying is what this finds. No second model is involved.
 
 Who does what:
-- the scheduler core keeps a `Drafter` for each request that may speculate (greedy rows
-  with no grammar, penalties or logprobs: `speculates`), proposes its drafts each step and
+- the scheduler core keeps a `Drafter` for each request that may speculate (rows with no
+  grammar, penalties or logprobs: `speculates`), proposes its drafts each step and
   hears how many were accepted; k follows the acceptance (`Drafter.observe`), and a request
   whose drafts keep being rejected, or that finds nothing to copy, stops drafting for good;
 - the policy (`engine/policy.py`) fits the drafts into the step's token budget and time;
@@ -89,12 +94,11 @@ def parse_speculative_config(text: str | dict | None) -> SpeculativeConfig | Non
 
 
 def speculates(params: RequestParams) -> bool:
-    """Whether a request's tokens can be drafted and verified: greedy, and nothing read per
-    token beside the logits' argmax (a grammar's mask, penalties over the history,
+    """Whether a request's tokens can be drafted and verified: nothing read per token beside
+    the logits and the row's sampling (not a grammar's mask, penalties over the history, or
     logprobs)."""
     return (
-        params.temperature == 0
-        and params.grammar is None
+        params.grammar is None
         and params.logprobs is None
         and params.presence_penalty == 0
         and params.frequency_penalty == 0
@@ -170,10 +174,10 @@ class Drafter:
                 self.active = False
 
 
-def accept_greedy(drafts: Sequence[int], targets: Sequence[int]) -> list[int]:
-    """The tokens a greedy row keeps: its drafts while each equals the target model's token
-    at its place, then the target model's token after the last one kept (`targets`: the
-    argmax at each of the row's positions, one more than `drafts`)."""
+def accept(drafts: Sequence[int], targets: Sequence[int]) -> list[int]:
+    """The tokens a row keeps: its drafts while each equals the token its sampling picked at
+    that place, then the pick after the last one kept (`targets`: the pick at each of the
+    row's positions, one more than `drafts`)."""
     kept: list[int] = []
     for draft, target in zip(drafts, targets, strict=False):
         if draft != target:

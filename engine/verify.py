@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from stepline.engine.sequences import Seq
-from stepline.engine.speculative import accept_greedy
+from stepline.engine.speculative import accept
 
 
 @dataclass(eq=False)
@@ -33,7 +33,7 @@ class Verify:
         at most what its `max_tokens` leaves: into its output, and its cache cut back to
         hold every token but the newest (as every decoding row's does)."""
         seq = self.seq
-        kept = accept_greedy(self.drafts, targets)
+        kept = accept(self.drafts, targets)
         del kept[max(1, seq.params.max_tokens - seq.num_generated) :]
         rejected = self.num_tokens - len(kept)
         if rejected:
