@@ -11,7 +11,7 @@ over the time from each request's first token to its last, summed over the batch
 time) with and without drafts, their ratio (median of the repeats), whether the outputs
 were the same token for token, and the drafts kept.
 
-    .venv/bin/python benchmarks/speculative_bench.py [--model M] [--repeats 3] [--batch 8]
+    .venv/bin/python benchmarks/speculative_bench.py [--model M] [--repeats 3] [--batches 1,8]
 """
 
 from __future__ import annotations
@@ -115,13 +115,13 @@ async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="default: SmolLM2 (stepline's default)")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--batches", default="1,8", help="batch sizes, comma-separated")
     ap.add_argument("--file-tokens", type=int, default=1500)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--workloads", default="edit,chat")
     args = ap.parse_args()
     for workload in args.workloads.split(","):
-        for n in (1, args.batch):
+        for n in (int(b) for b in args.batches.split(",")):
             if workload == "edit":
                 batch = [edit_messages(i, args.file_tokens) for i in range(n)]
             else:
