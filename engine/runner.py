@@ -37,15 +37,13 @@ from stepline.engine.prefix_cache import PrefixStore, compact_cache, share_cache
 from stepline.engine.prefix_files import model_cache_layout, model_fingerprint
 from stepline.engine.sampling import PendingSample, RowHistory, RowSampling, Sampler
 from stepline.engine.sequences import NO_ROWS, Ahead, Cache, Rows, Seq
-from stepline.engine.verify import Verify
+from stepline.engine.verify import Verify, verify_rows
 from stepline.engine.work import (
     ADMISSION_FAILED,
     CHECKPOINT_FAILED,
     ENCODE_FAILED,
     GRAMMAR_FAILED,
     PREFILL_FAILED,
-    SAMPLING_FAILED,
-    VERIFY_FAILED,
     Housekeeping,
     NewRequest,
     PrefixReport,
@@ -462,7 +460,11 @@ class ModelRunner:
                 assert logits is not None
                 last_logits[chunk.request_id] = logits
         tokens: dict[str, int] = {}
-        drafted = self._verify(solo, apart, tokens, failed)
+
+        def fail(request_id: str, what: str, exc: BaseException) -> None:
+            self._fail(failed, request_id, what, exc)
+
+        drafted = verify_rows(self.model, self.sampler, solo, apart, tokens, failed, fail)
         # final chunks, in the plan's order: (request, last-position logits)
         finals = [
             (self._seqs[c.request_id], last_logits[c.request_id])
@@ -470,9 +472,6 @@ class ModelRunner:
             if c.request_id in last_logits and c.request_id not in failed
         ]
         logprobs: dict[str, TokenLogprob] = {}
-
-        def fail(request_id: str, what: str, exc: BaseException) -> None:
-            self._fail(failed, request_id, what, exc)
 
         sample = step_sampling.sample_step
         started: mx.array | None = None  # the next step's forward, if already built
@@ -578,47 +577,6 @@ class ModelRunner:
         for seq in leaving:
             seq.solo = False
         self._join_batch(leaving)
-
-    def _verify(
-        self,
-        solo: list[Verify],
-        apart: list[Verify],
-        tokens: dict[str, int],
-        failed: dict[str, str],
-    ) -> dict[str, tuple[int, ...]]:
-        """The drafting rows' tokens: the forwards of those not in the fused one (`apart`,
-        each on its own; a fault there is that request's), then every row's kept drafts
-        and the target's token after them (`Verify.accept`), its rejected drafts trimmed
-        from its cache. Each row's last token goes in `tokens`; returns the drafts kept."""
-        for v in apart:
-            try:
-                v.logits = self.model(v.inputs()[None], cache=v.seq.cache)[0]
-            except Exception as exc:
-                self._fail(failed, v.seq.request_id, VERIFY_FAILED, exc)
-        ready = [v for v in solo if v.logits is not None and v.seq.request_id not in failed]
-        if not ready:
-            return {}
-        # each position's pick by its row's own sampling, at the output index it would have
-        # been sampled at without drafts (a seeded row's noise is keyed by it)
-        rows = [v.seq.sampling for v in ready for _ in range(v.num_tokens)]
-        positions = [v.seq.num_generated + j for v in ready for j in range(v.num_tokens)]
-        try:
-            logits = mx.concatenate([v.logits for v in ready])
-            targets = self.sampler.sample(logits, rows, positions).tokens
-        except Exception as exc:
-            if is_collective_error(exc):
-                raise
-            for v in ready:
-                self._fail(failed, v.seq.request_id, SAMPLING_FAILED, exc)
-            return {}
-        drafted: dict[str, tuple[int, ...]] = {}
-        start = 0
-        for v in ready:
-            kept = v.accept(targets[start : start + v.num_tokens])
-            start += v.num_tokens
-            tokens[v.seq.request_id] = kept[-1]
-            drafted[v.seq.request_id] = tuple(kept[:-1])
-        return drafted
 
     def _next_inputs(self) -> mx.array:
         """Each batch row's last token: the batch's next forward's inputs (B,)."""

@@ -4,12 +4,17 @@ kept, the rest trimmed from the cache."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 
+from stepline.engine.sampling import Sampler
 from stepline.engine.sequences import Seq
 from stepline.engine.speculative import accept
+from stepline.engine.step_sampling import Fail
+from stepline.engine.work import SAMPLING_FAILED, VERIFY_FAILED, is_collective_error
 
 
 @dataclass(eq=False)
@@ -41,6 +46,50 @@ class Verify:
                 layer.trim(rejected)
         seq.output.extend(kept)
         return kept
+
+
+def verify_rows(
+    model: Any,
+    sampler: Sampler,
+    solo: list[Verify],
+    apart: list[Verify],
+    tokens: dict[str, int],
+    failed: Mapping[str, str],
+    fail: Fail,
+) -> dict[str, tuple[int, ...]]:
+    """A step's drafting rows (`solo`): the forwards of those not in the step's fused one
+    (`apart`, each on its own; a fault there is that request's, `fail`), then each place's
+    pick by its row's own sampling, at the output index it would have been sampled at
+    without drafts (a seeded row's noise is keyed by it), and every row's kept drafts and
+    the pick after them (`Verify.accept`). Each row's last token goes in `tokens`; returns
+    the drafts each kept. Rows of requests in `failed` are skipped."""
+    for v in apart:
+        try:
+            v.logits = model(v.inputs()[None], cache=v.seq.cache)[0]
+        except Exception as exc:
+            fail(v.seq.request_id, VERIFY_FAILED, exc)
+    ready = [v for v in solo if v.logits is not None and v.seq.request_id not in failed]
+    if not ready:
+        return {}
+    rows = [v.seq.sampling for v in ready for _ in range(v.num_tokens)]
+    positions = [v.seq.num_generated + j for v in ready for j in range(v.num_tokens)]
+    try:
+        logits = mx.concatenate([v.logits for v in ready if v.logits is not None])
+        targets = sampler.sample(logits, rows, positions).tokens
+    except Exception as exc:
+        if is_collective_error(exc):
+            raise
+        for v in ready:
+            fail(v.seq.request_id, SAMPLING_FAILED, exc)
+        return {}
+    drafted: dict[str, tuple[int, ...]] = {}
+    start = 0
+    for v in ready:
+        kept = v.accept(targets[start : start + v.num_tokens])
+        start += v.num_tokens
+        tokens[v.seq.request_id] = kept[-1]
+        drafted[v.seq.request_id] = tuple(kept[:-1])
+    return drafted
 
 
 def check_speculation(model: object) -> None:
