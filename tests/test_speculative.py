@@ -4,6 +4,7 @@ in the step, the same greedy tokens as without them, and fewer steps where outpu
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
@@ -169,7 +170,17 @@ PROMPTS = [
 ]
 
 
-async def _generate(spec: str | None, log: Path | None = None, **kw) -> list[list[int]]:
+GREEDY = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+
+
+async def _generate(
+    spec: str | None,
+    log: Path | None = None,
+    params: Callable[[int], SamplingParams] = lambda i: GREEDY,
+    **kw,
+) -> list[list[int]]:
+    """Each of `PROMPTS` sent together, request i with `params(i)`, on stepline-demo with
+    `spec` as its speculative config; their tokens."""
     options = {"max_step_tokens": 40, "max_num_seqs": 8, "max_step_ms": None, **kw}
     if spec is not None:
         options["speculative_config"] = spec
@@ -179,8 +190,7 @@ async def _generate(spec: str | None, log: Path | None = None, **kw) -> list[lis
     async with Engine.open("stepline-demo", **options) as engine:
 
         async def one(i: int) -> None:
-            p = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
-            async for o in engine.generate(PROMPTS[i], params=p, request_id=f"r{i}"):
+            async for o in engine.generate(PROMPTS[i], params=params(i), request_id=f"r{i}"):
                 out[i].extend(o.token_ids)
 
         async with anyio.create_task_group() as tg:
@@ -273,24 +283,10 @@ async def test_seeded_sampled_output_is_the_same_with_drafts_token_for_token(tmp
         "ignore_eos": True,
     }
 
-    async def run(spec: str | None, log: Path) -> list[list[int]]:
-        options: dict = {"max_step_tokens": 48, "max_step_ms": None, "event_log": str(log)}
-        if spec is not None:
-            options["speculative_config"] = spec
-        out: list[list[int]] = [[] for _ in PROMPTS]
-        async with Engine.open("stepline-demo", **options) as engine:
+    def params(i: int) -> SamplingParams:
+        return SamplingParams(seed=100 + i, **seeded)
 
-            async def one(i: int) -> None:
-                p = SamplingParams(seed=100 + i, **seeded)
-                async for o in engine.generate(PROMPTS[i], params=p, request_id=f"s{i}"):
-                    out[i].extend(o.token_ids)
-
-            async with anyio.create_task_group() as tg:
-                for i in range(len(PROMPTS)):
-                    tg.start_soon(one, i)
-        return out
-
-    plain = await run(None, tmp_path / "plain.jsonl")
-    assert await run(NGRAM_JSON, tmp_path / "drafted.jsonl") == plain
+    plain = await _generate(None, tmp_path / "plain.jsonl", params)
+    assert await _generate(NGRAM_JSON, tmp_path / "drafted.jsonl", params) == plain
     drafts = summarize(tmp_path / "drafted.jsonl").drafts
     assert drafts is not None and drafts.num_accepted > 0  # drafted places were kept
