@@ -361,6 +361,9 @@ class SchedulerCore:
         self._promote = prefix.promote
         if plan.is_empty:
             return None
+        for rid, drafter in self._drafters.items():
+            if rid in plan.decodes:
+                drafter.planned(plan.drafts.get(rid))
         self.step += 1
         self.in_step = True
         if plan.num_tokens > self.config.max_step_tokens:  # an image span no step could hold
@@ -398,16 +401,16 @@ class SchedulerCore:
         return StepWork(plan=plan, admit=admit, **self._take_housekeeping().__dict__)
 
     def _propose_drafts(self) -> dict[str, tuple[int, ...]] | None:
-        """Each decoding request's drafts, where it still drafts (one that stopped is not
-        asked again: the executor moves it to the decode batch)."""
+        """Each decoding request's drafts, where it drafts this step (`Drafter.propose`)."""
         if not self._drafters:
             return None
-        states = self.states
-        return {
-            rid: d.propose()
-            for rid, d in self._drafters.items()
-            if d.active and states[rid].status is Status.DECODING
-        }
+        states, out = self.states, {}
+        for rid, drafter in self._drafters.items():
+            if states[rid].status is Status.DECODING:
+                drafts = drafter.propose()
+                if drafts is not None:
+                    out[rid] = drafts
+        return out
 
     def _plan_prefixes(self) -> PrefixPlan:
         if self.index is None or not any(s.status is Status.WAITING for s in self.states.values()):
@@ -434,7 +437,6 @@ class SchedulerCore:
             prompt_token_ids=state.prompt_token_ids or (),
             params=state.params,
             prefix=match.tokens if match is not None else None,
-            speculate=rid in self._drafters,
             num_cached_tokens=match.num_tokens if match is not None else 0,
             images=self._images.pop(rid, ()),
         )
@@ -494,14 +496,15 @@ class SchedulerCore:
         live: list[tuple[str, list[int]]],
     ) -> None:
         """Each drafting request's drafter takes the step's tokens in, and hears how many of
-        its drafts were kept (where it drafted)."""
+        its drafts were kept where they were verified (a row that starts drafting where the
+        batch's forward was built a step ahead decodes there that step, unverified)."""
         drafters = self._drafters
         for rid, tokens in live:
             drafter = drafters.get(rid)
             if drafter is None:
                 continue
-            if rid in proposed:
-                drafter.observe(len(proposed[rid]), len(accepted.get(rid, ())))
+            if rid in accepted:
+                drafter.observe(len(proposed.get(rid, ())), len(accepted[rid]))
             drafter.extend(tokens)
 
     def _tokens_sampled(

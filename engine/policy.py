@@ -191,8 +191,9 @@ class StepPlan:
     # MAX_HELD, oldest first (engine/held.py)
     held: tuple[tuple[str, HeldReason], ...] = ()
     # request_id -> the drafted tokens its decode row carries (engine/speculative.py), for
-    # every decode row that drafts (() where it found none this step): the executor runs
-    # these rows against their own caches; its scheduled tokens count them
+    # every decode row that drafts (() where none were found or fit this step): the executor
+    # runs those with drafts, and those already drafting, against their own caches
+    # (`Drafter.planned`); its scheduled tokens count them
     drafts: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
     @property

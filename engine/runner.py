@@ -158,7 +158,6 @@ class ModelRunner:
             constraint=self.grammars.matcher(p.grammar) if p.grammar is not None else None,
             images=new.images,
             key=prompt_key(new.prompt_token_ids, new.images) if new.images else None,
-            solo=new.speculate,
         )
 
     def _start_cache(self, new: NewRequest) -> Cache:
@@ -191,9 +190,11 @@ class ModelRunner:
             if rid in retire and rid in self._seqs:
                 self._retire(self._seqs[rid])
         gone = {rid for rid in request_ids if self._seqs.pop(rid, None) is not None}
-        if gone.isdisjoint(self._batch.index):
-            return
-        keep = [i for i, rid in enumerate(self._batch.ids) if rid not in gone]
+        if not gone.isdisjoint(self._batch.index):
+            self._keep_rows([i for i, rid in enumerate(self._batch.ids) if rid not in gone])
+
+    def _keep_rows(self, keep: list[int]) -> None:
+        """Keep only the decode batch's rows `keep` (ascending)."""
         self._batch = self._batch.take(keep)
         self._decode.filter(keep)
         if not keep:
@@ -409,20 +410,32 @@ class ModelRunner:
                 self._encode(encode)
             except Exception as exc:
                 self._fail(failed, encode.request_id, ENCODE_FAILED, exc)
-        drafts = plan.drafts
+        # Rows that draft this step: those given drafts, and those already drafting that
+        # the plan keeps drafting (none found this step); the core follows the same rule
+        # (`Drafter.planned`).
+        drafting = {
+            rid: d
+            for rid, d in plan.drafts.items()
+            if rid in self._seqs and (d or self._seqs[rid].solo)
+        }
         if plan.decodes and self._seqs.keys() != self._batch.index.keys():
-            self._stop_drafting([rid for rid in plan.decodes if rid not in drafts])
+            self._stop_drafting([rid for rid in plan.decodes if rid not in drafting])
+        # A batch row that starts drafting leaves the batch; where the batch's forward for
+        # this step was built a step ahead it decodes there this step, and leaves after it.
+        entering = [rid for rid in drafting if not self._seqs[rid].solo]
+        if self._ahead is not None:
+            for rid in entering:
+                del drafting[rid]
+        else:
+            self._leave_batch(entering)
+            entering = []
         batch = self._batch
-        if batch.index.keys() != {rid for rid in plan.decodes if rid not in drafts}:
+        if batch.index.keys() != {rid for rid in plan.decodes if rid not in drafting}:
             raise RuntimeError(
-                f"plan decodes {sorted(plan.decodes)} (drafting: {sorted(drafts)}) but the "
+                f"plan decodes {sorted(plan.decodes)} (drafting: {sorted(drafting)}) but the "
                 f"batch holds {sorted(batch.ids)}"
             )
-        solo = [
-            Verify(self._seqs[rid], d)
-            for rid, d in drafts.items()
-            if rid not in failed and rid in self._seqs
-        ]
+        solo = [Verify(self._seqs[rid], d) for rid, d in drafting.items() if rid not in failed]
 
         for seq in self._checkpointed:
             seq.checkpoints.clear()
@@ -476,7 +489,13 @@ class ModelRunner:
         sample = step_sampling.sample_step
         started: mx.array | None = None  # the next step's forward, if already built
         pending = ahead.sample if ahead is not None else None
-        if batch and not plan.chunks and pending is not None and pending.tokens_final:
+        if (
+            batch
+            and not plan.chunks
+            and pending is not None
+            and pending.tokens_final
+            and not entering  # (the forward it builds would hold their rows)
+        ):
             # Decode rows only, their tokens read by evaluating them: the next forward is
             # built on them before they are read (`_pipeline`).
             start_now = self.decode_order.start(len(batch), time.perf_counter())
@@ -503,6 +522,7 @@ class ModelRunner:
                 self._record(taken, tokens, logprobs, failed)
                 self._took(batch, taken.array)
         self._join_finals(finals, failed)
+        self._leave_batch([rid for rid in entering if rid in self._seqs])
         self._build_ahead(started)
         return StepResult(
             tokens=tokens,
@@ -569,9 +589,24 @@ class ModelRunner:
             ]
         )
 
+    def _leave_batch(self, request_ids: Sequence[str]) -> None:
+        """Batch rows that start drafting: each takes its own copy of its cache out of the
+        batch (mlx-lm's `extract`), and decodes on it."""
+        index = self._batch.index
+        rows = sorted(index[rid] for rid in request_ids if rid in index)
+        if not rows:
+            return
+        assert self._ahead is None, "rows leave the batch only after its decode"
+        for row in rows:
+            seq = self._batch.seqs[row]
+            seq.cache, seq.solo = self._decode.extract(row), True
+        gone = set(rows)
+        self._keep_rows([i for i in range(len(self._batch)) if i not in gone])
+
     def _stop_drafting(self, request_ids: Sequence[str]) -> None:
-        """Drafting requests the plan decodes without drafts: they stopped drafting (for
-        good), and join the decode batch before this step's forward."""
+        """Drafting requests the plan decodes in the batch: they stopped drafting (found
+        nothing to copy for a while, or for good), and join the decode batch before this
+        step's forward."""
         seqs = [self._seqs[rid] for rid in request_ids if rid in self._seqs]
         leaving = [s for s in seqs if s.solo and s.output and s.cache is not None]
         for seq in leaving:

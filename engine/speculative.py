@@ -18,12 +18,19 @@ given), and copying is what this finds. No second model is involved.
 Who does what:
 - the scheduler core keeps a `Drafter` for each request that may speculate (rows with no
   grammar, penalties or logprobs: `speculates`), proposes its drafts each step and
-  hears how many were accepted; k follows the acceptance (`Drafter.observe`), and a request
-  whose drafts keep being rejected, or that finds nothing to copy, stops drafting for good;
+  hears how many were accepted; k follows the acceptance (`Drafter.observe`);
 - the policy (`engine/policy.py`) fits the drafts into the step's token budget and time;
 - the executor (`engine/runner.py`) runs a drafting request against its own KV cache (not
-  the decode batch's: a row's rejected drafts are trimmed from its cache alone), and joins
-  it to the batch once it stops drafting.
+  the decode batch's: a row's rejected drafts are trimmed from its cache alone).
+
+A request decodes in the batch until its suffix occurred before at least `ENTER_MATCH`
+tokens long (a copy has begun); the plan then gives it drafts and the executor takes its
+row out of the batch (a copy of its cache: tens of ms at batch 8). It drafts on its own
+cache while it finds something to copy, and goes back to the batch after `SOLO_PATIENCE`
+steps in a row without (its cache merged back in). A chat that copies nothing stays in the
+batch, where its step costs what it did without drafts. A request leaves the batch at most
+`MAX_ENTRIES` times, and stops drafting for good when its last `WINDOW` drafting steps kept
+under `MIN_ACCEPTANCE` of their drafts.
 """
 
 from __future__ import annotations
@@ -36,8 +43,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from stepline.events.models import RequestParams
 
-# A request that found nothing to copy for this many steps in a row stops drafting.
-PATIENCE_STEPS = 16
+# A request in the decode batch starts drafting once its last this many tokens (at least
+# `prompt_lookup_min`, at most `prompt_lookup_max`) occurred before.
+ENTER_MATCH = 4
+# A drafting request that found nothing to copy for this many steps in a row goes back to
+# the decode batch.
+SOLO_PATIENCE = 4
+# A request leaves the decode batch to draft at most this many times.
+MAX_ENTRIES = 4
 # A request whose last `WINDOW` drafting steps accepted under `MIN_ACCEPTANCE` of what they
 # proposed stops drafting.
 WINDOW = 8
@@ -109,10 +122,21 @@ def speculates(params: RequestParams) -> bool:
 class Drafter:
     """One request's prompt lookup: an index from each n-gram of its tokens
     (`prompt_lookup_min` <= n <= `prompt_lookup_max`) to the position after its latest
-    occurrence, kept as tokens arrive; and its acceptance, which sets how many tokens it
-    drafts (between 1 and `num_speculative_tokens`) and whether it drafts at all."""
+    occurrence, kept as tokens arrive; whether its row drafts on its own cache (`solo`) or
+    decodes in the batch; and its acceptance, which sets how many tokens it drafts (between
+    1 and `num_speculative_tokens`) and whether it drafts at all (see the module docstring)."""
 
-    __slots__ = ("config", "tokens", "_index", "k", "active", "_idle", "_recent")
+    __slots__ = (
+        "config",
+        "tokens",
+        "_index",
+        "k",
+        "active",
+        "solo",
+        "_idle",
+        "_entries",
+        "_recent",
+    )
 
     def __init__(self, config: SpeculativeConfig, prompt: Sequence[int]) -> None:
         self.config = config
@@ -120,7 +144,9 @@ class Drafter:
         self._index: dict[tuple[int, ...], int] = {}
         self.k = config.num_speculative_tokens  # drafts it proposes now
         self.active = True  # False: it stopped drafting, for good
-        self._idle = 0  # steps in a row it found nothing to copy
+        self.solo = False  # its row drafts on its own cache (else: in the decode batch)
+        self._idle = 0  # drafting steps in a row it found nothing to copy
+        self._entries = 0  # times it left the decode batch
         self._recent: list[tuple[int, int]] = []  # (proposed, accepted) of its last steps
         self.extend(prompt)
 
@@ -134,32 +160,53 @@ class Drafter:
                 index[tuple(mine[j - n : j])] = j
             mine.append(token)
 
-    def propose(self, most: int | None = None) -> tuple[int, ...]:
-        """Up to `min(k, most)` drafted tokens: what followed the latest earlier occurrence of
-        the request's longest matching suffix; () if none or it stopped drafting."""
-        k = self.k if most is None else min(self.k, most)
-        if not self.active or k < 1:
-            return ()
+    def lookup(self, shortest: int | None = None) -> tuple[int, ...]:
+        """Up to k tokens: what followed the latest earlier occurrence of the request's
+        longest suffix of at least `shortest` tokens (default `prompt_lookup_min`); () if
+        none."""
+        lo, hi = self.config.prompt_lookup_min, self.config.prompt_lookup_max
+        if shortest is not None:
+            lo = max(lo, min(hi, shortest))
         mine, index = self.tokens, self._index
-        longest = min(self.config.prompt_lookup_max, len(mine))
-        for n in range(longest, self.config.prompt_lookup_min - 1, -1):
+        for n in range(min(hi, len(mine)), lo - 1, -1):
             at = index.get(tuple(mine[-n:]))
             if at is not None:
-                return tuple(mine[at : at + k])
+                return tuple(mine[at : at + self.k])
         return ()
 
+    def propose(self) -> tuple[int, ...] | None:
+        """This step's drafts: a drafting row's lookup (maybe none this step), a batch
+        row's only where a copy has begun (`ENTER_MATCH`); None where the row decodes in
+        the batch (it stopped, or went back there)."""
+        if not self.active:
+            return None
+        if self.solo:
+            return self.lookup() if self._idle < SOLO_PATIENCE else None
+        if self._entries >= MAX_ENTRIES:
+            return None
+        return self.lookup(ENTER_MATCH) or None
+
+    def planned(self, drafts: tuple[int, ...] | None) -> None:
+        """Where the step's plan puts its row: drafting on its own cache if the plan gives it
+        drafts, or keeps an entry for a row already drafting (`drafts` () : none fit, or
+        none found); else in the decode batch. The executor follows the same rule."""
+        solo = drafts is not None and (self.solo or bool(drafts))
+        if solo and not self.solo:
+            self._entries += 1
+        if not solo:
+            self._idle = 0
+        self.solo = solo
+
     def observe(self, proposed: int, accepted: int) -> None:
-        """A step's outcome: `proposed` drafts were verified and `accepted` kept (0 proposed:
-        it found nothing to copy). k grows by one after a step that kept every draft and
-        shrinks to what was kept plus one after one that did not; the request stops
-        drafting after `PATIENCE_STEPS` steps in a row with nothing to copy, or when its last
-        `WINDOW` drafting steps kept under `MIN_ACCEPTANCE` of their drafts."""
+        """A drafting step's outcome: `proposed` drafts were verified and `accepted` kept (0
+        proposed: it found nothing to copy). k grows by one after a step that kept every
+        draft and shrinks to what was kept plus one after one that did not; the request
+        stops drafting for good when its last `WINDOW` drafting steps kept under
+        `MIN_ACCEPTANCE` of their drafts."""
         if not self.active:
             return
         if proposed == 0:
             self._idle += 1
-            if self._idle >= PATIENCE_STEPS:
-                self.active = False
             return
         self._idle = 0
         top = self.config.num_speculative_tokens

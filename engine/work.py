@@ -22,9 +22,6 @@ class NewRequest:
     prefix: Tokens | None = None  # the prefix-cache entry it starts from, if any
     num_cached_tokens: int = 0  # of that entry, the tokens it uses (<= len(prefix))
     images: tuple[PromptImage, ...] = ()  # the prompt's images (spans and encoder inputs)
-    # it drafts (engine/speculative.py): its rows run against its own cache until a plan
-    # leaves it out of `StepPlan.drafts`, when it joins the decode batch
-    speculate: bool = False
 
 
 @dataclass(frozen=True)

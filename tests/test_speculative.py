@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import anyio
+import mlx.core as mx
 import pytest
 from core_driver import make_core, params
 
@@ -16,17 +17,22 @@ from stepline.api.cli import main
 from stepline.api.config import EngineConfig
 from stepline.engine.cost_model import StepCost
 from stepline.engine.policy import SchedulerConfig
+from stepline.engine.sampling import RowSampling, Sampler
+from stepline.engine.sequences import Seq
 from stepline.engine.speculative import (
-    PATIENCE_STEPS,
+    ENTER_MATCH,
+    MAX_ENTRIES,
+    SOLO_PATIENCE,
     WINDOW,
     Drafter,
     SpeculativeConfig,
     accept,
     parse_speculative_config,
 )
+from stepline.engine.verify import Verify, verify_rows
 from stepline.engine.work import StepResult
 from stepline.events.log import read_events
-from stepline.events.models import StepPlanned, TokensSampled
+from stepline.events.models import RequestParams, StepPlanned, TokensSampled
 from stepline.events.replay.reexecute import reexecute
 from stepline.events.replay.summary import request_why, summarize
 
@@ -64,11 +70,14 @@ def test_the_config_reads_vllms_shape_and_says_what_is_wrong():
 
 def test_a_drafter_proposes_what_followed_the_latest_earlier_occurrence_of_its_suffix():
     drafter = Drafter(NGRAM, [1, 2, 3, 4, 5, 6, 9, 2, 3, 7, 8])
-    assert drafter.propose() == ()  # "7 8" occurred nowhere before
+    assert drafter.lookup() == ()  # "7 8" occurred nowhere before
     drafter.extend([9, 2, 3])
     # "9 2 3" last occurred at 6-8 (followed by 7 8 9 2), over "2 3" at 1-2 (followed by 4)
-    assert drafter.propose() == (7, 8, 9, 2)
-    assert drafter.propose(most=2) == (7, 8)
+    assert drafter.lookup() == (7, 8, 9, 2)
+    # a row in the decode batch starts drafting only once a copy has begun: a longer match
+    assert ENTER_MATCH == 4 and drafter.propose() is None
+    drafter.extend([7])
+    assert drafter.propose() == (8, 9, 2, 3)  # "9 2 3 7" occurred before
 
 
 def test_k_grows_after_full_acceptance_and_falls_to_what_was_kept():
@@ -82,18 +91,36 @@ def test_k_grows_after_full_acceptance_and_falls_to_what_was_kept():
     assert drafter.k == 1
 
 
-def test_a_request_that_copies_nothing_or_keeps_nothing_stops_drafting():
-    idle = Drafter(NGRAM, [1, 2, 1, 2])
-    for _ in range(PATIENCE_STEPS - 1):
-        idle.observe(0, 0)
-    assert idle.active
-    idle.observe(0, 0)
-    assert not idle.active and idle.propose() == ()
+def test_a_drafting_row_that_finds_nothing_goes_back_to_the_batch_and_may_come_again():
+    drafter = Drafter(NGRAM, [5, 6, 7, 8, 9, 5, 6, 7, 8])
+    for _ in range(MAX_ENTRIES):
+        drafts = drafter.propose()
+        assert drafts == (9, 5, 6, 7)
+        drafter.planned(drafts)  # drafting on its own cache
+        assert drafter.solo
+        for _ in range(SOLO_PATIENCE):
+            drafter.planned(())  # kept drafting, nothing found (or fit) this step
+            drafter.observe(0, 0)
+            assert drafter.solo
+        assert drafter.propose() is None  # back to the batch
+        drafter.planned(None)
+        assert not drafter.solo
+    assert drafter.propose() is None  # it left the batch MAX_ENTRIES times: no more
+    assert drafter.lookup() == (9, 5, 6, 7)
 
-    wrong = Drafter(NGRAM, [1, 2, 1, 2])
+
+def test_a_batch_row_given_no_drafts_stays_in_the_batch():
+    drafter = Drafter(NGRAM, [5, 6, 7, 8, 9, 5, 6, 7, 8])
+    drafter.planned(())  # proposed, none fit the budget
+    assert not drafter.solo
+
+
+def test_a_request_whose_drafts_are_rejected_stops_drafting_for_good():
+    wrong = Drafter(NGRAM, [1, 2, 3, 4, 1, 2, 3, 4])
+    wrong.planned(wrong.propose())
     for _ in range(WINDOW):
         wrong.observe(2, 0)
-    assert not wrong.active
+    assert not wrong.active and wrong.propose() is None
 
 
 def test_greedy_acceptance_keeps_the_agreeing_drafts_and_the_targets_next_token():
@@ -101,6 +128,50 @@ def test_greedy_acceptance_keeps_the_agreeing_drafts_and_the_targets_next_token(
     assert accept([5, 6, 7], [5, 9, 7, 8]) == [5, 9]
     assert accept([5, 6, 7], [4, 6, 7, 8]) == [4]
     assert accept([], [4]) == [4]
+
+
+# Critical value of chi-square with 4 degrees of freedom at p = 0.001.
+CHI2_4_999 = 18.47
+
+
+def _chi2(counts: Counter, probs: list[float]) -> float:
+    n = sum(counts.values())
+    return sum((counts[t] - n * p) ** 2 / (n * p) for t, p in enumerate(probs))
+
+
+@pytest.mark.parametrize("seeded", [True, False])
+def test_drafted_tokens_are_draws_from_the_models_own_distribution(seeded: bool):
+    """On a vocabulary of 5, 4,000 rows drafting (1, 0) against fixed logits: the first
+    token, the second where the first draft was kept, and the third where both were, each
+    follow the model's distribution at its place (chi-square, 4 degrees of freedom),
+    whichever drafts were kept."""
+    probs = [[0.1, 0.4, 0.2, 0.2, 0.1], [0.3, 0.1, 0.3, 0.2, 0.1], [0.05, 0.15, 0.2, 0.25, 0.35]]
+    logits = mx.log(mx.array(probs))
+    verifies = []
+    for i in range(4000):
+        sampling = RowSampling(temperature=1.0, seed=i if seeded else None)
+        request = RequestParams(
+            max_tokens=8, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, seed=sampling.seed
+        )
+        seq = Seq(f"r{i}", mx.array([0]), sampling, None, None, request)
+        verifies.append(Verify(seq, (1, 0), logits))
+
+    def fail(request_id: str, what: str, exc: BaseException) -> None:
+        raise AssertionError(what) from exc
+
+    kept = verify_rows(None, Sampler(seed=7), verifies, [], {}, {}, fail)
+    outputs = [v.seq.output for v in verifies]
+    assert all(
+        len(o) == len(kept[v.seq.request_id]) + 1 for o, v in zip(outputs, verifies, strict=True)
+    )
+    first = Counter(o[0] for o in outputs)
+    second = Counter(o[1] for o in outputs if o[0] == 1)
+    third = Counter(o[2] for o in outputs if o[:2] == [1, 0])
+    assert 1400 < sum(second.values()) < 1800  # the first draft kept as often as drawn (0.4)
+    for counts, p in ((first, probs[0]), (second, probs[1]), (third, probs[2])):
+        assert _chi2(counts, p) < CHI2_4_999, (counts, p)
+    # what a biased verifier (one keeping every draft) would show fails the same check
+    assert _chi2(Counter({1: 4000}), probs[0]) > CHI2_4_999
 
 
 # -- the scheduler ------------------------------------------------------------------------
@@ -115,7 +186,6 @@ def _decoding_core(config: SchedulerConfig, cost: StepCost | None = None, max_to
     while core.states["r0"].num_output_tokens == 0:
         work = core.schedule()
         assert work is not None and not work.plan.drafts
-        assert all(n.speculate for n in work.admit)
         final = any(c.is_final for c in work.plan.chunks)
         core.update_from_output(work, StepResult(tokens={"r0": 11} if final else {}))
     return core
