@@ -1,4 +1,4 @@
-"""The `stepline` command: generate, serve, replay."""
+"""The `stepline` command: generate, serve, replay, gateway."""
 
 from __future__ import annotations
 
@@ -105,11 +105,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_engine_args(g)
 
+    from stepline.api.cli.gateway import add_gateway_parser
     from stepline.api.cli.replay import add_replay_parser
     from stepline.api.cli.serve import add_serve_parser
 
     add_serve_parser(sub)
     add_replay_parser(sub)
+    add_gateway_parser(sub)
 
     args = parser.parse_args(argv)
     try:

@@ -16,7 +16,7 @@ from fastapi.responses import Response
 
 from stepline.api.pipeline.errors import OPENAI, APIError, Wire
 
-DOORS = ("openai", "responses", "anthropic", "ollama")
+DOORS = ("openai", "responses", "anthropic", "ollama", "sglang")
 
 
 @cache

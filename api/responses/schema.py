@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from stepline.api.pipeline.agents import ToolSpec, tool_spec, unique_tools
 from stepline.api.pipeline.chat import call_arguments, template_call
@@ -164,6 +164,16 @@ class ResponsesRequest(_Request):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     text: TextOptions | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        """A flag sent as null takes its default, as OpenAI's API reads it (SGLang's gateway
+        re-sends every body with `"stream": null`)."""
+        if isinstance(data, dict):
+            flags = ("stream", "background", "store", "ignore_eos", "parallel_tool_calls")
+            data = {k: v for k, v in data.items() if not (v is None and k in flags)}
+        return data
 
     def check_supported(self) -> None:
         """Raises APIError for what this server does not do."""

@@ -1,0 +1,229 @@
+"""Two stepline engines behind SGLang's model gateway (`sglang-router`, the real Rust router),
+started as a user starts them: `stepline gateway --engines 2 ... -- --model stepline-demo`.
+
+One gateway serves the module: the worker endpoints the router reads (`/get_load`,
+`/server_info`), requests through its `power_of_two` policy (which reads `/get_load`), each
+engine's own event log, and an engine killed mid-stream: its streams end with an error the
+client sees, and every later request succeeds on the other engine.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from stepline.api.cli.gateway import free_port
+from stepline.events.log import read_events
+from stepline.events.models import Admitted
+
+HEALTH_INTERVAL_S = 1
+
+
+@dataclass
+class Gateway:
+    proc: subprocess.Popen
+    url: str
+    engines: list[tuple[int, str]]  # (pid, url) of each engine
+    logs: Path
+    lines: list[str]
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def gateway(demo, tmp_path_factory) -> Iterator[Gateway]:
+    logs = tmp_path_factory.mktemp("gateway")
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "stepline.api.cli",
+            "gateway",
+            "--engines",
+            "2",
+            "--port",
+            str(port),
+            "--policy",
+            "power_of_two",
+            "--health-interval-s",
+            str(HEALTH_INTERVAL_S),
+            "--event-log-dir",
+            str(logs),
+            "--",
+            "--model",
+            "stepline-demo",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    lines: list[str] = []
+
+    def read() -> None:
+        assert proc.stdout is not None
+        with proc.stdout:
+            for line in proc.stdout:
+                lines.append(line)
+
+    threading.Thread(target=read, daemon=True).start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while not any("power_of_two" in line for line in lines):
+            assert proc.poll() is None, f"stepline gateway exited: {lines}"
+            assert time.monotonic() < deadline, f"the gateway did not start: {lines}"
+            time.sleep(0.2)
+        engines = [
+            (int(m[2]), m[1])
+            for line in lines
+            if (m := re.search(r"engine \d+: (http://\S+) \(pid (\d+)", line))
+        ]
+        while True:  # the router registers the engines in the background
+            try:
+                r = httpx.get(f"{url}/v1/models", timeout=5)
+                if r.status_code == 200 and r.json()["data"]:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the gateway never listed the model"
+            time.sleep(0.2)
+        yield Gateway(proc, url, engines, logs, lines)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+
+
+def test_the_engines_answer_what_the_gateway_reads(gateway: Gateway):
+    assert len(gateway.engines) == 2
+    listed = httpx.get(f"{gateway.url}/v1/models").json()["data"]
+    assert [m["id"] for m in listed] == ["stepline-demo"]  # from the engines' /server_info
+    for _, url in gateway.engines:
+        info = httpx.get(f"{url}/server_info").json()
+        assert info["served_model_name"] == "stepline-demo"
+        assert (info["tp_size"], info["dp_size"]) == (1, 1)
+        assert info["context_length"] > 0 and "model_path" not in info
+        assert httpx.get(f"{url}/get_model_info").json()["served_model_name"] == "stepline-demo"
+        load = httpx.get(f"{url}/get_load").json()
+        assert load == [{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}]
+
+
+def test_get_load_counts_the_tokens_of_the_requests_in_flight(gateway: Gateway):
+    _, url = gateway.engines[0]
+    seen: list[dict] = []
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.is_set():
+            seen.extend(httpx.get(f"{url}/get_load").json())
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        out = client.completions.create(
+            model="stepline-demo",
+            prompt="count " * 50,
+            max_tokens=200,
+            extra_body={"ignore_eos": True},
+        )
+    finally:
+        stop.set()
+        poller.join()
+    busy = [s for s in seen if s["num_reqs"] == 1]
+    assert busy, "never saw the request in flight"
+    prompt = out.usage.prompt_tokens
+    assert all(prompt <= s["num_tokens"] <= prompt + 200 for s in busy)
+
+
+def test_requests_through_power_of_two_are_served_and_each_engine_keeps_its_own_log(gateway: Gateway):
+    client = gateway.client()
+    for i in range(8):
+        out = client.chat.completions.create(
+            model="stepline-demo",
+            messages=[{"role": "user", "content": f"question {i}"}],
+            max_tokens=4,
+        )
+        assert out.choices[0].finish_reason in ("length", "stop")
+    admitted = {
+        log.name: sum(isinstance(e, Admitted) for e in read_events(log))
+        for log in sorted(gateway.logs.glob("engine-*.jsonl"))
+    }
+    assert list(admitted) == ["engine-0.jsonl", "engine-1.jsonl"]
+    assert sum(admitted.values()) >= 8
+
+
+def test_a_response_made_through_the_gateway_is_retrieved_through_it(gateway: Gateway):
+    # The gateway re-sends the body in its own types ("stream": null among them), and asks
+    # every engine for a stored response: the one that made it answers.
+    client = gateway.client()
+    made = client.responses.create(model="stepline-demo", input="hello", max_output_tokens=4)
+    assert made.status in ("completed", "incomplete")
+    got = client.responses.retrieve(made.id)
+    assert (got.id, got.output_text) == (made.id, made.output_text)
+
+
+def test_an_engine_killed_mid_stream_fails_its_streams_and_the_other_serves_on(
+    gateway: Gateway,
+):
+    client = gateway.client()
+    outcomes: dict[int, str] = {}
+
+    def stream(i: int) -> None:
+        try:
+            finish = None
+            for chunk in client.completions.create(
+                model="stepline-demo",
+                prompt=f"story {i} " * 20,
+                max_tokens=3000,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            ):
+                finish = chunk.choices[0].finish_reason or finish
+            outcomes[i] = f"finished: {finish}" if finish else "ended without a finish reason"
+        except (openai.APIError, httpx.HTTPError) as exc:
+            outcomes[i] = f"error: {type(exc).__name__}"
+
+    # Streams one at a time until one is on engine 1 (power_of_two sends the next to the
+    # engine whose /get_load, read every second, is lighter).
+    victim_pid, victim_url = gateway.engines[1]
+    threads: list[threading.Thread] = []
+    while httpx.get(f"{victim_url}/get_load").json()[0]["num_reqs"] == 0:
+        assert len(threads) < 8, "no stream reached engine 1"
+        threads.append(threading.Thread(target=stream, args=(len(threads),)))
+        threads[-1].start()
+        time.sleep(1.5 * HEALTH_INTERVAL_S)
+    os.kill(victim_pid, signal.SIGKILL)
+    for t in threads:
+        t.join(timeout=120)
+    # the killed engine's stream ends in an error the client sees; none hangs
+    assert len(outcomes) == len(threads)
+    assert any(o.startswith("error") for o in outcomes.values()), outcomes
+    # the gateway reports it, and within its health interval every new request succeeds
+    time.sleep(2 * HEALTH_INTERVAL_S)
+    assert any("engine 1" in line and "exited" in line for line in gateway.lines)
+    for i in range(6):
+        out = client.chat.completions.create(
+            model="stepline-demo",
+            messages=[{"role": "user", "content": f"after {i}"}],
+            max_tokens=4,
+        )
+        assert out.choices[0].finish_reason in ("length", "stop")
