@@ -97,8 +97,9 @@ class EngineConfig(_Options):
         None,
         description='drafted decoding, as JSON: {"method": "ngram", "num_speculative_tokens": '
         "K} drafts K tokens a step from the request's own prompt and output (prompt_lookup_min, "
-        "prompt_lookup_max: the n-gram lengths matched, default 2 and 5); requests with no "
-        "grammar, penalties or logprobs draft",
+        "prompt_lookup_max: the n-gram lengths matched, default 2 and 5), or "
+        '{"method": "draft_model", "model": NAME, "num_speculative_tokens": K} from a smaller '
+        "model with the same tokenizer; requests with no grammar, penalties or logprobs draft",
     )
 
     @field_validator("speculative_config", mode="before")

@@ -115,10 +115,9 @@ class EngineParts:
             )
             self.loaded = loaded
         log.info("model_loaded", model=loaded.name, path=str(loaded.path), weights=loaded.weights)
+        draft = None
         if options.speculative_config is not None:
-            from stepline.engine.verify import check_speculation
-
-            await executor.call(check_speculation, loaded.model)
+            draft = await executor.call(_draft_model, loaded, options)
         topology = self.topology
         prefix_dir = options.prefix_cache_dir
         self.runner = await executor.call(
@@ -138,6 +137,7 @@ class EngineParts:
                 lookahead=topology is None,
                 # One forward per step is proven for one process's model, not for shards.
                 fuse=topology is None,
+                draft=draft,
             )
         )
         memory = await executor.call(
@@ -292,3 +292,23 @@ class EngineParts:
         executor.close()
         if self.writer is not None and self.member is None:
             self.writer.close()
+
+
+def _draft_model(loaded: Any, options: EngineConfig) -> Any:
+    """Check that `loaded` can verify drafts, and load the draft model where the speculative
+    config names one (same tokenizer, plain KV caches): its `DraftModel`, else None. On the
+    executor's thread."""
+    from stepline.engine.draft_model import DraftModel, check_same_tokenizer
+    from stepline.engine.models import load_model
+    from stepline.engine.verify import check_speculation
+
+    spec = options.speculative_config
+    assert spec is not None
+    check_speculation(loaded.model)
+    if spec.model is None:
+        return None
+    draft = load_model(spec.model, options.dtype)
+    check_same_tokenizer(loaded.tokenizer, draft.tokenizer, loaded.name, draft.name)
+    check_speculation(draft.model)
+    log.info("draft_model_loaded", model=draft.name, path=str(draft.path), weights=draft.weights)
+    return DraftModel(draft.model)

@@ -27,6 +27,7 @@ from stepline.engine.constraints import advance
 from stepline.engine.cost_model import decode_runs_apart
 from stepline.engine.decode_groups import DecodeCaches
 from stepline.engine.decode_order import DecodeOrder
+from stepline.engine.draft_model import DraftModel
 from stepline.engine.forward import forward, split_head_works
 from stepline.engine.grammar import DEFAULT_CACHE_BYTES, GrammarCompiler
 from stepline.engine.images import prompt_key
@@ -44,6 +45,7 @@ from stepline.engine.work import (
     ENCODE_FAILED,
     GRAMMAR_FAILED,
     PREFILL_FAILED,
+    VERIFY_FAILED,
     Housekeeping,
     NewRequest,
     PrefixReport,
@@ -90,8 +92,10 @@ class ModelRunner:
         grammar_cache_bytes: int = DEFAULT_CACHE_BYTES,
         lookahead: bool = True,
         fuse: bool = True,
+        draft: DraftModel | None = None,
     ):
         self.model = loaded.model
+        self.draft = draft  # a draft model's drafts (engine/draft_model.py); None: the plan's
         self.loaded = loaded
         self.sampler = Sampler(seed=seed)
         self.on_checkpoint = on_checkpoint
@@ -190,6 +194,9 @@ class ModelRunner:
             if rid in retire and rid in self._seqs:
                 self._retire(self._seqs[rid])
         gone = {rid for rid in request_ids if self._seqs.pop(rid, None) is not None}
+        if self.draft is not None:
+            for rid in gone:
+                self.draft.forget(rid)
         if not gone.isdisjoint(self._batch.index):
             self._keep_rows([i for i, rid in enumerate(self._batch.ids) if rid not in gone])
 
@@ -436,6 +443,10 @@ class ModelRunner:
                 f"batch holds {sorted(batch.ids)}"
             )
         solo = [Verify(self._seqs[rid], d) for rid, d in drafting.items() if rid not in failed]
+        if self.draft is not None:
+            solo = self.draft.fill(
+                solo, lambda rid, exc: self._fail(failed, rid, VERIFY_FAILED, exc)
+            )
 
         for seq in self._checkpointed:
             seq.checkpoints.clear()
@@ -478,6 +489,9 @@ class ModelRunner:
             self._fail(failed, request_id, what, exc)
 
         drafted = verify_rows(self.model, self.sampler, solo, apart, tokens, failed, fail)
+        if self.draft is not None:
+            for v in solo:
+                self.draft.trim(v.seq)
         # final chunks, in the plan's order: (request, last-position logits)
         finals = [
             (self._seqs[c.request_id], last_logits[c.request_id])

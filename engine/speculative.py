@@ -13,7 +13,9 @@ by reading its weights, verifying k drafts costs about as much as one token.
 Drafts come from prompt lookup (`method: "ngram"`, vLLM's name): the latest earlier place
 in the request's prompt and output where its last n tokens occurred, and the tokens that
 followed there. Agents copy (an edited file, a diff, a JSON document whose keys they were
-given), and copying is what this finds. No second model is involved.
+given), and copying is what this finds. No second model is involved. Or from a smaller
+model with the same tokenizer (`method: "draft_model"`, engine/draft_model.py): the plan
+then holds how many drafts a row gets, and the executor makes them.
 
 Who does what:
 - the scheduler core keeps a `Drafter` for each request that may speculate (rows with no
@@ -57,19 +59,31 @@ WINDOW = 8
 MIN_ACCEPTANCE = 0.2
 
 
+# A draft the executor makes (a draft model's): the plan holds its place, not its token.
+PLACEHOLDER = -1
+
+
 class SpeculativeConfig(BaseModel):
     """`--speculative-config`, in vLLM's shape: `{"method": "ngram",
-    "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 5}`."""
+    "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 5}` or
+    `{"method": "draft_model", "model": M, "num_speculative_tokens": k}`."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    method: Literal["ngram"]
+    method: Literal["ngram", "draft_model"]
     num_speculative_tokens: int = Field(ge=1, le=32)
     prompt_lookup_min: int = Field(default=2, ge=1, le=64)
     prompt_lookup_max: int = Field(default=5, ge=1, le=64)
+    model: str | None = None  # the draft model (`draft_model`): any name `--model` takes
 
     @model_validator(mode="after")
     def _lookup_range(self) -> SpeculativeConfig:
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError(
+                "a draft model is given as "
+                '{"method": "draft_model", "model": NAME, "num_speculative_tokens": K}, and '
+                "only there"
+            )
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(
                 f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
@@ -92,10 +106,11 @@ def parse_speculative_config(text: str | dict | None) -> SpeculativeConfig | Non
         raw = text
     if not isinstance(raw, dict):
         raise ValueError("--speculative-config must be a JSON object")
-    if raw.get("method") in ("draft_model", "eagle", "eagle3", "mtp", "medusa"):
+    if raw.get("method") in ("eagle", "eagle3", "mtp", "medusa"):
         raise ValueError(
             f"speculative method {raw['method']!r} is not supported; use "
-            '{"method": "ngram", "num_speculative_tokens": K} (prompt lookup)'
+            '{"method": "ngram", "num_speculative_tokens": K} (prompt lookup) or '
+            '{"method": "draft_model", "model": NAME, "num_speculative_tokens": K}'
         )
     try:
         return SpeculativeConfig.model_validate(raw)
@@ -152,6 +167,8 @@ class Drafter:
 
     def extend(self, tokens: Sequence[int]) -> None:
         """Tokens the request now has (its prompt, then what it generates)."""
+        if self.config.method == "draft_model":
+            return  # the executor's draft model reads them
         lo, hi = self.config.prompt_lookup_min, self.config.prompt_lookup_max
         mine, index = self.tokens, self._index
         for token in tokens:
@@ -163,7 +180,9 @@ class Drafter:
     def lookup(self, shortest: int | None = None) -> tuple[int, ...]:
         """Up to k tokens: what followed the latest earlier occurrence of the request's
         longest suffix of at least `shortest` tokens (default `prompt_lookup_min`); () if
-        none."""
+        none. With a draft model, k `PLACEHOLDER`s: the executor drafts them."""
+        if self.config.method == "draft_model":
+            return (PLACEHOLDER,) * self.k
         lo, hi = self.config.prompt_lookup_min, self.config.prompt_lookup_max
         if shortest is not None:
             lo = max(lo, min(hi, shortest))

@@ -50,8 +50,8 @@ def test_the_config_reads_vllms_shape_and_says_what_is_wrong():
         method="ngram", num_speculative_tokens=3, prompt_lookup_min=2, prompt_lookup_max=4
     )
     assert parse_speculative_config(None) is None
-    with pytest.raises(ValueError, match="'draft_model' is not supported"):
-        parse_speculative_config('{"method": "draft_model", "model": "x"}')
+    with pytest.raises(ValueError, match="'eagle' is not supported"):
+        parse_speculative_config('{"method": "eagle", "model": "x"}')
     with pytest.raises(ValueError, match="not JSON"):
         parse_speculative_config("{method: ngram")
     with pytest.raises(ValueError, match="num_speculative_tokens"):
@@ -247,6 +247,7 @@ async def _generate(
     spec: str | None,
     log: Path | None = None,
     params: Callable[[int], SamplingParams] = lambda i: GREEDY,
+    model: str = "stepline-demo",
     **kw,
 ) -> list[list[int]]:
     """Each of `PROMPTS` sent together, request i with `params(i)`, on stepline-demo with
@@ -257,7 +258,7 @@ async def _generate(
     if log is not None:
         options["event_log"] = str(log)
     out: list[list[int]] = [[] for _ in PROMPTS]
-    async with Engine.open("stepline-demo", **options) as engine:
+    async with Engine.open(model, **options) as engine:
 
         async def one(i: int) -> None:
             async for o in engine.generate(PROMPTS[i], params=params(i), request_id=f"r{i}"):
@@ -360,3 +361,38 @@ async def test_seeded_sampled_output_is_the_same_with_drafts_token_for_token(tmp
     assert await _generate(NGRAM_JSON, tmp_path / "drafted.jsonl", params) == plain
     drafts = summarize(tmp_path / "drafted.jsonl").drafts
     assert drafts is not None and drafts.num_accepted > 0  # drafted places were kept
+
+
+# -- a draft model ------------------------------------------------------------------------
+
+
+def _draft_config(model: str, k: int = 4) -> str:
+    return f'{{"method": "draft_model", "model": "{model}", "num_speculative_tokens": {k}}}'
+
+
+async def test_a_draft_model_drafts_and_greedy_output_is_the_same(tmp_path: Path):
+    """stepline-demo drafting for stepline-demo-large (the demos share a tokenizer), batched
+    and chunked: the same tokens as without drafts; and the model drafting for itself has
+    every draft kept (its drafts are the served model's own greedy tokens)."""
+    large = "stepline-demo-large"
+    plain = await _generate(None, model=large)
+    drafted = await _generate(_draft_config("stepline-demo"), tmp_path / "large.jsonl", model=large)
+    assert drafted == plain
+    drafts = summarize(tmp_path / "large.jsonl").drafts
+    assert drafts is not None and drafts.num_proposed > 0
+    again = await reexecute(tmp_path / "large.jsonl")  # the header names the draft model
+    assert (again.num_same, again.num_diverged) == (len(PROMPTS), 0)
+
+    own = await _generate(_draft_config("stepline-demo", k=3), tmp_path / "own.jsonl")
+    assert own == await _generate(None)
+    drafts = summarize(tmp_path / "own.jsonl").drafts
+    assert drafts is not None and drafts.num_accepted > 0
+    assert drafts.num_accepted == drafts.num_proposed  # it drafted what it then made
+
+
+async def test_a_draft_model_that_reads_other_tokens_is_refused_with_a_reason(smollm2):
+    with pytest.raises(ValueError, match="does not share"):
+        async with Engine.open("stepline-demo", speculative_config=_draft_config(smollm2.name)):
+            pass
+    with pytest.raises(ValueError, match="draft_model"):
+        parse_speculative_config('{"method": "draft_model", "num_speculative_tokens": 2}')

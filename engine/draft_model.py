@@ -1,0 +1,108 @@
+"""Drafts from a second, smaller model (`--speculative-config '{"method": "draft_model",
+"model": M, "num_speculative_tokens": k}'`), on the executor's thread beside the served one.
+
+The plan gives a drafting row a number of drafts (`speculative.PLACEHOLDER`s: the core has
+no model to draft with); before the step's forward, the draft model makes them, greedily,
+one token at a time against the request's own draft cache. That cache holds the request's
+tokens but the newest, as the served model's does: on its first draft it is filled with the
+prompt and what was generated so far, and after each step it is cut back past the drafts the
+served model rejected (`trim`); what it misses is fed at the next draft (`propose`).
+
+The draft model must read the same tokens as the served one (`check_same_tokenizer`), and
+keep plain KV caches (`verify.check_speculation`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+from stepline.engine.sequences import Seq
+
+if TYPE_CHECKING:
+    from stepline.engine.verify import Verify
+
+FEED_CHUNK = 512  # tokens of a draft cache's catch-up per forward (bounds its memory)
+PROBE = 'The quick brown fox, 3.14159 — naïve café; <tool_call>{"a": [1, 2]}</tool_call>\n'
+
+
+class DraftModel:
+    """The draft model and its caches, one a drafting request (see the module docstring)."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self._caches: dict[str, list[Any]] = {}
+
+    def propose(self, seq: Seq, n: int) -> tuple[int, ...]:
+        """`n` greedy drafts after `seq`'s tokens."""
+        cache = self._caches.get(seq.request_id)
+        if cache is None:
+            cache = self._caches[seq.request_id] = make_prompt_cache(self.model)
+        fed = cache[0].offset
+        total = seq.prompt.size + len(seq.output)
+        while fed < total - 1:  # catch up: every token but the newest
+            end = min(total - 1, fed + FEED_CHUNK)
+            self.model(self._tokens(seq, fed, end)[None], cache=cache)
+            mx.eval([c.state for c in cache])
+            fed = end
+        token, out = seq.last_token, []
+        for _ in range(n):
+            logits = self.model(mx.array([[token]], dtype=mx.int32), cache=cache)
+            token = int(mx.argmax(logits[0, -1]).item())
+            out.append(token)
+        return tuple(out)
+
+    def fill(self, rows: list[Verify], fail: Callable[[str, Exception], None]) -> list[Verify]:
+        """The drafts of the rows the plan holds places for (`rows`); a row whose drafting
+        fails is `fail`ed (its request ends) and left out."""
+        out = []
+        for v in rows:
+            if v.drafts:
+                try:
+                    v.drafts = self.propose(v.seq, len(v.drafts))
+                except Exception as exc:
+                    fail(v.seq.request_id, exc)
+                    continue
+            out.append(v)
+        return out
+
+    def trim(self, seq: Seq) -> None:
+        """After `seq`'s step: its draft cache cut back to hold no token past its newest
+        one but one (the drafts the served model rejected go)."""
+        cache = self._caches.get(seq.request_id)
+        if cache is None:
+            return
+        keep = seq.prompt.size + len(seq.output) - 1
+        over = cache[0].offset - keep
+        if over > 0:
+            for layer in cache:
+                layer.trim(over)
+
+    def forget(self, request_id: str) -> None:
+        self._caches.pop(request_id, None)
+
+    @staticmethod
+    def _tokens(seq: Seq, start: int, end: int) -> mx.array:
+        """`seq`'s tokens [start, end) (its prompt, then its output)."""
+        n = seq.prompt.size
+        parts = []
+        if start < n:
+            parts.append(seq.prompt[start : min(end, n)])
+        if end > n:
+            parts.append(mx.array(seq.output[max(0, start - n) : end - n], dtype=mx.int32))
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts)
+
+
+def check_same_tokenizer(served: Any, draft: Any, served_name: str, draft_name: str) -> None:
+    """Raise ValueError, in words, unless the two tokenizers give the same ids (a draft is
+    read by the served model as its own tokens)."""
+    a, b = served.encode(PROBE), draft.encode(PROBE)
+    if a != b or len(served.vocab) != len(draft.vocab):
+        raise ValueError(
+            f"the draft model {draft_name!r} does not share {served_name!r}'s tokenizer "
+            f"({len(draft.vocab)} tokens against {len(served.vocab)}, or another encoding): "
+            "a draft model must read the same token ids"
+        )
