@@ -154,7 +154,7 @@ def test_get_load_counts_the_tokens_of_the_requests_in_flight(gateway: Gateway):
     assert all(prompt <= s["num_tokens"] <= prompt + 200 for s in busy)
 
 
-def test_requests_through_power_of_two_are_served_and_each_engine_keeps_its_own_log(gateway: Gateway):
+def test_requests_through_power_of_two_succeed_and_each_engine_logs_its_own(gateway: Gateway):
     client = gateway.client()
     for i in range(8):
         out = client.chat.completions.create(
