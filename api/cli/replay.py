@@ -6,7 +6,8 @@ could be compared (reexecute), 2 the log or the arguments cannot be used (messag
 
 A log several models share (a server of several): the summary and verify go model by model,
 `--request` finds its request's model, and the views of steps, states, pictures, traces and
-re-execution need `--model NAME`.
+re-execution need `--model NAME`. Several logs, one per engine behind a router: the summary,
+`--request` and `--verify` across them (replay_engines.py).
 """
 
 from __future__ import annotations
@@ -108,7 +109,13 @@ def add_replay_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
             "diverges, 2 when the log cannot be read."
         ),
     )
-    p.add_argument("log", type=Path, help="the log (its first file, for a rotated set)")
+    p.add_argument(
+        "log",
+        type=Path,
+        nargs="+",
+        help="the log (its first file, for a rotated set); several logs, one per engine behind "
+        "a router: the summary, --request and --verify across them",
+    )
     p.add_argument(
         "--request",
         metavar="ID",
@@ -195,10 +202,14 @@ def run_replay(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
             file=sys.stderr,
         )
         return EXIT_UNUSABLE
+    if len(args.log) == 1:
+        args, view = argparse.Namespace(**{**vars(args), "log": args.log[0]}), _run
+    else:
+        view = _run_engines
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", TornLineWarning)
         try:
-            code = _run(args, out)
+            code = view(args, out)
         except (
             FileNotFoundError,
             LogCorruptError,
@@ -224,6 +235,12 @@ def run_replay(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
         else:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     return code
+
+
+def _run_engines(args: argparse.Namespace, out: TextIO) -> int:
+    from stepline.api.cli.replay_engines import run_engines  # it imports this module
+
+    return run_engines(args, out)
 
 
 def _run(args: argparse.Namespace, out: TextIO) -> int:

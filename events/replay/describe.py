@@ -33,6 +33,10 @@ class UnknownRequestError(LookupError):
     """The log holds no request with the asked-for id (or several, in different runs)."""
 
 
+class RequestNotInLogError(UnknownRequestError):
+    """The log holds no trace of the asked-for id: neither admitted nor refused."""
+
+
 class UnknownRunError(LookupError):
     """The log holds no run with the asked-for index or id."""
 

@@ -27,6 +27,7 @@ from stepline.events.models import (
     Terminal,
 )
 from stepline.events.replay.describe import (
+    RequestNotInLogError,
     UnknownRequestError,
     describe_images,
     describe_runs,
@@ -213,9 +214,9 @@ def request_timeline(
     """The life of `request_id`, from the log alone (in `run`, or in whichever run has it; of
     `model`, or of whichever model served it: request ids are unique across a run's models).
 
-    Raises UnknownRequestError if no run admitted it, or several did and `run` is None;
-    UnknownRunError for a run the log does not hold; UnknownModelError for a model it does
-    not serve; and what `read_events` raises.
+    Raises UnknownRequestError if no run admitted it (RequestNotInLogError if the log has no
+    trace of it), or several did and `run` is None; UnknownRunError for a run the log does not
+    hold; UnknownModelError for a model it does not serve; and what `read_events` raises.
     """
     index = resolve_run(path, run)
     model = resolve_model(path, model, run=index)
@@ -253,7 +254,7 @@ def request_timeline(
                 f"request {request_id!r} was refused before it was admitted ({refused.status} "
                 f"{refused.code}: {refused.message}), at step {refused.step} of {where}"
             )
-        raise UnknownRequestError(
+        raise RequestNotInLogError(
             f"no request {request_id!r} in {where}: see the summary for the requests it holds"
         )
     if len(lives) > 1:
