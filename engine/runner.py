@@ -425,17 +425,23 @@ class ModelRunner:
             for rid, d in plan.drafts.items()
             if rid in self._seqs and (d or self._seqs[rid].solo)
         }
-        if plan.decodes and self._seqs.keys() != self._batch.index.keys():
-            self._stop_drafting([rid for rid in plan.decodes if rid not in drafting])
-        # A batch row that starts drafting leaves the batch; where the batch's forward for
-        # this step was built a step ahead it decodes there this step, and leaves after it.
+        # A drafting row that stops joins the batch, and a batch row that starts drafting
+        # leaves it; where the batch's forward for this step was built a step ahead, each
+        # moves after this step (it decodes this step where it was).
+        leaving = [
+            rid
+            for rid in plan.decodes
+            if rid not in drafting and rid in self._seqs and self._seqs[rid].solo
+        ]
         entering = [rid for rid in drafting if not self._seqs[rid].solo]
         if self._ahead is not None:
             for rid in entering:
                 del drafting[rid]
+            drafting.update((rid, ()) for rid in leaving)
         else:
+            self._stop_drafting(leaving)
             self._leave_batch(entering)
-            entering = []
+            leaving, entering = [], []
         batch = self._batch
         if batch.index.keys() != {rid for rid in plan.decodes if rid not in drafting}:
             raise RuntimeError(
@@ -508,7 +514,8 @@ class ModelRunner:
             and not plan.chunks
             and pending is not None
             and pending.tokens_final
-            and not entering  # (the forward it builds would hold their rows)
+            and not entering  # (the forward it builds would hold the entering rows and
+            and not leaving  # not the leaving ones)
         ):
             # Decode rows only, their tokens read by evaluating them: the next forward is
             # built on them before they are read (`_pipeline`).
@@ -536,6 +543,7 @@ class ModelRunner:
                 self._record(taken, tokens, logprobs, failed)
                 self._took(batch, taken.array)
         self._join_finals(finals, failed)
+        self._stop_drafting(leaving)
         self._leave_batch([rid for rid in entering if rid in self._seqs])
         self._build_ahead(started)
         return StepResult(
@@ -619,8 +627,8 @@ class ModelRunner:
 
     def _stop_drafting(self, request_ids: Sequence[str]) -> None:
         """Drafting requests the plan decodes in the batch: they stopped drafting (found
-        nothing to copy for a while, or for good), and join the decode batch before this
-        step's forward."""
+        nothing to copy for a while, or for good), and join the decode batch (before the
+        step's forward, or after it where the batch's was built a step ahead)."""
         seqs = [self._seqs[rid] for rid in request_ids if rid in self._seqs]
         leaving = [s for s in seqs if s.solo and s.output and s.cache is not None]
         for seq in leaving:

@@ -112,6 +112,17 @@ def gateway(demo, tmp_path_factory) -> Iterator[Gateway]:
             raise
 
 
+def _chats_succeed(client: openai.OpenAI, n: int, what: str) -> None:
+    """`n` short chats, one after another, each answered in full."""
+    for i in range(n):
+        out = client.chat.completions.create(
+            model="stepline-demo",
+            messages=[{"role": "user", "content": f"{what} {i}"}],
+            max_tokens=4,
+        )
+        assert out.choices[0].finish_reason in ("length", "stop")
+
+
 def test_the_engines_answer_what_the_gateway_reads(gateway: Gateway):
     assert len(gateway.engines) == 2
     listed = httpx.get(f"{gateway.url}/v1/models").json()["data"]
@@ -155,14 +166,7 @@ def test_get_load_counts_the_tokens_of_the_requests_in_flight(gateway: Gateway):
 
 
 def test_requests_through_power_of_two_succeed_and_each_engine_logs_its_own(gateway: Gateway):
-    client = gateway.client()
-    for i in range(8):
-        out = client.chat.completions.create(
-            model="stepline-demo",
-            messages=[{"role": "user", "content": f"question {i}"}],
-            max_tokens=4,
-        )
-        assert out.choices[0].finish_reason in ("length", "stop")
+    _chats_succeed(gateway.client(), 8, "question")
     admitted = {
         log.name: sum(isinstance(e, Admitted) for e in read_events(log))
         for log in sorted(gateway.logs.glob("engine-*.jsonl"))
@@ -220,10 +224,4 @@ def test_an_engine_killed_mid_stream_fails_its_streams_and_the_other_serves_on(
     # the gateway reports it, and within its health interval every new request succeeds
     time.sleep(2 * HEALTH_INTERVAL_S)
     assert any("engine 1" in line and "exited" in line for line in gateway.lines)
-    for i in range(6):
-        out = client.chat.completions.create(
-            model="stepline-demo",
-            messages=[{"role": "user", "content": f"after {i}"}],
-            max_tokens=4,
-        )
-        assert out.choices[0].finish_reason in ("length", "stop")
+    _chats_succeed(client, 6, "after")

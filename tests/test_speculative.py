@@ -396,3 +396,17 @@ async def test_a_draft_model_that_reads_other_tokens_is_refused_with_a_reason(sm
             pass
     with pytest.raises(ValueError, match="draft_model"):
         parse_speculative_config('{"method": "draft_model", "num_speculative_tokens": 2}')
+
+
+@pytest.mark.parametrize("spec", [NGRAM_JSON, _draft_config("stepline-demo", k=3)])
+async def test_drafts_where_steps_do_not_fuse_give_the_same_tokens(
+    spec: str, monkeypatch: pytest.MonkeyPatch
+):
+    """A model whose steps do not fuse (an architecture `engine/fused.py` does not cover)
+    builds the batch's forward a step ahead every step: rows leave and rejoin the batch
+    after a step instead of before it."""
+    from stepline.engine import fused
+
+    plain = await _generate(None)
+    monkeypatch.setattr(fused, "fused_forward_works", lambda model: False)
+    assert await _generate(spec) == plain
