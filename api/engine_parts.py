@@ -311,4 +311,4 @@ def _draft_model(loaded: Any, options: EngineConfig) -> Any:
     check_same_tokenizer(loaded.tokenizer, draft.tokenizer, loaded.name, draft.name)
     check_speculation(draft.model)
     log.info("draft_model_loaded", model=draft.name, path=str(draft.path), weights=draft.weights)
-    return DraftModel(draft.model)
+    return DraftModel(draft.model, getattr(getattr(loaded.model, "args", None), "vocab_size", None))

@@ -47,6 +47,7 @@ class Gateway:
 def gateway(demo, tmp_path_factory) -> Iterator[Gateway]:
     logs = tmp_path_factory.mktemp("gateway")
     port = free_port()
+    stderr = (logs / "stderr.txt").open("w")  # the engines' access logs among it
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -68,7 +69,7 @@ def gateway(demo, tmp_path_factory) -> Iterator[Gateway]:
             "stepline-demo",
         ],
         stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
+        stderr=stderr,
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
@@ -110,6 +111,8 @@ def gateway(demo, tmp_path_factory) -> Iterator[Gateway]:
         except subprocess.TimeoutExpired:
             proc.kill()
             raise
+        finally:
+            stderr.close()
 
 
 def _chats_succeed(client: openai.OpenAI, n: int, what: str) -> None:
@@ -172,6 +175,12 @@ def test_requests_through_power_of_two_succeed_and_each_engine_logs_its_own(gate
         for log in sorted(gateway.logs.glob("engine-*.jsonl"))
     }
     assert list(admitted) == ["engine-0.jsonl", "engine-1.jsonl"]
+    # power_of_two weighs the engines by their /get_load, which the gateway reads (every
+    # health interval)
+    deadline = time.monotonic() + 10 * HEALTH_INTERVAL_S
+    while '"GET /get_load HTTP/1.1" 200' not in (gateway.logs / "stderr.txt").read_text():
+        assert time.monotonic() < deadline, "the gateway never read /get_load"
+        time.sleep(0.2)
     assert sum(admitted.values()) >= 8
 
 
