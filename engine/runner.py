@@ -428,11 +428,15 @@ class ModelRunner:
         # A drafting row that stops joins the batch, and a batch row that starts drafting
         # leaves it; where the batch's forward for this step was built a step ahead, each
         # moves after this step (it decodes this step where it was).
-        leaving = [
-            rid
-            for rid in plan.decodes
-            if rid not in drafting and rid in self._seqs and self._seqs[rid].solo
-        ]
+        leaving = (
+            [
+                rid
+                for rid in plan.decodes
+                if rid not in drafting and rid in self._seqs and self._seqs[rid].solo
+            ]
+            if self._seqs.keys() != self._batch.index.keys()  # (only then is a row solo)
+            else []
+        )
         entering = [rid for rid in drafting if not self._seqs[rid].solo]
         if self._ahead is not None:
             for rid in entering:
