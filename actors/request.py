@@ -21,7 +21,7 @@ from tokenizers.decoders import DecodeStream
 
 from stepline.actors.mailbox import Mailbox
 from stepline.actors.messages import Update
-from stepline.engine.work import TokenLogprob
+from stepline.actors.scheduler.work import TokenLogprob
 from stepline.events.models import FinishReason
 
 log = structlog.get_logger(__name__)

@@ -6,10 +6,10 @@
     outcome = core.update_from_output(work, result, ran_under)   events -> states
     append the events to the log, give each request actor its update, observe metrics
 
-With nothing to do, it runs the step-time model's warm-up (engine/warmup.py) in turns that
+With nothing to do, it runs the step-time model's warm-up (actors/scheduler/warmup.py) in turns that
 end when work arrives, if it has one to run.
 
-Every fact about a request is the core's (actors/core.py, which says who owns what); this
+Every fact about a request is the core's (actors/scheduler/core.py, which says who owns what); this
 loop holds only where each live request's actor is reached and what to wake.
 """
 
@@ -26,26 +26,26 @@ import anyio
 import structlog
 from anyio.streams.memory import MemoryObjectSendStream
 
-from stepline.actors.core import (
+from stepline.actors.executor import Executor, ExecutorDeadError
+from stepline.actors.host import HostMeter
+from stepline.actors.mailbox import Mailbox
+from stepline.actors.messages import Arrivals, Cancel, Submit, Update
+from stepline.actors.metrics import EngineMetrics
+from stepline.actors.scheduler.core import (
     EngineDeadError,
     LogPlace,
     ModelLimits,
     SchedulerCore,
     StepOutcome,
 )
-from stepline.actors.executor import Executor, ExecutorDeadError
-from stepline.actors.host import HostMeter
-from stepline.actors.mailbox import Mailbox
-from stepline.actors.messages import Arrivals, Cancel, Submit, Update
-from stepline.actors.metrics import EngineMetrics
+from stepline.actors.scheduler.cost_model import CostModel
+from stepline.actors.scheduler.drafter import SpeculativeConfig
+from stepline.actors.scheduler.policy import AdmissionError, SchedulerConfig
+from stepline.actors.scheduler.prefix_index import PrefixIndex
+from stepline.actors.scheduler.warmup import Warmup
+from stepline.actors.scheduler.work import Housekeeping, StepResult, StepWork
 from stepline.actors.turns import Turns
 from stepline.engine import heap
-from stepline.engine.cost_model import CostModel
-from stepline.engine.policy import AdmissionError, SchedulerConfig
-from stepline.engine.prefix_index import PrefixIndex
-from stepline.engine.speculative import SpeculativeConfig
-from stepline.engine.warmup import Warmup
-from stepline.engine.work import Housekeeping, StepResult, StepWork
 from stepline.events.fold import RequestState
 from stepline.events.models import FinishReason, Terminal
 
@@ -77,9 +77,10 @@ class StepLoop:
         cost_model: CostModel | None = None,  # learns step times; None: tokens only
         arrivals: Arrivals | None = None,  # requests the API is preparing
         warmup: Warmup | None = None,  # seeds `cost_model` while this loop idles
-        place: LogPlace | None = None,  # in a log several models share (actors/core.py)
+        place: LogPlace | None = None,  # in a log several models share (actors/scheduler/core.py)
         turns: Turns | None = None,  # several models' loops share the executor thread
-        speculative: SpeculativeConfig | None = None,  # drafted decoding (engine/speculative.py)
+        speculative: SpeculativeConfig
+        | None = None,  # drafted decoding (actors/scheduler/drafter.py)
     ):
         self.executor = executor
         self.runner = runner

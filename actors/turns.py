@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 
 import anyio
 
-from stepline.engine.model_policy import next_turn
+from stepline.actors.scheduler.model_policy import next_turn
 
 
 class Turns:

@@ -1,6 +1,13 @@
 """stepline's ways in: the Python async API, the HTTP server, the CLI."""
 
 from stepline.actors.request import RequestOutput
+from stepline.actors.scheduler.policy import (
+    AdmissionError,
+    ContextLengthExceededError,
+    EmptyPromptError,
+    KVBudgetExceededError,
+    QueueFullError,
+)
 from stepline.actors.step_loop import EngineDeadError
 from stepline.api.engine import (
     Engine,
@@ -11,13 +18,6 @@ from stepline.api.engine import (
 )
 from stepline.api.prompts import PromptTooLongError
 from stepline.engine.images import ImageError
-from stepline.engine.policy import (
-    AdmissionError,
-    ContextLengthExceededError,
-    EmptyPromptError,
-    KVBudgetExceededError,
-    QueueFullError,
-)
 
 __all__ = [
     "AdmissionError",

@@ -28,9 +28,9 @@ from pydantic import (
     model_validator,
 )
 
+from stepline.actors.scheduler.drafter import SpeculativeConfig, parse_speculative_config
+from stepline.actors.scheduler.policy import DEFAULT_MAX_STEP_MS
 from stepline.engine.images import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, MAX_IMAGES_PER_REQUEST
-from stepline.engine.policy import DEFAULT_MAX_STEP_MS
-from stepline.engine.speculative import SpeculativeConfig, parse_speculative_config
 
 
 class _Options(BaseModel):

@@ -21,15 +21,15 @@ from typing import Any
 import anyio
 import structlog
 
-from stepline.actors.core import LogPlace
 from stepline.actors.executor import Executor
+from stepline.actors.scheduler.core import LogPlace
+from stepline.actors.scheduler.cost_model import CostModel
+from stepline.actors.scheduler.policy import SchedulerConfig
+from stepline.actors.scheduler.prefix_index import PrefixIndex
+from stepline.actors.scheduler.warmup import Warmup
 from stepline.actors.step_loop import ModelLimits, StepLoop
 from stepline.actors.turns import Turns
 from stepline.api.config import EngineConfig, EventLogConfig
-from stepline.engine.cost_model import CostModel
-from stepline.engine.policy import SchedulerConfig
-from stepline.engine.prefix_index import PrefixIndex
-from stepline.engine.warmup import Warmup
 from stepline.events.models import LogHeader, new_run_id, new_salt
 
 log = structlog.get_logger(__name__)
@@ -239,11 +239,11 @@ class EngineParts:
     async def _warmup(self, sched: SchedulerConfig) -> tuple[list, Warmup | None]:
         """The step-time model's seed: the warm-up's samples kept from an earlier start of
         the same model, budget and machine, or else the warm-up that the step loop runs
-        while idle (engine/warmup.py), to keep its samples for the next start."""
+        while idle (actors/scheduler/warmup.py), to keep its samples for the next start."""
+        from stepline.actors.scheduler.warmup import load_samples, samples_key
         from stepline.engine import _blas
         from stepline.engine.cache_dirs import cache_root
         from stepline.engine.prefix_files import model_fingerprint
-        from stepline.engine.warmup import load_samples, samples_key
 
         loaded, runner = self.loaded, self.runner
         key = samples_key(

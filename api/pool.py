@@ -9,7 +9,7 @@ Each loaded model is an `Engine` of its own (scheduler core, step loop, prefix c
 of them share the one executor thread, taking turns on it (`actors/turns.py`), and one event
 log: the run's header lists the models, each event names its model, and loads and unloads
 are events too (`model-loaded`, `model-load-failed`, `model-unloaded`). Which model runs
-next and which stay loaded is `engine/model_policy.py`'s decision; this module applies it.
+next and which stay loaded is `actors/scheduler/model_policy.py`'s decision; this module applies it.
 Loads run one at a time, as tasks of the pool (a request that stops waiting does not stop
 its model's load).
 """
@@ -27,13 +27,13 @@ import anyio
 import structlog
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from stepline.actors.core import LogPlace
 from stepline.actors.executor import Executor
+from stepline.actors.scheduler.core import LogPlace
+from stepline.actors.scheduler.model_policy import DoesNotFitError, Resident, expired, to_unload
 from stepline.actors.turns import Turns
 from stepline.api.config import EngineConfig, EventLogConfig, ModelSpec, PoolConfig
 from stepline.api.engine import Engine
 from stepline.api.engine_parts import PoolMember
-from stepline.engine.model_policy import DoesNotFitError, Resident, expired, to_unload
 from stepline.events.models import (
     FinishReason,
     LogHeader,

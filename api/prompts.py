@@ -30,6 +30,7 @@ import tokenizers
 from jinja2 import TemplateError
 
 from stepline.actors.request import Detokenizer, IncrementalDetokenizer, StreamDetokenizer
+from stepline.actors.scheduler.policy import ContextLengthExceededError
 from stepline.engine.images import (
     ImageData,
     ImageError,
@@ -38,7 +39,6 @@ from stepline.engine.images import (
     place_image,
     text_only,
 )
-from stepline.engine.policy import ContextLengthExceededError
 
 MAX_CONCURRENT_PREPARE = 4  # prompts tokenized at once, each on a worker thread
 # Where a client's text held an added token's text: private-use characters no template

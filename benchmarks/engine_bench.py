@@ -70,12 +70,12 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
+from stepline.actors.scheduler.work import StepResult
 from stepline.api import Engine, SamplingParams
 from stepline.api.engine import run as engine_run
 from stepline.engine import _blas, step_sampling
 from stepline.engine.models import load_model
 from stepline.engine.sampling import PendingSample
-from stepline.engine.work import StepResult
 
 DEFAULT_MODEL = "stepline-demo-large"
 EVENT_LOG_PAIRS = 2  # on/off pairs per repeat: the difference sought is small

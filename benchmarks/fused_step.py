@@ -17,10 +17,10 @@ import random
 import statistics
 
 import stepline.engine  # noqa: F401  (OpenBLAS before MLX)
+from stepline.actors.scheduler.policy import ScheduledChunk, StepPlan
+from stepline.actors.scheduler.work import Housekeeping, NewRequest, StepWork
 from stepline.engine.models import DTYPES, load_model
-from stepline.engine.policy import ScheduledChunk, StepPlan
 from stepline.engine.runner import ModelRunner
-from stepline.engine.work import Housekeeping, NewRequest, StepWork
 from stepline.events.models import RequestParams
 
 GREEDY = RequestParams(max_tokens=64, temperature=0, top_p=1, top_k=0, min_p=0, seed=None)

@@ -25,9 +25,9 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from stepline.actors.scheduler.policy import place_rows
 from stepline.engine import fused
 from stepline.engine.forward import output_head
-from stepline.engine.policy import place_rows
 from stepline.engine.sequences import Cache, Seq
 
 

@@ -47,6 +47,7 @@ import mlx.core as mx
 import numpy as np
 import structlog
 
+from stepline.actors.scheduler.work import Housekeeping, StepResult, StepWork, is_collective_error
 from stepline.engine.models import (
     DEFAULT_DEMO,
     DEMO_MODELS,
@@ -54,7 +55,6 @@ from stepline.engine.models import (
     LoadedModel,
     demo_model_path,
 )
-from stepline.engine.work import Housekeeping, StepResult, StepWork, is_collective_error
 
 log = structlog.get_logger(__name__)
 

@@ -17,7 +17,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
-from stepline.engine.work import MemoryCounters
+from stepline.actors.scheduler.work import MemoryCounters
 
 # With no --max-kv-gb: the KV of running requests may use this fraction of the machine's
 # memory, less the weights and the prefix cache, but never less than _MIN_KV_FRACTION of it.

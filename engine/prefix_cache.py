@@ -2,7 +2,7 @@
 
 `PrefixStore` lives on the executor thread and only stores: entries come from
 checkpoint snapshots (taken during prefill at exactly their offset) and from finished
-requests; the step loop's `PrefixIndex` (engine/prefix_index.py) decides which entry a
+requests; the step loop's `PrefixIndex` (actors/scheduler/prefix_index.py) decides which entry a
 request starts from and which entries are evicted, and the store reports back what it
 added and what its disk tier (engine/prefix_disk.py) gained or lost.
 
@@ -22,10 +22,10 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, can_trim_prompt_cache
 
+from stepline.actors.scheduler.prefix_index import EntryInfo, Tokens
+from stepline.actors.scheduler.work import PrefixReport
 from stepline.engine.prefix_disk import DiskTier
 from stepline.engine.prefix_files import Layout
-from stepline.engine.prefix_index import EntryInfo, Tokens
-from stepline.engine.work import PrefixReport
 
 Cache = list[Any]
 

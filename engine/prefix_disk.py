@@ -19,6 +19,7 @@ from typing import Any
 import mlx.core as mx
 import structlog
 
+from stepline.actors.scheduler.prefix_index import EntryInfo, Tokens, TokenTrie
 from stepline.engine.prefix_files import (
     _LIVE_WRITERS,
     _STALE_TMP_SECONDS,
@@ -36,7 +37,6 @@ from stepline.engine.prefix_files import (
     read_entry_info,
     serialize_entry,
 )
-from stepline.engine.prefix_index import EntryInfo, Tokens, TokenTrie
 
 log = structlog.get_logger(__name__)
 

@@ -22,24 +22,9 @@ import mlx.core as mx
 import structlog
 from mlx_lm.models.cache import make_prompt_cache
 
-from stepline.engine import cpu_attention, fused, step_sampling
-from stepline.engine.constraints import advance
-from stepline.engine.cost_model import decode_runs_apart
-from stepline.engine.decode_groups import DecodeCaches
-from stepline.engine.decode_order import DecodeOrder
-from stepline.engine.draft_model import DraftModel
-from stepline.engine.forward import forward, split_head_works
-from stepline.engine.grammar import DEFAULT_CACHE_BYTES, GrammarCompiler
-from stepline.engine.images import prompt_key
-from stepline.engine.memory import read_memory_counters
-from stepline.engine.models import LoadedModel
-from stepline.engine.policy import ScheduledChunk, ScheduledEncode
-from stepline.engine.prefix_cache import PrefixStore, compact_cache, share_cache
-from stepline.engine.prefix_files import model_cache_layout, model_fingerprint
-from stepline.engine.sampling import PendingSample, RowHistory, RowSampling, Sampler
-from stepline.engine.sequences import NO_ROWS, Ahead, Cache, Rows, Seq
-from stepline.engine.verify import Verify, verify_rows
-from stepline.engine.work import (
+from stepline.actors.scheduler.cost_model import decode_runs_apart
+from stepline.actors.scheduler.policy import ScheduledChunk, ScheduledEncode
+from stepline.actors.scheduler.work import (
     ADMISSION_FAILED,
     CHECKPOINT_FAILED,
     ENCODE_FAILED,
@@ -54,6 +39,21 @@ from stepline.engine.work import (
     TokenLogprob,
     is_collective_error,
 )
+from stepline.engine import cpu_attention, fused, step_sampling
+from stepline.engine.constraints import advance
+from stepline.engine.decode_groups import DecodeCaches
+from stepline.engine.decode_order import DecodeOrder
+from stepline.engine.draft_model import DraftModel
+from stepline.engine.forward import forward, split_head_works
+from stepline.engine.grammar import DEFAULT_CACHE_BYTES, GrammarCompiler
+from stepline.engine.images import prompt_key
+from stepline.engine.memory import read_memory_counters
+from stepline.engine.models import LoadedModel
+from stepline.engine.prefix_cache import PrefixStore, compact_cache, share_cache
+from stepline.engine.prefix_files import model_cache_layout, model_fingerprint
+from stepline.engine.sampling import PendingSample, RowHistory, RowSampling, Sampler
+from stepline.engine.sequences import NO_ROWS, Ahead, Cache, Rows, Seq
+from stepline.engine.verify import Verify, verify_rows
 
 log = structlog.get_logger(__name__)
 

@@ -29,6 +29,7 @@ from functools import cached_property
 import mlx.core as mx
 import numpy as np
 
+from stepline.actors.scheduler.work import TokenLogprob
 from stepline.engine.penalties import PenaltyArrays, RowHistory, apply_penalties
 from stepline.engine.sampling_limits import (
     GREEDY_TEMPERATURE,
@@ -38,7 +39,6 @@ from stepline.engine.sampling_limits import (
     is_int,
     is_number,
 )
-from stepline.engine.work import TokenLogprob
 
 # top-k / top-p thresholds come from each row's best _NUM_CANDIDATES tokens (a partition and a
 # small sort, instead of sorting the whole vocabulary, which is ~90 ms for 32 x 32000 on CPU).

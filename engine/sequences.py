@@ -38,7 +38,7 @@ class Seq:
     encodes: dict[int, Any] = field(default_factory=dict)
     # the prompt as the prefix cache knows it (`images.prompt_key`); None: its token ids
     key: tuple[int, ...] | None = None
-    # it drafts (engine/speculative.py): it decodes against its own `cache`, not in the batch
+    # it drafts (actors/scheduler/drafter.py): it decodes against its own `cache`, not in the batch
     solo: bool = False
 
     def key_of(self, end: int) -> list[int]:

@@ -13,15 +13,15 @@ from dataclasses import dataclass
 import mlx.core as mx
 import structlog
 
-from stepline.engine.constraints import apply_grammar_masks
-from stepline.engine.sampling import PendingSample, SampleOutput, Sampler
-from stepline.engine.sequences import NO_ROWS, Ahead, Rows, Seq
-from stepline.engine.work import (
+from stepline.actors.scheduler.work import (
     PREFILL_FAILED,
     SAMPLING_FAILED,
     TokenLogprob,
     is_collective_error,
 )
+from stepline.engine.constraints import apply_grammar_masks
+from stepline.engine.sampling import PendingSample, SampleOutput, Sampler
+from stepline.engine.sequences import NO_ROWS, Ahead, Rows, Seq
 
 log = structlog.get_logger(__name__)
 

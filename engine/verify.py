@@ -1,4 +1,4 @@
-"""A drafting row's step on the executor (engine/speculative.py): its last token and its
+"""A drafting row's step on the executor (actors/scheduler/drafter.py): its last token and its
 drafts through the model against its own KV cache, the drafts the target model agrees with
 kept, the rest trimmed from the cache."""
 
@@ -10,11 +10,11 @@ from typing import Any
 
 import mlx.core as mx
 
+from stepline.actors.scheduler.drafter import accept
+from stepline.actors.scheduler.work import SAMPLING_FAILED, VERIFY_FAILED, is_collective_error
 from stepline.engine.sampling import Sampler
 from stepline.engine.sequences import Seq
-from stepline.engine.speculative import accept
 from stepline.engine.step_sampling import Fail
-from stepline.engine.work import SAMPLING_FAILED, VERIFY_FAILED, is_collective_error
 
 
 @dataclass(eq=False)

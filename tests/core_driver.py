@@ -3,10 +3,10 @@
 
 from __future__ import annotations
 
-from stepline.actors.core import ModelLimits, SchedulerCore, StepOutcome
-from stepline.engine.cost_model import StepCost, StepFeatures
-from stepline.engine.policy import SchedulerConfig
-from stepline.engine.work import StepResult, StepWork
+from stepline.actors.scheduler.core import ModelLimits, SchedulerCore, StepOutcome
+from stepline.actors.scheduler.cost_model import StepCost, StepFeatures
+from stepline.actors.scheduler.policy import SchedulerConfig
+from stepline.actors.scheduler.work import StepResult, StepWork
 from stepline.events.models import RequestParams
 
 EOS = 2

@@ -14,7 +14,7 @@ import anyio
 import pytest
 
 from stepline.actors import step_loop
-from stepline.engine.cost_model import StepCost
+from stepline.actors.scheduler.cost_model import StepCost
 
 if TYPE_CHECKING:
     from stepline.actors.step_loop import StepLoop

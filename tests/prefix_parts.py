@@ -1,5 +1,5 @@
 """The prefix cache's two halves joined by hand, as the engine joins them, for tests of the
-pair without an engine: the step loop's index (engine/prefix_index.py) says which entry a
+pair without an engine: the step loop's index (actors/scheduler/prefix_index.py) says which entry a
 request starts from; the executor's store (engine/prefix_cache.py) holds the arrays and
 reports what it added or lost."""
 
@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from stepline.actors.scheduler.prefix_index import Candidate, PrefixIndex, plan_prefixes
 from stepline.engine.prefix_cache import Cache, PrefixStore
-from stepline.engine.prefix_index import Candidate, PrefixIndex, plan_prefixes
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ def main() -> int:
 
         models.load_model = lambda *args, **kwargs: _stall("load")
     elif what == "warmup":
-        from stepline.engine.warmup import Warmup
+        from stepline.actors.scheduler.warmup import Warmup
 
         Warmup.run = lambda self, stop=None: _stall("warmup")  # type: ignore[method-assign]
     else:

@@ -10,10 +10,10 @@ import jsonschema
 import pytest
 from helpers import FAILS_LATER, UNFOLLOWABLE
 
+from stepline.actors.scheduler.work import GRAMMAR_FAILED
 from stepline.api import Engine, SamplingParams
 from stepline.engine import grammar as grammar_module
 from stepline.engine.grammar import GrammarError, json_schema_grammar, markup, tool_call_grammar
-from stepline.engine.work import GRAMMAR_FAILED
 
 PERSON = {
     "type": "object",

@@ -5,16 +5,16 @@ from __future__ import annotations
 import pytest
 from core_driver import EOS, LIMITS, make_core, params, run_step, sampled
 
-import stepline.actors.core as core_module
-from stepline.actors.core import EngineDeadError, ModelLimits
-from stepline.engine.policy import (
+import stepline.actors.scheduler.core as core_module
+from stepline.actors.scheduler.core import EngineDeadError, ModelLimits
+from stepline.actors.scheduler.policy import (
     AdmissionError,
     KVBudgetExceededError,
     QueueFullError,
     SchedulerConfig,
 )
-from stepline.engine.prefix_index import EntryInfo, PrefixIndex
-from stepline.engine.work import PrefixReport, StepResult, TokenLogprob
+from stepline.actors.scheduler.prefix_index import EntryInfo, PrefixIndex
+from stepline.actors.scheduler.work import PrefixReport, StepResult, TokenLogprob
 from stepline.events.fold import Status, fold
 from stepline.events.models import Admitted, FinishReason, StepPlanned
 

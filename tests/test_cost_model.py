@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from stepline.engine.cost_model import (
+from stepline.actors.scheduler.cost_model import (
     MAX_TOKENS,
     MIN_SAMPLES,
     CostModel,

@@ -14,7 +14,7 @@ import pydantic
 import pytest
 from helpers import wait_finished, wait_until
 
-import stepline.actors.core as core_module
+import stepline.actors.scheduler.core as core_module
 from stepline.actors.executor import Executor, ExecutorDeadError
 from stepline.actors.request import IncrementalDetokenizer, RequestOutput
 from stepline.api import (

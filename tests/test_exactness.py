@@ -12,12 +12,12 @@ from helpers import submit_together, wait_until
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
+from stepline.actors.scheduler.policy import ScheduledChunk, StepPlan
+from stepline.actors.scheduler.work import NewRequest, StepWork
 from stepline.api import Engine, SamplingParams
 from stepline.engine.decode_order import DecodeOrder
-from stepline.engine.policy import ScheduledChunk, StepPlan
 from stepline.engine.runner import ModelRunner
 from stepline.engine.sampling import PendingSample
-from stepline.engine.work import NewRequest, StepWork
 from stepline.events.models import RequestParams
 
 GREEDY = RequestParams(max_tokens=64, temperature=0, top_p=1, top_k=0, min_p=0, seed=None)

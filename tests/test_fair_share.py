@@ -17,12 +17,7 @@ from core_driver import TOKEN, make_core, params, run_step
 from helpers import DEMO_LARGE_COST, wait_finished, wait_until
 from starlette.datastructures import Headers
 
-from stepline.api import Engine
-from stepline.api.http.app import create_app
-from stepline.api.http.serve import serve_in_process
-from stepline.api.pipeline.errors import known_error
-from stepline.api.pipeline.serving import client_of
-from stepline.engine.policy import (
+from stepline.actors.scheduler.policy import (
     MAX_WAIT_STEPS,
     QueueFullError,
     SchedulerConfig,
@@ -30,6 +25,11 @@ from stepline.engine.policy import (
     is_aged,
     prefix_candidates,
 )
+from stepline.api import Engine
+from stepline.api.http.app import create_app
+from stepline.api.http.serve import serve_in_process
+from stepline.api.pipeline.errors import known_error
+from stepline.api.pipeline.serving import client_of
 from stepline.events.fold import RequestState, Status, fold
 from stepline.events.log import read_events
 from stepline.events.models import Admitted, ChunkPrefilled, Terminal, TokensSampled

@@ -14,13 +14,13 @@ import pytest
 from helpers import submit_together, wait_until
 
 from stepline.actors.messages import Cancel
-from stepline.api import Engine, EngineDeadError, SamplingParams
-from stepline.engine.work import (
+from stepline.actors.scheduler.work import (
     ADMISSION_FAILED,
     CHECKPOINT_FAILED,
     PREFILL_FAILED,
     SAMPLING_FAILED,
 )
+from stepline.api import Engine, EngineDeadError, SamplingParams
 from stepline.events.log import read_events
 from stepline.events.models import CheckpointReached, ChunkPrefilled, Terminal
 

@@ -14,14 +14,14 @@ from helpers import small_config
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
+from stepline.actors.scheduler.policy import ScheduledChunk, SchedulerConfig, StepPlan
+from stepline.actors.scheduler.warmup import measure_step_costs
+from stepline.actors.scheduler.work import PREFILL_FAILED, NewRequest, StepWork
 from stepline.api import Engine, SamplingParams
 from stepline.engine import fused
 from stepline.engine import runner as runner_module
 from stepline.engine.models import LoadedModel
-from stepline.engine.policy import ScheduledChunk, SchedulerConfig, StepPlan
 from stepline.engine.runner import ModelRunner
-from stepline.engine.warmup import measure_step_costs
-from stepline.engine.work import PREFILL_FAILED, NewRequest, StepWork
 from stepline.events.models import RequestParams
 
 GREEDY = RequestParams(max_tokens=64, temperature=0, top_p=1, top_k=0, min_p=0, seed=None)

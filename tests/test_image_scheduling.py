@@ -9,10 +9,10 @@ from dataclasses import replace
 
 from core_driver import make_core, params, sampled
 
-from stepline.actors.core import SchedulerCore
-from stepline.engine.cost_model import StepCost
+from stepline.actors.scheduler.core import SchedulerCore
+from stepline.actors.scheduler.cost_model import StepCost
+from stepline.actors.scheduler.policy import SchedulerConfig, StepPlan
 from stepline.engine.images import ImageData, PromptImage, prompt_key
-from stepline.engine.policy import SchedulerConfig, StepPlan
 from stepline.events.fold import Status
 
 

@@ -119,8 +119,8 @@ async def test_the_prefix_cache_reports_the_memory_it_keeps_alive(model_cache_di
 def test_importing_the_policy_the_core_the_fold_and_the_log_loads_neither_mlx_nor_openblas():
     code = (
         "import sys\n"
-        "import stepline.engine.policy, stepline.engine.prefix_index, stepline.events.fold\n"
-        "import stepline.events.log, stepline.actors.core\n"
+        "import stepline.actors.scheduler.policy, stepline.actors.scheduler.prefix_index\n"
+        "import stepline.events.fold, stepline.events.log, stepline.actors.scheduler.core\n"
         "from stepline.engine import _blas\n"
         "mods = sorted(m for m in sys.modules if m == 'mlx' or m.startswith(('mlx.', 'mlx_lm')))\n"
         "print(mods, _blas.status()[0])\n"

@@ -7,14 +7,14 @@ import anyio
 import pytest
 from anyio.lowlevel import checkpoint
 
-from stepline.actors.turns import Turns
-from stepline.engine.model_policy import (
+from stepline.actors.scheduler.model_policy import (
     DoesNotFitError,
     Resident,
     expired,
     next_turn,
     to_unload,
 )
+from stepline.actors.turns import Turns
 
 GB = 2**30
 

@@ -13,9 +13,9 @@ from helpers import DEMO_LARGE_COST
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stepline.actors.core import SchedulerCore
-from stepline.engine.cost_model import StepCost, StepFeatures
-from stepline.engine.policy import (
+from stepline.actors.scheduler.core import SchedulerCore
+from stepline.actors.scheduler.cost_model import StepCost, StepFeatures
+from stepline.actors.scheduler.policy import (
     MAX_GROUPS,
     MAX_WAIT_STEPS,
     MIN_PREFILL_SHARE,
@@ -34,7 +34,7 @@ from stepline.engine.policy import (
     place_row,
     schedule,
 )
-from stepline.engine.prefix_index import PrefixPlan
+from stepline.actors.scheduler.prefix_index import PrefixPlan
 from stepline.events.fold import RequestState, Status, fold
 from stepline.events.models import Admitted, ChunkPrefilled, TokensSampled
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 from core_driver import make_core, params, run_step
 from helpers import DEMO_LARGE_COST
 
-from stepline.actors.core import SchedulerCore
-from stepline.engine.cost_model import StepCost
-from stepline.engine.policy import SchedulerConfig, StepPlan, schedule
-from stepline.engine.prefix_index import PrefixPlan
+from stepline.actors.scheduler.core import SchedulerCore
+from stepline.actors.scheduler.cost_model import StepCost
+from stepline.actors.scheduler.policy import SchedulerConfig, StepPlan, schedule
+from stepline.actors.scheduler.prefix_index import PrefixPlan
 from stepline.events.fold import Status
 from stepline.events.models import MAX_HELD, StepPlanned
 

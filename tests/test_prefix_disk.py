@@ -17,12 +17,12 @@ from prefix_parts import Prefixes
 from structlog.testing import capture_logs
 
 import stepline.engine.prefix_files as prefix_files
+from stepline.actors.scheduler.warmup import Warmup
 from stepline.api import Engine, SamplingParams
 from stepline.engine.prefix_cache import PrefixStore
 from stepline.engine.prefix_files import WRITER_THREAD_NAME, entry_file_name, model_fingerprint
 from stepline.engine.runner import snapshot_cache
 from stepline.engine.throttle import Throttle
-from stepline.engine.warmup import Warmup
 from stepline.events.log import read_events
 from stepline.events.models import ChunkPrefilled
 

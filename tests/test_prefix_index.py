@@ -3,7 +3,7 @@ and which requests wait for a prefix another request is computing."""
 
 from __future__ import annotations
 
-from stepline.engine.prefix_index import Candidate, EntryInfo, PrefixIndex, plan_prefixes
+from stepline.actors.scheduler.prefix_index import Candidate, EntryInfo, PrefixIndex, plan_prefixes
 
 
 def info(tokens, nbytes=100, trimmable=True) -> EntryInfo:
@@ -121,7 +121,7 @@ def test_the_trie_answers_as_a_search_of_every_entry_would() -> None:
     gives the length the rule gives when each entry is tried in turn."""
     import random
 
-    from stepline.engine.prefix_index import IndexEntry, TokenTrie
+    from stepline.actors.scheduler.prefix_index import IndexEntry, TokenTrie
 
     def lcp(a, b) -> int:
         n = 0

@@ -23,12 +23,12 @@ from core_driver import make_core, params
 from helpers import hold_open, replay, wait_finished, wait_until
 from log_builder import LogBuilder
 
+from stepline.actors.scheduler.policy import QueueFullError, SchedulerConfig
 from stepline.api import Engine
 from stepline.api.config import EventLogConfig, ModelSpec, PoolConfig
 from stepline.api.http.app import create_app
 from stepline.api.http.serve import serve_in_process
 from stepline.api.pool import ModelPool
-from stepline.engine.policy import QueueFullError, SchedulerConfig
 from stepline.events.fold import FoldError, Status, fold
 from stepline.events.log import TornLineWarning, read_events
 from stepline.events.models import Admitted, FinishReason, Terminal

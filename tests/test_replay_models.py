@@ -40,7 +40,7 @@ PROMPTS = {
 
 
 async def _serve(writer: EventLogWriter, name: str, turns: Any) -> None:
-    from stepline.actors.core import LogPlace
+    from stepline.actors.scheduler.core import LogPlace
     from stepline.api import Engine, SamplingParams
     from stepline.api.engine_parts import PoolMember
 

@@ -21,11 +21,11 @@ import pytest_asyncio
 from helpers import hold_open
 
 import stepline.engine
+from stepline.actors.scheduler.policy import QueueFullError
 from stepline.api import Engine, PromptTooLongError
 from stepline.api.http.app import create_app
 from stepline.api.http.guard import RateLimitedExceptionHandler
 from stepline.api.http.serve import serve_in_process
-from stepline.engine.policy import QueueFullError
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

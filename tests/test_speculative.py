@@ -1,4 +1,4 @@
-"""Speculative decoding (engine/speculative.py): drafts from a request's own tokens, verified
+"""Speculative decoding (actors/scheduler/drafter.py): drafts from a request's own tokens, verified
 in the step, the same greedy tokens as without them, and fewer steps where output copies."""
 
 from __future__ import annotations
@@ -12,14 +12,8 @@ import mlx.core as mx
 import pytest
 from core_driver import make_core, params
 
-from stepline.api import Engine, SamplingParams
-from stepline.api.cli import main
-from stepline.api.config import EngineConfig
-from stepline.engine.cost_model import StepCost
-from stepline.engine.policy import SchedulerConfig
-from stepline.engine.sampling import RowSampling, Sampler
-from stepline.engine.sequences import Seq
-from stepline.engine.speculative import (
+from stepline.actors.scheduler.cost_model import StepCost
+from stepline.actors.scheduler.drafter import (
     ENTER_MATCH,
     MAX_ENTRIES,
     SOLO_PATIENCE,
@@ -29,8 +23,14 @@ from stepline.engine.speculative import (
     accept,
     parse_speculative_config,
 )
+from stepline.actors.scheduler.policy import SchedulerConfig
+from stepline.actors.scheduler.work import StepResult
+from stepline.api import Engine, SamplingParams
+from stepline.api.cli import main
+from stepline.api.config import EngineConfig
+from stepline.engine.sampling import RowSampling, Sampler
+from stepline.engine.sequences import Seq
 from stepline.engine.verify import Verify, verify_rows
-from stepline.engine.work import StepResult
 from stepline.events.log import read_events
 from stepline.events.models import RequestParams, StepPlanned, TokensSampled
 from stepline.events.replay.reexecute import reexecute

@@ -8,14 +8,14 @@ import anyio
 import httpx
 from structlog.testing import capture_logs
 
+from stepline.actors.scheduler import cost_model
+from stepline.actors.scheduler.cost_model import CostModel, StepCost, StepFeatures
+from stepline.actors.scheduler.policy import SchedulerConfig
+from stepline.actors.scheduler.warmup import Warmup
 from stepline.api import Engine, SamplingParams
 from stepline.api.http.app import create_app
 from stepline.api.http.serve import serve_in_process
-from stepline.engine import cost_model
-from stepline.engine.cost_model import CostModel, StepCost, StepFeatures
-from stepline.engine.policy import SchedulerConfig
 from stepline.engine.runner import ModelRunner
-from stepline.engine.warmup import Warmup
 from stepline.events.log import read_events
 from stepline.events.models import ChunkPrefilled, StepFinished, StepPlanned, TokensSampled
 

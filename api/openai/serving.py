@@ -38,7 +38,7 @@ from stepline.api.pipeline.writer import PING, TextFrames
 
 if TYPE_CHECKING:
     from stepline.actors.request import RequestOutput
-    from stepline.engine.work import TokenLogprob
+    from stepline.actors.scheduler.work import TokenLogprob
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DONE = b"data: [DONE]\n\n"

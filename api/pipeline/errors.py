@@ -152,13 +152,17 @@ def known_error(
     `prompt_param` and `grammar_param` name the request's fields that hold its prompt and its
     output format."""
     # Imported here: the engine's modules are not loaded while the model loads.
+    from stepline.actors.scheduler.policy import (
+        AdmissionError,
+        ContextLengthExceededError,
+        QueueFullError,
+    )
     from stepline.actors.step_loop import EngineDeadError
     from stepline.api.engine import EngineClosedError
     from stepline.api.json_limits import InputLimitError
     from stepline.api.prompts import PromptTooLongError
     from stepline.engine.grammar import GrammarError
     from stepline.engine.images import ImageError
-    from stepline.engine.policy import AdmissionError, ContextLengthExceededError, QueueFullError
 
     if isinstance(exc, APIError):
         return exc

@@ -33,6 +33,8 @@ from starlette.background import BackgroundTask
 from starlette.datastructures import Headers
 from starlette.requests import ClientDisconnect
 
+from stepline.actors.scheduler.policy import max_output_tokens
+from stepline.actors.scheduler.work import GRAMMAR_FAILED
 from stepline.api.config import ServerConfig
 from stepline.api.json_limits import parse_body
 from stepline.api.params import SamplingParams
@@ -69,9 +71,7 @@ from stepline.api.pipeline.served import (
 from stepline.api.pipeline.writer import Emit, StreamResponse
 from stepline.api.prompts import Prepared
 from stepline.engine.images import ImageError
-from stepline.engine.policy import max_output_tokens
 from stepline.engine.sampling_limits import GREEDY_TEMPERATURE
-from stepline.engine.work import GRAMMAR_FAILED
 
 if TYPE_CHECKING:
     from stepline.actors.request import RequestOutput

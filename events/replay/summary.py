@@ -229,7 +229,7 @@ class _Track:
 
 
 class Drafts(Report):
-    """Speculative decoding (engine/speculative.py): drafted tokens the steps verified and
+    """Speculative decoding (actors/scheduler/drafter.py): drafted tokens the steps verified and
     how many the target model kept."""
 
     num_proposed: int  # drafted tokens, over every drafting decode row

@@ -31,15 +31,15 @@ from typing import Any
 
 import structlog
 
-from stepline.engine.cost_model import Sample, StepFeatures, decode_runs_apart
-from stepline.engine.policy import (
+from stepline.actors.scheduler.cost_model import Sample, StepFeatures, decode_runs_apart
+from stepline.actors.scheduler.policy import (
     ScheduledChunk,
     ScheduledEncode,
     SchedulerConfig,
     StepPlan,
     padded_decode_context,
 )
-from stepline.engine.work import Housekeeping, NewRequest, PrefixReport, StepWork
+from stepline.actors.scheduler.work import Housekeeping, NewRequest, PrefixReport, StepWork
 from stepline.events.models import RequestParams
 
 _PARAMS = RequestParams(

@@ -96,7 +96,7 @@ class StepFeatures:
         )
 
     def with_drafts(self, context: int, num_tokens: int) -> StepFeatures:
-        """Plus a decode row's drafted tokens (engine/speculative.py), verified at its
+        """Plus a decode row's drafted tokens (actors/scheduler/drafter.py), verified at its
         `context`: priced as prompt tokens are, inside a forward the step runs anyway."""
         return replace(
             self,

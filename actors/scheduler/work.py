@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from stepline.actors.scheduler.policy import StepPlan
+from stepline.actors.scheduler.prefix_index import EntryInfo, Tokens
 from stepline.engine.images import PromptImage
-from stepline.engine.policy import StepPlan
-from stepline.engine.prefix_index import EntryInfo, Tokens
 from stepline.events.models import RequestParams
 
 

@@ -22,7 +22,7 @@ exactly the one above. Nothing running is stopped for it: a client's share is ta
 its requests end. A client may also fill at most three quarters of the waiting queue
 (`SchedulerConfig.max_waiting_per_client`): the rest is kept for others.
 
-With a cost model (`StepCost`, fitted by engine/cost_model.py) and decode rows to protect,
+With a cost model (`StepCost`, fitted by actors/scheduler/cost_model.py) and decode rows to protect,
 chunks are also sized so that the step's predicted time stays under `max_step_ms`: they
 shrink as their context grows and as decode rows are added. The first prompt in the order
 always gets at least one token, so nothing starves. Within the target a step is no longer
@@ -46,7 +46,7 @@ the step, and run alone, past the budget, by the step's first prompt when no ste
 hold it.
 
 A plan says why it is what it is: what sized each chunk (`ScheduledChunk.limit`, from
-`chunk_size`) and which requests sat the step out and why (`StepPlan.held`: engine/held.py).
+`chunk_size`) and which requests sat the step out and why (`StepPlan.held`: held.py).
 """
 
 from __future__ import annotations
@@ -57,10 +57,10 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from operator import attrgetter
 
-from stepline.engine.cost_model import StepCost, StepFeatures, decode_runs_apart
-from stepline.engine.held import oldest_held
+from stepline.actors.scheduler.cost_model import StepCost, StepFeatures, decode_runs_apart
+from stepline.actors.scheduler.held import oldest_held
+from stepline.actors.scheduler.prefix_index import Candidate, PrefixPlan
 from stepline.engine.images import inside_image
-from stepline.engine.prefix_index import Candidate, PrefixPlan
 from stepline.events.fold import RequestState, Status
 from stepline.events.models import ChunkLimit, HeldReason
 
@@ -89,7 +89,7 @@ MIN_PREFILL_SHARE = 0.82
 # cost model whose overheads come out near zero would otherwise plan steps of a token or two).
 PREFILL_SHARE = 0.85
 SHORTEST_STEP = 0.25
-# Drafted tokens (engine/speculative.py) may make a step whose decode rows alone take longer
+# Drafted tokens (actors/scheduler/drafter.py) may make a step whose decode rows alone take longer
 # than the target up to this many times as long: a drafting row gains a token for every
 # draft kept, and every other row waits that much longer for its one.
 DRAFT_STRETCH = 1.5
@@ -188,9 +188,9 @@ class StepPlan:
     features: StepFeatures = StepFeatures()  # what the step computes, as the cost model sees it
     predicted_seconds: float | None = None  # the cost model's prediction; None without one
     # (request_id, why) of the oldest requests that could have joined and did not: at most
-    # MAX_HELD, oldest first (engine/held.py)
+    # MAX_HELD, oldest first (actors/scheduler/held.py)
     held: tuple[tuple[str, HeldReason], ...] = ()
-    # request_id -> the drafted tokens its decode row carries (engine/speculative.py), for
+    # request_id -> the drafted tokens its decode row carries (actors/scheduler/drafter.py), for
     # every decode row that drafts (() where none were found or fit this step): the executor
     # runs those with drafts, and those already drafting, against their own caches
     # (`Drafter.planned`); its scheduled tokens count them
@@ -348,7 +348,7 @@ def schedule(
     `config.max_step_ms` while there are decode rows (see the module docstring).
     `prefix` says where waiting requests start (their cache hits) and which of them wait
     for a prefix another request is computing (`engine.prefix_index.plan_prefixes`).
-    `drafts`: the tokens each drafting request proposes (`engine/speculative.py`); they get
+    `drafts`: the tokens each drafting request proposes (`actors/scheduler/drafter.py`); they get
     what the budget and the time leave after every decode row's token, before any prompt.
     """
     prefix = prefix or PrefixPlan()

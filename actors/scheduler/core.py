@@ -46,9 +46,9 @@ import structlog
 
 from stepline.actors.host import StepConditions
 from stepline.actors.messages import Update
-from stepline.engine.cost_model import CostModel
-from stepline.engine.images import PromptImage, check_spans, inside_image, prompt_key
-from stepline.engine.policy import (
+from stepline.actors.scheduler.cost_model import CostModel
+from stepline.actors.scheduler.drafter import Drafter, SpeculativeConfig, speculates
+from stepline.actors.scheduler.policy import (
     AdmissionError,
     QueueFullError,
     ScheduledChunk,
@@ -61,15 +61,15 @@ from stepline.engine.policy import (
     prefix_candidates,
     schedule,
 )
-from stepline.engine.prefix_index import PrefixIndex, PrefixPlan, Tokens, plan_prefixes
-from stepline.engine.speculative import Drafter, SpeculativeConfig, speculates
-from stepline.engine.work import (
+from stepline.actors.scheduler.prefix_index import PrefixIndex, PrefixPlan, Tokens, plan_prefixes
+from stepline.actors.scheduler.work import (
     Housekeeping,
     NewRequest,
     PrefixReport,
     StepResult,
     StepWork,
 )
+from stepline.engine.images import PromptImage, check_spans, inside_image, prompt_key
 from stepline.events.fold import RequestState, Status, apply, apply_sampled
 from stepline.events.models import (
     Admitted,
@@ -149,7 +149,7 @@ class SchedulerCore:
     ) -> None:
         self.config = config
         self.speculative = speculative
-        # request -> its prompt lookup, while it may draft (engine/speculative.py)
+        # request -> its prompt lookup, while it may draft (actors/scheduler/drafter.py)
         self._drafters: dict[str, Drafter] = {}
         self.limits = limits
         self.index = index
