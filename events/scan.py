@@ -2,11 +2,14 @@
 
 `read_events` validates every line into a pydantic event: ~40 µs a line of a busy engine's
 log, most of it in a step's plan and tokens (a row per member). Here msgspec decodes those
-lines into light structs that hold the fields a bulk fold reads, with the same names, types
-and row checks as the events: ~1 µs a line. Rare events, and every event for a consumer that
-asks for them (`exact`), go the validated way; so does every line of a log of an older
-schema (its upcasters work on dicts). Runs, torn lines, models and errors are
-`read_run_events`'s own: this only changes how a good line becomes an object.
+lines into light structs: ~1 µs a line. The structs are made from the event models
+(events/models.py), so the events are their one schema: each light struct has its event's
+`type` tag, fields, types and defaults, and runs its event's row checks; the parts a bulk
+fold does not read (a prompt's ids and parameters, images, a step's token ids) stay raw
+JSON. Rare events, and every event for a consumer that asks for them (`exact`), go the
+validated way; so does every line of a log of an older schema (its upcasters work on dicts).
+Runs, torn lines, models and errors are `read_run_events`'s own: this only changes how a
+good line becomes an object.
 
 A light event has the event's `type` tag and fields, so code that reads attributes and
 dispatches on `type` takes either.
@@ -16,128 +19,104 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, Union
 
 import msgspec
+from pydantic import BaseModel
+from pydantic_core import PydanticUndefined
 
 from stepline.events.log_reader import LogRun, run_events
-from stepline.events.models import EVENT_ADAPTER, MAX_HELD, Event, FinishReason
-
-_NULL = msgspec.Raw(b"null")
-
-
-class _Light(msgspec.Struct, frozen=True, gc=False, tag_field="type", kw_only=True):
-    seq: int
-    ts: float
-    step: int
-    model: str | None = None
-
-
-class LightStep(_Light, tag="step", kw_only=True, frozen=True):
-    """`StepPlanned`'s fields, without `entries` (read the parallel tuples)."""
-
-    type: ClassVar[str] = "step"
-    request_id: None = None
-    request_ids: tuple[str, ...]
-    num_tokens: tuple[int, ...]
-    kinds: tuple[str, ...]
-    max_step_tokens: int
-    max_num_seqs: int
-    limits: tuple[str | None, ...] = ()
-    held_ids: tuple[str, ...] = ()
-    held_reasons: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        n = len(self.request_ids)
-        if not n == len(self.num_tokens) == len(self.kinds) or (
-            self.limits and len(self.limits) != n
-        ):
-            raise ValueError("request_ids, num_tokens, kinds and limits must line up")
-        if len(self.held_ids) != len(self.held_reasons) or len(self.held_ids) > MAX_HELD:
-            raise ValueError("held_ids and held_reasons must line up")
-
-
-class LightDecoding(_Light, tag="decoding", kw_only=True, frozen=True):
-    """A step's `decoding` event (`TokensSampled`): its rows' request ids; the token ids are
-    checked for their count only (a bulk fold counts tokens, the request actor owns them)."""
-
-    type: ClassVar[str] = "decoding"
-    request_id: None = None
-    request_ids: tuple[str, ...]
-    token_ids: msgspec.Raw = _NULL  # the JSON list, or null (log_outputs off)
-
-    def __post_init__(self) -> None:
-        ids = bytes(self.token_ids).strip()
-        if ids != b"null" and ids.count(b",") + 1 != len(self.request_ids):
-            if not (ids[1:-1].strip() == b"" and not self.request_ids):
-                raise ValueError("token_ids must have one token per request id (a row each)")
-
-
-class LightStepFinished(_Light, tag="step-finished", kw_only=True, frozen=True):
-    type: ClassVar[str] = "step-finished"
-    request_id: None = None
-    seconds: float
-    predicted_seconds: float | None = None
-    warming_up: bool = False
-    cpu_share: float | None = None
-    load_avg: float | None = None
-
-
-class LightAdmitted(_Light, tag="admitted", kw_only=True, frozen=True):
-    """`Admitted` without its prompt, parameters and images (decoded as raw JSON)."""
-
-    type: ClassVar[str] = "admitted"
-    request_id: str
-    num_prompt_tokens: int
-    prompt_token_ids: msgspec.Raw = _NULL
-    prompt_sha256: str
-    checkpoints: tuple[int, ...] = ()
-    num_cached_tokens: int = 0
-    cache_source: str | None = None
-    params: msgspec.Raw
-    client: str | None = None
-    images: msgspec.Raw = _NULL
-
-
-class LightChunk(_Light, tag="chunk-prefilled", kw_only=True, frozen=True):
-    type: ClassVar[str] = "chunk-prefilled"
-    request_id: str
-    start: int
-    end: int
-    num_cached_tokens: int = 0
-    cache_source: str | None = None
-    images: tuple[str, ...] = ()
-
-
-class LightCheckpoint(_Light, tag="checkpoint-reached", kw_only=True, frozen=True):
-    type: ClassVar[str] = "checkpoint-reached"
-    request_id: str
-    offset: int
-
-
-class LightTerminal(_Light, tag="terminal", kw_only=True, frozen=True):
-    type: ClassVar[str] = "terminal"
-    request_id: str
-    reason: FinishReason
-    message: str | None = None
-    code: str | None = None
-    status: int | None = None
-
-
-LightEvent = (
-    LightStep
-    | LightDecoding
-    | LightStepFinished
-    | LightAdmitted
-    | LightChunk
-    | LightCheckpoint
-    | LightTerminal
+from stepline.events.models import (
+    EVENT_ADAPTER,
+    Admitted,
+    CheckpointReached,
+    ChunkPrefilled,
+    Event,
+    StepFinished,
+    StepPlanned,
+    Terminal,
+    TokensSampled,
 )
 
+# A light struct: its event's fields, in a frozen struct told apart by its `type` tag.
+LightEvent = Any
+
+
+def _check_tokens(event: Any) -> None:
+    """`TokensSampled`'s row check on its raw token ids: one token per request id."""
+    ids = bytes(event.token_ids).strip()
+    if ids != b"null" and ids.count(b",") + 1 != len(event.request_ids):
+        if not (ids[1:-1].strip() == b"" and not event.request_ids):
+            raise ValueError("token_ids must have one token per request id (a row each)")
+
+
+def light_struct(
+    model: type[BaseModel],
+    *,
+    raw: tuple[str, ...] = (),
+    check: Callable[[Any], Any] | None = None,
+) -> type[msgspec.Struct]:
+    """The light struct of the event `model`: its fields with their types and defaults (the
+    `raw` ones as raw JSON, their defaults encoded), its `type` tag, and as its row check
+    `check`, or else the model's own after-validators (they read only the fields)."""
+    tag = model.model_fields["type"].default
+    fields: list[tuple[str, Any] | tuple[str, Any, Any]] = []
+    for name, info in model.model_fields.items():
+        if name == "type":
+            continue
+        kind = msgspec.Raw if name in raw else info.annotation
+        if info.default_factory is not None:
+            default: Any = info.default_factory()  # type: ignore[call-arg]
+        else:
+            default = info.default
+        if default is PydanticUndefined:
+            fields.append((name, kind))
+        else:
+            fields.append(
+                (name, kind, msgspec.Raw(msgspec.json.encode(default)) if name in raw else default)
+            )
+    checks = (
+        [check]
+        if check is not None
+        else [
+            d.func
+            for d in model.__pydantic_decorators__.model_validators.values()
+            if d.info.mode == "after"
+        ]
+    )
+    namespace: dict[str, Any] = {"type": tag, "__doc__": f"`{model.__name__}`, light."}
+    if checks:
+
+        def __post_init__(self: Any) -> None:
+            for one in checks:
+                one(self)
+
+        namespace["__post_init__"] = __post_init__
+    return msgspec.defstruct(
+        f"Light{model.__name__}",
+        fields,
+        namespace=namespace,
+        tag_field="type",
+        tag=tag,
+        frozen=True,
+        kw_only=True,
+        gc=False,
+        module=__name__,
+    )
+
+
+LightStep = light_struct(StepPlanned)
+LightDecoding = light_struct(TokensSampled, raw=("token_ids",), check=_check_tokens)
+LightStepFinished = light_struct(StepFinished)
+LightAdmitted = light_struct(Admitted, raw=("prompt_token_ids", "params", "images"))
+LightChunk = light_struct(ChunkPrefilled)
+LightCheckpoint = light_struct(CheckpointReached)
+LightTerminal = light_struct(Terminal)
+
 # The per-step kinds: the bulk of a log's bytes (a row per member), light for every consumer.
-STEP_KINDS: tuple[type[_Light], ...] = (LightStep, LightDecoding, LightStepFinished)
+STEP_KINDS: tuple[type[msgspec.Struct], ...] = (LightStep, LightDecoding, LightStepFinished)
 # Every kind a line can be made light as (the rest are validated).
-ALL_KINDS: tuple[type[_Light], ...] = (
+ALL_KINDS: tuple[type[msgspec.Struct], ...] = (
     *STEP_KINDS,
     LightAdmitted,
     LightChunk,
@@ -147,7 +126,7 @@ ALL_KINDS: tuple[type[_Light], ...] = (
 _TAG = b'"type":"'
 
 
-def _decoder(kinds: tuple[type[_Light], ...]) -> Callable[[bytes], Any]:
+def _decoder(kinds: tuple[type[msgspec.Struct], ...]) -> Callable[[bytes], Any]:
     """A line -> event function: light for `kinds` (told apart by the tag, which the writer
     puts near the start of a line), validated for the others."""
     decoders = {
@@ -172,7 +151,7 @@ def _decoder(kinds: tuple[type[_Light], ...]) -> Callable[[bytes], Any]:
 _LIGHT_STEPS = _decoder(STEP_KINDS)
 # Every kind in one decoder: msgspec tells them apart by the tag; a line of another kind
 # (model loads, image encoding) is refused and then validated.
-_LIGHT_ALL = msgspec.json.Decoder(LightEvent).decode
+_LIGHT_ALL = msgspec.json.Decoder(Union[ALL_KINDS]).decode  # noqa: UP007 (a runtime union)
 
 
 def scan_run_events(

@@ -1,10 +1,9 @@
 """The bulk reads agree with `apply`: what the summary and verify say of each request equals
-what the fold says. conftest.py runs `check_log` on every log a test leaves in its tmp_path;
-tests/test_replay_bulk.py on hand-made ones."""
+what the fold says. Tests run `check_log` on hand-made logs of the shapes where the two could
+part (tests/test_replay_why.py)."""
 
 from __future__ import annotations
 
-import re
 import warnings
 from pathlib import Path
 
@@ -16,22 +15,8 @@ from stepline.events.log import (
     read_models,
     read_runs,
 )
-from stepline.events.log_format import HEADER_PREFIXES
 from stepline.events.replay import summarize, verify
 from stepline.events.replay.stats import percentiles
-
-
-def logs_in(folder: Path) -> list[Path]:
-    """The event logs under `folder` (the first file of each set)."""
-    found = []
-    for path in sorted(folder.rglob("*.jsonl")):
-        first = path.with_name(re.sub(r"\.\d+\.jsonl$", ".jsonl", path.name))
-        if not path.is_file() or (first != path and first.exists()):
-            continue  # a rotated file of a set (run.1.jsonl): read with its first
-        with open(path, "rb") as f:
-            if f.readline().startswith(HEADER_PREFIXES):
-                found.append(path)
-    return found
 
 
 def check_log(path: Path) -> bool:

@@ -16,20 +16,6 @@ if TYPE_CHECKING:
     from stepline.engine.models import LoadedModel
 
 
-@pytest.fixture(autouse=True)
-def _bulk_reads_agree_with_apply(request: pytest.FixtureRequest) -> Iterator[None]:
-    """After each test, every event log it left in its tmp_path reads the same by replay's
-    bulk reads as by `apply` (tests/bulk_check.py)."""
-    yield
-    folder = getattr(request.node, "funcargs", {}).get("tmp_path")
-    if folder is None or not folder.exists():
-        return
-    from bulk_check import check_log, logs_in
-
-    for path in logs_in(folder):
-        check_log(path)
-
-
 def _load(name: str) -> LoadedModel:
     # Imported here so test runs that need no model never pay for importing mlx_lm.
     from stepline.engine.models import load_model
