@@ -239,7 +239,7 @@ async def test_cancelling_a_constrained_request_mid_decode_leaves_the_engine_ser
 async def test_a_constrained_run_reexecutes_to_the_same_tokens_from_its_log(
     tmp_path, model_cache_dir
 ):
-    from stepline.events.replay.reexecute import reexecute
+    from stepline.api.reexecute import reexecute
 
     log = tmp_path / "run.jsonl"
     forced = SamplingParams(

@@ -23,8 +23,8 @@ import httpx
 import pytest
 
 from stepline.api import Engine
+from stepline.api.reexecute import reexecute
 from stepline.events.log import read_events, read_header
-from stepline.events.replay.reexecute import reexecute
 
 HERE = Path(__file__).parent
 WORKER = HERE / "distributed_worker.py"

@@ -28,12 +28,12 @@ from stepline.actors.scheduler.work import StepResult
 from stepline.api import Engine, SamplingParams
 from stepline.api.cli import main
 from stepline.api.config import EngineConfig
+from stepline.api.reexecute import reexecute
 from stepline.engine.sampling import RowSampling, Sampler
 from stepline.engine.sequences import Seq
 from stepline.engine.verify import Verify, verify_rows
 from stepline.events.log import read_events
 from stepline.events.models import RequestParams, StepPlanned, TokensSampled
-from stepline.events.replay.reexecute import reexecute
 from stepline.events.replay.summary import request_why, summarize
 
 NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=4)

@@ -215,8 +215,9 @@ async def test_a_run_with_images_is_re_executed_token_for_token_from_the_images_
 ) -> None:
     import shutil
 
+    from stepline.api.reexecute import reexecute
     from stepline.events.image_files import images_dir
-    from stepline.events.replay.reexecute import load_recorded_run, plan_reexecution, reexecute
+    from stepline.events.replay.reexecute import load_recorded_run, plan_reexecution
 
     log = tmp_path / "events.jsonl"
     chats = [

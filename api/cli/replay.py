@@ -23,6 +23,7 @@ from typing import Any, TextIO
 
 from pydantic import BaseModel
 
+from stepline.api.reexecute import reexecute
 from stepline.events.fold import FoldError
 from stepline.events.log import (
     LogCorruptError,
@@ -63,7 +64,7 @@ from stepline.events.replay import (
     verify_models,
 )
 from stepline.events.replay.describe import describe_bytes
-from stepline.events.replay.reexecute import ReexecuteReport, reexecute
+from stepline.events.replay.reexecute import ReexecuteReport
 from stepline.events.replay.svg import render_html, render_svg
 from stepline.events.replay.timeline import format_ms
 from stepline.events.replay.trace import DEFAULT_TRACKS, export_trace

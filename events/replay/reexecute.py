@@ -7,23 +7,22 @@ request by request; the first divergence names the request, the position and bot
 In a log several models share, one model's requests are run again, on the model and with
 the config of its first `model-loaded` event.
 
-This module imports without MLX; the engine is imported when `reexecute` runs.
+This module imports without MLX and without the API: what runs the requests again is the
+caller's (`run_again`; api/reexecute.py runs them on a fresh `Engine`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import inspect
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
 from stepline.engine.sampling_limits import GREEDY_TEMPERATURE
-from stepline.events.image_files import images_dir, read_image
+from stepline.events.image_files import images_dir
 from stepline.events.log import read_events, read_runs
 from stepline.events.models import (
     Admitted,
@@ -269,21 +268,7 @@ def _first_divergence(rid: str, recorded: list[int], got: list[int]) -> Divergen
     return None
 
 
-def _accepted(target: Any, values: dict[str, Any]) -> dict[str, Any]:
-    """The items of `values` that `target` (a pydantic model, dataclass or callable) accepts."""
-    if hasattr(target, "model_fields"):
-        names = set(target.model_fields)
-    elif dataclasses.is_dataclass(target):
-        names = {f.name for f in dataclasses.fields(target)}
-    else:
-        params = inspect.signature(target).parameters
-        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-            return dict(values)
-        names = set(params)
-    return {k: v for k, v in values.items() if k in names}
-
-
-def _replay_params(rec: RecordedRequest) -> RequestParams:
+def replay_params(rec: RecordedRequest) -> RequestParams:
     """The recorded params; a request cut short (cancelled, error, crash) is asked only for
     as many tokens as it produced, since only those can be compared."""
     p = rec.admitted.params
@@ -292,16 +277,27 @@ def _replay_params(rec: RecordedRequest) -> RequestParams:
     return p.model_copy(update={"max_tokens": len(rec.output_token_ids)})
 
 
+# Each request run again -> (its tokens, its finish reason, why it could not run).
+Results = dict[str, tuple[list[int], str | None, str | None]]
+# What runs requests again: (the recorded run, the model to load, the requests in their
+# recorded order, `on_progress`) -> their results. api/reexecute.py's `run_again` is one.
+RunAgain = Callable[
+    [RecordedRun, str, list[RecordedRequest], Callable[[int, int], None] | None],
+    Awaitable[Results],
+]
+
+
 async def reexecute(
     path: str | Path,
     model: str | None = None,
     *,
+    run_again: RunAgain,
     run: int | None = None,
     name: str | None = None,
     on_plan: Callable[[ReexecutePlan], None] | None = None,
     on_progress: Callable[[int, int], None] | None = None,
 ) -> ReexecuteReport:
-    """Run the requests of one run of the log again through a fresh engine and compare tokens.
+    """Run the requests of one run of the log again with `run_again` and compare tokens.
 
     `model` overrides what the log says was loaded; `run` (1-based) is needed when the log
     holds several runs; `name` picks the model whose requests run again in a log several
@@ -309,10 +305,27 @@ async def reexecute(
     model's first `model-loaded` event loaded, configured as it says). Returns a report with
     `cannot_run` set (and nothing run) when the log cannot be re-executed, e.g. when it was
     written with log_prompts=False or log_outputs=False, or holds several runs and `run` is
-    None. Before it loads a model it calls `on_plan` with what it can compare (when nothing
-    can be, it loads none); as requests finish it calls `on_progress(done, total)`. Raises
-    what `read_events` raises for an unreadable log.
+    None. Before it runs anything it calls `on_plan` with what it can compare (when nothing
+    can be, `run_again` is not called); `run_again` calls `on_progress(done, total)` as
+    requests finish. Raises what `read_events` raises for an unreadable log.
     """
+    prepared = prepare_reexecution(path, model, run=run, name=name)
+    if isinstance(prepared, ReexecuteReport):
+        return prepared
+    recorded, model = prepared
+    plan = plan_reexecution(recorded)
+    if on_plan is not None:
+        on_plan(plan)
+    to_run = [rec for rec in recorded.requests if _skip_reason(rec, recorded.images_at) is None]
+    results = await run_again(recorded, model, to_run, on_progress) if to_run else {}
+    return compare_run(path, recorded, model, plan, results)
+
+
+def prepare_reexecution(
+    path: str | Path, model: str | None, *, run: int | None, name: str | None
+) -> tuple[RecordedRun, str] | ReexecuteReport:
+    """The recorded run to re-execute and the model to run it on; or, when it cannot be,
+    the report that says why."""
     if run is None:
         num_runs = len(read_runs(path))
         if num_runs > 1:
@@ -327,71 +340,31 @@ async def reexecute(
         (name,) = header.models  # the run's one model
     recorded = load_recorded_run(path, run or 1, name if header.models else None)
     model = model or recorded.model
-    name = recorded.name
     reason = why_cannot_run(recorded, model)
     if reason is not None:
-        return ReexecuteReport(path=str(path), model=model, name=name, cannot_run=reason)
+        return ReexecuteReport(path=str(path), model=model, name=recorded.name, cannot_run=reason)
+    assert model is not None  # why_cannot_run said so
+    return recorded, model
 
-    plan = plan_reexecution(recorded)
-    if on_plan is not None:
-        on_plan(plan)
-    comparisons: dict[str, RequestComparison] = {}
-    to_run = []
-    for rec in recorded.requests:
-        rid = rec.admitted.request_id
-        skip = _skip_reason(rec, recorded.images_at)
-        if skip is not None:
-            comparisons[rid] = RequestComparison(
-                request_id=rid,
-                outcome="skipped",
-                num_recorded_tokens=len(rec.output_token_ids),
-                recorded_finish=rec.finish,
-                note=skip,
-            )
-        else:
-            to_run.append(rec)
 
-    results: dict[str, tuple[list[int], str | None, str | None]] = {}
-    if to_run:
-        assert model is not None  # why_cannot_run said so
-        await _run_again(recorded, model, to_run, results, on_progress)
-
+def compare_run(
+    path: str | Path, recorded: RecordedRun, model: str, plan: ReexecutePlan, results: Results
+) -> ReexecuteReport:
+    """The report of a re-execution: each recorded request against its `results` (those
+    without: skipped, and why), in arrival order."""
+    comparisons = []
     first: Divergence | None = None
-    for rec in to_run:
-        rid = rec.admitted.request_id
-        tokens, finish, error = results[rid]
-        divergence = _first_divergence(rid, rec.output_token_ids, tokens)
-        note = error
-        if (
-            divergence is None
-            and error is None
-            and rec.finish
-            in (
-                FinishReason.STOP,
-                FinishReason.LENGTH,
-            )
-        ):
-            if finish is not None and finish != rec.finish.value:
-                note = f"same tokens, but finished {finish} instead of {rec.finish.value}"
-        diverged = divergence is not None or note is not None
-        if divergence is not None and first is None:
-            first = divergence
-        comparisons[rid] = RequestComparison(
-            request_id=rid,
-            outcome="diverged" if diverged else "same",
-            num_recorded_tokens=len(rec.output_token_ids),
-            num_reexecuted_tokens=len(tokens),
-            recorded_finish=rec.finish,
-            reexecuted_finish=finish,
-            divergence=divergence,
-            note=note,
-        )
-
-    ordered = tuple(comparisons[r.admitted.request_id] for r in recorded.requests)
+    for rec in recorded.requests:
+        skip = _skip_reason(rec, recorded.images_at)
+        one = _skipped(rec, skip) if skip is not None else _compare(rec, results)
+        if one.divergence is not None and first is None:
+            first = one.divergence
+        comparisons.append(one)
+    ordered = tuple(comparisons)
     return ReexecuteReport(
         path=str(path),
         model=model,
-        name=name,
+        name=recorded.name,
         num_requests=len(ordered),
         num_same=sum(c.outcome == "same" for c in ordered),
         num_diverged=sum(c.outcome == "diverged" for c in ordered),
@@ -402,83 +375,37 @@ async def reexecute(
     )
 
 
-async def _run_again(
-    recorded: RecordedRun,
-    model: str,
-    to_run: list[RecordedRequest],
-    results: dict[str, tuple[list[int], str | None, str | None]],
-    on_progress: Callable[[int, int], None] | None,
-) -> None:
-    """Submit `to_run` to a fresh engine in their recorded order; fill `results` with each
-    one's (tokens, finish reason, why it could not run)."""
-    from stepline.api import Engine, SamplingParams  # MLX: only when it really runs
-    from stepline.api.config import EngineConfig
-
-    # Configured as the recorded run was, on one process (a distributed run's tokens are
-    # the same as one process's).
-    engine_options = EngineConfig.from_header(recorded.config).model_copy(update={"parallel": None})
-    done = 0
-
-    def finished() -> None:
-        nonlocal done
-        done += 1
-        if on_progress is not None:
-            on_progress(done, len(to_run))
-
-    async with Engine.open(model, **engine_options.open_kwargs(), event_log=None) as engine:
-
-        async def consume(rid: str, stream: Any) -> None:
-            tokens: list[int] = []
-            finish: str | None = None
-            async for out in stream:
-                tokens.extend(out.token_ids)
-                if out.finish_reason is not None:
-                    finish = str(out.finish_reason)
-            results[rid] = (tokens, finish, None)
-            finished()
-
-        tasks = []
-        for rec in to_run:  # submitted one after another: the recorded arrival order
-            rid = rec.admitted.request_id
-            params = _replay_params(rec)
-            try:
-                images = _images(engine, rec, recorded.images_at) if rec.admitted.images else ()
-                stream = await engine.submit(
-                    rec.admitted.prompt_token_ids,
-                    params=SamplingParams(**_accepted(SamplingParams, params.model_dump())),
-                    request_id=rid,
-                    checkpoints=rec.admitted.checkpoints,
-                    client=rec.admitted.client,
-                    images=images,
-                )
-            except Exception as exc:  # rejected now, though admitted when recorded
-                results[rid] = ([], None, f"not admitted on re-execution: {exc}")
-                finished()
-                continue
-            tasks.append(asyncio.create_task(consume(rid, stream)))
-        await asyncio.gather(*tasks)
+def _skipped(rec: RecordedRequest, why: str) -> RequestComparison:
+    return RequestComparison(
+        request_id=rec.admitted.request_id,
+        outcome="skipped",
+        num_recorded_tokens=len(rec.output_token_ids),
+        recorded_finish=rec.finish,
+        note=why,
+    )
 
 
-def _images(engine: Any, rec: RecordedRequest, images_at: Path | None) -> tuple[Any, ...]:
-    """A recorded request's images, read back from beside the log and made into what the
-    model's encoder reads, at their recorded spans. Raises ValueError for an image that is
-    gone, or whose span the model makes differently now."""
-    from stepline.engine.images import decode_image, place_image, text_only
+def _compare(rec: RecordedRequest, results: Results) -> RequestComparison:
+    """A request run again against its recording: the same tokens, and finished the same way
+    where it finished normally."""
+    rid = rec.admitted.request_id
+    tokens, finish, error = results[rid]
+    divergence = _first_divergence(rid, rec.output_token_ids, tokens)
+    note = error
+    if divergence is None and error is None and rec.finish in _NORMAL_ENDS:
+        if finish is not None and finish != rec.finish.value:
+            note = f"same tokens, but finished {finish} instead of {rec.finish.value}"
+    diverged = divergence is not None or note is not None
+    return RequestComparison(
+        request_id=rid,
+        outcome="diverged" if diverged else "same",
+        num_recorded_tokens=len(rec.output_token_ids),
+        num_reexecuted_tokens=len(tokens),
+        recorded_finish=rec.finish,
+        reexecuted_finish=finish,
+        divergence=divergence,
+        note=note,
+    )
 
-    if not engine.accepts_images:
-        raise text_only()
-    out = []
-    for ref in rec.admitted.images:
-        data = read_image(images_at, ref.digest) if images_at is not None else None
-        if data is None:
-            raise ValueError(f"its image {ref.digest[:12]} is not kept beside the log")
-        image = decode_image(data, where=f"image {ref.digest[:12]}")
-        expanded = engine.prompts.images.expand(image)
-        _, placed = place_image(expanded, image, engine.tokenizer, ref.start)
-        if placed.end != ref.end:
-            raise ValueError(
-                f"the model makes {placed.end - placed.start} tokens of image "
-                f"{ref.digest[:12]}, the log {ref.end - ref.start}"
-            )
-        out.append(placed)
-    return tuple(out)
+
+_NORMAL_ENDS = (FinishReason.STOP, FinishReason.LENGTH)
