@@ -16,34 +16,15 @@ from typing import Any, TextIO
 
 from pydantic import BaseModel
 
-from stepline.api.cli.replay import (
-    EXIT_FAILED,
-    EXIT_OK,
-    EXIT_UNUSABLE,
-    Progress,
-    _emit,
-    _names,
-    _text_model_summaries,
-    _text_model_verify,
-    _text_summary,
-    _text_timeline,
-    _text_verify,
-)
+from stepline.api.cli.replay_output import EXIT_FAILED, EXIT_OK, EXIT_UNUSABLE, Progress, emit
+from stepline.api.cli.replay_text import text_engines, text_request, text_verify_engines
 from stepline.events.replay.engines import (
-    EngineRequests,
     EngineSummaries,
-    EngineSummary,
-    EngineTotals,
-    EngineVerifyReports,
     OverlappingLogsError,
     find_request,
     summarize_engines,
     verify_engines,
 )
-from stepline.events.replay.summary import Summary
-from stepline.events.replay.verify import VerifyReport
-
-_IDS_SHOWN = 5  # request ids listed per engine (--json has them all)
 
 
 def run_engines(args: argparse.Namespace, out: TextIO) -> int:
@@ -74,17 +55,17 @@ def run_engines(args: argparse.Namespace, out: TextIO) -> int:
                         )
                     }
                 )
-            report, text = found, _text_request
+            report, text = found, text_request
         elif args.verify:
             verified = verify_engines(args.log)
-            report, text = verified, _text_verify_engines
+            report, text = verified, text_verify_engines
             code = EXIT_OK if verified.ok else EXIT_FAILED
         else:
-            report, text = _summaries(args), _text_engines
+            report, text = _summaries(args), text_engines
     except OverlappingLogsError as exc:
         print(f"stepline replay: {exc}", file=sys.stderr)
         return EXIT_UNUSABLE
-    _emit(report, args.json, out, text)
+    emit(report, args.json, out, text)
     return code
 
 
@@ -116,92 +97,3 @@ def _summaries(args: argparse.Namespace) -> EngineSummaries:
     finally:
         if shown:
             shown[-1].done()
-
-
-# ---------------------------------------------------------------------------------------------
-# Text views.
-
-
-def _text_engines(es: EngineSummaries) -> list[str]:
-    """The engines' figures side by side and in all, who served which request, then each
-    engine's summary under its name."""
-    width = max(len("in all"), *(len(e.engine) for e in es.engines))
-    head = ("requests", "finished", "failed", "prompt", "cached", "computed", "output")
-    lines = [
-        f"{len(es.engines)} engines' logs, side by side (each engine named by its log's file "
-        "name):",
-        f"  {'engine':<{width}}  " + "  ".join(f"{h:>8}" for h in head) + "  model",
-    ]
-    for e in es.engines:
-        lines.append(_totals_row(e.engine, width, e.totals, ", ".join(e.models) or "-"))
-    lines.append(_totals_row("in all", width, es.totals, ""))
-    lines.append(
-        "  (finished: stop, length; failed: error, rejected; prompt: cached (prefix cache) + "
-        "computed)"
-    )
-    lines.append("requests by engine (--request ID: one request's timeline and engine):")
-    for e in es.engines:
-        ids = e.request_ids
-        lines.append(f"  {e.engine:<{width}}  {len(ids)}: {_names(ids, _IDS_SHOWN) or '-'}")
-    several = es.in_several()
-    if several:
-        lines.append(
-            f"in more than one engine's log ({len(several)}; retried?): "
-            + _names(tuple(f"{rid} ({', '.join(e)})" for rid, e in several.items()), _IDS_SHOWN)
-        )
-    for e in es.engines:
-        lines.append(f"== engine {e.engine} ==")
-        lines.extend(_text_engine_summary(e))
-    return lines
-
-
-def _totals_row(name: str, width: int, t: EngineTotals, model: str) -> str:
-    figures = (
-        t.num_requests,
-        t.num_finished,
-        t.num_failed,
-        t.num_prompt_tokens,
-        t.num_cached_tokens,
-        t.num_prefilled_tokens,
-        t.num_output_tokens,
-    )
-    return f"  {name:<{width}}  " + "  ".join(f"{n:>8}" for n in figures) + f"  {model}".rstrip()
-
-
-def _text_engine_summary(e: EngineSummary) -> list[str]:
-    if isinstance(e.summary, Summary):
-        return _text_summary(e.summary)
-    return _text_model_summaries(e.summary)
-
-
-def _text_request(er: EngineRequests) -> list[str]:
-    where = ", ".join(f"{f.engine} ({f.log})" for f in er.found)
-    if len(er.found) == 1:
-        lines = [f"request {er.request_id}: served by engine {where}"]
-        return lines + _text_timeline(er.found[0].timeline)
-    lines = [
-        f"request {er.request_id} is in {len(er.found)} engines' logs (a retried request?): "
-        + where
-    ]
-    for f in er.found:
-        lines.append(f"== engine {f.engine} ==")
-        lines.extend(_text_timeline(f.timeline))
-    return lines
-
-
-def _text_verify_engines(ev: EngineVerifyReports) -> list[str]:
-    lines = [f"verify {len(ev.engines)} engines' logs, each on its own:"]
-    for e in ev.engines:
-        lines.append(f"== engine {e.engine} ==")
-        report = e.report
-        if isinstance(report, VerifyReport):
-            lines.extend(_text_verify(report))
-        else:
-            lines.extend(_text_model_verify(report))
-    failed = [e.engine for e in ev.engines if not e.report.ok]
-    lines.append(
-        f"FAILED: violations in the log of engine{'s' * (len(failed) > 1)} {', '.join(failed)}"
-        if failed
-        else "OK: no violations in any engine's log"
-    )
-    return lines
