@@ -6,8 +6,8 @@ import asyncio
 from dataclasses import dataclass, field
 
 from stepline.actors.mailbox import Mailbox
+from stepline.actors.scheduler.spans import PromptImage
 from stepline.actors.scheduler.work import TokenLogprob
-from stepline.engine.images import PromptImage
 from stepline.events.models import FinishReason, RequestParams
 
 

@@ -28,6 +28,7 @@ from stepline.actors.mailbox import Mailbox
 from stepline.actors.messages import Arrival, Arrivals, Cancel, Submit, Update
 from stepline.actors.metrics import EngineMetrics
 from stepline.actors.request import RequestActor, RequestOutput
+from stepline.actors.scheduler.spans import PromptImage
 from stepline.actors.step_loop import StepLoop
 from stepline.api.config import EngineConfig, EventLogConfig, launch_rank
 from stepline.api.engine_parts import (
@@ -42,7 +43,7 @@ from stepline.api.prompts import Prepared, Prompts, PromptTooLongError, detokeni
 from stepline.api.stream import RequestStream
 from stepline.engine import grammar
 from stepline.engine.grammar import Compiled, GrammarCompiler, GrammarError
-from stepline.engine.images import PromptImage, text_only
+from stepline.engine.images import text_only
 from stepline.events.image_files import images_dir, keep_image
 from stepline.events.models import FinishReason
 

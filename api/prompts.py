@@ -31,10 +31,10 @@ from jinja2 import TemplateError
 
 from stepline.actors.request import Detokenizer, IncrementalDetokenizer, StreamDetokenizer
 from stepline.actors.scheduler.policy import ContextLengthExceededError
+from stepline.actors.scheduler.spans import PromptImage
 from stepline.engine.images import (
     ImageData,
     ImageError,
-    PromptImage,
     decode_image,
     place_image,
     text_only,

@@ -3,19 +3,18 @@ the limits and decoded once, named by their content digest. MLX-free; Pillow (th
 extra) is imported only when an image is decoded.
 
 What a vision model makes of an image (its token span, its pixel values) is the model's
-business (`engine/vision.py`); here an image is only validated data.
+business (`engine/vision.py`), and where its span sits in a prompt is the scheduler's
+(`actors/scheduler/spans.py`); here an image is only validated data.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import io
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from stepline.events.models import ImageRef
+from stepline.actors.scheduler.spans import PromptImage
 
 # Defaults of the limits (ServerConfig's max_image_bytes, max_image_pixels,
 # max_images_per_request): a 4K screenshot as PNG is 2-8 MB and 8.3 Mpixels.
@@ -124,82 +123,6 @@ def decode_image(data: bytes, *, where: str, limits: ImageLimits = ImageLimits()
         media_type=media_type,
         pixels=rgb,
     )
-
-
-@functools.lru_cache(maxsize=256)
-def _span_key(digest: str, length: int) -> tuple[int, ...]:
-    """The prefix-cache key of an image's token span: a value for each position made from
-    the image's digest and the position (negative, so never a token id; within int32)."""
-    out = []
-    for i in range(length):
-        h = hashlib.blake2b(f"{digest}:{i}".encode(), digest_size=4).digest()
-        out.append(-1 - (int.from_bytes(h, "little") & 0x7FFFFFFF))
-    return tuple(out)
-
-
-def prompt_key(ids: Sequence[int], images: Sequence[Any]) -> tuple[int, ...]:
-    """The tokens the prefix cache knows prompt `ids` by: its ids, with each image's span
-    (`images`: anything with `digest`, `start` and `end`) replaced by a key made from the
-    image's content. Placeholder tokens are the same for every image: two prompts with the
-    same text and different images must not share a cache entry, and the same image in the
-    next turn must."""
-    if not images:
-        return tuple(ids)
-    out = list(ids)
-    for image in images:
-        out[image.start : image.end] = _span_key(image.digest, image.end - image.start)
-    return tuple(out)
-
-
-def inside_image(images: Sequence[Any], offset: int) -> Any:
-    """The image whose span holds `offset` strictly inside (a chunk may not end there)."""
-    for image in images:
-        if image.start < offset < image.end:
-            return image
-    return None
-
-
-@dataclass(frozen=True)
-class PromptImage:
-    """An image in a prompt: the tokens it stands for, [start, end), and what the model's
-    vision encoder reads for it (`inputs`: numpy arrays, the family's own names)."""
-
-    start: int
-    end: int
-    image: ImageData
-    inputs: Mapping[str, Any] = field(repr=False, compare=False)
-    units: int = 1  # the encoder's work in units steps run some of (`engine/vision.py`)
-    whole: bool = True  # the span's tokens go in one chunk (else chunked once encoded)
-
-    @property
-    def digest(self) -> str:
-        return self.image.digest
-
-    def ref(self) -> ImageRef:
-        """As the event log records it."""
-        return ImageRef(
-            digest=self.image.digest,
-            start=self.start,
-            end=self.end,
-            num_bytes=self.image.num_bytes,
-            width=self.image.width,
-            height=self.image.height,
-            units=self.units,
-            whole=self.whole,
-        )
-
-
-def check_spans(images: Sequence[Any], num_tokens: int) -> None:
-    """Raise ValueError unless `images`' spans are non-empty, in order, apart, and inside a
-    prompt of `num_tokens` tokens."""
-    at = 0
-    for i, image in enumerate(images):
-        if not at <= image.start < image.end <= num_tokens:
-            raise ValueError(
-                f"image {i}'s token span [{image.start}, {image.end}) is not inside the prompt "
-                f"of {num_tokens} tokens, after the previous image's"
-            )
-        at = image.end
 
 
 def place_image(

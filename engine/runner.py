@@ -24,6 +24,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from stepline.actors.scheduler.cost_model import decode_runs_apart
 from stepline.actors.scheduler.policy import ScheduledChunk, ScheduledEncode
+from stepline.actors.scheduler.spans import prompt_key
 from stepline.actors.scheduler.work import (
     ADMISSION_FAILED,
     CHECKPOINT_FAILED,
@@ -46,7 +47,6 @@ from stepline.engine.decode_order import DecodeOrder
 from stepline.engine.draft_model import DraftModel
 from stepline.engine.forward import forward, split_head_works
 from stepline.engine.grammar import DEFAULT_CACHE_BYTES, GrammarCompiler
-from stepline.engine.images import prompt_key
 from stepline.engine.memory import read_memory_counters
 from stepline.engine.models import LoadedModel
 from stepline.engine.prefix_cache import PrefixStore, compact_cache, share_cache

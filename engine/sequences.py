@@ -10,7 +10,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from stepline.engine.images import PromptImage
+from stepline.actors.scheduler.spans import PromptImage
 from stepline.engine.penalties import RowHistory
 from stepline.engine.sampling import PendingSample, RowSampling, SamplingRows
 from stepline.events.models import RequestParams
@@ -36,7 +36,7 @@ class Seq:
     images: tuple[PromptImage, ...] = ()  # the prompt's images (a vision model's)
     # image (its index) -> its encoder work (`engine.vision.EncodeJob`), its embeddings
     encodes: dict[int, Any] = field(default_factory=dict)
-    # the prompt as the prefix cache knows it (`images.prompt_key`); None: its token ids
+    # the prompt as the prefix cache knows it (`spans.prompt_key`); None: its token ids
     key: tuple[int, ...] | None = None
     # it drafts (actors/scheduler/drafter.py): it decodes against its own `cache`, not in the batch
     solo: bool = False

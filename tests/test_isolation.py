@@ -116,13 +116,18 @@ async def test_the_prefix_cache_reports_the_memory_it_keeps_alive(model_cache_di
     assert 0.95 * reported <= freed <= 1.25 * reported
 
 
-def test_importing_the_policy_the_core_the_fold_and_the_log_loads_neither_mlx_nor_openblas():
+def test_importing_the_scheduler_the_fold_and_the_log_loads_no_mlx_nor_engine_nor_openblas():
+    # every module of the scheduler package, then the fold and the log; OpenBLAS's hook
+    # (stepline.engine._blas) is asked only after the check that nothing loaded the engine
     code = (
-        "import sys\n"
-        "import stepline.actors.scheduler.policy, stepline.actors.scheduler.prefix_index\n"
-        "import stepline.events.fold, stepline.events.log, stepline.actors.scheduler.core\n"
+        "import importlib, pkgutil, sys\n"
+        "import stepline.actors.scheduler as scheduler\n"
+        "for m in pkgutil.walk_packages(scheduler.__path__, 'stepline.actors.scheduler.'):\n"
+        "    importlib.import_module(m.name)\n"
+        "import stepline.events.fold, stepline.events.log\n"
+        "mods = sorted(m for m in sys.modules if m in ('mlx', 'stepline.engine')\n"
+        "    or m.startswith(('mlx.', 'mlx_lm', 'stepline.engine.')))\n"
         "from stepline.engine import _blas\n"
-        "mods = sorted(m for m in sys.modules if m == 'mlx' or m.startswith(('mlx.', 'mlx_lm')))\n"
         "print(mods, _blas.status()[0])\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

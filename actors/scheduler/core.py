@@ -62,6 +62,7 @@ from stepline.actors.scheduler.policy import (
     schedule,
 )
 from stepline.actors.scheduler.prefix_index import PrefixIndex, PrefixPlan, Tokens, plan_prefixes
+from stepline.actors.scheduler.spans import PromptImage, check_spans, inside_image, prompt_key
 from stepline.actors.scheduler.work import (
     Housekeeping,
     NewRequest,
@@ -69,7 +70,6 @@ from stepline.actors.scheduler.work import (
     StepResult,
     StepWork,
 )
-from stepline.engine.images import PromptImage, check_spans, inside_image, prompt_key
 from stepline.events.fold import RequestState, Status, apply, apply_sampled
 from stepline.events.models import (
     Admitted,

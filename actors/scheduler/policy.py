@@ -60,7 +60,7 @@ from operator import attrgetter
 from stepline.actors.scheduler.cost_model import StepCost, StepFeatures, decode_runs_apart
 from stepline.actors.scheduler.held import oldest_held
 from stepline.actors.scheduler.prefix_index import Candidate, PrefixPlan
-from stepline.engine.images import inside_image
+from stepline.actors.scheduler.spans import inside_image
 from stepline.events.fold import RequestState, Status
 from stepline.events.models import ChunkLimit, HeldReason
 
@@ -694,7 +694,7 @@ def startable(live: list[RequestState], prefix: PrefixPlan) -> list[RequestState
 def outside_images(prefix: PrefixPlan, states: Mapping[str, RequestState]) -> PrefixPlan:
     """`prefix` with each cache hit that would end inside an image span of its request cut
     back to the span's start (none: before its first token). Keys of different images
-    differ from their span's first token on (`images.prompt_key`), so this is a guard; an
+    differ from their span's first token on (`spans.prompt_key`), so this is a guard; an
     entry that serves only at its exact length never ends inside a span (chunks do not)."""
     cut = {}
     for rid, n in prefix.cached.items():

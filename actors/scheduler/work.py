@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from stepline.actors.scheduler.policy import StepPlan
 from stepline.actors.scheduler.prefix_index import EntryInfo, Tokens
-from stepline.engine.images import PromptImage
+from stepline.actors.scheduler.spans import PromptImage
 from stepline.events.models import RequestParams
 
 
