@@ -4,12 +4,21 @@ them to a batch's logits (only the rows that ask for them)."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import mlx.core as mx
 
-if TYPE_CHECKING:
-    from stepline.engine.sampling import RowSampling
+
+class Penalties(Protocol):
+    """A row's penalty parameters (`sampling.RowSampling` has them): what this module reads,
+    so that it needs nothing from the sampler."""
+
+    @property
+    def repetition_penalty(self) -> float: ...
+    @property
+    def presence_penalty(self) -> float: ...
+    @property
+    def frequency_penalty(self) -> float: ...
 
 
 class RowHistory:
@@ -72,7 +81,7 @@ class PenaltyArrays:
 
     def __init__(
         self,
-        rows: Sequence[RowSampling],
+        rows: Sequence[Penalties],
         penalised: list[int],
         histories: Sequence[RowHistory | None],
         vocab: int,
