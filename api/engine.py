@@ -30,12 +30,7 @@ from stepline.actors.metrics import EngineMetrics
 from stepline.actors.request import RequestActor, RequestOutput
 from stepline.actors.step_loop import StepLoop
 from stepline.api.config import EngineConfig, EventLogConfig, launch_rank
-from stepline.api.engine_parts import (
-    EngineParts,
-    PoolMember,
-    vocab_size,
-    warn_without_openblas,
-)
+from stepline.api.engine_parts import EngineParts, PoolMember, warn_without_openblas
 from stepline.api.json_limits import InputLimitError, check_text
 from stepline.api.params import SamplingParams
 from stepline.api.prompts import Prepared, Prompts, PromptTooLongError, detokenizers
@@ -91,7 +86,7 @@ class Engine:
         self._detokenizer = detokenizers(loaded.tokenizer)  # one for each request actor
         self.model_name: str = loaded.name
         self.max_context: int = loaded.max_context
-        self.vocab_size: int = vocab_size(loaded)
+        self.vocab_size: int = loaded.vocab_size
         self.config = config
         self.metrics: EngineMetrics = step_loop.metrics
         self._step_loop = step_loop
