@@ -122,9 +122,9 @@ class Engine:
         """Load `model` (None = SmolLM2-135M-Instruct, a real instruct model from the package
         index; a demo name, a GGUF file, a local mlx-lm directory or a Hugging Face id) and
         serve it until the block exits. `options` are the fields of `EngineConfig` (how it
-        schedules, remembers and budgets: `max_step_tokens=512`, `max_num_seqs=32`,
-        `max_step_ms=100`, `prefix_cache_gb=1.0`, `dtype="auto"`, ...) and of
-        `EventLogConfig` (`event_log=PATH`, `log_prompts`, ...), each documented there.
+        schedules, remembers and budgets: `max_step_tokens`, `max_num_seqs`, `max_step_ms`,
+        `prefix_cache_gb`, `dtype`, ...) and of `EventLogConfig` (`event_log=PATH`,
+        `log_prompts`, ...), each documented there with its default.
 
         Raises ModelNotFoundError if the model cannot be found, GGUFError for a GGUF file it
         cannot serve, ValueError for a bad option (pydantic's ValidationError, naming it).
