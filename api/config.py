@@ -29,8 +29,11 @@ from pydantic import (
 )
 
 from stepline.actors.scheduler.drafter import SpeculativeConfig, parse_speculative_config
-from stepline.actors.scheduler.policy import DEFAULT_MAX_STEP_MS
+from stepline.actors.scheduler.policy import SchedulerConfig
 from stepline.engine.images import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, MAX_IMAGES_PER_REQUEST
+
+# The scheduler's defaults are its own (`SchedulerConfig`); the options read them.
+_SCHEDULER = SchedulerConfig()
 
 
 class _Options(BaseModel):
@@ -46,13 +49,17 @@ class EngineConfig(_Options):
         "makes them float32 on the CPU backend, where quantized and 16-bit matmuls are ~17-20x "
         "slower; keep: as stored; or dequantize and cast to the dtype named",
     )
-    max_step_tokens: int = Field(512, ge=1, description="token budget of one step")
-    max_num_seqs: int = Field(32, ge=1, description="most requests running at once")
+    max_step_tokens: int = Field(
+        _SCHEDULER.max_step_tokens, ge=1, description="token budget of one step"
+    )
+    max_num_seqs: int = Field(
+        _SCHEDULER.max_num_seqs, ge=1, description="most requests running at once"
+    )
     long_prefill_cap: int | None = Field(
         None, ge=1, description="most prompt tokens one request gets per step (default: the budget)"
     )
     max_step_ms: float | None = Field(
-        DEFAULT_MAX_STEP_MS,
+        _SCHEDULER.max_step_ms,
         ge=0,
         description="target time of a step while requests decode: prefill chunks are sized to "
         "keep each step under it, by a step-time model learned online (0: tokens only)",
@@ -68,7 +75,9 @@ class EngineConfig(_Options):
         "refused (default: 70% of memory less the weights and the prefix cache)",
     )
     max_waiting: int = Field(
-        1024, ge=1, description="most requests waiting to start; past it new ones are refused (429)"
+        _SCHEDULER.max_waiting,
+        ge=1,
+        description="most requests waiting to start; past it new ones are refused (429)",
     )
     mlx_cache_gb: float | None = Field(
         None,

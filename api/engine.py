@@ -31,12 +31,7 @@ from stepline.actors.request import RequestActor, RequestOutput
 from stepline.actors.scheduler.spans import PromptImage
 from stepline.actors.step_loop import StepLoop
 from stepline.api.config import EngineConfig, EventLogConfig, launch_rank
-from stepline.api.engine_parts import (
-    EngineParts,
-    PoolMember,
-    vocab_size,
-    warn_without_openblas,
-)
+from stepline.api.engine_parts import EngineParts, PoolMember, warn_without_openblas
 from stepline.api.json_limits import InputLimitError, check_text
 from stepline.api.params import SamplingParams
 from stepline.api.prompts import Prepared, Prompts, PromptTooLongError, detokenizers
@@ -92,7 +87,7 @@ class Engine:
         self._detokenizer = detokenizers(loaded.tokenizer)  # one for each request actor
         self.model_name: str = loaded.name
         self.max_context: int = loaded.max_context
-        self.vocab_size: int = vocab_size(loaded)
+        self.vocab_size: int = loaded.vocab_size
         self.config = config
         self.metrics: EngineMetrics = step_loop.metrics
         self._step_loop = step_loop
@@ -128,9 +123,9 @@ class Engine:
         """Load `model` (None = SmolLM2-135M-Instruct, a real instruct model from the package
         index; a demo name, a GGUF file, a local mlx-lm directory or a Hugging Face id) and
         serve it until the block exits. `options` are the fields of `EngineConfig` (how it
-        schedules, remembers and budgets: `max_step_tokens=512`, `max_num_seqs=32`,
-        `max_step_ms=100`, `prefix_cache_gb=1.0`, `dtype="auto"`, ...) and of
-        `EventLogConfig` (`event_log=PATH`, `log_prompts`, ...), each documented there.
+        schedules, remembers and budgets: `max_step_tokens`, `max_num_seqs`, `max_step_ms`,
+        `prefix_cache_gb`, `dtype`, ...) and of `EventLogConfig` (`event_log=PATH`,
+        `log_prompts`, ...), each documented there with its default.
 
         Raises ModelNotFoundError if the model cannot be found, GGUFError for a GGUF file it
         cannot serve, ValueError for a bad option (pydantic's ValidationError, naming it).

@@ -47,11 +47,6 @@ def warn_without_openblas() -> None:
         log.warning("openblas_not_loaded", reason=reason, effect="matrix products 7-20x slower")
 
 
-def vocab_size(loaded: Any) -> int:
-    args = getattr(loaded.model, "args", None)
-    return getattr(args, "vocab_size", None) or len(loaded.tokenizer._tokenizer)
-
-
 @dataclasses.dataclass(frozen=True)
 class PoolMember:
     """An engine that is one of a server's several models (api/pool.py): the event log they
@@ -263,7 +258,7 @@ class EngineParts:
             log.info("warmup_samples_reused", path=str(path), samples=len(samples))
             return samples, None
         log.info("warmup_pending", kept=str(path))
-        warmup = Warmup(runner, sched, vocab_size(loaded), loaded.max_context, keep_at=path)
+        warmup = Warmup(runner, sched, loaded.vocab_size, loaded.max_context, keep_at=path)
         return [], warmup
 
     async def close(self) -> None:
@@ -311,4 +306,4 @@ def _draft_model(loaded: Any, options: EngineConfig) -> Any:
     check_same_tokenizer(loaded.tokenizer, draft.tokenizer, loaded.name, draft.name)
     check_speculation(draft.model)
     log.info("draft_model_loaded", model=draft.name, path=str(draft.path), weights=draft.weights)
-    return DraftModel(draft.model, getattr(getattr(loaded.model, "args", None), "vocab_size", None))
+    return DraftModel(draft.model, loaded.vocab_size)

@@ -225,6 +225,14 @@ class LoadedModel:
     # a vision-language model's encoder and image prompts (`engine/vision.py`); None: text
     vision: Any = None
 
+    @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary, as its logits are wide: its config's `vocab_size`, or the
+        tokenizer's size for a model whose config has none. Every bound on a token id (a
+        prompt's, `top_k`, stop ids, grammars, drafts) reads this one."""
+        args = getattr(self.model, "args", None)
+        return getattr(args, "vocab_size", None) or len(self.tokenizer)
+
 
 def _spec_hash(spec: DemoSpec) -> str:
     recipe = {

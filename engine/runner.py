@@ -132,9 +132,8 @@ class ModelRunner:
         self.fuse = fuse and self._split_head and fused.fused_forward_works(self.model)
         # The decode batch's caches: in groups of similar lengths where steps fuse.
         self._decode = DecodeCaches(split=self.fuse)
-        vocab = getattr(getattr(self.model, "args", None), "vocab_size", None)
         self.grammars = grammars or GrammarCompiler(
-            loaded.tokenizer, vocab or len(loaded.tokenizer), max_bytes=grammar_cache_bytes
+            loaded.tokenizer, loaded.vocab_size, max_bytes=grammar_cache_bytes
         )
 
     # -- request lifecycle ----------------------------------------------------

@@ -22,7 +22,6 @@ from helpers import submit_together
 from vision_checkpoints import BOI, BOS, NEWLINE_RUNS, START_OF_TURN, tiny_gemma3
 
 from stepline.api import Engine, SamplingParams
-from stepline.api.engine_parts import vocab_size
 from stepline.api.prompts import Prompts
 
 pytest.importorskip("mlx_vlm")  # the vision extra
@@ -67,7 +66,7 @@ def prompts(path: Path) -> Prompts:
     loaded = load_model(str(path))
     return Prompts(
         loaded.tokenizer,
-        vocab_size=vocab_size(loaded),
+        vocab_size=loaded.vocab_size,
         max_context=loaded.max_context,
         images=loaded.vision.images,
     )
