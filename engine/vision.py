@@ -54,11 +54,6 @@ def _require_mlx_vlm() -> None:
         ) from None
 
 
-def is_vision_config(config: Mapping[str, Any]) -> bool:
-    """Whether a checkpoint's config.json describes a vision-language model."""
-    return isinstance(config.get("vision_config"), dict)
-
-
 @dataclass(frozen=True)
 class Expanded:
     """One image as a prompt holds it: the text of its token span (markers and placeholder

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -67,6 +67,28 @@ async def hold_open(cm: AbstractAsyncContextManager[T]) -> tuple[T, Callable[[],
         await task
 
     return value, close
+
+
+async def collect(stream: AsyncIterator[T]) -> list[T]:
+    """Every item of `stream` (a request's outputs), in order, once it has ended."""
+    return [item async for item in stream]
+
+
+def mlx_lm_greedy(model: Any, prompt: list[int], n: int, stop: Collection[int] = ()) -> list[int]:
+    """mlx-lm's own single-request greedy generation of up to `n` tokens after `prompt`, cut
+    before the first token in `stop`: the reference the engine's tokens are checked against."""
+    import mlx.core as mx  # here: the model-free tests import this module without MLX
+    from mlx_lm.generate import generate_step
+
+    tokens = []
+    steps = generate_step(
+        mx.array(prompt), model, max_tokens=n, sampler=lambda x: mx.argmax(x, axis=-1)
+    )
+    for token, _ in steps:
+        if int(token) in stop:
+            break
+        tokens.append(int(token))
+    return tokens
 
 
 async def wait_until(loop: StepLoop, predicate: Callable[[], bool], within: float = 10.0) -> None:

@@ -6,13 +6,13 @@ import asyncio
 import dataclasses
 import gc
 import math
+import os
 import threading
-import time
 
 import anyio
 import pydantic
 import pytest
-from helpers import wait_finished, wait_until
+from helpers import collect, wait_finished, wait_until
 
 import stepline.actors.scheduler.core as core_module
 from stepline.actors.executor import Executor, ExecutorDeadError
@@ -33,10 +33,6 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 def long_prompt(n: int) -> list[int]:
     return [3 + (i * 37) % 250 for i in range(n)]
-
-
-async def collect(stream):
-    return [out async for out in stream]
 
 
 async def tokens_of(stream) -> list[int]:
@@ -144,12 +140,13 @@ async def test_a_request_submitted_while_a_step_runs_is_admitted_for_the_next_st
         assert step == planned_before + 1, rid
 
 
-def _slow_to_prepare(engine: Engine, seconds: dict[str, float]) -> None:
-    """Make the tokenization of some prompts (by text) take `seconds[text]` longer."""
+def _slow_to_prepare(engine: Engine, until: dict[str, anyio.Event]) -> None:
+    """Make the tokenization of some prompts (by text) finish only once `until[text]` is set."""
     prepare = engine.prepare_async
 
     async def slow(prompt, messages, template_kwargs):
-        await anyio.sleep(seconds.get(prompt, 0.0))  # a slow tokenizer: its time is the point
+        if prompt in until:
+            await until[prompt].wait()
         return await prepare(prompt, messages, template_kwargs)
 
     engine.prepare_async = slow  # type: ignore[method-assign]
@@ -165,14 +162,24 @@ def _first_step(log) -> tuple[StepPlanned, dict[str, int]]:
 async def test_an_idle_engine_gathers_a_burst_so_its_first_step_takes_the_shortest(
     tmp_path, model_cache_dir
 ):
-    # The long prompt is tokenized first; the short ones a few ms later. Without waiting for
+    # The long prompt is tokenized first; the short ones once it is. Without waiting for
     # them, the first step would be the long prompt's alone and they would wait for it.
     log = tmp_path / "run.jsonl"
     texts = {"long": "a long prompt " * 12, **{f"short-{i}": f"hi {i}" for i in range(4)}}
     async with Engine.open(
         "stepline-demo", max_step_tokens=64, max_num_seqs=8, event_log=log
     ) as engine:
-        _slow_to_prepare(engine, {t: 0.005 for rid, t in texts.items() if rid != "long"})
+        long_prepared = anyio.Event()
+        _slow_to_prepare(engine, {t: long_prepared for rid, t in texts.items() if rid != "long"})
+        prepare = engine.prepare_async
+
+        async def prepare_then_release(prompt, messages, template_kwargs):
+            prepared = await prepare(prompt, messages, template_kwargs)
+            if prompt == texts["long"]:
+                long_prepared.set()
+            return prepared
+
+        engine.prepare_async = prepare_then_release  # type: ignore[method-assign]
 
         async def one(rid: str) -> None:
             await collect(await engine.submit(texts[rid], params=GREEDY, request_id=rid))
@@ -190,7 +197,10 @@ async def test_a_request_slow_to_prepare_does_not_hold_up_the_first_step(tmp_pat
     async with Engine.open(
         "stepline-demo", max_step_tokens=64, max_num_seqs=8, event_log=log
     ) as engine:
-        _slow_to_prepare(engine, {"slow": 1.0})
+        # "slow" is tokenized only once the first step has run: that step cannot wait for it.
+        stepped = anyio.Event()
+        engine.step_loop.on_step = lambda loop: stepped.set()
+        _slow_to_prepare(engine, {"slow": stepped})
 
         async def one(text: str) -> None:
             await collect(await engine.submit(text, params=GREEDY, request_id=text))
@@ -484,7 +494,7 @@ async def test_the_executor_runs_one_job_at_a_time_on_one_thread():
         active += 1
         overlaps += active > 1
         threads.add(threading.get_ident())
-        time.sleep(0.001)  # a job that takes a while: a second thread would overlap it
+        os.sched_yield()  # the CPU given up mid-job: a job on a second thread would overlap it
         active -= 1
         return i
 
@@ -532,7 +542,7 @@ async def test_a_caller_cancelled_mid_job_leaves_the_job_to_finish_and_its_error
     assert finished.is_set() and executor.dead is None
     del caller
     gc.collect()
-    await asyncio.sleep(0)
+    await anyio.lowlevel.checkpoint()  # the loop's turn to report a never-retrieved exception
     assert unhandled == []  # no "exception was never retrieved"
     executor.close()
 

@@ -8,8 +8,7 @@ import time
 import anyio
 import mlx.core as mx
 import pytest
-from helpers import submit_together, wait_until
-from mlx_lm.generate import generate_step
+from helpers import mlx_lm_greedy, submit_together, wait_until
 from mlx_lm.models.cache import make_prompt_cache
 
 from stepline.actors.scheduler.policy import ScheduledChunk, StepPlan
@@ -31,14 +30,6 @@ def loaded(request):
 def prompt_ids(n: int, seed: int = 0, vocab: int = 300) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(3, vocab) for _ in range(n)]
-
-
-def mlx_lm_greedy(loaded, prompt: list[int], n: int) -> list[int]:
-    """mlx-lm's own single-request generation: the reference."""
-    steps = generate_step(
-        mx.array(prompt), loaded.model, max_tokens=n, sampler=lambda x: mx.argmax(x, axis=-1)
-    )
-    return [int(tok) for tok, _ in steps]
 
 
 def full_prefill_logits(loaded, prompt: list[int]) -> mx.array:
@@ -106,7 +97,7 @@ def test_chunked_prefill_gives_the_same_logits_and_tokens_as_mlx_lm(loaded, chun
     assert len(runner.sampled_logits) == 1  # logits exist only for the final chunk
     assert mx.allclose(runner.sampled_logits[0], full_prefill_logits(loaded, prompt), atol=1e-4)
     ours = [first, *decode(runner, "r", 7)]
-    assert ours == mlx_lm_greedy(loaded, prompt, 8)
+    assert ours == mlx_lm_greedy(loaded.model, prompt, 8)
 
 
 async def test_a_batch_of_mixed_lengths_gives_each_request_its_solo_tokens(loaded, model_cache_dir):
@@ -121,7 +112,7 @@ async def test_a_batch_of_mixed_lengths_gives_each_request_its_solo_tokens(loade
         shared_steps = engine.step_loop.step
     assert shared_steps < sum(len(p) // 48 + 10 for p in prompts)  # they really shared steps
     for prompt, tokens in zip(prompts, results, strict=True):
-        assert tokens == mlx_lm_greedy(loaded, prompt, 10)
+        assert tokens == mlx_lm_greedy(loaded.model, prompt, 10)
 
 
 async def _leave_and_join(name: str, lookahead: bool, extra: dict) -> dict[str, list]:
@@ -191,7 +182,7 @@ async def test_looking_ahead_changes_no_token_while_requests_leave_and_join(
     for wave, base in (("a", 0), ("b", 20)):
         for i, n in enumerate((3, 9, 14)):
             length = 20 + 7 * i if wave == "a" else 60 + i
-            expected = mlx_lm_greedy(loaded, prompt_ids(length, seed=base + i), n)
+            expected = mlx_lm_greedy(loaded.model, prompt_ids(length, seed=base + i), n)
             assert ahead[f"{wave}{i}"] == expected
 
 
@@ -386,7 +377,7 @@ def test_final_chunks_of_different_lengths_in_one_step_match_solo(request, name,
         out = runner.run(StepWork(plan=plan)).tokens
         steps = [*steps, *[out[r] for r in rids]]
     for i, p in enumerate(prompts):
-        assert steps[i :: len(prompts)] == mlx_lm_greedy(loaded, p, 4), i
+        assert steps[i :: len(prompts)] == mlx_lm_greedy(loaded.model, p, 4), i
 
 
 def test_a_request_that_ends_at_its_first_token_never_joins_the_decode_batch(loaded):
@@ -405,13 +396,13 @@ def test_a_request_that_ends_at_its_first_token_never_joins_the_decode_batch(loa
         num_scheduled_tokens={"long": 60, "short": 5},
     )
     first = runner.run(StepWork(plan=plan, admit=news)).tokens
-    assert first["long"] == mlx_lm_greedy(loaded, long_prompt, 1)[0]
+    assert first["long"] == mlx_lm_greedy(loaded.model, long_prompt, 1)[0]
     assert runner._batch.ids == ["short"]  # the short request decodes alone
 
     plan = StepPlan(step=2, decodes=("short",), num_scheduled_tokens={"short": 1})
     work = StepWork(plan=plan, free=("long",), retire=frozenset({"long"}))
     second = runner.run(work).tokens
-    assert [first["short"], second["short"]] == mlx_lm_greedy(loaded, short_prompt, 2)
+    assert [first["short"], second["short"]] == mlx_lm_greedy(loaded.model, short_prompt, 2)
 
     # A request with the same 60 tokens and more starts from the retired entry.
     follow_up = [*long_prompt, *prompt_ids(7, seed=3)]
@@ -426,5 +417,5 @@ def test_a_request_that_ends_at_its_first_token_never_joins_the_decode_batch(loa
     )
     assert (
         runner.run(StepWork(plan=plan, admit=(new,))).tokens["next"]
-        == mlx_lm_greedy(loaded, follow_up, 1)[0]
+        == mlx_lm_greedy(loaded.model, follow_up, 1)[0]
     )

@@ -11,7 +11,7 @@ from collections import Counter
 
 import anyio
 import pytest
-from helpers import submit_together, wait_until
+from helpers import collect, submit_together, wait_until
 
 from stepline.actors.messages import Cancel
 from stepline.actors.scheduler.work import (
@@ -37,10 +37,6 @@ def params(seed: int, max_tokens: int = 12) -> SamplingParams:
 
 # The bystanders: request id -> (prompt, params). Long enough to share steps with the doomed one.
 OTHERS = {f"other-{i}": (prompt_of(20 + 15 * i, salt=i), params(seed=i)) for i in range(3)}
-
-
-async def collect(stream) -> list:
-    return [out async for out in stream]
 
 
 async def tokens_alone(engine: Engine) -> dict[str, list[int]]:

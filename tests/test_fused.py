@@ -10,8 +10,7 @@ import anyio
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from helpers import small_config
-from mlx_lm.generate import generate_step
+from helpers import mlx_lm_greedy, small_config
 from mlx_lm.models.cache import make_prompt_cache
 
 from stepline.actors.scheduler.policy import ScheduledChunk, SchedulerConfig, StepPlan
@@ -30,13 +29,6 @@ GREEDY = RequestParams(max_tokens=64, temperature=0, top_p=1, top_k=0, min_p=0, 
 def prompt_ids(n: int, seed: int, vocab: int = 300) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(3, vocab) for _ in range(n)]
-
-
-def mlx_lm_greedy(model: nn.Module, prompt: list[int], n: int) -> list[int]:
-    steps = generate_step(
-        mx.array(prompt), model, max_tokens=n, sampler=lambda x: mx.argmax(x, axis=-1)
-    )
-    return [int(tok) for tok, _ in steps]
 
 
 def _random_model(arch: str, demo: LoadedModel, **extra) -> LoadedModel:

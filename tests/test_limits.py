@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import anyio
 import pytest
-from helpers import wait_until
+from helpers import collect, wait_until
 
 from stepline.api import Engine, KVBudgetExceededError, QueueFullError, SamplingParams
 from stepline.engine.memory import (
@@ -23,10 +23,6 @@ import mlx.core as mx  # isort: skip  # after stepline.engine, which loads OpenB
 
 def prompt_of(n: int, salt: int = 0) -> list[int]:
     return [3 + (i * 37 + salt * 11) % 250 for i in range(n)]
-
-
-async def collect(stream) -> list:
-    return [out async for out in stream]
 
 
 # -- measuring the KV footprint --------------------------------------------------------------

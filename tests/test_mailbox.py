@@ -26,12 +26,12 @@ async def test_messages_arrive_in_order_and_those_sent_before_close_are_still_re
 async def test_a_waiting_reader_wakes_for_the_next_message_and_for_the_end():
     box: Mailbox[str] = Mailbox()
     reader = asyncio.create_task(box.get())
-    await asyncio.sleep(0)
+    await anyio.wait_all_tasks_blocked()  # the reader waits for a message
     assert not reader.done()
     box.put("a")
     assert await reader == "a"
     reader = asyncio.create_task(box.get())
-    await asyncio.sleep(0)
+    await anyio.wait_all_tasks_blocked()  # the reader waits for a message
     box.close()
     with pytest.raises(anyio.EndOfStream):
         await reader

@@ -15,7 +15,7 @@ import httpx
 import mlx.core as mx
 import openai
 import pytest
-from mlx_lm.generate import generate_step
+from helpers import mlx_lm_greedy
 
 from stepline.api import Engine, SamplingParams
 from stepline.api.http.app import create_app
@@ -41,26 +41,15 @@ CHATS = [
 ]
 
 
-def mlx_lm_greedy(loaded, messages: list[dict]) -> list[int]:
-    """mlx-lm's own single-request greedy generation, cut at the model's end of turn."""
-    prompt = loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    steps = generate_step(
-        mx.array(prompt),
-        loaded.model,
-        max_tokens=MAX_TOKENS,
-        sampler=lambda x: mx.argmax(x, axis=-1),
-    )
-    tokens = []
-    for token, _ in steps:
-        if int(token) in loaded.tokenizer.eos_token_ids:
-            break
-        tokens.append(int(token))
-    return tokens
-
-
 @pytest.fixture(scope="module")
 def expected(smollm2) -> list[list[int]]:
-    return [mlx_lm_greedy(smollm2, chat) for chat in CHATS]
+    """mlx-lm's own greedy answer to each chat, cut at the model's end of turn."""
+    template = smollm2.tokenizer.apply_chat_template
+    stop = smollm2.tokenizer.eos_token_ids
+    return [
+        mlx_lm_greedy(smollm2.model, template(chat, add_generation_prompt=True), MAX_TOKENS, stop)
+        for chat in CHATS
+    ]
 
 
 def test_the_prompts_are_long_enough_to_be_chunked(smollm2):

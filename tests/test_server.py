@@ -365,8 +365,10 @@ async def test_a_long_prompt_gets_ping_comments_while_it_prefills(served):
 
 
 async def test_the_heartbeat_pings_a_stream_that_sends_nothing_for_a_while():
+    pinged = anyio.Event()
+
     async def slow(emit):
-        await anyio.sleep(0.35)  # a stream silent for a while: time is the point
+        await pinged.wait()  # silent until the client has seen two heartbeats
         await emit(b"data: late\n\n")
 
     async def nothing():
@@ -377,11 +379,16 @@ async def test_the_heartbeat_pings_a_stream_that_sends_nothing_for_a_while():
         "/slow",
         lambda: StreamResponse(slow, wire=OPENAI, headers={}, heartbeat_s=0.1, on_close=nothing),
     )
+    content = b""
     async with serve_in_process(app) as url, httpx.AsyncClient(base_url=url) as http:
         with anyio.fail_after(10):
-            r = await http.get("/slow")
-    assert r.content.endswith(b"data: late\n\n")
-    assert r.content.startswith(PING * 2)
+            async with http.stream("GET", "/slow") as r:
+                async for chunk in r.aiter_raw():
+                    content += chunk
+                    if content.startswith(PING * 2):
+                        pinged.set()
+    assert content.endswith(b"data: late\n\n")
+    assert content.startswith(PING * 2)
 
 
 async def test_a_stream_cut_by_server_shutdown_still_ends_with_an_error_and_done():
@@ -855,19 +862,24 @@ async def test_a_failed_event_log_shows_on_health_and_metrics_while_serving_goes
 
 async def test_a_burst_over_http_is_gathered_so_its_first_step_takes_the_shortest(demo):
     # Over HTTP a request is parsed and tokenized before `Engine.submit`. The short chats
-    # here take a few ms longer to tokenize: without waiting for the requests the server is
-    # still preparing, whichever is submitted first would start the first step alone.
+    # here are tokenized after the long one: without waiting for the requests the server is
+    # still preparing, the long one would start the first step alone.
     from helpers import open_served
 
     long_text = "a long prompt " * 12
     async with open_served() as served:
         engine = served.engine
         prepare = engine.prepare_async
+        long_prepared = anyio.Event()
 
         async def slow_for_short(prompt, messages, template_kwargs):
+            # The short chats are tokenized once the long one is.
             if messages and messages[-1]["content"].startswith("hi "):
-                await anyio.sleep(0.005)  # a slow tokenizer: its time is the point
-            return await prepare(prompt, messages, template_kwargs)
+                await long_prepared.wait()
+            prepared = await prepare(prompt, messages, template_kwargs)
+            if messages and messages[-1]["content"] == long_text:
+                long_prepared.set()
+            return prepared
 
         engine.prepare_async = slow_for_short
         first: dict[str, tuple[int, int]] = {}

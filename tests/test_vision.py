@@ -13,6 +13,7 @@ from pathlib import Path
 import anyio
 import numpy as np
 import pytest
+from helpers import collect
 from PIL import Image
 
 from stepline.api.engine import Engine
@@ -84,11 +85,10 @@ def reference():
     return run
 
 
-async def collect(engine: Engine, messages: list[dict], **params: object) -> list:
-    outs = []
-    async for out in engine.generate(messages=messages, params=GREEDY.model_copy(update=params)):
-        outs.append(out)
-    return outs
+async def greedy_chat(engine: Engine, messages: list[dict], **params: object) -> list:
+    """The outputs of a greedy chat of `messages` (`params` over GREEDY's)."""
+    sampling = GREEDY.model_copy(update=params)
+    return await collect(engine.generate(messages=messages, params=sampling))
 
 
 def token_ids(outs: list) -> list[int]:
@@ -111,7 +111,7 @@ async def test_concurrent_image_and_text_requests_answer_what_mlx_vlm_answers_ea
         results: list[list] = [[] for _ in chats]
 
         async def run(i: int) -> None:
-            results[i] = await collect(engine, chats[i])
+            results[i] = await greedy_chat(engine, chats[i])
 
         async with anyio.create_task_group() as tg:
             for i in range(len(chats)):
@@ -132,8 +132,8 @@ async def test_the_log_records_each_image_its_encoder_steps_and_the_chunks_that_
         VISION_DEMO, max_step_tokens=48, max_num_seqs=4, event_log=str(log), max_step_ms=None
     ) as engine:
         prepared = engine.prepare(messages=chat("What is this?", image))
-        outs = await collect(engine, chat("What is this?", image))
-        text_outs = await collect(engine, chat("No image here."))
+        outs = await greedy_chat(engine, chat("What is this?", image))
+        text_outs = await greedy_chat(engine, chat("No image here."))
     assert outs[-1].finish_reason == text_outs[-1].finish_reason == "length"
     events = list(read_events(log))
     admitted = [e for e in events if isinstance(e, Admitted)]
@@ -166,9 +166,9 @@ async def test_a_different_image_shares_no_cache_and_the_same_image_next_turn_is
     first = chat("What is in this picture?", png(3))
     async with Engine.open(VISION_DEMO, max_step_tokens=256, max_num_seqs=4) as engine:
         span = engine.prepare(messages=first).images[0]
-        answer = await collect(engine, first)
+        answer = await greedy_chat(engine, first)
         # Same text, another image: the cache serves the text before the image, not the span.
-        other = await collect(engine, chat("What is in this picture?", png(4)))
+        other = await greedy_chat(engine, chat("What is in this picture?", png(4)))
         assert 0 < other[-1].num_cached_tokens <= span.start
         assert token_ids(other) == reference(chat("What is in this picture?", png(4)))
         # The next turn of the first chat: its image is not computed again.
@@ -177,7 +177,7 @@ async def test_a_different_image_shares_no_cache_and_the_same_image_next_turn_is
             {"role": "assistant", "content": "".join(o.text for o in answer)},
             {"role": "user", "content": "Say more."},
         ]
-        more = await collect(engine, turn)
+        more = await greedy_chat(engine, turn)
         assert more[-1].num_cached_tokens >= span.end
         assert token_ids(more) == reference(turn)
 
@@ -230,7 +230,7 @@ async def test_a_run_with_images_is_re_executed_token_for_token_from_the_images_
     ) as engine:
         async with anyio.create_task_group() as tg:
             for messages in chats:
-                tg.start_soon(collect, engine, messages)
+                tg.start_soon(greedy_chat, engine, messages)
     kept = sorted(p.name for p in images_dir(log).iterdir())
     assert kept == sorted(
         hashlib.sha256(png(s, *wh)).hexdigest() for s, wh in ((5, ()), (6, (60, 60)))
@@ -271,7 +271,7 @@ async def test_a_quantized_checkpoint_kept_quantized_answers_what_mlx_vlm_answer
     messages = chat("What is in this picture?", png(8))
     async with Engine.open(str(path), dtype="keep", max_step_tokens=64) as engine:
         assert "4-bit quantized" in engine.step_loop.runner.loaded.weights
-        mine = token_ids(await collect(engine, messages))
+        mine = token_ids(await greedy_chat(engine, messages))
     model, processor = load(str(path))
     prompt = processor.tokenizer.apply_chat_template(
         [

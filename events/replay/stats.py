@@ -76,21 +76,6 @@ class Distribution:
         if len(self._buf) > _EXACT_LIMIT:
             self._spill()
 
-    def add_many(self, value: float, count: int) -> None:
-        """`add(value)` `count` times."""
-        if count == 1:
-            self.add(value)
-        elif count > 1:
-            if len(self._buf) + count > _EXACT_LIMIT:
-                self._spill()
-                self._max = max(self._max, value)
-                self._min = min(self._min, value)
-                self._sum += value * count
-                self._bins[self._bin(value)] += count
-                self._spilled += count
-            else:
-                self._buf.extend(array("d", (value,)) * count)
-
     def _spill(self) -> None:
         """Fold the buffer into the histogram."""
         buf = self._buf
