@@ -99,7 +99,7 @@ async def test_a_fault_in_one_requests_prefill_ends_only_that_request(tmp_path, 
     ) as engine:
         alone = await tokens_alone(engine)
         runner = engine.step_loop.runner
-        real_prefill, real_fusable = runner._prefill, runner._fusable
+        real_prefill, real_fusable = runner.forwards.prefill, runner.forwards.fusable
 
         def prefill(chunk):
             if chunk.request_id == "doomed" and chunk.start > 0:  # its second chunk
@@ -109,7 +109,7 @@ async def test_a_fault_in_one_requests_prefill_ends_only_that_request(tmp_path, 
         def fusable(chunks, *args):  # the doomed request's chunks run a forward of their own
             return real_fusable([c for c in chunks if c.request_id != "doomed"], *args)
 
-        runner._prefill, runner._fusable = prefill, fusable
+        runner.forwards.prefill, runner.forwards.fusable = prefill, fusable
         results = await run_together(engine, prompt_of(100, salt=9), params(seed=5))
         assert engine.healthy
         loop = engine.step_loop
@@ -189,7 +189,7 @@ class _FailingDecode:
         return getattr(self._model, name)
 
     def __call__(self, inputs, cache=None):
-        if cache is not None and any(cache is g for g in self._runner._decode.groups):
+        if cache is not None and any(cache is g for g in self._runner.batch.caches.groups):
             raise RuntimeError("injected decode fault")
         return self._model(inputs, cache=cache)
 
@@ -202,7 +202,7 @@ async def test_a_fault_of_the_batched_decode_ends_everyone_and_the_engine_says_s
         "stepline-demo", max_step_tokens=32, max_num_seqs=8, event_log=log
     ) as engine:
         runner = engine.step_loop.runner
-        runner.model = _FailingDecode(runner.model, runner)
+        runner.forwards.model = _FailingDecode(runner.model, runner)
         results = await run_together(engine, prompt_of(100, salt=9), params(seed=5))
         assert not engine.healthy
         assert engine.unhealthy_reason.startswith("executor failed")
@@ -315,7 +315,7 @@ async def test_with_a_key_health_says_what_broke_and_only_key_holders_get_the_de
 
     async with Engine.open("stepline-demo", max_step_tokens=32, max_num_seqs=8) as engine:
         runner = engine.step_loop.runner
-        runner.model = _FailingDecode(runner.model, runner)
+        runner.forwards.model = _FailingDecode(runner.model, runner)
         await run_together(engine, prompt_of(100, salt=9), params(seed=5))
         assert not engine.healthy
         async with serve_in_process(create_app(engine, api_key="sk-ops")) as url:
