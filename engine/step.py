@@ -81,11 +81,14 @@ class Forwards:
         self.split_head = split_head  # the body and the output head run apart
 
     def run(self, step: Step, failed: dict[str, str], fail: Fail) -> Forwarded:
+        """The step's forwards (lazy where nothing needs their values yet). A fault in one
+        request's chunk or checkpoint ends that request (`fail`); the decode batch's
+        raises."""
         out = Forwarded(apart=step.solo)
-        self.rest(step, step.plan.chunks, out, failed, fail)
+        self.separately(step, step.plan.chunks, out, failed, fail)
         return out
 
-    def rest(
+    def separately(
         self,
         step: Step,
         chunks: Sequence[ScheduledChunk],
@@ -181,7 +184,7 @@ class FusedForwards(Forwards):
                 out.decoded, out.finals = done
                 chunks = [c for c in chunks if c not in together]
                 out.apart = [v for v in step.solo if v not in verifies]
-        self.rest(step, chunks, out, failed, fail)
+        self.separately(step, chunks, out, failed, fail)
         return out
 
     def fusable(
