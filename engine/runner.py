@@ -123,8 +123,13 @@ class ModelRunner:
 
     @property
     def model(self) -> Any:  # an mlx-lm model
-        """The model the step's forwards run."""
+        """The model the step's forwards run (one owner: `Forwards.model`; set it to wrap
+        the model, as tests and benchmarks do)."""
         return self.forwards.model
+
+    @model.setter
+    def model(self, model: Any) -> None:
+        self.forwards.model = model
 
     # -- request lifecycle ----------------------------------------------------
 

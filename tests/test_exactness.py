@@ -237,7 +237,7 @@ async def _decode_step_calls(
             def __getattr__(self, name):
                 return getattr(model, name)
 
-        runner.run, runner.lookahead.pipeline, runner.forwards.model = run, pipeline, Forward()
+        runner.run, runner.lookahead.pipeline, runner.model = run, pipeline, Forward()
         calls.clear()
         # Admitted together (63 tokens: one step), all three decode in every step but the last.
         requests = [dict(prompt=prompt_ids(20 + i, seed=i), params=params) for i in range(3)]

@@ -202,7 +202,7 @@ async def test_a_fault_of_the_batched_decode_ends_everyone_and_the_engine_says_s
         "stepline-demo", max_step_tokens=32, max_num_seqs=8, event_log=log
     ) as engine:
         runner = engine.step_loop.runner
-        runner.forwards.model = _FailingDecode(runner.model, runner)
+        runner.model = _FailingDecode(runner.model, runner)
         results = await run_together(engine, prompt_of(100, salt=9), params(seed=5))
         assert not engine.healthy
         assert engine.unhealthy_reason.startswith("executor failed")
@@ -315,7 +315,7 @@ async def test_with_a_key_health_says_what_broke_and_only_key_holders_get_the_de
 
     async with Engine.open("stepline-demo", max_step_tokens=32, max_num_seqs=8) as engine:
         runner = engine.step_loop.runner
-        runner.forwards.model = _FailingDecode(runner.model, runner)
+        runner.model = _FailingDecode(runner.model, runner)
         await run_together(engine, prompt_of(100, salt=9), params(seed=5))
         assert not engine.healthy
         async with serve_in_process(create_app(engine, api_key="sk-ops")) as url:
