@@ -106,13 +106,13 @@ class StepRecorder:
 
     def run(self, work: Any) -> Any:
         plan = work.plan
-        decode = getattr(self.runner, "_decode", None)
+        decode = getattr(getattr(self.runner, "batch", None), "caches", None)
         groups = list(getattr(decode, "sizes", []))
         padded = sum(
             rows * group[0].size()
             for rows, group in zip(groups, getattr(decode, "groups", []), strict=False)
         )
-        batch = getattr(self.runner, "_batch", None)
+        batch = getattr(getattr(self.runner, "batch", None), "rows", None)
         contexts = sum(int(q.prompt.shape[0]) + len(q.output) for q in getattr(batch, "seqs", ()))
         result = self._run(work)
         self.plans.append((plan, result.seconds))

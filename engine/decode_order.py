@@ -1,8 +1,8 @@
 """Which order a decode-only step runs in, chosen by measuring both (pure: no MLX, no clock).
 
 A step with nothing but decode rows builds the next step's forward on its own tokens before
-it reads them (`ModelRunner._pipeline`, as mlx-lm's own loop does), and then either starts
-it before reading them too, or starts it as its result goes back (`ModelRunner.look_ahead`).
+it reads them (`LookAhead.pipeline`, as mlx-lm's own loop does), and then either starts
+it before reading them too, or starts it as its result goes back (`LookAhead.start`).
 Which is faster depends on the machine and the model:
 - where starting work returns at once (Metal), the first order hides the host's whole round
   trip (the step loop committing and planning) and leaves no gap on the device;

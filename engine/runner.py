@@ -1,36 +1,34 @@
-"""The MLX work of one step: prefill chunks, one batched decode, sampling.
+"""The MLX work of one step, on the executor's thread only: a step is `prepare` (where each
+row decodes, the look-ahead taken) -> forward -> sample -> results (tokens into each request,
+rows joining and leaving, the next look-ahead), as nano-vllm's `ModelRunner.run` and
+mlx-lm's `GenerationBatch._step` read.
 
-Runs only on the executor's thread. Each request prefills into its own mlx-lm
-prompt cache; when its prompt is done the cache is merged into the decode batch
-(`BatchKVCache`, `BatchRotatingKVCache`, `ArraysCache` via mlx-lm's own
-`merge`/`extend`/`filter`). Intermediate chunks run the model body only: no
-logits. A final chunk computes logits for its last position only. Where the architecture
-allows (`engine/fused.py`), a step's chunks and decode rows run as one forward. The batch's
-next forward is built as a step ends (unless a prompt is mid-prefill where steps fuse: its
-next chunk will carry the rows) and computed while the step loop commits it; a
-decode-only step builds it before it reads its tokens, and may start it then too
-(`engine/decode_order.py` picks the order that measures faster).
+Each request prefills into its own mlx-lm prompt cache; when its prompt is done the cache
+is merged into the decode batch (`engine/decode_batch.py`, with mlx-lm's own
+`merge`/`extend`/`filter`/`extract`). How the model runs a step's tokens is decided once
+per model (`engine/step.py`: a forward each, or fused into one where the architecture
+allows). The batch's next forward is built as a step ends and computed while the step loop
+commits it (`engine/lookahead.py`).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import structlog
 from mlx_lm.models.cache import make_prompt_cache
 
-from stepline.actors.scheduler.cost_model import decode_runs_apart
-from stepline.actors.scheduler.policy import ScheduledChunk, ScheduledEncode
+from stepline.actors.scheduler.policy import ScheduledEncode, StepPlan
 from stepline.actors.scheduler.spans import prompt_key
 from stepline.actors.scheduler.work import (
     ADMISSION_FAILED,
-    CHECKPOINT_FAILED,
     ENCODE_FAILED,
     GRAMMAR_FAILED,
-    PREFILL_FAILED,
     VERIFY_FAILED,
     Housekeeping,
     NewRequest,
@@ -40,19 +38,20 @@ from stepline.actors.scheduler.work import (
     TokenLogprob,
     is_collective_error,
 )
-from stepline.engine import cpu_attention, fused, step_sampling
+from stepline.engine import cpu_attention, step_sampling
 from stepline.engine.constraints import advance
-from stepline.engine.decode_groups import DecodeCaches
-from stepline.engine.decode_order import DecodeOrder
+from stepline.engine.decode_batch import DecodeBatch
 from stepline.engine.draft_model import DraftModel
-from stepline.engine.forward import forward, split_head_works
 from stepline.engine.grammar import DEFAULT_CACHE_BYTES, GrammarCompiler
+from stepline.engine.lookahead import LookAhead
 from stepline.engine.memory import read_memory_counters
 from stepline.engine.models import LoadedModel
 from stepline.engine.prefix_cache import PrefixStore, compact_cache, share_cache
 from stepline.engine.prefix_files import model_cache_layout, model_fingerprint
-from stepline.engine.sampling import PendingSample, RowHistory, RowSampling, Sampler
-from stepline.engine.sequences import NO_ROWS, Ahead, Cache, Rows, Seq
+from stepline.engine.sampling import RowHistory, RowSampling, Sampler
+from stepline.engine.sequences import Cache, Seq
+from stepline.engine.step import Step, forwards_kind, sample
+from stepline.engine.step_sampling import Fail
 from stepline.engine.verify import Verify, verify_rows
 
 log = structlog.get_logger(__name__)
@@ -74,10 +73,6 @@ def snapshot_cache(cache: Cache) -> Cache:
     return compact_cache(cache)
 
 
-class _CheckpointFailed(Exception):
-    """Raised from `_prefill` when a checkpoint failed (its cause says how)."""
-
-
 class ModelRunner:
     def __init__(
         self,
@@ -94,7 +89,6 @@ class ModelRunner:
         fuse: bool = True,
         draft: DraftModel | None = None,
     ):
-        self.model = loaded.model
         self.draft = draft  # a draft model's drafts (engine/draft_model.py); None: the plan's
         self.loaded = loaded
         self.sampler = Sampler(seed=seed)
@@ -108,33 +102,34 @@ class ModelRunner:
                 # Files are only ever used for the same weights (checked on every read),
                 # and only if their arrays fit the model's cache (checked on every load).
                 model_id=model_fingerprint(loaded.path) if prefix_cache_dir is not None else "",
-                layout=model_cache_layout(self.model) if prefix_cache_dir is not None else None,
+                layout=model_cache_layout(loaded.model) if prefix_cache_dir is not None else None,
             )
         self._seqs: dict[str, Seq] = {}
-        self._batch = NO_ROWS  # the decode batch's rows, in order
-        # Each batch row's last token, the batch's next forward's input, where the array is
-        # at hand (the tokens just sampled); None: gathered from the rows' outputs.
-        self._inputs: mx.array | None = None
         self._checkpointed: list[Seq] = []  # requests that reached a checkpoint this step
-        # The decode batch's next forward, built before its step was planned (see
-        # `_build_ahead`). While it is set, every batch row's cache holds its last token.
-        self.lookahead = lookahead
-        self._ahead: Ahead | None = None
-        self._ahead_error: Exception | None = None  # a look-ahead's failed forward
-        self._ahead_seconds = 0.0  # the look-ahead's own time: part of the next step's
-        # Which order decode-only steps run in (`_pipeline` or not), by measuring both.
-        self.decode_order = DecodeOrder()
         # Prompt attention in cache-sized blocks on the CPU (before `fused` wraps it too).
-        cpu_attention.install(self.model)
-        self._split_head = split_head_works(self.model)
-        # Whether a step's chunks and decode rows share one forward (`engine/fused.py`):
-        # where the architecture is covered and a fused forward is proven on this model.
-        self.fuse = fuse and self._split_head and fused.fused_forward_works(self.model)
-        # The decode batch's caches: in groups of similar lengths where steps fuse.
-        self._decode = DecodeCaches(split=self.fuse)
+        cpu_attention.install(loaded.model)
+        # How the model runs a step's tokens, decided once (`engine/step.py`).
+        kind, split_head = forwards_kind(loaded.model, fuse=fuse)
+        self.fuse = kind.fuses  # a step's chunks and decode rows share one forward
+        # The decode batch's caches are kept in groups of similar lengths where steps fuse.
+        self.batch = DecodeBatch(split=self.fuse)
+        self.forwards = kind(loaded, self._seqs, self.batch, self._checkpoint, split_head)
+        self.lookahead = LookAhead(
+            self.batch, self.forwards, self.sampler, enabled=lookahead, fused_steps=self.fuse
+        )
         self.grammars = grammars or GrammarCompiler(
             loaded.tokenizer, loaded.vocab_size, max_bytes=grammar_cache_bytes
         )
+
+    @property
+    def model(self) -> Any:  # an mlx-lm model
+        """The model the step's forwards run (one owner: `Forwards.model`; set it to wrap
+        the model, as tests and benchmarks do)."""
+        return self.forwards.model
+
+    @model.setter
+    def model(self, model: Any) -> None:
+        self.forwards.model = model
 
     # -- request lifecycle ----------------------------------------------------
 
@@ -176,9 +171,8 @@ class ModelRunner:
         if seq.cache is not None:  # it ended at its first token, never joining the batch
             cache, fed = seq.cache, seq.output[:-1]
         else:
-            row = self._batch.index[seq.request_id]
-            cache = self._decode.extract(row)
-            fed = seq.output if self._ahead is not None else seq.output[:-1]
+            cache = self.batch.extract(seq.request_id)
+            fed = seq.output if self.batch.ahead is not None else seq.output[:-1]
         tokens = [*seq.key_of(seq.prompt.shape[0]), *fed]
         # Every layer that counts tokens must hold exactly these (a wrapped sliding window
         # does not: it lost its oldest tokens, and cannot serve as a prefix of anything).
@@ -196,81 +190,9 @@ class ModelRunner:
         if self.draft is not None:
             for rid in gone:
                 self.draft.forget(rid)
-        if not gone.isdisjoint(self._batch.index):
-            self._keep_rows([i for i, rid in enumerate(self._batch.ids) if rid not in gone])
-
-    def _keep_rows(self, keep: list[int]) -> None:
-        """Keep only the decode batch's rows `keep` (ascending)."""
-        self._batch = self._batch.take(keep)
-        self._decode.filter(keep)
-        if not keep:
-            self._inputs = None
-            self._ahead = self._ahead_error = None
-            self._ahead_seconds = 0.0
-            return
-        if self._inputs is not None:
-            self._inputs = self._inputs[mx.array(keep)]
-
-    def _join_batch(self, seqs: list[Seq]) -> None:
-        """Merge finished prefills into the decode batch."""
-        if not seqs:
-            return
-        assert self._ahead is None, "rows join the batch only after its decode"
-        old = self._batch.seqs
-        order = self._decode.join(old, seqs)
-        at_end = all(a is b for a, b in zip(order, old, strict=False))  # joined after them
-        if self._inputs is not None and at_end:
-            joined = mx.array([s.last_token for s in order[len(old) :]], dtype=mx.int32)
-            self._inputs = mx.concatenate([self._inputs, joined])
-        else:  # gathered from the rows' last tokens when next needed
-            self._inputs = None
-        self._batch = Rows(order)
-
-    # -- one step -------------------------------------------------------------
-
-    def _prefill(self, chunk: ScheduledChunk) -> mx.array | None:
-        seq = self._seqs[chunk.request_id]
-        pos = chunk.start
-        logits = None
-        # Split at checkpoints so the cache can be snapshotted at exactly each offset.
-        for end in (*chunk.checkpoints, chunk.end):
-            if end == pos:
-                continue
-            last = end == chunk.end and chunk.is_final
-            logits = forward(
-                self.model,
-                seq.prompt[None, pos:end],
-                seq.cache,
-                logits=last,
-                split=self._split_head,
-                embeddings=self._embeddings(seq, pos, end),
-            )
-            if end in chunk.checkpoints:
-                mx.eval([c.state for c in seq.cache])
-                try:
-                    self._checkpoint(seq, end)
-                except Exception as exc:
-                    raise _CheckpointFailed from exc
-            pos = end
-        if logits is None:
-            mx.eval([c.state for c in seq.cache])  # bound the lazy graph between steps
-        for i, image in enumerate(seq.images):  # a span's embeddings, once all in the cache
-            if image.end <= chunk.end:
-                seq.encodes.pop(i, None)
-        return logits
-
-    def _embeddings(self, seq: Seq, start: int, end: int) -> mx.array | None:
-        """Input embeddings of prompt tokens [start, end) where image spans overlap them
-        (their encoder's output, computed in earlier units), else None: the embedding
-        table's."""
-        spans = tuple(
-            (image.start, image.end, seq.encodes[i].embeddings)
-            for i, image in enumerate(seq.images)
-            if image.start < end and start < image.end
-        )
-        if not spans:
-            return None
-        return self.loaded.vision.encoder.embeddings(seq.prompt[start:end], start, spans)
+        self.batch.remove(gone)
+        if not self.batch.rows:
+            self.lookahead.drop()
 
     def _encode(self, work: ScheduledEncode) -> None:
         """Units of the encoder's work for one image of a request's prompt."""
@@ -283,87 +205,6 @@ class ModelRunner:
             span = seq.prompt[image.start : image.end]
             job = seq.encodes[work.image] = EncodeJob(span, image.inputs, image.units)
         self.loaded.vision.encoder.run(job, work.start, work.end)
-
-    def _fusable(
-        self,
-        chunks: Sequence[ScheduledChunk],
-        failed: Mapping[str, str],
-        batch: Rows,
-        others: int = 0,
-    ) -> tuple[list[ScheduledChunk], bool]:
-        """The chunks a fused forward can take (plain KV caches, no checkpoint inside: a
-        snapshot inside a chunk needs a forward that stops there), and whether the decode
-        rows go with them; ([], False) where fewer than two segments would share it
-        (`others`: segments it has beside them, drafting rows')."""
-        together = [
-            c
-            for c in chunks
-            if c.request_id not in failed
-            and not any(c.start < k < c.end for k in c.checkpoints)
-            and not any(
-                i.start < c.end and c.start < i.end for i in self._seqs[c.request_id].images
-            )
-            and fused.can_fuse(self._seqs[c.request_id].cache or [], is_batch=False)
-        ]
-        with_batch = bool(batch) and self._decode.can_fuse()
-        if len(together) + with_batch + others < 2:
-            return [], False
-        return together, with_batch
-
-    def _fused_step(
-        self,
-        chunks: list[ScheduledChunk],
-        batch: Rows,
-        failed: dict[str, str],
-        verifies: Sequence[Verify] = (),
-    ) -> tuple[mx.array | None, dict[str, mx.array]] | None:
-        """`chunks`, the drafting rows `verifies` (their logits go in each `Verify`) and the
-        decode rows of `batch` in one forward (`engine/fused.py`), evaluated; checkpoints at
-        the chunks' ends are snapshotted after it. Returns the decode rows' logits (None
-        without rows) and each final chunk's last-position logits.
-        None if the forward could not be built: every cache is as it was, and the step runs
-        them as separate forwards (where a request's fault is pinned on it). A fault while
-        evaluating it is the step's, as the decode batch's is."""
-        seqs = [self._seqs[c.request_id] for c in chunks]
-        segments = [
-            fused.Segment(s.prompt[c.start : c.end], s.cache or [])
-            for s, c in zip(seqs, chunks, strict=True)
-        ]
-        rows = [[c.num_tokens - 1] if c.is_final else [] for c in chunks]
-        for v in verifies:
-            segments.append(fused.Segment(v.inputs(), v.seq.cache or []))
-            rows.append(list(range(v.num_tokens)))
-        groups = self._decode.segments(self._next_inputs()) if batch else []
-        segments += groups
-        rows += [list(range(g.size)) for g in groups]
-        saved = [[layer.state for layer in s.cache] for s in segments]
-        try:
-            out = fused.forward(self.model, segments, rows)
-        except Exception as exc:
-            if is_collective_error(exc):
-                raise
-            log.warning("fused_forward_failed", error=repr(exc), num_segments=len(segments))
-            for s, states in zip(segments, saved, strict=True):
-                for layer, state in zip(s.cache, states, strict=True):
-                    layer.state = state
-            return None
-        mx.eval([x for x in out if x is not None], [[c.state for c in s.cache] for s in segments])
-        logits: dict[str, mx.array] = {}
-        for chunk, seq, x in zip(chunks, seqs, out, strict=False):
-            if chunk.end in chunk.checkpoints:
-                try:
-                    self._checkpoint(seq, chunk.end)
-                except Exception as exc:
-                    self._fail(failed, chunk.request_id, CHECKPOINT_FAILED, exc)
-                    continue
-            if x is not None:
-                logits[chunk.request_id] = x
-        for v, x in zip(verifies, out[len(chunks) :], strict=False):
-            v.logits = x
-        decoded = [x for x in out[len(chunks) + len(verifies) :] if x is not None]
-        if not decoded:
-            return None, logits
-        return (decoded[0] if len(decoded) == 1 else mx.concatenate(decoded)), logits
 
     def housekeep(self, work: Housekeeping) -> StepResult:
         """Free ended requests, drop and load prefix-cache entries; no forward pass."""
@@ -390,6 +231,8 @@ class ModelRunner:
         if self.on_checkpoint is not None:
             self.on_checkpoint(seq.request_id, end, share_cache(snapshot))
 
+    # -- one step -------------------------------------------------------------
+
     def run(self, work: StepWork) -> StepResult:
         """Run one step. A fault pinned on one request (its set-up, its prefill chunk, its
         checkpoint, its sampling row) drops that request and is reported in
@@ -397,172 +240,116 @@ class ModelRunner:
         decode forward, evaluating a fused forward, the plan disagreeing with the batch)
         raises."""
         # The step's time includes the look-ahead that started its decode.
-        t0, self._ahead_seconds = time.perf_counter() - self._ahead_seconds, 0.0
+        t0 = time.perf_counter() - self.lookahead.take_seconds()
         self._housekeep(work)
-        if self._ahead_error is not None:  # the batch's look-ahead forward failed
-            error, self._ahead_error = self._ahead_error, None
-            raise error
+        self.lookahead.raise_failed()  # the batch's look-ahead forward failed
         failed: dict[str, str] = {}
-        for new in work.admit:
-            try:
-                self._admit(new)
-            except Exception as exc:
-                self._fail(failed, new.request_id, ADMISSION_FAILED, exc)
-        plan = work.plan
-        for encode in plan.encodes:
-            if encode.request_id in failed:
-                continue
-            try:
-                self._encode(encode)
-            except Exception as exc:
-                self._fail(failed, encode.request_id, ENCODE_FAILED, exc)
-        # Rows that draft this step: those given drafts, and those already drafting that
-        # the plan keeps drafting (none found this step); the core follows the same rule
-        # (`Drafter.planned`).
-        drafting = {
-            rid: d
-            for rid, d in plan.drafts.items()
-            if rid in self._seqs and (d or self._seqs[rid].solo)
-        }
-        # A drafting row that stops joins the batch, and a batch row that starts drafting
-        # leaves it; where the batch's forward for this step was built a step ahead, each
-        # moves after this step (it decodes this step where it was).
-        leaving = (
-            [
-                rid
-                for rid in plan.decodes
-                if rid not in drafting and rid in self._seqs and self._seqs[rid].solo
-            ]
-            if self._seqs.keys() != self._batch.index.keys()  # (only then is a row solo)
-            else []
-        )
-        entering = [rid for rid in drafting if not self._seqs[rid].solo]
-        if self._ahead is not None:
-            for rid in entering:
-                del drafting[rid]
-            drafting.update((rid, ()) for rid in leaving)
-        else:
-            self._stop_drafting(leaving)
-            self._leave_batch(entering)
-            leaving, entering = [], []
-        batch = self._batch
-        if batch.index.keys() != {rid for rid in plan.decodes if rid not in drafting}:
-            raise RuntimeError(
-                f"plan decodes {sorted(plan.decodes)} (drafting: {sorted(drafting)}) but the "
-                f"batch holds {sorted(batch.ids)}"
-            )
-        solo = [Verify(self._seqs[rid], d) for rid, d in drafting.items() if rid not in failed]
-        if self.draft is not None:
-            solo = self.draft.fill(
-                solo, lambda rid, exc: self._fail(failed, rid, VERIFY_FAILED, exc)
-            )
-
-        for seq in self._checkpointed:
-            seq.checkpoints.clear()
-        self._checkpointed = []
-        ahead, self._ahead = self._ahead, None
-        last_logits: dict[str, mx.array] = {}  # final chunks' last-position logits
-        decoded: mx.array | None = None  # the decode rows' logits, if a fused forward ran them
-        separate = list(plan.chunks)
-        apart = solo  # drafting rows not in the fused forward
-        if self.fuse:  # the decode rows too, unless their forward was built a step ahead
-            rows = batch if ahead is None else NO_ROWS
-            verifies = [v for v in solo if fused.can_fuse(v.seq.cache or [], is_batch=False)]
-            together, with_batch = self._fusable(plan.chunks, failed, rows, len(verifies))
-            if len(together) + with_batch + len(verifies) >= 2:
-                done = self._fused_step(
-                    together, batch if with_batch else NO_ROWS, failed, verifies
-                )
-                if done is not None:
-                    decoded, fused_logits = done
-                    last_logits.update(fused_logits)
-                    separate = [c for c in plan.chunks if c not in together]
-                    apart = [v for v in solo if v not in verifies]
-        for chunk in separate:
-            if chunk.request_id in failed:
-                continue
-            try:
-                logits = self._prefill(chunk)
-            except _CheckpointFailed as exc:
-                self._fail(failed, chunk.request_id, CHECKPOINT_FAILED, exc.__cause__ or exc)
-                continue
-            except Exception as exc:
-                self._fail(failed, chunk.request_id, PREFILL_FAILED, exc)
-                continue
-            if chunk.is_final:
-                assert logits is not None
-                last_logits[chunk.request_id] = logits
+        fail: Fail = partial(self._fail, failed)
+        self._set_up(work, failed, fail)
+        step = self._prepare(work.plan, failed, fail)
+        out = self.forwards.run(step, failed, fail)
         tokens: dict[str, int] = {}
-
-        def fail(request_id: str, what: str, exc: BaseException) -> None:
-            self._fail(failed, request_id, what, exc)
-
-        drafted = verify_rows(self.model, self.sampler, solo, apart, tokens, failed, fail)
+        drafted = verify_rows(self.model, self.sampler, step.solo, out.apart, tokens, failed, fail)
         if self.draft is not None:
-            for v in solo:
+            for v in step.solo:
                 self.draft.trim(v.seq)
         # final chunks, in the plan's order: (request, last-position logits)
         finals = [
-            (self._seqs[c.request_id], last_logits[c.request_id])
-            for c in plan.chunks
-            if c.request_id in last_logits and c.request_id not in failed
+            (self._seqs[c.request_id], out.finals[c.request_id])
+            for c in work.plan.chunks
+            if c.request_id in out.finals and c.request_id not in failed
         ]
+        pipelined, started = self._pipeline(step)
+        sampled, array = sample(self.sampler, finals, step, out.decoded, fail, pipelined=pipelined)
         logprobs: dict[str, TokenLogprob] = {}
-
-        sample = step_sampling.sample_step
-        started: mx.array | None = None  # the next step's forward, if already built
-        pending = ahead.sample if ahead is not None else None
-        if (
-            batch
-            and not plan.chunks
-            and pending is not None
-            and pending.tokens_final
-            and not entering  # (the forward it builds would hold the entering rows and
-            and not leaving  # not the leaving ones)
-        ):
-            # Decode rows only, their tokens read by evaluating them: the next forward is
-            # built on them before they are read (`_pipeline`).
-            start_now = self.decode_order.start(len(batch), time.perf_counter())
-            started, taken = self._pipeline(pending, ahead, batch, start_now=start_now)
-            self._record(taken, tokens, logprobs, failed)
-            self._took(batch, taken.array)
-        else:
-            self.decode_order.interrupt()
-            if ahead is None:
-                if decoded is None and batch:
-                    decoded = self._decode_forward(self._next_inputs())
-                sampled = sample(self.sampler, finals, batch, decoded, fail)
-                self._record(sampled, tokens, logprobs, failed)
-                if batch:  # the batch's rows come after the finals'
-                    array = sampled.array
-                    self._took(
-                        batch, array[len(finals) :] if array is not None and finals else array
-                    )
-            else:
-                self._record(
-                    sample(self.sampler, finals, NO_ROWS, None, fail), tokens, logprobs, failed
-                )
-                taken = step_sampling.sample_ahead(self.sampler, ahead, batch, fail)
-                self._record(taken, tokens, logprobs, failed)
-                self._took(batch, taken.array)
-        self._join_finals(finals, failed)
-        self._stop_drafting(leaving)
-        self._leave_batch([rid for rid in entering if rid in self._seqs])
-        self._build_ahead(started)
+        self._record(sampled, tokens, logprobs, failed)
+        if step.rows:  # the batch's rows come after the finals'
+            self.batch.took(step.rows, array)
+        self._finish(step, finals, failed, started)
         return StepResult(
             tokens=tokens,
             drafted=drafted,
             logprobs=logprobs,
-            checkpoints={
-                s.request_id: tuple(s.checkpoints)
-                for s in self._checkpointed
-                if s.checkpoints and self._seqs.get(s.request_id) is s
-            },
+            checkpoints=self._checkpoints(),
             seconds=time.perf_counter() - t0,
             prefix=self._prefix_report(),
             failed=failed,
             memory=read_memory_counters(),
         )
+
+    def _checkpoints(self) -> dict[str, tuple[int, ...]]:
+        """The checkpoints each live request reached this step."""
+        out: dict[str, tuple[int, ...]] = {}
+        for seq in self._checkpointed:
+            rid, reached = seq.request_id, tuple(seq.checkpoints)
+            if reached and self._seqs.get(rid) is seq:
+                out[rid] = reached
+        return out
+
+    def _set_up(self, work: StepWork, failed: dict[str, str], fail: Fail) -> None:
+        """The step's new requests, then its encoder work (a fault is that request's)."""
+        for new in work.admit:
+            try:
+                self._admit(new)
+            except Exception as exc:
+                fail(new.request_id, ADMISSION_FAILED, exc)
+        for encode in work.plan.encodes:
+            if encode.request_id in failed:
+                continue
+            try:
+                self._encode(encode)
+            except Exception as exc:
+                fail(encode.request_id, ENCODE_FAILED, exc)
+
+    def _prepare(self, plan: StepPlan, failed: dict[str, str], fail: Fail) -> Step:
+        """Where the plan's rows decode (rows moved into or out of the batch now, or after
+        the step where its forward was built ahead), their drafts, the look-ahead taken."""
+        placement = self.batch.place(plan, self._seqs)
+        self.batch.move(placement.before, self._seqs)
+        self.batch.check(plan, placement.drafting)
+        solo = [
+            Verify(self._seqs[rid], d) for rid, d in placement.drafting.items() if rid not in failed
+        ]
+        if self.draft is not None:
+            solo = self.draft.fill(solo, lambda rid, exc: fail(rid, VERIFY_FAILED, exc))
+        for seq in self._checkpointed:
+            seq.checkpoints.clear()
+        self._checkpointed = []
+        rows = self.batch.rows
+        return Step(plan, placement, rows, self.lookahead.take(rows), solo)
+
+    def _pipeline(self, step: Step) -> tuple[bool, mx.array | None]:
+        """Whether the next forward is built on this step's tokens before they are read
+        (a decode-only step: `LookAhead.pipeline`), and that forward (None if it could not be
+        built); any other step is not one whose period `LookAhead.order` measures."""
+        if step.ahead is None or not self.lookahead.pipelines(step):
+            self.lookahead.order.interrupt()
+            return False, None
+        return True, self.lookahead.decode_only(step.ahead, step.rows)
+
+    def _finish(
+        self,
+        step: Step,
+        finals: list[tuple[Seq, mx.array]],
+        failed: Mapping[str, str],
+        started: mx.array | None,
+    ) -> None:
+        """After the step: finished prompts join the batch, rows held in place move, and
+        the batch's next forward is built (`started`: already, on this step's tokens)."""
+        # A request that ended at its first token (max_tokens=1: asked for, or all the room
+        # its prompt left in the context) never joins: merging its cache would pad every row
+        # to its length. A drafting one decodes on its own cache until it stops drafting.
+        self.batch.join(
+            [
+                seq
+                for seq, _ in finals
+                if seq.request_id not in failed
+                and seq.num_generated < seq.params.max_tokens
+                and not seq.solo
+            ]
+        )
+        self.batch.move(step.placement.after, self._seqs)
+        self.lookahead.build(self._seqs, started)
 
     def _record(
         self,
@@ -594,145 +381,12 @@ class ModelRunner:
                 if lp is not None and seq.request_id in tokens:
                     logprobs[seq.request_id] = lp
 
-    def _took(self, batch: Rows, array: mx.array | None) -> None:
-        """The decode rows `batch` took their tokens, `array` (None where sampled one by
-        one): the next forward's inputs, if the batch is still those rows."""
-        kept = array is not None and self._batch is batch
-        self._inputs = array.astype(mx.int32) if kept else None
-
-    def _join_finals(self, finals: list[tuple[Seq, mx.array]], failed: dict[str, str]) -> None:
-        # A request that ended at its first token (max_tokens=1: asked for, or all the room
-        # its prompt left in the context) never joins: merging its cache would pad every row
-        # to its length. A drafting one decodes on its own cache until it stops drafting.
-        self._join_batch(
-            [
-                seq
-                for seq, _ in finals
-                if seq.request_id not in failed
-                and seq.num_generated < seq.params.max_tokens
-                and not seq.solo
-            ]
-        )
-
-    def _leave_batch(self, request_ids: Sequence[str]) -> None:
-        """Batch rows that start drafting: each takes its own copy of its cache out of the
-        batch (mlx-lm's `extract`), and decodes on it."""
-        index = self._batch.index
-        rows = sorted(index[rid] for rid in request_ids if rid in index)
-        if not rows:
-            return
-        assert self._ahead is None, "rows leave the batch only after its decode"
-        for row in rows:
-            seq = self._batch.seqs[row]
-            seq.cache, seq.solo = self._decode.extract(row), True
-        gone = set(rows)
-        self._keep_rows([i for i in range(len(self._batch)) if i not in gone])
-
-    def _stop_drafting(self, request_ids: Sequence[str]) -> None:
-        """Drafting requests the plan decodes in the batch: they stopped drafting (found
-        nothing to copy for a while, or for good), and join the decode batch (before the
-        step's forward, or after it where the batch's was built a step ahead)."""
-        seqs = [self._seqs[rid] for rid in request_ids if rid in self._seqs]
-        leaving = [s for s in seqs if s.solo and s.output and s.cache is not None]
-        for seq in leaving:
-            seq.solo = False
-        self._join_batch(leaving)
-
-    def _next_inputs(self) -> mx.array:
-        """Each batch row's last token: the batch's next forward's inputs (B,)."""
-        if self._inputs is None:
-            self._inputs = mx.array([s.last_token for s in self._batch.seqs], dtype=mx.int32)
-        return self._inputs
-
-    def _decode_forward(self, inputs: mx.array) -> mx.array:
-        """The decode batch's forward on `inputs` (B,), one token per row: (B, V) logits."""
-        return self._decode.forward(self.model, inputs)
-
-    def _pipeline(
-        self, pending: PendingSample, ahead: Ahead, batch: Rows, *, start_now: bool
-    ) -> tuple[mx.array | None, step_sampling.Sampled]:
-        """A step with nothing but decode rows, run as mlx-lm's own loop runs one: the next
-        step's forward is built on this step's tokens while they are still being computed,
-        then they are read. Building a graph is the host's Python; it overlaps the last of
-        the tokens' computation instead of following it.
-
-        With `start_now` (where `decode_order` finds it faster) the forward is also started
-        before the tokens are read: MLX then queues it right behind them, with no gap on the
-        device while the host reads the tokens (on Metal the step loop's whole round trip is
-        hidden behind it, too). Otherwise `look_ahead` starts it as the step's result goes
-        back: on Linux's CPU backend starting work returns only once it is nearly done, and
-        starting it here would hold the result back that long.
-
-        A row that ends at this step's token (a stop, a cancel, its length) still has the
-        next one computed, never shown: the one token in flight, as with `_build_ahead`.
-        Only where reading the tokens is just evaluating them (`tokens_final`): a failure to
-        read them is then MLX's on the whole batch, and raises (the next forward depends on
-        them), where `sample_ahead` would sample each row again. Returns the built forward
-        (None if it could not be built: the next step's fault) and this step's tokens."""
-        rows = ahead.rows_of(batch)
-        unread = pending.tokens if rows is None else pending.tokens[mx.array(rows)]
-        started: mx.array | None = None
-        try:
-            started = self._decode_forward(unread)
-            if start_now:
-                mx.async_eval(started)
-        except Exception as exc:  # noqa: BLE001 - the batched decode's fault: see run
-            self._ahead_error, started = exc, None
-        out = pending.finish()
-        taken = out.tokens if rows is None else [out.tokens[i] for i in rows]
-        return started, step_sampling.Sampled(batch.seqs, taken, [None] * len(batch), False, unread)
-
-    def _build_ahead(self, started: mx.array | None = None) -> None:
-        """Build (lazily) the next step's decode forward and its sampling, as mlx-lm's own
-        loop does; `look_ahead` starts computing them, and the next step takes their tokens.
-        Every row's next input is known (the token just sampled), and so is what its sampling
-        reads (its position, penalty history and grammar state). A row that ends meanwhile (a
-        stop, a cancel) is skipped, so its token is never shown. The next step's prefill
-        chunks run after it; their requests join the batch after it. A forward that cannot
-        be built is the next step's fault (this step's tokens stand). `started`: the forward,
-        already built (and maybe started) by `_pipeline`; only its sampling is built here."""
-        batch = self._batch
-        if not self.lookahead or not batch or self._ahead_error is not None:
-            return
-        # Requests outside the batch are prefilling, drafting (their rows run in the next
-        # step's fused forward, as a chunk does), or ended at their first token.
-        prefilling = len(self._seqs) > len(batch) and any(
-            s.cache is not None and (s.solo or not s.output) for s in self._seqs.values()
-        )
-        if started is None and not decode_runs_apart(fused_steps=self.fuse, prefilling=prefilling):
-            return  # a prompt is mid-prefill: the next step runs these rows in its chunk's forward
-        # (A forward already built has written the rows' caches: it is kept, whatever comes.)
-        logits = started
-        if logits is None:
-            try:
-                logits = self._decode_forward(self._next_inputs())
-            except Exception as exc:  # noqa: BLE001 - the batched decode's fault: see run
-                self._ahead_error = exc
-                return
-        try:
-            sample: PendingSample | None = step_sampling.start_rows(self.sampler, logits, batch)
-        except Exception as exc:  # noqa: BLE001 - the step samples again, and isolates it
-            log.info("look_ahead_sampling_deferred", error=repr(exc))
-            sample = None
-        self._ahead = Ahead(batch, logits, sample)
-
     def look_ahead(self) -> None:
-        """Compute the look-ahead the last step built (after a decode-only step that started
-        it, `_pipeline`, its forward is already running: this starts its sampling). The step
-        loop has the executor run this right after a step, as the step's result goes back
-        (`Executor.call`'s `after`, no round trip through the event loop): MLX computes
-        without the GIL (on Linux's CPU backend `async_eval` returns only once the forward is
-        nearly done) while the step loop commits that step and plans the next. Without it
-        the next step computes it. Never raises: a failure is the next step's."""
-        ahead = self._ahead
-        if ahead is None:
-            return
-        t0 = time.perf_counter()
-        try:
-            mx.async_eval(ahead.logits, *(ahead.sample.arrays() if ahead.sample else ()))
-        except Exception as exc:  # noqa: BLE001 - the next step reads it again
-            log.info("look_ahead_failed", error=repr(exc))
-        self._ahead_seconds = time.perf_counter() - t0
+        """Compute the look-ahead the last step built (`LookAhead.start`). The step loop has
+        the executor run this right after a step, as the step's result goes back
+        (`Executor.call`'s `after`, no round trip through the event loop); without it the
+        next step computes it. Never raises: a failure is the next step's."""
+        self.lookahead.start()
 
     def _fail(self, failed: dict[str, str], request_id: str, what: str, exc: BaseException) -> None:
         """End one request's executor state after a fault pinned on it; the step goes on.
@@ -764,9 +418,9 @@ class ModelRunner:
                 continue
             # A forward already started with the old token would be wrong (such runners
             # are made with lookahead=False).
-            assert self._ahead is None, "adopt_tokens after a look-ahead"
+            assert self.batch.ahead is None, "adopt_tokens after a look-ahead"
             seq.output[-1] = token
-            self._inputs = None  # it may be this token's row's
+            self.batch.forget_inputs()  # it may be this token's row's
             if seq.history is not None:
                 seq.history = RowHistory(seq.prompt.tolist())
                 for t in seq.output:

@@ -1,6 +1,6 @@
-"""The executor's state of one request, of rows sampled together (the decode batch), and of
-the decode batch's look-ahead (MLX arrays; `engine/runner.py` owns and changes them, on the
-executor's thread only)."""
+"""The executor's state of one request, and of rows sampled together (the decode batch's, a
+step's final chunks): MLX arrays that `engine/runner.py` and `engine/decode_batch.py` own
+and change, on the executor's thread only."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import mlx.core as mx
 
 from stepline.actors.scheduler.spans import PromptImage
 from stepline.engine.penalties import RowHistory
-from stepline.engine.sampling import PendingSample, RowSampling, SamplingRows
+from stepline.engine.sampling import RowSampling, SamplingRows
 from stepline.events.models import RequestParams
 
 Cache = list[Any]  # one mlx-lm cache object per layer
@@ -108,18 +108,3 @@ class _Histories(Sequence[RowHistory | None]):
 
 
 NO_ROWS = Rows()
-
-
-@dataclass
-class Ahead:
-    """The decode batch's next forward and its samples, built and started before the step
-    that uses them was planned (see `ModelRunner._build_ahead` and `ModelRunner.look_ahead`)."""
-
-    rows: Rows  # the batch when it started; the step takes the rows still there
-    logits: mx.array  # (B, V) last-position logits
-    sample: PendingSample | None  # None if it could not be built: the step samples instead
-
-    def rows_of(self, batch: Rows) -> list[int] | None:
-        """Where `batch`'s rows are in this look-ahead's (None: the same rows): rows that
-        left the batch since it started are skipped."""
-        return None if self.rows is batch else [self.rows.index[rid] for rid in batch.ids]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import structlog
@@ -21,7 +22,10 @@ from stepline.actors.scheduler.work import (
 )
 from stepline.engine.constraints import apply_grammar_masks
 from stepline.engine.sampling import PendingSample, SampleOutput, Sampler
-from stepline.engine.sequences import NO_ROWS, Ahead, Rows, Seq
+from stepline.engine.sequences import NO_ROWS, Rows, Seq
+
+if TYPE_CHECKING:
+    from stepline.engine.lookahead import Ahead
 
 log = structlog.get_logger(__name__)
 
@@ -48,6 +52,15 @@ class Sampled:
     @classmethod
     def none(cls) -> Sampled:
         return cls([], [], [], False)
+
+    def __add__(self, other: Sampled) -> Sampled:
+        """Both steps' rows, these first (no array: they were not sampled as one batch)."""
+        return Sampled(
+            self.seqs + other.seqs,
+            self.tokens + other.tokens,
+            self.logprobs + other.logprobs,
+            self.any_logprobs or other.any_logprobs,
+        )
 
 
 def start_rows(sampler: Sampler, logits: mx.array, rows: Rows) -> PendingSample:
@@ -112,13 +125,24 @@ def sample_step(
     return sampled
 
 
-def sample_ahead(sampler: Sampler, ahead: Ahead, batch: Rows, fail: Fail) -> Sampled:
+def sample_ahead(
+    sampler: Sampler, ahead: Ahead, batch: Rows, fail: Fail, *, redo: bool = True
+) -> Sampled:
     """The batch's tokens from the forward and samples started a step ahead (rows that
     ended since are skipped); if those samples fail, they are redone as `sample_step`
-    does."""
+    does, unless not to `redo` them (a forward built on them: the failure raises)."""
     if not batch:
         return Sampled.none()
     rows = ahead.rows_of(batch)
+    if ahead.sample is not None and not redo:
+        out = ahead.sample.finish()
+        return Sampled(
+            batch.seqs,
+            out.tokens if rows is None else [out.tokens[i] for i in rows],
+            [None] * len(batch),
+            False,
+            ahead.unread(batch),
+        )
     if ahead.sample is not None:
         try:
             out = ahead.sample.finish()

@@ -53,13 +53,16 @@ class CapturingRunner(ModelRunner):
             return start(logits, *args, **kwargs)
 
         self.sampler.start = spy
+        build = self.lookahead.build
 
-    def _build_ahead(self, started=None) -> None:
-        self._ahead_of_step = True
-        try:
-            super()._build_ahead(started)
-        finally:
-            self._ahead_of_step = False
+        def build_ahead(*args, **kwargs) -> None:
+            self._ahead_of_step = True
+            try:
+                build(*args, **kwargs)
+            finally:
+                self._ahead_of_step = False
+
+        self.lookahead.build = build_ahead
 
 
 def run_chunked(runner: ModelRunner, prompt: list[int], chunk: int, checkpoints=()) -> int:
@@ -124,7 +127,7 @@ async def _leave_and_join(name: str, lookahead: bool, extra: dict) -> dict[str, 
     tokens: dict[str, list] = {}
     a1_decodes = anyio.Event()  # a1 has two tokens: the first wave decodes
     async with Engine.open(name, max_step_tokens=48, max_num_seqs=8) as engine:
-        engine.step_loop.runner.lookahead = lookahead
+        engine.step_loop.runner.lookahead.enabled = lookahead
 
         async def one(rid: str, prompt: list[int], params, cancel_after: int = 0) -> None:
             got = tokens.setdefault(rid, [])
@@ -212,8 +215,8 @@ async def _decode_step_calls(
     opened = Engine.open(loaded.name, max_step_tokens=64, max_num_seqs=4, max_step_ms=None)
     async with opened as engine:
         runner = engine.step_loop.runner
-        runner.decode_order = order
-        real_run, real_pipeline, model = runner.run, runner._pipeline, runner.model
+        runner.lookahead.order = order
+        real_run, real_pipeline, model = runner.run, runner.lookahead.pipeline, runner.model
 
         def run(work):
             decode_only = not work.plan.chunks and len(work.plan.decodes) == 3
@@ -234,7 +237,7 @@ async def _decode_step_calls(
             def __getattr__(self, name):
                 return getattr(model, name)
 
-        runner.run, runner._pipeline, runner.model = run, pipeline, Forward()
+        runner.run, runner.lookahead.pipeline, runner.model = run, pipeline, Forward()
         calls.clear()
         # Admitted together (63 tokens: one step), all three decode in every step but the last.
         requests = [dict(prompt=prompt_ids(20 + i, seed=i), params=params) for i in range(3)]
@@ -397,7 +400,7 @@ def test_a_request_that_ends_at_its_first_token_never_joins_the_decode_batch(loa
     )
     first = runner.run(StepWork(plan=plan, admit=news)).tokens
     assert first["long"] == mlx_lm_greedy(loaded.model, long_prompt, 1)[0]
-    assert runner._batch.ids == ["short"]  # the short request decodes alone
+    assert runner.batch.rows.ids == ["short"]  # the short request decodes alone
 
     plan = StepPlan(step=2, decodes=("short",), num_scheduled_tokens={"short": 1})
     work = StepWork(plan=plan, free=("long",), retire=frozenset({"long"}))

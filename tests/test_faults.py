@@ -99,7 +99,7 @@ async def test_a_fault_in_one_requests_prefill_ends_only_that_request(tmp_path, 
     ) as engine:
         alone = await tokens_alone(engine)
         runner = engine.step_loop.runner
-        real_prefill, real_fusable = runner._prefill, runner._fusable
+        real_prefill, real_fusable = runner.forwards.prefill, runner.forwards.fusable
 
         def prefill(chunk):
             if chunk.request_id == "doomed" and chunk.start > 0:  # its second chunk
@@ -109,7 +109,7 @@ async def test_a_fault_in_one_requests_prefill_ends_only_that_request(tmp_path, 
         def fusable(chunks, *args):  # the doomed request's chunks run a forward of their own
             return real_fusable([c for c in chunks if c.request_id != "doomed"], *args)
 
-        runner._prefill, runner._fusable = prefill, fusable
+        runner.forwards.prefill, runner.forwards.fusable = prefill, fusable
         results = await run_together(engine, prompt_of(100, salt=9), params(seed=5))
         assert engine.healthy
         loop = engine.step_loop
@@ -189,7 +189,7 @@ class _FailingDecode:
         return getattr(self._model, name)
 
     def __call__(self, inputs, cache=None):
-        if cache is not None and any(cache is g for g in self._runner._decode.groups):
+        if cache is not None and any(cache is g for g in self._runner.batch.caches.groups):
             raise RuntimeError("injected decode fault")
         return self._model(inputs, cache=cache)
 

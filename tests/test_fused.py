@@ -18,7 +18,7 @@ from stepline.actors.scheduler.warmup import measure_step_costs
 from stepline.actors.scheduler.work import PREFILL_FAILED, NewRequest, StepWork
 from stepline.api import Engine, SamplingParams
 from stepline.engine import fused
-from stepline.engine import runner as runner_module
+from stepline.engine import step as step_module
 from stepline.engine.models import LoadedModel
 from stepline.engine.runner import ModelRunner
 from stepline.events.models import RequestParams
@@ -121,8 +121,8 @@ class Counting:
 
     def __init__(self, monkeypatch, runner: ModelRunner):
         self.calls: list[str] = []
-        real_fused, real_forward = fused.forward, runner_module.forward
-        real_decode = runner._decode_forward
+        real_fused, real_forward = fused.forward, step_module.forward
+        real_decode = runner.forwards.decode
 
         def fused_forward(*a, **kw):
             self.calls.append("fused")
@@ -137,8 +137,8 @@ class Counting:
             return real_decode(*a, **kw)
 
         monkeypatch.setattr(fused, "forward", fused_forward)
-        monkeypatch.setattr(runner_module, "forward", chunk_forward)
-        runner._decode_forward = decode_forward
+        monkeypatch.setattr(step_module, "forward", chunk_forward)
+        runner.forwards.decode = decode_forward
 
     def take(self) -> list[str]:
         calls, self.calls = self.calls, []
@@ -148,7 +148,7 @@ class Counting:
 def _capture_sampled(runner: ModelRunner) -> list[mx.array]:
     """The logits each step samples from (not those built a step ahead)."""
     seen: list[mx.array] = []
-    start, build = runner.sampler.start, runner._build_ahead
+    start, build = runner.sampler.start, runner.lookahead.build
     building = [False]
 
     def spy(logits, *a, **kw):
@@ -163,7 +163,7 @@ def _capture_sampled(runner: ModelRunner) -> list[mx.array]:
         finally:
             building[0] = False
 
-    runner.sampler.start, runner._build_ahead = spy, build_ahead
+    runner.sampler.start, runner.lookahead.build = spy, build_ahead
     return seen
 
 
@@ -368,7 +368,7 @@ def test_rows_of_very_different_lengths_decode_in_groups_with_their_own_tokens(d
     start = unhurried.sampler.start
 
     def spy(*a, **kw):
-        orders.append((list(unhurried._batch.ids), list(one._batch.ids)))
+        orders.append((list(unhurried.batch.rows.ids), list(one.batch.rows.ids)))
         return start(*a, **kw)
 
     unhurried.sampler.start = spy
@@ -409,13 +409,13 @@ def test_rows_of_very_different_lengths_decode_in_groups_with_their_own_tokens(d
         assert not got.failed and got.tokens == want.tokens == unhurried.run(work).tokens
         for rid, token in got.tokens.items():
             tokens[rid].append(token)
-        groups.append((list(grouped._decode.sizes), list(grouped._batch.ids)))
+        groups.append((list(grouped.batch.caches.sizes), list(grouped.batch.rows.ids)))
         grouped.look_ahead()
     assert groups[2] == ([2, 1], ["a", "b", "long"])  # long joined: a group of its own
     assert groups[5] == ([2, 1], ["b", "c", "long"])  # a left, c joined the short rows
     assert groups[6] == ([2, 2], ["b", "c", "long", "near"])  # near joined long's group
     assert groups[-1] == ([2, 1], ["b", "c", "near"])
-    assert list(one._decode.sizes) == [3]  # without fused steps: one batch, padded
+    assert list(one.batch.caches.sizes) == [3]  # without fused steps: one batch, padded
     assert len(sampled) == len(sampled_in_one) == len(steps)
     for got_logits, want_logits, (order, want_order) in zip(
         sampled, sampled_in_one, orders, strict=True

@@ -91,7 +91,7 @@ async def test_a_tiny_kv_budget_makes_requests_wait_and_refuses_one_that_never_f
 
         def run_and_weigh(work):  # on the executor thread, right after each step
             result = run(work)
-            caches = [*runner._decode.groups, *(q.cache or [] for q in runner._seqs.values())]
+            caches = [*runner.batch.caches.groups, *(q.cache or [] for q in runner._seqs.values())]
             mx.eval([layer.state for cache in caches for layer in cache])
             held_kv.append(sum(layer.nbytes for cache in caches for layer in cache))
             return result

@@ -164,7 +164,7 @@ async def test_a_follow_up_reuses_the_previous_answer_as_soon_as_it_finished(
 ):
     prompt = ids(30, 50)
     async with Engine.open("stepline-demo", max_step_tokens=64, max_num_seqs=4) as engine:
-        engine.step_loop.runner.lookahead = lookahead
+        engine.step_loop.runner.lookahead.enabled = lookahead
         first = await run(engine, prompt)
         follow_up = prompt + first[0] + ids(5, 51)
         warm = await run(engine, follow_up)

@@ -1,0 +1,311 @@
+"""One step's MLX work, in the order it runs: `prepare` (the runner: which rows decode where,
+the look-ahead taken), `Forwards.run` (the model over the step's tokens), `sample` (one
+token a row), then the results (the runner: tokens into each request, rows joining, the
+next look-ahead).
+
+How a model runs its step's tokens is decided once per model (`forwards_kind`): `Forwards`
+runs a forward per prefill chunk, one for the decode batch and one per drafting row;
+`FusedForwards` runs whatever it can of them as one (`engine/fused.py`: the architectures and
+cache kinds it covers, proven on the loaded model). A new model family or cache kind plugs in
+there: its own `Forwards`, chosen by `forwards_kind`, and what its caches can do
+(`fused.can_fuse`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import structlog
+
+from stepline.actors.scheduler.policy import ScheduledChunk, StepPlan
+from stepline.actors.scheduler.work import CHECKPOINT_FAILED, PREFILL_FAILED, is_collective_error
+from stepline.engine import fused, step_sampling
+from stepline.engine.decode_batch import DecodeBatch, Placement
+from stepline.engine.forward import forward, split_head_works
+from stepline.engine.lookahead import Ahead
+from stepline.engine.models import LoadedModel
+from stepline.engine.sampling import Sampler
+from stepline.engine.sequences import NO_ROWS, Rows, Seq
+from stepline.engine.step_sampling import Fail, Sampled
+from stepline.engine.verify import Verify
+
+log = structlog.get_logger(__name__)
+
+# Snapshot a request's cache at exactly that many prompt tokens (the runner's checkpoint).
+Checkpoint = Callable[[Seq, int], None]
+
+
+class CheckpointFailed(Exception):
+    """Raised from `Forwards.prefill` when a checkpoint failed (its cause says how)."""
+
+
+@dataclass
+class Step:
+    """A step, prepared: where its rows run, and what was built for it ahead."""
+
+    plan: StepPlan
+    placement: Placement
+    rows: Rows  # the decode batch's rows this step
+    ahead: Ahead | None  # the batch's forward, built a step ahead; None: this step runs it
+    solo: list[Verify]  # the drafting rows, each with its drafts
+
+
+@dataclass
+class Forwarded:
+    """What a step's forwards computed."""
+
+    finals: dict[str, mx.array] = field(default_factory=dict)  # final chunks' last logits
+    decoded: mx.array | None = None  # the decode rows' (B, V) logits, where this step ran them
+    apart: list[Verify] = field(default_factory=list)  # drafting rows still to run alone
+
+
+class Forwards:
+    """A model's forwards, each on its own: a prefill chunk's, the decode batch's; drafting
+    rows run theirs alone in `verify.verify_rows`."""
+
+    fuses = False  # whether it runs a step's tokens in one forward
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        seqs: Mapping[str, Seq],
+        batch: DecodeBatch,
+        checkpoint: Checkpoint,
+        split_head: bool,
+    ) -> None:
+        self.model = loaded.model
+        self.loaded, self.seqs, self.batch, self.checkpoint = loaded, seqs, batch, checkpoint
+        self.split_head = split_head  # the body and the output head run apart
+
+    def run(self, step: Step, failed: dict[str, str], fail: Fail) -> Forwarded:
+        """The step's forwards (lazy where nothing needs their values yet). A fault in one
+        request's chunk or checkpoint ends that request (`fail`); the decode batch's
+        raises."""
+        out = Forwarded(apart=step.solo)
+        self.separately(step, step.plan.chunks, out, failed, fail)
+        return out
+
+    def separately(
+        self,
+        step: Step,
+        chunks: Sequence[ScheduledChunk],
+        out: Forwarded,
+        failed: Mapping[str, str],
+        fail: Fail,
+    ) -> None:
+        """`chunks` a forward each (a fault is that request's), then the decode rows', unless
+        built a step ahead or already run."""
+        for chunk in chunks:
+            if chunk.request_id in failed:
+                continue
+            try:
+                logits = self.prefill(chunk)
+            except CheckpointFailed as exc:
+                fail(chunk.request_id, CHECKPOINT_FAILED, exc.__cause__ or exc)
+                continue
+            except Exception as exc:
+                fail(chunk.request_id, PREFILL_FAILED, exc)
+                continue
+            if chunk.is_final:
+                assert logits is not None
+                out.finals[chunk.request_id] = logits
+        if step.ahead is None and out.decoded is None and step.rows:
+            out.decoded = self.decode(self.batch.next_inputs())
+
+    def decode(self, inputs: mx.array) -> mx.array:
+        """The decode batch's forward on `inputs` (B,), one token per row: (B, V) logits."""
+        return self.batch.caches.forward(self.model, inputs)
+
+    def prefill(self, chunk: ScheduledChunk) -> mx.array | None:
+        """A prompt chunk into its request's cache, split at its checkpoints (each snapshot
+        at exactly its offset); a final chunk's last-position logits."""
+        seq = self.seqs[chunk.request_id]
+        pos = chunk.start
+        logits = None
+        for end in (*chunk.checkpoints, chunk.end):
+            if end == pos:
+                continue
+            last = end == chunk.end and chunk.is_final
+            logits = forward(
+                self.model,
+                seq.prompt[None, pos:end],
+                seq.cache,
+                logits=last,
+                split=self.split_head,
+                embeddings=self._embeddings(seq, pos, end),
+            )
+            if end in chunk.checkpoints:
+                mx.eval([c.state for c in seq.cache])
+                try:
+                    self.checkpoint(seq, end)
+                except Exception as exc:
+                    raise CheckpointFailed from exc
+            pos = end
+        if logits is None:
+            mx.eval([c.state for c in seq.cache])  # bound the lazy graph between steps
+        for i, image in enumerate(seq.images):  # a span's embeddings, once all in the cache
+            if image.end <= chunk.end:
+                seq.encodes.pop(i, None)
+        return logits
+
+    def _embeddings(self, seq: Seq, start: int, end: int) -> mx.array | None:
+        """Input embeddings of prompt tokens [start, end) where image spans overlap them
+        (their encoder's output, computed in earlier units), else None: the embedding
+        table's."""
+        spans = tuple(
+            (image.start, image.end, seq.encodes[i].embeddings)
+            for i, image in enumerate(seq.images)
+            if image.start < end and start < image.end
+        )
+        if not spans:
+            return None
+        return self.loaded.vision.encoder.embeddings(seq.prompt[start:end], start, spans)
+
+
+class FusedForwards(Forwards):
+    """A step's chunks, drafting rows and decode rows in one forward where their caches
+    allow (`fused.can_fuse`); the rest each on its own."""
+
+    fuses = True
+
+    def run(self, step: Step, failed: dict[str, str], fail: Fail) -> Forwarded:
+        out = Forwarded(apart=step.solo)
+        chunks: Sequence[ScheduledChunk] = step.plan.chunks
+        # the decode rows too, unless their forward was built a step ahead
+        rows = step.rows if step.ahead is None else NO_ROWS
+        verifies = [v for v in step.solo if fused.can_fuse(v.seq.cache or [], is_batch=False)]
+        together, with_batch = self.fusable(chunks, failed, rows, len(verifies))
+        if len(together) + with_batch + len(verifies) >= 2:
+            done = self.run_fused(together, with_batch, failed, fail, verifies)
+            if done is not None:
+                out.decoded, out.finals = done
+                chunks = [c for c in chunks if c not in together]
+                out.apart = [v for v in step.solo if v not in verifies]
+        self.separately(step, chunks, out, failed, fail)
+        return out
+
+    def fusable(
+        self,
+        chunks: Sequence[ScheduledChunk],
+        failed: Mapping[str, str],
+        batch: Rows,
+        others: int = 0,
+    ) -> tuple[list[ScheduledChunk], bool]:
+        """The chunks a fused forward can take (plain KV caches, no checkpoint inside: a
+        snapshot inside a chunk needs a forward that stops there), and whether the decode
+        rows go with them; ([], False) where fewer than two segments would share it
+        (`others`: segments it has beside them, drafting rows')."""
+        together = [
+            c
+            for c in chunks
+            if c.request_id not in failed
+            and not any(c.start < k < c.end for k in c.checkpoints)
+            and not any(i.start < c.end and c.start < i.end for i in self.seqs[c.request_id].images)
+            and fused.can_fuse(self.seqs[c.request_id].cache or [], is_batch=False)
+        ]
+        with_batch = bool(batch) and self.batch.caches.can_fuse()
+        if len(together) + with_batch + others < 2:
+            return [], False
+        return together, with_batch
+
+    def run_fused(
+        self,
+        chunks: list[ScheduledChunk],
+        with_batch: bool,
+        failed: dict[str, str],
+        fail: Fail,
+        verifies: Sequence[Verify] = (),
+    ) -> tuple[mx.array | None, dict[str, mx.array]] | None:
+        """`chunks`, the drafting rows `verifies` (their logits go in each `Verify`) and, if
+        `with_batch`, the decode rows in one forward (`engine/fused.py`), evaluated;
+        checkpoints at the chunks' ends are snapshotted after it. Returns the decode rows'
+        logits (None without rows) and each final chunk's last-position logits.
+        None if the forward could not be built: every cache is as it was, and the step runs
+        them as separate forwards (where a request's fault is pinned on it). A fault while
+        evaluating it is the step's, as the decode batch's is."""
+        seqs = [self.seqs[c.request_id] for c in chunks]
+        segments = [
+            fused.Segment(s.prompt[c.start : c.end], s.cache or [])
+            for s, c in zip(seqs, chunks, strict=True)
+        ]
+        rows = [[c.num_tokens - 1] if c.is_final else [] for c in chunks]
+        for v in verifies:
+            segments.append(fused.Segment(v.inputs(), v.seq.cache or []))
+            rows.append(list(range(v.num_tokens)))
+        groups = self.batch.caches.segments(self.batch.next_inputs()) if with_batch else []
+        segments += groups
+        rows += [list(range(g.size)) for g in groups]
+        out = self._forward(segments, rows)
+        if out is None:
+            return None
+        logits: dict[str, mx.array] = {}
+        for chunk, seq, x in zip(chunks, seqs, out, strict=False):
+            if chunk.end in chunk.checkpoints:
+                try:
+                    self.checkpoint(seq, chunk.end)
+                except Exception as exc:
+                    fail(chunk.request_id, CHECKPOINT_FAILED, exc)
+                    continue
+            if x is not None:
+                logits[chunk.request_id] = x
+        for v, x in zip(verifies, out[len(chunks) :], strict=False):
+            v.logits = x
+        decoded = [x for x in out[len(chunks) + len(verifies) :] if x is not None]
+        if not decoded:
+            return None, logits
+        return (decoded[0] if len(decoded) == 1 else mx.concatenate(decoded)), logits
+
+    def _forward(
+        self, segments: list[fused.Segment], rows: list[list[int]]
+    ) -> list[mx.array | None] | None:
+        """`fused.forward`, evaluated with the segments' caches; None (every cache put back as
+        it was) where it could not be built."""
+        saved = [[layer.state for layer in s.cache] for s in segments]
+        try:
+            out = fused.forward(self.model, segments, rows)
+        except Exception as exc:
+            if is_collective_error(exc):
+                raise
+            log.warning("fused_forward_failed", error=repr(exc), num_segments=len(segments))
+            for s, states in zip(segments, saved, strict=True):
+                for layer, state in zip(s.cache, states, strict=True):
+                    layer.state = state
+            return None
+        mx.eval([x for x in out if x is not None], [[c.state for c in s.cache] for s in segments])
+        return out
+
+
+def forwards_kind(model: Any, *, fuse: bool) -> tuple[type[Forwards], bool]:
+    """The model's forwards, decided once (fused where asked, the architecture is covered
+    and a fused forward is proven on this model), and whether its body and output head run
+    apart (`forward.split_head_works`)."""
+    split_head = split_head_works(model)
+    fuses = fuse and split_head and fused.fused_forward_works(model)
+    return (FusedForwards if fuses else Forwards), split_head
+
+
+def sample(
+    sampler: Sampler,
+    finals: list[tuple[Seq, mx.array]],
+    step: Step,
+    decoded: mx.array | None,
+    fail: Fail,
+    *,
+    pipelined: bool = False,
+) -> tuple[Sampled, mx.array | None]:
+    """One token for every final chunk (`finals`: each request and its last-position
+    logits) and every decode row, finals first; and the decode rows' tokens as an array
+    where one batch sampled them all (their next forward's inputs; None where sampled one
+    by one). The decode rows' logits are this step's (`decoded`) or the look-ahead's
+    (`step.ahead`, whose samples were started with it); `pipelined`: the next forward is
+    built on those samples already, and they are read as they are, never redone."""
+    if step.ahead is None:
+        sampled = step_sampling.sample_step(sampler, finals, step.rows, decoded, fail)
+        array = sampled.array
+        return sampled, (array[len(finals) :] if array is not None and finals else array)
+    first = step_sampling.sample_step(sampler, finals, NO_ROWS, None, fail)
+    taken = step_sampling.sample_ahead(sampler, step.ahead, step.rows, fail, redo=not pipelined)
+    return first + taken, taken.array
