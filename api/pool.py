@@ -98,6 +98,10 @@ class Entry:
     unload_reason: str = "shutdown"
 
     @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
     def busy(self) -> bool:
         return self.users > 0 or (self.engine is not None and self.engine.busy)
 
@@ -108,7 +112,10 @@ class Entry:
 
 
 class ModelPool:
-    """The configured models and the loaded ones' engines. Create with `ModelPool.open`."""
+    """The configured models and the loaded ones' engines. Create with `ModelPool.open`. The
+    HTTP pipeline's `Models` (api/pipeline/served.py)."""
+
+    on_demand = True  # models load when asked for
 
     def __init__(
         self,
@@ -222,6 +229,11 @@ class ModelPool:
         """Every name a client may send as `model` (each model's, then its aliases)."""
         return tuple(n for e in self.entries.values() for n in e.spec.names)
 
+    @property
+    def listed(self) -> tuple[str, ...]:
+        """Each model's first name."""
+        return tuple(self.entries)
+
     def entry_of(self, name: str) -> Entry | None:
         """The model `name` names (by its name or an alias), or None."""
         spec = self.config.spec_of(name)
@@ -241,7 +253,7 @@ class ModelPool:
         """What the models may take together: the budget less MLX's buffer cache."""
         return self.budget_bytes - self.cache_bytes
 
-    def health(self) -> dict[str, Any]:
+    def health(self, *, detail: bool = True) -> dict[str, Any]:
         """/health's body: each model's state (loaded, unloaded, loading, unloading, failed:
         with why), the memory used of the budget; `degraded` when a model failed to load or
         the event log stopped writing."""
@@ -310,6 +322,26 @@ class ModelPool:
         )
 
     # -- requests -----------------------------------------------------------------------
+
+    def attach(self, build: Callable[[Engine, tuple[str, ...]], Any], rename: Any = ()) -> None:
+        """`build(engine, names)` makes each model's `served`: now for those loaded (pinned
+        ones, before the app existed), then as each loads. `rename` names a server of one
+        model (`--served-model-name`): here each model has its own names."""
+        self.on_load = lambda engine, spec: build(engine, spec.names)
+        for entry in self.loaded():
+            if entry.engine is not None:
+                entry.served = build(entry.engine, entry.spec.names)
+
+    def expect(self) -> None:
+        """Which model a request is for is known once its body is parsed (`acquire`)."""
+        return None
+
+    def must_wait(self, name: str) -> bool:
+        """Whether `acquire(name)` waits for a load (not for a model that cannot load now)."""
+        entry = self.entry_of(name)
+        if entry is None or entry.refused is not None or entry.state is ModelState.LOADED:
+            return False
+        return not (entry.state is ModelState.FAILED and time.monotonic() < entry.retry_at)
 
     async def acquire(self, name: str) -> Entry:
         """The loaded model `name` names, loading it (and unloading others for room) first if
