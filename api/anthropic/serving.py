@@ -1,6 +1,6 @@
 """The Anthropic Messages API: `POST /v1/messages` (streamed or not) and
 `POST /v1/messages/count_tokens`, a thin adapter over the pipeline every door shares
-(`Serving.start` / `pieces` / `stream` / `handle`): one event log, prefix cache, cancellation
+(`Serving.handle` / `start` / `stream`): one event log, prefix cache, cancellation
 path, parameter builder, output splitter and stream writer. Messages and stream events are
 the `anthropic` package's own types.
 

@@ -15,7 +15,7 @@ Errors are in the shape of the door a path belongs to (OpenAI's
 from __future__ import annotations
 
 import hmac
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -23,6 +23,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
@@ -117,7 +119,7 @@ def _add_server_routes(app: FastAPI, serving: Serving) -> None:
     """The server's own routes: resumed streams, the root probe, /health and /metrics."""
     config, models = serving.config, serving.models
     registry = CollectorRegistry()
-    registry.register(models)  # type: ignore[arg-type]  # a collector: its `collect`
+    registry.register(_Metrics(models))
 
     @app.get("/v1/requests/{request_id}/stream")
     async def resume_stream(request: Request, request_id: str) -> Response:
@@ -139,6 +141,16 @@ def _add_server_routes(app: FastAPI, serving: Serving) -> None:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+
+class _Metrics(Collector):
+    """The server's models' metrics (`Models.collect`), as a prometheus_client collector."""
+
+    def __init__(self, models: Models[Any]):
+        self.models = models
+
+    def collect(self) -> Iterable[Metric]:
+        return self.models.collect()
 
 
 class RequireKey:

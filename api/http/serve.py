@@ -253,8 +253,10 @@ async def _serve(
     """Serve `model` (or a pool's models) on `sock` until a stop; raises EngineFailed when a
     single model's engine fails."""
     asyncio.get_running_loop().set_exception_handler(RateLimitedExceptionHandler())
-    several = isinstance(model, PoolConfig)
-    loading_name = ", ".join(s.name for s in model.models) if several else model  # type: ignore[union-attr]
+    if isinstance(model, PoolConfig):
+        loading_name: str | None = ", ".join(s.name for s in model.models)
+    else:
+        loading_name = model
     switch = _AppSwitch(loading_app(loading_name or "SmolLM2-135M-Instruct"))
     config = server_config(switch, cfg, log_level=cfg.log_level, access_log=True)
     server = _Server(config, own_signals=True)

@@ -7,7 +7,9 @@ the request id. A bug is a 500 naming the request id; its traceback goes to the 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 import anyio
@@ -50,6 +52,18 @@ class ServedRequest(Protocol):
 
 _R = TypeVar("_R", bound=ServedRequest)
 Handler = Callable[[RequestContext[Any]], Awaitable[Response]]
+
+
+@dataclass(frozen=True)
+class _Arrival:
+    """A request as it comes to `Intake.handle`, before its body is read."""
+
+    request: Request
+    rid: str
+    body: type[ServedRequest]  # what its body is parsed as
+    generates: bool  # it is on its way to an engine (a refusal of it is logged)
+    any_media_type: bool  # `read_body`'s
+    at: float = field(default_factory=time.time)
 
 
 def json_response(
@@ -112,63 +126,38 @@ class Intake:
             raise client_closed() from None
         return b"".join(chunks)
 
-    async def parse(
-        self,
-        ctx: RequestContext[_R],
-        cls: type[_R],
-        *,
-        generates: bool = True,
-        any_media_type: bool = False,
-        loading: asyncio.Future[None] | None = None,
-    ) -> None:
-        """`ctx.body`: the body as a `cls`, validated on a worker thread (a 4 MiB body takes
-        a while); then the model it names serves `ctx` (`acquire`). A request that
-        `generates` counts as on its way to the engine from here. `any_media_type`: see
-        `read_body`; `loading`: see `acquire`."""
-        body = await self.read_body(ctx.request, any_media_type=any_media_type)
-        if generates and (entry := self.models.expect()) is not None:
-            ctx.serve(entry)  # the one model, arriving from here
+    async def parse(self, raw: bytes, cls: type[_R]) -> _R:
+        """`raw` as a `cls`, validated on a worker thread (a 4 MiB body takes a while).
+        Raises APIError for a body that is not one."""
 
         def validate() -> _R:
-            return cls.model_validate(parse_body(body))  # type: ignore[attr-defined]
+            return cls.model_validate(parse_body(raw))  # type: ignore[attr-defined]
 
         try:
             req = await anyio.to_thread.run_sync(validate)
         except ValueError as exc:  # the body's limits, pydantic's validation
             raise known_error(exc) or exc from None
         req.check_supported()
-        ctx.body = req
-        # A plain stream pings while its model loads; a resumable one answers once it is in.
-        plain_stream = getattr(req, "stream", False) and not asks_resumable(
-            ctx.request, getattr(req, "resumable", False)
-        )
-        await self.acquire(ctx, req.model, loading if plain_stream else None)
+        return req
 
-    async def acquire(
-        self, ctx: RequestContext[Any], requested: str | None, loading: asyncio.Future[None] | None
-    ) -> None:
-        """The model `requested` names (None: the first) serves `ctx`, loaded first in a pool
-        (the caller waits meanwhile; `loading` is set then, for a stream's pings, see
-        `handle`); it stays loaded until the request is in its engine (`release`). Raises
-        APIError: 404 for a name no model has, 400 for a model larger than the memory budget,
-        503 for one whose load failed."""
-        self.check(requested)
-        if ctx.entry is not None:
-            return  # a server of one model: its model (`parse`)
+    async def acquire(self, requested: str | None, loading: asyncio.Future[None] | None) -> Any:
+        """The model `requested` names (None: the first), loaded first in a pool (the caller
+        waits meanwhile; `loading` is set then, for a stream's pings, see `handle`); it stays
+        loaded until `release`, when the request is in its engine. Raises APIError: 400 for
+        a model larger than the memory budget, 503 for one whose load failed."""
         from stepline.api.pool import ModelTooLargeError, ModelUnavailableError
 
         name = requested or self.models.names[0]
         if loading is not None and not loading.done() and self.models.must_wait(name):
             loading.set_result(None)  # the stream starts now, and pings until it is loaded
         try:
-            entry = await self.models.acquire(name)
+            return await self.models.acquire(name)
         except ModelTooLargeError as exc:
             raise APIError(400, str(exc), param="model", code="model_too_large") from None
         except ModelUnavailableError as exc:
             raise APIError(
                 503, str(exc), code="model_unavailable", headers={"retry-after": "5"}
             ) from None
-        ctx.serve(entry)
 
     def check(self, model: str | None) -> None:
         """Raises APIError 404 if `model` is given and not a name this server serves."""
@@ -194,34 +183,20 @@ class Intake:
         generates: bool = True,
         any_media_type: bool = False,
     ) -> Response:
-        """The one error wrapper: parse `request`'s body as a `body`, then run `handler` with
-        its context, the request id bound to every log line; an error is answered in
-        `wire`'s shape and carries the request id. A request that `generates` and is refused
-        before it reaches the engine (a 4xx of `REFUSALS`) is recorded in the event log as
-        refused. A streamed request whose model must load first gets its stream's headers at
-        once and pings while the model loads (`_after_load`)."""
+        """The one error wrapper: `request`'s body read and parsed as a `body`, its model
+        acquired, then `handler` run with the request's context, the request id bound to
+        every log line (`_run`); an error is answered in `wire`'s shape and carries the
+        request id. A streamed request whose model must load first gets its stream's headers
+        at once and pings while the model loads (`_after_load`)."""
         # Bound for the rest of this request's task (uvicorn runs each request in a task of its
         # own), so that its access-log line, written after this returns, carries the id too.
         structlog.contextvars.bind_contextvars(request_id=rid)
-        ctx: RequestContext[Any] = RequestContext(request, rid)
         loop = asyncio.get_running_loop()
         loading: asyncio.Future[None] = loop.create_future()  # set: it waits for its model
-
-        async def run() -> Response | APIError:
-            try:
-                await self.parse(
-                    ctx,
-                    body,
-                    generates=generates,
-                    any_media_type=any_media_type,
-                    loading=loading if wire.ping is not None else None,
-                )
-                return await handler(ctx)
-            finally:
-                if ctx.entry is not None:
-                    self.models.release(ctx.entry)  # its arrival ends here too
-
-        task = loop.create_task(self._answer(ctx, run, generates))
+        arrival = _Arrival(request, rid, body, generates, any_media_type)
+        task = loop.create_task(
+            self._run(arrival, handler, loading if wire.ping is not None else None)
+        )
         either: set[asyncio.Future[Any]] = {task, loading}
         try:
             await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
@@ -233,17 +208,32 @@ class Intake:
         outcome = task.result()
         return outcome if isinstance(outcome, Response) else wire.response(outcome)
 
-    async def _answer(
-        self,
-        ctx: RequestContext[Any],
-        run: Callable[[], Awaitable[Response | APIError]],
-        generates: bool,
+    async def _run(
+        self, arrival: _Arrival, handler: Handler, loading: asyncio.Future[None] | None
     ) -> Response | APIError:
-        """`run`'s response, or the error to answer (logged, with the request id; a refusal
-        of a request that `generates` recorded in the event log too)."""
-        rid = ctx.rid
+        """`handler`'s response, or the error to answer (logged, with the request id). A
+        request that `generates` counts as on its way to the engine once its body is read;
+        refused before it reaches the engine (a 4xx of `REFUSALS`), it is recorded in the
+        event log as refused: in a pool, under the model it acquired, else under the run."""
+        request, rid, entry = arrival.request, arrival.rid, None
         try:
-            return await run()
+            try:
+                raw = await self.read_body(request, any_media_type=arrival.any_media_type)
+                if arrival.generates:
+                    entry = self.models.expect()  # a server of one model: arriving from here
+                req = await self.parse(raw, arrival.body)
+                self.check(req.model)
+                if entry is None:
+                    # A plain stream pings while its model loads; a resumable one answers
+                    # once it is in.
+                    resumable = getattr(req, "resumable", False)
+                    plain = getattr(req, "stream", False) and not asks_resumable(request, resumable)
+                    entry = await self.acquire(req.model, loading if plain else None)
+                ctx = RequestContext(request, rid, req, entry, arrived_at=arrival.at)
+                return await handler(ctx)
+            finally:
+                if entry is not None:
+                    self.models.release(entry)  # its arrival ends here too
         except APIError as exc:
             err = exc
         except Exception:
@@ -257,14 +247,11 @@ class Intake:
             param=err.param,
             message=err.message,
         )
-        if generates and err.status_code in REFUSALS and not isinstance(err, RequestFailed):
-            # What the client was told (what was wrong, which field); nothing of the body. In
-            # a pool, under the model it acquired (still loaded), else under the run.
-            model = ctx.entry.name if ctx.entry is not None else None
-            code = err.code or err.type
-            self.models.log_refusal(
-                rid, err.message, code=code, status=err.status_code, model=model
-            )
+        if arrival.generates and err.status_code in REFUSALS and not isinstance(err, RequestFailed):
+            # What the client was told (what was wrong, which field); nothing of the body.
+            model = entry.name if entry is not None else None
+            code, status = err.code or err.type, err.status_code
+            self.models.log_refusal(rid, err.message, code=code, status=status, model=model)
         return err
 
     def _after_load(

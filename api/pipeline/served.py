@@ -236,21 +236,20 @@ _R = TypeVar("_R")
 @dataclass
 class RequestContext(Generic[_R]):
     """One request, as a door's handler (and its renderers) get it: `request`, its id `rid`,
-    its parsed `body`, and `model`, the model serving it. The model is held weakly: a
-    context outlives its request (a kept stream's record, a stored response), and must not
-    keep an unloaded model's memory; the model is loaded while its request runs."""
+    its parsed `body`, and `model`, the model serving it (`entry`'s, acquired until the
+    handler ends). The model is held weakly: a context outlives its request (a kept stream's
+    record, a stored response), and must not keep an unloaded model's memory; the model is
+    loaded while its request runs."""
 
     request: Request
     rid: str
+    body: _R
+    entry: ModelEntry = field(repr=False)
     arrived_at: float = field(default_factory=time.time)  # time.time() when it came
-    body: _R = None  # type: ignore[assignment]  # set once parsed (`Intake.parse`)
-    entry: ModelEntry | None = None  # acquired, until the handler ends (`Models.release`)
-    _served: Callable[[], ServedModel | None] = field(default=lambda: None, repr=False)
+    _served: Callable[[], ServedModel | None] = field(init=False, repr=False)
 
-    def serve(self, entry: ModelEntry) -> None:
-        """`entry` (acquired) serves this request."""
-        self.entry = entry
-        self._served = weakref.ref(entry.served)
+    def __post_init__(self) -> None:
+        self._served = weakref.ref(self.entry.served)
 
     @property
     def model(self) -> ServedModel:
