@@ -55,7 +55,7 @@ Handler = Callable[[RequestContext[Any]], Awaitable[Response]]
 
 
 @dataclass(frozen=True)
-class _Arrival:
+class _Incoming:
     """A request as it comes to `Intake.handle`, before its body is read."""
 
     request: Request
@@ -193,9 +193,9 @@ class Intake:
         structlog.contextvars.bind_contextvars(request_id=rid)
         loop = asyncio.get_running_loop()
         loading: asyncio.Future[None] = loop.create_future()  # set: it waits for its model
-        arrival = _Arrival(request, rid, body, generates, any_media_type)
+        incoming = _Incoming(request, rid, body, generates, any_media_type)
         task = loop.create_task(
-            self._run(arrival, handler, loading if wire.ping is not None else None)
+            self._run(incoming, handler, loading if wire.ping is not None else None)
         )
         either: set[asyncio.Future[Any]] = {task, loading}
         try:
@@ -209,19 +209,19 @@ class Intake:
         return outcome if isinstance(outcome, Response) else wire.response(outcome)
 
     async def _run(
-        self, arrival: _Arrival, handler: Handler, loading: asyncio.Future[None] | None
+        self, incoming: _Incoming, handler: Handler, loading: asyncio.Future[None] | None
     ) -> Response | APIError:
         """`handler`'s response, or the error to answer (logged, with the request id). A
         request that `generates` counts as on its way to the engine once its body is read;
         refused before it reaches the engine (a 4xx of `REFUSALS`), it is recorded in the
         event log as refused: in a pool, under the model it acquired, else under the run."""
-        request, rid, entry = arrival.request, arrival.rid, None
+        request, rid, entry = incoming.request, incoming.rid, None
         try:
             try:
-                raw = await self.read_body(request, any_media_type=arrival.any_media_type)
-                if arrival.generates:
+                raw = await self.read_body(request, any_media_type=incoming.any_media_type)
+                if incoming.generates:
                     entry = self.models.expect()  # a server of one model: arriving from here
-                req = await self.parse(raw, arrival.body)
+                req = await self.parse(raw, incoming.body)
                 self.check(req.model)
                 if entry is None:
                     # A plain stream pings while its model loads; a resumable one answers
@@ -229,7 +229,7 @@ class Intake:
                     resumable = getattr(req, "resumable", False)
                     plain = getattr(req, "stream", False) and not asks_resumable(request, resumable)
                     entry = await self.acquire(req.model, loading if plain else None)
-                ctx = RequestContext(request, rid, req, entry, arrived_at=arrival.at)
+                ctx = RequestContext(request, rid, req, entry, arrived_at=incoming.at)
                 return await handler(ctx)
             finally:
                 if entry is not None:
@@ -247,7 +247,8 @@ class Intake:
             param=err.param,
             message=err.message,
         )
-        if arrival.generates and err.status_code in REFUSALS and not isinstance(err, RequestFailed):
+        refused = err.status_code in REFUSALS and not isinstance(err, RequestFailed)
+        if incoming.generates and refused:
             # What the client was told (what was wrong, which field); nothing of the body.
             model = entry.name if entry is not None else None
             code, status = err.code or err.type, err.status_code
