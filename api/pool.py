@@ -25,25 +25,18 @@ from typing import Any
 
 import anyio
 import structlog
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 
 from stepline.actors.executor import Executor
 from stepline.actors.scheduler.core import LogPlace
 from stepline.actors.scheduler.model_policy import DoesNotFitError, Resident, expired, to_unload
 from stepline.actors.turns import Turns
+from stepline.api import pool_report
 from stepline.api.config import EngineConfig, EventLogConfig, ModelSpec, PoolConfig
 from stepline.api.engine import Engine
 from stepline.api.engine_parts import PoolMember
-from stepline.events.models import (
-    FinishReason,
-    LogHeader,
-    ModelLoaded,
-    ModelLoadFailed,
-    ModelUnloaded,
-    Terminal,
-    new_run_id,
-    new_salt,
-)
+from stepline.api.pool_report import RunLog
+from stepline.events.models import ModelLoaded, ModelUnloaded
 
 log = structlog.get_logger(__name__)
 
@@ -98,6 +91,10 @@ class Entry:
     unload_reason: str = "shutdown"
 
     @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
     def busy(self) -> bool:
         return self.users > 0 or (self.engine is not None and self.engine.busy)
 
@@ -108,7 +105,10 @@ class Entry:
 
 
 class ModelPool:
-    """The configured models and the loaded ones' engines. Create with `ModelPool.open`."""
+    """The configured models and the loaded ones' engines. Create with `ModelPool.open`. The
+    HTTP pipeline's `Models` (api/pipeline/served.py)."""
+
+    on_demand = True  # models load when asked for
 
     def __init__(
         self,
@@ -116,7 +116,7 @@ class ModelPool:
         engine_options: dict[str, Any],
         *,
         budget_bytes: int,
-        writer: Any,
+        run_log: RunLog,
         tg: anyio.abc.TaskGroup,
         on_load: Callable[[Engine, ModelSpec], Any] | None,
         mlx_wait_at_close_s: float | None,
@@ -140,7 +140,7 @@ class ModelPool:
             for s in config.models
         }
         self.turns = Turns(tuple(self.entries))
-        self._writer = writer
+        self.run_log = run_log  # the run's own events: refusals before a model, failed loads
         self._tg = tg
         self.on_load = on_load  # builds each model's `served` as it loads (the HTTP app sets it)
         self._mlx_wait = mlx_wait_at_close_s
@@ -148,7 +148,6 @@ class ModelPool:
         self._loading = anyio.Lock()  # one load at a time: each sees the others' memory
         self._changed = anyio.Event()
         self._closing = False
-        self._run_seq = 0  # the last sequence number of the run's own events (model None)
 
     @classmethod
     @asynccontextmanager
@@ -169,22 +168,7 @@ class ModelPool:
         options = dict(engine_options or {})
         for spec in config.models:
             spec.engine_config(options)  # a bad option fails now, not at a first request
-        events = events or EventLogConfig()
-        writer = None
-        if events.event_log is not None:
-            from stepline.events.log import EventLogWriter
-
-            header = LogHeader(
-                created=time.time(),
-                models={s.name: s.model_dump() for s in config.models},
-                log_prompts=events.log_prompts,
-                log_outputs=events.log_outputs,
-                run_id=new_run_id(),
-                salt=new_salt(),
-            )
-            writer = EventLogWriter(
-                events.event_log, header, rotate_bytes=events.rotate_bytes, append=True
-            )
+        run_log = RunLog.open(config, events or EventLogConfig())
         try:
             budget = await _budget_bytes(config.max_memory_gb)
             async with anyio.create_task_group() as tg:
@@ -192,7 +176,7 @@ class ModelPool:
                     config,
                     options,
                     budget_bytes=budget,
-                    writer=writer,
+                    run_log=run_log,
                     tg=tg,
                     on_load=on_load,
                     mlx_wait_at_close_s=mlx_wait_at_close_s,
@@ -212,8 +196,7 @@ class ModelPool:
                     await pool._close()
                     tg.cancel_scope.cancel()
         finally:
-            if writer is not None:
-                writer.close()
+            run_log.close()
 
     # -- reading ------------------------------------------------------------------------
 
@@ -221,6 +204,11 @@ class ModelPool:
     def names(self) -> tuple[str, ...]:
         """Every name a client may send as `model` (each model's, then its aliases)."""
         return tuple(n for e in self.entries.values() for n in e.spec.names)
+
+    @property
+    def listed(self) -> tuple[str, ...]:
+        """Each model's first name."""
+        return tuple(self.entries)
 
     def entry_of(self, name: str) -> Entry | None:
         """The model `name` names (by its name or an alias), or None."""
@@ -241,75 +229,36 @@ class ModelPool:
         """What the models may take together: the budget less MLX's buffer cache."""
         return self.budget_bytes - self.cache_bytes
 
-    def health(self) -> dict[str, Any]:
-        """/health's body: each model's state (loaded, unloaded, loading, unloading, failed:
-        with why), the memory used of the budget; `degraded` when a model failed to load or
-        the event log stopped writing."""
-        models: dict[str, Any] = {}
-        degraded = False
-        for name, e in self.entries.items():
-            about: dict[str, Any] = {"state": str(e.state)}
-            if e.engine is not None:
-                if e.engine.warming_up:
-                    about["warming_up"] = True
-                if (reason := e.engine.unhealthy_reason) is not None:
-                    about.update(state="failed", error=reason.split(":", 1)[0])
-            if e.error is not None and e.state is ModelState.FAILED:
-                about["error"] = e.error
-            if e.refused is not None:
-                about.update(state="refused", error=e.refused)
-            degraded |= about["state"] in ("failed", "refused")
-            models[name] = about
-        body: dict[str, Any] = {
-            "status": "degraded" if degraded else "ok",
-            "models": models,
-            "memory_gb": {
-                "used": round(self.used_bytes / 2**30, 3),
-                "budget": round(self.budget_bytes / 2**30, 3),
-            },
-        }
-        if self._writer is not None and self._writer.degraded:
-            lost = f"{self._writer.error_message}; {self._writer.num_dropped} events dropped"
-            body.update(status="degraded", event_log=lost)
-        return body
+    def health(self, *, detail: bool = True) -> dict[str, Any]:
+        """/health's body (`pool_report.health`); a model's error is short already."""
+        return pool_report.health(self)
 
     def collect(self) -> Iterator[Metric]:
-        """Every loaded model's metrics, each sample labelled with its `model`, and the pool's
-        own: whether each model is loaded, and the memory they use of the budget (a
-        prometheus_client collector: `registry.register(pool)`)."""
-        merged: dict[str, Metric] = {}
-        for entry in self.loaded():
-            assert entry.engine is not None
-            for metric in entry.engine.metrics.registry.collect():
-                into = merged.get(metric.name)
-                if into is None:
-                    into = merged[metric.name] = Metric(
-                        metric.name, metric.documentation, metric.type, metric.unit
-                    )
-                for sample in metric.samples:
-                    labels = {**sample.labels, "model": entry.spec.name}
-                    into.add_sample(
-                        sample.name, labels, sample.value, sample.timestamp, sample.exemplar
-                    )
-        yield from merged.values()
-        loaded = GaugeMetricFamily(
-            "stepline_model_loaded", "whether the model is loaded (1) or not (0)", labels=["model"]
-        )
-        for name, e in self.entries.items():
-            loaded.add_metric([name], 1.0 if e.state is ModelState.LOADED else 0.0)
-        yield loaded
-        yield GaugeMetricFamily(
-            "stepline_models_memory_bytes",
-            "memory the loaded models take (weights, KV budget, prefix cache)",
-            value=self.used_bytes,
-        )
-        yield GaugeMetricFamily(
-            "stepline_models_memory_budget_bytes",
-            "memory all models may take together (--max-memory-gb)",
-            value=self.budget_bytes,
-        )
+        """Every model's metrics, labelled (`pool_report.metrics`): a prometheus_client
+        collector, `registry.register(pool)`."""
+        return pool_report.metrics(self)
 
     # -- requests -----------------------------------------------------------------------
+
+    def attach(self, build: Callable[[Engine, tuple[str, ...]], Any], rename: Any = ()) -> None:
+        """`build(engine, names)` makes each model's `served`: now for those loaded (pinned
+        ones, before the app existed), then as each loads. `rename` names a server of one
+        model (`--served-model-name`): here each model has its own names."""
+        self.on_load = lambda engine, spec: build(engine, spec.names)
+        for entry in self.loaded():
+            if entry.engine is not None:
+                entry.served = build(entry.engine, entry.spec.names)
+
+    def expect(self) -> None:
+        """Which model a request is for is known once its body is parsed (`acquire`)."""
+        return None
+
+    def must_wait(self, name: str) -> bool:
+        """Whether `acquire(name)` waits for a load (not for a model that cannot load now)."""
+        entry = self.entry_of(name)
+        if entry is None or entry.refused is not None or entry.state is ModelState.LOADED:
+            return False
+        return not (entry.state is ModelState.FAILED and time.monotonic() < entry.retry_at)
 
     async def acquire(self, name: str) -> Entry:
         """The loaded model `name` names, loading it (and unloading others for room) first if
@@ -367,7 +316,7 @@ class ModelPool:
         spec = entry.spec
         try:
             async with self._loading:
-                need = entry.known_bytes or await self._estimate(entry)
+                need = entry.known_bytes or await _estimate(self._executor, entry)
                 if not await self._make_room(entry, need):
                     entry.state = ModelState.UNLOADED  # the server stops: no load
                     return
@@ -384,21 +333,10 @@ class ModelPool:
             entry.error = f"the model {spec.name!r} could not be loaded: {_reason(exc)}"
             entry.retry_at = time.monotonic() + RETRY_FAILED_LOAD_S
             log.error("model_load_failed", model=spec.name, error=repr(exc))
-            self._log_failed(entry)
+            if entry.place is not None:
+                entry.place = self.run_log.load_failed(entry.place, entry.error or "")
         finally:
             self._notify()
-
-    async def _estimate(self, entry: Entry) -> int:
-        """The footprint `entry` will have: its weights from their files (`estimate_weights_
-        bytes`), its KV budget and its prefix cache's budget."""
-        from stepline.engine.models import estimate_weights_bytes
-
-        weights = await self._executor.call(
-            estimate_weights_bytes, entry.spec.model, entry.config.dtype
-        )
-        if weights is None:
-            log.info("model_size_unknown", model=entry.spec.name, until="it is loaded")
-        return (weights or 0) + _kv_bytes_guess(entry.config) + _prefix_bytes(entry.config)
 
     async def _make_room(self, entry: Entry, need: int) -> bool:
         """Unload idle models until `need` fits; wait while only busy ones are in the way.
@@ -438,11 +376,9 @@ class ModelPool:
         self, entry: Entry, t0: float, *, task_status=anyio.TASK_STATUS_IGNORED
     ) -> None:
         """Open `entry`'s engine, serve it until it is told to unload, then close it."""
-        from stepline.engine.memory import weights_bytes
-
         spec = entry.spec
         assert entry.place is not None
-        member = PoolMember(self._writer, entry.place, self.turns)
+        member = PoolMember(self.run_log.writer, entry.place, self.turns)
         opened = Engine.open(
             spec.source,
             member=member,
@@ -453,31 +389,7 @@ class ModelPool:
         try:
             async with opened as engine:
                 entry.served = self.on_load(engine, spec) if self.on_load is not None else None
-                weights = await self._executor.call(weights_bytes, engine.loaded.model)
-                sched = engine.step_loop.config
-                kv = sched.max_kv_tokens * sched.kv_bytes_per_token
-                prefix = _prefix_bytes(entry.config)
-                entry.footprint_bytes = entry.known_bytes = weights + kv + prefix
-                seconds = time.monotonic() - t0
-                engine.step_loop.log_model_event(
-                    ModelLoaded,
-                    path=str(engine.loaded.path),
-                    weights_bytes=weights,
-                    kv_bytes=kv,
-                    prefix_cache_bytes=prefix,
-                    load_seconds=round(seconds, 3),
-                    config=engine.config,
-                )
-                log.info(
-                    "model_loaded",
-                    model=spec.name,
-                    path=str(engine.loaded.path),
-                    weights_gb=round(weights / 2**30, 3),
-                    kv_gb=round(kv / 2**30, 3),
-                    prefix_cache_gb=round(prefix / 2**30, 3),
-                    seconds=round(seconds, 2),
-                    used_gb=round((self.used_bytes + entry.footprint_bytes) / 2**30, 3),
-                )
+                await _measure(self._executor, engine, entry, t0, self.used_bytes)
                 entry.engine, entry.state, entry.error = engine, ModelState.LOADED, None
                 entry.last_used = time.monotonic()
                 entry.unload = anyio.Event()
@@ -506,7 +418,7 @@ class ModelPool:
             if started:  # else `_load` settles its state (FAILED)
                 entry.state = ModelState.UNLOADED
             with anyio.CancelScope(shield=True):
-                await self._free_memory()
+                await _free_memory(self._executor)
             if started:
                 log.info(
                     "model_unloaded",
@@ -528,21 +440,6 @@ class ModelPool:
         while entry.state is ModelState.UNLOADING:
             await self._wait_for_change()
 
-    async def _free_memory(self) -> None:
-        """Give an unloaded model's memory back: MLX's buffer cache, then the C heap."""
-        import gc
-
-        import mlx.core as mx
-
-        from stepline.engine import heap
-
-        gc.collect()  # an engine's parts refer to each other: freed by the collector
-        try:
-            await self._executor.call(mx.clear_cache)
-            await self._executor.call(heap.trim)
-        except Exception as exc:  # noqa: BLE001 - memory stays cached; the pool serves on
-            log.warning("memory_not_freed", error=repr(exc))
-
     def log_refusal(
         self, request_id: str, message: str, *, code: str, status: int, model: str | None
     ) -> None:
@@ -556,36 +453,7 @@ class ModelPool:
             if entry is not None and entry.state is ModelState.LOADED and entry.engine is not None:
                 entry.engine.log_refusal(request_id, message, code=code, status=status)
             return
-        if self._writer is None:
-            return
-        self._run_seq += 1
-        self._writer.append(
-            Terminal(
-                seq=self._run_seq,
-                ts=time.time(),
-                step=0,
-                request_id=request_id,
-                reason=FinishReason.REJECTED,
-                message=message,
-                code=code,
-                status=status,
-            )
-        )
-
-    def _log_failed(self, entry: Entry) -> None:
-        if self._writer is None or entry.place is None:
-            return
-        place = entry.place
-        entry.place = LogPlace(place.model, place.seq + 1, place.step)
-        self._writer.append(
-            ModelLoadFailed(
-                seq=place.seq + 1,
-                ts=time.time(),
-                step=place.step + 1,
-                model=place.model,
-                message=entry.error or "",
-            )
-        )
+        self.run_log.refusal(request_id, message, code=code, status=status)
 
     async def _watch(self) -> None:
         """Every WATCH_EVERY_S: a busy model is in use now (LRU), and an idle one past its time
@@ -622,6 +490,68 @@ class ModelPool:
         for entry in list(self.entries.values()):
             if entry.state is ModelState.LOADED:
                 await self._unload(entry, "shutdown")
+
+
+async def _estimate(executor: Executor, entry: Entry) -> int:
+    """The footprint `entry` will have: its weights from their files (`estimate_weights_
+    bytes`), its KV budget and its prefix cache's budget."""
+    from stepline.engine.models import estimate_weights_bytes
+
+    weights = await executor.call(estimate_weights_bytes, entry.spec.model, entry.config.dtype)
+    if weights is None:
+        log.info("model_size_unknown", model=entry.spec.name, until="it is loaded")
+    return (weights or 0) + _kv_bytes_guess(entry.config) + _prefix_bytes(entry.config)
+
+
+async def _free_memory(executor: Executor) -> None:
+    """Give an unloaded model's memory back: MLX's buffer cache, then the C heap."""
+    import gc
+
+    import mlx.core as mx
+
+    from stepline.engine import heap
+
+    gc.collect()  # an engine's parts refer to each other: freed by the collector
+    try:
+        await executor.call(mx.clear_cache)
+        await executor.call(heap.trim)
+    except Exception as exc:  # noqa: BLE001 - memory stays cached; the pool serves on
+        log.warning("memory_not_freed", error=repr(exc))
+
+
+async def _measure(
+    executor: Executor, engine: Engine, entry: Entry, t0: float, used_bytes: int
+) -> None:
+    """`entry`'s footprint, once its `engine` is open (its weights, its KV budget, its prefix
+    cache's), recorded in the event log (`model-loaded`) and the server log."""
+    from stepline.engine.memory import weights_bytes
+
+    spec = entry.spec
+    weights = await executor.call(weights_bytes, engine.loaded.model)
+    sched = engine.step_loop.config
+    kv = sched.max_kv_tokens * sched.kv_bytes_per_token
+    prefix = _prefix_bytes(entry.config)
+    entry.footprint_bytes = entry.known_bytes = weights + kv + prefix
+    seconds = time.monotonic() - t0
+    engine.step_loop.log_model_event(
+        ModelLoaded,
+        path=str(engine.loaded.path),
+        weights_bytes=weights,
+        kv_bytes=kv,
+        prefix_cache_bytes=prefix,
+        load_seconds=round(seconds, 3),
+        config=engine.config,
+    )
+    log.info(
+        "model_loaded",
+        model=spec.name,
+        path=str(engine.loaded.path),
+        weights_gb=round(weights / 2**30, 3),
+        kv_gb=round(kv / 2**30, 3),
+        prefix_cache_gb=round(prefix / 2**30, 3),
+        seconds=round(seconds, 2),
+        used_gb=round((used_bytes + entry.footprint_bytes) / 2**30, 3),
+    )
 
 
 async def _budget_bytes(max_memory_gb: float | None) -> int:

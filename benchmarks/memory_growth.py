@@ -37,6 +37,7 @@ import stepline.engine  # noqa: E402,F401  (OpenBLAS before MLX)
 from stepline.api import Engine  # noqa: E402
 from stepline.api.http.app import create_app  # noqa: E402
 from stepline.api.http.serve import serve_in_process  # noqa: E402
+from stepline.api.pipeline.served import OneModel  # noqa: E402
 from stepline.engine import heap  # noqa: E402
 
 WORDS = "bread flour water salt yeast oven crust crumb rye spelt dough knead proof bake".split()
@@ -110,7 +111,7 @@ async def main(args: argparse.Namespace) -> None:
     async with Engine.open(
         args.model, prefix_cache_gb=0.1, mlx_cache_gb=0.1, max_num_seqs=32
     ) as engine:
-        app = create_app(engine, served_model_name=["m"])
+        app = create_app(OneModel(engine), served_model_name=["m"])
         async with serve_in_process(app) as url, httpx.AsyncClient(base_url=url, timeout=120) as h:
             start = rss_mb()
             t0 = time.monotonic()

@@ -48,6 +48,7 @@ async def exact(repeats: int) -> None:
     from stepline.api.config import ModelSpec, PoolConfig
     from stepline.api.http.app import create_app
     from stepline.api.http.serve import serve_in_process
+    from stepline.api.pipeline.served import OneModel
     from stepline.api.pool import ModelPool
 
     options = {"max_step_tokens": 64}
@@ -76,7 +77,7 @@ async def exact(repeats: int) -> None:
         alone: dict = {}
         for name, model in models.items():
             async with Engine.open(model, **options) as engine:
-                app = create_app(engine, served_model_name=(name,))
+                app = create_app(OneModel(engine), served_model_name=(name,))
                 async with serve_in_process(app) as url:
                     await streams(url, name, alone)
         together: dict = {}

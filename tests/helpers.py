@@ -154,10 +154,11 @@ async def open_served(model: str = "stepline-demo", **app_options: Any) -> Async
     from stepline.api import Engine
     from stepline.api.http.app import create_app
     from stepline.api.http.serve import serve_in_process
+    from stepline.api.pipeline.served import OneModel
 
     async with (
         Engine.open(model, max_step_tokens=128) as engine,
-        serve_in_process(create_app(engine, **app_options)) as url,
+        serve_in_process(create_app(OneModel(engine), **app_options)) as url,
     ):
         yield Served(engine, url)
 

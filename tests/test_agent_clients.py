@@ -22,6 +22,7 @@ from pydantic import BaseModel, Field
 from stepline.api import Engine
 from stepline.api.http.app import create_app
 from stepline.api.http.serve import serve_in_process
+from stepline.api.pipeline.served import OneModel
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 MODEL = "stepline-demo"
@@ -48,8 +49,8 @@ async def serve() -> AsyncIterator[Servers]:
         Engine.open(MODEL, max_step_tokens=256) as engine,
         Engine.open(MODEL, max_step_tokens=256) as r1_engine,
     ):
-        app = create_app(engine, api_key=KEY)
-        r1 = create_app(r1_engine, chat_template=R1_TEMPLATE)
+        app = create_app(OneModel(engine), api_key=KEY)
+        r1 = create_app(OneModel(r1_engine), chat_template=R1_TEMPLATE)
         async with serve_in_process(app) as url, serve_in_process(r1) as r1_url:
             yield Servers(engine, url, r1_url)
 
@@ -245,7 +246,7 @@ async def test_anthropic_clients_get_anthropic_errors_for_bugs_and_unknown_route
 
 
 async def test_an_anthropic_stream_cut_by_shutdown_ends_with_an_anthropic_error(servers):
-    app = create_app(servers.engine)
+    app = create_app(OneModel(servers.engine))
     body = {
         "model": MODEL,
         "max_tokens": 1500,

@@ -19,6 +19,7 @@ from helpers import hold_open
 from stepline.api import Engine
 from stepline.api.http.app import create_app
 from stepline.api.http.serve import serve_in_process
+from stepline.api.pipeline.served import OneModel
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 T = TypeVar("T")
@@ -42,7 +43,7 @@ WEATHER = {
 @asynccontextmanager
 async def serve_demo() -> AsyncIterator[str]:
     async with Engine.open(MODEL, max_step_tokens=256) as engine:
-        async with serve_in_process(create_app(engine, api_key=API_KEY)) as url:
+        async with serve_in_process(create_app(OneModel(engine), api_key=API_KEY)) as url:
             yield url
 
 

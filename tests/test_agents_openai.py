@@ -28,6 +28,7 @@ from pydantic import BaseModel, Field
 from stepline.api import Engine
 from stepline.api.http.app import create_app
 from stepline.api.http.serve import serve_in_process
+from stepline.api.pipeline.served import OneModel
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 T = TypeVar("T")
@@ -36,7 +37,7 @@ T = TypeVar("T")
 @asynccontextmanager
 async def serve_demo() -> AsyncIterator[str]:
     async with Engine.open("stepline-demo", max_step_tokens=256) as engine:
-        async with serve_in_process(create_app(engine)) as url:
+        async with serve_in_process(create_app(OneModel(engine))) as url:
             yield url
 
 
@@ -272,7 +273,9 @@ R1_TEMPLATE = (
 @asynccontextmanager
 async def serve_reasoning() -> AsyncIterator[str]:
     async with Engine.open("stepline-demo", max_step_tokens=256) as engine:
-        app = create_app(engine, reasoning_parser="deepseek_r1", chat_template=R1_TEMPLATE)
+        app = create_app(
+            OneModel(engine), reasoning_parser="deepseek_r1", chat_template=R1_TEMPLATE
+        )
         async with serve_in_process(app) as url:
             yield url
 

@@ -20,6 +20,7 @@ from structlog.testing import capture_logs
 from stepline.api import Engine
 from stepline.api.http.app import create_app
 from stepline.api.http.serve import serve_in_process
+from stepline.api.pipeline.served import OneModel
 from stepline.events.log import (
     EventLogWriter,
     LogInUseError,
@@ -145,7 +146,7 @@ async def test_health_says_degraded_once_the_log_file_is_deleted_while_serving(d
     path = tmp_path / "run.jsonl"
     async with (
         Engine.open("stepline-demo", max_step_tokens=128, event_log=path) as engine,
-        serve_in_process(create_app(engine)) as url,
+        serve_in_process(create_app(OneModel(engine))) as url,
         httpx.AsyncClient(base_url=url, timeout=60) as http,
     ):
         body = {"prompt": "hi", "max_tokens": 2}

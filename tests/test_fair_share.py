@@ -29,6 +29,7 @@ from stepline.api import Engine
 from stepline.api.http.app import create_app
 from stepline.api.http.serve import serve_in_process
 from stepline.api.pipeline.errors import known_error
+from stepline.api.pipeline.served import OneModel
 from stepline.api.pipeline.serving import client_of
 from stepline.events.fold import RequestState, Status, fold
 from stepline.events.log import read_events
@@ -263,7 +264,7 @@ async def test_streams_one_client_never_reads_do_not_keep_another_clients_chat_w
         Engine.open(
             "stepline-demo", max_num_seqs=2, max_waiting=8, prefix_cache_gb=0, event_log=path
         ) as engine,
-        serve_in_process(create_app(engine)) as url,
+        serve_in_process(create_app(OneModel(engine))) as url,
         httpx.AsyncClient(base_url=url, timeout=60) as http,
         AsyncExitStack() as streams,
     ):
@@ -346,7 +347,7 @@ async def test_every_door_names_its_client_by_key_and_end_user(demo, tmp_path: P
     ]
     async with (
         Engine.open("stepline-demo", event_log=path) as engine,
-        serve_in_process(create_app(engine)) as url,
+        serve_in_process(create_app(OneModel(engine))) as url,
         httpx.AsyncClient(base_url=url, timeout=60) as http,
     ):
         for route, body, headers in asks:

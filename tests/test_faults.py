@@ -312,13 +312,14 @@ async def test_with_a_key_health_says_what_broke_and_only_key_holders_get_the_de
 
     from stepline.api.http.app import create_app
     from stepline.api.http.serve import serve_in_process
+    from stepline.api.pipeline.served import OneModel
 
     async with Engine.open("stepline-demo", max_step_tokens=32, max_num_seqs=8) as engine:
         runner = engine.step_loop.runner
         runner.model = _FailingDecode(runner.model, runner)
         await run_together(engine, prompt_of(100, salt=9), params(seed=5))
         assert not engine.healthy
-        async with serve_in_process(create_app(engine, api_key="sk-ops")) as url:
+        async with serve_in_process(create_app(OneModel(engine), api_key="sk-ops")) as url:
             async with httpx.AsyncClient(base_url=url, timeout=30) as http:
                 anyone = await http.get("/health")
                 ops = await http.get("/health", headers={"authorization": "Bearer sk-ops"})

@@ -25,6 +25,7 @@ from stepline.api import Engine
 from stepline.api.http.app import create_app
 from stepline.api.http.serve import serve_in_process
 from stepline.api.json_limits import MAX_JSON_DEPTH, MAX_STOP_STRINGS, MAX_TOOLS
+from stepline.api.pipeline.served import OneModel
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -45,8 +46,8 @@ class Served:
 async def _open() -> AsyncIterator[Served]:
     async with (
         Engine.open("stepline-demo", max_step_tokens=128) as engine,
-        serve_in_process(create_app(engine)) as url,
-        serve_in_process(create_app(engine), limit_concurrency=4) as limited_url,
+        serve_in_process(create_app(OneModel(engine))) as url,
+        serve_in_process(create_app(OneModel(engine)), limit_concurrency=4) as limited_url,
     ):
         yield Served(engine, url, limited_url)
 

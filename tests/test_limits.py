@@ -201,6 +201,7 @@ async def test_a_chat_without_max_tokens_runs_to_the_kv_budget_not_into_a_refusa
 
     from stepline.api.http.app import create_app
     from stepline.api.http.serve import serve_in_process
+    from stepline.api.pipeline.served import OneModel
 
     # The demo's context is 2,048 tokens; the budget holds 200 beside the room a request's
     # KV buffer grows by: "to the end of the context" can never fit, "to the end of the
@@ -210,7 +211,7 @@ async def test_a_chat_without_max_tokens_runs_to_the_kv_budget_not_into_a_refusa
         "stepline-demo", max_kv_tokens=200 + per_seq, max_step_ms=None
     ) as engine:
         assert engine.step_loop.config.kv_tokens_per_seq == per_seq
-        async with serve_in_process(create_app(engine)) as url:
+        async with serve_in_process(create_app(OneModel(engine))) as url:
             async with httpx.AsyncClient(base_url=url, timeout=60) as client:
                 r = await client.post(
                     "/v1/chat/completions",

@@ -20,6 +20,7 @@ from helpers import mlx_lm_greedy
 from stepline.api import Engine, SamplingParams
 from stepline.api.http.app import create_app
 from stepline.api.http.serve import serve_in_process
+from stepline.api.pipeline.served import OneModel
 from stepline.engine.default_model import DEFAULT_MODEL
 from stepline.engine.models import load_model
 
@@ -90,7 +91,7 @@ async def test_the_http_server_streams_mlx_lms_greedy_text_to_concurrent_clients
     texts: list[str] = ["" for _ in CHATS]
     async with (
         Engine.open(DEFAULT_MODEL, max_step_tokens=64) as engine,
-        serve_in_process(create_app(engine)) as url,
+        serve_in_process(create_app(OneModel(engine))) as url,
     ):
         client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
 
@@ -176,7 +177,7 @@ async def test_an_agent_that_always_sends_tools_gets_its_answer_from_a_model_wit
     }
     async with (
         Engine.open(DEFAULT_MODEL, max_step_tokens=64) as engine,
-        serve_in_process(create_app(engine)) as url,
+        serve_in_process(create_app(OneModel(engine))) as url,
     ):
         client = anthropic.AsyncAnthropic(base_url=url, api_key="unused", max_retries=0)
         raw = await client.messages.with_raw_response.create(

@@ -28,6 +28,7 @@ from stepline.api import Engine
 from stepline.api.config import EventLogConfig, ModelSpec, PoolConfig
 from stepline.api.http.app import create_app
 from stepline.api.http.serve import serve_in_process
+from stepline.api.pipeline.served import OneModel
 from stepline.api.pool import ModelPool
 from stepline.events.fold import FoldError, Status, fold
 from stepline.events.log import TornLineWarning, read_events
@@ -179,8 +180,8 @@ async def open_served(log: Path) -> AsyncIterator[Served]:
     # tokens: a request that asks for more is refused by the engine itself.
     options = dict(max_num_seqs=1, max_waiting=1, max_kv_tokens=1024, event_log=log)
     async with Engine.open("stepline-demo", max_step_tokens=128, **options) as engine:
-        app = create_app(engine, max_body_bytes=MAX_BODY_BYTES)
-        strict = create_app(engine, strict_max_tokens=True)
+        app = create_app(OneModel(engine), max_body_bytes=MAX_BODY_BYTES)
+        strict = create_app(OneModel(engine), strict_max_tokens=True)
         async with serve_in_process(app) as url, serve_in_process(strict) as strict_url:
             yield Served(engine, url, strict_url, log)
 

@@ -16,6 +16,7 @@ from helpers import wait_until
 from stepline.api import Engine
 from stepline.api.http.app import create_app
 from stepline.api.http.serve import serve_in_process
+from stepline.api.pipeline.served import OneModel
 from stepline.api.responses.recovery import interrupted_responses
 
 pytestmark = pytest.mark.asyncio
@@ -39,7 +40,7 @@ async def test_a_background_response_cut_off_by_a_crash_reports_failed_after_the
 ):
     log, crashed = tmp_path / "events.jsonl", tmp_path / "crashed.jsonl"
     async with Engine.open(MODEL, max_step_tokens=128, event_log=log) as engine:
-        async with serve_in_process(create_app(engine)) as url, client(url, "sk-a") as c:
+        async with serve_in_process(create_app(OneModel(engine))) as url, client(url, "sk-a") as c:
             done = await c.responses.create(model=MODEL, input="Hi.", max_output_tokens=4)
             running = await c.responses.create(
                 model=MODEL,
@@ -55,7 +56,7 @@ async def test_a_background_response_cut_off_by_a_crash_reports_failed_after_the
     interrupted = interrupted_responses(crashed, since=0)
     assert [rid for rid, _ in interrupted] == [running.id]
     async with Engine.open(MODEL, max_step_tokens=128, event_log=crashed) as engine:
-        app = create_app(engine, interrupted_responses=interrupted)
+        app = create_app(OneModel(engine), interrupted_responses=interrupted)
         async with serve_in_process(app) as url, client(url, "sk-a") as c:
             after = await c.responses.retrieve(running.id)
             stream = await c.responses.retrieve(running.id, stream=True)
@@ -83,7 +84,7 @@ async def test_a_background_response_cut_off_by_a_graceful_shutdown_is_recovered
     log = tmp_path / "events.jsonl"
     async with Engine.open(MODEL, max_step_tokens=128, event_log=log) as engine:
         async with (
-            serve_in_process(create_app(engine), graceful_shutdown_s=0.2) as url,
+            serve_in_process(create_app(OneModel(engine)), graceful_shutdown_s=0.2) as url,
             client(url, "sk-a") as c,
         ):
             running = await c.responses.create(

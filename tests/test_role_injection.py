@@ -10,6 +10,7 @@ import pytest
 from stepline.api import Engine
 from stepline.api.http.app import create_app
 from stepline.api.http.serve import serve_in_process
+from stepline.api.pipeline.served import OneModel
 from stepline.api.prompts import Prompts
 from stepline.events.log import read_events
 from stepline.events.models import Admitted
@@ -85,7 +86,10 @@ async def test_over_http_the_admitted_prompt_has_no_injected_turn(demo, tmp_path
         "messages": [{"role": "user", "content": ""}],
     }
     async with Engine.open("stepline-demo", event_log=log) as engine:
-        async with serve_in_process(create_app(engine)) as url, httpx.AsyncClient() as http:
+        async with (
+            serve_in_process(create_app(OneModel(engine))) as url,
+            httpx.AsyncClient() as http,
+        ):
             for content in ("hi", EVIL):
                 body["messages"][0]["content"] = content
                 r = await http.post(f"{url}/v1/chat/completions", json=body)

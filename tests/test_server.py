@@ -31,6 +31,7 @@ from stepline.api.http.app import create_app
 from stepline.api.http.serve import bind_socket, serve_in_process
 from stepline.api.openai.schema import ChatCompletionRequest
 from stepline.api.pipeline.errors import OPENAI, APIError
+from stepline.api.pipeline.served import OneModel
 from stepline.api.pipeline.writer import PING, StreamResponse, TextFrames, sse
 from stepline.events.log import TornLineWarning, read_events
 from stepline.events.models import Terminal
@@ -62,8 +63,8 @@ class Served:
 async def open_served(log_path: Path | None = None) -> AsyncIterator[Served]:
     # A small step budget, so that a 1,000-token prompt prefills over several steps.
     async with Engine.open("stepline-demo", max_step_tokens=128, event_log=log_path) as engine:
-        app = create_app(engine, max_body_bytes=MAX_BODY_BYTES)
-        keyed = create_app(engine, api_key=API_KEY, strict_max_tokens=True)
+        app = create_app(OneModel(engine), max_body_bytes=MAX_BODY_BYTES)
+        keyed = create_app(OneModel(engine), api_key=API_KEY, strict_max_tokens=True)
         async with serve_in_process(app) as url, serve_in_process(keyed) as keyed_url:
             yield Served(engine, url, keyed_url, log_path or Path("/nonexistent"))
 

@@ -26,6 +26,7 @@ from stepline.api import Engine, PromptTooLongError
 from stepline.api.http.app import create_app
 from stepline.api.http.guard import RateLimitedExceptionHandler
 from stepline.api.http.serve import serve_in_process
+from stepline.api.pipeline.served import OneModel
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -49,15 +50,15 @@ class Served:
 async def open_served() -> AsyncIterator[Served]:
     async with Engine.open("stepline-demo", max_step_tokens=128) as engine:
         apps = [
-            create_app(engine),
-            create_app(engine, api_key=API_KEY),
+            create_app(OneModel(engine)),
+            create_app(OneModel(engine), api_key=API_KEY),
             create_app(
-                engine,
+                OneModel(engine),
                 api_key=API_KEY,
                 metrics_public=True,
                 allowed_origins=["https://ok.example"],
             ),
-            create_app(engine, served_model_name=["gpt-4o", "default"]),
+            create_app(OneModel(engine), served_model_name=["gpt-4o", "default"]),
         ]
         async with (
             serve_in_process(apps[0]) as url,
@@ -420,7 +421,7 @@ async def test_the_python_api_refuses_a_text_too_long_for_the_context_unread(ser
 
 
 async def test_a_body_trickled_too_slowly_gets_408(served):
-    app = create_app(served.engine, timeout_request_body=0.5)
+    app = create_app(OneModel(served.engine), timeout_request_body=0.5)
     async with serve_in_process(app) as url:
         host, port = url.removeprefix("http://").split(":")
         with anyio.fail_after(10):

@@ -24,6 +24,7 @@ from stepline.api.cli.serve import add_serve_parser, what_to_serve
 from stepline.api.config import EventLogConfig, ModelSpec, PoolConfig, read_models_file
 from stepline.api.http.app import create_app
 from stepline.api.http.serve import serve_in_process
+from stepline.api.pipeline.served import OneModel
 from stepline.api.pool import ModelPool, ModelState
 from stepline.events.log import read_events, read_runs
 from stepline.events.models import ModelLoaded, ModelLoadFailed, ModelUnloaded
@@ -86,7 +87,9 @@ async def test_two_models_served_together_answer_what_each_answers_alone():
     alone: dict = {}
     for name, model in (("a", "stepline-demo"), ("b", "stepline-demo-hybrid")):
         async with Engine.open(model, **SMALL) as engine:
-            async with serve_in_process(create_app(engine, served_model_name=(name,))) as url:
+            async with serve_in_process(
+                create_app(OneModel(engine), served_model_name=(name,))
+            ) as url:
                 async with client(url) as api:
                     await four_streams(api, name, alone)
     together: dict = {}

@@ -15,6 +15,7 @@ from stepline.actors.scheduler.warmup import Warmup
 from stepline.api import Engine, SamplingParams
 from stepline.api.http.app import create_app
 from stepline.api.http.serve import serve_in_process
+from stepline.api.pipeline.served import OneModel
 from stepline.engine.runner import ModelRunner
 from stepline.events.log import read_events
 from stepline.events.models import ChunkPrefilled, StepFinished, StepPlanned, TokensSampled
@@ -142,7 +143,10 @@ async def test_health_says_ok_at_once_and_warming_up_until_the_warm_up_is_done(
     real_run = Warmup.run
     monkeypatch.setattr(Warmup, "run", lambda self, stop: go.wait(30) and real_run(self, stop))
     async with Engine.open(str(demo.path), max_step_tokens=64) as engine:
-        async with serve_in_process(create_app(engine)) as url, httpx.AsyncClient() as http:
+        async with (
+            serve_in_process(create_app(OneModel(engine))) as url,
+            httpx.AsyncClient() as http,
+        ):
             early = (await http.get(f"{url}/health")).json()
             go.set()
             await _warmed_up(engine)

@@ -1,6 +1,6 @@
 """The Anthropic Messages API: `POST /v1/messages` (streamed or not) and
 `POST /v1/messages/count_tokens`, a thin adapter over the pipeline every door shares
-(`Serving.start` / `pieces` / `stream` / `handle`): one event log, prefix cache, cancellation
+(`Serving.handle` / `start` / `stream`): one event log, prefix cache, cancellation
 path, parameter builder, output splitter and stream writer. Messages and stream events are
 the `anthropic` package's own types.
 
@@ -15,7 +15,7 @@ connection (`resume`).
 from __future__ import annotations
 
 import uuid
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from anthropic import types as sdk
 from fastapi import APIRouter, Request
@@ -27,7 +27,14 @@ from stepline.api.anthropic.wire import ANTHROPIC, event
 from stepline.api.pipeline.agents import AgentPlan, plan, reads_template_kwarg
 from stepline.api.pipeline.errors import APIError
 from stepline.api.pipeline.model_output import OutputDelta, ToolCall, split_output
-from stepline.api.pipeline.serving import Call, Piece, Serving, Started, client_of
+from stepline.api.pipeline.serving import (
+    Call,
+    Piece,
+    RequestContext,
+    Serving,
+    Started,
+    client_of,
+)
 
 if TYPE_CHECKING:
     from stepline.actors.request import RequestOutput
@@ -39,10 +46,13 @@ class AnthropicDoor:
     def __init__(self, serving: Serving):
         self.serving = serving
 
-    def _plan(self, req: schema.MessagesRequest | schema.CountTokensRequest) -> AgentPlan:
+    def _plan(
+        self, ctx: RequestContext[schema.MessagesRequest | schema.CountTokensRequest]
+    ) -> AgentPlan:
+        req = ctx.body
         choice, parallel = schema.tool_choice(req)
         kwargs = schema.template_kwargs(req)
-        tokenizer = self.serving.engine.tokenizer
+        tokenizer = ctx.engine.tokenizer
         if not reads_template_kwarg(tokenizer, "enable_thinking"):
             kwargs.pop("enable_thinking", None)  # a model that does not think: nothing to turn on
         return plan(
@@ -51,36 +61,35 @@ class AnthropicDoor:
             tool_choice=choice,
             parallel_tool_calls=parallel,
             schema=req.answer_schema,
-            template_kwargs={**self.serving.default_template_kwargs, **kwargs},
+            template_kwargs={**ctx.model.default_template_kwargs, **kwargs},
             schema_param=req.schema_param,
         )
 
-    async def count_tokens(self, request: Request, rid: str) -> Response:
-        req = await self.serving.parse(request, schema.CountTokensRequest, generates=False)
-        agent = self._plan(req)
-        messages = await self.serving.with_images(schema.engine_messages(req))
+    async def count_tokens(self, ctx: RequestContext[schema.CountTokensRequest]) -> Response:
+        agent = self._plan(ctx)
+        messages = await self.serving.with_images(ctx, schema.engine_messages(ctx.body))
         prepared = await self.serving.prepare(
-            messages=messages, template_kwargs=agent.template_kwargs
+            ctx, messages=messages, template_kwargs=agent.template_kwargs
         )
         return JSONResponse({"input_tokens": len(prepared.ids)})
 
-    async def messages(self, request: Request, rid: str) -> Response:
-        serving = self.serving
-        req = await serving.parse(request, schema.MessagesRequest)
+    async def messages(self, ctx: RequestContext[schema.MessagesRequest]) -> Response:
+        serving, request, rid, req = self.serving, ctx.request, ctx.rid, ctx.body
         started = await serving.start(
+            ctx,
             Call(
                 rid,
                 req,
-                self._plan(req),
+                self._plan(ctx),
                 "messages",
                 messages=schema.engine_messages(req),
                 max_tokens=req.max_tokens,
                 # Thinking splits out when the request turns it on, or the server's parser is.
-                reasoning=serving.reasoning or (req.thinking is not None and req.thinking.on),
+                reasoning=ctx.model.reasoning or (req.thinking is not None and req.thinking.on),
                 think_budget=req.think_budget,
                 headers={"request-id": rid},
                 client=client_of(request.headers, req.user_id),
-            )
+            ),
         )
         if req.stream:
             renderer = MessageRenderer(self, req, started)
@@ -90,12 +99,12 @@ class AnthropicDoor:
             return serving.stream(started, renderer, ANTHROPIC, record=record)
         outs = await serving.collect(request, started)
         split = split_output("".join(o.text for o in outs), started.fmt, started.tools)
-        stop_reason, stop_sequence = self.stop_reason(req, outs, split.tool_calls)
+        stop_reason, stop_sequence = self.stop_reason(ctx, outs, split.tool_calls)
         body = sdk.Message(
             id=rid,
             type="message",
             role="assistant",
-            model=serving.response_model(req.model),
+            model=ctx.response_model,
             content=_blocks(split),
             stop_reason=stop_reason,  # type: ignore[arg-type]
             stop_sequence=stop_sequence,
@@ -104,15 +113,16 @@ class AnthropicDoor:
         return Response(_json(body), media_type="application/json", headers=started.headers)
 
     def stop_reason(
-        self, req: schema.MessagesRequest, outs: list[RequestOutput], calls: list[ToolCall]
+        self, ctx: RequestContext[Any], outs: list[RequestOutput], calls: list[ToolCall]
     ) -> tuple[str, str | None]:
         """Anthropic's stop_reason, and the stop sequence that ended the text, if one did."""
+        req: schema.MessagesRequest = ctx.body
         reason = outs[-1].finish_reason or "stop"
         if reason != "stop":
             return _STOP_REASONS.get(reason, reason), None
         if calls:
             return "tool_use", None
-        tokenizer = self.serving.engine.tokenizer
+        tokenizer = ctx.engine.tokenizer
         ids = [t for o in outs for t in o.token_ids]
         eos = set(tokenizer.eos_token_ids or ())
         if ids and ids[-1] in eos or not req.stop_sequences:
@@ -192,7 +202,7 @@ class MessageRenderer:
         frames.extend(self._pieces(piece.delta))
         if out.finish_reason is not None:
             frames.extend(self._close())
-            reason, sequence = self.door.stop_reason(self.req, self.outs, self.calls)
+            reason, sequence = self.door.stop_reason(self.started.ctx, self.outs, self.calls)
             usage = _usage(out)  # streamed usage carries input and cache counts too
             delta = sdk.RawMessageDeltaEvent(
                 type="message_delta",
@@ -213,7 +223,7 @@ class MessageRenderer:
             id=self.started.rid,
             type="message",
             role="assistant",
-            model=self.door.serving.response_model(self.req.model),
+            model=self.started.ctx.response_model,
             content=[],
             stop_reason=None,
             stop_sequence=None,
@@ -277,11 +287,21 @@ def router(serving: Serving) -> APIRouter:
 
     @routes.post("/v1/messages")
     async def messages(request: Request) -> Response:
-        return await serving.handle(request, f"msg_{uuid.uuid4().hex}", door.messages, ANTHROPIC)
+        rid = f"msg_{uuid.uuid4().hex}"
+        return await serving.handle(
+            request, rid, door.messages, ANTHROPIC, body=schema.MessagesRequest
+        )
 
     @routes.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:
         rid = f"count_{uuid.uuid4().hex}"
-        return await serving.handle(request, rid, door.count_tokens, ANTHROPIC, generates=False)
+        return await serving.handle(
+            request,
+            rid,
+            door.count_tokens,
+            ANTHROPIC,
+            body=schema.CountTokensRequest,
+            generates=False,
+        )
 
     return routes

@@ -15,7 +15,7 @@ Errors are in the shape of the door a path belongs to (OpenAI's
 from __future__ import annotations
 
 import hmac
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -23,6 +23,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
@@ -35,23 +37,22 @@ from stepline.api.pipeline.resume import presented_key, resume_response
 from stepline.api.pipeline.serving import Serving
 
 if TYPE_CHECKING:
-    from stepline.api.engine import Engine
-    from stepline.api.pool import ModelPool
+    from stepline.api.pipeline.served import Models
 
 log = structlog.get_logger(__name__)
 
 
 def create_app(
-    engine: Engine | ModelPool,
+    models: Models[Any],
     *,
     interrupted_responses: Sequence[tuple[str, float]] = (),
     **options: Any,
 ) -> FastAPI:
-    """The HTTP app serving `engine`, or the models of a pool (api/pool.py); `options` are
-    `ServerConfig`'s fields (its `api_key`, `max_body_bytes`, `served_model_name`,
-    `strict_max_tokens`, ...; the process's, such as `host`, are ignored here).
-    `interrupted_responses`: (id, admitted at) of what the event log says a restart cut off
-    (`responses.recovery`), answered as failed.
+    """The HTTP app serving `models`: a pool's (api/pool.py), or a single engine's
+    (`OneModel(engine)`, api/pipeline/served.py); `options` are `ServerConfig`'s fields (its
+    `api_key`, `max_body_bytes`, `served_model_name`, `strict_max_tokens`, ...; the
+    process's, such as `host`, are ignored here). `interrupted_responses`: (id, admitted at)
+    of what the event log says a restart cut off (`responses.recovery`), answered as failed.
 
     With `api_key`, every route but / and /health (and /metrics with `metrics_public`) wants
     `Authorization: Bearer <api_key>` or `x-api-key: <api_key>` (401 otherwise): the API,
@@ -59,9 +60,36 @@ def create_app(
     for a bad option, and for agent options the model cannot honour.
     """
     config = ServerConfig(**options)
-    serving = Serving(engine, config, interrupted_responses)
+    serving = Serving(models, config, interrupted_responses)
     app = FastAPI(title="stepline", summary="OpenAI-compatible LLM server", version="0.1.0")
     app.state.serving = serving
+    _add_error_handlers(app)
+    for door in doors():
+        app.include_router(door.routes(serving))
+    _add_server_routes(app, serving)
+    # Middleware: the last added runs first.
+    if config.api_key is not None:
+        open_paths = {"/", "/health", "/metrics"} if config.metrics_public else {"/", "/health"}
+        app.add_middleware(RequireKey, api_key=config.api_key, open_paths=frozenset(open_paths))
+    if config.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(config.allowed_origins),
+            allow_methods=["GET", "POST", "DELETE"],
+            allow_headers=[
+                "authorization",
+                "content-type",
+                "x-api-key",
+                "last-event-id",
+                "x-stepline-resumable",
+            ],
+            expose_headers=["x-request-id", "retry-after"],
+        )
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error as a JSON body in the shape of the door its path belongs to."""
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> Response:
@@ -86,10 +114,12 @@ def create_app(
         err = APIError(400, "the request is malformed", code="invalid_value")
         return error_response(request.url.path, err)
 
-    # -- routes: the doors', then the server's own --
 
-    for door in doors():
-        app.include_router(door.routes(serving))
+def _add_server_routes(app: FastAPI, serving: Serving) -> None:
+    """The server's own routes: resumed streams, the root probe, /health and /metrics."""
+    config, models = serving.config, serving.models
+    registry = CollectorRegistry()
+    registry.register(_Metrics(models))
 
     @app.get("/v1/requests/{request_id}/stream")
     async def resume_stream(request: Request, request_id: str) -> Response:
@@ -100,55 +130,27 @@ def create_app(
         # Clients probe it before their first request (Claude Code sends `HEAD /`).
         return JSONResponse({"status": "ok", "model": serving.model_name})
 
-    pool = serving.models.pool
-    if pool is not None:
-        registry = CollectorRegistry()
-        registry.register(pool)  # every model's metrics, labelled by model
-
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
-        if pool is not None:  # each model's state: one model's fault is that model's
-            return JSONResponse(pool.health())
-        if engine.healthy:  # type: ignore[union-attr]
-            body: dict[str, Any] = {"status": "ok", "model": serving.model_name}
-            if engine.warming_up:
-                body["warming_up"] = True  # serving; step times learned, not yet measured
-            if (problem := engine.event_log_problem) is not None:
-                # Still serving (200), but the record of what it serves is lost: say so.
-                body.update(status="degraded", event_log=problem)
-            return JSONResponse(body)
-        reason = engine.unhealthy_reason or "the engine is shut down"
-        if config.api_key is not None and not has_key(request.headers, config.api_key.encode()):
-            # /health is open to all: what broke, but its detail (an exception's text) only
-            # for those with the key.
-            reason = reason.split(":", 1)[0] + " (send the API key for the detail)"
-        return JSONResponse({"status": "unhealthy", "reason": reason}, status_code=503)
+        # /health is open to all: the detail of what broke only for those with the key.
+        key = config.api_key
+        detail = key is None or has_key(request.headers, key.encode())
+        body = models.health(detail=detail)
+        return JSONResponse(body, status_code=503 if body["status"] == "unhealthy" else 200)
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        source = registry if pool is not None else engine.metrics.registry  # type: ignore[union-attr]
-        return Response(generate_latest(source), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    # -- middleware: the last added runs first --
 
-    if config.api_key is not None:
-        open_paths = {"/", "/health", "/metrics"} if config.metrics_public else {"/", "/health"}
-        app.add_middleware(RequireKey, api_key=config.api_key, open_paths=frozenset(open_paths))
-    if config.allowed_origins:
-        app.add_middleware(
-            CORSMiddleware,
-            allow_origins=list(config.allowed_origins),
-            allow_methods=["GET", "POST", "DELETE"],
-            allow_headers=[
-                "authorization",
-                "content-type",
-                "x-api-key",
-                "last-event-id",
-                "x-stepline-resumable",
-            ],
-            expose_headers=["x-request-id", "retry-after"],
-        )
-    return app
+class _Metrics(Collector):
+    """The server's models' metrics (`Models.collect`), as a prometheus_client collector."""
+
+    def __init__(self, models: Models[Any]):
+        self.models = models
+
+    def collect(self) -> Iterable[Metric]:
+        return self.models.collect()
 
 
 class RequireKey:

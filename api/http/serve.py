@@ -18,7 +18,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import anyio
 import structlog
@@ -38,6 +38,9 @@ from stepline.api.http.guard import (
 from stepline.api.http.loading import loading_app
 from stepline.api.http.log_config import configure_logging
 from stepline.api.responses.recovery import interrupted_responses
+
+if TYPE_CHECKING:
+    from stepline.api.pipeline.served import Models
 
 log = structlog.get_logger(__name__)
 
@@ -250,8 +253,10 @@ async def _serve(
     """Serve `model` (or a pool's models) on `sock` until a stop; raises EngineFailed when a
     single model's engine fails."""
     asyncio.get_running_loop().set_exception_handler(RateLimitedExceptionHandler())
-    several = isinstance(model, PoolConfig)
-    loading_name = ", ".join(s.name for s in model.models) if several else model  # type: ignore[union-attr]
+    if isinstance(model, PoolConfig):
+        loading_name: str | None = ", ".join(s.name for s in model.models)
+    else:
+        loading_name = model
     switch = _AppSwitch(loading_app(loading_name or "SmolLM2-135M-Instruct"))
     config = server_config(switch, cfg, log_level=cfg.log_level, access_log=True)
     server = _Server(config, own_signals=True)
@@ -313,16 +318,18 @@ class _Up:
     url: str
     interrupted: list[tuple[str, float]]  # background responses a crash cut off
 
-    async def start_app(self, served: Any, on_shutdown: Callable[[], object]) -> None:
-        """Serve `served` (an engine, or a pool of models) with the real app from now on."""
+    async def start_app(self, models: Models[Any]) -> None:
+        """Serve `models` (a pool, or `OneModel`: a pool of one) with the real app from now
+        on; a stop begins with their `begin_shutdown`."""
         create_app = (await self.app_modules.module()).create_app
-        self.server.on_shutdown = on_shutdown
+        self.server.on_shutdown = models.begin_shutdown
         options = self.cfg.model_dump()
-        self.switch.app = create_app(served, interrupted_responses=self.interrupted, **options)
+        self.switch.app = create_app(models, interrupted_responses=self.interrupted, **options)
 
 
 async def _serve_engine(model: str | None, engine_kwargs: dict, up: _Up) -> None:
     from stepline.api.engine import Engine
+    from stepline.api.pipeline.served import OneModel
 
     cfg, url = up.cfg, up.url
 
@@ -330,7 +337,7 @@ async def _serve_engine(model: str | None, engine_kwargs: dict, up: _Up) -> None
     opened = Engine.open(model, mlx_wait_at_close_s=MLX_WAIT_AT_EXIT_S, **engine_kwargs)
     async with opened as engine:
         names = cfg.served_model_name or (engine.model_name,)
-        await up.start_app(engine, engine.begin_shutdown)
+        await up.start_app(OneModel(engine))
         print(
             f"stepline: loaded {engine.model_name} from {engine.loaded.path} in "
             f"{time.monotonic() - t0:.1f} s; weights {engine.loaded.weights}",
@@ -366,7 +373,7 @@ async def _serve_pool(pool_config: PoolConfig, engine_kwargs: dict, up: _Up) -> 
         mlx_wait_at_close_s=MLX_WAIT_AT_EXIT_S,
     )
     async with opened as pool:
-        await up.start_app(pool, pool.begin_shutdown)
+        await up.start_app(pool)
         print(
             f"stepline: serving {', '.join(pool.names)} at {up.url}/v1 (OpenAI-compatible); "
             f"memory budget {pool.budget_bytes / 2**30:.1f} GB",

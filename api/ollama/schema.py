@@ -90,7 +90,7 @@ class OllamaRequest(_Request):
     def opts(self) -> Options:
         return self.options or NO_OPTIONS
 
-    # The sampling fields by their engine names (`Serving.sampling`).
+    # The sampling fields by their engine names (`Starter.sampling`).
     @property
     def temperature(self) -> float | None:
         return self.opts.temperature

@@ -36,7 +36,14 @@ from stepline.api.pipeline.agents import (
 from stepline.api.pipeline.errors import APIError
 from stepline.api.pipeline.model_output import OutputDelta, ToolCall, split_output
 from stepline.api.pipeline.served import ServedModel
-from stepline.api.pipeline.serving import Call, Piece, Serving, Started, client_of
+from stepline.api.pipeline.serving import (
+    Call,
+    Piece,
+    RequestContext,
+    Serving,
+    Started,
+    client_of,
+)
 
 if TYPE_CHECKING:
     from stepline.actors.request import RequestOutput
@@ -155,16 +162,16 @@ class OllamaDoor:
     def tags(self) -> dict[str, Any]:
         """Every served model, loaded or not."""
         cards = []
-        for name in self.serving.models.listed_names:
-            served = self.serving.models.loaded(name)
+        for name in self.serving.models.listed:
+            served = self.serving.loaded(name)
             cards.append(self.card(name, self.facts(served) if served is not None else None))
         return {"models": cards}
 
     def ps(self) -> dict[str, Any]:
         """The loaded models."""
         models = []
-        for name in self.serving.models.listed_names:
-            served = self.serving.models.loaded(name)
+        for name in self.serving.models.listed:
+            served = self.serving.loaded(name)
             if served is None:
                 continue
             card = self.card(name, self.facts(served))
@@ -173,28 +180,28 @@ class OllamaDoor:
             models.append({**card, "expires_at": NEVER, "context_length": context})
         return {"models": models}
 
-    async def show(self, request: Request, rid: str) -> Response:
-        await self.serving.parse(request, ShowRequest, generates=False, any_media_type=True)
-        tokenizer = self.serving.engine.tokenizer
-        f = self.facts(self.serving.model)
+    async def show(self, ctx: RequestContext[ShowRequest]) -> Response:
+        engine = ctx.engine
+        tokenizer = engine.tokenizer
+        f = self.facts(ctx.model)
         capabilities = ["completion"]
         if tools_unusable(tokenizer, parse=True) is None:
             capabilities.append("tools")
         if getattr(tokenizer, "think_start", None):
             capabilities.append("thinking")
-        if self.serving.engine.accepts_images:  # what Ollama's clients look for to send images
+        if engine.accepts_images:  # what Ollama's clients look for to send images
             capabilities.append("vision")
         template = getattr(tokenizer, "chat_template", None)
         return JSONResponse(
             {
-                "modelfile": f"# served by stepline from {self.serving.engine.loaded.path}",
+                "modelfile": f"# served by stepline from {engine.loaded.path}",
                 "parameters": "",
                 "template": template if isinstance(template, str) else "",
                 "details": self.details(f),
                 "model_info": {
                     "general.architecture": f.family,
                     "general.parameter_count": f.num_params,
-                    f"{f.family}.context_length": self.serving.engine.max_context,
+                    f"{f.family}.context_length": engine.max_context,
                 },
                 "capabilities": capabilities,
                 "modified_at": f.modified_at,
@@ -203,15 +210,15 @@ class OllamaDoor:
 
     # -- chat and generate --
 
-    def _plan(self, req: OllamaRequest, tools: Any = None) -> AgentPlan:
-        serving = self.serving
-        tokenizer = serving.engine.tokenizer
-        kwargs = dict(serving.default_template_kwargs)
+    def _plan(self, ctx: RequestContext[Any], tools: Any = None) -> AgentPlan:
+        req: OllamaRequest = ctx.body
+        tokenizer = ctx.engine.tokenizer
+        kwargs = dict(ctx.model.default_template_kwargs)
         think = req.thinking()
         if think and not getattr(tokenizer, "think_start", None):
             raise APIError(
                 400,
-                f"{serving.model.name!r} does not support thinking: drop `think`",
+                f"{ctx.model.name!r} does not support thinking: drop `think`",
                 param="think",
                 code="unsupported_parameter",
             )
@@ -227,46 +234,42 @@ class OllamaDoor:
             schema_param="format",
         )
 
-    async def chat(self, request: Request, rid: str) -> Response:
-        t0 = time.time()
-        req = await self.serving.parse(request, ChatRequest, any_media_type=True)
+    async def chat(self, ctx: RequestContext[ChatRequest]) -> Response:
+        req = ctx.body
         if not req.messages:  # Ollama's way to load a model: it is loaded
-            body = self._head(req, {"message": {"role": "assistant", "content": ""}})
+            body = self._head(ctx, {"message": {"role": "assistant", "content": ""}})
             return JSONResponse({**body, "done": True, "done_reason": "load"})
-        call = Call(rid, req, self._plan(req, req.tools), "messages", req.engine_messages())
-        return await self._answer(request, req, call, t0, chat=True)
+        call = Call(ctx.rid, req, self._plan(ctx, req.tools), "messages", req.engine_messages())
+        return await self._answer(ctx, call, chat=True)
 
-    async def generate(self, request: Request, rid: str) -> Response:
-        t0 = time.time()
-        req = await self.serving.parse(request, GenerateRequest, any_media_type=True)
+    async def generate(self, ctx: RequestContext[GenerateRequest]) -> Response:
+        req = ctx.body
         if not req.prompt and not req.system:  # Ollama's way to load a model: it is loaded
-            body = self._head(req, {"response": ""})
+            body = self._head(ctx, {"response": ""})
             return JSONResponse({**body, "done": True, "done_reason": "load"})
         prompt, messages = req.engine_input()
-        call = Call(rid, req, self._plan(req), "prompt", messages, prompt)
-        return await self._answer(request, req, call, t0, chat=False)
+        call = Call(ctx.rid, req, self._plan(ctx), "prompt", messages, prompt)
+        return await self._answer(ctx, call, chat=False)
 
-    async def _answer(
-        self, request: Request, req: OllamaRequest, call: Call, t0: float, *, chat: bool
-    ) -> Response:
+    async def _answer(self, ctx: RequestContext[Any], call: Call, *, chat: bool) -> Response:
         """`call` (with the request's token limit and thinking) streamed, or whole."""
-        serving = self.serving
+        serving, req = self.serving, ctx.body
         call.max_tokens = req.max_tokens
         call.max_tokens_param = "options.num_predict"
-        call.reasoning = serving.reasoning or bool(req.thinking())
-        call.client = client_of(request.headers)  # Ollama's requests name no user
-        started = await serving.start(call)
-        renderer = OllamaRenderer(self, req, started, t0, chat=chat)
+        call.reasoning = ctx.model.reasoning or bool(req.thinking())
+        call.client = client_of(ctx.request.headers)  # Ollama's requests name no user
+        started = await serving.start(ctx, call)
+        renderer = OllamaRenderer(self, req, started, chat=chat)
         if req.stream:
             return serving.stream(started, renderer, OLLAMA)
-        outs = await serving.collect(request, started)
+        outs = await serving.collect(ctx.request, started)
         split = split_output("".join(o.text for o in outs), started.fmt, started.tools)
         body = {**renderer.body(split), **renderer.done(outs[-1])}
         return Response(to_json(body), media_type="application/json", headers=started.headers)
 
-    def _head(self, req: OllamaRequest, fields: dict[str, Any]) -> dict[str, Any]:
+    def _head(self, ctx: RequestContext[Any], fields: dict[str, Any]) -> dict[str, Any]:
         return {
-            "model": self.serving.response_model(req.model),
+            "model": ctx.response_model,
             "created_at": _now(),
             **fields,
         }
@@ -281,12 +284,11 @@ class OllamaRenderer:
     """One answer as Ollama's JSON lines: a line per piece of text, thinking or completed
     tool calls (`"done": false`), then the last line with the counts and durations."""
 
-    def __init__(
-        self, door: OllamaDoor, req: OllamaRequest, started: Started, t0: float, *, chat: bool
-    ):
+    def __init__(self, door: OllamaDoor, req: OllamaRequest, started: Started, *, chat: bool):
         self.door, self.req, self.chat = door, req, chat
+        self.ctx = started.ctx
         self.splitter = started.splitter()
-        self.t0 = t0  # when the request arrived (time.time())
+        self.t0 = started.ctx.arrived_at  # when the request came (time.time())
 
     def body(self, delta: OutputDelta) -> dict[str, Any]:
         """A line's answer part: the chat message, or generate's `response`."""
@@ -296,16 +298,16 @@ class OllamaRenderer:
                 message["thinking"] = delta.reasoning
             if delta.tool_calls:
                 message["tool_calls"] = [_call(c) for c in delta.tool_calls]
-            return self.door._head(self.req, {"message": message})
+            return self.door._head(self.ctx, {"message": message})
         fields: dict[str, Any] = {"response": delta.content}
         if delta.reasoning:
             fields["thinking"] = delta.reasoning
-        return self.door._head(self.req, fields)
+        return self.door._head(self.ctx, fields)
 
     def done(self, out: RequestOutput) -> dict[str, Any]:
         """The last line's own fields; when the first token came is the engine's record."""
         end = time.time()
-        state = self.door.serving.engine.step_loop.state_of(out.request_id)
+        state = self.ctx.engine.step_loop.state_of(out.request_id)
         first = state.first_token_ts if state is not None and state.first_token_ts else end
         return {
             "done": True,
@@ -343,16 +345,30 @@ def router(serving: Serving) -> APIRouter:
 
     @routes.post("/api/chat")
     async def chat(request: Request) -> Response:
-        return await serving.handle(request, f"ollama-{uuid.uuid4().hex}", door.chat, OLLAMA)
+        rid = f"ollama-{uuid.uuid4().hex}"
+        return await serving.handle(
+            request, rid, door.chat, OLLAMA, body=ChatRequest, any_media_type=True
+        )
 
     @routes.post("/api/generate")
     async def generate(request: Request) -> Response:
-        return await serving.handle(request, f"ollama-{uuid.uuid4().hex}", door.generate, OLLAMA)
+        rid = f"ollama-{uuid.uuid4().hex}"
+        return await serving.handle(
+            request, rid, door.generate, OLLAMA, body=GenerateRequest, any_media_type=True
+        )
 
     @routes.post("/api/show")
     async def show(request: Request) -> Response:
         rid = f"show-{uuid.uuid4().hex}"
-        return await serving.handle(request, rid, door.show, OLLAMA, generates=False)
+        return await serving.handle(
+            request,
+            rid,
+            door.show,
+            OLLAMA,
+            body=ShowRequest,
+            generates=False,
+            any_media_type=True,
+        )
 
     @routes.get("/api/tags")
     async def tags() -> JSONResponse:

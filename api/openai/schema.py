@@ -68,7 +68,7 @@ class _SamplingFields(_Request):
     model: str | None = None  # None: the model this server serves
     # Every numeric field is bounded here (non-finite numbers are refused by the model config);
     # the bounds that need the model (top_k, stop_token_ids within the vocabulary) are checked
-    # where a request becomes SamplingParams (serving.Serving.sampling).
+    # where a request becomes SamplingParams (start.Starter.sampling).
     # At most the context's room: clamped to it later (or refused, --strict-max-tokens).
     max_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     # 0 = greedy, and so is anything below 1e-5 (dividing logits by ~0 overflows).

@@ -33,7 +33,15 @@ from stepline.api.openai import agents
 from stepline.api.openai.schema import ChatCompletionRequest, CompletionRequest
 from stepline.api.pipeline.errors import OPENAI, APIError
 from stepline.api.pipeline.model_output import split_output
-from stepline.api.pipeline.serving import Call, Piece, Serving, Started, client_of, json_response
+from stepline.api.pipeline.serving import (
+    Call,
+    Piece,
+    RequestContext,
+    Serving,
+    Started,
+    client_of,
+    json_response,
+)
 from stepline.api.pipeline.writer import PING, TextFrames
 
 if TYPE_CHECKING:
@@ -64,15 +72,15 @@ class OpenAIDoor:
         self.serving = serving
         self.created = int(time.time())
 
-    def token_text(self, token_id: int) -> str:
-        return self.serving.model.token_text(token_id)
-
-    def chat_logprobs(self, lps: Sequence[TokenLogprob]) -> list[ChatCompletionTokenLogprob]:
+    def chat_logprobs(
+        self, ctx: RequestContext[Any], lps: Sequence[TokenLogprob]
+    ) -> list[ChatCompletionTokenLogprob]:
+        token_text = ctx.model.token_text
         out = []
         for lp in lps:
-            token = self.token_text(lp.token_id)
+            token = token_text(lp.token_id)
             top = [
-                TopLogprob(token=(t := self.token_text(i)), logprob=v, bytes=list(t.encode()))
+                TopLogprob(token=(t := token_text(i)), logprob=v, bytes=list(t.encode()))
                 for i, v in lp.top
             ]
             out.append(
@@ -82,8 +90,11 @@ class OpenAIDoor:
             )
         return out
 
-    def completion_logprobs(self, lps: Sequence[TokenLogprob], text_offset: int) -> Logprobs:
-        tokens = [self.token_text(lp.token_id) for lp in lps]
+    def completion_logprobs(
+        self, ctx: RequestContext[Any], lps: Sequence[TokenLogprob], text_offset: int
+    ) -> Logprobs:
+        token_text = ctx.model.token_text
+        tokens = [token_text(lp.token_id) for lp in lps]
         offsets = []
         for t in tokens:
             offsets.append(text_offset)
@@ -91,19 +102,20 @@ class OpenAIDoor:
         return Logprobs(
             tokens=tokens,
             token_logprobs=[lp.logprob for lp in lps],
-            top_logprobs=[{self.token_text(i): v for i, v in lp.top} for lp in lps],
+            top_logprobs=[{token_text(i): v for i, v in lp.top} for lp in lps],
             text_offset=offsets,
         )
 
     # -- /v1/chat/completions --
 
-    async def chat(self, request: Request, rid: str) -> Response:
-        serving = self.serving
-        req = await serving.parse(request, ChatCompletionRequest)
+    async def chat(self, ctx: RequestContext[ChatCompletionRequest]) -> Response:
+        serving, request, rid, req = self.serving, ctx.request, ctx.rid, ctx.body
         num_logprobs = req.num_logprobs
-        agent = agents.chat_plan(req, serving.engine.tokenizer, serving.default_template_kwargs)
+        model = ctx.model
+        agent = agents.chat_plan(req, model.engine.tokenizer, model.default_template_kwargs)
         # Chat boundaries (end of the system prompt, of earlier turns) feed the prefix cache.
         started = await serving.start(
+            ctx,
             Call(
                 rid,
                 req,
@@ -115,14 +127,13 @@ class OpenAIDoor:
                 if req.max_completion_tokens
                 else "max_tokens",
                 logprobs=num_logprobs,
-                reasoning=serving.reasoning,
+                reasoning=model.reasoning,
                 client=client_of(request.headers, req.user),
-            )
+            ),
         )
         created = int(time.time())
-        model = serving.response_model(req.model)
         if req.stream:
-            renderer = ChatRenderer(self, started, req, model, created)
+            renderer = ChatRenderer(self, started, req, created)
             return self._stream(request, started, renderer, req.resumable)
         outs = await serving.collect(request, started)
         last = outs[-1]
@@ -130,7 +141,7 @@ class OpenAIDoor:
         logprobs = None
         if num_logprobs is not None:
             lps = [lp for o in outs for lp in o.logprobs]
-            logprobs = chat_completion.ChoiceLogprobs(content=self.chat_logprobs(lps))
+            logprobs = chat_completion.ChoiceLogprobs(content=self.chat_logprobs(ctx, lps))
         choice = chat_completion.Choice(
             index=0,
             message=agents.message(split, parallel=req.parallel_tool_calls),
@@ -141,7 +152,7 @@ class OpenAIDoor:
             id=rid,
             object="chat.completion",
             created=created,
-            model=model,
+            model=ctx.response_model,
             choices=[choice],
             usage=usage(last),
         )
@@ -156,11 +167,11 @@ class OpenAIDoor:
 
     # -- /v1/completions --
 
-    async def completions(self, request: Request, rid: str) -> Response:
-        serving = self.serving
-        req = await serving.parse(request, CompletionRequest)
-        agent = agents.completion_plan(req, serving.engine.tokenizer)
+    async def completions(self, ctx: RequestContext[CompletionRequest]) -> Response:
+        serving, request, rid, req = self.serving, ctx.request, ctx.rid, ctx.body
+        agent = agents.completion_plan(req, ctx.engine.tokenizer)
         started = await serving.start(
+            ctx,
             Call(
                 rid,
                 req,
@@ -171,18 +182,17 @@ class OpenAIDoor:
                 default_max_tokens=DEFAULT_COMPLETION_MAX_TOKENS,
                 logprobs=req.logprobs,
                 client=client_of(request.headers, req.user),
-            )
+            ),
         )
         created = int(time.time())
-        model = serving.response_model(req.model)
         if req.stream:
-            renderer = CompletionRenderer(self, started, req, model, created)
+            renderer = CompletionRenderer(self, started, req, created)
             return self._stream(request, started, renderer, req.resumable)
         outs = await serving.collect(request, started)
         last = outs[-1]
         logprobs = None
         if req.logprobs is not None:
-            logprobs = self.completion_logprobs([lp for o in outs for lp in o.logprobs], 0)
+            logprobs = self.completion_logprobs(ctx, [lp for o in outs for lp in o.logprobs], 0)
         choice = CompletionChoice(
             index=0,
             text="".join(o.text for o in outs),
@@ -193,7 +203,7 @@ class OpenAIDoor:
             id=rid,
             object="text_completion",
             created=created,
-            model=model,
+            model=ctx.response_model,
             choices=[choice],
             usage=usage(last),
         )
@@ -205,17 +215,17 @@ class OpenAIDoor:
         """`name`'s card: with its context (vLLM's `max_model_len`) once it is loaded, and in a
         server of several models whether it is (`loaded`, stepline's)."""
         extra: dict[str, Any] = {}
-        served = self.serving.models.loaded(name)
+        served = self.serving.loaded(name)
         if served is not None:
             extra["max_model_len"] = served.engine.max_context
-        if self.serving.models.pool is not None:
+        if self.serving.models.on_demand:
             extra["loaded"] = served is not None
         return Model(id=name, object="model", created=self.created, owned_by="stepline", **extra)
 
     def models(self) -> dict[str, Any]:
         """Every served model under its first name, loaded or not (their other names are
         accepted as `model` too)."""
-        cards = [self.model_card(name) for name in self.serving.models.listed_names]
+        cards = [self.model_card(name) for name in self.serving.models.listed]
         return {"object": "list", "data": [c.model_dump(exclude_unset=True) for c in cards]}
 
 
@@ -232,12 +242,11 @@ class _StreamRenderer:
         door: OpenAIDoor,
         started: Started,
         req: ChatCompletionRequest | CompletionRequest,
-        model: str,
         created: int,
     ):
-        self.door = door
+        self.door, self.ctx = door, started.ctx
         self.splitter = started.splitter()
-        self.rid, self.model, self.created = started.rid, model, created
+        self.rid, self.model, self.created = started.rid, started.ctx.response_model, created
         self.include_usage = req.include_usage
 
     def body(self, choice: Any) -> Any:
@@ -286,10 +295,9 @@ class ChatRenderer(_StreamRenderer):
         door: OpenAIDoor,
         started: Started,
         req: ChatCompletionRequest,
-        model: str,
         created: int,
     ):
-        super().__init__(door, started, req, model, created)
+        super().__init__(door, started, req, created)
         self.req = req
         self.text_frame = TextFrames(
             self._chunk(chat_completion_chunk.ChoiceDelta(content=TextFrames.SENTINEL)),
@@ -302,7 +310,9 @@ class ChatRenderer(_StreamRenderer):
     ) -> ChatCompletionChunk:
         logprobs = None
         if self.req.logprobs:
-            logprobs = chat_completion_chunk.ChoiceLogprobs(content=self.door.chat_logprobs(lps))
+            logprobs = chat_completion_chunk.ChoiceLogprobs(
+                content=self.door.chat_logprobs(self.ctx, lps)
+            )
         choice = chat_completion_chunk.Choice(
             index=0,
             delta=delta,
@@ -346,10 +356,8 @@ class CompletionRenderer(_StreamRenderer):
     Body = Completion
     OBJECT = "text_completion"
 
-    def __init__(
-        self, door: OpenAIDoor, started: Started, req: CompletionRequest, model: str, created: int
-    ):
-        super().__init__(door, started, req, model, created)
+    def __init__(self, door: OpenAIDoor, started: Started, req: CompletionRequest, created: int):
+        super().__init__(door, started, req, created)
         self.req = req
         self.offset = 0  # characters sent so far (logprobs' text_offset)
         self.text_frame = TextFrames(self._body(TextFrames.SENTINEL), exclude_unset=True)
@@ -368,7 +376,7 @@ class CompletionRenderer(_StreamRenderer):
         out = piece.out
         frames = []
         if self.req.logprobs is not None and out.logprobs:
-            lps = self.door.completion_logprobs(out.logprobs, self.offset)
+            lps = self.door.completion_logprobs(self.ctx, out.logprobs, self.offset)
             frames.append(_json(self._body(out.text, logprobs=lps)))
         elif out.text:
             frames.append(self.text_frame(out.text))
@@ -376,7 +384,7 @@ class CompletionRenderer(_StreamRenderer):
         if out.finish_reason is not None:
             logprobs: Logprobs | None = None
             if self.req.logprobs is not None:
-                logprobs = self.door.completion_logprobs([], 0)
+                logprobs = self.door.completion_logprobs(self.ctx, [], 0)
             frames.append(_json(self._body("", finish=out.finish_reason, logprobs=logprobs)))
             frames += self.tail(out)
         return b"".join(frames)
@@ -389,11 +397,13 @@ def router(serving: Serving) -> APIRouter:
 
     @routes.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await serving.handle(request, f"chatcmpl-{uuid.uuid4().hex}", door.chat, OPENAI)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        return await serving.handle(request, rid, door.chat, OPENAI, body=ChatCompletionRequest)
 
     @routes.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await serving.handle(request, f"cmpl-{uuid.uuid4().hex}", door.completions, OPENAI)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        return await serving.handle(request, rid, door.completions, OPENAI, body=CompletionRequest)
 
     @routes.get("/v1/models")
     async def models() -> JSONResponse:

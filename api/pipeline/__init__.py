@@ -1,4 +1,7 @@
-"""What every HTTP door shares, once: reading and checking a body, turning a door's request
-into an engine request (`Call` -> `Started`), splitting the model's output (reasoning, tool
-calls), the one stream writer (numbered frames, pings, disconnects, resume) and the error
-catalogue. A door translates its wire format into a `Call` and renders `Piece`s back."""
+"""What every HTTP door shares, once, in three parts: intake (`intake.py`: reading and
+checking a body, acquiring its model, running the door's handler with the request's
+`RequestContext`, answering errors), start (`start.py`: a door's request into an engine
+request, `Call` -> `Started`) and output (`output.py`: the model's output split (reasoning,
+tool calls) into pieces, the one stream writer: numbered frames, pings, disconnects,
+resume), with the error catalogue. A door translates its wire format into a `Call` and
+renders `Piece`s back."""

@@ -3,31 +3,32 @@
 - `ServedModel`: one served model's part of the pipeline: its engine, the names clients send
   for it, and what the server's options make of its tokenizer (chat template, reasoning tags,
   template arguments, whether it reads images).
-- `ServedModels`: the server's models, one or a pool of several (api/pool.py, which builds a
-  `ServedModel` as each model loads), and the binding of a request to its model: `bind` (when
-  its body is parsed: the model loaded first) puts it in the request task's context, where the
-  door's handler and renderers read it (`current`); `unbind` (when the handler ends) lets a
-  pool unload the model once nothing needs it.
+- `Models`: what the pipeline asks of the server's models. A server of several is a
+  `ModelPool` (api/pool.py, which builds a `ServedModel` as each model loads); a single
+  `--model` is `OneModel`, a pool of one pinned model that is loaded already.
+- `RequestContext`: one request as its door's handler and renderers get it, as an argument:
+  the HTTP request, its id, its parsed body and the model serving it (acquired once its body
+  is parsed, `pipeline.intake`).
 """
 
 from __future__ import annotations
 
 import time
 import weakref
-from contextvars import Context, ContextVar
-from typing import TYPE_CHECKING, Any
-
-import anyio
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from stepline.api.config import ServerConfig
 from stepline.api.pipeline.agents import configure
-from stepline.api.pipeline.errors import APIError
 from stepline.api.pipeline.images import ImageOptions
 from stepline.engine.images import ImageLimits
 
 if TYPE_CHECKING:
+    from fastapi import Request
+    from prometheus_client.core import Metric
+
     from stepline.api.engine import Engine
-    from stepline.api.pool import ModelPool
 
 
 class ServedModel:
@@ -67,162 +68,203 @@ class ServedModel:
         return text
 
 
-class _Binding:
-    """A request's model, bound to its task by `ServedModels.bind`. It holds the model weakly:
-    a context outlives its request (a cancelled timer keeps it until its time), and must not
-    keep an unloaded model's memory; the model is loaded while its request runs."""
+# What builds a model's `ServedModel` as it loads: (its engine, the names it is served by).
+Build = Callable[["Engine", tuple[str, ...]], ServedModel]
 
-    def __init__(self, served: ServedModel, entry: Any = None):
-        self._served = weakref.ref(served)
-        self.entry = entry  # its pool entry (a server of several models), released once
-        self.released = False
+
+class ModelEntry(Protocol):
+    """One model of `Models`: its engine while it is loaded, and its `ServedModel`."""
+
+    engine: Engine | None
+    served: Any  # its `ServedModel` (`Models.attach`) while loaded
 
     @property
-    def served(self) -> ServedModel:
+    def name(self) -> str: ...
+
+
+_E = TypeVar("_E", bound=ModelEntry)
+
+
+class Models(Protocol[_E]):
+    """The server's models, as the pipeline uses them (`ModelPool`, `OneModel`)."""
+
+    @property
+    def on_demand(self) -> bool:
+        """Whether models load when asked for (a model card then says if it is loaded)."""
+        ...
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every name a client may send as `model`; the first is the default."""
+        ...
+
+    @property
+    def listed(self) -> tuple[str, ...]:
+        """Each model's first name, as /v1/models lists them."""
+        ...
+
+    def entry_of(self, name: str) -> _E | None: ...
+
+    def loaded(self) -> Sequence[_E]: ...
+
+    def attach(self, build: Build, rename: tuple[str, ...]) -> None:
+        """Build each model's `ServedModel`: now for those loaded, later as others load.
+        `rename`: `--served-model-name`, the names of a server of one model."""
+        ...
+
+    def expect(self) -> _E | None:
+        """A request's body is read: acquired now (`acquire`, counted as arriving) when its
+        model is known before the body says (a server of one model); else None."""
+        ...
+
+    def must_wait(self, name: str) -> bool:
+        """Whether `acquire(name)` waits for a load (a stream starts meanwhile)."""
+        ...
+
+    async def acquire(self, name: str) -> _E:
+        """The model `name` names, loaded; it stays loaded until `release`. Raises as
+        `ModelPool.acquire` does."""
+        ...
+
+    def release(self, entry: _E) -> None:
+        """The request that acquired `entry` is in its engine, or failed: its arrival ends."""
+        ...
+
+    def log_refusal(
+        self, request_id: str, message: str, *, code: str, status: int, model: str | None
+    ) -> None:
+        """Record a request a door refused before it reached an engine (`Engine.log_refusal`),
+        under `model` (the one it acquired), or under the run (None)."""
+        ...
+
+    def health(self, *, detail: bool) -> dict[str, Any]:
+        """/health's body (`status`: "unhealthy" for a 503); `detail`: an exception's text
+        (for a caller with the API key)."""
+        ...
+
+    def collect(self) -> Iterable[Metric]:
+        """The models' metrics (a prometheus_client collector)."""
+        ...
+
+    def begin_shutdown(self) -> int: ...
+
+
+@dataclass
+class OnlyEntry:
+    """`OneModel`'s entry: its engine, always loaded."""
+
+    engine: Engine
+    served: Any = None
+
+    @property
+    def name(self) -> str:
+        return self.served.name if self.served is not None else self.engine.model_name
+
+
+class OneModel:
+    """A pool of one pinned model: a single `--model`'s engine, open already, under its name
+    (or `--served-model-name`'s). Its requests count as arriving from when their body is read
+    (`expect`), and its /health and /metrics are its engine's, unlabelled."""
+
+    on_demand = False
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.entry = OnlyEntry(engine)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        served = self.entry.served
+        return served.names if served is not None else (self.engine.model_name,)
+
+    @property
+    def listed(self) -> tuple[str, ...]:
+        return self.names[:1]
+
+    def entry_of(self, name: str) -> OnlyEntry | None:
+        return self.entry if name in self.names else None
+
+    def loaded(self) -> list[OnlyEntry]:
+        return [self.entry]
+
+    def attach(self, build: Build, rename: tuple[str, ...]) -> None:
+        self.entry.served = build(self.engine, rename or (self.engine.model_name,))
+
+    def expect(self) -> OnlyEntry:
+        self.engine.arriving()  # until it is submitted, or the request's handler ends
+        return self.entry
+
+    def must_wait(self, name: str) -> bool:
+        return False
+
+    async def acquire(self, name: str) -> OnlyEntry:
+        return self.entry
+
+    def release(self, entry: OnlyEntry) -> None:
+        self.engine.arrived()
+
+    def log_refusal(
+        self, request_id: str, message: str, *, code: str, status: int, model: str | None
+    ) -> None:
+        self.engine.log_refusal(request_id, message, code=code, status=status)
+
+    def health(self, *, detail: bool) -> dict[str, Any]:
+        engine = self.engine
+        if engine.healthy:
+            body: dict[str, Any] = {"status": "ok", "model": self.names[0]}
+            if engine.warming_up:
+                body["warming_up"] = True  # serving; step times learned, not yet measured
+            if (problem := engine.event_log_problem) is not None:
+                # Still serving (200), but the record of what it serves is lost: say so.
+                body.update(status="degraded", event_log=problem)
+            return body
+        reason = engine.unhealthy_reason or "the engine is shut down"
+        if not detail:  # what broke, but its detail (an exception's text) only with the key
+            reason = reason.split(":", 1)[0] + " (send the API key for the detail)"
+        return {"status": "unhealthy", "reason": reason}
+
+    def collect(self) -> Iterable[Metric]:
+        return self.engine.metrics.registry.collect()
+
+    def begin_shutdown(self) -> int:
+        return self.engine.begin_shutdown()
+
+
+_R = TypeVar("_R")
+
+
+@dataclass
+class RequestContext(Generic[_R]):
+    """One request, as a door's handler (and its renderers) get it: `request`, its id `rid`,
+    its parsed `body`, and `model`, the model serving it (`entry`'s, acquired until the
+    handler ends). The model is held weakly: a context outlives its request (a kept stream's
+    record, a stored response), and must not keep an unloaded model's memory; the model is
+    loaded while its request runs."""
+
+    request: Request
+    rid: str
+    body: _R
+    entry: ModelEntry = field(repr=False)
+    arrived_at: float = field(default_factory=time.time)  # time.time() when it came
+    _served: Callable[[], ServedModel | None] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._served = weakref.ref(self.entry.served)
+
+    @property
+    def model(self) -> ServedModel:
         served = self._served()
         if served is None:
             raise RuntimeError("the request's model was unloaded after the request ended")
         return served
 
-
-# The model of the request this task serves (`ServedModels.bind`).
-_BOUND: ContextVar[_Binding | None] = ContextVar("stepline_served_model", default=None)
-# Set by `bind` when a streamed request waits for its model to load (`Serving.handle` then
-# starts its stream and pings meanwhile).
-_LOADING: ContextVar[anyio.Event | None] = ContextVar("stepline_model_loading", default=None)
-
-
-def watch_loading() -> anyio.Event:
-    """An event `bind` sets, in this context, when its streamed request must wait for its
-    model to load."""
-    loading = anyio.Event()
-    _LOADING.set(loading)
-    return loading
-
-
-def adopt_binding(ctx: Context) -> None:
-    """Bind the model `ctx` bound (a handler's task) in this task's context too."""
-    _BOUND.set(ctx.get(_BOUND))
-
-
-class ServedModels:
-    """The server's models: one engine's, or a pool's (built as they load)."""
-
-    def __init__(self, engine: Engine | ModelPool, config: ServerConfig):
-        self.pool: ModelPool | None = None
-        self.one: ServedModel | None = None
-        if hasattr(engine, "acquire"):  # several models (api/pool.py)
-            pool: ModelPool = engine  # type: ignore[assignment]
-
-            def build(engine: Engine, spec: Any) -> ServedModel:
-                return ServedModel(engine, config, spec.names)
-
-            pool.on_load = build
-            for entry in pool.loaded():  # loaded before the app existed (pinned ones)
-                entry.served = build(entry.engine, entry.spec)
-            self.pool = pool
-        else:
-            names = config.served_model_name or (engine.model_name,)  # type: ignore[union-attr]
-            self.one = ServedModel(engine, config, names)  # type: ignore[arg-type]
+    @property
+    def engine(self) -> Engine:
+        return self.model.engine
 
     @property
-    def names(self) -> tuple[str, ...]:
-        """Every name a client may send as `model`."""
-        if self.pool is not None:
-            return self.pool.names
-        assert self.one is not None
-        return self.one.names
-
-    @property
-    def listed_names(self) -> tuple[str, ...]:
-        """Each model's first name, as /v1/models lists them."""
-        if self.pool is not None:
-            return tuple(self.pool.entries)
-        assert self.one is not None
-        return (self.one.name,)
-
-    def loaded(self, name: str) -> ServedModel | None:
-        """The model `name` names, if it is loaded now."""
-        if self.pool is None:
-            return self.one if self.one is not None and name in self.one.names else None
-        entry = self.pool.entry_of(name)
-        return entry.served if entry is not None and entry.engine is not None else None
-
-    def check(self, model: str | None) -> None:
-        """Raises APIError 404 if `model` is given and not a name this server serves."""
-        if model is not None and model not in self.names:
-            names = ", ".join(repr(n) for n in self.names)
-            raise APIError(
-                404,
-                f"The model {model!r} does not exist: this server serves {names} "
-                "(see GET /v1/models)",
-                param="model",
-                code="model_not_found",
-            )
-
-    def log_refusal(self, request_id: str, message: str, *, code: str, status: int) -> None:
-        """Record in the event log a request a door refused before it reached its engine
-        (`Engine.log_refusal`): in a pool, under the model this task's request is bound to
-        (`bind`), else under the run (`ModelPool.log_refusal`)."""
-        if self.pool is None:
-            assert self.one is not None
-            self.one.engine.log_refusal(request_id, message, code=code, status=status)
-            return
-        binding = _BOUND.get()
-        entry = binding.entry if binding is not None else None
-        name = entry.spec.name if entry is not None else None
-        self.pool.log_refusal(request_id, message, code=code, status=status, model=name)
-
-    @property
-    def current(self) -> ServedModel:
-        """The model of the request this task serves (`bind`); a server of one model's."""
-        binding = _BOUND.get()
-        if binding is not None:
-            return binding.served
-        if self.one is None:
-            raise RuntimeError("no model is bound to this task: parse the request first")
-        return self.one
-
-    async def bind(self, requested: str | None, *, streams: bool = False) -> ServedModel:
-        """Bind the model `requested` names (None: the first one) to this task's request,
-        loading it first in a server of several models (the caller waits meanwhile; a request
-        that `streams` gets its stream's pings meanwhile, see `Serving.handle`); it stays
-        loaded until the request is in its engine (`unbind`). Raises APIError: 404 for a name
-        no model has, 400 for a model larger than the memory budget, 503 for one whose load
-        failed."""
-        self.check(requested)
-        if self.pool is None:
-            assert self.one is not None
-            _BOUND.set(_Binding(self.one))
-            return self.one
-        from stepline.api.pool import ModelState, ModelTooLargeError, ModelUnavailableError
-
-        name = requested or self.names[0]
-        entry = self.pool.entry_of(name)
-        loading = _LOADING.get()
-        if streams and loading is not None and entry is not None and entry.refused is None:
-            failed = entry.state is ModelState.FAILED and time.monotonic() < entry.retry_at
-            if entry.state is not ModelState.LOADED and not failed:
-                loading.set()  # the stream starts now, and pings until the model is loaded
-        try:
-            entry = await self.pool.acquire(name)
-        except ModelTooLargeError as exc:
-            raise APIError(400, str(exc), param="model", code="model_too_large") from None
-        except ModelUnavailableError as exc:
-            raise APIError(
-                503, str(exc), code="model_unavailable", headers={"retry-after": "5"}
-            ) from None
-        _BOUND.set(_Binding(entry.served, entry))
-        return entry.served
-
-    def unbind(self) -> None:
-        """The end of a request's handler: a request that did not reach its engine is no
-        longer arriving, and a pool's model may be unloaded once its requests are all in it
-        (or ended)."""
-        binding = _BOUND.get()
-        if binding is not None and binding.entry is not None:
-            if not binding.released and self.pool is not None:
-                binding.released = True
-                self.pool.release(binding.entry)  # its arrival ends there too
-        elif self.one is not None:
-            self.one.engine.arrived()
+    def response_model(self) -> str:
+        """The `model` of a response: the name the client asked for (a served one), else the
+        model's."""
+        requested = getattr(self.body, "model", None)
+        return requested if requested is not None else self.model.name

@@ -87,7 +87,7 @@ class StreamResponse(Response):
 
     async def produce_into(self, emit: Emit) -> None:
         """Write this stream's frames into another stream's `emit` (one that started before
-        this one existed: `Serving.handle`'s, while a model loaded)."""
+        this one existed: `Intake.handle`'s, while a model loaded)."""
         await self._produce(emit)
 
     async def close(self) -> None:

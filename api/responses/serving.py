@@ -30,7 +30,7 @@ from pydantic import TypeAdapter, ValidationError
 from stepline.api.pipeline.agents import plan
 from stepline.api.pipeline.errors import OPENAI, APIError
 from stepline.api.pipeline.resume import Kept, StreamRecord, follower_response, frame_cursor, key_of
-from stepline.api.pipeline.serving import Call, Serving, client_of
+from stepline.api.pipeline.serving import Call, RequestContext, Serving, client_of
 from stepline.api.responses.output import ResponseRenderer, event_frame, failed_response
 from stepline.api.responses.schema import ResponsesRequest, TextFormat
 
@@ -117,9 +117,8 @@ class ResponsesDoor:
         for rid, admitted_at in serving.interrupted:
             self.recover(rid, admitted_at)
 
-    async def create(self, request: Request, rid: str) -> Response:
-        serving = self.serving
-        req = await serving.parse(request, ResponsesRequest)
+    async def create(self, ctx: RequestContext[ResponsesRequest]) -> Response:
+        serving, request, rid, req = self.serving, ctx.request, ctx.rid, ctx.body
         owner = key_of(request.headers)
         history: list[dict[str, Any]] = []
         if req.previous_response_id is not None:
@@ -144,19 +143,20 @@ class ResponsesDoor:
         fmt = req.text_format
         tools = req.tool_specs()  # function tools, namespaces flattened, hosted ones dropped
         agent = plan(
-            serving.engine.tokenizer,
+            ctx.engine.tokenizer,
             tools=tools.specs,
             tool_choice=req.tool_choice_name(tools),
             parallel_tool_calls=req.parallel_tool_calls,
             schema=fmt.schema_ if fmt is not None and fmt.type == "json_schema" else None,
             json_object=fmt is not None and fmt.type == "json_object",
-            template_kwargs=serving.default_template_kwargs,
+            template_kwargs=ctx.model.default_template_kwargs,
             schema_param="text.format.schema",
         )
         # Hosted tools (web search, ...) run on OpenAI's servers: a local model has none.
         # Named with any the model itself cannot use (`Serving.start` says so).
         agent = replace(agent, dropped_tools=(*tools.dropped, *agent.dropped_tools))
         started = await serving.start(
+            ctx,
             Call(
                 rid,
                 req,
@@ -166,7 +166,7 @@ class ResponsesDoor:
                 max_tokens=req.max_output_tokens,
                 max_tokens_param="max_output_tokens",
                 client=client_of(request.headers, req.safety_identifier or req.user),
-            )
+            ),
         )
         response = sdk.Response(
             id=rid,
@@ -178,7 +178,7 @@ class ResponsesDoor:
             incomplete_details=None,
             instructions=req.instructions,
             max_output_tokens=req.max_output_tokens,
-            model=serving.response_model(req.model),
+            model=ctx.response_model,
             output=[],
             parallel_tool_calls=req.parallel_tool_calls,
             previous_response_id=req.previous_response_id,
@@ -292,7 +292,8 @@ def router(serving: Serving) -> APIRouter:
 
     @routes.post("/v1/responses")
     async def create(request: Request) -> Response:
-        return await serving.handle(request, f"resp_{uuid.uuid4().hex}", door.create, OPENAI)
+        rid = f"resp_{uuid.uuid4().hex}"
+        return await serving.handle(request, rid, door.create, OPENAI, body=ResponsesRequest)
 
     @routes.get("/v1/responses/{response_id}")
     async def retrieve(request: Request, response_id: str) -> Response:

@@ -46,13 +46,9 @@ def _stepline_version() -> str:
 
 def router(serving: Serving) -> APIRouter:
     routes = APIRouter()
-    pool = serving.models.pool
 
     def engines() -> list[Engine]:
-        if pool is None:
-            assert serving.models.one is not None
-            return [serving.models.one.engine]
-        return [e.engine for e in pool.loaded() if e.engine is not None]
+        return [e.engine for e in serving.models.loaded() if e.engine is not None]
 
     @routes.get("/get_load")
     async def get_load() -> list[dict[str, int]]:

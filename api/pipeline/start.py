@@ -1,0 +1,287 @@
+"""A request's start, for every door: `Starter.start` turns a door's `Call` into an engine
+request, up to its admission: images fetched, the prompt's tokens (off the event loop), its
+token limit, the think budget, its sampling parameters (the one builder, `sampling`), and the
+submission to the engine of the model serving it (`RequestContext`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import structlog
+from starlette.datastructures import Headers
+
+from stepline.actors.scheduler.policy import max_output_tokens
+from stepline.api.config import ServerConfig
+from stepline.api.params import SamplingParams
+from stepline.api.pipeline.agents import AgentPlan
+from stepline.api.pipeline.errors import APIError, context_exceeded, known_error
+from stepline.api.pipeline.images import resolve_images
+from stepline.api.pipeline.model_output import OutputFormat, OutputSplitter
+from stepline.api.pipeline.resume import presented_key
+from stepline.api.pipeline.served import RequestContext
+from stepline.api.prompts import Prepared
+from stepline.engine.images import ImageError
+from stepline.engine.sampling_limits import GREEDY_TEMPERATURE
+
+if TYPE_CHECKING:
+    from stepline.api.engine import Engine, RequestStream
+
+log = structlog.get_logger(__name__)
+
+# The sampling fields a door's request may carry, by their engine names (`Starter.sampling`).
+SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+EFFECTIVE_MAX_TOKENS_HEADER = "x-stepline-max-tokens"  # set when a max_tokens was clamped
+# The tools a request's `tools` lost: hosted ones (Responses), or all of them when the model's
+# chat template cannot show or read tool calls.
+DROPPED_TOOLS_HEADER = "x-stepline-dropped-tools"
+
+
+@dataclass
+class Call:
+    """One door's request in engine terms: what every API asks of the engine."""
+
+    rid: str
+    sampling: Any  # the request: its sampling fields by their engine names (`Starter.sampling`)
+    agent: AgentPlan  # tools, output constraints, template arguments
+    prompt_param: str  # the request field that holds the prompt (for errors)
+    messages: list[dict[str, Any]] | None = None
+    prompt: str | list[int] | None = None
+    max_tokens: int | None = None  # as requested
+    max_tokens_param: str = "max_tokens"
+    default_max_tokens: int | None = None  # None: the room left in the context
+    logprobs: int | None = None
+    reasoning: bool = False  # split think blocks into reasoning
+    think_budget: int | None = None  # most tokens the think block may take
+    headers: dict[str, str] = field(default_factory=dict)  # for the response
+    client: str | None = None  # who sends it (`client_of`); None: the anonymous client
+
+
+def client_of(headers: Headers, user: str | None = None) -> str | None:
+    """Who sends a request, for fair share between clients (`Engine.submit`'s `client`): the
+    API key it carries and, within a key, the end user its body names (`user`, ...). A
+    server has one `--api-key`, which every client then carries: `user` is what tells them
+    apart. Each as a fingerprint, since the event log records the client (a key, or a
+    user's e-mail, must not reach it); None for a request with neither (every such request
+    is one anonymous client)."""
+    key = presented_key(headers)
+    parts = [f"key:{_fingerprint(key)}"] if key else []
+    if user:
+        parts.append(f"user:{_fingerprint(user)}")
+    return " ".join(parts) or None
+
+
+def _fingerprint(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+
+@dataclass
+class Started:
+    """An admitted request, and how to read its output."""
+
+    ctx: RequestContext[Any]  # the request, and the model serving it
+    rid: str
+    stream: RequestStream
+    fmt: OutputFormat
+    tools: list[dict[str, Any]] | None  # the tool definitions (some parsers read them)
+    max_tokens: int  # the effective limit
+    headers: dict[str, str]  # the response's: the request id, a clamped max_tokens, ...
+
+    def splitter(self) -> OutputSplitter:
+        """A streaming splitter of this request's output (non-streamed answers split the whole
+        text at once, `split_output`)."""
+        return OutputSplitter(self.fmt, self.tools, stream=True)
+
+
+class Starter:
+    """Requests started, for every door of one app, under the server's options."""
+
+    def __init__(self, config: ServerConfig):
+        self.config = config
+
+    async def start(self, ctx: RequestContext[Any], call: Call) -> Started:
+        """`call` into an engine request, up to its admission: the prompt's tokens (off the
+        event loop), its token limit, the think budget, its sampling parameters, and the
+        submission. Raises APIError for what cannot be served."""
+        try:
+            return await self._start(ctx, call)
+        except Exception as exc:  # what the engine refuses, by the catalogue; else a bug
+            err = known_error(
+                exc, prompt_param=call.prompt_param, grammar_param=call.agent.grammar_param
+            )
+            if err is None:
+                raise
+            raise err from None
+
+    async def _start(self, ctx: RequestContext[Any], call: Call) -> Started:
+        agent = call.agent
+        messages = None if call.messages is None else await self.with_images(ctx, call.messages)
+        prepared = await self.prepare(
+            ctx,
+            prompt=call.prompt,
+            messages=messages,
+            template_kwargs=agent.template_kwargs,
+            param=call.prompt_param,
+        )
+        ids = prepared.ids
+        engine = ctx.engine
+        max_tokens = self.max_tokens(
+            engine,
+            call.max_tokens,
+            len(ids),
+            default=call.default_max_tokens,
+            prompt_param=call.prompt_param,
+            param=call.max_tokens_param,
+        )
+        tokenizer = engine.tokenizer
+        prompt_text = tokenizer.decode(ids[-8:])
+        if call.think_budget is not None:
+            agent = agent.with_think_budget(tokenizer, call.think_budget, prompt_text)
+        params = self.sampling(
+            engine.vocab_size, call.sampling, max_tokens, call.logprobs, agent.grammar
+        )
+        stream = await engine.submit(
+            prompt=ids,
+            params=params,
+            request_id=call.rid,
+            checkpoints=prepared.checkpoints,
+            client=call.client,
+            images=prepared.images,
+        )
+        fmt = agent.output_format(tokenizer, reasoning=call.reasoning, prompt_text=prompt_text)
+        headers = {"x-request-id": call.rid, **call.headers}
+        if agent.dropped_tools:
+            # Tools the model cannot use: hosted ones (Responses), or any offered, not forced,
+            # to a model that cannot show or read tool calls; it answers in text.
+            log.info("tools_dropped", request_id=call.rid, tools=agent.dropped_tools)
+            headers[DROPPED_TOOLS_HEADER] = ", ".join(agent.dropped_tools)
+        if call.max_tokens is not None and max_tokens < call.max_tokens:
+            headers[EFFECTIVE_MAX_TOKENS_HEADER] = str(max_tokens)
+        return Started(ctx, call.rid, stream, fmt, agent.openai_tools or None, max_tokens, headers)
+
+    def max_tokens(
+        self,
+        engine: Engine,
+        requested: int | None,
+        num_prompt: int,
+        *,
+        default: int | None,
+        prompt_param: str,
+        param: str = "max_tokens",
+    ) -> int:
+        """The request's token limit (`policy.max_output_tokens`, the engine's one): `requested`,
+        or by default `default` or the room left in the context, within the KV budget. A
+        `requested` past the room is clamped to it (agents such as Claude Code cannot be told
+        a local model's context), unless `strict_max_tokens`, where past the context it is a
+        400."""
+        max_context = engine.max_context
+        if num_prompt >= max_context:
+            raise context_exceeded(num_prompt, max_context, prompt_param, at_least=False)
+        if requested is not None and self.config.strict_max_tokens:
+            context_room = max_output_tokens(None, num_prompt, max_context)
+            if requested > context_room:
+                raise APIError(
+                    400,
+                    f"This model's maximum context length is {max_context} tokens, but "
+                    f"{num_prompt + requested} tokens were requested ({num_prompt} in the "
+                    f"prompt, {requested} in the completion): shorten the prompt or lower "
+                    f"{param} to at most {context_room}",
+                    param=param,
+                    code="context_length_exceeded",
+                )
+            return requested  # past the KV budget: the submission says by how much
+        asked = requested if requested is not None else (default or None)
+        limit = max_output_tokens(asked, num_prompt, max_context, engine.step_loop.config)
+        if requested is not None and limit < requested:
+            log.info("max_tokens_clamped", requested=requested, effective=limit, param=param)
+        return limit
+
+    def sampling(
+        self,
+        vocab: int,
+        req: Any,
+        max_tokens: int,
+        logprobs: int | None,
+        grammar: str | None = None,
+    ) -> SamplingParams:
+        """The one parameter builder of every door: `req`'s sampling fields (those of
+        `SAMPLING_FIELDS` it has, already range-checked; `stop_strings`, `ignore_eos`,
+        `top_k`, `stop_token_ids`) as engine parameters, after the checks that need the
+        model: `top_k` and `stop_token_ids` within the vocabulary. A temperature below
+        GREEDY_TEMPERATURE is greedy."""
+        top_k = getattr(req, "top_k", None)
+        stop_token_ids = getattr(req, "stop_token_ids", None)
+        if top_k is not None and top_k > vocab:
+            raise APIError(
+                400,
+                f"top_k must be at most the vocabulary size, {vocab} (0 or -1 = off), got {top_k}",
+                param="top_k",
+                code="invalid_value",
+            )
+        for i, t in enumerate(stop_token_ids or ()):
+            if not 0 <= t < vocab:
+                raise APIError(
+                    400,
+                    f"stop_token_ids[{i}] = {t} is not in the model's vocabulary (0..{vocab - 1})",
+                    param="stop_token_ids",
+                    code="invalid_value",
+                )
+        fields: dict[str, Any] = {
+            "max_tokens": max_tokens,
+            "stop": tuple(getattr(req, "stop_strings", ())),
+            "ignore_eos": getattr(req, "ignore_eos", False),
+            "logprobs": logprobs,
+            "grammar": grammar,
+        }
+        for name in SAMPLING_FIELDS:
+            value = getattr(req, name, None)
+            if value is not None:
+                fields[name] = value
+        temperature = fields.get("temperature")
+        if temperature is not None and temperature < GREEDY_TEMPERATURE:
+            fields["temperature"] = 0.0
+        if top_k is not None:
+            fields["top_k"] = max(top_k, 0)
+        if stop_token_ids:
+            fields["stop_token_ids"] = tuple(stop_token_ids)
+        try:
+            return SamplingParams(**fields)
+        except ValueError as exc:
+            raise known_error(exc) or exc from None
+
+    async def prepare(
+        self,
+        ctx: RequestContext[Any],
+        *,
+        prompt: str | list[int] | None = None,
+        messages: list[dict] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+        param: str = "messages",  # the request field errors name
+    ) -> Prepared:
+        """Token ids, chat checkpoints and images, computed off the event loop. Raises APIError
+        for a prompt past the context, messages the chat template refuses, or an image the
+        model cannot read."""
+        try:
+            return await ctx.engine.prepare_async(prompt, messages, template_kwargs)
+        except ValueError as exc:
+            raise known_error(exc, prompt_param=param) or exc from None
+
+    async def with_images(
+        self, ctx: RequestContext[Any], messages: list[dict[str, Any]]
+    ) -> list[dict[str, Any]]:
+        """`messages` with their image parts fetched and decoded (`resolve_images`). Raises
+        APIError (400) for images this server does not take: any, to a text-only model."""
+        try:
+            return await resolve_images(messages, ctx.model.images)
+        except ImageError as exc:
+            raise known_error(exc) or exc from None
