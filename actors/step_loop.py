@@ -31,6 +31,7 @@ from stepline.actors.host import HostMeter
 from stepline.actors.mailbox import Mailbox
 from stepline.actors.messages import Arrivals, Cancel, Submit, Update
 from stepline.actors.metrics import EngineMetrics
+from stepline.actors.scheduler.admission import AdmissionError
 from stepline.actors.scheduler.core import (
     EngineDeadError,
     LogPlace,
@@ -40,7 +41,7 @@ from stepline.actors.scheduler.core import (
 )
 from stepline.actors.scheduler.cost_model import CostModel
 from stepline.actors.scheduler.drafter import SpeculativeConfig
-from stepline.actors.scheduler.policy import AdmissionError, SchedulerConfig
+from stepline.actors.scheduler.plan import SchedulerConfig
 from stepline.actors.scheduler.prefix_index import PrefixIndex
 from stepline.actors.scheduler.warmup import Warmup
 from stepline.actors.scheduler.work import Housekeeping, StepResult, StepWork

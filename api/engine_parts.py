@@ -24,7 +24,7 @@ import structlog
 from stepline.actors.executor import Executor
 from stepline.actors.scheduler.core import LogPlace
 from stepline.actors.scheduler.cost_model import CostModel
-from stepline.actors.scheduler.policy import SchedulerConfig
+from stepline.actors.scheduler.plan import SchedulerConfig
 from stepline.actors.scheduler.prefix_index import PrefixIndex
 from stepline.actors.scheduler.warmup import Warmup
 from stepline.actors.step_loop import ModelLimits, StepLoop

@@ -23,7 +23,7 @@ import structlog
 from mlx_lm.models.cache import make_prompt_cache
 
 from stepline.actors.scheduler.cost_model import decode_runs_apart
-from stepline.actors.scheduler.policy import ScheduledChunk, ScheduledEncode
+from stepline.actors.scheduler.plan import ScheduledChunk, ScheduledEncode
 from stepline.actors.scheduler.spans import prompt_key
 from stepline.actors.scheduler.work import (
     ADMISSION_FAILED,

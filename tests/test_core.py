@@ -6,13 +6,13 @@ import pytest
 from core_driver import EOS, LIMITS, make_core, params, run_step, sampled
 
 import stepline.actors.scheduler.core as core_module
-from stepline.actors.scheduler.core import EngineDeadError, ModelLimits
-from stepline.actors.scheduler.policy import (
+from stepline.actors.scheduler.admission import (
     AdmissionError,
     KVBudgetExceededError,
     QueueFullError,
-    SchedulerConfig,
 )
+from stepline.actors.scheduler.core import EngineDeadError, ModelLimits
+from stepline.actors.scheduler.plan import SchedulerConfig
 from stepline.actors.scheduler.prefix_index import EntryInfo, PrefixIndex
 from stepline.actors.scheduler.work import PrefixReport, StepResult, TokenLogprob
 from stepline.events.fold import Status, fold

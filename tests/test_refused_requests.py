@@ -23,7 +23,8 @@ from core_driver import make_core, params
 from helpers import hold_open, replay, wait_finished, wait_until
 from log_builder import LogBuilder
 
-from stepline.actors.scheduler.policy import QueueFullError, SchedulerConfig
+from stepline.actors.scheduler.admission import QueueFullError
+from stepline.actors.scheduler.plan import SchedulerConfig
 from stepline.api import Engine
 from stepline.api.config import EventLogConfig, ModelSpec, PoolConfig
 from stepline.api.http.app import create_app

@@ -46,21 +46,19 @@ import structlog
 
 from stepline.actors.host import StepConditions
 from stepline.actors.messages import Update
-from stepline.actors.scheduler.cost_model import CostModel
-from stepline.actors.scheduler.drafter import Drafter, SpeculativeConfig, speculates
-from stepline.actors.scheduler.policy import (
+from stepline.actors.scheduler.admission import (
     AdmissionError,
+    EngineDeadError,
     QueueFullError,
-    ScheduledChunk,
-    ScheduledEncode,
-    SchedulerConfig,
     check_admissible,
     check_queue,
     max_output_tokens,
-    outside_images,
-    prefix_candidates,
-    schedule,
 )
+from stepline.actors.scheduler.cost_model import CostModel
+from stepline.actors.scheduler.drafter import Drafter, SpeculativeConfig, speculates
+from stepline.actors.scheduler.plan import ScheduledChunk, ScheduledEncode, SchedulerConfig
+from stepline.actors.scheduler.policy import schedule
+from stepline.actors.scheduler.prefix_candidates import outside_images, prefix_candidates
 from stepline.actors.scheduler.prefix_index import PrefixIndex, PrefixPlan, Tokens, plan_prefixes
 from stepline.actors.scheduler.spans import PromptImage, check_spans, inside_image, prompt_key
 from stepline.actors.scheduler.work import (
@@ -99,10 +97,6 @@ _KEEP_FINISHED_TOKENS = 262_144
 
 
 log = structlog.get_logger(__name__)
-
-
-class EngineDeadError(AdmissionError):
-    """The engine can serve no request: its executor failed."""
 
 
 @dataclass(frozen=True)

@@ -152,7 +152,7 @@ def known_error(
     `prompt_param` and `grammar_param` name the request's fields that hold its prompt and its
     output format."""
     # Imported here: the engine's modules are not loaded while the model loads.
-    from stepline.actors.scheduler.policy import (
+    from stepline.actors.scheduler.admission import (
         AdmissionError,
         ContextLengthExceededError,
         QueueFullError,

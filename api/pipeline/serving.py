@@ -33,7 +33,7 @@ from starlette.background import BackgroundTask
 from starlette.datastructures import Headers
 from starlette.requests import ClientDisconnect
 
-from stepline.actors.scheduler.policy import max_output_tokens
+from stepline.actors.scheduler.admission import max_output_tokens
 from stepline.actors.scheduler.work import GRAMMAR_FAILED
 from stepline.api.config import ServerConfig
 from stepline.api.json_limits import parse_body
