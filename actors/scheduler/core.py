@@ -51,6 +51,7 @@ from stepline.actors.scheduler.admission import (
     AdmissionError,
     EngineDeadError,
     QueueFullError,
+    Refusal,
     check_admissible,
     check_queue,
     max_output_tokens,
@@ -93,10 +94,6 @@ from stepline.events.models import (
 
 __all__ = ["EngineDeadError", "ModelLimits", "SchedulerCore", "StepOutcome"]
 
-# A full queue's refusal, as the HTTP server answers it (api/pipeline/errors.py `known_error`)
-QUEUE_FULL_CODE, QUEUE_FULL_STATUS = "queue_full", 429
-
-
 log = structlog.get_logger(__name__)
 
 
@@ -122,8 +119,11 @@ class SchedulerCore:
         salt: str | None = None,  # the event log's prompt-digest salt
         place: LogPlace | None = None,  # in a log of several models; None: the run's one
         speculative: SpeculativeConfig | None = None,  # drafted decoding; None: none
+        # the status the API answers each refusal kind with, for the log; none: no status
+        refusal_status: Mapping[Refusal, int] | None = None,
     ) -> None:
         self.config = config
+        self.refusal_status: Mapping[Refusal, int] = refusal_status or {}
         self.speculative = speculative
         self.limits = limits
         self.index = index
@@ -190,15 +190,15 @@ class SchedulerCore:
             try:
                 check_queue(self.states, self.config, client)
             except QueueFullError as exc:
-                # Refused before it joins the queue, whatever its prompt: at the door, as the
-                # HTTP server answers it (429 queue_full, api/pipeline/errors.py).
+                # Refused before it joins the queue, whatever its prompt: at the door, its
+                # kind as the code and the status the API answers it with (`refusal_status`).
                 self._record(
                     Terminal,
                     request_id=request_id,
                     reason=FinishReason.REJECTED,
                     message=str(exc),
-                    code=QUEUE_FULL_CODE,
-                    status=QUEUE_FULL_STATUS,
+                    code=exc.refusal.value,
+                    status=self.refusal_status.get(exc.refusal),
                 )
                 raise
         refused: AdmissionError | None = None
