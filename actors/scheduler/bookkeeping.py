@@ -5,17 +5,18 @@ facts the fold does not hold, none of them in the log: the ids it has seen (to r
 reused), its recently ended states (for inspection), what the executor must still free,
 and for a live request its drafter, its images' encoder inputs and whether a disk entry
 was loaded for it. `RequestBook` holds them all, and `ended` lets a request go from every
-one at once.
+one at once. It also tells the drafters what each step proposed, planned and kept.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from stepline.actors.scheduler.drafter import Drafter
+from stepline.actors.scheduler.plan import StepPlan
 from stepline.actors.scheduler.spans import PromptImage
-from stepline.events.fold import RequestState
+from stepline.events.fold import RequestState, Status
 from stepline.events.models import FinishReason
 
 _REUSABLE = (FinishReason.STOP, FinishReason.LENGTH)  # ended cleanly: cache worth keeping
@@ -77,6 +78,47 @@ class RequestBook:
         self.disk_tried.discard(request_id)
         self._images.pop(request_id, None)
         self.drafters.pop(request_id, None)
+
+    def propose_drafts(
+        self, states: Mapping[str, RequestState]
+    ) -> dict[str, tuple[int, ...]] | None:
+        """Each decoding request's drafts, where it drafts this step (`Drafter.propose`);
+        None where no request may draft."""
+        if not self.drafters:
+            return None
+        out = {}
+        for rid, drafter in self.drafters.items():
+            if states[rid].status is Status.DECODING:
+                drafts = drafter.propose()
+                if drafts is not None:
+                    out[rid] = drafts
+        return out
+
+    def drafts_planned(self, plan: StepPlan) -> None:
+        """Each drafting decode row's drafter hears what the plan gave it."""
+        for rid, drafter in self.drafters.items():
+            if rid in plan.decodes:
+                drafter.planned(plan.drafts.get(rid))
+
+    def drafts_verified(
+        self,
+        proposed: Mapping[str, tuple[int, ...]],
+        accepted: Mapping[str, tuple[int, ...]],
+        live: Sequence[tuple[str, list[int]]],
+    ) -> None:
+        """Each drafting request's drafter takes the step's tokens in, and hears how many of
+        its drafts were kept where they were verified (a row that starts drafting where the
+        batch's forward was built a step ahead decodes there that step, unverified)."""
+        drafters = self.drafters
+        if not drafters:
+            return
+        for rid, tokens in live:
+            drafter = drafters.get(rid)
+            if drafter is None:
+                continue
+            if rid in accepted:
+                drafter.observe(len(proposed.get(rid, ())), len(accepted[rid]))
+            drafter.extend(tokens)
 
     def take_frees(self) -> dict[str, bool]:
         """What the executor must free (request -> whether its cache is worth keeping), once."""

@@ -63,10 +63,11 @@ from stepline.actors.scheduler.plan import ScheduledChunk, ScheduledEncode, Sche
 from stepline.actors.scheduler.policy import schedule
 from stepline.actors.scheduler.prefix_candidates import outside_images, prefix_candidates
 from stepline.actors.scheduler.prefix_index import PrefixIndex, PrefixPlan, Tokens, plan_prefixes
-from stepline.actors.scheduler.spans import PromptImage, check_spans, inside_image, prompt_key
+from stepline.actors.scheduler.spans import PromptImage, check_spans, prompt_key
 from stepline.actors.scheduler.step_records import (
     ModelLimits,
     StepOutcome,
+    admitted,
     chunk_records,
     cut_at_finish,
     planned,
@@ -89,7 +90,6 @@ from stepline.events.models import (
     StepPlanned,
     Terminal,
     TokensSampled,
-    prompt_digest,
 )
 
 __all__ = ["EngineDeadError", "ModelLimits", "SchedulerCore", "StepOutcome"]
@@ -192,14 +192,8 @@ class SchedulerCore:
             except QueueFullError as exc:
                 # Refused before it joins the queue, whatever its prompt: at the door, its
                 # kind as the code and the status the API answers it with (`refusal_status`).
-                self._record(
-                    Terminal,
-                    request_id=request_id,
-                    reason=FinishReason.REJECTED,
-                    message=str(exc),
-                    code=exc.refusal.value,
-                    status=self.refusal_status.get(exc.refusal),
-                )
+                status = self.refusal_status.get(exc.refusal)
+                self._refused(request_id, str(exc), code=exc.refusal.value, status=status)
                 raise
         refused: AdmissionError | None = None
         try:
@@ -214,21 +208,7 @@ class SchedulerCore:
         except AdmissionError as exc:
             refused = exc
         self._record(
-            Admitted,
-            request_id=request_id,
-            num_prompt_tokens=len(ids),
-            prompt_token_ids=ids,  # the log's writer leaves them out if told to
-            prompt_sha256=prompt_digest(self.salt, ids),
-            # none inside an image: a cache hit ending there is cut back to the image's start
-            # (`outside_images`), and a whole image's span is computed in one forward
-            checkpoints=tuple(
-                sorted(
-                    {c for c in checkpoints if 0 < c <= len(ids) and not inside_image(images, c)}
-                )
-            ),
-            params=params,
-            client=client,
-            images=tuple(i.ref() for i in images),
+            Admitted, **admitted(request_id, ids, params, checkpoints, client, images, self.salt)
         )
         if refused is not None:
             self._record(
@@ -246,6 +226,9 @@ class SchedulerCore:
         if self.book.has_seen(request_id):
             return None
         self.book.remember(request_id)
+        return self._refused(request_id, message, code=code, status=status)
+
+    def _refused(self, request_id: str, message: str, *, code: str, status: int | None) -> Any:
         return self._record(
             Terminal,
             request_id=request_id,
@@ -320,14 +303,17 @@ class SchedulerCore:
             chunked = any(s.status is not Status.DECODING for s in self.states.values())
             cost = self.cost_model.cost if chunked else self.cost_model.last
         plan = schedule(
-            self.states, self.config, self.step + 1, cost, prefix, self._propose_drafts()
+            self.states,
+            self.config,
+            self.step + 1,
+            cost,
+            prefix,
+            self.book.propose_drafts(self.states),
         )
         self._promote = prefix.promote
         if plan.is_empty:
             return None
-        for rid, drafter in self.book.drafters.items():
-            if rid in plan.decodes:
-                drafter.planned(plan.drafts.get(rid))
+        self.book.drafts_planned(plan)
         self.step += 1
         self.in_step = True
         if plan.num_tokens > self.config.max_step_tokens:  # an image span no step could hold
@@ -347,18 +333,6 @@ class SchedulerCore:
             if states[rid].status is Status.WAITING
         )
         return StepWork(plan=plan, admit=admit, **self._take_housekeeping().__dict__)
-
-    def _propose_drafts(self) -> dict[str, tuple[int, ...]] | None:
-        """Each decoding request's drafts, where it drafts this step (`Drafter.propose`)."""
-        if not self.book.drafters:
-            return None
-        states, out = self.states, {}
-        for rid, drafter in self.book.drafters.items():
-            if states[rid].status is Status.DECODING:
-                drafts = drafter.propose()
-                if drafts is not None:
-                    out[rid] = drafts
-        return out
 
     def _plan_prefixes(self) -> PrefixPlan:
         if self.index is None or not any(s.status is Status.WAITING for s in self.states.values()):
@@ -429,31 +403,12 @@ class SchedulerCore:
             for rid, token in result.tokens.items()
             if rid in states
         ]
-        if self.book.drafters:
-            self._drafts_verified(plan.drafts, drafted, live)
+        self.book.drafts_verified(plan.drafts, drafted, live)
         if live:
             self._tokens_sampled(live, result, out)
         self.in_step = False
         self.apply_prefix_report(result.prefix)
         return out
-
-    def _drafts_verified(
-        self,
-        proposed: Mapping[str, tuple[int, ...]],
-        accepted: Mapping[str, tuple[int, ...]],
-        live: list[tuple[str, list[int]]],
-    ) -> None:
-        """Each drafting request's drafter takes the step's tokens in, and hears how many of
-        its drafts were kept where they were verified (a row that starts drafting where the
-        batch's forward was built a step ahead decodes there that step, unverified)."""
-        drafters = self.book.drafters
-        for rid, tokens in live:
-            drafter = drafters.get(rid)
-            if drafter is None:
-                continue
-            if rid in accepted:
-                drafter.observe(len(proposed.get(rid, ())), len(accepted[rid]))
-            drafter.extend(tokens)
 
     def _tokens_sampled(
         self, live: list[tuple[str, list[int]]], result: StepResult, out: StepOutcome

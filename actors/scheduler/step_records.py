@@ -1,5 +1,6 @@
 """What the scheduler core records of a step, as plain functions of the plan, a request's
-state and the executor's result: the fields of its events (`planned`, `chunk_records`),
+state and the executor's result: the fields of its events (`admitted`, `planned`,
+`chunk_records`),
 where a request's sampled tokens end it (`cut_at_finish`), and what the step did for each
 request actor and the metrics (`StepOutcome`). The core stamps and applies the events
 (`SchedulerCore._record`); nothing here changes a state.
@@ -18,8 +19,15 @@ from stepline.actors.scheduler.plan import (
     SchedulerConfig,
     StepPlan,
 )
+from stepline.actors.scheduler.spans import PromptImage, inside_image
 from stepline.events.fold import RequestState, Status
-from stepline.events.models import CheckpointReached, ChunkPrefilled, FinishReason
+from stepline.events.models import (
+    CheckpointReached,
+    ChunkPrefilled,
+    FinishReason,
+    RequestParams,
+    prompt_digest,
+)
 
 Record = tuple[type, dict[str, Any]]  # an event's class and its fields, before the core stamps it
 
@@ -28,6 +36,33 @@ Record = tuple[type, dict[str, Any]]  # an event's class and its fields, before 
 class ModelLimits:
     max_context: int  # prompt + output tokens the model supports
     eos_token_ids: frozenset[int]
+
+
+def admitted(
+    request_id: str,
+    ids: tuple[int, ...],
+    params: RequestParams,
+    checkpoints: Sequence[int],
+    client: str | None,
+    images: Sequence[PromptImage],
+    salt: str | None,
+) -> dict[str, Any]:
+    """The fields of a request's `Admitted` event: its prompt (and its digest under the
+    log's `salt`), its limits as admitted, its client and its images' references."""
+    return dict(
+        request_id=request_id,
+        num_prompt_tokens=len(ids),
+        prompt_token_ids=ids,  # the log's writer leaves them out if told to
+        prompt_sha256=prompt_digest(salt, ids),
+        # none inside an image: a cache hit ending there is cut back to the image's start
+        # (`outside_images`), and a whole image's span is computed in one forward
+        checkpoints=tuple(
+            sorted({c for c in checkpoints if 0 < c <= len(ids) and not inside_image(images, c)})
+        ),
+        params=params,
+        client=client,
+        images=tuple(i.ref() for i in images),
+    )
 
 
 def planned(plan: StepPlan, config: SchedulerConfig) -> dict[str, Any]:
