@@ -32,7 +32,10 @@ Who owns which fact about a request:
 Every `RequestState` change is an event recorded here and applied with the fold's `apply`
 (events/fold.py), the function replay uses: folding the log gives exactly `states`. A
 step's sampled tokens are one `TokensSampled` event, applied row by row with the fold's
-`apply_sampled`.
+`apply_sampled`. The events' fields are plain functions of the plan, a request's state and
+the executor's result (step_records.py). A refusal is reported by its kind
+(`admission.Refusal`); the HTTP status the client got, which its `terminal` records, is
+the API layer's (`refusal_status`, from api/refusals.py).
 """
 
 from __future__ import annotations
