@@ -154,11 +154,10 @@ class StepBudget:
         n = max(0, min(wanted, self.tokens_left))
         refused = Refused.TOKENS if n < wanted else None
         context = decode_context(s)
-        if self._draft_target is not None and n > 0:
+        target = self._draft_target
+        if target is not None and n > 0:
             assert self.cost is not None
-            while n > 0 and self.cost.predict(self.features.with_drafts(context, n)) > (
-                self._draft_target
-            ):
+            while n > 0 and self.cost.predict(self.features.with_drafts(context, n)) > target:
                 n, refused = n - 1, Refused.TIME
         rid = s.request_id
         self.drafts[rid] = tuple(proposed[:n])
@@ -233,11 +232,10 @@ class StepBudget:
         if self.is_full:
             return Refused.SEQS
         max_kv = self.config.max_kv_tokens
-        if max_kv is not None and batch_kv_tokens(
-            [*self._kv_lengths, kv_length(s)], self.config
-        ) > (max_kv):
-            return Refused.KV
-        return None
+        if max_kv is None:
+            return None
+        fits = batch_kv_tokens([*self._kv_lengths, kv_length(s)], self.config) <= max_kv
+        return None if fits else Refused.KV
 
     def _started(self, s: RequestState) -> None:
         if s.status is Status.WAITING:
