@@ -31,6 +31,7 @@ from stepline.actors.host import HostMeter
 from stepline.actors.mailbox import Mailbox
 from stepline.actors.messages import Arrivals, Cancel, Submit, Update
 from stepline.actors.metrics import EngineMetrics
+from stepline.actors.scheduler.admission import AdmissionError, Refusal
 from stepline.actors.scheduler.core import (
     EngineDeadError,
     LogPlace,
@@ -40,7 +41,7 @@ from stepline.actors.scheduler.core import (
 )
 from stepline.actors.scheduler.cost_model import CostModel
 from stepline.actors.scheduler.drafter import SpeculativeConfig
-from stepline.actors.scheduler.policy import AdmissionError, SchedulerConfig
+from stepline.actors.scheduler.plan import SchedulerConfig
 from stepline.actors.scheduler.prefix_index import PrefixIndex
 from stepline.actors.scheduler.warmup import Warmup
 from stepline.actors.scheduler.work import Housekeeping, StepResult, StepWork
@@ -81,6 +82,7 @@ class StepLoop:
         turns: Turns | None = None,  # several models' loops share the executor thread
         speculative: SpeculativeConfig
         | None = None,  # drafted decoding (actors/scheduler/drafter.py)
+        refusal_status: Mapping[Refusal, int] | None = None,  # the API's status per refusal
     ):
         self.executor = executor
         self.runner = runner
@@ -94,6 +96,7 @@ class StepLoop:
             salt=getattr(event_log, "salt", None),
             place=place,
             speculative=speculative,
+            refusal_status=refusal_status,
         )
         self._event_log = event_log
         self._turns = turns if place is not None else None

@@ -1,7 +1,7 @@
 """stepline's ways in: the Python async API, the HTTP server, the CLI."""
 
 from stepline.actors.request import RequestOutput
-from stepline.actors.scheduler.policy import (
+from stepline.actors.scheduler.admission import (
     AdmissionError,
     ContextLengthExceededError,
     EmptyPromptError,

@@ -29,7 +29,7 @@ from pydantic import (
 )
 
 from stepline.actors.scheduler.drafter import SpeculativeConfig, parse_speculative_config
-from stepline.actors.scheduler.policy import SchedulerConfig
+from stepline.actors.scheduler.plan import SchedulerConfig
 from stepline.engine.images import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, MAX_IMAGES_PER_REQUEST
 
 # The scheduler's defaults are its own (`SchedulerConfig`); the options read them.

@@ -24,12 +24,13 @@ import structlog
 from stepline.actors.executor import Executor
 from stepline.actors.scheduler.core import LogPlace
 from stepline.actors.scheduler.cost_model import CostModel
-from stepline.actors.scheduler.policy import SchedulerConfig
+from stepline.actors.scheduler.plan import SchedulerConfig
 from stepline.actors.scheduler.prefix_index import PrefixIndex
 from stepline.actors.scheduler.warmup import Warmup
 from stepline.actors.step_loop import ModelLimits, StepLoop
 from stepline.actors.turns import Turns
 from stepline.api.config import EngineConfig, EventLogConfig
+from stepline.api.refusals import REFUSAL_STATUS
 from stepline.events.models import LogHeader, new_run_id, new_salt
 
 log = structlog.get_logger(__name__)
@@ -217,6 +218,7 @@ class EngineParts:
             place=self.member.place if self.member is not None else None,
             turns=self.member.turns if self.member is not None else None,
             speculative=options.speculative_config,
+            refusal_status=REFUSAL_STATUS,
         )
         return step_loop, config
 

@@ -30,7 +30,7 @@ import tokenizers
 from jinja2 import TemplateError
 
 from stepline.actors.request import Detokenizer, IncrementalDetokenizer, StreamDetokenizer
-from stepline.actors.scheduler.policy import ContextLengthExceededError
+from stepline.actors.scheduler.admission import ContextLengthExceededError
 from stepline.actors.scheduler.spans import PromptImage
 from stepline.engine.images import (
     ImageData,

@@ -17,7 +17,7 @@ import random
 import statistics
 
 import stepline.engine  # noqa: F401  (OpenBLAS before MLX)
-from stepline.actors.scheduler.policy import ScheduledChunk, StepPlan
+from stepline.actors.scheduler.plan import ScheduledChunk, StepPlan
 from stepline.actors.scheduler.work import Housekeeping, NewRequest, StepWork
 from stepline.engine.models import DTYPES, load_model
 from stepline.engine.runner import ModelRunner

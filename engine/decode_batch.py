@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
-from stepline.actors.scheduler.policy import StepPlan
+from stepline.actors.scheduler.plan import StepPlan
 from stepline.engine.decode_groups import DecodeCaches
 from stepline.engine.sequences import NO_ROWS, Cache, Rows, Seq
 

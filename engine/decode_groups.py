@@ -10,11 +10,11 @@ Where a step's rows run as one fused forward (`engine/fused.py`: the projections
 once over every row, attention per segment), the batch is kept in groups instead: each
 group is a batch cache of its own, and a group is one more segment of the forward. A row
 that joins goes to the group it pads least, or starts a group of its own where that would
-add more than `policy.SPLIT_KEYS` padded keys to every step (`policy.place_rows`). Without
-fusion the batch is one group, as mlx-lm keeps it.
+add more than `SPLIT_KEYS` padded keys to every step (actors/scheduler/batch_geometry.py
+`place_rows`). Without fusion the batch is one group, as mlx-lm keeps it.
 
 The batch's row order is the groups' rows, group after group. The step-time model prices
-the decode rows' attention by the same placement (`policy.padded_decode_context`).
+the decode rows' attention by the same placement (`batch_geometry.padded_decode_context`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from stepline.actors.scheduler.policy import place_rows
+from stepline.actors.scheduler.batch_geometry import place_rows
 from stepline.engine import fused
 from stepline.engine.forward import output_head
 from stepline.engine.sequences import Cache, Seq

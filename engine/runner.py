@@ -23,7 +23,7 @@ import mlx.core as mx
 import structlog
 from mlx_lm.models.cache import make_prompt_cache
 
-from stepline.actors.scheduler.policy import ScheduledEncode, StepPlan
+from stepline.actors.scheduler.plan import ScheduledEncode, StepPlan
 from stepline.actors.scheduler.spans import prompt_key
 from stepline.actors.scheduler.work import (
     ADMISSION_FAILED,

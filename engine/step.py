@@ -20,7 +20,7 @@ from typing import Any
 import mlx.core as mx
 import structlog
 
-from stepline.actors.scheduler.policy import ScheduledChunk, StepPlan
+from stepline.actors.scheduler.plan import ScheduledChunk, StepPlan
 from stepline.actors.scheduler.work import CHECKPOINT_FAILED, PREFILL_FAILED, is_collective_error
 from stepline.engine import fused, step_sampling
 from stepline.engine.decode_batch import DecodeBatch, Placement

@@ -103,8 +103,8 @@ class Admitted(_Event):
     cache_source: str | None = None
     params: RequestParams
     # Who sent it: the scheduler shares the running slots fairly between clients
-    # (actors/scheduler/policy.py). The HTTP server's fingerprint of its API key and `user`, never
-    # the key itself; None: the anonymous client (every request that names none).
+    # (actors/scheduler/order.py). The HTTP server's fingerprint of its API key and `user`,
+    # never the key itself; None: the anonymous client (every request that names none).
     client: str | None = None
     images: tuple[ImageRef, ...] = ()  # the prompt's images, in prompt order
 
@@ -132,10 +132,10 @@ class ImageRef(BaseModel):
 # What sized a prefill chunk (`StepPlanned.limits`): the prompt's end; a checkpoint (chunks
 # end at checkpoints); the step's token budget; the step-time target (the cost model's
 # prediction); the floor (the smallest chunk the time target may cut to); the long-prefill cap;
-# KV memory; an image's span (atomic, or waiting for its encoding). actors/scheduler/policy.py names
-# neither "checkpoint" nor "kv" today: a chunk runs through its checkpoints (the runner splits
-# it there, and its `chunk-prefilled` events end there), and KV memory only gates admission
-# (a held request's "kv").
+# KV memory; an image's span (atomic, or waiting for its encoding). The step budget
+# (actors/scheduler/budget.py) names neither "checkpoint" nor "kv" today: a chunk runs
+# through its checkpoints (the runner splits it there, and its `chunk-prefilled` events end
+# there), and KV memory only gates admission (a held request's "kv").
 ChunkLimit = Literal[
     "prompt-end", "checkpoint", "budget", "time", "floor", "long-prefill-cap", "kv", "image"
 ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from stepline.actors.scheduler.core import ModelLimits, SchedulerCore, StepOutcome
 from stepline.actors.scheduler.cost_model import StepCost, StepFeatures
-from stepline.actors.scheduler.policy import SchedulerConfig
+from stepline.actors.scheduler.plan import SchedulerConfig
 from stepline.actors.scheduler.work import StepResult, StepWork
 from stepline.events.models import RequestParams
 

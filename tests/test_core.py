@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 from core_driver import EOS, LIMITS, make_core, params, run_step, sampled
 
-import stepline.actors.scheduler.core as core_module
-from stepline.actors.scheduler.core import EngineDeadError, ModelLimits
-from stepline.actors.scheduler.policy import (
+import stepline.actors.scheduler.bookkeeping as bookkeeping
+from stepline.actors.scheduler.admission import (
     AdmissionError,
     KVBudgetExceededError,
     QueueFullError,
-    SchedulerConfig,
 )
+from stepline.actors.scheduler.core import EngineDeadError, ModelLimits
+from stepline.actors.scheduler.plan import SchedulerConfig
 from stepline.actors.scheduler.prefix_index import EntryInfo, PrefixIndex
 from stepline.actors.scheduler.work import PrefixReport, StepResult, TokenLogprob
 from stepline.events.fold import Status, fold
@@ -246,9 +246,9 @@ def test_a_dead_engine_ends_every_request_and_admits_none() -> None:
 def test_ended_requests_kept_for_inspection_hold_a_bounded_number_of_prompt_ids() -> None:
     core = make_core()
     prompt = tuple(range(3, 90))
-    for i in range(core_module._KEEP_FINISHED_TOKENS // len(prompt) + 10):
+    for i in range(bookkeeping._KEEP_FINISHED_TOKENS // len(prompt) + 10):
         core.add(f"r{i}", prompt, params(max_tokens=1))
         core.abort(f"r{i}", FinishReason.CANCELLED)
     held = sum(len(s.prompt_token_ids or ()) for s in core.finished.values())
-    assert held <= core_module._KEEP_FINISHED_TOKENS
+    assert held <= bookkeeping._KEEP_FINISHED_TOKENS
     assert next(reversed(core.finished)) == f"r{i}"  # the most recent are kept

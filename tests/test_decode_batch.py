@@ -7,7 +7,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from stepline.actors.scheduler.policy import StepPlan
+from stepline.actors.scheduler.plan import StepPlan
 from stepline.engine.decode_batch import DecodeBatch, Moves
 from stepline.engine.lookahead import Ahead
 from stepline.engine.sampling import RowSampling

@@ -11,7 +11,7 @@ import pytest
 from helpers import mlx_lm_greedy, submit_together, wait_until
 from mlx_lm.models.cache import make_prompt_cache
 
-from stepline.actors.scheduler.policy import ScheduledChunk, StepPlan
+from stepline.actors.scheduler.plan import ScheduledChunk, StepPlan
 from stepline.actors.scheduler.work import NewRequest, StepWork
 from stepline.api import Engine, SamplingParams
 from stepline.engine.decode_order import DecodeOrder

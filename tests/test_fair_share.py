@@ -17,14 +17,10 @@ from core_driver import TOKEN, make_core, params, run_step
 from helpers import DEMO_LARGE_COST, wait_finished, wait_until
 from starlette.datastructures import Headers
 
-from stepline.actors.scheduler.policy import (
-    MAX_WAIT_STEPS,
-    QueueFullError,
-    SchedulerConfig,
-    fair_order,
-    is_aged,
-    prefix_candidates,
-)
+from stepline.actors.scheduler.admission import QueueFullError
+from stepline.actors.scheduler.order import MAX_WAIT_STEPS, fair_order, is_aged
+from stepline.actors.scheduler.plan import SchedulerConfig
+from stepline.actors.scheduler.prefix_candidates import prefix_candidates
 from stepline.api import Engine
 from stepline.api.http.app import create_app
 from stepline.api.http.serve import serve_in_process

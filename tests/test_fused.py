@@ -13,7 +13,7 @@ import pytest
 from helpers import mlx_lm_greedy, small_config
 from mlx_lm.models.cache import make_prompt_cache
 
-from stepline.actors.scheduler.policy import ScheduledChunk, SchedulerConfig, StepPlan
+from stepline.actors.scheduler.plan import ScheduledChunk, SchedulerConfig, StepPlan
 from stepline.actors.scheduler.warmup import measure_step_costs
 from stepline.actors.scheduler.work import PREFILL_FAILED, NewRequest, StepWork
 from stepline.api import Engine, SamplingParams

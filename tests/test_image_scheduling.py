@@ -11,7 +11,7 @@ from core_driver import make_core, params, sampled
 
 from stepline.actors.scheduler.core import SchedulerCore
 from stepline.actors.scheduler.cost_model import StepCost
-from stepline.actors.scheduler.policy import SchedulerConfig, StepPlan
+from stepline.actors.scheduler.plan import SchedulerConfig, StepPlan
 from stepline.actors.scheduler.spans import PromptImage, prompt_key
 from stepline.engine.images import ImageData
 from stepline.events.fold import Status

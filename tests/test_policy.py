@@ -13,27 +13,25 @@ from helpers import DEMO_LARGE_COST
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stepline.actors.scheduler.core import SchedulerCore
-from stepline.actors.scheduler.cost_model import StepCost, StepFeatures
-from stepline.actors.scheduler.policy import (
-    MAX_GROUPS,
-    MAX_WAIT_STEPS,
-    MIN_PREFILL_SHARE,
-    PREFILL_SHARE,
-    SHORTEST_STEP,
+from stepline.actors.scheduler.admission import (
     ContextLengthExceededError,
     EmptyPromptError,
     KVBudgetExceededError,
-    SchedulerConfig,
-    StepPlan,
-    admission_key,
     check_admissible,
-    decode_context,
     max_output_tokens,
+)
+from stepline.actors.scheduler.batch_geometry import (
+    MAX_GROUPS,
+    decode_context,
     padded_decode_context,
     place_row,
-    schedule,
 )
+from stepline.actors.scheduler.budget import MIN_PREFILL_SHARE, PREFILL_SHARE, SHORTEST_STEP
+from stepline.actors.scheduler.core import SchedulerCore
+from stepline.actors.scheduler.cost_model import StepCost, StepFeatures
+from stepline.actors.scheduler.order import MAX_WAIT_STEPS, admission_key
+from stepline.actors.scheduler.plan import SchedulerConfig, StepPlan
+from stepline.actors.scheduler.policy import schedule
 from stepline.actors.scheduler.prefix_index import PrefixPlan
 from stepline.events.fold import RequestState, Status, fold
 from stepline.events.models import Admitted, ChunkPrefilled, TokensSampled

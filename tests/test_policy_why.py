@@ -9,7 +9,8 @@ from helpers import DEMO_LARGE_COST
 
 from stepline.actors.scheduler.core import SchedulerCore
 from stepline.actors.scheduler.cost_model import StepCost
-from stepline.actors.scheduler.policy import SchedulerConfig, StepPlan, schedule
+from stepline.actors.scheduler.plan import SchedulerConfig, StepPlan
+from stepline.actors.scheduler.policy import schedule
 from stepline.actors.scheduler.prefix_index import PrefixPlan
 from stepline.events.fold import Status
 from stepline.events.models import MAX_HELD, StepPlanned

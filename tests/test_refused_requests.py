@@ -23,13 +23,15 @@ from core_driver import make_core, params
 from helpers import hold_open, replay, wait_finished, wait_until
 from log_builder import LogBuilder
 
-from stepline.actors.scheduler.policy import QueueFullError, SchedulerConfig
+from stepline.actors.scheduler.admission import QueueFullError, Refusal
+from stepline.actors.scheduler.plan import SchedulerConfig
 from stepline.api import Engine
 from stepline.api.config import EventLogConfig, ModelSpec, PoolConfig
 from stepline.api.http.app import create_app
 from stepline.api.http.serve import serve_in_process
 from stepline.api.pipeline.served import OneModel
 from stepline.api.pool import ModelPool
+from stepline.api.refusals import REFUSAL_STATUS
 from stepline.events.fold import FoldError, Status, fold
 from stepline.events.log import TornLineWarning, read_events
 from stepline.events.models import Admitted, FinishReason, Terminal
@@ -88,7 +90,7 @@ def test_the_core_records_a_refusal_once_and_its_state_is_the_folds() -> None:
 
 def test_a_full_queue_refuses_with_a_lone_terminal_naming_429_and_nothing_of_the_prompt() -> None:
     config = SchedulerConfig(max_step_tokens=8, max_num_seqs=1, max_waiting=1, max_step_ms=None)
-    core = make_core(config=config)
+    core = make_core(config=config, refusal_status=REFUSAL_STATUS)  # as the server builds it
     core.add("waits", (3,), params())
     with pytest.raises(QueueFullError):
         core.add("one-too-many", (3, 4, 5), params())
@@ -96,6 +98,18 @@ def test_a_full_queue_refuses_with_a_lone_terminal_naming_429_and_nothing_of_the
     events = [e for e in core.take_events() if e.request_id == "one-too-many"]
     assert [(e.type, e.code, e.status) for e in events] == [("terminal", "queue_full", 429)]
     assert core.state_of("one-too-many").finish_reason is FinishReason.REJECTED
+
+
+def test_a_core_told_no_statuses_records_a_refusal_by_its_kind_alone() -> None:
+    config = SchedulerConfig(max_step_tokens=8, max_num_seqs=1, max_waiting=1, max_step_ms=None)
+    core = make_core(config=config)
+    core.add("waits", (3,), params())
+    with pytest.raises(QueueFullError) as refused:
+        core.add("one-too-many", (3, 4, 5), params())
+
+    assert refused.value.refusal is Refusal.QUEUE_FULL
+    (event,) = [e for e in core.take_events() if e.request_id == "one-too-many"]
+    assert (event.type, event.code, event.status) == ("terminal", "queue_full", None)
 
 
 # -- replay of a log that holds refusals (hand-made) -------------------------------------------

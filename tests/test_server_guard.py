@@ -21,7 +21,7 @@ import pytest_asyncio
 from helpers import hold_open
 
 import stepline.engine
-from stepline.actors.scheduler.policy import QueueFullError
+from stepline.actors.scheduler.admission import QueueFullError
 from stepline.api import Engine, PromptTooLongError
 from stepline.api.http.app import create_app
 from stepline.api.http.guard import RateLimitedExceptionHandler

@@ -23,7 +23,7 @@ from stepline.actors.scheduler.drafter import (
     accept,
     parse_speculative_config,
 )
-from stepline.actors.scheduler.policy import SchedulerConfig
+from stepline.actors.scheduler.plan import SchedulerConfig
 from stepline.actors.scheduler.work import StepResult
 from stepline.api import Engine, SamplingParams
 from stepline.api.cli import main

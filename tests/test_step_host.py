@@ -10,7 +10,7 @@ from core_driver import LIMITS, make_core, params, sampled
 from stepline.actors.host import LOAD_EVERY_S, HostMeter, StepConditions
 from stepline.actors.scheduler.core import SchedulerCore
 from stepline.actors.scheduler.cost_model import CostModel, StepCost
-from stepline.actors.scheduler.policy import SchedulerConfig
+from stepline.actors.scheduler.plan import SchedulerConfig
 from stepline.events.models import StepFinished
 
 

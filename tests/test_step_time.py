@@ -10,7 +10,7 @@ from structlog.testing import capture_logs
 
 from stepline.actors.scheduler import cost_model
 from stepline.actors.scheduler.cost_model import CostModel, StepCost, StepFeatures
-from stepline.actors.scheduler.policy import SchedulerConfig
+from stepline.actors.scheduler.plan import SchedulerConfig
 from stepline.actors.scheduler.warmup import Warmup
 from stepline.api import Engine, SamplingParams
 from stepline.api.http.app import create_app

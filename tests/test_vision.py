@@ -195,7 +195,7 @@ async def test_an_image_sent_to_a_text_model_or_bytes_that_are_no_image_are_refu
 
 def test_the_warm_up_of_a_vision_model_prices_its_encoder() -> None:
     from stepline.actors.scheduler.cost_model import fit
-    from stepline.actors.scheduler.policy import SchedulerConfig
+    from stepline.actors.scheduler.plan import SchedulerConfig
     from stepline.actors.scheduler.warmup import Warmup
     from stepline.engine.models import load_model
     from stepline.engine.runner import ModelRunner

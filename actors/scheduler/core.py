@@ -23,15 +23,19 @@ Who owns which fact about a request:
 |                                        | `Update`, never counts for itself                  |
 | its cache hit and where it came from   | `RequestState.num_cached_tokens` / `cache_source`  |
 |                                        | (from its first `ChunkPrefilled`)                  |
-| the executor still holds its arrays    | `_to_free` (until the next step or housekeeping)   |
-| a disk entry was loaded for it         | `_disk_tries`                                      |
+| the executor still holds its arrays    | `book.to_free` (until the next step or             |
+|                                        | housekeeping; bookkeeping.py `RequestBook`)        |
+| a disk entry was loaded for it         | `book.disk_tried`                                  |
 | output ids and text                    | its request actor (detokenizer, stop strings)      |
 | MLX arrays (cache, prompt, sampling)   | the executor's runner (`engine/sequences.Seq`)     |
 
 Every `RequestState` change is an event recorded here and applied with the fold's `apply`
 (events/fold.py), the function replay uses: folding the log gives exactly `states`. A
 step's sampled tokens are one `TokensSampled` event, applied row by row with the fold's
-`apply_sampled`.
+`apply_sampled`. The events' fields are plain functions of the plan, a request's state and
+the executor's result (step_records.py). A refusal is reported by its kind
+(`admission.Refusal`); the HTTP status the client got, which its `terminal` records, is
+the API layer's (`refusal_status`, from api/refusals.py).
 """
 
 from __future__ import annotations
@@ -39,30 +43,38 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
 
 from stepline.actors.host import StepConditions
 from stepline.actors.messages import Update
-from stepline.actors.scheduler.cost_model import CostModel
-from stepline.actors.scheduler.drafter import Drafter, SpeculativeConfig, speculates
-from stepline.actors.scheduler.policy import (
+from stepline.actors.scheduler.admission import (
     AdmissionError,
+    EngineDeadError,
     QueueFullError,
-    ScheduledChunk,
-    ScheduledEncode,
-    SchedulerConfig,
+    Refusal,
     check_admissible,
     check_queue,
     max_output_tokens,
-    outside_images,
-    prefix_candidates,
-    schedule,
 )
+from stepline.actors.scheduler.bookkeeping import RequestBook
+from stepline.actors.scheduler.cost_model import CostModel
+from stepline.actors.scheduler.drafter import Drafter, SpeculativeConfig, speculates
+from stepline.actors.scheduler.plan import ScheduledChunk, ScheduledEncode, SchedulerConfig
+from stepline.actors.scheduler.policy import schedule
+from stepline.actors.scheduler.prefix_candidates import outside_images, prefix_candidates
 from stepline.actors.scheduler.prefix_index import PrefixIndex, PrefixPlan, Tokens, plan_prefixes
-from stepline.actors.scheduler.spans import PromptImage, check_spans, inside_image, prompt_key
+from stepline.actors.scheduler.spans import PromptImage, check_spans, prompt_key
+from stepline.actors.scheduler.step_records import (
+    ModelLimits,
+    StepOutcome,
+    admitted,
+    chunk_records,
+    cut_at_finish,
+    planned,
+)
 from stepline.actors.scheduler.work import (
     Housekeeping,
     NewRequest,
@@ -73,8 +85,6 @@ from stepline.actors.scheduler.work import (
 from stepline.events.fold import RequestState, Status, apply, apply_sampled
 from stepline.events.models import (
     Admitted,
-    CheckpointReached,
-    ChunkPrefilled,
     Event,
     FinishReason,
     ImageEncoded,
@@ -83,26 +93,11 @@ from stepline.events.models import (
     StepPlanned,
     Terminal,
     TokensSampled,
-    prompt_digest,
 )
 
 __all__ = ["EngineDeadError", "ModelLimits", "SchedulerCore", "StepOutcome"]
 
-_REUSABLE = (FinishReason.STOP, FinishReason.LENGTH)  # ended cleanly: cache worth keeping
-# A full queue's refusal, as the HTTP server answers it (api/pipeline/errors.py `known_error`)
-QUEUE_FULL_CODE, QUEUE_FULL_STATUS = "queue_full", 429
-_KEEP_IDS = 100_000  # request ids refused as reused within this many requests
-_KEEP_FINISHED = 1024  # ended requests' states kept for inspection
-# ... and at most this many prompt token ids among them (a 128k-token prompt's state holds
-# 128k of them: 1,024 such states would keep gigabytes alive).
-_KEEP_FINISHED_TOKENS = 262_144
-
-
 log = structlog.get_logger(__name__)
-
-
-class EngineDeadError(AdmissionError):
-    """The engine can serve no request: its executor failed."""
 
 
 @dataclass(frozen=True)
@@ -116,25 +111,6 @@ class LogPlace:
     step: int = 0
 
 
-@dataclass(frozen=True)
-class ModelLimits:
-    max_context: int  # prompt + output tokens the model supports
-    eos_token_ids: frozenset[int]
-
-
-@dataclass
-class StepOutcome:
-    """What one step did, beyond its events: each request actor's update and the figures
-    the metrics take."""
-
-    updates: dict[str, Update] = field(default_factory=dict)  # request_id -> its update
-    # seconds since the request's previous token, for each token but a request's first ...
-    gaps: list[float] = field(default_factory=list)
-    # ... and since its admission, for each first token
-    firsts: list[float] = field(default_factory=list)
-    cache_lookups: list[int] = field(default_factory=list)  # cached tokens of each first chunk
-
-
 class SchedulerCore:
     def __init__(
         self,
@@ -146,44 +122,42 @@ class SchedulerCore:
         salt: str | None = None,  # the event log's prompt-digest salt
         place: LogPlace | None = None,  # in a log of several models; None: the run's one
         speculative: SpeculativeConfig | None = None,  # drafted decoding; None: none
+        # the status the API answers each refusal kind with, for the log; none: no status
+        refusal_status: Mapping[Refusal, int] | None = None,
     ) -> None:
         self.config = config
+        self.refusal_status: Mapping[Refusal, int] = refusal_status or {}
         self.speculative = speculative
-        # request -> its prompt lookup, while it may draft (actors/scheduler/drafter.py)
-        self._drafters: dict[str, Drafter] = {}
         self.limits = limits
         self.index = index
         self.cost_model = cost_model
         self.salt = salt
         self.states: dict[str, RequestState] = {}  # unfinished requests
-        self.finished: OrderedDict[str, RequestState] = OrderedDict()  # the recent ended ones
-        self._finished_tokens = 0  # prompt token ids held in `finished`
+        self.book = RequestBook()  # what it keeps of requests beside their states
         self.model = place.model if place is not None else None  # on every event
         self.seq = place.seq if place is not None else 0  # the last event's sequence number
         self.step = place.step if place is not None else 0  # the last step scheduled
         self.in_step = False  # between `schedule` and `update_from_output`
         self.dead_reason: str | None = None  # set once the engine can serve no more
         self._events: list[Event] = []  # recorded, not yet taken (`take_events`)
-        self._recent_ids: OrderedDict[str, None] = OrderedDict()  # to refuse reused ids
-        # ended since the executor last heard -> whether its cache is worth keeping
-        self._to_free: dict[str, bool] = {}
         self._drops: list[Tokens] = []  # prefix entries the index let go, for the store
         self._promote: tuple[Tokens, ...] = ()  # disk entries a plan wants loaded
-        self._disk_tries: set[str] = set()  # requests a disk entry was loaded for
-        # waiting request -> its images' encoder inputs (pixels: not the fold's, not logged),
-        # until its first chunk hands them to the executor
-        self._images: dict[str, tuple[PromptImage, ...]] = {}
 
     # -- reading ------------------------------------------------------------------------
 
     def state_of(self, request_id: str) -> RequestState | None:
         """A request's state: live, or ended recently (the log has every one)."""
-        return self.states.get(request_id) or self.finished.get(request_id)
+        return self.states.get(request_id) or self.book.finished.get(request_id)
+
+    @property
+    def finished(self) -> OrderedDict[str, RequestState]:
+        """The recent ended requests' states, oldest first."""
+        return self.book.finished
 
     @property
     def has_work(self) -> bool:
         """Something to run: a request, or executor state to free, drop or load."""
-        return bool(self.states or self._to_free or self._drops or self._promote)
+        return bool(self.states or self.book.to_free or self._drops or self._promote)
 
     def take_events(self) -> list[Event]:
         """The events recorded since the last call, in order (for the event log)."""
@@ -210,25 +184,19 @@ class SchedulerCore:
         QueueFullError, ...) if it cannot be served. One the full queue refuses is recorded
         as a door's refusal (`refuse`: a lone terminal); one that got as far as the checks of
         its prompt is recorded as admitted and at once rejected, so the log says why."""
-        if request_id in self._recent_ids:
+        if self.book.has_seen(request_id):
             raise AdmissionError(f"request id {request_id!r} was already used: send a new one")
-        self._remember(request_id)
+        self.book.remember(request_id)
         ids = tuple(prompt_token_ids)
         check_spans(images, len(ids))
         if self.dead_reason is None:
             try:
                 check_queue(self.states, self.config, client)
             except QueueFullError as exc:
-                # Refused before it joins the queue, whatever its prompt: at the door, as the
-                # HTTP server answers it (429 queue_full, api/pipeline/errors.py).
-                self._record(
-                    Terminal,
-                    request_id=request_id,
-                    reason=FinishReason.REJECTED,
-                    message=str(exc),
-                    code=QUEUE_FULL_CODE,
-                    status=QUEUE_FULL_STATUS,
-                )
+                # Refused before it joins the queue, whatever its prompt: at the door, its
+                # kind as the code and the status the API answers it with (`refusal_status`).
+                status = self.refusal_status.get(exc.refusal)
+                self._refused(request_id, str(exc), code=exc.refusal.value, status=status)
                 raise
         refused: AdmissionError | None = None
         try:
@@ -243,40 +211,27 @@ class SchedulerCore:
         except AdmissionError as exc:
             refused = exc
         self._record(
-            Admitted,
-            request_id=request_id,
-            num_prompt_tokens=len(ids),
-            prompt_token_ids=ids,  # the log's writer leaves them out if told to
-            prompt_sha256=prompt_digest(self.salt, ids),
-            # none inside an image: a cache hit ending there is cut back to the image's start
-            # (`outside_images`), and a whole image's span is computed in one forward
-            checkpoints=tuple(
-                sorted(
-                    {c for c in checkpoints if 0 < c <= len(ids) and not inside_image(images, c)}
-                )
-            ),
-            params=params,
-            client=client,
-            images=tuple(i.ref() for i in images),
+            Admitted, **admitted(request_id, ids, params, checkpoints, client, images, self.salt)
         )
         if refused is not None:
             self._record(
                 Terminal, request_id=request_id, reason=FinishReason.REJECTED, message=str(refused)
             )
             raise refused
-        if images:  # what the encoder reads, until the executor has it
-            self._images[request_id] = tuple(images)
-        if self.speculative is not None and speculates(params) and not images:
-            self._drafters[request_id] = Drafter(self.speculative, ids)
+        drafts = self.speculative is not None and speculates(params) and not images
+        self.book.admitted(request_id, images, Drafter(self.speculative, ids) if drafts else None)
 
     def refuse(self, request_id: str, message: str, *, code: str, status: int) -> Terminal | None:
         """Record a request refused before it reached the engine (at an HTTP door: bad
         parameters, a body too large, an unknown model): a lone `terminal`, reason rejected,
         with the error's `code` and HTTP `status`, and nothing of its prompt. Returns the
         event; None for an id the core has seen already (its own events tell its end)."""
-        if request_id in self._recent_ids:
+        if self.book.has_seen(request_id):
             return None
-        self._remember(request_id)
+        self.book.remember(request_id)
+        return self._refused(request_id, message, code=code, status=status)
+
+    def _refused(self, request_id: str, message: str, *, code: str, status: int | None) -> Any:
         return self._record(
             Terminal,
             request_id=request_id,
@@ -285,11 +240,6 @@ class SchedulerCore:
             code=code,
             status=status,
         )
-
-    def _remember(self, request_id: str) -> None:
-        self._recent_ids[request_id] = None
-        while len(self._recent_ids) > _KEEP_IDS:
-            self._recent_ids.popitem(last=False)
 
     def abort(
         self, request_id: str, reason: FinishReason, message: str | None = None
@@ -314,7 +264,7 @@ class SchedulerCore:
         }
         for rid in updates:
             self._record(Terminal, request_id=rid, reason=FinishReason.ERROR, message=reason)
-        self._to_free.clear()
+        self.book.take_frees()
         self._promote = ()
         self.in_step = False
         return updates
@@ -326,15 +276,15 @@ class SchedulerCore:
         loads, taken once. `before_step`: only when a waiting request may start from a
         cache that ended requests leave (the next turn of a chat); else whenever any."""
         if before_step:
-            reusable = any(self._to_free.values())  # checked first: usually nothing is
+            reusable = any(self.book.to_free.values())  # checked first: usually nothing is
             if not (reusable and any(s.status is Status.WAITING for s in self.states.values())):
                 return None
-        elif not (self._to_free or self._drops or self._promote):
+        elif not (self.book.to_free or self._drops or self._promote):
             return None
         return self._take_housekeeping()
 
     def _take_housekeeping(self) -> Housekeeping:
-        frees, self._to_free = self._to_free, {}
+        frees = self.book.take_frees()
         drops, self._drops = self._drops, []
         promote, self._promote = self._promote, ()
         return Housekeeping(
@@ -356,14 +306,17 @@ class SchedulerCore:
             chunked = any(s.status is not Status.DECODING for s in self.states.values())
             cost = self.cost_model.cost if chunked else self.cost_model.last
         plan = schedule(
-            self.states, self.config, self.step + 1, cost, prefix, self._propose_drafts()
+            self.states,
+            self.config,
+            self.step + 1,
+            cost,
+            prefix,
+            self.book.propose_drafts(self.states),
         )
         self._promote = prefix.promote
         if plan.is_empty:
             return None
-        for rid, drafter in self._drafters.items():
-            if rid in plan.decodes:
-                drafter.planned(plan.drafts.get(rid))
+        self.book.drafts_planned(plan)
         self.step += 1
         self.in_step = True
         if plan.num_tokens > self.config.max_step_tokens:  # an image span no step could hold
@@ -374,43 +327,15 @@ class SchedulerCore:
                 num_tokens=plan.num_tokens,
                 max_step_tokens=self.config.max_step_tokens,
             )
+        self._record(StepPlanned, **planned(plan, self.config))
         states = self.states
-        scheduled = plan.num_scheduled_tokens  # the decode rows, then the chunks
-        encodes = plan.encodes  # then the encoder's work (no tokens)
-        self._record(
-            StepPlanned,
-            request_ids=(*scheduled, *(e.request_id for e in encodes)),
-            num_tokens=(*scheduled.values(), *(0 for _ in encodes)),
-            kinds=("decode",) * len(plan.decodes)
-            + ("prefill",) * len(plan.chunks)
-            + ("encode",) * len(encodes),
-            max_step_tokens=self.config.max_step_tokens,
-            max_num_seqs=self.config.max_num_seqs,
-            limits=(None,) * len(plan.decodes)
-            + tuple(c.limit for c in plan.chunks)
-            + (None,) * len(encodes),
-            held_ids=tuple(rid for rid, _ in plan.held),
-            held_reasons=tuple(why for _, why in plan.held),
-        )
-        starting = [c.request_id for c in plan.chunks] + [e.request_id for e in encodes]
+        starting = [c.request_id for c in plan.chunks] + [e.request_id for e in plan.encodes]
         admit = tuple(
             self._new_request(rid, prefix)
             for rid in starting
             if states[rid].status is Status.WAITING
         )
         return StepWork(plan=plan, admit=admit, **self._take_housekeeping().__dict__)
-
-    def _propose_drafts(self) -> dict[str, tuple[int, ...]] | None:
-        """Each decoding request's drafts, where it drafts this step (`Drafter.propose`)."""
-        if not self._drafters:
-            return None
-        states, out = self.states, {}
-        for rid, drafter in self._drafters.items():
-            if states[rid].status is Status.DECODING:
-                drafts = drafter.propose()
-                if drafts is not None:
-                    out[rid] = drafts
-        return out
 
     def _plan_prefixes(self) -> PrefixPlan:
         if self.index is None or not any(s.status is Status.WAITING for s in self.states.values()):
@@ -421,10 +346,10 @@ class SchedulerCore:
             lambda rid: prompt_key(states[rid].prompt_token_ids or (), states[rid].images),
             self.step + 1,
             self.config,
-            self._disk_tries,
+            self.book.disk_tried,
         )
         prefix = outside_images(plan_prefixes(candidates, self.index), states)
-        self._disk_tries.update(prefix.loading)
+        self.book.disk_tried.update(prefix.loading)
         return prefix
 
     def _new_request(self, rid: str, prefix: PrefixPlan) -> NewRequest:
@@ -438,7 +363,7 @@ class SchedulerCore:
             params=state.params,
             prefix=match.tokens if match is not None else None,
             num_cached_tokens=match.num_tokens if match is not None else 0,
-            images=self._images.pop(rid, ()),
+            images=self.book.take_images(rid),
         )
 
     def update_from_output(
@@ -481,31 +406,12 @@ class SchedulerCore:
             for rid, token in result.tokens.items()
             if rid in states
         ]
-        if self._drafters:
-            self._drafts_verified(plan.drafts, drafted, live)
+        self.book.drafts_verified(plan.drafts, drafted, live)
         if live:
             self._tokens_sampled(live, result, out)
         self.in_step = False
         self.apply_prefix_report(result.prefix)
         return out
-
-    def _drafts_verified(
-        self,
-        proposed: Mapping[str, tuple[int, ...]],
-        accepted: Mapping[str, tuple[int, ...]],
-        live: list[tuple[str, list[int]]],
-    ) -> None:
-        """Each drafting request's drafter takes the step's tokens in, and hears how many of
-        its drafts were kept where they were verified (a row that starts drafting where the
-        batch's forward was built a step ahead decodes there that step, unverified)."""
-        drafters = self._drafters
-        for rid, tokens in live:
-            drafter = drafters.get(rid)
-            if drafter is None:
-                continue
-            if rid in accepted:
-                drafter.observe(len(proposed.get(rid, ())), len(accepted[rid]))
-            drafter.extend(tokens)
 
     def _tokens_sampled(
         self, live: list[tuple[str, list[int]]], result: StepResult, out: StepOutcome
@@ -513,42 +419,19 @@ class SchedulerCore:
         """Record a step's tokens as one event (a row a token: a row that kept drafts has
         several), apply each request's rows with the fold's `apply_sampled`, and end the
         requests a token ends (stop token, length): the tokens after it are dropped."""
-        limits = self.limits
-        kept: list[tuple[str, list[int], FinishReason | None]] = []
-        for rid, tokens in live:
-            before = self.states[rid]
-            finish = None
-            for i, token in enumerate(tokens):
-                finish = _finish_reason(before, before.num_output_tokens + i + 1, token, limits)
-                if finish is not None:
-                    del tokens[i + 1 :]
-                    break
-            kept.append((rid, tokens, finish))
+        kept = cut_at_finish(self.states, live, self.limits)
         event = self._record(
             TokensSampled,
             request_ids=tuple(rid for rid, tokens, _ in kept for _ in tokens),
             token_ids=tuple(token for _, tokens, _ in kept for token in tokens),
         )
-        states, updates, ts = self.states, out.updates, event.ts
-        gaps, firsts, logprobs = out.gaps, out.firsts, result.logprobs
+        states, logprobs = self.states, result.logprobs
         for rid, tokens, finish in kept:
             before = states[rid]
-            state = states[rid] = apply_sampled(before, event, len(tokens))
-            if before.last_token_ts is None:
-                firsts.append(ts - before.admitted_ts)
-            else:
-                gaps.append(ts - before.last_token_ts)
-            update = updates.get(rid)
-            if update is None:  # a decode row (a final chunk has one already)
-                update = updates[rid] = Update(token_ids=tokens)
-            else:
-                update.token_ids.extend(tokens)
-            update.num_output_tokens = state.num_output_tokens
-            if logprobs and (lp := logprobs.get(rid)) is not None:
-                update.logprobs.append(lp)
+            after = states[rid] = apply_sampled(before, event, len(tokens))
+            logprob = logprobs.get(rid) if logprobs else None
+            out.sampled(before, after, tokens, event.ts, logprob, finish)
             if finish is not None:
-                update.finish = finish
-                update.stop_token = finish is FinishReason.STOP
                 self._record(Terminal, request_id=rid, reason=finish, message=None)
 
     def _encoded(self, encode: ScheduledEncode, out: StepOutcome) -> None:
@@ -557,11 +440,7 @@ class SchedulerCore:
         state = self.states.get(rid)
         if state is None:
             return
-        if state.status is Status.WAITING:
-            out.cache_lookups.append(encode.cached)
-            if encode.cached:  # its first step: the cache hit it starts from
-                update = out.updates.setdefault(rid, Update())
-                update.num_cached_tokens = update.num_computed_tokens = encode.cached
+        out.encoded(state, encode)
         self._record(
             ImageEncoded,
             request_id=rid,
@@ -569,7 +448,7 @@ class SchedulerCore:
             start=encode.start,
             end=encode.end,
             num_cached_tokens=encode.cached,
-            cache_source=self._cache_source(rid) if encode.cached else None,
+            cache_source=self.book.cache_source(rid) if encode.cached else None,
         )
 
     def _chunk_done(self, chunk: ScheduledChunk, result: StepResult, out: StepOutcome) -> None:
@@ -577,40 +456,10 @@ class SchedulerCore:
         state = self.states.get(rid)
         if state is None:
             return
-        cached = chunk.start if state.num_computed_tokens == 0 and chunk.start > 0 else 0
-        if state.status is Status.WAITING:
-            out.cache_lookups.append(cached)
-        pos = chunk.start
-        first = True
         reached = result.checkpoints.get(rid, ())
-        # A chunk may end at a checkpoint: each offset is visited once.
-        for offset in sorted({*chunk.checkpoints, chunk.end}):
-            if offset > pos:
-                self._record(
-                    ChunkPrefilled,
-                    request_id=rid,
-                    start=pos,
-                    end=offset,
-                    num_cached_tokens=cached if first else 0,
-                    cache_source=self._cache_source(rid) if cached and first else None,
-                    images=tuple(
-                        i.digest for i in state.images if i.start < offset and pos < i.end
-                    ),
-                )
-                first = False
-                pos = offset
-            if offset in reached:
-                self._record(CheckpointReached, request_id=rid, offset=offset)
-        update = out.updates.setdefault(rid, Update())
-        update.num_computed_tokens = chunk.end
-        if cached:
-            update.num_cached_tokens = cached
-
-    def _cache_source(self, rid: str) -> str:
-        """Where a request's cache hit came from. An entry on disk is loaded into memory
-        while its request waits (`plan_prefixes` never starts one from disk): a request a
-        disk entry was loaded for was served from disk."""
-        return "disk" if rid in self._disk_tries else "memory"
+        for cls, fields in chunk_records(state, chunk, reached, self.book.cache_source(rid)):
+            self._record(cls, **fields)
+        out.prefilled(state, chunk)
 
     def apply_prefix_report(self, report: PrefixReport | None) -> None:
         """The prefix store's changes (after a step or housekeeping), into the index."""
@@ -645,42 +494,7 @@ class SchedulerCore:
         state = apply(self.states.get(rid), event)
         if state.is_finished:
             self.states.pop(rid, None)
-            self._keep_finished(rid, state)
-            reason = state.finish_reason
-            if reason is not FinishReason.REJECTED:  # else it never reached the executor
-                self._to_free[rid] = reason in _REUSABLE
-            self._disk_tries.discard(rid)
-            self._images.pop(rid, None)
-            self._drafters.pop(rid, None)
+            self.book.ended(rid, state)
         else:
             self.states[rid] = state
         return event
-
-    def _keep_finished(self, rid: str, state: RequestState) -> None:
-        old = self.finished.pop(rid, None)
-        if old is not None:
-            self._finished_tokens -= _num_ids(old)
-        self.finished[rid] = state
-        self._finished_tokens += _num_ids(state)
-        while len(self.finished) > 1 and (
-            len(self.finished) > _KEEP_FINISHED or self._finished_tokens > _KEEP_FINISHED_TOKENS
-        ):
-            _, dropped = self.finished.popitem(last=False)
-            self._finished_tokens -= _num_ids(dropped)
-
-
-def _finish_reason(
-    state: RequestState, num_output_tokens: int, token: int, limits: ModelLimits
-) -> FinishReason | None:
-    """Whether `token`, the request's `num_output_tokens`-th, ends it: a stop token, or its
-    length (its `max_tokens`, cut to the context when it was admitted)."""
-    p = state.params
-    if token in p.stop_token_ids or (not p.ignore_eos and token in limits.eos_token_ids):
-        return FinishReason.STOP
-    if num_output_tokens >= p.max_tokens:
-        return FinishReason.LENGTH
-    return None
-
-
-def _num_ids(state: RequestState) -> int:
-    return len(state.prompt_token_ids or ())

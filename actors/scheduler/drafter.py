@@ -21,7 +21,8 @@ Who does what:
 - the scheduler core keeps a `Drafter` for each request that may speculate (rows with no
   grammar, penalties or logprobs: `speculates`), proposes its drafts each step and
   hears how many were accepted; k follows the acceptance (`Drafter.observe`);
-- the policy (`actors/scheduler/policy.py`) fits the drafts into the step's token budget and time;
+- the policy's step budget (`StepBudget.try_draft`, actors/scheduler/budget.py) fits the
+  drafts into the step's token budget and time;
 - the executor (`engine/runner.py`) runs a drafting request against its own KV cache (not
   the decode batch's: a row's rejected drafts are trimmed from its cache alone).
 

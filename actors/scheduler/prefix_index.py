@@ -350,7 +350,7 @@ def plan_prefixes(candidates: Sequence[Candidate], index: PrefixIndex) -> Prefix
     """Where each waiting request starts, and which wait for a prefix being computed.
 
     `candidates` are running requests, then waiting ones in the order the policy admits
-    them (`policy.admission_key`, with fair share between clients: `policy.fair_order`). A
+    them (`order.admission_key`, with fair share between clients: `order.fair_order`). A
     waiting request whose prompt shares a checkpointed prefix with an earlier request that
     has not reached that checkpoint yet waits for it, then starts from its snapshot (so
     requests that arrive together with one new system prompt compute it once). A request

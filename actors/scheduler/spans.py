@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from stepline.events.fold import RequestState
 from stepline.events.models import ImageRef
 
 
@@ -107,3 +108,46 @@ def prompt_key(ids: Sequence[int], images: Sequence[Any]) -> tuple[int, ...]:
     for image in images:
         out[image.start : image.end] = _span_key(image.digest, image.end - image.start)
     return tuple(out)
+
+
+# -- a request's spans, as the policy chunks its prompt around them ------------------------
+
+
+def pending_image(state: RequestState, start: int) -> int | None:
+    """The first of the request's images, from prompt position `start` on, whose encoder
+    work is not all done (its index), or None."""
+    for i, image in enumerate(state.images):
+        if image.end > start and state.encoded[i] < image.units:
+            return i
+    return None
+
+
+def next_encode(state: RequestState, start: int) -> int | None:
+    """The image whose encoder units are the request's next work, its prompt's next chunk
+    starting at `start` (its index); None: its next work is prompt tokens."""
+    i = pending_image(state, start) if state.images else None
+    return i if i is not None and state.images[i].start <= start else None
+
+
+def cut_at_images(state: RequestState, start: int, n: int) -> int:
+    """A chunk of at most `n` tokens at `start`, cut so that it stops before any image span
+    not yet encoded, and never ends inside a span that goes whole; 0: the span at `start`
+    goes whole and does not fit."""
+    end = start + n
+    for i, image in enumerate(state.images):
+        if image.start >= end or image.end <= start:
+            continue
+        if state.encoded[i] < image.units or (image.whole and end < image.end):
+            end = max(image.start, start)
+            break
+    return end - start
+
+
+def whole_image_at(state: RequestState, start: int) -> int:
+    """Tokens of the span of a whole image starting at `start` (0: none does). The first
+    prompt of a step whose whole span fits no step's room runs it alone, past the budget or
+    the time target, rather than never (the log's `chunk-prefilled` says so)."""
+    for image in state.images:
+        if image.whole and image.start == start:
+            return image.end - image.start
+    return 0

@@ -31,13 +31,13 @@ from typing import Any
 
 import structlog
 
+from stepline.actors.scheduler.batch_geometry import padded_decode_context
 from stepline.actors.scheduler.cost_model import Sample, StepFeatures, decode_runs_apart
-from stepline.actors.scheduler.policy import (
+from stepline.actors.scheduler.plan import (
     ScheduledChunk,
     ScheduledEncode,
     SchedulerConfig,
     StepPlan,
-    padded_decode_context,
 )
 from stepline.actors.scheduler.work import Housekeeping, NewRequest, PrefixReport, StepWork
 from stepline.events.models import RequestParams

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from stepline.actors.scheduler.policy import StepPlan
+from stepline.actors.scheduler.plan import StepPlan
 from stepline.actors.scheduler.prefix_index import EntryInfo, Tokens
 from stepline.actors.scheduler.spans import PromptImage
 from stepline.events.models import RequestParams

@@ -152,7 +152,7 @@ def known_error(
     `prompt_param` and `grammar_param` name the request's fields that hold its prompt and its
     output format."""
     # Imported here: the engine's modules are not loaded while the model loads.
-    from stepline.actors.scheduler.policy import (
+    from stepline.actors.scheduler.admission import (
         AdmissionError,
         ContextLengthExceededError,
         QueueFullError,
@@ -161,6 +161,7 @@ def known_error(
     from stepline.api.engine import EngineClosedError
     from stepline.api.json_limits import InputLimitError
     from stepline.api.prompts import PromptTooLongError
+    from stepline.api.refusals import REFUSAL_STATUS
     from stepline.engine.grammar import GrammarError
     from stepline.engine.images import ImageError
 
@@ -181,10 +182,10 @@ def known_error(
             f"{exc.max_waiting})"
         )
         return APIError(
-            429,
+            REFUSAL_STATUS[exc.refusal],
             f"{busy}: retry after {retry_after} s",
             type="rate_limit_error",
-            code="queue_full",
+            code=exc.refusal.value,
             headers={"retry-after": str(retry_after)},
         )
     if isinstance(exc, EngineDeadError):

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 from starlette.datastructures import Headers
 
-from stepline.actors.scheduler.policy import max_output_tokens
+from stepline.actors.scheduler.admission import max_output_tokens
 from stepline.api.config import ServerConfig
 from stepline.api.params import SamplingParams
 from stepline.api.pipeline.agents import AgentPlan
