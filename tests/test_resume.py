@@ -4,13 +4,11 @@ engine on the demo model, httpx reading raw SSE bytes and reconnecting with Last
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator
 
 import anyio
 import httpx
 import pytest
-import pytest_asyncio
-from helpers import Served, hold_open, open_served, wait_finished
+from helpers import wait_finished
 from starlette.datastructures import Headers
 
 from stepline.api.pipeline.errors import OPENAI
@@ -23,13 +21,9 @@ GRACE_S = 1.5
 PROMPT = [{"role": "user", "content": "Tell me about sourdough."}]
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def served(demo) -> AsyncIterator[Served]:
-    value, close = await hold_open(open_served(resume_grace_s=GRACE_S))
-    try:
-        yield value
-    finally:
-        await close()
+@pytest.fixture(scope="module")
+def served_options() -> dict:
+    return dict(resume_grace_s=GRACE_S)
 
 
 def client(url: str, key: str = "sk-one") -> httpx.AsyncClient:
