@@ -14,6 +14,7 @@ from pathlib import Path
 import anyio
 import httpx
 import pytest
+from structlog.testing import capture_logs
 
 import stepline.engine
 from stepline.actors.scheduler.policy import QueueFullError
@@ -450,3 +451,42 @@ async def test_chat_checkpoints_from_one_tokenization_equal_those_from_tokenizin
     exact = prompts.chat_checkpoints(messages, ids)  # without the text: prefixes tokenized
     assert sorted(fast) == sorted(exact)
     assert ids == engine.encode(messages=messages)
+
+
+async def test_a_bug_under_a_door_is_a_500_with_the_request_id_and_a_logged_traceback(
+    served, monkeypatch
+):
+    async def buggy(*args, **kwargs):
+        raise ValueError("max() arg is an empty sequence")  # ours, not the client's
+
+    monkeypatch.setattr(served.engine, "prepare_async", buggy)
+    with capture_logs() as logs:
+        async with served.http() as http:
+            r = await http.post(
+                "/v1/chat/completions", json={"model": "stepline-demo", "messages": MSG}
+            )
+    rid = r.headers["x-request-id"]
+    error = r.json()["error"]
+    assert r.status_code == 500 and error["type"] == "server_error"
+    assert error["message"] == f"internal error (request id {rid})"
+    assert "empty sequence" not in r.text  # the detail is the log's
+    failed = [e for e in logs if e["event"] == "request_failed"]
+    assert [e["request_id"] for e in failed] == [rid] and failed[0]["exc_info"]
+
+
+async def test_a_bug_outside_the_doors_is_a_json_500_never_a_traceback(served, monkeypatch):
+    def broken(registry):
+        raise RuntimeError("the registry broke")
+
+    monkeypatch.setattr("stepline.api.http.app.generate_latest", broken)
+    with capture_logs() as logs:
+        async with served.http() as http:
+            r = await http.get("/metrics")
+    error = r.json()["error"]
+    rid = error["message"].removeprefix("internal error (request id ").removesuffix(")")
+    assert r.status_code == 500 and error["type"] == "server_error"
+    assert r.headers["x-request-id"] == rid and rid.startswith("err-")
+    assert "Traceback" not in r.text and "registry broke" not in r.text
+    failed = [e for e in logs if e["event"] == "request_failed"]
+    assert [(e["request_id"], e["route"]) for e in failed] == [(rid, "/metrics")]
+    assert isinstance(failed[0]["exc_info"], RuntimeError)
