@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import os
+import re
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,6 +19,57 @@ if TYPE_CHECKING:
     from helpers import Served
 
     from stepline.engine.models import LoadedModel
+
+
+# What runs a model inside a test, without one of the model fixtures below (each builds on
+# `model_cache_dir`): found in the test's own source.
+_RUNS_A_MODEL = re.compile(
+    r"Engine\.open|ModelPool\.open|open_served|serve_argv|popen_serve|load_model|"
+    r"demo_model_path|getfixturevalue|reexecute\("
+)
+# Modules whose tests run a model through a helper of the module: none of them is model-free.
+RUNS_A_MODEL = frozenset(
+    {
+        "test_agent_clients.py",
+        "test_default_model.py",
+        "test_engine.py",
+        "test_exactness.py",
+        "test_faults.py",
+        "test_fused.py",
+        "test_gguf.py",
+        "test_image_inputs.py",
+        "test_limits.py",
+        "test_models.py",
+        "test_prefix_disk.py",
+        "test_replay_engines.py",
+        "test_replay_models.py",
+        "test_responses_recovery.py",
+        "test_role_injection.py",
+        "test_several_models.py",
+        "test_speculative.py",
+        "test_vision.py",
+        "test_vision_gemma3.py",
+    }
+)
+
+
+def _needs_model(item: pytest.Item) -> bool:
+    if "model_cache_dir" in getattr(item, "fixturenames", ()) or item.path.name in RUNS_A_MODEL:
+        return True
+    try:
+        source = inspect.getsource(item.obj)  # type: ignore[attr-defined]
+    except (AttributeError, OSError, TypeError):
+        return True
+    return _RUNS_A_MODEL.search(source) is not None
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark `model_free` every test that needs no model, so that `pytest -m model_free`
+    runs them alone, in seconds: a test needs one when it asks for a model fixture, its
+    own code opens an engine or a server, or its module is one of `RUNS_A_MODEL`."""
+    for item in items:
+        if not _needs_model(item):
+            item.add_marker(pytest.mark.model_free)
 
 
 def _load(name: str) -> LoadedModel:
