@@ -361,6 +361,8 @@ class Prompts:
             )
         except TemplateError as exc:
             raise RequestError(f"the chat template refused the messages: {exc}") from exc
+        except ValueError as exc:  # the tokenizer's own checks of them (an empty conversation)
+            raise RequestError(str(exc)) from exc
 
     def chat_checkpoints(
         self,
