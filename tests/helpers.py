@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
@@ -259,6 +260,32 @@ FAILS_LATER = {
     },
     "required": ["n", "x"],
 }
+
+
+def until(check: Callable[[], T], *, within: float, what: str, every: float = 0.1) -> T:
+    """`check()`'s first true value, asked every `every` seconds; AssertionError naming
+    `what` after `within` seconds. Only for what another process does (a child's output, its
+    HTTP answers), which nothing in this one can signal: in-process code is awaited."""
+    deadline = time.monotonic() + within
+    while not (value := check()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {within:g} s")
+        time.sleep(every)  # another process: there is nothing to await
+    return value
+
+
+async def until_async(
+    check: Callable[[], Awaitable[T]], *, within: float, what: str, every: float = 0.05
+) -> T:
+    """`until` for an async `check` (an HTTP request to another process, or to what this one
+    serves when the answer depends on no event the code sets)."""
+    try:
+        with anyio.fail_after(within):
+            while not (value := await check()):  # noqa: ASYNC110 - nothing to await
+                await anyio.sleep(every)  # seen from outside, as a client
+    except TimeoutError:
+        raise AssertionError(f"{what}: not within {within:g} s") from None
+    return value
 
 
 def replay(*argv: str) -> tuple[int, str]:

@@ -15,6 +15,7 @@ import anyio
 import httpx
 import pytest
 from anyio.abc import SocketAttribute
+from helpers import until_async
 
 from stepline.api.json_limits import MAX_JSON_DEPTH, MAX_STOP_STRINGS, MAX_TOOLS
 
@@ -326,18 +327,18 @@ async def test_past_the_limit_of_requests_in_flight_requests_get_503_but_probes_
         async with served.http(served.urls["limited"]) as http:
             # The requests in flight are the middleware's, with no event to await: watched
             # over HTTP, as a client sees them, until their count says so.
-            with anyio.fail_after(10):
-                while (busy := await http.get("/v1/models")).status_code != 503:  # noqa: ASYNC110
-                    await anyio.sleep(0.01)
+            async def answered(status: int) -> httpx.Response | None:
+                r = await http.get("/v1/models")
+                return r if r.status_code == status else None
+
+            busy = await until_async(lambda: answered(503), within=10, every=0.01, what="a 503")
             assert busy.json()["error"]["code"] == "server_busy"
             assert busy.headers["retry-after"] == "1"
             assert await health_time(http) < 1.0
             assert (await http.get("/metrics")).status_code == 200
             for conn in pending:
                 await conn.aclose()
-            with anyio.fail_after(10):
-                while (await http.get("/v1/models")).status_code != 200:  # noqa: ASYNC110
-                    await anyio.sleep(0.01)
+            await until_async(lambda: answered(200), within=10, every=0.01, what="a 200 again")
     finally:
         for conn in pending:
             await conn.aclose()
