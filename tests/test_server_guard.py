@@ -14,6 +14,7 @@ from pathlib import Path
 import anyio
 import httpx
 import pytest
+from helpers import until_async
 from structlog.testing import capture_logs
 
 import stepline.engine
@@ -239,11 +240,13 @@ async def test_a_client_gone_mid_upload_is_one_log_line_not_a_traceback(served, 
             await anyio.sleep(0.2)
         # The server's log line is the only sign, with no event to await: read, bounded.
         out = ""
-        for _ in range(100):
+
+        async def cancel_logged() -> bool:
+            nonlocal out
             out += capsys.readouterr().out
-            if "request_cancelled" in out:
-                break
-            await anyio.sleep(0.05)
+            return "request_cancelled" in out
+
+        await until_async(cancel_logged, within=5, what="the request_cancelled line")
     assert out.count("request_cancelled") == 1
     assert "Traceback" not in out
     assert not [rec for rec in caplog.records if rec.levelname in ("ERROR", "CRITICAL")]

@@ -87,15 +87,7 @@ def create_app(
         err = APIError(400, "the request is malformed", code="invalid_value")
         return error_response(request.url.path, err)
 
-    @app.exception_handler(Exception)
-    async def _bug(request: Request, exc: Exception) -> Response:
-        # A bug outside the doors' own wrapper (`Serving.handle`): a JSON 500 in the path's
-        # shape naming an id that its logged traceback carries; no traceback to the client.
-        rid = f"err-{uuid.uuid4().hex}"
-        log.error("request_failed", request_id=rid, route=request.url.path, exc_info=exc)
-        err = internal_error(rid)
-        err.request_id = rid
-        return error_response(request.url.path, err)
+    app.add_exception_handler(Exception, _bug)
 
     # -- routes: the doors', then the server's own --
 
@@ -160,6 +152,16 @@ def create_app(
             expose_headers=["x-request-id", "retry-after"],
         )
     return app
+
+
+async def _bug(request: Request, exc: Exception) -> Response:
+    """A bug outside the doors' own wrapper (`Serving.handle`): a JSON 500 in the path's shape
+    naming an id that its logged traceback carries; no traceback reaches the client."""
+    rid = f"err-{uuid.uuid4().hex}"
+    log.error("request_failed", request_id=rid, route=request.url.path, exc_info=exc)
+    err = internal_error(rid)
+    err.request_id = rid
+    return error_response(request.url.path, err)
 
 
 class RequireKey:
