@@ -1,4 +1,9 @@
-"""stepline's ways in: the Python async API, the HTTP server, the CLI."""
+"""stepline's ways in: the Python async API (`engine`, `params`, `prompts`, `stream`), the
+options (`config`), several models (`pool`), re-execution, and below it the HTTP pipeline,
+the server, one folder per door and the CLI.
+
+The top layer: may import everything else of stepline; nothing else imports it.
+"""
 
 from stepline.actors.request import RequestOutput
 from stepline.actors.scheduler.admission import (

@@ -35,6 +35,7 @@ from stepline.api.engine_parts import EngineParts, PoolMember, warn_without_open
 from stepline.api.json_limits import InputLimitError, check_text
 from stepline.api.params import SamplingParams
 from stepline.api.prompts import Prepared, Prompts, PromptTooLongError, detokenizers
+from stepline.api.request_error import RequestError
 from stepline.api.stream import RequestStream
 from stepline.engine import grammar
 from stepline.engine.grammar import Compiled, GrammarCompiler, GrammarError
@@ -264,11 +265,11 @@ class Engine:
         image file's bytes>}`); a prompt of token ids prepared with images (`prepare`) comes
         with its `images` (`Prepared.images`).
 
-        Raises TypeError or ValueError naming the argument for `params`, `request_id`,
-        `checkpoints`, `template_kwargs` or `client` of the wrong type or value, ValueError for a
-        malformed prompt (GrammarError for a grammar that does not compile, fails at its
-        start or is past `grammar.LIMITS` or `grammar.COMPILE_TIMEOUT_S`: too complex) or a
-        `top_k` / stop token id outside the model's vocabulary, AdmissionError
+        Raises TypeError or RequestError (a ValueError) naming the argument for `params`,
+        `request_id`, `checkpoints`, `template_kwargs` or `client` of the wrong type or value,
+        RequestError for a malformed prompt (GrammarError for a grammar that does not
+        compile, fails at its start or is past `grammar.LIMITS` or `grammar.COMPILE_TIMEOUT_S`:
+        too complex) or a `top_k` / stop token id outside the model's vocabulary, AdmissionError
         (EmptyPromptError, ContextLengthExceededError — PromptTooLongError when the text's
         length alone proves it —, EngineDeadError, ...) if the engine cannot serve it,
         EngineClosedError once it is closed, WrongEventLoopError when awaited on another
@@ -540,7 +541,7 @@ MAX_CLIENT_CHARS = 256  # a client is in every request's `admitted` event
 def check_submit_args(
     params: Any, request_id: Any, checkpoints: Any, template_kwargs: Any, client: Any = None
 ) -> None:
-    """Raise TypeError / ValueError naming the `submit` argument that is of the wrong type or
+    """Raise TypeError / RequestError naming the `submit` argument that is of the wrong type or
     value. Checked before anything reaches the step loop or the event log, where a bad one
     ended the engine (a float checkpoint, a bytes id) or degraded the log (a lone surrogate)."""
     if params is not None and not isinstance(params, SamplingParams):
@@ -560,19 +561,19 @@ def check_submit_args(
                 f"checkpoints[{i}] must be an int token offset, got {type(c).__name__} {c!r}"
             )
         if c < 0:
-            raise ValueError(f"checkpoints[{i}] must be a token offset >= 0, got {c}")
+            raise RequestError(f"checkpoints[{i}] must be a token offset >= 0, got {c}")
     if template_kwargs is not None and not isinstance(template_kwargs, dict):
         raise TypeError(f"template_kwargs must be a dict, got {type(template_kwargs).__name__}")
 
 
 def _check_name(value: Any, name: str, max_chars: int) -> None:
-    """Raise TypeError / ValueError unless `value` is a str of 1 to `max_chars` characters
+    """Raise TypeError / RequestError unless `value` is a str of 1 to `max_chars` characters
     that the event log can write."""
     if not isinstance(value, str):
         raise TypeError(f"{name} must be a str, got {type(value).__name__}")
     if not 0 < len(value) <= max_chars:
-        raise ValueError(f"{name} must have 1 to {max_chars} characters, got {len(value)}")
+        raise RequestError(f"{name} must have 1 to {max_chars} characters, got {len(value)}")
     try:
         check_text(value, name)
     except InputLimitError as exc:
-        raise ValueError(exc.message) from None
+        raise RequestError(exc.message) from None

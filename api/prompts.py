@@ -32,6 +32,7 @@ from jinja2 import TemplateError
 from stepline.actors.request import Detokenizer, IncrementalDetokenizer, StreamDetokenizer
 from stepline.actors.scheduler.admission import ContextLengthExceededError
 from stepline.actors.scheduler.spans import PromptImage
+from stepline.api.request_error import RequestError
 from stepline.engine.images import (
     ImageData,
     ImageError,
@@ -126,10 +127,10 @@ class Prompts:
         every rendering.
 
         CPU work that can take seconds for a long prompt: `prepare_async` runs it off the event
-        loop. Raises ValueError for a malformed prompt or messages (a template's own error
-        included), PromptTooLongError when the text is too long for the context even before
-        it is tokenized, and ImageError for an image part a text model cannot read or bytes
-        that are not an image.
+        loop. Raises RequestError (a ValueError) for a malformed prompt or messages (a
+        template's own error included), PromptTooLongError when the text is too long for the
+        context even before it is tokenized, and ImageError for an image part a text model
+        cannot read or bytes that are not an image.
         """
         if (prompt is None) == (messages is None):
             raise ValueError("pass exactly one of prompt= or messages=")
@@ -149,7 +150,7 @@ class Prompts:
         vocab = self.vocab_size
         for t in ids:
             if not isinstance(t, int) or not 0 <= t < vocab:
-                raise ValueError(
+                raise RequestError(
                     f"token id {t!r} is not in the model's vocabulary (0..{vocab - 1})"
                 )
         return Prepared(ids, [])
@@ -185,10 +186,10 @@ class Prompts:
     ) -> tuple[list[int], tuple[PromptImage, ...]]:
         """The ids of a rendering with an image placeholder for each of `images`: the text
         around them as `_encode`, each image's span (`Expanded.text`, tokenized) in its place.
-        Raises ValueError if the template did not render one placeholder per image."""
+        Raises RequestError if the template did not render one placeholder per image."""
         pieces = text.split(self.images.placeholder)
         if len(pieces) != len(images) + 1:
-            raise ValueError(
+            raise RequestError(
                 f"the chat template rendered {len(pieces) - 1} image placeholders for "
                 f"{len(images)} images: this model's template cannot show these images here"
             )
@@ -266,7 +267,7 @@ class Prompts:
         """The ids of `text`, a rendering with placeholders where `holes` were: the text
         between them tokenized as usual (the template's special tokens included), each hole's
         text as plain text. A special token the tokenizer splits at stood at each hole, so the
-        pieces meet where the whole would have been split anyway. Raises ValueError if the
+        pieces meet where the whole would have been split anyway. Raises RequestError if the
         template did not carry every placeholder through as it was (it escaped it); `whole`:
         `text` is all of the rendering (else a piece of it, checked as a whole already)."""
         if whole:
@@ -346,11 +347,11 @@ class Prompts:
         add_generation_prompt: bool = True,
         template_kwargs: dict[str, Any] | None = None,
     ) -> str:
-        """The chat template's rendering of `messages`. Raises ValueError on malformed messages
+        """The chat template's rendering of `messages`. Raises RequestError on malformed messages
         (a template that refuses them included)."""
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content'")
+                raise RequestError(f"messages[{i}] must be a dict with 'role' and 'content'")
         try:
             return self.tokenizer.apply_chat_template(
                 list(messages),
@@ -359,7 +360,9 @@ class Prompts:
                 **(template_kwargs or {}),
             )
         except TemplateError as exc:
-            raise ValueError(f"the chat template refused the messages: {exc}") from exc
+            raise RequestError(f"the chat template refused the messages: {exc}") from exc
+        except ValueError as exc:  # the tokenizer's own checks of them (an empty conversation)
+            raise RequestError(str(exc)) from exc
 
     def chat_checkpoints(
         self,
@@ -445,10 +448,10 @@ class Prompts:
 
 
 def _check_holes(text: str, holes: list[str]) -> None:
-    """Raise ValueError unless a rendering carried each hole's placeholder through as it was
+    """Raise RequestError unless a rendering carried each hole's placeholder through as it was
     (a template that escaped it would show the client's text differently)."""
     if sorted(int(n) for n in _HOLE.findall(text)) != list(range(len(holes))):
-        raise ValueError(
+        raise RequestError(
             "the messages hold the text of the model's special tokens "
             f"({', '.join(sorted(set(holes)))}), which this model's chat template cannot "
             "show as text: remove it"

@@ -1,8 +1,11 @@
-"""The MLX side of stepline: model loading, caches, forward passes, sampling, policy.
+"""The MLX side of stepline: model loading, the batched caches, a step's forward passes
+(`runner`), sampling, grammars, the prefix cache's arrays and files, images and
+vision-language models. Code here runs on the executor's thread.
 
-Importing this package loads nothing: the scheduling policy and the prefix index are
-pure. It only arranges that OpenBLAS (Linux) is loaded the moment anything first
-imports MLX (see `engine/_blas.py`), so a program that never runs a model never loads it.
+May import `stepline.actors.scheduler` (plans and results) and `stepline.events`; never
+`stepline.api`. Importing this package loads nothing; it only arranges that OpenBLAS
+(Linux) is loaded the moment anything first imports MLX (see `engine/_blas.py`), so a
+program that never runs a model never loads it.
 """
 
 from stepline.engine._blas import install_preload_hook

@@ -28,89 +28,27 @@ import structlog
 from mlx.utils import tree_flatten, tree_unflatten
 
 from stepline.engine.cache_dirs import build_once, cache_root
+from stepline.engine.demo_files import (
+    CORPUS_PATH,
+    ENDOFTEXT,
+    IM_END,
+    MARKUP_TOKENS,
+    SPECIAL_TOKENS,
+    VISION_DEMO,
+    tokenizer_files,
+    train_tokenizer_json,
+)
 
 if TYPE_CHECKING:  # mlx_lm imports transformers (~1 s); load it only when loading a model
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 DEFAULT_DEMO = "stepline-demo"
-VISION_DEMO = "stepline-demo-vision"  # engine/vision.py builds it (the vision extra)
 
 log = structlog.get_logger(__name__)
 
 # Bump when the build recipe changes, so caches built by an older stepline are not reused.
 # 2: Qwen3-style chat template with tools and think tags; their markup tokens in the vocab.
 _BUILD_VERSION = 2
-_CORPUS_PATH = Path(__file__).with_name("demo_corpus.txt")
-
-ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
-SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)  # ids 0, 1, 2 in the demo tokenizer
-# Single tokens that are ordinary text to the decoder (not "special"), as in Qwen3: a
-# reasoning parser and a tool parser see them in the output. Ids 3-8.
-MARKUP_TOKENS = (
-    "<think>",
-    "</think>",
-    "<tool_call>",
-    "</tool_call>",
-    "<tool_response>",
-    "</tool_response>",
-)
-
-# Qwen3-style ChatML: a `# Tools` system block when tools are given, assistant tool calls as
-# <tool_call> JSON blocks (what mlx-lm's `json_tools` parser reads), `tool` messages as
-# <tool_response> blocks in a user turn, reasoning in <think> tags, and an empty think block
-# after the generation prompt when `enable_thinking` is false. Content may be a string or
-# OpenAI-style parts.
-CHAT_TEMPLATE = (
-    "{%- macro text(content) %}"
-    "{%- if content is string %}{{- content }}"
-    "{%- elif content %}{%- for part in content %}"
-    "{%- if part['type'] == 'text' %}{{- part['text'] }}{%- endif %}"
-    "{%- endfor %}{%- endif %}"
-    "{%- endmacro %}"
-    "{%- set rest = messages %}"
-    "{%- if tools %}"
-    "{{- '<|im_start|>system\\n' }}"
-    "{%- if messages and messages[0]['role'] == 'system' %}"
-    "{{- text(messages[0]['content']) + '\\n\\n' }}{%- set rest = messages[1:] %}"
-    "{%- endif %}"
-    "{{- '# Tools\\n\\nYou may call one or more functions. Their signatures, in <tools></tools>:"
-    "\\n<tools>' }}"
-    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
-    "{{- '\\n</tools>\\n\\nTo call a function, answer with a JSON object of its name and "
-    'arguments in <tool_call></tool_call> tags:\\n<tool_call>\\n{"name": <function-name>, '
-    '"arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n\' }}'
-    "{%- endif %}"
-    "{%- for message in rest %}"
-    "{%- if message['role'] == 'tool' %}"
-    "{%- if loop.first or rest[loop.index0 - 1]['role'] != 'tool' %}"
-    "{{- '<|im_start|>user' }}{%- endif %}"
-    "{{- '\\n<tool_response>\\n' + text(message['content']) + '\\n</tool_response>' }}"
-    "{%- if loop.last or rest[loop.index0 + 1]['role'] != 'tool' %}"
-    "{{- '<|im_end|>\\n' }}{%- endif %}"
-    "{%- else %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
-    "{%- if message['role'] == 'assistant' and message.get('reasoning_content') %}"
-    "{{- '<think>\\n' + message['reasoning_content'] + '\\n</think>\\n\\n' }}"
-    "{%- endif %}"
-    "{{- text(message['content']) }}"
-    "{%- if message['role'] == 'assistant' and message.get('tool_calls') %}"
-    "{%- for tool_call in message['tool_calls'] %}"
-    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
-    "{%- if not loop.first or message['content'] %}{{- '\\n' }}{%- endif %}"
-    '{{- \'<tool_call>\\n{"name": "\' + tool_call.name + \'", "arguments": \' }}'
-    "{%- if tool_call.arguments is string %}{{- tool_call.arguments }}"
-    "{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}"
-    "{{- '}\\n</tool_call>' }}"
-    "{%- endfor %}"
-    "{%- endif %}"
-    "{{- '<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}"
-    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
-    "{%- endif %}"
-)
 
 
 @dataclass(frozen=True)
@@ -239,7 +177,7 @@ def _spec_hash(spec: DemoSpec) -> str:
         "build_version": _BUILD_VERSION,
         "spec": dataclasses.asdict(spec),
         # Text, not bytes: a CRLF checkout trains the same tokenizer, so it hashes the same.
-        "corpus": hashlib.sha256(_CORPUS_PATH.read_text(encoding="utf-8").encode()).hexdigest(),
+        "corpus": hashlib.sha256(CORPUS_PATH.read_text(encoding="utf-8").encode()).hexdigest(),
     }
     blob = json.dumps(recipe, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:12]
@@ -263,68 +201,6 @@ def demo_model_path(name: str = DEFAULT_DEMO, cache_dir: str | Path | None = Non
     final = cache_root(cache_dir) / "models" / f"{name}-{_spec_hash(spec)}"
     build_once(final, lambda tmp: _build(spec, tmp))
     return final
-
-
-def _train_tokenizer_json(vocab_size: int) -> str:
-    """Train the demo byte-level BPE on the built-in corpus; deterministic for one corpus."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    # Byte-level with no normalizer: any unicode string encodes and decodes back exactly.
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=1,
-        show_progress=False,
-        special_tokens=[*SPECIAL_TOKENS, *MARKUP_TOKENS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    paragraphs = _CORPUS_PATH.read_text(encoding="utf-8").split("\n\n")
-    tokenizer.train_from_iterator(paragraphs, trainer=trainer)
-    data = json.loads(tokenizer.to_str())
-    for added in data["added_tokens"]:
-        added["special"] = added["content"] in SPECIAL_TOKENS
-    return json.dumps(data, indent=2)
-
-
-def _tokenizer_files(max_context: int) -> dict[str, Any]:
-    added = {
-        str(i): {
-            "content": token,
-            "lstrip": False,
-            "normalized": False,
-            "rstrip": False,
-            "single_word": False,
-            "special": token in SPECIAL_TOKENS,
-        }
-        for i, token in enumerate((*SPECIAL_TOKENS, *MARKUP_TOKENS))
-    }
-    tokenizer_config = {
-        "add_bos_token": False,
-        "add_prefix_space": False,
-        "added_tokens_decoder": added,
-        "additional_special_tokens": [IM_START, IM_END],
-        "bos_token": None,
-        "chat_template": CHAT_TEMPLATE,
-        # Off, or decode() would rewrite " ." to "." and text would not round-trip.
-        "clean_up_tokenization_spaces": False,
-        "eos_token": IM_END,
-        "model_max_length": max_context,
-        "pad_token": ENDOFTEXT,
-        "split_special_tokens": False,
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "unk_token": None,
-    }
-    special_tokens_map = {
-        "additional_special_tokens": [IM_START, IM_END],
-        "eos_token": IM_END,
-        "pad_token": ENDOFTEXT,
-    }
-    return {
-        "tokenizer_config.json": tokenizer_config,
-        "special_tokens_map.json": special_tokens_map,
-    }
 
 
 def _model_config(spec: DemoSpec, vocab_size: int) -> dict[str, Any]:
@@ -384,7 +260,7 @@ def _init_weights(model: nn.Module, spec: DemoSpec) -> None:
 def _build(spec: DemoSpec, out: Path) -> None:
     from mlx_lm.utils import save_config, save_model
 
-    tokenizer_json = _train_tokenizer_json(spec.vocab_size)
+    tokenizer_json = train_tokenizer_json(spec.vocab_size)
     vocab_size = len(json.loads(tokenizer_json)["model"]["vocab"])
     config = _model_config(spec, vocab_size)
 
@@ -395,7 +271,7 @@ def _build(spec: DemoSpec, out: Path) -> None:
     save_model(out, model)
     save_config(dict(config), config_path=out / "config.json")
     (out / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
-    for filename, content in _tokenizer_files(spec.max_position_embeddings).items():
+    for filename, content in tokenizer_files(spec.max_position_embeddings).items():
         (out / filename).write_text(json.dumps(content, indent=2) + "\n", encoding="utf-8")
 
 
@@ -521,7 +397,16 @@ def _load_dir(path: Path, name: str, dtype: str = "auto", lazy: bool = False) ->
     if isinstance(config.get("vision_config"), dict):  # a vision-language model (mlx-vlm)
         from stepline.engine.vision import load_vision
 
-        return load_vision(path, name, dtype)
+        vision = load_vision(path, lambda whole: fit_dtype(whole, dtype))
+        return LoadedModel(
+            model=vision.text_model,
+            tokenizer=vision.tokenizer,
+            name=name,
+            path=path,
+            max_context=max_context_of(config),
+            weights=vision.weights,
+            vision=vision.parts,
+        )
     model, tokenizer, config = load(str(path), return_config=True, lazy=lazy)
     weights = fit_dtype(model, dtype, evaluate=not lazy)
     return LoadedModel(

@@ -25,6 +25,7 @@ import numpy as np
 import structlog
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
+from safetensors import TensorSpec, serialize_file
 
 from stepline.engine.throttle import Throttle
 
@@ -39,13 +40,19 @@ Cache = list[Any]
 # `mlx_lm.models.cache.load_prompt_cache(path)` reads it as is: tensors named by
 # `tree_flatten([layer.state for layer in cache])`, scalars stored as 0-d arrays and
 # listed in the metadata, metadata = `tree_flatten([ours, class names, scalars])`.
-# The file is written by hand (8-byte header length, JSON header, raw data) so that
-# the writer thread needs numpy buffers only, never MLX. `ours` holds the format, the
-# model fingerprint, the token ids with their sha256, trimmability and a crc32 of the
-# data, all checked on read, so another model's file, a hash collision or a torn or
-# bit-flipped file is never loaded.
+# The `safetensors` package writes it from the numpy buffers (`serialize_file`, which
+# takes bfloat16 as raw bytes, as `safetensors.numpy` cannot), so the writer thread needs
+# no MLX. It is read here, header first (a scan reads no data) and with no MLX until the
+# arrays are made. `ours` holds the format, the model fingerprint, the token ids with
+# their sha256, trimmability and a crc32 of the data, all checked on read, so another
+# model's file, a hash collision or a torn or bit-flipped file is never loaded.
 
-FORMAT = "stepline-prefix-cache/1"
+# 2: written by the safetensors package, the crc32 over the tensors in name order (the
+# package lays the data out itself). 1: written by hand, the crc32 over the data as laid
+# out; still read.
+FORMAT = "stepline-prefix-cache/2"
+_FORMAT_1 = "stepline-prefix-cache/1"
+_FINGERPRINT_SALT = _FORMAT_1  # a model's id stays that of the files already on disk
 WRITER_THREAD_NAME = "stepline-prefix-writer"
 _SUFFIX = ".safetensors"
 _MAX_HEADER_BYTES = 256 * 2**20
@@ -71,6 +78,22 @@ _ST_DTYPE = {
     mx.float64: "F64",
 }
 # numpy has no bfloat16: BF16 data travels as its uint16 bit pattern.
+# The dtype names `safetensors.TensorSpec` takes.
+_SPEC_DTYPE = {
+    "BOOL": "bool",
+    "U8": "uint8",
+    "U16": "uint16",
+    "U32": "uint32",
+    "U64": "uint64",
+    "I8": "int8",
+    "I16": "int16",
+    "I32": "int32",
+    "I64": "int64",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F32": "float32",
+    "F64": "float64",
+}
 _NP_DTYPE = {
     "BOOL": np.bool_,
     "U8": np.uint8,
@@ -120,7 +143,7 @@ def model_fingerprint(path: str | Path) -> str:
     cheap for any model size, and different for a fine-tune with the same shapes.
     """
     path = Path(path)
-    h = hashlib.sha256(FORMAT.encode())
+    h = hashlib.sha256(_FINGERPRINT_SALT.encode())
     config = path / "config.json"
     if config.is_file():
         h.update(config.read_bytes())
@@ -198,8 +221,6 @@ def serialize_entry(
     for name, leaf in tree_flatten(states):
         dtype, arr = _to_numpy(name, leaf, scalars)
         tensors.append((name, dtype, tuple(arr.shape), arr.reshape(-1).view(np.uint8)))
-    # Widest elements first: with an 8-aligned data start, every tensor is then aligned.
-    tensors.sort(key=lambda t: -np.dtype(_NP_DTYPE[t[1]]).itemsize)
     ours = {
         "format": FORMAT,
         "model": model_id,
@@ -219,20 +240,11 @@ def serialize_entry(
     )
 
 
-def _encode_header(payload: _Payload, crc: int) -> bytes:
-    header: dict[str, Any] = {}
-    offset = 0
-    for name, dtype, shape, buf in payload.tensors:
-        header[name] = {
-            "dtype": dtype,
-            "shape": list(shape),
-            "data_offsets": [offset, offset + buf.nbytes],
-        }
-        offset += buf.nbytes
-    header["__metadata__"] = {**payload.metadata, "0.data_crc32": f"{crc:08x}"}
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-(8 + len(raw)) % 8)  # pad so the data starts 8-aligned
-    return struct.pack("<Q", len(raw)) + raw
+def _data_crc32(buffers: Sequence[np.ndarray]) -> str:
+    crc = 0
+    for buf in buffers:
+        crc = zlib.crc32(buf, crc)
+    return f"{crc:08x}"
 
 
 def write_entry_file(payload: _Payload) -> int:
@@ -240,24 +252,30 @@ def write_entry_file(payload: _Payload) -> int:
 
     Runs on the writer thread: numpy buffers and file I/O only.
     """
-    crc = 0
-    for _, _, _, buf in payload.tensors:
-        crc = zlib.crc32(buf, crc)
-    head = _encode_header(payload, crc)
+    by_name = sorted(payload.tensors, key=lambda t: t[0])
+    metadata = {**payload.metadata, "0.data_crc32": _data_crc32([t[3] for t in by_name])}
+    specs = {
+        # Pointers into `payload.tensors`' buffers, which live until this returns.
+        name: TensorSpec(
+            dtype=_SPEC_DTYPE[dtype],
+            shape=list(shape),
+            data_ptr=buf.ctypes.data,
+            data_len=buf.nbytes,
+        )
+        for name, dtype, shape, buf in payload.tensors
+    }
     path = payload.path
     tmp = path.with_name(f".{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
     try:
-        with open(tmp, "wb") as f:
-            f.write(head)
-            for _, _, _, buf in payload.tensors:
-                f.write(buf)
-            f.flush()
+        serialize_file(specs, str(tmp), metadata=metadata)
+        with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+            size = os.fstat(f.fileno()).st_size
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    return len(head) + payload.data_nbytes
+    return size
 
 
 @dataclass(frozen=True)
@@ -268,6 +286,7 @@ class _FileInfo:
     scalars: list
     tensors: dict[str, dict]
     crc32: str
+    crc_by_name: bool  # the crc32 is over the tensors in name order (else: as laid out)
     data_start: int
     data_nbytes: int
     file_nbytes: int
@@ -289,7 +308,7 @@ def _read_info(f: Any, file_nbytes: int, model_id: str) -> _FileInfo:
         ours, classes, scalars = tree_unflatten(list(flat.items()))
     except Exception as exc:  # noqa: BLE001 - any parse failure means: not a usable file
         raise _Unreadable(f"unreadable header ({type(exc).__name__}: {exc})") from None
-    if not isinstance(ours, dict) or ours.get("format") != FORMAT:
+    if not isinstance(ours, dict) or ours.get("format") not in (FORMAT, _FORMAT_1):
         raise _NotOurs(f"format {ours.get('format') if isinstance(ours, dict) else None!r}")
     if ours.get("model") != model_id:
         raise _NotOurs("written for another model")
@@ -316,6 +335,7 @@ def _read_info(f: Any, file_nbytes: int, model_id: str) -> _FileInfo:
         scalars=list(scalars[1:]),
         tensors=header,
         crc32=crc,
+        crc_by_name=ours["format"] == FORMAT,
         data_start=8 + n,
         data_nbytes=end,
         file_nbytes=file_nbytes,
@@ -339,7 +359,12 @@ def load_entry_file(path: Path, tokens: tuple[int, ...], model_id: str) -> Cache
         data = np.empty(info.data_nbytes, dtype=np.uint8)
         if f.readinto(data) != info.data_nbytes:
             raise _BadFile("truncated while reading")
-    if f"{zlib.crc32(data):08x}" != info.crc32:
+    if info.crc_by_name:
+        slices = [(name, spec["data_offsets"]) for name, spec in info.tensors.items()]
+        crc = _data_crc32([data[start:stop] for _, (start, stop) in sorted(slices)])
+    else:
+        crc = _data_crc32([data])
+    if crc != info.crc32:
         raise _BadFile("its data does not match its crc32")
     leaves: dict[str, Any] = {}
     for name, spec in info.tensors.items():

@@ -36,8 +36,9 @@ import numpy as np
 import structlog
 from mlx.utils import tree_flatten, tree_unflatten
 
+from stepline.engine import demo_files
+from stepline.engine.demo_files import VISION_DEMO
 from stepline.engine.images import ImageData, VisionUnavailableError
-from stepline.engine.models import VISION_DEMO
 
 log = structlog.get_logger(__name__)
 
@@ -317,16 +318,25 @@ def _text_model(vlm: Any, config: dict[str, Any]) -> Any:
     return model
 
 
-def load_vision(path: Path, name: str, dtype: str) -> Any:
-    """A LoadedModel of the vision-language checkpoint at `path` (mlx-vlm layout).
+@dataclass(frozen=True)
+class VisionCheckpoint:
+    """A vision-language checkpoint as loaded: what `load_model` makes a LoadedModel of."""
+
+    text_model: nn.Module  # the language model the engine runs (`_text_model`)
+    tokenizer: Any  # mlx-lm's TokenizerWrapper, with the processor's end tokens
+    parts: VisionParts  # its encoder and image prompts (LoadedModel.vision)
+    weights: str  # what `fit` chose for the weights, and why
+
+
+def load_vision(path: Path, fit: Callable[[nn.Module], str]) -> VisionCheckpoint:
+    """The vision-language checkpoint at `path` (mlx-vlm layout); `fit` casts the whole
+    model's weights (`models.fit_dtype`) before the text model takes its own arrays.
 
     Raises VisionUnavailableError without mlx-vlm or for a family not in FAMILIES."""
     _require_mlx_vlm()
     from mlx_lm.tokenizer_utils import load as load_tokenizer
     from mlx_vlm.utils import load_model as load_vlm
     from mlx_vlm.utils import load_processor
-
-    from stepline.engine.models import LoadedModel, fit_dtype, max_context_of
 
     config = json.loads((path / "config.json").read_text())
     model_type = config.get("model_type", "")
@@ -338,7 +348,7 @@ def load_vision(path: Path, name: str, dtype: str) -> Any:
             "in the batched decode)"
         )
     vlm = load_vlm(path)
-    weights = fit_dtype(vlm, dtype)
+    weights = fit(vlm)
     processor = load_processor(path, add_detokenizer=False)
     eos = config.get("eos_token_id") or config.get("text_config", {}).get("eos_token_id")
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
@@ -349,15 +359,8 @@ def load_vision(path: Path, name: str, dtype: str) -> Any:
     else:
         images = family(processor)
     text = _text_model(vlm, config)
-    return LoadedModel(
-        model=text,
-        tokenizer=tokenizer,
-        name=name,
-        path=path,
-        max_context=max_context_of(config),
-        weights=weights,
-        vision=VisionParts(model_type, VisionEncoder(vlm, text, model_type), images),
-    )
+    parts = VisionParts(model_type, VisionEncoder(vlm, text, model_type), images)
+    return VisionCheckpoint(text_model=text, tokenizer=tokenizer, parts=parts, weights=weights)
 
 
 # -- the demo -------------------------------------------------------------------
@@ -367,10 +370,9 @@ def demo_path(cache_dir: str | Path | None = None) -> Path:
     """The directory of `stepline-demo-vision`, built there on first use."""
     _require_mlx_vlm()
     from stepline.engine.cache_dirs import build_once, cache_root
-    from stepline.engine.models import _CORPUS_PATH
 
     recipe = json.dumps(
-        {"v": _DEMO_BUILD_VERSION, "demo": _DEMO, "corpus": _CORPUS_PATH.read_text()},
+        {"v": _DEMO_BUILD_VERSION, "demo": _DEMO, "corpus": demo_files.CORPUS_PATH.read_text()},
         sort_keys=True,
     )
     digest = hashlib.sha256(recipe.encode()).hexdigest()[:12]
@@ -425,16 +427,14 @@ def build_idefics3(out: Path, shape: Mapping[str, Any], tokenizer_from: Path | N
         Idefics3ImageProcessorPil,
     )
 
-    from stepline.engine import models as text_demo
-
     if tokenizer_from is None:
-        tokenizer_json = text_demo._train_tokenizer_json(1024)
+        tokenizer_json = demo_files.train_tokenizer_json(1024)
     else:
         tokenizer_json = (tokenizer_from / "tokenizer.json").read_text(encoding="utf-8")
     (out / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
     if tokenizer_from is None:
         max_context = shape["text"]["max_position_embeddings"]
-        for filename, content in text_demo._tokenizer_files(max_context).items():
+        for filename, content in demo_files.tokenizer_files(max_context).items():
             (out / filename).write_text(json.dumps(content, indent=2) + "\n", encoding="utf-8")
     else:
         config = (tokenizer_from / "tokenizer_config.json").read_text(encoding="utf-8")
@@ -448,7 +448,7 @@ def build_idefics3(out: Path, shape: Mapping[str, Any], tokenizer_from: Path | N
         max_image_size={"longest_edge": shape["vision"]["image_size"]},
         do_image_splitting=True,
     )
-    template = text_demo.CHAT_TEMPLATE.replace(
+    template = demo_files.CHAT_TEMPLATE.replace(
         "{%- if part['type'] == 'text' %}{{- part['text'] }}{%- endif %}",
         "{%- if part['type'] == 'text' %}{{- part['text'] }}"
         "{%- elif part['type'] == 'image' %}{{- '<image>' }}{%- endif %}",
@@ -463,8 +463,8 @@ def build_idefics3(out: Path, shape: Mapping[str, Any], tokenizer_from: Path | N
     processor.save_pretrained(str(out))
     vocab = len(processor.tokenizer)
     eos = [
-        text_demo.SPECIAL_TOKENS.index(text_demo.IM_END),
-        text_demo.SPECIAL_TOKENS.index(text_demo.ENDOFTEXT),
+        demo_files.SPECIAL_TOKENS.index(demo_files.IM_END),
+        demo_files.SPECIAL_TOKENS.index(demo_files.ENDOFTEXT),
     ]
     config = {
         "model_type": "idefics3",
@@ -479,7 +479,7 @@ def build_idefics3(out: Path, shape: Mapping[str, Any], tokenizer_from: Path | N
     weights = random_weights(config, shape["seed"], shape["init_std"])
     # As in the text demos: a random model must not rank the special tokens first.
     head = "language_model.lm_head.weight"
-    added = len(text_demo.SPECIAL_TOKENS) + len(text_demo.MARKUP_TOKENS)
+    added = len(demo_files.SPECIAL_TOKENS) + len(demo_files.MARKUP_TOKENS)
     image_tokens = mx.arange(len(tokenizer) - len(rows) - 1, vocab)  # markers, <image>, ...
     reserved = mx.concatenate([mx.arange(added), image_tokens])
     weights[head] = weights[head].at[reserved].multiply(0.0)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from dataclasses import dataclass
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
@@ -136,31 +138,63 @@ async def wait_finished(loop: StepLoop, request_id: str, within: float = 10.0) -
 
 @dataclass(frozen=True)
 class Served:
-    """An engine on the demo model behind a real server on 127.0.0.1."""
+    """An engine behind real servers on 127.0.0.1 (`open_served`, the `served` fixture)."""
 
     engine: Any
-    url: str
+    url: str  # the first app's base URL, no /v1
+    urls: dict[str, str] = field(default_factory=dict)  # name -> the other apps' base URLs
+    event_log: Path | None = None  # the engine's event log (None: it keeps none)
 
-    def client(self, key: str = "sk-one") -> Any:
+    def client(self, key: str = "sk-one", url: str | None = None) -> Any:
+        """The official OpenAI client of `url` (default: the first app), with `key`."""
         import openai
 
-        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0)
+        base = url or self.url
+        return openai.AsyncOpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0)
+
+    def http(self, url: str | None = None, **kw: Any) -> Any:
+        """An httpx client of `url` (default: the first app); `kw` goes to `httpx`."""
+        import httpx
+
+        return httpx.AsyncClient(base_url=url or self.url, timeout=60, **kw)
 
 
 @asynccontextmanager
-async def open_served(model: str = "stepline-demo", **app_options: Any) -> AsyncIterator[Served]:
-    """`model` (128-token steps) served in this process; `app_options` go to
-    `create_app`."""
+async def open_served(
+    model: str = "stepline-demo",
+    *,
+    engine: dict[str, Any] | None = None,
+    event_log: Path | None = None,
+    apps: dict[str, dict[str, Any]] | None = None,
+    serve: dict[str, dict[str, Any]] | None = None,
+    **app_options: Any,
+) -> AsyncIterator[Served]:
+    """`model` (128-token steps, unless `engine` says otherwise: `Engine.open`'s options,
+    with `event_log`) served in this process: the first app with `app_options`, and one more
+    app over the same engine for each of `apps` (name -> `create_app`'s options), each on its
+    own port (`serve`: name -> `serve_in_process`'s options; the first app's name is "")."""
     from stepline.api import Engine
     from stepline.api.http.app import create_app
     from stepline.api.http.serve import serve_in_process
     from stepline.api.pipeline.served import OneModel
 
+    every = {"": app_options, **(apps or {})}
     async with (
-        Engine.open(model, max_step_tokens=128) as engine,
-        serve_in_process(create_app(OneModel(engine), **app_options)) as url,
+        Engine.open(
+            model, **{"max_step_tokens": 128, **(engine or {})}, event_log=event_log
+        ) as opened,
+        AsyncExitStack() as stack,
     ):
-        yield Served(engine, url)
+        urls = {
+            name: await stack.enter_async_context(
+                serve_in_process(
+                    create_app(OneModel(opened), **options), **(serve or {}).get(name, {})
+                )
+            )
+            for name, options in every.items()
+        }
+        first = urls.pop("")
+        yield Served(opened, first, urls, event_log)
 
 
 # Two function tools' argument schemas, shared by the agent tests of every API. An enum and
@@ -229,6 +263,32 @@ FAILS_LATER = {
     },
     "required": ["n", "x"],
 }
+
+
+def until(check: Callable[[], T], *, within: float, what: str, every: float = 0.1) -> T:
+    """`check()`'s first true value, asked every `every` seconds; AssertionError naming
+    `what` after `within` seconds. Only for what another process does (a child's output, its
+    HTTP answers), which nothing in this one can signal: in-process code is awaited."""
+    deadline = time.monotonic() + within
+    while not (value := check()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {within:g} s")
+        time.sleep(every)  # another process: there is nothing to await
+    return value
+
+
+async def until_async(
+    check: Callable[[], Awaitable[T]], *, within: float, what: str, every: float = 0.05
+) -> T:
+    """`until` for an async `check` (an HTTP request to another process, or to what this one
+    serves when the answer depends on no event the code sets)."""
+    try:
+        with anyio.fail_after(within):
+            while not (value := await check()):  # noqa: ASYNC110 - nothing to await
+                await anyio.sleep(every)  # seen from outside, as a client
+    except TimeoutError:
+        raise AssertionError(f"{what}: not within {within:g} s") from None
+    return value
 
 
 def replay(*argv: str) -> tuple[int, str]:

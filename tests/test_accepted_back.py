@@ -6,15 +6,13 @@ template as the text they were. Real clients against a real server on the demo m
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 
 import anthropic
 import httpx
 import ollama
 import openai
 import pytest
-import pytest_asyncio
-from helpers import WEATHER_ARGS, Served, hold_open, open_served
+from helpers import WEATHER_ARGS, Served
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -25,13 +23,9 @@ CUT = 30  # tokens: the demo model's forced call is cut inside its arguments
 FLAT_TOOLS = [{"type": "function", "name": "get_weather", "parameters": WEATHER_ARGS}]
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def served(demo) -> AsyncIterator[Served]:
-    value, close = await hold_open(open_served(api_key="sk-k"))
-    try:
-        yield value
-    finally:
-        await close()
+@pytest.fixture(scope="module")
+def served_options() -> dict:
+    return dict(api_key="sk-k")
 
 
 def prompt_of(served: Served, rid: str) -> list[int]:

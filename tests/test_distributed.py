@@ -14,13 +14,13 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
 import httpx
 import pytest
+from helpers import until, until_async
 
 from stepline.api import Engine
 from stepline.api.reexecute import reexecute
@@ -185,14 +185,15 @@ def _serve(tmp_path: Path, ranks: list, env: dict | None = None) -> str:
     """Start `stepline serve --parallel tensor` on two ranks; rank 0's base URL."""
     argv = ["-m", "stepline.api.cli", "serve", "--parallel", "tensor", "--port", "0"]
     ranks += _start_ranks(tmp_path, [*argv, "--max-step-tokens", "16", "--max-num-seqs", "8"], env)
-    deadline = time.monotonic() + JOB_TIMEOUT
-    while time.monotonic() < deadline:
+
+    def url() -> str:
         for line in _output(tmp_path).splitlines():
             if line.startswith("stepline: serving") and " at " in line:
                 return line.split(" at ")[1].split()[0].removesuffix("/v1")
         assert all(p.poll() is None for p in ranks), _output(tmp_path) + _output(tmp_path, 1)
-        time.sleep(0.2)  # other processes: their output file is all there is to watch
-    raise AssertionError(f"rank 0 did not start serving: {_output(tmp_path)}")
+        return ""
+
+    return until(url, within=JOB_TIMEOUT, every=0.2, what="rank 0 serving")
 
 
 def _sse_data(raw: bytes) -> list:
@@ -262,9 +263,12 @@ async def test_a_rank_lost_while_no_request_runs_is_found_by_the_ping(demo, tmp_
     url = _serve(tmp_path, ranks, env=env)
     ranks[1].kill()
     async with httpx.AsyncClient(base_url=url, timeout=60) as http:
-        with anyio.fail_after(20):
-            while (health := await http.get("/health")).status_code == 200:  # noqa: ASYNC110 - another process
-                await anyio.sleep(0.1)  # another process, seen over HTTP only
+
+        async def unhealthy() -> httpx.Response | None:
+            health = await http.get("/health")
+            return health if health.status_code != 200 else None
+
+        health = await until_async(unhealthy, within=20, every=0.1, what="the rank lost seen")
         refused = await http.post(
             "/v1/completions", json={"model": "stepline-demo", "prompt": "Once", "max_tokens": 5}
         )

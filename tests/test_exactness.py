@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import time
 
 import anyio
 import mlx.core as mx
@@ -197,7 +196,8 @@ async def _decode_step_calls(
     compute the next forward, in the step or right after it, as its result goes back), in
     order, while all three decode (an order is chosen for each batch size). The runner
     chooses orders with `order`; `slow_pipeline` adds that many seconds to every step that
-    starts the next forward before it reads its tokens."""
+    starts the next forward before it reads its tokens, on the clock `order` is given (the
+    step times it measures), not the wall's."""
     calls: list[str] = []
     real_finish, real_start = PendingSample.finish, mx.async_eval
 
@@ -223,10 +223,19 @@ async def _decode_step_calls(
             calls.append("decode-only run" if decode_only else "run")
             return real_run(work)
 
+        late = 0.0  # seconds `order`'s clock is ahead of the wall's: the slow steps' time
+        real_order_start = order.start
+
+        def order_start(rows: int, now: float) -> bool:
+            return real_order_start(rows, now + late)
+
         def pipeline(*args, start_now: bool):
+            nonlocal late
             if start_now:
-                time.sleep(slow_pipeline)  # a slow forward, simulated: its time is the point
+                late += slow_pipeline  # a slow forward, on the clock the order reads
             return real_pipeline(*args, start_now=start_now)
+
+        monkeypatch.setattr(order, "start", order_start)
 
         class Forward:
             def __call__(self, inputs, cache):

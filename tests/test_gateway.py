@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from helpers import until
 
 from stepline.api.cli.gateway import free_port
 from stepline.events.log import read_events
@@ -84,25 +84,26 @@ def gateway(demo, tmp_path_factory) -> Iterator[Gateway]:
     threading.Thread(target=read, daemon=True).start()
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while not any("power_of_two" in line for line in lines):
+
+        def started() -> bool:
             assert proc.poll() is None, f"stepline gateway exited: {lines}"
-            assert time.monotonic() < deadline, f"the gateway did not start: {lines}"
-            time.sleep(0.2)
+            return any("power_of_two" in line for line in lines)
+
+        until(started, within=180, what=f"the gateway's start: {lines}")
         engines = [
             (int(m[2]), m[1])
             for line in lines
             if (m := re.search(r"engine \d+: (http://\S+) \(pid (\d+)", line))
         ]
-        while True:  # the router registers the engines in the background
+
+        def lists_the_model() -> bool:  # the router registers the engines in the background
             try:
                 r = httpx.get(f"{url}/v1/models", timeout=5)
-                if r.status_code == 200 and r.json()["data"]:
-                    break
             except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the gateway never listed the model"
-            time.sleep(0.2)
+                return False
+            return r.status_code == 200 and bool(r.json()["data"])
+
+        until(lists_the_model, within=180, what="the gateway listing the model")
         yield Gateway(proc, url, engines, logs, lines)
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -113,6 +114,22 @@ def gateway(demo, tmp_path_factory) -> Iterator[Gateway]:
             raise
         finally:
             stderr.close()
+
+
+def reads(gateway: Gateway, route: str) -> int:
+    """How many times the engines' access logs show the gateway reading `route`."""
+    return (gateway.logs / "stderr.txt").read_text().count(f'"GET {route} HTTP/1.1" 200')
+
+
+def read_again(gateway: Gateway, route: str, times: int = 1) -> None:
+    """Until the gateway has read `route` of the live engines `times` more rounds (once a
+    health interval: each round reads every engine)."""
+    seen, num_live = reads(gateway, route), 2 - sum(1 for line in gateway.lines if "exited" in line)
+    until(
+        lambda: reads(gateway, route) >= seen + times * max(num_live, 1),
+        within=10 * HEALTH_INTERVAL_S * times,
+        what=f"the gateway reading {route} again",
+    )
 
 
 def _chats_succeed(client: openai.OpenAI, n: int, what: str) -> None:
@@ -177,10 +194,11 @@ def test_requests_through_power_of_two_succeed_and_each_engine_logs_its_own(gate
     assert list(admitted) == ["engine-0.jsonl", "engine-1.jsonl"]
     # power_of_two weighs the engines by their /get_load, which the gateway reads (every
     # health interval)
-    deadline = time.monotonic() + 10 * HEALTH_INTERVAL_S
-    while '"GET /get_load HTTP/1.1" 200' not in (gateway.logs / "stderr.txt").read_text():
-        assert time.monotonic() < deadline, "the gateway never read /get_load"
-        time.sleep(0.2)
+    until(
+        lambda: reads(gateway, "/get_load") > 0,
+        within=10 * HEALTH_INTERVAL_S,
+        what="the gateway reading /get_load",
+    )
     assert sum(admitted.values()) >= 8
 
 
@@ -223,14 +241,18 @@ def test_an_engine_killed_mid_stream_fails_its_streams_and_the_other_serves_on(
         assert len(threads) < 8, "no stream reached engine 1"
         threads.append(threading.Thread(target=stream, args=(len(threads),)))
         threads[-1].start()
-        time.sleep(1.5 * HEALTH_INTERVAL_S)
+        read_again(gateway, "/get_load")  # the next stream goes by the load with this one
     os.kill(victim_pid, signal.SIGKILL)
     for t in threads:
         t.join(timeout=120)
     # the killed engine's stream ends in an error the client sees; none hangs
     assert len(outcomes) == len(threads)
     assert any(o.startswith("error") for o in outcomes.values()), outcomes
-    # the gateway reports it, and within its health interval every new request succeeds
-    time.sleep(2 * HEALTH_INTERVAL_S)
-    assert any("engine 1" in line and "exited" in line for line in gateway.lines)
+    # the gateway reports it, and after its next health checks every new request succeeds
+    until(
+        lambda: any("engine 1" in line and "exited" in line for line in gateway.lines),
+        within=10,
+        what="the gateway reporting engine 1's exit",
+    )
+    read_again(gateway, "/health", times=2)
     _chats_succeed(client, 6, "after")

@@ -10,55 +10,24 @@ import json
 import os
 import socket
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
 
 import anyio
 import httpx
 import pytest
-import pytest_asyncio
 from anyio.abc import SocketAttribute
-from helpers import hold_open
+from helpers import until_async
 
-from stepline.api import Engine
-from stepline.api.http.app import create_app
-from stepline.api.http.serve import serve_in_process
 from stepline.api.json_limits import MAX_JSON_DEPTH, MAX_STOP_STRINGS, MAX_TOOLS
-from stepline.api.pipeline.served import OneModel
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 HI = [{"role": "user", "content": "hi"}]
 
 
-@dataclass(frozen=True)
-class Served:
-    engine: Engine
-    url: str  # the default app and server
-    limited_url: str  # --limit-concurrency 4
-
-    def client(self, url: str | None = None, **kw) -> httpx.AsyncClient:
-        return httpx.AsyncClient(base_url=url or self.url, timeout=60, **kw)
-
-
-@asynccontextmanager
-async def _open() -> AsyncIterator[Served]:
-    async with (
-        Engine.open("stepline-demo", max_step_tokens=128) as engine,
-        serve_in_process(create_app(OneModel(engine))) as url,
-        serve_in_process(create_app(OneModel(engine)), limit_concurrency=4) as limited_url,
-    ):
-        yield Served(engine, url, limited_url)
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def served(demo) -> AsyncIterator[Served]:
-    value, close = await hold_open(_open())
-    try:
-        yield value
-    finally:
-        await close()
+@pytest.fixture(scope="module")
+def served_options() -> dict:
+    # Beside the default app, the same engine behind --limit-concurrency 4 ("limited").
+    return dict(apps={"limited": {}}, serve={"limited": dict(limit_concurrency=4)})
 
 
 def nested(depth: int) -> str:
@@ -113,7 +82,7 @@ async def health_time(http: httpx.AsyncClient) -> float:
 
 @pytest.mark.parametrize("depth", [MAX_JSON_DEPTH + 1, 900, 100_000])
 async def test_json_nested_past_the_limit_is_a_400_naming_it_on_every_api(served, depth):
-    async with served.client() as http:
+    async with served.http() as http:
         for path, body in deep_bodies(depth):
             r = await http.post(path, content=body, headers={"content-type": "application/json"})
             assert r.status_code == 400, (path, r.text[:300])
@@ -132,7 +101,7 @@ async def test_json_nested_to_the_limit_is_served(served):
         "max_tokens": 2,
         "tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}],
     }
-    async with served.client() as http:
+    async with served.http() as http:
         r = await http.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
 
@@ -183,7 +152,7 @@ def surrogate_bodies() -> list[tuple[str, str, str]]:
 
 
 async def test_a_lone_surrogate_in_any_text_field_is_a_400_naming_it(served):
-    async with served.client() as http:
+    async with served.http() as http:
         for path, body, field in surrogate_bodies():
             r = await http.post(path, content=body, headers={"content-type": "application/json"})
             assert r.status_code == 400, (path, body, r.text)
@@ -202,7 +171,7 @@ async def test_twenty_surrogate_bodies_at_once_leave_health_fast(served):
     body = surrogate_bodies()[0][1].encode()
     headers = {"content-type": "application/json"}
     statuses: list[int] = []
-    async with served.client(limits=httpx.Limits(max_connections=30)) as http:
+    async with served.http(limits=httpx.Limits(max_connections=30)) as http:
 
         async def post() -> None:
             r = await http.post("/v1/chat/completions", content=body, headers=headers)
@@ -256,7 +225,7 @@ async def test_more_tools_stop_strings_or_messages_than_the_caps_are_a_400_at_on
             "stop_sequences.0",
         ),
     ]
-    async with served.client() as http:
+    async with served.http() as http:
         for path, body, field in cases:
             r = await http.post(path, json=body)
             assert r.status_code == 400, (path, r.text[:300])
@@ -271,14 +240,14 @@ async def test_stop_sequences_up_to_the_cap_are_served(served):
         "messages": HI,
         "stop_sequences": [f"never{i}" for i in range(MAX_STOP_STRINGS)],
     }
-    async with served.client() as http:
+    async with served.http() as http:
         r = await http.post("/v1/messages", json=body)
     assert r.status_code == 200, r.text
 
 
 async def test_duplicate_tool_names_are_named_among_many_tools(served):
     tools = [tool(f"f{i}") for i in range(MAX_TOOLS - 1)] + [tool("f7")]
-    async with served.client() as http:
+    async with served.http() as http:
         r = await http.post("/v1/chat/completions", json={"messages": HI, "tools": tools})
     assert r.status_code == 400 and "duplicate tool names ['f7']" in r.text
 
@@ -286,7 +255,7 @@ async def test_duplicate_tool_names_are_named_among_many_tools(served):
 async def test_many_consecutive_system_messages_are_merged_into_one(served):
     # Merged by joining once (appending in a loop was quadratic: 130k of them froze /health).
     messages = [{"role": "system", "content": f"rule {i}"} for i in range(5000)] + HI
-    async with served.client() as http:
+    async with served.http() as http:
         r = await http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     from stepline.api.openai.schema import ChatCompletionRequest
@@ -330,10 +299,10 @@ async def test_accepted_connections_send_without_delay(served):
 
 
 async def test_idle_sockets_past_the_limit_leave_health_metrics_and_requests_answering(served):
-    host, port = served.limited_url.removeprefix("http://").split(":")
+    host, port = served.urls["limited"].removeprefix("http://").split(":")
     idle = [await anyio.connect_tcp(host, int(port)) for _ in range(200)]  # limit: 4
     try:
-        async with served.client(served.limited_url) as http:
+        async with served.http(served.urls["limited"]) as http:
             # The probe's connection queues behind the idle ones: once it is answered, the
             # server has accepted them all (the kernel hands connections over in order).
             assert await health_time(http) < 1.0
@@ -345,7 +314,7 @@ async def test_idle_sockets_past_the_limit_leave_health_metrics_and_requests_ans
 
 
 async def test_past_the_limit_of_requests_in_flight_requests_get_503_but_probes_do_not(served):
-    host, port = served.limited_url.removeprefix("http://").split(":")
+    host, port = served.urls["limited"].removeprefix("http://").split(":")
     # Four requests in flight: heads sent, bodies still to come.
     head = (
         b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -355,21 +324,21 @@ async def test_past_the_limit_of_requests_in_flight_requests_get_503_but_probes_
     try:
         for conn in pending:
             await conn.send(head)
-        async with served.client(served.limited_url) as http:
+        async with served.http(served.urls["limited"]) as http:
             # The requests in flight are the middleware's, with no event to await: watched
             # over HTTP, as a client sees them, until their count says so.
-            with anyio.fail_after(10):
-                while (busy := await http.get("/v1/models")).status_code != 503:  # noqa: ASYNC110
-                    await anyio.sleep(0.01)
+            async def answered(status: int) -> httpx.Response | None:
+                r = await http.get("/v1/models")
+                return r if r.status_code == status else None
+
+            busy = await until_async(lambda: answered(503), within=10, every=0.01, what="a 503")
             assert busy.json()["error"]["code"] == "server_busy"
             assert busy.headers["retry-after"] == "1"
             assert await health_time(http) < 1.0
             assert (await http.get("/metrics")).status_code == 200
             for conn in pending:
                 await conn.aclose()
-            with anyio.fail_after(10):
-                while (await http.get("/v1/models")).status_code != 200:  # noqa: ASYNC110
-                    await anyio.sleep(0.01)
+            await until_async(lambda: answered(200), within=10, every=0.01, what="a 200 again")
     finally:
         for conn in pending:
             await conn.aclose()
@@ -379,7 +348,7 @@ async def test_past_the_limit_of_requests_in_flight_requests_get_503_but_probes_
 
 
 async def test_responses_replay_from_before_the_start_is_a_400(served):
-    async with served.client() as http:
+    async with served.http() as http:
         created = await http.post("/v1/responses", json={"input": "hi", "max_output_tokens": 3})
         rid = created.json()["id"]
         for bad in ("-2", "-100000000", "x", "9" * 5000):
@@ -410,7 +379,7 @@ async def test_responses_replay_from_before_the_start_is_a_400(served):
     ],
 )
 async def test_responses_metadata_past_openais_limits_is_a_400(served, metadata):
-    async with served.client() as http:
+    async with served.http() as http:
         r = await http.post(
             "/v1/responses",
             json={"input": "hi", "max_output_tokens": 2, "background": True, "metadata": metadata},
@@ -490,5 +459,5 @@ async def test_a_chunk_past_the_body_limit_is_refused_at_once_in_the_doors_shape
         assert error["type"] == "error" and error["error"]["type"] == "request_too_large"
     else:
         assert error["error"]["code"] == code
-    async with served.client() as http:  # the server serves on
+    async with served.http() as http:  # the server serves on
         assert (await http.get("/health")).status_code == 200

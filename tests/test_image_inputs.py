@@ -413,14 +413,10 @@ async def test_the_image_options_are_flags_of_stepline_serve():
 # -- the doors, on a text-only model --------------------------------------------------------
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def served(demo) -> AsyncIterator[Served]:
+@pytest.fixture(scope="module")
+def served_options() -> dict:
     # Fetching on: a text model still fetches nothing.
-    value, close = await hold_open(open_served(allow_image_urls=True))
-    try:
-        yield value
-    finally:
-        await close()
+    return dict(allow_image_urls=True)
 
 
 async def test_the_openai_door_refuses_images_to_a_text_model_before_fetching(served, host):

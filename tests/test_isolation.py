@@ -7,6 +7,7 @@ import random
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Callable
 
 import anyio
 import pytest
@@ -47,14 +48,21 @@ async def test_cancelling_submitters_at_random_moments_leaves_the_engine_whole(
                         if out.token_ids and rng.random() < 0.3:
                             break  # leaving early, without aclose: the stream cancels itself
 
+        loop = engine.step_loop
+
+        def turned() -> Callable[[], bool]:
+            # False when `wait_until` first asks, true when it asks again: after a turn.
+            asked = iter((False,))
+            return lambda: next(asked, True)
+
         async with anyio.create_task_group() as tg:
             for i in range(4):
                 tg.start_soon(steady, i)
             for i in range(40):
                 tg.start_soon(doomed, i)
-                if i % 5 == 0:
-                    await anyio.sleep(0.001)  # arrivals spread over time, cancels at random moments
-        loop = engine.step_loop
+                if i % 5 == 0:  # arrivals spread over the loop's turns, cancels at random moments
+                    with anyio.fail_after(10):
+                        await loop.wait_until(turned())
         await wait_until(loop, lambda: not loop.states and loop.runner.num_sequences == 0)
         # /metrics says nothing runs once the engine is idle again
         scraped = engine.metrics.registry.get_sample_value

@@ -14,7 +14,7 @@ import ollama
 import openai
 import pytest
 import pytest_asyncio
-from helpers import WEATHER_ARGS, Served, hold_open, open_served, wait_finished
+from helpers import WEATHER_ARGS, wait_finished
 
 from stepline.api.ollama.serving import ModelFacts
 
@@ -32,15 +32,6 @@ PERSON = {
     "required": ["name", "age"],
     "additionalProperties": False,
 }
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def served(demo) -> AsyncIterator[Served]:
-    value, close = await hold_open(open_served())
-    try:
-        yield value
-    finally:
-        await close()
 
 
 @pytest_asyncio.fixture(loop_scope="module")

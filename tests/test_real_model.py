@@ -7,7 +7,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import anyio
@@ -15,7 +14,7 @@ import httpx
 import mlx.core as mx
 import openai
 import pytest
-from helpers import mlx_lm_greedy
+from helpers import mlx_lm_greedy, until
 
 from stepline.api import Engine, SamplingParams
 from stepline.api.http.app import create_app
@@ -143,10 +142,12 @@ def test_the_first_command_of_the_readme_serves_real_text(smollm2, tmp_path):
             [stepline, "serve", "--port", "0"], stdout=sink, stderr=subprocess.STDOUT
         )
     try:
-        deadline = time.monotonic() + 120
-        while "stepline: serving" not in out.read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, out.read_text()
-            time.sleep(0.1)  # another process: its output file is all there is to watch
+
+        def serving() -> bool:
+            assert proc.poll() is None, out.read_text()
+            return "stepline: serving" in out.read_text()
+
+        until(serving, within=120, what="stepline serve serving")
         printed = out.read_text()
         url = re.search(r"(http://127\.0\.0\.1:\d+)/health answers 503", printed).group(1)
         assert "loading SmolLM2-135M-Instruct, the default model" in printed

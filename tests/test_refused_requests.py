@@ -9,27 +9,22 @@ from __future__ import annotations
 
 import json
 import warnings
-from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
-from dataclasses import dataclass
+from contextlib import AsyncExitStack
 from pathlib import Path
 
 import anyio
 import httpx
 import openai
 import pytest
-import pytest_asyncio
 from core_driver import make_core, params
-from helpers import hold_open, replay, wait_finished, wait_until
+from helpers import Served, replay, wait_finished, wait_until
 from log_builder import LogBuilder
 
 from stepline.actors.scheduler.admission import QueueFullError, Refusal
 from stepline.actors.scheduler.plan import SchedulerConfig
-from stepline.api import Engine
 from stepline.api.config import EventLogConfig, ModelSpec, PoolConfig
 from stepline.api.http.app import create_app
 from stepline.api.http.serve import serve_in_process
-from stepline.api.pipeline.served import OneModel
 from stepline.api.pool import ModelPool
 from stepline.api.refusals import REFUSAL_STATUS
 from stepline.events.fold import FoldError, Status, fold
@@ -164,48 +159,33 @@ MAX_BODY_BYTES = 16 * 1024
 SECRET = "the-prompt-nobody-may-log"
 
 
-@dataclass(frozen=True)
-class Served:
-    engine: Engine
-    url: str
-    strict_url: str  # the same engine, with strict_max_tokens (past its KV budget: refused)
-    log: Path
-
-    def openai(self, url: str | None = None) -> openai.AsyncOpenAI:
-        base = url or self.url
-        return openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
-
-    async def events(self) -> list:
-        await anyio.to_thread.run_sync(self.engine.step_loop.event_log.flush)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", TornLineWarning)  # the writer may be mid-line
-            return list(read_events(self.log))
-
-    async def lone_terminal(self, request_id: str) -> Terminal:
-        """The request's one event: its terminal, with no admission before it."""
-        mine = [e for e in await self.events() if e.request_id == request_id]
-        assert [e.type for e in mine] == ["terminal"], mine
-        return mine[0]
-
-
-@asynccontextmanager
-async def open_served(log: Path) -> AsyncIterator[Served]:
+@pytest.fixture(scope="module")
+def served_options() -> dict:
     # One running slot and one waiting: a third request finds the queue full. KV for 1,024
-    # tokens: a request that asks for more is refused by the engine itself.
-    options = dict(max_num_seqs=1, max_waiting=1, max_kv_tokens=1024, event_log=log)
-    async with Engine.open("stepline-demo", max_step_tokens=128, **options) as engine:
-        app = create_app(OneModel(engine), max_body_bytes=MAX_BODY_BYTES)
-        strict = create_app(OneModel(engine), strict_max_tokens=True)
-        async with serve_in_process(app) as url, serve_in_process(strict) as strict_url:
-            yield Served(engine, url, strict_url, log)
+    # tokens: a request that asks for more is refused by the engine itself. Beside the default
+    # app, the same engine with strict_max_tokens ("strict": past its KV budget, refused).
+    return dict(
+        engine=dict(max_num_seqs=1, max_waiting=1, max_kv_tokens=1024),
+        event_log=True,
+        max_body_bytes=MAX_BODY_BYTES,
+        apps={"strict": dict(strict_max_tokens=True)},
+    )
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def served(demo, tmp_path_factory) -> AsyncIterator[Served]:
-    log = tmp_path_factory.mktemp("refusals") / "events.jsonl"
-    value, close = await hold_open(open_served(log))
-    yield value
-    await close()
+async def logged(served: Served) -> list:
+    """Every event of the served engine's log so far."""
+    await anyio.to_thread.run_sync(served.engine.step_loop.event_log.flush)
+    assert served.event_log is not None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", TornLineWarning)  # the writer may be mid-line
+        return list(read_events(served.event_log))
+
+
+async def lone_terminal(served: Served, request_id: str) -> Terminal:
+    """The request's one event: its terminal, with no admission before it."""
+    mine = [e for e in await logged(served) if e.request_id == request_id]
+    assert [e.type for e in mine] == ["terminal"], mine
+    return mine[0]
 
 
 http_tests = pytest.mark.asyncio(loop_scope="module")
@@ -217,42 +197,42 @@ def chat(content: str, **extra) -> dict:
 
 @http_tests
 async def test_bad_parameters_get_a_400_and_leave_a_lone_rejected_terminal(served) -> None:
-    async with served.openai() as client:
+    async with served.client() as client:
         with pytest.raises(openai.BadRequestError) as err:
             await client.chat.completions.create(**chat(SECRET, temperature=-1.0))
     rid = err.value.response.headers["x-request-id"]
 
-    terminal = await served.lone_terminal(rid)
+    terminal = await lone_terminal(served, rid)
     assert terminal.reason is FinishReason.REJECTED
     assert (terminal.code, terminal.status) == ("invalid_value", 400)
     assert "temperature" in (terminal.message or "")
-    assert SECRET not in served.log.read_text()
+    assert SECRET not in served.event_log.read_text()
 
 
 @http_tests
 async def test_a_body_over_the_limit_gets_a_413_and_leaves_a_lone_rejected_terminal(served) -> None:
-    async with served.openai() as client:
+    async with served.client() as client:
         with pytest.raises(openai.APIStatusError) as err:
             await client.chat.completions.create(**chat(SECRET * 1000))
     assert err.value.status_code == 413
     rid = err.value.response.headers["x-request-id"]
 
-    terminal = await served.lone_terminal(rid)
+    terminal = await lone_terminal(served, rid)
     assert (terminal.reason, terminal.code, terminal.status) == (
         FinishReason.REJECTED,
         "request_too_large",
         413,
     )
-    assert SECRET not in served.log.read_text()
+    assert SECRET not in served.event_log.read_text()
 
 
 @http_tests
 async def test_an_unknown_model_gets_a_404_and_leaves_a_lone_rejected_terminal(served) -> None:
-    async with served.openai() as client:
+    async with served.client() as client:
         with pytest.raises(openai.NotFoundError) as err:
             await client.chat.completions.create(**chat(SECRET, model="gpt-4"))
 
-    terminal = await served.lone_terminal(err.value.response.headers["x-request-id"])
+    terminal = await lone_terminal(served, err.value.response.headers["x-request-id"])
     assert (terminal.code, terminal.status) == ("model_not_found", 404)
 
 
@@ -263,7 +243,7 @@ async def test_a_full_queue_gets_a_429_and_leaves_a_lone_rejected_terminal(serve
     async with (
         httpx.AsyncClient(base_url=served.url, timeout=60) as http,
         AsyncExitStack() as streams,
-        served.openai() as client,
+        served.client() as client,
     ):
 
         async def open_stream(body: dict) -> str:
@@ -285,24 +265,24 @@ async def test_a_full_queue_gets_a_429_and_leaves_a_lone_rejected_terminal(serve
         for rid in (running, waiting):
             await wait_finished(loop, rid)
 
-    terminal = await served.lone_terminal(err.value.response.headers["x-request-id"])
+    terminal = await lone_terminal(served, err.value.response.headers["x-request-id"])
     assert (terminal.reason, terminal.code, terminal.status) == (
         FinishReason.REJECTED,
         "queue_full",
         429,
     )
-    assert SECRET not in served.log.read_text()
+    assert SECRET not in served.event_log.read_text()
 
 
 @http_tests
 async def test_a_request_the_engine_refuses_is_still_admitted_then_rejected_once(served) -> None:
     # Strict max_tokens: 1,500 tokens fit the context but never the 1,024-token KV budget.
-    async with served.openai(served.strict_url) as client:
+    async with served.client(url=served.urls["strict"]) as client:
         with pytest.raises(openai.BadRequestError) as err:
             await client.chat.completions.create(**chat("hello", max_tokens=1500))
     rid = err.value.response.headers["x-request-id"]
 
-    mine = [e for e in await served.events() if e.request_id == rid]
+    mine = [e for e in await logged(served) if e.request_id == rid]
     assert [e.type for e in mine] == ["admitted", "terminal"]
     assert isinstance(mine[0], Admitted) and mine[1].reason is FinishReason.REJECTED
     assert "KV" in (mine[1].message or "")
@@ -312,17 +292,17 @@ async def test_a_request_the_engine_refuses_is_still_admitted_then_rejected_once
 async def test_stepline_replay_counts_the_refused_requests_and_finds_the_log_sound(
     served,
 ) -> None:
-    async with served.openai() as client:
+    async with served.client() as client:
         with pytest.raises(openai.BadRequestError):
             await client.chat.completions.create(**chat("hi", top_p=7.0))
         reply = await client.chat.completions.create(**chat("hi", max_tokens=2))
     await wait_finished(served.engine.step_loop, reply.id)
-    events = await served.events()
+    events = await logged(served)
     rejected = sum(isinstance(e, Terminal) and e.reason is FinishReason.REJECTED for e in events)
 
-    code, text = replay(str(served.log), "--json")
+    code, text = replay(str(served.event_log), "--json")
     assert code == 0 and json.loads(text)["outcomes"]["rejected"] == rejected
-    code, text = replay(str(served.log), "--verify")
+    code, text = replay(str(served.event_log), "--verify")
     assert code == 0, text
 
 

@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
 
 import anyio
 import jsonschema
 import openai
 import pytest
-import pytest_asyncio
-from helpers import WEATHER_ARGS, ZONE_ARGS, Served, hold_open, open_served, wait_finished
+from helpers import WEATHER_ARGS, ZONE_ARGS, wait_finished
 
 from stepline.api.pipeline.errors import OPENAI, APIError
 from stepline.api.pipeline.resume import StreamRecord
@@ -24,15 +22,6 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 MODEL = "stepline-demo"
 TERMINAL = {"completed", "incomplete", "failed", "cancelled"}
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def served(demo) -> AsyncIterator[Served]:
-    value, close = await hold_open(open_served())
-    try:
-        yield value
-    finally:
-        await close()
 
 
 LONG = {"ignore_eos": True}  # generate max_output_tokens whatever the model says

@@ -12,11 +12,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
+from helpers import until
 
 from stepline.api.cli.replay import add_replay_parser
 from stepline.events.log import read_runs
@@ -39,17 +39,18 @@ def _serve(command: list[str], log_file: Path) -> subprocess.Popen:
 
 
 def _wait_healthy(proc: subprocess.Popen, url: str, output: Path) -> None:
-    deadline = time.monotonic() + STARTUP_S
-    while time.monotonic() < deadline:
+    def healthy() -> bool:
         if proc.poll() is not None:
             pytest.fail(f"serve exited with {proc.returncode}:\n{output.read_text()[-3000:]}")
         try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
+            return httpx.get(f"{url}/health", timeout=2).status_code == 200
         except httpx.HTTPError:
-            pass
-        time.sleep(0.2)  # another process, seen over HTTP only
-    pytest.fail(f"serve not healthy after {STARTUP_S} s:\n{output.read_text()[-3000:]}")
+            return False
+
+    try:
+        until(healthy, within=STARTUP_S, every=0.2, what="serve healthy")
+    except AssertionError as exc:
+        pytest.fail(f"{exc}:\n{output.read_text()[-3000:]}")
 
 
 def _stop(proc: subprocess.Popen, sig: int) -> None:

@@ -4,15 +4,15 @@ engine on the demo model, httpx reading raw SSE bytes and reconnecting with Last
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator
+import time
 
 import anyio
 import httpx
 import pytest
-import pytest_asyncio
-from helpers import Served, hold_open, open_served, wait_finished
+from helpers import wait_finished, wait_until
 from starlette.datastructures import Headers
 
+from stepline.api.pipeline import resume
 from stepline.api.pipeline.errors import OPENAI
 from stepline.api.pipeline.resume import FrameCounter, ResumeRegistry, key_of
 from stepline.api.pipeline.writer import PING
@@ -23,13 +23,9 @@ GRACE_S = 1.5
 PROMPT = [{"role": "user", "content": "Tell me about sourdough."}]
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def served(demo) -> AsyncIterator[Served]:
-    value, close = await hold_open(open_served(resume_grace_s=GRACE_S))
-    try:
-        yield value
-    finally:
-        await close()
+@pytest.fixture(scope="module")
+def served_options() -> dict:
+    return dict(resume_grace_s=GRACE_S)
 
 
 def client(url: str, key: str = "sk-one") -> httpx.AsyncClient:
@@ -154,9 +150,12 @@ async def test_a_resumable_stream_nobody_resumes_is_cancelled_after_the_grace(se
     max_tokens = engine.max_context - 64
     async with client(served.url) as http:
         rid, _ = await read_frames_then_drop(http, 2, json=body(max_tokens=max_tokens))
-        await anyio.sleep(GRACE_S / 3)  # a third of the grace elapses: time is the point
-        state = engine.step_loop.state_of(rid)
-        assert state is not None and not state.is_finished  # the disconnect did not cancel it
+        loop = engine.step_loop
+        dropped_at = loop.state_of(rid).num_output_tokens
+        # The disconnect did not cancel it: it generates on, with nobody following.
+        await wait_until(loop, lambda: loop.state_of(rid).num_output_tokens > dropped_at + 8)
+        state = loop.state_of(rid)
+        assert state is not None and not state.is_finished
         state = await wait_finished(engine.step_loop, rid, GRACE_S * 4 + 10)
         assert state.finish_reason == "cancelled"
         assert state.num_output_tokens < max_tokens
@@ -169,11 +168,19 @@ async def test_a_resumable_stream_nobody_resumes_is_cancelled_after_the_grace(se
     assert late.content.endswith(b"data: [DONE]\n\n")
 
 
-async def test_a_reconnect_after_the_grace_gets_404_with_a_clear_message(served):
+class AfterTheGrace:
+    """The resume records' clock (`time` in api/pipeline/resume.py), `GRACE_S` + 0.2 s on."""
+
+    @staticmethod
+    def monotonic() -> float:
+        return time.monotonic() + GRACE_S + 0.2
+
+
+async def test_a_reconnect_after_the_grace_gets_404_with_a_clear_message(served, monkeypatch):
     async with client(served.url) as http:
         done = await read_all(http, "POST", "/v1/chat/completions", json=body(max_tokens=4))
         rid = done.headers["x-request-id"]
-        await anyio.sleep(GRACE_S + 0.2)  # the grace after its end elapses: time is the point
+        monkeypatch.setattr(resume, "time", AfterTheGrace)  # the grace after its end elapses
         gone = await http.get(f"/v1/requests/{rid}/stream", headers={"last-event-id": "2"})
     assert gone.status_code == 404
     error = gone.json()["error"]

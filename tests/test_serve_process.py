@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import popen_serve, serve_argv
+from helpers import popen_serve, serve_argv, until
 
 NUM_STALLED = 300
 HEAD_TIMEOUT_S = 1.0
@@ -93,16 +93,17 @@ def served_process(demo, tmp_path_factory) -> Iterator[ServeProcess]:
             served.stdout.append(line)
             if m := re.search(r"(http://127\.0\.0\.1:\d+)/health answers 503", line):
                 served.url = m.group(1)
+
         # The URL is printed before the model loads: /health must answer at once, "loading".
-        while time.monotonic() < deadline:
+        def healthy() -> bool:
             t0 = time.monotonic()
             r = httpx.get(f"{served.url}/health", timeout=5)
             if served.first_health is None:
                 served.first_health = (r.status_code, r.json(), time.monotonic() - t0)
             served.health_seen.append((r.status_code, r.json()["status"]))
-            if r.status_code == 200:
-                break
-            time.sleep(0.05)  # another process, seen over HTTP only
+            return r.status_code == 200
+
+        until(healthy, within=max(deadline - time.monotonic(), 0), every=0.05, what="healthy")
         while not any("serving" in line for line in served.stdout):
             served.stdout.append(_next_line(lines, deadline))
         yield served
@@ -211,18 +212,18 @@ def test_every_log_line_is_json_and_a_request_s_lines_carry_its_id(served_proces
     assert r.status_code == 200
     assert r.json()["model"] == "stepline-demo"  # the name the client asked for
     rid = r.headers["x-request-id"]
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        records = [json.loads(line) for line in served_process.log_lines()]
-        access = [
+    records: list[dict] = []
+
+    def access_lines() -> list[dict]:
+        records[:] = [json.loads(line) for line in served_process.log_lines()]
+        return [
             rec
             for rec in records
             if rec.get("logger") == "uvicorn.access" and rec.get("request_id") == rid
         ]
-        if access:
-            break
-        time.sleep(0.05)  # another process: its log file is all there is to watch
-    assert access and "POST /v1/completions" in access[0]["event"]
+
+    access = until(access_lines, within=5, every=0.05, what="the access log line")
+    assert "POST /v1/completions" in access[0]["event"]
     assert all({"event", "level", "timestamp"} <= set(rec) for rec in records)
 
 

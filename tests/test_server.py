@@ -10,9 +10,7 @@ import json
 import uuid
 import warnings
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 import anyio
 import httpx
@@ -20,18 +18,16 @@ import openai
 import pytest
 import pytest_asyncio
 from fastapi import FastAPI
-from helpers import hold_open, wait_finished
+from helpers import Served, hold_open, open_served, wait_finished
 from openai.types.chat import ChatCompletionChunk
 from openai.types.chat.chat_completion_chunk import Choice, ChoiceDelta
 from prometheus_client.parser import text_string_to_metric_families
 
 from stepline.api import Engine
 from stepline.api.cli.serve import add_serve_parser
-from stepline.api.http.app import create_app
 from stepline.api.http.serve import bind_socket, serve_in_process
 from stepline.api.openai.schema import ChatCompletionRequest
 from stepline.api.pipeline.errors import OPENAI, APIError
-from stepline.api.pipeline.served import OneModel
 from stepline.api.pipeline.writer import PING, StreamResponse, TextFrames, sse
 from stepline.events.log import TornLineWarning, read_events
 from stepline.events.models import Terminal
@@ -45,36 +41,16 @@ API_KEY = "sk-test-key"
 HELLO = [{"role": "user", "content": "Tell me about bread."}]
 
 
-@dataclass(frozen=True)
-class Served:
-    engine: Engine
-    url: str  # base URL, no /v1
-    keyed_url: str  # the same engine behind --api-key
-    event_log: Path
-
-    def client(self, **kw) -> httpx.AsyncClient:
-        return httpx.AsyncClient(base_url=self.url, timeout=30, **kw)
-
-    def openai(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
+# A small step budget (helpers.open_served), so that a 1,000-token prompt prefills over several
+# steps; beside the default app, the same engine behind --api-key ("keyed").
+SERVED = dict(
+    max_body_bytes=MAX_BODY_BYTES, apps={"keyed": dict(api_key=API_KEY, strict_max_tokens=True)}
+)
 
 
-@asynccontextmanager
-async def open_served(log_path: Path | None = None) -> AsyncIterator[Served]:
-    # A small step budget, so that a 1,000-token prompt prefills over several steps.
-    async with Engine.open("stepline-demo", max_step_tokens=128, event_log=log_path) as engine:
-        app = create_app(OneModel(engine), max_body_bytes=MAX_BODY_BYTES)
-        keyed = create_app(OneModel(engine), api_key=API_KEY, strict_max_tokens=True)
-        async with serve_in_process(app) as url, serve_in_process(keyed) as keyed_url:
-            yield Served(engine, url, keyed_url, log_path or Path("/nonexistent"))
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def served(demo, tmp_path_factory) -> AsyncIterator[Served]:
-    log_path = tmp_path_factory.mktemp("server") / "events.jsonl"
-    value, close = await hold_open(open_served(log_path))
-    yield value
-    await close()
+@pytest.fixture(scope="module")
+def served_options() -> dict:
+    return dict(SERVED, event_log=True)
 
 
 # -- helpers --------------------------------------------------------------------------------
@@ -172,7 +148,7 @@ async def decoding_request(engine: Engine) -> str:
 
 
 async def test_openai_client_gets_a_chat_completion_whose_id_is_the_request_id(served):
-    async with served.openai() as client:
+    async with served.client() as client:
         raw = await client.chat.completions.with_raw_response.create(
             model="stepline-demo",
             messages=fresh("Tell me about rye."),
@@ -198,7 +174,7 @@ async def test_openai_client_streams_the_same_text_it_returns_whole(served):
     kw = dict(
         model="stepline-demo", messages=fresh("Tell me about spelt."), max_tokens=12, temperature=0
     )
-    async with served.openai() as client:
+    async with served.client() as client:
         whole = await client.chat.completions.create(**kw)
         stream = await client.chat.completions.create(
             **kw, stream=True, stream_options={"include_usage": True}
@@ -222,7 +198,7 @@ async def test_openai_client_streams_the_same_text_it_returns_whole(served):
 
 async def test_openai_client_gets_completions_streaming_and_not(served):
     kw = dict(model="stepline-demo", prompt="Once upon a time", max_tokens=10, temperature=0)
-    async with served.openai() as client:
+    async with served.client() as client:
         whole = await client.completions.create(**kw)
         stream = await client.completions.create(**kw, stream=True)
         chunks = [c async for c in stream]
@@ -235,10 +211,10 @@ async def test_openai_client_gets_completions_streaming_and_not(served):
 
 
 async def test_openai_client_lists_the_served_model(served):
-    async with served.openai() as client:
+    async with served.client() as client:
         models = await client.models.list()
     assert [m.id for m in models.data] == ["stepline-demo"]
-    async with served.client() as http:
+    async with served.http() as http:
         card = (await http.get("/v1/models/stepline-demo")).json()
         missing = await http.get("/v1/models/gpt-4")
     assert card["max_model_len"] == served.engine.max_context
@@ -246,10 +222,10 @@ async def test_openai_client_lists_the_served_model(served):
 
 
 async def test_openai_client_raises_on_unknown_model_and_bad_key(served):
-    async with served.openai() as client:
+    async with served.client() as client:
         with pytest.raises(openai.NotFoundError):
             await client.chat.completions.create(model="gpt-4", messages=HELLO)
-    keyed = f"{served.keyed_url}/v1"
+    keyed = f"{served.urls['keyed']}/v1"
     async with openai.AsyncOpenAI(base_url=keyed, api_key="wrong", max_retries=0) as bad:
         with pytest.raises(openai.AuthenticationError):
             await bad.chat.completions.create(model="stepline-demo", messages=HELLO, max_tokens=4)
@@ -264,7 +240,7 @@ async def test_openai_client_raises_on_unknown_model_and_bad_key(served):
 
 
 async def test_chat_stream_frames_are_role_deltas_one_finish_usage_and_done(served):
-    async with served.client() as http:
+    async with served.http() as http:
         sse = await stream_sse(
             http,
             "/v1/chat/completions",
@@ -314,7 +290,7 @@ async def test_chat_stream_frames_are_role_deltas_one_finish_usage_and_done(serv
 
 
 async def test_chat_stream_without_include_usage_sends_no_usage_key(served):
-    async with served.client() as http:
+    async with served.http() as http:
         sse = await stream_sse(http, "/v1/chat/completions", chat_body(stream=True))
     chunks = sse.data[:-1]
     assert all("usage" not in c for c in chunks)
@@ -323,7 +299,7 @@ async def test_chat_stream_without_include_usage_sends_no_usage_key(served):
 
 
 async def test_completion_stream_frames_are_text_deltas_one_finish_and_done(served):
-    async with served.client() as http:
+    async with served.http() as http:
         sse = await stream_sse(
             http,
             "/v1/completions",
@@ -356,7 +332,7 @@ async def test_text_frames_from_the_template_equal_the_model_dump(text):
 
 async def test_a_long_prompt_gets_ping_comments_while_it_prefills(served):
     body = {"prompt": long_prompt(1000), "max_tokens": 2, "stream": True}
-    async with served.client() as http:
+    async with served.http() as http:
         sse = await stream_sse(http, "/v1/completions", body)
     frames = sse.frames
     first_data = next(i for i, f in enumerate(frames) if f.startswith(b"id: 0\ndata: "))
@@ -426,7 +402,7 @@ async def test_a_stream_cut_by_server_shutdown_still_ends_with_an_error_and_done
 
 
 async def test_stream_logprobs_give_one_entry_per_token_with_top_alternatives(served):
-    async with served.client() as http:
+    async with served.http() as http:
         sse = await stream_sse(
             http,
             "/v1/chat/completions",
@@ -455,7 +431,7 @@ async def test_stream_logprobs_give_one_entry_per_token_with_top_alternatives(se
 
 async def test_the_same_seed_gives_the_same_text_twice(served):
     body = chat_body(max_tokens=16, temperature=1.0, seed=1234, ignore_eos=True)
-    async with served.client() as http:
+    async with served.http() as http:
         a, b = [(await http.post("/v1/chat/completions", json=body)).json() for _ in range(2)]
     assert a["id"] != b["id"]
     assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
@@ -463,7 +439,7 @@ async def test_the_same_seed_gives_the_same_text_twice(served):
 
 async def test_a_stop_string_ends_the_text_before_it(served):
     body = {"prompt": "The crust", "max_tokens": 16, "temperature": 0, "ignore_eos": True}
-    async with served.client() as http:
+    async with served.http() as http:
         full = (await http.post("/v1/completions", json=body)).json()["choices"][0]["text"]
         stop = full[len(full) // 2 :][:3]
         cut = (await http.post("/v1/completions", json={**body, "stop": [stop]})).json()
@@ -482,7 +458,7 @@ async def test_developer_role_and_consecutive_messages_render_like_their_merged_
         {"role": "user", "content": "Hello\n\nagain"},
     ]
     body = {"max_tokens": 8, "temperature": 0}
-    async with served.client() as http:
+    async with served.http() as http:
         a = (await http.post("/v1/chat/completions", json={**body, "messages": split})).json()
         b = (await http.post("/v1/chat/completions", json={**body, "messages": merged})).json()
     assert a["usage"]["prompt_tokens"] == b["usage"]["prompt_tokens"]
@@ -558,7 +534,7 @@ MSG = [{"role": "user", "content": "hi"}]
     ],
 )
 async def test_bad_input_gets_400_with_an_openai_error_body(served, path, body, param):
-    async with served.client() as http:
+    async with served.http() as http:
         r = await http.post(path, json=body)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
@@ -571,7 +547,7 @@ async def test_bad_input_gets_400_with_an_openai_error_body(served, path, body, 
 
 
 async def test_invalid_json_gets_400_that_says_so(served):
-    async with served.client() as http:
+    async with served.http() as http:
         r = await http.post(
             "/v1/chat/completions",
             content=b'{"messages": [',
@@ -582,7 +558,7 @@ async def test_invalid_json_gets_400_that_says_so(served):
 
 
 async def test_unknown_model_gets_404_naming_the_served_one(served):
-    async with served.client() as http:
+    async with served.http() as http:
         r = await http.post("/v1/chat/completions", json={"model": "gpt-4", "messages": MSG})
     assert r.status_code == 404
     assert r.json()["error"]["code"] == "model_not_found"
@@ -590,7 +566,7 @@ async def test_unknown_model_gets_404_naming_the_served_one(served):
 
 
 async def test_a_prompt_longer_than_the_context_gets_400_with_both_numbers(served):
-    async with served.client() as http:
+    async with served.http() as http:
         r = await http.post("/v1/completions", json={"prompt": long_prompt(2100)})
     error = r.json()["error"]
     assert r.status_code == 400
@@ -602,10 +578,10 @@ async def test_a_max_tokens_past_the_context_is_clamped_unless_strict(served):
     # Not long_prompt's tokens: a cached prefix of them would spoil the mid-prefill tests.
     prompt = [1002 - i % 1000 for i in range(2040)]
     body = {"prompt": prompt, "max_tokens": 5000, "ignore_eos": True}
-    async with served.client() as http:
+    async with served.http() as http:
         clamped = await http.post("/v1/completions", json=body)
         keyed = {"authorization": f"Bearer {API_KEY}"}  # served with strict_max_tokens
-        strict = await http.post(f"{served.keyed_url}/v1/completions", json=body, headers=keyed)
+        strict = await http.post(f"{served.urls['keyed']}/v1/completions", json=body, headers=keyed)
     assert clamped.status_code == 200
     assert clamped.headers["x-stepline-max-tokens"] == "8"
     assert clamped.json()["usage"]["completion_tokens"] == 8
@@ -622,7 +598,7 @@ async def test_a_body_over_the_limit_gets_413_with_or_without_a_length(served):
         for i in range(0, len(big), 8192):
             yield big[i : i + 8192]
 
-    async with served.client() as http:
+    async with served.http() as http:
         json_type = {"content-type": "application/json"}
         sized = await http.post("/v1/completions", content=big, headers=json_type)
         streamed = await http.post("/v1/completions", content=chunked(), headers=json_type)
@@ -632,7 +608,7 @@ async def test_a_body_over_the_limit_gets_413_with_or_without_a_length(served):
 
 
 async def test_a_missing_or_wrong_key_gets_401_and_probes_stay_open(served):
-    async with httpx.AsyncClient(base_url=served.keyed_url) as http:
+    async with httpx.AsyncClient(base_url=served.urls["keyed"]) as http:
         missing = await http.post("/v1/chat/completions", json=chat_body())
         wrong = await http.get("/v1/models", headers={"authorization": "Bearer nope"})
         right = await http.get("/v1/models", headers={"authorization": f"Bearer {API_KEY}"})
@@ -645,7 +621,7 @@ async def test_a_missing_or_wrong_key_gets_401_and_probes_stay_open(served):
 
 
 async def test_unknown_routes_get_an_openai_error_body(served):
-    async with served.client() as http:
+    async with served.http() as http:
         r = await http.get("/v1/nothing")
     assert r.status_code == 404
     assert set(r.json()["error"]) == {"message", "type", "param", "code"}
@@ -656,7 +632,7 @@ async def test_unknown_routes_get_an_openai_error_body(served):
 
 async def test_disconnecting_mid_stream_cancels_the_request_and_spares_the_others(served):
     long_body = chat_body(stream=True, max_tokens=1500, ignore_eos=True)
-    async with served.client() as http:
+    async with served.http() as http:
         other = asyncio.ensure_future(
             stream_sse(http, "/v1/chat/completions", chat_body(stream=True, max_tokens=64))
         )
@@ -677,7 +653,7 @@ async def test_disconnecting_mid_stream_cancels_the_request_and_spares_the_other
 
 async def test_disconnecting_mid_prefill_cancels_before_any_token(served):
     body = {"prompt": long_prompt(1500), "max_tokens": 4, "stream": True}
-    async with served.client() as http:
+    async with served.http() as http:
         with anyio.fail_after(30):
             async with http.stream("POST", "/v1/completions", json=body) as r:
                 rid = r.headers["x-request-id"]
@@ -692,7 +668,7 @@ async def test_disconnecting_mid_prefill_cancels_before_any_token(served):
 
 async def test_disconnecting_from_a_non_streaming_request_cancels_it(served):
     body = chat_body(max_tokens=1500, ignore_eos=True)
-    async with served.client() as http:
+    async with served.http() as http:
         task = asyncio.ensure_future(http.post("/v1/chat/completions", json=body))
         live = await decoding_request(served.engine)
         task.cancel()  # the client gives up: httpx closes the connection
@@ -703,7 +679,7 @@ async def test_disconnecting_from_a_non_streaming_request_cancels_it(served):
 
 
 async def test_32_concurrent_streams_each_finish_once_and_end_with_done(served):
-    async with served.client(limits=httpx.Limits(max_connections=64)) as http:
+    async with served.http(limits=httpx.Limits(max_connections=64)) as http:
         results = await asyncio.gather(
             *[
                 stream_sse(
@@ -727,7 +703,7 @@ async def test_32_concurrent_streams_each_finish_once_and_end_with_done(served):
 
 
 async def test_health_says_ok_and_metrics_parse_as_prometheus_text(served):
-    async with served.client() as http:
+    async with served.http() as http:
         health = await http.get("/health")
         metrics = await http.get("/metrics")
     assert health.status_code == 200 and health.json()["status"] == "ok"
@@ -749,14 +725,14 @@ async def test_health_says_ok_and_metrics_parse_as_prometheus_text(served):
 @pytest_asyncio.fixture(loop_scope="module")
 async def doomed(demo) -> AsyncIterator[Served]:
     """An engine of its own, for tests that kill it."""
-    value, close = await hold_open(open_served())
+    value, close = await hold_open(open_served(**SERVED))
     yield value
     await close()
 
 
 async def test_an_engine_failure_mid_stream_sends_an_error_frame_then_done(doomed):
     body = chat_body(stream=True, max_tokens=1500, ignore_eos=True)
-    async with doomed.client() as http:
+    async with doomed.http() as http:
         with anyio.fail_after(30):
             async with http.stream("POST", "/v1/chat/completions", json=body) as r:
                 raw = b""
@@ -782,7 +758,7 @@ async def test_an_engine_failure_mid_stream_sends_an_error_frame_then_done(doome
 
 
 async def test_an_engine_failure_fails_a_non_streaming_request_with_503(doomed):
-    async with doomed.client() as http:
+    async with doomed.http() as http:
         task = asyncio.ensure_future(
             http.post("/v1/chat/completions", json=chat_body(max_tokens=1500, ignore_eos=True))
         )
@@ -841,9 +817,9 @@ async def test_a_failed_event_log_shows_on_health_and_metrics_while_serving_goes
         def close(self) -> None:
             self.real.close()
 
-    async with open_served(tmp_path / "events.jsonl") as served:
+    async with open_served(event_log=tmp_path / "events.jsonl", **SERVED) as served:
         writer = served.engine.step_loop.event_log
-        async with served.client() as client:
+        async with served.http() as client:
             assert (await client.get("/health")).json()["status"] == "ok"
             writer._file = FullDisk(writer._file)  # a disk that fills up now
             for _ in range(2):
@@ -865,8 +841,6 @@ async def test_a_burst_over_http_is_gathered_so_its_first_step_takes_the_shortes
     # Over HTTP a request is parsed and tokenized before `Engine.submit`. The short chats
     # here are tokenized after the long one: without waiting for the requests the server is
     # still preparing, the long one would start the first step alone.
-    from helpers import open_served
-
     long_text = "a long prompt " * 12
     async with open_served() as served:
         engine = served.engine

@@ -9,20 +9,17 @@ import asyncio
 import json
 import math
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
 import httpx
 import pytest
-import pytest_asyncio
-from helpers import hold_open
+from helpers import until_async
+from structlog.testing import capture_logs
 
 import stepline.engine
 from stepline.actors.scheduler.admission import QueueFullError
-from stepline.api import Engine, PromptTooLongError
+from stepline.api import PromptTooLongError
 from stepline.api.http.app import create_app
 from stepline.api.http.guard import RateLimitedExceptionHandler
 from stepline.api.http.serve import serve_in_process
@@ -34,48 +31,18 @@ API_KEY = "sk-guard"
 MSG = [{"role": "user", "content": "hi"}]
 
 
-@dataclass(frozen=True)
-class Served:
-    engine: Engine
-    url: str  # the default app: no key, 4 MiB bodies
-    keyed_url: str  # --api-key, /metrics behind it
-    public_metrics_url: str  # --api-key --metrics-public --allowed-origins https://ok.example
-    named_url: str  # --served-model-name gpt-4o --served-model-name default
-
-    def client(self, url: str | None = None, **kw) -> httpx.AsyncClient:
-        return httpx.AsyncClient(base_url=url or self.url, timeout=60, **kw)
-
-
-@asynccontextmanager
-async def open_served() -> AsyncIterator[Served]:
-    async with Engine.open("stepline-demo", max_step_tokens=128) as engine:
-        apps = [
-            create_app(OneModel(engine)),
-            create_app(OneModel(engine), api_key=API_KEY),
-            create_app(
-                OneModel(engine),
-                api_key=API_KEY,
-                metrics_public=True,
-                allowed_origins=["https://ok.example"],
+@pytest.fixture(scope="module")
+def served_options() -> dict:
+    # The default app (no key, 4 MiB bodies) and three more over the same engine.
+    return dict(
+        apps={
+            "keyed": dict(api_key=API_KEY),  # /metrics behind it
+            "public_metrics": dict(  # --metrics-public --allowed-origins https://ok.example
+                api_key=API_KEY, metrics_public=True, allowed_origins=["https://ok.example"]
             ),
-            create_app(OneModel(engine), served_model_name=["gpt-4o", "default"]),
-        ]
-        async with (
-            serve_in_process(apps[0]) as url,
-            serve_in_process(apps[1]) as keyed,
-            serve_in_process(apps[2]) as public,
-            serve_in_process(apps[3]) as named,
-        ):
-            yield Served(engine, url, keyed, public, named)
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def served(demo) -> AsyncIterator[Served]:
-    value, close = await hold_open(open_served())
-    try:
-        yield value
-    finally:
-        await close()
+            "named": dict(served_model_name=["gpt-4o", "default"]),
+        }
+    )
 
 
 async def read_stream(http: httpx.AsyncClient, body: dict) -> bytes:
@@ -134,7 +101,7 @@ NON_FINITE_BODIES = [
 
 
 async def test_every_bad_sampling_value_gets_a_400_while_streams_finish_untouched(served):
-    async with served.client() as http:
+    async with served.http() as http:
         streams = [asyncio.ensure_future(read_stream(http, stream_body(i))) for i in range(4)]
         for fields, param in BAD_SAMPLING:
             r = await http.post("/v1/chat/completions", json={"messages": MSG, **fields})
@@ -161,7 +128,7 @@ async def test_every_bad_sampling_value_gets_a_400_while_streams_finish_untouche
 
 
 async def test_a_top_k_over_the_vocabulary_names_the_limit(served):
-    async with served.client() as http:
+    async with served.http() as http:
         r = await http.post("/v1/completions", json={"prompt": "a", "top_k": 5000})
     assert r.status_code == 400
     assert "1024" in r.json()["error"]["message"]
@@ -169,7 +136,7 @@ async def test_a_top_k_over_the_vocabulary_names_the_limit(served):
 
 async def test_a_temperature_below_the_epsilon_is_greedy(served):
     body = {"prompt": "The crust", "max_tokens": 12, "ignore_eos": True}
-    async with served.client() as http:
+    async with served.http() as http:
         greedy = (await http.post("/v1/completions", json={**body, "temperature": 0})).json()
         tiny = (await http.post("/v1/completions", json={**body, "temperature": 1e-308})).json()
     assert tiny["choices"][0]["text"] == greedy["choices"][0]["text"] != ""
@@ -183,7 +150,7 @@ async def test_a_temperature_below_the_epsilon_is_greedy(served):
 async def test_a_body_not_sent_as_json_gets_415(served, content_type):
     # Browsers send text/plain and form bodies cross-site without a CORS preflight.
     headers = {"content-type": content_type} if content_type else {}
-    async with served.client() as http:
+    async with served.http() as http:
         r = await http.post(
             "/v1/chat/completions", content=json.dumps({"messages": MSG}), headers=headers
         )
@@ -192,7 +159,7 @@ async def test_a_body_not_sent_as_json_gets_415(served, content_type):
 
 
 async def test_json_with_a_charset_is_json(served):
-    async with served.client() as http:
+    async with served.http() as http:
         r = await http.post(
             "/v1/completions",
             content=json.dumps({"prompt": "a", "max_tokens": 1}),
@@ -241,7 +208,7 @@ async def test_big_bodies_never_block_the_event_loop_or_a_running_stream(served)
         headers = {"content-type": "application/json"}
         return httpx.post(f"{served.url}{path}", content=body, headers=headers, timeout=60)
 
-    async with served.client(limits=httpx.Limits(max_connections=16)) as http:
+    async with served.http(limits=httpx.Limits(max_connections=16)) as http:
         async with anyio.create_task_group() as tg:
             tg.start_soon(probe)
             streaming = asyncio.ensure_future(stream(http))
@@ -274,11 +241,13 @@ async def test_a_client_gone_mid_upload_is_one_log_line_not_a_traceback(served, 
             await anyio.sleep(0.2)
         # The server's log line is the only sign, with no event to await: read, bounded.
         out = ""
-        for _ in range(100):
+
+        async def cancel_logged() -> bool:
+            nonlocal out
             out += capsys.readouterr().out
-            if "request_cancelled" in out:
-                break
-            await anyio.sleep(0.05)
+            return "request_cancelled" in out
+
+        await until_async(cancel_logged, within=5, what="the request_cancelled line")
     assert out.count("request_cancelled") == 1
     assert "Traceback" not in out
     assert not [rec for rec in caplog.records if rec.levelname in ("ERROR", "CRITICAL")]
@@ -289,7 +258,7 @@ async def test_a_client_gone_mid_upload_is_one_log_line_not_a_traceback(served, 
 
 async def test_with_a_key_docs_and_openapi_need_it_and_health_does_not(served):
     good = {"authorization": f"Bearer {API_KEY}"}
-    async with served.client(served.keyed_url) as http:
+    async with served.http(served.urls["keyed"]) as http:
         for path in ("/docs", "/redoc", "/openapi.json", "/metrics", "/v1/models"):
             r = await http.get(path)
             assert r.status_code == 401, path
@@ -302,7 +271,7 @@ async def test_with_a_key_docs_and_openapi_need_it_and_health_does_not(served):
 
 
 async def test_metrics_public_opens_metrics_only(served):
-    async with served.client(served.public_metrics_url) as http:
+    async with served.http(served.urls["public_metrics"]) as http:
         metrics = await http.get("/metrics")
         docs = await http.get("/openapi.json")
     assert metrics.status_code == 200
@@ -315,9 +284,9 @@ async def test_no_cors_headers_unless_the_origin_is_allowed(served):
         "access-control-request-method": "POST",
         "access-control-request-headers": "authorization, content-type",
     }
-    async with served.client() as http:
+    async with served.http() as http:
         default = await http.options("/v1/chat/completions", headers=preflight)
-    async with served.client(served.public_metrics_url) as http:
+    async with served.http(served.urls["public_metrics"]) as http:
         allowed = await http.options("/v1/chat/completions", headers=preflight)
         other = await http.options(
             "/v1/chat/completions", headers={**preflight, "origin": "https://evil.example"}
@@ -334,7 +303,7 @@ async def test_an_allowed_origin_may_resume_streams_and_delete_responses(served)
         "access-control-request-method": "GET",
         "access-control-request-headers": "authorization, last-event-id, x-stepline-resumable",
     }
-    async with served.client(served.public_metrics_url) as http:
+    async with served.http(served.urls["public_metrics"]) as http:
         resume = await http.options("/v1/requests/chatcmpl-x/stream", headers=preflight)
         delete = await http.options(
             "/v1/responses/resp_x",
@@ -344,7 +313,7 @@ async def test_an_allowed_origin_may_resume_streams_and_delete_responses(served)
 
 
 async def test_served_model_names_are_aliases_and_the_first_is_listed(served):
-    async with served.client(served.named_url) as http:
+    async with served.http(served.urls["named"]) as http:
         listed = (await http.get("/v1/models")).json()
         card = await http.get("/v1/models/default")
         alias = await http.post(
@@ -370,7 +339,7 @@ async def test_a_full_waiting_queue_gets_429_with_retry_after(served, monkeypatc
 
     # The engine raises QueueFullError past --max-waiting; here it is made to at once.
     monkeypatch.setattr(served.engine, "submit", refuse)
-    async with served.client() as http:
+    async with served.http() as http:
         r = await http.post("/v1/chat/completions", json={"messages": MSG})
     assert r.status_code == 429
     assert r.headers["retry-after"] == "2"  # 1.5 s, rounded up
@@ -486,3 +455,42 @@ async def test_chat_checkpoints_from_one_tokenization_equal_those_from_tokenizin
     exact = prompts.chat_checkpoints(messages, ids)  # without the text: prefixes tokenized
     assert sorted(fast) == sorted(exact)
     assert ids == engine.encode(messages=messages)
+
+
+async def test_a_bug_under_a_door_is_a_500_with_the_request_id_and_a_logged_traceback(
+    served, monkeypatch
+):
+    async def buggy(*args, **kwargs):
+        raise ValueError("max() arg is an empty sequence")  # ours, not the client's
+
+    monkeypatch.setattr(served.engine, "prepare_async", buggy)
+    with capture_logs() as logs:
+        async with served.http() as http:
+            r = await http.post(
+                "/v1/chat/completions", json={"model": "stepline-demo", "messages": MSG}
+            )
+    rid = r.headers["x-request-id"]
+    error = r.json()["error"]
+    assert r.status_code == 500 and error["type"] == "server_error"
+    assert error["message"] == f"internal error (request id {rid})"
+    assert "empty sequence" not in r.text  # the detail is the log's
+    failed = [e for e in logs if e["event"] == "request_failed"]
+    assert [e["request_id"] for e in failed] == [rid] and failed[0]["exc_info"]
+
+
+async def test_a_bug_outside_the_doors_is_a_json_500_never_a_traceback(served, monkeypatch):
+    def broken(registry):
+        raise RuntimeError("the registry broke")
+
+    monkeypatch.setattr("stepline.api.http.app.generate_latest", broken)
+    with capture_logs() as logs:
+        async with served.http() as http:
+            r = await http.get("/metrics")
+    error = r.json()["error"]
+    rid = error["message"].removeprefix("internal error (request id ").removesuffix(")")
+    assert r.status_code == 500 and error["type"] == "server_error"
+    assert r.headers["x-request-id"] == rid and rid.startswith("err-")
+    assert "Traceback" not in r.text and "registry broke" not in r.text
+    failed = [e for e in logs if e["event"] == "request_failed"]
+    assert [(e["request_id"], e["route"]) for e in failed] == [(rid, "/metrics")]
+    assert isinstance(failed[0]["exc_info"], RuntimeError)

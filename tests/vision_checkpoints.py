@@ -110,11 +110,11 @@ def tiny_gemma3(path: Path, *, pan_and_scan: bool = False) -> Path:
     from transformers import PreTrainedTokenizerFast
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
-    from stepline.engine import models as text_demo
+    from stepline.engine import demo_files as text_demo
     from stepline.engine.vision import random_weights
 
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = Tokenizer.from_str(text_demo._train_tokenizer_json(1024))
+    tokenizer = Tokenizer.from_str(text_demo.train_tokenizer_json(1024))
     tokenizer.add_special_tokens(list(GEMMA3_TOKENS))
     tokenizer.add_tokens([AddedToken(run, normalized=False) for run in NEWLINE_RUNS])
     ids = {t: tokenizer.token_to_id(t) for t in GEMMA3_TOKENS}

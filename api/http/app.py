@@ -15,6 +15,7 @@ Errors are in the shape of the door a path belongs to (OpenAI's
 from __future__ import annotations
 
 import hmac
+import uuid
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +33,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from stepline.api.config import ServerConfig
 from stepline.api.http.doors import doors, error_response
-from stepline.api.pipeline.errors import APIError
+from stepline.api.pipeline.errors import APIError, internal_error
 from stepline.api.pipeline.resume import presented_key, resume_response
 from stepline.api.pipeline.serving import Serving
 
@@ -114,6 +115,8 @@ def _add_error_handlers(app: FastAPI) -> None:
         err = APIError(400, "the request is malformed", code="invalid_value")
         return error_response(request.url.path, err)
 
+    app.add_exception_handler(Exception, _bug)
+
 
 def _add_server_routes(app: FastAPI, serving: Serving) -> None:
     """The server's own routes: resumed streams, the root probe, /health and /metrics."""
@@ -151,6 +154,16 @@ class _Metrics(Collector):
 
     def collect(self) -> Iterable[Metric]:
         return self.models.collect()
+
+
+async def _bug(request: Request, exc: Exception) -> Response:
+    """A bug outside the doors' own wrapper (`Serving.handle`): a JSON 500 in the path's shape
+    naming an id that its logged traceback carries; no traceback reaches the client."""
+    rid = f"err-{uuid.uuid4().hex}"
+    log.error("request_failed", request_id=rid, route=request.url.path, exc_info=exc)
+    err = internal_error(rid)
+    err.request_id = rid
+    return error_response(request.url.path, err)
 
 
 class RequireKey:

@@ -148,7 +148,9 @@ def known_error(
     exc: BaseException, *, prompt_param: str = "messages", grammar_param: str = "response_format"
 ) -> APIError | None:
     """`exc`, raised anywhere under a door, as what the client is told; None for what the
-    catalogue does not know (a bug: the caller lets it through, and it is logged as one).
+    catalogue does not know (a bug: the caller lets it through, and it is a 500 logged with
+    its traceback). Only the explicit types below are the client's fault (a 4xx): a plain
+    ValueError is not (a client error is raised as `RequestError`).
     `prompt_param` and `grammar_param` name the request's fields that hold its prompt and its
     output format."""
     # Imported here: the engine's modules are not loaded while the model loads.
@@ -162,6 +164,7 @@ def known_error(
     from stepline.api.json_limits import InputLimitError
     from stepline.api.prompts import PromptTooLongError
     from stepline.api.refusals import REFUSAL_STATUS
+    from stepline.api.request_error import RequestError
     from stepline.engine.grammar import GrammarError
     from stepline.engine.images import ImageError
 
@@ -203,9 +206,10 @@ def known_error(
         return validation_error(exc)
     if isinstance(exc, AdmissionError):  # an empty prompt, KV that can never fit
         return APIError(400, str(exc), param=prompt_param)
-    if isinstance(exc, ValueError):  # a bad token id, a template that refused the messages
-        return APIError(400, f"{prompt_param}: {exc}", param=prompt_param)
-    return None
+    if isinstance(exc, RequestError):  # a bad token id, a template that refused the messages
+        param = exc.param or prompt_param
+        return APIError(400, f"{param}: {exc}", param=param)
+    return None  # any other ValueError too: a bug, not the client's fault
 
 
 # -- OpenAI's shape, the server's default ----------------------------------------------------
