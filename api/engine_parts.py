@@ -15,7 +15,8 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
@@ -26,10 +27,13 @@ from stepline.actors.scheduler.core import LogPlace
 from stepline.actors.scheduler.cost_model import CostModel
 from stepline.actors.scheduler.policy import SchedulerConfig
 from stepline.actors.scheduler.prefix_index import PrefixIndex
+from stepline.actors.scheduler.spans import PromptImage
 from stepline.actors.scheduler.warmup import Warmup
 from stepline.actors.step_loop import ModelLimits, StepLoop
 from stepline.actors.turns import Turns
 from stepline.api.config import EngineConfig, EventLogConfig
+from stepline.engine import grammar
+from stepline.events.image_files import images_dir, keep_image
 from stepline.events.models import LogHeader, new_run_id, new_salt
 
 log = structlog.get_logger(__name__)
@@ -220,6 +224,29 @@ class EngineParts:
         )
         return step_loop, config
 
+    @asynccontextmanager
+    async def running(self, step_loop: StepLoop) -> AsyncIterator[Any]:
+        """Run `step_loop` (and a distributed run's pings to the other ranks while no request
+        runs) in a task group, which the block gets; at its end the loop stops and every
+        request still running is cancelled."""
+        async with anyio.create_task_group() as tg:
+            loop_scope = anyio.CancelScope()
+
+            async def run_loop(*, task_status=anyio.TASK_STATUS_IGNORED) -> None:
+                with loop_scope:
+                    await step_loop.run(task_status=task_status)
+
+            await tg.start(run_loop)
+            if self.topology is not None:
+                tg.start_soon(self.runner.keep_alive, self.executor, loop_scope)
+            try:
+                yield tg
+            finally:
+                loop_scope.cancel()
+                with anyio.CancelScope(shield=True):
+                    await step_loop.shutdown()  # every request still running: cancelled
+                step_loop.inbox.close()
+
     async def _eval_weights_in_turns(self, loaded: Any) -> None:
         """Compute a lazily loaded model's weights, a piece a job, each in this model's turn on
         the executor (`PoolMember.turns`)."""
@@ -287,6 +314,56 @@ class EngineParts:
         executor.close()
         if self.writer is not None and self.member is None:
             self.writer.close()
+
+
+class GrammarCompiles:
+    """Compiles constrained requests' grammars for `Engine.submit`, off the step loop and the
+    executor: at most half the cores at once, so that a burst of complex schemas leaves the
+    steps the rest (three at a time once stopped every stream on 2 cores)."""
+
+    def __init__(self, grammars: Any):  # engine.grammar.GrammarCompiler, the runner's
+        self.grammars = grammars
+        self._slots = anyio.CapacityLimiter(grammar.compile_slots())
+
+    async def compile(self, grammar_text: str) -> Any:
+        """`grammar_text` compiled on a worker thread, held so that the runner's lookup at
+        admission finds it (`Compiled`). Raises GrammarError for a grammar llguidance
+        refuses, one that fails at its start, or one whose compile takes longer than
+        `grammar.COMPILE_TIMEOUT_S` (the thread finishes it meanwhile, within
+        `grammar.LIMITS`, for the cache)."""
+        hit = self.grammars.find(grammar_text)  # a cache hit waits for no compile
+        if hit is not None:
+            return hit
+        await anyio.to_thread.run_sync(self.grammars.prepare)  # once, not timed
+        limit = grammar.COMPILE_TIMEOUT_S
+        try:
+            async with self._slots:  # the wait for a slot is not the grammar's time
+                with anyio.fail_after(limit):
+                    return await anyio.to_thread.run_sync(
+                        self.grammars.hold, grammar_text, abandon_on_cancel=True
+                    )
+        except TimeoutError:
+            raise grammar.GrammarError(
+                f"the schema is too complex: compiling its grammar took more than {limit:g} s"
+            ) from None
+
+
+async def keep_images(writer: Any, images: Sequence[PromptImage]) -> None:
+    """Keep a prompt's images beside the event log of `writer` (events.log.EventLogWriter or
+    None), where it keeps prompts (for re-execution: `events/image_files.py`), on a worker
+    thread. A failure to write is logged; the request is served."""
+    if writer is None or not writer.header.log_prompts:
+        return
+    directory = images_dir(writer.path)
+
+    def keep() -> None:
+        for image in images:
+            keep_image(directory, image.digest, image.image.data)
+
+    try:
+        await anyio.to_thread.run_sync(keep)
+    except OSError as exc:
+        log.warning("image_not_kept", directory=str(directory), error=repr(exc))
 
 
 def _draft_model(loaded: Any, options: EngineConfig) -> Any:
