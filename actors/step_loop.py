@@ -423,7 +423,7 @@ class StepLoop:
             elif isinstance(msg, Arriving | Arrived):
                 self._num_preparing += 1 if isinstance(msg, Arriving) else -1
             elif isinstance(msg, Refuse):
-                self._refuse(msg)
+                self.log_refusal(msg)
             else:
                 self._idle_work.end_warm_up()
         self._log_events()
@@ -487,7 +487,7 @@ class StepLoop:
         self._log_events()
         return event
 
-    def _refuse(self, msg: Refuse) -> None:
+    def log_refusal(self, msg: Refuse) -> None:
         """Record and log a request a door refused (`SchedulerCore.refuse`: a lone terminal;
         nothing for an id the core has seen), without an event log nothing. Not counted
         among the finished requests' metrics: the engine never had it."""

@@ -418,7 +418,8 @@ class Engine:
         rejected, with the error's `code` and HTTP `status` and nothing of its prompt.
         Nothing without an event log, once the engine is closed, or for an id it has seen."""
         if not self._closed:
-            self._post(Refuse(request_id, message, code, status))
+            # Recorded now, not through the inbox: the door's reply comes after it is in the log.
+            self._step_loop.log_refusal(Refuse(request_id, message, code, status))
 
     def begin_shutdown(self) -> int:
         """Refuse new requests (`submit` raises EngineClosedError, as once closed) and cancel every

@@ -33,7 +33,6 @@ from starlette.background import BackgroundTask
 from starlette.datastructures import Headers
 from starlette.requests import ClientDisconnect
 
-from stepline.actors.scheduler.policy import max_output_tokens
 from stepline.actors.scheduler.work import GRAMMAR_FAILED
 from stepline.api.config import ServerConfig
 from stepline.api.json_limits import parse_body
@@ -366,7 +365,7 @@ class Serving:
         if num_prompt >= max_context:
             raise context_exceeded(num_prompt, max_context, prompt_param, at_least=False)
         if requested is not None and self.config.strict_max_tokens:
-            context_room = max_output_tokens(None, num_prompt, max_context)
+            context_room = self.engine.max_output_tokens(None, num_prompt, within_kv_budget=False)
             if requested > context_room:
                 raise APIError(
                     400,
@@ -379,7 +378,7 @@ class Serving:
                 )
             return requested  # past the KV budget: the submission says by how much
         asked = requested if requested is not None else (default or None)
-        limit = max_output_tokens(asked, num_prompt, max_context, self.engine.step_loop.config)
+        limit = self.engine.max_output_tokens(asked, num_prompt)
         if requested is not None and limit < requested:
             log.info("max_tokens_clamped", requested=requested, effective=limit, param=param)
         return limit
@@ -390,26 +389,10 @@ class Serving:
         """The one parameter builder of every door: `req`'s sampling fields (those of
         `SAMPLING_FIELDS` it has, already range-checked; `stop_strings`, `ignore_eos`,
         `top_k`, `stop_token_ids`) as engine parameters, after the checks that need the
-        model: `top_k` and `stop_token_ids` within the vocabulary. A temperature below
-        GREEDY_TEMPERATURE is greedy."""
-        vocab = self.engine.vocab_size
+        model (`top_k` and `stop_token_ids` within the vocabulary) are `Engine.submit`'s. A
+        temperature below GREEDY_TEMPERATURE is greedy."""
         top_k = getattr(req, "top_k", None)
         stop_token_ids = getattr(req, "stop_token_ids", None)
-        if top_k is not None and top_k > vocab:
-            raise APIError(
-                400,
-                f"top_k must be at most the vocabulary size, {vocab} (0 or -1 = off), got {top_k}",
-                param="top_k",
-                code="invalid_value",
-            )
-        for i, t in enumerate(stop_token_ids or ()):
-            if not 0 <= t < vocab:
-                raise APIError(
-                    400,
-                    f"stop_token_ids[{i}] = {t} is not in the model's vocabulary (0..{vocab - 1})",
-                    param="stop_token_ids",
-                    code="invalid_value",
-                )
         fields: dict[str, Any] = {
             "max_tokens": max_tokens,
             "stop": tuple(getattr(req, "stop_strings", ())),
@@ -494,13 +477,10 @@ class Serving:
             agent = agent.with_think_budget(tokenizer, call.think_budget, prompt_text)
         params = self.sampling(call.sampling, max_tokens, call.logprobs, agent.grammar)
         stream = await self.engine.submit(
-            prompt=ids,
-            params=params,
-            request_id=call.rid,
-            checkpoints=prepared.checkpoints,
-            client=call.client,
-            images=prepared.images,
+            prepared, params=params, request_id=call.rid, client=call.client
         )
+        if stream.params is not None:  # as admitted: the limit the request runs to
+            max_tokens = stream.params.max_tokens
         fmt = agent.output_format(tokenizer, reasoning=call.reasoning, prompt_text=prompt_text)
         headers = {"x-request-id": call.rid, **call.headers}
         if agent.dropped_tools:
