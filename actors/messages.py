@@ -27,7 +27,9 @@ class Arrived:
 
 @dataclass(frozen=True)
 class Refuse:
-    """Record a request a door refused before it reached the engine (a lone `terminal`)."""
+    """A request a door refused before it reached the engine, to record (a lone `terminal`):
+    `StepLoop.log_refusal` records it at once, not through the inbox, so that the door's
+    reply comes after it is in the log."""
 
     request_id: str
     message: str

@@ -66,9 +66,9 @@ log = structlog.get_logger(__name__)
 # request, or one arriving while others run, never waits.
 GATHER_S = 0.03
 
-Message: TypeAlias = Submit | Cancel | Arriving | Arrived | Refuse | EndWarmUp
+Message: TypeAlias = Submit | Cancel | Arriving | Arrived | EndWarmUp
 # Messages that change no request: an idle loop that gets only these does not step.
-_NO_STEP = (Arriving, Arrived, Refuse, EndWarmUp)
+_NO_STEP = (Arriving, Arrived, EndWarmUp)
 
 
 @dataclass(frozen=True)
@@ -406,8 +406,8 @@ class StepLoop:
 
     def _handle(self, msgs: list[Message], *, admit: bool = True) -> list[Submit]:
         """Cancel and admit, in order; with `admit` false the submissions are returned
-        instead (to admit after the step that ran meanwhile). Arrivals, refusals and the
-        warm-up's end are taken at once."""
+        instead (to admit after the step that ran meanwhile). Arrivals and the warm-up's end
+        are taken at once."""
         held = []
         for msg in msgs:
             if isinstance(msg, Submit):
@@ -422,8 +422,6 @@ class StepLoop:
                 self._end(msg.request_id, msg.reason, message)
             elif isinstance(msg, Arriving | Arrived):
                 self._num_preparing += 1 if isinstance(msg, Arriving) else -1
-            elif isinstance(msg, Refuse):
-                self.log_refusal(msg)
             else:
                 self._idle_work.end_warm_up()
         self._log_events()
@@ -520,9 +518,7 @@ class StepLoop:
     async def shutdown(self) -> None:
         """End every request still in flight (engine closing)."""
         for msg in self._drain():
-            if not isinstance(msg, Submit):
-                self._handle([msg])  # a refusal is still recorded
-            elif not msg.reply.done():
+            if isinstance(msg, Submit) and not msg.reply.done():
                 msg.reply.set_exception(RuntimeError("the engine is closed"))
         for rid in list(self.states):
             self._end(rid, FinishReason.CANCELLED, "the engine is shutting down")
