@@ -349,7 +349,7 @@ class GrammarCompiles:
 
     def __init__(self, grammars: Any):  # engine.grammar.GrammarCompiler, the runner's
         self.grammars = grammars
-        self._slots = anyio.CapacityLimiter(grammar.compile_slots())
+        self.slots = anyio.CapacityLimiter(grammar.compile_slots())
 
     async def compile(self, grammar_text: str) -> Any:
         """`grammar_text` compiled on a worker thread, held so that the runner's lookup at
@@ -363,7 +363,7 @@ class GrammarCompiles:
         await anyio.to_thread.run_sync(self.grammars.prepare)  # once, not timed
         limit = grammar.COMPILE_TIMEOUT_S
         try:
-            async with self._slots:  # the wait for a slot is not the grammar's time
+            async with self.slots:  # the wait for a slot is not the grammar's time
                 with anyio.fail_after(limit):
                     return await anyio.to_thread.run_sync(
                         self.grammars.hold, grammar_text, abandon_on_cancel=True
