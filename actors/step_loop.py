@@ -170,7 +170,9 @@ class StepLoop:
         self.inbox: MemoryObjectSendStream
         self.inbox, self._inbox = anyio.create_memory_object_stream(inbox_size)
         self._recipients = Recipients()  # where each live request's actor is reached
-        self._num_preparing = 0  # requests on their way (`Arriving` less `Arrived`)
+        # Requests on their way: `Arriving` less `Arrived` (below 0 for a moment where a full
+        # inbox reordered the two)
+        self._num_preparing = 0
         self._idle = True  # nothing has run since the loop last waited for work
         self._idle_work = IdleWork(warmup if cost_model is not None else None)
         self._host = HostMeter()  # what each step ran under (CPU share, load average)
@@ -278,7 +280,7 @@ class StepLoop:
                     if not self.core.has_work:
                         self._idle = True  # the next step gathers arrivals (`_gather`)
                         self._tick()
-                        if self.warming_up and not self._num_preparing:
+                        if self.warming_up and self._num_preparing <= 0:
                             await self._warm_up()
                             self._tick()
                         await self._trim_heap(idle=True)
@@ -344,10 +346,10 @@ class StepLoop:
         """Before the first step after idling, wait (at most GATHER_S) for the requests still
         being prepared: nobody runs yet, so nobody's tokens are delayed."""
         idle, self._idle = self._idle, False
-        if not idle or not self._num_preparing:
+        if not idle or self._num_preparing <= 0:
             return
         with anyio.move_on_after(GATHER_S), contextlib.suppress(anyio.EndOfStream):
-            while self._num_preparing:
+            while self._num_preparing > 0:
                 self._handle([await self._inbox.receive()])
         self._handle(self._drain())  # those sent while this loop handled others
 
