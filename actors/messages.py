@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Any
 
 from stepline.actors.mailbox import Mailbox
 from stepline.actors.scheduler.spans import PromptImage
@@ -12,30 +13,34 @@ from stepline.events.models import FinishReason, RequestParams
 
 
 # --- to the step loop ---------------------------------------------------------
-@dataclass
-class Arrivals:
-    """Requests on their way to the step loop: being parsed, checked or tokenized by the API,
-    not yet in its inbox. The API counts them; an idle step loop waits briefly for them, so
-    that the first step of a burst sees the whole burst."""
-
-    preparing: int = 0
-
-    def arrive(self) -> Arrival:
-        self.preparing += 1
-        return Arrival(self)
+@dataclass(frozen=True)
+class Arriving:
+    """A request is on its way: being parsed, checked or tokenized by the API, not yet in
+    the inbox. An idle step loop waits briefly for those it counts, so that the first step of
+    a burst sees the whole burst; `Arrived` (or the request's `Submit` before it) ends it."""
 
 
-class Arrival:
-    """One request's count in `Arrivals.preparing`; `done` takes it back (once)."""
+@dataclass(frozen=True)
+class Arrived:
+    """A request counted by `Arriving` is in the inbox now, or will never be (it failed)."""
 
-    def __init__(self, arrivals: Arrivals) -> None:
-        self._arrivals = arrivals
-        self.open = True
 
-    def done(self) -> None:
-        if self.open:
-            self.open = False
-            self._arrivals.preparing -= 1
+@dataclass(frozen=True)
+class Refuse:
+    """A request a door refused before it reached the engine, to record (a lone `terminal`):
+    `StepLoop.log_refusal` records it at once, not through the inbox, so that the door's
+    reply comes after it is in the log."""
+
+    request_id: str
+    message: str
+    code: str
+    status: int
+
+
+@dataclass(frozen=True)
+class EndWarmUp:
+    """No more warm-up (the engine is shutting down): a turn on the executor ends at its
+    next step, and none starts again."""
 
 
 @dataclass(frozen=True)
@@ -44,16 +49,17 @@ class Submit:
     prompt_token_ids: tuple[int, ...]
     params: RequestParams
     checkpoints: tuple[int, ...]
-    actor: Mailbox[Update]  # the request actor's inbox
-    reply: asyncio.Future  # set to None when admitted, or to the AdmissionError
+    # The request actor's inbox; or the actor itself, which the step loop then drives (one
+    # with stop strings: a stop ends it in the step that found it, `RequestActor.take`).
+    actor: Mailbox[Update] | Any
+    reply: asyncio.Future  # set to the admitted RequestParams, or to the AdmissionError
     client: str | None = None  # who sent it (fair share between clients); None: anonymous
     images: tuple[PromptImage, ...] = ()  # the prompt's images, in order (a vision model)
 
 
 @dataclass(frozen=True)
 class Cancel:
-    """End a request: the client went away (cancelled), or its actor found a stop string
-    (stop: the few tokens computed past it are never shown)."""
+    """End a request: the client went away (cancelled), or its actor failed (error)."""
 
     request_id: str
     reason: FinishReason = FinishReason.CANCELLED

@@ -202,6 +202,15 @@ class EngineMetrics:
         if prefix is not None:
             self._prefix = prefix
 
+    def observe_step(self, work: Any, result: Any, outcome: Any, budget: int) -> None:
+        """One step's figures: its tokens, its cache lookups, its budget's use and time, and
+        the executor's report (`StepWork`, `StepResult`, `StepOutcome`)."""
+        self.tokens(outcome.gaps, outcome.firsts)
+        for num_cached in outcome.cache_lookups:
+            self.prefix_lookup(num_cached)
+        self.step(work.plan.num_tokens, budget, result.seconds)
+        self.executor_report(result.memory, result.prefix)
+
     def step(self, num_tokens: int, budget: int, seconds: float) -> None:
         self.steps.inc()
         self.budget_use.observe(num_tokens / budget)

@@ -203,7 +203,7 @@ class RequestActor:
         num_prompt_tokens: int,
         stop: tuple[str, ...],
         detokenizer: Detokenizer,
-        inbox: Mailbox[Update],
+        inbox: Mailbox[Update] | None,  # None: the step loop drives it (`take`)
         output: Mailbox[RequestOutput],
         on_end: Callable[[FinishReason], None] = lambda reason: None,
         keep: object = None,
@@ -213,8 +213,8 @@ class RequestActor:
         self.num_cached_tokens = 0  # the step loop says otherwise when its first chunk runs
         self._detok = detokenizer
         self._stops = StopMatcher(stop)
-        self._inbox = inbox
-        self._output = output
+        self.inbox = self._inbox = inbox
+        self.output = self._output = output  # the client's mailbox
         self._on_end = on_end  # tells the step loop the actor ended the request itself
         # Held until the request ends: its compiled grammar, which the executor then finds
         # compiled when it admits the request (`GrammarCompiler.hold`).
@@ -290,8 +290,35 @@ class RequestActor:
             logprobs=tuple(update.logprobs),
         )
 
+    def close(self) -> None:
+        """Close its inbox and the client's mailbox (a request that was never admitted)."""
+        if self._inbox is not None:
+            self._inbox.close()
+        self._output.close()
+
+    def take(self, update: Update) -> FinishReason | None:
+        """One update, where the step loop drives this actor (`Submit.actor`: a request with
+        stop strings, whose stop must end it in the step that found it): the client gets its
+        output now. Returns how this actor ended the request itself (a stop string, a
+        detokenizer fault), for the loop to record at once; None if it did not."""
+        out = self.on_update(update)
+        if out is None:
+            return None
+        self._output.put(out)
+        if out.finish_reason is None:
+            return None
+        self._output.close()
+        self._keep = None  # its grammar is no longer needed
+        return FinishReason(out.finish_reason) if update.finish is None else None
+
+    def put(self, update: Update) -> bool:
+        """`take`, as an inbox's `put` (the loop's end of a request outside a step)."""
+        self.take(update)
+        return True
+
     async def run(self) -> None:
         """Serve the inbox until the request ends; then close the client's mailbox."""
+        assert self._inbox is not None, "the step loop drives this actor"
         try:
             while True:
                 try:

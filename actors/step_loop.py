@@ -16,11 +16,10 @@ loop holds only where each live request's actor is reached and what to wake.
 from __future__ import annotations
 
 import contextlib
-import threading
-import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeAlias
 
 import anyio
 import structlog
@@ -28,39 +27,109 @@ from anyio.streams.memory import MemoryObjectSendStream
 
 from stepline.actors.executor import Executor, ExecutorDeadError
 from stepline.actors.host import HostMeter
+from stepline.actors.idle import IdleWork
 from stepline.actors.mailbox import Mailbox
-from stepline.actors.messages import Arrivals, Cancel, Submit, Update
+from stepline.actors.messages import (
+    Arrived,
+    Arriving,
+    Cancel,
+    EndWarmUp,
+    Refuse,
+    Submit,
+    Update,
+)
 from stepline.actors.metrics import EngineMetrics
+from stepline.actors.request import RequestActor
 from stepline.actors.scheduler.admission import AdmissionError, Refusal
 from stepline.actors.scheduler.core import (
     EngineDeadError,
     LogPlace,
     ModelLimits,
     SchedulerCore,
-    StepOutcome,
 )
 from stepline.actors.scheduler.cost_model import CostModel
 from stepline.actors.scheduler.drafter import SpeculativeConfig
 from stepline.actors.scheduler.plan import SchedulerConfig
 from stepline.actors.scheduler.prefix_index import PrefixIndex
 from stepline.actors.scheduler.warmup import Warmup
-from stepline.actors.scheduler.work import Housekeeping, StepResult, StepWork
-from stepline.actors.turns import Turns
-from stepline.engine import heap
-from stepline.events.fold import RequestState
+from stepline.actors.scheduler.work import Housekeeping
+from stepline.actors.turns import Seat, Turns
+from stepline.events.fold import RequestState, Status
 from stepline.events.models import FinishReason, Terminal
 
-__all__ = ["EngineDeadError", "ModelLimits", "StepLoop"]
+__all__ = ["EngineDeadError", "LoopSnapshot", "ModelLimits", "StepLoop"]
 
 log = structlog.get_logger(__name__)
 
 # How long an idle engine that was just sent requests waits for more that the API is still
-# parsing or tokenizing (`Arrivals`). Its first step then admits the burst's shortest
+# parsing or tokenizing (`Arriving`). Its first step then admits the burst's shortest
 # prompts, not whichever was ready first (the others would wait for that whole step). A lone
 # request, or one arriving while others run, never waits.
 GATHER_S = 0.03
-# A loop that never goes idle gives the C heap's free memory back this often (`_trim_heap`).
-TRIM_EVERY_S = 60.0
+
+Message: TypeAlias = Submit | Cancel | Arriving | Arrived | EndWarmUp
+# Messages that change no request: an idle loop that gets only these does not step.
+_NO_STEP = (Arriving, Arrived, EndWarmUp)
+
+
+@dataclass(frozen=True)
+class LoopSnapshot:
+    """What the step loop published after its last turn, for the API and the worker
+    endpoints to read (they never read the loop's own state): its live requests' states
+    (frozen values), the requests on their way, its health and its warm-up."""
+
+    states: tuple[RequestState, ...] = ()  # live requests, oldest first
+    num_preparing: int = 0  # requests the API is preparing (`Arriving`)
+    dead_reason: str | None = None  # why the engine can serve no more; None: healthy
+    warming_up: bool = False  # the step-time model's warm-up has steps left
+
+    @property
+    def live_ids(self) -> tuple[str, ...]:
+        return tuple(s.request_id for s in self.states)
+
+    @property
+    def num_live(self) -> int:
+        return len(self.states)
+
+    @property
+    def num_waiting(self) -> int:
+        """Live requests whose first chunk has not run."""
+        return sum(s.status is Status.WAITING for s in self.states)
+
+    @property
+    def num_tokens(self) -> int:
+        """The live requests' prompt and output tokens: what they hold or will hold in KV."""
+        return sum(s.num_prompt_tokens + s.num_output_tokens for s in self.states)
+
+
+class Recipients:
+    """Where each live request's actor is reached: its inbox, or the actor itself, which
+    the step loop then drives (`Submit.actor`)."""
+
+    def __init__(self) -> None:
+        self.actors: dict[str, Mailbox[Update] | RequestActor] = {}  # live request -> its actor
+
+    def deliver(
+        self, updates: Mapping[str, Update]
+    ) -> tuple[list[str], list[tuple[str, FinishReason]]]:
+        """Give each actor its update. Returns the requests whose actor is gone, and those
+        an actor driven here ended itself, and how (a stop string it found in this update);
+        neither has an actor here any more."""
+        gone: list[str] = []
+        ended: list[tuple[str, FinishReason]] = []
+        for rid, update in updates.items():
+            actor = self.actors.get(rid)
+            if actor is None:
+                continue
+            if update.finish is not None:
+                del self.actors[rid]
+            if isinstance(actor, RequestActor):
+                if (own := actor.take(update)) is not None:
+                    self.actors.pop(rid, None)
+                    ended.append((rid, own))
+            elif not actor.put(update):
+                gone.append(rid)
+        return gone, ended
 
 
 class StepLoop:
@@ -76,7 +145,6 @@ class StepLoop:
         inbox_size: int = 256,
         prefix_index: PrefixIndex | None = None,
         cost_model: CostModel | None = None,  # learns step times; None: tokens only
-        arrivals: Arrivals | None = None,  # requests the API is preparing
         warmup: Warmup | None = None,  # seeds `cost_model` while this loop idles
         place: LogPlace | None = None,  # in a log several models share (actors/scheduler/core.py)
         turns: Turns | None = None,  # several models' loops share the executor thread
@@ -87,7 +155,6 @@ class StepLoop:
         self.executor = executor
         self.runner = runner
         self.metrics = metrics or EngineMetrics()
-        self.arrivals = arrivals or Arrivals()
         self.core = SchedulerCore(
             config,
             limits,
@@ -99,22 +166,21 @@ class StepLoop:
             refusal_status=refusal_status,
         )
         self._event_log = event_log
-        self._turns = turns if place is not None else None
-        self._in_turn = False  # this loop holds its turn (`_turn`)
-        # The next decode forward (if the runner built one) computes on the executor while
-        # this step commits: it starts right after the step, without waiting for this loop.
-        self._ahead = self._look_ahead()
+        self._seat = Seat(executor, turns if place is not None else None, self.core.model)
+        # The next decode forward (if the runner built one; a distributed runner has none)
+        # computes on the executor while this step commits: it starts right after the step.
+        self._ahead = self._seat.look_ahead(getattr(runner, "look_ahead", None))
         self.inbox: MemoryObjectSendStream
         self.inbox, self._inbox = anyio.create_memory_object_stream(inbox_size)
-        self._actors: dict[str, Mailbox[Update]] = {}  # live request -> its actor's inbox
+        self._recipients = Recipients()  # where each live request's actor is reached
+        # Requests on their way: `Arriving` less `Arrived` (below 0 for a moment where a full
+        # inbox reordered the two)
+        self._num_preparing = 0
         self._idle = True  # nothing has run since the loop last waited for work
-        self._warmup = warmup if cost_model is not None else None
-        self._trimmed_at = time.monotonic()  # when `_trim_heap` last ran ...
-        self._trimmed_at_seq = 0  # ... and the core's last event then
-        self._warming = False  # a turn of the warm-up is on the executor
-        self._turn_over = threading.Event()  # set: the executor ends the turn at its next step
+        self._idle_work = IdleWork(warmup if cost_model is not None else None)
         self._host = HostMeter()  # what each step ran under (CPU share, load average)
         self.died = anyio.Event()  # set when the engine can serve no more (dead_reason says why)
+        self.snapshot = LoopSnapshot(warming_up=self.warming_up)  # see `_publish`
         self.on_step: Callable[[StepLoop], None] | None = None  # test/inspection hook
         self._changed: anyio.Event | None = None  # set at the next change (`wait_until`)
         self.metrics.watch(
@@ -165,12 +231,12 @@ class StepLoop:
     def settled(self) -> bool:
         """Waiting for work, every executor result applied: nothing runs, nothing is left
         to free or drop, and the prefix index has heard of every entry the store holds."""
-        return self._idle and not self.core.has_work and not self._warming
+        return self._idle and not self.core.has_work and not self._idle_work.warming
 
     @property
     def warming_up(self) -> bool:
         """The step-time model's warm-up has steps left to measure (it runs while idle)."""
-        return self._warmup is not None
+        return self._idle_work.warmup is not None
 
     def state_of(self, request_id: str) -> RequestState | None:
         """A request's state: live, or ended recently (the log has every one)."""
@@ -187,9 +253,19 @@ class StepLoop:
 
     def _tick(self) -> None:
         """Wake the `wait_until` callers: this loop's state may have changed."""
+        self._publish()
         if self._changed is not None:
             self._changed.set()
             self._changed = None
+
+    def _publish(self) -> None:
+        """Publish what the API reads (`snapshot`), as this loop's turn left it."""
+        self.snapshot = LoopSnapshot(
+            tuple(self.core.states.values()),
+            self._num_preparing,
+            self.core.dead_reason,
+            self.warming_up,
+        )
 
     # -- the loop ----------------------------------------------------------------------
 
@@ -207,15 +283,18 @@ class StepLoop:
                     if not self.core.has_work:
                         self._idle = True  # the next step gathers arrivals (`_gather`)
                         self._tick()
-                        if self._warmup is not None:
-                            await self._warm_up(self._warmup)
+                        if self.warming_up and self._num_preparing <= 0:
+                            await self._warm_up()
                             self._tick()
                         await self._trim_heap(idle=True)
                         try:
                             msg = await self._inbox.receive()  # idle: sleep until work arrives
                         except anyio.EndOfStream:
                             return
-                        self._handle([msg, *self._drain()])
+                        msgs = [msg, *self._drain()]
+                        self._handle(msgs)
+                        if all(isinstance(m, _NO_STEP) for m in msgs):
+                            continue  # no request yet: the first step waits for one (`_gather`)
                     else:
                         self._handle(self._drain())
                         await self._trim_heap(idle=False)
@@ -231,27 +310,8 @@ class StepLoop:
 
     async def _step(self) -> None:
         await self._gather()
-        if self._turns is None:
+        async with self._seat.turn():  # the step and its housekeeping: one turn
             await self._plan_and_run()
-            return
-        # One turn on the executor for the step and its housekeeping: another model's step
-        # never comes between them.
-        async with self._turn():
-            await self._plan_and_run()
-
-    @contextlib.asynccontextmanager
-    async def _turn(self) -> AsyncIterator[None]:
-        """This model's turn on the executor while in the block (where several models share
-        it; `_run_executor` then takes none of its own)."""
-        if self._turns is None or self.core.model is None or self._in_turn:
-            yield
-            return
-        async with self._turns.turn(self.core.model):
-            self._in_turn = True
-            try:
-                yield
-            finally:
-                self._in_turn = False
 
     async def _plan_and_run(self) -> None:
         core = self.core
@@ -280,97 +340,40 @@ class StepLoop:
         later = self._handle(self._drain(), admit=False)
         outcome = core.update_from_output(work, result, ran_under)
         later += self._deliver(outcome.updates)
-        self._observe(work, result, outcome)
+        self.metrics.observe_step(work, result, outcome, self.config.max_step_tokens)
         if self.on_step is not None:
             self.on_step(self)  # sees the state as the step left it
         self._handle(later)
-
-    def _look_ahead(self) -> Callable[[], None] | None:
-        """What the executor runs after a step (`Executor.call`'s `after`): the runner's
-        look-ahead (a distributed runner has none). Where several models share the executor,
-        none while another model waits for its turn when the step ends (read on the executor
-        thread): its step goes first, and this model's next step computes its own forward (on
-        the CPU backend the look-ahead's forward runs before the turn passes)."""
-        ahead = getattr(self.runner, "look_ahead", None)
-        turns, name = self._turns, self.core.model
-        if ahead is None or turns is None or name is None:
-            return ahead
-
-        def ahead_unless_waited_for() -> None:
-            if not turns.others_waiting(name):
-                ahead()
-
-        return ahead_unless_waited_for
 
     async def _gather(self) -> None:
         """Before the first step after idling, wait (at most GATHER_S) for the requests still
         being prepared: nobody runs yet, so nobody's tokens are delayed."""
         idle, self._idle = self._idle, False
-        if not idle or not self.arrivals.preparing:
+        if not idle or self._num_preparing <= 0:
             return
         with anyio.move_on_after(GATHER_S), contextlib.suppress(anyio.EndOfStream):
-            while self.arrivals.preparing:
+            while self._num_preparing > 0:
                 self._handle([await self._inbox.receive()])
         self._handle(self._drain())  # those sent while this loop handled others
 
-    async def _warm_up(self, warmup: Warmup) -> None:
-        """A turn of the warm-up, until it is done or something arrives for this loop (a
-        message, a request being prepared, the inbox closing): the executor checks between
-        two of its steps. Its samples seed the cost model it was made for; all of them are
-        kept for the next start."""
-        model = self.core.cost_model
-        inbox, arrivals = self._inbox, self.arrivals
-        over = self._turn_over = threading.Event()
+    async def _warm_up(self) -> None:
+        """A turn of the warm-up (`IdleWork.warm_up`), until something arrives for this loop
+        (a message, the inbox closing: a request being prepared has sent its `Arriving`) or
+        another model waits for its turn."""
+        inbox, seat = self._inbox, self._seat
 
-        turns, name = self._turns, self.core.model
-
-        def stop() -> bool:  # on the executor thread: reads counters only
+        def wanted() -> bool:  # on the executor thread: reads counters only
             stats = inbox.statistics()
             return (
-                over.is_set()
-                or (turns is not None and name is not None and turns.others_waiting(name))
+                seat.others_waiting()
                 or stats.current_buffer_used > 0
                 or stats.open_send_streams == 0
-                or arrivals.preparing > 0
             )
 
-        self._warming = True
-        try:
-            samples = await self._run_executor(warmup.run, stop)
-        finally:
-            over.set()  # cancelled: the executor's turn ends at its next step
-            self._warming = False
-        if samples is None:  # the executor died (the loop is dead now)
-            self._warmup = None
-            return
-        for report in warmup.take_prefix_reports():  # a disk write that ended meanwhile
-            self.core.apply_prefix_report(report)
-        if model is None or model is not self.core.cost_model:  # replaced: not its seed
-            self._warmup = None
-            return
-        for sample in samples:
-            model.seed(sample.features, sample.seconds)
-        if warmup.done:
-            self._warmup = None
-            await anyio.to_thread.run_sync(warmup.keep)
-            log.info("warmup_measured", samples=len(warmup.samples), turns=warmup.num_turns)
-
-    def end_warm_up(self) -> None:
-        """No more warm-up (the engine is shutting down): a turn on the executor ends at its
-        next step, and none starts again."""
-        self._warmup = None
-        self._turn_over.set()
+        await self._idle_work.warm_up(self.core, self._run_executor, wanted)
 
     async def _trim_heap(self, *, idle: bool) -> None:
-        """Give the C heap's free memory back to the system (engine/heap.py), on the
-        executor's thread: once when the loop goes idle after work, and every
-        TRIM_EVERY_S while it never does. Without it RSS stays at a burst's high-water mark."""
-        now = time.monotonic()
-        worked = self.core.seq != self._trimmed_at_seq
-        if not worked or not (idle or now - self._trimmed_at >= TRIM_EVERY_S):
-            return
-        self._trimmed_at, self._trimmed_at_seq = now, self.core.seq
-        if await self._run_executor(heap.trim):
+        if await self._idle_work.trim_heap(self.core.seq, self._run_executor, idle=idle):
             self.metrics.heap_trims.inc()
             self._tick()
 
@@ -386,10 +389,7 @@ class StepLoop:
         """`fn(*args)` on the executor (in this model's turn, where several models share it);
         None once the executor failed (this loop is then dead)."""
         try:
-            if self._turns is None or self._in_turn:
-                return await self.executor.call(fn, *args, after=after)
-            async with self._turn():
-                return await self.executor.call(fn, *args, after=after)
+            return await self._seat.call(fn, *args, after=after)
         except ExecutorDeadError as exc:
             self._die(f"executor failed: {exc!r}")
         except Exception as exc:
@@ -399,7 +399,7 @@ class StepLoop:
 
     # -- messages in, updates out ------------------------------------------------------
 
-    def _drain(self) -> list[Submit | Cancel]:
+    def _drain(self) -> list[Message]:
         """The messages waiting in the inbox; none once the engine closed it (it closes it
         while it shuts down, which may land between two steps of this loop)."""
         msgs = []
@@ -409,21 +409,28 @@ class StepLoop:
             except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
                 return msgs
 
-    def _handle(self, msgs: list[Submit | Cancel], *, admit: bool = True) -> list[Submit]:
+    def _handle(self, msgs: list[Message], *, admit: bool = True) -> list[Submit]:
         """Cancel and admit, in order; with `admit` false the submissions are returned
-        instead (to admit after the step that ran meanwhile)."""
+        instead (to admit after the step that ran meanwhile). Arrivals and the warm-up's end
+        are taken at once."""
         held = []
         for msg in msgs:
-            if isinstance(msg, Cancel):
+            if isinstance(msg, Submit):
+                if admit:
+                    self._admit(msg)
+                else:
+                    held.append(msg)
+            elif isinstance(msg, Cancel):
                 message = (
                     "cancelled by the client" if msg.reason is FinishReason.CANCELLED else None
                 )
                 self._end(msg.request_id, msg.reason, message)
-            elif admit:
-                self._admit(msg)
+            elif isinstance(msg, Arriving | Arrived):
+                self._num_preparing += 1 if isinstance(msg, Arriving) else -1
             else:
-                held.append(msg)
+                self._idle_work.end_warm_up()
         self._log_events()
+        self._publish()
         return held
 
     def _admit(self, msg: Submit) -> None:
@@ -446,39 +453,34 @@ class StepLoop:
             # must not wait for a reply that never comes.
             msg.reply.set_exception(EngineDeadError("the engine failed admitting this request"))
             raise
-        self._actors[msg.request_id] = msg.actor
+        self._recipients.actors[msg.request_id] = msg.actor
         self.metrics.admitted()
-        msg.reply.set_result(None)
+        msg.reply.set_result(self.core.states[msg.request_id].params)  # as admitted
 
     def _end(self, request_id: str, reason: FinishReason, message: str | None) -> None:
         """End a live request outside a step's results (a cancel, its actor's own stop, a
         fault) and tell its actor, unless the actor ended it itself."""
         update = self.core.abort(request_id, reason, message)
-        actor = self._actors.pop(request_id, None)
+        actor = self._recipients.actors.pop(request_id, None)
         if update is not None and actor is not None and reason is not FinishReason.STOP:
             actor.put(update)
 
     def _deliver(self, updates: Mapping[str, Update]) -> list[Submit]:
-        """Give each request actor its update: one message per request per step. Returns
-        the submissions it met in the inbox (it reads it when an actor is gone), to admit
-        after those that came before them."""
-        gone: list[str] = []
+        """Give each request actor its update: one message per request per step. An actor
+        this loop drives says at once whether it ended its request (a stop string): the end
+        is recorded in this step. Returns the submissions it met in the inbox (it reads it
+        when an actor is gone), to admit after those that came before them."""
+        gone, ended = self._recipients.deliver(updates)
         held: list[Submit] = []
-        for rid, update in updates.items():
-            actor = self._actors.get(rid)
-            if actor is None:
-                continue
-            if update.finish is not None:
-                del self._actors[rid]
-            if not actor.put(update):
-                gone.append(rid)
+        for rid, reason in ended:  # its last output is sent: nothing more to tell it
+            self._end(rid, reason, None)
         if gone:
-            # An actor that is gone ended its request itself (a stop string: its message
-            # is in the inbox) or failed without a word.
+            # An actor that is gone failed (its message is in the inbox) or went without a word.
             held = self._handle(self._drain(), admit=False)
             for rid in gone:
                 self._end(rid, FinishReason.ERROR, "the request's actor failed")
         self._log_events()
+        self._publish()
         return held
 
     def log_model_event(self, cls: type, **fields: Any) -> Any:
@@ -488,20 +490,15 @@ class StepLoop:
         self._log_events()
         return event
 
-    def log_refusal(
-        self, request_id: str, message: str, *, code: str, status: int
-    ) -> Terminal | None:
-        """Record and log a request a door refused before it reached this engine (`SchedulerCore.
-        refuse`: a lone terminal). Nothing without an event log, or for an id the core has
-        seen (its own events say how it ended). Not counted among the finished requests'
-        metrics: the engine never had it. Returns the event, if recorded."""
+    def log_refusal(self, msg: Refuse) -> None:
+        """Record and log a request a door refused (`SchedulerCore.refuse`: a lone terminal;
+        nothing for an id the core has seen), without an event log nothing. Not counted
+        among the finished requests' metrics: the engine never had it."""
         if self._event_log is None:
-            return None
-        event = self.core.refuse(request_id, message, code=code, status=status)
-        if event is not None:
-            # The loop logs its own events before each await: the core holds only this one.
+            return
+        self._log_events()  # in order, before the refusal
+        if self.core.refuse(msg.request_id, msg.message, code=msg.code, status=msg.status):
             self._event_log.append_many(self.core.take_events())
-        return event
 
     def _log_events(self) -> None:
         events = self.core.take_events()
@@ -514,14 +511,6 @@ class StepLoop:
                 self.metrics.finished(event.reason)
 
     # -- metrics and the end -------------------------------------------------------------
-
-    def _observe(self, work: StepWork, result: StepResult, outcome: StepOutcome) -> None:
-        m = self.metrics
-        m.tokens(outcome.gaps, outcome.firsts)
-        for num_cached in outcome.cache_lookups:
-            m.prefix_lookup(num_cached)
-        m.step(work.plan.num_tokens, self.config.max_step_tokens, result.seconds)
-        m.executor_report(result.memory, result.prefix)
 
     def _die(self, reason: str) -> None:
         """The engine cannot go on (`reason` says what failed: the executor or this loop):
@@ -539,3 +528,4 @@ class StepLoop:
         for rid in list(self.states):
             self._end(rid, FinishReason.CANCELLED, "the engine is shutting down")
         self._log_events()
+        self._publish()

@@ -5,8 +5,9 @@ only in its turn, and turns go round robin between the loops that wait for one
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
+from typing import Any
 
 import anyio
 
@@ -51,3 +52,58 @@ class Turns:
         if following is not None:
             self._holder = following
             self._waiting.pop(following).set()
+
+
+class Seat:
+    """One step loop's way to the executor: its jobs run in its model's turn where several
+    models share the executor (`Turns`; alone, or with no model name, it takes none)."""
+
+    def __init__(self, executor: Any, turns: Turns | None, model: str | None):
+        self.executor = executor
+        self._turns = turns if model is not None else None
+        self._model = model or ""
+        self._held = False  # this loop holds its turn (`turn`)
+
+    @property
+    def shared(self) -> bool:
+        """Whether other models' loops take turns on the executor with this one."""
+        return self._turns is not None
+
+    def others_waiting(self) -> bool:
+        """Whether another model waits for its turn (read on the executor thread too)."""
+        return self._turns is not None and self._turns.others_waiting(self._model)
+
+    @asynccontextmanager
+    async def turn(self) -> AsyncIterator[None]:
+        """This model's turn in the block (a step and its housekeeping: another model's step
+        never comes between them); `call` then takes none of its own."""
+        if self._turns is None or self._held:
+            yield
+            return
+        async with self._turns.turn(self._model):
+            self._held = True
+            try:
+                yield
+            finally:
+                self._held = False
+
+    async def call(self, fn: Callable, *args: Any, after: Callable[[], None] | None = None) -> Any:
+        """`fn(*args)` on the executor, in this model's turn (`Executor.call`, which raises
+        ExecutorDeadError once it failed)."""
+        async with self.turn():
+            return await self.executor.call(fn, *args, after=after)
+
+    def look_ahead(self, ahead: Callable[[], None] | None) -> Callable[[], None] | None:
+        """What the executor runs after a step (`Executor.call`'s `after`): the runner's
+        look-ahead `ahead`. Where several models share the executor, none while another
+        model waits for its turn when the step ends (read on the executor thread): its step
+        goes first, and this model's next step computes its own forward (on the CPU backend
+        the look-ahead's forward runs before the turn passes)."""
+        if ahead is None or self._turns is None:
+            return ahead
+
+        def ahead_unless_waited_for() -> None:
+            if not self.others_waiting():
+                ahead()
+
+        return ahead_unless_waited_for

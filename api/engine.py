@@ -15,9 +15,9 @@ import asyncio
 import importlib.util
 import sys
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
-from contextvars import ContextVar
 from typing import Any, TypeVar
 
 import anyio
@@ -25,25 +25,38 @@ import structlog
 
 from stepline.actors.executor import Executor
 from stepline.actors.mailbox import Mailbox
-from stepline.actors.messages import Arrival, Arrivals, Cancel, Submit, Update
+from stepline.actors.messages import (
+    Arrived,
+    Arriving,
+    Cancel,
+    EndWarmUp,
+    Refuse,
+    Submit,
+)
 from stepline.actors.metrics import EngineMetrics
 from stepline.actors.request import RequestActor, RequestOutput
+from stepline.actors.scheduler.policy import max_output_tokens
 from stepline.actors.scheduler.spans import PromptImage
-from stepline.actors.step_loop import StepLoop
+from stepline.actors.step_loop import LoopSnapshot, StepLoop
 from stepline.api.config import EngineConfig, EventLogConfig, launch_rank
-from stepline.api.engine_parts import EngineParts, PoolMember, warn_without_openblas
+from stepline.api.engine_parts import (
+    EngineParts,
+    GrammarCompiles,
+    PoolMember,
+    keep_images,
+    warn_without_openblas,
+)
 from stepline.api.json_limits import InputLimitError, check_text
 from stepline.api.params import SamplingParams
 from stepline.api.prompts import Prepared, Prompts, PromptTooLongError, detokenizers
 from stepline.api.request_error import RequestError
 from stepline.api.stream import RequestStream
-from stepline.engine import grammar
-from stepline.engine.grammar import Compiled, GrammarCompiler, GrammarError
+from stepline.engine.grammar import Compiled, GrammarCompiler
 from stepline.engine.images import text_only
-from stepline.events.image_files import images_dir, keep_image
-from stepline.events.models import FinishReason
+from stepline.events.models import FinishReason, RequestParams
 
 __all__ = [
+    "Arrival",
     "Engine",
     "EngineClosedError",
     "WrongEventLoopError",
@@ -54,9 +67,6 @@ __all__ = [
 ]
 
 log = structlog.get_logger(__name__)
-
-# The request the current task is preparing for `submit` (see `Engine.arriving`).
-_ARRIVAL: ContextVar[Arrival | None] = ContextVar("stepline_arrival", default=None)
 
 # While an engine is open, the interpreter switches threads at least this often (its default
 # is every 5 ms). The executor thread needs the GIL for a little Python before each piece of
@@ -79,6 +89,45 @@ def run(fn: Callable[..., Awaitable[T]], *args: Any) -> T:
     return anyio.run(fn, *args, backend_options={"use_uvloop": use_uvloop})
 
 
+class Arrival:
+    """A request on its way to the engine (`Engine.arriving`): the step loop counts it from
+    here (an `Arriving` message) until `submit` hands it over or `done()` (`Arrived`)."""
+
+    def __init__(self, post: Callable[[Any], None]):
+        self._post = post
+        self.open = True
+        post(Arriving())
+
+    def done(self) -> None:
+        """End the count (once); `submit` does, once the request is in the step loop's inbox."""
+        if self.open:
+            self.open = False
+            self._post(Arrived())
+
+
+class TaskArrivals:
+    """The arrivals of callers that do not hold their count (`Engine.arriving` then
+    `arrived()`, api/pool.py), by the task that counted it: `submit` in that task ends it."""
+
+    def __init__(self, post: Callable[[Any], None]):
+        self._post = post
+        self._by_task: weakref.WeakKeyDictionary[asyncio.Task, Arrival] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def arriving(self) -> Arrival:
+        arrival = Arrival(self._post)
+        if (task := asyncio.current_task()) is not None:
+            self._by_task[task] = arrival
+        return arrival
+
+    def take(self) -> Arrival | None:
+        """This task's open count, no longer this task's to end."""
+        task = asyncio.current_task()
+        arrival = self._by_task.pop(task, None) if task is not None else None
+        return arrival if arrival is not None and arrival.open else None
+
+
 class Engine:
     """One model, one step loop, one executor thread. Create with `Engine.open(...)`."""
 
@@ -92,7 +141,6 @@ class Engine:
         self.config = config
         self.metrics: EngineMetrics = step_loop.metrics
         self._step_loop = step_loop
-        self._arrivals: Arrivals = step_loop.arrivals
         self._executor = executor
         self._tg = tg
         self._closed = False
@@ -106,9 +154,8 @@ class Engine:
         )
         # Compiles constrained requests' grammars; shared with the executor's runner.
         self.grammars: GrammarCompiler = step_loop.runner.grammars
-        # Compiles at once: at most half the cores, so that a burst of complex schemas leaves
-        # the steps the rest (three at a time once stopped every stream on 2 cores).
-        self._compiling = anyio.CapacityLimiter(grammar.compile_slots())
+        self._compiles = GrammarCompiles(self.grammars)
+        self._arrivals = TaskArrivals(self._post)
 
     @classmethod
     @asynccontextmanager
@@ -159,31 +206,15 @@ class Engine:
         parts = EngineParts(Executor(), mlx_wait_at_close_s=mlx_wait_at_close_s, member=member)
         try:
             step_loop, recorded = await parts.assemble(model, config, events, on_checkpoint)
-            async with anyio.create_task_group() as tg:
-                loop_scope = anyio.CancelScope()
-
-                async def run_loop(*, task_status=anyio.TASK_STATUS_IGNORED) -> None:
-                    with loop_scope:
-                        await step_loop.run(task_status=task_status)
-
-                await tg.start(run_loop)
-                if parts.topology is not None:  # pings the other ranks while no request runs
-                    tg.start_soon(parts.runner.keep_alive, parts.executor, loop_scope)
+            async with parts.running(step_loop) as tg:
                 engine = cls(
-                    loaded=parts.loaded,
-                    step_loop=step_loop,
-                    executor=parts.executor,
-                    tg=tg,
+                    loaded=parts.loaded, step_loop=step_loop, executor=parts.executor, tg=tg,
                     config=recorded,
-                )
+                )  # fmt: skip
                 try:
                     yield engine
                 finally:
                     engine._closed = True
-                    loop_scope.cancel()
-                    with anyio.CancelScope(shield=True):
-                        await step_loop.shutdown()  # every request still running: cancelled
-                    step_loop.inbox.close()
         finally:
             await parts.close()
             sys.setswitchinterval(switch_interval)
@@ -246,7 +277,7 @@ class Engine:
 
     async def submit(
         self,
-        prompt: str | Sequence[int] | None = None,
+        prompt: str | Sequence[int] | Prepared | None = None,
         *,
         messages: Sequence[dict] | None = None,
         params: SamplingParams | None = None,
@@ -255,6 +286,7 @@ class Engine:
         template_kwargs: dict[str, Any] | None = None,
         client: str | None = None,
         images: Sequence[PromptImage] = (),
+        arrival: Arrival | None = None,
     ) -> RequestStream:
         """Admit one request and return its output stream. `template_kwargs` go to the chat
         template with `messages`; `params.grammar` constrains the output (compiled here, on a
@@ -263,7 +295,9 @@ class Engine:
         between clients, and one client may fill at most three quarters of the waiting queue.
         A vision model's `messages` may hold image parts (`{"type": "image", "image": <an
         image file's bytes>}`); a prompt of token ids prepared with images (`prepare`) comes
-        with its `images` (`Prepared.images`).
+        with its `images` (`Prepared.images`); a `Prepared` prompt is taken as it is (not
+        prepared again). `arrival` is this request's count from `arriving`, which ends here.
+        The stream's `params` are the request's as admitted (`max_tokens` as resolved).
 
         Raises TypeError or RequestError (a ValueError) naming the argument for `params`,
         `request_id`, `checkpoints`, `template_kwargs` or `client` of the wrong type or value,
@@ -280,145 +314,104 @@ class Engine:
         if self._closed or self._stopping:
             raise EngineClosedError("the engine is closed")
         if asyncio.get_running_loop() is not self._loop:
-            raise WrongEventLoopError(
-                "the engine serves the event loop it was opened on: submit (and generate) from "
-                "a task on that loop; from another thread, hand the call to it with "
-                "asyncio.run_coroutine_threadsafe(..., loop)"
-            )
+            raise WrongEventLoopError(WRONG_LOOP)
         check_submit_args(params, request_id, checkpoints, template_kwargs, client)
         # Counted from here (or from `arriving`) until its Submit is in the step loop's inbox.
-        outer = _ARRIVAL.get()
-        arrival = outer if outer is not None and outer.open else self._arrivals.arrive()
+        if arrival is None or not arrival.open:
+            arrival = self._arrivals.take() or Arrival(self._post)
         try:
             prepared, params, checkpoints, held = await self._prepare_submit(
                 prompt, messages, params, checkpoints, template_kwargs
             )
-            ids = prepared.ids
             images = prepared.images or tuple(images)
             if images and not self.accepts_images:
                 raise text_only()
             if images:
-                await self._keep_images(images)
+                await keep_images(self._step_loop.event_log, images)
             rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
-            inbox: Mailbox[Update] = Mailbox()
-            outputs: Mailbox[RequestOutput] = Mailbox()
-            reply = asyncio.get_running_loop().create_future()
+            actor = request_actor(
+                rid, len(prepared.ids), params, held, self._detokenizer, self._send_cancel
+            )
             submit = Submit(
                 request_id=rid,
-                prompt_token_ids=tuple(ids),
+                prompt_token_ids=tuple(prepared.ids),
                 params=params.to_record(),
                 checkpoints=checkpoints,
-                actor=inbox,
-                reply=reply,
+                actor=actor if params.stop else actor.inbox,
+                reply=asyncio.get_running_loop().create_future(),
                 client=client,
                 images=images,
             )
-            if self._stopping:  # shut down while this request was being prepared
-                raise EngineClosedError("the engine is closed")
-            try:
-                await self._step_loop.inbox.send(submit)
-                arrival.done()
-                await reply
-            except BaseException:
-                # Cancelled at any point: a reply still pending is cancelled (the step loop
-                # then skips the request); one that admitted it already gets a cancel on its
-                # heels.
-                if not reply.cancel() and not reply.cancelled() and reply.exception() is None:
-                    self._send_cancel(rid)
-                inbox.close()
-                outputs.close()
-                raise
+            admitted = await self._send(submit, arrival, actor)
         finally:
             arrival.done()
-        actor = RequestActor(
-            rid,
-            num_prompt_tokens=len(ids),
-            stop=params.stop,
-            detokenizer=self._detokenizer(),
-            inbox=inbox,
-            output=outputs,
-            on_end=lambda reason: self._send_cancel(rid, reason),
-            keep=held,
-        )
-        self._tg.start_soon(actor.run, name=f"request-{rid}")
-        return RequestStream(rid, outputs, cancel=lambda: self._send_cancel(rid))
+        if not params.stop:  # else the step loop drives it (`RequestActor.take`)
+            self._tg.start_soon(actor.run, name=f"request-{rid}")
+        return RequestStream(rid, actor.output, lambda: self._send_cancel(rid), admitted)
+
+    async def _send(self, submit: Submit, arrival: Arrival, actor: RequestActor) -> RequestParams:
+        """Hand `submit` to the step loop and wait for its admission; returns the params as
+        admitted. Raises what the step loop refused it with."""
+        if self._stopping:  # shut down while this request was being prepared
+            raise EngineClosedError("the engine is closed")
+        reply = submit.reply
+        try:
+            await self._step_loop.inbox.send(submit)
+            arrival.done()
+            return await reply
+        except BaseException:
+            # Cancelled at any point: a reply still pending is cancelled (the step loop
+            # then skips the request); one that admitted it already gets a cancel on its
+            # heels.
+            if not reply.cancel() and not reply.cancelled() and reply.exception() is None:
+                self._send_cancel(submit.request_id)
+            actor.close()
+            raise
 
     async def _prepare_submit(
         self,
-        prompt: str | Sequence[int] | None,
+        prompt: str | Sequence[int] | Prepared | None,
         messages: Sequence[dict] | None,
         params: SamplingParams | None,
         checkpoints: Sequence[int],
         template_kwargs: dict[str, Any] | None,
     ) -> tuple[Prepared, SamplingParams, tuple[int, ...], Compiled | None]:
-        """A request's checks and token ids (see `submit`): its ids, its params, its
-        checkpoints (chat boundaries added) and its compiled grammar, if any. A max_tokens
-        past the room its prompt leaves in the context is the scheduler core's to cut
-        (`SchedulerCore.add`)."""
+        """A request's checks and token ids (see `submit`), each done once here: its
+        prepared prompt (a `Prepared` one as it is), its params, its checkpoints (chat
+        boundaries added) and its compiled grammar, if any. A max_tokens past the room its
+        prompt leaves in the context is the scheduler core's to cut (`SchedulerCore.add`)."""
         params = params or SamplingParams()
         params.check_vocabulary(self.vocab_size)
-        held = await self._compile(params.grammar) if params.grammar is not None else None
-        prepared = await self.prepare_async(prompt, messages, template_kwargs)
+        held = await self._compiles.compile(params.grammar) if params.grammar is not None else None
+        if isinstance(prompt, Prepared):
+            prepared = prompt
+        else:
+            prepared = await self.prepare_async(prompt, messages, template_kwargs)
         return prepared, params, (*checkpoints, *prepared.checkpoints), held
 
-    async def _keep_images(self, images: Sequence[PromptImage]) -> None:
-        """Keep the prompt's images beside the event log, where it keeps prompts (for
-        re-execution: `events/image_files.py`), on a worker thread. A failure to write is
-        logged; the request is served."""
-        writer = self._step_loop.event_log
-        if writer is None or not writer.header.log_prompts:
-            return
-        directory = images_dir(writer.path)
+    def max_output_tokens(
+        self, requested: int | None, num_prompt_tokens: int, *, within_kv_budget: bool = True
+    ) -> int:
+        """The most tokens a request of `num_prompt_tokens` may generate here
+        (`policy.max_output_tokens`): `requested` (None: as many as there is room for), cut
+        to the room the context leaves after the prompt and, `within_kv_budget`, to what the
+        KV budget leaves. The doors' one rule for a max_tokens they fit to the model."""
+        config = self._step_loop.config if within_kv_budget else None
+        return max_output_tokens(requested, num_prompt_tokens, self.max_context, config)
 
-        def keep() -> None:
-            for image in images:
-                keep_image(directory, image.digest, image.image.data)
-
-        try:
-            await anyio.to_thread.run_sync(keep)
-        except OSError as exc:
-            log.warning("image_not_kept", directory=str(directory), error=repr(exc))
-
-    async def _compile(self, grammar_text: str) -> Compiled:
-        """`grammar_text` compiled on a worker thread, off the step loop and the executor,
-        held so that the runner's lookup at admission finds it. Raises GrammarError for a
-        grammar llguidance refuses, one that fails at its start, or one whose compile takes
-        longer than `grammar.COMPILE_TIMEOUT_S` (the thread finishes it meanwhile, within
-        `grammar.LIMITS`, for the cache)."""
-        hit = self.grammars.find(grammar_text)  # a cache hit waits for no compile
-        if hit is not None:
-            return hit
-        await anyio.to_thread.run_sync(self.grammars.prepare)  # once, not timed
-        limit = grammar.COMPILE_TIMEOUT_S
-        try:
-            async with self._compiling:  # the wait for a slot is not the grammar's time
-                with anyio.fail_after(limit):
-                    return await anyio.to_thread.run_sync(
-                        self.grammars.hold, grammar_text, abandon_on_cancel=True
-                    )
-        except TimeoutError:
-            raise GrammarError(
-                f"the schema is too complex: compiling its grammar took more than {limit:g} s"
-            ) from None
-
-    def arriving(self) -> None:
-        """Count the request this task is preparing (parsing, tokenizing) as on its way to the
-        engine, until `submit` hands it to the step loop or `arrived()` is called. An idle
-        engine waits briefly (at most 30 ms) for such requests before its first step, so a
-        burst's first step takes its shortest prompts. The HTTP server calls this once a
-        request's body is read; `submit` alone counts from its own start."""
-        if self._closed:
-            return
-        arrival = _ARRIVAL.get()
-        if arrival is None or not arrival.open:
-            _ARRIVAL.set(self._arrivals.arrive())
+    def arriving(self) -> Arrival:
+        """Count a request this caller is preparing (parsing, tokenizing) as on its way to the
+        engine, until `submit(arrival=...)` hands it to the step loop or `arrival.done()`. An
+        idle engine waits briefly (at most 30 ms) for such requests before its first step, so
+        a burst's first step takes its shortest prompts. `submit` alone counts from its own
+        start. A caller that does not hold the returned count ends it with `arrived()`, in
+        the same task (`submit` in that task ends it too)."""
+        return self._arrivals.arriving()
 
     def arrived(self) -> None:
         """End this task's `arriving` count, if `submit` has not (a request that failed)."""
-        arrival = _ARRIVAL.get()
-        if arrival is not None:
+        if (arrival := self._arrivals.take()) is not None:
             arrival.done()
-            _ARRIVAL.set(None)
 
     def log_refusal(self, request_id: str, message: str, *, code: str, status: int) -> None:
         """Record in the event log a request refused before it reached the engine (an HTTP
@@ -426,7 +419,8 @@ class Engine:
         rejected, with the error's `code` and HTTP `status` and nothing of its prompt.
         Nothing without an event log, once the engine is closed, or for an id it has seen."""
         if not self._closed:
-            self._step_loop.log_refusal(request_id, message, code=code, status=status)
+            # Recorded now, not through the inbox: the door's reply comes after it is in the log.
+            self._step_loop.log_refusal(Refuse(request_id, message, code, status))
 
     def begin_shutdown(self) -> int:
         """Refuse new requests (`submit` raises EngineClosedError, as once closed) and cancel every
@@ -435,16 +429,20 @@ class Engine:
         Returns how many were cancelled. Closing the engine still waits for them to end.
         The step-time model's warm-up, if it has steps left, stops at its next step."""
         self._stopping = True
-        self._step_loop.end_warm_up()  # no MLX work of its own while the server drains
-        in_flight = list(self._step_loop.states)  # read only; the step loop cancels them
+        self._post(EndWarmUp())  # no MLX work of its own while the server drains
+        in_flight = self.snapshot.live_ids  # the step loop cancels them
         for rid in in_flight:
             self._send_cancel(rid)
         return len(in_flight)
 
     def _send_cancel(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> None:
+        self._post(Cancel(request_id, reason))
+
+    def _post(self, msg: Any) -> None:
+        """Send `msg` to the step loop from synchronous code (in order, unless its inbox is
+        full); nothing once the engine is closed."""
         if self._closed:
             return
-        msg = Cancel(request_id, reason)
         try:
             self._step_loop.inbox.send_nowait(msg)
         except anyio.WouldBlock:
@@ -483,6 +481,11 @@ class Engine:
     # -- health ---------------------------------------------------------------
 
     @property
+    def snapshot(self) -> LoopSnapshot:
+        """What the step loop published after its last turn: live requests, health, warm-up."""
+        return self._step_loop.snapshot
+
+    @property
     def healthy(self) -> bool:
         return self.unhealthy_reason is None and not self._closed
 
@@ -490,25 +493,26 @@ class Engine:
     def busy(self) -> bool:
         """Requests in flight, or on their way (`arriving`): a server of several models never
         unloads a busy one."""
-        return bool(self._step_loop.states) or self._arrivals.preparing > 0
+        snapshot = self.snapshot
+        return snapshot.num_live > 0 or snapshot.num_preparing > 0
 
     @property
     def warming_up(self) -> bool:
         """The step-time model's warm-up still has steps to measure while the engine idles
         (the first start of a model on this machine): chunks are sized by tokens alone and
         by the live steps measured so far."""
-        return self._step_loop.warming_up
+        return self.snapshot.warming_up
 
     @property
     def unhealthy_reason(self) -> str | None:
         dead = None if self._closed else self._executor.dead  # e.g. a rank lost while idle
-        return self._step_loop.dead_reason or (f"executor failed: {dead!r}" if dead else None)
+        return self.snapshot.dead_reason or (f"executor failed: {dead!r}" if dead else None)
 
     async def wait_unhealthy(self) -> str:
         """Wait until the engine can serve no more (its executor or step loop failed);
         return why."""
         await self._step_loop.died.wait()
-        return self._step_loop.dead_reason or "unknown"
+        return self.snapshot.dead_reason or "unknown"
 
     @property
     def event_log_problem(self) -> str | None:
@@ -525,6 +529,13 @@ class Engine:
         return self._step_loop
 
 
+WRONG_LOOP = (
+    "the engine serves the event loop it was opened on: submit (and generate) from a task on "
+    "that loop; from another thread, hand the call to it with "
+    "asyncio.run_coroutine_threadsafe(..., loop)"
+)
+
+
 class EngineClosedError(RuntimeError):
     """The engine takes no new request: it is closed, or shutting down."""
 
@@ -532,6 +543,30 @@ class EngineClosedError(RuntimeError):
 class WrongEventLoopError(RuntimeError):
     """A request was submitted from another event loop than the engine's: its answers could
     never reach it."""
+
+
+def request_actor(
+    rid: str,
+    num_prompt_tokens: int,
+    params: SamplingParams,
+    held: Compiled | None,
+    detokenizer: Callable[[], Any],
+    send_cancel: Callable[[str, FinishReason], None],
+) -> RequestActor:
+    """A request's actor. One with stop strings is driven by the step loop, which records
+    the end it finds in the step that found it (`RequestActor.take`); any other runs as a
+    task of its own and tells the loop of a fault of its own with a `Cancel`."""
+    driven = bool(params.stop)
+    return RequestActor(
+        rid,
+        num_prompt_tokens=num_prompt_tokens,
+        stop=params.stop,
+        detokenizer=detokenizer(),
+        inbox=None if driven else Mailbox(),
+        output=Mailbox(),
+        on_end=(lambda reason: None) if driven else lambda reason: send_cancel(rid, reason),
+        keep=held,
+    )
 
 
 MAX_REQUEST_ID_CHARS = 256  # a request id is in every event of its request

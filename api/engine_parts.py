@@ -15,7 +15,8 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
@@ -26,11 +27,14 @@ from stepline.actors.scheduler.core import LogPlace
 from stepline.actors.scheduler.cost_model import CostModel
 from stepline.actors.scheduler.plan import SchedulerConfig
 from stepline.actors.scheduler.prefix_index import PrefixIndex
+from stepline.actors.scheduler.spans import PromptImage
 from stepline.actors.scheduler.warmup import Warmup
 from stepline.actors.step_loop import ModelLimits, StepLoop
 from stepline.actors.turns import Turns
 from stepline.api.config import EngineConfig, EventLogConfig
 from stepline.api.refusals import REFUSAL_STATUS
+from stepline.engine import grammar
+from stepline.events.image_files import images_dir, keep_image
 from stepline.events.models import LogHeader, new_run_id, new_salt
 
 log = structlog.get_logger(__name__)
@@ -81,21 +85,58 @@ class EngineParts:
     ) -> tuple[StepLoop, dict]:
         """Build every part; returns the step loop and the engine's config as recorded
         (the options, with the KV budget as resolved, and the distributed topology)."""
-        from stepline.engine.memory import plan_memory
-        from stepline.engine.models import load_model  # MLX: imported only when serving
-        from stepline.engine.runner import ModelRunner
-
-        # Checked before anything loads: a bad option fails fast.
-        sched = SchedulerConfig(
-            max_step_tokens=options.max_step_tokens,
-            max_num_seqs=options.max_num_seqs,
-            long_prefill_cap=options.long_prefill_cap,
-            max_kv_tokens=options.max_kv_tokens,
-            max_waiting=options.max_waiting,
-            max_step_ms=options.max_step_ms,
-        )
-        executor = self.executor
+        sched = _scheduler_config(options)  # checked before anything loads: fails fast
         prefix_bytes = int(options.prefix_cache_gb * 2**30)
+        loaded = await self._load(model, options)
+        await self._make_runner(options, on_checkpoint, prefix_bytes)
+        memory = await self._plan_memory(options, prefix_bytes)
+        sched = dataclasses.replace(
+            sched,
+            max_kv_tokens=memory.max_kv_tokens,
+            kv_tokens_per_seq=memory.footprint.tokens_per_seq(),
+            kv_bytes_per_token=memory.footprint.bytes_per_token,
+            fused_steps=self.runner.fuse,
+        )
+        await self._distribute()  # after the memory plan: its forward runs on every rank
+        config = {
+            "model": loaded.name,
+            # The options as given, with the KV budget as resolved (re-execution gets the
+            # same), and the topology of a distributed run.
+            **options.model_copy(
+                update={"max_kv_tokens": memory.max_kv_tokens, "max_kv_gb": None}
+            ).model_dump(),
+            "distributed": self.topology.as_config() if self.topology is not None else None,
+        }
+        self._open_log(events, config)
+        cost_model = warmup = None
+        if options.max_step_ms is not None:
+            kept, warmup = await self._warmup(sched)
+            cost_model = CostModel(seed=kept)
+        member = self.member
+        step_loop = StepLoop(
+            executor=self.executor,
+            runner=self.runner,
+            config=sched,
+            limits=ModelLimits(
+                max_context=loaded.max_context,
+                eos_token_ids=frozenset(loaded.tokenizer.eos_token_ids or ()),
+            ),
+            event_log=self.writer,
+            prefix_index=await self._prefix_index(prefix_bytes),
+            cost_model=cost_model,
+            warmup=warmup,
+            place=member.place if member is not None else None,
+            turns=member.turns if member is not None else None,
+            speculative=options.speculative_config,
+            refusal_status=REFUSAL_STATUS,
+        )
+        return step_loop, config
+
+    async def _load(self, model: str | None, options: EngineConfig) -> Any:
+        """The model, on the executor: sharded across the launch's ranks with `parallel`."""
+        from stepline.engine.models import load_model  # MLX: imported only when serving
+
+        executor = self.executor
         if options.parallel is None and self.member is not None:
             # One of several models: its weights are read in pieces, each in its turn, so
             # that the other models' steps go on between them.
@@ -111,10 +152,18 @@ class EngineParts:
             )
             self.loaded = loaded
         log.info("model_loaded", model=loaded.name, path=str(loaded.path), weights=loaded.weights)
+        return loaded
+
+    async def _make_runner(
+        self, options: EngineConfig, on_checkpoint: Callable | None, prefix_bytes: int
+    ) -> None:
+        """The model's runner (and the draft model it verifies, if any), on the executor."""
+        from stepline.engine.runner import ModelRunner
+
+        loaded, topology, executor = self.loaded, self.topology, self.executor
         draft = None
         if options.speculative_config is not None:
             draft = await executor.call(_draft_model, loaded, options)
-        topology = self.topology
         prefix_dir = options.prefix_cache_dir
         self.runner = await executor.call(
             lambda: ModelRunner(
@@ -136,7 +185,13 @@ class EngineParts:
                 draft=draft,
             )
         )
-        memory = await executor.call(
+
+    async def _plan_memory(self, options: EngineConfig, prefix_bytes: int) -> Any:
+        """The memory plan (engine/memory.py) and the KV budget it resolves, logged."""
+        from stepline.engine.memory import plan_memory
+
+        loaded = self.loaded
+        memory = await self.executor.call(
             lambda: plan_memory(
                 loaded.model,
                 max_kv_tokens=options.max_kv_tokens,
@@ -154,28 +209,22 @@ class EngineParts:
             kv_growth_tokens=memory.footprint.growth_tokens,
             mlx_cache_gb=round(memory.buffer_cache_bytes / 2**30, 3),
         )
-        sched = dataclasses.replace(
-            sched,
-            max_kv_tokens=memory.max_kv_tokens,
-            kv_tokens_per_seq=memory.footprint.tokens_per_seq(),
-            kv_bytes_per_token=memory.footprint.bytes_per_token,
-            fused_steps=self.runner.fuse,
-        )
-        # After the memory plan: its forward pass runs on every rank, in step.
-        if topology is not None:
-            self.runner = await executor.call(distributed.DistributedRunner, self.runner, topology)
-            if topology.rank > 0:
-                await executor.call(self.runner.follow)  # ends the process when rank 0 stops
-        runner = self.runner
-        config = {
-            "model": loaded.name,
-            # The options as given, with the KV budget as resolved (re-execution gets the
-            # same), and the topology of a distributed run.
-            **options.model_copy(
-                update={"max_kv_tokens": memory.max_kv_tokens, "max_kv_gb": None}
-            ).model_dump(),
-            "distributed": topology.as_config() if topology is not None else None,
-        }
+        return memory
+
+    async def _distribute(self) -> None:
+        """A distributed run's runner over the plain one; a rank > 0 follows rank 0 here."""
+        topology = self.topology
+        if topology is None:
+            return
+        from stepline.engine import distributed
+
+        self.runner = await self.executor.call(distributed.DistributedRunner, self.runner, topology)
+        if topology.rank > 0:
+            await self.executor.call(self.runner.follow)  # ends the process when rank 0 stops
+
+    def _open_log(self, events: EventLogConfig, config: dict) -> None:
+        """The event log's writer: the pool's for one of several models, else a new run in
+        `events.event_log` (a restart with the same path appends a run), or none."""
         if self.member is not None:
             self.writer = self.member.writer
         elif events.event_log is not None:
@@ -183,44 +232,48 @@ class EngineParts:
 
             header = LogHeader(
                 created=time.time(),
-                model=loaded.name,
+                model=self.loaded.name,
                 config=config,
                 log_prompts=events.log_prompts,
                 log_outputs=events.log_outputs,
                 run_id=new_run_id(),
                 salt=new_salt(),
             )
-            # A restart with the same path appends a new run to the log.
             self.writer = EventLogWriter(
                 events.event_log, header, rotate_bytes=events.rotate_bytes, append=True
             )
-        cost_model = warmup = None
-        if options.max_step_ms is not None:
-            kept, warmup = await self._warmup(sched)
-            cost_model = CostModel(seed=kept)
-        index = None
-        if runner.store is not None:
-            index = PrefixIndex(prefix_bytes)
-            for info in await executor.call(runner.disk_entries):
-                index.add_disk(info.tokens, info.trimmable)
-        step_loop = StepLoop(
-            executor=executor,
-            runner=runner,
-            config=sched,
-            limits=ModelLimits(
-                max_context=loaded.max_context,
-                eos_token_ids=frozenset(loaded.tokenizer.eos_token_ids or ()),
-            ),
-            event_log=self.writer,
-            prefix_index=index,
-            cost_model=cost_model,
-            warmup=warmup,
-            place=self.member.place if self.member is not None else None,
-            turns=self.member.turns if self.member is not None else None,
-            speculative=options.speculative_config,
-            refusal_status=REFUSAL_STATUS,
-        )
-        return step_loop, config
+
+    async def _prefix_index(self, prefix_bytes: int) -> PrefixIndex | None:
+        """The prefix cache's index, with the entries on disk; None without a cache."""
+        if self.runner.store is None:
+            return None
+        index = PrefixIndex(prefix_bytes)
+        for info in await self.executor.call(self.runner.disk_entries):
+            index.add_disk(info.tokens, info.trimmable)
+        return index
+
+    @asynccontextmanager
+    async def running(self, step_loop: StepLoop) -> AsyncIterator[Any]:
+        """Run `step_loop` (and a distributed run's pings to the other ranks while no request
+        runs) in a task group, which the block gets; at its end the loop stops and every
+        request still running is cancelled."""
+        async with anyio.create_task_group() as tg:
+            loop_scope = anyio.CancelScope()
+
+            async def run_loop(*, task_status=anyio.TASK_STATUS_IGNORED) -> None:
+                with loop_scope:
+                    await step_loop.run(task_status=task_status)
+
+            await tg.start(run_loop)
+            if self.topology is not None:
+                tg.start_soon(self.runner.keep_alive, self.executor, loop_scope)
+            try:
+                yield tg
+            finally:
+                loop_scope.cancel()
+                with anyio.CancelScope(shield=True):
+                    await step_loop.shutdown()  # every request still running: cancelled
+                step_loop.inbox.close()
 
     async def _eval_weights_in_turns(self, loaded: Any) -> None:
         """Compute a lazily loaded model's weights, a piece a job, each in this model's turn on
@@ -289,6 +342,68 @@ class EngineParts:
         executor.close()
         if self.writer is not None and self.member is None:
             self.writer.close()
+
+
+class GrammarCompiles:
+    """Compiles constrained requests' grammars for `Engine.submit`, off the step loop and the
+    executor: at most half the cores at once, so that a burst of complex schemas leaves the
+    steps the rest (three at a time once stopped every stream on 2 cores)."""
+
+    def __init__(self, grammars: Any):  # engine.grammar.GrammarCompiler, the runner's
+        self.grammars = grammars
+        self.slots = anyio.CapacityLimiter(grammar.compile_slots())
+
+    async def compile(self, grammar_text: str) -> Any:
+        """`grammar_text` compiled on a worker thread, held so that the runner's lookup at
+        admission finds it (`Compiled`). Raises GrammarError for a grammar llguidance
+        refuses, one that fails at its start, or one whose compile takes longer than
+        `grammar.COMPILE_TIMEOUT_S` (the thread finishes it meanwhile, within
+        `grammar.LIMITS`, for the cache)."""
+        hit = self.grammars.find(grammar_text)  # a cache hit waits for no compile
+        if hit is not None:
+            return hit
+        await anyio.to_thread.run_sync(self.grammars.prepare)  # once, not timed
+        limit = grammar.COMPILE_TIMEOUT_S
+        try:
+            async with self.slots:  # the wait for a slot is not the grammar's time
+                with anyio.fail_after(limit):
+                    return await anyio.to_thread.run_sync(
+                        self.grammars.hold, grammar_text, abandon_on_cancel=True
+                    )
+        except TimeoutError:
+            raise grammar.GrammarError(
+                f"the schema is too complex: compiling its grammar took more than {limit:g} s"
+            ) from None
+
+
+async def keep_images(writer: Any, images: Sequence[PromptImage]) -> None:
+    """Keep a prompt's images beside the event log of `writer` (events.log.EventLogWriter or
+    None), where it keeps prompts (for re-execution: `events/image_files.py`), on a worker
+    thread. A failure to write is logged; the request is served."""
+    if writer is None or not writer.header.log_prompts:
+        return
+    directory = images_dir(writer.path)
+
+    def keep() -> None:
+        for image in images:
+            keep_image(directory, image.digest, image.image.data)
+
+    try:
+        await anyio.to_thread.run_sync(keep)
+    except OSError as exc:
+        log.warning("image_not_kept", directory=str(directory), error=repr(exc))
+
+
+def _scheduler_config(options: EngineConfig) -> SchedulerConfig:
+    """The scheduler's part of the options (its KV budget is the memory plan's, later)."""
+    return SchedulerConfig(
+        max_step_tokens=options.max_step_tokens,
+        max_num_seqs=options.max_num_seqs,
+        long_prefill_cap=options.long_prefill_cap,
+        max_kv_tokens=options.max_kv_tokens,
+        max_waiting=options.max_waiting,
+        max_step_ms=options.max_step_ms,
+    )
 
 
 def _draft_model(loaded: Any, options: EngineConfig) -> Any:

@@ -12,7 +12,6 @@ from stepline.api.json_limits import (
     InputLimitError,
     check_text,
 )
-from stepline.api.request_error import RequestError
 from stepline.engine.sampling_limits import MAX_INT32, MAX_REPETITION_PENALTY, PENALTY_RANGE
 from stepline.events.models import RequestParams
 
@@ -87,18 +86,20 @@ class SamplingParams(BaseModel):
         return v
 
     def check_vocabulary(self, vocab_size: int) -> None:
-        """Raise RequestError if `top_k` or a stop token id lies outside a `vocab_size`
-        vocabulary."""
+        """Raise InputLimitError (a ValueError naming the field, `param`) if `top_k` or a stop
+        token id lies outside a `vocab_size` vocabulary: the one check, for every door."""
         if self.top_k > vocab_size:
-            raise RequestError(
+            raise InputLimitError(
                 f"top_k must be at most the model's vocabulary size ({vocab_size}), or 0 / -1 "
-                f"for off; got {self.top_k}"
+                f"for off; got {self.top_k}",
+                param="top_k",
             )
         bad = [t for t in self.stop_token_ids if t >= vocab_size]
         if bad:
-            raise RequestError(
+            raise InputLimitError(
                 f"stop_token_ids must be in the model's vocabulary (0..{vocab_size - 1}), "
-                f"got {bad[0]}"
+                f"got {bad[0]}",
+                param="stop_token_ids",
             )
 
     def to_record(self) -> RequestParams:

@@ -8,14 +8,25 @@ import anyio
 
 from stepline.actors.mailbox import Mailbox
 from stepline.actors.request import RequestOutput
+from stepline.events.models import RequestParams
 
 
 class RequestStream:
-    """The outputs of one request. Async-iterate it; `aclose()` (or `async with`) cancels it.
-    A reader that fell behind gets the outputs that piled up as one (`RequestOutput.then`)."""
+    """The outputs of one request, and its `params` as admitted. Async-iterate it;
+    `aclose()` (or `async with`) cancels it. A reader that fell behind gets the outputs that
+    piled up as one (`RequestOutput.then`)."""
 
-    def __init__(self, request_id: str, outputs: Mailbox[RequestOutput], cancel: Callable):
+    def __init__(
+        self,
+        request_id: str,
+        outputs: Mailbox[RequestOutput],
+        cancel: Callable,
+        params: RequestParams | None = None,
+    ):
         self.request_id = request_id
+        # As the engine admitted it (`Engine.submit`): `max_tokens` as resolved, the limit
+        # it runs to and the one a door reports.
+        self.params = params
         self._outputs = outputs
         self._cancel = cancel
         self.finished = False

@@ -160,12 +160,12 @@ async def test_a_request_whose_grammar_is_compiled_waits_for_no_other_compile(mo
     grammar = json_schema_grammar({"enum": ["yes", "no"]})
     params = SamplingParams(max_tokens=12, temperature=0, grammar=grammar)
     async with Engine.open("stepline-demo", max_step_tokens=64) as engine:
-        engine._compiling.total_tokens = 1
+        engine._compiles.slots.total_tokens = 1
         await text_of(engine, params)  # compiled once
         busy, done = anyio.Event(), anyio.Event()
 
         async def compiling() -> None:  # every compile slot busy (a complex schema, say)
-            async with engine._compiling:
+            async with engine._compiles.slots:
                 busy.set()
                 await done.wait()
 

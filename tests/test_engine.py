@@ -26,7 +26,7 @@ from stepline.api import (
 )
 from stepline.events.fold import Status, fold
 from stepline.events.log import read_events
-from stepline.events.models import Admitted, StepPlanned, Terminal
+from stepline.events.models import Admitted, FinishReason, StepPlanned, Terminal, TokensSampled
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
@@ -633,6 +633,27 @@ async def test_stop_strings_end_the_text_before_them_and_are_never_emitted(model
         )
     assert outs[-1].finish_reason == "stop"
     assert "".join(o.text for o in outs) == full[:cut]
+
+
+async def test_a_stop_string_ends_its_request_in_the_step_that_found_it(model_cache_dir, tmp_path):
+    base = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    log = tmp_path / "run.jsonl"
+    opened = Engine.open("stepline-demo", max_step_tokens=64, max_num_seqs=4, event_log=log)
+    async with opened as engine:
+        full = "".join(o.text for o in await collect(await engine.submit("tell me", params=base)))
+        stopped = base.model_copy(update={"stop": (full[12:15],)})
+        outs = await collect(await engine.submit("tell me", params=stopped, request_id="s"))
+    assert outs[-1].finish_reason == "stop"
+    events = list(read_events(log))
+    planned = [e.step for e in events if isinstance(e, StepPlanned) and "s" in e.request_ids]
+    sampled = [e for e in events if isinstance(e, TokensSampled) and "s" in e.request_ids]
+    end = next(e for e in events if isinstance(e, Terminal) and e.request_id == "s")
+    # No step ran it after the one whose tokens held the stop string: it ended before the
+    # next step was planned.
+    assert planned[-1] == sampled[-1].step and end.reason is FinishReason.STOP
+    after = [e.seq for e in events if isinstance(e, StepPlanned) and e.seq > sampled[-1].seq]
+    assert not after or end.seq < after[0]
+    assert outs[-1].num_output_tokens == sum(e.request_ids.count("s") for e in sampled)
 
 
 async def test_a_stop_token_ends_the_request_and_is_counted_but_not_printed(model_cache_dir):

@@ -51,3 +51,19 @@ def test_a_stop_string_ends_the_request_with_the_count_of_the_step_that_found_it
     out = a.on_update(Update(token_ids=[ord("o")], num_output_tokens=4))
     assert out is not None and out.text == "" and out.finish_reason == "stop"
     assert out.num_output_tokens == 4 and ended == [FinishReason.STOP]
+
+
+def test_a_driven_actor_says_at_once_that_its_stop_string_ended_the_request() -> None:
+    output: Mailbox = Mailbox()
+    a = RequestActor(
+        "r", num_prompt_tokens=4, stop=("lo",), detokenizer=Letters(), inbox=None, output=output
+    )
+    assert a.take(Update(token_ids=[ord("h"), ord("l")], num_output_tokens=2)) is None
+    assert a.take(Update(token_ids=[ord("o")], num_output_tokens=3)) is FinishReason.STOP
+    last = [output.get_nowait(), output.get_nowait()][-1]
+    assert (last.finish_reason, last.num_output_tokens) == ("stop", 3) and output.closed
+    # An end the core decided is the core's to record: the actor only shows it.
+    b = RequestActor(
+        "s", num_prompt_tokens=4, stop=("lo",), detokenizer=Letters(), inbox=None, output=Mailbox()
+    )
+    assert b.take(Update(num_output_tokens=1, finish=FinishReason.LENGTH)) is None

@@ -887,4 +887,4 @@ async def test_a_burst_over_http_is_gathered_so_its_first_step_takes_the_shortes
     assert len(first) == 5  # all five were admitted before the first step
     shorts = [(n, done) for n, done in first.values() if n < 30]
     assert len(shorts) == 4 and all(done == n for n, done in shorts)  # and the short ones ran
-    assert engine.step_loop.arrivals.preparing == 0
+    assert engine.snapshot.num_preparing == 0

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 import structlog
 from starlette.datastructures import Headers
 
-from stepline.actors.scheduler.admission import max_output_tokens
 from stepline.api.config import ServerConfig
 from stepline.api.params import SamplingParams
 from stepline.api.pipeline.agents import AgentPlan
@@ -147,17 +146,12 @@ class Starter:
         prompt_text = tokenizer.decode(ids[-8:])
         if call.think_budget is not None:
             agent = agent.with_think_budget(tokenizer, call.think_budget, prompt_text)
-        params = self.sampling(
-            engine.vocab_size, call.sampling, max_tokens, call.logprobs, agent.grammar
-        )
+        params = self.sampling(call.sampling, max_tokens, call.logprobs, agent.grammar)
         stream = await engine.submit(
-            prompt=ids,
-            params=params,
-            request_id=call.rid,
-            checkpoints=prepared.checkpoints,
-            client=call.client,
-            images=prepared.images,
+            prepared, params=params, request_id=call.rid, client=call.client
         )
+        if stream.params is not None:  # as admitted: the limit the request runs to
+            max_tokens = stream.params.max_tokens
         fmt = agent.output_format(tokenizer, reasoning=call.reasoning, prompt_text=prompt_text)
         headers = {"x-request-id": call.rid, **call.headers}
         if agent.dropped_tools:
@@ -179,7 +173,7 @@ class Starter:
         prompt_param: str,
         param: str = "max_tokens",
     ) -> int:
-        """The request's token limit (`policy.max_output_tokens`, the engine's one): `requested`,
+        """The request's token limit (`Engine.max_output_tokens`, the engine's one): `requested`,
         or by default `default` or the room left in the context, within the KV budget. A
         `requested` past the room is clamped to it (agents such as Claude Code cannot be told
         a local model's context), unless `strict_max_tokens`, where past the context it is a
@@ -188,7 +182,7 @@ class Starter:
         if num_prompt >= max_context:
             raise context_exceeded(num_prompt, max_context, prompt_param, at_least=False)
         if requested is not None and self.config.strict_max_tokens:
-            context_room = max_output_tokens(None, num_prompt, max_context)
+            context_room = engine.max_output_tokens(None, num_prompt, within_kv_budget=False)
             if requested > context_room:
                 raise APIError(
                     400,
@@ -201,14 +195,13 @@ class Starter:
                 )
             return requested  # past the KV budget: the submission says by how much
         asked = requested if requested is not None else (default or None)
-        limit = max_output_tokens(asked, num_prompt, max_context, engine.step_loop.config)
+        limit = engine.max_output_tokens(asked, num_prompt)
         if requested is not None and limit < requested:
             log.info("max_tokens_clamped", requested=requested, effective=limit, param=param)
         return limit
 
     def sampling(
         self,
-        vocab: int,
         req: Any,
         max_tokens: int,
         logprobs: int | None,
@@ -216,26 +209,11 @@ class Starter:
     ) -> SamplingParams:
         """The one parameter builder of every door: `req`'s sampling fields (those of
         `SAMPLING_FIELDS` it has, already range-checked; `stop_strings`, `ignore_eos`,
-        `top_k`, `stop_token_ids`) as engine parameters, after the checks that need the
-        model: `top_k` and `stop_token_ids` within the vocabulary. A temperature below
-        GREEDY_TEMPERATURE is greedy."""
+        `top_k`, `stop_token_ids`) as engine parameters; the checks that need the model
+        (`top_k` and `stop_token_ids` within the vocabulary) are `Engine.submit`'s. A
+        temperature below GREEDY_TEMPERATURE is greedy."""
         top_k = getattr(req, "top_k", None)
         stop_token_ids = getattr(req, "stop_token_ids", None)
-        if top_k is not None and top_k > vocab:
-            raise APIError(
-                400,
-                f"top_k must be at most the vocabulary size, {vocab} (0 or -1 = off), got {top_k}",
-                param="top_k",
-                code="invalid_value",
-            )
-        for i, t in enumerate(stop_token_ids or ()):
-            if not 0 <= t < vocab:
-                raise APIError(
-                    400,
-                    f"stop_token_ids[{i}] = {t} is not in the model's vocabulary (0..{vocab - 1})",
-                    param="stop_token_ids",
-                    code="invalid_value",
-                )
         fields: dict[str, Any] = {
             "max_tokens": max_tokens,
             "stop": tuple(getattr(req, "stop_strings", ())),

@@ -120,25 +120,7 @@ class ResponsesDoor:
     async def create(self, ctx: RequestContext[ResponsesRequest]) -> Response:
         serving, request, rid, req = self.serving, ctx.request, ctx.rid, ctx.body
         owner = key_of(request.headers)
-        history: list[dict[str, Any]] = []
-        if req.previous_response_id is not None:
-            prev = self.store.get(req.previous_response_id, owner, "previous_response_id")
-            if prev.ended_at is None:
-                raise APIError(
-                    400,
-                    f"response {req.previous_response_id!r} is still in progress: wait for it "
-                    "to end before continuing from it",
-                    param="previous_response_id",
-                )
-            if prev.response.status not in ("completed", "incomplete"):
-                raise APIError(
-                    400,
-                    f"response {req.previous_response_id!r} is {prev.response.status}: only a "
-                    "completed (or incomplete) response can be continued",
-                    param="previous_response_id",
-                )
-            history = prev.messages
-        turn = history + req.messages()
+        turn = self._history(req, owner) + req.messages()
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
         fmt = req.text_format
         tools = req.tool_specs()  # function tools, namespaces flattened, hosted ones dropped
@@ -168,30 +150,7 @@ class ResponsesDoor:
                 client=client_of(request.headers, req.safety_identifier or req.user),
             ),
         )
-        response = sdk.Response(
-            id=rid,
-            object="response",
-            created_at=int(time.time()),
-            status="queued" if req.background else "in_progress",
-            background=req.background,
-            error=None,
-            incomplete_details=None,
-            instructions=req.instructions,
-            max_output_tokens=req.max_output_tokens,
-            model=ctx.response_model,
-            output=[],
-            parallel_tool_calls=req.parallel_tool_calls,
-            previous_response_id=req.previous_response_id,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            tool_choice=_echo_tool_choice(req.tool_choice),
-            tools=_echo_tools(req.tools),
-            text=ResponseTextConfig.model_validate(_echo_text(fmt)),
-            truncation="disabled",
-            usage=None,
-            metadata=req.metadata or {},
-            **{"store": req.store},  # the API's field, which the SDK's type lacks
-        )
+        response = _new_response(rid, req, ctx.response_model)
         record = serving.keep(
             request,
             started,
@@ -225,6 +184,28 @@ class ResponsesDoor:
             return serving.in_background(record, started, renderer, body)
         await serving.attached(request, serving.run_kept(record, started, renderer))
         return _body(response, started.headers)
+
+    def _history(self, req: ResponsesRequest, owner: str) -> list[dict[str, Any]]:
+        """The conversation `req.previous_response_id` continues (none without one). Raises
+        APIError: 404 for none of this key's, 400 for one still running or that failed."""
+        if req.previous_response_id is None:
+            return []
+        prev = self.store.get(req.previous_response_id, owner, "previous_response_id")
+        if prev.ended_at is None:
+            raise APIError(
+                400,
+                f"response {req.previous_response_id!r} is still in progress: wait for it "
+                "to end before continuing from it",
+                param="previous_response_id",
+            )
+        if prev.response.status not in ("completed", "incomplete"):
+            raise APIError(
+                400,
+                f"response {req.previous_response_id!r} is {prev.response.status}: only a "
+                "completed (or incomplete) response can be continued",
+                param="previous_response_id",
+            )
+        return prev.messages
 
     def recover(self, rid: str, admitted_at: float) -> None:
         """Store `rid` as failed: the event log says the server stopped before it ended
@@ -277,6 +258,34 @@ class ResponsesDoor:
         self.store.delete(rid)
         body = f'{{"id":"{rid}","object":"response","deleted":true}}'
         return Response(body, media_type="application/json")
+
+
+def _new_response(rid: str, req: ResponsesRequest, model: str) -> sdk.Response:
+    """The response as it starts (queued, or in progress), echoing the request's settings."""
+    return sdk.Response(
+        id=rid,
+        object="response",
+        created_at=int(time.time()),
+        status="queued" if req.background else "in_progress",
+        background=req.background,
+        error=None,
+        incomplete_details=None,
+        instructions=req.instructions,
+        max_output_tokens=req.max_output_tokens,
+        model=model,
+        output=[],
+        parallel_tool_calls=req.parallel_tool_calls,
+        previous_response_id=req.previous_response_id,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        tool_choice=_echo_tool_choice(req.tool_choice),
+        tools=_echo_tools(req.tools),
+        text=ResponseTextConfig.model_validate(_echo_text(req.text_format)),
+        truncation="disabled",
+        usage=None,
+        metadata=req.metadata or {},
+        **{"store": req.store},  # the API's field, which the SDK's type lacks
+    )
 
 
 def _body(response: sdk.Response, headers: dict[str, str] | None = None) -> Response:

@@ -19,8 +19,6 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter
 
-from stepline.events.fold import Status
-
 if TYPE_CHECKING:
     from stepline.api.engine import Engine
     from stepline.api.pipeline.serving import Serving
@@ -28,12 +26,12 @@ if TYPE_CHECKING:
 
 def engine_load(engine: Engine, dp_rank: int = 0) -> dict[str, int]:
     """One engine's load in SGLang's `/get_load` shape."""
-    states = engine.step_loop.states.values()
+    load = engine.snapshot  # as the step loop published it
     return {
         "dp_rank": dp_rank,
-        "num_reqs": len(states),
-        "num_waiting_reqs": sum(s.status is Status.WAITING for s in states),
-        "num_tokens": sum(s.num_prompt_tokens + s.num_output_tokens for s in states),
+        "num_reqs": load.num_live,
+        "num_waiting_reqs": load.num_waiting,
+        "num_tokens": load.num_tokens,
     }
 
 
