@@ -35,7 +35,7 @@ from stepline.actors.messages import (
 )
 from stepline.actors.metrics import EngineMetrics
 from stepline.actors.request import RequestActor, RequestOutput
-from stepline.actors.scheduler.policy import max_output_tokens
+from stepline.actors.scheduler.admission import max_output_tokens
 from stepline.actors.scheduler.spans import PromptImage
 from stepline.actors.step_loop import LoopSnapshot, StepLoop
 from stepline.api.config import EngineConfig, EventLogConfig, launch_rank
