@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from stepline.api.request_error import RequestError
+
 # Deeper than any real tool schema or template argument (JSON Schema nests ~10-20 levels),
 # far below what Python's recursion (a chat template, json.dumps) survives.
 MAX_JSON_DEPTH = 64
@@ -35,12 +37,12 @@ _LIST_CAPS: dict[str, tuple[int, str]] = {
 }
 
 
-class InputLimitError(ValueError):
-    """A body that breaks one of the limits above; `param` names the field (None: the
-    whole body), `code` is the OpenAI-style error code."""
+class InputLimitError(RequestError):
+    """A body that breaks one of the limits above (the caller's to change); `param` names
+    the field (None: the whole body), `code` is the OpenAI-style error code."""
 
     def __init__(self, message: str, *, param: str | None = None, code: str = "invalid_value"):
-        super().__init__(message)
+        super().__init__(message, param=param)
         self.message = message
         self.param = param
         self.code = code
