@@ -383,6 +383,12 @@ class PoolConfig(_Options):
     model_ttl_s: float | None = Field(
         None, gt=0, description="unload a model after this many idle seconds (default: never)"
     )
+    max_model_wait_s: float = Field(
+        300.0,
+        gt=0,
+        description="a request waits at most this long for its model to be loaded (while "
+        "busy models hold the memory it needs), then gets a 503",
+    )
 
     @model_validator(mode="after")
     def _names_once(self) -> PoolConfig:

@@ -85,6 +85,7 @@ class Entry:
     error: str | None = None  # why its last load failed
     refused: str | None = None  # why it can never load: larger than the whole budget
     users: int = 0  # requests between `acquire` and `release` (not yet in its engine's states)
+    waiting: int = 0  # requests in `acquire` waiting for it to load (they keep it once loaded)
     retry_at: float = 0.0  # a failed load is tried again from then
     place: LogPlace | None = None  # where its events go on in the log
     unload: anyio.Event = field(default_factory=anyio.Event)
@@ -96,7 +97,9 @@ class Entry:
 
     @property
     def busy(self) -> bool:
-        return self.users > 0 or (self.engine is not None and self.engine.busy)
+        """In use: requests hold it or wait for it (a model that just loaded stays for the
+        requests that waited for it), or its engine runs some."""
+        return self.users > 0 or self.waiting > 0 or (self.engine is not None and self.engine.busy)
 
     def resident(self) -> Resident:
         return Resident(
@@ -148,6 +151,10 @@ class ModelPool:
         self._loading = anyio.Lock()  # one load at a time: each sees the others' memory
         self._changed = anyio.Event()
         self._closing = False
+        # A load waiting for room that busy models hold, and the count of requests for
+        # models that had come by then (`_yields`); `_seq` counts every `acquire`.
+        self._room_for: Entry | None = None
+        self._room_seq = self._seq = 0
 
     @classmethod
     @asynccontextmanager
@@ -266,26 +273,64 @@ class ModelPool:
         then its request is in the engine, or ended); the request counts as arriving at the
         engine (`Engine.arriving`). Raises KeyError for a name no model has,
         ModelTooLargeError for a model the memory budget cannot hold, ModelUnavailableError
-        when its load failed or the server is shutting down."""
+        when its load failed, when it could not be loaded within `max_model_wait_s` (busy
+        models hold the memory) or the server is shutting down."""
         entry = self.entry_of(name)
         if entry is None:
             raise KeyError(name)
-        while True:
-            if self._closing:
-                raise ModelUnavailableError("the server is shutting down")
-            if entry.refused is not None:
-                raise ModelTooLargeError(entry.refused)
-            if entry.state is ModelState.LOADED and entry.engine is not None:
-                entry.last_used = time.monotonic()
-                entry.users += 1  # from now on never unloaded under this request
-                entry.engine.arriving()
-                return entry
-            if entry.state is ModelState.FAILED and time.monotonic() < entry.retry_at:
-                raise ModelUnavailableError(entry.error or "its load failed")
-            if entry.state in (ModelState.UNLOADED, ModelState.FAILED):
-                entry.state = ModelState.LOADING
-                self._tg.start_soon(self._load, entry)
-            await self._wait_for_change()
+        deadline = time.monotonic() + self.config.max_model_wait_s
+        self._seq += 1
+        seq = self._seq
+        counted = False  # this request is in `entry.waiting`
+        try:
+            while True:
+                if self._closing:
+                    raise ModelUnavailableError("the server is shutting down")
+                if entry.refused is not None:
+                    raise ModelTooLargeError(entry.refused)
+                loaded = entry.state is ModelState.LOADED and entry.engine is not None
+                if loaded and not self._yields(entry, seq):
+                    assert entry.engine is not None
+                    entry.last_used = time.monotonic()
+                    entry.users += 1  # from now on never unloaded under this request
+                    entry.engine.arriving()
+                    return entry
+                if entry.state is ModelState.FAILED and time.monotonic() < entry.retry_at:
+                    raise ModelUnavailableError(entry.error or "its load failed")
+                if entry.state in (ModelState.UNLOADED, ModelState.FAILED):
+                    entry.state = ModelState.LOADING
+                    self._tg.start_soon(self._load, entry)
+                # Waiting for its load keeps it once loaded; waiting behind another model's
+                # load (`_yields`) must not keep it busy, or that load would wait forever.
+                if counted == loaded:
+                    entry.waiting += -1 if counted else 1
+                    counted = not loaded
+                with anyio.move_on_after(deadline - time.monotonic()):
+                    await self._wait_for_change()
+                if time.monotonic() >= deadline:
+                    raise ModelUnavailableError(
+                        f"the model {name!r} could not be loaded within "
+                        f"{self.config.max_model_wait_s:g} s: the memory it needs is held by "
+                        "busy models; try again later"
+                    )
+        finally:
+            if counted:
+                entry.waiting -= 1
+                if entry.waiting == 0:
+                    self._notify()  # a load nobody waits for any more gives up (`_make_room`)
+
+    def _yields(self, entry: Entry, seq: int) -> bool:
+        """The request `seq` for the loaded `entry` waits: it came after another model's load
+        began to wait for room that `entry` holds. Models that cannot all fit take turns:
+        each serves the requests that came for it before the other's load waited, then,
+        once idle, makes room for it."""
+        room_for = self._room_for
+        return (
+            room_for is not None
+            and room_for is not entry
+            and seq > self._room_seq
+            and not entry.spec.pinned
+        )
 
     def release(self, entry: Entry) -> None:
         """The caller of `acquire` is done with `entry` (its request is in the engine's states,
@@ -318,7 +363,7 @@ class ModelPool:
             async with self._loading:
                 need = entry.known_bytes or await _estimate(self._executor, entry)
                 if not await self._make_room(entry, need):
-                    entry.state = ModelState.UNLOADED  # the server stops: no load
+                    entry.state = ModelState.UNLOADED  # the server stops, or no one waits: no load
                     return
                 t0 = time.monotonic()
                 log.info("model_loading", model=spec.name, source=spec.source, estimate_bytes=need)
@@ -340,20 +385,32 @@ class ModelPool:
 
     async def _make_room(self, entry: Entry, need: int) -> bool:
         """Unload idle models until `need` fits; wait while only busy ones are in the way.
-        Returns False if the pool closed meanwhile. Raises DoesNotFitError."""
-        while not self._closing:
-            others = [e.resident() for e in self.entries.values() if e.engine is not None]
-            victims = to_unload(others, need, self.models_budget_bytes, entry.spec.name)
-            if victims is None:
-                log.info("model_waits_for_room", model=entry.spec.name, need_bytes=need)
-                await self._wait_for_change()  # `_watch` notices models going idle
-                continue
-            for name in victims:
-                await self._unload(self.entries[name], "memory")
-            if victims and self.used_bytes + need > self.budget_bytes:
-                continue  # one became busy meanwhile and stayed: choose again
-            return True
-        return False
+        Returns False if the pool closed meanwhile, or every request that waited for it left.
+        Raises DoesNotFitError."""
+        try:
+            while not self._closing:
+                if entry.waiting == 0 and not entry.spec.pinned:
+                    log.info("model_load_abandoned", model=entry.spec.name, why="no one waits")
+                    return False
+                others = [e.resident() for e in self.entries.values() if e.engine is not None]
+                victims = to_unload(others, need, self.models_budget_bytes, entry.spec.name)
+                if victims is None:
+                    if self._room_for is not entry:
+                        log.info("model_waits_for_room", model=entry.spec.name, need_bytes=need)
+                        # Requests for the models in the way that come from now wait.
+                        self._room_for, self._room_seq = entry, self._seq
+                    await self._wait_for_change()  # `_watch` notices models going idle
+                    continue
+                for name in victims:
+                    await self._unload(self.entries[name], "memory")
+                if victims and self.used_bytes + need > self.budget_bytes:
+                    continue  # one became busy meanwhile and stayed: choose again
+                return True
+            return False
+        finally:
+            if self._room_for is entry:
+                self._room_for = None
+                self._notify()  # the requests that waited behind this load go on
 
     async def _fit_after_load(self, entry: Entry) -> None:
         """Once loaded, its measured footprint decides: idle models are unloaded while the

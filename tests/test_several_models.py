@@ -395,3 +395,87 @@ def test_stepline_serve_with_two_models_serves_both_and_a_sigterm_ends_it_with_0
     assert "Traceback" not in (tmp_path / "stderr.txt").read_text()
     unloaded = [e for e in read_events(log) if isinstance(e, ModelUnloaded)]
     assert [(e.model, e.reason) for e in unloaded] == [("b", "shutdown")]
+
+
+async def test_two_models_that_cannot_both_fit_take_turns_and_every_request_is_answered(
+    tmp_path, monkeypatch
+):
+    # Once, each model was unloaded for the other in the instant it finished loading, before
+    # the request that waited for it held it: both requests hung and the loads went on. Loads
+    # that take a while (as real ones do) made it happen every time.
+    original = Engine.open
+    opened: list[str] = []
+
+    @asynccontextmanager
+    async def slow_open(*args: Any, **kwargs: Any) -> AsyncIterator[Engine]:
+        opened.append(args[0])
+        async with original(*args, **kwargs) as engine:
+            await anyio.sleep(0.2)  # a real model's load: the other's request comes meanwhile
+            yield engine
+
+    monkeypatch.setattr(Engine, "open", slow_open)
+    log = tmp_path / "run.jsonl"
+    rounds = 6
+    with anyio.fail_after(120):
+        async with (
+            served_pool(
+                spec("a", "stepline-demo"),
+                spec("b", "stepline-demo-hybrid"),
+                log=log,
+                max_memory_gb=0.03,
+            ) as (models, url),
+            client(url) as api,
+        ):
+            answers: dict[tuple[int, str, int], str] = {}
+
+            async def one(r: int, model: str, i: int) -> None:
+                answers[(r, model, i)] = await greedy(api, model, PROMPTS[i], 3)
+
+            for r in range(rounds):  # each round: both models asked for at the same moment
+                before = len(opened)
+                async with anyio.create_task_group() as tg:
+                    for model in "ab":
+                        for i in range(2):
+                            tg.start_soon(one, r, model, i)
+                assert len(opened) - before <= 2, opened[before:]  # turns, no thrashing
+            assert len(answers) == rounds * 4 and all(answers.values())
+            for model in "ab":  # the same answers whichever load served them
+                assert len({answers[(r, model, 0)] for r in range(rounds)}) == 1
+            # Nothing goes on loading for nobody.
+            assert {e.state for e in models.entries.values()} <= {
+                ModelState.LOADED,
+                ModelState.UNLOADED,
+            }
+            assert all(e.users == 0 for e in models.entries.values())
+    loads = [e for e in read_events(log) if isinstance(e, ModelLoaded)]
+    assert len(loads) <= 2 * rounds  # at most one load a model a round: turns, no thrashing
+
+
+async def test_a_model_that_cannot_get_room_in_time_is_a_503_and_the_pool_serves_on():
+    with anyio.fail_after(120):
+        async with (
+            served_pool(
+                spec("a", "stepline-demo"),
+                spec("b", "stepline-demo-hybrid"),
+                max_memory_gb=0.03,
+                max_model_wait_s=0.3,
+            ) as (models, url),
+            client(url) as api,
+        ):
+            long = await api.chat.completions.create(
+                model="a",
+                messages=[{"role": "user", "content": "go"}],
+                max_tokens=400,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            await anext(aiter(long))  # a is loaded and busy: b cannot get its memory
+            with pytest.raises(openai.APIStatusError) as refused:
+                await ask(api, "b")
+            assert refused.value.status_code == 503
+            assert "could not be loaded within 0.3 s" in refused.value.message
+            assert refused.value.response.headers["retry-after"]
+            rest = [c async for c in long]
+            assert rest[-1].choices[0].finish_reason == "length"  # a's stream never cut
+            assert models.entries["b"].state is ModelState.UNLOADED  # its load gave up
+            assert await ask(api, "a")

@@ -58,10 +58,14 @@ def _run(args: argparse.Namespace) -> int:
 def what_to_serve(args: argparse.Namespace) -> str | PoolConfig | None:
     """One model (its name, None: the default one), or several: more than one `--model`, a
     `--model NAME=MODEL`, `--models FILE`, or a pool's own option (`--max-memory-gb`,
-    `--model-ttl-s`). Raises ValueError for a bad one."""
+    `--model-ttl-s`, `--max-model-wait-s`). Raises ValueError for a bad one."""
     given = args.model or []
     # `--models FILE` is read below; a pool option left at its default says nothing
-    pool_options = {k: v for k, v in options(args, PoolConfig).items() if k != "models" and v}
+    pool_options = {
+        k: v
+        for k, v in options(args, PoolConfig).items()
+        if k != "models" and v is not None and v != PoolConfig.model_fields[k].default
+    }
     several = len(given) > 1 or args.models is not None or bool(pool_options)
     if not several and not any("=" in m for m in given):
         return given[0] if given else None
