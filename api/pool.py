@@ -107,6 +107,46 @@ class Entry:
         )
 
 
+@dataclass
+class TurnTaking:
+    """Models that cannot all fit take turns. While a load waits for room that busy models
+    hold (`room_for`), a request that comes for one of those models waits behind it (unless
+    pinned): the models in the way finish what they have, the loading one serves the
+    requests that waited for it, then, once idle, makes room for the next."""
+
+    room_for: Entry | None = None  # the load waiting for room
+    room_seq: int = 0  # the last request that had come when it began to wait
+    seq: int = 0  # counts every `acquire`
+
+    def ticket(self) -> int:
+        self.seq += 1
+        return self.seq
+
+    def yields(self, entry: Entry, seq: int) -> bool:
+        """The request `seq` for the loaded `entry` waits behind another model's load."""
+        room_for = self.room_for
+        return (
+            room_for is not None
+            and room_for is not entry
+            and seq > self.room_seq
+            and not entry.spec.pinned
+        )
+
+    def waits_for_room(self, entry: Entry) -> bool:
+        """`entry`'s load waits for room; True when it begins to."""
+        if self.room_for is entry:
+            return False
+        self.room_for, self.room_seq = entry, self.seq
+        return True
+
+    def room_found(self, entry: Entry) -> bool:
+        """`entry`'s load waits no more; True when it had waited."""
+        if self.room_for is not entry:
+            return False
+        self.room_for = None
+        return True
+
+
 class ModelPool:
     """The configured models and the loaded ones' engines. Create with `ModelPool.open`. The
     HTTP pipeline's `Models` (api/pipeline/served.py)."""
@@ -126,14 +166,7 @@ class ModelPool:
     ):
         self.config = config
         self.budget_bytes = budget_bytes
-        # MLX's buffer cache (freed memory it keeps for reuse) is the process's: one limit for
-        # every model, counted once in the budget.
-        cache_gb = engine_options.get("mlx_cache_gb")
-        self.cache_bytes = (
-            int(cache_gb * 2**30)
-            if cache_gb is not None
-            else min(int(budget_bytes * DEFAULT_CACHE_SHARE), DEFAULT_CACHE_MAX)
-        )
+        self.cache_bytes = _cache_bytes(engine_options.get("mlx_cache_gb"), budget_bytes)
         self.entries = {
             s.name: Entry(
                 s,
@@ -151,10 +184,7 @@ class ModelPool:
         self._loading = anyio.Lock()  # one load at a time: each sees the others' memory
         self._changed = anyio.Event()
         self._closing = False
-        # A load waiting for room that busy models hold, and the count of requests for
-        # models that had come by then (`_yields`); `_seq` counts every `acquire`.
-        self._room_for: Entry | None = None
-        self._room_seq = self._seq = 0
+        self._turn = TurnTaking()
 
     @classmethod
     @asynccontextmanager
@@ -279,8 +309,7 @@ class ModelPool:
         if entry is None:
             raise KeyError(name)
         deadline = time.monotonic() + self.config.max_model_wait_s
-        self._seq += 1
-        seq = self._seq
+        seq = self._turn.ticket()
         counted = False  # this request is in `entry.waiting`
         try:
             while True:
@@ -289,7 +318,7 @@ class ModelPool:
                 if entry.refused is not None:
                     raise ModelTooLargeError(entry.refused)
                 loaded = entry.state is ModelState.LOADED and entry.engine is not None
-                if loaded and not self._yields(entry, seq):
+                if loaded and not self._turn.yields(entry, seq):
                     assert entry.engine is not None
                     entry.last_used = time.monotonic()
                     entry.users += 1  # from now on never unloaded under this request
@@ -301,36 +330,19 @@ class ModelPool:
                     entry.state = ModelState.LOADING
                     self._tg.start_soon(self._load, entry)
                 # Waiting for its load keeps it once loaded; waiting behind another model's
-                # load (`_yields`) must not keep it busy, or that load would wait forever.
+                # load (`TurnTaking`) must not keep it busy, or that load would wait forever.
                 if counted == loaded:
                     entry.waiting += -1 if counted else 1
                     counted = not loaded
                 with anyio.move_on_after(deadline - time.monotonic()):
                     await self._wait_for_change()
                 if time.monotonic() >= deadline:
-                    raise ModelUnavailableError(
-                        f"the model {name!r} could not be loaded within "
-                        f"{self.config.max_model_wait_s:g} s: the memory it needs is held by "
-                        "busy models; try again later"
-                    )
+                    raise _waited_too_long(name, self.config.max_model_wait_s)
         finally:
             if counted:
                 entry.waiting -= 1
                 if entry.waiting == 0:
                     self._notify()  # a load nobody waits for any more gives up (`_make_room`)
-
-    def _yields(self, entry: Entry, seq: int) -> bool:
-        """The request `seq` for the loaded `entry` waits: it came after another model's load
-        began to wait for room that `entry` holds. Models that cannot all fit take turns:
-        each serves the requests that came for it before the other's load waited, then,
-        once idle, makes room for it."""
-        room_for = self._room_for
-        return (
-            room_for is not None
-            and room_for is not entry
-            and seq > self._room_seq
-            and not entry.spec.pinned
-        )
 
     def release(self, entry: Entry) -> None:
         """The caller of `acquire` is done with `entry` (its request is in the engine's states,
@@ -395,10 +407,8 @@ class ModelPool:
                 others = [e.resident() for e in self.entries.values() if e.engine is not None]
                 victims = to_unload(others, need, self.models_budget_bytes, entry.spec.name)
                 if victims is None:
-                    if self._room_for is not entry:
+                    if self._turn.waits_for_room(entry):
                         log.info("model_waits_for_room", model=entry.spec.name, need_bytes=need)
-                        # Requests for the models in the way that come from now wait.
-                        self._room_for, self._room_seq = entry, self._seq
                     await self._wait_for_change()  # `_watch` notices models going idle
                     continue
                 for name in victims:
@@ -408,8 +418,7 @@ class ModelPool:
                 return True
             return False
         finally:
-            if self._room_for is entry:
-                self._room_for = None
+            if self._turn.room_found(entry):
                 self._notify()  # the requests that waited behind this load go on
 
     async def _fit_after_load(self, entry: Entry) -> None:
@@ -455,14 +464,7 @@ class ModelPool:
                 try:
                     await entry.unload.wait()
                 finally:  # also when the server stops (cancelled): the log says so
-                    idle_s = time.monotonic() - entry.last_used
-                    engine.step_loop.log_model_event(
-                        ModelUnloaded,
-                        reason=entry.unload_reason,
-                        bytes_freed=entry.footprint_bytes,
-                        idle_seconds=round(idle_s, 3),
-                    )
-                    entry.place = engine.step_loop.core.place
+                    _log_unloading(engine, entry)
                     engine.begin_shutdown()  # none in flight (it was idle); a late one ends now
         except Exception as exc:
             if not started:
@@ -477,12 +479,8 @@ class ModelPool:
             with anyio.CancelScope(shield=True):
                 await _free_memory(self._executor)
             if started:
-                log.info(
-                    "model_unloaded",
-                    model=spec.name,
-                    reason=entry.unload_reason,
-                    freed_gb=round(freed / 2**30, 3),
-                )
+                gb = round(freed / 2**30, 3)
+                log.info("model_unloaded", model=spec.name, reason=entry.unload_reason, freed_gb=gb)
                 self._notify()
 
     async def _unload(self, entry: Entry, reason: str) -> None:
@@ -617,6 +615,32 @@ async def _budget_bytes(max_memory_gb: float | None) -> int:
     from stepline.engine.memory import machine_memory_bytes
 
     return int(await Executor().call(machine_memory_bytes) * DEFAULT_MEMORY_FRACTION)
+
+
+def _waited_too_long(name: str, seconds: float) -> ModelUnavailableError:
+    return ModelUnavailableError(
+        f"the model {name!r} could not be loaded within {seconds:g} s: the memory it needs "
+        "is held by busy models; try again later"
+    )
+
+
+def _cache_bytes(cache_gb: float | None, budget_bytes: int) -> int:
+    """MLX's buffer cache (freed memory it keeps for reuse) is the process's: one limit for
+    every model, counted once in the budget."""
+    if cache_gb is not None:
+        return int(cache_gb * 2**30)
+    return min(int(budget_bytes * DEFAULT_CACHE_SHARE), DEFAULT_CACHE_MAX)
+
+
+def _log_unloading(engine: Engine, entry: Entry) -> None:
+    """The model's `model-unloaded` event, and where its events go on at its next load."""
+    engine.step_loop.log_model_event(
+        ModelUnloaded,
+        reason=entry.unload_reason,
+        bytes_freed=entry.footprint_bytes,
+        idle_seconds=round(time.monotonic() - entry.last_used, 3),
+    )
+    entry.place = engine.step_loop.core.place
 
 
 def _with_budgets(config: EngineConfig, budget_bytes: int, cache_bytes: int) -> EngineConfig:
