@@ -20,6 +20,7 @@ each image's own token span (its markers and placeholder tokens, the model famil
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -293,15 +294,16 @@ class Prompts:
         return self._added  # type: ignore[return-value]
 
     def _plain_ids(self, text: str) -> list[int]:
-        """`text`'s ids with the added tokens' text in it tokenized as ordinary text."""
+        """`text`'s ids with the added tokens' text in it tokenized as ordinary text, special
+        or not (Qwen3's `<think>` and `<tool_call>` are not special, and its parsers and
+        template give them meaning all the same)."""
         if self._plain is None:
             hf = getattr(self.tokenizer, "_tokenizer", self.tokenizer)
             backend = getattr(hf, "_tokenizer", None) or getattr(hf, "backend_tokenizer", None)
             if isinstance(backend, tokenizers.Tokenizer):
-                plain = tokenizers.Tokenizer.from_str(backend.to_str())
-                plain.encode_special_tokens = True
+                plain = _without_added_tokens(backend)
                 self._plain = lambda t: plain.encode(t, add_special_tokens=False).ids
-            else:  # a Python tokenizer: transformers' own switch
+            else:  # a Python tokenizer: transformers' switch skips every added token
                 self._plain = lambda t: hf(t, add_special_tokens=False, split_special_tokens=True)[
                     "input_ids"
                 ]
@@ -442,6 +444,15 @@ class Prompts:
             nested = any(a != b and a in b for a in texts for b in texts)
             self._specials = [] if nested else specials
         return self._specials
+
+
+def _without_added_tokens(backend: tokenizers.Tokenizer) -> tokenizers.Tokenizer:
+    """A copy of `backend` that knows no added token: their text goes through the normalizer,
+    the pre-tokenizer and the model like any other (`encode_special_tokens` would split only
+    the special ones)."""
+    data = json.loads(backend.to_str())
+    data["added_tokens"] = []
+    return tokenizers.Tokenizer.from_str(json.dumps(data))
 
 
 def _check_holes(text: str, holes: list[str]) -> None:
