@@ -197,7 +197,10 @@ class Prompts:
             _check_holes(text, holes)
         ids: list[int] = []
         spans: list[PromptImage] = []
-        expansions = [self.images.expand(image) for image in images]
+        expansions = [
+            self.images.expand(image) if image.expanded is None else image.expanded
+            for image in images
+        ]
         for k, piece in enumerate(pieces):
             # the text the family writes around a span goes with the text beside it
             if k > 0:

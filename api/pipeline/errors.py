@@ -160,6 +160,7 @@ def known_error(
     from stepline.actors.step_loop import EngineDeadError
     from stepline.api.engine import EngineClosedError
     from stepline.api.json_limits import InputLimitError
+    from stepline.api.pipeline.images import ImagesBusyError
     from stepline.api.prompts import PromptTooLongError
     from stepline.engine.grammar import GrammarError
     from stepline.engine.images import ImageError
@@ -194,6 +195,16 @@ def known_error(
         return shutting_down()
     if isinstance(exc, GrammarError):  # a schema llguidance cannot compile
         return APIError(400, str(exc), param=grammar_param, code="invalid_schema")
+    if isinstance(exc, ImagesBusyError):  # the server's pixel budget stayed full
+        retry_after = max(1, math.ceil(exc.retry_after_s))
+        return APIError(
+            429,
+            f"{exc}: retry after {retry_after} s",
+            param=exc.param,
+            type="rate_limit_error",
+            code="images_busy",
+            headers={"retry-after": str(retry_after)},
+        )
     if isinstance(exc, ImageError):  # corrupt, too large, too many, not fetched, text only
         return APIError(400, exc.message, param=exc.param, code=exc.code)
     if isinstance(exc, InputLimitError):

@@ -22,7 +22,7 @@ import anyio
 from stepline.api.config import ServerConfig
 from stepline.api.pipeline.agents import configure
 from stepline.api.pipeline.errors import APIError
-from stepline.api.pipeline.images import ImageOptions
+from stepline.api.pipeline.images import ImageOptions, PixelBudget
 from stepline.engine.images import ImageLimits
 
 if TYPE_CHECKING:
@@ -31,11 +31,18 @@ if TYPE_CHECKING:
 
 
 class ServedModel:
-    def __init__(self, engine: Engine, config: ServerConfig, names: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        engine: Engine,
+        config: ServerConfig,
+        names: tuple[str, ...] = (),
+        pixel_budget: PixelBudget | None = None,
+    ):
         """Raises ValueError for agent options (`--chat-template`, `--reasoning-parser`, ...)
-        the model cannot honour."""
+        the model cannot honour. `pixel_budget`: the server's, shared by its models."""
         self.engine = engine
         self.names: tuple[str, ...] = names or (engine.model_name,)
+        vision = getattr(engine.prompts, "images", None)
         self.images = ImageOptions(
             accepts_images=engine.accepts_images,
             allow_urls=config.allow_image_urls,
@@ -43,6 +50,8 @@ class ServedModel:
             limits=ImageLimits(
                 config.max_image_bytes, config.max_image_pixels, config.max_images_per_request
             ),
+            expand=None if vision is None else vision.expand,
+            budget=pixel_budget or PixelBudget(config.max_image_pixels_in_flight),
         )
         # Applies --chat-template to the tokenizer.
         self.reasoning, self.default_template_kwargs = configure(
@@ -111,11 +120,12 @@ class ServedModels:
     def __init__(self, engine: Engine | ModelPool, config: ServerConfig):
         self.pool: ModelPool | None = None
         self.one: ServedModel | None = None
+        budget = PixelBudget(config.max_image_pixels_in_flight)  # one for every model
         if hasattr(engine, "acquire"):  # several models (api/pool.py)
             pool: ModelPool = engine  # type: ignore[assignment]
 
             def build(engine: Engine, spec: Any) -> ServedModel:
-                return ServedModel(engine, config, spec.names)
+                return ServedModel(engine, config, spec.names, budget)
 
             pool.on_load = build
             for entry in pool.loaded():  # loaded before the app existed (pinned ones)
@@ -123,7 +133,7 @@ class ServedModels:
             self.pool = pool
         else:
             names = config.served_model_name or (engine.model_name,)  # type: ignore[union-attr]
-            self.one = ServedModel(engine, config, names)  # type: ignore[arg-type]
+            self.one = ServedModel(engine, config, names, budget)  # type: ignore[arg-type]
 
     @property
     def names(self) -> tuple[str, ...]:

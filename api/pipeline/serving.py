@@ -51,7 +51,7 @@ from stepline.api.pipeline.errors import (
     known_error,
     shutting_down,
 )
-from stepline.api.pipeline.images import ImageOptions, resolve_images
+from stepline.api.pipeline.images import ImageOptions, ImagesBusyError, resolve_images
 from stepline.api.pipeline.model_output import OutputDelta, OutputFormat, OutputSplitter
 from stepline.api.pipeline.resume import (
     FrameCounter,
@@ -451,10 +451,11 @@ class Serving:
 
     async def with_images(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """`messages` with their image parts fetched and decoded (`resolve_images`). Raises
-        APIError (400) for images this server does not take: any, to a text-only model."""
+        APIError (400) for images this server does not take: any, to a text-only model; 429
+        when the server's pixel budget stays full."""
         try:
             return await resolve_images(messages, self.images)
-        except ImageError as exc:
+        except (ImageError, ImagesBusyError) as exc:
             raise known_error(exc) or exc from None
 
     async def start(self, call: Call) -> Started:
