@@ -297,9 +297,9 @@ class ServerConfig(_Options):
     max_image_pixels_in_flight: int = Field(
         MAX_PIXELS_IN_FLIGHT,
         ge=1,
-        description="most decoded image pixels the whole server holds at once (about 3 bytes "
-        "each, up to 7 while one is converted), counted from before an image is decoded until "
-        "the vision encoder's inputs are made from it; an image waits for room, 429 "
+        description="most decoded image pixels the whole server holds at once (~3 bytes each, "
+        "up to ~15 while the image processor makes the encoder's inputs), counted from before "
+        "an image is decoded until those inputs are made; an image waits for room, 429 "
         "images_busy after 30 s. At least --max-image-pixels",
     )
     resume_grace_s: float = Field(

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -27,9 +25,10 @@ log = structlog.get_logger(__name__)
 MAX_IMAGE_BYTES = 20 * 2**20
 MAX_IMAGE_PIXELS = 5000 * 5000
 MAX_IMAGES_PER_REQUEST = 8
-# Default of ServerConfig's max_image_pixels_in_flight: four of the largest images at once
-# (RGB, 3 bytes a pixel once decoded, twice that while a PNG with alpha is converted).
-MAX_PIXELS_IN_FLIGHT = 4 * MAX_IMAGE_PIXELS
+# Default of ServerConfig's max_image_pixels_in_flight: two of the largest images at once. A
+# pixel costs ~3 bytes decoded (RGB), up to ~14 while the vision processor makes its inputs
+# (4999 x 4999 on the vision demo: +190 MB decoded, +341 MB at the processor's peak).
+MAX_PIXELS_IN_FLIGHT = 2 * MAX_IMAGE_PIXELS
 
 
 class VisionUnavailableError(RuntimeError):
@@ -136,10 +135,8 @@ def read_header(data: bytes, *, where: str, limits: ImageLimits = ImageLimits())
     decoded. Raises ImageError naming `where` for bytes past `limits.max_bytes`, a format
     other than PNG, JPEG, WebP and GIF, and pixels past `limits.max_pixels`
     (`image_too_large`, a decompression bomb's included)."""
-    _check_bytes(data, where, limits)
-    Image = _pillow(where)
-    with _opened(data, where, limits, Image) as img:
-        return ImageHeader(img.width, img.height, _MEDIA_TYPES[img.format or ""])
+    with _opened(data, where, limits) as img:
+        return ImageHeader(img.width, img.height, _MEDIA_TYPES[img.format])
 
 
 def decode_image(data: bytes, *, where: str, limits: ImageLimits = ImageLimits()) -> ImageData:
@@ -147,32 +144,40 @@ def decode_image(data: bytes, *, where: str, limits: ImageLimits = ImageLimits()
     for what `read_header` refuses (checked before the pixels are decoded), and for a file
     Pillow cannot decode whole (`invalid_image`, in our words: Pillow's own text is logged,
     never shown to the client)."""
-    _check_bytes(data, where, limits)
-    Image = _pillow(where)
-    with _opened(data, where, limits, Image) as img:
-        media_type = _MEDIA_TYPES[img.format or ""]
-        try:
-            rgb = img.convert("RGB")  # decodes every pixel: a truncated file fails here
-        except Exception as exc:  # noqa: BLE001 - Pillow raises many kinds for a corrupt file
-            log.info("image_undecodable", where=where, error=f"{type(exc).__name__}: {exc}")
-            raise ImageError(
-                f"{where} is a {img.format} file whose pixels cannot be decoded (corrupt or "
-                "cut short): send the whole image",
-                param=where,
-            ) from None
-        if rgb.size != img.size:  # a plugin that learned the size only while decoding
-            raise _too_many_pixels(where, rgb.width, rgb.height, limits)
+    img = _opened(data, where, limits)
+    try:
+        img.load()  # decodes every pixel: a truncated file fails here
+        if img.width * img.height > limits.max_pixels:  # a size learned only while decoding
+            raise _too_many_pixels(where, img.width, img.height, limits)
+        # An RGB image is kept as decoded: a copy would hold its pixels twice.
+        rgb = img if img.mode == "RGB" else img.convert("RGB")
+    except ImageError:
+        img.close()
+        raise
+    except Exception as exc:  # noqa: BLE001 - Pillow raises many kinds for a corrupt file
+        img.close()
+        log.info("image_undecodable", where=where, error=f"{type(exc).__name__}: {exc}")
+        raise ImageError(
+            f"{where} is a {img.format} file whose pixels cannot be decoded (corrupt or "
+            "cut short): send the whole image",
+            param=where,
+        ) from None
+    if rgb is not img:
+        img.close()  # its pixels freed now, not when it is collected
     return ImageData(
         data=data,
         digest=digest_of(data),
         width=rgb.width,
         height=rgb.height,
-        media_type=media_type,
+        media_type=_MEDIA_TYPES[img.format],
         pixels=rgb,
     )
 
 
-def _check_bytes(data: bytes, where: str, limits: ImageLimits) -> None:
+def _opened(data: bytes, where: str, limits: ImageLimits) -> Any:
+    """`data` opened by Pillow (lazily: the header read, no pixel decoded) as one of
+    FORMATS, its bytes and its size checked against `limits`: a `PIL.Image.Image` to close.
+    Raises ImageError."""
     if len(data) > limits.max_bytes:
         raise ImageError(
             f"{where} is {len(data):,} bytes: images of at most {limits.max_bytes:,} bytes "
@@ -180,22 +185,12 @@ def _check_bytes(data: bytes, where: str, limits: ImageLimits) -> None:
             param=where,
             code="image_too_large",
         )
-
-
-def _pillow(where: str) -> Any:
     try:
         from PIL import Image
     except ImportError:  # pragma: no cover - the vision extra brings Pillow
         raise ImageError(
             "images need Pillow: pip install 'stepline[vision]'", param=where
         ) from None
-    return Image
-
-
-@contextmanager
-def _opened(data: bytes, where: str, limits: ImageLimits, Image: Any) -> Iterator[Any]:
-    """`data` opened by Pillow (lazily: the header read, no pixel decoded) as one of
-    FORMATS, its size checked against `limits.max_pixels`."""
     try:
         img = Image.open(io.BytesIO(data), formats=FORMATS)
     except (Image.DecompressionBombError, Image.DecompressionBombWarning):
@@ -211,12 +206,12 @@ def _opened(data: bytes, where: str, limits: ImageLimits, Image: Any) -> Iterato
         raise ImageError(
             f"{where} is {what}: send a PNG, JPEG, WebP or GIF image", param=where, code=code
         ) from None
-    with img:
+    if img.format not in _MEDIA_TYPES or img.width * img.height > limits.max_pixels:
+        img.close()
         if img.format not in _MEDIA_TYPES:  # pragma: no cover - FORMATS' plugins only
             raise ImageError(f"{where} is a {img.format} file: send PNG, JPEG, WebP or GIF")
-        if img.width * img.height > limits.max_pixels:
-            raise _too_many_pixels(where, img.width, img.height, limits)
-        yield img
+        raise _too_many_pixels(where, img.width, img.height, limits)
+    return img
 
 
 def _too_many_pixels(where: str, width: int, height: int, limits: ImageLimits) -> ImageError:
