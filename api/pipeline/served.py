@@ -21,7 +21,7 @@ import anyio
 
 from stepline.api.config import ServerConfig
 from stepline.api.pipeline.agents import configure
-from stepline.api.pipeline.errors import APIError
+from stepline.api.pipeline.errors import APIError, model_not_found
 from stepline.api.pipeline.images import ImageOptions, PixelBudget
 from stepline.engine.images import ImageLimits
 
@@ -161,14 +161,7 @@ class ServedModels:
     def check(self, model: str | None) -> None:
         """Raises APIError 404 if `model` is given and not a name this server serves."""
         if model is not None and model not in self.names:
-            names = ", ".join(repr(n) for n in self.names)
-            raise APIError(
-                404,
-                f"The model {model!r} does not exist: this server serves {names} "
-                "(see GET /v1/models)",
-                param="model",
-                code="model_not_found",
-            )
+            raise model_not_found(model, ", ".join(repr(n) for n in self.names))
 
     def log_refusal(self, request_id: str, message: str, *, code: str, status: int) -> None:
         """Record in the event log a request a door refused before it reached its engine
