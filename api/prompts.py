@@ -20,6 +20,7 @@ each image's own token span (its markers and placeholder tokens, the model famil
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Callable, Sequence
@@ -157,8 +158,9 @@ class Prompts:
 
     def _take_images(self, messages: Sequence[dict]) -> tuple[Sequence[dict], list[ImageData]]:
         """The messages with each image part as `{"type": "image"}` (what templates read), and
-        the images, decoded, in order. Raises ImageError for an image sent to a text model,
-        and for bytes that are not an image."""
+        the images, decoded and made into their encoder's inputs, one at a time (so that one
+        image's decoded pixels are held at once), in order. Raises ImageError for an image
+        sent to a text model, and for bytes that are not an image."""
         images: list[ImageData] = []
         out: list[dict] | None = None
         for i, m in enumerate(messages):
@@ -173,7 +175,11 @@ class Prompts:
                     where = f"messages.{i}.content.{j}"
                     if self.images is None:
                         raise text_only(where)
-                    images.append(_image_data(part.get("image"), where))
+                    image = _image_data(part.get("image"), where)
+                    if image.expanded is None:  # its encoder inputs at once, its pixels let go
+                        expanded = self.images.expand(image)
+                        image = dataclasses.replace(image, pixels=None, expanded=expanded)
+                    images.append(image)
                     part = {k: v for k, v in part.items() if k != "image"}
                 parts.append(part)
             if out is None:
@@ -197,10 +203,7 @@ class Prompts:
             _check_holes(text, holes)
         ids: list[int] = []
         spans: list[PromptImage] = []
-        expansions = [
-            self.images.expand(image) if image.expanded is None else image.expanded
-            for image in images
-        ]
+        expansions = [image.expanded for image in images]
         for k, piece in enumerate(pieces):
             # the text the family writes around a span goes with the text beside it
             if k > 0:
