@@ -30,7 +30,12 @@ from pydantic import (
 
 from stepline.actors.scheduler.drafter import SpeculativeConfig, parse_speculative_config
 from stepline.actors.scheduler.plan import SchedulerConfig
-from stepline.engine.images import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, MAX_IMAGES_PER_REQUEST
+from stepline.engine.images import (
+    MAX_IMAGE_BYTES,
+    MAX_IMAGE_PIXELS,
+    MAX_IMAGES_PER_REQUEST,
+    MAX_PIXELS_IN_FLIGHT,
+)
 
 # The scheduler's defaults are its own (`SchedulerConfig`); the options read them.
 _SCHEDULER = SchedulerConfig()
@@ -289,6 +294,14 @@ class ServerConfig(_Options):
         ge=1,
         description="most images in one request (its whole conversation), else 400",
     )
+    max_image_pixels_in_flight: int = Field(
+        MAX_PIXELS_IN_FLIGHT,
+        ge=1,
+        description="most decoded image pixels the whole server holds at once (~3 bytes each, "
+        "up to ~15 while the image processor makes the encoder's inputs), counted from before "
+        "an image is decoded until those inputs are made; an image waits for room, 429 "
+        "images_busy after 30 s. At least --max-image-pixels",
+    )
     resume_grace_s: float = Field(
         60.0,
         ge=0,
@@ -301,6 +314,16 @@ class ServerConfig(_Options):
         description="keep a /v1/responses response (for retrieve, streaming it again and "
         "previous_response_id) this long after it ended",
     )
+
+    @model_validator(mode="after")
+    def _one_image_fits_the_budget(self) -> ServerConfig:
+        if self.max_image_pixels_in_flight < self.max_image_pixels:
+            raise ValueError(
+                f"max_image_pixels_in_flight ({self.max_image_pixels_in_flight:,}) is below "
+                f"max_image_pixels ({self.max_image_pixels:,}): the largest image allowed "
+                "could never be decoded; raise it, or lower max_image_pixels"
+            )
+        return self
 
 
 MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/@-]{0,127}$"

@@ -20,6 +20,8 @@ each image's own token span (its markers and placeholder tokens, the model famil
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -157,8 +159,9 @@ class Prompts:
 
     def _take_images(self, messages: Sequence[dict]) -> tuple[Sequence[dict], list[ImageData]]:
         """The messages with each image part as `{"type": "image"}` (what templates read), and
-        the images, decoded, in order. Raises ImageError for an image sent to a text model,
-        and for bytes that are not an image."""
+        the images, decoded and made into their encoder's inputs, one at a time (so that one
+        image's decoded pixels are held at once), in order. Raises ImageError for an image
+        sent to a text model, and for bytes that are not an image."""
         images: list[ImageData] = []
         out: list[dict] | None = None
         for i, m in enumerate(messages):
@@ -173,7 +176,11 @@ class Prompts:
                     where = f"messages.{i}.content.{j}"
                     if self.images is None:
                         raise text_only(where)
-                    images.append(_image_data(part.get("image"), where))
+                    image = _image_data(part.get("image"), where)
+                    if image.expanded is None:  # its encoder inputs at once, its pixels let go
+                        expanded = self.images.expand(image)
+                        image = dataclasses.replace(image, pixels=None, expanded=expanded)
+                    images.append(image)
                     part = {k: v for k, v in part.items() if k != "image"}
                 parts.append(part)
             if out is None:
@@ -197,7 +204,7 @@ class Prompts:
             _check_holes(text, holes)
         ids: list[int] = []
         spans: list[PromptImage] = []
-        expansions = [self.images.expand(image) for image in images]
+        expansions = [image.expanded for image in images]
         for k, piece in enumerate(pieces):
             # the text the family writes around a span goes with the text beside it
             if k > 0:
@@ -294,15 +301,16 @@ class Prompts:
         return self._added  # type: ignore[return-value]
 
     def _plain_ids(self, text: str) -> list[int]:
-        """`text`'s ids with the added tokens' text in it tokenized as ordinary text."""
+        """`text`'s ids with the added tokens' text in it tokenized as ordinary text, special
+        or not (Qwen3's `<think>` and `<tool_call>` are not special, and its parsers and
+        template give them meaning all the same)."""
         if self._plain is None:
             hf = getattr(self.tokenizer, "_tokenizer", self.tokenizer)
             backend = getattr(hf, "_tokenizer", None) or getattr(hf, "backend_tokenizer", None)
             if isinstance(backend, tokenizers.Tokenizer):
-                plain = tokenizers.Tokenizer.from_str(backend.to_str())
-                plain.encode_special_tokens = True
+                plain = _without_added_tokens(backend)
                 self._plain = lambda t: plain.encode(t, add_special_tokens=False).ids
-            else:  # a Python tokenizer: transformers' own switch
+            else:  # a Python tokenizer: transformers' switch skips every added token
                 self._plain = lambda t: hf(t, add_special_tokens=False, split_special_tokens=True)[
                     "input_ids"
                 ]
@@ -445,6 +453,15 @@ class Prompts:
             nested = any(a != b and a in b for a in texts for b in texts)
             self._specials = [] if nested else specials
         return self._specials
+
+
+def _without_added_tokens(backend: tokenizers.Tokenizer) -> tokenizers.Tokenizer:
+    """A copy of `backend` that knows no added token: their text goes through the normalizer,
+    the pre-tokenizer and the model like any other (`encode_special_tokens` would split only
+    the special ones)."""
+    data = json.loads(backend.to_str())
+    data["added_tokens"] = []
+    return tokenizers.Tokenizer.from_str(json.dumps(data))
 
 
 def _check_holes(text: str, holes: list[str]) -> None:

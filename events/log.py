@@ -60,9 +60,11 @@ __all__ = [
     "LogClosedError",
     "LogInUseError",
     "LogCorruptError",
+    "LogPathError",
     "LogRun",
     "TornLineWarning",
     "UnsupportedSchemaError",
+    "check_log_path",
     "log_files",
     "read_events",
     "read_header",
@@ -88,6 +90,32 @@ _MAX_BATCH = 4096  # events serialised per wake-up of the writer thread
 # 2-core x86 box). An idle writer still sleeps until the next event, and a crash can lose at
 # most this much more of the log than before.
 _GATHER_S = 0.01
+
+
+class LogPathError(ValueError):
+    """No log can be written at the path given: it is a folder, or its folder is missing or
+    is a file. The message says which and what to do."""
+
+
+def check_log_path(path: str | Path) -> None:
+    """Raise LogPathError for a path no log can be written at (its lock file's and its own
+    open would fail with an OSError that names neither the log nor the fix)."""
+    path = Path(path)
+    if path.is_dir():
+        raise LogPathError(f"event log {path} is a folder: give a file's path in it")
+    folder = path.parent
+    if folder.is_dir():
+        return
+    # The first ancestor there is: a file where a folder should be, or a missing folder.
+    there = next((p for p in folder.parents if p.exists()), None)
+    if folder.exists() or (there is not None and not there.is_dir()):
+        blocker = folder if folder.exists() else there
+        raise LogPathError(
+            f"event log {path}: {blocker} is a file, not a folder: choose another path"
+        )
+    raise LogPathError(
+        f"event log {path}: the folder {folder} does not exist: create it, or choose another path"
+    )
 
 
 class EventLogWriter:
@@ -149,6 +177,7 @@ class EventLogWriter:
         self._file_bytes = 0
         self._error: BaseException | None = None
         self._started = True  # False: the header could not be written, nothing is recorded
+        check_log_path(self.path)
         # Before looking at the files: a second live writer would interleave its run.
         self._log_lock = LogLock(self.path)
         try:

@@ -24,6 +24,7 @@ from stepline.api.pipeline.served import OneModel
 from stepline.events.log import (
     EventLogWriter,
     LogInUseError,
+    LogPathError,
     read_events,
     read_run_events,
     read_runs,
@@ -117,6 +118,36 @@ def test_serve_on_a_log_another_process_writes_exits_with_a_message_naming_it(de
         )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert f"is being written by another process (pid {os.getpid()}" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("where", "says"),
+    [
+        ("afile/run.jsonl", "afile is a file, not a folder"),
+        ("afile/deeper/run.jsonl", "afile is a file, not a folder"),
+        ("missing/run.jsonl", "does not exist: create it"),
+        (".", "is a folder"),
+    ],
+)
+def test_a_log_path_no_log_can_be_written_at_is_a_clear_error(tmp_path, where, says):
+    (tmp_path / "afile").write_text("x")
+    path = tmp_path / where
+    with pytest.raises(LogPathError, match=says):
+        EventLogWriter(path, run_header())
+    assert not list(tmp_path.glob("*.lock"))
+
+
+def test_serve_with_a_log_whose_folder_is_a_file_exits_2_without_a_traceback(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    proc = subprocess.run(
+        serve_argv("--event-log", str(tmp_path / "afile" / "run.jsonl")),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "afile is a file, not a folder" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 

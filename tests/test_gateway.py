@@ -9,12 +9,14 @@ client sees, and every later request succeeds on the other engine.
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +26,7 @@ import openai
 import pytest
 from helpers import until
 
-from stepline.api.cli.gateway import free_port
+from stepline.api.cli.gateway import add_gateway_parser, free_port, router_command, stop_all
 from stepline.events.log import read_events
 from stepline.events.models import Admitted
 
@@ -256,3 +258,55 @@ def test_an_engine_killed_mid_stream_fails_its_streams_and_the_other_serves_on(
     )
     read_again(gateway, "/health", times=2)
     _chats_succeed(client, 6, "after")
+
+
+# -- the gateway process itself (no engine started) -------------------------------------------
+
+
+def _gateway_args(**overrides) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_gateway_parser(parser.add_subparsers())
+    args = parser.parse_args(["gateway"])
+    return argparse.Namespace(**{**vars(args), **overrides})
+
+
+def test_every_listener_of_the_router_is_on_the_host_asked_for():
+    command = router_command(_gateway_args(host="127.0.0.1"), ["http://127.0.0.1:1"], 4242)
+    assert command[command.index("--host") + 1] == "127.0.0.1"
+    assert command[command.index("--prometheus-host") + 1] == "127.0.0.1"  # not 0.0.0.0
+    assert command[command.index("--prometheus-port") + 1] == "4242"
+    # a frozen engine is out after at most one interval and half of one
+    assert int(command[command.index("--health-check-timeout-secs") + 1]) <= 2
+
+
+def _sleeper(*setup: str) -> subprocess.Popen:
+    code = "; ".join(["import signal, time", *setup, "print('up', flush=True)", "time.sleep(60)"])
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None
+    with p.stdout:
+        assert p.stdout.readline() == "up\n"
+    return p
+
+
+def test_a_stop_ends_an_engine_that_is_stopped_at_once():
+    frozen = _sleeper()
+    os.kill(frozen.pid, signal.SIGSTOP)
+    started = time.monotonic()
+    stop_all([frozen])
+    assert time.monotonic() - started < 5  # not STOP_WAIT_S: it was woken to take the SIGTERM
+    assert frozen.returncode == -signal.SIGTERM
+
+
+def test_a_second_signal_during_the_drain_kills_what_is_left_and_returns():
+    stubborn = _sleeper("signal.signal(signal.SIGTERM, signal.SIG_IGN)")  # drains forever
+    previous = signal.getsignal(signal.SIGTERM)
+    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM))
+    timer.start()
+    started = time.monotonic()
+    try:
+        stop_all([stubborn])
+    finally:
+        timer.cancel()
+    assert time.monotonic() - started < 5
+    assert stubborn.returncode == -signal.SIGKILL
+    assert signal.getsignal(signal.SIGTERM) is previous  # the caller's handler is back

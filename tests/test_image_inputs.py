@@ -13,12 +13,14 @@ import base64
 import hashlib
 import http.server
 import io
+import struct
 import threading
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
 import anthropic
 import anyio
+import httpx
 import ollama
 import openai
 import pytest
@@ -58,6 +60,17 @@ _buf = io.BytesIO()
 _pixels.save(_buf, "PNG")
 PICTURE = _buf.getvalue()
 PNG_B64 = base64.b64encode(PNG).decode()
+
+
+def _ico_holding(inner_png: bytes) -> bytes:
+    """An ICO whose one entry is `inner_png`: its header says 256 x 256, whatever the PNG is."""
+    entry = struct.pack("<BBBBHHII", 0, 0, 0, 0, 1, 32, len(inner_png), 6 + 16)
+    return struct.pack("<HHH", 0, 1, 1) + entry + inner_png
+
+
+_big = io.BytesIO()
+Image.new("L", (4000, 4000)).save(_big, "PNG")
+ICO_BOMB = _ico_holding(_big.getvalue())  # 16 Mpixels in ~16 KB
 DATA_URL = f"data:image/png;base64,{PNG_B64}"
 
 
@@ -118,6 +131,8 @@ def host() -> Iterator[ImageHost]:
                 self.send(200, PNG, Content_Length=str(len(PNG)), Content_Type="image/png")
             elif path == "/picture.png":
                 self.send(200, PICTURE, Content_Length=str(len(PICTURE)), Content_Type="image/png")
+            elif path == "/icon.ico":
+                self.send(200, ICO_BOMB, Content_Length=str(len(ICO_BOMB)))
             elif path == "/redirect":
                 self.send(302, Location="/cat.png", Content_Length="0")
             elif path == "/loop":
@@ -639,6 +654,60 @@ async def test_a_corrupt_image_is_a_400_at_every_door_and_the_engine_serves_on(v
         )
     assert answer.choices[0].finish_reason in ("stop", "length")
     assert vision.engine.healthy
+
+
+async def test_an_ico_bomb_is_refused_undecoded_at_every_door_count_tokens_and_url(
+    vision, host, monkeypatch
+):
+    from PIL import ImageFile
+
+    def load(self):
+        raise AssertionError(f"a {self.format} image was decoded")
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", load)
+    b64 = base64.b64encode(ICO_BOMB).decode()
+    data_url = f"data:image/png;base64,{b64}"
+    anthropic_image = {
+        "type": "image",
+        "source": {"type": "base64", "media_type": "image/png", "data": b64},
+    }
+    requests = {
+        "chat": (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [image_url(data_url)]}]},
+        ),
+        "url": (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [image_url(f"{host.url}/icon.ico")]}]},
+        ),
+        "responses": (
+            "/v1/responses",
+            {
+                "input": [
+                    {"role": "user", "content": [{"type": "input_image", "image_url": data_url}]}
+                ]
+            },
+        ),
+        "anthropic": (
+            "/v1/messages",
+            {"messages": [{"role": "user", "content": [anthropic_image]}]},
+        ),
+        "count_tokens": (
+            "/v1/messages/count_tokens",
+            {"messages": [{"role": "user", "content": [anthropic_image]}]},
+        ),
+        "ollama": (
+            "/api/chat",
+            {"messages": [{"role": "user", "content": "hi", "images": [b64]}], "stream": False},
+        ),
+    }
+    async with httpx.AsyncClient(base_url=vision.url, timeout=60) as http:
+        for door, (path, body) in requests.items():
+            r = await http.post(path, json={"model": VISION, "max_tokens": 4, **body})
+            assert r.status_code == 400, (door, r.text)
+            assert "an ICO file" in r.text and "PNG, JPEG, WebP or GIF" in r.text, door
+            if path.startswith("/v1/chat") or path == "/v1/responses":
+                assert r.json()["error"]["code"] == "unsupported_image_format", door
 
 
 async def test_ollamas_clients_see_a_vision_model_and_send_it_images(vision):

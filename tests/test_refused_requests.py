@@ -237,6 +237,26 @@ async def test_an_unknown_model_gets_a_404_and_leaves_a_lone_rejected_terminal(s
 
 
 @http_tests
+async def test_an_unknown_model_s_long_name_is_cut_in_the_reply_and_the_logs(served) -> None:
+    from structlog.testing import capture_logs
+
+    name = "m" * 10_000  # past any sane name (the body limit here is 16 KiB)
+    before = served.log.stat().st_size
+    with capture_logs() as logs:
+        async with httpx.AsyncClient(base_url=served.url, timeout=60) as http:
+            r = await http.post("/v1/chat/completions", json=chat("hi", model=name))
+            card = await http.get(f"/v1/models/{'m' * 20_000}")
+    assert (r.status_code, card.status_code) == (404, 404)
+    assert len(r.content) < 1_000 and len(card.content) < 1_000
+    message = r.json()["error"]["message"]
+    assert "m" * 256 in message and "(10,000 characters)" in message
+    terminal = await served.lone_terminal(r.headers["x-request-id"])
+    assert len(terminal.message or "") < 1_000
+    assert served.log.stat().st_size - before < 10_000  # the event log's lines too
+    assert all(len(repr(entry)) < 1_500 for entry in logs)  # and the server's
+
+
+@http_tests
 async def test_a_full_queue_gets_a_429_and_leaves_a_lone_rejected_terminal(served) -> None:
     loop = served.engine.step_loop
     long = {"max_tokens": 900, "ignore_eos": True, "stream": True}

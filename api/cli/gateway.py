@@ -11,7 +11,7 @@ It is for trying it on one machine; across machines each engine is started by it
 supervisor and the gateway is given their URLs (docs/gateway.md). It supervises, it does
 not restart: an engine that exits is reported and the rest serve on; the gateway exiting,
 the last engine exiting, SIGINT or SIGTERM stop everything (engines drain as `stepline
-serve` does at a stop).
+serve` does at a stop, for at most 30 s; a second SIGINT or SIGTERM kills them at once).
 """
 
 from __future__ import annotations
@@ -75,7 +75,8 @@ def add_gateway_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
+    """A port free on `host` now (IPv4 or IPv6)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 
@@ -90,8 +91,10 @@ def engine_command(port: int, log: Path | None, serve_args: list[str]) -> list[s
 
 def router_command(args: argparse.Namespace, urls: list[str], metrics_port: int) -> list[str]:
     """The gateway's command line: `args.policy` over `urls`, health checks every
-    `args.health_interval_s` (one failure takes an engine out, one success brings it back),
-    `/get_load` read as often for `power_of_two`, its Prometheus port `metrics_port`."""
+    `args.health_interval_s` (one failure, or no answer within half the interval, takes an
+    engine out; one success brings it back), `/get_load` read as often for `power_of_two`,
+    its Prometheus listener on `args.host` (the router's default is every interface) at
+    `metrics_port`, and a stop that waits for its requests no longer than the engines'."""
     interval = str(args.health_interval_s)
     return [
         sys.executable,
@@ -111,10 +114,16 @@ def router_command(args: argparse.Namespace, urls: list[str], metrics_port: int)
         "1",
         "--health-success-threshold",
         "1",
+        "--health-check-timeout-secs",
+        str(max(1, args.health_interval_s // 2)),  # a frozen engine answers nothing
         "--worker-startup-check-interval",
         interval,
+        "--prometheus-host",
+        args.host,
         "--prometheus-port",
         str(metrics_port),
+        "--shutdown-grace-period-secs",
+        str(int(STOP_WAIT_S)),
         "--log-level",
         "warn",
     ]
@@ -135,17 +144,31 @@ def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float) -> None:
 
 
 def stop_all(processes: list[subprocess.Popen]) -> None:
-    """SIGTERM each (engines drain), then wait, then kill what is left."""
-    for p in processes:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + STOP_WAIT_S
-    for p in processes:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+    """SIGTERM each (engines drain; a stopped one is continued, so that it can), then wait
+    up to `STOP_WAIT_S`, then kill what is left. A SIGINT or SIGTERM meanwhile (a second
+    Ctrl-C) kills them at once. From the main thread only (it sets signal handlers)."""
+
+    def kill_now(signum: int, frame: Any) -> None:
+        for p in processes:
+            if p.poll() is None:
+                p.kill()
+
+    previous = {s: signal.signal(s, kill_now) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for p in processes:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                p.send_signal(signal.SIGCONT)  # a SIGSTOPped engine handles it only once woken
+        deadline = time.monotonic() + STOP_WAIT_S
+        for p in processes:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def run_gateway(args: argparse.Namespace) -> int:
@@ -165,9 +188,14 @@ def run_gateway(args: argparse.Namespace) -> int:
     router: subprocess.Popen | None = None
 
     def stop(signum: int, frame: Any) -> None:
+        # Once: a second signal before `stop_all` takes over is not a second interrupt
+        # (which would escape the drain and end the process with 130).
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, signal.SIG_IGN)
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, stop)
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, stop)
     try:
         urls = []
         for i in range(args.engines):
@@ -178,7 +206,7 @@ def run_gateway(args: argparse.Namespace) -> int:
             print(f"[gateway] engine {i}: {urls[-1]} (pid {engines[-1].pid}, log {log})")
         for url, process in zip(urls, engines, strict=True):
             wait_healthy(url, process, args.start_timeout_s)
-        router = subprocess.Popen(router_command(args, urls, free_port()))
+        router = subprocess.Popen(router_command(args, urls, free_port(args.host)))
         print(
             f"[gateway] http://{args.host}:{args.port} ({args.policy}) -> {', '.join(urls)}",
             flush=True,

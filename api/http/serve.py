@@ -403,6 +403,10 @@ def run_serve(model: str | PoolConfig | None, engine_kwargs: dict, cfg: ServerCo
     raises what stops it from loading."""
     if isinstance(model, PoolConfig) and engine_kwargs.get("parallel"):
         raise ValueError("--parallel serves one model: give one --model")
+    if engine_kwargs.get("event_log") is not None:  # before listening, and loading anything
+        from stepline.events.log import check_log_path
+
+        check_log_path(engine_kwargs["event_log"])
     if engine_kwargs.get("parallel") and launch_rank() > 0:  # no HTTP: it mirrors rank 0
         assert not isinstance(model, PoolConfig)
         anyio.run(_serve_other_rank, model, engine_kwargs)

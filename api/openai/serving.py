@@ -31,7 +31,7 @@ from openai.types.completion_usage import PromptTokensDetails
 
 from stepline.api.openai import agents
 from stepline.api.openai.schema import ChatCompletionRequest, CompletionRequest
-from stepline.api.pipeline.errors import OPENAI, APIError
+from stepline.api.pipeline.errors import OPENAI, APIError, model_not_found
 from stepline.api.pipeline.model_output import split_output
 from stepline.api.pipeline.serving import (
     Call,
@@ -412,9 +412,7 @@ def router(serving: Serving) -> APIRouter:
     @routes.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> JSONResponse:
         if model_id not in serving.served_model_names:  # its other names get the card too
-            raise APIError(
-                404, f"The model {model_id!r} does not exist", param="model", code="model_not_found"
-            )
+            raise model_not_found(model_id)
         return JSONResponse(door.model_card(model_id).model_dump(exclude_unset=True))
 
     return routes

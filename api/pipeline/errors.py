@@ -114,6 +114,28 @@ def grammar_failed(error: str, rid: str | None) -> APIError:
     )
 
 
+SHOWN_NAME_CHARS = 256  # of a name a client sent, quoted back in an error (and in the logs)
+
+
+def shown_name(name: str) -> str:
+    """`name` quoted, cut to `SHOWN_NAME_CHARS` characters: a name echoed whole would make a
+    3 MB reply of a 3 MB name, and 3 MB lines in the logs."""
+    if len(name) <= SHOWN_NAME_CHARS:
+        return repr(name)
+    return f"{name[:SHOWN_NAME_CHARS]!r}... ({len(name):,} characters)"
+
+
+def model_not_found(name: str, served: str | None = None) -> APIError:
+    """404 for a `model` no served model is called (`served`: the names there are)."""
+    there = f": this server serves {served} (see GET /v1/models)" if served else ""
+    return APIError(
+        404,
+        f"The model {shown_name(name)} does not exist{there}",
+        param="model",
+        code="model_not_found",
+    )
+
+
 def context_exceeded(num_prompt: int, max_context: int, param: str, *, at_least: bool) -> APIError:
     """A prompt that does not fit the model's context (`at_least`: a lower bound, counted
     without tokenizing it)."""
@@ -162,6 +184,7 @@ def known_error(
     from stepline.actors.step_loop import EngineDeadError
     from stepline.api.engine import EngineClosedError
     from stepline.api.json_limits import InputLimitError
+    from stepline.api.pipeline.images import ImagesBusyError
     from stepline.api.prompts import PromptTooLongError
     from stepline.api.refusals import REFUSAL_STATUS
     from stepline.api.request_error import RequestError
@@ -198,6 +221,16 @@ def known_error(
         return shutting_down()
     if isinstance(exc, GrammarError):  # a schema llguidance cannot compile
         return APIError(400, str(exc), param=grammar_param, code="invalid_schema")
+    if isinstance(exc, ImagesBusyError):  # the server's pixel budget stayed full
+        retry_after = max(1, math.ceil(exc.retry_after_s))
+        return APIError(
+            429,
+            f"{exc}: retry after {retry_after} s",
+            param=exc.param,
+            type="rate_limit_error",
+            code="images_busy",
+            headers={"retry-after": str(retry_after)},
+        )
     if isinstance(exc, ImageError):  # corrupt, too large, too many, not fetched, text only
         return APIError(400, exc.message, param=exc.param, code=exc.code)
     if isinstance(exc, InputLimitError):

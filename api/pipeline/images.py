@@ -13,22 +13,41 @@ Ollama's `images`), and http(s) URLs, fetched only when the server allows it
 cannot, hosts on its own network included. Everything that can be checked without fetching
 or decoding (the model reads images, how many there are, the URLs' schemes) is checked before
 anything is fetched or decoded; decoding (Pillow, CPU) runs on a worker thread.
+
+Memory: an image's header is read first (its size, no pixel decoded); its decoded pixels are
+counted against the server's budget (`PixelBudget`, `--max-image-pixels-in-flight`) from
+before they are decoded until the model's vision encoder has its inputs made from them
+(`ImageOptions.expand`), when they are freed: a request holds one image's pixels at a time,
+and the server no more than the budget (a request waits for room, 429 `images_busy` after
+`PIXEL_WAIT_S`).
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
-from collections.abc import Iterator, Sequence
+import dataclasses
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import asynccontextmanager, nullcontext
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import anyio
 
-from stepline.engine.images import ImageData, ImageError, ImageLimits, decode_image, text_only
+from stepline.engine.images import (
+    ImageData,
+    ImageError,
+    ImageHeader,
+    ImageLimits,
+    decode_image,
+    read_header,
+    text_only,
+)
 
 MAX_REDIRECTS = 3  # an image URL's redirects followed
+PIXEL_WAIT_S = 30.0  # most time an image waits for room in the server's pixel budget
+_MEDIA_TYPES = ("image/png", "image/jpeg", "image/webp", "image/gif")
 _SHOWN_URL_CHARS = 120  # of a URL quoted in an error
 
 
@@ -53,6 +72,83 @@ class ImageOptions:
     allow_urls: bool = False  # fetch http(s) image URLs
     fetch_timeout_s: float = 10.0  # most time one image URL's fetch takes, redirects included
     limits: ImageLimits = ImageLimits()
+    # the model's vision encoder inputs of a decoded image (`engine.vision` `expand`): made
+    # as soon as it is decoded, and its pixels dropped; None: the pixels are kept
+    expand: Callable[[ImageData], Any] | None = field(default=None, compare=False)
+    budget: PixelBudget | None = field(default=None, compare=False)  # the server's, shared
+
+
+class ImagesBusyError(Exception):
+    """An image waited `PIXEL_WAIT_S` for room in the server's pixel budget: the server is
+    decoding as many images as it may; retry after `retry_after_s`."""
+
+    def __init__(self, where: str, num_pixels: int, capacity: int, waited_s: float):
+        super().__init__(
+            f"{where} ({num_pixels:,} pixels) waited {waited_s:g} s for room: the server is "
+            f"decoding as many images as it may at once ({capacity:,} pixels, "
+            "max_image_pixels_in_flight)"
+        )
+        self.param = where
+        self.retry_after_s = max(1.0, waited_s / 10)
+
+
+class PixelBudget:
+    """The server's decoded image pixels in flight, at most `capacity`, shared by every model
+    and request: an image holds its pixels from before it is decoded until its encoder inputs
+    are made (`hold`). First come, first served: a large image waiting is not passed by small
+    ones. An event-loop object (no thread touches it)."""
+
+    def __init__(self, capacity: int, wait_s: float = PIXEL_WAIT_S):
+        if capacity < 1:
+            raise ValueError(f"the pixel budget must be at least 1 pixel, got {capacity}")
+        self.capacity = capacity
+        self.wait_s = wait_s
+        self.in_use = 0
+        self._waiting: deque[tuple[int, anyio.Event]] = deque()
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @asynccontextmanager
+    async def hold(self, num_pixels: int, where: str) -> AsyncIterator[None]:
+        """Hold `num_pixels` of the budget (the whole budget at most) while the body runs,
+        waiting for room first. Raises ImagesBusyError after `wait_s` without room."""
+        n = min(num_pixels, self.capacity)
+        if self._waiting or self.in_use + n > self.capacity:
+            await self._wait(n, num_pixels, where)
+        else:
+            self.in_use += n
+        try:
+            yield
+        finally:
+            self.in_use -= n
+            self._grant()
+
+    async def _wait(self, n: int, num_pixels: int, where: str) -> None:
+        granted = anyio.Event()
+        entry = (n, granted)
+        self._waiting.append(entry)
+        try:
+            with anyio.move_on_after(self.wait_s):
+                await granted.wait()
+        except BaseException:  # cancelled: give back what was granted meanwhile
+            if granted.is_set():
+                self.in_use -= n
+            else:
+                self._waiting.remove(entry)
+            self._grant()
+            raise
+        if not granted.is_set():
+            self._waiting.remove(entry)
+            self._grant()
+            raise ImagesBusyError(where, num_pixels, self.capacity, self.wait_s)
+
+    def _grant(self) -> None:
+        while self._waiting and self.in_use + self._waiting[0][0] <= self.capacity:
+            n, granted = self._waiting.popleft()
+            self.in_use += n
+            granted.set()
 
 
 def image_part(source: ImageSource) -> dict[str, Any]:
@@ -149,10 +245,10 @@ def _check(source: ImageSource, options: ImageOptions) -> None:
     """What can be said of `source` without fetching or decoding it."""
     where = source.where
     if source.url is None:
-        if source.media_type is not None and not source.media_type.startswith("image/"):
+        if source.media_type is not None and source.media_type.lower() not in _MEDIA_TYPES:
             raise ImageError(
-                f"{where} has media type {source.media_type!r}: send an image (image/png, "
-                "image/jpeg, image/webp, image/gif)",
+                f"{where} has media type {_shown(source.media_type)!r}: send an image as "
+                "image/png, image/jpeg, image/webp or image/gif",
                 param=where,
             )
         return
@@ -194,20 +290,50 @@ def _data_url(url: str, where: str) -> str:
 
 
 async def _image(source: ImageSource, options: ImageOptions, fetcher: _Fetcher) -> ImageData:
+    """`source` fetched or decoded from base64, its header read and checked, then decoded
+    within the server's pixel budget and, where the model's encoder is known, made into its
+    inputs at once (the pixels dropped)."""
     where, limits = source.where, options.limits
     if source.url is not None and source.url[:5].lower() != "data:":
         data = await fetcher.fetch(source.url, where)
-        return await anyio.to_thread.run_sync(
-            partial(decode_image, data, where=where, limits=limits)
+        header = await anyio.to_thread.run_sync(_header, data, source, limits)
+    else:
+        text = _data_url(source.url, where) if source.url is not None else source.data or ""
+        if len(text) // 4 * 3 > limits.max_bytes + 3:  # past the limit whatever it decodes to
+            raise _too_large(where, limits.max_bytes)
+        data, header = await anyio.to_thread.run_sync(_decoded_header, text, source, limits)
+    budget = options.budget
+    held = nullcontext() if budget is None else budget.hold(header.num_pixels, where)
+    async with held:
+        return await anyio.to_thread.run_sync(_decoded, data, where, options)
+
+
+def _decoded_header(
+    text: str, source: ImageSource, limits: ImageLimits
+) -> tuple[bytes, ImageHeader]:
+    data = _base64(text, source.where)
+    return data, _header(data, source, limits)
+
+
+def _header(data: bytes, source: ImageSource, limits: ImageLimits) -> ImageHeader:
+    """`data`'s header (`read_header`), its format the one the client named, if it did."""
+    header = read_header(data, where=source.where, limits=limits)
+    named = source.media_type
+    if named is not None and named.lower() != header.media_type:
+        raise ImageError(
+            f"{source.where} has media type {named!r} but its bytes are {header.media_type}: "
+            "name the image's own format",
+            param=source.where,
         )
-    text = _data_url(source.url, where) if source.url is not None else source.data or ""
-    if len(text) // 4 * 3 > limits.max_bytes + 3:  # past the limit whatever it decodes to
-        raise _too_large(where, limits.max_bytes)
-    return await anyio.to_thread.run_sync(partial(_decoded, text, where, limits))
+    return header
 
 
-def _decoded(text: str, where: str, limits: ImageLimits) -> ImageData:
-    return decode_image(_base64(text, where), where=where, limits=limits)
+def _decoded(data: bytes, where: str, options: ImageOptions) -> ImageData:
+    image = decode_image(data, where=where, limits=options.limits)
+    if options.expand is None:
+        return image
+    expanded = options.expand(image)
+    return dataclasses.replace(image, pixels=None, expanded=expanded)
 
 
 _NO_SPACE = str.maketrans("", "", " \t\r\n")

@@ -28,6 +28,7 @@ from stepline.api.pipeline.errors import (
     client_closed,
     internal_error,
     known_error,
+    model_not_found,
 )
 from stepline.api.pipeline.output import RequestFailed, asks_resumable
 from stepline.api.pipeline.served import Models, RequestContext
@@ -163,14 +164,7 @@ class Intake:
         """Raises APIError 404 if `model` is given and not a name this server serves."""
         names = self.models.names
         if model is not None and model not in names:
-            listed = ", ".join(repr(n) for n in names)
-            raise APIError(
-                404,
-                f"The model {model!r} does not exist: this server serves {listed} "
-                "(see GET /v1/models)",
-                param="model",
-                code="model_not_found",
-            )
+            raise model_not_found(model, ", ".join(repr(n) for n in names))
 
     async def handle(
         self,

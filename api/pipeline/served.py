@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from stepline.api.config import ServerConfig
 from stepline.api.pipeline.agents import configure
-from stepline.api.pipeline.images import ImageOptions
+from stepline.api.pipeline.images import ImageOptions, PixelBudget
 from stepline.engine.images import ImageLimits
 
 if TYPE_CHECKING:
@@ -32,11 +32,18 @@ if TYPE_CHECKING:
 
 
 class ServedModel:
-    def __init__(self, engine: Engine, config: ServerConfig, names: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        engine: Engine,
+        config: ServerConfig,
+        names: tuple[str, ...] = (),
+        pixel_budget: PixelBudget | None = None,
+    ):
         """Raises ValueError for agent options (`--chat-template`, `--reasoning-parser`, ...)
-        the model cannot honour."""
+        the model cannot honour. `pixel_budget`: the server's, shared by its models."""
         self.engine = engine
         self.names: tuple[str, ...] = names or (engine.model_name,)
+        vision = getattr(engine.prompts, "images", None)
         self.images = ImageOptions(
             accepts_images=engine.accepts_images,
             allow_urls=config.allow_image_urls,
@@ -44,6 +51,8 @@ class ServedModel:
             limits=ImageLimits(
                 config.max_image_bytes, config.max_image_pixels, config.max_images_per_request
             ),
+            expand=None if vision is None else vision.expand,
+            budget=pixel_budget or PixelBudget(config.max_image_pixels_in_flight),
         )
         # Applies --chat-template to the tokenizer.
         self.reasoning, self.default_template_kwargs = configure(

@@ -23,6 +23,7 @@ from typing import Any
 
 from stepline.api.config import ServerConfig
 from stepline.api.pipeline import output
+from stepline.api.pipeline.images import PixelBudget
 from stepline.api.pipeline.intake import Intake, json_response
 from stepline.api.pipeline.output import Output, Piece, Renderer, RequestFailed
 from stepline.api.pipeline.resume import ResumeRegistry
@@ -60,8 +61,10 @@ class Serving:
         self.interrupted = interrupted
         self.models = models
 
+        budget = PixelBudget(config.max_image_pixels_in_flight)  # one for every model
+
         def build(engine: Any, names: tuple[str, ...]) -> ServedModel:
-            return ServedModel(engine, config, names)
+            return ServedModel(engine, config, names, budget)
 
         models.attach(build, config.served_model_name)
         self.resume = ResumeRegistry(config.resume_grace_s)

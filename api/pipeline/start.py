@@ -17,7 +17,7 @@ from stepline.api.config import ServerConfig
 from stepline.api.params import SamplingParams
 from stepline.api.pipeline.agents import AgentPlan
 from stepline.api.pipeline.errors import APIError, context_exceeded, known_error
-from stepline.api.pipeline.images import resolve_images
+from stepline.api.pipeline.images import ImagesBusyError, resolve_images
 from stepline.api.pipeline.model_output import OutputFormat, OutputSplitter
 from stepline.api.pipeline.resume import presented_key
 from stepline.api.pipeline.served import RequestContext
@@ -258,8 +258,9 @@ class Starter:
         self, ctx: RequestContext[Any], messages: list[dict[str, Any]]
     ) -> list[dict[str, Any]]:
         """`messages` with their image parts fetched and decoded (`resolve_images`). Raises
-        APIError (400) for images this server does not take: any, to a text-only model."""
+        APIError (400) for images this server does not take: any, to a text-only model; 429
+        when the server's pixel budget stays full."""
         try:
             return await resolve_images(messages, ctx.model.images)
-        except ImageError as exc:
+        except (ImageError, ImagesBusyError) as exc:
             raise known_error(exc) or exc from None
