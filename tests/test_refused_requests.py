@@ -241,7 +241,8 @@ async def test_an_unknown_model_s_long_name_is_cut_in_the_reply_and_the_logs(ser
     from structlog.testing import capture_logs
 
     name = "m" * 10_000  # past any sane name (the body limit here is 16 KiB)
-    before = served.log.stat().st_size
+    assert served.event_log is not None
+    before = served.event_log.stat().st_size
     with capture_logs() as logs:
         async with httpx.AsyncClient(base_url=served.url, timeout=60) as http:
             r = await http.post("/v1/chat/completions", json=chat("hi", model=name))
@@ -250,9 +251,9 @@ async def test_an_unknown_model_s_long_name_is_cut_in_the_reply_and_the_logs(ser
     assert len(r.content) < 1_000 and len(card.content) < 1_000
     message = r.json()["error"]["message"]
     assert "m" * 256 in message and "(10,000 characters)" in message
-    terminal = await served.lone_terminal(r.headers["x-request-id"])
+    terminal = await lone_terminal(served, r.headers["x-request-id"])
     assert len(terminal.message or "") < 1_000
-    assert served.log.stat().st_size - before < 10_000  # the event log's lines too
+    assert served.event_log.stat().st_size - before < 10_000  # the event log's lines too
     assert all(len(repr(entry)) < 1_500 for entry in logs)  # and the server's
 
 

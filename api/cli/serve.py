@@ -13,7 +13,7 @@ from stepline.api.config import ModelSpec, PoolConfig, ServerConfig, read_models
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add `stepline serve` to the CLI's subparsers."""
-    from stepline.api.cli import add_engine_args
+    from stepline.api.cli.flags import add_engine_args
 
     p = subparsers.add_parser(
         "serve",
@@ -48,7 +48,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from stepline.api.cli import engine_kwargs
+    from stepline.api.cli.flags import engine_kwargs
     from stepline.api.http.serve import run_serve
 
     server = ServerConfig(**options(args, ServerConfig))
