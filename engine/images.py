@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import threading
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -174,6 +175,26 @@ def decode_image(data: bytes, *, where: str, limits: ImageLimits = ImageLimits()
     )
 
 
+_PILLOW_INIT = threading.Lock()
+_pillow_ready = False
+
+
+def _pillow() -> Any:
+    """Pillow's Image module, its format plugins registered once, under a lock: `Image.open`
+    with `formats` registers them lazily, and two threads doing it at once (the warm-up's
+    image on the executor, a request's in a worker thread) once left one of them an image
+    whose pixels would not decode."""
+    global _pillow_ready
+    from PIL import Image
+
+    if not _pillow_ready:
+        with _PILLOW_INIT:
+            if not _pillow_ready:
+                Image.init()
+                _pillow_ready = True
+    return Image
+
+
 def _opened(data: bytes, where: str, limits: ImageLimits) -> Any:
     """`data` opened by Pillow (lazily: the header read, no pixel decoded) as one of
     FORMATS, its bytes and its size checked against `limits`: a `PIL.Image.Image` to close.
@@ -186,7 +207,7 @@ def _opened(data: bytes, where: str, limits: ImageLimits) -> Any:
             code="image_too_large",
         )
     try:
-        from PIL import Image
+        Image = _pillow()
     except ImportError:  # pragma: no cover - the vision extra brings Pillow
         raise ImageError(
             "images need Pillow: pip install 'stepline[vision]'", param=where
