@@ -278,11 +278,14 @@ class Warmup:
 
         from PIL import Image
 
-        from stepline.engine.images import decode_image, place_image
+        from stepline.engine.images import ImageData, digest_of, place_image
 
         out = io.BytesIO()
-        Image.new("RGB", size, (rng.randrange(256),) * 3).save(out, format="PNG")
-        data = decode_image(out.getvalue(), where="warm-up")
+        pixels = Image.new("RGB", size, (rng.randrange(256),) * 3)
+        pixels.save(out, format="PNG")
+        png = out.getvalue()
+        # Its pixels as made (not decoded again: nothing of a client's file to check).
+        data = ImageData(png, digest_of(png), size[0], size[1], "image/png", pixels)
         assert self._vision is not None
         before, after = self._prompt(rng, 4), self._prompt(rng, 4)
         span, image = place_image(
