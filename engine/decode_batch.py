@@ -5,7 +5,9 @@ request decodes against its own cache, outside the batch).
 
 Rows change only between steps: a finished prefill joins, an ended request is filtered
 out, a row that starts drafting leaves (it takes its cache out), one that stops drafting
-joins again. While the batch's next forward is built ahead (`engine/lookahead.py`), every
+joins again; a row parked for fair share (actors/scheduler/seats.py) leaves after the step
+it decodes in, its cache taken out, and joins again after the step that resumes it.
+While the batch's next forward is built ahead (`engine/lookahead.py`), every
 row's cache already holds its last token: rows may still end, but none joins or leaves
 until that forward's step is over (`place` defers those moves to after it).
 """
@@ -32,9 +34,11 @@ class Moves:
 
     joining: tuple[str, ...] = ()  # drafting requests that stopped drafting: into the batch
     leaving: tuple[str, ...] = ()  # batch rows that start drafting: out of it
+    parking: tuple[str, ...] = ()  # rows parked: out of it, not decoding
+    resuming: tuple[str, ...] = ()  # parked requests: into it
 
     def __bool__(self) -> bool:
-        return bool(self.joining or self.leaving)
+        return bool(self.joining or self.leaving or self.parking or self.resuming)
 
 
 @dataclass(frozen=True)
@@ -81,10 +85,12 @@ class DecodeBatch:
         )
         leaving = [rid for rid in drafting if not seqs[rid].solo]
         moves = Moves(tuple(joining), tuple(leaving))
+        seats = Moves(parking=plan.parks, resuming=plan.resumes)  # always after the step
         if self.ahead is None:
-            return Placement(drafting, before=moves)
+            return Placement(drafting, before=moves, after=seats)
         stay = {rid: d for rid, d in drafting.items() if rid not in moves.leaving}
-        return Placement(stay | {rid: () for rid in joining}, after=moves)
+        after = Moves(moves.joining, moves.leaving, seats.parking, seats.resuming)
+        return Placement(stay | {rid: () for rid in joining}, after=after)
 
     def check(self, plan: StepPlan, drafting: Collection[str]) -> None:
         """Raise RuntimeError unless the batch holds exactly the rows the plan decodes in it."""
@@ -95,9 +101,25 @@ class DecodeBatch:
             )
 
     def move(self, moves: Moves, seqs: Mapping[str, Seq]) -> None:
-        """Between steps: requests that stopped drafting join, rows that start leave."""
+        """Between steps: requests that stopped drafting join, rows that start leave; rows
+        parked leave, parked requests resuming join."""
         self._stop_drafting([seqs[rid] for rid in moves.joining if rid in seqs])
         self._start_drafting([rid for rid in moves.leaving if rid in seqs])
+        self._park([rid for rid in moves.parking if rid in seqs], seqs)
+        self._resume([seqs[rid] for rid in moves.resuming if rid in seqs])
+
+    def _park(self, request_ids: Sequence[str], seqs: Mapping[str, Seq]) -> None:
+        """Each row takes its cache out of the batch and waits (a drafting row has it)."""
+        self._start_drafting([rid for rid in request_ids if not seqs[rid].solo])
+        for rid in request_ids:
+            seqs[rid].parked = True
+
+    def _resume(self, seqs: Sequence[Seq]) -> None:
+        """Parked requests join the batch with their caches."""
+        resuming = [s for s in seqs if s.parked]
+        for seq in resuming:
+            seq.parked = False
+        self._stop_drafting(resuming)
 
     def _stop_drafting(self, seqs: Sequence[Seq]) -> None:
         joining = [s for s in seqs if s.solo and s.output and s.cache is not None]

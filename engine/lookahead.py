@@ -155,9 +155,9 @@ class LookAhead:
         if not self.enabled or not batch or self.error is not None:
             return
         # Requests outside the batch are prefilling, drafting (their rows run in the next
-        # step's fused forward, as a chunk does), or ended at their first token.
+        # step's fused forward, as a chunk does), parked, or ended at their first token.
         prefilling = len(seqs) > len(batch) and any(
-            s.cache is not None and (s.solo or not s.output) for s in seqs.values()
+            s.cache is not None and not s.parked and (s.solo or not s.output) for s in seqs.values()
         )
         if started is None and not decode_runs_apart(
             fused_steps=self.fused_steps, prefilling=prefilling

@@ -40,6 +40,8 @@ class Seq:
     key: tuple[int, ...] | None = None
     # it drafts (actors/scheduler/drafter.py): it decodes against its own `cache`, not in the batch
     solo: bool = False
+    # out of its seat (actors/scheduler/seats.py): its own `cache` kept, it does not decode
+    parked: bool = False
 
     def key_of(self, end: int) -> list[int]:
         """The prefix cache's key of the prompt's first `end` tokens."""

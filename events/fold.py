@@ -20,7 +20,9 @@ from stepline.events.models import (
     FinishReason,
     ImageEncoded,
     ImageRef,
+    Parked,
     RequestParams,
+    Resumed,
     StepFinished,
     StepPlanned,
     Terminal,
@@ -61,6 +63,8 @@ class RequestState:
     admitted_seq: int  # arrival order: the scheduler serves older requests first
     admitted_ts: float
     client: str | None = None  # who sent it (`Admitted.client`): fair share between clients
+    # decoding, but out of the decode batch for fair share (`Parked`, until `Resumed`)
+    parked: bool = False
     images: tuple[ImageRef, ...] = ()  # its prompt's images, in prompt order
     encoded: tuple[int, ...] = ()  # of each image, the encoder's units done
     first_token_ts: float | None = None
@@ -168,6 +172,8 @@ def apply(state: RequestState | None, event: Event | Decoding) -> RequestState:
         return state.evolve(checkpoints_reached=(*state.checkpoints_reached, event.offset))
     if isinstance(event, Decoding):
         return apply_sampled(state, event, event.num_tokens)
+    if isinstance(event, Parked | Resumed):
+        return _apply_seat(state, event)
     if isinstance(event, Terminal):
         if event.reason in _NORMAL_ENDS and state.num_computed_tokens != state.num_prompt_tokens:
             raise FoldError(
@@ -206,6 +212,18 @@ def _refused(event: Terminal) -> RequestState:
     )
 
 
+def _apply_seat(state: RequestState, event: Parked | Resumed) -> RequestState:
+    """A decoding request leaves its seat (`Parked`) or takes one again (`Resumed`)."""
+    parks = isinstance(event, Parked)
+    if state.status is not Status.DECODING or state.parked is parks:
+        now = "parked" if state.parked else state.status.value
+        raise FoldError(
+            "park-out-of-turn",
+            f"request {state.request_id} is {event.type} while {now} (seq {event.seq})",
+        )
+    return state.evolve(parked=parks)
+
+
 def apply_sampled(
     state: RequestState, event: TokensSampled | Decoding, num_tokens: int
 ) -> RequestState:
@@ -217,6 +235,11 @@ def apply_sampled(
             "prompt-not-covered",
             f"request {state.request_id} got tokens with {state.num_computed_tokens} of its "
             f"{state.num_prompt_tokens} prompt tokens computed (seq {event.seq})",
+        )
+    if state.parked:
+        raise FoldError(
+            "tokens-while-parked",
+            f"request {state.request_id} got tokens while parked (seq {event.seq})",
         )
     return state.evolve(
         num_output_tokens=state.num_output_tokens + num_tokens,

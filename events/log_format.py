@@ -187,14 +187,26 @@ def _v6_to_v7(raw: dict[str, Any]) -> dict[str, Any]:
     return raw
 
 
+def _v7_to_v8(raw: dict[str, Any]) -> dict[str, Any]:
+    # Schema 8 only added `parked` and `resumed` events: a version-7 log has none.
+    return raw
+
+
 _UPCASTERS[1] = _v1_to_v2
 _UPCASTERS[2] = _v2_to_v3
 _UPCASTERS[3] = _v3_to_v4
 _UPCASTERS[4] = _v4_to_v5
 _UPCASTERS[5] = _v5_to_v6
 _UPCASTERS[6] = _v6_to_v7
+_UPCASTERS[7] = _v7_to_v8
 # upcasters that change nothing (by version): while registered, their records parse as they are
-_NO_OP_UPCASTERS = {1: _v1_to_v2, 3: _v3_to_v4, 4: _v4_to_v5, 5: _v5_to_v6}
+_NO_OP_UPCASTERS = {
+    1: _v1_to_v2,
+    3: _v3_to_v4,
+    4: _v4_to_v5,
+    5: _v5_to_v6,
+    7: _v7_to_v8,
+}
 
 
 def needs_upcast(version: int) -> bool:

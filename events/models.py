@@ -28,7 +28,10 @@ upcaster changes nothing. 7 says why: a step's plan records what sized each chun
 `Terminal` (reason rejected, with the error's `code` and `status`); and a step's tokens are
 a `decoding` event (the mission's name; 3 to 6 called it `tokens`). The 6 -> 7 upcaster
 renames `tokens` to `decoding`; the other additions' defaults (not recorded) describe a
-version-6 log.
+version-6 log. 8 added `Parked` and `Resumed`: a decoding request of a client running more
+than its fair share steps out of the decode batch (its cache kept) so that another client's
+request gets a seat, and steps back in later; a version-7 log has none, so the 7 -> 8
+upcaster changes nothing.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from typing import Annotated, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 
 
 class FinishReason(StrEnum):
@@ -291,6 +294,24 @@ class TokensSampled(_Event):
         ]
 
 
+class Parked(_Event):
+    """The decoding request left the decode batch after this step, its cache kept: it
+    decodes no more until `Resumed`. `reason` "fair-share": its client ran more than its
+    share of the seats (`max_num_seqs` / the clients with live requests) while another
+    client's request waited for one (actors/scheduler/seats.py)."""
+
+    type: Literal["parked"] = "parked"
+    request_id: str
+    reason: Literal["fair-share"] = "fair-share"
+
+
+class Resumed(_Event):
+    """The parked request took a seat again: it decodes from this step on."""
+
+    type: Literal["resumed"] = "resumed"
+    request_id: str
+
+
 class Terminal(_Event):
     """The request ended. Exactly one per request; nothing of it follows."""
 
@@ -359,6 +380,8 @@ Event = Annotated[
     | ImageEncoded
     | CheckpointReached
     | TokensSampled
+    | Parked
+    | Resumed
     | Terminal
     | ModelLoaded
     | ModelLoadFailed

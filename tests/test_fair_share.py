@@ -14,7 +14,7 @@ import anyio
 import httpx
 import pytest
 from core_driver import TOKEN, make_core, params, run_step
-from helpers import DEMO_LARGE_COST, wait_finished, wait_until
+from helpers import DEMO_LARGE_COST, wait_until
 from starlette.datastructures import Headers
 
 from stepline.actors.scheduler.admission import QueueFullError
@@ -29,7 +29,7 @@ from stepline.api.pipeline.served import OneModel
 from stepline.api.pipeline.serving import client_of
 from stepline.events.fold import RequestState, Status, fold
 from stepline.events.log import read_events
-from stepline.events.models import Admitted, ChunkPrefilled, Terminal, TokensSampled
+from stepline.events.models import Admitted, ChunkPrefilled, Parked, Terminal, TokensSampled
 
 COST = DEMO_LARGE_COST  # roughly stepline-demo-large on a CPU (helpers.py)
 
@@ -291,20 +291,23 @@ async def test_streams_one_client_never_reads_do_not_keep_another_clients_chat_w
         assert refused.status_code == 429
         assert refused.json()["error"]["message"].startswith("you have 6 requests waiting")
 
+        # Another client's chat gets its answer while a's streams stay open and unread:
+        # one of them steps aside (parked) until the chat is done.
         b = await open_stream(chat("Tell me about bread.", 8, stream=True), b_key)
         b_id = b.headers["x-request-id"]
-        assert all(loop.state_of(r).status is Status.WAITING for r in [*queued_ids, b_id])
-        await held[0].aclose()  # a hangs up one stream: a slot frees
-        await wait_finished(loop, held_ids[0])
-        await wait_until(loop, lambda: loop.state_of(b_id).status is not Status.WAITING)
-        # b took it; a's queue, older and shorter, still waits.
-        assert all(loop.state_of(r).status is Status.WAITING for r in queued_ids)
         with anyio.fail_after(30):
             frames = [line async for line in b.aiter_lines() if line.startswith("data: ")]
         assert frames[-1] == "data: [DONE]"
         assert json.loads(frames[-2][6:])["choices"][0]["finish_reason"] == "length"
+        assert all(loop.state_of(r).status is Status.DECODING for r in held_ids)
+        # a's parked stream takes its seat back before a's own queue starts
+        await wait_until(loop, lambda: not any(loop.state_of(r).parked for r in held_ids))
+        assert all(loop.state_of(r).status is Status.WAITING for r in queued_ids)
 
-    admitted = {e.request_id: e for e in read_events(path) if isinstance(e, Admitted)}
+    events = list(read_events(path))
+    admitted = {e.request_id: e for e in events if isinstance(e, Admitted)}
+    parked = [e.request_id for e in events if isinstance(e, Parked)]
+    assert len(parked) == 1 and parked[0] in held_ids
     a_clients = {admitted[r].client for r in [*held_ids, *queued_ids]}
     assert a_clients == {client_of(Headers(a_key))}
     assert admitted[b_id].client == client_of(Headers(b_key)) != client_of(Headers(a_key))

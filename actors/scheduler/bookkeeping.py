@@ -88,7 +88,8 @@ class RequestBook:
             return None
         out = {}
         for rid, drafter in self.drafters.items():
-            if states[rid].status is Status.DECODING:
+            state = states[rid]
+            if state.status is Status.DECODING and not state.parked:
                 drafts = drafter.propose()
                 if drafts is not None:
                     out[rid] = drafts

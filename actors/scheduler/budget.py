@@ -32,6 +32,7 @@ from stepline.actors.scheduler.plan import (
     SchedulerConfig,
     StepPlan,
 )
+from stepline.actors.scheduler.seats import NO_MOVES, SeatMoves
 from stepline.actors.scheduler.spans import cut_at_images, whole_image_at
 from stepline.events.fold import RequestState, Status
 from stepline.events.models import ChunkLimit, HeldReason
@@ -103,7 +104,12 @@ class StepBudget:
     tried before any prompt (the prompts' time is what the decode rows and drafts leave)."""
 
     def __init__(
-        self, config: SchedulerConfig, cost: StepCost | None, running: Sequence[RequestState]
+        self,
+        config: SchedulerConfig,
+        cost: StepCost | None,
+        running: Sequence[RequestState],
+        parked: Sequence[RequestState] = (),
+        resuming: int = 0,
     ) -> None:
         self.config = config
         self.cost = cost
@@ -115,8 +121,10 @@ class StepBudget:
         # request_id -> tokens scheduled (the decode rows first, then the chunks)
         self.num_scheduled: dict[str, int] = {}
         self.drafts: dict[str, tuple[int, ...]] = {}  # decode row -> the drafts it carries
-        self.num_running = len(running)  # running requests, those started here included
+        # running requests, those started here and the parked ones resuming included
+        self.num_running = len(running) + resuming
         self._running = running
+        self._parked = parked  # out of their seats, their KV kept (seats.py)
         contexts = []
         for s in running:
             if s.status is Status.DECODING and self.tokens_left > 0:
@@ -244,8 +252,9 @@ class StepBudget:
 
     @cached_property
     def _kv_lengths(self) -> list[int]:
-        """What the running requests' KV may grow to, those started here included."""
-        return [kv_length(s) for s in self._running]
+        """What the running requests' KV may grow to, those started here included, and the
+        parked ones' (kept while they wait for a seat)."""
+        return [kv_length(s) for s in (*self._running, *self._parked)]
 
     def _chunk_size(self, s: RequestState, start: int) -> tuple[int, ChunkLimit]:
         """Tokens for request `s`'s next chunk: the token rules, then the time left, then
@@ -324,8 +333,15 @@ class StepBudget:
 
     # -- the plan --------------------------------------------------------------------------
 
-    def plan(self, step: int, held: tuple[tuple[str, HeldReason], ...]) -> StepPlan:
-        """Step `step`'s plan of the work taken, with the requests `held` out of it."""
+    def plan(
+        self,
+        step: int,
+        held: tuple[tuple[str, HeldReason], ...],
+        seats: SeatMoves = NO_MOVES,
+    ) -> StepPlan:
+        """Step `step`'s plan of the work taken, with the requests `held` out of it and the
+        `seats` that change (after the step: a request parks after a step it decodes in)."""
+        decodes = set(self.decodes)
         features = self.features.with_encode(self.units)
         return StepPlan(
             step=step,
@@ -337,4 +353,6 @@ class StepBudget:
             predicted_seconds=self.cost.predict(features) if self.cost is not None else None,
             held=held,
             drafts=self.drafts,
+            parks=tuple(rid for rid in seats.parks if rid in decodes),
+            resumes=seats.resumes,
         )

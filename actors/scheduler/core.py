@@ -62,7 +62,12 @@ from stepline.actors.scheduler.admission import (
 from stepline.actors.scheduler.bookkeeping import RequestBook
 from stepline.actors.scheduler.cost_model import CostModel
 from stepline.actors.scheduler.drafter import Drafter, SpeculativeConfig, speculates
-from stepline.actors.scheduler.plan import ScheduledChunk, ScheduledEncode, SchedulerConfig
+from stepline.actors.scheduler.plan import (
+    ScheduledChunk,
+    ScheduledEncode,
+    SchedulerConfig,
+    StepPlan,
+)
 from stepline.actors.scheduler.policy import schedule
 from stepline.actors.scheduler.prefix_candidates import outside_images, prefix_candidates
 from stepline.actors.scheduler.prefix_index import PrefixIndex, PrefixPlan, Tokens, plan_prefixes
@@ -88,7 +93,9 @@ from stepline.events.models import (
     Event,
     FinishReason,
     ImageEncoded,
+    Parked,
     RequestParams,
+    Resumed,
     StepFinished,
     StepPlanned,
     Terminal,
@@ -409,9 +416,21 @@ class SchedulerCore:
         self.book.drafts_verified(plan.drafts, drafted, live)
         if live:
             self._tokens_sampled(live, result, out)
+        self._seat_moves(plan)
         self.in_step = False
         self.apply_prefix_report(result.prefix)
         return out
+
+    def _seat_moves(self, plan: StepPlan) -> None:
+        """Record the step's seat changes (the executor made them after its forward): rows
+        parked, parked requests back in the batch (those still live)."""
+        states = self.states
+        for rid in plan.parks:
+            if rid in states:  # (not ended by this step's token)
+                self._record(Parked, request_id=rid, reason="fair-share")
+        for rid in plan.resumes:
+            if rid in states:
+                self._record(Resumed, request_id=rid)
 
     def _tokens_sampled(
         self, live: list[tuple[str, list[int]]], result: StepResult, out: StepOutcome

@@ -13,8 +13,9 @@ client waits, a waiting request whose client would already run its share when it
 goes after every other prompt (`fair_order`): one client's hundreds of requests, aged or
 not, do not keep another's chat from the next free slot. The held ones go the client with
 fewer running first, then in the order above. With one client waiting, the order is
-exactly the one above. Nothing running is stopped for it: a client's share is taken back as
-its requests end. A client may also fill at most three quarters of the waiting queue
+exactly the one above. A client that already runs more than its share while another's
+request waits steps aside for it as well: its newest decoding requests are parked until a
+seat frees (seats.py). A client may also fill at most three quarters of the waiting queue
 (`SchedulerConfig.max_waiting_per_client`, admission.py `check_queue`): the rest is kept
 for others.
 """

@@ -114,6 +114,10 @@ class StepPlan:
     # runs those with drafts, and those already drafting, against their own caches
     # (`Drafter.planned`); its scheduled tokens count them
     drafts: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    # decode rows that leave the batch after this step, their caches kept (fair share:
+    # actors/scheduler/seats.py), and parked requests that join it after this step
+    parks: tuple[str, ...] = ()
+    resumes: tuple[str, ...] = ()
 
     @property
     def num_tokens(self) -> int:

@@ -1,6 +1,9 @@
 """The scheduling policy: a pure function from scheduling state to one step's plan.
 
 No MLX, no I/O, no clock. Per step, within `max_step_tokens` and `max_num_seqs`:
+0. where a client runs more than its share of the seats while another's request waits for
+   one, its newest decoding requests are parked after this step, and parked ones take free
+   seats again after it (seats.py);
 1. every decoding request gets one token (oldest first, if the budget is short);
 2. each drafting row's drafts get what the budget and the time leave (drafter.py);
 3. prompts get what is left, mid-prefill or waiting alike, in the order order.py gives
@@ -52,6 +55,7 @@ from stepline.actors.scheduler.held import oldest_held
 from stepline.actors.scheduler.order import RUNNING, PromptOrder, is_aged
 from stepline.actors.scheduler.plan import SchedulerConfig, StepPlan
 from stepline.actors.scheduler.prefix_index import PrefixPlan
+from stepline.actors.scheduler.seats import seat_moves
 from stepline.actors.scheduler.spans import next_encode
 from stepline.events.fold import RequestState, Status
 from stepline.events.models import HeldReason
@@ -78,8 +82,11 @@ def schedule(
     """
     prefix = prefix or PrefixPlan()
     live = sorted((s for s in states.values() if not s.is_finished), key=_arrival)
-    running = [s for s in live if s.status in RUNNING]
-    budget = StepBudget(config, cost, running)  # the decode rows: a token each
+    seats = seat_moves(live, config.max_num_seqs)
+    running = [s for s in live if s.status in RUNNING and not s.parked]
+    parked = [s for s in live if s.parked]
+    # the decode rows: a token each; the parked ones resuming hold their seats already
+    budget = StepBudget(config, cost, running, parked, len(seats.resumes))
     for rid in budget.decodes:
         if drafts and (proposed := drafts.get(rid)) is not None:
             budget.try_draft(states[rid], proposed)
@@ -116,4 +123,5 @@ def schedule(
     return budget.plan(
         step,
         oldest_held(live, budget.scheduled, held, prefix.deferred, closed, went_before=went_before),
+        seats,
     )

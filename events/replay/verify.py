@@ -33,6 +33,8 @@ from stepline.events.models import (
     Decoding,
     Event,
     ImageEncoded,
+    Parked,
+    Resumed,
     StepPlanned,
     Terminal,
     TokensSampled,
@@ -59,6 +61,8 @@ class ViolationKind(StrEnum):
     UNKNOWN_IMAGE = "unknown-image"  # encoder work for an image the prompt does not hold
     NON_CONTIGUOUS_ENCODING = "non-contiguous-encoding"  # encoder units skipped or twice
     PROMPT_NOT_COVERED = "prompt-not-covered"  # tokens or a normal finish before the prompt
+    TOKENS_WHILE_PARKED = "tokens-while-parked"  # tokens for a request out of its seat
+    PARK_OUT_OF_TURN = "park-out-of-turn"  # parked while not decoding, or resumed unparked
     CHECKPOINT_AHEAD = "checkpoint-ahead-of-prefill"  # snapshot of tokens not yet computed
     STEP_OVER_BUDGET = "step-over-budget"
     STEP_OVER_MAX_NUM_SEQS = "step-over-max-num-seqs"
@@ -110,6 +114,8 @@ def _carry_on(state: RequestState, event: Event) -> RequestState:
         )
     if isinstance(event, Decoding):
         return state.evolve(num_output_tokens=state.num_output_tokens + event.num_tokens)
+    if isinstance(event, Parked | Resumed):
+        return state.evolve(parked=isinstance(event, Parked))
     if isinstance(event, ImageEncoded) and 0 <= event.image < len(state.encoded):
         return with_encoded(state, event.image, max(state.encoded[event.image], event.end))
     if isinstance(event, Terminal):
@@ -299,7 +305,7 @@ class _Verifier:
                 return  # nothing to carry on with: the first admission and terminal stand
             after = _carry_on(state, event)
         self.states[rid] = after
-        if after.status is Status.DECODING:
+        if after.status is Status.DECODING and not after.parked:
             self.decoding.add(rid)
         else:
             self.decoding.discard(rid)
