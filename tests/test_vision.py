@@ -210,6 +210,26 @@ def test_the_warm_up_of_a_vision_model_prices_its_encoder() -> None:
     assert fit(warmup.samples).per_encode_unit > 0
 
 
+def test_a_warm_up_episode_that_fails_is_skipped_and_the_engine_serves_on(monkeypatch) -> None:
+    from stepline.actors.scheduler.plan import SchedulerConfig
+    from stepline.actors.scheduler.warmup import Warmup
+    from stepline.engine.models import load_model
+    from stepline.engine.runner import ModelRunner
+
+    loaded = load_model(VISION_DEMO)
+    runner = ModelRunner(loaded)
+    warmup = Warmup(runner, SchedulerConfig(max_step_tokens=128), 1000, loaded.max_context)
+
+    def no_image(*args, **kwargs):
+        raise OSError("cannot identify image file")
+
+    monkeypatch.setattr(warmup, "_image_prompt", no_image)
+    warmup.run()
+    assert warmup.done and warmup.failed == ["OSError('cannot identify image file')"]
+    assert runner.num_sequences == 0  # what the failed episode admitted was freed
+    assert warmup.samples and not any(s.features.encode_units for s in warmup.samples)
+
+
 async def test_a_run_with_images_is_re_executed_token_for_token_from_the_images_kept(
     tmp_path: Path,
 ) -> None:

@@ -133,6 +133,7 @@ class Warmup:
         # meanwhile): the step loop's index must hear it (`take_prefix_reports`).
         self._prefix_reports: list[PrefixReport] = []
         self.num_turns = 0  # calls to `run` before all was measured
+        self.failed: list[str] = []  # the episodes that raised, skipped (`run`)
         self._runner = runner
         self._vocab_size = vocab_size
         cap = min(config.chunk_cap, config.max_step_tokens)
@@ -177,6 +178,12 @@ class Warmup:
                         finished = False
                         break
                     checked = True
+            except Exception as exc:  # noqa: BLE001 - the warm-up is an extra, not the engine
+                # An episode that fails (an image the vision processor cannot make, a step of
+                # its own that raises) is skipped: the engine serves on, its cost model
+                # learning those steps from real ones. Its requests are freed below.
+                log.warning("warmup_episode_failed", episode=self._next, error=repr(exc))
+                self.failed.append(repr(exc))
             finally:
                 steps.close()
                 session.close()
