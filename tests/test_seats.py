@@ -19,6 +19,7 @@ from stepline.events.fold import Status, fold
 from stepline.events.log import read_events
 from stepline.events.models import Parked, Resumed
 from stepline.events.replay import verify
+from stepline.events.replay.timeline import collect
 
 CONFIG = SchedulerConfig(max_step_tokens=64, max_num_seqs=4, max_step_ms=None)
 
@@ -183,3 +184,7 @@ async def test_parked_requests_make_exactly_their_tokens_and_the_log_verifies(
     assert parked and sorted(parked) == sorted(resumed)
     report = verify(path)
     assert report.ok, report.violations
+    # the replay says why a parked stream's tokens stopped coming
+    timeline = collect(path, request_ids={parked[0]}, stall_s=1e-6)
+    causes = [m.cause for m in timeline.requests[parked[0]].stalls]
+    assert any(c.startswith("parked after step") and "fair share" in c for c in causes)

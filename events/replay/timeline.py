@@ -116,6 +116,8 @@ class RequestLife:
     token_counts: array = field(default_factory=lambda: array("i"))
     token_times: array = field(default_factory=lambda: array("d"))
     checkpoints: list[tuple[int, int]] = field(default_factory=list)  # (step, offset)
+    # (parked after step, resumed after step or None): out of its seat for fair share
+    parked: list[tuple[int, int | None]] = field(default_factory=list)
     terminal: Terminal | None = None
     terminal_at: float | None = None
     stalls: list[StallMark] = field(default_factory=list)  # worst first, after `collect`
@@ -399,6 +401,10 @@ def _request_event(
         life.num_cached_tokens = max(life.num_cached_tokens, event.num_cached_tokens)
     elif kind == "checkpoint-reached":
         life.checkpoints.append((event.step, event.offset))
+    elif kind == "parked":
+        life.parked.append((event.step, None))
+    elif kind == "resumed" and life.parked:
+        life.parked[-1] = (life.parked[-1][0], event.step)
     elif kind == "terminal":
         life.terminal, life.terminal_at = event, at
 
@@ -419,7 +425,15 @@ def find_stalls(life: RequestLife, timeline: RunTimeline) -> list[StallMark]:
         between = [timeline.steps[s] for s in range(a + 1, b + 1) if s in timeline.steps]
         cause = max(between, key=lambda s: s.seconds, default=None)
         missed = sum(1 for s in between if s.step not in member_steps)
-        if cause is None:
+        parked = [p for p in life.parked if a <= p[0] < b]
+        if parked:
+            start, end = parked[0]
+            back = f", back in the decode batch after step {end}" if end is not None else ""
+            why = (
+                f"parked after step {start} for fair share (its client ran more than its "
+                f"share while another client's request waited){back}"
+            )
+        elif cause is None:
             why = "no step ran in between"
         else:
             why = cause.describe()
