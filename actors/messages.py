@@ -59,10 +59,17 @@ class Submit:
 
 @dataclass(frozen=True)
 class Cancel:
-    """End a request: the client went away (cancelled), or its actor failed (error)."""
+    """End a request: the client went away (cancelled), or its actor failed (error); or the
+    server is stopping (`message` SHUTDOWN_MESSAGE: a background response is then recovered
+    on the next start, api/responses/recovery.py)."""
 
     request_id: str
     reason: FinishReason = FinishReason.CANCELLED
+    message: str | None = None  # None: the client's ("cancelled by the client")
+
+
+# What a request the engine's stop ends records as its terminal's message.
+SHUTDOWN_MESSAGE = "the engine is shutting down"
 
 
 # --- step loop -> request actor --------------------------------------------------

@@ -30,6 +30,7 @@ from stepline.actors.host import HostMeter
 from stepline.actors.idle import IdleWork
 from stepline.actors.mailbox import Mailbox
 from stepline.actors.messages import (
+    SHUTDOWN_MESSAGE,
     Arrived,
     Arriving,
     Cancel,
@@ -421,7 +422,7 @@ class StepLoop:
                 else:
                     held.append(msg)
             elif isinstance(msg, Cancel):
-                message = (
+                message = msg.message or (
                     "cancelled by the client" if msg.reason is FinishReason.CANCELLED else None
                 )
                 self._end(msg.request_id, msg.reason, message)
@@ -526,6 +527,6 @@ class StepLoop:
             if isinstance(msg, Submit) and not msg.reply.done():
                 msg.reply.set_exception(RuntimeError("the engine is closed"))
         for rid in list(self.states):
-            self._end(rid, FinishReason.CANCELLED, "the engine is shutting down")
+            self._end(rid, FinishReason.CANCELLED, SHUTDOWN_MESSAGE)
         self._log_events()
         self._publish()

@@ -26,6 +26,7 @@ import structlog
 from stepline.actors.executor import Executor
 from stepline.actors.mailbox import Mailbox
 from stepline.actors.messages import (
+    SHUTDOWN_MESSAGE,
     Arrived,
     Arriving,
     Cancel,
@@ -347,7 +348,12 @@ class Engine:
             arrival.done()
         if not params.stop:  # else the step loop drives it (`RequestActor.take`)
             self._tg.start_soon(actor.run, name=f"request-{rid}")
-        return RequestStream(rid, actor.output, lambda: self._send_cancel(rid), admitted)
+        return RequestStream(
+            rid,
+            actor.output,
+            lambda message=None: self._send_cancel(rid, message=message),
+            admitted,
+        )
 
     async def _send(self, submit: Submit, arrival: Arrival, actor: RequestActor) -> RequestParams:
         """Hand `submit` to the step loop and wait for its admission; returns the params as
@@ -432,11 +438,16 @@ class Engine:
         self._post(EndWarmUp())  # no MLX work of its own while the server drains
         in_flight = self.snapshot.live_ids  # the step loop cancels them
         for rid in in_flight:
-            self._send_cancel(rid)
+            self._send_cancel(rid, message=SHUTDOWN_MESSAGE)
         return len(in_flight)
 
-    def _send_cancel(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> None:
-        self._post(Cancel(request_id, reason))
+    def _send_cancel(
+        self,
+        request_id: str,
+        reason: FinishReason = FinishReason.CANCELLED,
+        message: str | None = None,
+    ) -> None:
+        self._post(Cancel(request_id, reason, message))
 
     def _post(self, msg: Any) -> None:
         """Send `msg` to the step loop from synchronous code (in order, unless its inbox is

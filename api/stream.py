@@ -7,6 +7,7 @@ from collections.abc import Callable
 import anyio
 
 from stepline.actors.mailbox import Mailbox
+from stepline.actors.messages import SHUTDOWN_MESSAGE
 from stepline.actors.request import RequestOutput
 from stepline.events.models import RequestParams
 
@@ -50,10 +51,12 @@ class RequestStream:
             self._outputs.close()
         return out
 
-    async def aclose(self) -> None:
+    async def aclose(self, *, shutdown: bool = False) -> None:
+        """Cancel it, if still running: as the client's cancel, or (`shutdown`) as one the
+        server's stop made (its log says so, and a background response is recovered)."""
         if not self.finished:
             self.finished = True
-            self._cancel()
+            self._cancel(SHUTDOWN_MESSAGE) if shutdown else self._cancel()
         self._outputs.close()
 
     async def __aenter__(self) -> RequestStream:

@@ -13,11 +13,14 @@ import openai
 import pytest
 from helpers import wait_until
 
+from stepline.actors.messages import SHUTDOWN_MESSAGE
 from stepline.api import Engine
 from stepline.api.http.app import create_app
 from stepline.api.http.serve import serve_in_process
 from stepline.api.pipeline.served import OneModel
 from stepline.api.responses.recovery import interrupted_responses
+from stepline.events.log import read_events
+from stepline.events.models import Terminal
 
 pytestmark = pytest.mark.asyncio
 
@@ -96,4 +99,27 @@ async def test_a_background_response_cut_off_by_a_graceful_shutdown_is_recovered
             )
             await wait_admitted(engine, running.id)
         # The server stopped; the engine stops now, with the response still running.
+    assert [rid for rid, _ in interrupted_responses(log, since=0)] == [running.id]
+
+
+async def test_a_server_stop_cancels_a_background_response_as_the_engines_stop(demo, tmp_path):
+    """`stepline serve` begins its stop with `begin_shutdown` (open streams end at once): a
+    background response it ends is logged as the engine's stop, not the client's cancel, so
+    the next start recovers it."""
+    log = tmp_path / "events.jsonl"
+    async with Engine.open(MODEL, max_step_tokens=128, event_log=log) as engine:
+        models = OneModel(engine)
+        async with serve_in_process(create_app(models)) as url, client(url, "sk-a") as c:
+            running = await c.responses.create(
+                model=MODEL,
+                input="Tell me about barley.",
+                max_output_tokens=engine.max_context - 64,
+                background=True,
+                extra_body={"ignore_eos": True},
+            )
+            await wait_admitted(engine, running.id)
+            assert models.begin_shutdown() == 1  # what the server's stop calls first
+            await wait_until(engine.step_loop, lambda: not engine.step_loop.states)
+    ends = [e for e in read_events(log) if isinstance(e, Terminal)]
+    assert [(e.request_id, e.message) for e in ends] == [(running.id, SHUTDOWN_MESSAGE)]
     assert [rid for rid, _ in interrupted_responses(log, since=0)] == [running.id]

@@ -186,7 +186,7 @@ def run_kept(
     async def run() -> None:
         await record.run(
             lambda emit: produce(started, renderer, emit),
-            on_close=started.stream.aclose,
+            on_close=lambda by_shutdown: started.stream.aclose(shutdown=by_shutdown),
             on_cancel=renderer.cancelled,
         )
 

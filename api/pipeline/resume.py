@@ -195,13 +195,15 @@ class StreamRecord:
         self,
         produce: Producer,
         *,
-        on_close: Callable[[], Awaitable[None]],
+        on_close: Callable[[bool], Awaitable[None]],
         on_cancel: Callable[[APIError], bytes],
     ) -> None:
         """Run `produce` into this record until it ends; then (whatever happened) `on_close`
-        (it cancels the engine request if still running) and finish the record. A producer
+        (it cancels the engine request if still running: True where the server's shutdown cut
+        it off) and finish the record. A producer
         cancelled meanwhile (`cancel`, nobody following within the grace, the server's
         shutdown) ends the record with `on_cancel`'s frames."""
+        by_shutdown = False
         try:
             with anyio.CancelScope() as scope:
                 self._scope = scope
@@ -218,13 +220,13 @@ class StreamRecord:
                     code="cancelled",
                 )
             else:
-                err = cut_by_shutdown()
+                err, by_shutdown = cut_by_shutdown(), True
             await self.append(on_cancel(err))
             raise
         finally:
             self._scope = None
             with anyio.CancelScope(shield=True):
-                await on_close()
+                await on_close(by_shutdown)
             self.finish()
 
 

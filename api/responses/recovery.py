@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from stepline.actors.messages import SHUTDOWN_MESSAGE
 from stepline.events.log_reader import read_run_events
 from stepline.events.models import Admitted, Terminal
 
-SHUTDOWN_MESSAGE = "the engine is shutting down"  # the step loop's, for requests it cancels
 RESPONSE_PREFIX = "resp_"
 
 
