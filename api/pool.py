@@ -277,14 +277,16 @@ class ModelPool:
 
     # -- requests -----------------------------------------------------------------------
 
-    def attach(self, build: Callable[[Engine, tuple[str, ...]], Any], rename: Any = ()) -> None:
-        """`build(engine, names)` makes each model's `served`: now for those loaded (pinned
+    def attach(
+        self, build: Callable[[Engine, tuple[str, ...], ModelSpec], Any], rename: Any = ()
+    ) -> None:
+        """`build(engine, names, spec)` makes each model's `served`: now for those loaded (pinned
         ones, before the app existed), then as each loads. `rename` names a server of one
         model (`--served-model-name`): here each model has its own names."""
-        self.on_load = lambda engine, spec: build(engine, spec.names)
+        self.on_load = lambda engine, spec: build(engine, spec.names, spec)
         for entry in self.loaded():
             if entry.engine is not None:
-                entry.served = build(entry.engine, entry.spec.names)
+                entry.served = build(entry.engine, entry.spec.names, entry.spec)
 
     def expect(self) -> None:
         """Which model a request is for is known once its body is parsed (`acquire`)."""

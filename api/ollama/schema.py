@@ -1,11 +1,14 @@
 """Ollama's request bodies (`/api/chat`, `/api/generate`, `/api/show`) as pydantic models, and
 their translation to what the pipeline takes. No MLX, no engine.
 
-`options` are mapped to sampling: `num_predict` (-1 or -2: as far as the context goes),
-`temperature`, `top_p`, `top_k`, `min_p`, `seed`, `stop`, `presence_penalty`,
-`frequency_penalty`, `repeat_penalty` (over the whole context: `repeat_last_n` is accepted and
-not applied). The options that tune Ollama's runtime (`num_ctx`, `num_gpu`, `num_thread`,
-...) change no answer here and are accepted; sampling this engine does not do (`mirostat`,
+`options` are mapped to sampling: `num_predict` (-1 or -2: as far as the context goes; left
+out: the model's default cap), `temperature`, `top_p`, `top_k`, `min_p`, `seed`, `stop`,
+`presence_penalty`, `frequency_penalty`, `repeat_penalty` (over the whole context:
+`repeat_last_n` is accepted and not applied); what a request leaves out is the model's
+default, else Ollama's `DefaultOptions` (api/ollama/serving.py). `num_ctx` is the request's
+context (prompt and answer), at most the model's here. The options that tune Ollama's runtime
+(`num_gpu`, `num_thread`, ...) change no answer here and are accepted; sampling this engine
+does not do (`mirostat`,
 `typical_p`, `tfs_z` past their neutral values) is a 400 naming the option. `format` is
 `"json"` (any JSON object) or a JSON schema; `keep_alive` is accepted (the served model stays
 loaded); `images` (base64, before the message's text) go to a model that reads images; a Go
@@ -44,6 +47,7 @@ class Options(_Request):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repeat_penalty: float | None = Field(None, gt=0.0, le=MAX_REPETITION_PENALTY)
     repeat_last_n: int | None = None
+    num_ctx: int | None = Field(None, ge=1, le=MAX_INT32)
     # Sampling this engine does not do: refused past their neutral values (`check`).
     mirostat: int | None = None
     typical_p: float | None = None
@@ -130,7 +134,13 @@ class OllamaRequest(_Request):
     @property
     def max_tokens(self) -> int | None:
         n = self.opts.num_predict
-        return n if n is not None and n > 0 else None  # -1, -2: as far as the context goes
+        return n if n is not None and n > 0 else None
+
+    @property
+    def whole_context(self) -> bool:
+        """`num_predict` -1 (Ollama: no limit) or -2 (fill the context): as far as the
+        context goes."""
+        return self.opts.num_predict in (-1, -2)
 
     def answer_format(self) -> tuple[dict[str, Any] | None, bool]:
         """(JSON schema, any JSON object) of `format`."""
@@ -242,6 +252,28 @@ def with_images(text: str, images: list[str] | None, where: str) -> Any:
         return text
     parts = [image_part(ImageSource(f"{where}.{j}", data=data)) for j, data in enumerate(images)]
     return content_of([*parts, text_part(text)])
+
+
+class ModelRequest(_Request):
+    """/api/pull's and /api/delete's body: the model (`name` in older clients)."""
+
+    model: str = Field(min_length=1)
+    stream: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _older_spelling(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "model" not in data and "name" in data:
+            return {**data, "model": data["name"]}
+        return data
+
+    @field_validator("model")
+    @classmethod
+    def _default_tag(cls, v: str) -> str:
+        return v.removesuffix(":latest")
+
+    def check_supported(self) -> None:
+        pass
 
 
 class ShowRequest(_Request):
