@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import struct
 import time
 import uuid
@@ -62,7 +63,7 @@ if TYPE_CHECKING:
     from stepline.actors.request import RequestOutput
 
 API_VERSION = "0.12.0"  # the Ollama API these routes follow, for clients that check it
-NEVER = "2999-12-31T23:59:59Z"  # /api/ps's expires_at: the served model is never unloaded
+NEVER = "2999-12-31T23:59:59Z"  # /api/ps's expires_at of a model never unloaded
 # Ollama's `DefaultOptions` (api/types.go) by engine names, under the model's own defaults.
 # repeat_penalty is 1.0 as in Ollama from v0.32.10 on (1.1 before, over the last 64 tokens;
 # this engine's penalty covers the whole context, so 1.1 here would be harsher than Ollama's
@@ -82,8 +83,12 @@ CONFIGURED = (
 )
 
 
+def _iso(at: datetime) -> str:
+    return at.isoformat().replace("+00:00", "Z")
+
+
 def _now() -> str:
-    return datetime.now(UTC).isoformat().replace("+00:00", "Z")
+    return _iso(datetime.now(UTC))
 
 
 @dataclass(frozen=True)
@@ -224,7 +229,10 @@ class OllamaDoor:
             card = self.card(name, self.facts(served))
             del card["modified_at"]
             context = served.engine.max_context
-            models.append({**card, "expires_at": NEVER, "context_length": context})
+            entry = self.serving.models.entry_of(name)
+            at = entry.expires_at() if entry is not None else None
+            expires = NEVER if at is None else _iso(datetime.fromtimestamp(at, UTC))
+            models.append({**card, "expires_at": expires, "context_length": context})
         return {"models": models}
 
     async def show(self, ctx: RequestContext[ShowRequest]) -> Response:
@@ -331,19 +339,30 @@ class OllamaDoor:
             schema_param="format",
         )
 
+    def _keep(self, ctx: RequestContext[Any]) -> str:
+        """The request's keep_alive applied to its model (`ModelEntry.keep_loaded`); the
+        `done_reason` of a request with nothing to answer: Ollama's way to load a model
+        ("load"), or with keep_alive 0 to unload it ("unload", once it is idle)."""
+        seconds = ctx.body.kept_for()
+        if seconds is not None:
+            ctx.entry.keep_loaded(None if seconds == math.inf else seconds)
+        return "unload" if seconds == 0 else "load"
+
     async def chat(self, ctx: RequestContext[ChatRequest]) -> Response:
         req = ctx.body
-        if not req.messages:  # Ollama's way to load a model: it is loaded
+        reason = self._keep(ctx)
+        if not req.messages:  # Ollama's way to load (or unload) a model
             body = self._head(ctx, {"message": {"role": "assistant", "content": ""}})
-            return JSONResponse({**body, "done": True, "done_reason": "load"})
+            return JSONResponse({**body, "done": True, "done_reason": reason})
         call = Call(ctx.rid, req, self._plan(ctx, req.tools), "messages", req.engine_messages())
         return await self._answer(ctx, call, chat=True)
 
     async def generate(self, ctx: RequestContext[GenerateRequest]) -> Response:
         req = ctx.body
-        if not req.prompt and not req.system:  # Ollama's way to load a model: it is loaded
+        reason = self._keep(ctx)
+        if not req.prompt and not req.system:  # Ollama's way to load (or unload) a model
             body = self._head(ctx, {"response": ""})
-            return JSONResponse({**body, "done": True, "done_reason": "load"})
+            return JSONResponse({**body, "done": True, "done_reason": reason})
         prompt, messages = req.engine_input()
         call = Call(ctx.rid, req, self._plan(ctx), "prompt", messages, prompt)
         return await self._answer(ctx, call, chat=False)

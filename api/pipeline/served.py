@@ -110,6 +110,15 @@ class ModelEntry(Protocol):
     @property
     def name(self) -> str: ...
 
+    def keep_loaded(self, seconds: float | None) -> None:
+        """How long it stays loaded once idle (None: forever), where models unload (a pool);
+        a request's keep_alive (Ollama's)."""
+        ...
+
+    def expires_at(self) -> float | None:
+        """When (time.time()) it is unloaded if no request comes; None: never."""
+        ...
+
 
 _E = TypeVar("_E", bound=ModelEntry)
 
@@ -188,6 +197,12 @@ class OnlyEntry:
     @property
     def name(self) -> str:
         return self.served.name if self.served is not None else self.engine.model_name
+
+    def keep_loaded(self, seconds: float | None) -> None:
+        pass  # a single model is never unloaded
+
+    def expires_at(self) -> float | None:
+        return None
 
 
 class OneModel:
