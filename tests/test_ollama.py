@@ -16,6 +16,7 @@ import pytest
 import pytest_asyncio
 from helpers import WEATHER_ARGS, wait_finished
 
+from stepline.api.defaults import ModelDefaults, resolve
 from stepline.api.ollama.facts import ModelFacts
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -165,6 +166,9 @@ async def test_a_gguf_models_listing_says_its_file_type_and_counts_its_parameter
     facts = ModelFacts.read(Path(smollm2.path))  # SmolLM2-135M, from a Q4_1 GGUF file
     assert (facts.parameter_size, facts.quantization_level) == ("135M", "Q4_1")
     assert facts.format == "gguf" and facts.size > 90_000_000  # the file's size
+    # A GGUF file ships no generation_config.json, and this one no sampling metadata: the
+    # model card's example values (temperature 0.2, top-p 0.9) are not assumed.
+    assert resolve(Path(smollm2.path)) == ModelDefaults()
 
 
 async def _params(served, body: dict):
