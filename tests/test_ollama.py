@@ -51,6 +51,8 @@ async def test_the_served_model_is_listed_running_and_shown(served, c):
     assert shown.modelinfo["llama.context_length"] == served.engine.max_context
     assert shown.modelinfo["general.parameter_count"] > 0
     assert "completion" in shown.capabilities and "tools" in shown.capabilities
+    assert listed.details.format == "safetensors"  # a directory, not a GGUF file
+    assert shown.modelinfo["stepline.weights"] == served.engine.loaded.weights  # as served
     async with httpx.AsyncClient(base_url=served.url) as http:
         version = (await http.get("/api/version")).json()["version"]
         tags = (await http.get("/api/tags")).json()
