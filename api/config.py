@@ -30,6 +30,7 @@ from pydantic import (
 
 from stepline.actors.scheduler.drafter import SpeculativeConfig, parse_speculative_config
 from stepline.actors.scheduler.plan import SchedulerConfig
+from stepline.api.defaults import SAMPLING_KEYS, GenerationConfigMode, SamplingDefaults
 from stepline.engine.images import (
     MAX_IMAGE_BYTES,
     MAX_IMAGE_PIXELS,
@@ -251,6 +252,19 @@ class ServerConfig(_Options):
         "default it is clamped to that room and the response's x-stepline-max-tokens header "
         "says so (agents such as Claude Code ask for 32000 whatever the model)",
     )
+    generation_config: GenerationConfigMode = Field(
+        "auto",
+        description="auto: each model's generation_config.json (temperature, top_p, top_k, "
+        "min_p, repetition_penalty, max_new_tokens) is its default sampling, under a request's "
+        "own values; none: the server's built-in defaults (as vLLM's flag of the same name)",
+    )
+    default_max_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="most tokens an answer gets when its request sets no max_tokens (default: "
+        "the model's max_new_tokens, else 4096); a request asks for more itself, up to the "
+        "room left in the context",
+    )
     reasoning_parser: Literal["auto", "qwen3", "deepseek_r1", "think"] | None = Field(
         None,
         description="split the model's think block into `reasoning_content` (OpenAI) / "
@@ -344,6 +358,19 @@ class ModelSpec(_Options):
     ttl_s: float | None = Field(
         None, gt=0, description="unload it after this many idle seconds (default: the server's)"
     )
+    generation_config: GenerationConfigMode | None = Field(
+        None,
+        description="read its generation_config.json (auto) or not (none; default: the "
+        "server's --generation-config)",
+    )
+    default_max_tokens: int | None = Field(
+        None, ge=1, description="its answers' cap when a request sets none (over the server's)"
+    )
+    sampling: SamplingDefaults = Field(
+        SamplingDefaults(),
+        description="its default temperature, top_p, top_k, min_p, repetition_penalty (over "
+        "its generation_config.json)",
+    )
     options: dict[str, Any] = Field(
         default_factory=dict,
         description="its `EngineConfig` fields (max_step_tokens, max_kv_gb, dtype, ...) over "
@@ -433,12 +460,15 @@ class PoolConfig(_Options):
 
 def read_models_file(path: str | os.PathLike) -> tuple[ModelSpec, ...]:
     """The models of a TOML file: a `[models.NAME]` table for each, with `model`, `aliases`,
-    `pinned`, `ttl_s` and any `EngineConfig` field (`max_step_tokens`, `max_kv_gb`, ...):
+    `pinned`, `ttl_s`, its defaults (`generation_config`, `default_max_tokens`, and the
+    sampling keys `temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty`) and any
+    `EngineConfig` field (`max_step_tokens`, `max_kv_gb`, ...):
 
         [models.small]
         model = "SmolLM2-135M-Instruct"
         aliases = ["claude-haiku-4-5"]
         pinned = true
+        temperature = 0.2
 
     Raises ValueError naming the file and what is wrong; OSError if it cannot be read."""
     import tomllib
@@ -455,18 +485,23 @@ def read_models_file(path: str | os.PathLike) -> tuple[ModelSpec, ...]:
             f"{path}: expected only [models.NAME] tables (one a model)"
             + (f", not {', '.join(map(repr, extra))}" if extra else "")
         )
-    own = {"model", "aliases", "pinned", "ttl_s"}
+    own = {"model", "aliases", "pinned", "ttl_s", "generation_config", "default_max_tokens"}
     specs = []
     for name, table in tables.items():
         if not isinstance(table, dict):
             raise ValueError(f"{path}: [models.{name}] must be a table")
         fields = {k: v for k, v in table.items() if k in own}
-        options = {k: v for k, v in table.items() if k not in own}
+        sampling = {k: v for k, v in table.items() if k in SAMPLING_KEYS}
+        options = {k: v for k, v in table.items() if k not in own and k not in SAMPLING_KEYS}
         try:
-            specs.append(ModelSpec.model_validate({**fields, "name": name, "options": options}))
+            specs.append(
+                ModelSpec.model_validate(
+                    {**fields, "name": name, "sampling": sampling, "options": options}
+                )
+            )
         except ValidationError as exc:
             err = exc.errors(include_url=False)[0]
-            where = ".".join(str(p) for p in err["loc"] if p != "options")
+            where = ".".join(str(p) for p in err["loc"] if p not in ("options", "sampling"))
             what = err["msg"].removeprefix("Value error, ")
             where = f"{where}: " if where else ""
             raise ValueError(f"{path}: [models.{name}]: {where}{what}") from None

@@ -90,10 +90,24 @@ class Entry:
     place: LogPlace | None = None  # where its events go on in the log
     unload: anyio.Event = field(default_factory=anyio.Event)
     unload_reason: str = "shutdown"
+    # Unloaded after this many idle seconds (None: never): its spec's, else the pool's, until
+    # a request's keep_alive (Ollama's, `keep_loaded`) says otherwise.
+    ttl_s: float | None = None
 
     @property
     def name(self) -> str:
         return self.spec.name
+
+    def keep_loaded(self, seconds: float | None) -> None:
+        """A request's keep_alive: stay loaded this many idle seconds from now on (None:
+        forever; 0: unloaded once idle). A pinned model stays loaded whatever it says."""
+        self.ttl_s = seconds
+
+    def expires_at(self) -> float | None:
+        """When (time.time()) it is unloaded if no request comes; None: never."""
+        if self.ttl_s is None or self.spec.pinned:
+            return None
+        return time.time() + (self.last_used - time.monotonic()) + self.ttl_s
 
     @property
     def busy(self) -> bool:
@@ -172,6 +186,7 @@ class ModelPool:
                 s,
                 _with_budgets(s.engine_config(engine_options), budget_bytes, self.cache_bytes),
                 place=LogPlace(s.name),
+                ttl_s=s.ttl_s or config.model_ttl_s,
             )
             for s in config.models
         }
@@ -277,14 +292,16 @@ class ModelPool:
 
     # -- requests -----------------------------------------------------------------------
 
-    def attach(self, build: Callable[[Engine, tuple[str, ...]], Any], rename: Any = ()) -> None:
-        """`build(engine, names)` makes each model's `served`: now for those loaded (pinned
+    def attach(
+        self, build: Callable[[Engine, tuple[str, ...], ModelSpec], Any], rename: Any = ()
+    ) -> None:
+        """`build(engine, names, spec)` makes each model's `served`: now for those loaded (pinned
         ones, before the app existed), then as each loads. `rename` names a server of one
         model (`--served-model-name`): here each model has its own names."""
-        self.on_load = lambda engine, spec: build(engine, spec.names)
+        self.on_load = lambda engine, spec: build(engine, spec.names, spec)
         for entry in self.loaded():
             if entry.engine is not None:
-                entry.served = build(entry.engine, entry.spec.names)
+                entry.served = build(entry.engine, entry.spec.names, entry.spec)
 
     def expect(self) -> None:
         """Which model a request is for is known once its body is parsed (`acquire`)."""
@@ -513,10 +530,9 @@ class ModelPool:
     async def _watch(self) -> None:
         """Every WATCH_EVERY_S: a busy model is in use now (LRU), and an idle one past its time
         to live is unloaded."""
-        ttl = {n: e.spec.ttl_s or self.config.model_ttl_s for n, e in self.entries.items()}
         while True:
             await anyio.sleep(WATCH_EVERY_S)
-            now = time.monotonic()
+            now, ttl = time.monotonic(), {n: e.ttl_s for n, e in self.entries.items()}
             for entry in self.loaded():
                 if entry.busy:
                     entry.last_used = now

@@ -8,6 +8,10 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+# In a directory converted from a GGUF file (engine/gguf.py): what that file was (its path,
+# size and type), for model listings; read without MLX.
+GGUF_SOURCE_FILE = "gguf_source.json"
+
 
 def cache_root(cache_dir: str | Path | None = None) -> Path:
     """stepline's cache: `cache_dir`, else $STEPLINE_CACHE_DIR, else stepline/ in

@@ -34,7 +34,7 @@ import mlx.core as mx
 import numpy as np
 import structlog
 
-from stepline.engine.cache_dirs import build_once
+from stepline.engine.cache_dirs import GGUF_SOURCE_FILE, build_once
 
 log = structlog.get_logger(__name__)
 
@@ -116,7 +116,32 @@ def gguf_model_dir(
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     final = cache_root / "models" / f"gguf-{src.stem}-{digest}"
     converted = build_once(final, lambda tmp: convert_gguf(src, tmp, progress))
+    if not (final / GGUF_SOURCE_FILE).is_file():  # converted before stepline wrote one
+        write_source(src, final)
     return final, converted
+
+
+def write_source(src: Path, out: Path) -> None:
+    """Write `out/GGUF_SOURCE_FILE`: GGUF file `src`'s path, size and file type (llama.cpp's
+    `general.file_type`, such as Q4_1 or Q4_K_M), read from its metadata alone, so that
+    model listings (Ollama's) can say what the file was."""
+    from gguf import GGUFReader, LlamaFileType
+
+    meta = _Metadata(GGUFReader(src))
+    kind = meta.get("general.file_type")
+    try:
+        file_type = LlamaFileType(kind).name.removeprefix("MOSTLY_").removeprefix("ALL_")
+    except ValueError:
+        file_type = ""  # absent, or a type newer than this gguf package
+    facts = {
+        "file": str(src),
+        "size": src.stat().st_size,
+        "file_type": file_type,
+        "size_label": meta.get("general.size_label") or "",
+    }
+    tmp = out / f".{GGUF_SOURCE_FILE}.{time.monotonic_ns()}"
+    tmp.write_text(json.dumps(facts, indent=2) + "\n", encoding="utf-8")
+    tmp.replace(out / GGUF_SOURCE_FILE)
 
 
 def convert_gguf(src: Path, out: Path, progress: ProgressFn | None = None) -> None:

@@ -16,7 +16,8 @@ import pytest
 import pytest_asyncio
 from helpers import WEATHER_ARGS, wait_finished
 
-from stepline.api.ollama.serving import ModelFacts
+from stepline.api.defaults import ModelDefaults, resolve
+from stepline.api.ollama.facts import ModelFacts
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -50,6 +51,8 @@ async def test_the_served_model_is_listed_running_and_shown(served, c):
     assert shown.modelinfo["llama.context_length"] == served.engine.max_context
     assert shown.modelinfo["general.parameter_count"] > 0
     assert "completion" in shown.capabilities and "tools" in shown.capabilities
+    assert listed.details.format == "safetensors"  # a directory, not a GGUF file
+    assert shown.modelinfo["stepline.weights"] == served.engine.loaded.weights  # as served
     async with httpx.AsyncClient(base_url=served.url) as http:
         version = (await http.get("/api/version")).json()["version"]
         tags = (await http.get("/api/tags")).json()
@@ -161,6 +164,61 @@ async def test_a_stream_whose_client_leaves_is_cancelled(served):
     assert state.finish_reason == "cancelled"
 
 
-async def test_a_quantized_models_listing_counts_its_parameters_not_its_packed_words(smollm2):
-    facts = ModelFacts.read(Path(smollm2.path))  # SmolLM2-135M, 4-bit on disk
-    assert (facts.parameter_size, facts.quantization_level) == ("135M", "Q4")
+async def test_a_gguf_models_listing_says_its_file_type_and_counts_its_parameters(smollm2):
+    facts = ModelFacts.read(Path(smollm2.path))  # SmolLM2-135M, from a Q4_1 GGUF file
+    assert (facts.parameter_size, facts.quantization_level) == ("135M", "Q4_1")
+    assert facts.format == "gguf" and facts.size > 90_000_000  # the file's size
+    # A GGUF file ships no generation_config.json, and this one no sampling metadata: the
+    # model card's example values (temperature 0.2, top-p 0.9) are not assumed.
+    assert resolve(Path(smollm2.path)) == ModelDefaults()
+
+
+async def _params(served, body: dict):
+    """The request `body` ran as (its first line read, then it is stopped: an answer to the
+    whole context takes the demo model a while)."""
+    async with httpx.AsyncClient(base_url=served.url) as http:
+        async with http.stream("POST", "/api/chat", json={"model": MODEL, **body}) as r:
+            assert r.status_code == 200
+            async for _ in r.aiter_lines():
+                break
+    return await wait_finished(served.engine.step_loop, r.headers["x-request-id"])
+
+
+async def test_a_request_with_no_options_gets_ollamas_default_options(served, c):
+    state = await _params(served, {"messages": HI})
+    params = state.params
+    # Ollama's DefaultOptions (api/types.go): the demo model's directory sets none of its own.
+    assert (params.temperature, params.top_k, params.top_p) == (0.8, 40, 0.9)
+    assert params.repetition_penalty == 1.0 and params.min_p == 0.0
+    room = served.engine.max_context - state.num_prompt_tokens
+    assert params.max_tokens == min(4096, room)  # the default cap, cut to the room
+    shown = await c.show(MODEL)
+    assert "temperature                    0.8" in shown.parameters
+    assert "repeat_penalty                 1" in shown.parameters
+
+
+async def test_num_predict_minus_one_asks_for_the_whole_context(served):
+    state = await _params(served, {"messages": HI, "options": {"num_predict": -1}})
+    assert state.params.max_tokens == served.engine.max_context - state.num_prompt_tokens
+
+
+async def test_num_ctx_bounds_the_request_and_past_the_model_s_context_is_refused(served, c):
+    state = await _params(served, {"messages": HI, "options": {"num_ctx": 64}})
+    assert state.num_prompt_tokens + state.params.max_tokens == 64
+    too_big = served.engine.max_context + 1
+    with pytest.raises(ollama.ResponseError, match=f"num_ctx is {too_big}.*at most") as err:
+        await c.chat(model=MODEL, messages=HI, options={"num_ctx": too_big})
+    assert err.value.status_code == 400
+    with pytest.raises(ollama.ResponseError, match="maximum context length is 4 tokens"):
+        await c.chat(model=MODEL, messages=HI, options={"num_ctx": 4})
+
+
+async def test_pull_and_delete_answer_that_models_come_from_the_command_line(c):
+    assert (await c.pull(MODEL)).status == "success"  # served already: nothing to fetch
+    assert [p.status async for p in await c.pull(f"{MODEL}:latest", stream=True)] == ["success"]
+    with pytest.raises(ollama.ResponseError, match="--model") as missing:
+        await c.pull("llama3.2")
+    assert missing.value.status_code == 404
+    with pytest.raises(ollama.ResponseError, match="--model") as refused:
+        await c.delete(MODEL)
+    assert refused.value.status_code == 400

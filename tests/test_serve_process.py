@@ -227,6 +227,25 @@ def test_every_log_line_is_json_and_a_request_s_lines_carry_its_id(served_proces
     assert all({"event", "level", "timestamp"} <= set(rec) for rec in records)
 
 
+def test_a_stream_the_client_stops_gets_an_access_log_line_at_its_end(served_process):
+    body = {"model": "stepline-demo", "prompt": "Bread", "max_tokens": 2000, "stream": True}
+    body["ignore_eos"] = True
+    with httpx.stream("POST", f"{served_process.url}/v1/completions", json=body, timeout=30) as r:
+        rid = r.headers["x-request-id"]
+        next(r.iter_lines())  # one chunk, then the client stops
+
+    def access_lines() -> list[str]:
+        return [
+            rec["event"]
+            for rec in map(json.loads, served_process.log_lines())
+            if rec.get("logger") == "uvicorn.access" and rec.get("request_id") == rid
+        ]
+
+    lines = until(lambda: len(access_lines()) == 2 and access_lines(), within=10, what="2 lines")
+    assert lines[0].endswith('"POST /v1/completions HTTP/1.1" 200')  # uvicorn's, at its start
+    assert '"POST /v1/completions HTTP/1.1" 200 cancelled: the client stopped' in lines[1]
+
+
 def test_models_lists_the_first_served_name_and_every_name_is_accepted(served_process):
     with httpx.Client(base_url=served_process.url, timeout=30) as http:
         models = http.get("/v1/models").json()

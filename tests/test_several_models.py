@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import re
 import signal
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -245,6 +246,50 @@ async def test_an_idle_model_past_its_time_to_live_is_unloaded(monkeypatch):
             while a.state is not ModelState.UNLOADED:
                 await models._wait_for_change()
             assert b.state is ModelState.LOADED  # pinned: loaded at once, and stays
+
+
+async def test_ollamas_keep_alive_is_the_model_s_time_to_live(monkeypatch):
+    monkeypatch.setattr("stepline.api.pool.WATCH_EVERY_S", 0.02)
+    with anyio.fail_after(60):
+        async with (
+            served_pool(spec("a", "stepline-demo"), model_ttl_s=600) as (models, url),
+            httpx.AsyncClient(base_url=url, timeout=30) as http,
+        ):
+            load = await http.post("/api/generate", json={"model": "a", "keep_alive": "1h"})
+            assert load.json()["done_reason"] == "load"
+            [running] = (await http.get("/api/ps")).json()["models"]
+            assert running["expires_at"].startswith(f"{time.gmtime().tm_year}")  # not NEVER
+            forever = {"model": "a", "keep_alive": -1}
+            await http.post("/api/generate", json=forever)
+            [running] = (await http.get("/api/ps")).json()["models"]
+            assert running["expires_at"].startswith("2999")
+            bad = await http.post("/api/generate", json={"model": "a", "keep_alive": "soon"})
+            assert bad.status_code == 400 and "keep_alive" in bad.json()["error"]
+            unload = await http.post("/api/generate", json={"model": "a", "keep_alive": 0})
+            assert unload.json()["done_reason"] == "unload"
+            a = models.entries["a"]
+            while a.state is not ModelState.UNLOADED:  # once idle, as Ollama unloads it
+                await models._wait_for_change()
+
+
+async def test_a_models_file_s_defaults_reach_its_model_and_no_other(tmp_path):
+    with anyio.fail_after(60):
+        async with (
+            served_pool(
+                spec("a", "stepline-demo", sampling={"temperature": 0.3}, default_max_tokens=7),
+                spec("b", "stepline-demo"),
+            ) as (models, url),
+            httpx.AsyncClient(base_url=url, timeout=30) as http,
+        ):
+            for name in ("a", "b"):
+                await http.post("/v1/completions", json={"model": name, "prompt": "hi"})
+            cards = {m["id"]: m for m in (await http.get("/v1/models")).json()["data"]}
+    assert cards["a"]["sampling_defaults"] == {
+        "temperature": 0.3,
+        "max_tokens": 7,
+        "source": "models file",
+    }
+    assert cards["b"]["sampling_defaults"] == {"max_tokens": 4096, "source": "server"}
 
 
 async def test_metrics_are_labelled_by_model():

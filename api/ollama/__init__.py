@@ -1,7 +1,8 @@
 """The Ollama door: Ollama's native API (`/api/chat`, `/api/generate`, `/api/tags`,
-`/api/show`, `/api/ps`, `/api/version`), for the clients that speak it (the `ollama` packages,
-Open WebUI, Continue, Raycast, Obsidian, Home Assistant): request bodies in `schema`,
-handlers in `serving`, errors in `wire`."""
+`/api/show`, `/api/ps`, `/api/version`, `/api/pull`, `/api/delete`), for the clients that
+speak it (the `ollama` packages, Open WebUI, Continue, Raycast, Obsidian, Home Assistant):
+request bodies in `schema`, handlers in `serving`, what the listings say of a model in
+`facts`, errors in `wire`."""
 
 from __future__ import annotations
 

@@ -1,20 +1,27 @@
 """Ollama's request bodies (`/api/chat`, `/api/generate`, `/api/show`) as pydantic models, and
 their translation to what the pipeline takes. No MLX, no engine.
 
-`options` are mapped to sampling: `num_predict` (-1 or -2: as far as the context goes),
-`temperature`, `top_p`, `top_k`, `min_p`, `seed`, `stop`, `presence_penalty`,
-`frequency_penalty`, `repeat_penalty` (over the whole context: `repeat_last_n` is accepted and
-not applied). The options that tune Ollama's runtime (`num_ctx`, `num_gpu`, `num_thread`,
-...) change no answer here and are accepted; sampling this engine does not do (`mirostat`,
+`options` are mapped to sampling: `num_predict` (-1 or -2: as far as the context goes; left
+out: the model's default cap), `temperature`, `top_p`, `top_k`, `min_p`, `seed`, `stop`,
+`presence_penalty`, `frequency_penalty`, `repeat_penalty` (over the whole context:
+`repeat_last_n` is accepted and not applied); what a request leaves out is the model's
+default, else Ollama's `DefaultOptions` (api/ollama/serving.py). `num_ctx` is the request's
+context (prompt and answer), at most the model's here. The options that tune Ollama's runtime
+(`num_gpu`, `num_thread`, ...) change no answer here and are accepted; sampling this engine
+does not do (`mirostat`,
 `typical_p`, `tfs_z` past their neutral values) is a 400 naming the option. `format` is
-`"json"` (any JSON object) or a JSON schema; `keep_alive` is accepted (the served model stays
-loaded); `images` (base64, before the message's text) go to a model that reads images; a Go
-`template`, `suffix` and the deprecated `context` are refused.
+`"json"` (any JSON object) or a JSON schema; `keep_alive` (seconds, or a duration such as
+"5m"; negative: forever) is how long the model stays loaded once idle, in a server of several
+models (one `--model` is never unloaded); `images` (base64, before the message's text) go
+to a model that reads images; a Go `template`, `suffix` and the deprecated `context` are
+refused.
 `stream` is true unless the request says false, as Ollama's own server does.
 """
 
 from __future__ import annotations
 
+import math
+import re
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -44,6 +51,7 @@ class Options(_Request):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repeat_penalty: float | None = Field(None, gt=0.0, le=MAX_REPETITION_PENALTY)
     repeat_last_n: int | None = None
+    num_ctx: int | None = Field(None, ge=1, le=MAX_INT32)
     # Sampling this engine does not do: refused past their neutral values (`check`).
     mirostat: int | None = None
     typical_p: float | None = None
@@ -72,7 +80,7 @@ class OllamaRequest(_Request):
     format: str | dict[str, Any] | None = None
     options: Options | None = None
     stream: bool = True
-    keep_alive: float | str | None = None  # accepted: the served model stays loaded
+    keep_alive: float | str | None = None  # `kept_for`
     think: bool | str | None = None
 
     @field_validator("model")
@@ -83,6 +91,7 @@ class OllamaRequest(_Request):
     def check_supported(self) -> None:
         if self.options is not None:
             self.options.check()
+        self.kept_for()
         if isinstance(self.format, str) and self.format not in ("", "json"):
             raise APIError(400, 'format must be "json" or a JSON schema object', param="format")
 
@@ -130,7 +139,28 @@ class OllamaRequest(_Request):
     @property
     def max_tokens(self) -> int | None:
         n = self.opts.num_predict
-        return n if n is not None and n > 0 else None  # -1, -2: as far as the context goes
+        return n if n is not None and n > 0 else None
+
+    @property
+    def whole_context(self) -> bool:
+        """`num_predict` -1 (Ollama: no limit) or -2 (fill the context): as far as the
+        context goes."""
+        return self.opts.num_predict in (-1, -2)
+
+    def kept_for(self) -> float | None:
+        """`keep_alive` in seconds: None when it is not given, math.inf for forever (a negative
+        one, as in Ollama). Raises APIError for one that is no duration."""
+        value = self.keep_alive
+        if value is None:
+            return None
+        seconds = value if isinstance(value, int | float) else _duration(value)
+        if seconds is None:
+            raise APIError(
+                400,
+                f'keep_alive must be seconds or a duration such as "5m" or "1h30m", got {value!r}',
+                param="keep_alive",
+            )
+        return math.inf if seconds < 0 else float(seconds)
 
     def answer_format(self) -> tuple[dict[str, Any] | None, bool]:
         """(JSON schema, any JSON object) of `format`."""
@@ -144,6 +174,26 @@ class OllamaRequest(_Request):
         if self.think is None:
             return None
         return self.think is not False
+
+
+_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
+
+
+def _duration(text: str) -> float | None:
+    """A Go duration ("5m", "1h30m", "-1s") or a number of seconds ("300"), in seconds;
+    None for anything else."""
+    text = text.strip()
+    sign = -1.0 if text.startswith("-") else 1.0
+    body = text.lstrip("+-")
+    try:
+        return sign * float(body)
+    except ValueError:
+        pass
+    parts = _DURATION.findall(body)
+    if not parts or "".join(n + u for n, u in parts) != body:
+        return None
+    return sign * sum(float(n) * _UNITS[u] for n, u in parts)
 
 
 class ToolCallFunction(_Request):
@@ -242,6 +292,28 @@ def with_images(text: str, images: list[str] | None, where: str) -> Any:
         return text
     parts = [image_part(ImageSource(f"{where}.{j}", data=data)) for j, data in enumerate(images)]
     return content_of([*parts, text_part(text)])
+
+
+class ModelRequest(_Request):
+    """/api/pull's and /api/delete's body: the model (`name` in older clients)."""
+
+    model: str = Field(min_length=1)
+    stream: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _older_spelling(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "model" not in data and "name" in data:
+            return {**data, "model": data["name"]}
+        return data
+
+    @field_validator("model")
+    @classmethod
+    def _default_tag(cls, v: str) -> str:
+        return v.removesuffix(":latest")
+
+    def check_supported(self) -> None:
+        pass
 
 
 class ShowRequest(_Request):

@@ -1,6 +1,11 @@
 """The Ollama door's handlers, over the pipeline every door shares: `POST /api/chat` and
 `/api/generate` (streamed as JSON lines unless `"stream": false`), `GET /api/tags`,
-`/api/ps`, `/api/version`, `POST /api/show`.
+`/api/ps`, `/api/version`, `POST /api/show`; `POST /api/pull` and `DELETE /api/delete`
+answer that models are configured when the server starts.
+
+A request's options left out are the model's defaults (its generation_config.json and its
+models-file table: what a Modelfile's parameters are to Ollama), else Ollama's own
+`DefaultOptions` (`OLLAMA_DEFAULTS`), as Ollama layers them.
 
 Every request gets an id (`ollama-<hex>`), its id in the event log and its `x-request-id`.
 The last line of an answer (`"done": true`) carries its `done_reason` (`stop`, `length`) and
@@ -10,12 +15,10 @@ token (`prompt_eval_*`), the answer's tokens and the time after it (`eval_*`).
 
 from __future__ import annotations
 
-import hashlib
-import json
-import struct
+import math
 import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,7 +27,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic_core import to_json
 
-from stepline.api.ollama.schema import ChatRequest, GenerateRequest, OllamaRequest, ShowRequest
+from stepline.api.ollama.facts import ModelFacts
+from stepline.api.ollama.schema import (
+    ChatRequest,
+    GenerateRequest,
+    ModelRequest,
+    OllamaRequest,
+    ShowRequest,
+)
 from stepline.api.ollama.wire import OLLAMA
 from stepline.api.pipeline.agents import (
     AgentPlan,
@@ -49,79 +59,32 @@ if TYPE_CHECKING:
     from stepline.actors.request import RequestOutput
 
 API_VERSION = "0.12.0"  # the Ollama API these routes follow, for clients that check it
-NEVER = "2999-12-31T23:59:59Z"  # /api/ps's expires_at: the served model is never unloaded
+NEVER = "2999-12-31T23:59:59Z"  # /api/ps's expires_at of a model never unloaded
+# Ollama's `DefaultOptions` (api/types.go) by engine names, under the model's own defaults.
+# repeat_penalty is 1.0 as in Ollama from v0.32.10 on (1.1 before, over the last 64 tokens;
+# this engine's penalty covers the whole context, so 1.1 here would be harsher than Ollama's
+# ever was). num_predict -1 (no limit) is not taken: a request that sets none gets the model's
+# cap, one that sends -1 or -2 the room left in the context.
+OLLAMA_DEFAULTS: dict[str, Any] = {
+    "temperature": 0.8,
+    "top_k": 40,
+    "top_p": 0.9,
+    "repetition_penalty": 1.0,
+}
+# Engine names -> Ollama's option names, for /api/show's `parameters`.
+OPTION_NAMES = {"repetition_penalty": "repeat_penalty"}
+CONFIGURED = (
+    "models are configured when stepline starts (--model, or --models FILE); it does not "
+    "download or delete them"
+)
+
+
+def _iso(at: datetime) -> str:
+    return at.isoformat().replace("+00:00", "Z")
 
 
 def _now() -> str:
-    return datetime.now(UTC).isoformat().replace("+00:00", "Z")
-
-
-@dataclass(frozen=True)
-class ModelFacts:
-    """What Ollama's model listings say of the served model, read once from its files."""
-
-    size: int  # bytes of weights
-    num_params: int
-    quantization_level: str  # Q4, Q8 (mlx-lm's quantization), else the weights' dtype (F32)
-    family: str  # config.json's model_type
-    digest: str
-    modified_at: str
-
-    @classmethod
-    def read(cls, path: Path) -> ModelFacts:
-        config_file = path / "config.json"
-        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-        quant = config.get("quantization") or {}
-        size = num_params = 0
-        dtypes: dict[str, int] = {}
-        for f in sorted(path.glob("*.safetensors")):
-            size += f.stat().st_size
-            for name, dtype, n in _tensors(f):
-                module, _, kind = name.rpartition(".")
-                if kind in ("scales", "biases") and quant:
-                    continue  # a quantized weight's companions: no parameters of their own
-                if dtype == "U32" and quant:  # packed: 32 bits hold 32 / bits parameters
-                    bits = (quant.get(module) or {}).get("bits", quant.get("bits", 32))
-                    n = n * 32 // bits
-                num_params += n
-                dtypes[dtype] = dtypes.get(dtype, 0) + n
-        stamp = config_file.stat().st_mtime if config_file.is_file() else time.time()
-        digest = hashlib.sha256(f"{path.resolve()}:{size}:{stamp}".encode()).hexdigest()
-        level = (
-            f"Q{quant['bits']}"
-            if "bits" in quant
-            else max(dtypes, key=dtypes.__getitem__, default="")
-        )
-        return cls(
-            size=size,
-            num_params=num_params,
-            quantization_level=level,
-            family=str(config.get("model_type", "")),
-            digest=digest,
-            modified_at=datetime.fromtimestamp(stamp, UTC).isoformat().replace("+00:00", "Z"),
-        )
-
-    @property
-    def parameter_size(self) -> str:
-        n = self.num_params
-        if n >= 1e9:
-            return f"{n / 1e9:.1f}B"
-        return f"{n / 1e6:.0f}M" if n >= 1e6 else f"{n / 1e6:.1f}M"
-
-
-def _tensors(file: Path) -> list[tuple[str, str, int]]:
-    """(name, dtype, elements) of each tensor in a safetensors file, from its header alone."""
-    with file.open("rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(length))
-    out = []
-    for name, info in header.items():
-        if name != "__metadata__":
-            n = 1
-            for d in info["shape"]:
-                n *= d
-            out.append((name, info["dtype"], n))
-    return out
+    return _iso(datetime.now(UTC))
 
 
 class OllamaDoor:
@@ -142,7 +105,7 @@ class OllamaDoor:
             return {"parent_model": "", "format": "safetensors", "family": "", "families": None}
         return {
             "parent_model": "",
-            "format": "safetensors",
+            "format": f.format,
             "family": f.family,
             "families": [f.family] if f.family else None,
             "parameter_size": f.parameter_size,
@@ -177,7 +140,10 @@ class OllamaDoor:
             card = self.card(name, self.facts(served))
             del card["modified_at"]
             context = served.engine.max_context
-            models.append({**card, "expires_at": NEVER, "context_length": context})
+            entry = self.serving.models.entry_of(name)
+            at = entry.expires_at() if entry is not None else None
+            expires = NEVER if at is None else _iso(datetime.fromtimestamp(at, UTC))
+            models.append({**card, "expires_at": expires, "context_length": context})
         return {"models": models}
 
     async def show(self, ctx: RequestContext[ShowRequest]) -> Response:
@@ -192,21 +158,71 @@ class OllamaDoor:
         if engine.accepts_images:  # what Ollama's clients look for to send images
             capabilities.append("vision")
         template = getattr(tokenizer, "chat_template", None)
+        parameters = self.parameters(ctx.model)
+        modelfile = f"# served by stepline from {engine.loaded.path}\n" + "".join(
+            f"PARAMETER {line}\n" for line in parameters.splitlines()
+        )
         return JSONResponse(
             {
-                "modelfile": f"# served by stepline from {engine.loaded.path}",
-                "parameters": "",
+                "modelfile": modelfile,
+                "parameters": parameters,
                 "template": template if isinstance(template, str) else "",
                 "details": self.details(f),
                 "model_info": {
                     "general.architecture": f.family,
                     "general.parameter_count": f.num_params,
                     f"{f.family}.context_length": engine.max_context,
+                    # the precision the weights are served in (float32 on the CPU backend,
+                    # whatever the file holds), and why: stepline's own key
+                    "stepline.weights": getattr(engine.loaded, "weights", ""),
                 },
                 "capabilities": capabilities,
                 "modified_at": f.modified_at,
             }
         )
+
+    def parameters(self, served: ServedModel) -> str:
+        """The options a request that sets none gets, as Modelfile parameters (`name value`
+        lines, as /api/show's `parameters`): the model's over Ollama's, and its cap."""
+        values = {**OLLAMA_DEFAULTS, **served.defaults.sampling.values()}
+        values["num_predict"] = served.defaults.max_tokens
+        return "\n".join(
+            f"{OPTION_NAMES.get(k, k):<30} {v:g}" if isinstance(v, float) else f"{k:<30} {v}"
+            for k, v in values.items()
+        )
+
+    # -- pull and delete: models are the command line's --
+
+    async def configured(
+        self, request: Request, answer: Callable[[ModelRequest], Response]
+    ) -> Response:
+        """`answer` to a /api/pull or /api/delete body; nothing is loaded, fetched or
+        removed. Errors in Ollama's shape."""
+        intake = self.serving.intake
+        try:
+            raw = await intake.read_body(request, any_media_type=True)
+            return answer(await intake.parse(raw, ModelRequest))
+        except APIError as err:
+            return OLLAMA.response(err)
+
+    def pull(self, req: ModelRequest) -> Response:
+        """A served model needs no pull: Ollama's last progress line, `success` (a client
+        that pulls before it chats goes on). Any other is a 404 saying where models come
+        from."""
+        if req.model not in self.serving.served_model_names:
+            raise APIError(
+                404,
+                f"{req.model!r} is not served here, and cannot be pulled: {CONFIGURED}; "
+                f"served: {', '.join(self.serving.models.listed)}",
+                param="model",
+            )
+        status = {"status": "success"}
+        if req.stream:
+            return Response(to_json(status) + b"\n", media_type="application/x-ndjson")
+        return JSONResponse(status)
+
+    def delete(self, req: ModelRequest) -> Response:
+        raise APIError(400, f"{req.model!r} cannot be deleted here: {CONFIGURED}", param="model")
 
     # -- chat and generate --
 
@@ -234,19 +250,30 @@ class OllamaDoor:
             schema_param="format",
         )
 
+    def _keep(self, ctx: RequestContext[Any]) -> str:
+        """The request's keep_alive applied to its model (`ModelEntry.keep_loaded`); the
+        `done_reason` of a request with nothing to answer: Ollama's way to load a model
+        ("load"), or with keep_alive 0 to unload it ("unload", once it is idle)."""
+        seconds = ctx.body.kept_for()
+        if seconds is not None:
+            ctx.entry.keep_loaded(None if seconds == math.inf else seconds)
+        return "unload" if seconds == 0 else "load"
+
     async def chat(self, ctx: RequestContext[ChatRequest]) -> Response:
         req = ctx.body
-        if not req.messages:  # Ollama's way to load a model: it is loaded
+        reason = self._keep(ctx)
+        if not req.messages:  # Ollama's way to load (or unload) a model
             body = self._head(ctx, {"message": {"role": "assistant", "content": ""}})
-            return JSONResponse({**body, "done": True, "done_reason": "load"})
+            return JSONResponse({**body, "done": True, "done_reason": reason})
         call = Call(ctx.rid, req, self._plan(ctx, req.tools), "messages", req.engine_messages())
         return await self._answer(ctx, call, chat=True)
 
     async def generate(self, ctx: RequestContext[GenerateRequest]) -> Response:
         req = ctx.body
-        if not req.prompt and not req.system:  # Ollama's way to load a model: it is loaded
+        reason = self._keep(ctx)
+        if not req.prompt and not req.system:  # Ollama's way to load (or unload) a model
             body = self._head(ctx, {"response": ""})
-            return JSONResponse({**body, "done": True, "done_reason": "load"})
+            return JSONResponse({**body, "done": True, "done_reason": reason})
         prompt, messages = req.engine_input()
         call = Call(ctx.rid, req, self._plan(ctx), "prompt", messages, prompt)
         return await self._answer(ctx, call, chat=False)
@@ -256,6 +283,9 @@ class OllamaDoor:
         serving, req = self.serving, ctx.body
         call.max_tokens = req.max_tokens
         call.max_tokens_param = "options.num_predict"
+        call.whole_context = req.whole_context
+        call.context_window, call.context_window_param = req.opts.num_ctx, "options.num_ctx"
+        call.door_defaults = OLLAMA_DEFAULTS
         call.reasoning = ctx.model.reasoning or bool(req.thinking())
         call.client = client_of(ctx.request.headers)  # Ollama's requests name no user
         started = await serving.start(ctx, call)
@@ -369,6 +399,14 @@ def router(serving: Serving) -> APIRouter:
             generates=False,
             any_media_type=True,
         )
+
+    @routes.post("/api/pull")
+    async def pull(request: Request) -> Response:
+        return await door.configured(request, door.pull)
+
+    @routes.delete("/api/delete")
+    async def delete(request: Request) -> Response:
+        return await door.configured(request, door.delete)
 
     @routes.get("/api/tags")
     async def tags() -> JSONResponse:

@@ -212,12 +212,14 @@ class OpenAIDoor:
     # -- /v1/models --
 
     def model_card(self, name: str) -> Model:
-        """`name`'s card: with its context (vLLM's `max_model_len`) once it is loaded, and in a
+        """`name`'s card: with its context (vLLM's `max_model_len`) and the defaults a request
+        that sets none gets (`sampling_defaults`: api/defaults.py) once it is loaded, and in a
         server of several models whether it is (`loaded`, stepline's)."""
         extra: dict[str, Any] = {}
         served = self.serving.loaded(name)
         if served is not None:
             extra["max_model_len"] = served.engine.max_context
+            extra["sampling_defaults"] = served.defaults.card()
         if self.serving.models.on_demand:
             extra["loaded"] = served is not None
         return Model(id=name, object="model", created=self.created, owned_by="stepline", **extra)

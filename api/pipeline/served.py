@@ -17,9 +17,11 @@ import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
-from stepline.api.config import ServerConfig
+from stepline.api.config import ModelSpec, ServerConfig
+from stepline.api.defaults import ModelDefaults, resolve
 from stepline.api.pipeline.agents import configure
 from stepline.api.pipeline.images import ImageOptions, PixelBudget
 from stepline.engine.images import ImageLimits
@@ -38,11 +40,14 @@ class ServedModel:
         config: ServerConfig,
         names: tuple[str, ...] = (),
         pixel_budget: PixelBudget | None = None,
+        spec: ModelSpec | None = None,
     ):
         """Raises ValueError for agent options (`--chat-template`, `--reasoning-parser`, ...)
-        the model cannot honour. `pixel_budget`: the server's, shared by its models."""
+        the model cannot honour. `pixel_budget`: the server's, shared by its models. `spec`:
+        its entry in a server of several (its own defaults)."""
         self.engine = engine
         self.names: tuple[str, ...] = names or (engine.model_name,)
+        self.defaults = model_defaults(engine, config, spec)
         vision = getattr(engine.prompts, "images", None)
         self.images = ImageOptions(
             accepts_images=engine.accepts_images,
@@ -77,8 +82,23 @@ class ServedModel:
         return text
 
 
-# What builds a model's `ServedModel` as it loads: (its engine, the names it is served by).
-Build = Callable[["Engine", tuple[str, ...]], ServedModel]
+def model_defaults(engine: Engine, config: ServerConfig, spec: ModelSpec | None) -> ModelDefaults:
+    """The defaults in effect for `engine`'s model (api/defaults.py): `spec`'s over its
+    generation_config.json's (a GGUF file has none: its converted directory holds none)."""
+    path = getattr(getattr(engine, "loaded", None), "path", None)
+    mode = (spec.generation_config if spec is not None else None) or config.generation_config
+    return resolve(
+        None if path is None else Path(path),
+        generation_config=mode,
+        own=spec.sampling if spec is not None else None,
+        own_max_tokens=spec.default_max_tokens if spec is not None else None,
+        server_max_tokens=config.default_max_tokens,
+    )
+
+
+# What builds a model's `ServedModel` as it loads: (its engine, the names it is served by,
+# its entry in a server of several: None for a single `--model`).
+Build = Callable[["Engine", tuple[str, ...], ModelSpec | None], ServedModel]
 
 
 class ModelEntry(Protocol):
@@ -89,6 +109,15 @@ class ModelEntry(Protocol):
 
     @property
     def name(self) -> str: ...
+
+    def keep_loaded(self, seconds: float | None) -> None:
+        """How long it stays loaded once idle (None: forever), where models unload (a pool);
+        a request's keep_alive (Ollama's)."""
+        ...
+
+    def expires_at(self) -> float | None:
+        """When (time.time()) it is unloaded if no request comes; None: never."""
+        ...
 
 
 _E = TypeVar("_E", bound=ModelEntry)
@@ -169,6 +198,12 @@ class OnlyEntry:
     def name(self) -> str:
         return self.served.name if self.served is not None else self.engine.model_name
 
+    def keep_loaded(self, seconds: float | None) -> None:
+        pass  # a single model is never unloaded
+
+    def expires_at(self) -> float | None:
+        return None
+
 
 class OneModel:
     """A pool of one pinned model: a single `--model`'s engine, open already, under its name
@@ -197,7 +232,7 @@ class OneModel:
         return [self.entry]
 
     def attach(self, build: Build, rename: tuple[str, ...]) -> None:
-        self.entry.served = build(self.engine, rename or (self.engine.model_name,))
+        self.entry.served = build(self.engine, rename or (self.engine.model_name,), None)
 
     def expect(self) -> OnlyEntry:
         self.engine.arriving()  # until it is submitted, or the request's handler ends

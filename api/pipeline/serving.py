@@ -63,8 +63,8 @@ class Serving:
 
         budget = PixelBudget(config.max_image_pixels_in_flight)  # one for every model
 
-        def build(engine: Any, names: tuple[str, ...]) -> ServedModel:
-            return ServedModel(engine, config, names, budget)
+        def build(engine: Any, names: tuple[str, ...], spec: Any) -> ServedModel:
+            return ServedModel(engine, config, names, budget, spec)
 
         models.attach(build, config.served_model_name)
         self.resume = ResumeRegistry(config.resume_grace_s)

@@ -58,7 +58,12 @@ class Call:
     prompt: str | list[int] | None = None
     max_tokens: int | None = None  # as requested
     max_tokens_param: str = "max_tokens"
-    default_max_tokens: int | None = None  # None: the room left in the context
+    default_max_tokens: int | None = None  # a door's own default (None: the model's)
+    whole_context: bool = False  # no max_tokens: the room left in the context, asked for
+    context_window: int | None = None  # the request's own context (Ollama's num_ctx)
+    context_window_param: str = "num_ctx"
+    # A door's documented defaults (Ollama's `DefaultOptions`), under the model's own.
+    door_defaults: dict[str, Any] = field(default_factory=dict)
     logprobs: int | None = None
     reasoning: bool = False  # split think blocks into reasoning
     think_budget: int | None = None  # most tokens the think block may take
@@ -134,19 +139,25 @@ class Starter:
         )
         ids = prepared.ids
         engine = ctx.engine
+        defaults = ctx.model.defaults
+        if call.context_window is not None:
+            self.check_window(engine, call, len(ids))
         max_tokens = self.max_tokens(
             engine,
             call.max_tokens,
             len(ids),
-            default=call.default_max_tokens,
+            default=None if call.whole_context else call.default_max_tokens or defaults.max_tokens,
             prompt_param=call.prompt_param,
             param=call.max_tokens_param,
         )
+        if call.context_window is not None:
+            max_tokens = min(max_tokens, call.context_window - len(ids))
         tokenizer = engine.tokenizer
         prompt_text = tokenizer.decode(ids[-8:])
         if call.think_budget is not None:
             agent = agent.with_think_budget(tokenizer, call.think_budget, prompt_text)
-        params = self.sampling(call.sampling, max_tokens, call.logprobs, agent.grammar)
+        below = {**call.door_defaults, **defaults.sampling.values()}
+        params = self.sampling(call.sampling, max_tokens, call.logprobs, agent.grammar, below)
         stream = await engine.submit(
             prepared, params=params, request_id=call.rid, client=call.client
         )
@@ -163,6 +174,23 @@ class Starter:
             headers[EFFECTIVE_MAX_TOKENS_HEADER] = str(max_tokens)
         return Started(ctx, call.rid, stream, fmt, agent.openai_tools or None, max_tokens, headers)
 
+    def check_window(self, engine: Engine, call: Call, num_prompt: int) -> None:
+        """Raises APIError (400) for a request's own context (`call.context_window`) past
+        the model's here, or one its prompt does not fit."""
+        window, max_context = call.context_window, engine.max_context
+        assert window is not None
+        if window > max_context:
+            raise APIError(
+                400,
+                f"{call.context_window_param} is {window}, but this server holds at most "
+                f"{max_context} tokens of context for this model: set it to at most "
+                f"{max_context}, or leave it out",
+                param=call.context_window_param,
+                code="context_length_exceeded",
+            )
+        if num_prompt >= window:
+            raise context_exceeded(num_prompt, window, call.prompt_param, at_least=False)
+
     def max_tokens(
         self,
         engine: Engine,
@@ -174,7 +202,7 @@ class Starter:
         param: str = "max_tokens",
     ) -> int:
         """The request's token limit (`Engine.max_output_tokens`, the engine's one): `requested`,
-        or by default `default` or the room left in the context, within the KV budget. A
+        or by default `default` (None: the room left in the context), within the KV budget. A
         `requested` past the room is clamped to it (agents such as Claude Code cannot be told
         a local model's context), unless `strict_max_tokens`, where past the context it is a
         400."""
@@ -206,10 +234,12 @@ class Starter:
         max_tokens: int,
         logprobs: int | None,
         grammar: str | None = None,
+        defaults: dict[str, Any] | None = None,
     ) -> SamplingParams:
         """The one parameter builder of every door: `req`'s sampling fields (those of
         `SAMPLING_FIELDS` it has, already range-checked; `stop_strings`, `ignore_eos`,
-        `top_k`, `stop_token_ids`) as engine parameters; the checks that need the model
+        `top_k`, `stop_token_ids`) as engine parameters, over `defaults` (the model's and the
+        door's, by engine names: api/defaults.py), over the engine's; the checks that need the model
         (`top_k` and `stop_token_ids` within the vocabulary) are `Engine.submit`'s. A
         temperature below GREEDY_TEMPERATURE is greedy."""
         top_k = getattr(req, "top_k", None)
@@ -220,6 +250,7 @@ class Starter:
             "ignore_eos": getattr(req, "ignore_eos", False),
             "logprobs": logprobs,
             "grammar": grammar,
+            **(defaults or {}),
         }
         for name in SAMPLING_FIELDS:
             value = getattr(req, name, None)

@@ -1,6 +1,7 @@
 """The one stream writer: `StreamResponse` writes what a producer emits, in its wire's framing
 (server-sent events, or JSON lines for Ollama's API), with keep-alive pings while nothing is
-sent, and a client's disconnect cancels the producer. Also the SSE frames' building blocks
+sent, and a client's disconnect cancels the producer (and writes the access log's line of its
+end, `log_stopped`). Also the SSE frames' building blocks
 (`sse`, `TextFrames`, `PING`).
 
 Streams are written by hand, not with sse-starlette: the frames must be byte-exact
@@ -11,6 +12,7 @@ being sent; a small response class does exactly that.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Awaitable, Callable
 
@@ -52,6 +54,27 @@ class TextFrames:
 
     def __call__(self, text: str) -> bytes:
         return self._head + to_json(text) + self._tail
+
+
+def log_stopped(scope: Scope, seconds: float) -> None:
+    """The access log's second line of a stream its client stopped: uvicorn's first, written
+    when the stream started, says 200 and nothing of how it ended. Written like uvicorn's
+    (and only where uvicorn writes its access log), with the status the client saw."""
+    access = logging.getLogger("uvicorn.access")
+    if not access.hasHandlers():  # the access log is off
+        return
+    host, port = scope.get("client") or ("-", 0)
+    query = scope.get("query_string", b"").decode("latin-1")
+    path = scope.get("path", "") + (f"?{query}" if query else "")
+    access.info(
+        '%s - "%s %s HTTP/%s" %d cancelled: the client stopped the stream after %.1f s',
+        f"{host}:{port}",
+        scope.get("method", ""),
+        path,
+        scope.get("http_version", "1.1"),
+        200,
+        seconds,
+    )
 
 
 class StreamResponse(Response):
@@ -96,7 +119,7 @@ class StreamResponse(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         lock = anyio.Lock()  # one writer at a time: the producer or the heartbeat
-        last_sent = time.monotonic()
+        started = last_sent = time.monotonic()
         produced = False  # the producer is done: its last frame is out
         disconnected = False
         ended = False  # the response's last message is sent
@@ -138,7 +161,7 @@ class StreamResponse(Response):
                 ended = True  # set first: a cancel during this send must not send again
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         except OSError:  # the client went away while we were writing
-            pass
+            disconnected = True
         except anyio.get_cancelled_exc_class():
             # Cancelled from outside (the server's graceful-shutdown timeout): the client
             # still gets its last frames, as after any other failure.
@@ -152,3 +175,5 @@ class StreamResponse(Response):
         finally:
             with anyio.CancelScope(shield=True):
                 await self._on_close()
+            if disconnected and not ended:
+                log_stopped(scope, time.monotonic() - started)
