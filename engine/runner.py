@@ -46,7 +46,7 @@ from stepline.engine.grammar import DEFAULT_CACHE_BYTES, GrammarCompiler
 from stepline.engine.lookahead import LookAhead
 from stepline.engine.memory import read_memory_counters
 from stepline.engine.models import LoadedModel
-from stepline.engine.prefix_cache import PrefixStore, compact_cache, share_cache
+from stepline.engine.prefix_cache import PrefixStore, compact_cache, exact_only, share_cache
 from stepline.engine.prefix_files import model_cache_layout, model_fingerprint
 from stepline.engine.sampling import RowHistory, RowSampling, Sampler
 from stepline.engine.sequences import Cache, Seq
@@ -104,6 +104,8 @@ class ModelRunner:
                 model_id=model_fingerprint(loaded.path) if prefix_cache_dir is not None else "",
                 layout=model_cache_layout(loaded.model) if prefix_cache_dir is not None else None,
             )
+        # a prefix of its cache serves only at its own offset (`prefix_cache.exact_only`)
+        self.exact_prefixes = exact_only(loaded.model)
         self._seqs: dict[str, Seq] = {}
         self._checkpointed: list[Seq] = []  # requests that reached a checkpoint this step
         # Prompt attention in cache-sized blocks on the CPU (before `fused` wraps it too).
