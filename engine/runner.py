@@ -158,6 +158,7 @@ class ModelRunner:
             constraint=self.grammars.matcher(p.grammar) if p.grammar is not None else None,
             images=new.images,
             key=prompt_key(new.prompt_token_ids, new.images) if new.images else None,
+            own_checkpoint=new.own_checkpoint,
         )
 
     def _start_cache(self, new: NewRequest) -> Cache:
@@ -230,7 +231,7 @@ class ModelRunner:
         snapshot = snapshot_cache(seq.cache)
         if self.store is not None:
             self.store.put(seq.key_of(end), snapshot)
-        if self.on_checkpoint is not None:
+        if self.on_checkpoint is not None and end != seq.own_checkpoint:
             self.on_checkpoint(seq.request_id, end, share_cache(snapshot))
 
     # -- one step -------------------------------------------------------------

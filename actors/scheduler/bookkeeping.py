@@ -44,6 +44,9 @@ class RequestBook:
         # starting request -> why its cache hit stops where it does, and how far its prompt
         # matched (`PrefixIndex.explain`), until its first step's event records it
         self._misses: dict[str, tuple[PrefixMiss | None, int]] = {}
+        # waiting request -> the checkpoint the core added for the prefix cache, until it
+        # starts (`NewRequest.own_checkpoint`)
+        self.own_checkpoints: dict[str, int] = {}
 
     def has_seen(self, request_id: str) -> bool:
         return request_id in self._seen
@@ -95,6 +98,7 @@ class RequestBook:
         self.disk_tried.discard(request_id)
         self._images.pop(request_id, None)
         self._misses.pop(request_id, None)
+        self.own_checkpoints.pop(request_id, None)
         self.drafters.pop(request_id, None)
 
     def propose_drafts(

@@ -196,9 +196,12 @@ class SchedulerCore:
         self.book.remember(request_id)
         ids = tuple(prompt_token_ids)
         check_spans(images, len(ids))
-        if self.index is not None and self.limits.exact_prefixes and len(ids) > 1:
+        own = len(ids) - 1
+        if self.index is not None and self.limits.exact_prefixes and own not in checkpoints:
             # the same prompt sent again then reuses all but its last token
-            checkpoints = (*checkpoints, len(ids) - 1)
+            if own > 0:
+                checkpoints = (*checkpoints, own)
+                self.book.own_checkpoints[request_id] = own
         if self.dead_reason is None:
             try:
                 check_queue(self.states, self.config, client)
@@ -377,6 +380,7 @@ class SchedulerCore:
             prefix=match.tokens if match is not None else None,
             num_cached_tokens=match.num_tokens if match is not None else 0,
             images=self.book.take_images(rid),
+            own_checkpoint=self.book.own_checkpoints.pop(rid, None),
         )
 
     def update_from_output(
