@@ -8,6 +8,7 @@ import random
 from pathlib import Path
 
 import pytest
+from helpers import replay
 
 from stepline.actors.scheduler.prefix_index import EVICTED_KEYS, EntryInfo, PrefixIndex
 from stepline.api import Engine, SamplingParams
@@ -71,6 +72,13 @@ async def test_each_miss_names_where_the_prompt_broke_and_why(model_cache_dir, t
     assert no_snapshot.num_cached_tokens == 0
     assert other.prefix_miss == "cold"
     assert again.prefix_miss is None and again.num_cached_tokens == 59
+    # the replay says it, per request and in the summary
+    code, text = replay(str(path), "--request", no_snapshot.request_id)
+    assert code == 0
+    assert "prefix cache: 0 of 60 reused; a cached entry shares its first 40 tokens" in text
+    assert "serves an entry only at the offset it was taken at" in text
+    code, text = replay(str(path))
+    assert "prefix-cache hits short of the prompt, by why: cold 2, no-snapshot 1" in text
 
 
 async def test_a_dense_model_misses_where_its_prompt_diverges(model_cache_dir, tmp_path: Path):
@@ -101,3 +109,20 @@ def test_the_index_tells_an_eviction_from_a_prompt_never_seen():
     for i in range(EVICTED_KEYS + 1):
         index.apply([EntryInfo(tuple(range(1000 * (i + 2), 1000 * (i + 2) + 5)), 80, True)])
     assert index.explain(a + (7,), 0) == ("cold", 0)
+
+
+async def test_a_chat_miss_names_the_message_its_prompt_broke_in(model_cache_dir, tmp_path: Path):
+    path = tmp_path / "events.jsonl"
+    system = {"role": "system", "content": "You are a terse assistant. " * 6}
+    async with Engine.open(
+        "stepline-demo", max_step_tokens=64, max_num_seqs=4, event_log=path
+    ) as engine:
+        for question in ("What is bread made of?", "Why is the sky blue?"):
+            messages = [system, {"role": "user", "content": question}]
+            stream = await engine.submit(messages=messages, params=GREEDY)
+            _ = [o async for o in stream]
+    second = first_chunks(path)[1]
+    assert second.prefix_miss == "diverged"
+    code, text = replay(str(path), "--request", second.request_id)
+    assert f"differs from everything the cache held at token {second.prefix_shared} " in text
+    assert "(in message 2)" in text  # the system prompt was reused; the question differs
