@@ -120,6 +120,7 @@ class EngineParts:
             limits=ModelLimits(
                 max_context=loaded.max_context,
                 eos_token_ids=frozenset(loaded.tokenizer.eos_token_ids or ()),
+                exact_prefixes=self.runner.exact_prefixes,
             ),
             event_log=self.writer,
             prefix_index=await self._prefix_index(prefix_bytes),

@@ -20,7 +20,12 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, can_trim_prompt_cache
+from mlx_lm.models.cache import (
+    KVCache,
+    RotatingKVCache,
+    can_trim_prompt_cache,
+    make_prompt_cache,
+)
 
 from stepline.actors.scheduler.prefix_index import EntryInfo, Tokens
 from stepline.actors.scheduler.work import PrefixReport
@@ -28,6 +33,15 @@ from stepline.engine.prefix_disk import DiskTier
 from stepline.engine.prefix_files import Layout
 
 Cache = list[Any]
+
+
+def exact_only(model: Any) -> bool:
+    """Whether a prefix of `model`'s cache may serve only at the offset it was taken at: a
+    recurrent layer (its state cannot be cut back) or a sliding window (it can once it has
+    wrapped). A prompt is then also snapshotted one token before its end, so the same
+    prompt sent again reuses all but its last token (`ModelLimits.exact_prefixes`)."""
+    cache = make_prompt_cache(model)
+    return not can_trim_prompt_cache(cache) or any(isinstance(c, RotatingKVCache) for c in cache)
 
 
 def _alias_tree(x: Any) -> Any:

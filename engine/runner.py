@@ -46,7 +46,7 @@ from stepline.engine.grammar import DEFAULT_CACHE_BYTES, GrammarCompiler
 from stepline.engine.lookahead import LookAhead
 from stepline.engine.memory import read_memory_counters
 from stepline.engine.models import LoadedModel
-from stepline.engine.prefix_cache import PrefixStore, compact_cache, share_cache
+from stepline.engine.prefix_cache import PrefixStore, compact_cache, exact_only, share_cache
 from stepline.engine.prefix_files import model_cache_layout, model_fingerprint
 from stepline.engine.sampling import RowHistory, RowSampling, Sampler
 from stepline.engine.sequences import Cache, Seq
@@ -104,6 +104,8 @@ class ModelRunner:
                 model_id=model_fingerprint(loaded.path) if prefix_cache_dir is not None else "",
                 layout=model_cache_layout(loaded.model) if prefix_cache_dir is not None else None,
             )
+        # a prefix of its cache serves only at its own offset (`prefix_cache.exact_only`)
+        self.exact_prefixes = exact_only(loaded.model)
         self._seqs: dict[str, Seq] = {}
         self._checkpointed: list[Seq] = []  # requests that reached a checkpoint this step
         # Prompt attention in cache-sized blocks on the CPU (before `fused` wraps it too).
@@ -156,6 +158,7 @@ class ModelRunner:
             constraint=self.grammars.matcher(p.grammar) if p.grammar is not None else None,
             images=new.images,
             key=prompt_key(new.prompt_token_ids, new.images) if new.images else None,
+            own_checkpoint=new.own_checkpoint,
         )
 
     def _start_cache(self, new: NewRequest) -> Cache:
@@ -228,7 +231,7 @@ class ModelRunner:
         snapshot = snapshot_cache(seq.cache)
         if self.store is not None:
             self.store.put(seq.key_of(end), snapshot)
-        if self.on_checkpoint is not None:
+        if self.on_checkpoint is not None and end != seq.own_checkpoint:
             self.on_checkpoint(seq.request_id, end, share_cache(snapshot))
 
     # -- one step -------------------------------------------------------------

@@ -38,6 +38,8 @@ class Seq:
     encodes: dict[int, Any] = field(default_factory=dict)
     # the prompt as the prefix cache knows it (`spans.prompt_key`); None: its token ids
     key: tuple[int, ...] | None = None
+    # the engine's own checkpoint (`NewRequest.own_checkpoint`): not the hook's
+    own_checkpoint: int | None = None
     # it drafts (actors/scheduler/drafter.py): it decodes against its own `cache`, not in the batch
     solo: bool = False
     # out of its seat (actors/scheduler/seats.py): its own `cache` kept, it does not decode

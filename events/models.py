@@ -30,8 +30,10 @@ a `decoding` event (the mission's name; 3 to 6 called it `tokens`). The 6 -> 7 u
 renames `tokens` to `decoding`; the other additions' defaults (not recorded) describe a
 version-6 log. 8 added `Parked` and `Resumed`: a decoding request of a client running more
 than its fair share steps out of the decode batch (its cache kept) so that another client's
-request gets a seat, and steps back in later; a version-7 log has none, so the 7 -> 8
-upcaster changes nothing.
+request gets a seat, and steps back in later; a version-7 log has none. It also says why a request's
+prefix-cache hit stops where it does (`ChunkPrefilled.prefix_miss`, `prefix_shared`, and the
+same on `ImageEncoded`), "not recorded" in a version-7 log, so the 7 -> 8 upcaster changes
+nothing.
 """
 
 from __future__ import annotations
@@ -147,6 +149,13 @@ ChunkLimit = Literal[
 # client had its fair share; its image did not fit the step; it waits for a prefix that an
 # earlier request is computing, or for its cache entry to load from disk (it starts from it).
 HeldReason = Literal["budget", "time", "max-num-seqs", "kv", "fair-share", "image", "prefix"]
+# Why a request's prefix-cache hit stops where it does (its first chunk or encoder step
+# says; actors/scheduler/prefix_index.py `PrefixIndex.explain`): "cold", nothing cached
+# starts as its prompt does; "diverged", its prompt first differs from everything cached
+# at `prefix_shared`; "no-snapshot", a cached entry shares more of it (up to
+# `prefix_shared`), but its state (recurrent, a wrapped window) exists only at its own
+# length; "evicted", an entry that shared more was evicted from the cache.
+PrefixMiss = Literal["cold", "diverged", "no-snapshot", "evicted"]
 # At most this many held requests are recorded a step (the oldest first).
 MAX_HELD = 8
 
@@ -212,6 +221,10 @@ class ChunkPrefilled(_Event):
     num_cached_tokens: int = 0
     cache_source: str | None = None  # "memory" or "disk" when num_cached_tokens > 0
     images: tuple[str, ...] = ()  # digests of the images whose span tokens it holds
+    # A request's first step, where it reused less than all but its last prompt token from
+    # the prefix cache: why, and how far its prompt matched what the cache held or had held
+    prefix_miss: PrefixMiss | None = None
+    prefix_shared: int = 0
 
 
 class ImageEncoded(_Event):
@@ -227,6 +240,8 @@ class ImageEncoded(_Event):
     end: int
     num_cached_tokens: int = 0
     cache_source: str | None = None
+    prefix_miss: PrefixMiss | None = None  # as a first chunk's (`ChunkPrefilled`)
+    prefix_shared: int = 0
 
 
 class CheckpointReached(_Event):

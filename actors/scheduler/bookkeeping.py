@@ -12,12 +12,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from stepline.actors.scheduler.drafter import Drafter
 from stepline.actors.scheduler.plan import StepPlan
 from stepline.actors.scheduler.spans import PromptImage
 from stepline.events.fold import RequestState, Status
-from stepline.events.models import FinishReason
+from stepline.events.models import FinishReason, PrefixMiss
 
 _REUSABLE = (FinishReason.STOP, FinishReason.LENGTH)  # ended cleanly: cache worth keeping
 _KEEP_IDS = 100_000  # request ids refused as reused within this many requests
@@ -40,6 +41,12 @@ class RequestBook:
         # waiting request -> its images' encoder inputs (pixels: not the fold's, not logged),
         # until its first chunk hands them to the executor
         self._images: dict[str, tuple[PromptImage, ...]] = {}
+        # starting request -> why its cache hit stops where it does, and how far its prompt
+        # matched (`PrefixIndex.explain`), until its first step's event records it
+        self._misses: dict[str, tuple[PrefixMiss | None, int]] = {}
+        # waiting request -> the checkpoint the core added for the prefix cache, until it
+        # starts (`NewRequest.own_checkpoint`)
+        self.own_checkpoints: dict[str, int] = {}
 
     def has_seen(self, request_id: str) -> bool:
         return request_id in self._seen
@@ -62,6 +69,19 @@ class RequestBook:
         """A starting request's images' encoder inputs, for the executor (once)."""
         return self._images.pop(request_id, ())
 
+    def missed(self, request_id: str, miss: tuple[PrefixMiss | None, int]) -> None:
+        """A starting request's prefix-cache miss (`PrefixIndex.explain`), for its first
+        step's event."""
+        self._misses[request_id] = miss
+
+    def take_miss(self, request_id: str) -> dict[str, Any]:
+        """The fields of its first step's event that say why its cache hit stops there
+        (none: no prefix cache, or not its first step), once."""
+        miss = self._misses.pop(request_id, None)
+        if miss is None or miss[0] is None:
+            return {}
+        return {"prefix_miss": miss[0], "prefix_shared": miss[1]}
+
     def cache_source(self, request_id: str) -> str:
         """Where a request's cache hit came from. An entry on disk is loaded into memory
         while its request waits (`plan_prefixes` never starts one from disk): a request a
@@ -77,6 +97,8 @@ class RequestBook:
             self.to_free[request_id] = reason in _REUSABLE
         self.disk_tried.discard(request_id)
         self._images.pop(request_id, None)
+        self._misses.pop(request_id, None)
+        self.own_checkpoints.pop(request_id, None)
         self.drafters.pop(request_id, None)
 
     def propose_drafts(

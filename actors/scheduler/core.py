@@ -196,6 +196,12 @@ class SchedulerCore:
         self.book.remember(request_id)
         ids = tuple(prompt_token_ids)
         check_spans(images, len(ids))
+        own = len(ids) - 1
+        if self.index is not None and self.limits.exact_prefixes and own not in checkpoints:
+            # the same prompt sent again then reuses all but its last token
+            if own > 0:
+                checkpoints = (*checkpoints, own)
+                self.book.own_checkpoints[request_id] = own
         if self.dead_reason is None:
             try:
                 check_queue(self.states, self.config, client)
@@ -364,6 +370,9 @@ class SchedulerCore:
         match = prefix.matches.get(rid)
         if match is not None and self.index is not None:
             self.index.touch(match.tokens)
+        if self.index is not None:
+            key = prompt_key(state.prompt_token_ids or (), state.images)
+            self.book.missed(rid, self.index.explain(key, prefix.cached.get(rid, 0)))
         return NewRequest(
             request_id=rid,
             prompt_token_ids=state.prompt_token_ids or (),
@@ -371,6 +380,7 @@ class SchedulerCore:
             prefix=match.tokens if match is not None else None,
             num_cached_tokens=match.num_tokens if match is not None else 0,
             images=self.book.take_images(rid),
+            own_checkpoint=self.book.own_checkpoints.pop(rid, None),
         )
 
     def update_from_output(
@@ -468,6 +478,7 @@ class SchedulerCore:
             end=encode.end,
             num_cached_tokens=encode.cached,
             cache_source=self.book.cache_source(rid) if encode.cached else None,
+            **self.book.take_miss(rid),
         )
 
     def _chunk_done(self, chunk: ScheduledChunk, result: StepResult, out: StepOutcome) -> None:
@@ -476,7 +487,9 @@ class SchedulerCore:
         if state is None:
             return
         reached = result.checkpoints.get(rid, ())
-        for cls, fields in chunk_records(state, chunk, reached, self.book.cache_source(rid)):
+        book = self.book
+        miss = book.take_miss(rid)
+        for cls, fields in chunk_records(state, chunk, reached, book.cache_source(rid), miss):
             self._record(cls, **fields)
         out.prefilled(state, chunk)
 

@@ -26,7 +26,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from stepline.events.models import PrefixMiss
+
 Tokens = tuple[int, ...]
+
+# The keys of this many entries evicted last are kept, to tell a miss that an eviction
+# caused (`PrefixIndex.explain`); their tokens only, no state.
+EVICTED_KEYS = 64
 
 
 @dataclass
@@ -142,6 +148,12 @@ class TokenTrie:
                 parent.children[child.edge[0]] = child
             break
 
+    def shared(self, tokens: Sequence[int]) -> int:
+        """How many first tokens of `tokens` some entry's key starts with (the deepest
+        point of the trie that `tokens` reaches)."""
+        _, depth, partial, matched = self._descend(tokens)
+        return depth + matched if partial is not None else depth
+
     def has_trimmable_extension(self, tokens: Sequence[int]) -> bool:
         """Whether a trimmable entry holds `tokens` and more (so it can serve `tokens`)."""
         nodes, depth, partial, matched = self._descend(tokens)
@@ -199,6 +211,9 @@ class PrefixIndex:
         self._lru: OrderedDict[Tokens, None] = OrderedDict()  # memory entries, oldest first
         self.nbytes = 0  # memory tier
         self.evictions = 0  # memory tier, since start
+        # the keys of the last entries evicted and gone (to say a miss was one: `explain`)
+        self._evicted = TokenTrie()
+        self._evicted_keys: OrderedDict[Tokens, None] = OrderedDict()
 
     @property
     def num_memory_entries(self) -> int:
@@ -225,6 +240,22 @@ class PrefixIndex:
             return None
         n, entry = found
         return Match(entry.tokens, n, "memory" if entry.in_memory else "disk")
+
+    def explain(self, prompt: Sequence[int], cached: int) -> tuple[PrefixMiss | None, int]:
+        """Why a prompt whose cache hit serves `cached` tokens gets no more (None: it got
+        all but its last token), and how many of its first tokens the entry that explains it
+        shares (`PrefixMiss`): an entry sharing more that its cache kind cannot serve there,
+        else one evicted, else where the prompt first differs from every entry."""
+        wanted = prompt[: len(prompt) - 1]
+        if cached >= len(wanted):
+            return None, cached
+        shared = self._trie.shared(wanted)
+        if shared > cached:
+            return "no-snapshot", shared
+        gone = self._evicted.shared(wanted)
+        if gone > cached:
+            return "evicted", gone
+        return ("diverged" if shared else "cold"), shared
 
     def touch(self, tokens: Tokens) -> None:
         if tokens in self._lru:
@@ -256,7 +287,18 @@ class PrefixIndex:
             self._drop_memory(oldest)
             self.evictions += 1
             drops.append(oldest)
+            if oldest not in self._entries:  # gone from every tier
+                self._remember_evicted(oldest)
         return drops
+
+    def _remember_evicted(self, tokens: Tokens) -> None:
+        if tokens in self._evicted_keys:
+            return
+        self._evicted_keys[tokens] = None
+        self._evicted.add(IndexEntry(tokens, trimmable=False))
+        while len(self._evicted_keys) > EVICTED_KEYS:
+            old, _ = self._evicted_keys.popitem(last=False)
+            self._evicted.remove(old)
 
     def remove_memory(self, tokens: Tokens) -> None:
         self._drop_memory(tokens)

@@ -36,6 +36,10 @@ Record = tuple[type, dict[str, Any]]  # an event's class and its fields, before 
 class ModelLimits:
     max_context: int  # prompt + output tokens the model supports
     eos_token_ids: frozenset[int]
+    # its cache serves a prefix only at the offset it was taken at (recurrent state, sliding
+    # windows: `engine.prefix_cache.exact_only`): with a prefix cache, every prompt is also
+    # snapshotted one token before its end
+    exact_prefixes: bool = False
 
 
 def admitted(
@@ -92,11 +96,16 @@ def first_cached(state: RequestState, chunk: ScheduledChunk) -> int:
 
 
 def chunk_records(
-    state: RequestState, chunk: ScheduledChunk, reached: Collection[int], cache_source: str
+    state: RequestState,
+    chunk: ScheduledChunk,
+    reached: Collection[int],
+    cache_source: str,
+    miss: Mapping[str, Any] | None = None,
 ) -> list[Record]:
     """Request `state`'s chunk done: a `chunk-prefilled` for each stretch up to a checkpoint
-    or the chunk's end (the first carrying its cache hit, from `cache_source`), and a
-    `checkpoint-reached` at each checkpoint the executor `reached`."""
+    or the chunk's end (the first carrying its cache hit, from `cache_source`, and on a
+    request's first chunk why the hit stops there, `miss`), and a `checkpoint-reached` at
+    each checkpoint the executor `reached`."""
     rid = state.request_id
     cached = first_cached(state, chunk)
     records: list[Record] = []
@@ -113,6 +122,8 @@ def chunk_records(
                 cache_source=cache_source if cached and first else None,
                 images=tuple(i.digest for i in state.images if i.start < offset and pos < i.end),
             )
+            if first and miss:
+                fields.update(miss)
             records.append((ChunkPrefilled, fields))
             first = False
             pos = offset

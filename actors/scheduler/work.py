@@ -22,6 +22,9 @@ class NewRequest:
     prefix: Tokens | None = None  # the prefix-cache entry it starts from, if any
     num_cached_tokens: int = 0  # of that entry, the tokens it uses (<= len(prefix))
     images: tuple[PromptImage, ...] = ()  # the prompt's images (spans and encoder inputs)
+    # the checkpoint the engine added for the prefix cache (`ModelLimits.exact_prefixes`),
+    # not the client's: snapshotted into the cache, not handed to the checkpoint hook
+    own_checkpoint: int | None = None
 
 
 @dataclass(frozen=True)

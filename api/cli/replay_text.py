@@ -68,6 +68,27 @@ def _names(ids: tuple[str, ...], limit: int = 5) -> str:
     return shown + (f", +{len(ids) - limit} more" if len(ids) > limit else "")
 
 
+def _text_miss(t: RequestTimeline) -> list[str]:
+    """Why its prefix-cache hit stops where it does, in words (none: it missed nothing)."""
+    n, miss = t.prefix_shared, t.prefix_miss
+    if miss is None:
+        return []
+    # a chat's checkpoints are its messages' boundaries: which message the prompt broke in
+    bounds = [c for c in t.checkpoints if c <= n]
+    where = f" (in message {len(bounds) + 1})" if t.checkpoints and n else ""
+    why = {
+        "cold": "nothing the prefix cache held starts as its prompt does",
+        "diverged": f"its prompt first differs from everything the cache held at token {n}{where}",
+        "no-snapshot": (
+            f"a cached entry shares its first {n} tokens{where}, but this model's cache "
+            "(recurrent state, a sliding window) serves an entry only at the offset it was "
+            "taken at, and none was taken there"
+        ),
+        "evicted": f"an entry that shared its first {n} tokens{where} was evicted from the cache",
+    }.get(miss, miss)
+    return [f"  prefix cache: {t.num_cached_tokens} of {t.num_prompt_tokens} reused; {why}"]
+
+
 def text_timeline(t: RequestTimeline) -> list[str]:
     cached = f", {t.num_cached_tokens} cached ({t.cache_source})" if t.num_cached_tokens else ""
     if t.terminal:
@@ -88,6 +109,7 @@ def text_timeline(t: RequestTimeline) -> list[str]:
             else ["  output token ids were not logged (log_outputs=False): only their counts"]
         ),
         *(_text_why(t.why) if t.why is not None else []),
+        *_text_miss(t),
         f"  {'step':>6}  {'t':>10}  event",
     ]
     if t.first_step is not None or t.last_step is not None:
@@ -161,6 +183,12 @@ def _why_lines(s: Summary) -> list[str]:
     if s.held_reasons:
         held = ", ".join(f"{k} {n}" for k, n in s.held_reasons.items())
         lines.append(f"requests sat steps out for: {held}")
+    if s.prefix_misses:
+        misses = ", ".join(f"{k} {n}" for k, n in s.prefix_misses.items())
+        lines.append(
+            f"prefix-cache hits short of the prompt, by why: {misses} "
+            "(stepline replay --request ID says where each broke)"
+        )
     d = s.drafts
     if d is not None:
         lines.append(

@@ -198,6 +198,9 @@ class Summary(Report):
     # out (reason -> times); empty for logs before schema 7
     chunk_limits: dict[str, int] = Field(default_factory=dict)
     held_reasons: dict[str, int] = Field(default_factory=dict)
+    # why requests' prefix-cache hits stopped short (`events.models.PrefixMiss` -> requests);
+    # empty for logs before schema 8, or with no prefix cache
+    prefix_misses: dict[str, int] = Field(default_factory=dict)
     drafts: Drafts | None = None  # speculative decoding's drafts (None: nothing drafted)
     slowest_steps: tuple[SlowStep, ...]
     longest_idle: tuple[IdleGap, ...]
@@ -319,6 +322,7 @@ class _Summariser:
         self.book = StallBook()
         self.limits: Counter[str] = Counter()
         self.held: Counter[str] = Counter()
+        self.prefix_misses: Counter[str] = Counter()
         self.drafts = _DraftTally()
         self.num_events = self.num_steps = 0
         self.num_prompt = self.num_cached = self.num_prefilled = self.num_output = 0
@@ -461,6 +465,8 @@ class _Summariser:
             focus.admitted_ts = event.ts
 
     def chunk(self, event: ChunkPrefilled) -> None:
+        if event.prefix_miss is not None:
+            self.prefix_misses[event.prefix_miss] += 1
         self.num_prefilled += event.end - event.start
         self.num_cached += event.num_cached_tokens  # the first chunk says what it reused
         t = self.tracks.get(event.request_id)
@@ -469,6 +475,8 @@ class _Summariser:
             t.chunked = True
 
     def encoded(self, event: ImageEncoded) -> None:
+        if event.prefix_miss is not None:
+            self.prefix_misses[event.prefix_miss] += 1
         self.num_cached += event.num_cached_tokens  # the first step says what it reused
         t = self.tracks.get(event.request_id)
         if t is not None:
@@ -761,6 +769,7 @@ def _summary(
         step_time=s.step_times(),
         chunk_limits=dict(s.limits.most_common()),
         held_reasons=dict(s.held.most_common()),
+        prefix_misses=dict(s.prefix_misses.most_common()),
         drafts=s.drafts.report(),
         slowest_steps=tuple(s.slow_steps.items()),
         longest_idle=tuple(s.idle_gaps.items()),

@@ -96,6 +96,11 @@ class RequestTimeline(Report):
     num_prompt_tokens: int
     num_cached_tokens: int
     cache_source: str | None
+    # why the prefix-cache hit stops where it does (None: all but the last prompt token came
+    # from it, no prefix cache, or a log before schema 8) and how far the prompt matched
+    # what the cache held (`events.models.PrefixMiss`)
+    prefix_miss: str | None = None
+    prefix_shared: int = 0
     checkpoints: tuple[int, ...]
     params: RequestParams
     prompt_logged: bool
@@ -152,6 +157,9 @@ class _Life:
     checkpoints: list[CheckpointRecord] = field(default_factory=list)
     tokens: list[TokensRecord] = field(default_factory=list)
     terminal: Terminal | None = None
+    # why its prefix-cache hit stops where it does, and how far its prompt matched (its
+    # first step's event says), once seen
+    miss: tuple[str | None, int] | None = None
 
 
 def _share(event: StepPlanned, request_id: str) -> StepShare | None:
@@ -172,6 +180,8 @@ def _share(event: StepPlanned, request_id: str) -> StepShare | None:
 def _note(life: _Life, event) -> None:  # one request's event, validated or light
     at = {"seq": event.seq, "step": event.step, "ts": event.ts}
     kind = event.type
+    if kind in ("chunk-prefilled", "image-encoded") and life.miss is None:
+        life.miss = (event.prefix_miss, event.prefix_shared)
     if kind == "chunk-prefilled":
         life.chunks.append(
             ChunkRecord(
@@ -293,6 +303,8 @@ def _timeline(
         # Logs of schema 1 recorded a cache hit on `admitted`, newer ones on the first chunk.
         num_cached_tokens=admitted.num_cached_tokens or first_chunk.num_cached_tokens,
         cache_source=admitted.cache_source or first_chunk.cache_source,
+        prefix_miss=life.miss[0] if life.miss else None,
+        prefix_shared=life.miss[1] if life.miss else 0,
         checkpoints=admitted.checkpoints,
         params=admitted.params,
         prompt_logged=admitted.prompt_token_ids is not None,
