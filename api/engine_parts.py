@@ -89,6 +89,7 @@ class EngineParts:
         prefix_bytes = int(options.prefix_cache_gb * 2**30)
         loaded = await self._load(model, options)
         await self._make_runner(options, on_checkpoint, prefix_bytes)
+        exact_prefixes = self.runner.exact_prefixes  # (read before a launch wraps the runner)
         memory = await self._plan_memory(options, prefix_bytes)
         sched = dataclasses.replace(
             sched,
@@ -120,7 +121,7 @@ class EngineParts:
             limits=ModelLimits(
                 max_context=loaded.max_context,
                 eos_token_ids=frozenset(loaded.tokenizer.eos_token_ids or ()),
-                exact_prefixes=self.runner.exact_prefixes,
+                exact_prefixes=exact_prefixes,
             ),
             event_log=self.writer,
             prefix_index=await self._prefix_index(prefix_bytes),
