@@ -15,31 +15,35 @@ cost almost nothing. Two seams of mlx-lm make that possible without forking a mo
   left padding included) and puts the outputs back in row order. Any other cache goes to
   mlx-lm's own function unchanged.
 
-Covered: mlx-lm's `llama`, `qwen2` and `qwen3` modules with plain `KVCache` layers only.
-`fused_forward_works` installs the wrapper and proves, on the loaded model itself, that a
-fused forward gives the logits of separate ones; anything else (sliding windows, the
-recurrent `ArraysCache` of hybrid models, other architectures) runs separate forwards.
+Covered: a model whose body's module calls mlx-lm's own `scaled_dot_product_attention`
+(llama, Qwen2/3, Qwen3-MoE, Phi-3, Ministral, ...; inside a wrapper such as `mistral3`, its
+language model's), with plain `KVCache` layers only. `fused_forward_works` installs the
+wrapper and proves, on the loaded model itself, that a fused forward gives the logits of
+separate ones; anything else (sliding windows, the recurrent `ArraysCache` of hybrid
+models, attention of a model's own) runs separate forwards. docs/models.md's table says
+which families that proof passes for (tests/test_families.py keeps it true).
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 import structlog
+from mlx_lm.models import base
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
-from stepline.engine.forward import output_head, wrap_attention
+from stepline.engine.forward import body_of, output_head, wrap_attention
 from stepline.engine.prefix_cache import share_cache
 
 log = structlog.get_logger(__name__)
 
-# mlx-lm model modules whose attention calls `scaled_dot_product_attention(queries, keys,
-# values, cache=, scale=, mask=)` right after `cache.update_and_fetch`, with rope at
-# `cache.offset` and the mask from `cache.make_mask`: the seams this module hooks.
-COVERED_MODULES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3")
+# The function mlx-lm's models import by name and call right after `cache.update_and_fetch`
+# (rope at `cache.offset`, the mask from `cache.make_mask`): the seam this module hooks.
+MLX_LM_ATTENTION = base.scaled_dot_product_attention
 
 
 @dataclass(frozen=True)
@@ -129,18 +133,25 @@ def _wrap(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
 
 
 def install(module_name: str) -> bool:
-    """Wrap `module_name`'s attention function (once); False if it is not a covered module."""
-    return module_name in COVERED_MODULES and wrap_attention(module_name, "stepline_fused", _wrap)
+    """Wrap `module_name`'s attention function (once); False if the module does not call
+    mlx-lm's own (wrapped by stepline or not) by its name."""
+    if not module_name.startswith("mlx_lm.models."):
+        return False
+    module = importlib.import_module(module_name)
+    current = getattr(module, "scaled_dot_product_attention", None)
+    while current is not None and current is not MLX_LM_ATTENTION:
+        current = getattr(current, "__wrapped__", None)  # inside stepline's wrappers
+    return current is not None and wrap_attention(module_name, "stepline_fused", _wrap)
 
 
 def body(model: Any, segments: Sequence[Segment]) -> mx.array:
-    """Run every segment's tokens through `model`'s body (`model.model`) in one forward,
+    """Run every segment's tokens through `model`'s body (`forward.body_of`) in one forward,
     into their caches: the hidden states (N, 1, D), one row per token, in segment order."""
     layout = _Layout(segments)
     layers = zip(*(s.cache for s in segments), strict=True)
     caches = [SegmentedCache(layout, list(layer)) for layer in layers]
     tokens = mx.concatenate([s.tokens for s in segments])
-    return model.model(tokens.astype(mx.int32)[:, None], cache=caches)
+    return body_of(model)(tokens.astype(mx.int32)[:, None], cache=caches)
 
 
 def forward(
@@ -175,14 +186,14 @@ def fused_forward_works(model: Any) -> bool:
     left padding, beside a two-token chunk) gives the hidden states of separate forwards.
     Four forwards of a few tokens, one prompt's cache shared by every request. False (and
     separate forwards) for anything else."""
-    module_name = type(getattr(model, "model", model)).__module__
-    if not install(module_name):
+    inner = body_of(model)
+    if inner is None or not install(type(inner).__module__):
         return False
     try:
         prompt = make_prompt_cache(model)
         if not can_fuse(prompt, is_batch=False):
             return False
-        model.model(mx.array([[1, 2, 3, 4, 5, 6, 7, 8]]), cache=prompt)
+        inner(mx.array([[1, 2, 3, 4, 5, 6, 7, 8]]), cache=prompt)
 
         def at(num_tokens: int) -> list[Any]:  # the prompt's first tokens, a cache of its own
             cache = share_cache(prompt)
@@ -194,8 +205,8 @@ def fused_forward_works(model: Any) -> bool:
             return [BatchKVCache.merge(list(rows)) for rows in zip(at(8), at(3), strict=True)]
 
         last, chunk = mx.array([9, 10]), mx.array([11, 12, 13])
-        want_rows = model.model(last[:, None], cache=batch())[:, -1, :]
-        want_chunk = model.model(chunk[None], cache=at(5))[0]
+        want_rows = inner(last[:, None], cache=batch())[:, -1, :]
+        want_chunk = inner(chunk[None], cache=at(5))[0]
         got = body(model, [Segment(chunk, at(5)), Segment(last, batch(), is_batch=True)])
         return _close(got[:3, -1, :], want_chunk) and _close(got[3:, -1, :], want_rows)
     except Exception as exc:  # noqa: BLE001 - whatever fails here: separate forwards
