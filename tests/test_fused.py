@@ -10,6 +10,7 @@ import anyio
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from families import FAMILIES, build
 from helpers import mlx_lm_greedy, small_config
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -48,11 +49,21 @@ def _random_model(arch: str, demo: LoadedModel, **extra) -> LoadedModel:
     return replace(demo, model=model, name=f"random-{arch}")
 
 
-@pytest.fixture(params=["llama", "qwen3", "qwen2"])
+# Families with plain KV layers whose attention is mlx-lm's own, beyond llama and Qwen2/3:
+# tests/families.py's tiny models of them (`mistral3` wraps a llama text model).
+FUSED_FAMILIES = ("qwen3_moe", "phi3", "ministral3", "mistral3")
+
+
+@pytest.fixture(params=["llama", "qwen3", "qwen2", *FUSED_FAMILIES])
 def plain(request, demo) -> LoadedModel:
-    """The covered architectures: the llama demo, and Qwen3- and Qwen2-shaped models."""
+    """The covered architectures: the llama demo, Qwen3- and Qwen2-shaped models, and the
+    other families that fuse."""
     if request.param == "llama":
         return demo
+    if request.param in FUSED_FAMILIES:
+        family = next(f for f in FAMILIES if f.module == request.param)
+        model = build(family, vocab_size=demo.vocab_size)
+        return replace(demo, model=model, name=f"random-{request.param}")
     extra = {"head_dim": 16} if request.param == "qwen3" else {}
     return _random_model(request.param, demo, **extra)
 
