@@ -12,6 +12,8 @@ tests/test_families.py checks it still says what the proofs say. After a change 
 from __future__ import annotations
 
 import importlib
+import json
+import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -137,7 +139,7 @@ FAMILIES = (
     Family(
         "Gemma 2",
         "gemma2",
-        {**_LLAMA, "query_pre_attn_scalar": 16.0, "final_logit_softcapping": SOFTCAP},
+        {**_LLAMA, "query_pre_attn_scalar": 16, "final_logit_softcapping": SOFTCAP},
         "tied head, `final_logit_softcapping`; attention of its own (soft-capped scores)",
     ),
     Family(
@@ -145,7 +147,7 @@ FAMILIES = (
         "gemma3_text",
         {
             **_LLAMA,
-            "query_pre_attn_scalar": 16.0,
+            "query_pre_attn_scalar": 16,
             "sliding_window": 16,
             "sliding_window_pattern": 2,
         },
@@ -158,7 +160,7 @@ FAMILIES = (
             "text_config": {
                 **_LLAMA,
                 "model_type": "gemma3_text",
-                "query_pre_attn_scalar": 16.0,
+                "query_pre_attn_scalar": 16,
                 "sliding_window": 16,
                 "sliding_window_pattern": 2,
             },
@@ -280,6 +282,29 @@ def build(family: Family, vocab_size: int = VOCAB, seed: int = 7) -> Any:
     model = module.Model(module.ModelArgs.from_dict(config))
     mx.eval(model.parameters())
     return model
+
+
+def model_dir(family: Family, out: Path, seed: int = 7, **config: Any) -> Path:
+    """`family`'s tiny random model (weights from `seed`, its config updated with `config`)
+    as an mlx-lm directory `out`, as a user's model would be: config.json, weights, and the
+    tokenizer files of the demo model `stepline-demo`, whose vocabulary it takes."""
+    from mlx_lm.utils import save_config, save_model
+
+    from stepline.engine.models import demo_model_path
+
+    demo = demo_model_path("stepline-demo")
+    vocab = json.loads((demo / "config.json").read_text())["vocab_size"]
+    family = Family(family.name, family.module, {**family.config, **config})
+    out.mkdir(parents=True)
+    save_model(out, build(family, vocab_size=vocab, seed=seed))
+    saved: dict[str, Any] = {"model_type": family.module, **family.config, "vocab_size": vocab}
+    if "text_config" in saved:
+        saved["text_config"] = {**saved["text_config"], "vocab_size": vocab}
+    save_config(saved, config_path=out / "config.json")
+    for path in demo.iterdir():
+        if path.name.startswith("tokenizer") or path.name == "special_tokens_map.json":
+            shutil.copy(path, out / path.name)
+    return out
 
 
 def proofs(model: Any) -> tuple[bool, bool]:

@@ -6,20 +6,18 @@ model."""
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import anyio
 import mlx.core as mx
 import pytest
-from families import DOCS, FAMILIES, Family, build, docs_table, table
+from families import DOCS, FAMILIES, Family, build, docs_table, model_dir, table
 from helpers import mlx_lm_greedy
 from mlx_lm.models.cache import make_prompt_cache
 
 from stepline.api import Engine, SamplingParams
 from stepline.engine.forward import body_of, forward, output_head, split_head_works, text_model
-from stepline.engine.models import demo_model_path, load_model
+from stepline.engine.models import load_model
 
 BY_MODULE = {f.module: f for f in FAMILIES}
 
@@ -75,26 +73,6 @@ def test_a_body_is_found_under_each_layout():
     assert not split_head_works(object())
 
 
-def _model_dir(family: Family, out: Path) -> Path:
-    """`family`'s tiny random model as an mlx-lm directory with the demo's tokenizer, as a
-    user's model would be: config.json, weights, tokenizer files."""
-    from mlx_lm.utils import save_config, save_model
-
-    demo = demo_model_path("stepline-demo")
-    vocab = json.loads((demo / "config.json").read_text())["vocab_size"]
-    model = build(family, vocab_size=vocab)
-    out.mkdir()
-    save_model(out, model)
-    config = {"model_type": family.module, **family.config, "vocab_size": vocab}
-    if "text_config" in config:
-        config["text_config"] = {**config["text_config"], "vocab_size": vocab}
-    save_config(config, config_path=out / "config.json")
-    for path in demo.iterdir():
-        if path.name.startswith("tokenizer") or path.name == "special_tokens_map.json":
-            shutil.copy(path, out / path.name)
-    return out
-
-
 @pytest.mark.parametrize(
     ("module", "fuses"), [("mistral3", True), ("qwen3_5", False), ("gemma4_text", False)]
 )
@@ -104,7 +82,7 @@ async def test_greedy_tokens_through_the_engine_are_mlx_lms_own(
     """A llama model inside `mistral3`'s wrapper (head split, steps fused), a Qwen3.5
     hybrid under its wrapper and a soft-capped Gemma 4: requests of mixed lengths at once,
     prefilled in chunks beside each other's decode rows, each get mlx-lm's greedy tokens."""
-    path = _model_dir(BY_MODULE[module], tmp_path / module)
+    path = model_dir(BY_MODULE[module], tmp_path / module)
     reference = load_model(str(path)).model
     lengths = [5, 37, 90, 1, 60]
     prompts = [[3 + (i * 7 + j * 13) % 250 for j in range(n)] for i, n in enumerate(lengths)]

@@ -36,6 +36,10 @@ Record = tuple[type, dict[str, Any]]  # an event's class and its fields, before 
 class ModelLimits:
     max_context: int  # prompt + output tokens the model supports
     eos_token_ids: frozenset[int]
+    # the most tokens a request may hold with its drafts: the smallest sliding window of
+    # the served and draft models (a ring cut back past rejected drafts must not have
+    # wrapped; actors/scheduler/drafter.py); None: no bound
+    draft_window: int | None = None
 
 
 def admitted(
