@@ -6,6 +6,7 @@ model."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import anyio
@@ -63,6 +64,16 @@ def test_the_test_models_cap_and_scale_their_logits_past_the_proofs_tolerance(mo
     full = model(tokens, cache=make_prompt_cache(model))
     assert not mx.allclose(raw, full, atol=1e-2, rtol=1e-2)
     assert mx.allclose(output_head(model, hidden), full, atol=1e-4, rtol=1e-4)
+
+
+def test_a_wrapped_models_vocabulary_is_as_wide_as_its_logits(demo):
+    """A wrapper's config holds its vocabulary in its language model's (Qwen3.5, `mistral3`):
+    the bound every token id is checked against is still the logits' width."""
+    for module in ("qwen3_5", "mistral3", "gemma3"):
+        model = build(BY_MODULE[module], vocab_size=demo.vocab_size + 64)
+        loaded = dataclasses.replace(demo, model=model)
+        width = model(mx.array([[1, 2]]), cache=make_prompt_cache(model)).shape[-1]
+        assert loaded.vocab_size == width == demo.vocab_size + 64, module
 
 
 def test_a_body_is_found_under_each_layout():
