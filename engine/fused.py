@@ -7,21 +7,24 @@ forward is bound by reading its weights, decode rows riding inside a chunk's for
 cost almost nothing. Two seams of mlx-lm make that possible without forking a model:
 - each layer gets a `SegmentedCache`: its `offset` is every row's position (an array, as
   mlx-lm's `BatchKVCache` gives rope), and its `update_and_fetch` hands each chunk's rows,
-  reshaped to (1, H, L, D), to that request's own `KVCache` and the decode rows to the
-  decode batch's `BatchKVCache`;
+  reshaped to (1, H, L, D), to that request's own cache and the decode rows to the decode
+  batch's, each segment's mask made from its own cache just before it takes them, as the
+  model's own forward of that segment would make it (causal; a sliding window's, over its
+  ring, wrapped or not; the batch's, left padding included);
 - the model module's `scaled_dot_product_attention` (imported by name from
   `mlx_lm.models.base`) is wrapped: given a `SegmentedCache` it runs attention per segment
-  (a chunk causally against its cache, the decode rows under the batch cache's own mask,
-  left padding included) and puts the outputs back in row order. Any other cache goes to
-  mlx-lm's own function unchanged.
+  under that mask and puts the outputs back in row order. Any other cache goes to mlx-lm's
+  own function unchanged.
 
 Covered: a model whose body's module calls mlx-lm's own `scaled_dot_product_attention`
-(llama, Qwen2/3, Qwen3-MoE, Phi-3, Ministral, ...; inside a wrapper such as `mistral3`, its
-language model's), with plain `KVCache` layers only. `fused_forward_works` installs the
-wrapper and proves, on the loaded model itself, that a fused forward gives the logits of
-separate ones; anything else (sliding windows, the recurrent `ArraysCache` of hybrid
-models, attention of a model's own) runs separate forwards. docs/models.md's table says
-which families that proof passes for (tests/test_families.py keeps it true).
+(llama, Qwen2/3, Qwen3-MoE, Phi-3, Ministral, Gemma 3 and 4, gpt-oss, ...; inside a wrapper
+such as `mistral3`, its language model's), with KV layers: plain `KVCache`s and sliding
+windows' `RotatingKVCache`s (whose window the model's masks must ask for).
+`fused_forward_works` installs the wrapper and proves, on the loaded model itself, that a
+fused forward gives the logits of separate ones; anything else (the recurrent `ArraysCache`
+of hybrid models, attention of a model's own, layers that share another layer's keys) runs
+separate forwards. docs/models.md's table says which families that proof passes for
+(tests/test_families.py keeps it true).
 """
 
 from __future__ import annotations
@@ -34,7 +37,13 @@ from typing import Any
 import mlx.core as mx
 import structlog
 from mlx_lm.models import base
-from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
+from mlx_lm.models.cache import (
+    BatchKVCache,
+    BatchRotatingKVCache,
+    KVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+)
 
 from stepline.engine.forward import body_of, output_head, wrap_attention
 from stepline.engine.prefix_cache import share_cache
@@ -61,23 +70,19 @@ class Segment:
 
 
 class _Layout:
-    """What every layer's `SegmentedCache` shares: the segments' sizes, every row's
-    position, and each segment's attention mask (made before any layer writes a token,
-    as mlx-lm's models make theirs)."""
+    """What every layer's `SegmentedCache` shares: the segments' sizes and every row's
+    position."""
 
     def __init__(self, segments: Sequence[Segment]):
         self.sizes = [s.size for s in segments]
         self.is_batch = [s.is_batch for s in segments]
         positions = []
-        self.masks: list[Any] = []
         for s in segments:
             first = s.cache[0]
             if s.is_batch:
                 positions.append(first.offset.astype(mx.int32))
-                self.masks.append(first.make_mask(1))
             else:
                 positions.append(first.offset + mx.arange(s.size, dtype=mx.int32))
-                self.masks.append(None if s.size == 1 else "causal")
         self.positions = mx.concatenate(positions)
 
 
@@ -88,28 +93,50 @@ class SegmentedCache:
         self.layout = layout
         self.caches = caches  # this layer's cache of each segment
         self.fetched: list[tuple[mx.array, mx.array]] = []
+        self.masks: list[Any] = []  # each segment's attention mask, made before it is written
 
     @property
     def offset(self) -> mx.array:
         return self.layout.positions
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):  # noqa: N803 - mlx-lm's name
-        if window_size is not None:
-            raise ValueError("a fused step has no sliding-window layers")
-        return None  # each segment's mask is the layout's
+        """None: each segment's mask is its own cache's (`update_and_fetch`). Raises
+        ValueError where the model asks for a window its caches do not keep (their own masks
+        would not be the model's)."""
+        if window_size is not None and not all(
+            type(c) in _WINDOWED and c.max_size == window_size for c in self.caches
+        ):
+            raise ValueError(f"a {window_size}-token window over caches that do not keep it")
+        return None
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         start = 0
-        self.fetched = []
+        self.fetched, self.masks = [], []
         for size, is_batch, cache in zip(
             self.layout.sizes, self.layout.is_batch, self.caches, strict=True
         ):
             k, v = keys[start : start + size], values[start : start + size]
             if not is_batch:  # (L, H, 1, D) rows -> one sequence (1, H, L, D)
                 k, v = k.swapaxes(0, 2), v.swapaxes(0, 2)
+            self.masks.append(_mask(cache, size, is_batch))
             self.fetched.append(cache.update_and_fetch(k, v))
             start += size
         return keys, values  # unused: the attention reads `fetched`
+
+
+# Caches of a sliding window (a ring of its last keys), a request's own and a batch's.
+_WINDOWED = (RotatingKVCache, BatchRotatingKVCache)
+
+
+def _mask(cache: Any, size: int, is_batch: bool) -> Any:
+    """The mask of `size` new tokens' attention against `cache` (before it takes them), as
+    the model's own forward of that segment makes it: the batch's (left padding, a window's
+    ring), a window's, or causal."""
+    if is_batch:
+        return cache.make_mask(1)
+    if type(cache) is RotatingKVCache:
+        return cache.make_mask(size, window_size=cache.max_size)
+    return None if size == 1 else "causal"
 
 
 def _wrap(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
@@ -123,7 +150,7 @@ def _wrap(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
             if not is_batch:
                 q = q.swapaxes(0, 2)
             out = original(
-                q, k, v, cache=cache.caches[i], scale=scale, mask=layout.masks[i], **kwargs
+                q, k, v, cache=cache.caches[i], scale=scale, mask=cache.masks[i], **kwargs
             )
             outs.append(out if is_batch else out.swapaxes(0, 2))
             start += size
@@ -175,9 +202,10 @@ def forward(
 
 
 def can_fuse(cache: list[Any], is_batch: bool) -> bool:
-    """Whether a segment's cache is one a fused forward handles: plain KV layers only."""
-    kind = BatchKVCache if is_batch else KVCache
-    return bool(cache) and all(type(layer) is kind for layer in cache)
+    """Whether a segment's cache is one a fused forward handles: KV layers, plain or of a
+    sliding window (a recurrent layer's state is not cut into rows)."""
+    kinds = (BatchKVCache, BatchRotatingKVCache) if is_batch else (KVCache, RotatingKVCache)
+    return bool(cache) and all(type(layer) in kinds for layer in cache)
 
 
 def fused_forward_works(model: Any) -> bool:
@@ -202,7 +230,7 @@ def fused_forward_works(model: Any) -> bool:
             return cache
 
         def batch() -> list[Any]:  # rows of 8 and 3 tokens
-            return [BatchKVCache.merge(list(rows)) for rows in zip(at(8), at(3), strict=True)]
+            return [type(r[0]).merge(list(r)) for r in zip(at(8), at(3), strict=True)]
 
         last, chunk = mx.array([9, 10]), mx.array([11, 12, 13])
         want_rows = inner(last[:, None], cache=batch())[:, -1, :]

@@ -56,7 +56,7 @@ _MINISTRAL = {
     },
 }
 # Soft-capping at a scale the random logits reach: a head that forgot it would be caught
-SOFTCAP = 0.5
+SOFTCAP = 2.0
 _GEMMA4 = {
     **_LLAMA,
     "global_head_dim": 16,
@@ -167,7 +167,18 @@ FAMILIES = (
         },
         "under `language_model`",
     ),
-    Family("Gemma 4 (text)", "gemma4_text", _GEMMA4, "tied head, `final_logit_softcapping`"),
+    Family(
+        "Gemma 4 (text)",
+        "gemma4_text",
+        _GEMMA4,
+        "tied head, `final_logit_softcapping`; no KV sharing in this model",
+    ),
+    Family(
+        "Gemma 4 (text), KV sharing",
+        "gemma4_text",
+        {**_GEMMA4, "num_hidden_layers": 4, "num_kv_shared_layers": 2},
+        "its last layers attend over earlier layers' keys, not their own caches",
+    ),
     Family(
         "Gemma 4",
         "gemma4",
