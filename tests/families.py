@@ -106,6 +106,12 @@ FAMILIES = (
         "under `language_model`",
     ),
     Family(
+        "Mistral 3 (a Ministral 3 text model)",
+        "mistral3",
+        {"text_config": {**_MINISTRAL, "model_type": "ministral3"}},
+        "under `language_model`",
+    ),
+    Family(
         "Qwen3.5 (Gated DeltaNet hybrid)",
         "qwen3_5",
         {"text_config": {**_QWEN3_5, "model_type": "qwen3_5_text"}},
