@@ -67,6 +67,18 @@ _GEMMA4 = {
     "final_logit_softcapping": SOFTCAP,
     "tie_word_embeddings": True,
 }
+# DeepSeek-style routing (GLM-4.5, DeepSeek-V3): groups, shared experts, a dense first layer
+_DEEPSEEK_MOE = {
+    "moe_intermediate_size": 32,
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 1.0,
+    "first_k_dense_replace": 1,
+    "norm_topk_prob": True,
+}
 _MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
 
 
@@ -141,6 +153,32 @@ FAMILIES = (
             "shared_expert_intermediate_size": 32,
             "partial_rotary_factor": 0.5,
         },
+    ),
+    Family(
+        "GLM-4.5 (MoE)",
+        "glm4_moe",
+        {
+            **_LLAMA,
+            **_DEEPSEEK_MOE,
+            "use_qk_norm": True,
+            "attention_bias": False,
+            "partial_rotary_factor": 0.5,
+            "rope_scaling": None,
+        },
+    ),
+    Family(
+        "DeepSeek-V3 (MLA, MoE)",
+        "deepseek_v3",
+        {
+            **_LLAMA,
+            **_DEEPSEEK_MOE,
+            "q_lora_rank": 32,
+            "kv_lora_rank": 32,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 16,
+            "v_head_dim": 16,
+        },
+        "attention of its own (latent keys; rope scores as the attention's mask)",
     ),
     Family(
         "Gemma 2",

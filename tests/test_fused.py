@@ -60,6 +60,8 @@ FUSED_FAMILIES = {
     "gemma3_text": "Gemma 3 (text)",
     "gemma4_text": "Gemma 4 (text)",
     "gpt_oss": "gpt-oss (sliding window, sinks, MoE)",
+    "glm4_moe": "GLM-4.5 (MoE)",
+    "granite": "Granite 3",
 }
 
 
