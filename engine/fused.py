@@ -57,8 +57,9 @@ MLX_LM_ATTENTION = base.scaled_dot_product_attention
 
 @dataclass(frozen=True)
 class Segment:
-    """One request's chunk (`tokens` (L,) into its own per-layer `KVCache`s), or the decode
-    batch (`tokens` (B,), one per row, into its per-layer `BatchKVCache`s)."""
+    """One request's chunk (`tokens` (L,) into its own per-layer caches: `KVCache`s,
+    `RotatingKVCache`s), or the decode batch (`tokens` (B,), one per row, into its per-layer
+    batch caches)."""
 
     tokens: mx.array
     cache: list[Any]
@@ -70,8 +71,9 @@ class Segment:
 
 
 class _Layout:
-    """What every layer's `SegmentedCache` shares: the segments' sizes and every row's
-    position."""
+    """What every layer's `SegmentedCache` shares: the segments' sizes, every row's
+    position, and each segment's masks (one a kind of cache: every layer of a kind holds
+    the same tokens before the step, so its first layer's mask is every one's)."""
 
     def __init__(self, segments: Sequence[Segment]):
         self.sizes = [s.size for s in segments]
@@ -84,6 +86,22 @@ class _Layout:
             else:
                 positions.append(first.offset + mx.arange(s.size, dtype=mx.int32))
         self.positions = mx.concatenate(positions)
+        self._masks: dict[tuple[int, type, int | None], Any] = {}
+
+    def mask(self, i: int, cache: Any) -> Any:
+        """Segment `i`'s mask against `cache` (one of its layers', before it takes the
+        segment's tokens), as the segment's own forward makes it: the batch's (left padding,
+        a window's ring), a window's, or causal."""
+        key = (i, type(cache), getattr(cache, "max_size", None))
+        if key not in self._masks:
+            size = self.sizes[i]
+            if self.is_batch[i]:
+                self._masks[key] = cache.make_mask(1)
+            elif type(cache) is RotatingKVCache:
+                self._masks[key] = cache.make_mask(size, window_size=cache.max_size)
+            else:
+                self._masks[key] = None if size == 1 else "causal"
+        return self._masks[key]
 
 
 class SegmentedCache:
@@ -93,7 +111,7 @@ class SegmentedCache:
         self.layout = layout
         self.caches = caches  # this layer's cache of each segment
         self.fetched: list[tuple[mx.array, mx.array]] = []
-        self.masks: list[Any] = []  # each segment's attention mask, made before it is written
+        self.masks: list[Any] = []  # each segment's attention mask (`_Layout.mask`)
 
     @property
     def offset(self) -> mx.array:
@@ -112,13 +130,14 @@ class SegmentedCache:
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         start = 0
         self.fetched, self.masks = [], []
-        for size, is_batch, cache in zip(
-            self.layout.sizes, self.layout.is_batch, self.caches, strict=True
+        layout = self.layout
+        for i, (size, is_batch, cache) in enumerate(
+            zip(layout.sizes, layout.is_batch, self.caches, strict=True)
         ):
             k, v = keys[start : start + size], values[start : start + size]
             if not is_batch:  # (L, H, 1, D) rows -> one sequence (1, H, L, D)
                 k, v = k.swapaxes(0, 2), v.swapaxes(0, 2)
-            self.masks.append(_mask(cache, size, is_batch))
+            self.masks.append(layout.mask(i, cache))
             self.fetched.append(cache.update_and_fetch(k, v))
             start += size
         return keys, values  # unused: the attention reads `fetched`
@@ -126,17 +145,6 @@ class SegmentedCache:
 
 # Caches of a sliding window (a ring of its last keys), a request's own and a batch's.
 _WINDOWED = (RotatingKVCache, BatchRotatingKVCache)
-
-
-def _mask(cache: Any, size: int, is_batch: bool) -> Any:
-    """The mask of `size` new tokens' attention against `cache` (before it takes them), as
-    the model's own forward of that segment makes it: the batch's (left padding, a window's
-    ring), a window's, or causal."""
-    if is_batch:
-        return cache.make_mask(1)
-    if type(cache) is RotatingKVCache:
-        return cache.make_mask(size, window_size=cache.max_size)
-    return None if size == 1 else "causal"
 
 
 def _wrap(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
