@@ -500,3 +500,25 @@ def test_a_sliding_window_batch_in_groups_gives_every_request_its_own_tokens(dem
     assert any(len(s) > 1 for s in sizes)  # the rows decoded in groups
     for rid, prompt in prompts.items():
         assert tokens[rid] == mlx_lm_greedy(demo_sliding.model, prompt, len(tokens[rid])), rid
+
+
+def test_each_attention_wrapper_goes_on_a_module_once_whatever_the_order(demo):
+    """The CPU attention and the fused step each wrap a model module's attention function
+    once, however often runners are made and whichever wrapped it first; the fused step
+    still finds mlx-lm's own function under the CPU one."""
+    import importlib
+
+    from stepline.engine import cpu_attention
+    from stepline.engine.forward import wrappers
+
+    module = importlib.import_module(type(demo.model).__module__)
+    for _ in range(2):
+        ModelRunner(demo)
+        assert fused.install(module.__name__)
+        cpu_attention.install(demo.model)
+    found = wrappers(module.scaled_dot_product_attention)
+    assert len(found) == len(set(found))  # none twice
+    want = (
+        {"stepline_fused", "stepline_cpu"} if mx.default_device() == mx.cpu else {"stepline_fused"}
+    )
+    assert set(found) == want
