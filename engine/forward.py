@@ -7,7 +7,8 @@ them as mlx-lm's `__call__`s lay them out: the text model is the model itself or
 language model a wrapper holds (`language_model`: Qwen3.5/3.6, `mistral3`, Gemma 3's and
 4's multimodal classes); its body is at `.model`, `.backbone` (Nemotron-H, Mamba) or
 `.transformer`; its head is `lm_head` or the tied embedding table, then Gemma's
-`final_logit_softcapping` (tanh capping) or Granite's `logits_scaling` (a division).
+`final_logit_softcapping` (tanh capping), Granite's `logits_scaling` (a division) or
+Cohere's `logit_scale` (a product).
 `split_head_works` proves, on the loaded model, that body and head give `model(...)`'s
 logits; any architecture laid out otherwise runs the full model.
 """
@@ -77,7 +78,7 @@ def split_head_works(model: Any) -> bool:
 def output_head(model: Any, hidden: mx.array) -> mx.array:
     """The logits of the hidden states `hidden` (B, L, D) of `model`'s body: its text
     model's `lm_head` (or tied embedding table), soft-capped or scaled as the text model's
-    own `__call__` does."""
+    own `__call__` does (see the module docstring)."""
     text = text_model(model)
     args = getattr(text, "args", None)
     tied = getattr(text, "tie_word_embeddings", None)  # Gemma's, set where weights load
@@ -95,6 +96,9 @@ def output_head(model: Any, hidden: mx.array) -> mx.array:
     scaling = getattr(text, "logits_scaling", None)
     if scaling:
         out = out / scaling
+    scale = getattr(args, "logit_scale", None)  # Cohere's
+    if scale:
+        out = out * scale
     return out
 
 

@@ -230,6 +230,24 @@ FAMILIES = (
         "under `language_model`, tied head, `final_logit_softcapping`",
     ),
     Family(
+        "Command R",
+        "cohere",
+        {**_LLAMA, "layer_norm_eps": 1e-5, "logit_scale": 0.25},
+        "tied head, `logit_scale`",
+    ),
+    Family(
+        "Command R7B (sliding windows)",
+        "cohere2",
+        {
+            **_LLAMA,
+            "layer_norm_eps": 1e-5,
+            "logit_scale": 0.25,
+            "sliding_window": 16,
+            "sliding_window_pattern": 2,
+        },
+        "tied head, `logit_scale`",
+    ),
+    Family(
         "Granite 3",
         "granite",
         {

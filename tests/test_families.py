@@ -48,7 +48,7 @@ def test_every_familys_split_head_gives_its_full_logits_and_cache(family: Family
     assert mx.allclose(model(nxt, cache=split), model(nxt, cache=full), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("module", ["gemma2", "gemma4_text", "gemma4", "granite"])
+@pytest.mark.parametrize("module", ["gemma2", "gemma4_text", "gemma4", "granite", "cohere"])
 def test_the_test_models_cap_and_scale_their_logits_past_the_proofs_tolerance(module: str):
     """A head that forgot the soft-capping or the scaling would not be taken for the
     model's: its raw projection is far from the model's logits, the whole head's is not."""

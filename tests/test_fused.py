@@ -62,6 +62,7 @@ FUSED_FAMILIES = {
     "gpt_oss": "gpt-oss (sliding window, sinks, MoE)",
     "glm4_moe": "GLM-4.5 (MoE)",
     "granite": "Granite 3",
+    "cohere2": "Command R7B (sliding windows)",
 }
 
 
