@@ -197,7 +197,10 @@ def own_attention(model: Any) -> Iterator[None]:
 
     from mlx_lm.models import base
 
-    module = importlib.import_module(type(model).__module__)
+    from stepline.engine.forward import body_of
+
+    # a wrapper's attention is its language model's
+    module = importlib.import_module(type(body_of(model) or model).__module__)
     mine = getattr(module, "scaled_dot_product_attention", None)
     if mine is not None:
         module.scaled_dot_product_attention = base.scaled_dot_product_attention

@@ -29,7 +29,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from stepline.engine.forward import wrap_attention
+from stepline.engine.forward import body_of, wrap_attention
 
 _LOG2E = 1.4426950408889634
 # exp(f ln 2) = sum (f ln 2)^k / k!: degree 6 on |f| <= 1/2 errs by ~1e-7 relative
@@ -153,4 +153,5 @@ def install(model: Any) -> bool:
     `scaled_dot_product_attention` by that name)."""
     if mx.default_device() != mx.cpu:
         return False
-    return wrap_attention(type(model).__module__, "stepline_cpu", _wrap)
+    body = body_of(model)  # a wrapper's attention is its language model's
+    return wrap_attention(type(body or model).__module__, "stepline_cpu", _wrap)

@@ -44,8 +44,9 @@ class DecodeCaches:
         """Merge the prefilled caches of `joining` into the groups (each `Seq.cache` is taken);
         the batch's new row order (`batch`: its rows now, in order)."""
         if self.split:
-            shapes = [
-                (rows, group[0].size()) for rows, group in zip(self.sizes, self.groups, strict=True)
+            shapes = [  # a sliding window's layers hold fewer keys: the longest layer's
+                (rows, max(layer.size() for layer in group))
+                for rows, group in zip(self.sizes, self.groups, strict=True)
             ]
             lengths = [max(layer.size() for layer in s.cache or []) for s in joining]
             _, where = place_rows(shapes, lengths, split=True)

@@ -9,7 +9,8 @@ prompt and what was generated so far, and after each step it is cut back past th
 served model rejected (`trim`); what it misses is fed at the next draft (`propose`).
 
 The draft model must read the same tokens as the served one (`check_same_tokenizer`), and
-keep plain KV caches (`verify.check_speculation`).
+keep KV caches (`verify.check_speculation`: a sliding window's ring is cut back only while
+the request's tokens and drafts fit in it, as the scheduler's drafters keep them).
 """
 
 from __future__ import annotations

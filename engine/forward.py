@@ -1,6 +1,17 @@
 """Forward passes of an mlx-lm model for prefill chunks: the vocabulary projection only
 where logits are wanted (the last position of a final chunk), when the architecture allows
-splitting the model's body from its output head."""
+splitting the model's body from its output head.
+
+Where the two live differs by family, and `text_model`, `body_of` and `output_head` find
+them as mlx-lm's `__call__`s lay them out: the text model is the model itself or the
+language model a wrapper holds (`language_model`: Qwen3.5/3.6, `mistral3`, Gemma 3's and
+4's multimodal classes); its body is at `.model`, `.backbone` (Nemotron-H, Mamba) or
+`.transformer`; its head is `lm_head` or the tied embedding table, then Gemma's
+`final_logit_softcapping` (tanh capping), Granite's `logits_scaling` (a division) or
+Cohere's `logit_scale` (a product).
+`split_head_works` proves, on the loaded model, that body and head give `model(...)`'s
+logits; any architecture laid out otherwise runs the full model.
+"""
 
 from __future__ import annotations
 
@@ -15,19 +26,49 @@ from mlx_lm.models.cache import make_prompt_cache
 log = structlog.get_logger(__name__)
 
 
+# Where mlx-lm's text models keep their body, and their tied embedding table in it.
+BODY_NAMES = ("model", "backbone", "transformer")
+EMBEDDING_NAMES = ("embed_tokens", "embeddings", "embedding", "wte", "word_embeddings")
+MAX_WRAPPERS = 3  # `language_model`s looked through to find the text model
+
+
+def text_model(model: Any) -> Any:
+    """The module whose body and head make `model`'s logits: `model`, or the language model
+    it wraps (each `language_model` in turn, a few at most)."""
+    for _ in range(MAX_WRAPPERS):
+        inner = getattr(model, "language_model", None)
+        if inner is None or not callable(inner):
+            break
+        model = inner
+    return model
+
+
+def body_of(model: Any) -> Any:
+    """`model`'s body: tokens (B, L) and a cache in, the final hidden states (B, L, D) out,
+    as its text model calls it; None where it has none by a known name."""
+    text = text_model(model)
+    for name in BODY_NAMES:
+        body = getattr(text, name, None)
+        if body is not None and callable(body):
+            return body
+    return None
+
+
 def split_head_works(model: Any) -> bool:
-    """Whether `model.model` + the output head reproduce `model(...)` for this architecture.
+    """Whether `body_of(model)` + `output_head` reproduce `model(...)` for this architecture.
 
     If they do, prefill chunks skip the vocabulary projection for every position but the
     last one needed; otherwise `forward` runs the full model.
     """
-    body = getattr(model, "model", None)
-    if body is None or not callable(body):
+    body = body_of(model)
+    if body is None:
         return False
     try:
         tokens = mx.array([[1, 2, 3, 4]])
         full = model(tokens, cache=make_prompt_cache(model))[:, -1, :]
         split = output_head(model, body(tokens, cache=make_prompt_cache(model))[:, -1:, :])
+        if split.shape[1:] != (1, full.shape[-1]):
+            raise ValueError(f"the head gives {split.shape}, the model {full.shape}")
         return bool(mx.allclose(full, split[:, -1, :], atol=1e-4, rtol=1e-4).item())
     except Exception as exc:  # noqa: BLE001 - any mismatch means: use the full forward
         log.info("split_head_unavailable", reason=repr(exc))
@@ -35,10 +76,38 @@ def split_head_works(model: Any) -> bool:
 
 
 def output_head(model: Any, hidden: mx.array) -> mx.array:
-    args = getattr(model, "args", None)
-    if getattr(args, "tie_word_embeddings", False) or not hasattr(model, "lm_head"):
-        return model.model.embed_tokens.as_linear(hidden)
-    return model.lm_head(hidden)
+    """The logits of the hidden states `hidden` (B, L, D) of `model`'s body: its text
+    model's `lm_head` (or tied embedding table), soft-capped or scaled as the text model's
+    own `__call__` does (see the module docstring)."""
+    text = text_model(model)
+    args = getattr(text, "args", None)
+    tied = getattr(text, "tie_word_embeddings", None)  # Gemma's, set where weights load
+    if tied is None:
+        tied = getattr(args, "tie_word_embeddings", False)
+    if tied or not hasattr(text, "lm_head"):
+        out = _embedding(body_of(model)).as_linear(hidden)
+    else:
+        out = text.lm_head(hidden)
+    cap = getattr(text, "final_logit_softcapping", None)
+    if cap is None:
+        cap = getattr(args, "final_logit_softcapping", None)
+    if cap:
+        out = mx.tanh(out / cap) * cap
+    scaling = getattr(text, "logits_scaling", None)
+    if scaling:
+        out = out / scaling
+    scale = getattr(args, "logit_scale", None)  # Cohere's
+    if scale:
+        out = out * scale
+    return out
+
+
+def _embedding(body: Any) -> Any:
+    for name in EMBEDDING_NAMES:
+        table = getattr(body, name, None)
+        if table is not None and hasattr(table, "as_linear"):
+            return table
+    raise AttributeError(f"{type(body).__name__} has no tied embedding table by a known name")
 
 
 def forward(
@@ -55,7 +124,7 @@ def forward(
     tokens' input embeddings, where they are not the embedding table's (an image span)."""
     extra = {} if embeddings is None else {"input_embeddings": embeddings}
     if split:
-        hidden = model.model(tokens, cache=cache, **extra)
+        hidden = body_of(model)(tokens, cache=cache, **extra)
         return output_head(model, hidden[:, -1:, :])[:, -1, :] if logits else None
     out = model(tokens, cache=cache, **extra)
     return out[:, -1, :] if logits else None
@@ -64,13 +133,26 @@ def forward(
 def wrap_attention(module_name: str, marker: str, wrap: Callable[[Any], Any]) -> bool:
     """Replace mlx-lm module `module_name`'s `scaled_dot_product_attention` (the name its
     attention calls, imported from `mlx_lm.models.base`) with `wrap(current)`, once: the
-    wrapper is marked with the attribute `marker`. False if the module has no such name."""
+    wrapper keeps `marker` as `stepline_marker` and `current` as `__wrapped__`, so wrappers
+    of other markers may go around it. False if the module has no such name."""
     module = importlib.import_module(module_name)
     current = getattr(module, "scaled_dot_product_attention", None)
     if current is None:
         return False
-    if not getattr(current, marker, False):
+    if marker not in wrappers(current):
         wrapped = wrap(current)
-        setattr(wrapped, marker, True)
+        wrapped.stepline_marker = marker
+        wrapped.__wrapped__ = current
         module.scaled_dot_product_attention = wrapped
     return True
+
+
+def wrappers(attention: Any) -> tuple[str, ...]:
+    """The markers of the stepline wrappers around `attention` (`wrap_attention`), outermost
+    first; a function wrapped by none has none."""
+    found = []
+    while attention is not None:
+        marker = getattr(attention, "stepline_marker", None)
+        found += [marker] if marker else []
+        attention = getattr(attention, "__wrapped__", None)
+    return tuple(found)

@@ -7,45 +7,59 @@ forward is bound by reading its weights, decode rows riding inside a chunk's for
 cost almost nothing. Two seams of mlx-lm make that possible without forking a model:
 - each layer gets a `SegmentedCache`: its `offset` is every row's position (an array, as
   mlx-lm's `BatchKVCache` gives rope), and its `update_and_fetch` hands each chunk's rows,
-  reshaped to (1, H, L, D), to that request's own `KVCache` and the decode rows to the
-  decode batch's `BatchKVCache`;
+  reshaped to (1, H, L, D), to that request's own cache and the decode rows to the decode
+  batch's, each segment's mask made from its own cache just before it takes them, as the
+  model's own forward of that segment would make it (causal; a sliding window's, over its
+  ring, wrapped or not; the batch's, left padding included);
 - the model module's `scaled_dot_product_attention` (imported by name from
   `mlx_lm.models.base`) is wrapped: given a `SegmentedCache` it runs attention per segment
-  (a chunk causally against its cache, the decode rows under the batch cache's own mask,
-  left padding included) and puts the outputs back in row order. Any other cache goes to
-  mlx-lm's own function unchanged.
+  under that mask and puts the outputs back in row order. Any other cache goes to mlx-lm's
+  own function unchanged.
 
-Covered: mlx-lm's `llama`, `qwen2` and `qwen3` modules with plain `KVCache` layers only.
+Covered: a model whose body's module calls mlx-lm's own `scaled_dot_product_attention`
+(llama, Qwen2/3, Qwen3-MoE, Phi-3, Ministral, Gemma 3 and 4, gpt-oss, ...; inside a wrapper
+such as `mistral3`, its language model's), with KV layers: plain `KVCache`s and sliding
+windows' `RotatingKVCache`s (whose window the model's masks must ask for).
 `fused_forward_works` installs the wrapper and proves, on the loaded model itself, that a
-fused forward gives the logits of separate ones; anything else (sliding windows, the
-recurrent `ArraysCache` of hybrid models, other architectures) runs separate forwards.
+fused forward gives the logits of separate ones; anything else (the recurrent `ArraysCache`
+of hybrid models, attention of a model's own, layers that share another layer's keys) runs
+separate forwards. docs/models.md's table says which families that proof passes for
+(tests/test_families.py keeps it true).
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 import structlog
-from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
+from mlx_lm.models import base
+from mlx_lm.models.cache import (
+    BatchKVCache,
+    BatchRotatingKVCache,
+    KVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+)
 
-from stepline.engine.forward import output_head, wrap_attention
+from stepline.engine.forward import body_of, output_head, wrap_attention
 from stepline.engine.prefix_cache import share_cache
 
 log = structlog.get_logger(__name__)
 
-# mlx-lm model modules whose attention calls `scaled_dot_product_attention(queries, keys,
-# values, cache=, scale=, mask=)` right after `cache.update_and_fetch`, with rope at
-# `cache.offset` and the mask from `cache.make_mask`: the seams this module hooks.
-COVERED_MODULES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3")
+# The function mlx-lm's models import by name and call right after `cache.update_and_fetch`
+# (rope at `cache.offset`, the mask from `cache.make_mask`): the seam this module hooks.
+MLX_LM_ATTENTION = base.scaled_dot_product_attention
 
 
 @dataclass(frozen=True)
 class Segment:
-    """One request's chunk (`tokens` (L,) into its own per-layer `KVCache`s), or the decode
-    batch (`tokens` (B,), one per row, into its per-layer `BatchKVCache`s)."""
+    """One request's chunk (`tokens` (L,) into its own per-layer caches: `KVCache`s,
+    `RotatingKVCache`s), or the decode batch (`tokens` (B,), one per row, into its per-layer
+    batch caches)."""
 
     tokens: mx.array
     cache: list[Any]
@@ -58,23 +72,36 @@ class Segment:
 
 class _Layout:
     """What every layer's `SegmentedCache` shares: the segments' sizes, every row's
-    position, and each segment's attention mask (made before any layer writes a token,
-    as mlx-lm's models make theirs)."""
+    position, and each segment's masks (one a kind of cache: every layer of a kind holds
+    the same tokens before the step, so its first layer's mask is every one's)."""
 
     def __init__(self, segments: Sequence[Segment]):
         self.sizes = [s.size for s in segments]
         self.is_batch = [s.is_batch for s in segments]
         positions = []
-        self.masks: list[Any] = []
         for s in segments:
             first = s.cache[0]
             if s.is_batch:
                 positions.append(first.offset.astype(mx.int32))
-                self.masks.append(first.make_mask(1))
             else:
                 positions.append(first.offset + mx.arange(s.size, dtype=mx.int32))
-                self.masks.append(None if s.size == 1 else "causal")
         self.positions = mx.concatenate(positions)
+        self._masks: dict[tuple[int, type, int | None], Any] = {}
+
+    def mask(self, i: int, cache: Any) -> Any:
+        """Segment `i`'s mask against `cache` (one of its layers', before it takes the
+        segment's tokens), as the segment's own forward makes it: the batch's (left padding,
+        a window's ring), a window's, or causal."""
+        key = (i, type(cache), getattr(cache, "max_size", None))
+        if key not in self._masks:
+            size = self.sizes[i]
+            if self.is_batch[i]:
+                self._masks[key] = cache.make_mask(1)
+            elif type(cache) is RotatingKVCache:
+                self._masks[key] = cache.make_mask(size, window_size=cache.max_size)
+            else:
+                self._masks[key] = None if size == 1 else "causal"
+        return self._masks[key]
 
 
 class SegmentedCache:
@@ -84,28 +111,40 @@ class SegmentedCache:
         self.layout = layout
         self.caches = caches  # this layer's cache of each segment
         self.fetched: list[tuple[mx.array, mx.array]] = []
+        self.masks: list[Any] = []  # each segment's attention mask (`_Layout.mask`)
 
     @property
     def offset(self) -> mx.array:
         return self.layout.positions
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):  # noqa: N803 - mlx-lm's name
-        if window_size is not None:
-            raise ValueError("a fused step has no sliding-window layers")
-        return None  # each segment's mask is the layout's
+        """None: each segment's mask is its own cache's (`update_and_fetch`). Raises
+        ValueError where the model asks for a window its caches do not keep (their own masks
+        would not be the model's)."""
+        if window_size is not None and not all(
+            type(c) in _WINDOWED and c.max_size == window_size for c in self.caches
+        ):
+            raise ValueError(f"a {window_size}-token window over caches that do not keep it")
+        return None
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         start = 0
-        self.fetched = []
-        for size, is_batch, cache in zip(
-            self.layout.sizes, self.layout.is_batch, self.caches, strict=True
+        self.fetched, self.masks = [], []
+        layout = self.layout
+        for i, (size, is_batch, cache) in enumerate(
+            zip(layout.sizes, layout.is_batch, self.caches, strict=True)
         ):
             k, v = keys[start : start + size], values[start : start + size]
             if not is_batch:  # (L, H, 1, D) rows -> one sequence (1, H, L, D)
                 k, v = k.swapaxes(0, 2), v.swapaxes(0, 2)
+            self.masks.append(layout.mask(i, cache))
             self.fetched.append(cache.update_and_fetch(k, v))
             start += size
         return keys, values  # unused: the attention reads `fetched`
+
+
+# Caches of a sliding window (a ring of its last keys), a request's own and a batch's.
+_WINDOWED = (RotatingKVCache, BatchRotatingKVCache)
 
 
 def _wrap(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
@@ -119,7 +158,7 @@ def _wrap(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
             if not is_batch:
                 q = q.swapaxes(0, 2)
             out = original(
-                q, k, v, cache=cache.caches[i], scale=scale, mask=layout.masks[i], **kwargs
+                q, k, v, cache=cache.caches[i], scale=scale, mask=cache.masks[i], **kwargs
             )
             outs.append(out if is_batch else out.swapaxes(0, 2))
             start += size
@@ -129,18 +168,25 @@ def _wrap(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
 
 
 def install(module_name: str) -> bool:
-    """Wrap `module_name`'s attention function (once); False if it is not a covered module."""
-    return module_name in COVERED_MODULES and wrap_attention(module_name, "stepline_fused", _wrap)
+    """Wrap `module_name`'s attention function (once); False if the module does not call
+    mlx-lm's own (wrapped by stepline or not) by its name."""
+    if not module_name.startswith("mlx_lm.models."):
+        return False
+    module = importlib.import_module(module_name)
+    current = getattr(module, "scaled_dot_product_attention", None)
+    while current is not None and current is not MLX_LM_ATTENTION:
+        current = getattr(current, "__wrapped__", None)  # inside stepline's wrappers
+    return current is not None and wrap_attention(module_name, "stepline_fused", _wrap)
 
 
 def body(model: Any, segments: Sequence[Segment]) -> mx.array:
-    """Run every segment's tokens through `model`'s body (`model.model`) in one forward,
+    """Run every segment's tokens through `model`'s body (`forward.body_of`) in one forward,
     into their caches: the hidden states (N, 1, D), one row per token, in segment order."""
     layout = _Layout(segments)
     layers = zip(*(s.cache for s in segments), strict=True)
     caches = [SegmentedCache(layout, list(layer)) for layer in layers]
     tokens = mx.concatenate([s.tokens for s in segments])
-    return model.model(tokens.astype(mx.int32)[:, None], cache=caches)
+    return body_of(model)(tokens.astype(mx.int32)[:, None], cache=caches)
 
 
 def forward(
@@ -164,9 +210,10 @@ def forward(
 
 
 def can_fuse(cache: list[Any], is_batch: bool) -> bool:
-    """Whether a segment's cache is one a fused forward handles: plain KV layers only."""
-    kind = BatchKVCache if is_batch else KVCache
-    return bool(cache) and all(type(layer) is kind for layer in cache)
+    """Whether a segment's cache is one a fused forward handles: KV layers, plain or of a
+    sliding window (a recurrent layer's state is not cut into rows)."""
+    kinds = (BatchKVCache, BatchRotatingKVCache) if is_batch else (KVCache, RotatingKVCache)
+    return bool(cache) and all(type(layer) in kinds for layer in cache)
 
 
 def fused_forward_works(model: Any) -> bool:
@@ -175,14 +222,14 @@ def fused_forward_works(model: Any) -> bool:
     left padding, beside a two-token chunk) gives the hidden states of separate forwards.
     Four forwards of a few tokens, one prompt's cache shared by every request. False (and
     separate forwards) for anything else."""
-    module_name = type(getattr(model, "model", model)).__module__
-    if not install(module_name):
+    inner = body_of(model)
+    if inner is None or not install(type(inner).__module__):
         return False
     try:
         prompt = make_prompt_cache(model)
         if not can_fuse(prompt, is_batch=False):
             return False
-        model.model(mx.array([[1, 2, 3, 4, 5, 6, 7, 8]]), cache=prompt)
+        inner(mx.array([[1, 2, 3, 4, 5, 6, 7, 8]]), cache=prompt)
 
         def at(num_tokens: int) -> list[Any]:  # the prompt's first tokens, a cache of its own
             cache = share_cache(prompt)
@@ -191,11 +238,11 @@ def fused_forward_works(model: Any) -> bool:
             return cache
 
         def batch() -> list[Any]:  # rows of 8 and 3 tokens
-            return [BatchKVCache.merge(list(rows)) for rows in zip(at(8), at(3), strict=True)]
+            return [type(r[0]).merge(list(r)) for r in zip(at(8), at(3), strict=True)]
 
         last, chunk = mx.array([9, 10]), mx.array([11, 12, 13])
-        want_rows = model.model(last[:, None], cache=batch())[:, -1, :]
-        want_chunk = model.model(chunk[None], cache=at(5))[0]
+        want_rows = inner(last[:, None], cache=batch())[:, -1, :]
+        want_chunk = inner(chunk[None], cache=at(5))[0]
         got = body(model, [Segment(chunk, at(5)), Segment(last, batch(), is_batch=True)])
         return _close(got[:3, -1, :], want_chunk) and _close(got[3:, -1, :], want_rows)
     except Exception as exc:  # noqa: BLE001 - whatever fails here: separate forwards

@@ -167,9 +167,15 @@ class LoadedModel:
     def vocab_size(self) -> int:
         """The model's vocabulary, as its logits are wide: its config's `vocab_size`, or the
         tokenizer's size for a model whose config has none. Every bound on a token id (a
-        prompt's, `top_k`, stop ids, grammars, drafts) reads this one."""
-        args = getattr(self.model, "args", None)
-        return getattr(args, "vocab_size", None) or len(self.tokenizer)
+        prompt's, `top_k`, stop ids, grammars, drafts) reads this one. A wrapper's config
+        (Qwen3.5's, `mistral3`'s) may hold it in its language model's only."""
+        from stepline.engine.forward import text_model
+
+        for module in (self.model, text_model(self.model)):
+            size = getattr(getattr(module, "args", None), "vocab_size", None)
+            if size:
+                return int(size)
+        return len(self.tokenizer)
 
 
 def _spec_hash(spec: DemoSpec) -> str:

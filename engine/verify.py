@@ -92,16 +92,21 @@ def verify_rows(
     return drafted
 
 
-def check_speculation(model: object) -> None:
+def check_speculation(model: object) -> int | None:
     """Raise ValueError, in words, if a drafting row's rejected tokens could not be taken
-    back out of `model`'s caches: only plain KV caches are cut back (a sliding window's
-    ring and a recurrent layer's state would need a snapshot from before the drafts)."""
-    from mlx_lm.models.cache import KVCache, make_prompt_cache
+    back out of `model`'s caches: plain KV caches are cut back, and a sliding window's ring
+    while it has not wrapped (a recurrent layer's state would need a snapshot from before
+    the drafts). Returns the smallest such window (the most tokens a drafting request may
+    hold, `ModelLimits.draft_window`), None where every layer is plain KV."""
+    from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-    kinds = sorted({type(c).__name__ for c in make_prompt_cache(model) if type(c) is not KVCache})
+    caches = make_prompt_cache(model)
+    kinds = sorted({type(c).__name__ for c in caches if type(c) not in (KVCache, RotatingKVCache)})
     if kinds:
         raise ValueError(
-            "speculative decoding needs a model whose every layer keeps a plain KV cache; this "
-            f"one has {', '.join(kinds)} layers (a sliding window or a recurrent state cannot "
-            "be cut back past rejected drafts): serve it without --speculative-config"
+            "speculative decoding needs a model whose every layer keeps a KV cache; this "
+            f"one has {', '.join(kinds)} layers (a recurrent state cannot be cut back past "
+            "rejected drafts): serve it without --speculative-config"
         )
+    windows = [c.max_size for c in caches if type(c) is RotatingKVCache]
+    return min(windows) if windows else None

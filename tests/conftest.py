@@ -35,6 +35,7 @@ RUNS_A_MODEL = frozenset(
         "test_engine.py",
         "test_exactness.py",
         "test_faults.py",
+        "test_families.py",
         "test_fused.py",
         "test_gguf.py",
         "test_image_inputs.py",

@@ -10,6 +10,7 @@ import anyio
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from families import FAMILIES, build
 from helpers import mlx_lm_greedy, small_config
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -48,11 +49,35 @@ def _random_model(arch: str, demo: LoadedModel, **extra) -> LoadedModel:
     return replace(demo, model=model, name=f"random-{arch}")
 
 
-@pytest.fixture(params=["llama", "qwen3", "qwen2"])
+# Families that fuse beyond llama and Qwen2/3 (tests/families.py's tiny models of them):
+# plain KV layers, or sliding windows of 16 tokens that the prompts below wrap.
+FUSED_FAMILIES = {
+    "qwen3_moe": "Qwen3-MoE",
+    "phi3": "Phi-3",
+    "ministral3": "Ministral 3",
+    "mistral3": "Mistral 3 (a llama text model)",
+    "ministral3-sliding": "Ministral 3, sliding window",
+    "gemma3_text": "Gemma 3 (text)",
+    "gemma4_text": "Gemma 4 (text)",
+    "gpt_oss": "gpt-oss (sliding window, sinks, MoE)",
+    "glm4_moe": "GLM-4.5 (MoE)",
+    "granite": "Granite 3",
+    "cohere2": "Command R7B (sliding windows)",
+}
+
+
+@pytest.fixture(params=["llama", "qwen3", "qwen2", "demo_sliding", *FUSED_FAMILIES])
 def plain(request, demo) -> LoadedModel:
-    """The covered architectures: the llama demo, and Qwen3- and Qwen2-shaped models."""
+    """The covered architectures: the llama and sliding-window demos, Qwen3- and
+    Qwen2-shaped models, and the other families that fuse."""
     if request.param == "llama":
         return demo
+    if request.param == "demo_sliding":
+        return request.getfixturevalue("demo_sliding")
+    if request.param in FUSED_FAMILIES:
+        family = next(f for f in FAMILIES if f.name == FUSED_FAMILIES[request.param])
+        model = build(family, vocab_size=demo.vocab_size)
+        return replace(demo, model=model, name=f"random-{request.param}")
     extra = {"head_dim": 16} if request.param == "qwen3" else {}
     return _random_model(request.param, demo, **extra)
 
@@ -108,12 +133,11 @@ def test_a_fused_forward_gives_each_segment_the_logits_of_its_own_forward(plain)
     assert mx.allclose(model(nxt, cache=fused_batch), model(nxt, cache=batch), atol=1e-4)
 
 
-def test_models_whose_caches_are_not_plain_kv_run_separate_forwards(demo_hybrid, demo_sliding):
-    """The hybrid model's recurrent layers and the sliding-window model's rotating ones are
-    not covered: their runners run a forward per chunk and one for the decode rows."""
-    for loaded in (demo_hybrid, demo_sliding):
-        assert not fused.fused_forward_works(loaded.model)
-        assert not ModelRunner(loaded).fuse
+def test_models_with_recurrent_layers_run_separate_forwards(demo_hybrid):
+    """The hybrid model's recurrent layers are not covered: its runner runs a forward per
+    chunk and one for the decode rows."""
+    assert not fused.fused_forward_works(demo_hybrid.model)
+    assert not ModelRunner(demo_hybrid).fuse
 
 
 class Counting:
@@ -321,13 +345,12 @@ async def test_a_long_prompt_beside_decoding_streams_fuses_and_changes_no_token(
         assert results[i] == mlx_lm_greedy(demo.model, prompt, 16), i
 
 
-@pytest.mark.parametrize("name", ["demo_hybrid", "demo_sliding"])
 def test_a_mixed_step_on_a_model_not_covered_runs_separate_forwards_with_mlx_lms_tokens(
-    request, name, monkeypatch
+    demo_hybrid, monkeypatch
 ):
-    """The same steps on the hybrid and sliding-window demos: a forward per chunk and one for
-    the decode rows, and every request's greedy tokens are still mlx-lm's own."""
-    loaded = request.getfixturevalue(name)
+    """The same steps on the hybrid demo: a forward per chunk and one for the decode rows,
+    and every request's greedy tokens are still mlx-lm's own."""
+    loaded = demo_hybrid
     runner = ModelRunner(loaded)
     counted = Counting(monkeypatch, runner)
     tokens = _mixed_steps(runner)
@@ -432,3 +455,71 @@ def test_rows_of_very_different_lengths_decode_in_groups_with_their_own_tokens(d
     nxt = mx.array([[7]])
     fresh = _prefilled(demo.model, list(fed))
     assert mx.allclose(demo.model(nxt, cache=cache), demo.model(nxt, cache=fresh), atol=1e-4)
+
+
+def test_a_sliding_window_batch_in_groups_gives_every_request_its_own_tokens(demo_sliding):
+    """On the sliding-window demo (16-token windows), rows of very different lengths join
+    and leave decode groups beside fused chunks, every ring wrapped: each step's tokens are
+    those of one padded batch without fusion, and every request's are mlx-lm's own."""
+    grouped = ModelRunner(demo_sliding)
+    one = ModelRunner(demo_sliding, fuse=False, lookahead=False)
+    assert grouped.fuse
+    prompts = {
+        "a": prompt_ids(20, seed=21),
+        "b": prompt_ids(9, seed=22),
+        "long": prompt_ids(1500, seed=23),
+        "c": prompt_ids(14, seed=24),
+        "near": prompt_ids(1400, seed=25),
+    }
+    news = {rid: NewRequest(rid, tuple(p), GREEDY) for rid, p in prompts.items()}
+
+    def chunk(rid: str, start: int, end: int) -> ScheduledChunk:
+        return ScheduledChunk(rid, start, end, (), end == len(prompts[rid]))
+
+    steps = [  # (decodes, chunks, admitted, freed)
+        ((), (chunk("a", 0, 20), chunk("b", 0, 9)), ("a", "b"), ()),
+        (("a", "b"), (chunk("long", 0, 800),), ("long",), ()),
+        (("a", "b"), (chunk("long", 800, 1500),), (), ()),
+        *[(("a", "b", "long"), (), (), ())] * 2,
+        (("b", "long"), (chunk("c", 0, 14),), ("c",), ("a",)),
+        (("b", "long", "c"), (chunk("near", 0, 1400),), ("near",), ()),
+        *[(("b", "long", "c", "near"), (), (), ())] * 20,
+        (("b", "c", "near"), (), (), ("long",)),
+    ]
+    tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
+    sizes = set()
+    for i, (decodes, chunks, admit, free) in enumerate(steps):
+        num = {rid: 1 for rid in decodes} | {c.request_id: c.num_tokens for c in chunks}
+        plan = StepPlan(step=i + 1, decodes=decodes, chunks=chunks, num_scheduled_tokens=num)
+        work = StepWork(plan=plan, admit=tuple(news[rid] for rid in admit), free=free)
+        got, want = grouped.run(work), one.run(work)
+        assert not got.failed and got.tokens == want.tokens, i
+        for rid, token in got.tokens.items():
+            tokens[rid].append(token)
+        sizes.add(tuple(grouped.batch.caches.sizes))
+        grouped.look_ahead()
+    assert any(len(s) > 1 for s in sizes)  # the rows decoded in groups
+    for rid, prompt in prompts.items():
+        assert tokens[rid] == mlx_lm_greedy(demo_sliding.model, prompt, len(tokens[rid])), rid
+
+
+def test_each_attention_wrapper_goes_on_a_module_once_whatever_the_order(demo):
+    """The CPU attention and the fused step each wrap a model module's attention function
+    once, however often runners are made and whichever wrapped it first; the fused step
+    still finds mlx-lm's own function under the CPU one."""
+    import importlib
+
+    from stepline.engine import cpu_attention
+    from stepline.engine.forward import wrappers
+
+    module = importlib.import_module(type(demo.model).__module__)
+    for _ in range(2):
+        ModelRunner(demo)
+        assert fused.install(module.__name__)
+        cpu_attention.install(demo.model)
+    found = wrappers(module.scaled_dot_product_attention)
+    assert len(found) == len(set(found))  # none twice
+    want = (
+        {"stepline_fused", "stepline_cpu"} if mx.default_device() == mx.cpu else {"stepline_fused"}
+    )
+    assert set(found) == want

@@ -3,6 +3,7 @@ in the step, the same greedy tokens as without them, and fewer steps where outpu
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -10,7 +11,9 @@ from pathlib import Path
 import anyio
 import mlx.core as mx
 import pytest
-from core_driver import make_core, params
+from core_driver import LIMITS, make_core, params
+from families import FAMILIES, model_dir
+from helpers import mlx_lm_greedy
 
 from stepline.actors.scheduler.cost_model import StepCost
 from stepline.actors.scheduler.drafter import (
@@ -24,11 +27,13 @@ from stepline.actors.scheduler.drafter import (
     parse_speculative_config,
 )
 from stepline.actors.scheduler.plan import SchedulerConfig
+from stepline.actors.scheduler.step_records import ModelLimits
 from stepline.actors.scheduler.work import StepResult
 from stepline.api import Engine, SamplingParams
 from stepline.api.cli import main
 from stepline.api.config import EngineConfig
 from stepline.api.reexecute import reexecute
+from stepline.engine.models import load_model
 from stepline.engine.sampling import RowSampling, Sampler
 from stepline.engine.sequences import Seq
 from stepline.engine.verify import Verify, verify_rows
@@ -115,6 +120,17 @@ def test_a_batch_row_given_no_drafts_stays_in_the_batch():
     assert not drafter.solo
 
 
+def test_a_drafter_keeps_its_tokens_and_drafts_within_a_sliding_window():
+    """On a model with sliding-window layers the ring must not wrap under drafts: they are
+    cut to the room the window leaves, and drafting stops for good once none is left."""
+    drafter = Drafter(NGRAM, [5, 6, 7, 8, 9, 5, 6, 7, 8], room=11)
+    assert drafter.propose() == (9, 5)  # 9 tokens: room for 2 drafts
+    drafter.planned((9, 5))
+    drafter.extend([9, 5])
+    assert drafter.propose() is None and not drafter.active
+    assert Drafter(NGRAM, [5, 6, 7, 8, 9, 5, 6, 7, 8], room=None).propose() == (9, 5, 6, 7)
+
+
 def test_a_request_whose_drafts_are_rejected_stops_drafting_for_good():
     wrong = Drafter(NGRAM, [1, 2, 3, 4, 1, 2, 3, 4])
     wrong.planned(wrong.propose())
@@ -177,11 +193,16 @@ def test_drafted_tokens_are_draws_from_the_models_own_distribution(seeded: bool)
 # -- the scheduler ------------------------------------------------------------------------
 
 
-def _decoding_core(config: SchedulerConfig, cost: StepCost | None = None, max_tokens: int = 64):
+def _decoding_core(
+    config: SchedulerConfig,
+    cost: StepCost | None = None,
+    max_tokens: int = 64,
+    limits: ModelLimits = LIMITS,
+):
     """A core with request r0 decoding (its first token 1) after a prompt that repeats, so
     that it drafts: its tokens end "15 16 17 18 11", last seen followed by "12 13 14 15"
     (token 2 is the end of sequence)."""
-    core = make_core(config=config, cost=cost, speculative=NGRAM)
+    core = make_core(config=config, cost=cost, speculative=NGRAM, limits=limits)
     core.add("r0", list(range(11, 19)) * 4, params(max_tokens=max_tokens))
     while core.states["r0"].num_output_tokens == 0:
         work = core.schedule()
@@ -202,6 +223,18 @@ def test_drafts_take_what_the_budget_leaves_after_every_decode_rows_token():
 def test_drafts_stop_at_the_tokens_a_request_may_still_make():
     core = _decoding_core(SchedulerConfig(max_step_tokens=64, max_step_ms=None), max_tokens=3)
     assert core.schedule().plan.drafts == {"r0": (12,)}  # 1 made, its own token, then 1 draft
+
+
+def test_drafts_stop_where_a_sliding_window_would_wrap():
+    """The model's smallest window is 35 tokens: r0 holds 33 (its prompt, a token), so 2
+    drafts, then none."""
+    limits = dataclasses.replace(LIMITS, draft_window=35)
+    config = SchedulerConfig(max_step_tokens=64, max_step_ms=None)
+    core = _decoding_core(config, limits=limits)
+    work = core.schedule()
+    assert work.plan.drafts == {"r0": (12, 13)}
+    core.update_from_output(work, StepResult(tokens={"r0": 14}, drafted={"r0": (12, 13)}))
+    assert core.schedule().plan.drafts == {}
 
 
 def test_drafts_are_cut_to_the_time_target_by_the_cost_model():
@@ -337,11 +370,49 @@ async def test_a_drafted_request_ends_at_max_tokens_and_at_its_stop_token_exactl
         assert outs[-1].finish_reason == "stop"
 
 
-@pytest.mark.parametrize("model", ["stepline-demo-hybrid", "stepline-demo-sliding"])
-async def test_a_model_whose_caches_cannot_be_cut_back_is_refused_with_a_reason(model: str):
+async def test_a_model_whose_caches_cannot_be_cut_back_is_refused_with_a_reason():
     with pytest.raises(ValueError, match="cannot be cut back past rejected drafts"):
-        async with Engine.open(model, speculative_config=NGRAM_JSON):
+        async with Engine.open("stepline-demo-hybrid", speculative_config=NGRAM_JSON):
             pass
+
+
+async def test_a_sliding_window_model_drafts_until_its_window_would_wrap_with_the_same_tokens(
+    tmp_path: Path,
+):
+    """A Gemma-3-shaped model whose sliding window is 96 tokens, drafted for by another
+    (random weights: most drafts rejected, so cut back out of both models' rings) and by
+    itself (every draft kept: it drafts up to the window): requests draft while their
+    tokens and drafts fit in the window, then decode without, and every request's greedy
+    tokens are mlx-lm's own, as without drafts."""
+    family = next(f for f in FAMILIES if f.module == "gemma3_text")
+    served = str(model_dir(family, tmp_path / "served", sliding_window=96))
+    other = str(model_dir(family, tmp_path / "other", seed=8, sliding_window=96))
+    plain = await _generate(None, model=served)
+    reference = load_model(served).model
+    for prompt, tokens in zip(PROMPTS, plain, strict=True):
+        assert tokens == mlx_lm_greedy(reference, prompt, 48)
+    for draft in (other, served):
+        log = tmp_path / f"{Path(draft).name}.jsonl"
+        assert await _generate(_draft_config(draft, k=3), log, model=served) == plain
+        drafting = _drafting_rows(log)
+        assert drafting and all(held + n <= 96 for held, n in drafting)
+    assert max(held + n for held, n in drafting) == 96  # up to the window's last place
+    assert max(len(p) for p in PROMPTS) + 48 > 96  # and past it, without drafts
+
+
+def _drafting_rows(log: Path) -> list[tuple[int, int]]:
+    """(the tokens its request held, its drafts) of every drafting row in `log`'s plans."""
+    held = {f"r{i}": len(p) for i, p in enumerate(PROMPTS)}
+    rows = []
+    for e in read_events(log):
+        if isinstance(e, TokensSampled):
+            for rid in e.request_ids:
+                held[rid] += 1
+        elif isinstance(e, StepPlanned):
+            for rid, n, kind in zip(e.request_ids, e.num_tokens, e.kinds, strict=True):
+                if kind == "decode" and n > 1:
+                    rows.append((held[rid], n - 1))
+    return rows
 
 
 async def test_seeded_sampled_output_is_the_same_with_drafts_token_for_token(tmp_path: Path):

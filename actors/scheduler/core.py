@@ -232,7 +232,8 @@ class SchedulerCore:
             )
             raise refused
         drafts = self.speculative is not None and speculates(params) and not images
-        self.book.admitted(request_id, images, Drafter(self.speculative, ids) if drafts else None)
+        drafter = Drafter(self.speculative, ids, self.limits.draft_window) if drafts else None
+        self.book.admitted(request_id, images, drafter)
 
     def refuse(self, request_id: str, message: str, *, code: str, status: int) -> Terminal | None:
         """Record a request refused before it reached the engine (at an HTTP door: bad

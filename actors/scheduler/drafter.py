@@ -34,6 +34,11 @@ steps in a row without (its cache merged back in). A chat that copies nothing st
 batch, where its step costs what it did without drafts. A request leaves the batch at most
 `MAX_ENTRIES` times, and stops drafting for good when its last `WINDOW` drafting steps kept
 under `MIN_ACCEPTANCE` of their drafts.
+
+On a model with sliding-window layers (a `RotatingKVCache`: a ring of the window's last
+keys), rejected drafts can be cut back only while the ring has not wrapped: a request drafts
+while its tokens and its drafts fit in the model's smallest window (`room`), and stops for
+good once they do not (it only grows).
 """
 
 from __future__ import annotations
@@ -144,6 +149,8 @@ class Drafter:
 
     __slots__ = (
         "config",
+        "room",
+        "num_tokens",
         "tokens",
         "_index",
         "k",
@@ -154,8 +161,14 @@ class Drafter:
         "_recent",
     )
 
-    def __init__(self, config: SpeculativeConfig, prompt: Sequence[int]) -> None:
+    def __init__(
+        self, config: SpeculativeConfig, prompt: Sequence[int], room: int | None = None
+    ) -> None:
         self.config = config
+        # the most tokens the request may hold with its drafts (the model's smallest sliding
+        # window, `ModelLimits.draft_window`); None: no bound
+        self.room = room
+        self.num_tokens = 0  # its prompt's and output's
         self.tokens: list[int] = []
         self._index: dict[tuple[int, ...], int] = {}
         self.k = config.num_speculative_tokens  # drafts it proposes now
@@ -168,6 +181,7 @@ class Drafter:
 
     def extend(self, tokens: Sequence[int]) -> None:
         """Tokens the request now has (its prompt, then what it generates)."""
+        self.num_tokens += len(tokens)
         if self.config.method == "draft_model":
             return  # the executor's draft model reads them
         lo, hi = self.config.prompt_lookup_min, self.config.prompt_lookup_max
@@ -200,11 +214,17 @@ class Drafter:
         the batch (it stopped, or went back there)."""
         if not self.active:
             return None
-        if self.solo:
-            return self.lookup() if self._idle < SOLO_PATIENCE else None
-        if self._entries >= MAX_ENTRIES:
+        left = None if self.room is None else self.room - self.num_tokens
+        if left is not None and left <= 0:  # its drafts would wrap a sliding window's ring
+            self.active = False
             return None
-        return self.lookup(ENTER_MATCH) or None
+        if self.solo:
+            drafts = self.lookup() if self._idle < SOLO_PATIENCE else None
+        elif self._entries >= MAX_ENTRIES:
+            return None
+        else:
+            drafts = self.lookup(ENTER_MATCH) or None
+        return drafts if drafts is None or left is None else drafts[:left]
 
     def planned(self, drafts: tuple[int, ...] | None) -> None:
         """Where the step's plan puts its row: drafting on its own cache if the plan gives it
