@@ -36,6 +36,7 @@ from stepline.api.config import EngineConfig, EventLogConfig, ModelSpec, PoolCon
 from stepline.api.engine import Engine
 from stepline.api.engine_parts import PoolMember
 from stepline.api.pool_report import RunLog
+from stepline.events.feed import EventFeed
 from stepline.events.models import ModelLoaded, ModelUnloaded
 
 log = structlog.get_logger(__name__)
@@ -266,6 +267,11 @@ class ModelPool:
         """What the models may take together: the budget less MLX's buffer cache."""
         return self.budget_bytes - self.cache_bytes
 
+    @property
+    def feed(self) -> EventFeed | None:
+        """The run's events for live readers (`GET /v1/events`), every model's."""
+        return self.run_log.feed
+
     def health(self, *, detail: bool = True) -> dict[str, Any]:
         """/health's body (`pool_report.health`); a model's error is short already."""
         return pool_report.health(self)
@@ -444,7 +450,7 @@ class ModelPool:
         """Open `entry`'s engine, serve it until it is told to unload, then close it."""
         spec = entry.spec
         assert entry.place is not None
-        member = PoolMember(self.run_log.writer, entry.place, self.turns)
+        member = PoolMember(self.run_log.writer, entry.place, self.turns, self.run_log.feed)
         opened = Engine.open(
             spec.source,
             member=member,
@@ -538,6 +544,8 @@ class ModelPool:
         begin_shutdown`). Returns how many were cancelled."""
         self._closing = True
         self._notify()
+        if (feed := self.run_log.feed) is not None:
+            feed.close()  # its readers end, rather than hold the server's stop
         return sum(e.engine.begin_shutdown() for e in self.loaded() if e.engine is not None)
 
     async def _close(self) -> None:

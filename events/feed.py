@@ -164,7 +164,16 @@ class EventFeed:
         self.last = 0  # the place (N) of the last event published
         self._events: list[Any] = [None] * capacity  # event N at N % capacity
         self._frames: list[bytes | None] = [None] * capacity  # its frame, once a reader made it
-        self._waiter: anyio.Event | None = None  # set at the next publish
+        self._waiter: anyio.Event | None = None  # set at the next publish (or the close)
+        self.closed = False  # the server is stopping: readers end once they have it all
+
+    @classmethod
+    def of_log(cls, header: LogHeader, writer: Any, capacity: int = DEFAULT_CAPACITY) -> EventFeed:
+        """The feed of the run `header` starts, reading back from `writer`'s log
+        (events.log.EventLogWriter; None: from memory alone)."""
+        if writer is None:
+            return cls(header, capacity=capacity)
+        return cls(header, log_path=writer.path, flush=writer.flush, capacity=capacity)
 
     @property
     def first(self) -> int:
@@ -179,6 +188,18 @@ class EventFeed:
             at = self.last % capacity
             self._events[at] = as_streamed(event, header)
             self._frames[at] = None
+        if self._waiter is not None:
+            self._waiter.set()
+            self._waiter = None
+
+    def in_memory(self) -> list[Event]:
+        """The events the ring holds, oldest first (as streamed: no prompt ids)."""
+        return [self._events[n % self.capacity] for n in range(self.first, self.last + 1)]
+
+    def close(self) -> None:
+        """The server is stopping: each reader ends once it has read every event published
+        (a client reconnects to the next run: what it missed is in the log file)."""
+        self.closed = True
         if self._waiter is not None:
             self._waiter.set()
             self._waiter = None
@@ -235,6 +256,8 @@ class EventFeed:
                 yield [Missed(Place(self.key, cursor), count, self._why_missed(count))]
                 cursor = self.first - 1
             if cursor >= self.last:
+                if self.closed:
+                    return
                 await self._published()
                 await anyio.sleep(GATHER_S)
                 continue

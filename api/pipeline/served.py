@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from prometheus_client.core import Metric
 
     from stepline.api.engine import Engine
+    from stepline.events.feed import EventFeed
 
 
 class ServedModel:
@@ -155,6 +156,11 @@ class Models(Protocol[_E]):
         """The models' metrics (a prometheus_client collector)."""
         ...
 
+    @property
+    def feed(self) -> EventFeed | None:
+        """The run's events for live readers (`GET /v1/events`), every model's."""
+        ...
+
     def begin_shutdown(self) -> int: ...
 
 
@@ -217,6 +223,10 @@ class OneModel:
     ) -> None:
         self.engine.log_refusal(request_id, message, code=code, status=status)
 
+    @property
+    def feed(self) -> EventFeed | None:
+        return self.engine.feed
+
     def health(self, *, detail: bool) -> dict[str, Any]:
         engine = self.engine
         if engine.healthy:
@@ -236,6 +246,8 @@ class OneModel:
         return self.engine.metrics.registry.collect()
 
     def begin_shutdown(self) -> int:
+        if (feed := self.engine.feed) is not None:
+            feed.close()  # its readers end, rather than hold the server's stop
         return self.engine.begin_shutdown()
 
 

@@ -1,0 +1,303 @@
+"""GET /v1/events and /dashboard over real HTTP: a uvicorn on 127.0.0.1 over the demo model,
+read with httpx's streaming as an EventSource reads (frames parsed by hand)."""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+from helpers import Served
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+API_KEY = "sk-events"
+IN_MEMORY = 256  # events the server keeps in memory: a few requests' worth
+
+
+@pytest.fixture(scope="module")
+def served_options() -> dict[str, Any]:
+    return {
+        "event_log": True,
+        "engine": {"events_in_memory": IN_MEMORY},
+        "apps": {"keyed": {"api_key": API_KEY}},
+    }
+
+
+@dataclass
+class Frame:
+    """One server-sent event."""
+
+    event: str = "message"
+    id: str | None = None
+    data: str = ""
+    fields: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def body(self) -> Any:
+        return json.loads(self.data)
+
+    @property
+    def n(self) -> int:
+        assert self.id is not None
+        return int(self.id.rpartition(".")[2])
+
+
+async def sse_frames(response: httpx.Response) -> AsyncIterator[Frame]:
+    """The frames of a text/event-stream response, as EventSource parses them (comments
+    and `retry:` skipped)."""
+    frame, data = Frame(), []
+    async for line in response.aiter_lines():
+        if line == "":
+            if data or frame.event != "message":
+                frame.data = "\n".join(data)
+                yield frame
+            frame, data = Frame(), []
+            continue
+        if line.startswith(":"):
+            continue
+        name, _, value = line.partition(":")
+        value = value.removeprefix(" ")
+        if name == "data":
+            data.append(value)
+        elif name == "id":
+            frame.id = value
+        elif name == "event":
+            frame.event = value
+
+
+async def read_until(
+    client: httpx.AsyncClient,
+    until: Any,
+    *,
+    params: dict | None = None,
+    headers: dict | None = None,
+    within: float = 30,
+) -> list[Frame]:
+    """The frames of /v1/events up to the first that `until` takes (it included)."""
+    got: list[Frame] = []
+    with anyio.fail_after(within):
+        async with client.stream("GET", "/v1/events", params=params, headers=headers) as r:
+            assert r.status_code == 200, await r.aread()
+            assert r.headers["content-type"].startswith("text/event-stream")
+            async for frame in sse_frames(r):
+                got.append(frame)
+                if until(frame):
+                    return got
+    raise AssertionError("the stream ended")
+
+
+def events(frames: list[Frame]) -> list[Frame]:
+    return [f for f in frames if f.event == "message"]
+
+
+def ends(rid: str) -> Any:
+    return lambda f: (
+        f.event == "message" and f.body["type"] == "terminal" and (f.body.get("request_id") == rid)
+    )
+
+
+async def chat(served: Served, max_tokens: int = 12, **kw: Any) -> str:
+    """A chat completion's request id (the engine's, as its events name it)."""
+    async with served.client() as client:
+        raw = await client.chat.completions.with_raw_response.create(
+            model="stepline-demo",
+            messages=[{"role": "user", "content": "Hello there"}],
+            max_tokens=max_tokens,
+            **kw,
+        )
+    return raw.headers["x-request-id"]
+
+
+async def watched(served: Served, client: httpx.AsyncClient, **chat_kw: Any) -> tuple[str, list]:
+    """Run a chat completion while /v1/events is read from now on: (its request id, the
+    frames up to its terminal event)."""
+    got: list[Frame] = []
+    started = anyio.Event()
+    terminal: dict[str, anyio.Event] = {}
+
+    async def read() -> None:
+        async with client.stream("GET", "/v1/events", params={"after": "now"}) as r:
+            async for f in sse_frames(r):
+                got.append(f)
+                if f.event == "run":
+                    started.set()
+                elif f.event == "message" and f.body["type"] == "terminal":
+                    terminal.setdefault(f.body["request_id"], anyio.Event()).set()
+
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(read)
+            await started.wait()
+            rid = await chat(served, **chat_kw)
+            await terminal.setdefault(rid, anyio.Event()).wait()
+            tg.cancel_scope.cancel()
+    return rid, got[: next(i for i, f in enumerate(got) if ends(rid)(f)) + 1]
+
+
+async def test_a_running_requests_events_arrive_in_seq_order(served: Served) -> None:
+    async with served.http() as client:
+        rid, got = await watched(served, client)
+    assert got[0].event == "run" and got[0].body["live"] is True
+    run = got[0].body["run"]
+    seen = events(got)
+    # One model: each frame's id is its run and its seq, contiguous.
+    assert [f.id for f in seen] == [f"{run}.{f.body['seq']}" for f in seen]
+    seqs = [f.body["seq"] for f in seen]
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+    mine = [f.body["type"] for f in seen if f.body.get("request_id") == rid]
+    assert mine[0] == "admitted" and mine[-1] == "terminal" and "chunk-prefilled" in mine
+    assert any(f.body["type"] == "decoding" and rid in f.body["request_ids"] for f in seen)
+
+
+async def test_last_event_id_resumes_without_gaps_or_duplicates(served: Served) -> None:
+    rid = await chat(served)
+    async with served.http() as client:
+        everything = events(await read_until(client, ends(rid)))
+        assert len(everything) > 8
+        cut = everything[len(everything) // 2]
+        rest = events(await read_until(client, ends(rid), headers={"Last-Event-ID": str(cut.id)}))
+    assert [f.id for f in rest] == [f.id for f in everything if f.n > cut.n]
+
+
+async def test_last_event_id_past_memory_resumes_from_the_log_file(served: Served) -> None:
+    async with served.http() as client:
+        rid, got = await watched(served, client, max_tokens=30)
+        live = events(got)
+        first = live[0]
+        for _ in range(3):  # more events than memory keeps
+            await chat(served, max_tokens=30)
+        assert served.engine.feed.first > first.n
+        run = first.id.rpartition(".")[0]
+        again = events(
+            await read_until(client, ends(rid), headers={"Last-Event-ID": f"{run}.{first.n - 1}"})
+        )
+    assert [f.id for f in again] == [f.id for f in live]  # from the file: no gap, no double
+    assert [f.body for f in again] == [f.body for f in live]
+
+
+async def test_filters_keep_one_request_one_model_and_some_types(served: Served) -> None:
+    a = await chat(served)
+    b = await chat(served)
+    async with served.http() as client:
+        only_b = events(await read_until(client, ends(b), params={"request_id": b}))
+        for f in only_b:
+            body = f.body
+            assert body.get("request_id") == b or b in body.get("request_ids", ())
+        assert a not in {f.body.get("request_id") for f in only_b}
+        ended = events(
+            await read_until(
+                client, ends(b), params={"type": "terminal,admitted", "request_id": [a, b]}
+            )
+        )
+        assert {f.body["type"] for f in ended} <= {"terminal", "admitted"}
+        assert {f.body["request_id"] for f in ended} == {a, b}
+        async with client.stream(
+            "GET", "/v1/events", params={"model": "no-such-model", "after": "now"}
+        ) as r:
+            assert r.status_code == 200
+        bad = await client.get("/v1/events", headers={"Last-Event-ID": "7"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "Last-Event-ID"
+
+
+async def test_the_key_is_wanted_and_taken_as_a_header_a_cookie_or_a_parameter(
+    served: Served,
+) -> None:
+    keyed = served.urls["keyed"]
+    async with served.http(keyed) as client:
+        refused = await client.get("/v1/events/about")
+        assert refused.status_code == 401
+        assert refused.json()["error"]["code"] == "invalid_api_key"
+        assert (
+            await client.get("/v1/events/about", params={"api_key": "wrong"})
+        ).status_code == 401
+        for how in (
+            {"headers": {"Authorization": f"Bearer {API_KEY}"}},
+            {"params": {"api_key": API_KEY}},
+            {"headers": {"Cookie": f"stepline_api_key={API_KEY}"}},
+        ):
+            ok = await client.get("/v1/events/about", **how)
+            assert ok.status_code == 200, how
+            assert ok.json()["live"] is True
+        # The cookie and the parameter are for the events alone.
+        assert (await client.get("/v1/models", params={"api_key": API_KEY})).status_code == 401
+        page = await client.get("/dashboard/")  # the page says when the key is missing
+        assert page.status_code == 200
+
+
+async def test_a_reader_that_never_reads_does_not_hold_a_stream(served: Served) -> None:
+    host, port = served.url.removeprefix("http://").split(":")
+    stuck = socket.create_connection((host, int(port)))
+    stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    try:
+        stuck.sendall(b"GET /v1/events HTTP/1.1\r\nHost: x\r\n\r\n")  # and never reads
+        with anyio.fail_after(60):
+            async with served.client() as client:
+                stream = await client.chat.completions.create(
+                    model="stepline-demo",
+                    messages=[{"role": "user", "content": "Hello"}],
+                    max_tokens=200,
+                    stream=True,
+                )
+                chunks = [c async for c in stream]
+        assert chunks[-1].choices == [] or chunks[-1].choices[0].finish_reason is not None
+        feed = served.engine.feed
+        assert sum(e is not None for e in feed._events) <= IN_MEMORY  # what memory holds
+    finally:
+        stuck.close()
+
+
+async def test_without_a_log_the_events_come_from_memory_and_a_gap_is_told() -> None:
+    from helpers import open_served
+
+    async with open_served(engine={"events_in_memory": 32}) as alone:
+        rid = await chat(alone, max_tokens=30)  # more events than memory keeps
+        feed = alone.engine.feed
+        assert feed.log_path is None and feed.first > 1
+        async with alone.http() as client:
+            about = (await client.get("/v1/events/about")).json()
+            assert about["event_log"] is None and about["kept_in_memory"] == 32
+            got = await read_until(
+                client, ends(rid), headers={"Last-Event-ID": f"{about['run']}.1"}
+            )
+            timeline = await client.get(f"/v1/events/requests/{rid}/timeline")
+    assert got[0].event == "run" and got[1].event == "missed"
+    missed = got[1].body
+    assert missed["after"] == f"{about['run']}.1" and missed["missed"] == feed.first - 2
+    assert "--event-log" in missed["reason"]
+    assert [f.n for f in events(got)][0] == feed.first
+    # The request's admission left memory: its timeline is not there any more.
+    assert timeline.status_code == 404, timeline.text
+
+
+async def test_a_requests_timeline_is_replays_text(served: Served) -> None:
+    from helpers import replay
+
+    rid = await chat(served)
+    async with served.http() as client:
+        got = await client.get(f"/v1/events/requests/{rid}/timeline")
+        assert got.status_code == 200 and got.headers["content-type"].startswith("text/plain")
+        missing = await client.get("/v1/events/requests/nobody/timeline")
+        assert missing.status_code == 404
+    assert served.event_log is not None
+    code, text = replay(str(served.event_log), "--request", rid)
+    assert code == 0 and got.text == text
+    assert got.text.startswith(f"request {rid}")
+
+
+async def test_the_dashboard_serves_its_files(served: Served) -> None:
+    async with served.http() as client:
+        moved = await client.get("/dashboard")
+        assert moved.status_code in (302, 307) and moved.headers["location"] == "/dashboard/"
+        page = await client.get("/dashboard/")
+        assert page.status_code == 200 and "text/html" in page.headers["content-type"]
+        for name in ("dashboard.js", "dashboard.css"):
+            assert f'"{name}"' in page.text
+            got = await client.get(f"/dashboard/{name}")
+            assert got.status_code == 200 and got.text.strip()
+        assert "EventSource" in (await client.get("/dashboard/dashboard.js")).text
