@@ -3,16 +3,22 @@ read with httpx's streaming as an EventSource reads (frames parsed by hand)."""
 
 from __future__ import annotations
 
+import base64
 import json
+import os
+import shutil
 import socket
+import tempfile
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import anyio
 import httpx
 import pytest
-from helpers import Served
+from helpers import Served, until_async
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -301,3 +307,126 @@ async def test_the_dashboard_serves_its_files(served: Served) -> None:
             got = await client.get(f"/dashboard/{name}")
             assert got.status_code == 200 and got.text.strip()
         assert "EventSource" in (await client.get("/dashboard/dashboard.js")).text
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+class Page:
+    """A page of headless Chromium, driven over the DevTools protocol."""
+
+    def __init__(self, ws: Any):
+        self.ws = ws
+        self._id = 0
+
+    async def call(self, method: str, **params: Any) -> dict:
+        self._id += 1
+        await self.ws.send(json.dumps({"id": self._id, "method": method, "params": params}))
+        while True:  # events of the page come in between: not ours
+            reply = json.loads(await self.ws.recv())
+            if reply.get("id") == self._id:
+                if "error" in reply:
+                    raise AssertionError(f"{method}: {reply['error']}")
+                return reply["result"]
+
+    async def evaluate(self, expression: str) -> Any:
+        result = await self.call("Runtime.evaluate", expression=expression, returnByValue=True)
+        return result["result"].get("value")
+
+    async def shows(self, expression: str, *, within: float = 10, what: str) -> Any:
+        """The first true value of `expression` in the page (asked every 50 ms: what a
+        browser in another process draws, nothing here can await)."""
+
+        async def check() -> Any:
+            return await self.evaluate(expression)
+
+        return await until_async(check, within=within, what=what)
+
+
+@asynccontextmanager
+async def chromium_page(url: str) -> AsyncIterator[Page]:
+    """`url` open in headless Chromium (its own profile, gone afterwards)."""
+    import websockets
+
+    assert CHROMIUM is not None
+    with tempfile.TemporaryDirectory(prefix="stepline-chromium-") as profile:
+        argv = [
+            CHROMIUM,
+            "--headless",
+            "--no-sandbox",  # as root (a container): Chromium's sandbox will not start
+            "--disable-gpu",
+            "--no-first-run",
+            "--window-size=1400,1000",
+            f"--user-data-dir={profile}",
+            "--remote-debugging-port=0",
+            "about:blank",
+        ]
+        async with await anyio.open_process(argv) as process:
+            try:
+                port_file = Path(profile) / "DevToolsActivePort"
+
+                async def started() -> bool:
+                    return port_file.exists() and bool(port_file.read_text().strip())
+
+                await until_async(started, within=30, what="chromium's DevTools port")
+                port = int(port_file.read_text().split()[0])
+                async with httpx.AsyncClient() as http:
+                    target = (await http.put(f"http://127.0.0.1:{port}/json/new?{url}")).json()
+                async with websockets.connect(target["webSocketDebuggerUrl"], max_size=None) as ws:
+                    yield Page(ws)
+            finally:
+                process.terminate()
+
+
+@pytest.mark.skipif(
+    CHROMIUM is None, reason="no chromium binary (Debian: apt-get install chromium)"
+)
+async def test_the_page_shows_requests_as_they_run_in_a_browser(served: Served) -> None:
+    with anyio.fail_after(120):
+        async with chromium_page(f"{served.url}/dashboard/") as page:
+            await page.shows(
+                "document.getElementById('status').textContent === 'live'",
+                what="the page connected",
+            )
+            rid = await chat(served, max_tokens=20)
+            row = f"document.querySelector('#finished tr[data-request=\"{rid}\"]')"
+            await page.shows(f"!!{row}", what="the request in the page")
+            cells = await page.evaluate(f"[...{row}.cells].map((c) => c.textContent)")
+            assert cells[0] == rid and cells[1] == "chat" and cells[4] == "20"
+            assert await page.evaluate("document.querySelectorAll('[data-step]').length") > 0
+            assert "hit rate" in await page.evaluate("document.getElementById('cache').textContent")
+            await page.evaluate(f"{row}.click()")
+            timeline = await page.shows(
+                "document.getElementById('timeline').textContent.startsWith('request ')"
+                " && document.getElementById('timeline').textContent",
+                what="the request's timeline",
+            )
+            assert timeline.startswith(f"request {rid}")
+            shot = await page.call("Page.captureScreenshot", format="png")
+    png = base64.b64decode(shot["data"])
+    assert png.startswith(b"\x89PNG")
+    if target := os.environ.get("STEPLINE_DASHBOARD_SCREENSHOT"):  # docs/dashboard.png
+        await anyio.Path(target).write_bytes(png)
+
+
+@pytest.mark.skipif(
+    CHROMIUM is None, reason="no chromium binary (Debian: apt-get install chromium)"
+)
+async def test_the_page_says_when_the_key_is_missing_in_a_browser(served: Served) -> None:
+    keyed = served.urls["keyed"]
+    with anyio.fail_after(120):
+        async with chromium_page(f"{keyed}/dashboard/") as page:
+            await page.shows(
+                "!document.getElementById('key-needed').hidden", what="the key's message"
+            )
+            assert await page.evaluate("document.getElementById('status').textContent") == (
+                "API key needed"
+            )
+            await page.evaluate(
+                f"document.getElementById('key-input').value = '{API_KEY}';"
+                "document.getElementById('key-form').requestSubmit()"
+            )
+            await page.shows(
+                "document.getElementById('status').textContent === 'live'",
+                what="the page connected with the key",
+            )
