@@ -110,6 +110,11 @@ def ends(rid: str) -> Any:
 
 async def chat(served: Served, max_tokens: int = 12, **kw: Any) -> str:
     """A chat completion's request id (the engine's, as its events name it)."""
+    return (await chat_out(served, max_tokens, **kw))[0]
+
+
+async def chat_out(served: Served, max_tokens: int = 12, **kw: Any) -> tuple[str, int]:
+    """A chat completion's request id and how many tokens it made."""
     async with served.client() as client:
         raw = await client.chat.completions.with_raw_response.create(
             model="stepline-demo",
@@ -117,7 +122,9 @@ async def chat(served: Served, max_tokens: int = 12, **kw: Any) -> str:
             max_tokens=max_tokens,
             **kw,
         )
-    return raw.headers["x-request-id"]
+    usage = raw.parse().usage
+    assert usage is not None
+    return raw.headers["x-request-id"], usage.completion_tokens
 
 
 async def watched(served: Served, client: httpx.AsyncClient, **chat_kw: Any) -> tuple[str, list]:
@@ -310,6 +317,9 @@ async def test_the_dashboard_serves_its_files(served: Served) -> None:
 
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+needs_chromium = pytest.mark.skipif(
+    CHROMIUM is None, reason="no chromium binary (Debian: apt-get install chromium)"
+)
 
 
 class Page:
@@ -388,11 +398,11 @@ async def test_the_page_shows_requests_as_they_run_in_a_browser(served: Served) 
                 "document.getElementById('status').textContent === 'live'",
                 what="the page connected",
             )
-            rid = await chat(served, max_tokens=20)
+            rid, made = await chat_out(served, max_tokens=20)
             row = f"document.querySelector('#finished tr[data-request=\"{rid}\"]')"
-            await page.shows(f"!!{row}", what="the request in the page")
+            await page.shows(f"!!{row}", within=20, what="the request in the page")
             cells = await page.evaluate(f"[...{row}.cells].map((c) => c.textContent)")
-            assert cells[0] == rid and cells[1] == "chat" and cells[4] == "20"
+            assert cells[0] == rid and cells[1] == "chat" and cells[4] == str(made), cells
             assert await page.evaluate("document.querySelectorAll('[data-step]').length") > 0
             assert "hit rate" in await page.evaluate("document.getElementById('cache').textContent")
             await page.evaluate(f"{row}.click()")
@@ -429,4 +439,72 @@ async def test_the_page_says_when_the_key_is_missing_in_a_browser(served: Served
             await page.shows(
                 "document.getElementById('status').textContent === 'live'",
                 what="the page connected with the key",
+            )
+
+
+@asynccontextmanager
+async def replay_serving(log: Path) -> AsyncIterator[str]:
+    """`stepline replay LOG --serve` on a free port, in a child process: its base URL."""
+    import sys
+
+    argv = [sys.executable, "-m", "stepline.api.cli", "replay", str(log), "--serve", "--port", "0"]
+    async with await anyio.open_process(argv) as process:
+        try:
+            assert process.stdout is not None
+            with anyio.fail_after(60):
+                line = b""
+                while not line.endswith(b"\n"):
+                    line += await process.stdout.receive(1)
+            assert b"/dashboard/" in line, line
+            yield line.decode().split(" at ")[1].strip().removesuffix("/dashboard/")
+        finally:
+            process.terminate()
+
+
+async def test_replay_serve_streams_the_recorded_run_and_its_timelines(served: Served) -> None:
+    from helpers import replay
+
+    from stepline.events.log import read_events
+
+    rid = await chat(served, max_tokens=10)
+    assert served.event_log is not None
+    served.engine.feed.flush()
+    async with replay_serving(served.event_log) as url, served.http(url) as client:
+        about = (await client.get("/v1/events/about")).json()
+        assert about["live"] is False and about["run"] == served.engine.feed.key
+        got = await read_until(client, ends(rid))
+        timeline = await client.get(f"/v1/events/requests/{rid}/timeline")
+        page = await client.get("/dashboard/")
+    assert got[0].event == "run" and got[0].body["live"] is False
+    logged = [e.model_dump(mode="json", exclude_none=False) for e in read_events(served.event_log)]
+    streamed = [f.body for f in events(got)]
+    assert [f.n for f in events(got)] == list(range(1, len(streamed) + 1))
+    assert [e["seq"] for e in streamed] == [e["seq"] for e in logged[: len(streamed)]]
+    code, text = replay(str(served.event_log), "--request", rid)
+    assert code == 0 and timeline.text == text
+    assert page.status_code == 200
+
+
+@needs_chromium
+async def test_replay_serve_has_a_step_scrubber_in_a_browser(served: Served) -> None:
+    rid = await chat(served, max_tokens=10)
+    assert served.event_log is not None
+    served.engine.feed.flush()
+    async with replay_serving(served.event_log) as url, chromium_page(f"{url}/dashboard/") as page:
+        with anyio.fail_after(60):
+            row = f"document.querySelector('#finished tr[data-request=\"{rid}\"]')"
+            await page.shows(f"!!{row}", what="the recorded request in the page")
+            assert await page.evaluate("document.getElementById('replay').hidden") is False
+            last = int(await page.evaluate("document.getElementById('scrubber').max"))
+            admitted = await page.evaluate(
+                "[...document.querySelectorAll('[data-request]')].length"
+            )
+            assert last > 0 and admitted > 0
+            await page.evaluate(
+                "const s = document.getElementById('scrubber'); s.value = 0;"
+                "s.dispatchEvent(new Event('input'))"
+            )
+            await page.shows(f"!{row}", what="the request gone at step 0")
+            assert "step 0 of" in await page.evaluate(
+                "document.getElementById('scrubbed').textContent"
             )
