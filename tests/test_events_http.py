@@ -402,7 +402,8 @@ async def test_the_page_shows_requests_as_they_run_in_a_browser(served: Served) 
             row = f"document.querySelector('#finished tr[data-request=\"{rid}\"]')"
             await page.shows(f"!!{row}", within=20, what="the request in the page")
             cells = await page.evaluate(f"[...{row}.cells].map((c) => c.textContent)")
-            assert cells[0] == rid and cells[1] == "chat" and cells[4] == str(made), cells
+            title = await page.evaluate(f"{row}.cells[0].title")
+            assert title == rid and cells[1] == "chat" and cells[4] == str(made), cells
             assert await page.evaluate("document.querySelectorAll('[data-step]').length") > 0
             assert "hit rate" in await page.evaluate("document.getElementById('cache').textContent")
             await page.evaluate(f"{row}.click()")

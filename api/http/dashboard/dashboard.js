@@ -141,6 +141,13 @@ function cell(row, text, cls) {
   return td;
 }
 
+// A request's id, short (its door's prefix and 8 digits), the whole id in its title.
+function idCell(row, id) {
+  const td = cell(row, id.length > 32 ? `${id.slice(0, id.length - 24)}…` : id, "id");
+  td.title = id;
+  return td;
+}
+
 function targetSeconds() {
   const cfg = (header && header.config) || {};
   const t = cfg.max_step_ms;
@@ -183,9 +190,10 @@ function drawSteps() {
     if (stall) stalls += 1;
     const title = stall || `step ${s.step}: ${ms(s.seconds)}, ${s.prefill} prefill + ${s.decode}` +
       ` decode tokens of ${s.budget}`;
+    if (stall) parts.push(`<rect class="stalled" x="${x}" y="0" width="${w - 1}" height="6"
+      fill="#dc2626"/>`);
     parts.push(`<rect data-step="${s.step}" x="${x}" y="0" width="${w}" height="${H}"
-      fill="transparent" ${stall ? 'stroke="#dc2626" stroke-width="2" class="stalled"' : ""}>
-      <title>${escapeHtml(title)}</title></rect>`);
+      fill="transparent"><title>${escapeHtml(title)}</title></rect>`);
   });
   svg.innerHTML = parts.join("");
   $("step-note").textContent = S.steps.length
@@ -206,7 +214,7 @@ function drawRequests() {
     const row = body.insertRow();
     row.dataset.request = r.id;
     row.onclick = () => showTimeline(r.id);
-    cell(row, r.id, "id");
+    idCell(row, r.id);
     cell(row, doorOf(r.id));
     cell(row, r.client ? r.client.slice(0, 8) : "anonymous");
     cell(row, r.state);
@@ -227,7 +235,7 @@ function drawRequests() {
     const row = ended.insertRow();
     row.dataset.request = r.id;
     row.onclick = () => showTimeline(r.id);
-    cell(row, r.id, "id");
+    idCell(row, r.id);
     cell(row, doorOf(r.id));
     cell(row, r.end);
     cell(row, String(r.prompt));
