@@ -359,7 +359,10 @@ async def chromium_page(url: str) -> AsyncIterator[Page]:
     import websockets
 
     assert CHROMIUM is not None
-    with tempfile.TemporaryDirectory(prefix="stepline-chromium-") as profile:
+    # Chromium's helper processes may still write to the profile as it goes
+    with tempfile.TemporaryDirectory(
+        prefix="stepline-chromium-", ignore_cleanup_errors=True
+    ) as profile:
         argv = [
             CHROMIUM,
             "--headless",
@@ -509,3 +512,38 @@ async def test_replay_serve_has_a_step_scrubber_in_a_browser(served: Served) -> 
             assert "step 0 of" in await page.evaluate(
                 "document.getElementById('scrubbed').textContent"
             )
+
+
+async def test_a_pool_streams_every_models_events_in_one_order(tmp_path: Path) -> None:
+    from stepline.api.config import EventLogConfig, ModelSpec, PoolConfig
+    from stepline.api.http.app import create_app
+    from stepline.api.http.serve import serve_in_process
+    from stepline.api.pool import ModelPool
+
+    specs = [ModelSpec(name=n, model="stepline-demo") for n in "ab"]
+    small = {"max_kv_gb": 0.01, "prefix_cache_gb": 0.01, "max_step_ms": 0}
+    events_config = EventLogConfig(event_log=str(tmp_path / "run.jsonl"))
+    with anyio.fail_after(120):
+        async with (
+            ModelPool.open(PoolConfig(models=specs), small, events_config) as pool,
+            serve_in_process(create_app(pool)) as url,
+        ):
+            pooled = Served(engine=None, url=url)
+            async with pooled.client() as api:
+                rids = {}
+                for name in "ab":
+                    raw = await api.chat.completions.with_raw_response.create(
+                        model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=4
+                    )
+                    rids[name] = raw.headers["x-request-id"]
+            async with pooled.http() as client:
+                got = events(await read_until(client, ends(rids["b"])))
+                only_a = events(await read_until(client, ends(rids["a"]), params={"model": "a"}))
+                timeline = await client.get(f"/v1/events/requests/{rids['b']}/timeline")
+    # One order for the run: places 1..N; each model's seq counts on its own.
+    assert [f.n for f in got] == list(range(1, len(got) + 1))
+    assert {f.body.get("model") for f in got} == {"a", "b"}
+    mine = [f.body["seq"] for f in got if f.body.get("model") == "b"]
+    assert mine == list(range(1, len(mine) + 1))
+    assert {f.body.get("model") for f in only_a} == {"a"}
+    assert timeline.status_code == 200 and f"request {rids['b']} (model b)" in timeline.text

@@ -33,6 +33,7 @@ from starlette.staticfiles import StaticFiles
 from stepline.api.pipeline.errors import OPENAI, APIError
 from stepline.api.pipeline.writer import StreamResponse
 from stepline.events.feed import EventFeed, EventFilter, Place, frames, parse_place
+from stepline.events.models import Event, LogHeader
 
 DASHBOARD_DIR = Path(__file__).parent / "dashboard"
 KEY_COOKIE = "stepline_api_key"  # the page's key, for the paths below only
@@ -119,10 +120,11 @@ def about(feed: EventFeed) -> dict[str, Any]:
     }
 
 
-def timeline_text(feed: EventFeed, request_id: str) -> str:
+def timeline_text(feed: EventFeed, request_id: str, in_memory: Sequence[Event] = ()) -> str:
     """One request's timeline, the text `stepline replay --request` prints: read from the
-    log file, or without one from the events in memory. Blocks (run it on a thread). Raises
-    LookupError (replay's UnknownRequestError) when neither holds the request."""
+    log file, or without one from `in_memory` (the feed's events, taken on the event loop's
+    thread, which changes them). Blocks (run it on a thread). Raises LookupError (replay's
+    UnknownRequestError) when neither holds the request."""
     from stepline.api.cli.replay_text import text_timeline
     from stepline.events.replay import request_timeline
 
@@ -133,16 +135,16 @@ def timeline_text(feed: EventFeed, request_id: str) -> str:
         return "\n".join(text_timeline(timeline)) + "\n"
     with tempfile.TemporaryDirectory(prefix="stepline-timeline-") as folder:
         path = Path(folder) / "events.jsonl"
-        _write_memory(feed, path)
+        _write_memory(feed.header, in_memory, path)
         timeline = request_timeline(path, request_id)
         return "\n".join(text_timeline(timeline)) + "\n"
 
 
-def _write_memory(feed: EventFeed, path: Path) -> None:
+def _write_memory(header: LogHeader, in_memory: Sequence[Event], path: Path) -> None:
     """The events in memory as a log of their run (its prompts' ids are not kept)."""
-    header = feed.header.model_copy(update={"log_prompts": False})
+    header = header.model_copy(update={"log_prompts": False})
     lines = [header.model_dump_json().encode()]
-    lines += [event.model_dump_json().encode() for event in feed.in_memory()]
+    lines += [event.model_dump_json().encode() for event in in_memory]
     path.write_bytes(b"\n".join(lines) + b"\n")
 
 
@@ -173,8 +175,9 @@ def events_routes(feed: EventFeed | None, *, heartbeat_s: float) -> APIRouter:
     @router.get("/v1/events/requests/{request_id}/timeline")
     async def request_timeline(request_id: str) -> PlainTextResponse:
         feed = the_feed()
+        in_memory = feed.in_memory() if feed.log_path is None else []
         try:
-            text = await anyio.to_thread.run_sync(timeline_text, feed, request_id)
+            text = await anyio.to_thread.run_sync(timeline_text, feed, request_id, in_memory)
         except LookupError as exc:
             raise APIError(404, str(exc), code="request_not_found") from None
         return PlainTextResponse(text)
