@@ -501,20 +501,13 @@ class StepLoop:
             return
         self._log_events()  # in order, before the refusal
         if self.core.refuse(msg.request_id, msg.message, code=msg.code, status=msg.status):
-            self._record(self.core.take_events())
-
-    def _record(self, events: list[Event]) -> None:
-        """Hand `events` to the log's writer and the live feed (neither waits)."""
-        if self._event_log is not None:
-            self._event_log.append_many(events)
-        if self.feed is not None:
-            self.feed.publish(events)
+            _hand_over(self._event_log, self.feed, self.core.take_events())
 
     def _log_events(self) -> None:
         events = self.core.take_events()
         if not events:
             return
-        self._record(events)
+        _hand_over(self._event_log, self.feed, events)
         for event in events:
             if type(event) is Terminal:
                 self.metrics.finished(event.reason)
@@ -538,3 +531,11 @@ class StepLoop:
             self._end(rid, FinishReason.CANCELLED, "the engine is shutting down")
         self._log_events()
         self._publish()
+
+
+def _hand_over(event_log: Any, feed: EventFeed | None, events: list[Event]) -> None:
+    """Hand `events` to the log's writer and the live feed (neither waits)."""
+    if event_log is not None:
+        event_log.append_many(events)
+    if feed is not None:
+        feed.publish(events)

@@ -53,7 +53,6 @@ from stepline.api.request_error import RequestError
 from stepline.api.stream import RequestStream
 from stepline.engine.grammar import Compiled, GrammarCompiler
 from stepline.engine.images import text_only
-from stepline.events.feed import EventFeed
 from stepline.events.models import FinishReason, RequestParams
 
 __all__ = [
@@ -514,11 +513,6 @@ class Engine:
         return why."""
         await self._step_loop.died.wait()
         return self.snapshot.dead_reason or "unknown"
-
-    @property
-    def feed(self) -> EventFeed | None:
-        """Its events for live readers (`GET /v1/events`: events/feed.py)."""
-        return self._step_loop.feed
 
     @property
     def event_log_problem(self) -> str | None:

@@ -178,6 +178,7 @@ class ModelPool:
         }
         self.turns = Turns(tuple(self.entries))
         self.run_log = run_log  # the run's own events: refusals before a model, failed loads
+        self.feed: EventFeed | None = run_log.feed  # every model's events, for live readers
         self._tg = tg
         self.on_load = on_load  # builds each model's `served` as it loads (the HTTP app sets it)
         self._mlx_wait = mlx_wait_at_close_s
@@ -266,11 +267,6 @@ class ModelPool:
     def models_budget_bytes(self) -> int:
         """What the models may take together: the budget less MLX's buffer cache."""
         return self.budget_bytes - self.cache_bytes
-
-    @property
-    def feed(self) -> EventFeed | None:
-        """The run's events for live readers (`GET /v1/events`), every model's."""
-        return self.run_log.feed
 
     def health(self, *, detail: bool = True) -> dict[str, Any]:
         """/health's body (`pool_report.health`); a model's error is short already."""
@@ -544,8 +540,6 @@ class ModelPool:
         begin_shutdown`). Returns how many were cancelled."""
         self._closing = True
         self._notify()
-        if (feed := self.run_log.feed) is not None:
-            feed.close()  # its readers end, rather than hold the server's stop
         return sum(e.engine.begin_shutdown() for e in self.loaded() if e.engine is not None)
 
     async def _close(self) -> None:

@@ -185,7 +185,7 @@ async def test_last_event_id_past_memory_resumes_from_the_log_file(served: Serve
         first = live[0]
         for _ in range(3):  # more events than memory keeps
             await chat(served, max_tokens=30)
-        assert served.engine.feed.first > first.n
+        assert served.engine.step_loop.feed.first > first.n
         run = first.id.rpartition(".")[0]
         again = events(
             await read_until(client, ends(rid), headers={"Last-Event-ID": f"{run}.{first.n - 1}"})
@@ -259,7 +259,7 @@ async def test_a_reader_that_never_reads_does_not_hold_a_stream(served: Served) 
                 )
                 chunks = [c async for c in stream]
         assert chunks[-1].choices == [] or chunks[-1].choices[0].finish_reason is not None
-        feed = served.engine.feed
+        feed = served.engine.step_loop.feed
         assert sum(e is not None for e in feed._events) <= IN_MEMORY  # what memory holds
     finally:
         stuck.close()
@@ -270,7 +270,7 @@ async def test_without_a_log_the_events_come_from_memory_and_a_gap_is_told() -> 
 
     async with open_served(engine={"events_in_memory": 32}) as alone:
         rid = await chat(alone, max_tokens=30)  # more events than memory keeps
-        feed = alone.engine.feed
+        feed = alone.engine.step_loop.feed
         assert feed.log_path is None and feed.first > 1
         async with alone.http() as client:
             about = (await client.get("/v1/events/about")).json()
@@ -472,10 +472,10 @@ async def test_replay_serve_streams_the_recorded_run_and_its_timelines(served: S
 
     rid = await chat(served, max_tokens=10)
     assert served.event_log is not None
-    served.engine.feed.flush()
+    served.engine.step_loop.feed.flush()
     async with replay_serving(served.event_log) as url, served.http(url) as client:
         about = (await client.get("/v1/events/about")).json()
-        assert about["live"] is False and about["run"] == served.engine.feed.key
+        assert about["live"] is False and about["run"] == served.engine.step_loop.feed.key
         got = await read_until(client, ends(rid))
         timeline = await client.get(f"/v1/events/requests/{rid}/timeline")
         page = await client.get("/dashboard/")
@@ -493,7 +493,7 @@ async def test_replay_serve_streams_the_recorded_run_and_its_timelines(served: S
 async def test_replay_serve_has_a_step_scrubber_in_a_browser(served: Served) -> None:
     rid = await chat(served, max_tokens=10)
     assert served.event_log is not None
-    served.engine.feed.flush()
+    served.engine.step_loop.feed.flush()
     async with replay_serving(served.event_log) as url, chromium_page(f"{url}/dashboard/") as page:
         with anyio.fail_after(60):
             row = f"document.querySelector('#finished tr[data-request=\"{rid}\"]')"
@@ -547,3 +547,51 @@ async def test_a_pool_streams_every_models_events_in_one_order(tmp_path: Path) -
     assert mine == list(range(1, len(mine) + 1))
     assert {f.body.get("model") for f in only_a} == {"a"}
     assert timeline.status_code == 200 and f"request {rids['b']} (model b)" in timeline.text
+
+
+async def test_a_stop_ends_the_event_streams_with_every_event_not_cut_off(
+    demo: Any, tmp_path: Path
+) -> None:
+    import re
+    import signal
+
+    from helpers import popen_serve, serve_argv
+
+    log = tmp_path / "run.jsonl"
+    argv = serve_argv("--max-step-tokens", "128", "--event-log", str(log))
+    with (tmp_path / "stderr.txt").open("w") as stderr:
+        proc = popen_serve(argv, stderr)
+
+    def started() -> str:
+        assert proc.stdout is not None
+        url = ""
+        for line in proc.stdout:
+            if m := re.search(r"(http://127\.0\.0\.1:\d+)/health answers 503", line):
+                url = m.group(1)
+            if "serving" in line:
+                return url
+        raise AssertionError("stepline serve did not start")
+
+    try:
+        with anyio.fail_after(120):
+            url = await anyio.to_thread.run_sync(started)
+        frames: list[Frame] = []
+        with anyio.fail_after(60):
+            async with (
+                httpx.AsyncClient(base_url=url, timeout=60) as client,
+                client.stream("GET", "/v1/events") as r,
+            ):
+                async for frame in sse_frames(r):
+                    frames.append(frame)
+                    if frame.event == "run":
+                        proc.send_signal(signal.SIGTERM)
+        code = await anyio.to_thread.run_sync(lambda: proc.wait(timeout=30))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        assert proc.stdout is not None
+        proc.stdout.close()
+    assert code == 0
+    # It ended as the feed closed, not cut off by the grace period (an `error` frame).
+    assert [f.event for f in frames if f.event != "message"] == ["run"]

@@ -321,9 +321,15 @@ class _Up:
 
     async def start_app(self, models: Models[Any]) -> None:
         """Serve `models` (a pool, or `OneModel`: a pool of one) with the real app from now
-        on; a stop begins with their `begin_shutdown`."""
+        on; a stop begins with their `begin_shutdown`, and ends the readers of their events."""
         create_app = (await self.app_modules.module()).create_app
-        self.server.on_shutdown = models.begin_shutdown
+
+        def begin_shutdown() -> int:
+            if (feed := models.feed) is not None:
+                feed.close()  # its readers end, rather than hold the server's stop
+            return models.begin_shutdown()
+
+        self.server.on_shutdown = begin_shutdown
         options = self.cfg.model_dump()
         self.switch.app = create_app(models, interrupted_responses=self.interrupted, **options)
 

@@ -225,7 +225,7 @@ class OneModel:
 
     @property
     def feed(self) -> EventFeed | None:
-        return self.engine.feed
+        return self.engine.step_loop.feed
 
     def health(self, *, detail: bool) -> dict[str, Any]:
         engine = self.engine
@@ -246,8 +246,6 @@ class OneModel:
         return self.engine.metrics.registry.collect()
 
     def begin_shutdown(self) -> int:
-        if (feed := self.engine.feed) is not None:
-            feed.close()  # its readers end, rather than hold the server's stop
         return self.engine.begin_shutdown()
 
 
