@@ -408,6 +408,8 @@ async def test_the_page_shows_requests_as_they_run_in_a_browser(served: Served) 
             title = await page.evaluate(f"{row}.cells[0].title")
             assert title == rid and cells[1] == "chat" and cells[4] == str(made), cells
             assert await page.evaluate("document.querySelectorAll('[data-step]').length") > 0
+            kv = await page.evaluate("document.getElementById('kv').textContent")
+            assert "tokens reserved" in kv
             assert "hit rate" in await page.evaluate("document.getElementById('cache').textContent")
             await page.evaluate(f"{row}.click()")
             timeline = await page.shows(
@@ -595,3 +597,41 @@ async def test_a_stop_ends_the_event_streams_with_every_event_not_cut_off(
     assert code == 0
     # It ended as the feed closed, not cut off by the grace period (an `error` frame).
     assert [f.event for f in frames if f.event != "message"] == ["run"]
+
+
+@needs_chromium
+async def test_the_page_goes_on_with_the_next_run_after_a_restart_in_a_browser(
+    tmp_path: Path,
+) -> None:
+    from helpers import open_served
+
+    from stepline.api.http.serve import bind_socket
+
+    log = tmp_path / "run.jsonl"
+    sock = bind_socket("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    sock.close()
+    on_port = {"serve": {"": {"port": port}}, "event_log": log}
+    run_key = "document.getElementById('run').textContent"
+    with anyio.fail_after(240):
+        async with open_served(**on_port) as first:
+            first_rid = await chat(first)
+            page_cm = chromium_page(f"{first.url}/dashboard/")
+            page = await page_cm.__aenter__()
+            first_row = f"document.querySelector('tr[data-request=\"{first_rid}\"]')"
+            await page.shows(f"!!{first_row}", within=20, what="the first run's request")
+        try:
+            first_run = await page.evaluate(run_key)
+            async with open_served(**on_port) as second:
+                await page.shows(
+                    f"{run_key} !== {json.dumps(first_run)} && {run_key}",
+                    within=30,
+                    what="the page on the next run",
+                )
+                rid = await chat(second)
+                row = f"document.querySelector('#finished tr[data-request=\"{rid}\"]')"
+                await page.shows(f"!!{row}", within=20, what="the next run's request")
+                # The first run's request is still listed: the page went on, it did not reload.
+                assert await page.evaluate(f"!!{first_row}")
+        finally:
+            await page_cm.__aexit__(None, None, None)

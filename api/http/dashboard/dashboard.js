@@ -45,7 +45,8 @@ function apply(e) {
     case "admitted":
       S.requests.set(e.request_id, {
         id: e.request_id, model: e.model, client: e.client, admittedAt: e.ts,
-        prompt: e.num_prompt_tokens, prefilled: 0, cached: 0, chunks: 0, out: 0,
+        prompt: e.num_prompt_tokens, maxTokens: e.params.max_tokens, prefilled: 0, cached: 0,
+        chunks: 0, out: 0,
         scheduledAt: null, firstTokenAt: null, state: "waiting",
       });
       break;
@@ -267,8 +268,23 @@ function drawModels() {
       (100 * m.used) / (m.budget || 1))}%"></span></span> ${m.used} of ${m.budget} GB`;
     box.append(div);
   }
-  let waiting = 0, running = 0;
-  for (const r of S.requests.values()) r.state === "waiting" ? (waiting += 1) : (running += 1);
+  let waiting = 0, running = 0, reserved = 0;
+  for (const r of S.requests.values()) {
+    if (r.state === "waiting") waiting += 1;
+    else {
+      running += 1;
+      reserved += r.prompt + r.maxTokens; // what admission reserves of the KV budget
+    }
+  }
+  const kv = header && header.config && header.config.max_kv_tokens;
+  if (kv) {
+    const div = document.createElement("div");
+    div.id = "kv";
+    div.title = "running requests' prompt + max_tokens, of the KV budget (--max-kv-gb)";
+    div.innerHTML = `KV <span class="meter"><span style="width:${Math.min(100,
+      (100 * reserved) / kv)}%"></span></span> ${reserved} of ${kv} tokens reserved`;
+    box.append(div);
+  }
   $("counts").innerHTML = `<div id="queue">queued <b>${waiting}</b></div>` +
     `<div id="running">running <b>${running}</b></div>` + `<div>step <b>${S.lastStep}</b></div>`;
 }
@@ -394,7 +410,8 @@ function connect() {
 async function start() {
   let about;
   try {
-    const r = await fetch("/v1/events/about", { credentials: "same-origin" });
+    const r = await fetch("/v1/events/about", { credentials: "same-origin",
+      signal: AbortSignal.timeout(5000) }); // a server going down may never answer
     if (r.status === 401) {
       setStatus("API key needed", "down");
       $("key-needed").hidden = false;
@@ -414,12 +431,22 @@ async function start() {
   connect();
 }
 
+let notOpen = 0; // /health answers, yet the stream has not been open this many polls
+
 async function pollHealth() {
   if (!live) return;
   try {
-    const r = await fetch("/health");
+    const r = await fetch("/health", { signal: AbortSignal.timeout(5000) });
     health = await r.json();
     dirty = true;
+    // The server is up but the stream is not (it was opened to a server that went away and
+    // never answered): open it again, from the last event read.
+    notOpen = source && source.readyState !== EventSource.OPEN ? notOpen + 1 : 0;
+    if (notOpen >= 2) {
+      notOpen = 0;
+      source.close();
+      start();
+    }
   } catch (err) {
     health = null;
   }
