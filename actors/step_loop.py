@@ -55,8 +55,9 @@ from stepline.actors.scheduler.prefix_index import PrefixIndex
 from stepline.actors.scheduler.warmup import Warmup
 from stepline.actors.scheduler.work import Housekeeping
 from stepline.actors.turns import Seat, Turns
+from stepline.events.feed import EventFeed
 from stepline.events.fold import RequestState, Status
-from stepline.events.models import FinishReason, Terminal
+from stepline.events.models import Event, FinishReason, Terminal
 
 __all__ = ["EngineDeadError", "LoopSnapshot", "ModelLimits", "StepLoop"]
 
@@ -142,6 +143,7 @@ class StepLoop:
         config: SchedulerConfig,
         limits: ModelLimits,
         event_log: Any = None,  # events.log.EventLogWriter (append_many, lag) or None
+        feed: EventFeed | None = None,  # live readers' events (GET /v1/events), or None
         metrics: EngineMetrics | None = None,
         inbox_size: int = 256,
         prefix_index: PrefixIndex | None = None,
@@ -167,6 +169,7 @@ class StepLoop:
             refusal_status=refusal_status,
         )
         self._event_log = event_log
+        self.feed = feed
         self._seat = Seat(executor, turns if place is not None else None, self.core.model)
         # The next decode forward (if the runner built one; a distributed runner has none)
         # computes on the executor while this step commits: it starts right after the step.
@@ -493,20 +496,19 @@ class StepLoop:
 
     def log_refusal(self, msg: Refuse) -> None:
         """Record and log a request a door refused (`SchedulerCore.refuse`: a lone terminal;
-        nothing for an id the core has seen), without an event log nothing. Not counted
-        among the finished requests' metrics: the engine never had it."""
-        if self._event_log is None:
+        nothing for an id the core has seen), without an event log or a feed nothing. Not
+        counted among the finished requests' metrics: the engine never had it."""
+        if self._event_log is None and self.feed is None:
             return
         self._log_events()  # in order, before the refusal
         if self.core.refuse(msg.request_id, msg.message, code=msg.code, status=msg.status):
-            self._event_log.append_many(self.core.take_events())
+            _hand_over(self._event_log, self.feed, self.core.take_events())
 
     def _log_events(self) -> None:
         events = self.core.take_events()
         if not events:
             return
-        if self._event_log is not None:
-            self._event_log.append_many(events)
+        _hand_over(self._event_log, self.feed, events)
         for event in events:
             if type(event) is Terminal:
                 self.metrics.finished(event.reason)
@@ -530,3 +532,11 @@ class StepLoop:
             self._end(rid, FinishReason.CANCELLED, SHUTDOWN_MESSAGE)
         self._log_events()
         self._publish()
+
+
+def _hand_over(event_log: Any, feed: EventFeed | None, events: list[Event]) -> None:
+    """Hand `events` to the log's writer and the live feed (neither waits)."""
+    if event_log is not None:
+        event_log.append_many(events)
+    if feed is not None:
+        feed.publish(events)

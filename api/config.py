@@ -37,6 +37,7 @@ from stepline.engine.images import (
     MAX_IMAGES_PER_REQUEST,
     MAX_PIXELS_IN_FLIGHT,
 )
+from stepline.events.feed import DEFAULT_CAPACITY
 
 # The scheduler's defaults are its own (`SchedulerConfig`); the options read them.
 _SCHEDULER = SchedulerConfig()
@@ -168,6 +169,12 @@ class EventLogConfig(_Options):
     )
     log_outputs: bool = Field(
         True, description="store output token ids in the event log (false: only how many)"
+    )
+    events_in_memory: int = Field(
+        DEFAULT_CAPACITY,
+        ge=1,
+        description="the last events kept in memory for GET /v1/events and /dashboard (older "
+        "ones are read back from --event-log)",
     )
 
     @field_validator("event_log", mode="before")

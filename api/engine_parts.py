@@ -34,6 +34,7 @@ from stepline.actors.turns import Turns
 from stepline.api.config import EngineConfig, EventLogConfig
 from stepline.api.refusals import REFUSAL_STATUS
 from stepline.engine import grammar
+from stepline.events.feed import EventFeed
 from stepline.events.image_files import images_dir, keep_image
 from stepline.events.models import LogHeader, new_run_id, new_salt
 
@@ -61,6 +62,7 @@ class PoolMember:
     writer: Any  # events.log.EventLogWriter, or None
     place: LogPlace
     turns: Turns
+    feed: EventFeed | None = None  # the pool's live readers' events (GET /v1/events)
 
 
 @dataclasses.dataclass
@@ -72,6 +74,7 @@ class EngineParts:
     runner: Any = None
     topology: Any = None  # a distributed run's place in the launch (engine/distributed.py)
     writer: Any = None  # the event log's writer
+    feed: EventFeed | None = None  # the events for live readers (GET /v1/events)
     member: PoolMember | None = None  # one of several models: the writer is the pool's
     # How long `close` waits for MLX work still running; None: until it ends (see `close`).
     mlx_wait_at_close_s: float | None = None
@@ -126,6 +129,7 @@ class EngineParts:
                 draft_window=self.draft_window,
             ),
             event_log=self.writer,
+            feed=self.feed,
             prefix_index=await self._prefix_index(prefix_bytes),
             cost_model=cost_model,
             warmup=warmup,
@@ -228,24 +232,27 @@ class EngineParts:
 
     def _open_log(self, events: EventLogConfig, config: dict) -> None:
         """The event log's writer: the pool's for one of several models, else a new run in
-        `events.event_log` (a restart with the same path appends a run), or none."""
+        `events.event_log` (a restart with the same path appends a run), or none; and the
+        feed of live readers, the pool's or this run's (from memory without a log)."""
         if self.member is not None:
-            self.writer = self.member.writer
-        elif events.event_log is not None:
+            self.writer, self.feed = self.member.writer, self.member.feed
+            return
+        header = LogHeader(
+            created=time.time(),
+            model=self.loaded.name,
+            config=config,
+            log_prompts=events.log_prompts,
+            log_outputs=events.log_outputs,
+            run_id=new_run_id(),
+            salt=new_salt(),
+        )
+        if events.event_log is not None:
             from stepline.events.log import EventLogWriter
 
-            header = LogHeader(
-                created=time.time(),
-                model=self.loaded.name,
-                config=config,
-                log_prompts=events.log_prompts,
-                log_outputs=events.log_outputs,
-                run_id=new_run_id(),
-                salt=new_salt(),
-            )
             self.writer = EventLogWriter(
                 events.event_log, header, rotate_bytes=events.rotate_bytes, append=True
             )
+        self.feed = EventFeed.of_log(header, self.writer, events.events_in_memory)
 
     async def _prefix_index(self, prefix_bytes: int) -> PrefixIndex | None:
         """The prefix cache's index, with the entries on disk; None without a cache."""

@@ -36,6 +36,7 @@ from stepline.api.config import EngineConfig, EventLogConfig, ModelSpec, PoolCon
 from stepline.api.engine import Engine
 from stepline.api.engine_parts import PoolMember
 from stepline.api.pool_report import RunLog
+from stepline.events.feed import EventFeed
 from stepline.events.models import ModelLoaded, ModelUnloaded
 
 log = structlog.get_logger(__name__)
@@ -192,6 +193,7 @@ class ModelPool:
         }
         self.turns = Turns(tuple(self.entries))
         self.run_log = run_log  # the run's own events: refusals before a model, failed loads
+        self.feed: EventFeed | None = run_log.feed  # every model's events, for live readers
         self._tg = tg
         self.on_load = on_load  # builds each model's `served` as it loads (the HTTP app sets it)
         self._mlx_wait = mlx_wait_at_close_s
@@ -461,7 +463,7 @@ class ModelPool:
         """Open `entry`'s engine, serve it until it is told to unload, then close it."""
         spec = entry.spec
         assert entry.place is not None
-        member = PoolMember(self.run_log.writer, entry.place, self.turns)
+        member = PoolMember(self.run_log.writer, entry.place, self.turns, self.run_log.feed)
         opened = Engine.open(
             spec.source,
             member=member,

@@ -12,6 +12,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from stepline.actors.scheduler.core import LogPlace
 from stepline.api.config import EventLogConfig, PoolConfig
+from stepline.events.feed import EventFeed
 from stepline.events.models import (
     FinishReason,
     LogHeader,
@@ -96,19 +97,18 @@ def metrics(pool: ModelPool) -> Iterator[Metric]:
 class RunLog:
     """The pool's one event log (None: no log), and the events of no model's engine: a
     request refused before it had a model (under the run: model None, in a sequence of the
-    run's own) and a failed load (in its model's sequence)."""
+    run's own) and a failed load (in its model's sequence). Its `feed` is the run's events
+    for live readers (GET /v1/events), every model's."""
 
-    def __init__(self, writer: Any):
+    def __init__(self, writer: Any, feed: EventFeed | None = None):
         self.writer = writer
+        self.feed = feed
         self._seq = 0  # the last sequence number of the run's own events (model None)
 
     @classmethod
     def open(cls, config: PoolConfig, events: EventLogConfig) -> RunLog:
-        """The log `events` names, appended to, its header listing `config`'s models."""
-        if events.event_log is None:
-            return cls(None)
-        from stepline.events.log import EventLogWriter
-
+        """The log `events` names, appended to, its header listing `config`'s models (none
+        without a name: the feed then keeps the events in memory alone)."""
         header = LogHeader(
             created=time.time(),
             models={s.name: s.model_dump() for s in config.models},
@@ -117,9 +117,20 @@ class RunLog:
             run_id=new_run_id(),
             salt=new_salt(),
         )
-        return cls(
-            EventLogWriter(events.event_log, header, rotate_bytes=events.rotate_bytes, append=True)
-        )
+        writer = None
+        if events.event_log is not None:
+            from stepline.events.log import EventLogWriter
+
+            writer = EventLogWriter(
+                events.event_log, header, rotate_bytes=events.rotate_bytes, append=True
+            )
+        return cls(writer, EventFeed.of_log(header, writer, events.events_in_memory))
+
+    def _record(self, event: Any) -> None:
+        if self.writer is not None:
+            self.writer.append(event)
+        if self.feed is not None:
+            self.feed.publish([event])
 
     def close(self) -> None:
         if self.writer is not None:
@@ -135,10 +146,10 @@ class RunLog:
 
     def refusal(self, request_id: str, message: str, *, code: str, status: int) -> None:
         """A lone `terminal` (rejected) under the run."""
-        if self.writer is None:
+        if self.writer is None and self.feed is None:
             return
         self._seq += 1
-        self.writer.append(
+        self._record(
             Terminal(
                 seq=self._seq,
                 ts=time.time(),
@@ -154,9 +165,9 @@ class RunLog:
     def load_failed(self, place: LogPlace, message: str) -> LogPlace:
         """`model-load-failed` after `place` in its model's sequence; returns where the
         model's events go on."""
-        if self.writer is None:
+        if self.writer is None and self.feed is None:
             return place
-        self.writer.append(
+        self._record(
             ModelLoadFailed(
                 seq=place.seq + 1,
                 ts=time.time(),

@@ -1,5 +1,7 @@
 """`stepline replay LOG [options]`: inspect, verify and re-execute a recorded run.
 
+`--serve` opens the dashboard on the log instead (replay_serve.py).
+
 The CLI (api/cli.py) wires it in with `add_replay_parser(subparsers)`; `run_replay(args)`
 returns the exit code: 0 fine, 1 violations found (verify), or tokens diverged or nothing
 could be compared (reexecute), 2 the log or the arguments cannot be used (message on stderr).
@@ -36,6 +38,7 @@ from stepline.api.cli.replay_output import (
     emit,
     per_run,
 )
+from stepline.api.cli.replay_serve import add_serve_args, serve_log
 from stepline.api.cli.replay_text import (
     each_run,
     text_model_summaries,
@@ -188,6 +191,7 @@ def add_replay_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
         f"(default {DEFAULT_TRACKS})",
     )
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    add_serve_args(p)
     p.set_defaults(func=run_replay)
     return p
 
@@ -202,8 +206,12 @@ def run_replay(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
             file=sys.stderr,
         )
         return EXIT_UNUSABLE
+    if getattr(args, "serve", False) and len(args.log) > 1:
+        print("stepline replay: --serve shows one log", file=sys.stderr)
+        return EXIT_UNUSABLE
     if len(args.log) == 1:
-        args, view = argparse.Namespace(**{**vars(args), "log": args.log[0]}), _run
+        args = argparse.Namespace(**{**vars(args), "log": args.log[0]})
+        view = serve_log if getattr(args, "serve", False) else _run
     else:
         view = run_engines
     with warnings.catch_warnings(record=True) as caught:

@@ -5,6 +5,7 @@ API-key check, the error handlers, resumed streams and the probes.
     POST /v1/responses, GET|DELETE /v1/responses/{id}, POST .../cancel     (api/responses)
     POST /v1/messages, /v1/messages/count_tokens                           (api/anthropic)
     GET  /v1/requests/{id}/stream        (resume a stream: api/pipeline/resume.py)
+    GET  /v1/events[/about], /v1/events/requests/{id}/timeline, /dashboard/  (api/http/events.py)
     GET|HEAD /, GET /health, GET /metrics, GET /docs, GET /redoc
 
 Errors are in the shape of the door a path belongs to (OpenAI's
@@ -33,6 +34,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from stepline.api.config import ServerConfig
 from stepline.api.http.doors import doors, error_response
+from stepline.api.http.events import (
+    KEY_COOKIE,
+    KEY_PATHS,
+    KEY_QUERY,
+    OPEN_PREFIXES,
+    add_dashboard,
+    events_routes,
+)
 from stepline.api.pipeline.errors import APIError, internal_error
 from stepline.api.pipeline.resume import presented_key, resume_response
 from stepline.api.pipeline.serving import Serving
@@ -55,23 +64,32 @@ def create_app(
     process's, such as `host`, are ignored here). `interrupted_responses`: (id, admitted at)
     of what the event log says a restart cut off (`responses.recovery`), answered as failed.
 
-    With `api_key`, every route but / and /health (and /metrics with `metrics_public`) wants
-    `Authorization: Bearer <api_key>` or `x-api-key: <api_key>` (401 otherwise): the API,
-    /docs, /redoc and /openapi.json alike. Raises ValueError (pydantic's, naming the option)
-    for a bad option, and for agent options the model cannot honour.
+    With `api_key`, every route but /, /health and the dashboard's static files (and
+    /metrics with `metrics_public`) wants `Authorization: Bearer <api_key>` or `x-api-key:
+    <api_key>` (401 otherwise): the API, /docs, /redoc and /openapi.json alike; /v1/events
+    also takes it as a cookie or a query parameter (api/http/events.py). Raises ValueError
+    (pydantic's, naming the option) for a bad option, and for agent options the model
+    cannot honour.
     """
     config = ServerConfig(**options)
     serving = Serving(models, config, interrupted_responses)
     app = FastAPI(title="stepline", summary="OpenAI-compatible LLM server", version="0.1.0")
     app.state.serving = serving
-    _add_error_handlers(app)
+    add_error_handlers(app)
     for door in doors():
         app.include_router(door.routes(serving))
     _add_server_routes(app, serving)
+    app.include_router(events_routes(models.feed, heartbeat_s=config.heartbeat_s))
+    add_dashboard(app)
     # Middleware: the last added runs first.
     if config.api_key is not None:
         open_paths = {"/", "/health", "/metrics"} if config.metrics_public else {"/", "/health"}
-        app.add_middleware(RequireKey, api_key=config.api_key, open_paths=frozenset(open_paths))
+        app.add_middleware(
+            RequireKey,
+            api_key=config.api_key,
+            open_paths=frozenset(open_paths),
+            open_prefixes=OPEN_PREFIXES,
+        )
     if config.allowed_origins:
         app.add_middleware(
             CORSMiddleware,
@@ -89,7 +107,7 @@ def create_app(
     return app
 
 
-def _add_error_handlers(app: FastAPI) -> None:
+def add_error_handlers(app: FastAPI) -> None:
     """Every error as a JSON body in the shape of the door its path belongs to."""
 
     @app.exception_handler(APIError)
@@ -167,17 +185,28 @@ async def _bug(request: Request, exc: Exception) -> Response:
 
 
 class RequireKey:
-    """ASGI middleware: every HTTP request but those to `open_paths` must carry the key, as
-    `Authorization: Bearer <key>` (OpenAI) or `x-api-key: <key>` (Anthropic); 401 otherwise.
-    A middleware, not a check in each route, so that no route (/docs included) is forgotten."""
+    """ASGI middleware: every HTTP request but those to `open_paths` (and paths under
+    `open_prefixes`) must carry the key, as `Authorization: Bearer <key>` (OpenAI) or
+    `x-api-key: <key>` (Anthropic); 401 otherwise. Under `KEY_PATHS` (/v1/events, which a
+    browser's EventSource reads without headers) also as the `stepline_api_key` cookie or
+    the `api_key` query parameter. A middleware, not a check in each route, so that no route
+    (/docs included) is forgotten."""
 
-    def __init__(self, app: ASGIApp, *, api_key: str, open_paths: frozenset[str]):
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        api_key: str,
+        open_paths: frozenset[str],
+        open_prefixes: tuple[str, ...] = (),
+    ):
         self.app = app
         self.key = api_key.encode()
         self.open_paths = open_paths
+        self.open_prefixes = open_prefixes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in self.open_paths or self._has_key(scope):
+        if scope["type"] != "http" or self._is_open(scope["path"]) or self._has_key(scope):
             await self.app(scope, receive, send)
             return
         error = APIError(
@@ -188,8 +217,19 @@ class RequireKey:
         )
         await error_response(scope["path"], error)(scope, receive, send)
 
+    def _is_open(self, path: str) -> bool:
+        return path in self.open_paths or path.startswith(self.open_prefixes)
+
     def _has_key(self, scope: Scope) -> bool:
-        return has_key(Headers(scope=scope), self.key)
+        if has_key(Headers(scope=scope), self.key):
+            return True
+        if not scope["path"].startswith(KEY_PATHS):
+            return False
+        request = Request(scope)
+        for given in (request.cookies.get(KEY_COOKIE), request.query_params.get(KEY_QUERY)):
+            if given and hmac.compare_digest(given.encode(), self.key):
+                return True
+        return False
 
 
 def has_key(headers: Headers, key: bytes) -> bool:

@@ -112,7 +112,8 @@ class _Server(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def _url(host: str, port: int) -> str:
+def base_url(host: str, port: int) -> str:
+    """The URL a local client dials for a server listening on (host, port), no path."""
     if host in ("0.0.0.0", "::", ""):
         host = "127.0.0.1"  # what a local client dials
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
@@ -176,7 +177,7 @@ async def serve_in_process(
         try:
             with anyio.fail_after(30):
                 await server.ready.wait()
-            yield _url(host, bound_port)
+            yield base_url(host, bound_port)
         finally:
             server.should_exit = True
 
@@ -260,7 +261,7 @@ async def _serve(
     switch = _AppSwitch(loading_app(loading_name or "SmolLM2-135M-Instruct"))
     config = server_config(switch, cfg, log_level=cfg.log_level, access_log=True)
     server = _Server(config, own_signals=True)
-    url = _url(cfg.host, sock.getsockname()[1])
+    url = base_url(cfg.host, sock.getsockname()[1])
     if isinstance(model, PoolConfig):
         print(f"stepline: serving {loading_name}: each loads on its first request", flush=True)
     else:
@@ -320,9 +321,15 @@ class _Up:
 
     async def start_app(self, models: Models[Any]) -> None:
         """Serve `models` (a pool, or `OneModel`: a pool of one) with the real app from now
-        on; a stop begins with their `begin_shutdown`."""
+        on; a stop begins with their `begin_shutdown`, and ends the readers of their events."""
         create_app = (await self.app_modules.module()).create_app
-        self.server.on_shutdown = models.begin_shutdown
+
+        def begin_shutdown() -> int:
+            if (feed := models.feed) is not None:
+                feed.close()  # its readers end, rather than hold the server's stop
+            return models.begin_shutdown()
+
+        self.server.on_shutdown = begin_shutdown
         options = self.cfg.model_dump()
         self.switch.app = create_app(models, interrupted_responses=self.interrupted, **options)
 

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from prometheus_client.core import Metric
 
     from stepline.api.engine import Engine
+    from stepline.events.feed import EventFeed
 
 
 class ServedModel:
@@ -184,6 +185,11 @@ class Models(Protocol[_E]):
         """The models' metrics (a prometheus_client collector)."""
         ...
 
+    @property
+    def feed(self) -> EventFeed | None:
+        """The run's events for live readers (`GET /v1/events`), every model's."""
+        ...
+
     def begin_shutdown(self) -> int: ...
 
 
@@ -251,6 +257,10 @@ class OneModel:
         self, request_id: str, message: str, *, code: str, status: int, model: str | None
     ) -> None:
         self.engine.log_refusal(request_id, message, code=code, status=status)
+
+    @property
+    def feed(self) -> EventFeed | None:
+        return self.engine.step_loop.feed
 
     def health(self, *, detail: bool) -> dict[str, Any]:
         engine = self.engine

@@ -1,0 +1,203 @@
+"""The live event feed (events/feed.py): a ring readers follow, resumed from the log file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import anyio
+import pytest
+
+from stepline.events.feed import (
+    EventFeed,
+    EventFilter,
+    EventFrame,
+    Missed,
+    Place,
+    RunStarted,
+    frames,
+    parse_place,
+)
+from stepline.events.log import EventLogWriter
+from stepline.events.models import (
+    Admitted,
+    FinishReason,
+    LogHeader,
+    RequestParams,
+    StepFinished,
+    StepPlanned,
+    Terminal,
+    TokensSampled,
+)
+
+ANY = EventFilter()
+PARAMS = RequestParams(max_tokens=8, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=7)
+
+
+def header(run_id: str = "run1") -> LogHeader:
+    return LogHeader(created=1.0, model="demo", run_id=run_id, config={"max_step_ms": 50})
+
+
+def life(rid: str, seq: int) -> list:
+    """One request's events from `seq` on: admitted, a step, its token, its end (5 events)."""
+    return [
+        Admitted(
+            seq=seq,
+            ts=1.0,
+            step=0,
+            request_id=rid,
+            num_prompt_tokens=3,
+            prompt_token_ids=(1, 2, 3),
+            prompt_sha256="ab" * 32,
+            params=PARAMS,
+        ),
+        StepPlanned(
+            seq=seq + 1,
+            ts=1.1,
+            step=1,
+            request_ids=(rid,),
+            num_tokens=(3,),
+            kinds=("prefill",),
+            max_step_tokens=64,
+            max_num_seqs=8,
+        ),
+        TokensSampled(seq=seq + 2, ts=1.2, step=1, request_ids=(rid,), token_ids=(9,)),
+        StepFinished(seq=seq + 3, ts=1.2, step=1, seconds=0.01),
+        Terminal(seq=seq + 4, ts=1.3, step=1, request_id=rid, reason=FinishReason.STOP),
+    ]
+
+
+async def take(feed: EventFeed, after: Place | None, n: int, wanted: EventFilter = ANY) -> list:
+    """The first `n` items after `after` (control items included)."""
+    got: list = []
+    with anyio.fail_after(5):
+        async for batch in feed.follow(after, wanted):
+            got.extend(batch)
+            if len(got) >= n:
+                break
+    return got
+
+
+def places(items: list) -> list[str]:
+    return [str(i.place) for i in items if isinstance(i, EventFrame)]
+
+
+async def test_a_reader_gets_the_events_in_memory_then_new_ones_in_order() -> None:
+    feed = EventFeed(header())
+    feed.publish(life("a", 1))
+    got: list = []
+
+    async def read() -> None:
+        got.extend(await take(feed, None, 1 + 10))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(read)
+        await anyio.wait_all_tasks_blocked()
+        feed.publish(life("b", 6))
+    assert isinstance(got[0], RunStarted) and got[0].key == "run1"
+    assert places(got) == [f"run1.{n}" for n in range(1, 11)]
+
+
+async def test_a_frame_is_the_logged_event_with_its_place_as_id_and_no_prompt_ids() -> None:
+    feed = EventFeed(header())
+    feed.publish(life("a", 1))
+    got = await take(feed, None, 2)
+    first = got[1].frame.decode()
+    assert first.startswith("id: run1.1\ndata: ")
+    body = json.loads(first.split("data: ", 1)[1])
+    assert body["type"] == "admitted" and body["seq"] == 1 and body["prompt_token_ids"] is None
+    assert body["num_prompt_tokens"] == 3 and "model" not in body
+
+
+async def test_last_event_id_resumes_after_it_without_gaps_or_duplicates() -> None:
+    feed = EventFeed(header())
+    feed.publish(life("a", 1) + life("b", 6))
+    got = await take(feed, parse_place("run1.4"), 1 + 6)
+    assert places(got) == [f"run1.{n}" for n in range(5, 11)]
+
+
+async def test_filters_pick_requests_models_and_types() -> None:
+    feed = EventFeed(header())
+    feed.publish(life("a", 1) + life("b", 6))
+    by_request = await take(feed, None, 1 + 4, EventFilter(request_ids=frozenset({"b"})))
+    kinds = [json.loads(i.frame.split(b"data: ")[1])["type"] for i in by_request[1:]]
+    assert kinds == ["admitted", "step", "decoding", "terminal"]
+    by_type = await take(feed, None, 1 + 2, EventFilter(types=frozenset({"terminal"})))
+    assert places(by_type) == ["run1.5", "run1.10"]
+    event = life("c", 11)[0]
+    assert EventFilter(models=frozenset({"demo"})).matches(event, header())
+    assert not EventFilter(models=frozenset({"another"})).matches(event, header())
+
+
+async def test_a_reader_that_fell_behind_the_ring_is_told_how_many_it_missed() -> None:
+    feed = EventFeed(header(), capacity=4)
+    feed.publish(life("a", 1) + life("b", 6))  # 10 events: 7..10 kept
+    got = await take(feed, parse_place("run1.2"), 1 + 1 + 4)
+    missed = [i for i in got if isinstance(i, Missed)]
+    assert [(str(m.after), m.num_missed) for m in missed] == [("run1.2", 4)]
+    assert "--event-log" in missed[0].reason
+    assert places(got) == ["run1.7", "run1.8", "run1.9", "run1.10"]
+
+
+async def test_publishing_with_a_reader_that_never_reads_holds_only_the_ring() -> None:
+    feed = EventFeed(header(), capacity=8)
+    stuck = feed.follow(None)
+    await stuck.__anext__()  # started, then never read again
+    for i in range(1000):
+        feed.publish(life(f"r{i}", 5 * i + 1))
+    assert feed.last == 5000 and sum(e is not None for e in feed._events) == 8
+    await stuck.aclose()
+
+
+async def test_events_that_left_the_ring_are_read_back_from_the_log_file(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    with EventLogWriter(path, header()) as writer:
+        feed = EventFeed(header(), log_path=path, flush=writer.flush, capacity=3)
+        for events in (life("a", 1), life("b", 6)):
+            writer.append_many(events)
+            feed.publish(events)
+        got = await take(feed, parse_place("run1.2"), 1 + 8)
+    assert not [i for i in got if isinstance(i, Missed)]
+    assert places(got) == [f"run1.{n}" for n in range(3, 11)]
+
+
+async def test_after_a_restart_the_earlier_run_goes_on_from_the_file_then_the_new_one(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "events.jsonl"
+    with EventLogWriter(path, header("old")) as writer:
+        writer.append_many(life("a", 1))
+    with EventLogWriter(path, header("new"), append=True) as writer:
+        feed = EventFeed(header("new"), log_path=path, flush=writer.flush)
+        writer.append_many(life("b", 1))
+        feed.publish(life("b", 1))
+        got = await take(feed, parse_place("old.3"), 2 + 2 + 5)
+    assert [i.key for i in got if isinstance(i, RunStarted)] == ["old", "new"]
+    assert places(got) == ["old.4", "old.5"] + [f"new.{n}" for n in range(1, 6)]
+
+
+async def test_after_a_restart_without_a_log_the_reader_is_told_the_old_run_is_lost() -> None:
+    feed = EventFeed(header("new"))
+    feed.publish(life("b", 1))
+    got = await take(feed, parse_place("old.3"), 1 + 1 + 5)
+    assert isinstance(got[0], Missed) and got[0].num_missed is None
+    assert places(got) == [f"new.{n}" for n in range(1, 6)]
+
+
+async def test_a_feed_of_a_file_reads_it_from_the_start_and_then_waits(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    with EventLogWriter(path, header("old")) as writer:
+        writer.append_many(life("a", 1))
+    feed = EventFeed(header("old"), log_path=path, live=False)
+    got = await take(feed, None, 1 + 5)
+    assert isinstance(got[0], RunStarted) and not got[0].live
+    assert places(got) == [f"old.{n}" for n in range(1, 6)]
+    text = frames(got).decode()
+    assert text.startswith("event: run\ndata: ") and '"salt"' not in text
+
+
+def test_a_place_is_its_run_and_number() -> None:
+    assert parse_place(" abc.12 ") == Place("abc", 12)
+    for bad in ("12", "abc.", ".3", "a.b"):
+        with pytest.raises(ValueError):
+            parse_place(bad)
