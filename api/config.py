@@ -253,6 +253,12 @@ class ServerConfig(_Options):
         description="keep the process up (answering 503) after the engine fails, instead of "
         "exiting with status 1 so that a supervisor restarts it",
     )
+    next_turn_prefill: bool = Field(
+        True,
+        description="when a chat ends, prefill its conversation as the next request will "
+        "send it back (the answer as the template renders it in the history), so an agent's "
+        "next turn starts from the cache (--next-turn-prefill false: off)",
+    )
     strict_max_tokens: bool = Field(
         False,
         description="refuse (400) a max_tokens larger than the room left in the context; by "

@@ -11,9 +11,11 @@ context) and a short user line; the quirks of the real client are switchable:
   --reminder   a `<system-reminder>` appended to the newest user message, different every turn
                (older user messages keep none: it moves)
   --env-line   a line near the end of the system prompt that changes every turn (a clock)
-Each request asks for a few tokens (`--max-tokens`). Per turn it prints the prompt's tokens,
-those served from the prefix cache, those computed, the ideal (what is new since the previous
-turn's prompt and answer), and the event log's reason for the miss
+Each turn forces a tool call (`tool_choice`) of at most `--max-tokens`, and the client takes
+`--think-s` to run it. Per turn it prints the prompt's tokens, those served from the prefix
+cache, those computed, the ideal (what is new since the previous turn's prompt and answer:
+this prompt's tokens less that prompt's and answer's, plus the reminder the client took off
+the previous user message), and the event log's reason for the miss
 (`ChunkPrefilled.prefix_miss`, `prefix_shared`). Token counts do not depend on the machine's
 load; the TTFT column does (run it on a quiet machine for that).
 """
@@ -99,150 +101,103 @@ def openai_tools() -> list[dict[str, Any]]:
 
 
 class Session:
-    """The conversation so far, door-neutral: (role, text, tool call or result) turns."""
+    """The conversation so far, as one door sends it: the model's answers echoed back as it
+    gave them (its text and tool calls: a tool call is forced every turn), each followed by
+    that tool's result and a short user line."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
+    def __init__(self, door: str, args: argparse.Namespace) -> None:
+        self.door, self.args = door, args
         self.rng = random.Random(0)
-        self.system_words = args.system_words
-        self.history: list[dict[str, Any]] = []  # {"kind": "user"|"call"|"result", ...}
-        self.history.append({"kind": "user", "text": "Fix the failing test in the repo."})
-
-    def add_turn(self, turn: int, answer: str) -> None:
-        lo, hi = self.args.result_words
-        self.history.append(
-            {
-                "kind": "call",
-                "id": f"call_{turn}",
-                "tool": TOOLS[turn % len(TOOLS)][0],
-                "arg": f"step {turn}",
-                "text": answer,
-            }
-        )
-        self.history.append(
-            {
-                "kind": "result",
-                "id": f"call_{turn}",
-                "text": prose(self.rng, self.rng.randint(lo, hi)),
-            }
-        )
-        self.history.append({"kind": "user", "text": f"Go on with step {turn + 1}."})
-
-    def anthropic_body(self, turn: int) -> dict[str, Any]:
-        a = self.args
-        messages: list[dict[str, Any]] = []
-        last_user = max(i for i, h in enumerate(self.history) if h["kind"] in ("user", "result"))
-        for i, h in enumerate(self.history):
-            if h["kind"] == "call":
-                messages.append(
-                    {
-                        "role": "assistant",
-                        "content": [
-                            {"type": "text", "text": h["text"]},
-                            {
-                                "type": "tool_use",
-                                "id": h["id"],
-                                "name": h["tool"],
-                                "input": {"arg": h["arg"]},
-                            },
-                        ],
-                    }
-                )
-                continue
-            block = (
-                {"type": "tool_result", "tool_use_id": h["id"], "content": h["text"]}
-                if h["kind"] == "result"
-                else {"type": "text", "text": h["text"]}
-            )
-            if messages and messages[-1]["role"] == "user":
-                messages[-1]["content"].append(block)
-            else:
-                messages.append({"role": "user", "content": [block]})
-            if i == last_user and a.reminder:
-                messages[-1]["content"].append(
-                    {
-                        "type": "text",
-                        "text": reminder(turn),
-                    }
-                )
-        return {
-            "model": a.served_name,
-            "max_tokens": a.max_tokens,
-            "system": system_prompt(random.Random(1), self.system_words, turn, a.env_line),
-            "tools": anthropic_tools(),
-            "messages": messages,
-            "temperature": 0,
-        }
-
-    def openai_body(self, turn: int) -> dict[str, Any]:
-        a = self.args
-        messages: list[dict[str, Any]] = [
-            {
-                "role": "system",
-                "content": system_prompt(random.Random(1), self.system_words, turn, a.env_line),
-            }
+        self.messages: list[dict[str, Any]] = [
+            {"role": "user", "content": "Fix the failing test in the repo."}
         ]
-        last_user = max(i for i, h in enumerate(self.history) if h["kind"] == "user")
-        for i, h in enumerate(self.history):
-            if h["kind"] == "call":
-                messages.append(
-                    {
-                        "role": "assistant",
-                        "content": h["text"],
-                        "tool_calls": [
-                            {
-                                "id": h["id"],
-                                "type": "function",
-                                "function": {
-                                    "name": h["tool"],
-                                    "arguments": f'{{"arg": "{h["arg"]}"}}',
-                                },
-                            }
-                        ],
-                    }
+
+    def tool(self, turn: int) -> str:
+        return TOOLS[turn % len(TOOLS)][0]
+
+    def body(self, turn: int) -> dict[str, Any]:
+        a = self.args
+        system = system_prompt(random.Random(1), a.system_words, turn, a.env_line)
+        messages = [dict(m) for m in self.messages]
+        last = messages[-1]
+        if a.reminder:  # on the newest user message only: it moves
+            if self.door == "anthropic":
+                content = last["content"]
+                blocks = (
+                    content if isinstance(content, list) else [{"type": "text", "text": content}]
                 )
-            elif h["kind"] == "result":
-                messages.append({"role": "tool", "tool_call_id": h["id"], "content": h["text"]})
+                last["content"] = [*blocks, {"type": "text", "text": reminder(turn)}]
             else:
-                text = h["text"]
-                if i == last_user and a.reminder:
-                    text += "\n" + reminder(turn)
-                messages.append({"role": "user", "content": text})
+                last["content"] = f"{last['content']}\n{reminder(turn)}"
+        if self.door == "anthropic":
+            return {
+                "model": a.served_name,
+                "max_tokens": a.max_tokens,
+                "system": system,
+                "tools": anthropic_tools(),
+                "tool_choice": {"type": "tool", "name": self.tool(turn)},
+                "messages": messages,
+                "temperature": 0,
+            }
         return {
             "model": a.served_name,
             "max_tokens": a.max_tokens,
-            "messages": messages,
+            "messages": [{"role": "system", "content": system}, *messages],
             "tools": openai_tools(),
+            "tool_choice": {"type": "function", "function": {"name": self.tool(turn)}},
             "temperature": 0,
         }
 
+    def answered(self, turn: int, body: dict[str, Any]) -> None:
+        """The answer goes back as it came; then its tools' results and the next user line."""
+        lo, hi = self.args.result_words
+        result = prose(self.rng, self.rng.randint(lo, hi))
+        nxt = f"Go on with step {turn + 1}."
+        if self.door == "anthropic":
+            blocks = [b for b in body["content"] if b["type"] in ("text", "tool_use", "thinking")]
+            self.messages.append({"role": "assistant", "content": blocks})
+            results = [
+                {"type": "tool_result", "tool_use_id": b["id"], "content": result}
+                for b in blocks
+                if b["type"] == "tool_use"
+            ]
+            self.messages.append(
+                {"role": "user", "content": [*results, {"type": "text", "text": nxt}]}
+            )
+            return
+        message = body["choices"][0]["message"]
+        echo = {"role": "assistant", "content": message.get("content") or ""}
+        if message.get("tool_calls"):
+            echo["tool_calls"] = message["tool_calls"]
+        self.messages.append(echo)
+        for call in message.get("tool_calls") or []:
+            self.messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
+        self.messages.append({"role": "user", "content": nxt})
 
-async def run_door(door: str, args: argparse.Namespace, http: httpx.AsyncClient) -> list[dict]:
-    session = Session(args)
+
+async def run_door(
+    door: str, args: argparse.Namespace, http: httpx.AsyncClient, count: Any
+) -> list[dict]:
+    session = Session(door, args)
     rows = []
     prev_prompt = prev_out = 0
     for turn in range(args.turns):
         t0 = time.perf_counter()
+        path = "/v1/messages" if door == "anthropic" else "/v1/chat/completions"
+        r = await http.post(path, json=session.body(turn))
+        if r.is_error:
+            raise SystemExit(f"turn {turn}: {r.status_code} {r.text[:500]}")
+        body = r.json()
+        usage = body["usage"]
         if door == "anthropic":
-            r = await http.post("/v1/messages", json=session.anthropic_body(turn))
-            r.raise_for_status()
-            body = r.json()
-            usage = body["usage"]
             cached = usage.get("cache_read_input_tokens") or 0
-            prompt = usage["input_tokens"] + cached
-            out = usage["output_tokens"]
-            text = "".join(b.get("text", "") for b in body["content"] if b["type"] == "text")
+            prompt, out = usage["input_tokens"] + cached, usage["output_tokens"]
         else:
-            r = await http.post("/v1/chat/completions", json=session.openai_body(turn))
-            r.raise_for_status()
-            body = r.json()
-            usage = body["usage"]
-            prompt = usage["prompt_tokens"]
+            prompt, out = usage["prompt_tokens"], usage["completion_tokens"]
             cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-            out = usage["completion_tokens"]
-            text = body["choices"][0]["message"].get("content") or ""
         seconds = time.perf_counter() - t0
-        ideal = prompt if turn == 0 else max(1, prompt - prev_prompt - prev_out)
+        moved = count(reminder(turn - 1)) if turn and args.reminder else 0
+        ideal = prompt if turn == 0 else max(1, prompt - prev_prompt - prev_out + moved)
         rows.append(
             {
                 "turn": turn,
@@ -255,7 +210,8 @@ async def run_door(door: str, args: argparse.Namespace, http: httpx.AsyncClient)
             }
         )
         prev_prompt, prev_out = prompt, out
-        session.add_turn(turn, text.strip()[:200] or "Working on it.")
+        session.answered(turn, body)
+        await asyncio.sleep(args.think_s)  # the client runs its tool
     return rows
 
 
@@ -265,16 +221,22 @@ async def one_door(door: str, args: argparse.Namespace) -> tuple[list[dict], dic
     log = Path(tempfile.mkdtemp()) / "events.jsonl"
     async with (
         Engine.open(args.model, event_log=log, max_num_seqs=4) as engine,
-        serve_in_process(create_app(OneModel(engine))) as url,
+        serve_in_process(create_app(OneModel(engine), next_turn_prefill=args.next_turn)) as url,
         httpx.AsyncClient(base_url=url, timeout=600) as http,
     ):
         args.served_name = engine.model_name
-        rows = await run_door(door, args, http)
+        tokenizer = engine.tokenizer
+        count = lambda text: len(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
+        rows = await run_door(door, args, http, count)
         ctx = engine.max_context
     misses = {}
+    nexts = 0
     for e in read_events(log):
+        if isinstance(e, ChunkPrefilled) and e.request_id.endswith("-next"):
+            nexts += e.request_id not in misses
         if isinstance(e, ChunkPrefilled) and e.request_id not in misses:
             misses[e.request_id] = (e.prefix_miss, e.prefix_shared)
+    print(f"{door}: {nexts} next-turn prefills (log {log})")
     return rows, misses, ctx
 
 
@@ -312,10 +274,17 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="SmolLM2-135M-Instruct")
     p.add_argument("--turns", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--think-s", type=float, default=1.0, help="the client's tool's time")
     p.add_argument("--system-words", type=int, default=900)
     p.add_argument("--result-words", type=int, nargs=2, default=(60, 220))
     p.add_argument("--doors", nargs="+", default=["anthropic", "openai"])
     p.add_argument("--reminder", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--env-line", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument(
+        "--next-turn",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the server prefills each chat's next turn (--next-turn-prefill)",
+    )
     asyncio.run(main(p.parse_args()))

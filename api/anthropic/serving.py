@@ -89,6 +89,7 @@ class AnthropicDoor:
                 think_budget=req.think_budget,
                 headers={"request-id": rid},
                 client=client_of(request.headers, req.user_id),
+                calls_as_input=True,
             ),
         )
         if req.stream:

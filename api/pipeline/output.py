@@ -108,7 +108,9 @@ async def pieces(started: Started, splitter: OutputSplitter) -> AsyncIterator[Pi
     """The one read loop of every door: the request's outputs as typed pieces (content,
     reasoning, tool-call deltas and calls, split by `splitter`), a progress piece (no
     output) while a long prompt prefills, the last one with the finish reason. Raises
-    APIError for a request that failed or ended without a finish reason."""
+    APIError for a request that failed or ended without a finish reason. Once it ended,
+    `started.after` hears its whole text."""
+    texts: list[str] = []
     async for out in started.stream:
         if out.is_progress:
             yield Piece(OutputDelta(), out)
@@ -116,8 +118,12 @@ async def pieces(started: Started, splitter: OutputSplitter) -> AsyncIterator[Pi
         if out.finish_reason not in (None, "stop", "length"):
             raise RequestFailed(failure(started, out), out)
         delta = splitter.feed(out.text)
+        if started.after is not None:
+            texts.append(out.text)
         if out.finish_reason is not None:
             delta.extend(splitter.finish())
+            if started.after is not None:
+                started.after("".join(texts))
         yield Piece(delta, out)
         if out.finish_reason is not None:
             return
@@ -159,6 +165,8 @@ async def collect(request: Request, started: Started) -> list[RequestOutput]:
         raise client_closed()
     if outs[-1].finish_reason not in ("stop", "length"):
         raise RequestFailed(failure(started, outs[-1]), outs[-1])
+    if started.after is not None:
+        started.after("".join(o.text for o in outs))
     return outs
 
 

@@ -7,6 +7,7 @@ submission to the engine of the model serving it (`RequestContext`).
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +20,7 @@ from stepline.api.pipeline.agents import AgentPlan
 from stepline.api.pipeline.errors import APIError, context_exceeded, known_error
 from stepline.api.pipeline.images import ImagesBusyError, resolve_images
 from stepline.api.pipeline.model_output import OutputFormat, OutputSplitter
+from stepline.api.pipeline.next_turn import NextTurn
 from stepline.api.pipeline.resume import presented_key
 from stepline.api.pipeline.served import RequestContext
 from stepline.api.prompts import Prepared
@@ -69,6 +71,9 @@ class Call:
     think_budget: int | None = None  # most tokens the think block may take
     headers: dict[str, str] = field(default_factory=dict)  # for the response
     client: str | None = None  # who sends it (`client_of`); None: the anonymous client
+    # its door's client sends a tool call back as its parsed input (Anthropic's
+    # `tool_use.input`, {} for arguments that are not JSON), not as its text (next_turn.py)
+    calls_as_input: bool = False
 
 
 def client_of(headers: Headers, user: str | None = None) -> str | None:
@@ -100,6 +105,9 @@ class Started:
     tools: list[dict[str, Any]] | None  # the tool definitions (some parsers read them)
     max_tokens: int  # the effective limit
     headers: dict[str, str]  # the response's: the request id, a clamped max_tokens, ...
+    # called with the answer's whole text once it ended (stop or length): its next turn's
+    # prefill (next_turn.py); None: nothing to do
+    after: Callable[[str], None] | None = None
 
     def splitter(self) -> OutputSplitter:
         """A streaming splitter of this request's output (non-streamed answers split the whole
@@ -172,7 +180,32 @@ class Starter:
             headers[DROPPED_TOOLS_HEADER] = ", ".join(agent.dropped_tools)
         if call.max_tokens is not None and max_tokens < call.max_tokens:
             headers[EFFECTIVE_MAX_TOKENS_HEADER] = str(max_tokens)
-        return Started(ctx, call.rid, stream, fmt, agent.openai_tools or None, max_tokens, headers)
+        started = Started(
+            ctx, call.rid, stream, fmt, agent.openai_tools or None, max_tokens, headers
+        )
+        if messages is not None and self.next_turn_wanted(engine, messages):
+            started.after = NextTurn(
+                engine,
+                call.rid,
+                messages,
+                agent.template_kwargs,
+                fmt,
+                started.tools,
+                call.client,
+                ids,
+                calls_as_input=call.calls_as_input,
+            ).after
+        return started
+
+    def next_turn_wanted(self, engine: Engine, messages: list[dict[str, Any]]) -> bool:
+        """Whether a chat's next turn is prefilled once it ends (`next_turn.py`): where the
+        server says so and the model has a prefix cache; not for images (their turn would be
+        rendered and read again)."""
+        return (
+            self.config.next_turn_prefill
+            and engine.step_loop.index is not None
+            and not any(isinstance(m.get("content"), list) for m in messages)
+        )
 
     def check_window(self, engine: Engine, call: Call, num_prompt: int) -> None:
         """Raises APIError (400) for a request's own context (`call.context_window`) past
