@@ -1,0 +1,125 @@
+"""An agent's next turn starts where its new message begins: when a chat ends, the server
+prefills the conversation as the next request sends it back (api/pipeline/next_turn.py), so
+that request finds it cached — through the OpenAI and Anthropic doors, on a dense and a
+hybrid model, with a client that moves its `<system-reminder>`; real HTTP, the event log's
+first chunks as the evidence."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from helpers import wait_until
+
+from stepline.api import Engine
+from stepline.api.http.app import create_app
+from stepline.api.http.serve import serve_in_process
+from stepline.api.pipeline.next_turn import as_resent
+from stepline.api.pipeline.served import OneModel
+from stepline.events.log import read_events
+from stepline.events.models import Admitted, ChunkPrefilled
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "Bash",
+            "description": "Run a shell command.",
+            "parameters": {
+                "type": "object",
+                "properties": {"arg": {"type": "string"}},
+                "required": ["arg"],
+            },
+        },
+    }
+]
+REMINDER = "<system-reminder>the date is {}</system-reminder>"
+
+
+def test_a_reminder_the_client_moves_is_left_off_the_resent_history():
+    older = {"role": "user", "content": "Fix the test."}
+    newest = {"role": "user", "content": "Go on.\n" + REMINDER.format(1)}
+    assistant = {"role": "assistant", "content": "ok"}
+    resent = as_resent([older, assistant, newest])
+    assert resent[-1] == {"role": "user", "content": "Go on."}
+    # a client that keeps its reminders in the history keeps them here too
+    kept = {"role": "user", "content": "Fix the test.\n" + REMINDER.format(0)}
+    assert as_resent([kept, assistant, newest]) == [kept, assistant, newest]
+    # a message that was only the reminder is gone
+    parts = [{"type": "text", "text": REMINDER.format(2)}]
+    assert as_resent([older, assistant, {"role": "user", "content": parts}]) == [older, assistant]
+
+
+def _chat(messages: list[dict[str, Any]], model: str) -> dict[str, Any]:
+    return {
+        "model": model,
+        "messages": messages,
+        "tools": TOOLS,
+        "tool_choice": {"type": "function", "function": {"name": "Bash"}},
+        "max_tokens": 40,
+        "temperature": 0,
+    }
+
+
+async def _two_turns(model: str, path: Path, *, next_turn: bool) -> tuple[int, int, int]:
+    """Two turns of an agent that echoes its answer and moves its reminder: (the second
+    turn's prompt tokens, those it found cached, the tokens of the prefix the server
+    prefilled for it; 0 where none)."""
+    async with (
+        Engine.open(model, event_log=path, max_num_seqs=4) as engine,
+        serve_in_process(create_app(OneModel(engine), next_turn_prefill=next_turn)) as url,
+        httpx.AsyncClient(base_url=url, timeout=60) as http,
+    ):
+        name = engine.model_name
+        history: list[dict[str, Any]] = [
+            {"role": "system", "content": "You are a coding agent. Be brief."},
+            {"role": "user", "content": "Fix the failing test."},
+        ]
+        sent = [
+            *history[:-1],
+            {**history[-1], "content": history[-1]["content"] + "\n" + REMINDER.format(1)},
+        ]
+        r = await http.post("/v1/chat/completions", json=_chat(sent, name))
+        assert r.status_code == 200, r.text
+        first = r.headers["x-request-id"]
+        message = r.json()["choices"][0]["message"]
+        loop = engine.step_loop
+        if next_turn:  # the client runs its tool meanwhile
+            await wait_until(
+                loop, lambda: (s := loop.state_of(f"{first}-next")) is not None and s.is_finished
+            )
+        call = message["tool_calls"][0]
+        history += [
+            {"role": "assistant", "content": message.get("content") or "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": call["id"], "content": "1 failed, 3 passed"},
+            {"role": "user", "content": "Go on.\n" + REMINDER.format(2)},
+        ]
+        r = await http.post("/v1/chat/completions", json=_chat(history, name))
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+    events = list(read_events(path))
+    predicted = [e for e in events if isinstance(e, Admitted) and e.request_id == f"{first}-next"]
+    return (
+        usage["prompt_tokens"],
+        usage["prompt_tokens_details"]["cached_tokens"],
+        predicted[0].num_prompt_tokens if predicted else 0,
+    )
+
+
+@pytest.mark.parametrize("model", ["stepline-demo", "stepline-demo-hybrid"])
+async def test_the_next_turn_finds_its_history_cached_up_to_its_new_messages(
+    model, model_cache_dir, tmp_path: Path
+):
+    prompt, cached, predicted = await _two_turns(model, tmp_path / "on.jsonl", next_turn=True)
+    assert predicted and cached == predicted  # the whole prediction was its prefix
+    # the rest is the tool's result and the new user message, no more
+    events = list(read_events(tmp_path / "on.jsonl"))
+    real = [e.request_id for e in events if isinstance(e, Admitted) and "-next" not in e.request_id]
+    second = next(e for e in events if isinstance(e, ChunkPrefilled) and e.request_id == real[1])
+    assert second.prefix_shared == predicted
+    # without it, the turn recomputes from the reminder the client moved
+    _, cached_off, _ = await _two_turns(model, tmp_path / "off.jsonl", next_turn=False)
+    assert cached_off < cached
+    assert prompt > cached
