@@ -411,6 +411,8 @@ async def test_the_page_shows_requests_as_they_run_in_a_browser(served: Served) 
             kv = await page.evaluate("document.getElementById('kv').textContent")
             assert "tokens reserved" in kv
             assert "hit rate" in await page.evaluate("document.getElementById('cache').textContent")
+            misses = await page.evaluate("document.getElementById('misses').textContent")
+            assert f"{rid}: 0 of" in misses and "nothing cached starts as its prompt does" in misses
             await page.evaluate(f"{row}.click()")
             timeline = await page.shows(
                 "document.getElementById('timeline').textContent.startsWith('request ')"

@@ -123,11 +123,25 @@ function noteLookup(r, e) {
   if (e.num_cached_tokens > 0) {
     c.hits += 1;
     c.cachedTokens += e.num_cached_tokens;
-  } else {
-    c.misses.unshift({ id: r.id, prompt: r.prompt, ts: e.ts });
+  }
+  // a hit short of all but its last prompt token says why (`prefix_miss`); older logs: a
+  // request with no hit at all is listed without one
+  if (e.prefix_miss || (e.prefix_miss === undefined && !(e.num_cached_tokens > 0))) {
+    c.misses.unshift({
+      id: r.id, prompt: r.prompt, cached: e.num_cached_tokens || 0, ts: e.ts,
+      why: e.prefix_miss, shared: e.prefix_shared || 0,
+    });
     if (c.misses.length > MISSES) c.misses.pop();
   }
 }
+
+const MISS_WHY = {
+  cold: () => "nothing cached starts as its prompt does",
+  diverged: (n) => `its prompt first differs from everything cached at token ${n}`,
+  "no-snapshot": (n) => `an entry shares its first ${n} tokens, but this model's cache serves ` +
+    "an entry only where it was taken",
+  evicted: (n) => `an entry that shared its first ${n} tokens was evicted`,
+};
 
 // -- drawing ---------------------------------------------------------------------------------
 
@@ -299,7 +313,8 @@ function drawCache() {
   list.replaceChildren();
   for (const m of c.misses) {
     const li = document.createElement("li");
-    li.textContent = `${m.id}: ${m.prompt} prompt tokens, no cached prefix of them`;
+    const why = m.why && MISS_WHY[m.why] ? MISS_WHY[m.why](m.shared) : "no cached prefix of them";
+    li.textContent = `${m.id}: ${m.cached} of ${m.prompt} prompt tokens cached; ${why}`;
     list.append(li);
   }
 }
