@@ -254,10 +254,11 @@ class ServerConfig(_Options):
         "exiting with status 1 so that a supervisor restarts it",
     )
     next_turn_prefill: bool = Field(
-        True,
+        False,
         description="when a chat ends, prefill its conversation as the next request will "
         "send it back (the answer as the template renders it in the history), so an agent's "
-        "next turn starts from the cache (--next-turn-prefill false: off)",
+        "next turn starts from the cache; each is a one-token request of its own in the "
+        "event log (`next-<id>`)",
     )
     strict_max_tokens: bool = Field(
         False,

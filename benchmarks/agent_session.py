@@ -232,7 +232,7 @@ async def one_door(door: str, args: argparse.Namespace) -> tuple[list[dict], dic
     misses = {}
     nexts = 0
     for e in read_events(log):
-        if isinstance(e, ChunkPrefilled) and e.request_id.endswith("-next"):
+        if isinstance(e, ChunkPrefilled) and e.request_id.startswith("next-"):
             nexts += e.request_id not in misses
         if isinstance(e, ChunkPrefilled) and e.request_id not in misses:
             misses[e.request_id] = (e.prefix_miss, e.prefix_shared)

@@ -88,7 +88,7 @@ async def _two_turns(model: str, path: Path, *, next_turn: bool) -> tuple[int, i
         loop = engine.step_loop
         if next_turn:  # the client runs its tool meanwhile
             await wait_until(
-                loop, lambda: (s := loop.state_of(f"{first}-next")) is not None and s.is_finished
+                loop, lambda: (s := loop.state_of(f"next-{first}")) is not None and s.is_finished
             )
         call = message["tool_calls"][0]
         history += [
@@ -100,7 +100,7 @@ async def _two_turns(model: str, path: Path, *, next_turn: bool) -> tuple[int, i
         assert r.status_code == 200, r.text
         usage = r.json()["usage"]
     events = list(read_events(path))
-    predicted = [e for e in events if isinstance(e, Admitted) and e.request_id == f"{first}-next"]
+    predicted = [e for e in events if isinstance(e, Admitted) and e.request_id == f"next-{first}"]
     return (
         usage["prompt_tokens"],
         usage["prompt_tokens_details"]["cached_tokens"],
@@ -116,7 +116,11 @@ async def test_the_next_turn_finds_its_history_cached_up_to_its_new_messages(
     assert predicted and cached == predicted  # the whole prediction was its prefix
     # the rest is the tool's result and the new user message, no more
     events = list(read_events(tmp_path / "on.jsonl"))
-    real = [e.request_id for e in events if isinstance(e, Admitted) and "-next" not in e.request_id]
+    real = [
+        e.request_id
+        for e in events
+        if isinstance(e, Admitted) and not e.request_id.startswith("next-")
+    ]
     second = next(e for e in events if isinstance(e, ChunkPrefilled) and e.request_id == real[1])
     assert second.prefix_shared == predicted
     # without it, the turn recomputes from the reminder the client moved

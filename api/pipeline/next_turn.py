@@ -7,7 +7,7 @@ the prefix cache holds at the answer's end (the tokens the model generated, the 
 included), so every turn would recompute the last answer and whatever follows its first
 difference. So when a chat request ends, its conversation as the next request will render
 it — up to where that request's own new message begins — is prefilled at once, while the
-client runs its tools or its user reads: a request of its own (`…-next`, one token, its
+client runs its tools or its user reads: a request of its own (`next-…`, one token, its
 client's), whose cache the prefix cache keeps (the next request then starts from it).
 
 What a client rewrites without changing what the model is meant to see is predicted only
@@ -160,7 +160,7 @@ class NextTurn:
                 return
             params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
             stream = await engine.submit(
-                ids, params=params, request_id=f"{self.request_id}-next", client=self.client
+                ids, params=params, request_id=f"next-{self.request_id}", client=self.client
             )
             async with stream:
                 async for _ in stream:
