@@ -41,6 +41,8 @@ class RequestOutput:
     num_computed_tokens: int = 0  # prompt tokens prefilled so far (progress of long prompts)
     logprobs: tuple[TokenLogprob, ...] = ()
     error: str | None = None  # what went wrong, when finish_reason is "error"
+    # an embedding request's vector, on its last output (`made` leaves it at this default)
+    embedding: tuple[float, ...] | None = None
 
     @classmethod
     def made(
@@ -259,7 +261,8 @@ class RequestActor:
                 self._on_end(FinishReason.ERROR)
                 return self._out("", finish=FinishReason.ERROR, error=repr(exc))
         if update.finish is not None:
-            return self._out("", finish=update.finish, error=update.message)
+            out = self._out("", finish=update.finish, error=update.message)
+            return out if update.embedding is None else replace(out, embedding=update.embedding)
         if 0 < update.num_computed_tokens < self.num_prompt_tokens:
             return self._out("", num_computed_tokens=update.num_computed_tokens)
         return None
