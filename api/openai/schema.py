@@ -308,3 +308,27 @@ class CompletionRequest(_SamplingFields):
                 code="unsupported_parameter",
             )
         return p[0]  # type: ignore[return-value]
+
+
+class EmbeddingRequest(_Request):
+    """/v1/embeddings: `input` a text, texts, token ids or lists of them; `encoding_format`
+    float or base64 (little-endian float32, as the `openai` client decodes it);
+    `dimensions`: the vectors cut to that many numbers and normalised again."""
+
+    model: str | None = None
+    input: str | list[str] | list[TokenId] | list[list[TokenId]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = None
+
+    def check_supported(self) -> None:
+        return None
+
+    def inputs(self) -> list[str | list[int]]:
+        """Each input on its own: a text, or one input's token ids."""
+        raw = self.input
+        if isinstance(raw, str):
+            return [raw]
+        if raw and all(isinstance(x, int) for x in raw):
+            return [list(raw)]  # type: ignore[arg-type]
+        return list(raw)  # type: ignore[arg-type]
