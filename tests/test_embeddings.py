@@ -119,17 +119,22 @@ async def test_vectors_equal_the_sentence_transformers_definition_alone_chunked_
                     assert np.allclose(out.embedding, ref, rtol=1e-3, atol=1e-4)
 
 
-async def test_embedding_requests_share_steps_and_the_log_verifies(
+async def _record(log_path: Path) -> list[Any]:
+    from stepline.api import Engine
+
+    async with Engine.open(DEMO, max_step_tokens=16, max_num_seqs=4, event_log=log_path) as e:
+        return await asyncio.gather(*(e.embed(t) for t in TEXTS))
+
+
+def test_embedding_requests_share_steps_and_the_log_verifies(
     model_cache_dir: Path, tmp_path: Path
 ) -> None:
     from helpers import replay
 
-    from stepline.api import Engine
     from stepline.events.log import read_events
 
     log_path = tmp_path / "events.jsonl"
-    async with Engine.open(DEMO, max_step_tokens=16, max_num_seqs=4, event_log=log_path) as e:
-        outs = await asyncio.gather(*(e.embed(t) for t in TEXTS))
+    outs = asyncio.run(_record(log_path))
     assert all(o.embedding is not None for o in outs)
     events = list(read_events(log_path))
     admitted = [ev for ev in events if ev.type == "admitted"]
@@ -143,3 +148,11 @@ async def test_embedding_requests_share_steps_and_the_log_verifies(
     assert all(sum(p.num_tokens) <= 16 for p in plans)
     code, text = replay(str(log_path), "--verify")
     assert code == 0, text
+    code, text = replay(str(log_path))  # the summary
+    assert code == 0, text
+    code, text = replay(str(log_path), "--request", admitted[0].request_id)
+    assert code == 0 and "stop" in text, text
+    # re-execution compares tokens: an embedding has none, and is skipped, saying so
+    code, text = replay(str(log_path), "--reexecute", "--json")
+    report = json.loads(text)
+    assert report["num_skipped"] == len(TEXTS), text  # (nothing compared: not a success)

@@ -144,3 +144,21 @@ async def test_embeddings_asked_of_a_chat_model_name_the_models_that_embed(
         assert "not an embedding model" in r.json()["error"]["message"]
         r = await http.post("/api/embed", json={"model": "stepline-demo", "input": "hi"})
         assert r.status_code == 400 and "not an embedding model" in r.json()["error"]
+
+
+async def test_langchain_openai_embeddings_work_unchanged(embedder: Served) -> None:
+    from langchain_openai import OpenAIEmbeddings
+
+    # Its default counts tokens with tiktoken (OpenAI's vocabulary, downloaded): text here.
+    lc = OpenAIEmbeddings(
+        model=DEMO,
+        base_url=f"{embedder.url}/v1",
+        api_key="sk-one",  # type: ignore[arg-type]
+        check_embedding_ctx_length=False,
+        max_retries=0,
+    )
+    docs = await lc.aembed_documents(TEXTS)
+    query = await lc.aembed_query(TEXTS[0])
+    for vector, ref in zip(docs, refs(embedder), strict=True):
+        assert cosine(vector, ref) >= 0.9999
+    assert cosine(query, docs[0]) >= 0.9999
