@@ -156,3 +156,27 @@ def test_embedding_requests_share_steps_and_the_log_verifies(
     code, text = replay(str(log_path), "--reexecute", "--json")
     report = json.loads(text)
     assert report["num_skipped"] == len(TEXTS), text  # (nothing compared: not a success)
+
+
+async def test_a_cancelled_embedding_ends_cancelled_and_the_engine_goes_on(
+    model_cache_dir: Path,
+) -> None:
+    from helpers import wait_finished, wait_until
+
+    from stepline.api import Engine
+    from stepline.events.fold import Status
+
+    async with Engine.open(DEMO, max_step_tokens=8, max_num_seqs=4) as engine:
+        loop = engine.step_loop
+        task = asyncio.create_task(engine.embed("word " * 400, request_id="long"))
+        await wait_until(
+            loop,
+            lambda: (s := loop.state_of("long")) is not None and s.status is Status.PREFILLING,
+        )
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        state = await wait_finished(loop, "long")
+        assert state.finish_reason is not None and state.finish_reason.value == "cancelled"
+        out = await engine.embed(TEXTS[0])
+        assert out.embedding is not None and out.finish_reason == "stop"
