@@ -320,8 +320,9 @@ class Engine:
         if asyncio.get_running_loop() is not self._loop:
             raise WrongEventLoopError(WRONG_LOOP)
         check_submit_args(params, request_id, checkpoints, template_kwargs, client)
-        if embed is not None:
-            params, checkpoints = None, ()
+        if embed is not None:  # a last-token pooling may share a prefix (a reranker's query)
+            params = None
+            checkpoints = checkpoints if embed.pooling == "last" else ()
         # Counted from here (or from `arriving`) until its Submit is in the step loop's inbox.
         if arrival is None or not arrival.open:
             arrival = self._arrivals.take() or Arrival(self._post)
@@ -367,19 +368,27 @@ class Engine:
         request_id: str | None = None,
         client: str | None = None,
         arrival: Arrival | None = None,
+        checkpoints: Sequence[int] = (),
     ) -> RequestOutput:
         """The embedding of `prompt` (a text, tokenized as the model's tokenizer does with
         its special tokens, or token ids): a prefill-only request, chunked under the step
         budget like any prompt, whose final chunk pools the model body's hidden states as the
         model's sentence-transformers files say (`embedding`); nothing is sampled. Returns its
         last output: `embedding` is the vector, `finish_reason` "stop"; an output without a
-        vector is one that ended otherwise (cancelled, error). Raises as `submit` does, and
-        RequestError if the model is not an embedding model."""
+        vector is one that ended otherwise (cancelled, error). A reranker's "vector" is its
+        answer tokens' logits (`EmbedParams.head_tokens`). `checkpoints` (a last-token
+        pooling's only): where a prompt's shared prefix ends, for the prefix cache. Raises as
+        `submit` does, and RequestError if the model is not an embedding model."""
         spec = self.embedding
         if spec is None:
             raise RequestError(f"{self.model_name} is not an embedding model")
         stream = await self.submit(
-            prompt, request_id=request_id, client=client, arrival=arrival, embed=spec
+            prompt,
+            request_id=request_id,
+            client=client,
+            arrival=arrival,
+            embed=spec,
+            checkpoints=checkpoints,
         )
         last: RequestOutput | None = None
         async with stream:

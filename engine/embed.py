@@ -21,6 +21,7 @@ import mlx.core as mx
 
 from stepline.actors.scheduler.plan import ScheduledChunk
 from stepline.actors.scheduler.work import CHECKPOINT_FAILED, PREFILL_FAILED
+from stepline.engine.forward import output_head
 from stepline.engine.sequences import Seq
 from stepline.engine.step_sampling import Fail
 from stepline.events.models import EmbedParams
@@ -99,6 +100,25 @@ class Pool:
         return v
 
 
+RERANKER_ANSWERS = ("no", "yes")  # a Qwen3-Reranker's answer tokens, in its score's order
+
+
+def read_reranker(name: str, path: Path, tokenizer: Any) -> EmbedParams | None:
+    """A Qwen3-Reranker-style reranker (its name or directory's says "reranker": its files
+    are a plain causal LM's) scores a query and a document by its logits of "no" and "yes"
+    at the last token; None for any other model. Each answer is its token (the last of its
+    encoding where the vocabulary has no such single token, as the demo's)."""
+    if "reranker" not in f"{name} {path.name} {path.parent.parent.name}".lower():
+        return None
+    ids = []
+    for word in RERANKER_ANSWERS:
+        token = tokenizer.convert_tokens_to_ids(word)
+        if not isinstance(token, int) or token == getattr(tokenizer, "unk_token_id", None):
+            token = tokenizer.encode(word, add_special_tokens=False)[-1]
+        ids.append(token)
+    return EmbedParams(pooling="last", normalize=False, head_tokens=tuple(ids))
+
+
 def pool_hidden(hidden: mx.array, spec: EmbedParams) -> mx.array:
     """`hidden` (1, L, D), a whole prompt's, pooled as `spec` says (the reference)."""
     pool = Pool(spec)
@@ -160,6 +180,10 @@ class EmbedChunks:
             pos = end
         if not chunk.is_final:
             return None
+        head = seq.params.embed.head_tokens
+        if head:  # a reranker: the answer tokens' logits at the last token
+            logits = output_head(model, pool.vector()[None, None, :])[0, 0]
+            return tuple(logits[mx.array(head)].astype(mx.float32).tolist())
         return tuple(pool.vector().tolist())
 
 

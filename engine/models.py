@@ -39,7 +39,7 @@ from stepline.engine.demo_files import (
     tokenizer_files,
     train_tokenizer_json,
 )
-from stepline.engine.embed import read_pooling
+from stepline.engine.embed import read_pooling, read_reranker
 from stepline.events.models import EmbedParams
 
 if TYPE_CHECKING:  # mlx_lm imports transformers (~1 s); load it only when loading a model
@@ -158,6 +158,18 @@ DEMO_MODELS: dict[str, DemoSpec] = {
         seed=4,
         extra=(("head_dim", 16),),
         pooling="last",
+    ),
+    # A Qwen3-Reranker-shaped reranker: a plain causal LM, scored by its "no"/"yes" logits.
+    "stepline-demo-reranker": DemoSpec(
+        arch="qwen3",
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=2048,
+        seed=5,
+        extra=(("head_dim", 16),),
     ),
 }
 
@@ -438,6 +450,7 @@ def _load_dir(path: Path, name: str, dtype: str = "auto", lazy: bool = False) ->
         )
     embedding = read_pooling(path)  # before the weights: a pooling it cannot serve
     model, tokenizer, config = load(str(path), return_config=True, lazy=lazy)
+    embedding = embedding or read_reranker(name, path, tokenizer)
     weights = fit_dtype(model, dtype, evaluate=not lazy)
     return LoadedModel(
         model=model,

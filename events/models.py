@@ -77,6 +77,9 @@ class EmbedParams(BaseModel):
 
     pooling: Literal["last", "mean", "cls"]  # the last token's, the mean of all, the first's
     normalize: bool = True  # to unit length (sentence-transformers' `Normalize`)
+    # A reranker's (Qwen3-Reranker's "no" and "yes"): the result is the output head's logits
+    # of these token ids at the last token, not the hidden state (pooling "last")
+    head_tokens: tuple[int, ...] = ()
 
 
 def _absent(value: object) -> bool:

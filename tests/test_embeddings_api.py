@@ -147,18 +147,21 @@ async def test_embeddings_asked_of_a_chat_model_name_the_models_that_embed(
 
 
 async def test_langchain_openai_embeddings_work_unchanged(embedder: Served) -> None:
+    import httpx
     from langchain_openai import OpenAIEmbeddings
 
-    # Its default counts tokens with tiktoken (OpenAI's vocabulary, downloaded): text here.
-    lc = OpenAIEmbeddings(
-        model=DEMO,
-        base_url=f"{embedder.url}/v1",
-        api_key="sk-one",  # type: ignore[arg-type]
-        check_embedding_ctx_length=False,
-        max_retries=0,
-    )
-    docs = await lc.aembed_documents(TEXTS)
-    query = await lc.aembed_query(TEXTS[0])
+    async with httpx.AsyncClient() as http:  # closed here, in this test's loop
+        # Its default counts tokens with tiktoken (OpenAI's vocabulary, downloaded): text here.
+        lc = OpenAIEmbeddings(
+            model=DEMO,
+            base_url=f"{embedder.url}/v1",
+            api_key="sk-one",  # type: ignore[arg-type]
+            check_embedding_ctx_length=False,
+            max_retries=0,
+            http_async_client=http,
+        )
+        docs = await lc.aembed_documents(TEXTS)
+        query = await lc.aembed_query(TEXTS[0])
     for vector, ref in zip(docs, refs(embedder), strict=True):
         assert cosine(vector, ref) >= 0.9999
     assert cosine(query, docs[0]) >= 0.9999

@@ -139,8 +139,8 @@ class OllamaDoor:
     def capabilities(self, served: ServedModel) -> list[str]:
         """What a loaded model does, in /api/show's words."""
         engine = served.engine
-        if engine.embedding is not None:
-            return ["embedding"]
+        if engine.embedding is not None:  # (a reranker has no Ollama name: none of these)
+            return ["embedding"] if embed.is_embedder(engine) else []
         tokenizer = engine.tokenizer
         capabilities = ["completion"]
         if tools_unusable(tokenizer, parse=True) is None:

@@ -332,3 +332,28 @@ class EmbeddingRequest(_Request):
         if raw and all(isinstance(x, int) for x in raw):
             return [list(raw)]  # type: ignore[arg-type]
         return list(raw)  # type: ignore[arg-type]
+
+
+class RerankDocument(_Request):
+    text: str
+
+
+class RerankRequest(_Request):
+    """/v1/rerank and /rerank (Cohere's and Jina's shape): `documents` as texts or objects
+    with a `text`; `top_n` (default: all) of them back, most relevant first, with their text
+    where `return_documents`; `instruction` (stepline's) replaces the reranker's default
+    task description."""
+
+    model: str | None = None
+    query: str
+    documents: list[str | RerankDocument]
+    top_n: int | None = Field(None, ge=1)
+    return_documents: bool = False
+    instruction: str | None = None
+    user: str | None = None
+
+    def check_supported(self) -> None:
+        return None
+
+    def texts(self) -> list[str]:
+        return [d if isinstance(d, str) else d.text for d in self.documents]

@@ -1,5 +1,6 @@
-"""The OpenAI door's handlers: /v1/chat/completions, /v1/completions, /v1/models, over the
-pipeline every door shares (`Serving`). Responses and stream chunks are the `openai`
+"""The OpenAI door's handlers: /v1/chat/completions, /v1/completions, /v1/models,
+/v1/embeddings and rerank (/v1/rerank, /rerank), over the pipeline every door shares
+(`Serving`). Responses and stream chunks are the `openai`
 package's own types, dumped with the fields set (`exclude_unset`): `null` where OpenAI sends
 null, and a streaming `delta` that holds only the keys that changed.
 
@@ -40,8 +41,13 @@ from openai.types.completion_usage import PromptTokensDetails
 from openai.types.create_embedding_response import Usage as EmbeddingUsage
 
 from stepline.api.openai import agents
-from stepline.api.openai.schema import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
-from stepline.api.pipeline import embed
+from stepline.api.openai.schema import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    RerankRequest,
+)
+from stepline.api.pipeline import embed, rerank
 from stepline.api.pipeline.errors import OPENAI, APIError, model_not_found
 from stepline.api.pipeline.model_output import split_output
 from stepline.api.pipeline.serving import (
@@ -237,7 +243,11 @@ class OpenAIDoor:
             extra["sampling_defaults"] = served.defaults.card()
             # what it does (stepline's): an embedding model embeds and generates nothing
             extra["capabilities"] = (
-                ["embeddings"] if served.engine.embedding is not None else ["chat", "completions"]
+                ["chat", "completions"]
+                if served.engine.embedding is None
+                else ["rerank"]
+                if embed.is_reranker(served.engine)
+                else ["embeddings"]
             )
         if self.serving.models.on_demand:
             extra["loaded"] = served is not None
@@ -270,6 +280,34 @@ class OpenAIDoor:
             ),
         )
         return json_response(body, headers={"x-request-id": ctx.rid}, warnings=False)
+
+    # -- /v1/rerank, /rerank --
+
+    async def rerank(self, ctx: RequestContext[RerankRequest]) -> Response:
+        req = ctx.body
+        texts = req.texts()
+        done = await rerank.rerank(
+            self.serving,
+            ctx,
+            req.query,
+            texts,
+            instruction=req.instruction,
+            client=client_of(ctx.request.headers, req.user),
+        )
+        order = sorted(range(len(texts)), key=lambda i: -done.scores[i])[: req.top_n]
+        results = []
+        for i in order:
+            result: dict[str, Any] = {"index": i, "relevance_score": done.scores[i]}
+            if req.return_documents:
+                result["document"] = {"text": texts[i]}
+            results.append(result)
+        body = {
+            "id": ctx.rid,
+            "model": ctx.response_model,
+            "results": results,
+            "usage": {"total_tokens": done.num_prompt_tokens},
+        }
+        return JSONResponse(body, headers={"x-request-id": ctx.rid})
 
     def models(self) -> dict[str, Any]:
         """Every served model under its first name, loaded or not (their other names are
@@ -458,6 +496,12 @@ def router(serving: Serving) -> APIRouter:
     async def embeddings(request: Request) -> Response:
         rid = f"embd-{uuid.uuid4().hex}"
         return await serving.handle(request, rid, door.embeddings, OPENAI, body=EmbeddingRequest)
+
+    @routes.post("/v1/rerank")
+    @routes.post("/rerank")
+    async def rerank_(request: Request) -> Response:
+        rid = f"rerank-{uuid.uuid4().hex}"
+        return await serving.handle(request, rid, door.rerank, OPENAI, body=RerankRequest)
 
     @routes.get("/v1/models")
     async def models() -> JSONResponse:

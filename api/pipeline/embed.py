@@ -35,39 +35,54 @@ class Embedded:
     num_prompt_tokens: int
 
 
-def embedding_models(serving: Serving) -> list[str]:
-    """The names of the loaded models that embed."""
+def is_embedder(engine: Any) -> bool:
+    """Whether the model makes embeddings (a reranker's results are scores)."""
+    spec = engine.embedding
+    return spec is not None and not spec.head_tokens
+
+
+def is_reranker(engine: Any) -> bool:
+    """Whether the model scores documents for a query (`engine.embed.read_reranker`)."""
+    spec = engine.embedding
+    return spec is not None and bool(spec.head_tokens)
+
+
+def models_that(serving: Serving, does: Any) -> list[str]:
+    """The names of the loaded models whose engine `does` (`is_embedder`, `is_reranker`)."""
     names = []
     for name in serving.served_model_names:
         served = serving.loaded(name)
-        if served is not None and served.engine.embedding is not None:
+        if served is not None and does(served.engine):
             names.append(name)
     return names
 
 
-def not_an_embedding_model(serving: Serving, name: str) -> APIError:
-    """400 for embeddings asked of a model that does not embed, naming those that do."""
-    others = embedding_models(serving)
+def not_an_embedding_model(serving: Serving, name: str, *, rerank: bool = False) -> APIError:
+    """400 for embeddings (`rerank`: scores) asked of a model that does not make them,
+    naming the loaded models that do."""
+    others = models_that(serving, is_reranker if rerank else is_embedder)
+    kind, demo = ("a reranker", "stepline-demo-reranker") if rerank else ("an embedding model", "")
+    example = demo or "a sentence-transformers directory, e.g. stepline-demo-embedding"
     there = (
-        f"; the models here that do: {', '.join(repr(n) for n in others)}"
+        f"; the models here that are: {', '.join(repr(n) for n in others)}"
         if others
-        else "; no model loaded here does (serve a sentence-transformers directory, e.g. "
-        "stepline-demo-embedding)"
+        else f"; no model loaded here is (serve {example})"
     )
     return APIError(
         400,
-        f"the model {name!r} is not an embedding model{there}",
+        f"the model {name!r} is not {kind}{there}",
         param="model",
-        code="model_not_embedding",
+        code="model_not_reranker" if rerank else "model_not_embedding",
     )
 
 
 def embedding_only(name: str) -> APIError:
-    """400 for text generation asked of an embedding model."""
+    """400 for text generation asked of an embedding model (or a reranker)."""
     return APIError(
         400,
-        f"the model {name!r} is an embedding model: it answers /v1/embeddings and /api/embed, "
-        "not text generation; send this request to a chat model",
+        f"the model {name!r} is an embedding model or a reranker: it answers "
+        "/v1/embeddings and /api/embed, or /v1/rerank, not text generation; send this "
+        "request to a chat model",
         param="model",
         code="model_not_chat",
     )
@@ -104,7 +119,7 @@ async def embed(
     empty one, one past the model's context, a token id outside its vocabulary, `dimensions`
     past the model's; what the engine refuses, by the catalogue."""
     engine = ctx.engine
-    if engine.embedding is None:
+    if not is_embedder(engine):
         raise not_an_embedding_model(serving, ctx.model.name)
     check_inputs(inputs, param)
     width = getattr(getattr(engine.loaded.model, "args", None), "hidden_size", None)
@@ -115,24 +130,44 @@ async def embed(
         await _prepare(serving, ctx, text, f"{param}[{i}]" if many else param, truncate)
         for i, text in enumerate(inputs)
     ]
+    vectors = await run_all(ctx, prepared, param=param, client=client)
+    cut = [_cut(v, dimensions, param="dimensions") for v in vectors]
+    return Embedded(cut, sum(len(p.ids) for p in prepared))
+
+
+async def run_all(
+    ctx: RequestContext[Any],
+    prepared: Sequence[Prepared],
+    *,
+    param: str,
+    client: str | None,
+    checkpoints: Sequence[int] = (),
+) -> list[list[float]]:
+    """Each prepared input's vector, every input a request of its own (`ctx.rid` for a lone
+    one, else `<rid>-<index>`), submitted together (at most `MAX_IN_FLIGHT` at once);
+    `checkpoints`: where their shared prefix ends. One's failure cancels the others."""
+    engine, many = ctx.engine, len(prepared) > 1
     gate = asyncio.Semaphore(MAX_IN_FLIGHT)
 
     async def one(i: int, p: Prepared) -> list[float]:
         rid = f"{ctx.rid}-{i}" if many else ctx.rid
         async with gate:
             try:
-                out = await engine.embed(p, request_id=rid, client=client)
+                out = await engine.embed(p, request_id=rid, client=client, checkpoints=checkpoints)
             except Exception as exc:
                 raise known_error(exc, prompt_param=param) or exc from None
         if out.embedding is None:  # cancelled (the server stopping), or an engine fault
             if out.finish_reason == "cancelled":
                 raise APIError(503, "the server is shutting down", code="shutting_down")
             raise APIError(500, f"internal error (request id {rid})", code="server_error")
-        return _cut(list(out.embedding), dimensions, param="dimensions")
+        return list(out.embedding)
 
-    async with asyncio.TaskGroup() as tg:  # one input's failure cancels the others
-        tasks = [tg.create_task(one(i, p)) for i, p in enumerate(prepared)]
-    return Embedded([t.result() for t in tasks], sum(len(p.ids) for p in prepared))
+    try:
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(one(i, p)) for i, p in enumerate(prepared)]
+    except ExceptionGroup as group:  # the first failure is the call's answer
+        raise group.exceptions[0] from None
+    return [t.result() for t in tasks]
 
 
 async def _prepare(
