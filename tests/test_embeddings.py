@@ -180,3 +180,47 @@ async def test_a_cancelled_embedding_ends_cancelled_and_the_engine_goes_on(
         assert state.finish_reason is not None and state.finish_reason.value == "cancelled"
         out = await engine.embed(TEXTS[0])
         assert out.embedding is not None and out.finish_reason == "stop"
+
+
+async def test_embeddings_beside_decoding_streams_leave_both_unchanged(
+    model_cache_dir: Path, tmp_path: Path
+) -> None:
+    """Documents embedded while greedy streams decode (their chunks in the streams' steps):
+    every vector is the reference's and every stream's tokens are mlx-lm's own."""
+    from helpers import mlx_lm_greedy
+
+    from stepline.api import Engine, SamplingParams
+    from stepline.events.log import read_events
+
+    log_path = tmp_path / "events.jsonl"
+    docs = [f"document number {i}: " + TEXTS[i % len(TEXTS)] for i in range(12)]
+    prompts = ["Once upon a time", "The capital of France is"]
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    async with Engine.open(DEMO, max_step_tokens=16, max_num_seqs=8, event_log=log_path) as engine:
+        model, tok = engine.loaded.model, engine.tokenizer
+        refs = [reference(model, tok, d, "last", True) for d in docs]
+        wanted = [mlx_lm_greedy(model, tok.encode(p), 24) for p in prompts]
+
+        async def stream(prompt: str) -> list[int]:
+            tokens: list[int] = []
+            async for out in engine.generate(prompt, params=greedy):
+                tokens.extend(out.token_ids)
+            return tokens
+
+        streams = [asyncio.create_task(stream(p)) for p in prompts]
+        outs = await asyncio.gather(*(engine.embed(d) for d in docs))
+        got = await asyncio.gather(*streams)
+    assert got == wanted
+    for out, ref in zip(outs, refs, strict=True):
+        assert out.embedding is not None and cosine(out.embedding, ref) >= 0.9999
+    embeds = {o.request_id for o in outs}
+    mixed = [
+        ev
+        for ev in read_events(log_path)
+        if ev.type == "step"
+        and "decode" in ev.kinds
+        and any(
+            r in embeds for r, k in zip(ev.request_ids, ev.kinds, strict=True) if k == "prefill"
+        )
+    ]
+    assert mixed  # the documents' chunks rode in the streams' steps

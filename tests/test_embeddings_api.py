@@ -54,6 +54,18 @@ async def test_the_openai_client_embeds_a_batch_equal_to_the_reference(embedder:
     assert cosine(one.data[0].embedding, got.data[0].embedding) >= 0.9999
 
 
+async def test_a_batch_of_64_gives_each_input_its_own_vector(embedder: Served) -> None:
+    engine = embedder.engine
+    docs = [f"{i}: " + TEXTS[i % len(TEXTS)][: 10 + i] for i in range(64)]
+    async with embedder.http() as http:
+        r = await http.post("/v1/embeddings", json={"input": docs})
+    assert r.status_code == 200, r.text
+    data = r.json()["data"]
+    for d, doc in zip(data, docs, strict=True):
+        ref = reference(engine.loaded.model, engine.tokenizer, doc, "last", True)
+        assert cosine(d["embedding"], ref) >= 0.9999
+
+
 async def test_token_ids_base64_and_dimensions(embedder: Served) -> None:
     ids = embedder.engine.tokenizer.encode(TEXTS[1])
     ref = refs(embedder)[1]
