@@ -177,3 +177,48 @@ async def test_langchain_openai_embeddings_work_unchanged(embedder: Served) -> N
     for vector, ref in zip(docs, refs(embedder), strict=True):
         assert cosine(vector, ref) >= 0.9999
     assert cosine(query, docs[0]) >= 0.9999
+
+
+async def test_one_server_serves_an_embedding_model_beside_a_chat_model(
+    model_cache_dir: Path, tmp_path: Path
+) -> None:
+    """`--model emb=... --model chat=...`: each door to its model, the refusals naming the
+    other, one event log that verifies."""
+    from stepline.api.config import EventLogConfig, ModelSpec, PoolConfig
+    from stepline.api.http.app import create_app
+    from stepline.api.http.serve import serve_in_process
+    from stepline.api.pool import ModelPool
+
+    log = tmp_path / "events.jsonl"
+    config = PoolConfig(
+        models=(
+            ModelSpec.model_validate({"name": "emb", "model": DEMO}),
+            ModelSpec.model_validate({"name": "chat", "model": "stepline-demo"}),
+        )
+    )
+    small = {"max_kv_gb": 0.01, "prefix_cache_gb": 0.01, "max_step_ms": 0, "max_step_tokens": 64}
+    async with (
+        ModelPool.open(config, small, EventLogConfig(event_log=str(log))) as models,
+        serve_in_process(create_app(models)) as url,
+        httpx_client(url) as http,
+    ):
+        r = await http.post("/v1/embeddings", json={"model": "emb", "input": TEXTS})
+        assert r.status_code == 200 and len(r.json()["data"]) == len(TEXTS)
+        chat = {"model": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        assert (await http.post("/v1/chat/completions", json=chat)).status_code == 200
+        r = await http.post("/v1/embeddings", json={"model": "chat", "input": "hi"})
+        assert r.status_code == 400 and "'emb'" in r.json()["error"]["message"]
+        r = await http.post("/v1/chat/completions", json={**chat, "model": "emb"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_chat"
+        cards = {
+            c["id"]: c.get("capabilities") for c in (await http.get("/v1/models")).json()["data"]
+        }
+    assert cards == {"emb": ["embeddings"], "chat": ["chat", "completions"]}
+    code, text = replay(str(log), "--verify")
+    assert code == 0, text
+
+
+def httpx_client(url: str) -> Any:
+    import httpx
+
+    return httpx.AsyncClient(base_url=url, timeout=60)

@@ -81,15 +81,16 @@ async def test_scores_equal_the_rerankers_own_recipe_sorted(reranker: Served) ->
 
 async def test_top_n_documents_as_objects_and_the_root_path(reranker: Served) -> None:
     docs = [{"text": d} for d in DOCS]
-    async with reranker.http() as http:
-        r = await http.post(
-            "/rerank",
-            json={"query": QUERY, "documents": docs, "top_n": 2, "return_documents": True},
-        )
-    assert r.status_code == 200, r.text
-    results = r.json()["results"]
-    assert len(results) == 2
-    assert all(x["document"]["text"] == DOCS[x["index"]] for x in results)
+    for path in ("/rerank", "/v2/rerank"):  # the root path, and Cohere's
+        async with reranker.http() as http:
+            r = await http.post(
+                path,
+                json={"query": QUERY, "documents": docs, "top_n": 2, "return_documents": True},
+            )
+        assert r.status_code == 200, r.text
+        results = r.json()["results"]
+        assert len(results) == 2
+        assert all(x["document"]["text"] == DOCS[x["index"]] for x in results)
 
 
 async def test_the_query_is_computed_once_and_the_log_verifies(reranker: Served) -> None:

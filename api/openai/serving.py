@@ -497,7 +497,8 @@ def router(serving: Serving) -> APIRouter:
         rid = f"embd-{uuid.uuid4().hex}"
         return await serving.handle(request, rid, door.embeddings, OPENAI, body=EmbeddingRequest)
 
-    @routes.post("/v1/rerank")
+    @routes.post("/v1/rerank")  # Jina's, vLLM's
+    @routes.post("/v2/rerank")  # Cohere's
     @routes.post("/rerank")
     async def rerank_(request: Request) -> Response:
         rid = f"rerank-{uuid.uuid4().hex}"
