@@ -224,3 +224,13 @@ async def test_embeddings_beside_decoding_streams_leave_both_unchanged(
         )
     ]
     assert mixed  # the documents' chunks rode in the streams' steps
+
+
+def test_the_line_serve_prints_to_try_fits_what_the_model_does() -> None:
+    from stepline.api.http.serve import _curl_line
+    from stepline.events.models import EmbedParams
+
+    assert "/v1/chat/completions" in _curl_line("http://h", "m", None)
+    assert "/v1/embeddings" in _curl_line("http://h", "m", None, EmbedParams(pooling="last"))
+    rerank = EmbedParams(pooling="last", normalize=False, head_tokens=(1, 2))
+    assert "/v1/rerank" in _curl_line("http://h", "m", None, rerank)

@@ -222,13 +222,3 @@ def httpx_client(url: str) -> Any:
     import httpx
 
     return httpx.AsyncClient(base_url=url, timeout=60)
-
-
-def test_the_line_serve_prints_to_try_fits_what_the_model_does() -> None:
-    from stepline.api.http.serve import _curl_line
-    from stepline.events.models import EmbedParams
-
-    assert "/v1/chat/completions" in _curl_line("http://h", "m", None)
-    assert "/v1/embeddings" in _curl_line("http://h", "m", None, EmbedParams(pooling="last"))
-    rerank = EmbedParams(pooling="last", normalize=False, head_tokens=(1, 2))
-    assert "/v1/rerank" in _curl_line("http://h", "m", None, rerank)
