@@ -20,7 +20,11 @@ from typing import Any
 import mlx.core as mx
 
 from stepline.actors.scheduler.plan import ScheduledChunk
-from stepline.actors.scheduler.work import CHECKPOINT_FAILED, PREFILL_FAILED
+from stepline.actors.scheduler.work import (
+    CHECKPOINT_FAILED,
+    PREFILL_FAILED,
+    is_collective_error,
+)
 from stepline.engine.forward import output_head
 from stepline.engine.sequences import Seq
 from stepline.engine.step_sampling import Fail
@@ -143,10 +147,20 @@ class EmbedChunks:
         """Each embedding request's chunk of `chunks` through `model`, in order (the others
         are the step's forwards'); the vector of each final one. A fault is its request's."""
         out: dict[str, tuple[float, ...]] = {}
-        for chunk in chunks:
+        mine = [
+            (c, seqs[c.request_id])
+            for c in chunks
+            if c.request_id in seqs
+            and seqs[c.request_id].params.embed is not None
+            and c.request_id not in failed
+        ]
+        # Whole prompts (no cache before them, none needed after): batched forwards.
+        whole = [(c, s) for c, s in mine if c.start == 0 and c.is_final and not c.checkpoints]
+        done = self._together(model, whole) if len(whole) > 1 else {}
+        out.update(done)
+        for chunk, seq in mine:
             rid = chunk.request_id
-            seq = seqs.get(rid)
-            if seq is None or seq.params.embed is None or rid in failed:
+            if rid in done:
                 continue
             try:
                 vector = self._chunk(model, seq, chunk)
@@ -159,6 +173,47 @@ class EmbedChunks:
             if vector is not None:
                 out[rid] = vector
         return out
+
+    def _together(
+        self, model: Any, whole: list[tuple[ScheduledChunk, Seq]]
+    ) -> dict[str, tuple[float, ...]]:
+        """Whole prompts' vectors, in batched forwards of the body without a cache: rows of
+        similar lengths padded on the right (a causal model's real tokens never see the
+        padding after them), at most `PADDING` more tokens than the rows hold. {} where a
+        batch fails: each is then run on its own, where a fault is that request's."""
+        out: dict[str, tuple[float, ...]] = {}
+        for group in _groups(sorted(whole, key=lambda cs: -cs[0].num_tokens)):
+            longest = group[0][0].num_tokens
+            rows = [
+                mx.pad(s.prompt[: c.end], (0, longest - c.num_tokens))
+                if c.num_tokens < longest
+                else s.prompt[: c.end]
+                for c, s in group
+            ]
+            try:
+                hidden = model.model(mx.stack(rows))
+                vectors = []
+                for i, (chunk, seq) in enumerate(group):
+                    pool = Pool(seq.params.embed)  # type: ignore[arg-type]
+                    pool.add(hidden[i : i + 1, : chunk.num_tokens], 0)
+                    vectors.append(self._result(model, seq, pool))
+                mx.eval(vectors)
+            except Exception as exc:  # each on its own then says whose fault it is
+                if is_collective_error(exc):  # a lost rank: nobody's request's
+                    raise
+                return {}
+            for (chunk, _), vector in zip(group, vectors, strict=True):
+                out[chunk.request_id] = tuple(vector.tolist())
+        return out
+
+    def _result(self, model: Any, seq: Seq, pool: Pool) -> mx.array:
+        """A request's result from its pool: its vector, or a reranker's answer logits."""
+        assert seq.params.embed is not None
+        head = seq.params.embed.head_tokens
+        if head:  # a reranker: the answer tokens' logits at the last token
+            logits = output_head(model, pool.vector()[None, None, :])[0, 0]
+            return logits[mx.array(head)].astype(mx.float32)
+        return pool.vector()
 
     def _chunk(self, model: Any, seq: Seq, chunk: ScheduledChunk) -> tuple[float, ...] | None:
         assert seq.params.embed is not None and seq.cache is not None
@@ -180,11 +235,30 @@ class EmbedChunks:
             pos = end
         if not chunk.is_final:
             return None
-        head = seq.params.embed.head_tokens
-        if head:  # a reranker: the answer tokens' logits at the last token
-            logits = output_head(model, pool.vector()[None, None, :])[0, 0]
-            return tuple(logits[mx.array(head)].astype(mx.float32).tolist())
-        return tuple(pool.vector().tolist())
+        return tuple(self._result(model, seq, pool).tolist())
+
+
+PADDING = 0.25  # a batch of whole prompts pads at most this share of its tokens (+ 16)
+
+
+def _groups(
+    whole: list[tuple[ScheduledChunk, Seq]],
+) -> list[list[tuple[ScheduledChunk, Seq]]]:
+    """`whole` (longest first) in batches that each pad little: a row joins the batch of the
+    longer ones while the batch's padded size stays within `PADDING` of its tokens."""
+    groups: list[list[tuple[ScheduledChunk, Seq]]] = []
+    real = 0
+    for item in whole:
+        n = item[0].num_tokens
+        if groups:
+            longest = groups[-1][0][0].num_tokens
+            if longest * (len(groups[-1]) + 1) <= (real + n) * (1 + PADDING) + 16:
+                groups[-1].append(item)
+                real += n
+                continue
+        groups.append([item])
+        real = n
+    return groups
 
 
 def is_embedding_chunk(chunk: ScheduledChunk, seqs: Mapping[str, Seq]) -> bool:
