@@ -234,3 +234,52 @@ def test_the_line_serve_prints_to_try_fits_what_the_model_does() -> None:
     assert "/v1/embeddings" in _curl_line("http://h", "m", None, EmbedParams(pooling="last"))
     rerank = EmbedParams(pooling="last", normalize=False, head_tokens=(1, 2))
     assert "/v1/rerank" in _curl_line("http://h", "m", None, rerank)
+
+
+class _FaultyBody:
+    """The real model, except that its body fails on a batch of rows, and on any prompt that
+    starts with the token id `POISON`."""
+
+    POISON = 5
+
+    def __init__(self, model: Any) -> None:
+        self._model = model
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._model(*args, **kwargs)
+
+    @property
+    def model(self) -> Any:
+        body = self._model.model
+
+        def run(inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            if inputs.shape[0] > 1:
+                raise RuntimeError("injected batch fault")
+            if int(inputs[0, 0].item()) == self.POISON and kwargs.get("cache") is not None:
+                if all(c.offset == 0 for c in kwargs["cache"]):
+                    raise RuntimeError("injected prompt fault")
+            return body(inputs, *args, **kwargs)
+
+        return run
+
+
+async def test_a_failed_batch_runs_each_alone_and_a_faulty_prompt_fails_only_itself(
+    model_cache_dir: Path,
+) -> None:
+    from stepline.api import Engine
+
+    async with Engine.open(DEMO, max_step_tokens=512, max_num_seqs=8) as engine:
+        runner = engine.step_loop.runner
+        real = runner.model
+        runner.model = _FaultyBody(real)
+        poisoned = [_FaultyBody.POISON, *engine.tokenizer.encode(TEXTS[0])]
+        outs = await asyncio.gather(*(engine.embed(t) for t in [*TEXTS, poisoned]))
+        runner.model = real
+        refs = [reference(real, engine.tokenizer, t, "last", True) for t in TEXTS]
+        for out, ref in zip(outs, refs, strict=False):
+            assert out.finish_reason == "stop" and cosine(out.embedding, ref) >= 0.9999
+        assert outs[-1].finish_reason == "error" and outs[-1].embedding is None
+        assert engine.healthy
