@@ -151,7 +151,7 @@ def test_embedding_requests_share_steps_and_the_log_verifies(
     code, text = replay(str(log_path))  # the summary
     assert code == 0, text
     code, text = replay(str(log_path), "--request", admitted[0].request_id)
-    assert code == 0 and "stop" in text, text
+    assert code == 0 and "terminal: stop (a vector of 64)" in text, text
     # re-execution compares tokens: an embedding has none, and is skipped, saying so
     code, text = replay(str(log_path), "--reexecute", "--json")
     report = json.loads(text)
