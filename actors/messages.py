@@ -86,3 +86,4 @@ class Update:
     finish: FinishReason | None = None  # the request ended (by the core: stop, length, ...)
     stop_token: bool = False  # the last token is a stop token: count it, do not print it
     message: str | None = None  # what went wrong, for an error or cancel
+    embedding: tuple[float, ...] | None = None  # an embedding request's vector, at its end

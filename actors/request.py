@@ -41,6 +41,8 @@ class RequestOutput:
     num_computed_tokens: int = 0  # prompt tokens prefilled so far (progress of long prompts)
     logprobs: tuple[TokenLogprob, ...] = ()
     error: str | None = None  # what went wrong, when finish_reason is "error"
+    # an embedding request's vector, on its last output
+    embedding: tuple[float, ...] | None = None
 
     @classmethod
     def made(
@@ -55,6 +57,7 @@ class RequestOutput:
         num_computed_tokens: int,
         logprobs: tuple[TokenLogprob, ...],
         error: str | None,
+        embedding: tuple[float, ...] | None = None,
     ) -> RequestOutput:
         """An output from every one of its fields, made as `RequestState.evolve` makes a
         state: without `__init__`, whose setting of each frozen field cost ~4x as much (the
@@ -71,6 +74,7 @@ class RequestOutput:
             num_computed_tokens=num_computed_tokens,
             logprobs=logprobs,
             error=error,
+            embedding=embedding,
         )
         return new
 
@@ -231,6 +235,7 @@ class RequestActor:
         num_computed_tokens: int = 0,
         logprobs: tuple[TokenLogprob, ...] = (),
         error: str | None = None,
+        embedding: tuple[float, ...] | None = None,
     ) -> RequestOutput:
         return RequestOutput.made(
             self.request_id,
@@ -243,6 +248,7 @@ class RequestActor:
             num_computed_tokens,
             logprobs,
             error,
+            embedding,
         )
 
     def on_update(self, update: Update) -> RequestOutput | None:
@@ -259,7 +265,9 @@ class RequestActor:
                 self._on_end(FinishReason.ERROR)
                 return self._out("", finish=FinishReason.ERROR, error=repr(exc))
         if update.finish is not None:
-            return self._out("", finish=update.finish, error=update.message)
+            return self._out(
+                "", finish=update.finish, error=update.message, embedding=update.embedding
+            )
         if 0 < update.num_computed_tokens < self.num_prompt_tokens:
             return self._out("", num_computed_tokens=update.num_computed_tokens)
         return None

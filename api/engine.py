@@ -54,7 +54,7 @@ from stepline.api.request_error import RequestError
 from stepline.api.stream import RequestStream
 from stepline.engine.grammar import Compiled, GrammarCompiler
 from stepline.engine.images import text_only
-from stepline.events.models import FinishReason, RequestParams
+from stepline.events.models import EmbedParams, FinishReason, RequestParams
 
 __all__ = [
     "Arrival",
@@ -288,6 +288,7 @@ class Engine:
         client: str | None = None,
         images: Sequence[PromptImage] = (),
         arrival: Arrival | None = None,
+        embed: EmbedParams | None = None,
     ) -> RequestStream:
         """Admit one request and return its output stream. `template_kwargs` go to the chat
         template with `messages`; `params.grammar` constrains the output (compiled here, on a
@@ -299,6 +300,8 @@ class Engine:
         with its `images` (`Prepared.images`); a `Prepared` prompt is taken as it is (not
         prepared again). `arrival` is this request's count from `arriving`, which ends here.
         The stream's `params` are the request's as admitted (`max_tokens` as resolved).
+        With `embed` it is an embedding request (see `embed`): `params` are not used, and
+        its one output is its last, with the vector (`RequestOutput.embedding`).
 
         Raises TypeError or RequestError (a ValueError) naming the argument for `params`,
         `request_id`, `checkpoints`, `template_kwargs` or `client` of the wrong type or value,
@@ -317,6 +320,9 @@ class Engine:
         if asyncio.get_running_loop() is not self._loop:
             raise WrongEventLoopError(WRONG_LOOP)
         check_submit_args(params, request_id, checkpoints, template_kwargs, client)
+        if embed is not None:  # a last-token pooling may share a prefix (a reranker's query)
+            params = None
+            checkpoints = checkpoints if embed.pooling == "last" else ()
         # Counted from here (or from `arriving`) until its Submit is in the step loop's inbox.
         if arrival is None or not arrival.open:
             arrival = self._arrivals.take() or Arrival(self._post)
@@ -336,7 +342,7 @@ class Engine:
             submit = Submit(
                 request_id=rid,
                 prompt_token_ids=tuple(prepared.ids),
-                params=params.to_record(),
+                params=params.to_record() if embed is None else embedding_record(embed),
                 checkpoints=checkpoints,
                 actor=actor if params.stop else actor.inbox,
                 reply=asyncio.get_running_loop().create_future(),
@@ -354,6 +360,48 @@ class Engine:
             lambda message=None: self._send_cancel(rid, message=message),
             admitted,
         )
+
+    async def embed(
+        self,
+        prompt: str | Sequence[int] | Prepared,
+        *,
+        request_id: str | None = None,
+        client: str | None = None,
+        arrival: Arrival | None = None,
+        checkpoints: Sequence[int] = (),
+    ) -> RequestOutput:
+        """The embedding of `prompt` (a text, tokenized as the model's tokenizer does with
+        its special tokens, or token ids): a prefill-only request, chunked under the step
+        budget like any prompt, whose final chunk pools the model body's hidden states as the
+        model's sentence-transformers files say (`embedding`); nothing is sampled. Returns its
+        last output: `embedding` is the vector, `finish_reason` "stop"; an output without a
+        vector is one that ended otherwise (cancelled, error). A reranker's "vector" is its
+        answer tokens' logits (`EmbedParams.head_tokens`). `checkpoints` (a last-token
+        pooling's only): where a prompt's shared prefix ends, for the prefix cache. Raises as
+        `submit` does, and RequestError if the model is not an embedding model."""
+        spec = self.embedding
+        if spec is None:
+            raise RequestError(f"{self.model_name} is not an embedding model")
+        stream = await self.submit(
+            prompt,
+            request_id=request_id,
+            client=client,
+            arrival=arrival,
+            embed=spec,
+            checkpoints=checkpoints,
+        )
+        last: RequestOutput | None = None
+        async with stream:
+            async for out in stream:
+                last = out
+        assert last is not None, "a request's stream ends with its last output"
+        return last
+
+    @property
+    def embedding(self) -> EmbedParams | None:
+        """How the model pools an embedding (its sentence-transformers files); None: it is
+        not an embedding model."""
+        return self.loaded.embedding
 
     async def _send(self, submit: Submit, arrival: Arrival, actor: RequestActor) -> RequestParams:
         """Hand `submit` to the step loop and wait for its admission; returns the params as
@@ -554,6 +602,13 @@ class EngineClosedError(RuntimeError):
 class WrongEventLoopError(RuntimeError):
     """A request was submitted from another event loop than the engine's: its answers could
     never reach it."""
+
+
+def embedding_record(embed: EmbedParams) -> RequestParams:
+    """An embedding request's parameters: nothing to generate, nothing to sample."""
+    return RequestParams(
+        max_tokens=0, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=None, embed=embed
+    )
 
 
 def request_actor(

@@ -147,3 +147,35 @@ def tokenizer_files(max_context: int) -> dict[str, Any]:
         "tokenizer_config.json": tokenizer_config,
         "special_tokens_map.json": special_tokens_map,
     }
+
+
+def sentence_transformers_files(pooling: str, dimension: int) -> dict[str, Any]:
+    """The files that make a checkpoint a sentence-transformers embedding model (path ->
+    JSON content): its modules (the transformer, `pooling` over its hidden states of width
+    `dimension`, then normalised to unit length) and the pooling's config."""
+    modes = {"last": "lasttoken", "mean": "mean_tokens", "cls": "cls_token"}
+    pooling_config: dict[str, Any] = {"word_embedding_dimension": dimension}
+    for mode in ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "lasttoken"):
+        pooling_config[f"pooling_mode_{mode}"] = mode == modes[pooling]
+    pooling_config["include_prompt"] = True
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {
+            "idx": 1,
+            "name": "1",
+            "path": "1_Pooling",
+            "type": "sentence_transformers.models.Pooling",
+        },
+        {
+            "idx": 2,
+            "name": "2",
+            "path": "2_Normalize",
+            "type": "sentence_transformers.models.Normalize",
+        },
+    ]
+    return {
+        "modules.json": modules,
+        "1_Pooling/config.json": pooling_config,
+        "2_Normalize/config.json": {},  # sentence-transformers writes none; a folder needs a file
+        "config_sentence_transformers.json": {"prompts": {}, "similarity_fn_name": "cosine"},
+    }

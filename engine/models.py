@@ -35,9 +35,12 @@ from stepline.engine.demo_files import (
     MARKUP_TOKENS,
     SPECIAL_TOKENS,
     VISION_DEMO,
+    sentence_transformers_files,
     tokenizer_files,
     train_tokenizer_json,
 )
+from stepline.engine.embed import read_pooling, read_reranker
+from stepline.events.models import EmbedParams
 
 if TYPE_CHECKING:  # mlx_lm imports transformers (~1 s); load it only when loading a model
     from mlx_lm.tokenizer_utils import TokenizerWrapper
@@ -68,6 +71,9 @@ class DemoSpec:
     # greedy decoding of the random model falls into a loop of one or two tokens.
     init_std: float = 0.02
     extra: tuple[tuple[str, Any], ...] = ()  # architecture-specific config.json keys
+    # an embedding model's pooling ("last", "mean", "cls"): sentence-transformers' files
+    # beside the checkpoint (`_sentence_transformers_files`); None: a chat model
+    pooling: str | None = None
 
 
 DEMO_MODELS: dict[str, DemoSpec] = {
@@ -140,6 +146,31 @@ DEMO_MODELS: dict[str, DemoSpec] = {
         seed=3,
         init_std=0.06,
     ),
+    # A Qwen3-Embedding-shaped embedding model: last-token pooling, normalised.
+    "stepline-demo-embedding": DemoSpec(
+        arch="qwen3",
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=2048,
+        seed=4,
+        extra=(("head_dim", 16),),
+        pooling="last",
+    ),
+    # A Qwen3-Reranker-shaped reranker: a plain causal LM, scored by its "no"/"yes" logits.
+    "stepline-demo-reranker": DemoSpec(
+        arch="qwen3",
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=2048,
+        seed=5,
+        extra=(("head_dim", 16),),
+    ),
 }
 
 
@@ -162,6 +193,9 @@ class LoadedModel:
     weights: str = ""  # the weights' dtype as loaded, and why (`fit_dtype`)
     # a vision-language model's encoder and image prompts (`engine/vision.py`); None: text
     vision: Any = None
+    # an embedding model's pooling (its sentence-transformers files, `engine/embed.py`);
+    # None: a chat model
+    embedding: EmbedParams | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -179,9 +213,12 @@ class LoadedModel:
 
 
 def _spec_hash(spec: DemoSpec) -> str:
+    fields = dataclasses.asdict(spec)
+    if fields["pooling"] is None:  # as before embedding demos: the chat demos' caches stand
+        del fields["pooling"]
     recipe = {
         "build_version": _BUILD_VERSION,
-        "spec": dataclasses.asdict(spec),
+        "spec": fields,
         # Text, not bytes: a CRLF checkout trains the same tokenizer, so it hashes the same.
         "corpus": hashlib.sha256(CORPUS_PATH.read_text(encoding="utf-8").encode()).hexdigest(),
     }
@@ -277,7 +314,11 @@ def _build(spec: DemoSpec, out: Path) -> None:
     save_model(out, model)
     save_config(dict(config), config_path=out / "config.json")
     (out / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
-    for filename, content in tokenizer_files(spec.max_position_embeddings).items():
+    files = tokenizer_files(spec.max_position_embeddings)
+    if spec.pooling is not None:
+        files.update(sentence_transformers_files(spec.pooling, spec.hidden_size))
+    for filename, content in files.items():
+        (out / filename).parent.mkdir(parents=True, exist_ok=True)
         (out / filename).write_text(json.dumps(content, indent=2) + "\n", encoding="utf-8")
 
 
@@ -413,7 +454,9 @@ def _load_dir(path: Path, name: str, dtype: str = "auto", lazy: bool = False) ->
             weights=vision.weights,
             vision=vision.parts,
         )
+    embedding = read_pooling(path)  # before the weights: a pooling it cannot serve
     model, tokenizer, config = load(str(path), return_config=True, lazy=lazy)
+    embedding = embedding or read_reranker(name, path, tokenizer)
     weights = fit_dtype(model, dtype, evaluate=not lazy)
     return LoadedModel(
         model=model,
@@ -422,6 +465,7 @@ def _load_dir(path: Path, name: str, dtype: str = "auto", lazy: bool = False) ->
         path=path,
         max_context=max_context_of(config),
         weights=weights,
+        embedding=embedding,
     )
 
 

@@ -13,6 +13,7 @@ commits it (`engine/lookahead.py`).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
@@ -42,6 +43,7 @@ from stepline.engine import cpu_attention, step_sampling
 from stepline.engine.constraints import advance
 from stepline.engine.decode_batch import DecodeBatch
 from stepline.engine.draft_model import DraftModel
+from stepline.engine.embed import EmbedChunks, is_embedding_chunk
 from stepline.engine.grammar import DEFAULT_CACHE_BYTES, GrammarCompiler
 from stepline.engine.lookahead import LookAhead
 from stepline.engine.memory import read_memory_counters
@@ -116,6 +118,8 @@ class ModelRunner:
         # The decode batch's caches are kept in groups of similar lengths where steps fuse.
         self.batch = DecodeBatch(split=self.fuse)
         self.forwards = kind(loaded, self._seqs, self.batch, self._checkpoint, split_head)
+        # embedding requests' chunks: the body's forward, pooled (`engine/embed.py`)
+        self.embeds = EmbedChunks(self._checkpoint)
         self.lookahead = LookAhead(
             self.batch, self.forwards, self.sampler, enabled=lookahead, fused_steps=self.fuse
         )
@@ -249,7 +253,8 @@ class ModelRunner:
         failed: dict[str, str] = {}
         fail: Fail = partial(self._fail, failed)
         self._set_up(work, failed, fail)
-        step = self._prepare(work.plan, failed, fail)
+        embeddings = self.embeds.run(self.model, work.plan.chunks, self._seqs, failed, fail)
+        step = self._prepare(self._without_embeddings(work.plan), failed, fail)
         out = self.forwards.run(step, failed, fail)
         tokens: dict[str, int] = {}
         drafted = verify_rows(self.model, self.sampler, step.solo, out.apart, tokens, failed, fail)
@@ -278,7 +283,13 @@ class ModelRunner:
             prefix=self._prefix_report(),
             failed=failed,
             memory=read_memory_counters(),
+            embeddings=embeddings,
         )
+
+    def _without_embeddings(self, plan: StepPlan) -> StepPlan:
+        """`plan` without the embedding requests' chunks (`EmbedChunks` ran them)."""
+        chunks = tuple(c for c in plan.chunks if not is_embedding_chunk(c, self._seqs))
+        return plan if len(chunks) == len(plan.chunks) else dataclasses.replace(plan, chunks=chunks)
 
     def _checkpoints(self) -> dict[str, tuple[int, ...]]:
         """The checkpoints each live request reached this step."""

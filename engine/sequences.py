@@ -44,6 +44,8 @@ class Seq:
     solo: bool = False
     # out of its seat (actors/scheduler/seats.py): its own `cache` kept, it does not decode
     parked: bool = False
+    # an embedding request's pooled hidden states so far (`engine.embed.Pool`)
+    pool: Any = None
 
     def key_of(self, end: int) -> list[int]:
         """The prefix cache's key of the prompt's first `end` tokens."""

@@ -69,6 +69,23 @@ class _Event(BaseModel):
     model: str | None = None
 
 
+class EmbedParams(BaseModel):
+    """What makes a request an embedding's (engine/embed.py): its prompt is prefilled and its
+    final chunk's result is the model body's hidden states pooled, no token sampled."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    pooling: Literal["last", "mean", "cls"]  # the last token's, the mean of all, the first's
+    normalize: bool = True  # to unit length (sentence-transformers' `Normalize`)
+    # A reranker's (Qwen3-Reranker's "no" and "yes"): the result is the output head's logits
+    # of these token ids at the last token, not the hidden state (pooling "last")
+    head_tokens: tuple[int, ...] = ()
+
+
+def _absent(value: object) -> bool:
+    return value is None
+
+
 class RequestParams(BaseModel):
     """What re-execution needs to run a request again: its sampling parameters."""
 
@@ -88,6 +105,9 @@ class RequestParams(BaseModel):
     repetition_penalty: float = 1.0
     grammar: str | None = None  # llguidance grammar the output must follow (engine/grammar.py)
     logprobs: int | None = None  # None: no logprobs; k: the chosen token's and the top k
+    # An embedding request (max_tokens 0): how its hidden states are pooled. Written only where
+    # set, so a generating request's line is as it was.
+    embed: EmbedParams | None = Field(default=None, exclude_if=_absent)
 
 
 class Admitted(_Event):
@@ -338,6 +358,8 @@ class Terminal(_Event):
     # error's code and HTTP status the client got (e.g. "context_length_exceeded", 400)
     code: str | None = None
     status: int | None = None
+    # An embedding request that ended with its vector: the vector's length (written only then)
+    dimensions: int | None = Field(default=None, exclude_if=_absent)
 
 
 class StepFinished(_Event):

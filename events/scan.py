@@ -84,7 +84,16 @@ def light_struct(
             if d.info.mode == "after"
         ]
     )
-    namespace: dict[str, Any] = {"type": tag, "__doc__": f"`{model.__name__}`, light."}
+    namespace: dict[str, Any] = {
+        "type": tag,
+        "__doc__": f"`{model.__name__}`, light.",
+        # the fields its line leaves out when their value says so (pydantic's `exclude_if`)
+        "left_out_if": {
+            name: info.exclude_if
+            for name, info in model.model_fields.items()
+            if info.exclude_if is not None
+        },
+    }
     if checks:
 
         def __post_init__(self: Any) -> None:
@@ -184,7 +193,10 @@ def token_ids(event: Any) -> tuple[int, ...] | None:
 def to_builtins(event: Any) -> dict[str, Any]:
     """A light event as the JSON object its line holds (its raw parts decoded)."""
     out = {"type": event.type}
+    left_out = event.left_out_if
     for name in event.__struct_fields__:
         value = getattr(event, name)
+        if name in left_out and left_out[name](value):
+            continue  # as the line leaves it out
         out[name] = msgspec.json.decode(value) if isinstance(value, msgspec.Raw) else value
     return msgspec.to_builtins(out)

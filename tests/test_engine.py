@@ -700,6 +700,7 @@ def test_an_output_made_field_by_field_equals_one_made_by_its_constructor() -> N
         "num_computed_tokens": 3,
         "logprobs": (),
         "error": None,
+        "embedding": None,
     }
     # every field, so that a field added to RequestOutput must be added to `made` too
     assert set(values) == {f.name for f in dataclasses.fields(RequestOutput)}

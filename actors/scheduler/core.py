@@ -69,7 +69,11 @@ from stepline.actors.scheduler.plan import (
     StepPlan,
 )
 from stepline.actors.scheduler.policy import schedule
-from stepline.actors.scheduler.prefix_candidates import outside_images, prefix_candidates
+from stepline.actors.scheduler.prefix_candidates import (
+    outside_images,
+    prefix_candidates,
+    whole_prompt_pooled,
+)
 from stepline.actors.scheduler.prefix_index import PrefixIndex, PrefixPlan, Tokens, plan_prefixes
 from stepline.actors.scheduler.spans import PromptImage, check_spans, prompt_key
 from stepline.actors.scheduler.step_records import (
@@ -197,7 +201,8 @@ class SchedulerCore:
         ids = tuple(prompt_token_ids)
         check_spans(images, len(ids))
         own = len(ids) - 1
-        if self.index is not None and self.limits.exact_prefixes and own not in checkpoints:
+        exact = self.limits.exact_prefixes and params.embed is None  # an embedding: no reuse
+        if self.index is not None and exact and own not in checkpoints:
             # the same prompt sent again then reuses all but its last token
             if own > 0:
                 checkpoints = (*checkpoints, own)
@@ -363,6 +368,7 @@ class SchedulerCore:
             self.book.disk_tried,
         )
         prefix = outside_images(plan_prefixes(candidates, self.index), states)
+        prefix = whole_prompt_pooled(prefix, states)
         self.book.disk_tried.update(prefix.loading)
         return prefix
 
@@ -493,6 +499,18 @@ class SchedulerCore:
         for cls, fields in chunk_records(state, chunk, reached, book.cache_source(rid), miss):
             self._record(cls, **fields)
         out.prefilled(state, chunk)
+        if chunk.is_final and state.params.embed is not None:
+            self._embedded(rid, result.embeddings.get(rid), out)
+
+    def _embedded(self, rid: str, vector: tuple[float, ...] | None, out: StepOutcome) -> None:
+        """An embedding request's prompt is done: it ends (stop) with its vector, which its
+        update carries; the log records the vector's length."""
+        if vector is None:  # the executor failed it (`result.failed`): ended already
+            return
+        self._record(Terminal, request_id=rid, reason=FinishReason.STOP, dimensions=len(vector))
+        update = out.updates[rid]
+        update.finish = FinishReason.STOP
+        update.embedding = vector
 
     def apply_prefix_report(self, report: PrefixReport | None) -> None:
         """The prefix store's changes (after a step or housekeeping), into the index."""

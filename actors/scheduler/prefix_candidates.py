@@ -78,3 +78,25 @@ def outside_images(prefix: PrefixPlan, states: Mapping[str, RequestState]) -> Pr
             if rid in matches:
                 matches[rid] = replace(matches[rid], num_tokens=n)
     return replace(prefix, cached=cached, matches=matches)
+
+
+def whole_prompt_pooled(prefix: PrefixPlan, states: Mapping[str, RequestState]) -> PrefixPlan:
+    """`prefix` without a cache hit, or a wait for one, for an embedding request that pools
+    more than its last token (mean, CLS): its hidden states must be computed from the first
+    token on, so it never starts from the prefix cache."""
+    pooled = {
+        rid
+        for rid in (*prefix.cached, *prefix.deferred)
+        if (s := states.get(rid)) is not None
+        and s.params.embed is not None
+        and s.params.embed.pooling != "last"
+    }
+    if not pooled:
+        return prefix
+    return replace(
+        prefix,
+        cached={r: n for r, n in prefix.cached.items() if r not in pooled},
+        matches={r: m for r, m in prefix.matches.items() if r not in pooled},
+        deferred=prefix.deferred - pooled,
+        loading=prefix.loading - pooled,
+    )

@@ -68,6 +68,8 @@ class StepResult:
     # the step's other work stands. The exception went to the log.
     failed: Mapping[str, str] = field(default_factory=dict)
     memory: MemoryCounters | None = None  # MLX's allocator after this step
+    # request_id -> its vector, for each embedding request whose final chunk ran this step
+    embeddings: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
 
 
 # What a request fault says (stable, for the terminal event; the detail goes to the log).

@@ -93,6 +93,8 @@ def text_timeline(t: RequestTimeline) -> list[str]:
     cached = f", {t.num_cached_tokens} cached ({t.cache_source})" if t.num_cached_tokens else ""
     if t.terminal:
         end = t.terminal.reason.value + (f" ({t.terminal.message})" if t.terminal.message else "")
+        if t.terminal.dimensions is not None:  # an embedding request's end
+            end += f" (a vector of {t.terminal.dimensions})"
     elif t.interrupted:
         end = f"interrupted (run {t.run} ended without ending it: the engine stopped)"
     else:

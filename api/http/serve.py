@@ -182,15 +182,23 @@ async def serve_in_process(
             server.should_exit = True
 
 
-def _curl_line(url: str, model: str, api_key: str | None) -> str:
+def _curl_line(url: str, model: str, api_key: str | None, embedding: Any = None) -> str:
+    """A request to try: a streamed chat, or for an embedding model (`embedding`: its
+    `EmbedParams`) an embedding, for a reranker a rerank."""
     auth = ' -H "Authorization: Bearer $STEPLINE_API_KEY"' if api_key else ""
-    body = (
-        f'{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}], '
-        '"max_tokens": 64, "stream": true}'
+    route, body = (
+        "chat/completions",
+        (
+            f'{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}], '
+            '"max_tokens": 64, "stream": true}'
+        ),
     )
-    return (
-        f"curl -N {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'"
-    )
+    if embedding is not None and embedding.head_tokens:
+        route = "rerank"
+        body = f'{{"model": "{model}", "query": "Hello?", "documents": ["Hello!", "Bye."]}}'
+    elif embedding is not None:
+        route, body = "embeddings", f'{{"model": "{model}", "input": "Hello!"}}'
+    return f"curl -N {url}/v1/{route} -H 'Content-Type: application/json'{auth} -d '{body}'"
 
 
 class _AppSwitch:
@@ -352,7 +360,7 @@ async def _serve_engine(model: str | None, engine_kwargs: dict, up: _Up) -> None
         )
         served_as = f" (as {', '.join(names)})" if cfg.served_model_name else ""
         print(f"stepline: serving {engine.model_name}{served_as} at {url}/v1 (OpenAI-compatible)")
-        _print_try(url, names[0], cfg)
+        _print_try(url, names[0], cfg, engine.embedding)
         if (problem := engine.event_log_problem) is not None:  # a full disk at start
             print(f"stepline: warning: {problem}", file=sys.stderr, flush=True)
         reason = await engine.wait_unhealthy()
@@ -390,10 +398,10 @@ async def _serve_pool(pool_config: PoolConfig, engine_kwargs: dict, up: _Up) -> 
         await anyio.sleep_forever()
 
 
-def _print_try(url: str, name: str, cfg: ServerConfig) -> None:
+def _print_try(url: str, name: str, cfg: ServerConfig, embedding: Any = None) -> None:
     if cfg.api_key and os.environ.get("STEPLINE_API_KEY") != cfg.api_key:
         print("stepline: set STEPLINE_API_KEY to the key for the curl line below")
-    print(f"try:\n  {_curl_line(url, name, cfg.api_key)}", flush=True)
+    print(f"try:\n  {_curl_line(url, name, cfg.api_key, embedding)}", flush=True)
 
 
 async def _serve_other_rank(model: str | None, engine_kwargs: dict) -> None:

@@ -334,3 +334,44 @@ class ShowRequest(_Request):
 
     def check_supported(self) -> None:
         pass
+
+
+class EmbedRequest(_Request):
+    """/api/embed: `input` a text or texts; `truncate` (true unless false): a text past the
+    context is cut to fit, else refused; `dimensions`: the vectors cut to that many numbers
+    and normalised again. `options` and `keep_alive` are accepted and change nothing here."""
+
+    model: str = Field(min_length=1)
+    input: str | list[str]
+    truncate: bool = True
+    dimensions: int | None = Field(None, ge=1)
+    options: dict[str, Any] | None = None
+    keep_alive: Any = None
+
+    def check_supported(self) -> None:
+        return None
+
+    @field_validator("model")
+    @classmethod
+    def _default_tag(cls, v: str) -> str:
+        return v.removesuffix(":latest")
+
+    def inputs(self) -> list[str | list[int]]:
+        return [self.input] if isinstance(self.input, str) else list(self.input)
+
+
+class EmbeddingsRequest(_Request):
+    """/api/embeddings, the older one: one `prompt`, cut to the context if it is longer."""
+
+    model: str = Field(min_length=1)
+    prompt: str
+    options: dict[str, Any] | None = None
+    keep_alive: Any = None
+
+    def check_supported(self) -> None:
+        return None
+
+    @field_validator("model")
+    @classmethod
+    def _default_tag(cls, v: str) -> str:
+        return v.removesuffix(":latest")

@@ -30,12 +30,15 @@ from pydantic_core import to_json
 from stepline.api.ollama.facts import ModelFacts
 from stepline.api.ollama.schema import (
     ChatRequest,
+    EmbeddingsRequest,
+    EmbedRequest,
     GenerateRequest,
     ModelRequest,
     OllamaRequest,
     ShowRequest,
 )
 from stepline.api.ollama.wire import OLLAMA
+from stepline.api.pipeline import embed
 from stepline.api.pipeline.agents import (
     AgentPlan,
     openai_tools,
@@ -127,8 +130,26 @@ class OllamaDoor:
         cards = []
         for name in self.serving.models.listed:
             served = self.serving.loaded(name)
-            cards.append(self.card(name, self.facts(served) if served is not None else None))
+            card = self.card(name, self.facts(served) if served is not None else None)
+            if served is not None:  # what it does (stepline's; /api/show's names)
+                card["capabilities"] = self.capabilities(served)
+            cards.append(card)
         return {"models": cards}
+
+    def capabilities(self, served: ServedModel) -> list[str]:
+        """What a loaded model does, in /api/show's words."""
+        engine = served.engine
+        if engine.embedding is not None:  # (a reranker has no Ollama name: none of these)
+            return ["embedding"] if embed.is_embedder(engine) else []
+        tokenizer = engine.tokenizer
+        capabilities = ["completion"]
+        if tools_unusable(tokenizer, parse=True) is None:
+            capabilities.append("tools")
+        if getattr(tokenizer, "think_start", None):
+            capabilities.append("thinking")
+        if engine.accepts_images:  # what Ollama's clients look for to send images
+            capabilities.append("vision")
+        return capabilities
 
     def ps(self) -> dict[str, Any]:
         """The loaded models."""
@@ -150,13 +171,7 @@ class OllamaDoor:
         engine = ctx.engine
         tokenizer = engine.tokenizer
         f = self.facts(ctx.model)
-        capabilities = ["completion"]
-        if tools_unusable(tokenizer, parse=True) is None:
-            capabilities.append("tools")
-        if getattr(tokenizer, "think_start", None):
-            capabilities.append("thinking")
-        if engine.accepts_images:  # what Ollama's clients look for to send images
-            capabilities.append("vision")
+        capabilities = self.capabilities(ctx.model)
         template = getattr(tokenizer, "chat_template", None)
         parameters = self.parameters(ctx.model)
         modelfile = f"# served by stepline from {engine.loaded.path}\n" + "".join(
@@ -180,6 +195,41 @@ class OllamaDoor:
                 "modified_at": f.modified_at,
             }
         )
+
+    # -- /api/embed, /api/embeddings --
+
+    async def embed(self, ctx: RequestContext[EmbedRequest]) -> Response:
+        req, t0 = ctx.body, time.perf_counter_ns()
+        done = await embed.embed(
+            self.serving,
+            ctx,
+            req.inputs(),
+            dimensions=req.dimensions,
+            truncate=req.truncate,
+            client=client_of(ctx.request.headers),
+        )
+        return JSONResponse(
+            {
+                "model": req.model,
+                "embeddings": done.vectors,
+                "total_duration": time.perf_counter_ns() - t0,
+                "load_duration": 0,
+                "prompt_eval_count": done.num_prompt_tokens,
+            },
+            headers={"x-request-id": ctx.rid},
+        )
+
+    async def embeddings(self, ctx: RequestContext[EmbeddingsRequest]) -> Response:
+        req = ctx.body
+        done = await embed.embed(
+            self.serving,
+            ctx,
+            [req.prompt],
+            param="prompt",
+            truncate=True,
+            client=client_of(ctx.request.headers),
+        )
+        return JSONResponse({"embedding": done.vectors[0]}, headers={"x-request-id": ctx.rid})
 
     def parameters(self, served: ServedModel) -> str:
         """The options a request that sets none gets, as Modelfile parameters (`name value`
@@ -385,6 +435,20 @@ def router(serving: Serving) -> APIRouter:
         rid = f"ollama-{uuid.uuid4().hex}"
         return await serving.handle(
             request, rid, door.generate, OLLAMA, body=GenerateRequest, any_media_type=True
+        )
+
+    @routes.post("/api/embed")
+    async def embed_(request: Request) -> Response:
+        rid = f"ollama-{uuid.uuid4().hex}"
+        return await serving.handle(
+            request, rid, door.embed, OLLAMA, body=EmbedRequest, any_media_type=True
+        )
+
+    @routes.post("/api/embeddings")
+    async def embeddings(request: Request) -> Response:
+        rid = f"ollama-{uuid.uuid4().hex}"
+        return await serving.handle(
+            request, rid, door.embeddings, OLLAMA, body=EmbeddingsRequest, any_media_type=True
         )
 
     @routes.post("/api/show")

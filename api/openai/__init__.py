@@ -1,4 +1,5 @@
-"""The OpenAI door: /v1/chat/completions, /v1/completions, /v1/models (`serving`), with their
+"""The OpenAI door: /v1/chat/completions, /v1/completions, /v1/models, /v1/embeddings and
+rerank (/v1/rerank, /v2/rerank, /rerank: Cohere's and Jina's shape) (`serving`), with their
 request bodies (`schema`) and agent fields (`agents`). Errors are OpenAI's, the server's
 default shape."""
 
@@ -13,7 +14,15 @@ if TYPE_CHECKING:
 
     from stepline.api.pipeline.serving import Serving
 
-PREFIXES = ("/v1/chat/", "/v1/completions", "/v1/models")
+PREFIXES = (
+    "/v1/chat/",
+    "/v1/completions",
+    "/v1/models",
+    "/v1/embeddings",
+    "/v1/rerank",
+    "/v2/rerank",
+    "/rerank",
+)
 
 
 def routes(serving: Serving) -> APIRouter:

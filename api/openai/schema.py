@@ -308,3 +308,52 @@ class CompletionRequest(_SamplingFields):
                 code="unsupported_parameter",
             )
         return p[0]  # type: ignore[return-value]
+
+
+class EmbeddingRequest(_Request):
+    """/v1/embeddings: `input` a text, texts, token ids or lists of them; `encoding_format`
+    float or base64 (little-endian float32, as the `openai` client decodes it);
+    `dimensions`: the vectors cut to that many numbers and normalised again."""
+
+    model: str | None = None
+    input: str | list[str] | list[TokenId] | list[list[TokenId]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = None
+
+    def check_supported(self) -> None:
+        return None
+
+    def inputs(self) -> list[str | list[int]]:
+        """Each input on its own: a text, or one input's token ids."""
+        raw = self.input
+        if isinstance(raw, str):
+            return [raw]
+        if raw and all(isinstance(x, int) for x in raw):
+            return [list(raw)]  # type: ignore[arg-type]
+        return list(raw)  # type: ignore[arg-type]
+
+
+class RerankDocument(_Request):
+    text: str
+
+
+class RerankRequest(_Request):
+    """/v1/rerank and /rerank (Cohere's and Jina's shape): `documents` as texts or objects
+    with a `text`; `top_n` (default: all) of them back, most relevant first, with their text
+    where `return_documents`; `instruction` (stepline's) replaces the reranker's default
+    task description."""
+
+    model: str | None = None
+    query: str
+    documents: list[str | RerankDocument]
+    top_n: int | None = Field(None, ge=1)
+    return_documents: bool = False
+    instruction: str | None = None
+    user: str | None = None
+
+    def check_supported(self) -> None:
+        return None
+
+    def texts(self) -> list[str]:
+        return [d if isinstance(d, str) else d.text for d in self.documents]

@@ -1,5 +1,6 @@
-"""The OpenAI door's handlers: /v1/chat/completions, /v1/completions, /v1/models, over the
-pipeline every door shares (`Serving`). Responses and stream chunks are the `openai`
+"""The OpenAI door's handlers: /v1/chat/completions, /v1/completions, /v1/models,
+/v1/embeddings and rerank (/v1/rerank, /rerank), over the pipeline every door shares
+(`Serving`). Responses and stream chunks are the `openai`
 package's own types, dumped with the fields set (`exclude_unset`): `null` where OpenAI sends
 null, and a streaming `delta` that holds only the keys that changed.
 
@@ -10,6 +11,8 @@ disconnects cancels its request (its cache is freed within one step).
 
 from __future__ import annotations
 
+import base64
+import struct
 import time
 import uuid
 from collections.abc import Sequence
@@ -17,7 +20,14 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from openai.types import Completion, CompletionChoice, CompletionUsage, Model
+from openai.types import (
+    Completion,
+    CompletionChoice,
+    CompletionUsage,
+    CreateEmbeddingResponse,
+    Embedding,
+    Model,
+)
 from openai.types.chat import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -28,9 +38,16 @@ from openai.types.chat import (
 from openai.types.chat.chat_completion_token_logprob import TopLogprob
 from openai.types.completion_choice import Logprobs
 from openai.types.completion_usage import PromptTokensDetails
+from openai.types.create_embedding_response import Usage as EmbeddingUsage
 
 from stepline.api.openai import agents
-from stepline.api.openai.schema import ChatCompletionRequest, CompletionRequest
+from stepline.api.openai.schema import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    RerankRequest,
+)
+from stepline.api.pipeline import embed, rerank
 from stepline.api.pipeline.errors import OPENAI, APIError, model_not_found
 from stepline.api.pipeline.model_output import split_output
 from stepline.api.pipeline.serving import (
@@ -59,6 +76,10 @@ def usage(out: RequestOutput) -> CompletionUsage:
         total_tokens=out.num_prompt_tokens + out.num_output_tokens,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens),
     )
+
+
+def _base64(vector: list[float]) -> str:
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
 
 
 def _json(body: Any) -> bytes:
@@ -220,9 +241,73 @@ class OpenAIDoor:
         if served is not None:
             extra["max_model_len"] = served.engine.max_context
             extra["sampling_defaults"] = served.defaults.card()
+            # what it does (stepline's): an embedding model embeds and generates nothing
+            extra["capabilities"] = (
+                ["chat", "completions"]
+                if served.engine.embedding is None
+                else ["rerank"]
+                if embed.is_reranker(served.engine)
+                else ["embeddings"]
+            )
         if self.serving.models.on_demand:
             extra["loaded"] = served is not None
         return Model(id=name, object="model", created=self.created, owned_by="stepline", **extra)
+
+    # -- /v1/embeddings --
+
+    async def embeddings(self, ctx: RequestContext[EmbeddingRequest]) -> Response:
+        req = ctx.body
+        done = await embed.embed(
+            self.serving,
+            ctx,
+            req.inputs(),
+            dimensions=req.dimensions,
+            client=client_of(ctx.request.headers, req.user),
+        )
+        data = [
+            Embedding(embedding=v, index=i, object="embedding")
+            if req.encoding_format == "float"
+            # base64 of little-endian float32: a string where the SDK's type has a list
+            else Embedding.model_construct(embedding=_base64(v), index=i, object="embedding")
+            for i, v in enumerate(done.vectors)
+        ]
+        body = CreateEmbeddingResponse(
+            data=data,
+            model=ctx.response_model,
+            object="list",
+            usage=EmbeddingUsage(
+                prompt_tokens=done.num_prompt_tokens, total_tokens=done.num_prompt_tokens
+            ),
+        )
+        return json_response(body, headers={"x-request-id": ctx.rid}, warnings=False)
+
+    # -- /v1/rerank, /rerank --
+
+    async def rerank(self, ctx: RequestContext[RerankRequest]) -> Response:
+        req = ctx.body
+        texts = req.texts()
+        done = await rerank.rerank(
+            self.serving,
+            ctx,
+            req.query,
+            texts,
+            instruction=req.instruction,
+            client=client_of(ctx.request.headers, req.user),
+        )
+        order = sorted(range(len(texts)), key=lambda i: -done.scores[i])[: req.top_n]
+        results = []
+        for i in order:
+            result: dict[str, Any] = {"index": i, "relevance_score": done.scores[i]}
+            if req.return_documents:
+                result["document"] = {"text": texts[i]}
+            results.append(result)
+        body = {
+            "id": ctx.rid,
+            "model": ctx.response_model,
+            "results": results,
+            "usage": {"total_tokens": done.num_prompt_tokens},
+        }
+        return JSONResponse(body, headers={"x-request-id": ctx.rid})
 
     def models(self) -> dict[str, Any]:
         """Every served model under its first name, loaded or not (their other names are
@@ -406,6 +491,18 @@ def router(serving: Serving) -> APIRouter:
     async def completions(request: Request) -> Response:
         rid = f"cmpl-{uuid.uuid4().hex}"
         return await serving.handle(request, rid, door.completions, OPENAI, body=CompletionRequest)
+
+    @routes.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        rid = f"embd-{uuid.uuid4().hex}"
+        return await serving.handle(request, rid, door.embeddings, OPENAI, body=EmbeddingRequest)
+
+    @routes.post("/v1/rerank")  # Jina's, vLLM's
+    @routes.post("/v2/rerank")  # Cohere's
+    @routes.post("/rerank")
+    async def rerank_(request: Request) -> Response:
+        rid = f"rerank-{uuid.uuid4().hex}"
+        return await serving.handle(request, rid, door.rerank, OPENAI, body=RerankRequest)
 
     @routes.get("/v1/models")
     async def models() -> JSONResponse:

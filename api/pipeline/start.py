@@ -17,6 +17,7 @@ from starlette.datastructures import Headers
 from stepline.api.config import ServerConfig
 from stepline.api.params import SamplingParams
 from stepline.api.pipeline.agents import AgentPlan
+from stepline.api.pipeline.embed import embedding_only
 from stepline.api.pipeline.errors import APIError, context_exceeded, known_error
 from stepline.api.pipeline.images import ImagesBusyError, resolve_images
 from stepline.api.pipeline.model_output import OutputFormat, OutputSplitter
@@ -136,6 +137,8 @@ class Starter:
             raise err from None
 
     async def _start(self, ctx: RequestContext[Any], call: Call) -> Started:
+        if ctx.engine.embedding is not None:
+            raise embedding_only(ctx.model.name)
         agent = call.agent
         messages = None if call.messages is None else await self.with_images(ctx, call.messages)
         prepared = await self.prepare(

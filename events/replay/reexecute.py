@@ -229,6 +229,8 @@ def _skip_reason(rec: RecordedRequest, images_at: Path | None = None) -> str | N
     p = rec.admitted.params
     if rec.finish is FinishReason.REJECTED:
         return "rejected when recorded"
+    if p.embed is not None:  # the log keeps no vector to compare with
+        return "an embedding (no tokens to compare)"
     if rec.admitted.images and (
         images_at is None or any(not (images_at / i.digest).is_file() for i in rec.admitted.images)
     ):

@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pydantic import Field
+
 from stepline.events.fold import RequestState, Status, fold
 from stepline.events.log import read_events, read_runs
 from stepline.events.models import (
@@ -87,6 +89,8 @@ class TerminalRecord(Report):
     ts: float
     reason: FinishReason
     message: str | None
+    # an embedding request's vector's length (`Terminal.dimensions`); shown only then
+    dimensions: int | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class RequestTimeline(Report):
@@ -323,6 +327,7 @@ def _timeline(
                 ts=terminal.ts,
                 reason=terminal.reason,
                 message=terminal.message,
+                dimensions=terminal.dimensions,
             )
             if terminal
             else None
