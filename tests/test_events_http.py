@@ -9,6 +9,7 @@ import os
 import shutil
 import socket
 import tempfile
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -411,8 +412,24 @@ async def test_the_page_shows_requests_as_they_run_in_a_browser(served: Served) 
             kv = await page.evaluate("document.getElementById('kv').textContent")
             assert "tokens reserved" in kv
             assert "hit rate" in await page.evaluate("document.getElementById('cache').textContent")
-            misses = await page.evaluate("document.getElementById('misses').textContent")
-            assert f"{rid}: 0 of" in misses and "nothing cached starts as its prompt does" in misses
+            # a prompt nothing cached shares is listed among the misses, with why
+            async with httpx.AsyncClient(base_url=served.url, timeout=30) as http:
+                r = await http.post(
+                    "/v1/completions",
+                    json={
+                        "model": "stepline-demo",
+                        "prompt": f"zq {uuid.uuid4().hex}",
+                        "max_tokens": 2,
+                    },
+                )
+            cold = r.headers["x-request-id"]
+            misses = await page.shows(
+                f"document.getElementById('misses').textContent.includes('{cold}: 0 of')"
+                " && document.getElementById('misses').textContent",
+                within=20,
+                what="the miss in the page",
+            )
+            assert "nothing cached starts as its prompt does" in misses or "first differs" in misses
             await page.evaluate(f"{row}.click()")
             timeline = await page.shows(
                 "document.getElementById('timeline').textContent.startsWith('request ')"
