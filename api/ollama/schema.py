@@ -294,46 +294,35 @@ def with_images(text: str, images: list[str] | None, where: str) -> Any:
     return content_of([*parts, text_part(text)])
 
 
-class ModelRequest(_Request):
+class _NamedModel(_Request):
+    """A body that names a model: `model` (`name` in older clients), ":latest" implied."""
+
+    model: str = Field(min_length=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _older_spelling(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "model" not in data and "name" in data:
+            return {**data, "model": data["name"]}
+        return data
+
+    @field_validator("model")
+    @classmethod
+    def _default_tag(cls, v: str) -> str:
+        return v.removesuffix(":latest")
+
+    def check_supported(self) -> None:
+        pass
+
+
+class ModelRequest(_NamedModel):
     """/api/pull's and /api/delete's body: the model (`name` in older clients)."""
 
-    model: str = Field(min_length=1)
     stream: bool = True
 
-    @model_validator(mode="before")
-    @classmethod
-    def _older_spelling(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "model" not in data and "name" in data:
-            return {**data, "model": data["name"]}
-        return data
 
-    @field_validator("model")
-    @classmethod
-    def _default_tag(cls, v: str) -> str:
-        return v.removesuffix(":latest")
-
-    def check_supported(self) -> None:
-        pass
-
-
-class ShowRequest(_Request):
-    model: str = Field(min_length=1)
+class ShowRequest(_NamedModel):
     verbose: bool = False
-
-    @model_validator(mode="before")
-    @classmethod
-    def _older_spelling(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "model" not in data and "name" in data:
-            return {**data, "model": data["name"]}
-        return data
-
-    @field_validator("model")
-    @classmethod
-    def _default_tag(cls, v: str) -> str:
-        return v.removesuffix(":latest")
-
-    def check_supported(self) -> None:
-        pass
 
 
 class EmbedRequest(_Request):
