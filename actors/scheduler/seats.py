@@ -47,6 +47,8 @@ def share_of(live: Sequence[RequestState], max_num_seqs: int) -> int:
 def seat_moves(live: Sequence[RequestState], max_num_seqs: int) -> SeatMoves:
     """Which requests of `live` (every unfinished request, oldest first) change seat this step
     (see the module docstring)."""
+    if not any(s.parked or s.status is Status.WAITING for s in live):
+        return NO_MOVES  # every step while requests only decode: nothing to weigh
     parked = [s for s in live if s.parked]
     owed = Counter[str | None]()  # per client below its share: the seats it waits for
     seated = Counter(s.client for s in live if s.status in RUNNING and not s.parked)
