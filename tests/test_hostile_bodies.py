@@ -70,11 +70,17 @@ def deep_bodies(depth: int) -> list[tuple[str, bytes]]:
     ]
 
 
-async def health_time(http: httpx.AsyncClient) -> float:
+# A probe held behind idle or stalled connections waits for one of them to time out: the
+# served app's shortest timeout is its keep-alive's 5 s. An answer sooner than that was not
+# held, however busy the machine running the test is.
+HELD_BEHIND_S = 5.0
+
+
+async def health_answers(http: httpx.AsyncClient) -> None:
     t0 = time.monotonic()
     r = await http.get("/health")
     assert r.status_code == 200 and r.json()["status"] == "ok"
-    return time.monotonic() - t0
+    assert time.monotonic() - t0 < HELD_BEHIND_S
 
 
 # -- 1. nesting depth -------------------------------------------------------------------------
@@ -87,7 +93,7 @@ async def test_json_nested_past_the_limit_is_a_400_naming_it_on_every_api(served
             r = await http.post(path, content=body, headers={"content-type": "application/json"})
             assert r.status_code == 400, (path, r.text[:300])
             assert f"more than {MAX_JSON_DEPTH} levels" in r.text, (path, r.text[:300])
-        assert await health_time(http) < 1.0
+        await health_answers(http)
     assert served.engine.healthy
 
 
@@ -163,7 +169,7 @@ async def test_a_lone_surrogate_in_any_text_field_is_a_400_naming_it(served):
         )
         assert r.status_code == 400 and "surrogate" in r.text
         assert (await http.get("/v1/responses/none")).status_code == 404
-        assert await health_time(http) < 1.0
+        await health_answers(http)
     assert served.engine.healthy
 
 
@@ -180,7 +186,7 @@ async def test_twenty_surrogate_bodies_at_once_leave_health_fast(served):
         async with anyio.create_task_group() as tg:
             for _ in range(20):
                 tg.start_soon(post)
-            assert await health_time(http) < 1.0
+            await health_answers(http)
     assert statuses == [400] * 20
 
 
@@ -230,7 +236,7 @@ async def test_more_tools_stop_strings_or_messages_than_the_caps_are_a_400_at_on
             r = await http.post(path, json=body)
             assert r.status_code == 400, (path, r.text[:300])
             assert "at most" in r.text and field in r.text, r.text[:300]
-        assert await health_time(http) < 1.0
+        await health_answers(http)
 
 
 async def test_stop_sequences_up_to_the_cap_are_served(served):
@@ -305,7 +311,7 @@ async def test_idle_sockets_past_the_limit_leave_health_metrics_and_requests_ans
         async with served.http(served.urls["limited"]) as http:
             # The probe's connection queues behind the idle ones: once it is answered, the
             # server has accepted them all (the kernel hands connections over in order).
-            assert await health_time(http) < 1.0
+            await health_answers(http)
             assert (await http.get("/metrics")).status_code == 200
             assert (await http.get("/v1/models")).status_code == 200
     finally:
@@ -334,7 +340,7 @@ async def test_past_the_limit_of_requests_in_flight_requests_get_503_but_probes_
             busy = await until_async(lambda: answered(503), within=10, every=0.01, what="a 503")
             assert busy.json()["error"]["code"] == "server_busy"
             assert busy.headers["retry-after"] == "1"
-            assert await health_time(http) < 1.0
+            await health_answers(http)
             assert (await http.get("/metrics")).status_code == 200
             for conn in pending:
                 await conn.aclose()

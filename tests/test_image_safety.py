@@ -10,7 +10,6 @@ from __future__ import annotations
 import base64
 import io
 import struct
-import time
 
 import anyio
 import pytest
@@ -93,10 +92,8 @@ def test_an_ico_holding_a_huge_png_is_refused_before_any_pixel_is_decoded(no_pix
     bomb = ico_holding(encoded(Image.new("L", (3000, 3000)), "PNG"))
     with pytest.raises(ImageError):  # Pillow imports its plugins at its first refusal
         read_header(b"junk", where="warm")
-    started = time.perf_counter()
-    with pytest.raises(ImageError) as err:
+    with pytest.raises(ImageError) as err:  # no_pixel_decoded: the header's bytes only
         decode_image(bomb, where="messages.0.content.0")
-    assert time.perf_counter() - started < 1.0  # the header's bytes only (~0.2 ms warm)
     assert err.value.code == "unsupported_image_format"
     assert "ICO" in err.value.message and "PNG, JPEG, WebP or GIF" in err.value.message
 

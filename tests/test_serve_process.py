@@ -26,7 +26,9 @@ import pytest
 from helpers import popen_serve, serve_argv, until
 
 NUM_STALLED = 300
-HEAD_TIMEOUT_S = 1.0
+# A probe held behind the stalled connections would wait for their head deadline: health
+# answered sooner was not held, however busy the machine running the test is.
+HEAD_TIMEOUT_S = 3.0
 
 
 @dataclass
@@ -195,7 +197,7 @@ def test_hundreds_of_stalled_connections_are_dropped_while_a_stream_and_health_g
         for sock in stalled:
             sock.close()
         streamer.join(timeout=60)
-    assert max(health_times) < 1.0, health_times
+    assert max(health_times) < HEAD_TIMEOUT_S, health_times
     raw = b"".join(stream_raw)
     assert raw.endswith(b"data: [DONE]\n\n")
     assert b'"finish_reason":"length"' in raw
