@@ -15,7 +15,7 @@ import os
 import platform
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Generator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -146,9 +146,15 @@ class EngineParts:
 
         executor = self.executor
         if options.parallel is None and self.member is not None:
-            # One of several models: its weights are read in pieces, each in its turn, so
-            # that the other models' steps go on between them.
-            loaded = self.loaded = await executor.call(load_model, model, options.dtype, True)
+            # One of several models: its tokenizer is read on another thread and its
+            # weights in pieces, each in its turn, so that the other models' steps go on.
+            from stepline.engine.models import load_source, model_source, read_tokenizer
+
+            source = await self._in_turn(model_source, model)
+            tokenizer = await anyio.to_thread.run_sync(read_tokenizer, source.path)
+            loaded = self.loaded = await self._in_turn(
+                load_source, source, options.dtype, True, tokenizer
+            )
             await self._eval_weights_in_turns(loaded)
         elif options.parallel is None:
             loaded = self.loaded = await executor.call(load_model, model, options.dtype)
@@ -173,6 +179,9 @@ class EngineParts:
         if options.speculative_config is not None:
             draft, self.draft_window = await executor.call(_draft_model, loaded, options)
         prefix_dir = options.prefix_cache_dir
+        forwards = None
+        if self.member is not None:  # beside other models: a forward a job, in turns
+            forwards = await self._steps_in_turns(ModelRunner.proofs(loaded, fuse=True))
         self.runner = await executor.call(
             lambda: ModelRunner(
                 loaded,
@@ -191,6 +200,7 @@ class EngineParts:
                 # One forward per step is proven for one process's model, not for shards.
                 fuse=topology is None,
                 draft=draft,
+                forwards=forwards,
             )
         )
 
@@ -199,7 +209,7 @@ class EngineParts:
         from stepline.engine.memory import plan_memory
 
         loaded = self.loaded
-        memory = await self.executor.call(
+        memory = await self._in_turn(
             lambda: plan_memory(
                 loaded.model,
                 max_kv_tokens=options.max_kv_tokens,
@@ -286,16 +296,32 @@ class EngineParts:
                     await step_loop.shutdown()  # every request still running: cancelled
                 step_loop.inbox.close()
 
+    async def _in_turn(self, fn: Callable, *args: Any) -> Any:
+        """`fn(*args)` on the executor, in this model's turn where it is one of several
+        (`PoolMember.turns`): other models' steps go on between a load's jobs."""
+        if self.member is None:
+            return await self.executor.call(fn, *args)
+        async with self.member.turns.turn(self.member.place.model):
+            return await self.executor.call(fn, *args)
+
+    async def _steps_in_turns(self, steps: Generator[None, None, Any]) -> Any:
+        """What generator `steps` returns, each of its steps a job in this model's turn."""
+        try:
+            while True:
+                done, value = await self._in_turn(_advance, steps)
+                if done:
+                    return value
+        finally:  # its arrays are freed on the executor thread, as every MLX object is
+            with anyio.CancelScope(shield=True):
+                await self.executor.call(steps.close)
+
     async def _eval_weights_in_turns(self, loaded: Any) -> None:
         """Compute a lazily loaded model's weights, a piece a job, each in this model's turn on
         the executor (`PoolMember.turns`)."""
         from stepline.engine.models import eval_weights, weight_pieces
 
-        assert self.member is not None
-        turns, name = self.member.turns, self.member.place.model
         for piece in range(await self.executor.call(weight_pieces, loaded.model)):
-            async with turns.turn(name):
-                await self.executor.call(eval_weights, loaded.model, piece)
+            await self._in_turn(eval_weights, loaded.model, piece)
 
     async def _warmup(self, sched: SchedulerConfig) -> tuple[list, Warmup | None]:
         """The step-time model's seed: the warm-up's samples kept from an earlier start of
@@ -436,3 +462,12 @@ def _draft_model(loaded: Any, options: EngineConfig) -> tuple[Any, int | None]:
     windows = [w for w in (window, check_speculation(draft.model)) if w is not None]
     log.info("draft_model_loaded", model=draft.name, path=str(draft.path), weights=draft.weights)
     return DraftModel(draft.model, loaded.vocab_size), min(windows, default=None)
+
+
+def _advance(steps: Generator[None, None, Any]) -> tuple[bool, Any]:
+    """One step of generator `steps`: (False, None), or (True, what it returned) at its end."""
+    try:
+        next(steps)
+    except StopIteration as done:
+        return True, done.value
+    return False, None

@@ -193,10 +193,28 @@ async def load_stall() -> None:
     their longest gap between two tokens, against their longest before the load."""
     import anyio
 
+    from stepline.actors.executor import Executor
     from stepline.api import SamplingParams
     from stepline.api.config import ModelSpec, PoolConfig
     from stepline.api.pool import ModelPool
 
+    # Every executor job's time, as the thread ran it: a load's longest job is the stall it
+    # can cause the other model's streams, whatever else the machine does.
+    jobs: list[tuple[float, float, str]] = []  # (ended at, seconds, what)
+    call = Executor.call
+
+    async def timed_call(self, fn, *args, after=None):  # type: ignore[no-untyped-def]
+        def run(*a):  # type: ignore[no-untyped-def]
+            start = time.perf_counter()
+            try:
+                return fn(*a)
+            finally:
+                end = time.perf_counter()
+                jobs.append((end, end - start, getattr(fn, "__qualname__", repr(fn))))
+
+        return await call(self, run, *args, after=after)
+
+    Executor.call = timed_call  # type: ignore[method-assign]
     specs = (
         ModelSpec.model_validate({"name": "b", "model": SMOL, "pinned": True}),
         ModelSpec.model_validate({"name": "c", "model": SMOL}),
@@ -227,6 +245,15 @@ async def load_stall() -> None:
             t1 = time.perf_counter()
             await anyio.sleep(1)
             tg.cancel_scope.cancel()
+    Executor.call = call  # type: ignore[method-assign]
+    during = sorted((j for j in jobs if t0 <= j[0] <= t1), key=lambda j: -j[1])
+    steps = [j for j in during if j[2].startswith("ModelRunner.")]
+    print(
+        f"the other model's steps during the load: {len(steps)}, longest "
+        f"{max((j[1] for j in steps), default=0) * 1000:.0f} ms; the load's longest jobs:"
+    )
+    for _, seconds, what in [j for j in during if j not in steps][:8]:
+        print(f"  {seconds * 1000:7.0f} ms  {what}")
     gaps_before = [b - a for a, b in zip(times, times[1:], strict=False) if b < t0]
     gaps_during = [b - a for a, b in zip(times, times[1:], strict=False) if b >= t0 and a <= t1]
     print(

@@ -16,7 +16,7 @@ logits; any architecture laid out otherwise runs the full model.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from typing import Any
 
 import mlx.core as mx
@@ -60,19 +60,42 @@ def split_head_works(model: Any) -> bool:
     If they do, prefill chunks skip the vocabulary projection for every position but the
     last one needed; otherwise `forward` runs the full model.
     """
+    return bool(run_to_end(split_head_proof(model)))
+
+
+def split_head_proof(model: Any) -> Proof:
+    """`split_head_works`, a forward at a time: it pauses (yields) after each one, so that a
+    caller may run other work between them (a model loading beside others)."""
     body = body_of(model)
     if body is None:
         return False
     try:
         tokens = mx.array([[1, 2, 3, 4]])
         full = model(tokens, cache=make_prompt_cache(model))[:, -1, :]
+        mx.eval(full)
+        yield
         split = output_head(model, body(tokens, cache=make_prompt_cache(model))[:, -1:, :])
+        mx.eval(split)
+        yield
         if split.shape[1:] != (1, full.shape[-1]):
             raise ValueError(f"the head gives {split.shape}, the model {full.shape}")
         return bool(mx.allclose(full, split[:, -1, :], atol=1e-4, rtol=1e-4).item())
     except Exception as exc:  # noqa: BLE001 - any mismatch means: use the full forward
         log.info("split_head_unavailable", reason=repr(exc))
         return False
+
+
+# A check run a forward at a time: it yields after each forward and returns its answer.
+Proof = Generator[None, None, bool]
+
+
+def run_to_end(steps: Generator[None, None, Any]) -> Any:
+    """What a generator of steps (a `Proof`) returns, every step at once."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
 
 
 def output_head(model: Any, hidden: mx.array) -> mx.array:

@@ -45,7 +45,13 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
-from stepline.engine.forward import body_of, output_head, wrap_attention
+from stepline.engine.forward import (
+    Proof,
+    body_of,
+    output_head,
+    run_to_end,
+    wrap_attention,
+)
 from stepline.engine.prefix_cache import share_cache
 
 log = structlog.get_logger(__name__)
@@ -222,6 +228,11 @@ def fused_forward_works(model: Any) -> bool:
     left padding, beside a two-token chunk) gives the hidden states of separate forwards.
     Four forwards of a few tokens, one prompt's cache shared by every request. False (and
     separate forwards) for anything else."""
+    return bool(run_to_end(fused_forward_proof(model)))
+
+
+def fused_forward_proof(model: Any) -> Proof:
+    """`fused_forward_works`, a forward at a time (`forward.Proof`)."""
     inner = body_of(model)
     if inner is None or not install(type(inner).__module__):
         return False
@@ -229,7 +240,8 @@ def fused_forward_works(model: Any) -> bool:
         prompt = make_prompt_cache(model)
         if not can_fuse(prompt, is_batch=False):
             return False
-        inner(mx.array([[1, 2, 3, 4, 5, 6, 7, 8]]), cache=prompt)
+        mx.eval(inner(mx.array([[1, 2, 3, 4, 5, 6, 7, 8]]), cache=prompt))
+        yield
 
         def at(num_tokens: int) -> list[Any]:  # the prompt's first tokens, a cache of its own
             cache = share_cache(prompt)
@@ -242,8 +254,14 @@ def fused_forward_works(model: Any) -> bool:
 
         last, chunk = mx.array([9, 10]), mx.array([11, 12, 13])
         want_rows = inner(last[:, None], cache=batch())[:, -1, :]
+        mx.eval(want_rows)
+        yield
         want_chunk = inner(chunk[None], cache=at(5))[0]
+        mx.eval(want_chunk)
+        yield
         got = body(model, [Segment(chunk, at(5)), Segment(last, batch(), is_batch=True)])
+        mx.eval(got)
+        yield
         return _close(got[:3, -1, :], want_chunk) and _close(got[3:, -1, :], want_rows)
     except Exception as exc:  # noqa: BLE001 - whatever fails here: separate forwards
         log.info("fused_forward_unavailable", reason=repr(exc))

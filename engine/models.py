@@ -432,15 +432,12 @@ def fit_dtype(model: nn.Module, dtype: str = "auto", *, evaluate: bool = True) -
     return f"{dtype} (from {stored_text}: {why})"
 
 
-def _load_dir(path: Path, name: str, dtype: str = "auto", lazy: bool = False) -> LoadedModel:
-    from mlx_lm.utils import load
+def _load_dir(
+    path: Path, name: str, dtype: str = "auto", lazy: bool = False, tokenizer: Any = None
+) -> LoadedModel:
+    from mlx_lm.utils import load, load_model
 
-    if not (path / "config.json").is_file():
-        raise ModelNotFoundError(
-            f"{name!r}: local path {path} exists but has no config.json; "
-            "point at a directory in mlx-lm / Hugging Face layout"
-        )
-    config = json.loads((path / "config.json").read_text())
+    config = _read_config(path, name)
     if isinstance(config.get("vision_config"), dict):  # a vision-language model (mlx-vlm)
         from stepline.engine.vision import load_vision
 
@@ -455,7 +452,10 @@ def _load_dir(path: Path, name: str, dtype: str = "auto", lazy: bool = False) ->
             vision=vision.parts,
         )
     embedding = read_pooling(path)  # before the weights: a pooling it cannot serve
-    model, tokenizer, config = load(str(path), return_config=True, lazy=lazy)
+    if tokenizer is None:
+        model, tokenizer, config = load(str(path), return_config=True, lazy=lazy)
+    else:  # read beforehand, off this thread (`read_tokenizer`)
+        model, config = load_model(path, lazy)
     embedding = embedding or read_reranker(name, path, tokenizer)
     weights = fit_dtype(model, dtype, evaluate=not lazy)
     return LoadedModel(
@@ -467,6 +467,28 @@ def _load_dir(path: Path, name: str, dtype: str = "auto", lazy: bool = False) ->
         weights=weights,
         embedding=embedding,
     )
+
+
+def _read_config(path: Path, name: str) -> dict[str, Any]:
+    if not (path / "config.json").is_file():
+        raise ModelNotFoundError(
+            f"{name!r}: local path {path} exists but has no config.json; "
+            "point at a directory in mlx-lm / Hugging Face layout"
+        )
+    return json.loads((path / "config.json").read_text())
+
+
+def read_tokenizer(path: Path) -> Any:
+    """The tokenizer of the text model in directory `path` (`model_source`), as `load_model`
+    would read it, or None for a vision-language model (mlx-vlm reads its processor). No MLX
+    work: it may run on another thread than the executor's, so that a model loading beside
+    others holds the MLX thread only for its MLX work (a tokenizer takes ~0.6 s to read)."""
+    from mlx_lm.utils import load_tokenizer
+
+    config = _read_config(path, str(path))
+    if isinstance(config.get("vision_config"), dict):
+        return None
+    return load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
 
 
 def max_context_of(config: dict[str, Any]) -> int:
@@ -555,7 +577,7 @@ def _pieces(model: nn.Module, piece_bytes: int) -> list[list[mx.array]]:
 
 
 def load_model(
-    name_or_path: str | None = None, dtype: str = "auto", lazy: bool = False
+    name_or_path: str | None = None, dtype: str = "auto", lazy: bool = False, tokenizer: Any = None
 ) -> LoadedModel:
     """Load a model by name, GGUF file, local directory or Hugging Face repo id.
 
@@ -571,28 +593,51 @@ def load_model(
     cannot be downloaded; ValueError for a bad dtype. Errors from mlx_lm for a model that
     was found (e.g. an unsupported architecture) propagate. With `lazy` a text model's weights
     are not read yet: `eval_weights` computes them, in pieces (a vision model's are read).
+    `tokenizer`: the text model's, read beforehand (`read_tokenizer`); else read here.
     """
-    from stepline.engine.default_model import DEFAULT_MODEL, default_gguf
+    return load_source(model_source(name_or_path), dtype, lazy, tokenizer)
 
+
+def load_source(
+    source: ModelSource, dtype: str = "auto", lazy: bool = False, tokenizer: Any = None
+) -> LoadedModel:
+    """`load_model` of the directory `model_source` found. Raises as `load_model` does."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    return _load_dir(source.path, source.name, dtype, lazy, tokenizer)
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model's files are (`model_source`) and the name it is served as."""
+
+    path: Path  # an mlx-lm / Hugging Face directory
+    name: str
+
+
+def model_source(name_or_path: str | None = None) -> ModelSource:
+    """The directory `load_model(name_or_path)` loads, made first where it is made once: a
+    demo built, a GGUF file converted, a Hugging Face repository downloaded. Raises as
+    `load_model` does."""
+    from stepline.engine.default_model import DEFAULT_MODEL, default_gguf
+
     name = DEFAULT_MODEL if name_or_path is None else name_or_path
     if name == DEFAULT_MODEL:
-        return _load_dir(_gguf_dir(default_gguf(cache_root(None))), name, dtype, lazy)
+        return ModelSource(_gguf_dir(default_gguf(cache_root(None))), name)
     if name in DEMO_MODELS:
-        return _load_dir(demo_model_path(name), name, dtype, lazy)
+        return ModelSource(demo_model_path(name), name)
     if name == VISION_DEMO:
         from stepline.engine.vision import demo_path
 
-        return _load_dir(demo_path(), name, dtype)
+        return ModelSource(demo_path(), name)
     local = Path(name).expanduser()
     if local.is_dir():
-        return _load_dir(local.resolve(), name, dtype, lazy)
+        return ModelSource(local.resolve(), name)
     if local.is_file():
         from stepline.engine.gguf import is_gguf
 
         if is_gguf(local):
-            return _load_dir(_gguf_dir(local.resolve()), local.stem, dtype, lazy)
+            return ModelSource(_gguf_dir(local.resolve()), local.stem)
     local_note = "exists but is not a directory or GGUF file" if local.exists() else "not found"
     hf_path, reason = _resolve_hf(name)
     if hf_path is None:
@@ -601,4 +646,4 @@ def load_model(
             f"Hugging Face id {name!r} ({reason}); built-in models are {DEFAULT_MODEL}, "
             f"{', '.join(DEMO_MODELS)} and {VISION_DEMO}"
         )
-    return _load_dir(hf_path, name, dtype, lazy)
+    return ModelSource(hf_path, name)

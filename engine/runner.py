@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -44,6 +44,7 @@ from stepline.engine.constraints import advance
 from stepline.engine.decode_batch import DecodeBatch
 from stepline.engine.draft_model import DraftModel
 from stepline.engine.embed import EmbedChunks, is_embedding_chunk
+from stepline.engine.forward import run_to_end
 from stepline.engine.grammar import DEFAULT_CACHE_BYTES, GrammarCompiler
 from stepline.engine.lookahead import LookAhead
 from stepline.engine.memory import read_memory_counters
@@ -52,7 +53,7 @@ from stepline.engine.prefix_cache import PrefixStore, compact_cache, exact_only,
 from stepline.engine.prefix_files import model_cache_layout, model_fingerprint
 from stepline.engine.sampling import RowHistory, RowSampling, Sampler
 from stepline.engine.sequences import Cache, Seq
-from stepline.engine.step import Step, forwards_kind, sample
+from stepline.engine.step import Kind, Step, forwards_kind_steps, sample
 from stepline.engine.step_sampling import Fail
 from stepline.engine.verify import Verify, verify_rows
 
@@ -90,6 +91,7 @@ class ModelRunner:
         lookahead: bool = True,
         fuse: bool = True,
         draft: DraftModel | None = None,
+        forwards: Kind | None = None,
     ):
         self.draft = draft  # a draft model's drafts (engine/draft_model.py); None: the plan's
         self.loaded = loaded
@@ -110,10 +112,9 @@ class ModelRunner:
         self.exact_prefixes = exact_only(loaded.model)
         self._seqs: dict[str, Seq] = {}
         self._checkpointed: list[Seq] = []  # requests that reached a checkpoint this step
-        # Prompt attention in cache-sized blocks on the CPU (before `fused` wraps it too).
-        cpu_attention.install(loaded.model)
-        # How the model runs a step's tokens, decided once (`engine/step.py`).
-        kind, split_head = forwards_kind(loaded.model, fuse=fuse)
+        # How the model runs a step's tokens, decided once (`engine/step.py`): proven here,
+        # or beforehand a forward at a time (`proofs`, for a model loading beside others).
+        kind, split_head = forwards or run_to_end(self.proofs(loaded, fuse=fuse))
         self.fuse = kind.fuses  # a step's chunks and decode rows share one forward
         # The decode batch's caches are kept in groups of similar lengths where steps fuse.
         self.batch = DecodeBatch(split=self.fuse)
@@ -126,6 +127,14 @@ class ModelRunner:
         self.grammars = grammars or GrammarCompiler(
             loaded.tokenizer, loaded.vocab_size, max_bytes=grammar_cache_bytes
         )
+
+    @staticmethod
+    def proofs(loaded: LoadedModel, *, fuse: bool = True) -> Generator[None, None, Kind]:
+        """What a runner's build checks on the model, a forward at a time (it yields after
+        each): the `forwards` argument of a runner of `loaded` built with the same `fuse`."""
+        # Prompt attention in cache-sized blocks on the CPU (before `fused` wraps it too).
+        cpu_attention.install(loaded.model)
+        return (yield from forwards_kind_steps(loaded.model, fuse=fuse))
 
     @property
     def model(self) -> Any:  # an mlx-lm model

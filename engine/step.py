@@ -13,7 +13,7 @@ there: its own `Forwards`, chosen by `forwards_kind`, and what its caches can do
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +24,7 @@ from stepline.actors.scheduler.plan import ScheduledChunk, StepPlan
 from stepline.actors.scheduler.work import CHECKPOINT_FAILED, PREFILL_FAILED, is_collective_error
 from stepline.engine import fused, step_sampling
 from stepline.engine.decode_batch import DecodeBatch, Placement
-from stepline.engine.forward import forward, split_head_works
+from stepline.engine.forward import forward, run_to_end, split_head_proof
 from stepline.engine.lookahead import Ahead
 from stepline.engine.models import LoadedModel
 from stepline.engine.sampling import Sampler
@@ -278,12 +278,22 @@ class FusedForwards(Forwards):
         return out
 
 
-def forwards_kind(model: Any, *, fuse: bool) -> tuple[type[Forwards], bool]:
+# How a model runs a step's tokens: its forwards, and whether its body and head run apart.
+Kind = tuple[type["Forwards"], bool]
+
+
+def forwards_kind(model: Any, *, fuse: bool) -> Kind:
     """The model's forwards, decided once (fused where asked, the architecture is covered
     and a fused forward is proven on this model), and whether its body and output head run
     apart (`forward.split_head_works`)."""
-    split_head = split_head_works(model)
-    fuses = fuse and split_head and fused.fused_forward_works(model)
+    return run_to_end(forwards_kind_steps(model, fuse=fuse))
+
+
+def forwards_kind_steps(model: Any, *, fuse: bool) -> Generator[None, None, Kind]:
+    """`forwards_kind`, a proof's forward at a time: it yields after each one (a model
+    loading beside others runs each in a job of its own, `ModelRunner.proofs`)."""
+    split_head = yield from split_head_proof(model)
+    fuses = fuse and split_head and (yield from fused.fused_forward_proof(model))
     return (FusedForwards if fuses else Forwards), split_head
 
 

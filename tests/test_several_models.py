@@ -20,7 +20,7 @@ import pytest
 from helpers import popen_serve, replay, serve_argv
 from prometheus_client.parser import text_string_to_metric_families
 
-from stepline.api import Engine
+from stepline.api import Engine, SamplingParams
 from stepline.api.cli.serve import add_serve_parser, what_to_serve
 from stepline.api.config import EventLogConfig, ModelSpec, PoolConfig, read_models_file
 from stepline.api.http.app import create_app
@@ -127,6 +127,59 @@ async def test_models_are_listed_loaded_or_not_and_an_unknown_one_is_a_404_namin
                 )
                 assert r.status_code == 404
                 assert "'a', 'alpha', 'b'" in r.json()["error"]["message"]
+
+
+async def test_a_model_loading_beside_a_streaming_one_lets_its_steps_run_between_its_jobs(
+    monkeypatch,
+):
+    """A load's MLX work (reading, proving its forwards, planning memory) is many short jobs,
+    each in the loading model's turn: the streaming model's steps run between them, so its
+    streams wait for one job at a time, never for the whole load."""
+    from stepline.actors.executor import Executor
+    from stepline.api.engine_parts import _advance
+    from stepline.engine.models import eval_weights
+
+    ran: list[Any] = []  # what the executor thread ran, in order
+    call = Executor.call
+
+    async def recorded(self, fn, *args, after=None):
+        def run(*a):
+            ran.append(fn)
+            return fn(*a)
+
+        return await call(self, run, *args, after=after)
+
+    monkeypatch.setattr(Executor, "call", recorded)
+    config = PoolConfig(
+        models=(spec("b", "stepline-demo-hybrid", pinned=True), spec("c", "stepline-demo"))
+    )
+    with anyio.fail_after(120):
+        async with ModelPool.open(config, SMALL) as pool:
+            b = await pool.acquire("b")
+            assert b.engine is not None
+            steps_of_b = b.engine.step_loop.runner.run
+            streaming = anyio.Event()
+
+            async def stream() -> None:
+                params = SamplingParams(max_tokens=100_000, temperature=0, ignore_eos=True)
+                async for out in b.engine.generate("Tell me a story", params=params):
+                    if out.num_output_tokens >= 2:
+                        streaming.set()
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(stream)
+                await streaming.wait()
+                start = len(ran)
+                pool.release(await pool.acquire("c"))  # loads c
+                load = ran[start:]
+                tg.cancel_scope.cancel()
+            pool.release(b)
+    jobs_of_c = [i for i, fn in enumerate(load) if fn in (_advance, eval_weights)]
+    proofs = [i for i in jobs_of_c if load[i] is _advance]
+    assert len(proofs) >= 6  # split head: 2 forwards; fused: 4 (the demo's steps fuse)
+    # Between c's first and last job, b stepped about as often as c ran one: turns.
+    between = [fn for fn in load[jobs_of_c[0] : jobs_of_c[-1]] if fn == steps_of_b]
+    assert len(between) >= len(jobs_of_c) // 2, (len(between), len(jobs_of_c))
 
 
 async def test_a_model_whose_load_fails_fails_its_requests_and_the_others_serve(tmp_path):

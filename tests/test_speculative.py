@@ -479,5 +479,10 @@ async def test_drafts_where_steps_do_not_fuse_give_the_same_tokens(
     from stepline.engine import fused
 
     plain = await _generate(None)
-    monkeypatch.setattr(fused, "fused_forward_works", lambda model: False)
+
+    def never_fuses(model):  # a proof (`forward.Proof`) that says no at once
+        return False
+        yield
+
+    monkeypatch.setattr(fused, "fused_forward_proof", never_fuses)
     assert await _generate(spec) == plain
