@@ -9,7 +9,7 @@ from typing import Any
 from stepline.actors.mailbox import Mailbox
 from stepline.actors.scheduler.spans import PromptImage
 from stepline.actors.scheduler.work import TokenLogprob
-from stepline.events.models import FinishReason, RequestParams
+from stepline.events.models import FinishReason, PrefixMiss, RequestParams
 
 
 # --- to the step loop ---------------------------------------------------------
@@ -83,6 +83,10 @@ class Update:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token where asked for
     num_computed_tokens: int = 0  # prompt tokens in the cache so far (0: not said)
     num_cached_tokens: int | None = None  # of those, served by the prefix cache (first chunk)
+    # why the cache hit stops there, and how far a cached prefix matched (first step only;
+    # `ChunkPrefilled.prefix_miss`): None where it reused all it could, or had no cache
+    prefix_miss: PrefixMiss | None = None
+    prefix_shared: int = 0
     finish: FinishReason | None = None  # the request ended (by the core: stop, length, ...)
     stop_token: bool = False  # the last token is a stop token: count it, do not print it
     message: str | None = None  # what went wrong, for an error or cancel

@@ -43,6 +43,10 @@ class RequestOutput:
     error: str | None = None  # what went wrong, when finish_reason is "error"
     # an embedding request's vector, on its last output
     embedding: tuple[float, ...] | None = None
+    # why its prefix-cache hit stops where it does (`ChunkPrefilled.prefix_miss`; None: it
+    # reused all it could, or there is no cache) and how many tokens a cached prefix shared
+    prefix_miss: str | None = None
+    prefix_shared: int = 0
 
     @classmethod
     def made(
@@ -58,6 +62,8 @@ class RequestOutput:
         logprobs: tuple[TokenLogprob, ...],
         error: str | None,
         embedding: tuple[float, ...] | None = None,
+        prefix_miss: str | None = None,
+        prefix_shared: int = 0,
     ) -> RequestOutput:
         """An output from every one of its fields, made as `RequestState.evolve` makes a
         state: without `__init__`, whose setting of each frozen field cost ~4x as much (the
@@ -75,6 +81,8 @@ class RequestOutput:
             logprobs=logprobs,
             error=error,
             embedding=embedding,
+            prefix_miss=prefix_miss,
+            prefix_shared=prefix_shared,
         )
         return new
 
@@ -215,6 +223,8 @@ class RequestActor:
         self.request_id = request_id
         self.num_prompt_tokens = num_prompt_tokens
         self.num_cached_tokens = 0  # the step loop says otherwise when its first chunk runs
+        self.prefix_miss: str | None = None  # ... and why its hit stops there
+        self.prefix_shared = 0
         self._detok = detokenizer
         self._stops = StopMatcher(stop)
         self.inbox = self._inbox = inbox
@@ -249,6 +259,8 @@ class RequestActor:
             logprobs,
             error,
             embedding,
+            self.prefix_miss,
+            self.prefix_shared,
         )
 
     def on_update(self, update: Update) -> RequestOutput | None:
@@ -256,6 +268,8 @@ class RequestActor:
         (None when it says nothing new to the client)."""
         if update.num_cached_tokens is not None:
             self.num_cached_tokens = update.num_cached_tokens
+        if update.prefix_miss is not None:
+            self.prefix_miss, self.prefix_shared = update.prefix_miss, update.prefix_shared
         self._num_output_tokens = update.num_output_tokens
         if update.token_ids:
             try:

@@ -126,3 +126,48 @@ async def test_a_chat_miss_names_the_message_its_prompt_broke_in(model_cache_dir
     code, text = replay(str(path), "--request", second.request_id)
     assert f"differs from everything the cache held at token {second.prefix_shared} " in text
     assert "(in message 2)" in text  # the system prompt was reused; the question differs
+
+
+async def test_a_whole_answer_says_in_a_header_what_the_cache_served_and_why_not_more():
+    """Every door's non-streamed answer carries `x-stepline-prefix-cache`: the cached count
+    its usage also gives, and where it reused less than it could, the reason its log gives."""
+    from helpers import open_served
+
+    model = "stepline-demo-hybrid"
+    words = " ".join(f"w{n}" for n in ids(40, 7))
+    chat = [{"role": "user", "content": words}]
+    async with open_served(model, engine={"max_step_tokens": 32}) as served:
+        async with served.http() as http:
+
+            async def header(path: str, body: dict) -> dict[str, str]:
+                r = await http.post(path, json=body)
+                assert r.status_code == 200, r.text
+                pairs = (p.split("=") for p in r.headers["x-stepline-prefix-cache"].split("; "))
+                return dict(pairs)
+
+            completion = {"prompt": words, "max_tokens": 2}
+            cold = await header("/v1/completions", completion)
+            assert cold["cached"] == "0" and cold["miss"] == "cold"
+            again = await header("/v1/completions", completion)
+            assert again["cached"] == str(int(again["prompt"]) - 1) and "miss" not in again
+            # The same words, but the last one changed: a hybrid model's recurrent state
+            # exists at its snapshots only, so the hit stops at the last one before it.
+            changed = await header("/v1/completions", {**completion, "prompt": words + "x"})
+            assert changed["miss"] == "no-snapshot"
+            assert int(changed["cached"]) < int(changed["shared"]) < int(changed["prompt"])
+            for path, body in [
+                ("/v1/chat/completions", {"messages": chat, "max_tokens": 2}),
+                ("/v1/messages", {"model": model, "messages": chat, "max_tokens": 2}),
+                ("/v1/responses", {"input": words, "max_output_tokens": 2}),
+                (
+                    "/api/chat",
+                    {
+                        "model": model,
+                        "messages": chat,
+                        "stream": False,
+                        "options": {"num_predict": 2},
+                    },
+                ),
+            ]:
+                seen = await header(path, body)
+                assert int(seen["prompt"]) > 0 and "cached" in seen, path

@@ -476,7 +476,8 @@ class SchedulerCore:
         state = self.states.get(rid)
         if state is None:
             return
-        out.encoded(state, encode)
+        miss = self.book.take_miss(rid)
+        out.encoded(state, encode, miss)
         self._record(
             ImageEncoded,
             request_id=rid,
@@ -485,7 +486,7 @@ class SchedulerCore:
             end=encode.end,
             num_cached_tokens=encode.cached,
             cache_source=self.book.cache_source(rid) if encode.cached else None,
-            **self.book.take_miss(rid),
+            **miss,
         )
 
     def _chunk_done(self, chunk: ScheduledChunk, result: StepResult, out: StepOutcome) -> None:
@@ -498,7 +499,7 @@ class SchedulerCore:
         miss = book.take_miss(rid)
         for cls, fields in chunk_records(state, chunk, reached, book.cache_source(rid), miss):
             self._record(cls, **fields)
-        out.prefilled(state, chunk)
+        out.prefilled(state, chunk, miss)
         if chunk.is_final and state.params.embed is not None:
             self._embedded(rid, result.embeddings.get(rid), out)
 

@@ -184,23 +184,35 @@ class StepOutcome:
     firsts: list[float] = field(default_factory=list)
     cache_lookups: list[int] = field(default_factory=list)  # cached tokens of each first chunk
 
-    def encoded(self, state: RequestState, encode: ScheduledEncode) -> None:
-        """An image's encoder units done; a request's first step: its cache hit."""
+    def encoded(
+        self, state: RequestState, encode: ScheduledEncode, miss: Mapping[str, Any]
+    ) -> None:
+        """An image's encoder units done; a request's first step: its cache hit (and why it
+        stops there, `miss`: `Bookkeeping.take_miss`'s fields)."""
         if state.status is Status.WAITING:
             self.cache_lookups.append(encode.cached)
+            self._missed(state.request_id, miss)
             if encode.cached:  # its first step: the cache hit it starts from
                 update = self.updates.setdefault(state.request_id, Update())
                 update.num_cached_tokens = update.num_computed_tokens = encode.cached
 
-    def prefilled(self, state: RequestState, chunk: ScheduledChunk) -> None:
-        """A chunk of the request's prompt done (`state`: before it)."""
+    def prefilled(
+        self, state: RequestState, chunk: ScheduledChunk, miss: Mapping[str, Any]
+    ) -> None:
+        """A chunk of the request's prompt done (`state`: before it; `miss` as `encoded`)."""
         cached = first_cached(state, chunk)
         if state.status is Status.WAITING:
             self.cache_lookups.append(cached)
+            self._missed(state.request_id, miss)
         update = self.updates.setdefault(state.request_id, Update())
         update.num_computed_tokens = chunk.end
         if cached:
             update.num_cached_tokens = cached
+
+    def _missed(self, request_id: str, miss: Mapping[str, Any]) -> None:
+        if miss:
+            update = self.updates.setdefault(request_id, Update())
+            update.prefix_miss, update.prefix_shared = miss["prefix_miss"], miss["prefix_shared"]
 
     def sampled(
         self,

@@ -122,8 +122,7 @@ async def pieces(started: Started, splitter: OutputSplitter) -> AsyncIterator[Pi
             texts.append(out.text)
         if out.finish_reason is not None:
             delta.extend(splitter.finish())
-            if started.after is not None:
-                started.after("".join(texts))
+            ended(started, out, texts)
         yield Piece(delta, out)
         if out.finish_reason is not None:
             return
@@ -165,9 +164,30 @@ async def collect(request: Request, started: Started) -> list[RequestOutput]:
         raise client_closed()
     if outs[-1].finish_reason not in ("stop", "length"):
         raise RequestFailed(failure(started, outs[-1]), outs[-1])
-    if started.after is not None:
-        started.after("".join(o.text for o in outs))
+    ended(started, outs[-1], [o.text for o in outs])
     return outs
+
+
+def ended(started: Started, last: RequestOutput, texts: list[str]) -> None:
+    """A request answered to its end (stop or length; `texts`: its outputs' texts where
+    `started.after` wants them): its next turn's prefill hears of it, and a whole answer's
+    headers say what the prefix cache served (a stream's went out before: its log says)."""
+    if started.after is not None:
+        started.after("".join(texts))
+    started.headers[PREFIX_CACHE_HEADER] = prefix_cache_header(last)
+
+
+# A whole answer's header: how much of its prompt the prefix cache served, and why not more.
+PREFIX_CACHE_HEADER = "x-stepline-prefix-cache"
+
+
+def prefix_cache_header(out: RequestOutput) -> str:
+    """`cached=N; prompt=P`, and where a cached prefix could have served more, why not
+    (`miss=cold|diverged|no-snapshot|evicted; shared=S`: `ChunkPrefilled.prefix_miss`)."""
+    value = f"cached={out.num_cached_tokens}; prompt={out.num_prompt_tokens}"
+    if out.prefix_miss is not None:
+        value += f"; miss={out.prefix_miss}; shared={out.prefix_shared}"
+    return value
 
 
 async def produce(started: Started, renderer: Renderer, emit: Emit) -> None:
