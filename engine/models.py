@@ -146,6 +146,76 @@ DEMO_MODELS: dict[str, DemoSpec] = {
         seed=3,
         init_std=0.06,
     ),
+    # Mid-size demos (100-110M parameters, float32: a step's time is its weights', not the
+    # host's), one a family the fast paths treat apart, for benchmarks (issue 50): never
+    # built by the tests. A Qwen3-Next-shaped hybrid: 3 gated-delta layers to 1 attention
+    # layer, 8 experts (top 2) and a shared one.
+    "stepline-demo-hybrid-mid": DemoSpec(
+        arch="qwen3_next",
+        hidden_size=640,
+        num_layers=12,
+        num_heads=8,
+        num_kv_heads=2,
+        intermediate_size=1536,
+        max_position_embeddings=32768,
+        seed=6,
+        extra=(
+            ("full_attention_interval", 4),
+            ("head_dim", 64),
+            ("partial_rotary_factor", 0.25),
+            ("linear_num_value_heads", 8),
+            ("linear_num_key_heads", 4),
+            ("linear_key_head_dim", 64),
+            ("linear_value_head_dim", 64),
+            ("linear_conv_kernel_dim", 4),
+            ("num_experts", 8),
+            ("num_experts_per_tok", 2),
+            ("decoder_sparse_step", 1),
+            ("mlp_only_layers", []),
+            ("moe_intermediate_size", 384),
+            ("shared_expert_intermediate_size", 768),
+            ("norm_topk_prob", True),
+        ),
+    ),
+    # A Gemma-3-shaped sliding-window model: 5 layers of a 512-token window to 1 global.
+    "stepline-demo-sliding-mid": DemoSpec(
+        arch="gemma3_text",
+        hidden_size=768,
+        num_layers=12,
+        num_heads=8,
+        num_kv_heads=4,
+        intermediate_size=3072,
+        max_position_embeddings=32768,
+        seed=7,
+        extra=(
+            ("sliding_window", 512),
+            ("sliding_window_pattern", 6),
+            ("head_dim", 64),
+            ("query_pre_attn_scalar", 64),
+            ("rope_local_base_freq", 10000.0),
+        ),
+    ),
+    # A Qwen3-MoE-shaped mixture of experts: 16 experts, top 4, in every layer.
+    "stepline-demo-moe-mid": DemoSpec(
+        arch="qwen3_moe",
+        hidden_size=640,
+        num_layers=12,
+        num_heads=8,
+        num_kv_heads=4,
+        intermediate_size=1536,
+        max_position_embeddings=32768,
+        seed=8,
+        init_std=0.08,
+        extra=(
+            ("head_dim", 64),
+            ("num_experts", 16),
+            ("num_experts_per_tok", 4),
+            ("decoder_sparse_step", 1),
+            ("mlp_only_layers", []),
+            ("moe_intermediate_size", 256),
+            ("norm_topk_prob", True),
+        ),
+    ),
     # A Qwen3-Embedding-shaped embedding model: last-token pooling, normalised.
     "stepline-demo-embedding": DemoSpec(
         arch="qwen3",
