@@ -15,15 +15,20 @@ cost almost nothing. Two seams of mlx-lm make that possible without forking a mo
   `mlx_lm.models.base`) is wrapped: given a `SegmentedCache` it runs attention per segment
   under that mask and puts the outputs back in row order. Any other cache goes to mlx-lm's
   own function unchanged.
+A hybrid model's recurrent layers (Gated DeltaNet, Mamba2, short convolutions) get a
+`SegmentedState` instead, and their mixer module's `__call__` is wrapped (`install_mixers`):
+it runs once per segment, on that segment's rows, against the segment's own state (a
+request's `ArraysCache`, or the decode batch's), as the segment's own forward would. The
+projections, MLPs and experts around them still run once over the whole step.
 
-Covered: a model whose body's module calls mlx-lm's own `scaled_dot_product_attention`
-(llama, Qwen2/3, Qwen3-MoE, Phi-3, Ministral, Gemma 3 and 4, gpt-oss, ...; inside a wrapper
-such as `mistral3`, its language model's), with KV layers: plain `KVCache`s and sliding
-windows' `RotatingKVCache`s (whose window the model's masks must ask for).
-`fused_forward_works` installs the wrapper and proves, on the loaded model itself, that a
-fused forward gives the logits of separate ones; anything else (the recurrent `ArraysCache`
-of hybrid models, attention of a model's own, layers that share another layer's keys) runs
-separate forwards. docs/models.md's table says which families that proof passes for
+Covered: a model whose layers call mlx-lm's own `scaled_dot_product_attention` (llama,
+Qwen2/3, Qwen3-MoE, Phi-3, Ministral, Gemma 3 and 4, gpt-oss, ...; inside a wrapper such as
+`mistral3`, its language model's), with KV layers (plain `KVCache`s and sliding windows'
+`RotatingKVCache`s, whose window the model's masks must ask for) and recurrent ones
+(Qwen3-Next, Qwen3.5, Nemotron-H, Granite 4.0-H, LFM2). `fused_forward_works` installs the
+wrappers and proves, on the loaded model itself, that a fused forward gives the logits of
+separate ones; anything else (attention of a model's own, layers that share another layer's
+keys) runs separate forwards. docs/models.md's table says which families that proof passes for
 (tests/test_families.py keeps it true).
 """
 
@@ -38,6 +43,7 @@ import mlx.core as mx
 import structlog
 from mlx_lm.models import base
 from mlx_lm.models.cache import (
+    ArraysCache,
     BatchKVCache,
     BatchRotatingKVCache,
     KVCache,
@@ -86,7 +92,8 @@ class _Layout:
         self.is_batch = [s.is_batch for s in segments]
         positions = []
         for s in segments:
-            first = s.cache[0]
+            # a KV layer's offset: a recurrent layer's state knows no position
+            first = next((c for c in s.cache if not isinstance(c, ArraysCache)), s.cache[0])
             if s.is_batch:
                 positions.append(first.offset.astype(mx.int32))
             else:
@@ -153,6 +160,70 @@ class SegmentedCache:
 _WINDOWED = (RotatingKVCache, BatchRotatingKVCache)
 
 
+class SegmentedState:
+    """One recurrent layer's view of a fused step: each segment's own state (a request's
+    `ArraysCache`, or the decode batch's, one row a request). Its mixer (Gated DeltaNet,
+    Mamba2, a short convolution: `install_mixers`) runs once per segment against it, on that
+    segment's rows, as the segment's own forward would run it. Lives for one forward."""
+
+    def __init__(self, layout: _Layout, caches: list[Any]):
+        self.layout = layout
+        self.caches = caches
+
+    def make_mask(self, N: int) -> None:  # noqa: N803 - mlx-lm's name
+        """None: each segment's mask is its own state's (`_wrap_mixer`)."""
+        return None
+
+
+def _wrap_mixer(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
+    def __call__(self: Any, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        if not isinstance(cache, SegmentedState):
+            return original(self, x, mask, cache)
+        layout, outs, start = cache.layout, [], 0
+        for size, is_batch, state in zip(layout.sizes, layout.is_batch, cache.caches, strict=True):
+            rows = x[start : start + size]
+            if not is_batch:  # (L, 1, D) rows -> one sequence (1, L, D)
+                rows = rows.swapaxes(0, 1)
+            out = original(self, rows, state.make_mask(rows.shape[1]), state)
+            outs.append(out if is_batch else out.swapaxes(0, 1))
+            start += size
+        return mx.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
+
+    __call__.__wrapped__ = original  # type: ignore[attr-defined]
+    return __call__
+
+
+def install_mixers(model: Any) -> bool:
+    """Wrap the `__call__` of the recurrent mixers of `model`'s body (once a class): in each
+    decoder layer whose cache is recurrent state, the one child module called with the cache
+    (`linear_attn`, `mixer`, `conv`, ...). False where a recurrent layer has no such child,
+    or several."""
+    inner = body_of(model)
+    layers = getattr(inner, "layers", None)
+    if not layers:
+        return False
+    caches = make_prompt_cache(model)
+    for layer, cache in zip(layers, caches, strict=False):
+        if not isinstance(cache, ArraysCache):
+            continue
+        takers = [
+            child
+            for _, child in layer.children().items()
+            if callable(child) and "cache" in _parameters(type(child).__call__)
+        ]
+        if len(takers) != 1:
+            return False
+        cls = type(takers[0])
+        if not getattr(cls.__call__, "__wrapped__", None):
+            cls.__call__ = _wrap_mixer(cls.__call__)
+    return True
+
+
+def _parameters(fn: Callable[..., Any]) -> tuple[str, ...]:
+    code = getattr(fn, "__code__", None)
+    return code.co_varnames[: code.co_argcount] if code is not None else ()
+
+
 def _wrap(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, **kwargs):
         if not isinstance(cache, SegmentedCache):
@@ -185,12 +256,24 @@ def install(module_name: str) -> bool:
     return current is not None and wrap_attention(module_name, "stepline_fused", _wrap)
 
 
+def install_attention(inner: Any) -> bool:
+    """`install` in the body's own module and in each module its layers' classes come from
+    (Qwen3.5's attention is Qwen3-Next's); False where none calls mlx-lm's attention."""
+    modules = {type(inner).__module__} | {type(m).__module__ for _, m in inner.named_modules()}
+    return any([install(name) for name in sorted(modules)])
+
+
 def body(model: Any, segments: Sequence[Segment]) -> mx.array:
     """Run every segment's tokens through `model`'s body (`forward.body_of`) in one forward,
     into their caches: the hidden states (N, 1, D), one row per token, in segment order."""
     layout = _Layout(segments)
     layers = zip(*(s.cache for s in segments), strict=True)
-    caches = [SegmentedCache(layout, list(layer)) for layer in layers]
+    caches = [
+        (SegmentedState if isinstance(layer[0], ArraysCache) else SegmentedCache)(
+            layout, list(layer)
+        )
+        for layer in layers
+    ]
     tokens = mx.concatenate([s.tokens for s in segments])
     return body_of(model)(tokens.astype(mx.int32)[:, None], cache=caches)
 
@@ -219,6 +302,7 @@ def can_fuse(cache: list[Any], is_batch: bool) -> bool:
     """Whether a segment's cache is one a fused forward handles: KV layers, plain or of a
     sliding window (a recurrent layer's state is not cut into rows)."""
     kinds = (BatchKVCache, BatchRotatingKVCache) if is_batch else (KVCache, RotatingKVCache)
+    kinds = (*kinds, ArraysCache)
     return bool(cache) and all(type(layer) in kinds for layer in cache)
 
 
@@ -234,16 +318,24 @@ def fused_forward_works(model: Any) -> bool:
 def fused_forward_proof(model: Any) -> Proof:
     """`fused_forward_works`, a forward at a time (`forward.Proof`)."""
     inner = body_of(model)
-    if inner is None or not install(type(inner).__module__):
+    if inner is None or not install_attention(inner):
         return False
     try:
         prompt = make_prompt_cache(model)
         if not can_fuse(prompt, is_batch=False):
             return False
-        mx.eval(inner(mx.array([[1, 2, 3, 4, 5, 6, 7, 8]]), cache=prompt))
+        recurrent = any(isinstance(layer, ArraysCache) for layer in prompt)
+        if recurrent and not install_mixers(model):
+            return False
+        tokens = mx.array([[1, 2, 3, 4, 5, 6, 7, 8]])
+        mx.eval(inner(tokens, cache=prompt))
         yield
 
         def at(num_tokens: int) -> list[Any]:  # the prompt's first tokens, a cache of its own
+            if recurrent:  # a state cannot be cut back: the prompt's start, forwarded anew
+                cache = make_prompt_cache(model)
+                inner(tokens[:, :num_tokens], cache=cache)
+                return cache
             cache = share_cache(prompt)
             for layer in cache:
                 layer.trim(layer.offset - num_tokens)

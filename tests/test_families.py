@@ -86,13 +86,20 @@ def test_a_body_is_found_under_each_layout():
 
 @pytest.mark.parametrize(
     ("module", "fuses"),
-    [("mistral3", True), ("qwen3_5", False), ("gemma4_text", True), ("gpt_oss", True)],
+    [
+        ("mistral3", True),
+        ("qwen3_5", True),
+        ("nemotron_h", True),
+        ("gemma4_text", True),
+        ("gpt_oss", True),
+    ],
 )
 async def test_greedy_tokens_through_the_engine_are_mlx_lms_own(
     module: str, fuses: bool, tmp_path: Path, model_cache_dir: Path
 ):
     """A llama model inside `mistral3`'s wrapper (head split, steps fused), a Qwen3.5
-    hybrid under its wrapper, a soft-capped Gemma 4 and a gpt-oss (attention sinks, MoE;
+    hybrid under its wrapper and a Nemotron-H (their gated-delta and Mamba2 layers run per
+    segment inside the fused step), a soft-capped Gemma 4 and a gpt-oss (attention sinks, MoE;
     both with 16-token sliding windows, fused): requests of mixed lengths at once, prefilled
     in chunks beside each other's decode rows, each get mlx-lm's greedy tokens."""
     path = model_dir(BY_MODULE[module], tmp_path / module)

@@ -50,7 +50,8 @@ def _random_model(arch: str, demo: LoadedModel, **extra) -> LoadedModel:
 
 
 # Families that fuse beyond llama and Qwen2/3 (tests/families.py's tiny models of them):
-# plain KV layers, or sliding windows of 16 tokens that the prompts below wrap.
+# plain KV layers, sliding windows of 16 tokens that the prompts below wrap, and hybrids
+# whose recurrent mixers (gated delta, Mamba2, short convolutions) run per segment.
 FUSED_FAMILIES = {
     "qwen3_moe": "Qwen3-MoE",
     "phi3": "Phi-3",
@@ -63,17 +64,22 @@ FUSED_FAMILIES = {
     "glm4_moe": "GLM-4.5 (MoE)",
     "granite": "Granite 3",
     "cohere2": "Command R7B (sliding windows)",
+    "qwen3_5": "Qwen3.5 (Gated DeltaNet hybrid)",
+    "qwen3_5_moe": "Qwen3.5-MoE",
+    "nemotron_h": "Nemotron-H (Mamba2 hybrid)",
+    "granitemoehybrid": "Granite 4.0-H (Mamba2 hybrid, MoE)",
+    "lfm2": "LFM2 (short-convolution hybrid)",
 }
 
 
-@pytest.fixture(params=["llama", "qwen3", "qwen2", "demo_sliding", *FUSED_FAMILIES])
+@pytest.fixture(params=["llama", "qwen3", "qwen2", "demo_sliding", "demo_hybrid", *FUSED_FAMILIES])
 def plain(request, demo) -> LoadedModel:
-    """The covered architectures: the llama and sliding-window demos, Qwen3- and
-    Qwen2-shaped models, and the other families that fuse."""
+    """The covered architectures: the llama, sliding-window and hybrid (gated-delta) demos,
+    Qwen3- and Qwen2-shaped models, and the other families that fuse."""
     if request.param == "llama":
         return demo
-    if request.param == "demo_sliding":
-        return request.getfixturevalue("demo_sliding")
+    if request.param in ("demo_sliding", "demo_hybrid"):
+        return request.getfixturevalue(request.param)
     if request.param in FUSED_FAMILIES:
         family = next(f for f in FAMILIES if f.name == FUSED_FAMILIES[request.param])
         model = build(family, vocab_size=demo.vocab_size)
@@ -133,11 +139,11 @@ def test_a_fused_forward_gives_each_segment_the_logits_of_its_own_forward(plain)
     assert mx.allclose(model(nxt, cache=fused_batch), model(nxt, cache=batch), atol=1e-4)
 
 
-def test_models_with_recurrent_layers_run_separate_forwards(demo_hybrid):
-    """The hybrid model's recurrent layers are not covered: its runner runs a forward per
-    chunk and one for the decode rows."""
-    assert not fused.fused_forward_works(demo_hybrid.model)
-    assert not ModelRunner(demo_hybrid).fuse
+def test_a_hybrid_models_steps_fuse_its_recurrent_layers_run_per_segment(demo_hybrid):
+    """The hybrid model's gated-delta layers run once a segment, against each request's
+    own state, inside the step's one forward (`fused.install_mixers`)."""
+    assert fused.fused_forward_works(demo_hybrid.model)
+    assert ModelRunner(demo_hybrid).fuse
 
 
 class Counting:
@@ -345,13 +351,14 @@ async def test_a_long_prompt_beside_decoding_streams_fuses_and_changes_no_token(
         assert results[i] == mlx_lm_greedy(demo.model, prompt, 16), i
 
 
-def test_a_mixed_step_on_a_model_not_covered_runs_separate_forwards_with_mlx_lms_tokens(
+def test_a_mixed_step_where_steps_do_not_fuse_runs_separate_forwards_with_mlx_lms_tokens(
     demo_hybrid, monkeypatch
 ):
-    """The same steps on the hybrid demo: a forward per chunk and one for the decode rows,
-    and every request's greedy tokens are still mlx-lm's own."""
+    """The same steps where a runner does not fuse (`fuse=False`, as a distributed run's
+    shards, or an architecture the proof fails on), on the hybrid demo: a forward per chunk
+    and one for the decode rows, and every request's greedy tokens are still mlx-lm's own."""
     loaded = demo_hybrid
-    runner = ModelRunner(loaded)
+    runner = ModelRunner(loaded, fuse=False)
     counted = Counting(monkeypatch, runner)
     tokens = _mixed_steps(runner)
     calls = counted.take()
@@ -367,8 +374,8 @@ def test_the_warm_up_measures_both_kinds_of_mixed_step(demo, demo_hybrid):
     forward and one beside a decode forward built a step ahead; where the runner does not
     fuse, every mixed step has its decode forward apart."""
     config = SchedulerConfig(max_step_tokens=64, max_num_seqs=4)
-    for loaded, want in ((demo, [0, 1]), (demo_hybrid, [1, 1])):
-        runner = ModelRunner(loaded)
+    for loaded, fuse, want in ((demo, True, [0, 1]), (demo_hybrid, False, [1, 1])):
+        runner = ModelRunner(loaded, fuse=fuse)
         samples = measure_step_costs(runner, config, 300, loaded.max_context)
         mixed = [s.features for s in samples if s.features.decode_rows and s.features.has_prefill]
         assert sorted(f.separate_decode for f in mixed) == want, loaded.name
