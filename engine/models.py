@@ -29,6 +29,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from stepline.engine.cache_dirs import build_once, cache_root
 from stepline.engine.demo_files import (
+    AUDIO_DEMO,
     CORPUS_PATH,
     ENDOFTEXT,
     IM_END,
@@ -585,6 +586,10 @@ def load_model(
         from stepline.engine.vision import demo_path
 
         return _load_dir(demo_path(), name, dtype)
+    if name == AUDIO_DEMO:
+        from stepline.engine.audio_model import demo_path as audio_demo_path
+
+        return _load_dir(audio_demo_path(), name, dtype)
     local = Path(name).expanduser()
     if local.is_dir():
         return _load_dir(local.resolve(), name, dtype, lazy)
@@ -599,6 +604,6 @@ def load_model(
         raise ModelNotFoundError(
             f"model {name!r} not found: tried local path {local.resolve()} ({local_note}), "
             f"Hugging Face id {name!r} ({reason}); built-in models are {DEFAULT_MODEL}, "
-            f"{', '.join(DEMO_MODELS)} and {VISION_DEMO}"
+            f"{', '.join(DEMO_MODELS)}, {VISION_DEMO} and {AUDIO_DEMO}"
         )
     return _load_dir(hf_path, name, dtype, lazy)
