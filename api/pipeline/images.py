@@ -162,9 +162,9 @@ def text_part(text: str) -> dict[str, Any]:
 
 def content_of(parts: Sequence[dict[str, Any]], sep: str = "\n") -> str | list[dict[str, Any]]:
     """A message's neutral content from its parts, in order (`text_part`s and `image_part`s):
-    the texts joined by `sep` where it has no image (what text models' templates render, as
-    before images were served), else the parts."""
-    if any(p["type"] == "image" for p in parts):
+    the texts joined by `sep` where it has no image or audio (what text models' templates
+    render, as before images were served), else the parts."""
+    if any(p["type"] in ("image", "audio") for p in parts):
         return list(parts)
     return sep.join(p["text"] for p in parts)
 
