@@ -226,3 +226,68 @@ def test_limits_and_bad_bytes_are_errors_naming_the_limit_and_the_part() -> None
         assert caught.value.code == code, caught.value.message
         assert named in caught.value.message
         assert caught.value.param == "messages.0.content.1"
+
+
+def _audio_log(path: Path, chunks: list[tuple[int, int]], *, max_step_tokens: int = 8) -> Path:
+    """A log of one 30-token prompt holding a clip's whole span [10, 22) (3 encoder units,
+    all run in the first step), prefilled in `chunks`, one step each."""
+    from log_builder import LogBuilder
+
+    from stepline.events.models import ImageRef
+
+    b = LogBuilder(max_step_tokens=max_step_tokens)
+    b.admit("a", 30)
+    clip = ImageRef(
+        digest="d" * 64, start=10, end=22, num_bytes=100, width=0, height=0, units=3,
+        medium="audio", seconds=1.0, num_samples=16_000,
+    )  # fmt: skip
+    b.events[-1] = b.events[-1].model_copy(update={"images": (clip,)})
+    b.plan(("a", "encode", 0))
+    b._add(ImageEncoded, request_id="a", image=0, start=0, end=3)
+    for start, end in chunks:
+        b.do_step(prefill={"a": (start, end)})
+    return b.write(path)
+
+
+def test_replay_verify_flags_a_clip_split_across_steps_and_passes_one_run_alone(
+    tmp_path: Path,
+) -> None:
+    from stepline.events.replay import ViolationKind
+
+    alone = verify(_audio_log(tmp_path / "alone.jsonl", [(0, 8), (8, 10), (10, 22), (22, 30)]))
+    assert alone.ok  # 12 tokens past a budget of 8: the span alone, as no step could hold it
+    split = verify(_audio_log(tmp_path / "split.jsonl", [(0, 8), (8, 16), (16, 24), (24, 30)]))
+    kinds = {v.kind for v in split.violations}
+    assert ViolationKind.CHUNK_SPLITS_IMAGE in kinds
+    (flagged,) = [v for v in split.violations if v.kind is ViolationKind.CHUNK_SPLITS_IMAGE]
+    assert "inside its audio clip's span [10, 22)" in flagged.message
+    crowded = verify(
+        _audio_log(tmp_path / "crowded.jsonl", [(0, 8), (8, 22), (22, 30)], max_step_tokens=8)
+    )
+    assert ViolationKind.STEP_OVER_BUDGET in {v.kind for v in crowded.violations}
+
+
+async def test_a_run_with_audio_is_re_executed_token_for_token_from_the_clips_kept(
+    tmp_path: Path,
+) -> None:
+    from stepline.api.reexecute import reexecute
+
+    log = tmp_path / "events.jsonl"
+    chats = [chat("What is this sound?", wav(1.5)), chat("Just text.")]
+    async with Engine.open(AUDIO_DEMO, max_step_tokens=32, event_log=str(log)) as engine:
+        async with anyio.create_task_group() as tg:
+            for messages in chats:
+                tg.start_soon(greedy_chat, engine, messages)
+    report = await reexecute(log, AUDIO_DEMO)
+    assert report.ok and report.num_compared == 2
+
+
+def test_stepline_generate_asks_about_an_audio_file(tmp_path: Path, capsys) -> None:
+    from stepline.api.cli import main
+
+    clip = tmp_path / "tone.wav"
+    clip.write_bytes(wav(1.0))
+    argv = ["generate", "What is this?", "--audio", str(clip), "--model", AUDIO_DEMO]
+    assert main([*argv, "--max-tokens", "6", "--temperature", "0"]) == 0
+    out = capsys.readouterr()
+    assert "output 6 tokens (length)" in out.err and out.out.strip()
