@@ -291,3 +291,29 @@ def test_stepline_generate_asks_about_an_audio_file(tmp_path: Path, capsys) -> N
     assert main([*argv, "--max-tokens", "6", "--temperature", "0"]) == 0
     out = capsys.readouterr()
     assert "output 6 tokens (length)" in out.err and out.out.strip()
+
+
+def test_the_warm_up_of_an_audio_model_prices_its_encoder_on_a_clip() -> None:
+    from stepline.actors.scheduler.cost_model import fit
+    from stepline.actors.scheduler.plan import SchedulerConfig
+    from stepline.actors.scheduler.warmup import Warmup
+    from stepline.engine.models import load_model
+    from stepline.engine.runner import ModelRunner
+
+    loaded = load_model(AUDIO_DEMO)
+    runner = ModelRunner(loaded)
+    warmup = Warmup(runner, SchedulerConfig(max_step_tokens=128), 1000, loaded.max_context)
+    warmup.run()
+    assert warmup.done and not warmup.failed
+    assert runner.num_sequences == 0  # it frees what it admitted
+    encoded = [s for s in warmup.samples if s.features.encode_units]
+    assert len(encoded) >= 2 and all(s.features.decode_rows >= 1 for s in encoded)
+    assert fit(warmup.samples).per_encode_unit > 0
+
+
+async def test_audio_to_a_model_without_an_audio_encoder_is_refused_before_decoding() -> None:
+    async with Engine.open("stepline-demo") as engine:
+        assert not engine.accepts_audio
+        with pytest.raises(AudioError, match="no audio encoder") as err:
+            await engine.submit(messages=chat("What is this?", b"not even audio"))
+        assert err.value.code == "unsupported_content_type"
