@@ -11,6 +11,10 @@ Phi-3's layout (30 layers of width 576), with the demo tokenizer: real encoder c
 model whose weights matter, no download; or any model stepline serves (`stepline-demo-audio`,
 a directory).
 
+--chunked-span: the span chunked as text once encoded (exact for Phi-4, whose text model
+attends to audio tokens causally), instead of one atomic chunk (the default, as an omni
+thinker's sentinel-wrapped span must be): what atomicity costs the streams.
+
 Sections, each repeated --repeats times (medians; the ratios inside one run):
 1. **stall**: --streams greedy chats decoding; then one request arrives: a clip of --seconds
    (a tone) with a question, or a text prompt of the same token count (alternating). The
@@ -154,7 +158,17 @@ async def main() -> None:
     p.add_argument("--streams", type=int, default=4)
     p.add_argument("--max-step-ms", type=float, default=100.0)
     p.add_argument("--stall-only", action="store_true", help="section 1 alone")
+    p.add_argument(
+        "--chunked-span",
+        action="store_true",
+        help="chunk the clip's span as text once encoded (Phi-4 allows it: causal, 1-D), "
+        "instead of one atomic chunk",
+    )
     args = p.parse_args()
+    if args.chunked_span:
+        from stepline.engine.audio_model import Phi4mmAudio
+
+        Phi4mmAudio.atomic = False
     path = model_path(args.model)
     print(f"model {args.model} ({path}), a {args.seconds:g} s clip, {args.streams} streams")
 
@@ -166,7 +180,8 @@ async def main() -> None:
         span = prepared.images[0]
         n = len(prepared.ids)
         print(
-            f"prompt {n} tokens, the clip's span {span.end - span.start} tokens, its encoder "
+            f"prompt {n} tokens, the clip's span {span.end - span.start} tokens "
+            f"({'one atomic chunk' if span.whole else 'chunked as text'}), its encoder "
             f"{span.units} units"
         )
         cost = loop.cost_model.cost if loop.cost_model is not None else None

@@ -47,6 +47,10 @@ class Phi4mmAudio:
     `<|audio_1|>`; its encoder's work is one unit per Conformer block."""
 
     rate = 16_000  # the feature extractor's sample rate
+    # The span goes in one chunk, as an omni thinker's sentinel-wrapped audio must. Phi-4's
+    # text model attends to its audio tokens causally at 1-D positions, so chunking them
+    # would be exact too (benchmarks/audio_bench.py --chunked-span measures what it saves).
+    atomic = True
 
     def __init__(self, config: dict[str, Any]):
         from mlx_vlm.models.phi4mm.processing_phi4mm import Phi4MMAudioFeatureExtractor
@@ -63,7 +67,7 @@ class Phi4mmAudio:
         features = self._features._extract_features(audio.samples, self.rate)
         num_tokens = self._features._compute_audio_embed_size(len(features))
         inputs = {"input_audio_embeds": np.asarray(features, dtype=np.float32)[None]}
-        return Expanded(AUDIO_TOKEN * num_tokens, inputs, units=self._num_blocks, whole=True)
+        return Expanded(AUDIO_TOKEN * num_tokens, inputs, units=self._num_blocks, whole=self.atomic)
 
 
 # model_type -> how its prompts hold audio
