@@ -205,6 +205,25 @@ def test_a_clip_is_decoded_to_mono_at_the_models_rate_from_wav_of_any_rate() -> 
     assert low.num_samples == RATE // 2
 
 
+@pytest.mark.parametrize("fmt", ["FLAC", "MP3"])
+def test_flac_and_mp3_clips_decode_to_the_tone_they_hold(fmt: str) -> None:
+    import soundfile
+
+    written = 22_050 if fmt == "MP3" else RATE  # a second at the file's own rate
+    t = np.arange(written) / written
+    tone = (0.3 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)
+    out = io.BytesIO()
+    soundfile.write(out, tone, written, format=fmt)
+    clip = decode_audio(out.getvalue(), where="clip", rate=RATE, claimed=fmt.lower())
+    assert clip.format == fmt.lower()
+    if fmt == "FLAC":  # lossless, at the model's rate: the samples as written (16-bit)
+        assert clip.num_samples == RATE and np.abs(clip.samples - tone).max() < 1e-3
+    else:  # 22.05 kHz resampled to 16 kHz; MP3's encoder delay and padding add a little
+        assert abs(clip.seconds - 1.0) < 0.1 and clip.rate == RATE
+        spectrum = np.abs(np.fft.rfft(clip.samples))
+        assert abs(np.argmax(spectrum) * RATE / clip.num_samples - 440) < 5
+
+
 def test_limits_and_bad_bytes_are_errors_naming_the_limit_and_the_part() -> None:
     cases = [
         (wav(3.0), AudioLimits(max_seconds=2.0), "audio_too_long", "max_audio_seconds"),

@@ -2,9 +2,8 @@
 `input_audio` parts answer what the Python API answers for the same clip; the Anthropic door,
 whose API has no audio block, says so; a text model refuses audio before decoding it; the
 limits (seconds, bytes, sample rate, clips per request) and bad bytes are 400s naming the
-limit and the part. Real WAV bytes, written with the standard library (`test_audio.wav`);
-MP3 and FLAC are decoded by the same miniaudio call, but nothing installed offline writes
-them, so they are not generated here."""
+limit and the part. Real WAV bytes, written with the standard library (`test_audio.wav`), and
+real FLAC and MP3 bytes, written with soundfile (libsndfile, in the test extra)."""
 
 from __future__ import annotations
 
@@ -104,6 +103,27 @@ async def test_openai_chat_and_responses_answer_a_clip_as_the_python_api_does(he
             ],
         )
         assert response.output_text == want
+
+
+@pytest.mark.parametrize("fmt", ["flac", "mp3"])
+async def test_flac_and_mp3_clips_are_heard_through_the_chat_door(hearing, fmt):
+    import io
+
+    import numpy as np
+    import soundfile
+
+    t = np.arange(16_000) / 16_000
+    out = io.BytesIO()
+    soundfile.write(out, 0.3 * np.sin(2 * np.pi * 440 * t), 16_000, format=fmt.upper())
+    async with hearing.client() as client:
+        answer = await client.chat.completions.create(
+            model=AUDIO_DEMO,
+            max_tokens=4,
+            temperature=0.0,
+            messages=[{"role": "user", "content": chat_parts(out.getvalue(), fmt)}],
+        )
+    assert answer.choices[0].finish_reason == "length"
+    assert answer.usage is not None and answer.usage.prompt_tokens > 12  # the clip's span
 
 
 @pytest.mark.parametrize(
