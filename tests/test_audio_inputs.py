@@ -136,6 +136,11 @@ async def test_flac_and_mp3_clips_are_heard_through_the_chat_door(hearing, fmt):
         (chat_parts(CLIP[:30]), "invalid_audio", "cannot be read"),
         (chat_parts(fmt="ogg"), "unsupported_audio_format", "wav, mp3 or flac"),
         (chat_parts(fmt="mp3"), "invalid_audio", "its bytes are wav"),
+        (
+            [chat_parts()[0], {"type": "input_audio", "input_audio": {"data": "%%%"}}],
+            "invalid_audio",
+            "not valid base64",
+        ),
     ],
 )
 async def test_limits_and_bad_audio_are_400s_naming_the_limit_and_the_part(

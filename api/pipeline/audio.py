@@ -24,7 +24,7 @@ from typing import Any
 import anyio
 
 from stepline.api.pipeline.errors import APIError
-from stepline.api.pipeline.images import ImageError, _base64
+from stepline.api.pipeline.images import base64_bytes
 from stepline.engine.audio import (
     FORMATS,
     AudioData,
@@ -146,13 +146,12 @@ def _check(source: AudioSource, limits: AudioLimits) -> None:
 
 
 def _decoded(source: AudioSource, options: AudioOptions) -> AudioData:
-    try:
-        data = _base64(source.data, source.where)
-    except ImageError:
+    data = base64_bytes(source.data)
+    if data is None:
         raise AudioError(
             f"{source.where} is not valid base64: send the clip's bytes base64-encoded",
             param=source.where,
-        ) from None
+        )
     clip = decode_audio(
         data, where=source.where, rate=options.rate, claimed=source.format, limits=options.limits
     )
