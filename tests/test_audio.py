@@ -337,3 +337,27 @@ async def test_audio_to_a_model_without_an_audio_encoder_is_refused_before_decod
         with pytest.raises(AudioError, match="no audio encoder") as err:
             await engine.submit(messages=chat("What is this?", b"not even audio"))
         assert err.value.code == "unsupported_content_type"
+
+
+def test_a_clip_past_the_conformers_window_is_encoded_unit_by_unit_as_mlx_vlm_encodes_it():
+    # 45 s: ~560 frames after subsampling, past the 500 the Conformer attends within, so it
+    # is cut into pieces of 500 (padded) and folded back, as mlx-vlm's encoder does.
+    import mlx.core as mx
+
+    from stepline.engine.audio import decode_audio
+    from stepline.engine.models import load_model
+    from stepline.engine.vision import EncodeJob
+
+    parts = load_model(AUDIO_DEMO).vision
+    clip = decode_audio(wav(45.0), where="clip", rate=RATE, limits=AudioLimits(max_seconds=60))
+    expanded = parts.audio.expand(clip)
+    n = expanded.text.count("<|endoftext11|>")
+    assert n > 500
+    job = EncodeJob(mx.zeros((n,), dtype=mx.int32), expanded.inputs, expanded.units)
+    for u in range(expanded.units):
+        parts.audio_encoder.run(job, u, u + 1)
+    vlm = parts.audio_encoder.vlm
+    features = mx.array(expanded.inputs["input_audio_embeds"])
+    want = vlm.audio_projection(vlm.audio_encoder(features, None)[0], mode="speech")[:, :n]
+    assert job.embeddings is not None and job.embeddings.shape == want.shape == (1, n, 64)
+    assert mx.allclose(job.embeddings, want, atol=1e-5).item()
