@@ -105,6 +105,32 @@ async def test_openai_chat_and_responses_answer_a_clip_as_the_python_api_does(he
         assert response.output_text == want
 
 
+async def test_an_audio_url_data_url_is_heard_as_input_audio_is_and_a_web_url_is_refused(
+    hearing,
+):
+    url_part = {"type": "audio_url", "audio_url": {"url": f"data:audio/wav;base64,{b64(CLIP)}"}}
+    async with hearing.client() as client:
+        answers = [
+            await client.chat.completions.create(
+                model=AUDIO_DEMO,
+                max_tokens=6,
+                temperature=0.0,
+                messages=[{"role": "user", "content": parts}],
+            )
+            for parts in (chat_parts(), [chat_parts()[0], url_part])
+        ]
+        assert answers[0].choices[0].message.content == answers[1].choices[0].message.content
+        web = {"type": "audio_url", "audio_url": {"url": "https://example.com/clip.wav"}}
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.chat.completions.create(
+                model=AUDIO_DEMO,
+                max_tokens=4,
+                messages=[{"role": "user", "content": [chat_parts()[0], web]}],
+            )
+    assert caught.value.code == "audio_url_not_allowed"
+    assert caught.value.param == "messages.0.content.1"
+
+
 @pytest.mark.parametrize("fmt", ["flac", "mp3"])
 async def test_flac_and_mp3_clips_are_heard_through_the_chat_door(hearing, fmt):
     import io

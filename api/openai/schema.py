@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from stepline.api.pipeline.audio import input_audio_part
+from stepline.api.pipeline.audio import audio_url_part, input_audio_part
 from stepline.api.pipeline.chat import call_arguments, template_call, unsupported_part
 from stepline.api.pipeline.errors import APIError
 from stepline.api.pipeline.images import (
@@ -53,6 +53,7 @@ class ContentPart(BaseModel):
     text: str | None = None
     image_url: Any = None  # {"url": ..., "detail": ...}, or the URL (`_image_url`)
     input_audio: Any = None  # {"data": BASE64, "format": "wav"} (`input_audio_part`)
+    audio_url: Any = None  # {"url": "data:audio/wav;base64,..."} (`audio_url_part`)
 
 
 class ChatMessage(_Request):
@@ -248,8 +249,10 @@ def _part(part: ContentPart, where: str) -> dict[str, Any]:
         return image_part(ImageSource(where, url=_image_url(part.image_url, where)))
     if part.type == "input_audio":
         return input_audio_part(part.input_audio, where)
+    if part.type == "audio_url":  # mlx-vlm's and vLLM's servers take these too
+        return audio_url_part(part.audio_url, where)
     raise unsupported_part(
-        where, part.type, "'text' (with a 'text'), 'image_url' and 'input_audio'"
+        where, part.type, "'text' (with a 'text'), 'image_url', 'input_audio' and 'audio_url'"
     )
 
 

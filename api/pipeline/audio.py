@@ -79,6 +79,55 @@ def input_audio_part(value: Any, where: str) -> dict[str, Any]:
     return audio_part(AudioSource(where, value["data"], fmt))
 
 
+# data-URL media types -> the clip's format
+_DATA_URL_TYPES = {
+    "audio/wav": "wav",
+    "audio/x-wav": "wav",
+    "audio/wave": "wav",
+    "audio/vnd.wave": "wav",
+    "audio/mpeg": "mp3",
+    "audio/mp3": "mp3",
+    "audio/flac": "flac",
+    "audio/x-flac": "flac",
+}
+
+
+def audio_url_part(value: Any, where: str) -> dict[str, Any]:
+    """The placeholder of an `audio_url` part (as mlx-vlm's and vLLM's servers take it:
+    `{"url": "data:audio/wav;base64,..."}`, or the URL itself). A data URL only: audio URLs
+    are not fetched. Raises APIError for anything else."""
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str):
+        raise APIError(
+            400,
+            f'{where}.audio_url must be {{"url": "data:audio/wav;base64,..."}}',
+            param=f"{where}.audio_url",
+        )
+    scheme, _, rest = url.partition(":")
+    if scheme.lower() != "data":
+        raise APIError(
+            400,
+            f"{where} is an audio URL: this server does not fetch audio; send the clip as a "
+            'data URL (data:audio/wav;base64,...) or an input_audio part ({"data": BASE64, '
+            '"format": "wav"})',
+            param=where,
+            code="audio_url_not_allowed",
+        )
+    header, comma, payload = rest.partition(",")
+    params = [p.strip().lower() for p in header.split(";")]
+    fmt = _DATA_URL_TYPES.get(params[0])
+    if not comma or "base64" not in params[1:] or fmt is None:
+        what = params[0][:40] or "no media type"
+        raise APIError(
+            400,
+            f"{where} is not a base64 audio data URL of WAV, MP3 or FLAC ({what}): send "
+            "data:audio/wav;base64,... (or audio/mpeg, audio/flac)",
+            param=where,
+            code="invalid_audio",
+        )
+    return audio_part(AudioSource(where, payload, fmt))
+
+
 def _is_placeholder(part: Any) -> bool:
     return (
         isinstance(part, dict)
