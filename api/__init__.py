@@ -22,10 +22,12 @@ from stepline.api.engine import (
     WrongEventLoopError,
 )
 from stepline.api.prompts import PromptTooLongError
+from stepline.engine.audio import AudioError
 from stepline.engine.images import ImageError
 
 __all__ = [
     "AdmissionError",
+    "AudioError",
     "ContextLengthExceededError",
     "EmptyPromptError",
     "Engine",

@@ -31,6 +31,12 @@ from pydantic import (
 from stepline.actors.scheduler.drafter import SpeculativeConfig, parse_speculative_config
 from stepline.actors.scheduler.plan import SchedulerConfig
 from stepline.api.defaults import SAMPLING_KEYS, GenerationConfigMode, SamplingDefaults
+from stepline.engine.audio import (
+    MAX_AUDIO_BYTES,
+    MAX_AUDIO_SAMPLE_RATE,
+    MAX_AUDIO_SECONDS,
+    MAX_AUDIOS_PER_REQUEST,
+)
 from stepline.engine.images import (
     MAX_IMAGE_BYTES,
     MAX_IMAGE_PIXELS,
@@ -329,6 +335,29 @@ class ServerConfig(_Options):
         "up to ~15 while the image processor makes the encoder's inputs), counted from before "
         "an image is decoded until those inputs are made; an image waits for room, 429 "
         "images_busy after 30 s. At least --max-image-pixels",
+    )
+    max_audio_bytes: int = Field(
+        MAX_AUDIO_BYTES,
+        ge=1,
+        description="largest audio clip accepted, in bytes as sent, else 400 audio_too_large; "
+        "a clip sent in the body also counts toward --max-body-bytes",
+    )
+    max_audio_seconds: float = Field(
+        MAX_AUDIO_SECONDS,
+        gt=0,
+        description="longest audio clip accepted, in seconds, else 400 audio_too_long; read "
+        "from the file's header, before its samples are decoded",
+    )
+    max_audio_sample_rate: int = Field(
+        MAX_AUDIO_SAMPLE_RATE,
+        ge=1,
+        description="highest sample rate of an audio clip accepted (Hz, the file's own: clips "
+        "are resampled to the model's), else 400 audio_sample_rate_too_high",
+    )
+    max_audios_per_request: int = Field(
+        MAX_AUDIOS_PER_REQUEST,
+        ge=1,
+        description="most audio clips in one request (its whole conversation), else 400",
     )
     resume_grace_s: float = Field(
         60.0,

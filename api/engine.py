@@ -52,6 +52,7 @@ from stepline.api.params import SamplingParams
 from stepline.api.prompts import Prepared, Prompts, PromptTooLongError, detokenizers
 from stepline.api.request_error import RequestError
 from stepline.api.stream import RequestStream
+from stepline.engine.audio import no_audio
 from stepline.engine.grammar import Compiled, GrammarCompiler
 from stepline.engine.images import text_only
 from stepline.events.models import EmbedParams, FinishReason, RequestParams
@@ -152,6 +153,7 @@ class Engine:
             vocab_size=self.vocab_size,
             max_context=self.max_context,
             images=loaded.vision.images if loaded.vision is not None else None,
+            audio=loaded.vision.audio if loaded.vision is not None else None,
         )
         # Compiles constrained requests' grammars; shared with the executor's runner.
         self.grammars: GrammarCompiler = step_loop.runner.grammars
@@ -270,6 +272,12 @@ class Engine:
         return self.prompts.images is not None
 
     @property
+    def accepts_audio(self) -> bool:
+        """Whether the model hears audio (it has an audio encoder): messages may hold audio
+        parts."""
+        return self.prompts.audio is not None
+
+    @property
     def max_chars_per_token(self) -> int:
         """An upper bound on the characters one token stands for (`Prompts`)."""
         return self.prompts.max_chars_per_token
@@ -331,8 +339,10 @@ class Engine:
                 prompt, messages, params, checkpoints, template_kwargs
             )
             images = prepared.images or tuple(images)
-            if images and not self.accepts_images:
+            if any(i.medium == "image" for i in images) and not self.accepts_images:
                 raise text_only()
+            if any(i.medium == "audio" for i in images) and not self.accepts_audio:
+                raise no_audio()
             if images:
                 await keep_images(self._step_loop.event_log, images)
             rid = request_id or f"req-{uuid.uuid4().hex[:16]}"

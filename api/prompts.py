@@ -35,6 +35,7 @@ from stepline.actors.request import Detokenizer, IncrementalDetokenizer, StreamD
 from stepline.actors.scheduler.admission import ContextLengthExceededError
 from stepline.actors.scheduler.spans import PromptImage
 from stepline.api.request_error import RequestError
+from stepline.engine.audio import AudioData, AudioError, decode_audio, no_audio, place_audio
 from stepline.engine.images import (
     ImageData,
     ImageError,
@@ -103,10 +104,20 @@ class Prompts:
     """Token ids for one tokenizer (an mlx-lm TokenizerWrapper or anything with `encode`,
     `apply_chat_template` and `get_vocab`) and a model of `max_context` tokens."""
 
-    def __init__(self, tokenizer: Any, *, vocab_size: int, max_context: int, images: Any = None):
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        vocab_size: int,
+        max_context: int,
+        images: Any = None,
+        audio: Any = None,
+    ):
         self.tokenizer = tokenizer
         # a vision model's image prompts (`engine.vision.Idefics3Images`, ...); None: text only
         self.images = images
+        # an audio model's clip prompts (`engine.audio_model.Phi4mmAudio`); None: no audio
+        self.audio = audio
         self.vocab_size = vocab_size
         self.max_context = max_context
         self._max_chars_per_token: int | None = None
@@ -157,48 +168,72 @@ class Prompts:
                 )
         return Prepared(ids, [])
 
-    def _take_images(self, messages: Sequence[dict]) -> tuple[Sequence[dict], list[ImageData]]:
-        """The messages with each image part as `{"type": "image"}` (what templates read), and
-        the images, decoded and made into their encoder's inputs, one at a time (so that one
-        image's decoded pixels are held at once), in order. Raises ImageError for an image
-        sent to a text model, and for bytes that are not an image."""
-        images: list[ImageData] = []
+    def _take_images(self, messages: Sequence[dict]) -> tuple[Sequence[dict], list[Any]]:
+        """The messages with each image part as `{"type": "image"}` and each audio part as
+        `{"type": "audio"}` (what templates read), and the media, decoded and made into their
+        encoder's inputs, one at a time (so that one image's decoded pixels are held at
+        once), in order (`ImageData` and `AudioData`). Raises ImageError for an image sent
+        to a text model, and for bytes that are not an image; AudioError likewise."""
+        images: list[Any] = []
         out: list[dict] | None = None
         for i, m in enumerate(messages):
             content = m.get("content") if isinstance(m, dict) else None
             if not isinstance(content, list) or not any(
-                isinstance(p, dict) and p.get("type") == "image" for p in content
+                isinstance(p, dict) and p.get("type") in _MEDIA for p in content
             ):
                 continue
             parts = []
             for j, part in enumerate(content):
-                if isinstance(part, dict) and part.get("type") == "image":
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind in _MEDIA:
                     where = f"messages.{i}.content.{j}"
-                    if self.images is None:
-                        raise text_only(where)
-                    image = _image_data(part.get("image"), where)
-                    if image.expanded is None:  # its encoder inputs at once, its pixels let go
-                        expanded = self.images.expand(image)
-                        image = dataclasses.replace(image, pixels=None, expanded=expanded)
+                    image = (
+                        self._image(part.get("image"), where)
+                        if kind == "image"
+                        else self._clip(part.get("audio"), where)
+                    )
                     images.append(image)
-                    part = {k: v for k, v in part.items() if k != "image"}
+                    part = {k: v for k, v in part.items() if k != kind}
                 parts.append(part)
             if out is None:
                 out = list(messages)
             out[i] = {**m, "content": parts}
         return (messages if out is None else out), images
 
+    def _image(self, value: Any, where: str) -> ImageData:
+        if self.images is None:
+            raise text_only(where)
+        image = _image_data(value, where)
+        if image.expanded is None:  # its encoder inputs at once, its pixels let go
+            expanded = self.images.expand(image)
+            image = dataclasses.replace(image, pixels=None, expanded=expanded)
+        return image
+
+    def _clip(self, value: Any, where: str) -> AudioData:
+        if self.audio is None:
+            raise no_audio(where)
+        clip = _audio_data(value, where, self.audio.rate)
+        if clip.expanded is None:  # its encoder inputs at once, its samples let go
+            expanded = self.audio.expand(clip)
+            clip = dataclasses.replace(clip, samples=None, expanded=expanded)
+        return clip
+
     def _encode_images(
-        self, text: str, holes: list[str], images: list[ImageData]
+        self, text: str, holes: list[str], images: list[Any]
     ) -> tuple[list[int], tuple[PromptImage, ...]]:
-        """The ids of a rendering with an image placeholder for each of `images`: the text
-        around them as `_encode`, each image's span (`Expanded.text`, tokenized) in its place.
-        Raises RequestError if the template did not render one placeholder per image."""
-        pieces = text.split(self.images.placeholder)
-        if len(pieces) != len(images) + 1:
+        """The ids of a rendering with a placeholder for each of `images` (images and clips,
+        in order): the text around them as `_encode`, each span (`Expanded.text`,
+        tokenized) in its place. Raises RequestError if the template did not render one
+        placeholder per image and per clip, in their order."""
+        marks = [p.placeholder for p in (self.images, self.audio) if p is not None]
+        split = re.split("(" + "|".join(re.escape(m) for m in marks) + ")", text)
+        pieces, found = split[::2], split[1::2]
+        wanted = [_placeholder_of(self, image) for image in images]
+        if found != wanted:
+            what = ", ".join(f"{n} {k}" for k, n in _counts(images).items())
             raise RequestError(
-                f"the chat template rendered {len(pieces) - 1} image placeholders for "
-                f"{len(images)} images: this model's template cannot show these images here"
+                f"the chat template rendered {len(found)} media placeholders for {what}: this "
+                "model's template cannot show these here"
             )
         if holes:
             _check_holes(text, holes)
@@ -218,7 +253,8 @@ class Prompts:
                     else self._encode(piece, holes)
                 )
             if k < len(images):
-                span, placed = place_image(expansions[k], images[k], self.tokenizer, len(ids))
+                place = place_audio if isinstance(images[k], AudioData) else place_image
+                span, placed = place(expansions[k], images[k], self.tokenizer, len(ids))
                 spans.append(placed)
                 ids += span
         return ids, tuple(spans)
@@ -473,6 +509,35 @@ def _check_holes(text: str, holes: list[str]) -> None:
             f"({', '.join(sorted(set(holes)))}), which this model's chat template cannot "
             "show as text: remove it"
         )
+
+
+_MEDIA = ("image", "audio")  # content parts a model's encoders read
+
+
+def _placeholder_of(prompts: Prompts, medium: Any) -> str:
+    family = prompts.audio if isinstance(medium, AudioData) else prompts.images
+    return family.placeholder
+
+
+def _counts(media: Sequence[Any]) -> dict[str, int]:
+    clips = sum(isinstance(m, AudioData) for m in media)
+    out = {"images": len(media) - clips, "audio clips": clips}
+    return {k: n for k, n in out.items() if n}
+
+
+def _audio_data(value: Any, where: str, rate: int) -> AudioData:
+    """An audio part's clip: as a door decoded it (at the model's `rate`), or a WAV, MP3 or
+    FLAC file's bytes (Python API). Raises AudioError for anything else."""
+    if isinstance(value, AudioData) and value.rate == rate:
+        return value
+    if isinstance(value, AudioData):
+        value = value.data
+    if isinstance(value, bytes | bytearray | memoryview):
+        return decode_audio(bytes(value), where=where, rate=rate)
+    raise AudioError(
+        f"{where}.audio must be a WAV, MP3 or FLAC file's bytes, got {type(value).__name__}",
+        param=where,
+    )
 
 
 def _image_data(value: Any, where: str) -> ImageData:

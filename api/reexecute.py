@@ -117,25 +117,35 @@ def _accepted(target: Any, values: dict[str, Any]) -> dict[str, Any]:
 
 
 def _images(engine: Any, rec: RecordedRequest, images_at: Path | None) -> tuple[Any, ...]:
-    """A recorded request's images, read back from beside the log and made into what the
-    model's encoder reads, at their recorded spans. Raises ValueError for an image that is
-    gone, or whose span the model makes differently now."""
+    """A recorded request's images and audio clips, read back from beside the log and made
+    into what the model's encoders read, at their recorded spans. Raises ValueError for one
+    that is gone, or whose span the model makes differently now."""
+    from stepline.engine.audio import decode_audio, no_audio, place_audio
     from stepline.engine.images import decode_image, place_image, text_only
 
-    if not engine.accepts_images:
-        raise text_only()
     out = []
     for ref in rec.admitted.images:
+        what = "audio clip" if ref.medium == "audio" else "image"
+        if ref.medium == "audio" and not engine.accepts_audio:
+            raise no_audio()
+        if ref.medium == "image" and not engine.accepts_images:
+            raise text_only()
         data = read_image(images_at, ref.digest) if images_at is not None else None
         if data is None:
-            raise ValueError(f"its image {ref.digest[:12]} is not kept beside the log")
-        image = decode_image(data, where=f"image {ref.digest[:12]}")
-        expanded = engine.prompts.images.expand(image)
-        _, placed = place_image(expanded, image, engine.tokenizer, ref.start)
+            raise ValueError(f"its {what} {ref.digest[:12]} is not kept beside the log")
+        where = f"{what} {ref.digest[:12]}"
+        if ref.medium == "audio":
+            family = engine.prompts.audio
+            clip = decode_audio(data, where=where, rate=family.rate)
+            _, placed = place_audio(family.expand(clip), clip, engine.tokenizer, ref.start)
+        else:
+            image = decode_image(data, where=where)
+            expanded = engine.prompts.images.expand(image)
+            _, placed = place_image(expanded, image, engine.tokenizer, ref.start)
         if placed.end != ref.end:
             raise ValueError(
-                f"the model makes {placed.end - placed.start} tokens of image "
-                f"{ref.digest[:12]}, the log {ref.end - ref.start}"
+                f"the model makes {placed.end - placed.start} tokens of {where}, the log "
+                f"{ref.end - ref.start}"
             )
         out.append(placed)
     return tuple(out)

@@ -1,5 +1,6 @@
 """What every demo checkpoint shares: the demo names that are not the text demos'
-(engine/models.py builds those, engine/vision.py the vision one), and the demo tokenizer: a
+(engine/models.py builds those, engine/vision.py the vision one, engine/audio_model.py the
+audio one), and the demo tokenizer: a
 byte-level BPE trained on the built-in corpus, its special and markup tokens, its files and
 its Qwen3-style ChatML chat template. Imports no MLX, and nothing of stepline.
 """
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 VISION_DEMO = "stepline-demo-vision"  # engine/vision.py builds it (the vision extra)
+AUDIO_DEMO = "stepline-demo-audio"  # engine/audio_model.py builds it (the vision extra)
 
 CORPUS_PATH = Path(__file__).with_name("demo_corpus.txt")
 

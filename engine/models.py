@@ -29,6 +29,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from stepline.engine.cache_dirs import build_once, cache_root
 from stepline.engine.demo_files import (
+    AUDIO_DEMO,
     CORPUS_PATH,
     ENDOFTEXT,
     IM_END,
@@ -700,6 +701,10 @@ def model_source(name_or_path: str | None = None) -> ModelSource:
         from stepline.engine.vision import demo_path
 
         return ModelSource(demo_path(), name)
+    if name == AUDIO_DEMO:
+        from stepline.engine.audio_model import demo_path as audio_demo_path
+
+        return ModelSource(audio_demo_path(), name)
     local = Path(name).expanduser()
     if local.is_dir():
         return ModelSource(local.resolve(), name)
@@ -714,6 +719,6 @@ def model_source(name_or_path: str | None = None) -> ModelSource:
         raise ModelNotFoundError(
             f"model {name!r} not found: tried local path {local.resolve()} ({local_note}), "
             f"Hugging Face id {name!r} ({reason}); built-in models are {DEFAULT_MODEL}, "
-            f"{', '.join(DEMO_MODELS)} and {VISION_DEMO}"
+            f"{', '.join(DEMO_MODELS)}, {VISION_DEMO} and {AUDIO_DEMO}"
         )
     return ModelSource(hf_path, name)

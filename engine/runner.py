@@ -211,7 +211,7 @@ class ModelRunner:
             self.lookahead.drop()
 
     def _encode(self, work: ScheduledEncode) -> None:
-        """Units of the encoder's work for one image of a request's prompt."""
+        """Units of the encoder's work for one image (or clip) of a request's prompt."""
         from stepline.engine.vision import EncodeJob
 
         seq = self._seqs[work.request_id]
@@ -220,7 +220,7 @@ class ModelRunner:
             image = seq.images[work.image]
             span = seq.prompt[image.start : image.end]
             job = seq.encodes[work.image] = EncodeJob(span, image.inputs, image.units)
-        self.loaded.vision.encoder.run(job, work.start, work.end)
+        self.loaded.vision.encoder_of(seq.images[work.image].medium).run(job, work.start, work.end)
 
     def housekeep(self, work: Housekeeping) -> StepResult:
         """Free ended requests, drop and load prefix-cache entries; no forward pass."""

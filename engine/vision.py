@@ -257,11 +257,18 @@ def _idefics3_tiles(vlm: Any, inputs: Mapping[str, Any]) -> dict[str, mx.array]:
 
 @dataclass(frozen=True)
 class VisionParts:
-    """What a LoadedModel of a vision-language model carries beside the text model."""
+    """What a LoadedModel of a vision-language (or audio) model carries beside the text
+    model: per medium, its prompt side and its encoder."""
 
     model_type: str
     encoder: VisionEncoder  # executor thread only
-    images: Any  # Idefics3Images | Gemma3Images: prompt-side, MLX-free calls
+    images: Any  # Idefics3Images | Gemma3Images: prompt-side, MLX-free calls; None: no images
+    audio: Any = None  # `engine.audio_model` Phi4mmAudio: prompt-side; None: no audio tower
+    audio_encoder: Any = None  # `engine.audio_model.AudioEncoder`: executor thread only
+
+    def encoder_of(self, medium: str) -> Any:
+        """The encoder that runs a span of `medium`'s units (`run(job, start, end)`)."""
+        return self.audio_encoder if medium == "audio" else self.encoder
 
 
 def _text_model(vlm: Any, config: dict[str, Any]) -> Any:
@@ -338,15 +345,20 @@ def load_vision(path: Path, fit: Callable[[nn.Module], str]) -> VisionCheckpoint
     from mlx_vlm.utils import load_model as load_vlm
     from mlx_vlm.utils import load_processor
 
+    from stepline.engine.audio_model import AUDIO_FAMILIES
+
     config = json.loads((path / "config.json").read_text())
     model_type = config.get("model_type", "")
     family = FAMILIES.get(model_type)
-    if family is None:
+    hearing = AUDIO_FAMILIES.get(model_type)
+    if family is None and hearing is None:
         raise VisionUnavailableError(
             f"vision-language models of type {model_type!r} are not served yet; served: "
-            f"{', '.join(sorted(FAMILIES))} (Qwen-VL's 3-D positions need per-request state "
-            "in the batched decode)"
+            f"{', '.join(sorted([*FAMILIES, *AUDIO_FAMILIES]))} (Qwen-VL's 3-D positions need "
+            "per-request state in the batched decode)"
         )
+    if hearing is not None:
+        return _load_audio_model(path, config, hearing, fit)
     vlm = load_vlm(path)
     weights = fit(vlm)
     processor = load_processor(path, add_detokenizer=False)
@@ -360,6 +372,42 @@ def load_vision(path: Path, fit: Callable[[nn.Module], str]) -> VisionCheckpoint
         images = family(processor)
     text = _text_model(vlm, config)
     parts = VisionParts(model_type, VisionEncoder(vlm, text, model_type), images)
+    return VisionCheckpoint(text_model=text, tokenizer=tokenizer, parts=parts, weights=weights)
+
+
+def _load_audio_model(
+    path: Path, config: dict[str, Any], hearing: type, fit: Callable[[nn.Module], str]
+) -> VisionCheckpoint:
+    """An audio family's checkpoint (`engine/audio_model.py`): its text model, tokenizer and
+    audio encoder; its images are not served (`VisionParts.images` None)."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+    from mlx_vlm.utils import load_model as load_vlm
+
+    from stepline.engine.audio_model import AudioEncoder, take_embeddings
+
+    vlm = load_vlm(path)
+    if getattr(vlm, "_base_weights", None):
+        # Phi-4-multimodal switches LoRA weights per request's media (text, vision, speech):
+        # one batch has one set, so both adapters stay merged, as mlx-vlm's quantized
+        # conversions ship them (its `quant_predicate`).
+        vlm.apply_both_loras()
+        vlm._base_weights = {}
+    weights = fit(vlm)
+    eos = config.get("eos_token_id")
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    tokenizer = load_tokenizer(path, eos_token_ids=sorted(set(eos_ids)) or None)
+    # the text model's config is the checkpoint's top level (Phi-3's names)
+    media = ("text_config", "vision_config", "audio_processor", "embd_layer", "vision_lora")
+    text_config = {k: v for k, v in config.items() if k not in (*media, "speech_lora")}
+    text = _text_model(vlm, {**config, "text_config": {**text_config, "model_type": "phi3"}})
+    take_embeddings(text)
+    parts = VisionParts(
+        config["model_type"],
+        VisionEncoder(vlm, text, config["model_type"]),
+        images=None,
+        audio=hearing(config),
+        audio_encoder=AudioEncoder(vlm, text),
+    )
     return VisionCheckpoint(text_model=text, tokenizer=tokenizer, parts=parts, weights=weights)
 
 

@@ -318,16 +318,17 @@ def _apply_chunk(state: RequestState, event: ChunkPrefilled) -> RequestState:
             f"{state.num_prompt_tokens}-token prompt (seq {event.seq})",
         )
     for i, image in enumerate(state.images):
+        what = "audio clip" if image.medium == "audio" else "image"  # one rule for both
         if event.end > image.start and image.end > event.start and state.encoded[i] < image.units:
             raise FoldError(
                 "chunk-before-encoding",
-                f"request {rid} has a chunk [{event.start}, {event.end}) in its image's span "
-                f"[{image.start}, {image.end}) before the image was encoded (seq {event.seq})",
+                f"request {rid} has a chunk [{event.start}, {event.end}) in its {what}'s span "
+                f"[{image.start}, {image.end}) before the {what} was encoded (seq {event.seq})",
             )
         if image.whole and image.start < event.end < image.end:
             raise FoldError(
                 "chunk-splits-image",
-                f"request {rid} has a chunk ending at {event.end}, inside its image's span "
+                f"request {rid} has a chunk ending at {event.end}, inside its {what}'s span "
                 f"[{image.start}, {image.end}) (seq {event.seq})",
             )
     done = event.end == state.num_prompt_tokens

@@ -86,6 +86,10 @@ def _absent(value: object) -> bool:
     return value is None
 
 
+def _is_image(value: object) -> bool:
+    return value == "image"
+
+
 class RequestParams(BaseModel):
     """What re-execution needs to run a request again: its sampling parameters."""
 
@@ -135,12 +139,13 @@ class Admitted(_Event):
 
 
 class ImageRef(BaseModel):
-    """An image of a prompt, as the log knows it: its content digest (SHA-256 of the bytes
-    sent), its size, the prompt tokens it stands for ([start, end)), and the vision
-    encoder's work for it in `units` (steps may run some of them each: `ImageEncoded`). No
-    chunk reaches into the span before its units are all done; where `whole`, the span's
-    tokens are then prefilled in one chunk (a family whose image tokens attend to each
-    other both ways), else they are chunked as text is."""
+    """An image (or an audio clip: `medium`) of a prompt, as the log knows it: its content
+    digest (SHA-256 of the bytes sent), its size, the prompt tokens it stands for ([start,
+    end)), and the encoder's work for it in `units` (steps may run some of them each:
+    `ImageEncoded`). No chunk reaches into the span before its units are all done; where
+    `whole`, the span's tokens are then prefilled in one chunk (a family whose image tokens
+    attend to each other both ways, a sentinel-wrapped audio span), else they are chunked as
+    text is."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -148,10 +153,15 @@ class ImageRef(BaseModel):
     start: int
     end: int
     num_bytes: int
-    width: int
+    width: int  # 0 for a clip
     height: int
     units: int = 1
     whole: bool = True
+    # "audio": a clip (its `seconds`, and `num_samples` at the model's rate, what its encoder
+    # hears); written only for audio, so an image's line is as it was
+    medium: Literal["image", "audio"] = Field(default="image", exclude_if=_is_image)
+    seconds: float | None = Field(default=None, exclude_if=_absent)
+    num_samples: int | None = Field(default=None, exclude_if=_absent)
 
 
 # What sized a prefill chunk (`StepPlanned.limits`): the prompt's end; a checkpoint (chunks

@@ -1,4 +1,5 @@
-"""Image spans in a prompt, as the scheduler sees them: the tokens an image stands for,
+"""Image and audio spans in a prompt, as the scheduler sees them: the tokens an image (or a
+clip: `medium`) stands for,
 [start, end), the encoder work it needs first (`units`), whether its tokens go in one chunk
 (`whole`), and the content digest that keys it in the prefix cache.
 
@@ -45,6 +46,8 @@ class PromptImage:
     inputs: Mapping[str, Any] = field(repr=False, compare=False)
     units: int = 1  # the encoder's work in units steps run some of (`engine/vision.py`)
     whole: bool = True  # the span's tokens go in one chunk (else chunked once encoded)
+    # "audio": a clip (`engine.audio.AudioData`), heard by the model's audio encoder
+    medium: str = "image"
 
     @property
     def digest(self) -> str:
@@ -61,6 +64,15 @@ class PromptImage:
             height=self.image.height,
             units=self.units,
             whole=self.whole,
+            **(
+                {
+                    "medium": "audio",
+                    "seconds": self.image.seconds,  # type: ignore[attr-defined]
+                    "num_samples": self.image.num_samples,  # type: ignore[attr-defined]
+                }
+                if self.medium == "audio"
+                else {}
+            ),
         )
 
 

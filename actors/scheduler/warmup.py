@@ -280,8 +280,15 @@ class Warmup:
     def _image_prompt(
         self, rng: random.Random, size: tuple[int, int]
     ) -> tuple[tuple[int, ...], tuple[Any, ...]]:
-        """A prompt of a few tokens, an image of `size` pixels (one gray), and a few more."""
+        """A prompt of a few tokens, an image of `size` pixels (one gray), and a few more;
+        for a model that hears but does not see, a clip of a second (a tone) instead."""
         import io
+
+        assert self._vision is not None
+        before, after = self._prompt(rng, 4), self._prompt(rng, 4)
+        if self._vision.images is None:
+            span, clip = _tone_span(self._vision.audio, self._runner.loaded.tokenizer, before)
+            return (*before, *span, *after), (clip,)
 
         from PIL import Image
 
@@ -293,12 +300,23 @@ class Warmup:
         png = out.getvalue()
         # Its pixels as made (not decoded again: nothing of a client's file to check).
         data = ImageData(png, digest_of(png), size[0], size[1], "image/png", pixels)
-        assert self._vision is not None
-        before, after = self._prompt(rng, 4), self._prompt(rng, 4)
         span, image = place_image(
             self._vision.images.expand(data), data, self._runner.loaded.tokenizer, len(before)
         )
         return (*before, *span, *after), (image,)
+
+
+def _tone_span(audio: Any, tokenizer: Any, before: Sequence[int]) -> tuple[list[int], Any]:
+    """A second of a 440 Hz tone at the model's rate, placed after `before`."""
+    import numpy as np
+
+    from stepline.engine.audio import AudioData, place_audio
+
+    rate = audio.rate
+    samples = (0.1 * np.sin(2 * np.pi * 440 * np.arange(rate) / rate)).astype(np.float32)
+    data = samples.tobytes()
+    clip = AudioData(data, hashlib.sha256(data).hexdigest(), "wav", 1.0, rate, rate, rate, samples)
+    return place_audio(audio.expand(clip), clip, tokenizer, len(before))
 
 
 def _measured(done: int, steps: Sequence[Callable[..., None]]) -> _Steps:

@@ -202,6 +202,8 @@ def engine_messages(req: _Base) -> list[dict[str, Any]]:
                 calls.append(template_call(b.id, b.name, b.input or {}))
             elif b.type in ("thinking", "redacted_thinking") and m.role == "assistant":
                 reasoning.append(b.thinking or "")
+            elif b.type in _AUDIO_BLOCKS:
+                raise _no_audio_block(f"{where}.{j}", b.type)
             else:
                 raise APIError(
                     400,
@@ -220,6 +222,22 @@ def engine_messages(req: _Base) -> list[dict[str, Any]]:
             message["reasoning_content"] = "\n".join(reasoning)
         out.append(message)
     return out
+
+
+# Block types a client might try for audio (OpenAI's part names among them).
+_AUDIO_BLOCKS = ("audio", "input_audio", "audio_url")
+
+
+def _no_audio_block(where: str, kind: str) -> APIError:
+    """Anthropic's Messages API has no audio block: say where audio is taken instead."""
+    return APIError(
+        400,
+        f"{where} is a {kind!r} block: Anthropic's Messages API has no audio content block, "
+        "so this door takes no audio; send the clip to /v1/chat/completions as an "
+        '`input_audio` part ({"data": BASE64, "format": "wav"}) or to /v1/responses',
+        param=where,
+        code="unsupported_content_type",
+    )
 
 
 def _image(block: Block, where: str) -> dict[str, Any]:

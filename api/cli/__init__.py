@@ -23,9 +23,10 @@ async def _generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
     )
     content: str | list[dict] = args.prompt
-    if args.image:  # the images first, then the question (as vision chats are written)
+    if args.image or args.audio:  # the media first, then the question (as such chats go)
         content = [
             *[{"type": "image", "image": await anyio.Path(f).read_bytes()} for f in args.image],
+            *[{"type": "audio", "audio": await anyio.Path(f).read_bytes()} for f in args.audio],
             {"type": "text", "text": args.prompt},
         ]
     async with Engine.open(args.model, **engine_kwargs(args)) as engine:
@@ -71,8 +72,17 @@ def main(argv: list[str] | None = None) -> int:
         "--image",
         action="append",
         metavar="FILE",
+        default=[],
         help="an image file to ask about (a vision model: e.g. --model stepline-demo-vision); "
         "repeat for several",
+    )
+    g.add_argument(
+        "--audio",
+        action="append",
+        metavar="FILE",
+        default=[],
+        help="a WAV, MP3 or FLAC file to ask about (an audio model: e.g. --model "
+        "stepline-demo-audio); repeat for several",
     )
     add_engine_args(g)
 

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from stepline.api.pipeline.audio import audio_url_part, input_audio_part
 from stepline.api.pipeline.chat import call_arguments, template_call, unsupported_part
 from stepline.api.pipeline.errors import APIError
 from stepline.api.pipeline.images import (
@@ -43,14 +44,16 @@ class StreamOptions(_Request):
 
 
 class ContentPart(BaseModel):
-    """One part of a message's content: `text`, or `image_url` (its `image_url` an object
-    with a `url`, or the URL itself)."""
+    """One part of a message's content: `text`, `image_url` (its `image_url` an object
+    with a `url`, or the URL itself), or `input_audio` (base64 data and its format)."""
 
     model_config = ConfigDict(strict=True, extra="allow", frozen=True)
 
     type: str
     text: str | None = None
     image_url: Any = None  # {"url": ..., "detail": ...}, or the URL (`_image_url`)
+    input_audio: Any = None  # {"data": BASE64, "format": "wav"} (`input_audio_part`)
+    audio_url: Any = None  # {"url": "data:audio/wav;base64,..."} (`audio_url_part`)
 
 
 class ChatMessage(_Request):
@@ -244,7 +247,13 @@ def _part(part: ContentPart, where: str) -> dict[str, Any]:
         return text_part(part.text)
     if part.type == "image_url":
         return image_part(ImageSource(where, url=_image_url(part.image_url, where)))
-    raise unsupported_part(where, part.type, "'text' (with a 'text') and 'image_url'")
+    if part.type == "input_audio":
+        return input_audio_part(part.input_audio, where)
+    if part.type == "audio_url":  # mlx-vlm's and vLLM's servers take these too
+        return audio_url_part(part.audio_url, where)
+    raise unsupported_part(
+        where, part.type, "'text' (with a 'text'), 'image_url', 'input_audio' and 'audio_url'"
+    )
 
 
 def _image_url(value: Any, where: str) -> str:

@@ -188,6 +188,7 @@ def known_error(
     from stepline.api.prompts import PromptTooLongError
     from stepline.api.refusals import REFUSAL_STATUS
     from stepline.api.request_error import RequestError
+    from stepline.engine.audio import AudioError
     from stepline.engine.grammar import GrammarError
     from stepline.engine.images import ImageError
 
@@ -231,7 +232,7 @@ def known_error(
             code="images_busy",
             headers={"retry-after": str(retry_after)},
         )
-    if isinstance(exc, ImageError):  # corrupt, too large, too many, not fetched, text only
+    if isinstance(exc, ImageError | AudioError):  # corrupt, too large, too many, no encoder
         return APIError(400, exc.message, param=exc.param, code=exc.code)
     if isinstance(exc, InputLimitError):
         return APIError(400, exc.message, param=exc.param, code=exc.code)

@@ -162,9 +162,9 @@ def text_part(text: str) -> dict[str, Any]:
 
 def content_of(parts: Sequence[dict[str, Any]], sep: str = "\n") -> str | list[dict[str, Any]]:
     """A message's neutral content from its parts, in order (`text_part`s and `image_part`s):
-    the texts joined by `sep` where it has no image (what text models' templates render, as
-    before images were served), else the parts."""
-    if any(p["type"] == "image" for p in parts):
+    the texts joined by `sep` where it has no image or audio (what text models' templates
+    render, as before images were served), else the parts."""
+    if any(p["type"] in ("image", "audio") for p in parts):
         return list(parts)
     return sep.join(p["text"] for p in parts)
 
@@ -339,14 +339,22 @@ def _decoded(data: bytes, where: str, options: ImageOptions) -> ImageData:
 _NO_SPACE = str.maketrans("", "", " \t\r\n")
 
 
-def _base64(text: str, where: str) -> bytes:
-    """`text` decoded; line breaks (`base64` wraps its output) are left out. Raises
-    ImageError for anything else that is not base64."""
+def base64_bytes(text: str) -> bytes | None:
+    """`text` decoded, line breaks (`base64` wraps its output) left out; None for anything
+    else that is not base64. An image's or an audio clip's data (`pipeline/audio.py`)."""
     for attempt in (text, text.translate(_NO_SPACE)):
         try:
             return base64.b64decode(attempt, validate=True)
         except (binascii.Error, ValueError):
             pass
+    return None
+
+
+def _base64(text: str, where: str) -> bytes:
+    """`text` decoded (`base64_bytes`). Raises ImageError for text that is not base64."""
+    data = base64_bytes(text)
+    if data is not None:
+        return data
     raise ImageError(
         f"{where} is not valid base64: send the image's bytes base64-encoded",
         param=where,

@@ -23,7 +23,9 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 from stepline.api.config import ModelSpec, ServerConfig
 from stepline.api.defaults import ModelDefaults, resolve
 from stepline.api.pipeline.agents import configure
+from stepline.api.pipeline.audio import AudioOptions
 from stepline.api.pipeline.images import ImageOptions, PixelBudget
+from stepline.engine.audio import AudioLimits
 from stepline.engine.images import ImageLimits
 
 if TYPE_CHECKING:
@@ -59,6 +61,18 @@ class ServedModel:
             ),
             expand=None if vision is None else vision.expand,
             budget=pixel_budget or PixelBudget(config.max_image_pixels_in_flight),
+        )
+        hearing = getattr(engine.prompts, "audio", None)
+        self.audio = AudioOptions(
+            accepts_audio=hearing is not None,
+            limits=AudioLimits(
+                config.max_audio_bytes,
+                config.max_audio_seconds,
+                config.max_audio_sample_rate,
+                config.max_audios_per_request,
+            ),
+            rate=getattr(hearing, "rate", 16_000),
+            expand=None if hearing is None else hearing.expand,
         )
         # Applies --chat-template to the tokenizer.
         self.reasoning, self.default_template_kwargs = configure(

@@ -17,6 +17,7 @@ from starlette.datastructures import Headers
 from stepline.api.config import ServerConfig
 from stepline.api.params import SamplingParams
 from stepline.api.pipeline.agents import AgentPlan
+from stepline.api.pipeline.audio import resolve_audio
 from stepline.api.pipeline.embed import embedding_only
 from stepline.api.pipeline.errors import APIError, context_exceeded, known_error
 from stepline.api.pipeline.images import ImagesBusyError, resolve_images
@@ -25,6 +26,7 @@ from stepline.api.pipeline.next_turn import NextTurn
 from stepline.api.pipeline.resume import presented_key
 from stepline.api.pipeline.served import RequestContext
 from stepline.api.prompts import Prepared
+from stepline.engine.audio import AudioError
 from stepline.engine.images import ImageError
 from stepline.engine.sampling_limits import GREEDY_TEMPERATURE
 
@@ -324,10 +326,12 @@ class Starter:
     async def with_images(
         self, ctx: RequestContext[Any], messages: list[dict[str, Any]]
     ) -> list[dict[str, Any]]:
-        """`messages` with their image parts fetched and decoded (`resolve_images`). Raises
-        APIError (400) for images this server does not take: any, to a text-only model; 429
-        when the server's pixel budget stays full."""
+        """`messages` with their image parts fetched and decoded (`resolve_images`), and their
+        audio parts decoded (`resolve_audio`). Raises APIError (400) for images or audio this
+        server does not take: any, to a model without the encoder; 429 when the server's
+        pixel budget stays full."""
         try:
-            return await resolve_images(messages, ctx.model.images)
-        except (ImageError, ImagesBusyError) as exc:
+            messages = await resolve_images(messages, ctx.model.images)
+            return await resolve_audio(messages, ctx.model.audio)
+        except (ImageError, ImagesBusyError, AudioError) as exc:
             raise known_error(exc) or exc from None

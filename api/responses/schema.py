@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from stepline.api.pipeline.agents import ToolSpec, tool_spec, unique_tools
+from stepline.api.pipeline.audio import input_audio_part
 from stepline.api.pipeline.chat import call_arguments, template_call
 from stepline.api.pipeline.errors import APIError
 from stepline.api.pipeline.images import ImageSource, content_of, image_part, text_part
@@ -69,12 +70,26 @@ class InputImage(_Request):
         raise APIError(400, f"{where} needs an image_url", param=f"{where}.image_url")
 
 
+class InputAudio(_Request):
+    type: Literal["input_audio"]
+    input_audio: Any = None  # {"data": BASE64, "format": "wav" | "mp3" | "flac"}
+
+    def part(self, where: str) -> dict[str, Any]:
+        """The clip's placeholder (`audio.input_audio_part`)."""
+        return input_audio_part(self.input_audio, where)
+
+
+_PART_TAGS = {"input_image": "image", "input_audio": "audio"}
+
 InputContent = Annotated[
-    Annotated[InputPart, Tag("text")] | Annotated[InputImage, Tag("image")],
+    Annotated[InputPart, Tag("text")]
+    | Annotated[InputImage, Tag("image")]
+    | Annotated[InputAudio, Tag("audio")],
     Discriminator(
-        lambda v: "image" if _item_type(v) == "input_image" else "text",
+        lambda v: _PART_TAGS.get(_item_type(v), "text"),
         custom_error_type="invalid_content_part",
-        custom_error_message="a content part is an input_text, output_text or input_image",
+        custom_error_message="a content part is an input_text, output_text, input_image or "
+        "input_audio",
     ),
 ]
 

@@ -145,8 +145,9 @@ def describe_images(state: RequestState) -> str:
         return ""
     for i, (image, done) in enumerate(zip(state.images, state.encoded, strict=True)):
         if done < image.units and image.start <= state.num_computed_tokens:
+            what = "audio clip" if image.medium == "audio" else "image"
             return (
-                f", image {i + 1} of {len(state.images)} encoded {done} of {image.units} "
+                f", {what} {i + 1} of {len(state.images)} encoded {done} of {image.units} "
                 f"unit{'s' * (image.units != 1)}"
             )
     return ""
