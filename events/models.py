@@ -47,7 +47,7 @@ from typing import Annotated, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 
 
 class FinishReason(StrEnum):
@@ -132,6 +132,9 @@ class Admitted(_Event):
     # never the key itself; None: the anonymous client (every request that names none).
     client: str | None = None
     images: tuple[ImageRef, ...] = ()  # the prompt's images, in prompt order
+    # The LoRA adapter it runs with (its name, a model the server lists; engine/lora.py);
+    # None: the base model. Left out of the line when None.
+    adapter: str | None = None
 
 
 class ImageRef(BaseModel):

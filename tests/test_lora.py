@@ -1,0 +1,137 @@
+"""LoRA adapters as models: requests for several adapters and the base model share one batch
+and one step, and each gets the tokens mlx-lm gives it with its adapter alone."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+from helpers import collect, mlx_lm_greedy, submit_together
+from lora_files import make_adapter, mlx_lm_with_adapter
+
+from stepline.api import Engine, SamplingParams
+from stepline.engine.lora import AdapterError
+from stepline.engine.models import demo_model_path
+from stepline.events.log_reader import read_events
+from stepline.events.models import Admitted, StepPlanned
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0)
+
+
+def prompt_ids(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 300) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def adapters(demo, tmp_path_factory) -> dict[str, Path]:
+    """Three adapters of the demo model: two LoRA of other ranks, one DoRA."""
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        "a": make_adapter(root / "a", demo.model, seed=1),
+        "b": make_adapter(
+            root / "b", demo.model, seed=2, rank=8, keys=("self_attn.o_proj", "mlp.up_proj")
+        ),
+        "c": make_adapter(root / "c", demo.model, seed=3, kind="dora", num_layers=1),
+    }
+
+
+async def test_three_adapters_and_the_base_share_steps_and_each_gets_its_own_tokens(
+    demo, adapters, tmp_path
+):
+    log = tmp_path / "events.jsonl"
+    lora = [f"{name}={path}" for name, path in adapters.items()]
+    names = [None, "a", "b", "c"]
+    requests = [
+        {"prompt": prompt_ids(9 + 3 * i, seed=i), "params": GREEDY, "adapter": names[i % 4]}
+        for i in range(16)
+    ]
+    async with Engine.open(
+        "stepline-demo", lora=lora, max_num_seqs=16, max_step_tokens=512, event_log=str(log)
+    ) as engine:
+        assert set(engine.adapters) == {"a", "b", "c"}
+        streams = await submit_together(engine, requests)
+        outputs = [await collect(s) for s in streams]
+    got = [[t for out in outs for t in out.token_ids] for outs in outputs]
+
+    path = demo_model_path()
+    references = {n: mlx_lm_with_adapter(path, adapters[n] if n else None) for n in names}
+    want = [
+        mlx_lm_greedy(references[r["adapter"]], r["prompt"], GREEDY.max_tokens) for r in requests
+    ]
+    assert got == want
+    # the adapters change what the model says
+    base = [mlx_lm_greedy(references[None], r["prompt"], GREEDY.max_tokens) for r in requests]
+    assert all(g != b for g, b, r in zip(got, base, requests, strict=True) if r["adapter"])
+
+    events = list(read_events(log))
+    adapter_of = {e.request_id: e.adapter for e in events if isinstance(e, Admitted)}
+    assert sorted(adapter_of.values(), key=str) == sorted([r["adapter"] for r in requests], key=str)
+    shared = [
+        e
+        for e in events
+        if isinstance(e, StepPlanned) and {adapter_of[r] for r in e.request_ids} == set(names)
+    ]
+    assert shared, "no step ran requests of every adapter and the base model together"
+
+
+async def test_a_request_for_an_adapter_not_loaded_is_refused_naming_the_served_ones(demo):
+    async with Engine.open("stepline-demo", max_step_tokens=64) as engine:
+        with pytest.raises(ValueError, match="no LoRA adapter 'nope'.*stepline-demo"):
+            await engine.submit([5, 6, 7], params=GREEDY, adapter="nope")
+
+
+async def test_an_adapter_loaded_while_serving_is_used_by_the_next_request(demo, adapters):
+    prompt = prompt_ids(12, seed=7)
+    async with Engine.open("stepline-demo", max_step_tokens=64) as engine:
+        before = await collect(await engine.submit(prompt, params=GREEDY))
+        info = await engine.load_adapter("a", str(adapters["a"]))
+        assert (info.kind, info.rank, info.num_modules) == ("lora", 4, 6)
+        after = await collect(await engine.submit(prompt, params=GREEDY, adapter="a"))
+    want = mlx_lm_greedy(mlx_lm_with_adapter(demo_model_path(), adapters["a"]), prompt, 10)
+    assert [t for o in after for t in o.token_ids] == want
+    assert [t for o in before for t in o.token_ids] != want
+
+
+@pytest.mark.parametrize(
+    ("spoil", "reason"),
+    [
+        ("rank", "its matrices have rank 4, its adapter_config.json says rank 16"),
+        ("module", "adapts 'model.layers.0.self_attn.nope', which this model does not have"),
+        ("shape", "it maps 128 -> 64 features, this model's layer 64 -> 64"),
+        ("full", "is a 'full' fine-tune"),
+        ("missing", "has no adapters.safetensors"),
+    ],
+)
+async def test_an_adapter_that_does_not_fit_the_model_is_refused_at_load_with_the_reason(
+    demo, tmp_path, spoil, reason
+):
+    import json
+
+    import mlx.core as mx
+
+    path = make_adapter(tmp_path / "bad", demo.model, seed=5)
+    config = json.loads((path / "adapter_config.json").read_text())
+    weights = mx.load(str(path / "adapters.safetensors"))
+    if spoil == "rank":
+        config["lora_parameters"]["rank"] = 16
+    elif spoil == "full":
+        config["fine_tune_type"] = "full"
+    elif spoil == "module":
+        weights["model.layers.0.self_attn.nope.lora_a"] = mx.zeros((64, 4))
+        weights["model.layers.0.self_attn.nope.lora_b"] = mx.zeros((4, 64))
+    elif spoil == "shape":
+        weights["model.layers.0.self_attn.q_proj.lora_a"] = mx.zeros((128, 4))
+    elif spoil == "missing":
+        (path / "adapters.safetensors").unlink()
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    if spoil != "missing":
+        mx.save_safetensors(str(path / "adapters.safetensors"), weights)
+    with pytest.raises(AdapterError, match=reason.replace("(", r"\(").replace(")", r"\)")):
+        async with Engine.open("stepline-demo", lora=[f"bad={path}"]):
+            pass
+    async with Engine.open("stepline-demo", max_step_tokens=64) as engine:
+        with pytest.raises(AdapterError, match="rank|have|maps|full|has no"):
+            await engine.load_adapter("bad", str(path))
+        assert engine.adapters == {}
