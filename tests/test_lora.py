@@ -4,6 +4,7 @@ and one step, and each gets the tokens mlx-lm gives it with its adapter alone.""
 from __future__ import annotations
 
 import random
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
@@ -135,3 +136,71 @@ async def test_an_adapter_that_does_not_fit_the_model_is_refused_at_load_with_th
         with pytest.raises(AdapterError, match="rank|have|maps|full|has no"):
             await engine.load_adapter("bad", str(path))
         assert engine.adapters == {}
+
+
+async def test_the_http_doors_route_each_request_by_the_model_it_names(demo, adapters, tmp_path):
+    import openai
+    from helpers import open_served
+
+    @asynccontextmanager
+    async def served_client(served):
+        async with served.client() as client:
+            yield client
+
+    from stepline.api import SamplingParams as Params
+
+    lora = [f"a={adapters['a']}"]
+    prompt = "the adapters say"
+    async with (
+        open_served(
+            "stepline-demo", engine={"lora": lora}, api_key="sk-one", apps={"open": {}}
+        ) as served,
+        served_client(served) as client,
+    ):
+        listed = {m.id: m for m in (await client.models.list()).data}
+        assert set(listed) == {"stepline-demo", "a"}
+        assert listed["a"].model_extra["parent"] == "stepline-demo"
+
+        async def text(model: str) -> str:
+            out = await client.completions.create(
+                model=model, prompt=prompt, max_tokens=8, temperature=0
+            )
+            assert out.model == model
+            return out.choices[0].text
+
+        via_engine = await collect(
+            await served.engine.submit(
+                prompt, params=Params(max_tokens=8, temperature=0), adapter="a"
+            )
+        )
+        assert await text("a") == "".join(o.text for o in via_engine)
+        assert await text("a") != await text("stepline-demo")
+
+        with pytest.raises(openai.NotFoundError, match="'stepline-demo', 'a'"):
+            await text("b")
+
+        async with served.http(headers={"authorization": "Bearer sk-one"}) as http:
+            bad = make_adapter(tmp_path / "bad", demo.model, seed=9, rank=4)
+            config = (bad / "adapter_config.json").read_text().replace('"rank": 4', '"rank": 2')
+            (bad / "adapter_config.json").write_text(config)
+            refused = await http.post(
+                "/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(bad)}
+            )
+            assert refused.status_code == 400
+            assert (
+                "rank 4, its adapter_config.json says rank 2" in refused.json()["error"]["message"]
+            )
+            ok = await http.post(
+                "/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": str(adapters["c"])}
+            )
+            assert ok.status_code == 200 and ok.json()["kind"] == "dora"
+            tags = (await http.get("/api/tags")).json()
+            assert {m["name"] for m in tags["models"]} >= {"stepline-demo", "a", "c"}
+        assert await text("c") != await text("stepline-demo")
+
+        # a server without an API key loads no adapter while serving
+        async with served.http(url=served.urls["open"]) as http:
+            answer = await http.post(
+                "/v1/load_lora_adapter", json={"lora_name": "d", "lora_path": str(adapters["b"])}
+            )
+            assert answer.status_code == 403

@@ -225,11 +225,12 @@ class OneModel:
     @property
     def names(self) -> tuple[str, ...]:
         served = self.entry.served
-        return served.names if served is not None else (self.engine.model_name,)
+        own = served.names if served is not None else (self.engine.model_name,)
+        return (*own, *self.engine.adapters)  # its LoRA adapters are models too
 
     @property
     def listed(self) -> tuple[str, ...]:
-        return self.names[:1]
+        return (self.names[0], *self.engine.adapters)
 
     def entry_of(self, name: str) -> OnlyEntry | None:
         return self.entry if name in self.names else None
@@ -315,6 +316,13 @@ class RequestContext(Generic[_R]):
     @property
     def engine(self) -> Engine:
         return self.model.engine
+
+    @property
+    def adapter(self) -> str | None:
+        """The LoRA adapter the request names as its `model` (one its model serves), or None:
+        the model itself."""
+        requested = getattr(self.body, "model", None)
+        return requested if requested in self.engine.adapters else None
 
     @property
     def response_model(self) -> str:
