@@ -30,6 +30,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from stepline.actors.scheduler.spans import adapter_key
+
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapters.safetensors"
 KINDS = ("lora", "dora")  # `fine_tune_type`s served ("full" replaces weights: a model of its own)
@@ -168,6 +170,9 @@ class Adapters:
         done before any layer changes). Raises AdapterError naming what does not fit."""
         if name in self.loaded:
             raise AdapterError(f"an adapter named {name!r} is loaded already")
+        same_keys = [n for n in self.loaded if adapter_key((0,), n) == adapter_key((0,), name)]
+        if same_keys:  # its prefix-cache keys would be another adapter's: name it otherwise
+            raise AdapterError(f"the name {name!r} hashes as {same_keys[0]!r} does: rename it")
         kind, rank, scale, weights = read_adapter(path)
         modules = _by_module(weights, path)
         deltas: dict[str, _Delta] = {}

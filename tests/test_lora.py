@@ -204,3 +204,32 @@ async def test_the_http_doors_route_each_request_by_the_model_it_names(demo, ada
                 "/v1/load_lora_adapter", json={"lora_name": "d", "lora_path": str(adapters["b"])}
             )
             assert answer.status_code == 403
+
+
+async def test_a_prefix_cache_hit_never_crosses_adapters(demo, adapters, tmp_path):
+    from stepline.events.models import ChunkPrefilled
+
+    log = tmp_path / "events.jsonl"
+    prompt = prompt_ids(40, seed=11)
+    order = [None, "a", "b", "a", None]
+    lora = [f"{n}={adapters[n]}" for n in ("a", "b")]
+    async with Engine.open(
+        "stepline-demo", lora=lora, max_step_tokens=64, event_log=str(log)
+    ) as engine:
+        got = []
+        for adapter in order:  # one after another: each may find the ones before it cached
+            outs = await collect(await engine.submit(prompt, params=GREEDY, adapter=adapter))
+            got.append([t for o in outs for t in o.token_ids])
+    events = list(read_events(log))
+    rids = [e.request_id for e in events if isinstance(e, Admitted)]
+    cached = {
+        e.request_id: e.num_cached_tokens
+        for e in events
+        if isinstance(e, ChunkPrefilled) and e.num_cached_tokens
+    }
+    # the second of each adapter (and of the base) starts from its own first one's cache
+    assert [cached.get(r, 0) > 0 for r in rids] == [False, False, False, True, True]
+    path = demo_model_path()
+    for adapter, tokens in zip(order, got, strict=True):
+        model = mlx_lm_with_adapter(path, adapters[adapter] if adapter else None)
+        assert tokens == mlx_lm_greedy(model, prompt, GREEDY.max_tokens)
