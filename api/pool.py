@@ -372,6 +372,12 @@ class ModelPool:
                 if entry.waiting == 0:
                     self._notify()  # a load nobody waits for any more gives up (`_make_room`)
 
+    def adapter_loaded(self, entry: Entry, num_bytes: int) -> None:
+        """A LoRA adapter of `num_bytes` was loaded into `entry`'s model while serving: its
+        footprint grows by that much (measured at its next load)."""
+        entry.footprint_bytes += num_bytes
+        entry.known_bytes = entry.footprint_bytes
+
     def release(self, entry: Entry) -> None:
         """The caller of `acquire` is done with `entry` (its request is in the engine's states,
         or failed before); in the caller's task, which ends its arrival too."""

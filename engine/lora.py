@@ -241,6 +241,11 @@ class Adapters:
         return layer
 
 
+def adapter_bytes(model: nn.Module) -> int:
+    """The memory of every adapter's matrices in `model` (not among its parameters)."""
+    return sum(m.adapter_bytes for _, m in model.named_modules() if isinstance(m, MultiLoraLinear))
+
+
 def read_adapter(path: str | Path) -> tuple[str, int, float, dict[str, mx.array]]:
     """An adapter directory's kind, rank, scale and arrays. Raises AdapterError."""
     path = Path(path).expanduser()

@@ -233,3 +233,49 @@ async def test_a_prefix_cache_hit_never_crosses_adapters(demo, adapters, tmp_pat
     for adapter, tokens in zip(order, got, strict=True):
         model = mlx_lm_with_adapter(path, adapters[adapter] if adapter else None)
         assert tokens == mlx_lm_greedy(model, prompt, GREEDY.max_tokens)
+
+
+async def test_a_models_file_serves_adapters_of_a_model_in_a_pool_and_counts_their_memory(
+    demo, adapters, tmp_path
+):
+    import httpx
+    from mlx.utils import tree_flatten
+
+    from stepline.api.config import EventLogConfig, PoolConfig, read_models_file
+    from stepline.api.http.app import create_app
+    from stepline.api.http.serve import serve_in_process
+    from stepline.api.pool import ModelPool
+    from stepline.events.models import ModelLoaded
+
+    models_file = tmp_path / "models.toml"
+    models_file.write_text(
+        f'[models.demo]\nmodel = "stepline-demo"\nlora = {{ a = "{adapters["a"]}" }}\n'
+        '[models.other]\nmodel = "stepline-demo"\n'
+    )
+    config = PoolConfig(models=read_models_file(models_file))
+    log = tmp_path / "events.jsonl"
+    small = {"max_kv_gb": 0.01, "prefix_cache_gb": 0.01, "max_step_ms": 0, "max_step_tokens": 64}
+    async with (
+        ModelPool.open(config, small, EventLogConfig(event_log=str(log))) as pool,
+        serve_in_process(create_app(pool)) as url,
+        httpx.AsyncClient(base_url=url, timeout=60) as http,
+    ):
+        assert pool.listed == ("demo", "a", "other")
+        body = {"model": "a", "prompt": "hello", "max_tokens": 6, "temperature": 0}
+        answer = await http.post("/v1/completions", json=body)
+        assert answer.status_code == 200 and answer.json()["model"] == "a"
+        assert pool.entry_of("a") is pool.entries["demo"]
+        base = await http.post("/v1/completions", json={**body, "model": "demo"})
+        assert base.json()["choices"][0]["text"] != answer.json()["choices"][0]["text"]
+        missing = await http.post("/v1/completions", json={**body, "model": "nope"})
+        assert missing.status_code == 404
+        assert "'demo', 'a', 'other'" in missing.json()["error"]["message"]
+    loaded = next(e for e in read_events(log) if isinstance(e, ModelLoaded) and e.model == "demo")
+    base_bytes = sum(a.nbytes for _, a in tree_flatten(demo.model.parameters()))
+    adapter_bytes = sum(
+        a.nbytes
+        for a in __import__("mlx.core")
+        .core.load(str(adapters["a"] / "adapters.safetensors"))
+        .values()
+    )
+    assert loaded.weights_bytes == base_bytes + adapter_bytes

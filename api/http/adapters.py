@@ -60,6 +60,7 @@ def adapter_routes(serving: Serving) -> APIRouter:
             if body.base_model is not None and body.base_model in engine.adapters:
                 raise APIError(400, f"{base!r} is an adapter, not a base model", param="base_model")
             info = await engine.load_adapter(body.lora_name, body.lora_path)
+            models.adapter_loaded(entry, info.num_bytes)
         except (AdapterError, RequestError) as exc:
             raise APIError(400, str(exc), param="lora_path", code="invalid_adapter") from None
         finally:

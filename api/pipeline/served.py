@@ -169,6 +169,10 @@ class Models(Protocol[_E]):
         """The request that acquired `entry` is in its engine, or failed: its arrival ends."""
         ...
 
+    def adapter_loaded(self, entry: _E, num_bytes: int) -> None:
+        """A LoRA adapter of `num_bytes` was loaded into `entry`'s model (its footprint)."""
+        ...
+
     def log_refusal(
         self, request_id: str, message: str, *, code: str, status: int, model: str | None
     ) -> None:
@@ -253,6 +257,9 @@ class OneModel:
 
     def release(self, entry: OnlyEntry) -> None:
         self.engine.arrived()
+
+    def adapter_loaded(self, entry: OnlyEntry, num_bytes: int) -> None:
+        pass  # a single model's memory is not budgeted against others
 
     def log_refusal(
         self, request_id: str, message: str, *, code: str, status: int, model: str | None
