@@ -12,6 +12,7 @@ from helpers import collect, mlx_lm_greedy, submit_together
 from lora_files import make_adapter, mlx_lm_with_adapter
 
 from stepline.api import Engine, SamplingParams
+from stepline.engine.lora import WEIGHTS_FILE as WEIGHTS
 from stepline.engine.lora import AdapterError
 from stepline.engine.models import demo_model_path
 from stepline.events.log_reader import read_events
@@ -239,6 +240,7 @@ async def test_a_models_file_serves_adapters_of_a_model_in_a_pool_and_counts_the
     demo, adapters, tmp_path
 ):
     import httpx
+    import mlx.core as mx
     from mlx.utils import tree_flatten
 
     from stepline.api.config import EventLogConfig, PoolConfig, read_models_file
@@ -272,10 +274,5 @@ async def test_a_models_file_serves_adapters_of_a_model_in_a_pool_and_counts_the
         assert "'demo', 'a', 'other'" in missing.json()["error"]["message"]
     loaded = next(e for e in read_events(log) if isinstance(e, ModelLoaded) and e.model == "demo")
     base_bytes = sum(a.nbytes for _, a in tree_flatten(demo.model.parameters()))
-    adapter_bytes = sum(
-        a.nbytes
-        for a in __import__("mlx.core")
-        .core.load(str(adapters["a"] / "adapters.safetensors"))
-        .values()
-    )
+    adapter_bytes = sum(a.nbytes for a in mx.load(str(adapters["a"] / WEIGHTS)).values())
     assert loaded.weights_bytes == base_bytes + adapter_bytes
