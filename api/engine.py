@@ -54,7 +54,7 @@ from stepline.api.request_error import RequestError
 from stepline.api.stream import RequestStream
 from stepline.engine.grammar import Compiled, GrammarCompiler
 from stepline.engine.images import text_only
-from stepline.events.models import EmbedParams, FinishReason, RequestParams
+from stepline.events.models import AdapterLoaded, EmbedParams, FinishReason, RequestParams
 
 __all__ = [
     "Arrival",
@@ -400,6 +400,14 @@ class Engine:
             runner = self._step_loop.runner
             info = await self._executor.call(runner.load_adapter, name, path)
             self.adapters[name] = info
+            self._step_loop.log_model_event(
+                AdapterLoaded,
+                name=name,
+                path=info.path,
+                kind=info.kind,
+                rank=info.rank,
+                num_bytes=info.num_bytes,
+            )
             log.info("adapter_loaded", model=self.model_name, name=name, path=path)
             return info
 

@@ -201,8 +201,8 @@ _UPCASTERS[6] = _v6_to_v7
 
 
 def _v8_to_v9(raw: dict[str, Any]) -> dict[str, Any]:
-    # Schema 9 only added `Admitted.adapter` (a LoRA adapter's name), whose default (None: the
-    # base model) is what every request of a version-8 log ran with.
+    # Schema 9 only added LoRA adapters (`Admitted.adapter`, whose default, None: the base
+    # model, is what every request of a version-8 log ran with; `adapter-loaded` events).
     return raw
 
 

@@ -412,6 +412,20 @@ class ModelUnloaded(_Event):
     idle_seconds: float  # since its last request ended
 
 
+class AdapterLoaded(_Event):
+    """A LoRA adapter was loaded into the model while it served (`POST /v1/load_lora_adapter`,
+    `Engine.load_adapter`; those given at start are in the config): requests naming it as
+    `Admitted.adapter` run with it from then on, and re-execution loads it from `path`."""
+
+    type: Literal["adapter-loaded"] = "adapter-loaded"
+    request_id: None = None
+    name: str
+    path: str
+    kind: str  # "lora" or "dora"
+    rank: int
+    num_bytes: int  # its matrices' memory
+
+
 Event = Annotated[
     Admitted
     | StepPlanned
@@ -425,7 +439,8 @@ Event = Annotated[
     | Terminal
     | ModelLoaded
     | ModelLoadFailed
-    | ModelUnloaded,
+    | ModelUnloaded
+    | AdapterLoaded,
     Field(discriminator="type"),
 ]
 EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)

@@ -276,3 +276,27 @@ async def test_a_models_file_serves_adapters_of_a_model_in_a_pool_and_counts_the
     base_bytes = sum(a.nbytes for _, a in tree_flatten(demo.model.parameters()))
     adapter_bytes = sum(a.nbytes for a in mx.load(str(adapters["a"] / WEIGHTS)).values())
     assert loaded.weights_bytes == base_bytes + adapter_bytes
+
+
+async def test_re_execution_loads_each_request_s_adapter_and_gets_the_same_tokens(
+    demo, adapters, tmp_path
+):
+    from stepline.api.reexecute import reexecute
+    from stepline.events.models import AdapterLoaded
+
+    log = tmp_path / "events.jsonl"
+    lora = [f"a={adapters['a']}"]  # at start (the header's config), and "c" while serving
+    async with Engine.open(
+        "stepline-demo", lora=lora, max_step_tokens=64, event_log=str(log)
+    ) as engine:
+        await engine.load_adapter("c", str(adapters["c"]))
+        requests = [
+            {"prompt": prompt_ids(10 + i, seed=20 + i), "params": GREEDY, "adapter": adapter}
+            for i, adapter in enumerate([None, "a", "c"])
+        ]
+        for stream in await submit_together(engine, requests):
+            await collect(stream)
+    events = list(read_events(log))
+    assert [e.name for e in events if isinstance(e, AdapterLoaded)] == ["c"]
+    report = await reexecute(log)
+    assert report.ok and report.num_same == 3

@@ -11,6 +11,7 @@ import msgspec
 from stepline.events.fold import RequestState, Status
 from stepline.events.log import LogRun, read_runs
 from stepline.events.models import (
+    AdapterLoaded,
     Admitted,
     CheckpointReached,
     ChunkPrefilled,
@@ -201,6 +202,8 @@ def describe_event(event: Event | Decoding) -> str:
         )
     if isinstance(event, ModelLoadFailed):
         return f"{head} {event.model}: {event.message}"
+    if isinstance(event, AdapterLoaded):
+        return f"{head} {event.name}: a {event.kind} adapter of rank {event.rank}, {event.path}"
     if isinstance(event, ModelUnloaded):
         return (
             f"{head} {event.model}: {event.reason}, {describe_bytes(event.bytes_freed)} freed, "
