@@ -67,6 +67,12 @@ class Routes:
         self.num_rows: int | None = None  # rows of the forward being built; None: none set
         # (slot, its rows: None for every row) for each adapter with rows in it
         self.groups: list[tuple[int, mx.array | None]] = []
+        # The same rows as one gather: `order` the adapters' rows, slot after slot (`spans`:
+        # each slot's [start, end) in it), and `back`, for each row of the forward, where
+        # its delta is among them (len(order): a zero row, a base row's).
+        self.order: mx.array | None = None
+        self.spans: list[tuple[int, int, int]] = []
+        self.back: mx.array | None = None
 
     def slot(self, name: str | None) -> int | None:
         """`name`'s slot (None: the base model). Raises KeyError for an adapter not loaded."""
@@ -89,10 +95,20 @@ class Routes:
             (s, None if len(rows) == len(slots) else mx.array(rows, dtype=mx.int32))
             for s, rows in groups.items()
         ]
+        if self.groups[0][1] is not None:  # rows of several adapters, or of the base too
+            order = [i for rows in groups.values() for i in rows]
+            at = {row: k for k, row in enumerate(order)}
+            self.order = mx.array(order, dtype=mx.int32)
+            self.back = mx.array([at.get(i, len(order)) for i in range(len(slots))], mx.int32)
+            start = 0
+            for s, rows in groups.items():
+                self.spans.append((s, start, start + len(rows)))
+                start += len(rows)
         try:
             yield
         finally:
-            self.num_rows, self.groups = None, []
+            self.num_rows, self.groups, self.spans = None, [], []
+            self.order = self.back = None
 
 
 class MultiLoraLinear(nn.Module):
@@ -114,13 +130,31 @@ class MultiLoraLinear(nn.Module):
             raise RuntimeError(
                 f"adapter routing for {routes.num_rows} rows, a forward of {x.shape[0]}"
             )
-        for slot, rows in routes.groups:
+        if routes.order is None:  # every row one adapter's
+            slot = routes.groups[0][0]
             delta = self._deltas.get(slot)
-            if delta is None:
-                continue  # that adapter leaves this layer as it is
-            if rows is None:
-                y = self._apply(delta, x, y)
+            return y if delta is None else self._apply(delta, x, y)
+        # LoRA deltas add: computed on the adapters' rows gathered once, slot after slot,
+        # and put back in one gather (a base row, or an adapter's that leaves this layer
+        # alone, adds a zero row: exactly its base output)
+        order, back = routes.order, routes.back
+        assert back is not None
+        xs, parts, lora = x[order], [], False
+        for slot, start, end in routes.spans:
+            delta = self._deltas.get(slot)
+            if delta is not None and delta.gain is None:
+                z = (xs[start:end] @ delta.a) @ delta.b
+                parts.append((delta.scale * z).astype(x.dtype))
+                lora = True
             else:
+                parts.append(mx.zeros((end - start, *y.shape[1:]), dtype=y.dtype))
+        if lora:
+            parts.append(mx.zeros((1, *y.shape[1:]), dtype=y.dtype))
+            y = y + mx.concatenate(parts)[back]
+        for slot, rows in routes.groups:  # DoRA's do not add: each on its own rows
+            delta = self._deltas.get(slot)
+            if delta is not None and delta.gain is not None:
+                assert rows is not None
                 y[rows] = self._apply(delta, x[rows], y[rows])
         return y
 
