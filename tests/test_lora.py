@@ -300,3 +300,36 @@ async def test_re_execution_loads_each_request_s_adapter_and_gets_the_same_token
     assert [e.name for e in events if isinstance(e, AdapterLoaded)] == ["c"]
     report = await reexecute(log)
     assert report.ok and report.num_same == 3
+
+
+async def test_smollm2_requests_for_two_adapters_and_the_base_get_mlx_lm_s_tokens(
+    smollm2, tmp_path
+):
+    keys = ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj")
+    made = {
+        "a": make_adapter(tmp_path / "a", smollm2.model, seed=1, keys=keys, num_layers=4, std=0.2),
+        "d": make_adapter(
+            tmp_path / "d", smollm2.model, seed=2, kind="dora", keys=keys, num_layers=2, std=0.1
+        ),
+    }
+    texts = [
+        "The lighthouse keeper climbed the stairs",
+        "A recipe for bread begins with",
+        "The capital of France is",
+        "Once upon a time, a small robot",
+    ]
+    requests = [
+        {"prompt": smollm2.tokenizer.encode(t), "params": GREEDY, "adapter": adapter}
+        for t, adapter in zip(texts, ["a", "d", None, "d"], strict=True)
+    ]
+    lora = [f"{n}={p}" for n, p in made.items()]
+    async with Engine.open(smollm2.name, lora=lora, max_num_seqs=4, max_step_tokens=256) as engine:
+        streams = await submit_together(engine, requests)
+        got = [[t for o in await collect(s) for t in o.token_ids] for s in streams]
+    # (the base's own reference is the session's loaded model: stepline loads it as mlx-lm does)
+    models = {None: smollm2.model, **{n: mlx_lm_with_adapter(smollm2.path, made[n]) for n in made}}
+    want = [mlx_lm_greedy(models[r["adapter"]], r["prompt"], GREEDY.max_tokens) for r in requests]
+    assert got == want
+    base = [mlx_lm_greedy(models[None], r["prompt"], GREEDY.max_tokens) for r in requests]
+    changed = {r["adapter"] for g, b, r in zip(got, base, requests, strict=True) if g != b}
+    assert changed == {"a", "d"}  # each adapter changes what the model says
