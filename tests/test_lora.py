@@ -333,3 +333,34 @@ async def test_smollm2_requests_for_two_adapters_and_the_base_get_mlx_lm_s_token
     base = [mlx_lm_greedy(models[None], r["prompt"], GREEDY.max_tokens) for r in requests]
     changed = {r["adapter"] for g, b, r in zip(got, base, requests, strict=True) if g != b}
     assert changed == {"a", "d"}  # each adapter changes what the model says
+
+
+async def test_drafted_decoding_verifies_each_row_with_its_own_adapter(demo, adapters):
+    lora = [f"{n}={adapters[n]}" for n in ("a", "c")]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}
+    path = demo_model_path()
+    models = {n: mlx_lm_with_adapter(path, adapters[n] if n else None) for n in (None, "a", "c")}
+    requests = []
+    for i, adapter in enumerate([None, "a", "c", "a"]):
+        # the prompt holds its own adapter's continuation of its start, then the start again:
+        # the n-gram drafter proposes that continuation, which only the right adapter accepts
+        start = prompt_ids(8, seed=40 + i)
+        prompt = start + mlx_lm_greedy(models[adapter], start, 12) + start
+        requests.append({"prompt": prompt, "params": GREEDY, "adapter": adapter})
+    async with Engine.open(
+        "stepline-demo", lora=lora, max_step_tokens=128, speculative_config=spec
+    ) as engine:
+        runner = engine.step_loop.runner
+        run, drafted = runner.run, []
+
+        def counting(work):
+            result = run(work)
+            drafted.extend(d for d in result.drafted.values() if d)
+            return result
+
+        runner.run = counting
+        streams = await submit_together(engine, requests)
+        got = [[t for o in await collect(s) for t in o.token_ids] for s in streams]
+    want = [mlx_lm_greedy(models[r["adapter"]], r["prompt"], GREEDY.max_tokens) for r in requests]
+    assert got == want
+    assert drafted, "no draft was accepted"
