@@ -197,6 +197,14 @@ async def test_the_http_doors_route_each_request_by_the_model_it_names(demo, ada
             assert ok.status_code == 200 and ok.json()["kind"] == "dora"
             tags = (await http.get("/api/tags")).json()
             assert {m["name"] for m in tags["models"]} >= {"stepline-demo", "a", "c"}
+            chat = {"messages": [{"role": "user", "content": prompt}], "stream": False}
+            chat["options"] = {"temperature": 0, "num_predict": 8}
+            ollama = {
+                m: (await http.post("/api/chat", json={**chat, "model": f"{m}:latest"})).json()
+                for m in ("a", "stepline-demo")
+            }
+            assert ollama["a"]["model"] == "a:latest" or ollama["a"]["model"] == "a"
+            assert ollama["a"]["message"] != ollama["stepline-demo"]["message"]
         assert await text("c") != await text("stepline-demo")
 
         # a server without an API key loads no adapter while serving
