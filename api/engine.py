@@ -395,6 +395,8 @@ class Engine:
         RequestError for a name in use, AdapterError (a ValueError) for an adapter that does
         not fit the model, saying why."""
         async with self._adapter_lock:
+            if self.config.get("distributed") is not None:
+                raise RequestError("LoRA adapters are not supported with parallel")
             if name in self.adapters or name == self.model_name:
                 raise RequestError(f"the name {name!r} is served already", param="lora_name")
             runner = self._step_loop.runner

@@ -372,3 +372,32 @@ async def test_drafted_decoding_verifies_each_row_with_its_own_adapter(demo, ada
     want = [mlx_lm_greedy(models[r["adapter"]], r["prompt"], GREEDY.max_tokens) for r in requests]
     assert got == want
     assert drafted, "no draft was accepted"
+
+
+@pytest.mark.parametrize("kind", ["lora", "dora"])
+def test_an_adapter_over_a_quantized_linear_computes_what_mlx_lm_s_layer_computes(kind):
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_lm.tuner.dora import DoRALinear
+    from mlx_lm.tuner.lora import LoRALinear
+
+    from stepline.engine.lora import MultiLoraLinear, Routes, _Delta, _weight
+
+    mx.random.seed(0)
+    base = nn.QuantizedLinear.from_linear(nn.Linear(64, 32, bias=False), group_size=32, bits=4)
+    ref = (DoRALinear if kind == "dora" else LoRALinear).from_base(base, r=4, scale=2.0)
+    ref.lora_b = mx.random.normal(ref.lora_b.shape) * 0.1
+    gain = None
+    if kind == "dora":
+        ref.m = ref.m * mx.random.uniform(0.8, 1.2, ref.m.shape)
+        gain = ref.m / mx.linalg.norm(_weight(base) + (2.0 * ref.lora_b.T) @ ref.lora_a.T, axis=1)
+    routes = Routes()
+    routes.slots["x"] = 0
+    layer = MultiLoraLinear(base, routes)
+    layer._deltas[0] = _Delta(ref.lora_a, ref.lora_b, 2.0, gain)
+    x = mx.random.normal((3, 1, 64))
+    with routes.rows(["x", None, "x"]):
+        got = layer(x)
+    want = ref(x)
+    assert mx.allclose(got[0::2], want[0::2], atol=1e-5).item()
+    assert mx.array_equal(got[1], base(x)[1]).item()  # the base row is the base's exactly
