@@ -184,7 +184,8 @@ def describe_event(event: Event | Decoding) -> str:
         return f"{head}: {len(parts)} request{'s' * (len(parts) != 1)}: {shown}{more}"
     rid = event.request_id
     if isinstance(event, Admitted):
-        return f"{head} {rid}: {event.num_prompt_tokens} prompt tokens"
+        adapter = f", adapter {event.adapter}" if event.adapter is not None else ""
+        return f"{head} {rid}: {event.num_prompt_tokens} prompt tokens{adapter}"
     if isinstance(event, ChunkPrefilled):
         return f"{head} {rid} [{event.start}, {event.end})"
     if isinstance(event, CheckpointReached):
