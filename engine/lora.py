@@ -210,9 +210,15 @@ class Adapters:
         kind, rank, scale, weights = read_adapter(path)
         modules = _by_module(weights, path)
         deltas: dict[str, _Delta] = {}
-        for module_path, leaves in modules.items():
-            base = self._base_of(module_path, path)
-            deltas[module_path] = _delta(base, leaves, kind, rank, scale, module_path, path)
+        try:
+            for module_path, leaves in modules.items():
+                base = self._base_of(module_path, path)
+                deltas[module_path] = _delta(base, leaves, kind, rank, scale, module_path, path)
+        except AdapterError as exc:
+            trained_on = _trained_on(path)
+            if trained_on is None:
+                raise
+            raise AdapterError(f"{exc}; its adapter_config.json names {trained_on!r}") from None
         slot = max(self.routes.slots.values(), default=-1) + 1
         for module_path, delta in deltas.items():
             self._layer(module_path)._deltas[slot] = delta
@@ -315,6 +321,12 @@ def read_adapter(path: str | Path) -> tuple[str, int, float, dict[str, mx.array]
         raise AdapterError(f"{weights_file} could not be read: {exc}") from None
     assert isinstance(weights, dict)
     return kind, rank, scale, weights
+
+
+def _trained_on(path: str | Path) -> str | None:
+    """The base model an adapter's config names (mlx_lm.lora records `model`), if any."""
+    model = json.loads((Path(path).expanduser() / CONFIG_FILE).read_text()).get("model")
+    return model if isinstance(model, str) else None
 
 
 def _by_module(weights: dict[str, mx.array], path: str | Path) -> dict[str, dict[str, mx.array]]:

@@ -101,7 +101,7 @@ async def test_an_adapter_loaded_while_serving_is_used_by_the_next_request(demo,
     [
         ("rank", "its matrices have rank 4, its adapter_config.json says rank 16"),
         ("module", "adapts 'model.layers.0.self_attn.nope', which this model does not have"),
-        ("shape", "it maps 128 -> 64 features, this model's layer 64 -> 64"),
+        ("shape", "maps 128 -> 64 features, this model's layer 64 -> 64 .*names 'another/model'"),
         ("full", "is a 'full' fine-tune"),
         ("missing", "has no adapters.safetensors"),
     ],
@@ -123,8 +123,9 @@ async def test_an_adapter_that_does_not_fit_the_model_is_refused_at_load_with_th
     elif spoil == "module":
         weights["model.layers.0.self_attn.nope.lora_a"] = mx.zeros((64, 4))
         weights["model.layers.0.self_attn.nope.lora_b"] = mx.zeros((4, 64))
-    elif spoil == "shape":
+    elif spoil == "shape":  # trained on a wider model, which its config names
         weights["model.layers.0.self_attn.q_proj.lora_a"] = mx.zeros((128, 4))
+        config["model"] = "another/model"
     elif spoil == "missing":
         (path / "adapters.safetensors").unlink()
     (path / "adapter_config.json").write_text(json.dumps(config))
