@@ -402,3 +402,32 @@ def test_an_adapter_over_a_quantized_linear_computes_what_mlx_lm_s_layer_compute
     want = ref(x)
     assert mx.allclose(got[0::2], want[0::2], atol=1e-5).item()
     assert mx.array_equal(got[1], base(x)[1]).item()  # the base row is the base's exactly
+
+
+async def test_a_hybrid_model_s_separate_forwards_route_each_row_to_its_adapter(
+    demo_hybrid, tmp_path
+):
+    # recurrent layers: no fused step, a forward per chunk and one for the decode batch
+    keys = ("mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj")
+    made = {
+        n: make_adapter(tmp_path / n, demo_hybrid.model, seed=i, keys=keys, kind=kind)
+        for i, (n, kind) in enumerate([("a", "lora"), ("d", "dora")])
+    }
+    requests = [
+        {"prompt": prompt_ids(9 + 2 * i, seed=50 + i), "params": GREEDY, "adapter": adapter}
+        for i, adapter in enumerate([None, "a", "d", "a", "d", None])
+    ]
+    lora = [f"{n}={p}" for n, p in made.items()]
+    async with Engine.open(
+        "stepline-demo-hybrid", lora=lora, max_num_seqs=6, max_step_tokens=256
+    ) as engine:
+        assert not engine.step_loop.runner.fuse
+        streams = await submit_together(engine, requests)
+        got = [[t for o in await collect(s) for t in o.token_ids] for s in streams]
+    path = demo_model_path("stepline-demo-hybrid")
+    models = {n: mlx_lm_with_adapter(path, made[n] if n else None) for n in (None, "a", "d")}
+    want = [mlx_lm_greedy(models[r["adapter"]], r["prompt"], GREEDY.max_tokens) for r in requests]
+    assert got == want
+    base = [mlx_lm_greedy(models[None], r["prompt"], GREEDY.max_tokens) for r in requests]
+    changed = {r["adapter"] for g, b, r in zip(got, base, requests, strict=True) if g != b}
+    assert changed == {"a", "d"}  # each adapter changes what the model says
