@@ -195,10 +195,6 @@ class Adapters:
         self.loaded: dict[str, AdapterInfo] = {}
         self._layers: dict[str, MultiLoraLinear] = {}  # module path -> its layer
 
-    @property
-    def num_bytes(self) -> int:
-        return sum(a.num_bytes for a in self.loaded.values())
-
     def load(self, name: str, path: str | Path) -> AdapterInfo:
         """Read adapter `name` from `path` and add it to the model's layers (every check
         done before any layer changes). Raises AdapterError naming what does not fit."""
@@ -235,13 +231,6 @@ class Adapters:
         )
         self.loaded[name] = info
         return info
-
-    def unload(self, name: str) -> None:
-        """Drop adapter `name`'s matrices. Raises KeyError if it is not loaded."""
-        slot = self.routes.slots.pop(name)
-        del self.loaded[name]
-        for layer in self._layers.values():
-            layer._deltas.pop(slot, None)
 
     def _base_of(self, module_path: str, path: str | Path) -> nn.Module:
         """The Linear at `module_path` in the model (the base of a layer installed already)."""

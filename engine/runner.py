@@ -467,10 +467,6 @@ class ModelRunner:
         steps. Raises AdapterError saying why it does not fit the model."""
         return self.adapters.load(name, path)
 
-    def unload_adapter(self, name: str) -> None:
-        """Drop adapter `name` (no request runs with it any more). Raises KeyError."""
-        self.adapters.unload(name)
-
     @property
     def num_sequences(self) -> int:
         return len(self._seqs)
