@@ -431,3 +431,39 @@ async def test_a_hybrid_model_s_separate_forwards_route_each_row_to_its_adapter(
     base = [mlx_lm_greedy(models[None], r["prompt"], GREEDY.max_tokens) for r in requests]
     changed = {r["adapter"] for g, b, r in zip(got, base, requests, strict=True) if g != b}
     assert changed == {"a", "d"}  # each adapter changes what the model says
+
+
+def test_adapters_on_a_quantized_model_generate_what_mlx_lm_generates_with_them(adapters):
+    # Metal and CUDA keep a quantized model's weights quantized: adapters go over them
+    import mlx.nn as nn
+    from mlx_lm.tuner.utils import load_adapters
+
+    from stepline.engine.lora import Adapters
+    from stepline.engine.models import load_model
+
+    def quantized():
+        model = load_model("stepline-demo").model
+        nn.quantize(model, group_size=32, bits=4)
+        return model
+
+    ours = quantized()
+    loras = Adapters(ours)
+    for name in ("a", "c"):
+        loras.load(name, adapters[name])
+    prompt = prompt_ids(12, seed=60)
+
+    class Routed:  # our model, every row of every forward routed to one adapter
+        def __init__(self, adapter: str):
+            self.adapter = adapter
+
+        def __call__(self, x, cache=None):
+            with loras.routes.rows([self.adapter] * x.shape[0]):
+                return ours(x, cache=cache)
+
+        def __getattr__(self, attr):
+            return getattr(ours, attr)
+
+    for name in ("a", "c"):
+        theirs = load_adapters(quantized(), str(adapters[name]))
+        assert mlx_lm_greedy(Routed(name), prompt, 10) == mlx_lm_greedy(theirs, prompt, 10)
+    assert mlx_lm_greedy(ours, prompt, 10) == mlx_lm_greedy(quantized(), prompt, 10)
