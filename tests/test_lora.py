@@ -332,14 +332,16 @@ async def test_smollm2_requests_for_two_adapters_and_the_base_get_mlx_lm_s_token
         for t, adapter in zip(texts, ["a", "d", None, "d"], strict=True)
     ]
     lora = [f"{n}={p}" for n, p in made.items()]
-    async with Engine.open(smollm2.name, lora=lora, max_num_seqs=4, max_step_tokens=256) as engine:
+    # (tokens only, max_step_ms=0: no step-time warm-up to wait for)
+    options = {"max_num_seqs": 4, "max_step_tokens": 256, "max_step_ms": 0}
+    async with Engine.open(smollm2.name, lora=lora, **options) as engine:
         streams = await submit_together(engine, requests)
         got = [[t for o in await collect(s) for t in o.token_ids] for s in streams]
     # (the base's own reference is the session's loaded model: stepline loads it as mlx-lm does)
     models = {None: smollm2.model, **{n: mlx_lm_with_adapter(smollm2.path, made[n]) for n in made}}
     want = [mlx_lm_greedy(models[r["adapter"]], r["prompt"], GREEDY.max_tokens) for r in requests]
     assert got == want
-    base = [mlx_lm_greedy(models[None], r["prompt"], GREEDY.max_tokens) for r in requests]
+    base = [mlx_lm_greedy(smollm2.model, r["prompt"], GREEDY.max_tokens) for r in requests]
     changed = {r["adapter"] for g, b, r in zip(got, base, requests, strict=True) if g != b}
     assert changed == {"a", "d"}  # each adapter changes what the model says
 
