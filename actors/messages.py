@@ -55,6 +55,7 @@ class Submit:
     reply: asyncio.Future  # set to the admitted RequestParams, or to the AdmissionError
     client: str | None = None  # who sent it (fair share between clients); None: anonymous
     images: tuple[PromptImage, ...] = ()  # the prompt's images, in order (a vision model)
+    adapter: str | None = None  # the LoRA adapter it runs with (engine/lora.py); None: the base
 
 
 @dataclass(frozen=True)

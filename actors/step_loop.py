@@ -448,6 +448,7 @@ class StepLoop:
                 msg.checkpoints,
                 msg.client,
                 images=msg.images,
+                adapter=msg.adapter,
             )
         except AdmissionError as exc:
             msg.reply.set_exception(exc)

@@ -124,6 +124,42 @@ class EngineConfig(_Options):
         "model with the same tokenizer; requests with no grammar, penalties or logprobs draft",
     )
 
+    lora: tuple[str, ...] = Field(
+        (),
+        description="a LoRA or DoRA adapter as NAME=PATH (an mlx_lm.lora adapter directory: "
+        "adapters.safetensors, adapter_config.json), served as the model NAME: requests for "
+        "it and for the base model share one batch; repeat it for several",
+    )
+
+    @field_validator("lora", mode="before")
+    @classmethod
+    def _lora_pairs(cls, v: Any) -> Any:
+        if isinstance(v, dict):  # a models file's table: {name = "path"}
+            return tuple(f"{name}={path}" for name, path in v.items())
+        return (v,) if isinstance(v, str) else v
+
+    @field_validator("lora")
+    @classmethod
+    def _lora_names(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        import re
+
+        seen = set()
+        for pair in v:
+            name, sep, path = pair.partition("=")
+            if not sep or not path:
+                raise ValueError(f"a LoRA adapter is NAME=PATH, not {pair!r}")
+            if not re.match(MODEL_NAME_PATTERN, name):
+                raise ValueError(f"{name!r} is not a name a client can send as `model`")
+            if name in seen:
+                raise ValueError(f"two LoRA adapters are named {name!r}")
+            seen.add(name)
+        return v
+
+    @property
+    def adapters(self) -> dict[str, str]:
+        """The LoRA adapters to load: name -> path (`lora`)."""
+        return dict(pair.partition("=")[::2] for pair in self.lora)
+
     @field_validator("speculative_config", mode="before")
     @classmethod
     def _speculative(cls, v: Any) -> Any:
@@ -443,6 +479,12 @@ class ModelSpec(_Options):
     def names(self) -> tuple[str, ...]:
         return (self.name, *self.aliases)
 
+    @property
+    def adapter_names(self) -> tuple[str, ...]:
+        """The LoRA adapters it serves (its `lora` option's names): models of their own."""
+        lora = self.options.get("lora", ())
+        return tuple(EngineConfig.model_validate({"lora": lora}).adapters) if lora else ()
+
     def engine_config(self, server: dict[str, Any]) -> EngineConfig:
         """Its engine options: `server`'s (the command line's), with its own over them."""
         return EngineConfig(**{**server, **self.options})
@@ -487,7 +529,7 @@ class PoolConfig(_Options):
     def _names_once(self) -> PoolConfig:
         seen: dict[str, str] = {}
         for spec in self.models:
-            for name in spec.names:
+            for name in (*spec.names, *spec.adapter_names):
                 if name in seen:
                     raise ValueError(
                         f"the name {name!r} is given to two models ({seen[name]!r} and "
@@ -497,8 +539,9 @@ class PoolConfig(_Options):
         return self
 
     def spec_of(self, name: str) -> ModelSpec | None:
-        """The model a client's `model` names (by its name or an alias), or None."""
-        return next((s for s in self.models if name in s.names), None)
+        """The model a client's `model` names (by its name, an alias or one of its LoRA
+        adapters' names), or None."""
+        return next((s for s in self.models if name in (*s.names, *s.adapter_names)), None)
 
 
 def read_models_file(path: str | os.PathLike) -> tuple[ModelSpec, ...]:

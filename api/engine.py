@@ -55,7 +55,7 @@ from stepline.api.stream import RequestStream
 from stepline.engine.audio import no_audio
 from stepline.engine.grammar import Compiled, GrammarCompiler
 from stepline.engine.images import text_only
-from stepline.events.models import EmbedParams, FinishReason, RequestParams
+from stepline.events.models import AdapterLoaded, EmbedParams, FinishReason, RequestParams
 
 __all__ = [
     "Arrival",
@@ -133,8 +133,21 @@ class TaskArrivals:
 class Engine:
     """One model, one step loop, one executor thread. Create with `Engine.open(...)`."""
 
-    def __init__(self, *, loaded, step_loop: StepLoop, executor: Executor, tg, config: dict):
+    def __init__(
+        self,
+        *,
+        loaded,
+        step_loop: StepLoop,
+        executor: Executor,
+        tg,
+        config: dict,
+        adapters: dict[str, Any] | None = None,
+    ):
         self.loaded = loaded
+        # The LoRA adapters it serves (name -> `engine.lora.AdapterInfo`): models that share
+        # its weights and batch. This is the API's copy; the runner holds the matrices.
+        self.adapters: dict[str, Any] = dict(adapters or {})
+        self._adapter_lock = anyio.Lock()
         self.tokenizer = loaded.tokenizer
         self._detokenizer = detokenizers(loaded.tokenizer)  # one for each request actor
         self.model_name: str = loaded.name
@@ -212,7 +225,7 @@ class Engine:
             async with parts.running(step_loop) as tg:
                 engine = cls(
                     loaded=parts.loaded, step_loop=step_loop, executor=parts.executor, tg=tg,
-                    config=recorded,
+                    config=recorded, adapters=parts.adapters,
                 )  # fmt: skip
                 try:
                     yield engine
@@ -297,6 +310,7 @@ class Engine:
         images: Sequence[PromptImage] = (),
         arrival: Arrival | None = None,
         embed: EmbedParams | None = None,
+        adapter: str | None = None,
     ) -> RequestStream:
         """Admit one request and return its output stream. `template_kwargs` go to the chat
         template with `messages`; `params.grammar` constrains the output (compiled here, on a
@@ -309,7 +323,9 @@ class Engine:
         prepared again). `arrival` is this request's count from `arriving`, which ends here.
         The stream's `params` are the request's as admitted (`max_tokens` as resolved).
         With `embed` it is an embedding request (see `embed`): `params` are not used, and
-        its one output is its last, with the vector (`RequestOutput.embedding`).
+        its one output is its last, with the vector (`RequestOutput.embedding`). With
+        `adapter` (one of `adapters`) it runs with that LoRA adapter, in the same batch as
+        the base model's requests and other adapters'.
 
         Raises TypeError or RequestError (a ValueError) naming the argument for `params`,
         `request_id`, `checkpoints`, `template_kwargs` or `client` of the wrong type or value,
@@ -328,6 +344,7 @@ class Engine:
         if asyncio.get_running_loop() is not self._loop:
             raise WrongEventLoopError(WRONG_LOOP)
         check_submit_args(params, request_id, checkpoints, template_kwargs, client)
+        self._check_adapter(adapter, embed)
         if embed is not None:  # a last-token pooling may share a prefix (a reranker's query)
             params = None
             checkpoints = checkpoints if embed.pooling == "last" else ()
@@ -358,6 +375,7 @@ class Engine:
                 reply=asyncio.get_running_loop().create_future(),
                 client=client,
                 images=images,
+                adapter=adapter,
             )
             admitted = await self._send(submit, arrival, actor)
         finally:
@@ -370,6 +388,40 @@ class Engine:
             lambda message=None: self._send_cancel(rid, message=message),
             admitted,
         )
+
+    def _check_adapter(self, adapter: str | None, embed: EmbedParams | None) -> None:
+        """Raises RequestError (param `model`) for an adapter this engine does not serve."""
+        if adapter is None:
+            return
+        if adapter not in self.adapters:
+            served = ", ".join(repr(n) for n in (self.model_name, *self.adapters))
+            raise RequestError(f"no LoRA adapter {adapter!r}: served are {served}", param="model")
+        if embed is not None:
+            raise RequestError("LoRA adapters serve generation, not embeddings", param="model")
+
+    async def load_adapter(self, name: str, path: str) -> Any:
+        """Load LoRA adapter `name` from `path` (an `mlx_lm.lora` directory) while serving:
+        between two steps, on the executor. Returns its `engine.lora.AdapterInfo`. Raises
+        RequestError for a name in use, AdapterError (a ValueError) for an adapter that does
+        not fit the model, saying why."""
+        async with self._adapter_lock:
+            if self.config.get("distributed") is not None:
+                raise RequestError("LoRA adapters are not supported with parallel")
+            if name in self.adapters or name == self.model_name:
+                raise RequestError(f"the name {name!r} is served already", param="lora_name")
+            runner = self._step_loop.runner
+            info = await self._executor.call(runner.load_adapter, name, path)
+            self.adapters[name] = info
+            self._step_loop.log_model_event(
+                AdapterLoaded,
+                name=name,
+                path=info.path,
+                kind=info.kind,
+                rank=info.rank,
+                num_bytes=info.num_bytes,
+            )
+            log.info("adapter_loaded", model=self.model_name, name=name, path=path)
+            return info
 
     async def embed(
         self,

@@ -79,6 +79,7 @@ class EngineParts:
     # How long `close` waits for MLX work still running; None: until it ends (see `close`).
     mlx_wait_at_close_s: float | None = None
     draft_window: int | None = None  # `ModelLimits.draft_window`, where drafts are verified
+    adapters: dict[str, Any] = dataclasses.field(default_factory=dict)  # name -> AdapterInfo
 
     async def assemble(
         self,
@@ -93,6 +94,7 @@ class EngineParts:
         prefix_bytes = int(options.prefix_cache_gb * 2**30)
         loaded = await self._load(model, options)
         await self._make_runner(options, on_checkpoint, prefix_bytes)
+        await self._load_adapters(options)
         exact_prefixes = self.runner.exact_prefixes  # (read before a launch wraps the runner)
         memory = await self._plan_memory(options, prefix_bytes)
         sched = dataclasses.replace(
@@ -203,6 +205,19 @@ class EngineParts:
                 forwards=forwards,
             )
         )
+
+    async def _load_adapters(self, options: EngineConfig) -> None:
+        """The LoRA adapters of `options.lora`, on the executor, into the runner's model.
+        Raises AdapterError for one that does not fit the model (the reason in its message)."""
+        if options.adapters and options.parallel is not None:
+            raise ValueError("LoRA adapters are not supported with parallel")
+        for name, path in options.adapters.items():
+            if name == self.loaded.name:
+                raise ValueError(f"the LoRA adapter {name!r} has its base model's name")
+            self.adapters[name] = await self.executor.call(self.runner.load_adapter, name, path)
+            log.info(
+                "adapter_loaded", model=self.loaded.name, **dataclasses.asdict(self.adapters[name])
+            )
 
     async def _plan_memory(self, options: EngineConfig, prefix_bytes: int) -> Any:
         """The memory plan (engine/memory.py) and the KV budget it resolves, logged."""

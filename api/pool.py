@@ -99,6 +99,12 @@ class Entry:
     def name(self) -> str:
         return self.spec.name
 
+    @property
+    def adapter_names(self) -> tuple[str, ...]:
+        """Its LoRA adapters: its spec's, and those loaded while serving (`Engine.adapters`)."""
+        loaded = tuple(self.engine.adapters) if self.engine is not None else ()
+        return (*self.spec.adapter_names, *(n for n in loaded if n not in self.spec.adapter_names))
+
     def keep_loaded(self, seconds: float | None) -> None:
         """A request's keep_alive: stay loaded this many idle seconds from now on (None:
         forever; 0: unloaded once idle). A pinned model stays loaded whatever it says."""
@@ -256,18 +262,21 @@ class ModelPool:
 
     @property
     def names(self) -> tuple[str, ...]:
-        """Every name a client may send as `model` (each model's, then its aliases)."""
-        return tuple(n for e in self.entries.values() for n in e.spec.names)
+        """Every name a client may send as `model` (each model's, then its aliases, then its
+        LoRA adapters')."""
+        return tuple(n for e in self.entries.values() for n in (*e.spec.names, *e.adapter_names))
 
     @property
     def listed(self) -> tuple[str, ...]:
-        """Each model's first name."""
-        return tuple(self.entries)
+        """Each model's first name, and each of its LoRA adapters' (a model of its own)."""
+        return tuple(n for e in self.entries.values() for n in (e.name, *e.adapter_names))
 
     def entry_of(self, name: str) -> Entry | None:
-        """The model `name` names (by its name or an alias), or None."""
+        """The model `name` names (by its name, an alias or one of its adapters'), or None."""
         spec = self.config.spec_of(name)
-        return None if spec is None else self.entries[spec.name]
+        if spec is not None:
+            return self.entries[spec.name]
+        return next((e for e in self.entries.values() if name in e.adapter_names), None)
 
     def loaded(self) -> list[Entry]:
         return [e for e in self.entries.values() if e.state is ModelState.LOADED]
@@ -362,6 +371,12 @@ class ModelPool:
                 entry.waiting -= 1
                 if entry.waiting == 0:
                     self._notify()  # a load nobody waits for any more gives up (`_make_room`)
+
+    def adapter_loaded(self, entry: Entry, num_bytes: int) -> None:
+        """A LoRA adapter of `num_bytes` was loaded into `entry`'s model while serving: its
+        footprint grows by that much (measured at its next load)."""
+        entry.footprint_bytes += num_bytes
+        entry.known_bytes = entry.footprint_bytes
 
     def release(self, entry: Entry) -> None:
         """The caller of `acquire` is done with `entry` (its request is in the engine's states,

@@ -68,6 +68,9 @@ async def run_again(
             on_progress(len(results), len(to_run))
 
     async with Engine.open(model, **engine_options.open_kwargs(), event_log=None) as engine:
+        for name, path in recorded.adapters.items():  # loaded while it served
+            if name not in engine.adapters:
+                await engine.load_adapter(name, path)
 
         async def consume(rid: str, stream: Any) -> None:
             tokens: list[int] = []
@@ -92,6 +95,7 @@ async def run_again(
                     checkpoints=rec.admitted.checkpoints,
                     client=rec.admitted.client,
                     images=images,
+                    adapter=rec.admitted.adapter,
                 )
             except Exception as exc:  # rejected now, though admitted when recorded
                 results[rid] = ([], None, f"not admitted on re-execution: {exc}")

@@ -66,7 +66,10 @@ def machine_memory_bytes() -> int:
 
 
 def weights_bytes(model: Any) -> int:
-    return sum(a.nbytes for _, a in tree_flatten(model.parameters()))
+    """The model's parameters, and its LoRA adapters' matrices (`lora.adapter_bytes`)."""
+    from stepline.engine.lora import adapter_bytes
+
+    return sum(a.nbytes for _, a in tree_flatten(model.parameters())) + adapter_bytes(model)
 
 
 def measure_kv_footprint(model: Any) -> KVFootprint:

@@ -47,6 +47,7 @@ from stepline.engine.embed import EmbedChunks, is_embedding_chunk
 from stepline.engine.forward import run_to_end
 from stepline.engine.grammar import DEFAULT_CACHE_BYTES, GrammarCompiler
 from stepline.engine.lookahead import LookAhead
+from stepline.engine.lora import AdapterInfo, Adapters
 from stepline.engine.memory import read_memory_counters
 from stepline.engine.models import LoadedModel
 from stepline.engine.prefix_cache import PrefixStore, compact_cache, exact_only, share_cache
@@ -118,7 +119,11 @@ class ModelRunner:
         self.fuse = kind.fuses  # a step's chunks and decode rows share one forward
         # The decode batch's caches are kept in groups of similar lengths where steps fuse.
         self.batch = DecodeBatch(split=self.fuse)
-        self.forwards = kind(loaded, self._seqs, self.batch, self._checkpoint, split_head)
+        # LoRA adapters in the model's layers; each forward routes its rows to theirs.
+        self.adapters = Adapters(loaded.model)
+        self.forwards = kind(
+            loaded, self._seqs, self.batch, self._checkpoint, split_head, self.adapters.routes
+        )
         # embedding requests' chunks: the body's forward, pooled (`engine/embed.py`)
         self.embeds = EmbedChunks(self._checkpoint)
         self.lookahead = LookAhead(
@@ -150,6 +155,7 @@ class ModelRunner:
 
     def _admit(self, new: NewRequest) -> None:
         p = new.params
+        self.adapters.routes.slot(new.adapter)  # KeyError: unloaded since it was submitted
         sampling = RowSampling(
             temperature=p.temperature,
             top_p=p.top_p,
@@ -170,8 +176,13 @@ class ModelRunner:
             params=p,
             constraint=self.grammars.matcher(p.grammar) if p.grammar is not None else None,
             images=new.images,
-            key=prompt_key(new.prompt_token_ids, new.images) if new.images else None,
+            key=(
+                prompt_key(new.prompt_token_ids, new.images, new.adapter)
+                if new.images or new.adapter is not None
+                else None
+            ),
             own_checkpoint=new.own_checkpoint,
+            adapter=new.adapter,
         )
 
     def _start_cache(self, new: NewRequest) -> Cache:
@@ -189,7 +200,7 @@ class ModelRunner:
         else:
             cache = self.batch.extract(seq.request_id)
             fed = seq.output if self.batch.ahead is not None else seq.output[:-1]
-        tokens = [*seq.key_of(seq.prompt.shape[0]), *fed]
+        tokens = [*seq.key_of(seq.prompt.shape[0]), *seq.keyed(fed)]
         # Every layer that counts tokens must hold exactly these (a wrapped sliding window
         # does not: it lost its oldest tokens, and cannot serve as a prefix of anything).
         offsets = {c.offset for c in cache if isinstance(getattr(c, "offset", None), int)}
@@ -266,7 +277,16 @@ class ModelRunner:
         step = self._prepare(self._without_embeddings(work.plan), failed, fail)
         out = self.forwards.run(step, failed, fail)
         tokens: dict[str, int] = {}
-        drafted = verify_rows(self.model, self.sampler, step.solo, out.apart, tokens, failed, fail)
+        drafted = verify_rows(
+            self.model,
+            self.sampler,
+            step.solo,
+            out.apart,
+            tokens,
+            failed,
+            fail,
+            self.adapters.routes,
+        )
         if self.draft is not None:
             for v in step.solo:
                 self.draft.trim(v.seq)
@@ -450,6 +470,11 @@ class ModelRunner:
                     seq.history.append(t)
             changed += 1
         return changed
+
+    def load_adapter(self, name: str, path: str) -> AdapterInfo:
+        """Add LoRA adapter `name` (an `mlx_lm.lora` directory at `path`) to the model, between
+        steps. Raises AdapterError saying why it does not fit the model."""
+        return self.adapters.load(name, path)
 
     @property
     def num_sequences(self) -> int:

@@ -10,7 +10,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from stepline.actors.scheduler.spans import PromptImage
+from stepline.actors.scheduler.spans import PromptImage, adapter_key
 from stepline.engine.penalties import RowHistory
 from stepline.engine.sampling import RowSampling, SamplingRows
 from stepline.events.models import RequestParams
@@ -46,6 +46,11 @@ class Seq:
     parked: bool = False
     # an embedding request's pooled hidden states so far (`engine.embed.Pool`)
     pool: Any = None
+    adapter: str | None = None  # the LoRA adapter it runs with (engine/lora.py); None: the base
+
+    def keyed(self, tokens: Sequence[int]) -> list[int]:
+        """Tokens it generated as the prefix cache knows them (its adapter's, `adapter_key`)."""
+        return list(adapter_key(tokens, self.adapter))
 
     def key_of(self, end: int) -> list[int]:
         """The prefix cache's key of the prompt's first `end` tokens."""

@@ -26,6 +26,7 @@ from stepline.engine import fused, step_sampling
 from stepline.engine.decode_batch import DecodeBatch, Placement
 from stepline.engine.forward import forward, run_to_end, split_head_proof
 from stepline.engine.lookahead import Ahead
+from stepline.engine.lora import Routes
 from stepline.engine.models import LoadedModel
 from stepline.engine.sampling import Sampler
 from stepline.engine.sequences import NO_ROWS, Rows, Seq
@@ -75,10 +76,13 @@ class Forwards:
         batch: DecodeBatch,
         checkpoint: Checkpoint,
         split_head: bool,
+        routes: Routes | None = None,
     ) -> None:
         self.model = loaded.model
         self.loaded, self.seqs, self.batch, self.checkpoint = loaded, seqs, batch, checkpoint
         self.split_head = split_head  # the body and the output head run apart
+        # which LoRA adapter each row of a forward is, set around each forward (engine/lora.py)
+        self.routes = routes or Routes()
 
     def run(self, step: Step, failed: dict[str, str], fail: Fail) -> Forwarded:
         """The step's forwards (lazy where nothing needs their values yet). A fault in one
@@ -117,7 +121,8 @@ class Forwards:
 
     def decode(self, inputs: mx.array) -> mx.array:
         """The decode batch's forward on `inputs` (B,), one token per row: (B, V) logits."""
-        return self.batch.caches.forward(self.model, inputs)
+        with self.routes.rows([s.adapter for s in self.batch.rows.seqs]):
+            return self.batch.caches.forward(self.model, inputs)
 
     def prefill(self, chunk: ScheduledChunk) -> mx.array | None:
         """A prompt chunk into its request's cache, split at its checkpoints (each snapshot
@@ -129,14 +134,15 @@ class Forwards:
             if end == pos:
                 continue
             last = end == chunk.end and chunk.is_final
-            logits = forward(
-                self.model,
-                seq.prompt[None, pos:end],
-                seq.cache,
-                logits=last,
-                split=self.split_head,
-                embeddings=self._embeddings(seq, pos, end),
-            )
+            with self.routes.rows([seq.adapter]):
+                logits = forward(
+                    self.model,
+                    seq.prompt[None, pos:end],
+                    seq.cache,
+                    logits=last,
+                    split=self.split_head,
+                    embeddings=self._embeddings(seq, pos, end),
+                )
             if end in chunk.checkpoints:
                 mx.eval([c.state for c in seq.cache])
                 try:
@@ -238,7 +244,15 @@ class FusedForwards(Forwards):
         groups = self.batch.caches.segments(self.batch.next_inputs()) if with_batch else []
         segments += groups
         rows += [list(range(g.size)) for g in groups]
-        out = self._forward(segments, rows)
+        # each token's adapter, in the forward's row order: the chunks', the drafting rows',
+        # then the decode batch's rows (its groups in order)
+        adapters = [
+            s.adapter for s, c in zip(seqs, chunks, strict=True) for _ in range(c.num_tokens)
+        ]
+        adapters += [v.seq.adapter for v in verifies for _ in range(v.num_tokens)]
+        adapters += [s.adapter for s in self.batch.rows.seqs] if with_batch else []
+        with self.routes.rows(adapters):
+            out = self._forward(segments, rows)
         if out is None:
             return None
         logits: dict[str, mx.array] = {}

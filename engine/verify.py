@@ -12,6 +12,7 @@ import mlx.core as mx
 
 from stepline.actors.scheduler.drafter import accept
 from stepline.actors.scheduler.work import SAMPLING_FAILED, VERIFY_FAILED, is_collective_error
+from stepline.engine.lora import Routes
 from stepline.engine.sampling import Sampler
 from stepline.engine.sequences import Seq
 from stepline.engine.step_sampling import Fail
@@ -56,6 +57,7 @@ def verify_rows(
     tokens: dict[str, int],
     failed: Mapping[str, str],
     fail: Fail,
+    routes: Routes | None = None,
 ) -> dict[str, tuple[int, ...]]:
     """A step's drafting rows (`solo`): the forwards of those not in the step's fused one
     (`apart`, each on its own; a fault there is that request's, `fail`), then each place's
@@ -63,9 +65,11 @@ def verify_rows(
     without drafts (a seeded row's noise is keyed by it), and every row's kept drafts and
     the pick after them (`Verify.accept`). Each row's last token goes in `tokens`; returns
     the drafts each kept. Rows of requests in `failed` are skipped."""
+    routes = routes or Routes()
     for v in apart:
         try:
-            v.logits = model(v.inputs()[None], cache=v.seq.cache)[0]
+            with routes.rows([v.seq.adapter]):
+                v.logits = model(v.inputs()[None], cache=v.seq.cache)[0]
         except Exception as exc:
             fail(v.seq.request_id, VERIFY_FAILED, exc)
     ready = [v for v in solo if v.logits is not None and v.seq.request_id not in failed]

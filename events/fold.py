@@ -66,6 +66,7 @@ class RequestState:
     # decoding, but out of the decode batch for fair share (`Parked`, until `Resumed`)
     parked: bool = False
     images: tuple[ImageRef, ...] = ()  # its prompt's images, in prompt order
+    adapter: str | None = None  # the LoRA adapter it runs with (`Admitted.adapter`)
     encoded: tuple[int, ...] = ()  # of each image, the encoder's units done
     first_token_ts: float | None = None
     last_token_ts: float | None = None
@@ -138,6 +139,7 @@ def apply(state: RequestState | None, event: Event | Decoding) -> RequestState:
             client=event.client,
             images=event.images,
             encoded=(0,) * len(event.images),
+            adapter=event.adapter,
         )
     rid = getattr(event, "request_id", None)
     if state is None:

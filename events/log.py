@@ -435,8 +435,12 @@ class EventLogWriter:
             event = event.model_copy(update={"token_ids": None})
         elif not self.header.log_prompts and isinstance(event, Admitted):
             event = event.model_copy(update={"prompt_token_ids": None})
-        if event.model is None:  # the run's one model: not said on every line
-            return event.model_dump_json(exclude=_NO_MODEL).encode() + b"\n"
+        # the run's one model, the base model (no adapter): not said on every line
+        left_out = _NO_MODEL if event.model is None else frozenset()
+        if isinstance(event, Admitted) and event.adapter is None:
+            left_out = left_out | _NO_ADAPTER
+        if left_out:
+            return event.model_dump_json(exclude=set(left_out)).encode() + b"\n"
         return event.model_dump_json().encode() + b"\n"
 
     def _must_rotate(self, size: int) -> bool:
@@ -501,6 +505,7 @@ class EventLogWriter:
 
 
 _NO_MODEL = frozenset({"model"})
+_NO_ADAPTER = frozenset({"adapter"})
 
 
 def _items(item: Any) -> list[Any]:

@@ -198,7 +198,16 @@ _UPCASTERS[3] = _v3_to_v4
 _UPCASTERS[4] = _v4_to_v5
 _UPCASTERS[5] = _v5_to_v6
 _UPCASTERS[6] = _v6_to_v7
+
+
+def _v8_to_v9(raw: dict[str, Any]) -> dict[str, Any]:
+    # Schema 9 only added LoRA adapters (`Admitted.adapter`, whose default, None: the base
+    # model, is what every request of a version-8 log ran with; `adapter-loaded` events).
+    return raw
+
+
 _UPCASTERS[7] = _v7_to_v8
+_UPCASTERS[8] = _v8_to_v9
 # upcasters that change nothing (by version): while registered, their records parse as they are
 _NO_OP_UPCASTERS = {
     1: _v1_to_v2,
@@ -206,6 +215,7 @@ _NO_OP_UPCASTERS = {
     4: _v4_to_v5,
     5: _v5_to_v6,
     7: _v7_to_v8,
+    8: _v8_to_v9,
 }
 
 

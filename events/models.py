@@ -47,7 +47,7 @@ from typing import Annotated, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 
 
 class FinishReason(StrEnum):
@@ -136,6 +136,9 @@ class Admitted(_Event):
     # never the key itself; None: the anonymous client (every request that names none).
     client: str | None = None
     images: tuple[ImageRef, ...] = ()  # the prompt's images, in prompt order
+    # The LoRA adapter it runs with (its name, a model the server lists; engine/lora.py);
+    # None: the base model. Left out of the line when None.
+    adapter: str | None = None
 
 
 class ImageRef(BaseModel):
@@ -419,6 +422,20 @@ class ModelUnloaded(_Event):
     idle_seconds: float  # since its last request ended
 
 
+class AdapterLoaded(_Event):
+    """A LoRA adapter was loaded into the model while it served (`POST /v1/load_lora_adapter`,
+    `Engine.load_adapter`; those given at start are in the config): requests naming it as
+    `Admitted.adapter` run with it from then on, and re-execution loads it from `path`."""
+
+    type: Literal["adapter-loaded"] = "adapter-loaded"
+    request_id: None = None
+    name: str
+    path: str
+    kind: str  # "lora" or "dora"
+    rank: int
+    num_bytes: int  # its matrices' memory
+
+
 Event = Annotated[
     Admitted
     | StepPlanned
@@ -432,7 +449,8 @@ Event = Annotated[
     | Terminal
     | ModelLoaded
     | ModelLoadFailed
-    | ModelUnloaded,
+    | ModelUnloaded
+    | AdapterLoaded,
     Field(discriminator="type"),
 ]
 EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)

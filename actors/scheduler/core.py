@@ -187,6 +187,7 @@ class SchedulerCore:
         checkpoints: Sequence[int] = (),
         client: str | None = None,
         images: Sequence[PromptImage] = (),
+        adapter: str | None = None,
     ) -> None:
         """Admit a request of `client` (None: the anonymous one; the policy shares the slots
         fairly between clients) into the waiting queue, its `max_tokens` cut to what the
@@ -229,7 +230,9 @@ class SchedulerCore:
         except AdmissionError as exc:
             refused = exc
         self._record(
-            Admitted, **admitted(request_id, ids, params, checkpoints, client, images, self.salt)
+            Admitted,
+            **admitted(request_id, ids, params, checkpoints, client, images, self.salt),
+            adapter=adapter,
         )
         if refused is not None:
             self._record(
@@ -362,7 +365,9 @@ class SchedulerCore:
         states = self.states
         candidates = prefix_candidates(
             states,
-            lambda rid: prompt_key(states[rid].prompt_token_ids or (), states[rid].images),
+            lambda rid: prompt_key(
+                states[rid].prompt_token_ids or (), states[rid].images, states[rid].adapter
+            ),
             self.step + 1,
             self.config,
             self.book.disk_tried,
@@ -378,7 +383,7 @@ class SchedulerCore:
         if match is not None and self.index is not None:
             self.index.touch(match.tokens)
         if self.index is not None:
-            key = prompt_key(state.prompt_token_ids or (), state.images)
+            key = prompt_key(state.prompt_token_ids or (), state.images, state.adapter)
             self.book.missed(rid, self.index.explain(key, prefix.cached.get(rid, 0)))
         return NewRequest(
             request_id=rid,
@@ -388,6 +393,7 @@ class SchedulerCore:
             num_cached_tokens=match.num_tokens if match is not None else 0,
             images=self.book.take_images(rid),
             own_checkpoint=self.book.own_checkpoints.pop(rid, None),
+            adapter=state.adapter,
         )
 
     def update_from_output(

@@ -108,18 +108,40 @@ def _span_key(digest: str, length: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def prompt_key(ids: Sequence[int], images: Sequence[Any]) -> tuple[int, ...]:
+def prompt_key(
+    ids: Sequence[int], images: Sequence[Any], adapter: str | None = None
+) -> tuple[int, ...]:
     """The tokens the prefix cache knows prompt `ids` by: its ids, with each image's span
     (`images`: anything with `digest`, `start` and `end`) replaced by a key made from the
     image's content. Placeholder tokens are the same for every image: two prompts with the
     same text and different images must not share a cache entry, and the same image in the
-    next turn must."""
+    next turn must. A request for a LoRA `adapter` has keys of that adapter's own
+    (`adapter_key`): its cache is not the base model's, nor another adapter's."""
     if not images:
-        return tuple(ids)
+        return adapter_key(ids, adapter)
     out = list(ids)
     for image in images:
         out[image.start : image.end] = _span_key(image.digest, image.end - image.start)
-    return tuple(out)
+    return adapter_key(out, adapter)
+
+
+def adapter_key(keys: Sequence[int], adapter: str | None) -> tuple[int, ...]:
+    """`keys` (token ids, image keys) as adapter `adapter`'s (None: the base model's, as
+    they are): each moved by a multiple of 2**32 made from the adapter's name, away from
+    zero, so that no key of one adapter is a token id, an image key or another adapter's
+    key (token ids and image keys are within int32). Same length: a key's positions are
+    still the prompt's."""
+    if adapter is None:
+        return tuple(keys)
+    return tuple(
+        k + _adapter_offset(adapter) if k >= 0 else k - _adapter_offset(adapter) for k in keys
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _adapter_offset(adapter: str) -> int:
+    h = hashlib.blake2b(adapter.encode(), digest_size=3).digest()
+    return (1 + int.from_bytes(h, "little")) << 32
 
 
 # -- a request's spans, as the policy chunks its prompt around them ------------------------

@@ -25,6 +25,7 @@ class NewRequest:
     # the checkpoint the engine added for the prefix cache (`ModelLimits.exact_prefixes`),
     # not the client's: snapshotted into the cache, not handed to the checkpoint hook
     own_checkpoint: int | None = None
+    adapter: str | None = None  # the LoRA adapter it runs with (`Admitted.adapter`)
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ API-key check, the error handlers, resumed streams and the probes.
     POST /v1/messages, /v1/messages/count_tokens                           (api/anthropic)
     GET  /v1/requests/{id}/stream        (resume a stream: api/pipeline/resume.py)
     GET  /v1/events[/about], /v1/events/requests/{id}/timeline, /dashboard/  (api/http/events.py)
+    POST /v1/load_lora_adapter           (a LoRA adapter while serving: api/http/adapters.py)
     GET|HEAD /, GET /health, GET /metrics, GET /docs, GET /redoc
 
 Errors are in the shape of the door a path belongs to (OpenAI's
@@ -33,6 +34,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from stepline.api.config import ServerConfig
+from stepline.api.http.adapters import adapter_routes
 from stepline.api.http.doors import doors, error_response
 from stepline.api.http.events import (
     KEY_COOKIE,
@@ -79,6 +81,7 @@ def create_app(
     for door in doors():
         app.include_router(door.routes(serving))
     _add_server_routes(app, serving)
+    app.include_router(adapter_routes(serving))
     app.include_router(events_routes(models.feed, heartbeat_s=config.heartbeat_s))
     add_dashboard(app)
     # Middleware: the last added runs first.

@@ -249,6 +249,8 @@ class OpenAIDoor:
                 if embed.is_reranker(served.engine)
                 else ["embeddings"]
             )
+            if name in served.engine.adapters:  # a LoRA adapter: its base model (vLLM's)
+                extra["parent"] = served.name
         if self.serving.models.on_demand:
             extra["loaded"] = served is not None
         return Model(id=name, object="model", created=self.created, owned_by="stepline", **extra)

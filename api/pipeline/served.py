@@ -183,6 +183,10 @@ class Models(Protocol[_E]):
         """The request that acquired `entry` is in its engine, or failed: its arrival ends."""
         ...
 
+    def adapter_loaded(self, entry: _E, num_bytes: int) -> None:
+        """A LoRA adapter of `num_bytes` was loaded into `entry`'s model (its footprint)."""
+        ...
+
     def log_refusal(
         self, request_id: str, message: str, *, code: str, status: int, model: str | None
     ) -> None:
@@ -239,11 +243,12 @@ class OneModel:
     @property
     def names(self) -> tuple[str, ...]:
         served = self.entry.served
-        return served.names if served is not None else (self.engine.model_name,)
+        own = served.names if served is not None else (self.engine.model_name,)
+        return (*own, *self.engine.adapters)  # its LoRA adapters are models too
 
     @property
     def listed(self) -> tuple[str, ...]:
-        return self.names[:1]
+        return (self.names[0], *self.engine.adapters)
 
     def entry_of(self, name: str) -> OnlyEntry | None:
         return self.entry if name in self.names else None
@@ -266,6 +271,9 @@ class OneModel:
 
     def release(self, entry: OnlyEntry) -> None:
         self.engine.arrived()
+
+    def adapter_loaded(self, entry: OnlyEntry, num_bytes: int) -> None:
+        pass  # a single model's memory is not budgeted against others
 
     def log_refusal(
         self, request_id: str, message: str, *, code: str, status: int, model: str | None
@@ -329,6 +337,13 @@ class RequestContext(Generic[_R]):
     @property
     def engine(self) -> Engine:
         return self.model.engine
+
+    @property
+    def adapter(self) -> str | None:
+        """The LoRA adapter the request names as its `model` (one its model serves), or None:
+        the model itself."""
+        requested = getattr(self.body, "model", None)
+        return requested if requested in self.engine.adapters else None
 
     @property
     def response_model(self) -> str:

@@ -11,6 +11,7 @@ import msgspec
 from stepline.events.fold import RequestState, Status
 from stepline.events.log import LogRun, read_runs
 from stepline.events.models import (
+    AdapterLoaded,
     Admitted,
     CheckpointReached,
     ChunkPrefilled,
@@ -184,7 +185,8 @@ def describe_event(event: Event | Decoding) -> str:
         return f"{head}: {len(parts)} request{'s' * (len(parts) != 1)}: {shown}{more}"
     rid = event.request_id
     if isinstance(event, Admitted):
-        return f"{head} {rid}: {event.num_prompt_tokens} prompt tokens"
+        adapter = f", adapter {event.adapter}" if event.adapter is not None else ""
+        return f"{head} {rid}: {event.num_prompt_tokens} prompt tokens{adapter}"
     if isinstance(event, ChunkPrefilled):
         return f"{head} {rid} [{event.start}, {event.end})"
     if isinstance(event, CheckpointReached):
@@ -202,6 +204,8 @@ def describe_event(event: Event | Decoding) -> str:
         )
     if isinstance(event, ModelLoadFailed):
         return f"{head} {event.model}: {event.message}"
+    if isinstance(event, AdapterLoaded):
+        return f"{head} {event.name}: a {event.kind} adapter of rank {event.rank}, {event.path}"
     if isinstance(event, ModelUnloaded):
         return (
             f"{head} {event.model}: {event.reason}, {describe_bytes(event.bytes_freed)} freed, "

@@ -25,6 +25,7 @@ from stepline.engine.sampling_limits import GREEDY_TEMPERATURE
 from stepline.events.image_files import images_dir
 from stepline.events.log import read_events, read_runs
 from stepline.events.models import (
+    AdapterLoaded,
     Admitted,
     FinishReason,
     LogHeader,
@@ -143,6 +144,8 @@ class RecordedRun:
     images_at: Path | None = None  # where the prompts' images were kept (image_files.py)
     name: str | None = None  # in a log several models share: the model they were sent to
     loaded: ModelLoaded | None = None  # that model's first load in the run
+    # LoRA adapters loaded while it served (name -> path; those at start are in `config`)
+    adapters: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def config(self) -> dict[str, Any]:
@@ -173,9 +176,12 @@ def load_recorded_run(path: str | Path, run: int = 1, name: str | None = None) -
     header = runs[run - 1].header
     by_id: dict[str, RecordedRequest] = {}
     loaded: ModelLoaded | None = None
+    adapters: dict[str, str] = {}
     for event in read_events(path, run=run, model=name):
         if isinstance(event, ModelLoaded):
             loaded = loaded or event
+        elif isinstance(event, AdapterLoaded):
+            adapters.setdefault(event.name, event.path)
         elif isinstance(event, Admitted):
             by_id.setdefault(event.request_id, RecordedRequest(event))
         elif isinstance(event, TokensSampled):
@@ -189,7 +195,12 @@ def load_recorded_run(path: str | Path, run: int = 1, name: str | None = None) -
                 rec.finish = event.reason
     ordered = sorted(by_id.values(), key=lambda r: r.admitted.seq)
     return RecordedRun(
-        header=header, requests=ordered, images_at=images_dir(path), name=name, loaded=loaded
+        header=header,
+        requests=ordered,
+        images_at=images_dir(path),
+        name=name,
+        loaded=loaded,
+        adapters=adapters,
     )
 
 
