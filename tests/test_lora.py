@@ -406,10 +406,9 @@ def test_an_adapter_over_a_quantized_linear_computes_what_mlx_lm_s_layer_compute
     assert mx.array_equal(got[1], base(x)[1]).item()  # the base row is the base's exactly
 
 
-async def test_a_hybrid_model_s_separate_forwards_route_each_row_to_its_adapter(
-    demo_hybrid, tmp_path
-):
-    # recurrent layers: no fused step, a forward per chunk and one for the decode batch
+async def test_a_hybrid_model_s_fused_steps_route_each_row_to_its_adapter(demo_hybrid, tmp_path):
+    # recurrent layers run per segment inside the fused step, the adapted experts once over
+    # every row: each row must still get its own adapter
     keys = ("mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj")
     made = {
         n: make_adapter(tmp_path / n, demo_hybrid.model, seed=i, keys=keys, kind=kind)
@@ -423,7 +422,7 @@ async def test_a_hybrid_model_s_separate_forwards_route_each_row_to_its_adapter(
     async with Engine.open(
         "stepline-demo-hybrid", lora=lora, max_num_seqs=6, max_step_tokens=256
     ) as engine:
-        assert not engine.step_loop.runner.fuse
+        assert engine.step_loop.runner.fuse
         streams = await submit_together(engine, requests)
         got = [[t for o in await collect(s) for t in o.token_ids] for s in streams]
     path = demo_model_path("stepline-demo-hybrid")
