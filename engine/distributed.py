@@ -51,7 +51,7 @@ from stepline.actors.scheduler.work import Housekeeping, StepResult, StepWork, i
 from stepline.engine.models import (
     DEFAULT_DEMO,
     DEMO_MODELS,
-    VISION_DEMO,
+    VISION_DEMOS,
     LoadedModel,
     demo_model_path,
 )
@@ -138,7 +138,7 @@ def load_sharded(name_or_path: str | None, parallel: str) -> tuple[LoadedModel, 
         )
     name = name_or_path or DEFAULT_DEMO
     vision = f"{name} is a vision-language model: they are served on one process for now"
-    if name == VISION_DEMO:
+    if name in VISION_DEMOS:
         raise DistributedError(vision)
     if name in DEMO_MODELS:
         path: Path | None = demo_model_path(name)

@@ -64,6 +64,10 @@ class Segment:
     tokens: mx.array
     cache: list[Any]
     is_batch: bool = False
+    # a request's segment under 3-D M-RoPE (`engine/mrope.py`), text only: its tokens'
+    # positions (L,) (a prompt's), or the delta past its cache's length (a drafting row's)
+    positions: mx.array | None = None
+    delta: int = 0
 
     @property
     def size(self) -> int:
@@ -81,10 +85,12 @@ class _Layout:
         positions = []
         for s in segments:
             first = s.cache[0]
-            if s.is_batch:
+            if s.is_batch:  # (a 3-D M-RoPE row's delta is in its offset: `mrope.shift_rows`)
                 positions.append(first.offset.astype(mx.int32))
+            elif s.positions is not None:
+                positions.append(s.positions.astype(mx.int32))
             else:
-                positions.append(first.offset + mx.arange(s.size, dtype=mx.int32))
+                positions.append(first.offset + s.delta + mx.arange(s.size, dtype=mx.int32))
         self.positions = mx.concatenate(positions)
         self._masks: dict[tuple[int, type, int | None], Any] = {}
 

@@ -34,7 +34,9 @@ from stepline.engine.demo_files import (
     IM_END,
     MARKUP_TOKENS,
     SPECIAL_TOKENS,
-    VISION_DEMO,
+    VISION_DEMO,  # noqa: F401 - its name, imported from here
+    VISION_DEMOS,
+    VISION_QWEN_DEMO,  # noqa: F401
     sentence_transformers_files,
     tokenizer_files,
     train_tokenizer_json,
@@ -581,10 +583,10 @@ def load_model(
         return _load_dir(_gguf_dir(default_gguf(cache_root(None))), name, dtype, lazy)
     if name in DEMO_MODELS:
         return _load_dir(demo_model_path(name), name, dtype, lazy)
-    if name == VISION_DEMO:
+    if name in VISION_DEMOS:
         from stepline.engine.vision import demo_path
 
-        return _load_dir(demo_path(), name, dtype)
+        return _load_dir(demo_path(name=name), name, dtype)
     local = Path(name).expanduser()
     if local.is_dir():
         return _load_dir(local.resolve(), name, dtype, lazy)
@@ -599,6 +601,6 @@ def load_model(
         raise ModelNotFoundError(
             f"model {name!r} not found: tried local path {local.resolve()} ({local_note}), "
             f"Hugging Face id {name!r} ({reason}); built-in models are {DEFAULT_MODEL}, "
-            f"{', '.join(DEMO_MODELS)} and {VISION_DEMO}"
+            f"{', '.join(DEMO_MODELS)} and {', '.join(VISION_DEMOS)}"
         )
     return _load_dir(hf_path, name, dtype, lazy)

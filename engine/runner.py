@@ -152,7 +152,7 @@ class ModelRunner:
             repetition_penalty=p.repetition_penalty,
             logprobs=p.logprobs,
         )
-        self._seqs[new.request_id] = Seq(
+        seq = self._seqs[new.request_id] = Seq(
             request_id=new.request_id,
             prompt=mx.array(new.prompt_token_ids, dtype=mx.int32),
             sampling=sampling,
@@ -164,6 +164,11 @@ class ModelRunner:
             key=prompt_key(new.prompt_token_ids, new.images) if new.images else None,
             own_checkpoint=new.own_checkpoint,
         )
+        if new.images and self.loaded.vision is not None:  # where a model's are 3-D
+            inputs = [image.inputs for image in new.images]
+            found = self.loaded.vision.encoder.positions(new.prompt_token_ids, inputs)
+            if found is not None:
+                seq.positions, seq.rope_delta = found
 
     def _start_cache(self, new: NewRequest) -> Cache:
         if new.prefix is None or self.store is None:

@@ -22,7 +22,7 @@ import structlog
 
 from stepline.actors.scheduler.plan import ScheduledChunk, StepPlan
 from stepline.actors.scheduler.work import CHECKPOINT_FAILED, PREFILL_FAILED, is_collective_error
-from stepline.engine import fused, step_sampling
+from stepline.engine import fused, mrope, step_sampling
 from stepline.engine.decode_batch import DecodeBatch, Placement
 from stepline.engine.forward import forward, split_head_works
 from stepline.engine.lookahead import Ahead
@@ -129,10 +129,13 @@ class Forwards:
             if end == pos:
                 continue
             last = end == chunk.end and chunk.is_final
+            cache = seq.cache
+            if seq.positions is not None:  # 3-D M-RoPE: the chunk's positions are its own
+                cache = mrope.positioned(cache, seq.positions[:, pos:end])
             logits = forward(
                 self.model,
                 seq.prompt[None, pos:end],
-                seq.cache,
+                cache,
                 logits=last,
                 split=self.split_head,
                 embeddings=self._embeddings(seq, pos, end),
@@ -227,13 +230,18 @@ class FusedForwards(Forwards):
         them as separate forwards (where a request's fault is pinned on it). A fault while
         evaluating it is the step's, as the decode batch's is."""
         seqs = [self.seqs[c.request_id] for c in chunks]
+        # (a chunk of a 3-D M-RoPE prompt has no image token here: its 3 positions are one)
         segments = [
-            fused.Segment(s.prompt[c.start : c.end], s.cache or [])
+            fused.Segment(
+                s.prompt[c.start : c.end],
+                s.cache or [],
+                positions=None if s.positions is None else s.positions[0, c.start : c.end],
+            )
             for s, c in zip(seqs, chunks, strict=True)
         ]
         rows = [[c.num_tokens - 1] if c.is_final else [] for c in chunks]
         for v in verifies:
-            segments.append(fused.Segment(v.inputs(), v.seq.cache or []))
+            segments.append(fused.Segment(v.inputs(), v.seq.cache or [], delta=v.seq.rope_delta))
             rows.append(list(range(v.num_tokens)))
         groups = self.batch.caches.segments(self.batch.next_inputs()) if with_batch else []
         segments += groups
