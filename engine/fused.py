@@ -64,10 +64,8 @@ class Segment:
     tokens: mx.array
     cache: list[Any]
     is_batch: bool = False
-    # a request's segment under 3-D M-RoPE (`engine/mrope.py`), text only: its tokens'
-    # positions (L,) (a prompt's), or the delta past its cache's length (a drafting row's)
+    # a prompt chunk of text under 3-D M-RoPE (`engine/mrope.py`): its tokens' positions (L,)
     positions: mx.array | None = None
-    delta: int = 0
 
     @property
     def size(self) -> int:
@@ -90,7 +88,7 @@ class _Layout:
             elif s.positions is not None:
                 positions.append(s.positions.astype(mx.int32))
             else:
-                positions.append(first.offset + s.delta + mx.arange(s.size, dtype=mx.int32))
+                positions.append(first.offset + mx.arange(s.size, dtype=mx.int32))
         self.positions = mx.concatenate(positions)
         self._masks: dict[tuple[int, type, int | None], Any] = {}
 

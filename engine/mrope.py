@@ -18,8 +18,10 @@ whatever `cache.offset` says, which the engine sets per forward:
   for rope only (its masks and storage count `_idx` and the left padding): a row joining the
   batch has its delta added there (`shift_rows`), and loses it when it leaves (mlx-lm's
   `extract` makes a plain cache of its keys), so every join adds it again;
-- a drafting row's tokens, on its own cache, read its length + delta (`shifted`), and a fused
-  forward's segments add their request's delta to their positions (`engine/fused.py`).
+- a fused forward's prompt chunks (text only: a chunk with image tokens runs on its own) take
+  their positions from the request's (`engine/fused.py`'s `Segment.positions`).
+A request with images never drafts (the scheduler core's rule), so no drafting row needs a
+delta.
 
 Positions are a function of the prompt, so a prefix-cache entry needs no position state of
 its own: the keys it holds were rotated at the positions of its tokens, which are the same in
@@ -92,7 +94,7 @@ def prompt_positions(
 
 class PositionedCache:
     """One layer's cache of a request, as a forward sees it: its own in every way but
-    `offset`, which the rope reads (a chunk's `Positions`, or its length + the delta)."""
+    `offset`, which the rope reads (a chunk's `Positions`)."""
 
     def __init__(self, cache: Any, offset: Any) -> None:
         self._cache = cache
@@ -110,14 +112,6 @@ def positioned(cache: list[Any], positions: mx.array) -> list[Any]:
     """`cache` (a request's, per layer) for a forward of the tokens at `positions` (3, L)."""
     offset = Positions(positions)
     return [PositionedCache(layer, offset) for layer in cache]
-
-
-def shifted(cache: Any, delta: int) -> Any:
-    """`cache` (a request's, per layer) for a forward of tokens past its prompt: each at its
-    index + `delta`."""
-    if not delta:
-        return cache
-    return [PositionedCache(layer, layer.offset + delta) for layer in cache]
 
 
 def shift_rows(batch: list[Any], deltas: Sequence[int]) -> list[Any]:

@@ -241,7 +241,7 @@ class FusedForwards(Forwards):
         ]
         rows = [[c.num_tokens - 1] if c.is_final else [] for c in chunks]
         for v in verifies:
-            segments.append(fused.Segment(v.inputs(), v.seq.cache or [], delta=v.seq.rope_delta))
+            segments.append(fused.Segment(v.inputs(), v.seq.cache or []))
             rows.append(list(range(v.num_tokens)))
         groups = self.batch.caches.segments(self.batch.next_inputs()) if with_batch else []
         segments += groups

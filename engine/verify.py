@@ -12,7 +12,6 @@ import mlx.core as mx
 
 from stepline.actors.scheduler.drafter import accept
 from stepline.actors.scheduler.work import SAMPLING_FAILED, VERIFY_FAILED, is_collective_error
-from stepline.engine import mrope
 from stepline.engine.sampling import Sampler
 from stepline.engine.sequences import Seq
 from stepline.engine.step_sampling import Fail
@@ -66,8 +65,7 @@ def verify_rows(
     the drafts each kept. Rows of requests in `failed` are skipped."""
     for v in apart:
         try:
-            cache = mrope.shifted(v.seq.cache, v.seq.rope_delta)  # 3-D M-RoPE's delta
-            v.logits = model(v.inputs()[None], cache=cache)[0]
+            v.logits = model(v.inputs()[None], cache=v.seq.cache)[0]
         except Exception as exc:
             fail(v.seq.request_id, VERIFY_FAILED, exc)
     ready = [v for v in solo if v.logits is not None and v.seq.request_id not in failed]
