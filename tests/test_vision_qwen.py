@@ -12,7 +12,7 @@ from pathlib import Path
 import anyio
 import numpy as np
 import pytest
-from helpers import collect, submit_together
+from helpers import collect, open_served, submit_together
 
 from stepline.api.engine import Engine
 from stepline.api.params import SamplingParams
@@ -215,3 +215,60 @@ def test_stepline_generate_asks_the_qwen_demo_about_an_image_file(tmp_path: Path
     assert main([*argv, "--max-tokens", "6", "--temperature", "0"]) == 0
     out = capsys.readouterr()
     assert "output 6 tokens (length)" in out.err and out.out.strip()
+
+
+async def test_the_chat_doors_answer_an_image_as_mlx_vlm_does(reference) -> None:
+    import base64
+
+    import anthropic
+
+    image = png(5, 72, 56)
+    want = reference(chat("What is in this picture?", image), max_tokens=8)
+    data = base64.b64encode(image).decode()
+    async with open_served(VISION_QWEN_DEMO, engine={"max_step_tokens": 32}) as served:
+        tokenizer = served.engine.step_loop.runner.loaded.tokenizer
+        text = tokenizer.decode(want)
+        async with served.client() as client:
+            answer = await client.chat.completions.create(
+                model=VISION_QWEN_DEMO,
+                max_tokens=8,
+                temperature=0.0,
+                messages=[
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "What is in this picture?"},
+                            {
+                                "type": "image_url",
+                                "image_url": {"url": f"data:image/png;base64,{data}"},
+                            },
+                        ],
+                    }
+                ],
+            )
+        assert answer.choices[0].message.content == text
+        async with anthropic.AsyncAnthropic(
+            base_url=served.url, api_key="sk-one", max_retries=0
+        ) as claude:
+            message = await claude.messages.create(
+                model=VISION_QWEN_DEMO,
+                max_tokens=8,
+                extra_body={"temperature": 0.0},
+                messages=[
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "What is in this picture?"},
+                            {
+                                "type": "image",
+                                "source": {
+                                    "type": "base64",
+                                    "media_type": "image/png",
+                                    "data": data,
+                                },
+                            },
+                        ],
+                    }
+                ],
+            )
+        assert "".join(b.text for b in message.content if b.type == "text") == text
