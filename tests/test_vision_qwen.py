@@ -272,3 +272,22 @@ async def test_the_chat_doors_answer_an_image_as_mlx_vlm_does(reference) -> None
                 ],
             )
         assert "".join(b.text for b in message.content if b.type == "text") == text
+
+
+async def test_a_run_with_qwen_images_is_re_executed_token_for_token(tmp_path: Path) -> None:
+    from stepline.api.reexecute import reexecute
+
+    log = tmp_path / "events.jsonl"
+    chats = [
+        chat("What is in this picture?", png(8)),
+        chat("Describe it.", png(9, 60, 40), image_first=True),
+        chat("Just text."),
+    ]
+    async with Engine.open(
+        VISION_QWEN_DEMO, max_step_tokens=32, max_num_seqs=4, event_log=str(log)
+    ) as engine:
+        async with anyio.create_task_group() as tg:
+            for messages in chats:
+                tg.start_soon(greedy_chat, engine, messages)
+    report = await reexecute(log, VISION_QWEN_DEMO)
+    assert report.ok and report.num_compared == 3

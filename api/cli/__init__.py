@@ -71,8 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         "--image",
         action="append",
         metavar="FILE",
-        help="an image file to ask about (a vision model: e.g. --model stepline-demo-vision); "
-        "repeat for several",
+        help="an image file to ask about (a vision model: e.g. --model stepline-demo-vision, "
+        "or stepline-demo-vision-qwen); repeat for several",
     )
     add_engine_args(g)
 
