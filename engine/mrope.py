@@ -1,4 +1,4 @@
-"""3-D M-RoPE (Qwen2-VL, Qwen2.5-VL) in the batched engine: each request's positions are its
+"""3-D M-RoPE (Qwen2.5-VL's) in the batched engine: each request's positions are its
 own, and ride the same forwards as every other request's.
 
 An M-RoPE model rotates a token's query and key by three positions, one per section of the
@@ -50,9 +50,9 @@ class Positions:
 
 
 class MRope(nn.Module):
-    """An mlx-lm attention's rope, done as mlx-vlm's M-RoPE: `offset` is an int (the
-    positions offset.., all three equal), an array (B,) (each row's), or `Positions` (the
-    chunk's 3-D positions, one sequence)."""
+    """An mlx-lm attention's rope, done as mlx-vlm's M-RoPE: `offset` is an int (the first
+    token's position, all three sections equal), an array (B,) (each row's first), or
+    `Positions` (the chunk's 3-D positions, one sequence)."""
 
     def __init__(self, rotary: Any) -> None:
         super().__init__()

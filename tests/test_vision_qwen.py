@@ -291,3 +291,15 @@ async def test_a_run_with_qwen_images_is_re_executed_token_for_token(tmp_path: P
                 tg.start_soon(greedy_chat, engine, messages)
     report = await reexecute(log, VISION_QWEN_DEMO)
     assert report.ok and report.num_compared == 3
+
+
+def test_a_qwen_vl_family_not_served_is_refused_naming_the_served_ones(tmp_path: Path) -> None:
+    import json
+
+    from stepline.engine.images import VisionUnavailableError
+    from stepline.engine.vision import load_vision
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_vl"}))
+    with pytest.raises(VisionUnavailableError, match="'qwen3_vl' are not served yet") as err:
+        load_vision(tmp_path, lambda model: "")
+    assert "qwen2_5_vl" in str(err.value)
