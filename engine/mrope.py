@@ -70,13 +70,33 @@ class MRope(nn.Module):
         return rotated
 
 
+class Deepstack(nn.Module):
+    """A text layer that adds, after itself, what the chunk's cache carries for it at image
+    tokens (Qwen3-VL's deepstack: features of the vision tower's middle blocks, added to the
+    hidden states of the first text layers, as mlx-vlm's text model adds them)."""
+
+    def __init__(self, layer: Any, index: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.index = index
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        h = self.layer(x, mask, cache)
+        extra = getattr(cache, "deepstack", None)  # a `PositionedCache`'s, of an image chunk
+        return h if extra is None else h + extra[self.index].astype(h.dtype)
+
+
 def install(text_model: Any, vlm: Any) -> None:
-    """Give each attention layer of `text_model` (an mlx-lm model) the rotary embedding of
-    the same layer of `vlm`'s language model (mlx-vlm's), as an `MRope`."""
-    mine = text_model.model.layers if hasattr(text_model, "model") else text_model.layers
+    """Give each attention layer of `text_model` (an mlx-lm model, its weights loaded) the
+    rotary embedding of the same layer of `vlm`'s language model (mlx-vlm's), as an `MRope`;
+    where the vision tower feeds the first text layers (Qwen3-VL), wrap them in `Deepstack`."""
+    body = text_model.model if hasattr(text_model, "model") else text_model
     theirs = vlm.language_model.model.layers
-    for layer, source in zip(mine, theirs, strict=True):
+    for layer, source in zip(body.layers, theirs, strict=True):
         layer.self_attn.rope = MRope(source.self_attn.rotary_emb)
+    stacked = getattr(vlm.vision_tower, "deepstack_visual_indexes", None) or ()
+    for i in range(len(stacked)):
+        body.layers[i] = Deepstack(body.layers[i], i)
 
 
 def prompt_positions(
@@ -96,9 +116,10 @@ class PositionedCache:
     """One layer's cache of a request, as a forward sees it: its own in every way but
     `offset`, which the rope reads (a chunk's `Positions`)."""
 
-    def __init__(self, cache: Any, offset: Any) -> None:
+    def __init__(self, cache: Any, offset: Any, deepstack: mx.array | None = None) -> None:
         self._cache = cache
         self._offset = offset
+        self.deepstack = deepstack  # (k, 1, L, D): what the first k layers add (`Deepstack`)
 
     @property
     def offset(self) -> Any:
@@ -108,10 +129,13 @@ class PositionedCache:
         return getattr(self._cache, name)
 
 
-def positioned(cache: list[Any], positions: mx.array) -> list[Any]:
-    """`cache` (a request's, per layer) for a forward of the tokens at `positions` (3, L)."""
+def positioned(
+    cache: list[Any], positions: mx.array, deepstack: mx.array | None = None
+) -> list[Any]:
+    """`cache` (a request's, per layer) for a forward of the tokens at `positions` (3, L),
+    with what the first layers add at its image tokens (`Deepstack`), if any."""
     offset = Positions(positions)
-    return [PositionedCache(layer, offset) for layer in cache]
+    return [PositionedCache(layer, offset, deepstack) for layer in cache]
 
 
 def shift_rows(batch: list[Any], deltas: Sequence[int]) -> list[Any]:

@@ -131,7 +131,8 @@ class Forwards:
             last = end == chunk.end and chunk.is_final
             cache = seq.cache
             if seq.positions is not None:  # 3-D M-RoPE: the chunk's positions are its own
-                cache = mrope.positioned(cache, seq.positions[:, pos:end])
+                deepstack = self._deepstack(seq, pos, end)
+                cache = mrope.positioned(cache, seq.positions[:, pos:end], deepstack)
             logits = forward(
                 self.model,
                 seq.prompt[None, pos:end],
@@ -153,6 +154,16 @@ class Forwards:
             if image.end <= chunk.end:
                 seq.encodes.pop(i, None)
         return logits
+
+    def _deepstack(self, seq: Seq, start: int, end: int) -> mx.array | None:
+        """What the first text layers add at prompt tokens [start, end) (Qwen3-VL's
+        deepstack, from the encoder's output), else None."""
+        spans = tuple(
+            (image.start, image.end, seq.encodes[i].deepstack)
+            for i, image in enumerate(seq.images)
+            if image.start < end and start < image.end and seq.encodes[i].deepstack is not None
+        )
+        return self.loaded.vision.encoder.deepstack(end - start, start, spans)
 
     def _embeddings(self, seq: Seq, start: int, end: int) -> mx.array | None:
         """Input embeddings of prompt tokens [start, end) where image spans overlap them

@@ -12,9 +12,10 @@ output, the span's embeddings, is kept with the request, and a prompt chunk that
 tokens is fed those embeddings instead of the tokens'.
 
 Families (`FAMILIES`): Idefics3 (SmolVLM) and Gemma 3, whose text models place tokens with
-plain 1-D positions, and Qwen2.5-VL, whose 3-D M-RoPE positions are each request's own
-(`engine/mrope.py`: its text model's ropes are mlx-vlm's, each request's positions and rope
-delta kept with it, `VisionEncoder.positions`).
+plain 1-D positions, and Qwen2.5-VL and Qwen3-VL, whose 3-D M-RoPE positions are each
+request's own (`engine/mrope.py`: their text models' ropes are mlx-vlm's, each request's
+positions and rope delta kept with it, `VisionEncoder.positions`; Qwen3-VL's deepstack
+features, kept with the span's embeddings, are added by its first text layers).
 
 `stepline-demo-vision` is a random-weight Idefics3 built on first use (like the text demos),
 with the demo tokenizer, for tests and for trying images offline; `stepline-demo-vision-qwen`
@@ -141,7 +142,7 @@ class Gemma3Images:
 
 
 class QwenVLImages:
-    """Qwen2.5-VL: an image is resized to a multiple of the merged patch (between the
+    """Qwen2.5-VL and Qwen3-VL: an image is resized to a multiple of the merged patch (between the
     processor's min and max pixels) and cut into patches; each 2x2 of them, merged, is one
     `<|image_pad|>` token between `<|vision_start|>` and `<|vision_end|>` (the chat template's
     rendering of an image part, the processor's expansion of it). The vision tower runs over
@@ -177,9 +178,10 @@ FAMILIES: dict[str, type] = {
     "smolvlm": Idefics3Images,
     "gemma3": Gemma3Images,
     "qwen2_5_vl": QwenVLImages,
+    "qwen3_vl": QwenVLImages,
 }
 # the families whose text models place tokens by 3-D M-RoPE positions (`engine/mrope.py`)
-MROPE_FAMILIES = frozenset({"qwen2_5_vl"})
+MROPE_FAMILIES = frozenset({"qwen2_5_vl", "qwen3_vl"})
 
 
 class EncodeJob:
@@ -193,6 +195,8 @@ class EncodeJob:
         self.done = 0
         self.state: dict[str, Any] = {}
         self.embeddings: mx.array | None = None
+        # Qwen3-VL's: what its first text layers add at the span's image tokens (k, 1, span, D)
+        self.deepstack: mx.array | None = None
 
 
 class VisionEncoder:
@@ -272,27 +276,61 @@ class VisionEncoder:
         the patches and puts them in the span (mlx-vlm's `get_input_embeddings`)."""
         vlm, state = self.vlm, job.state
         tower = vlm.vision_tower
+        stacked = getattr(tower, "deepstack_visual_indexes", None)  # Qwen3-VL's tower
         if not state:
-            state.update(_qwen_tower_inputs(tower, job.inputs))
+            if stacked is None:
+                state.update(_qwen_tower_inputs(tower, job.inputs))
+            else:
+                state.update(_qwen3_tower_inputs(tower, job.inputs))
         for u in range(start, end):
-            full = u in tower.fullatt_block_indexes
+            full = stacked is not None or u in tower.fullatt_block_indexes
             state["hidden"] = tower.blocks[u](
                 state["hidden"],
                 cu_seqlens=state["cu_seqlens" if full else "cu_window_seqlens"],
                 rotary_pos_emb=state["rotary"],
             )
+            if stacked is not None and u in stacked:
+                merger = tower.deepstack_merger_list[stacked.index(u)]
+                state[f"deepstack{stacked.index(u)}"] = merger(state["hidden"])
         if end == job.units:
-            features = tower.merger(state["hidden"])[mx.argsort(state["window_index"], axis=0)]
             ids = job.span_ids[None]
             config = vlm.config
-            job.embeddings = vlm.merge_input_ids_with_image_features(
-                config.image_token_id,
-                config.video_token_id,
-                features,
-                vlm.language_model.model.embed_tokens(ids),
-                ids,
-            )
+            embeds = vlm.language_model.model.embed_tokens(ids)
+            if stacked is None:
+                features = tower.merger(state["hidden"])[mx.argsort(state["window_index"])]
+                job.embeddings = vlm.merge_input_ids_with_image_features(
+                    config.image_token_id, config.video_token_id, features, embeds, ids
+                )
+            else:
+                job.embeddings = _scattered(embeds, ids, tower.merger(state["hidden"]), config)
+                job.deepstack = mx.stack(
+                    [
+                        _scattered(mx.zeros_like(embeds), ids, state[f"deepstack{i}"], config)
+                        for i in range(len(stacked))
+                    ]
+                )
             state.clear()
+
+    def deepstack(
+        self, length: int, start: int, spans: tuple[tuple[int, int, mx.array], ...]
+    ) -> mx.array | None:
+        """(k, 1, L, D): what the first k text layers add to prompt positions start..start + L
+        (Qwen3-VL's deepstack: zero but at image tokens), where `spans` are (span start, span
+        end, the span's deepstack (k, 1, span, D)) overlapping them; None without any."""
+        if not spans:
+            return None
+        pieces, at = [], start
+        end = start + length
+        k, _, _, dim = spans[0][2].shape
+        for s, e, stack in spans:
+            if s > at:
+                pieces.append(mx.zeros((k, 1, s - at, dim), dtype=stack.dtype))
+            lo, hi = max(s, at), min(e, end)
+            pieces.append(stack[:, :, lo - s : hi - s])
+            at = hi
+        if end > at:
+            pieces.append(mx.zeros((k, 1, end - at, dim), dtype=pieces[0].dtype))
+        return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=2)
 
     def embeddings(
         self, ids: mx.array, start: int, spans: tuple[tuple[int, int, mx.array], ...]
@@ -360,6 +398,30 @@ def _qwen_tower_inputs(tower: Any, inputs: Mapping[str, Any]) -> dict[str, mx.ar
     }
 
 
+def _qwen3_tower_inputs(tower: Any, inputs: Mapping[str, Any]) -> dict[str, mx.array]:
+    """What every block of a Qwen3-VL vision tower reads, as its `__call__` makes it before
+    its blocks: the patches embedded, plus their interpolated position embeddings; their
+    rotary embedding; the image's bounds."""
+    pixels = mx.array(inputs["pixel_values"]).astype(tower.patch_embed.proj.weight.dtype)
+    grid = mx.array(inputs["image_grid_thw"])
+    hidden = tower.patch_embed(pixels) + tower.fast_pos_embed_interpolate(grid)
+    seq_len = hidden.shape[0]
+    rotary = tower.rot_pos_emb(grid).reshape(seq_len, -1)
+    lengths = [mx.repeat(grid[i, 1] * grid[i, 2], int(grid[i, 0])) for i in range(grid.shape[0])]
+    cu_seqlens = mx.cumsum(mx.concatenate(lengths).astype(mx.int32), axis=0)
+    cu_seqlens = mx.pad(cu_seqlens, (1, 0), mode="constant", constant_values=0)
+    return {"hidden": hidden.reshape(seq_len, -1), "rotary": rotary, "cu_seqlens": cu_seqlens}
+
+
+def _scattered(base: mx.array, ids: mx.array, features: mx.array, config: Any) -> mx.array:
+    """`base` (1, span, D) with the image tokens' rows of `ids` replaced by `features`, in
+    order (mlx-vlm's Qwen3-VL `masked_scatter`)."""
+    from mlx_vlm.models.qwen3_vl.qwen3_vl import masked_scatter
+
+    mask = ids == config.image_token_index
+    return masked_scatter(base, mx.broadcast_to(mask[..., None], base.shape), features)
+
+
 @dataclass(frozen=True)
 class VisionParts:
     """What a LoadedModel of a vision-language model carries beside the text model."""
@@ -370,7 +432,9 @@ class VisionParts:
 
 
 # a VLM's model_type -> its text model's mlx-lm architecture, where its config does not say
-_TEXT_TYPES = {"gemma3": "gemma3_text", "qwen2_5_vl": "qwen2"}
+_TEXT_TYPES = {"gemma3": "gemma3_text", "qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3"}
+# a text config's model_type -> the mlx-lm architecture of that text model
+_TEXT_ARCHS = {"qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3"}
 
 
 def _text_model(vlm: Any, config: dict[str, Any]) -> Any:
@@ -386,6 +450,7 @@ def _text_model(vlm: Any, config: dict[str, Any]) -> Any:
     if model_type in (None, config.get("model_type")):  # gemma3's text part
         model_type = _TEXT_TYPES.get(config.get("model_type", ""), model_type)
         text_config["model_type"] = model_type
+    model_type = _TEXT_ARCHS.get(model_type, model_type)
     try:
         arch = importlib.import_module(f"mlx_lm.models.{model_type}")
     except ImportError:
@@ -650,7 +715,9 @@ def _build_qwen_demo(out: Path) -> None:
 def build_qwen2_5_vl(out: Path, shape: Mapping[str, Any]) -> None:
     """A random-weight Qwen2.5-VL checkpoint of `shape` (`_QWEN_DEMO`'s keys) at `out`, with
     the demo tokenizer, Qwen-VL's vision tokens added and a chat template that renders an
-    image part as Qwen's `<|vision_start|><|image_pad|><|vision_end|>`."""
+    image part as Qwen's `<|vision_start|><|image_pad|><|vision_end|>`. A Qwen3-VL where
+    `shape["vision"]["model_type"]` is `qwen3_vl` (its text config nested, as its
+    checkpoints have it)."""
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_str(demo_files.train_tokenizer_json(1024))
@@ -685,10 +752,15 @@ def build_qwen2_5_vl(out: Path, shape: Mapping[str, Any]) -> None:
         demo_files.SPECIAL_TOKENS.index(demo_files.IM_END),
         demo_files.SPECIAL_TOKENS.index(demo_files.ENDOFTEXT),
     ]
+    model_type = vision["model_type"]
+    text = {**shape["text"], "vocab_size": vocab}
+    if model_type == "qwen3_vl":
+        top: dict[str, Any] = {"text_config": {**text, "model_type": "qwen3_vl_text"}}
+    else:
+        top = text
     config = {
-        "model_type": "qwen2_5_vl",
-        "architectures": ["Qwen2_5_VLForConditionalGeneration"],
-        **shape["text"],
+        "model_type": model_type,
+        **top,
         "vocab_size": vocab,
         "vision_config": dict(vision),
         "image_token_id": ids["<|image_pad|>"],

@@ -1,8 +1,9 @@
 """Qwen2.5-VL with images, on `stepline-demo-vision-qwen` (a random-weight Qwen2.5-VL built
-offline): its tokens take 3-D M-RoPE positions (an image's from its grid, the text after it
-from a delta of its own), and requests of different deltas decode in one batch, in fused
-steps, chunked under small budgets and from the prefix cache, each answering
-exactly what mlx-vlm's own generation answers for it alone."""
+offline), and Qwen3-VL, on a tiny one (`vision_checkpoints.tiny_qwen3_vl`): their tokens take
+3-D M-RoPE positions (an image's from its grid, the text after it from a delta of its own),
+and requests of different deltas decode in one batch, in fused steps, chunked under small
+budgets and from the prefix cache, each answering exactly what mlx-vlm's own generation
+answers for it alone."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import anyio
 import numpy as np
 import pytest
 from helpers import collect, open_served, submit_together
+from vision_checkpoints import tiny_qwen3_vl
 
 from stepline.api.engine import Engine
 from stepline.api.params import SamplingParams
@@ -40,15 +42,12 @@ def chat(text: str, image: bytes | None = None, *, image_first: bool = False) ->
     return [{"role": "user", "content": parts[::-1] if image_first else parts}]
 
 
-@pytest.fixture(scope="module")
-def reference():
-    """mlx-vlm's model and processor of the demo, and its greedy generation of one chat
-    alone (`run(messages)`: its token ids)."""
+def reference_of(path: Path):
+    """mlx-vlm's greedy generation of one chat alone on the checkpoint at `path`
+    (`run(messages)`: its token ids), with its model and processor."""
     from mlx_vlm import generate, load
 
-    from stepline.engine.vision import demo_path
-
-    model, processor = load(str(demo_path(name=VISION_QWEN_DEMO)))
+    model, processor = load(str(path))
 
     def run(messages: list[dict], max_tokens: int = GREEDY.max_tokens) -> list[int]:
         images = [
@@ -80,6 +79,19 @@ def reference():
 
     run.model, run.processor = model, processor  # type: ignore[attr-defined]
     return run
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """mlx-vlm on the Qwen2.5-VL demo (`reference_of`)."""
+    from stepline.engine.vision import demo_path
+
+    return reference_of(demo_path(name=VISION_QWEN_DEMO))
+
+
+@pytest.fixture(scope="module")
+def qwen3_vl(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_qwen3_vl(tmp_path_factory.mktemp("qwen3-vl"))
 
 
 async def greedy_chat(engine: Engine, messages: list[dict], **params: object) -> list:
@@ -135,10 +147,18 @@ def test_a_prompt_with_an_image_has_mlx_vlms_ids_and_positions(reference) -> Non
     assert delta == int(want_delta.item()) < 0  # the text after the image goes on from its grid
 
 
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
 @pytest.mark.parametrize("max_step_tokens", [32, 128])
 async def test_concurrent_image_and_text_requests_answer_what_mlx_vlm_answers_each_alone(
-    reference, max_step_tokens: int
+    request: pytest.FixtureRequest, family: str, max_step_tokens: int
 ) -> None:
+    # Qwen3-VL's vision tower also feeds the first text layers at the image's tokens
+    # (deepstack), chunk by chunk.
+    if family == "qwen3_vl":
+        model = str(request.getfixturevalue("qwen3_vl"))
+        reference = reference_of(Path(model))
+    else:
+        model, reference = VISION_QWEN_DEMO, request.getfixturevalue("reference")
     # Spans of 36 and 24 image tokens (their deltas differ); with 32-token steps the larger
     # one is chunked; the requests decode in one batch, their rows of different deltas, and
     # the text after an image is chunked beside them, at its own positions.
@@ -150,9 +170,7 @@ async def test_concurrent_image_and_text_requests_answer_what_mlx_vlm_answers_ea
         chat("Tell me about the sea and the sky, at length please."),
         chat("And this one, what is it?", png(0)),
     ]
-    async with Engine.open(
-        VISION_QWEN_DEMO, max_step_tokens=max_step_tokens, max_num_seqs=8
-    ) as engine:
+    async with Engine.open(model, max_step_tokens=max_step_tokens, max_num_seqs=8) as engine:
         assert engine.step_loop.runner.forwards.fuses  # decode rows ride in the chunks' forward
         streams = await submit_together(engine, [{"messages": m, "params": GREEDY} for m in chats])
         results: list[list] = [[] for _ in chats]
@@ -299,7 +317,7 @@ def test_a_qwen_vl_family_not_served_is_refused_naming_the_served_ones(tmp_path:
     from stepline.engine.images import VisionUnavailableError
     from stepline.engine.vision import load_vision
 
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_vl"}))
-    with pytest.raises(VisionUnavailableError, match="'qwen3_vl' are not served yet") as err:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_vl"}))
+    with pytest.raises(VisionUnavailableError, match="'qwen2_vl' are not served yet") as err:
         load_vision(tmp_path, lambda model: "")
     assert "qwen2_5_vl" in str(err.value)
