@@ -8,7 +8,8 @@ first token against mlx-vlm's own, and what the next turn of its chat recomputes
 SmolVLM-256M-Instruct's shape (its SigLIP encoder of 12 layers at 512-pixel tiles, 64 tokens
 a tile; SmolLM2-135M's text model and tokenizer, from the default model's GGUF): real sizes,
 so real costs, with no download from the model hub; or any model stepline serves
-(`stepline-demo-vision`, a directory).
+(`stepline-demo-vision`, `stepline-demo-vision-qwen`: a Qwen2.5-VL whose image positions are
+3-D M-RoPE, tiny, so its costs are not a real model's; a directory).
 
 Sections, each repeated --repeats times (medians; the ratios inside one run):
 1. **stall**: --streams greedy chats decoding; then one request arrives: an image (random
@@ -74,12 +75,12 @@ QUESTION = "What is in this picture? Describe it."
 
 
 def model_path(name: str) -> str:
-    from stepline.engine.models import VISION_DEMO
+    from stepline.engine.demo_files import VISION_DEMOS
 
-    if name == VISION_DEMO:
+    if name in VISION_DEMOS:
         from stepline.engine.vision import demo_path
 
-        return str(demo_path())
+        return str(demo_path(name=name))
     if name != SHAPE:
         return name
     from stepline.engine.cache_dirs import build_once, cache_root

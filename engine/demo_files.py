@@ -13,6 +13,8 @@ from typing import Any
 
 VISION_DEMO = "stepline-demo-vision"  # engine/vision.py builds it (the vision extra)
 AUDIO_DEMO = "stepline-demo-audio"  # engine/audio_model.py builds it (the vision extra)
+VISION_QWEN_DEMO = "stepline-demo-vision-qwen"  # a Qwen2.5-VL, built there too
+VISION_DEMOS = (VISION_DEMO, VISION_QWEN_DEMO)
 
 CORPUS_PATH = Path(__file__).with_name("demo_corpus.txt")
 

@@ -76,6 +76,8 @@ class Segment:
     tokens: mx.array
     cache: list[Any]
     is_batch: bool = False
+    # a prompt chunk of text under 3-D M-RoPE (`engine/mrope.py`): its tokens' positions (L,)
+    positions: mx.array | None = None
 
     @property
     def size(self) -> int:
@@ -94,8 +96,10 @@ class _Layout:
         for s in segments:
             # a KV layer's offset: a recurrent layer's state knows no position
             first = next((c for c in s.cache if not isinstance(c, ArraysCache)), s.cache[0])
-            if s.is_batch:
+            if s.is_batch:  # (a 3-D M-RoPE row's delta is in its offset: `mrope.shift_rows`)
                 positions.append(first.offset.astype(mx.int32))
+            elif s.positions is not None:
+                positions.append(s.positions.astype(mx.int32))
             else:
                 positions.append(first.offset + mx.arange(s.size, dtype=mx.int32))
         self.positions = mx.concatenate(positions)

@@ -35,7 +35,9 @@ from stepline.engine.demo_files import (
     IM_END,
     MARKUP_TOKENS,
     SPECIAL_TOKENS,
-    VISION_DEMO,
+    VISION_DEMO,  # noqa: F401 - its name, imported from here
+    VISION_DEMOS,
+    VISION_QWEN_DEMO,  # noqa: F401
     sentence_transformers_files,
     tokenizer_files,
     train_tokenizer_json,
@@ -697,10 +699,10 @@ def model_source(name_or_path: str | None = None) -> ModelSource:
         return ModelSource(_gguf_dir(default_gguf(cache_root(None))), name)
     if name in DEMO_MODELS:
         return ModelSource(demo_model_path(name), name)
-    if name == VISION_DEMO:
+    if name in VISION_DEMOS:
         from stepline.engine.vision import demo_path
 
-        return ModelSource(demo_path(), name)
+        return ModelSource(demo_path(name=name), name)
     if name == AUDIO_DEMO:
         from stepline.engine.audio_model import demo_path as audio_demo_path
 
@@ -719,6 +721,6 @@ def model_source(name_or_path: str | None = None) -> ModelSource:
         raise ModelNotFoundError(
             f"model {name!r} not found: tried local path {local.resolve()} ({local_note}), "
             f"Hugging Face id {name!r} ({reason}); built-in models are {DEFAULT_MODEL}, "
-            f"{', '.join(DEMO_MODELS)}, {VISION_DEMO} and {AUDIO_DEMO}"
+            f"{', '.join(DEMO_MODELS)}, {', '.join(VISION_DEMOS)} and {AUDIO_DEMO}"
         )
     return ModelSource(hf_path, name)

@@ -167,7 +167,7 @@ class ModelRunner:
             repetition_penalty=p.repetition_penalty,
             logprobs=p.logprobs,
         )
-        self._seqs[new.request_id] = Seq(
+        seq = self._seqs[new.request_id] = Seq(
             request_id=new.request_id,
             prompt=mx.array(new.prompt_token_ids, dtype=mx.int32),
             sampling=sampling,
@@ -184,6 +184,11 @@ class ModelRunner:
             own_checkpoint=new.own_checkpoint,
             adapter=new.adapter,
         )
+        if new.images and self.loaded.vision is not None:  # where a model's are 3-D
+            inputs = [image.inputs for image in new.images]
+            found = self.loaded.vision.encoder.positions(new.prompt_token_ids, inputs)
+            if found is not None:
+                seq.positions, seq.rope_delta = found
 
     def _start_cache(self, new: NewRequest) -> Cache:
         if new.prefix is None or self.store is None:

@@ -36,6 +36,11 @@ class Seq:
     images: tuple[PromptImage, ...] = ()  # the prompt's images (a vision model's)
     # image (its index) -> its encoder work (`engine.vision.EncodeJob`), its embeddings
     encodes: dict[int, Any] = field(default_factory=dict)
+    # a 3-D M-RoPE model's prompt with images (`engine/mrope.py`): its positions (3, L), and
+    # the delta of every position past it (a token's is its index + the delta); None and 0:
+    # each token at its index
+    positions: mx.array | None = None
+    rope_delta: int = 0
     # the prompt as the prefix cache knows it (`spans.prompt_key`); None: its token ids
     key: tuple[int, ...] | None = None
     # the engine's own checkpoint (`NewRequest.own_checkpoint`): not the hook's

@@ -22,7 +22,7 @@ import structlog
 
 from stepline.actors.scheduler.plan import ScheduledChunk, StepPlan
 from stepline.actors.scheduler.work import CHECKPOINT_FAILED, PREFILL_FAILED, is_collective_error
-from stepline.engine import fused, step_sampling
+from stepline.engine import fused, mrope, step_sampling
 from stepline.engine.decode_batch import DecodeBatch, Placement
 from stepline.engine.forward import forward, run_to_end, split_head_proof
 from stepline.engine.lookahead import Ahead
@@ -134,11 +134,15 @@ class Forwards:
             if end == pos:
                 continue
             last = end == chunk.end and chunk.is_final
+            cache = seq.cache
+            if seq.positions is not None:  # 3-D M-RoPE: the chunk's positions are its own
+                deepstack = self._deepstack(seq, pos, end)
+                cache = mrope.positioned(cache, seq.positions[:, pos:end], deepstack)
             with self.routes.rows([seq.adapter]):
                 logits = forward(
                     self.model,
                     seq.prompt[None, pos:end],
-                    seq.cache,
+                    cache,
                     logits=last,
                     split=self.split_head,
                     embeddings=self._embeddings(seq, pos, end),
@@ -156,6 +160,16 @@ class Forwards:
             if image.end <= chunk.end:
                 seq.encodes.pop(i, None)
         return logits
+
+    def _deepstack(self, seq: Seq, start: int, end: int) -> mx.array | None:
+        """What the first text layers add at prompt tokens [start, end) (Qwen3-VL's
+        deepstack, from the encoder's output), else None."""
+        spans = tuple(
+            (image.start, image.end, seq.encodes[i].deepstack)
+            for i, image in enumerate(seq.images)
+            if image.start < end and start < image.end and seq.encodes[i].deepstack is not None
+        )
+        return self.loaded.vision.encoder.deepstack(end - start, start, spans)
 
     def _embeddings(self, seq: Seq, start: int, end: int) -> mx.array | None:
         """Input embeddings of prompt tokens [start, end) where image spans overlap them
@@ -233,8 +247,13 @@ class FusedForwards(Forwards):
         them as separate forwards (where a request's fault is pinned on it). A fault while
         evaluating it is the step's, as the decode batch's is."""
         seqs = [self.seqs[c.request_id] for c in chunks]
+        # (a chunk of a 3-D M-RoPE prompt has no image token here: its 3 positions are one)
         segments = [
-            fused.Segment(s.prompt[c.start : c.end], s.cache or [])
+            fused.Segment(
+                s.prompt[c.start : c.end],
+                s.cache or [],
+                positions=None if s.positions is None else s.positions[0, c.start : c.end],
+            )
             for s, c in zip(seqs, chunks, strict=True)
         ]
         rows = [[c.num_tokens - 1] if c.is_final else [] for c in chunks]

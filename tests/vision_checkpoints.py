@@ -211,3 +211,54 @@ def tiny_gemma3(path: Path, *, pan_and_scan: bool = False) -> Path:
     mx.save_safetensors(str(path / "model.safetensors"), weights)
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     return path
+
+
+# A tiny Qwen3-VL: a 2-layer Qwen3 text model (interleaved M-RoPE sections 4/6/6), a 3-block
+# vision tower of 8-pixel patches merged 2x2 whose blocks 0 and 1 feed the first two text
+# layers (deepstack). Built as `stepline-demo-vision-qwen` is (`vision.build_qwen2_5_vl`).
+QWEN3_VL = {
+    "text": {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "num_hidden_layers": 2,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "rope_scaling": {
+            "rope_type": "default",
+            "mrope_section": [4, 6, 6],
+            "mrope_interleaved": True,
+        },
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+    },
+    "vision": {
+        "model_type": "qwen3_vl",
+        "depth": 3,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "out_hidden_size": 64,
+        "num_heads": 2,
+        "patch_size": 8,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "num_position_embeddings": 64,
+        "deepstack_visual_indexes": [0, 1],
+        "in_channels": 3,
+    },
+    "min_pixels": 16 * 16,
+    "max_pixels": 96 * 96,
+    "seed": 7,
+    "init_std": 0.08,
+}
+
+
+def tiny_qwen3_vl(path: Path) -> Path:
+    """Write the tiny Qwen3-VL checkpoint into `path` (created if missing) and return it."""
+    from stepline.engine.vision import build_qwen2_5_vl
+
+    path.mkdir(parents=True, exist_ok=True)
+    build_qwen2_5_vl(path, QWEN3_VL)
+    return path

@@ -73,8 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         metavar="FILE",
         default=[],
-        help="an image file to ask about (a vision model: e.g. --model stepline-demo-vision); "
-        "repeat for several",
+        help="an image file to ask about (a vision model: e.g. --model stepline-demo-vision, "
+        "or stepline-demo-vision-qwen); repeat for several",
     )
     g.add_argument(
         "--audio",
