@@ -219,9 +219,11 @@ async def test_the_next_turn_with_the_same_image_is_a_prefix_hit_that_encodes_no
     assert token_ids(more) == token_ids(together[0]) == reference(turn)
     assert token_ids(together[1]) == reference(other)
     events = list(read_events(log))
-    admitted = [e.request_id for e in events if isinstance(e, Admitted)]
-    encoded = {e.request_id for e in events if isinstance(e, ImageEncoded)}
-    assert encoded == {admitted[0], admitted[3]}  # the first chat's image, and the other one
+    admitted = {e.request_id: e.images[0].digest for e in events if isinstance(e, Admitted)}
+    encoded = [admitted[e.request_id] for e in events if isinstance(e, ImageEncoded)]
+    # each image by one request (the first chat; the other chat): its next turns, none
+    firsts = {e.request_id for e in events if isinstance(e, ImageEncoded)}
+    assert len(firsts) == 2 and set(encoded) == set(admitted.values())
 
 
 def test_stepline_generate_asks_the_qwen_demo_about_an_image_file(tmp_path: Path, capsys) -> None:
