@@ -166,6 +166,7 @@ class EngineParts:
         self, options: EngineConfig, on_checkpoint: Callable | None, prefix_bytes: int
     ) -> None:
         """The model's runner (and the draft model it verifies, if any), on the executor."""
+        from stepline.engine.kv_quant import kv_quant
         from stepline.engine.runner import ModelRunner
 
         loaded, topology, executor = self.loaded, self.topology, self.executor
@@ -191,6 +192,7 @@ class EngineParts:
                 # One forward per step is proven for one process's model, not for shards.
                 fuse=topology is None,
                 draft=draft,
+                kv=kv_quant(options.kv_bits, options.kv_group_size),
             )
         )
 
@@ -206,6 +208,7 @@ class EngineParts:
                 max_kv_gb=options.max_kv_gb,
                 mlx_cache_gb=options.mlx_cache_gb,
                 prefix_cache_bytes=prefix_bytes,
+                kv=self.runner.kv,
             )
         )
         log.info(

@@ -120,10 +120,10 @@ def weights(scores: mx.array) -> tuple[mx.array, mx.array]:
 def _wrap(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, **kwargs):
         if (
-            queries.dtype == mx.float32
+            not hasattr(cache, "bits")  # quantized caches have their own path (keys: triples)
+            and queries.dtype == mx.float32
             and keys.dtype == mx.float32
             and kwargs.get("sinks") is None
-            and not hasattr(cache, "bits")  # quantized caches have their own path
         ):
             if queries.shape[2] > 1 and isinstance(mask, str) and mask == "causal":
                 return causal_attention(queries, keys, values, scale)

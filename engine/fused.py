@@ -18,8 +18,9 @@ cost almost nothing. Two seams of mlx-lm make that possible without forking a mo
 
 Covered: a model whose body's module calls mlx-lm's own `scaled_dot_product_attention`
 (llama, Qwen2/3, Qwen3-MoE, Phi-3, Ministral, Gemma 3 and 4, gpt-oss, ...; inside a wrapper
-such as `mistral3`, its language model's), with KV layers: plain `KVCache`s and sliding
-windows' `RotatingKVCache`s (whose window the model's masks must ask for).
+such as `mistral3`, its language model's), with KV layers: plain `KVCache`s, quantized ones
+(`engine/kv_quant.py`: mlx-lm's attention takes its quantized path on each segment's own
+cache) and sliding windows' `RotatingKVCache`s (whose window the model's masks must ask for).
 `fused_forward_works` installs the wrapper and proves, on the loaded model itself, that a
 fused forward gives the logits of separate ones; anything else (the recurrent `ArraysCache`
 of hybrid models, attention of a model's own, layers that share another layer's keys) runs
@@ -42,10 +43,10 @@ from mlx_lm.models.cache import (
     BatchRotatingKVCache,
     KVCache,
     RotatingKVCache,
-    make_prompt_cache,
 )
 
 from stepline.engine.forward import body_of, output_head, wrap_attention
+from stepline.engine.kv_quant import BatchQuantizedKVCache, KVQuant, QuantizedKVCache, make_cache
 from stepline.engine.prefix_cache import share_cache
 
 log = structlog.get_logger(__name__)
@@ -210,23 +211,29 @@ def forward(
 
 
 def can_fuse(cache: list[Any], is_batch: bool) -> bool:
-    """Whether a segment's cache is one a fused forward handles: KV layers, plain or of a
-    sliding window (a recurrent layer's state is not cut into rows)."""
-    kinds = (BatchKVCache, BatchRotatingKVCache) if is_batch else (KVCache, RotatingKVCache)
+    """Whether a segment's cache is one a fused forward handles: KV layers, plain, quantized
+    or of a sliding window (a recurrent layer's state is not cut into rows)."""
+    kinds = _BATCH_KINDS if is_batch else _OWN_KINDS
     return bool(cache) and all(type(layer) in kinds for layer in cache)
 
 
-def fused_forward_works(model: Any) -> bool:
+# The KV layers a fused forward takes: a request's own, and the decode batch's.
+_OWN_KINDS = (KVCache, RotatingKVCache, QuantizedKVCache)
+_BATCH_KINDS = (BatchKVCache, BatchRotatingKVCache, BatchQuantizedKVCache)
+
+
+def fused_forward_works(model: Any, kv: KVQuant | None = None) -> bool:
     """Install the attention wrapper for `model`'s architecture and check, on the model
     itself, that one fused forward (a decode batch of two rows of different lengths, so
-    left padding, beside a two-token chunk) gives the hidden states of separate forwards.
-    Four forwards of a few tokens, one prompt's cache shared by every request. False (and
-    separate forwards) for anything else."""
+    left padding, beside a two-token chunk) gives the hidden states of separate forwards,
+    over the caches `kv` makes (`kv_quant.make_cache`). Four forwards of a few tokens, one
+    prompt's cache shared by every request. False (and separate forwards) for anything
+    else."""
     inner = body_of(model)
     if inner is None or not install(type(inner).__module__):
         return False
     try:
-        prompt = make_prompt_cache(model)
+        prompt = make_cache(model, kv)
         if not can_fuse(prompt, is_batch=False):
             return False
         inner(mx.array([[1, 2, 3, 4, 5, 6, 7, 8]]), cache=prompt)

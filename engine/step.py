@@ -25,6 +25,7 @@ from stepline.actors.scheduler.work import CHECKPOINT_FAILED, PREFILL_FAILED, is
 from stepline.engine import fused, step_sampling
 from stepline.engine.decode_batch import DecodeBatch, Placement
 from stepline.engine.forward import forward, split_head_works
+from stepline.engine.kv_quant import KVQuant
 from stepline.engine.lookahead import Ahead
 from stepline.engine.models import LoadedModel
 from stepline.engine.sampling import Sampler
@@ -278,12 +279,14 @@ class FusedForwards(Forwards):
         return out
 
 
-def forwards_kind(model: Any, *, fuse: bool) -> tuple[type[Forwards], bool]:
+def forwards_kind(
+    model: Any, *, fuse: bool, kv: KVQuant | None = None
+) -> tuple[type[Forwards], bool]:
     """The model's forwards, decided once (fused where asked, the architecture is covered
-    and a fused forward is proven on this model), and whether its body and output head run
-    apart (`forward.split_head_works`)."""
+    and a fused forward is proven on this model, over its caches as `kv` quantizes them),
+    and whether its body and output head run apart (`forward.split_head_works`)."""
     split_head = split_head_works(model)
-    fuses = fuse and split_head and fused.fused_forward_works(model)
+    fuses = fuse and split_head and fused.fused_forward_works(model, kv)
     return (FusedForwards if fuses else Forwards), split_head
 
 
