@@ -133,6 +133,24 @@ def check_model(model: Any, kv: KVQuant | None) -> None:
 
 Triple = tuple[mx.array, mx.array, mx.array]  # mx.quantize's packed values, scales, biases
 
+_NIBBLES = (0, 4, 8, 12, 16, 20, 24, 28)  # where a uint32 keeps its eight 4-bit numbers
+
+
+def dequantize(triple: Any, group_size: int, bits: int) -> mx.array:
+    """`mx.dequantize(*triple, ...)`, the same numbers, in elementwise ops: on the CPU
+    backend MLX's own is ~3x slower at 8 bits (0.98 against 0.32 ms for 800 keys of
+    SmolLM2's 3 heads x 4 rows) and ~1.2x at 4. Packing as `mx.quantize`'s: lowest bits
+    first, so 8-bit numbers are the uint32's bytes in order."""
+    packed, scales, biases = triple
+    if bits == 8:
+        ints = packed.view(mx.uint8)
+    else:
+        shifts = mx.array(_NIBBLES, dtype=mx.uint32)
+        ints = ((packed[..., None] >> shifts) & 0xF).reshape(*packed.shape[:-1], -1)
+    shape = ints.shape
+    grouped = ints.astype(scales.dtype).reshape(*shape[:-1], shape[-1] // group_size, group_size)
+    return (grouped * scales[..., None] + biases[..., None]).reshape(shape)
+
 
 class BatchQuantizedKVCache(mlx_cache._BaseCache):
     """Quantized KV of the decode batch's rows, left-padded as mlx-lm's `BatchKVCache` pads

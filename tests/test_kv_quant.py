@@ -21,6 +21,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from pydantic import ValidationError
 
 from stepline.api import Engine, SamplingParams
+from stepline.engine import cpu_attention
 from stepline.engine.kv_quant import (
     BatchQuantizedKVCache,
     KVQuant,
@@ -66,7 +67,15 @@ def model(request, wide) -> str:
 
 def mlx_lm_quantized(model, prompt: list[int], n: int, bits: int, group: int = GROUP):
     """mlx-lm's own greedy generation for `prompt` alone over its `QuantizedKVCache`, built
-    from the first token (as `quantized_kv_start=0`), every other layer as mlx-lm makes it."""
+    from the first token (as `quantized_kv_start=0`), every other layer as mlx-lm makes it;
+    its attention mlx-lm's own (`quantized_matmul`), not the CPU's dequantized one that
+    stepline's wrapper of the model's module gives a quantized cache."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cpu_attention, "DEQUANTIZE", False)
+        return _generate_quantized(model, prompt, n, bits, group)
+
+
+def _generate_quantized(model, prompt: list[int], n: int, bits: int, group: int) -> list[int]:
     cache = [
         mlx_cache.QuantizedKVCache(group_size=group, bits=bits) if type(c) is KVCache else c
         for c in make_prompt_cache(model)
@@ -244,3 +253,31 @@ async def test_a_group_size_that_does_not_divide_the_heads_is_refused_at_startup
             pass
     assert "--kv-group-size" not in str(error.value)  # no group size fits 16: no hint of one
     assert "without --kv-bits" in str(error.value)
+
+
+def test_a_models_file_sets_the_kv_bits_of_one_model_and_refuses_bits_mlx_has_not(tmp_path):
+    from stepline.api.config import read_models_file
+
+    good = tmp_path / "models.toml"
+    good.write_text(
+        '[models.a]\nmodel = "x"\nkv_bits = 4\nkv_group_size = 32\n[models.b]\nmodel = "y"\n'
+    )
+    a, b = read_models_file(good)
+    assert (a.engine_config({}).kv_bits, a.engine_config({}).kv_group_size) == (4, 32)
+    assert b.engine_config({}).kv_bits is None
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[models.a]\nmodel = "x"\nkv_bits = 2\n')
+    with pytest.raises(ValueError, match="kv_bits"):
+        read_models_file(bad)
+
+
+async def test_mlx_lms_quantized_attention_gives_the_same_tokens_as_the_cpus_dequantized(
+    wide, monkeypatch
+):
+    """The attention other backends run (mlx-lm's `quantized_matmul`, on the packed keys),
+    batched and chunked, against the CPU's own (dequantized each step): the same tokens."""
+    prompts = [prompt_ids(n, seed=i) for i, n in enumerate((9, 70, 150))]
+    options = {"kv_bits": 8, "kv_group_size": GROUP, "max_step_tokens": 32}
+    dequantized = await _together(wide["stepline-demo"], prompts, 8, **options)
+    monkeypatch.setattr(cpu_attention, "DEQUANTIZE", False)
+    assert await _together(wide["stepline-demo"], prompts, 8, **options) == dequantized
