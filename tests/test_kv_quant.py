@@ -33,6 +33,7 @@ from stepline.engine.models import DEMO_MODELS, DemoSpec, LoadedModel, _build, l
 from stepline.engine.prefix_cache import share_cache
 
 GROUP = 32  # the wide demos' heads are 32 wide
+WIDE = ("stepline-demo", "stepline-demo-hybrid", "stepline-demo-sliding")
 
 
 def prompt_ids(n: int, seed: int, vocab: int = 300) -> list[int]:
@@ -49,10 +50,11 @@ def _wide(name: str) -> DemoSpec:
 
 @pytest.fixture(scope="module")
 def wide(model_cache_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """The llama and hybrid demos' recipes with 32-wide heads: name -> model directory."""
+    """The llama, hybrid and sliding-window demos' recipes with 32-wide heads: name -> model
+    directory."""
     root = tmp_path_factory.mktemp("wide-demos")
     out = {}
-    for name in ("stepline-demo", "stepline-demo-hybrid"):
+    for name in WIDE:
         path = root / name
         path.mkdir()
         _build(_wide(name), path)
@@ -60,8 +62,10 @@ def wide(model_cache_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
     return out
 
 
-@pytest.fixture(scope="module", params=["stepline-demo", "stepline-demo-hybrid"])
+@pytest.fixture(scope="module", params=WIDE)
 def model(request, wide) -> str:
+    """Each wide demo: plain KV layers; recurrent layers beside them (their state kept as
+    it is); sliding windows beside them (unquantized: mlx-lm has no quantized ring)."""
     return wide[request.param]
 
 
@@ -281,3 +285,18 @@ async def test_mlx_lms_quantized_attention_gives_the_same_tokens_as_the_cpus_deq
     dequantized = await _together(wide["stepline-demo"], prompts, 8, **options)
     monkeypatch.setattr(cpu_attention, "DEQUANTIZE", False)
     assert await _together(wide["stepline-demo"], prompts, 8, **options) == dequantized
+
+
+async def test_drafted_decoding_over_quantized_kv_keeps_the_tokens(wide):
+    """n-gram drafts verified against quantized caches (their rejected tokens cut back out
+    of them): the tokens of plain decoding, for prompts that repeat themselves (drafts
+    found) and one that does not."""
+    base = prompt_ids(30, seed=5)
+    prompts = [base * 3, base[:10] * 5, prompt_ids(50, seed=6)]
+    options = {"kv_bits": 8, "kv_group_size": GROUP, "max_step_tokens": 32, "max_num_seqs": 4}
+    plain = await _together(wide["stepline-demo"], prompts, 24, **options)
+    ngram = '{"method": "ngram", "num_speculative_tokens": 3}'
+    drafted = await _together(
+        wide["stepline-demo"], prompts, 24, speculative_config=ngram, **options
+    )
+    assert drafted == plain
