@@ -479,5 +479,5 @@ async def test_drafts_where_steps_do_not_fuse_give_the_same_tokens(
     from stepline.engine import fused
 
     plain = await _generate(None)
-    monkeypatch.setattr(fused, "fused_forward_works", lambda model: False)
+    monkeypatch.setattr(fused, "fused_forward_works", lambda model, kv=None: False)
     assert await _generate(spec) == plain
