@@ -87,6 +87,18 @@ class EngineConfig(_Options):
         "a KV buffer may grow past them); requests wait for room, one that can never fit is "
         "refused (default: 70% of memory less the weights and the prefix cache)",
     )
+    kv_bits: Literal[4, 8] | None = Field(
+        None,
+        description="hold running requests' KV (and the prefix cache's) quantized to this many "
+        "bits a number, in groups of kv_group_size with a scale and bias each: 8 bits take about "
+        "half the memory of 16-bit KV, 4 about a quarter (of float32 KV, on the CPU: 0.28 and "
+        "0.16); recurrent and sliding-window layers stay as they are (default: unquantized)",
+    )
+    kv_group_size: Literal[32, 64, 128] = Field(
+        64,
+        description="numbers of a head's vector that share one scale and bias under kv_bits "
+        "(it must divide the model's head width)",
+    )
     max_waiting: int = Field(
         _SCHEDULER.max_waiting,
         ge=1,

@@ -174,6 +174,7 @@ class EngineParts:
         self, options: EngineConfig, on_checkpoint: Callable | None, prefix_bytes: int
     ) -> None:
         """The model's runner (and the draft model it verifies, if any), on the executor."""
+        from stepline.engine.kv_quant import kv_quant
         from stepline.engine.runner import ModelRunner
 
         loaded, topology, executor = self.loaded, self.topology, self.executor
@@ -181,9 +182,10 @@ class EngineParts:
         if options.speculative_config is not None:
             draft, self.draft_window = await executor.call(_draft_model, loaded, options)
         prefix_dir = options.prefix_cache_dir
+        kv = kv_quant(options.kv_bits, options.kv_group_size)
         forwards = None
         if self.member is not None:  # beside other models: a forward a job, in turns
-            forwards = await self._steps_in_turns(ModelRunner.proofs(loaded, fuse=True))
+            forwards = await self._steps_in_turns(ModelRunner.proofs(loaded, fuse=True, kv=kv))
         self.runner = await executor.call(
             lambda: ModelRunner(
                 loaded,
@@ -203,6 +205,7 @@ class EngineParts:
                 fuse=topology is None,
                 draft=draft,
                 forwards=forwards,
+                kv=kv,
             )
         )
 
@@ -231,6 +234,7 @@ class EngineParts:
                 max_kv_gb=options.max_kv_gb,
                 mlx_cache_gb=options.mlx_cache_gb,
                 prefix_cache_bytes=prefix_bytes,
+                kv=self.runner.kv,
             )
         )
         log.info(

@@ -17,8 +17,9 @@ Decode rows at long context (`row_attention`) take the same softmax.
 `install` wraps a model module's `scaled_dot_product_attention` (the name mlx-lm's models
 import from `mlx_lm.models.base`) on the CPU for float32 prompt chunks under a causal mask
 and for decode rows over `ROW_MIN_KEYS` keys or more (no mask, or a batch cache's row
-mask); everything else (quantized caches, attention sinks, other masks, other dtypes,
-other devices) goes to mlx-lm's own function unchanged.
+mask); a quantized cache's keys and values (`--kv-bits`) are dequantized first
+(`DEQUANTIZE`); everything else (attention sinks, other masks, other dtypes, other
+devices) goes to mlx-lm's own function unchanged.
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ _TAYLOR = tuple(math.log(2) ** k / math.factorial(k) for k in range(7))
 # Scores of one block of queries: at most this many floats (2 MB), at least MIN_BLOCK rows
 BLOCK_ELEMENTS = 1 << 19
 MIN_BLOCK = 8
+# Quantized KV (`--kv-bits`): dequantized each step (`kv_quant.dequantize`) into the float
+# attention below, not mlx-lm's `quantized_matmul` over the packed keys, which MLX's CPU
+# backend runs slowly: SmolLM2, 4 rows at 800 tokens, a decode step 189 against 340 ms at
+# 8 bits (203 unquantized), 288 against 325 at 4 (benchmarks/kv_quant.py, a busy machine).
+DEQUANTIZE = True
 # Decode rows gain from it only at long context: 5 rows beside 2,000 keys, a SmolLM2 decode
 # step 0.25 against 0.30 s; at 400 keys no faster.
 ROW_MIN_KEYS = 1024
@@ -117,13 +123,24 @@ def weights(scores: mx.array) -> tuple[mx.array, mx.array]:
     return w, 1.0 / w.sum(axis=-1, keepdims=True)
 
 
+def dequantized(keys: Any, values: Any, cache: Any) -> tuple[mx.array, mx.array]:
+    """A quantized cache's keys and values (triples: `engine/kv_quant.py`) as numbers."""
+    from stepline.engine.kv_quant import dequantize
+
+    group_size, bits = cache.group_size, cache.bits
+    return dequantize(keys, group_size, bits), dequantize(values, group_size, bits)
+
+
 def _wrap(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, **kwargs):
+        if DEQUANTIZE and hasattr(cache, "bits") and kwargs.get("sinks") is None:
+            keys, values = dequantized(keys, values, cache)
+            cache = None  # (the numbers' attention, below or mlx-lm's)
         if (
-            queries.dtype == mx.float32
+            not hasattr(cache, "bits")  # quantized caches have their own path (keys: triples)
+            and queries.dtype == mx.float32
             and keys.dtype == mx.float32
             and kwargs.get("sinks") is None
-            and not hasattr(cache, "bits")  # quantized caches have their own path
         ):
             if queries.shape[2] > 1 and isinstance(mask, str) and mask == "causal":
                 return causal_attention(queries, keys, values, scale)

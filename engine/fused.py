@@ -23,12 +23,14 @@ projections, MLPs and experts around them still run once over the whole step.
 
 Covered: a model whose layers call mlx-lm's own `scaled_dot_product_attention` (llama,
 Qwen2/3, Qwen3-MoE, Phi-3, Ministral, Gemma 3 and 4, gpt-oss, ...; inside a wrapper such as
-`mistral3`, its language model's), with KV layers (plain `KVCache`s and sliding windows'
-`RotatingKVCache`s, whose window the model's masks must ask for) and recurrent ones
-(Qwen3-Next, Qwen3.5, Nemotron-H, Granite 4.0-H, LFM2). `fused_forward_works` installs the
-wrappers and proves, on the loaded model itself, that a fused forward gives the logits of
-separate ones; anything else (attention of a model's own, layers that share another layer's
-keys) runs separate forwards. docs/models.md's table says which families that proof passes for
+`mistral3`, its language model's), with KV layers (plain `KVCache`s, quantized ones
+(`engine/kv_quant.py`: mlx-lm's attention takes its quantized path on each segment's own
+cache) and sliding windows' `RotatingKVCache`s, whose window the model's masks must ask for)
+and recurrent ones (Qwen3-Next, Qwen3.5, Nemotron-H, Granite 4.0-H, LFM2).
+`fused_forward_works` installs the wrappers and proves, on the loaded model itself, that a
+fused forward gives the logits of separate ones; anything else (attention of a model's own,
+layers that share another layer's keys) runs separate forwards. docs/models.md's table says
+which families that proof passes for
 (tests/test_families.py keeps it true).
 """
 
@@ -48,7 +50,6 @@ from mlx_lm.models.cache import (
     BatchRotatingKVCache,
     KVCache,
     RotatingKVCache,
-    make_prompt_cache,
 )
 
 from stepline.engine.forward import (
@@ -58,6 +59,7 @@ from stepline.engine.forward import (
     run_to_end,
     wrap_attention,
 )
+from stepline.engine.kv_quant import BatchQuantizedKVCache, KVQuant, QuantizedKVCache, make_cache
 from stepline.engine.prefix_cache import share_cache
 
 log = structlog.get_logger(__name__)
@@ -206,7 +208,7 @@ def install_mixers(model: Any) -> bool:
     layers = getattr(inner, "layers", None)
     if not layers:
         return False
-    caches = make_prompt_cache(model)
+    caches = make_cache(model, None)
     for layer, cache in zip(layers, caches, strict=False):
         if not isinstance(cache, ArraysCache):
             continue
@@ -303,29 +305,34 @@ def forward(
 
 
 def can_fuse(cache: list[Any], is_batch: bool) -> bool:
-    """Whether a segment's cache is one a fused forward handles: KV layers, plain or of a
-    sliding window (a recurrent layer's state is not cut into rows)."""
-    kinds = (BatchKVCache, BatchRotatingKVCache) if is_batch else (KVCache, RotatingKVCache)
-    kinds = (*kinds, ArraysCache)
+    """Whether a segment's cache is one a fused forward handles: KV layers, plain, quantized
+    or of a sliding window, and recurrent state (each segment's own, `SegmentedState`)."""
+    kinds = _BATCH_KINDS if is_batch else _OWN_KINDS
     return bool(cache) and all(type(layer) in kinds for layer in cache)
 
 
-def fused_forward_works(model: Any) -> bool:
+# The KV layers a fused forward takes: a request's own, and the decode batch's.
+_OWN_KINDS = (KVCache, RotatingKVCache, QuantizedKVCache, ArraysCache)
+_BATCH_KINDS = (BatchKVCache, BatchRotatingKVCache, BatchQuantizedKVCache, ArraysCache)
+
+
+def fused_forward_works(model: Any, kv: KVQuant | None = None) -> bool:
     """Install the attention wrapper for `model`'s architecture and check, on the model
     itself, that one fused forward (a decode batch of two rows of different lengths, so
-    left padding, beside a two-token chunk) gives the hidden states of separate forwards.
-    Four forwards of a few tokens, one prompt's cache shared by every request. False (and
-    separate forwards) for anything else."""
-    return bool(run_to_end(fused_forward_proof(model)))
+    left padding, beside a two-token chunk) gives the hidden states of separate forwards,
+    over the caches `kv` makes (`kv_quant.make_cache`). Four forwards of a few tokens, one
+    prompt's cache shared by every request. False (and separate forwards) for anything
+    else."""
+    return bool(run_to_end(fused_forward_proof(model, kv)))
 
 
-def fused_forward_proof(model: Any) -> Proof:
+def fused_forward_proof(model: Any, kv: KVQuant | None = None) -> Proof:
     """`fused_forward_works`, a forward at a time (`forward.Proof`)."""
     inner = body_of(model)
     if inner is None or not install_attention(inner):
         return False
     try:
-        prompt = make_prompt_cache(model)
+        prompt = make_cache(model, kv)
         if not can_fuse(prompt, is_batch=False):
             return False
         recurrent = any(isinstance(layer, ArraysCache) for layer in prompt)
@@ -337,7 +344,7 @@ def fused_forward_proof(model: Any) -> Proof:
 
         def at(num_tokens: int) -> list[Any]:  # the prompt's first tokens, a cache of its own
             if recurrent:  # a state cannot be cut back: the prompt's start, forwarded anew
-                cache = make_prompt_cache(model)
+                cache = make_cache(model, kv)
                 inner(tokens[:, :num_tokens], cache=cache)
                 return cache
             cache = share_cache(prompt)

@@ -15,9 +15,9 @@ from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import make_prompt_cache
 
 from stepline.actors.scheduler.work import MemoryCounters
+from stepline.engine.kv_quant import KVQuant, make_cache
 
 # With no --max-kv-gb: the KV of running requests may use this fraction of the machine's
 # memory, less the weights and the prefix cache, but never less than _MIN_KV_FRACTION of it.
@@ -72,8 +72,9 @@ def weights_bytes(model: Any) -> int:
     return sum(a.nbytes for _, a in tree_flatten(model.parameters())) + adapter_bytes(model)
 
 
-def measure_kv_footprint(model: Any) -> KVFootprint:
-    """Forward a few tokens into a fresh prompt cache and read each layer's arrays.
+def measure_kv_footprint(model: Any, kv: KVQuant | None = None) -> KVFootprint:
+    """Forward a few tokens into a fresh prompt cache (its attention layers quantized as `kv`
+    says: `engine/kv_quant.py`) and read each layer's arrays.
 
     A layer with keys (KVCache, RotatingKVCache, QuantizedKVCache) costs its allocated
     bytes divided by its allocated token slots (the token axis is -2 of every array), per
@@ -82,7 +83,7 @@ def measure_kv_footprint(model: Any) -> KVFootprint:
     than its tokens (alone, and as a row of the batch: each row is as wide as the batch's
     buffer). Any other layer (ArraysCache's recurrent state) costs its bytes once per request.
     """
-    cache = make_prompt_cache(model)
+    cache = make_cache(model, kv)
     model(mx.array([[1, 2, 3, 4]]), cache=cache)
     mx.eval([layer.state for layer in cache])
     per_token = 0.0
@@ -137,11 +138,13 @@ def plan_memory(
     max_kv_gb: float | None,
     mlx_cache_gb: float | None,
     prefix_cache_bytes: int,
+    kv: KVQuant | None = None,
 ) -> MemoryPlan:
     """Measure the model's KV footprint, turn the KV budget into tokens, and limit MLX's
     buffer cache. `max_kv_tokens` wins if given; else `max_kv_gb`; else a default fraction
-    of the machine's memory. Runs on the executor thread."""
-    footprint = measure_kv_footprint(model)
+    of the machine's memory. `kv`: how the KV is quantized (its bytes are counted as held).
+    Runs on the executor thread."""
+    footprint = measure_kv_footprint(model, kv)
     machine = machine_memory_bytes()
     if max_kv_tokens is not None:
         budget = max_kv_tokens * footprint.bytes_per_token

@@ -29,6 +29,7 @@ from mlx_lm.models.cache import (
 
 from stepline.actors.scheduler.prefix_index import EntryInfo, Tokens
 from stepline.actors.scheduler.work import PrefixReport
+from stepline.engine.kv_quant import QuantizedKVCache
 from stepline.engine.prefix_disk import DiskTier
 from stepline.engine.prefix_files import Layout
 
@@ -78,20 +79,29 @@ def share_cache(cache: Cache) -> Cache:
 def compact_cache(cache: Cache) -> Cache:
     """Cache objects holding exactly their tokens in buffers of their own, evaluated.
 
-    KVCache layers lose the unused rest of their growth block; any array that views a
-    larger buffer (a batch row, a slice) is copied out of it.
+    KV layers (plain or quantized) lose the unused rest of their growth block; any array
+    that views a larger buffer (a batch row, a slice) is copied out of it.
     """
     out = []
     for layer in cache:
         copy = type(layer).__new__(type(layer))
         copy.__dict__.update(layer.__dict__)
-        if type(layer) is KVCache and layer.keys is not None:
-            n = layer.offset
-            copy.keys, copy.values = layer.keys[..., :n, :], layer.values[..., :n, :]
+        if type(layer) in (KVCache, QuantizedKVCache) and layer.keys is not None:
+            copy.keys, copy.values = (
+                _first(layer.keys, layer.offset),
+                _first(layer.values, layer.offset),
+            )
         copy.state = _own_tree(copy.state)
         out.append(copy)
     mx.eval([c.state for c in out])
     return out
+
+
+def _first(x: Any, n: int) -> Any:
+    """A KV layer's array (or quantized triple of them) cut to its first `n` tokens."""
+    if isinstance(x, tuple):
+        return tuple(a[..., :n, :] for a in x)
+    return x[..., :n, :]
 
 
 def cache_nbytes(cache: Cache) -> int:

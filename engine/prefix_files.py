@@ -24,9 +24,10 @@ import mlx.core as mx
 import numpy as np
 import structlog
 from mlx.utils import tree_flatten, tree_unflatten
-from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 from safetensors import TensorSpec, serialize_file
 
+from stepline.engine.kv_quant import KVQuant, QuantizedKVCache, make_cache
 from stepline.engine.throttle import Throttle
 
 log = structlog.get_logger(__name__)
@@ -58,7 +59,8 @@ _SUFFIX = ".safetensors"
 _MAX_HEADER_BYTES = 256 * 2**20
 _STALE_TMP_SECONDS = 600.0  # a temp file this old is a crashed write, not one in progress
 
-# Every class whose `state` round-trips through `from_state` (mlx-lm's own loader rule).
+# Every class whose `state` round-trips through `from_state` (mlx-lm's own loader rule);
+# a quantized layer is stepline's `QuantizedKVCache`, mlx-lm's by name and state.
 _CACHE_CLASSES: dict[str, type] = {
     c.__name__: c for c in (KVCache, RotatingKVCache, QuantizedKVCache, ArraysCache)
 }
@@ -136,14 +138,18 @@ def entry_file_name(model_id: str, tokens: Sequence[int]) -> str:
     return f"{model_id[:16]}-{tokens_sha256(tokens)[:40]}{_SUFFIX}"
 
 
-def model_fingerprint(path: str | Path) -> str:
-    """Identity of a model directory's weights, for telling cache files apart.
+def model_fingerprint(path: str | Path, kv: KVQuant | None = None) -> str:
+    """Identity of a model directory's weights (and of how its KV is quantized: `kv`), for
+    telling cache files apart.
 
     Hashes config.json and, for each weight file, its name, size and first and last MiB:
-    cheap for any model size, and different for a fine-tune with the same shapes.
+    cheap for any model size, and different for a fine-tune with the same shapes. Files of
+    the same weights under other `--kv-bits` are another model's: left alone, never read.
     """
     path = Path(path)
     h = hashlib.sha256(_FINGERPRINT_SALT.encode())
+    if kv is not None:  # (unquantized: the id of the files written before quantized KV)
+        h.update(f"\0kv-bits={kv.bits}\0kv-group-size={kv.group_size}\0".encode())
     config = path / "config.json"
     if config.is_file():
         h.update(config.read_bytes())
@@ -179,6 +185,10 @@ def _layer_state(layer: Any) -> Any:
     if cls is KVCache and layer.keys is not None and layer.keys.shape[2] > layer.offset:
         n = layer.offset  # not the rest of its growth block
         return (layer.keys[..., :n, :], layer.values[..., :n, :], n)
+    if cls is QuantizedKVCache and layer.keys is not None:
+        n = layer.offset
+        keys, values = (tuple(a[..., :n, :] for a in t) for t in (layer.keys, layer.values))
+        return (keys, values, n, layer.group_size, layer.bits)
     return layer.state
 
 
@@ -444,11 +454,10 @@ def cache_layout(cache: Cache) -> Layout:
     return tuple(layers)
 
 
-def model_cache_layout(model: Any) -> Layout:
-    """`cache_layout` of the model's own cache after one token (executor thread: MLX)."""
-    from mlx_lm.models.cache import make_prompt_cache
-
-    cache = make_prompt_cache(model)
+def model_cache_layout(model: Any, kv: KVQuant | None = None) -> Layout:
+    """`cache_layout` of the model's own cache (quantized as `kv` says) after one token
+    (executor thread: MLX)."""
+    cache = make_cache(model, kv)
     model(mx.array([[1]]), cache=cache)
     mx.eval([layer.state for layer in cache])
     return cache_layout(cache)

@@ -22,7 +22,6 @@ from typing import Any
 
 import mlx.core as mx
 import structlog
-from mlx_lm.models.cache import make_prompt_cache
 
 from stepline.actors.scheduler.plan import ScheduledEncode, StepPlan
 from stepline.actors.scheduler.spans import prompt_key
@@ -46,6 +45,7 @@ from stepline.engine.draft_model import DraftModel
 from stepline.engine.embed import EmbedChunks, is_embedding_chunk
 from stepline.engine.forward import run_to_end
 from stepline.engine.grammar import DEFAULT_CACHE_BYTES, GrammarCompiler
+from stepline.engine.kv_quant import KVQuant, check_model, make_cache
 from stepline.engine.lookahead import LookAhead
 from stepline.engine.lora import AdapterInfo, Adapters
 from stepline.engine.memory import read_memory_counters
@@ -93,7 +93,12 @@ class ModelRunner:
         fuse: bool = True,
         draft: DraftModel | None = None,
         forwards: Kind | None = None,
+        kv: KVQuant | None = None,
     ):
+        """Raises KVQuantError where `kv` cannot quantize this model's KV (before anything
+        else is set up)."""
+        check_model(loaded.model, kv)
+        self.kv = kv  # how the attention layers' KV is held (`engine/kv_quant.py`)
         self.draft = draft  # a draft model's drafts (engine/draft_model.py); None: the plan's
         self.loaded = loaded
         self.sampler = Sampler(seed=seed)
@@ -106,8 +111,10 @@ class ModelRunner:
                 disk_max_bytes=prefix_cache_disk_bytes,
                 # Files are only ever used for the same weights (checked on every read),
                 # and only if their arrays fit the model's cache (checked on every load).
-                model_id=model_fingerprint(loaded.path) if prefix_cache_dir is not None else "",
-                layout=model_cache_layout(loaded.model) if prefix_cache_dir is not None else None,
+                model_id=model_fingerprint(loaded.path, kv) if prefix_cache_dir is not None else "",
+                layout=model_cache_layout(loaded.model, kv)
+                if prefix_cache_dir is not None
+                else None,
             )
         # a prefix of its cache serves only at its own offset (`prefix_cache.exact_only`)
         self.exact_prefixes = exact_only(loaded.model)
@@ -115,7 +122,7 @@ class ModelRunner:
         self._checkpointed: list[Seq] = []  # requests that reached a checkpoint this step
         # How the model runs a step's tokens, decided once (`engine/step.py`): proven here,
         # or beforehand a forward at a time (`proofs`, for a model loading beside others).
-        kind, split_head = forwards or run_to_end(self.proofs(loaded, fuse=fuse))
+        kind, split_head = forwards or run_to_end(self.proofs(loaded, fuse=fuse, kv=kv))
         self.fuse = kind.fuses  # a step's chunks and decode rows share one forward
         # The decode batch's caches are kept in groups of similar lengths where steps fuse.
         self.batch = DecodeBatch(split=self.fuse)
@@ -134,12 +141,15 @@ class ModelRunner:
         )
 
     @staticmethod
-    def proofs(loaded: LoadedModel, *, fuse: bool = True) -> Generator[None, None, Kind]:
+    def proofs(
+        loaded: LoadedModel, *, fuse: bool = True, kv: KVQuant | None = None
+    ) -> Generator[None, None, Kind]:
         """What a runner's build checks on the model, a forward at a time (it yields after
-        each): the `forwards` argument of a runner of `loaded` built with the same `fuse`."""
+        each): the `forwards` argument of a runner of `loaded` built with the same `fuse`
+        and `kv`."""
         # Prompt attention in cache-sized blocks on the CPU (before `fused` wraps it too).
         cpu_attention.install(loaded.model)
-        return (yield from forwards_kind_steps(loaded.model, fuse=fuse))
+        return (yield from forwards_kind_steps(loaded.model, fuse=fuse, kv=kv))
 
     @property
     def model(self) -> Any:  # an mlx-lm model
@@ -192,7 +202,7 @@ class ModelRunner:
 
     def _start_cache(self, new: NewRequest) -> Cache:
         if new.prefix is None or self.store is None:
-            return make_prompt_cache(self.model)
+            return make_cache(self.model, self.kv)
         return self.store.get(new.prefix, new.num_cached_tokens)
 
     def _retire(self, seq: Seq) -> None:

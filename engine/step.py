@@ -25,6 +25,7 @@ from stepline.actors.scheduler.work import CHECKPOINT_FAILED, PREFILL_FAILED, is
 from stepline.engine import fused, mrope, step_sampling
 from stepline.engine.decode_batch import DecodeBatch, Placement
 from stepline.engine.forward import forward, run_to_end, split_head_proof
+from stepline.engine.kv_quant import KVQuant
 from stepline.engine.lookahead import Ahead
 from stepline.engine.lora import Routes
 from stepline.engine.models import LoadedModel
@@ -315,18 +316,20 @@ class FusedForwards(Forwards):
 Kind = tuple[type["Forwards"], bool]
 
 
-def forwards_kind(model: Any, *, fuse: bool) -> Kind:
+def forwards_kind(model: Any, *, fuse: bool, kv: KVQuant | None = None) -> Kind:
     """The model's forwards, decided once (fused where asked, the architecture is covered
-    and a fused forward is proven on this model), and whether its body and output head run
-    apart (`forward.split_head_works`)."""
-    return run_to_end(forwards_kind_steps(model, fuse=fuse))
+    and a fused forward is proven on this model, over its caches as `kv` quantizes them),
+    and whether its body and output head run apart (`forward.split_head_works`)."""
+    return run_to_end(forwards_kind_steps(model, fuse=fuse, kv=kv))
 
 
-def forwards_kind_steps(model: Any, *, fuse: bool) -> Generator[None, None, Kind]:
+def forwards_kind_steps(
+    model: Any, *, fuse: bool, kv: KVQuant | None = None
+) -> Generator[None, None, Kind]:
     """`forwards_kind`, a proof's forward at a time: it yields after each one (a model
     loading beside others runs each in a job of its own, `ModelRunner.proofs`)."""
     split_head = yield from split_head_proof(model)
-    fuses = fuse and split_head and (yield from fused.fused_forward_proof(model))
+    fuses = fuse and split_head and (yield from fused.fused_forward_proof(model, kv))
     return (FusedForwards if fuses else Forwards), split_head
 
 

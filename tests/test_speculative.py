@@ -480,7 +480,7 @@ async def test_drafts_where_steps_do_not_fuse_give_the_same_tokens(
 
     plain = await _generate(None)
 
-    def never_fuses(model):  # a proof (`forward.Proof`) that says no at once
+    def never_fuses(model, kv=None):  # a proof (`forward.Proof`) that says no at once
         return False
         yield
 

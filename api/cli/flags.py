@@ -55,6 +55,8 @@ def _flag(name: str, info: FieldInfo, special: dict[str, Any]) -> dict[str, Any]
     help_text = (info.description or "").replace("%", "%%")
     if typing.get_origin(kind) is Literal:
         kw["choices"] = list(typing.get_args(kind))
+        if all(isinstance(c, int) and not isinstance(c, bool) for c in kw["choices"]):
+            kw["type"] = int  # a number among a few (--kv-bits 4|8)
     elif kind is bool:
         if default:  # a flag that is on unless turned off
             kw.update(choices=[True, False], type=lambda v: v.lower() in ("true", "1", "yes"))
