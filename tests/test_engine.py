@@ -701,6 +701,8 @@ def test_an_output_made_field_by_field_equals_one_made_by_its_constructor() -> N
         "logprobs": (),
         "error": None,
         "embedding": None,
+        "prefix_miss": "diverged",
+        "prefix_shared": 2,
     }
     # every field, so that a field added to RequestOutput must be added to `made` too
     assert set(values) == {f.name for f in dataclasses.fields(RequestOutput)}
