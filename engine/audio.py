@@ -132,6 +132,24 @@ def decode_audio(
     Raises AudioError naming `where`: `audio_too_large`, `audio_too_long`,
     `audio_sample_rate_too_high`, `unsupported_audio_format`, and `invalid_audio` for bytes
     that are no such file or do not decode (miniaudio's own text is logged, never shown)."""
+    fmt = _checked_format(data, where, claimed, limits)
+    info = _checked_header(data, fmt, where, limits)
+    samples, num_frames = _samples(data, fmt, info, where, rate)
+    return AudioData(
+        data=data,
+        digest=hashlib.sha256(data).hexdigest(),
+        format=fmt,
+        seconds=round(num_frames / info.sample_rate, 6),
+        sample_rate=info.sample_rate,
+        num_samples=int(samples.size),
+        rate=rate,
+        samples=samples,
+    )
+
+
+def _checked_format(data: bytes, where: str, claimed: str | None, limits: AudioLimits) -> str:
+    """The clip's format from its bytes ("wav", "mp3", "flac"), its size and the format the
+    client claimed checked. Raises AudioError as `decode_audio` does."""
     if len(data) > limits.max_bytes:
         raise AudioError(
             f"{where} is {len(data):,} bytes: audio of at most {limits.max_bytes:,} bytes is "
@@ -158,8 +176,13 @@ def decode_audio(
             f"{where} says format {claimed!r} but its bytes are {fmt}: name the clip's own format",
             param=where,
         )
+    return fmt
+
+
+def _checked_header(data: bytes, fmt: str, where: str, limits: AudioLimits) -> Any:
+    """The clip's header (miniaudio's info), its sample rate and length checked. Raises
+    AudioError as `decode_audio` does."""
     import miniaudio
-    import numpy as np
 
     try:
         info = {
@@ -189,6 +212,15 @@ def decode_audio(
             param=where,
             code="audio_too_long",
         )
+    return info
+
+
+def _samples(data: bytes, fmt: str, info: Any, where: str, rate: int) -> tuple[Any, int]:
+    """The clip's samples, mono float32 at `rate` Hz, and its frame count as decoded. Raises
+    AudioError as `decode_audio` does."""
+    import miniaudio
+    import numpy as np
+
     try:
         decoded = miniaudio.decode(
             data,
@@ -212,16 +244,7 @@ def decode_audio(
         from mlx_audio.utils import resample_audio  # model hears what mlx-vlm feeds it
 
         samples = np.asarray(resample_audio(samples, info.sample_rate, rate), dtype=np.float32)
-    return AudioData(
-        data=data,
-        digest=hashlib.sha256(data).hexdigest(),
-        format=fmt,
-        seconds=round(decoded.num_frames / info.sample_rate, 6),
-        sample_rate=info.sample_rate,
-        num_samples=int(samples.size),
-        rate=rate,
-        samples=samples,
-    )
+    return samples, decoded.num_frames
 
 
 def place_audio(
