@@ -197,7 +197,8 @@ async def test_the_http_doors_route_each_request_by_the_model_it_names(demo, ada
             )
             assert ok.status_code == 200 and ok.json()["kind"] == "dora"
             tags = (await http.get("/api/tags")).json()
-            assert {m["name"] for m in tags["models"]} >= {"stepline-demo:latest", "a:latest", "c:latest"}
+            names = {m["name"] for m in tags["models"]}
+            assert names >= {"stepline-demo:latest", "a:latest", "c:latest"}
             chat = {"messages": [{"role": "user", "content": prompt}], "stream": False}
             chat["options"] = {"temperature": 0, "num_predict": 8}
             ollama = {

@@ -16,7 +16,7 @@ import pytest
 import pytest_asyncio
 from helpers import WEATHER_ARGS, wait_finished
 
-from stepline.api.defaults import ModelDefaults, resolve
+from stepline.api.defaults import resolve
 from stepline.api.ollama.facts import ModelFacts
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
