@@ -186,7 +186,7 @@ async def main() -> None:
         )
         cost = loop.cost_model.cost if loop.cost_model is not None else None
         if cost is not None:
-            print(f"priced: {cost.per_encode_unit * 1e3:.1f} ms an encoder unit")
+            print(f"priced: {cost.per_audio_unit * 1e3:.1f} ms an audio encoder unit")
 
         ratios, audio_stalls, text_stalls = [], [], []
         for r in range(args.repeats):
