@@ -270,7 +270,9 @@ def load_omni(path: Path, config: dict[str, Any], fit: Any) -> VisionCheckpoint:
     text_config = dataclasses.asdict(thinker.config.text_config)
     text_config = {**text_config, **config["thinker_config"]["text_config"]}
     text_config["model_type"] = "qwen3_moe"
-    text = _text_model(vlm, {"model_type": config["model_type"], "text_config": text_config})
+    quantized = {k: config[k] for k in ("quantization", "quantization_config") if k in config}
+    top = {"model_type": config["model_type"], "text_config": text_config, **quantized}
+    text = _text_model(vlm, top)
     mrope.install(text, thinker)
     parts = VisionParts(
         config["model_type"],

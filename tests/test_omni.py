@@ -221,6 +221,34 @@ async def test_the_next_turn_with_a_clip_recomputes_only_itself_and_encodes_noth
     assert computed <= own + 16
 
 
+async def test_a_run_with_both_media_is_re_executed_token_for_token_from_what_was_kept(
+    tmp_path: Path,
+) -> None:
+    from stepline.api.reexecute import reexecute
+
+    log = tmp_path / "events.jsonl"
+    async with Engine.open(OMNI_DEMO, max_step_tokens=32, event_log=str(log)) as engine:
+        async with anyio.create_task_group() as tg:
+            for messages in CHATS:
+                tg.start_soon(greedy_chat, engine, messages)
+    report = await reexecute(log, OMNI_DEMO)
+    assert report.ok and report.num_compared == len(CHATS)
+
+
+def test_stepline_generate_asks_about_an_audio_file_and_an_image_file(
+    tmp_path: Path, capsys
+) -> None:
+    from stepline.api.cli import main
+
+    clip, picture = tmp_path / "tone.wav", tmp_path / "noise.png"
+    clip.write_bytes(wav(1.0))
+    picture.write_bytes(png(6))
+    argv = ["generate", "What is this?", "--audio", str(clip), "--image", str(picture)]
+    assert main([*argv, "--model", OMNI_DEMO, "--max-tokens", "6", "--temperature", "0"]) == 0
+    out = capsys.readouterr()
+    assert "output 6 tokens (length)" in out.err and out.out.strip()
+
+
 # -- the cost of an encoder unit, per medium (no model: tests/core_driver.py) ----------
 
 
