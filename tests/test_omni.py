@@ -128,6 +128,17 @@ CHATS = [
 ]
 
 
+def test_a_clip_of_any_length_gets_as_many_tokens_as_mlx_vlms_audio_tower_makes_frames():
+    import mlx.core as mx
+    from mlx_vlm.models.qwen3_omni_moe.audio import _get_feat_extract_output_lengths
+
+    from stepline.engine.omni import audio_tokens
+
+    frames = mx.arange(1, 6001)
+    theirs = _get_feat_extract_output_lengths(frames).tolist()
+    assert [audio_tokens(n) for n in range(1, 6001)] == theirs
+
+
 async def test_a_prompt_with_a_clip_and_an_image_has_mlx_vlms_ids(reference) -> None:
     async with Engine.open(OMNI_DEMO) as engine:
         prepared = engine.prepare(messages=CHATS[0])
