@@ -1,6 +1,6 @@
 """What every demo checkpoint shares: the demo names that are not the text demos'
 (engine/models.py builds those, engine/vision.py the vision one, engine/audio_model.py the
-audio one), and the demo tokenizer: a
+audio one, engine/omni.py the omni one), and the demo tokenizer: a
 byte-level BPE trained on the built-in corpus, its special and markup tokens, its files and
 its Qwen3-style ChatML chat template. Imports no MLX, and nothing of stepline.
 """
@@ -15,6 +15,7 @@ VISION_DEMO = "stepline-demo-vision"  # engine/vision.py builds it (the vision e
 AUDIO_DEMO = "stepline-demo-audio"  # engine/audio_model.py builds it (the vision extra)
 VISION_QWEN_DEMO = "stepline-demo-vision-qwen"  # a Qwen2.5-VL, built there too
 VISION_DEMOS = (VISION_DEMO, VISION_QWEN_DEMO)
+OMNI_DEMO = "stepline-demo-omni"  # a Qwen3-Omni thinker: engine/omni.py builds it
 
 CORPUS_PATH = Path(__file__).with_name("demo_corpus.txt")
 

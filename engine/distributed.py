@@ -52,6 +52,7 @@ from stepline.engine.models import (
     AUDIO_DEMO,
     DEFAULT_DEMO,
     DEMO_MODELS,
+    OMNI_DEMO,
     VISION_DEMOS,
     LoadedModel,
     demo_model_path,
@@ -139,7 +140,7 @@ def load_sharded(name_or_path: str | None, parallel: str) -> tuple[LoadedModel, 
         )
     name = name_or_path or DEFAULT_DEMO
     vision = f"{name} is a vision-language model: they are served on one process for now"
-    if name in (*VISION_DEMOS, AUDIO_DEMO):
+    if name in (*VISION_DEMOS, AUDIO_DEMO, OMNI_DEMO):
         raise DistributedError(vision)
     if name in DEMO_MODELS:
         path: Path | None = demo_model_path(name)

@@ -34,6 +34,7 @@ from stepline.engine.demo_files import (
     ENDOFTEXT,
     IM_END,
     MARKUP_TOKENS,
+    OMNI_DEMO,
     SPECIAL_TOKENS,
     VISION_DEMO,  # noqa: F401 - its name, imported from here
     VISION_DEMOS,
@@ -511,7 +512,7 @@ def _load_dir(
     from mlx_lm.utils import load, load_model
 
     config = _read_config(path, name)
-    if isinstance(config.get("vision_config"), dict):  # a vision-language model (mlx-vlm)
+    if _is_vlm(config):  # a vision-language (or omni) model (mlx-vlm)
         from stepline.engine.vision import load_vision
 
         vision = load_vision(path, lambda whole: fit_dtype(whole, dtype))
@@ -559,14 +560,23 @@ def read_tokenizer(path: Path) -> Any:
     from mlx_lm.utils import load_tokenizer
 
     config = _read_config(path, str(path))
-    if isinstance(config.get("vision_config"), dict):
+    if _is_vlm(config):
         return None
     return load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
 
 
+def _is_vlm(config: dict[str, Any]) -> bool:
+    """Whether a config.json is mlx-vlm's: a vision config at its top, or an omni model's
+    thinker (its media's configs inside)."""
+    return isinstance(config.get("vision_config"), dict) or isinstance(
+        config.get("thinker_config"), dict
+    )
+
+
 def max_context_of(config: dict[str, Any]) -> int:
     """A checkpoint's context in tokens, from its config.json (or its text model's part)."""
-    max_context = config.get("max_position_embeddings") or (config.get("text_config") or {}).get(
+    text = config.get("text_config") or (config.get("thinker_config") or {}).get("text_config")
+    max_context = config.get("max_position_embeddings") or (text or {}).get(
         "max_position_embeddings"
     )
     # A config without it is rare; 4096 is a conservative context for such a model.
@@ -712,6 +722,10 @@ def model_source(name_or_path: str | None = None) -> ModelSource:
         from stepline.engine.audio_model import demo_path as audio_demo_path
 
         return ModelSource(audio_demo_path(), name)
+    if name == OMNI_DEMO:
+        from stepline.engine.omni import demo_path as omni_demo_path
+
+        return ModelSource(omni_demo_path(), name)
     local = Path(name).expanduser()
     if local.is_dir():
         return ModelSource(local.resolve(), name)
@@ -726,6 +740,6 @@ def model_source(name_or_path: str | None = None) -> ModelSource:
         raise ModelNotFoundError(
             f"model {name!r} not found: tried local path {local.resolve()} ({local_note}), "
             f"Hugging Face id {name!r} ({reason}); built-in models are {DEFAULT_MODEL}, "
-            f"{', '.join(DEMO_MODELS)}, {', '.join(VISION_DEMOS)} and {AUDIO_DEMO}"
+            f"{', '.join(DEMO_MODELS)}, {', '.join(VISION_DEMOS)}, {AUDIO_DEMO} and {OMNI_DEMO}"
         )
     return ModelSource(hf_path, name)

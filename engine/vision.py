@@ -182,6 +182,8 @@ FAMILIES: dict[str, type] = {
 }
 # the families whose text models place tokens by 3-D M-RoPE positions (`engine/mrope.py`)
 MROPE_FAMILIES = frozenset({"qwen2_5_vl", "qwen3_vl"})
+# omni models, audio and images (`engine/omni.py`'s OMNI_TYPES; it imports this module)
+_OMNI_TYPES = frozenset({"qwen3_omni_moe"})
 
 
 class EncodeJob:
@@ -524,12 +526,16 @@ def load_vision(path: Path, fit: Callable[[nn.Module], str]) -> VisionCheckpoint
 
     config = json.loads((path / "config.json").read_text())
     model_type = config.get("model_type", "")
+    if model_type in _OMNI_TYPES:  # Qwen3-Omni's thinker: audio and images (engine/omni.py)
+        from stepline.engine.omni import load_omni
+
+        return load_omni(path, config, fit)
     family = FAMILIES.get(model_type)
     hearing = AUDIO_FAMILIES.get(model_type)
     if family is None and hearing is None:
         raise VisionUnavailableError(
             f"vision-language models of type {model_type!r} are not served yet; served: "
-            f"{', '.join(sorted([*FAMILIES, *AUDIO_FAMILIES]))}"
+            f"{', '.join(sorted([*FAMILIES, *AUDIO_FAMILIES, *_OMNI_TYPES]))}"
         )
     if hearing is not None:
         return _load_audio_model(path, config, hearing, fit)

@@ -327,7 +327,7 @@ def test_the_warm_up_of_an_audio_model_times_its_encoder_on_a_clip() -> None:
     warmup.run()
     assert warmup.done and not warmup.failed
     assert runner.num_sequences == 0  # it frees what it admitted
-    encoded = [s for s in warmup.samples if s.features.encode_units]
+    encoded = [s for s in warmup.samples if s.features.audio_units]
     assert len(encoded) >= 2 and all(s.features.decode_rows >= 1 for s in encoded)
     assert all(s.seconds > 0 for s in encoded)
 

@@ -56,7 +56,7 @@ def _samples(n: int, seed: int, noise: float = 0.02) -> list[Sample]:
 
 def assert_close_coefficients(got: StepCost, want: StepCost, rel: float) -> None:
     for name, g, w in zip(
-        ("step", "chunk", "token", "attention", "row", "context", "separate", "image"),
+        ("step", "chunk", "token", "attention", "row", "context", "separate", "image", "audio"),
         got.coefficients(),
         want.coefficients(),
         strict=True,
@@ -66,6 +66,22 @@ def assert_close_coefficients(got: StepCost, want: StepCost, rel: float) -> None
 
 def test_the_fit_recovers_known_coefficients_from_noisy_steps():
     assert_close_coefficients(fit(_samples(200, seed=0)), TRUE, rel=0.15)
+
+
+def test_an_omni_models_image_and_audio_encoder_units_are_priced_apart():
+    # an omni model's vision block over an image and audio layer over a clip cost what
+    # their towers do: one price for both would over- or under-price every step of one
+    true = replace(TRUE, per_encode_unit=0.020, per_audio_unit=0.005)
+    rng = random.Random(3)
+    samples = []
+    for _ in range(120):
+        f = _random_step(rng).with_encode(rng.randint(0, 3)).with_encode(rng.randint(0, 3), "audio")
+        samples.append(Sample(f, true.predict(f) * (1 + rng.uniform(-0.02, 0.02))))
+    got = fit(samples)
+    assert got.per_encode_unit == pytest.approx(0.020, rel=0.15)
+    assert got.per_audio_unit == pytest.approx(0.005, rel=0.15)
+    assert got.per_unit("image") == got.per_encode_unit
+    assert got.per_unit("audio") == got.per_audio_unit
 
 
 # What SmolLM2's engine had measured as a burst of 16 chats began (its warm-up's steps and

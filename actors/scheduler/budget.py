@@ -117,7 +117,8 @@ class StepBudget:
         self.decodes: list[str] = []  # request ids, one token each
         self.chunks: list[ScheduledChunk] = []  # prefill work, in the order it was taken
         self.encodes: list[ScheduledEncode] = []  # vision-encoder work
-        self.units = 0  # the encoder units in `encodes`
+        self.units = 0  # the image encoder's units in `encodes`
+        self.audio_units = 0  # the audio encoder's units in `encodes` (priced apart)
         # request_id -> tokens scheduled (the decode rows first, then the chunks)
         self.num_scheduled: dict[str, int] = {}
         self.drafts: dict[str, tuple[int, ...]] = {}  # decode row -> the drafts it carries
@@ -226,7 +227,10 @@ class StepBudget:
         done = s.encoded[image]
         cached = start if s.status is Status.WAITING else 0
         self.encodes.append(ScheduledEncode(s.request_id, image, done, done + k, cached))
-        self.units += k
+        if s.images[image].medium == "audio":
+            self.audio_units += k
+        else:
+            self.units += k
         self._started(s)
         return None
 
@@ -271,7 +275,7 @@ class StepBudget:
         if self._seconds is not None and n > 0:
             assert self.cost is not None
             base = self.features if self.chunks else self._beside_chunks
-            left = self._seconds - self.cost.predict(base.with_encode(self.units))
+            left = self._seconds - self.cost.predict(self._encoding(base))
             fits = self.cost.max_chunk_tokens(start, left)
             if fits < n:
                 n, limit = fits, self._over_time
@@ -289,13 +293,17 @@ class StepBudget:
         k = s.images[i].units - s.encoded[i]
         if self._seconds is not None:
             assert self.cost is not None
-            left = self._seconds - self.cost.predict(self.features.with_encode(self.units))
+            left = self._seconds - self.cost.predict(self._encoding(self.features))
             # an encoder not priced yet runs a unit a step until the model has its measure
-            price = self.cost.per_encode_unit
+            price = self.cost.per_unit(s.images[i].medium)
             k = min(k, max(0, int(left / price)) if price > 0 else 1)
             if not self.chunks and not self.encodes:
                 k = max(k, 1)
         return k
+
+    def _encoding(self, features: StepFeatures) -> StepFeatures:
+        """`features` plus the encoder units taken so far, each medium's priced as its own."""
+        return features.with_encode(self.units).with_encode(self.audio_units, "audio")
 
     # -- the time the prompts get (fixed once the decode rows and drafts are in) ------------
 
@@ -342,7 +350,7 @@ class StepBudget:
         """Step `step`'s plan of the work taken, with the requests `held` out of it and the
         `seats` that change (after the step: a request parks after a step it decodes in)."""
         decodes = set(self.decodes)
-        features = self.features.with_encode(self.units)
+        features = self._encoding(self.features)
         return StepPlan(
             step=step,
             decodes=tuple(self.decodes),

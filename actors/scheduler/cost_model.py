@@ -14,9 +14,12 @@ A step's time is modelled as a linear function of what it computes:
                                                       fitted as per_attention: see `fit`)
             + per_separate_decode * separate_decode  (the decode rows ran in a forward of
                                                       their own beside the step's chunks)
-            + per_encode_unit * encoder units        (a vision model's encoder: its work for
+            + per_encode_unit * image encoder units  (a vision model's encoder: its work for
                                                       an image comes in units of like size,
                                                       a step runs some: `engine/vision.py`)
+            + per_audio_unit * audio encoder units   (an audio tower's, priced apart: an omni
+                                                      model's layer of a clip and block of an
+                                                      image cost what their towers do)
 
 Where the executor fuses a step (`engine/fused.py`: chunks and decode rows in one forward),
 every step reads the weights once, and a chunk's fixed cost is its segment's (its attention
@@ -86,6 +89,7 @@ class StepFeatures:
     decode_context: int = 0  # decode rows x the longest row's context (padded batch)
     separate_decode: int = 0  # 1: the decode rows ran in a forward of their own beside chunks
     encode_units: int = 0  # units of vision-encoder work (images) run in this step
+    audio_units: int = 0  # units of audio-encoder work (clips) run in this step
 
     def with_chunk(self, start: int, num_tokens: int) -> StepFeatures:
         return replace(
@@ -104,7 +108,10 @@ class StepFeatures:
             prefill_attention=self.prefill_attention + chunk_attention(context, num_tokens),
         )
 
-    def with_encode(self, units: int) -> StepFeatures:
+    def with_encode(self, units: int, medium: str = "image") -> StepFeatures:
+        """Plus `units` of the encoder of `medium` ("image" or "audio")."""
+        if medium == "audio":
+            return replace(self, audio_units=self.audio_units + units)
         return replace(self, encode_units=self.encode_units + units)
 
     def vector(self) -> tuple[float, ...]:
@@ -118,13 +125,14 @@ class StepFeatures:
             float(self.decode_context),
             float(self.separate_decode),
             float(self.encode_units),
+            float(self.audio_units),
         )
 
     @property
     def has_prefill(self) -> bool:
-        """A step of prompt work: chunks, or an image's encoder (kept with the prefills, so
-        the decode-only steps' window does not push the encoder's samples out)."""
-        return self.num_chunks > 0 or self.encode_units > 0
+        """A step of prompt work: chunks, or an image's or a clip's encoder (kept with the
+        prefills, so the decode-only steps' window does not push the encoder's samples out)."""
+        return self.num_chunks > 0 or self.encode_units > 0 or self.audio_units > 0
 
     @property
     def context_band(self) -> int:
@@ -158,6 +166,7 @@ class StepCost:
     per_decode_context: float = 0.0
     per_separate_decode: float = 0.0
     per_encode_unit: float = 0.0
+    per_audio_unit: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -181,7 +190,12 @@ class StepCost:
             + self.per_decode_context * f.decode_context
             + self.per_separate_decode * f.separate_decode
             + self.per_encode_unit * f.encode_units
+            + self.per_audio_unit * f.audio_units
         )
+
+    def per_unit(self, medium: str) -> float:
+        """What one unit of the encoder of `medium` ("image" or "audio") costs."""
+        return self.per_audio_unit if medium == "audio" else self.per_encode_unit
 
     def prompt_part(self, features: StepFeatures) -> float:
         """The part of `predict` that prices the prompt tokens' own work (per token and per
@@ -248,8 +262,10 @@ class CostModel:
         self._prefill = [deque[Sample](maxlen=band) for _ in range(len(CONTEXT_BANDS) + 1)]
         # steps that ran a vision encoder's units: the warm-up's word for them stands until
         # enough of them ran live (in a prefill band, the streams' own prompts crowded them
-        # out, and an encoder priced at nothing ran whole: 62 s a step on SmolVLM's shape)
+        # out, and an encoder priced at nothing ran whole: 62 s a step on SmolVLM's shape);
+        # an audio encoder's apart, so that an omni model's images do not push out its clips'
         self._encode: deque[Sample] = deque(maxlen=band)
+        self._audio: deque[Sample] = deque(maxlen=band)
         self._refit_every = refit_every
         self._early_refits = early_refits  # also refit at 1, 2, 4, 8 live samples
         self._num_live = 0  # live samples observed, ever
@@ -297,6 +313,8 @@ class CostModel:
 
     def _history(self, features: StepFeatures) -> deque[Sample]:
         """The window of live samples that a step of this kind goes to."""
+        if features.audio_units:
+            return self._audio
         if features.encode_units:
             return self._encode
         return self._prefill[features.context_band] if features.has_prefill else self._decode
@@ -322,7 +340,8 @@ class CostModel:
         trust one."""
         if self._since_fit >= self._refit_every or (self._cost is None and self._since_fit):
             self._since_fit = 0
-            live = [*self._decode, *self._encode, *(s for p in self._prefill for s in p)]
+            live = [*self._decode, *self._encode, *self._audio]
+            live += [s for p in self._prefill for s in p]
             samples = [*self._seed_samples(live), *live]
             if len(samples) >= MIN_SAMPLES:
                 self._cost = fit(samples)

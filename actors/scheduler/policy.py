@@ -30,12 +30,12 @@ rules allow.
 
 Images (`RequestState.images`, a vision model's prompts). A prompt that reaches an image
 whose encoder work is not done gets encoder units next, not tokens: as many as the time
-left allows (priced `per_encode_unit`; at least one for a step's first work, so an encoder
-dearer than the target still moves; all of them without a cost model). No chunk reaches
-into an image before its units are done. Then its tokens are chunked as text, or, for an
-image that goes `whole`, in one chunk: cut before it when it does not fit what is left of
-the step, and run alone, past the budget, by the step's first prompt when no step would
-hold it.
+left allows (priced `per_encode_unit`, a clip's `per_audio_unit`; at least one for a step's
+first work, so an encoder dearer than the target still moves; all of them without a cost
+model). No chunk reaches into an image before its units are done. Then its tokens are
+chunked as text, or, for an image that goes `whole`, in one chunk: cut before it when it
+does not fit what is left of the step, and run alone, past the budget, by the step's first
+prompt when no step would hold it.
 
 A plan says why it is what it is: what sized each chunk (`ScheduledChunk.limit`) and which
 requests sat the step out and why (`StepPlan.held`: held.py). Admission stops for the step

@@ -52,7 +52,8 @@ _FIRST_TOKEN_ID = 3  # past the usual special tokens
 # 3: the mixed steps' decode row is a short prompt of its own (episodes run in turns)
 # 4: prompt attention in blocks on the CPU (engine/cpu_attention.py): steps got faster
 # 5: that attention reads no subnormal weights: short prompts' steps got 2x faster
-_RECIPE_VERSION = 5
+# 6: an audio encoder's units counted apart from an image encoder's (`audio_units`)
+_RECIPE_VERSION = 6
 # Kept samples older than this are measured again (the machine may have changed under them).
 MAX_SAMPLE_AGE_S = 7 * 24 * 3600
 
@@ -148,10 +149,14 @@ class Warmup:
         self._short_len = max(1, min(16, max_context // 4))
         self._episodes = [self._first_calls, self._chunks_then_decode, self._mixed_steps]
         self._max_context = max_context
-        # A vision model's encoder is part of the step that prefills an image's span.
+        # A vision model's encoder is part of the step that prefills an image's span; an
+        # audio model's, a clip's (an omni model has both, each measured: priced apart).
         self._vision = getattr(getattr(runner, "loaded", None), "vision", None)
         if self._vision is not None:
-            self._episodes.append(self._images)
+            if self._vision.images is not None:
+                self._episodes.append(functools.partial(self._images, medium="image"))
+            if self._vision.audio is not None:
+                self._episodes.append(functools.partial(self._images, medium="audio"))
         self._next = 0  # the episode the next turn starts (or starts again)
         self._measured = 0  # timed steps of that episode measured by an earlier turn
 
@@ -250,16 +255,19 @@ class Warmup:
         steps = [functools.partial(session.step, c) for c in chunks] + [session.step] * 3
         yield from _measured(done, steps)
 
-    def _images(self, session: _Session, rng: random.Random, done: int) -> _Steps:
-        """A vision model's encoder, beside a decode row: units of an image's encoder work
-        in steps of 1, 2 and 3 units (an encoder whose work is one unit: whole images).
+    def _images(
+        self, session: _Session, rng: random.Random, done: int, medium: str = "image"
+    ) -> _Steps:
+        """A vision model's encoder (or, `medium` "audio", an audio model's), beside a decode
+        row: units of an image's (a clip's) encoder work in steps of 1, 2 and 3 units (an
+        encoder whose work is one unit: whole images).
         The first unit runs untimed (the encoder's first call builds); the image's span is
         never prefilled: its request is freed after."""
         short_len = self._short_len
         decoder = session.admit(self._prompt(rng, short_len))
         session.step(chunks=[(decoder, 0, short_len)], timed=False)
         session.step(timed=False)
-        prompt, images = self._image_prompt(rng, (224, 224))
+        prompt, images = self._image_prompt(rng, (224, 224), medium)
         if len(prompt) >= self._max_context // 2:
             return
         rid = session.admit(prompt, images)
@@ -270,7 +278,7 @@ class Warmup:
             bounds = [(1, 2), (2, 4), (4, 7)]
             steps = [functools.partial(session.step, encodes=[(rid, 0, a, b)]) for a, b in bounds]
         else:  # whole images: one unit each, three images (the first untimed)
-            more = [session.admit(*self._image_prompt(rng, (224, 224))) for _ in range(2)]
+            more = [session.admit(*self._image_prompt(rng, (224, 224), medium)) for _ in range(2)]
             for other in more:
                 session.step(chunks=[(other, 0, images[0].start)], timed=False)
             session.step(encodes=[(rid, 0, 0, units)], timed=False)
@@ -278,15 +286,15 @@ class Warmup:
         yield from _measured(done, steps)
 
     def _image_prompt(
-        self, rng: random.Random, size: tuple[int, int]
+        self, rng: random.Random, size: tuple[int, int], medium: str = "image"
     ) -> tuple[tuple[int, ...], tuple[Any, ...]]:
         """A prompt of a few tokens, an image of `size` pixels (one gray), and a few more;
-        for a model that hears but does not see, a clip of a second (a tone) instead."""
+        with `medium` "audio", a clip of a second (a tone) instead."""
         import io
 
         assert self._vision is not None
         before, after = self._prompt(rng, 4), self._prompt(rng, 4)
-        if self._vision.images is None:
+        if medium == "audio":
             span, clip = _tone_span(self._vision.audio, self._runner.loaded.tokenizer, before)
             return (*before, *span, *after), (clip,)
 
@@ -336,6 +344,7 @@ class _Session:
         self.samples: list[Sample] = []
         self.prefix_reports: list[PrefixReport] = []  # the results' (see `Warmup`)
         self._prompts: dict[str, int] = {}  # request id -> prompt length
+        self._media: dict[str, tuple[str, ...]] = {}  # request id -> its images' media
         self._outputs: dict[str, int] = {}  # decoding request id -> tokens generated
         self._prefilling: set[str] = set()  # requests with a chunk done and more to come
         self._fused = bool(getattr(runner, "fuse", False))
@@ -347,6 +356,7 @@ class _Session:
         rid = f"{_PREFIX}{self._num_admitted}"
         self._num_admitted += 1
         self._prompts[rid] = len(prompt)
+        self._media[rid] = tuple(getattr(image, "medium", "image") for image in images)
         self._pending.append(
             NewRequest(request_id=rid, prompt_token_ids=prompt, params=_PARAMS, images=images)
         )
@@ -381,7 +391,8 @@ class _Session:
             )
             features = features.with_chunk(start, end - start)
         scheduled_encodes = tuple(ScheduledEncode(*e) for e in encodes)
-        features = features.with_encode(sum(e.num_units for e in scheduled_encodes))
+        for e in scheduled_encodes:
+            features = features.with_encode(e.num_units, self._media[e.request_id][e.image])
         num = {r: 1 for r in decodes} | {c.request_id: c.num_tokens for c in scheduled}
         self._step += 1
         plan = StepPlan(

@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         metavar="FILE",
         default=[],
         help="an image file to ask about (a vision model: e.g. --model stepline-demo-vision, "
-        "or stepline-demo-vision-qwen); repeat for several",
+        "stepline-demo-vision-qwen, or stepline-demo-omni with --audio too); repeat for several",
     )
     g.add_argument(
         "--audio",
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         metavar="FILE",
         default=[],
         help="a WAV, MP3 or FLAC file to ask about (an audio model: e.g. --model "
-        "stepline-demo-audio); repeat for several",
+        "stepline-demo-audio, or stepline-demo-omni with --image too); repeat for several",
     )
     add_engine_args(g)
 
