@@ -125,8 +125,8 @@ def timeline_text(feed: EventFeed, request_id: str, in_memory: Sequence[Event] =
     log file, or without one from `in_memory` (the feed's events, taken on the event loop's
     thread, which changes them). Blocks (run it on a thread). Raises LookupError (replay's
     UnknownRequestError) when neither holds the request."""
-    from stepline.api.cli.replay_text import text_timeline
     from stepline.events.replay import request_timeline
+    from stepline.events.replay.request_text import text_timeline
 
     if feed.log_path is not None:
         if feed.flush is not None:
