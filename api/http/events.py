@@ -95,9 +95,13 @@ def event_stream(
 
     async def produce(emit: Any) -> None:
         await emit(b"retry: %d\n\n" % RETRY_MS)
-        async for batch in feed.follow(start, wanted):
-            if batch:
-                await emit(frames(batch))
+        with feed.reading() as reader:
+            async for batch in feed.follow(start, wanted, reader):
+                if batch:
+                    data = frames(batch)
+                    reader.holding = len(data)  # until the socket takes it
+                    await emit(data)
+                    reader.holding = 0
 
     async def nothing() -> None:
         pass
@@ -117,6 +121,11 @@ def about(feed: EventFeed) -> dict[str, Any]:
         "kept_in_memory": feed.capacity,
         "first": str(Place(feed.key, feed.first - 1)) if feed.live else None,
         "last": str(Place(feed.key, feed.last)) if feed.live else None,
+        # each reader following: how many events behind the newest it is, and the bytes the
+        # server holds for it (a batch its socket has not taken yet)
+        "readers": [
+            {"behind": feed.last - r.at, "holding_bytes": r.holding} for r in feed.followers()
+        ],
     }
 
 
