@@ -56,6 +56,7 @@ class Submit:
     client: str | None = None  # who sent it (fair share between clients); None: anonymous
     images: tuple[PromptImage, ...] = ()  # the prompt's images, in order (a vision model)
     adapter: str | None = None  # the LoRA adapter it runs with (engine/lora.py); None: the base
+    door: str | None = None  # the HTTP path it came in at (`Admitted.door`); None: Python
 
 
 @dataclass(frozen=True)

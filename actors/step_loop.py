@@ -449,6 +449,7 @@ class StepLoop:
                 msg.client,
                 images=msg.images,
                 adapter=msg.adapter,
+                door=msg.door,
             )
         except AdmissionError as exc:
             msg.reply.set_exception(exc)

@@ -311,6 +311,7 @@ class Engine:
         arrival: Arrival | None = None,
         embed: EmbedParams | None = None,
         adapter: str | None = None,
+        door: str | None = None,
     ) -> RequestStream:
         """Admit one request and return its output stream. `template_kwargs` go to the chat
         template with `messages`; `params.grammar` constrains the output (compiled here, on a
@@ -325,7 +326,8 @@ class Engine:
         With `embed` it is an embedding request (see `embed`): `params` are not used, and
         its one output is its last, with the vector (`RequestOutput.embedding`). With
         `adapter` (one of `adapters`) it runs with that LoRA adapter, in the same batch as
-        the base model's requests and other adapters'.
+        the base model's requests and other adapters'. `door`: the HTTP path it came in at,
+        recorded in its `admitted` event (None: the Python API).
 
         Raises TypeError or RequestError (a ValueError) naming the argument for `params`,
         `request_id`, `checkpoints`, `template_kwargs` or `client` of the wrong type or value,
@@ -376,6 +378,7 @@ class Engine:
                 client=client,
                 images=images,
                 adapter=adapter,
+                door=door,
             )
             admitted = await self._send(submit, arrival, actor)
         finally:
@@ -431,6 +434,7 @@ class Engine:
         client: str | None = None,
         arrival: Arrival | None = None,
         checkpoints: Sequence[int] = (),
+        door: str | None = None,
     ) -> RequestOutput:
         """The embedding of `prompt` (a text, tokenized as the model's tokenizer does with
         its special tokens, or token ids): a prefill-only request, chunked under the step
@@ -439,7 +443,8 @@ class Engine:
         last output: `embedding` is the vector, `finish_reason` "stop"; an output without a
         vector is one that ended otherwise (cancelled, error). A reranker's "vector" is its
         answer tokens' logits (`EmbedParams.head_tokens`). `checkpoints` (a last-token
-        pooling's only): where a prompt's shared prefix ends, for the prefix cache. Raises as
+        pooling's only): where a prompt's shared prefix ends, for the prefix cache; `door` as
+        `submit`'s. Raises as
         `submit` does, and RequestError if the model is not an embedding model."""
         spec = self.embedding
         if spec is None:
@@ -451,6 +456,7 @@ class Engine:
             arrival=arrival,
             embed=spec,
             checkpoints=checkpoints,
+            door=door,
         )
         last: RequestOutput | None = None
         async with stream:

@@ -96,6 +96,7 @@ async def run_again(
                     client=rec.admitted.client,
                     images=images,
                     adapter=rec.admitted.adapter,
+                    door=rec.admitted.door,
                 )
             except Exception as exc:  # rejected now, though admitted when recorded
                 results[rid] = ([], None, f"not admitted on re-execution: {exc}")

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -86,6 +87,16 @@ class EventFilter:
             return event.request_id in self.request_ids
         members = getattr(event, "request_ids", ())
         return not self.request_ids.isdisjoint(members)
+
+
+@dataclass
+class Reader:
+    """One reader of the feed, as the server sees it: where it is in the server's own run
+    (the last place handed to it) and the bytes of the batch it is writing (the server's only
+    buffer of it: a reader whose socket is full waits there, its place kept, nothing more)."""
+
+    at: int = 0
+    holding: int = 0
 
 
 class EventFrame(NamedTuple):
@@ -166,6 +177,7 @@ class EventFeed:
         self._frames: list[bytes | None] = [None] * capacity  # its frame, once a reader made it
         self._waiter: anyio.Event | None = None  # set at the next publish (or the close)
         self.closed = False  # the server is stopping: readers end once they have it all
+        self._readers: dict[int, Reader] = {}  # id() -> each reader following (`reading`)
 
     @classmethod
     def of_log(cls, header: LogHeader, writer: Any, capacity: int = DEFAULT_CAPACITY) -> EventFeed:
@@ -218,13 +230,28 @@ class EventFeed:
 
     # -- reading -------------------------------------------------------------------------
 
+    @contextmanager
+    def reading(self) -> Iterator[Reader]:
+        """A reader, among `followers` while the block runs."""
+        reader = Reader(at=self.last)
+        self._readers[id(reader)] = reader
+        try:
+            yield reader
+        finally:
+            del self._readers[id(reader)]
+
+    def followers(self) -> list[Reader]:
+        """The readers following now (`reading`)."""
+        return list(self._readers.values())
+
     async def follow(
-        self, after: Place | None, wanted: EventFilter = EventFilter()
+        self, after: Place | None, wanted: EventFilter = EventFilter(), reader: Reader | None = None
     ) -> AsyncIterator[list[Item]]:
         """The events after `after` that `wanted` takes, in order, a batch at a time, for as
         long as the caller reads: the log file's first (events no longer in memory, or of an
         earlier run), then the ring's as they are published. None: from the oldest event in
-        memory (a feed that is not live: from the file's start, and then nothing more)."""
+        memory (a feed that is not live: from the file's start, and then nothing more).
+        `reader` (from `reading`) is told where in the server's run the reader is."""
         if not self.live:
             async for batch in self._from_file(after, wanted):
                 if not isinstance(batch, int):
@@ -245,12 +272,15 @@ class EventFeed:
                 yield [RunStarted(self.key, self.header, True)]
                 reached = min(after.n, self.last) if ours else self.first - 1
             cursor = reached
-        async for batch in self._from_ring(cursor, wanted):
+        async for batch in self._from_ring(cursor, wanted, reader or Reader()):
             yield batch
 
-    async def _from_ring(self, cursor: int, wanted: EventFilter) -> AsyncIterator[list[Item]]:
+    async def _from_ring(
+        self, cursor: int, wanted: EventFilter, reader: Reader
+    ) -> AsyncIterator[list[Item]]:
         header = self.header
         while True:
+            reader.at = cursor
             if cursor < self.first - 1:
                 count = self.first - 1 - cursor
                 yield [Missed(Place(self.key, cursor), count, self._why_missed(count))]
@@ -266,7 +296,7 @@ class EventFeed:
             for n in range(cursor + 1, end + 1):
                 if wanted.matches(self._events[n % self.capacity], header):
                     batch.append(EventFrame(Place(self.key, n), self._frame(n)))
-            cursor = end
+            cursor = reader.at = end
             if batch:
                 yield batch
             else:

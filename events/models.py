@@ -139,6 +139,10 @@ class Admitted(_Event):
     # The LoRA adapter it runs with (its name, a model the server lists; engine/lora.py);
     # None: the base model. Left out of the line when None.
     adapter: str | None = None
+    # The door it came in at: the HTTP path it was sent to (`/v1/chat/completions`,
+    # `/v1/messages`, `/api/chat`, ...); None: the Python API (and logs before it was kept).
+    # Optional, left out of the line when None: no schema change.
+    door: str | None = Field(default=None, exclude_if=_absent)
 
 
 class ImageRef(BaseModel):

@@ -165,6 +165,9 @@ async def test_a_running_requests_events_arrive_in_seq_order(served: Served) -> 
     assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
     mine = [f.body["type"] for f in seen if f.body.get("request_id") == rid]
     assert mine[0] == "admitted" and mine[-1] == "terminal" and "chunk-prefilled" in mine
+    # its admission says the door it came in at (what the page shows as its door)
+    admitted = next(f.body for f in seen if f.body.get("request_id") == rid)
+    assert admitted["door"] == "/v1/chat/completions"
     assert any(f.body["type"] == "decoding" and rid in f.body["request_ids"] for f in seen)
 
 
@@ -265,6 +268,63 @@ async def test_a_reader_that_never_reads_does_not_hold_a_stream(served: Served) 
         stuck.close()
 
 
+async def test_a_stalled_reader_holds_a_bounded_buffer_and_is_told_what_it_missed() -> None:
+    """A reader that stops reading while far more events than memory keeps are recorded:
+    the server holds one batch for it at most, and when it reads again it is told how many
+    events it missed, then goes on."""
+    from anyio.abc import SocketAttribute
+    from anyio.lowlevel import checkpoint
+    from helpers import open_served
+
+    from stepline.events.feed import MAX_BATCH
+    from stepline.events.models import StepFinished
+
+    async with open_served(engine={"events_in_memory": 64}) as alone:
+        feed = alone.engine.step_loop.feed
+        host, port = alone.url.removeprefix("http://").split(":")
+        stalled = await anyio.connect_tcp(host, int(port))
+        stalled.extra(SocketAttribute.raw_socket).setsockopt(
+            socket.SOL_SOCKET, socket.SO_RCVBUF, 4096
+        )
+        async with stalled, alone.http() as client:
+            await stalled.send(b"GET /v1/events?after=now HTTP/1.1\r\nHost: x\r\n\r\n")
+            with anyio.fail_after(60):
+                while not feed.followers():
+                    await checkpoint()
+                # it stops reading; events go on being recorded (as the step loop hands them
+                # over) until its socket's buffers are full and it is far behind memory
+                for _ in range(2000):
+                    n = feed.last
+                    feed.publish(
+                        [
+                            StepFinished(seq=n + i, ts=1.0, step=n + i, seconds=0.01)
+                            for i in range(500)
+                        ]
+                    )
+                    await anyio.sleep(0.02)  # the server writes what the socket takes
+                    (reader,) = feed.followers()
+                    assert reader.holding < MAX_BATCH * 1024, reader  # a batch at most
+                    # stuck writing a batch its full socket does not take, far behind
+                    if reader.holding and feed.last - reader.at > 20 * feed.capacity:
+                        break
+                about = (await client.get("/v1/events/about")).json()
+                (seen,) = about["readers"]
+                assert seen["behind"] > 20 * feed.capacity, seen
+                assert sum(e is not None for e in feed._events) <= feed.capacity
+                # it reads again: what its buffers held, then how many it missed
+                got = b""
+                while b"event: missed" not in got:
+                    got += await stalled.receive()
+                while not got.split(b"event: missed", 1)[1].count(b"\n\n"):
+                    got += await stalled.receive()
+    missed = json.loads(got.split(b"event: missed\ndata: ")[1].split(b"\n")[0])
+    assert missed["missed"] > 0 and "--event-log" in missed["reason"], missed
+    print(
+        f"\nstalled reader: held {seen['holding_bytes']} bytes, {seen['behind']} behind; "
+        f"told {missed['missed']} missed on resume"
+    )
+
+
 async def test_without_a_log_the_events_come_from_memory_and_a_gap_is_told() -> None:
     from helpers import open_served
 
@@ -332,6 +392,18 @@ async def test_the_page_shows_requests_as_they_run_in_a_browser(served: Served) 
             cells = await page.evaluate(f"[...{row}.cells].map((c) => c.textContent)")
             title = await page.evaluate(f"{row}.cells[0].title")
             assert title == rid and cells[1] == "chat" and cells[4] == str(made), cells
+            # How far behind the engine the page runs: when it first showed the request, and
+            # its first token, by the page's own clock, against the events' times (the same
+            # machine's wall clock). The target is 0.5 s; the bound here is what no busy
+            # machine misses unless the page stopped following (a figure, not a timing test).
+            lag = await page.evaluate(f"window.steplineShown.get('{rid}')")
+            admitted_lag = lag["shown"] - lag["admitted"]
+            token_lag = lag["firstTokenShown"] - lag["firstToken"]
+            print(
+                f"\npage lag: admitted->shown {admitted_lag:.3f} s, first token->shown "
+                f"{token_lag:.3f} s"
+            )
+            assert -0.05 < admitted_lag < 5 and -0.05 < token_lag < 5, lag
             assert await page.evaluate("document.querySelectorAll('[data-step]').length") > 0
             kv = await page.evaluate("document.getElementById('kv').textContent")
             assert "tokens reserved" in kv

@@ -188,6 +188,7 @@ class SchedulerCore:
         client: str | None = None,
         images: Sequence[PromptImage] = (),
         adapter: str | None = None,
+        door: str | None = None,
     ) -> None:
         """Admit a request of `client` (None: the anonymous one; the policy shares the slots
         fairly between clients) into the waiting queue, its `max_tokens` cut to what the
@@ -233,6 +234,7 @@ class SchedulerCore:
             Admitted,
             **admitted(request_id, ids, params, checkpoints, client, images, self.salt),
             adapter=adapter,
+            door=door,
         )
         if refused is not None:
             self._record(

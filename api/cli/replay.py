@@ -47,7 +47,6 @@ from stepline.api.cli.replay_text import (
     text_state,
     text_steps,
     text_summary,
-    text_timeline,
     text_verify,
 )
 from stepline.api.reexecute import reexecute
@@ -69,6 +68,7 @@ from stepline.events.replay import (
     verify,
     verify_models,
 )
+from stepline.events.replay.request_text import text_timeline
 from stepline.events.replay.svg import render_html, render_svg
 from stepline.events.replay.trace import DEFAULT_TRACKS, export_trace
 

@@ -95,9 +95,13 @@ def event_stream(
 
     async def produce(emit: Any) -> None:
         await emit(b"retry: %d\n\n" % RETRY_MS)
-        async for batch in feed.follow(start, wanted):
-            if batch:
-                await emit(frames(batch))
+        with feed.reading() as reader:
+            async for batch in feed.follow(start, wanted, reader):
+                if batch:
+                    data = frames(batch)
+                    reader.holding = len(data)  # until the socket takes it
+                    await emit(data)
+                    reader.holding = 0
 
     async def nothing() -> None:
         pass
@@ -117,6 +121,11 @@ def about(feed: EventFeed) -> dict[str, Any]:
         "kept_in_memory": feed.capacity,
         "first": str(Place(feed.key, feed.first - 1)) if feed.live else None,
         "last": str(Place(feed.key, feed.last)) if feed.live else None,
+        # each reader following: how many events behind the newest it is, and the bytes the
+        # server holds for it (a batch its socket has not taken yet)
+        "readers": [
+            {"behind": feed.last - r.at, "holding_bytes": r.holding} for r in feed.followers()
+        ],
     }
 
 
@@ -125,8 +134,8 @@ def timeline_text(feed: EventFeed, request_id: str, in_memory: Sequence[Event] =
     log file, or without one from `in_memory` (the feed's events, taken on the event loop's
     thread, which changes them). Blocks (run it on a thread). Raises LookupError (replay's
     UnknownRequestError) when neither holds the request."""
-    from stepline.api.cli.replay_text import text_timeline
     from stepline.events.replay import request_timeline
+    from stepline.events.replay.request_text import text_timeline
 
     if feed.log_path is not None:
         if feed.flush is not None:

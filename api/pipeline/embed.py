@@ -153,7 +153,13 @@ async def run_all(
         rid = f"{ctx.rid}-{i}" if many else ctx.rid
         async with gate:
             try:
-                out = await engine.embed(p, request_id=rid, client=client, checkpoints=checkpoints)
+                out = await engine.embed(
+                    p,
+                    request_id=rid,
+                    client=client,
+                    checkpoints=checkpoints,
+                    door=ctx.request.url.path,
+                )
             except Exception as exc:
                 raise known_error(exc, prompt_param=param) or exc from None
         if out.embedding is None:  # cancelled (the server stopping), or an engine fault

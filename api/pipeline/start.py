@@ -172,7 +172,12 @@ class Starter:
         below = {**call.door_defaults, **defaults.sampling.values()}
         params = self.sampling(call.sampling, max_tokens, call.logprobs, agent.grammar, below)
         stream = await engine.submit(
-            prepared, params=params, request_id=call.rid, client=call.client, adapter=ctx.adapter
+            prepared,
+            params=params,
+            request_id=call.rid,
+            client=call.client,
+            adapter=ctx.adapter,
+            door=ctx.request.url.path,
         )
         if stream.params is not None:  # as admitted: the limit the request runs to
             max_tokens = stream.params.max_tokens

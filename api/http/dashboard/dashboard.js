@@ -7,8 +7,10 @@ const KEY_COOKIE = "stepline_api_key";
 const STRIP = 150; // steps drawn
 const ENDED = 25; // ended requests listed
 const MISSES = 10; // prefix-cache misses listed
-const DOORS = [["chatcmpl-", "chat"], ["cmpl-", "completions"], ["msg_", "messages"],
-  ["resp_", "responses"], ["ollama-", "ollama"]];
+// A door's short name, by the HTTP path its requests' `admitted` events record (`door`).
+const DOORS = { "/v1/chat/completions": "chat", "/v1/completions": "completions",
+  "/v1/messages": "messages", "/v1/responses": "responses", "/v1/embeddings": "embeddings",
+  "/api/chat": "ollama chat", "/api/generate": "ollama generate" };
 
 const $ = (id) => document.getElementById(id);
 
@@ -30,8 +32,10 @@ let S = emptyState();
 let header = null; // the run's header (its config: the step-time target)
 let live = true;
 
-function doorOf(id) {
-  for (const [prefix, door] of DOORS) if (id.startsWith(prefix)) return door;
+// The door an `admitted` event records: its HTTP path's short name (the path itself for one
+// not listed); none: the Python API.
+function doorOf(e) {
+  if (e.door) return DOORS[e.door] || e.door;
   return "python";
 }
 
@@ -44,7 +48,8 @@ function apply(e) {
   switch (e.type) {
     case "admitted":
       S.requests.set(e.request_id, {
-        id: e.request_id, model: e.model, client: e.client, admittedAt: e.ts,
+        id: e.request_id, model: e.model, client: e.client, admittedAt: e.ts, door: doorOf(e),
+        doorPath: e.door || "the Python API",
         prompt: e.num_prompt_tokens, maxTokens: e.params.max_tokens, prefilled: 0, cached: 0,
         chunks: 0, out: 0,
         scheduledAt: null, firstTokenAt: null, state: "waiting",
@@ -221,6 +226,28 @@ function escapeHtml(text) {
   return text.replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" })[c]);
 }
 
+// When the page first showed each request, and its first token (wall-clock seconds, as the
+// events' `ts`), beside the event times: how far behind the engine the page runs (the browser
+// test measures it). Kept for the last SHOWN requests.
+const SHOWN = 200;
+const shown = new Map(); // id -> {admitted, shown, firstToken, firstTokenShown}
+window.steplineShown = shown;
+
+function stampShown(r, row) {
+  const at = (performance.timeOrigin + performance.now()) / 1000;
+  let s = shown.get(r.id);
+  if (!s) {
+    s = { admitted: r.admittedAt, shown: at, firstToken: null, firstTokenShown: null };
+    shown.set(r.id, s);
+    if (shown.size > SHOWN) shown.delete(shown.keys().next().value);
+  }
+  if (s.firstTokenShown === null && r.firstTokenAt !== null && r.out > 0) {
+    s.firstToken = r.firstTokenAt;
+    s.firstTokenShown = at;
+  }
+  row.dataset.shownAt = s.shown;
+}
+
 function drawRequests() {
   const body = $("requests").tBodies[0];
   body.replaceChildren();
@@ -230,7 +257,7 @@ function drawRequests() {
     row.dataset.request = r.id;
     row.onclick = () => showTimeline(r.id);
     idCell(row, r.id);
-    cell(row, doorOf(r.id));
+    cell(row, r.door).title = r.doorPath;
     cell(row, r.client ? r.client.slice(0, 8) : "anonymous");
     cell(row, r.state);
     const prompt = cell(row, "");
@@ -243,6 +270,7 @@ function drawRequests() {
     const span = r.firstTokenAt !== null ? (r.lastTokenAt || now) - r.firstTokenAt : 0;
     cell(row, span > 0 ? `${((r.out - 1) / span).toFixed(1)} tok/s` : "–");
     cell(row, secs((r.scheduledAt !== null ? r.scheduledAt : now) - r.admittedAt));
+    stampShown(r, row);
   }
   const ended = $("finished").tBodies[0];
   ended.replaceChildren();
@@ -251,12 +279,13 @@ function drawRequests() {
     row.dataset.request = r.id;
     row.onclick = () => showTimeline(r.id);
     idCell(row, r.id);
-    cell(row, doorOf(r.id));
+    cell(row, r.door || "–").title = r.doorPath || "";
     cell(row, r.end);
     cell(row, String(r.prompt));
     cell(row, String(r.out));
     cell(row, r.admittedAt !== null && r.firstTokenAt !== null ? secs(r.firstTokenAt - r.admittedAt) : "–");
     cell(row, r.admittedAt !== null ? secs(r.endedAt - r.admittedAt) : "–");
+    if (r.admittedAt !== null) stampShown(r, row);
   }
 }
 
