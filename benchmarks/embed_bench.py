@@ -2,6 +2,7 @@
 forward, and what an indexing job does to chat streams running beside it.
 
     .venv/bin/python benchmarks/embed_bench.py [--docs 256] [--words 48-384] [--batch 16]
+        [--event-log PATH]
 
 The model: SmolLM2-135M's weights (float32, as stepline serves them) laid out as a
 sentence-transformers directory with last-token pooling and normalisation (Qwen3-Embedding's
