@@ -2,6 +2,7 @@
 forward, and what an indexing job does to chat streams running beside it.
 
     .venv/bin/python benchmarks/embed_bench.py [--docs 256] [--words 48-384] [--batch 16]
+        [--event-log PATH]
 
 The model: SmolLM2-135M's weights (float32, as stepline serves them) laid out as a
 sentence-transformers directory with last-token pooling and normalisation (Qwen3-Embedding's
@@ -85,11 +86,12 @@ def mlx_lm_throughput(path: Path, docs: list[str], batch: int) -> tuple[float, l
     return sum(len(r) for r in ids) / seconds, vectors
 
 
-async def stepline_runs(path: Path, docs: list[str]) -> dict:
+async def stepline_runs(path: Path, docs: list[str], event_log: str | None = None) -> dict:
     from stepline.api import Engine, SamplingParams
 
     out: dict = {}
-    async with Engine.open(str(path)) as engine:
+    options = {"event_log": event_log} if event_log else {}
+    async with Engine.open(str(path), **options) as engine:
         num_tokens = sum(len(engine.prepare(d).ids) for d in docs)
 
         async def embed_all() -> list:
@@ -130,12 +132,13 @@ def main() -> None:
     p.add_argument("--docs", type=int, default=256)
     p.add_argument("--words", type=lambda s: tuple(map(int, s.split("-"))), default=(48, 384))
     p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--event-log", help="write the engine's event log here (per-step timings)")
     args = p.parse_args()
     from stepline.engine import _blas  # noqa: F401 - OpenBLAS before MLX
 
     path = embedding_dir()
     docs = documents(args.docs, args.words)
-    ours = asyncio.run(stepline_runs(path, docs))
+    ours = asyncio.run(stepline_runs(path, docs, args.event_log))
     theirs, reference = mlx_lm_throughput(path, docs, args.batch)
     import numpy as np
 

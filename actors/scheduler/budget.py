@@ -16,6 +16,7 @@ unit, so nothing starves. What sized a chunk is its `ScheduledChunk.limit`.
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from dataclasses import replace
 from enum import Enum
 from functools import cached_property
 
@@ -62,6 +63,12 @@ SHORTEST_STEP = 0.25
 # than the target up to this many times as long: a drafting row gains a token for every
 # draft kept, and every other row waits that much longer for its one.
 DRAFT_STRETCH = 1.5
+# An embedding request's chunk is background work nobody watches token by token: it takes no
+# `MIN_PREFILL_SHARE` of a stretched step (on SmolLM2 on a busy 2-core CPU, where 4 decode rows
+# took 130 ms against the 100 ms target, that floor let its chunks make 0.7-1.3 s steps, the
+# streams' longest gap 6x theirs alone); a step with one runs to the target, or where the
+# decode rows alone take longer, to this many times their time.
+EMBED_STRETCH = 1.5
 
 
 class Refused(Enum):
@@ -137,6 +144,8 @@ class StepBudget:
         # what the step computes so far, as the cost model sees it
         self.features = StepFeatures(decode_rows=len(self.decodes), decode_context=decode_attention)
         self._decode_only = self.features
+        self._embeds_whole = False  # an embedding request's whole prompt is among the chunks
+        self._chats = False  # a chunk that is not an embedding request's is among the chunks
 
     @property
     def is_full(self) -> bool:
@@ -198,8 +207,10 @@ class StepBudget:
             n, limit = whole_image_at(s, start), "image"  # nothing else runs beside it
         if n < 1:  # no time left, or an image span that does not fit: the rest next step
             return Refused.IMAGE if limit == "image" else Refused.TIME
-        self.features = (self.features if self.chunks else self._beside_chunks).with_chunk(start, n)
         end = start + n
+        own = self._own_forward(s, start, n)
+        self.features = self._base(s).with_chunk(start, n, own_forward=own)
+        self._chats = self._chats or s.params.embed is None
         self.chunks.append(
             ScheduledChunk(
                 request_id=s.request_id,
@@ -212,8 +223,26 @@ class StepBudget:
         )
         self.num_scheduled[s.request_id] = n
         self.tokens_left -= n
+        self._embeds_whole = self._embeds_whole or (own and _is_whole(s, start, n))
         self._started(s)
         return None
+
+    def _base(self, s: RequestState) -> StepFeatures:
+        """What the step computes before `s`'s chunk joins it: with the decode rows' forward
+        of their own where the first chunk that is not an embedding's joins them (beside
+        embedding chunks alone, the decode rows' forward is the step's)."""
+        if s.params.embed is not None or self._chats:
+            return self.features
+        apart = self._beside_chunks.separate_decode
+        return replace(self.features, separate_decode=self.features.separate_decode + apart)
+
+    def _own_forward(self, s: RequestState, start: int, n: int) -> bool:
+        """Whether `s`'s chunk [start, start + n) runs in a forward of its own: an embedding
+        request's does, but a whole prompt joins the step's batch of whole ones
+        (`engine/embed.py`) once there is one."""
+        if s.params.embed is None:
+            return False
+        return not (self._embeds_whole and _is_whole(s, start, n))
 
     def try_encode(self, s: RequestState, image: int, start: int) -> Refused | None:
         """Encoder units for image `image` of request `s`, whose prompt's next chunk starts
@@ -274,11 +303,17 @@ class StepBudget:
             n, limit = cap, "long-prefill-cap"
         if self._seconds is not None and n > 0:
             assert self.cost is not None
-            base = self.features if self.chunks else self._beside_chunks
-            left = self._seconds - self.cost.predict(self._encoding(base))
+            base = self._base(s)
+            embedding = s.params.embed is not None
+            seconds = min(self._seconds, self._embed_seconds) if embedding else self._seconds
+            left = seconds - self.cost.predict(self._encoding(base))
             fits = self.cost.max_chunk_tokens(start, left)
+            if embedding and (self._own_forward(s, start, n) or fits < n):
+                # its forward of its own, priced before its tokens (a cut chunk is not whole)
+                left -= self.cost.per_separate_decode
+                fits = self.cost.max_chunk_tokens(start, left)
             if fits < n:
-                n, limit = fits, self._over_time
+                n, limit = fits, (self._over_time if seconds == self._seconds else "time")
             if not self.chunks and n < 1:
                 n, limit = 1, "floor"  # the first prompt in the order always moves
         if s.images and n > 0:
@@ -331,6 +366,13 @@ class StepBudget:
             self.cost.predict(self._beside_chunks) + self.cost.per_chunk, max_step_ms
         )
 
+    @cached_property
+    def _embed_seconds(self) -> float:
+        """How long a step with an embedding request's chunk may take (`EMBED_STRETCH`)."""
+        assert self.cost is not None and self.config.max_step_ms is not None
+        decode = self.cost.predict(self._decode_only)
+        return max(self.config.max_step_ms / 1e3, EMBED_STRETCH * decode)
+
     @property
     def _over_time(self) -> ChunkLimit:
         """What a chunk the time left cuts is limited by: "floor" where the step is
@@ -364,3 +406,8 @@ class StepBudget:
             parks=tuple(rid for rid in seats.parks if rid in decodes),
             resumes=seats.resumes,
         )
+
+
+def _is_whole(s: RequestState, start: int, n: int) -> bool:
+    """Whether the chunk [start, start + n) is `s`'s whole prompt, with no checkpoint in it."""
+    return start == 0 and n == s.num_prompt_tokens and not s.checkpoints

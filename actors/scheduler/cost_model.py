@@ -12,8 +12,9 @@ A step's time is modelled as a linear function of what it computes:
             + per_decode_context * decode rows * the longest row's context
                                                      (the batch cache pads every row to it;
                                                       fitted as per_attention: see `fit`)
-            + per_separate_decode * separate_decode  (the decode rows ran in a forward of
-                                                      their own beside the step's chunks)
+            + per_separate_decode * separate_decode  (forwards of their own beside the step's
+                                                      one: the decode rows', an embedding
+                                                      request's chunk's)
             + per_encode_unit * image encoder units  (a vision model's encoder: its work for
                                                       an image comes in units of like size,
                                                       a step runs some: `engine/vision.py`)
@@ -27,6 +28,9 @@ call, its cache writes): small. A step whose decode rows could not ride in its c
 forward (their forward was built a step ahead: `decode_runs_apart`), and every step with
 both on an executor that does not fuse, reads them once more: `per_separate_decode`. Where
 the executor does not fuse, each chunk is a forward of its own, and `per_chunk` learns that.
+An embedding request's chunk runs the model's body in a forward of its own (whole prompts of a
+step batched into one: `engine/embed.py`), so it also counts a `separate_decode`: each is one
+more reading of the weights, which is what that coefficient prices.
 
 `CostModel` fits the coefficients to the most recent steps (a window per kind of step, so
 a long run of decode-only steps does not forget what prefill costs; and prefill steps kept
@@ -87,14 +91,19 @@ class StepFeatures:
     prefill_attention: float = 0.0  # sum over chunks of n * (start + n / 2)
     decode_rows: int = 0
     decode_context: int = 0  # decode rows x the longest row's context (padded batch)
-    separate_decode: int = 0  # 1: the decode rows ran in a forward of their own beside chunks
+    # forwards of their own beside the step's: 1 where the decode rows ran apart from the
+    # chunks, plus one for each forward of embedding chunks (`with_chunk(own_forward=True)`)
+    separate_decode: int = 0
     encode_units: int = 0  # units of vision-encoder work (images) run in this step
     audio_units: int = 0  # units of audio-encoder work (clips) run in this step
 
-    def with_chunk(self, start: int, num_tokens: int) -> StepFeatures:
+    def with_chunk(self, start: int, num_tokens: int, own_forward: bool = False) -> StepFeatures:
+        """Plus a prompt chunk; `own_forward`: it runs in a forward of its own (an embedding
+        request's, `engine/embed.py`), one more reading of the weights."""
         return replace(
             self,
             num_chunks=self.num_chunks + 1,
+            separate_decode=self.separate_decode + own_forward,
             prefill_tokens=self.prefill_tokens + num_tokens,
             prefill_attention=self.prefill_attention + chunk_attention(start, num_tokens),
         )
