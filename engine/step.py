@@ -69,6 +69,7 @@ class Forwards:
     rows run theirs alone in `verify.verify_rows`."""
 
     fuses = False  # whether it runs a step's tokens in one forward
+    fuses_media = False  # whether a chunk with media tokens rides it (`MediaFusedForwards`)
 
     def __init__(
         self,
@@ -191,7 +192,6 @@ class FusedForwards(Forwards):
     allow (`fused.can_fuse`); the rest each on its own."""
 
     fuses = True
-    fuses_media = False  # whether a chunk with media tokens rides it (`MediaFusedForwards`)
     _table_dtype: Any = None  # the embedding table's dtype (`_media_fits`), once asked
 
     def run(self, step: Step, failed: dict[str, str], fail: Fail) -> Forwarded:
