@@ -27,6 +27,10 @@ Qwen2/3, Qwen3-MoE, Phi-3, Ministral, Gemma 3 and 4, gpt-oss, ...; inside a wrap
 (`engine/kv_quant.py`: mlx-lm's attention takes its quantized path on each segment's own
 cache) and sliding windows' `RotatingKVCache`s, whose window the model's masks must ask for)
 and recurrent ones (Qwen3-Next, Qwen3.5, Nemotron-H, Granite 4.0-H, LFM2).
+A prompt chunk holding media tokens (an image's or a clip's span) rides it too where
+`media_fused_proof` passes: its rows enter as its input embeddings (every other row as the
+embedding table's), at its 3-D M-RoPE positions (`mrope.RowPositions`), with deepstack
+features added at its rows only (`Segment.embeddings`, `.positions`, `.deepstack`).
 `fused_forward_works` installs the wrappers and proves, on the loaded model itself, that a
 fused forward gives the logits of separate ones; anything else (attention of a model's own,
 layers that share another layer's keys) runs separate forwards. docs/models.md's table says
