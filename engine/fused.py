@@ -27,6 +27,10 @@ Qwen2/3, Qwen3-MoE, Phi-3, Ministral, Gemma 3 and 4, gpt-oss, ...; inside a wrap
 (`engine/kv_quant.py`: mlx-lm's attention takes its quantized path on each segment's own
 cache) and sliding windows' `RotatingKVCache`s, whose window the model's masks must ask for)
 and recurrent ones (Qwen3-Next, Qwen3.5, Nemotron-H, Granite 4.0-H, LFM2).
+A prompt chunk holding media tokens (an image's or a clip's span) rides it too where
+`media_fused_proof` passes: its rows enter as its input embeddings (every other row as the
+embedding table's), at its 3-D M-RoPE positions (`mrope.RowPositions`), with deepstack
+features added at its rows only (`Segment.embeddings`, `.positions`, `.deepstack`).
 `fused_forward_works` installs the wrappers and proves, on the loaded model itself, that a
 fused forward gives the logits of separate ones; anything else (attention of a model's own,
 layers that share another layer's keys) runs separate forwards. docs/models.md's table says
@@ -52,6 +56,7 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
 )
 
+from stepline.engine import mrope
 from stepline.engine.forward import (
     Proof,
     body_of,
@@ -78,8 +83,14 @@ class Segment:
     tokens: mx.array
     cache: list[Any]
     is_batch: bool = False
-    # a prompt chunk of text under 3-D M-RoPE (`engine/mrope.py`): its tokens' positions (L,)
+    # a prompt chunk under 3-D M-RoPE (`engine/mrope.py`): its tokens' positions, (L,) for
+    # text (its three sections are one), (3, L) for a chunk with media tokens
     positions: mx.array | None = None
+    # a chunk with media tokens: its input embeddings (L, D), the text's with the encoder's
+    # features merged in (`VisionEncoder.embeddings`), in place of the embedding table's
+    embeddings: mx.array | None = None
+    # what the first k text layers add at its rows (k, 1, L, D) (Qwen3-VL's deepstack)
+    deepstack: mx.array | None = None
 
     @property
     def size(self) -> int:
@@ -104,7 +115,14 @@ class _Layout:
                 positions.append(s.positions.astype(mx.int32))
             else:
                 positions.append(first.offset + mx.arange(s.size, dtype=mx.int32))
-        self.positions = mx.concatenate(positions)
+        if any(p.ndim == 2 for p in positions):  # a media chunk's 3-D positions: every row's 3
+            positions = [
+                p if p.ndim == 2 else mx.broadcast_to(p, (3, p.shape[0])) for p in positions
+            ]
+            self.positions: Any = mrope.RowPositions(mx.concatenate(positions, axis=1))
+        else:
+            self.positions = mx.concatenate(positions)
+        self.deepstack = _deepstack(segments)
         self._masks: dict[tuple[int, type, int | None], Any] = {}
 
     def mask(self, i: int, cache: Any) -> Any:
@@ -123,6 +141,22 @@ class _Layout:
         return self._masks[key]
 
 
+def _deepstack(segments: Sequence[Segment]) -> mx.array | None:
+    """(k, N, 1, D): what the first k text layers add at each row of the step (zero but at a
+    media chunk's, `Segment.deepstack`); None where no segment has any."""
+    given = [s.deepstack for s in segments if s.deepstack is not None]
+    if not given:
+        return None
+    k, _, _, dim = given[0].shape
+    pieces = [
+        mx.zeros((k, s.size, 1, dim), dtype=given[0].dtype)
+        if s.deepstack is None
+        else s.deepstack.swapaxes(1, 2)
+        for s in segments
+    ]
+    return mx.concatenate(pieces, axis=1)
+
+
 class SegmentedCache:
     """One layer's view of a fused step (see the module docstring). Lives for one forward."""
 
@@ -133,8 +167,12 @@ class SegmentedCache:
         self.masks: list[Any] = []  # each segment's attention mask (`_Layout.mask`)
 
     @property
-    def offset(self) -> mx.array:
+    def offset(self) -> Any:  # (N,) positions, or a media step's `mrope.RowPositions`
         return self.layout.positions
+
+    @property
+    def deepstack(self) -> mx.array | None:  # what `mrope.Deepstack` layers add, per row
+        return self.layout.deepstack
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):  # noqa: N803 - mlx-lm's name
         """None: each segment's mask is its own cache's (`update_and_fetch`). Raises
@@ -280,8 +318,16 @@ def body(model: Any, segments: Sequence[Segment]) -> mx.array:
         )
         for layer in layers
     ]
-    tokens = mx.concatenate([s.tokens for s in segments])
-    return body_of(model)(tokens.astype(mx.int32)[:, None], cache=caches)
+    tokens = mx.concatenate([s.tokens for s in segments]).astype(mx.int32)[:, None]
+    inner = body_of(model)
+    if all(s.embeddings is None for s in segments):
+        return inner(tokens, cache=caches)
+    # a media chunk's rows enter as its embeddings, every other row as the table's
+    table = inner.embed_tokens
+    embeddings = [
+        table(s.tokens.astype(mx.int32)) if s.embeddings is None else s.embeddings for s in segments
+    ]
+    return inner(tokens, cache=caches, input_embeddings=mx.concatenate(embeddings)[:, None])
 
 
 def forward(
@@ -368,6 +414,63 @@ def fused_forward_proof(model: Any, kv: KVQuant | None = None) -> Proof:
         return _close(got[:3, -1, :], want_chunk) and _close(got[3:, -1, :], want_rows)
     except Exception as exc:  # noqa: BLE001 - whatever fails here: separate forwards
         log.info("fused_forward_unavailable", reason=repr(exc))
+        return False
+
+
+def media_fused_proof(model: Any, kv: KVQuant | None = None) -> Proof:
+    """Whether a prompt chunk with media tokens rides a fused forward on `model` (one whose
+    plain fused forward is proven, `fused_forward_proof`): a three-token chunk entering as
+    input embeddings that are not the table's, at 3-D positions whose sections differ where
+    the model's rope is M-RoPE (`mrope.MRope`), with deepstack features where its first
+    layers add them (`mrope.Deepstack`), beside a decode batch of two rows, gives the
+    hidden states of its own forward (`forward.forward`'s, over `mrope.positioned` caches)
+    and of the batch's. A forward at a time (`forward.Proof`); False where it does not."""
+    inner = body_of(model)
+    try:
+        layers = list(inner.layers)
+        is_mrope = any(
+            isinstance(getattr(getattr(x, "self_attn", None), "rope", None), mrope.MRope)
+            or isinstance(x, mrope.Deepstack)
+            for x in layers
+        )
+        stacked = sum(isinstance(x, mrope.Deepstack) for x in layers)
+        prompt = make_cache(model, kv)
+        if any(isinstance(layer, ArraysCache) for layer in prompt):
+            return False  # (a recurrent model's media chunks run on their own)
+        tokens = mx.array([[1, 2, 3, 4, 5, 6, 7, 8]])
+        mx.eval(inner(tokens, cache=prompt))
+        yield
+
+        def at(num_tokens: int) -> list[Any]:
+            cache = share_cache(prompt)
+            for layer in cache:
+                layer.trim(layer.offset - num_tokens)
+            return cache
+
+        def batch() -> list[Any]:  # rows of 8 and 3 tokens
+            return [type(r[0]).merge(list(r)) for r in zip(at(8), at(3), strict=True)]
+
+        last, chunk = mx.array([9, 10]), mx.array([11, 12, 13])
+        table = inner.embed_tokens(mx.array([[21, 22, 23]]))
+        embeddings = table[:, ::-1] * 0.5  # (1, 3, D), none of them a token's own
+        positions = mx.array([[5, 6, 6], [5, 6, 7], [5, 7, 6]]) if is_mrope else None
+        deepstack = mx.stack([table * (0.1 * (i + 1)) for i in range(stacked)]) if stacked else None
+        want_rows = inner(last[:, None], cache=batch())[:, -1, :]
+        mx.eval(want_rows)
+        yield
+        own = at(5) if positions is None else mrope.positioned(at(5), positions, deepstack)
+        want_chunk = inner(chunk[None], cache=own, input_embeddings=embeddings)[0]
+        mx.eval(want_chunk)
+        yield
+        media = Segment(
+            chunk, at(5), positions=positions, embeddings=embeddings[0], deepstack=deepstack
+        )
+        got = body(model, [media, Segment(last, batch(), is_batch=True)])
+        mx.eval(got)
+        yield
+        return _close(got[:3, -1, :], want_chunk) and _close(got[3:, -1, :], want_rows)
+    except Exception as exc:  # noqa: BLE001 - whatever fails here: media chunks run apart
+        log.info("fused_media_unavailable", reason=repr(exc))
         return False
 
 

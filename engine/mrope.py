@@ -18,8 +18,9 @@ whatever `cache.offset` says, which the engine sets per forward:
   for rope only (its masks and storage count `_idx` and the left padding): a row joining the
   batch has its delta added there (`shift_rows`), and loses it when it leaves (mlx-lm's
   `extract` makes a plain cache of its keys), so every join adds it again;
-- a fused forward's prompt chunks (text only: a chunk with image tokens runs on its own) take
-  their positions from the request's (`engine/fused.py`'s `Segment.positions`).
+- a fused forward's prompt chunks take their positions from the request's
+  (`engine/fused.py`'s `Segment.positions`): a text chunk's one section, a chunk with media
+  tokens all three, every row of that step then read as a `RowPositions`.
 A request with images never drafts (the scheduler core's rule), so no drafting row needs a
 delta.
 
@@ -49,10 +50,21 @@ class Positions:
         self.array = array
 
 
+class RowPositions:
+    """A fused step's 3-D positions (3, N), one token a row (`engine/fused.py`: a media
+    chunk's rows beside other segments'), given to the rope as `cache.offset`."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array: mx.array) -> None:
+        self.array = array
+
+
 class MRope(nn.Module):
     """An mlx-lm attention's rope, done as mlx-vlm's M-RoPE: `offset` is an int (the first
     token's position, all three sections equal), an array (B,) (each row's first), or
-    `Positions` (the chunk's 3-D positions, one sequence)."""
+    `Positions` (the chunk's 3-D positions, one sequence), or `RowPositions` (a fused
+    step's, a row a token)."""
 
     def __init__(self, rotary: Any) -> None:
         super().__init__()
@@ -62,6 +74,8 @@ class MRope(nn.Module):
         batch, _, length, _ = x.shape
         if isinstance(offset, Positions):
             ids = offset.array[:, None, :]  # (3, 1, L)
+        elif isinstance(offset, RowPositions):
+            ids = offset.array[:, :, None]  # (3, N, 1): N rows of one token
         else:
             start = mx.array(offset, dtype=mx.int32).reshape(-1, 1)  # (1 or B, 1)
             rows = start + mx.arange(length, dtype=mx.int32)[None]

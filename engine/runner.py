@@ -149,7 +149,8 @@ class ModelRunner:
         and `kv`."""
         # Prompt attention in cache-sized blocks on the CPU (before `fused` wraps it too).
         cpu_attention.install(loaded.model)
-        return (yield from forwards_kind_steps(loaded.model, fuse=fuse, kv=kv))
+        media = loaded.vision is not None  # its media chunks fused too, where proven
+        return (yield from forwards_kind_steps(loaded.model, fuse=fuse, kv=kv, media=media))
 
     @property
     def model(self) -> Any:  # an mlx-lm model

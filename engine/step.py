@@ -24,7 +24,7 @@ from stepline.actors.scheduler.plan import ScheduledChunk, StepPlan
 from stepline.actors.scheduler.work import CHECKPOINT_FAILED, PREFILL_FAILED, is_collective_error
 from stepline.engine import fused, mrope, step_sampling
 from stepline.engine.decode_batch import DecodeBatch, Placement
-from stepline.engine.forward import forward, run_to_end, split_head_proof
+from stepline.engine.forward import body_of, forward, run_to_end, split_head_proof
 from stepline.engine.kv_quant import KVQuant
 from stepline.engine.lookahead import Ahead
 from stepline.engine.lora import Routes
@@ -69,6 +69,7 @@ class Forwards:
     rows run theirs alone in `verify.verify_rows`."""
 
     fuses = False  # whether it runs a step's tokens in one forward
+    fuses_media = False  # whether a chunk with media tokens rides it (`MediaFusedForwards`)
 
     def __init__(
         self,
@@ -191,6 +192,7 @@ class FusedForwards(Forwards):
     allow (`fused.can_fuse`); the rest each on its own."""
 
     fuses = True
+    _table_dtype: Any = None  # the embedding table's dtype (`_media_fits`), once asked
 
     def run(self, step: Step, failed: dict[str, str], fail: Fail) -> Forwarded:
         out = Forwarded(apart=step.solo)
@@ -224,7 +226,7 @@ class FusedForwards(Forwards):
             for c in chunks
             if c.request_id not in failed
             and not any(c.start < k < c.end for k in c.checkpoints)
-            and not any(i.start < c.end and c.start < i.end for i in self.seqs[c.request_id].images)
+            and (not self._media(c) or (self.fuses_media and self._media_fits(c)))
             and fused.can_fuse(self.seqs[c.request_id].cache or [], is_batch=False)
         ]
         with_batch = bool(batch) and self.batch.caches.can_fuse()
@@ -248,15 +250,7 @@ class FusedForwards(Forwards):
         them as separate forwards (where a request's fault is pinned on it). A fault while
         evaluating it is the step's, as the decode batch's is."""
         seqs = [self.seqs[c.request_id] for c in chunks]
-        # (a chunk of a 3-D M-RoPE prompt has no image token here: its 3 positions are one)
-        segments = [
-            fused.Segment(
-                s.prompt[c.start : c.end],
-                s.cache or [],
-                positions=None if s.positions is None else s.positions[0, c.start : c.end],
-            )
-            for s, c in zip(seqs, chunks, strict=True)
-        ]
+        segments = [self._segment(s, c) for s, c in zip(seqs, chunks, strict=True)]
         rows = [[c.num_tokens - 1] if c.is_final else [] for c in chunks]
         for v in verifies:
             segments.append(fused.Segment(v.inputs(), v.seq.cache or []))
@@ -275,6 +269,10 @@ class FusedForwards(Forwards):
             out = self._forward(segments, rows)
         if out is None:
             return None
+        for chunk, seq in zip(chunks, seqs, strict=True):  # as `prefill` lets them go
+            for i, image in enumerate(seq.images):
+                if image.end <= chunk.end:
+                    seq.encodes.pop(i, None)
         logits: dict[str, mx.array] = {}
         for chunk, seq, x in zip(chunks, seqs, out, strict=False):
             if chunk.end in chunk.checkpoints:
@@ -291,6 +289,48 @@ class FusedForwards(Forwards):
         if not decoded:
             return None, logits
         return (decoded[0] if len(decoded) == 1 else mx.concatenate(decoded)), logits
+
+    def _media(self, chunk: ScheduledChunk) -> bool:
+        """Whether `chunk` holds media tokens (an image's or a clip's span)."""
+        return any(
+            i.start < chunk.end and chunk.start < i.end for i in self.seqs[chunk.request_id].images
+        )
+
+    def _media_fits(self, chunk: ScheduledChunk) -> bool:
+        """Whether `chunk`'s media embeddings are in the embedding table's dtype (so its rows
+        and the others' run in the dtype their own forwards would) and all computed."""
+        seq = self.seqs[chunk.request_id]
+        if self._table_dtype is None:
+            self._table_dtype = self._embed_dtype()
+        for i, image in enumerate(seq.images):
+            if image.start < chunk.end and chunk.start < image.end:
+                encoded = seq.encodes.get(i)
+                embeddings = getattr(encoded, "embeddings", None)
+                if embeddings is None or embeddings.dtype != self._table_dtype:
+                    return False
+        return True
+
+    def _embed_dtype(self) -> Any:
+        return body_of(self.model).embed_tokens(mx.array([0])).dtype
+
+    def _segment(self, seq: Seq, chunk: ScheduledChunk) -> fused.Segment:
+        """`chunk` of `seq` as a fused forward's segment: its tokens, and, under 3-D M-RoPE,
+        its positions (a text chunk's one section, its three sections are one); a chunk with
+        media tokens (`fuses_media` only) carries its input embeddings, all three sections
+        and its deepstack features, as `prefill` gives them to its own forward."""
+        start, end = chunk.start, chunk.end
+        tokens, cache = seq.prompt[start:end], seq.cache or []
+        if not self._media(chunk):
+            positions = None if seq.positions is None else seq.positions[0, start:end]
+            return fused.Segment(tokens, cache, positions=positions)
+        embeddings = self._embeddings(seq, start, end)
+        return fused.Segment(
+            tokens,
+            cache,
+            positions=None if seq.positions is None else seq.positions[:, start:end],
+            embeddings=None if embeddings is None else embeddings[0],
+            deepstack=None if seq.positions is None else self._deepstack(seq, start, end),
+        )
 
     def _forward(
         self, segments: list[fused.Segment], rows: list[list[int]]
@@ -312,25 +352,41 @@ class FusedForwards(Forwards):
         return out
 
 
+class MediaFusedForwards(FusedForwards):
+    """`FusedForwards` where prompt chunks with media tokens (an image's or a clip's span)
+    ride the fused forward too, as input embeddings, at their 3-D positions, with their
+    deepstack features (`fused.media_fused_proof`, proven on the loaded model)."""
+
+    fuses_media = True
+
+
 # How a model runs a step's tokens: its forwards, and whether its body and head run apart.
 Kind = tuple[type["Forwards"], bool]
 
 
-def forwards_kind(model: Any, *, fuse: bool, kv: KVQuant | None = None) -> Kind:
+def forwards_kind(
+    model: Any, *, fuse: bool, kv: KVQuant | None = None, media: bool = False
+) -> Kind:
     """The model's forwards, decided once (fused where asked, the architecture is covered
-    and a fused forward is proven on this model, over its caches as `kv` quantizes them),
-    and whether its body and output head run apart (`forward.split_head_works`)."""
-    return run_to_end(forwards_kind_steps(model, fuse=fuse, kv=kv))
+    and a fused forward is proven on this model, over its caches as `kv` quantizes them;
+    `media`: a model with a vision or audio tower, whose media chunks ride it too where
+    `fused.media_fused_proof` passes), and whether its body and output head run apart
+    (`forward.split_head_works`)."""
+    return run_to_end(forwards_kind_steps(model, fuse=fuse, kv=kv, media=media))
 
 
 def forwards_kind_steps(
-    model: Any, *, fuse: bool, kv: KVQuant | None = None
+    model: Any, *, fuse: bool, kv: KVQuant | None = None, media: bool = False
 ) -> Generator[None, None, Kind]:
     """`forwards_kind`, a proof's forward at a time: it yields after each one (a model
     loading beside others runs each in a job of its own, `ModelRunner.proofs`)."""
     split_head = yield from split_head_proof(model)
     fuses = fuse and split_head and (yield from fused.fused_forward_proof(model, kv))
-    return (FusedForwards if fuses else Forwards), split_head
+    if not fuses:
+        return Forwards, split_head
+    if media and (yield from fused.media_fused_proof(model, kv)):
+        return MediaFusedForwards, split_head
+    return FusedForwards, split_head
 
 
 def sample(

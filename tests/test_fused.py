@@ -530,3 +530,68 @@ def test_each_attention_wrapper_goes_on_a_module_once_whatever_the_order(demo):
         {"stepline_fused", "stepline_cpu"} if mx.default_device() == mx.cpu else {"stepline_fused"}
     )
     assert set(found) == want
+
+
+@pytest.fixture(scope="module")
+def omni() -> LoadedModel:
+    from stepline.engine.demo_files import OMNI_DEMO
+    from stepline.engine.models import load_model
+
+    loaded = load_model(OMNI_DEMO)
+    step_module.forwards_kind(loaded.model, fuse=True, media=True)  # the wrappers installed
+    return loaded
+
+
+def test_a_media_chunk_in_a_fused_forward_gets_the_logits_and_cache_of_its_own_forward(omni):
+    # An image's chunk on the omni demo's thinker: its rows enter as embeddings that are no
+    # token's, at 3-D positions whose sections differ, with deepstack features added by the
+    # first text layers; beside it a text chunk, each into a cache of its own.
+    from stepline.engine import mrope
+    from stepline.engine.forward import body_of, output_head
+
+    model = omni.model
+    inner = body_of(model)
+    stacked = sum(isinstance(layer, mrope.Deepstack) for layer in inner.layers)
+    assert stacked  # the thinker's vision tower feeds its first text layers
+    prefix = mx.array([[1, 2, 3, 4, 5]])
+    tokens, text = mx.array([30, 31, 32, 33]), mx.array([40, 41, 42])
+    table = inner.embed_tokens(mx.array([[50, 51, 52, 53]]))
+    embeddings = table[:, ::-1] * 0.7
+    positions = mx.array([[5, 6, 6, 6], [5, 6, 6, 7], [5, 6, 7, 6]])
+    deepstack = mx.stack([table * 0.2 * (i + 1) for i in range(stacked)])
+
+    def cache() -> list:
+        c = make_prompt_cache(model)
+        inner(prefix, cache=c)
+        return c
+
+    own, other = cache(), cache()
+    cached = mrope.positioned(own, positions, deepstack)
+    want = output_head(model, inner(tokens[None], cache=cached, input_embeddings=embeddings))
+    want_text = output_head(model, inner(text[None], cache=other))
+    media = fused.Segment(
+        tokens, cache(), positions=positions, embeddings=embeddings[0], deepstack=deepstack
+    )
+    plain = fused.Segment(text, cache(), positions=mx.arange(5, 8))
+    got = fused.forward(model, [media, plain], [[0, 1, 2, 3], [0, 1, 2]])
+    assert mx.allclose(got[0], want[0], atol=1e-4).item()
+    assert mx.allclose(got[1], want_text[0], atol=1e-4).item()
+    for mine, theirs in zip(media.cache, own, strict=True):  # the same keys and values stored
+        assert mine.offset == theirs.offset == 9
+        assert mx.allclose(mine.state[0], theirs.state[0], atol=1e-4).item()
+    # and no wrong position passes: the same chunk at its first section only differs
+    moved = fused.Segment(tokens, cache(), positions=positions[0], embeddings=embeddings[0])
+    (wrong,) = fused.forward(model, [moved], [[0, 1, 2, 3]])
+    assert not mx.allclose(wrong, want[0], atol=1e-4).item()
+
+
+def test_a_model_whose_media_fusion_is_not_proven_runs_its_media_chunks_apart(omni, monkeypatch):
+    assert step_module.forwards_kind(omni.model, fuse=True, media=True)[0].fuses_media
+    body = fused.body  # a fused forward that drops the media rows' embeddings: not proven
+
+    def dropping(model, segments):
+        return body(model, [replace(s, embeddings=None, deepstack=None) for s in segments])
+
+    monkeypatch.setattr(fused, "body", dropping)
+    kind, _ = step_module.forwards_kind(omni.model, fuse=True, media=True)
+    assert kind.fuses and not kind.fuses_media  # text chunks still fuse, media ones do not

@@ -172,6 +172,7 @@ async def test_concurrent_image_and_text_requests_answer_what_mlx_vlm_answers_ea
     ]
     async with Engine.open(model, max_step_tokens=max_step_tokens, max_num_seqs=8) as engine:
         assert engine.step_loop.runner.forwards.fuses  # decode rows ride in the chunks' forward
+        assert engine.step_loop.runner.forwards.fuses_media  # and so do the image's chunks
         streams = await submit_together(engine, [{"messages": m, "params": GREEDY} for m in chats])
         results: list[list] = [[] for _ in chats]
 
