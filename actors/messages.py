@@ -9,7 +9,7 @@ from typing import Any
 from stepline.actors.mailbox import Mailbox
 from stepline.actors.scheduler.spans import PromptImage
 from stepline.actors.scheduler.work import TokenLogprob
-from stepline.events.models import FinishReason, PrefixMiss, RequestParams
+from stepline.events.models import FinishReason, Origin, PrefixMiss, RequestParams
 
 
 # --- to the step loop ---------------------------------------------------------
@@ -56,6 +56,7 @@ class Submit:
     client: str | None = None  # who sent it (fair share between clients); None: anonymous
     images: tuple[PromptImage, ...] = ()  # the prompt's images, in order (a vision model)
     adapter: str | None = None  # the LoRA adapter it runs with (engine/lora.py); None: the base
+    origin: Origin = "client"  # who asked for it (`Admitted.origin`): a client, or the engine
 
 
 @dataclass(frozen=True)
