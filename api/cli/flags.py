@@ -77,6 +77,8 @@ def _flag(name: str, info: FieldInfo, special: dict[str, Any]) -> dict[str, Any]
         kw["type"] = kind
     kw.update(special)
     shown = default if not isinstance(default, tuple) else None
+    if isinstance(shown, bool):
+        shown = "on" if shown else "off"
     if shown is not None and "store_true" != kw.get("action"):
         help_text += f" (default: {shown})" if help_text else f"(default: {shown})"
     kw["help"] = help_text
