@@ -30,7 +30,8 @@ let S = emptyState();
 let header = null; // the run's header (its config: the step-time target)
 let live = true;
 
-function doorOf(id) {
+function doorOf(id, origin) {
+  if (origin === "next-turn") return "next turn (engine)";
   for (const [prefix, door] of DOORS) if (id.startsWith(prefix)) return door;
   return "python";
 }
@@ -45,6 +46,7 @@ function apply(e) {
     case "admitted":
       S.requests.set(e.request_id, {
         id: e.request_id, model: e.model, client: e.client, admittedAt: e.ts,
+        origin: e.origin || "client", // "next-turn": the engine's own prefill of a next turn
         prompt: e.num_prompt_tokens, maxTokens: e.params.max_tokens, prefilled: 0, cached: 0,
         chunks: 0, out: 0,
         scheduledAt: null, firstTokenAt: null, state: "waiting",
@@ -230,7 +232,7 @@ function drawRequests() {
     row.dataset.request = r.id;
     row.onclick = () => showTimeline(r.id);
     idCell(row, r.id);
-    cell(row, doorOf(r.id));
+    cell(row, doorOf(r.id, r.origin));
     cell(row, r.client ? r.client.slice(0, 8) : "anonymous");
     cell(row, r.state);
     const prompt = cell(row, "");
@@ -251,7 +253,7 @@ function drawRequests() {
     row.dataset.request = r.id;
     row.onclick = () => showTimeline(r.id);
     idCell(row, r.id);
-    cell(row, doorOf(r.id));
+    cell(row, doorOf(r.id, r.origin));
     cell(row, r.end);
     cell(row, String(r.prompt));
     cell(row, String(r.out));
