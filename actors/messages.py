@@ -9,7 +9,7 @@ from typing import Any
 from stepline.actors.mailbox import Mailbox
 from stepline.actors.scheduler.spans import PromptImage
 from stepline.actors.scheduler.work import TokenLogprob
-from stepline.events.models import FinishReason, PrefixMiss, RequestParams
+from stepline.events.models import FinishReason, Origin, PrefixMiss, RequestParams
 
 
 # --- to the step loop ---------------------------------------------------------
@@ -57,6 +57,7 @@ class Submit:
     images: tuple[PromptImage, ...] = ()  # the prompt's images, in order (a vision model)
     adapter: str | None = None  # the LoRA adapter it runs with (engine/lora.py); None: the base
     door: str | None = None  # the HTTP path it came in at (`Admitted.door`); None: Python
+    origin: Origin = "client"  # who asked for it (`Admitted.origin`): a client, or the engine
 
 
 @dataclass(frozen=True)

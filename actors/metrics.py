@@ -73,6 +73,14 @@ class EngineMetrics:
             "stepline_requests", "Requests ended, by finish reason", ["reason"], registry=r
         )
         self.admissions = Counter("stepline_requests_admitted", "Requests admitted", registry=r)
+        # the engine's own (`Admitted.origin`), apart: the two counters above are the clients'
+        self.next_turns = Counter(
+            "stepline_next_turn_prefills",
+            "The engine's prefills of chats' next turns ended, by finish reason (cancelled: a "
+            "client's request needed the seat)",
+            ["reason"],
+            registry=r,
+        )
         self.steps = Counter("stepline_steps", "Steps run", registry=r)
         self.heap_trims = Counter(
             "stepline_heap_trims",
@@ -145,11 +153,15 @@ class EngineMetrics:
         self._memory: Any = None  # the executor's last memory counters (engine/memory.py)
         self._prefix: Any = None  # the prefix store's last report (engine/work.PrefixReport)
 
-    def admitted(self) -> None:
-        self.admissions.inc()
+    def admitted(self, origin: str = "client") -> None:
+        if origin == "client":
+            self.admissions.inc()
 
-    def finished(self, reason: FinishReason) -> None:
-        self.requests.labels(reason=str(reason)).inc()
+    def finished(self, reason: FinishReason, origin: str = "client") -> None:
+        if origin == "client":
+            self.requests.labels(reason=str(reason)).inc()
+        else:
+            self.next_turns.labels(reason=str(reason)).inc()
 
     def prefix_lookup(self, num_cached_tokens: int) -> None:
         if num_cached_tokens:

@@ -42,6 +42,7 @@ from stepline.actors.messages import (
 from stepline.actors.metrics import EngineMetrics
 from stepline.actors.request import RequestActor
 from stepline.actors.scheduler.admission import AdmissionError, Refusal
+from stepline.actors.scheduler.background import PREEMPTED
 from stepline.actors.scheduler.core import (
     EngineDeadError,
     LogPlace,
@@ -323,6 +324,8 @@ class StepLoop:
         # from one (the next turn of a chat).
         if (before := core.housekeeping(before_step=True)) is not None:
             await self._housekeep(before)
+        for rid in core.preemptions():  # a next turn's prefill in a client's way
+            self._end(rid, FinishReason.CANCELLED, PREEMPTED)
         work = core.schedule()
         self._log_events()  # the step's plan is in the log before it runs (or crashes)
         if work is None:
@@ -450,6 +453,7 @@ class StepLoop:
                 images=msg.images,
                 adapter=msg.adapter,
                 door=msg.door,
+                origin=msg.origin,
             )
         except AdmissionError as exc:
             msg.reply.set_exception(exc)
@@ -460,7 +464,7 @@ class StepLoop:
             msg.reply.set_exception(EngineDeadError("the engine failed admitting this request"))
             raise
         self._recipients.actors[msg.request_id] = msg.actor
-        self.metrics.admitted()
+        self.metrics.admitted(msg.origin)
         msg.reply.set_result(self.core.states[msg.request_id].params)  # as admitted
 
     def _end(self, request_id: str, reason: FinishReason, message: str | None) -> None:
@@ -513,7 +517,8 @@ class StepLoop:
         _hand_over(self._event_log, self.feed, events)
         for event in events:
             if type(event) is Terminal:
-                self.metrics.finished(event.reason)
+                state = self.core.state_of(event.request_id)
+                self.metrics.finished(event.reason, state.origin if state else "client")
 
     # -- metrics and the end -------------------------------------------------------------
 

@@ -308,11 +308,12 @@ class ServerConfig(_Options):
         "exiting with status 1 so that a supervisor restarts it",
     )
     next_turn_prefill: bool = Field(
-        False,
-        description="when a chat ends, prefill its conversation as the next request will "
+        True,
+        description="on: when a chat ends, prefill its conversation as the next request will "
         "send it back (the answer as the template renders it in the history), so an agent's "
-        "next turn starts from the cache; each is a one-token request of its own in the "
-        "event log (`next-<id>`)",
+        "next turn starts from the cache; each is a one-token request of the engine's own in "
+        "the event log (`next-<id>`, origin next-turn), run only in what no client's request "
+        "wants and cancelled when one needs its seat or KV; off: none",
     )
     strict_max_tokens: bool = Field(
         False,

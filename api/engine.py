@@ -55,7 +55,13 @@ from stepline.api.stream import RequestStream
 from stepline.engine.audio import no_audio
 from stepline.engine.grammar import Compiled, GrammarCompiler
 from stepline.engine.images import text_only
-from stepline.events.models import AdapterLoaded, EmbedParams, FinishReason, RequestParams
+from stepline.events.models import (
+    AdapterLoaded,
+    EmbedParams,
+    FinishReason,
+    Origin,
+    RequestParams,
+)
 
 __all__ = [
     "Arrival",
@@ -312,6 +318,7 @@ class Engine:
         embed: EmbedParams | None = None,
         adapter: str | None = None,
         door: str | None = None,
+        origin: Origin = "client",
     ) -> RequestStream:
         """Admit one request and return its output stream. `template_kwargs` go to the chat
         template with `messages`; `params.grammar` constrains the output (compiled here, on a
@@ -327,7 +334,9 @@ class Engine:
         its one output is its last, with the vector (`RequestOutput.embedding`). With
         `adapter` (one of `adapters`) it runs with that LoRA adapter, in the same batch as
         the base model's requests and other adapters'. `door`: the HTTP path it came in at,
-        recorded in its `admitted` event (None: the Python API).
+        recorded in its `admitted` event (None: the Python API). With `origin` "next-turn" it
+        is the engine's own prefill of a chat's next turn (api/pipeline/next_turn.py): it runs
+        only in what no client's request wants, and is cancelled when one needs its seat or KV.
 
         Raises TypeError or RequestError (a ValueError) naming the argument for `params`,
         `request_id`, `checkpoints`, `template_kwargs` or `client` of the wrong type or value,
@@ -379,6 +388,7 @@ class Engine:
                 images=images,
                 adapter=adapter,
                 door=door,
+                origin=origin,
             )
             admitted = await self._send(submit, arrival, actor)
         finally:
@@ -619,7 +629,8 @@ class Engine:
     @property
     def busy(self) -> bool:
         """Requests in flight, or on their way (`arriving`): a server of several models never
-        unloads a busy one."""
+        unloads a busy one. (The engine's own, a next turn's prefill, count: it is one short
+        prefill, and an unload while it runs would cut its events short.)"""
         snapshot = self.snapshot
         return snapshot.num_live > 0 or snapshot.num_preparing > 0
 

@@ -20,6 +20,7 @@ from stepline.events.models import (
     FinishReason,
     ImageEncoded,
     ImageRef,
+    Origin,
     Parked,
     RequestParams,
     Resumed,
@@ -67,6 +68,7 @@ class RequestState:
     parked: bool = False
     images: tuple[ImageRef, ...] = ()  # its prompt's images, in prompt order
     adapter: str | None = None  # the LoRA adapter it runs with (`Admitted.adapter`)
+    origin: Origin = "client"  # who asked for it (`Admitted.origin`)
     encoded: tuple[int, ...] = ()  # of each image, the encoder's units done
     first_token_ts: float | None = None
     last_token_ts: float | None = None
@@ -78,6 +80,12 @@ class RequestState:
     @property
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    @property
+    def is_background(self) -> bool:
+        """The engine's own request (a next turn's prefill), not a client's: it takes only
+        what no client's request wants (actors/scheduler/background.py)."""
+        return self.origin != "client"
 
     def evolve(self, **changes: Any) -> RequestState:
         """A copy with `changes` applied. A plain copy of the fields (what `apply` makes
@@ -140,6 +148,7 @@ def apply(state: RequestState | None, event: Event | Decoding) -> RequestState:
             images=event.images,
             encoded=(0,) * len(event.images),
             adapter=event.adapter,
+            origin=event.origin,
         )
     rid = getattr(event, "request_id", None)
     if state is None:

@@ -437,8 +437,11 @@ class EventLogWriter:
             event = event.model_copy(update={"prompt_token_ids": None})
         # the run's one model, the base model (no adapter): not said on every line
         left_out = _NO_MODEL if event.model is None else frozenset()
-        if isinstance(event, Admitted) and event.adapter is None:
-            left_out = left_out | _NO_ADAPTER
+        if isinstance(event, Admitted):
+            if event.adapter is None:
+                left_out = left_out | _NO_ADAPTER
+            if event.origin == "client":
+                left_out = left_out | _NO_ORIGIN
         if left_out:
             return event.model_dump_json(exclude=set(left_out)).encode() + b"\n"
         return event.model_dump_json().encode() + b"\n"
@@ -506,6 +509,7 @@ class EventLogWriter:
 
 _NO_MODEL = frozenset({"model"})
 _NO_ADAPTER = frozenset({"adapter"})
+_NO_ORIGIN = frozenset({"origin"})
 
 
 def _items(item: Any) -> list[Any]:

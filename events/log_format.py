@@ -206,8 +206,15 @@ def _v8_to_v9(raw: dict[str, Any]) -> dict[str, Any]:
     return raw
 
 
+def _v9_to_v10(raw: dict[str, Any]) -> dict[str, Any]:
+    # Schema 10 only added `Admitted.origin`, whose default (a client's request) is what every
+    # request of a version-9 log was.
+    return raw
+
+
 _UPCASTERS[7] = _v7_to_v8
 _UPCASTERS[8] = _v8_to_v9
+_UPCASTERS[9] = _v9_to_v10
 # upcasters that change nothing (by version): while registered, their records parse as they are
 _NO_OP_UPCASTERS = {
     1: _v1_to_v2,
@@ -216,6 +223,7 @@ _NO_OP_UPCASTERS = {
     5: _v5_to_v6,
     7: _v7_to_v8,
     8: _v8_to_v9,
+    9: _v9_to_v10,
 }
 
 

@@ -33,7 +33,11 @@ than its fair share steps out of the decode batch (its cache kept) so that anoth
 request gets a seat, and steps back in later; a version-7 log has none. It also says why a request's
 prefix-cache hit stops where it does (`ChunkPrefilled.prefix_miss`, `prefix_shared`, and the
 same on `ImageEncoded`), "not recorded" in a version-7 log, so the 7 -> 8 upcaster changes
-nothing.
+nothing. 9 added LoRA adapters (`Admitted.adapter`, `AdapterLoaded`); the 8 -> 9 upcaster
+changes nothing. 10 says where a request came from (`Admitted.origin`): a client's, or one the
+engine sent itself (a chat's next turn prefilled once it ended, api/pipeline/next_turn.py),
+which takes only what no client's request wants. Every request of a version-9 log was a
+client's (the default), so the 9 -> 10 upcaster changes nothing.
 """
 
 from __future__ import annotations
@@ -47,7 +51,11 @@ from typing import Annotated, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
+
+# Where a request came from (`Admitted.origin`): a client's (any door, the Python API), or the
+# engine's own prefill of a chat's next turn (api/pipeline/next_turn.py).
+Origin = Literal["client", "next-turn"]
 
 
 class FinishReason(StrEnum):
@@ -143,6 +151,10 @@ class Admitted(_Event):
     # `/v1/messages`, `/api/chat`, ...); None: the Python API (and logs before it was kept).
     # Optional, left out of the line when None: no schema change.
     door: str | None = Field(default=None, exclude_if=_absent)
+    # Who asked for it (`Origin`): a next turn's prefill runs only in what no client's
+    # request wants, and is ended first (actors/scheduler/background.py). Left out of the
+    # line for a client's.
+    origin: Origin = "client"
 
 
 class ImageRef(BaseModel):

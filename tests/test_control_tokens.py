@@ -48,7 +48,9 @@ class Served:
     def last_admitted(self) -> list[int]:
         """The prompt ids of the request admitted since the last call."""
         self.engine.step_loop.event_log.flush()
-        admitted = [e for e in read_events(self.log) if isinstance(e, Admitted)]
+        admitted = [
+            e for e in read_events(self.log) if isinstance(e, Admitted) and e.origin == "client"
+        ]
         (new,) = admitted[self.seen :]
         self.seen = len(admitted)
         return list(new.prompt_token_ids)

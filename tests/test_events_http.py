@@ -328,7 +328,8 @@ async def test_a_stalled_reader_holds_a_bounded_buffer_and_is_told_what_it_misse
 async def test_without_a_log_the_events_come_from_memory_and_a_gap_is_told() -> None:
     from helpers import open_served
 
-    async with open_served(engine={"events_in_memory": 32}) as alone:
+    # (no next turn's prefill: its events would come while the gap is read)
+    async with open_served(engine={"events_in_memory": 32}, next_turn_prefill=False) as alone:
         rid = await chat(alone, max_tokens=30)  # more events than memory keeps
         feed = alone.engine.step_loop.feed
         assert feed.log_path is None and feed.first > 1

@@ -183,7 +183,9 @@ def test_one_client_fills_at_most_three_quarters_of_the_waiting_queue():
     events = core.take_events()
     refused = {e.request_id for e in events if isinstance(e, Terminal)}
     assert refused == {"a6", "b1"}
-    clients = {e.request_id: e.client for e in events if isinstance(e, Admitted)}
+    clients = {
+        e.request_id: e.client for e in events if isinstance(e, Admitted) and e.origin == "client"
+    }
     assert clients["a0"] == "a" and clients["b0"] == "b" and clients["anon"] is None
 
 
@@ -305,7 +307,7 @@ async def test_streams_one_client_never_reads_do_not_keep_another_clients_chat_w
         assert all(loop.state_of(r).status is Status.WAITING for r in queued_ids)
 
     events = list(read_events(path))
-    admitted = {e.request_id: e for e in events if isinstance(e, Admitted)}
+    admitted = {e.request_id: e for e in events if isinstance(e, Admitted) and e.origin == "client"}
     parked = [e.request_id for e in events if isinstance(e, Parked)]
     assert len(parked) == 1 and parked[0] in held_ids
     a_clients = {admitted[r].client for r in [*held_ids, *queued_ids]}
@@ -352,5 +354,7 @@ async def test_every_door_names_its_client_by_key_and_end_user(demo, tmp_path: P
         for route, body, headers in asks:
             r = await http.post(route, json=body, headers=headers)
             assert r.status_code == 200, r.text
-    clients = [e.client for e in read_events(path) if isinstance(e, Admitted)]
+    clients = [
+        e.client for e in read_events(path) if isinstance(e, Admitted) and e.origin == "client"
+    ]
     assert clients == expected

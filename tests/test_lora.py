@@ -68,7 +68,9 @@ async def test_three_adapters_and_the_base_share_steps_and_each_gets_its_own_tok
     assert all(g != b for g, b, r in zip(got, base, requests, strict=True) if r["adapter"])
 
     events = list(read_events(log))
-    adapter_of = {e.request_id: e.adapter for e in events if isinstance(e, Admitted)}
+    adapter_of = {
+        e.request_id: e.adapter for e in events if isinstance(e, Admitted) and e.origin == "client"
+    }
     assert sorted(adapter_of.values(), key=str) == sorted([r["adapter"] for r in requests], key=str)
     shared = [
         e
@@ -232,7 +234,7 @@ async def test_a_prefix_cache_hit_never_crosses_adapters(demo, adapters, tmp_pat
             outs = await collect(await engine.submit(prompt, params=GREEDY, adapter=adapter))
             got.append([t for o in outs for t in o.token_ids])
     events = list(read_events(log))
-    rids = [e.request_id for e in events if isinstance(e, Admitted)]
+    rids = [e.request_id for e in events if isinstance(e, Admitted) and e.origin == "client"]
     cached = {
         e.request_id: e.num_cached_tokens
         for e in events

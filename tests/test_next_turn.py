@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
-from helpers import wait_until
+from helpers import replay, wait_until
 
 from stepline.api import Engine
 from stepline.api.http.app import create_app
@@ -67,9 +67,10 @@ async def _two_turns(model: str, path: Path, *, next_turn: bool) -> tuple[int, i
     """Two turns of an agent that echoes its answer and moves its reminder: (the second
     turn's prompt tokens, those it found cached, the tokens of the prefix the server
     prefilled for it; 0 where none)."""
+    options = {} if next_turn else {"next_turn_prefill": False}  # on by default
     async with (
         Engine.open(model, event_log=path, max_num_seqs=4) as engine,
-        serve_in_process(create_app(OneModel(engine), next_turn_prefill=next_turn)) as url,
+        serve_in_process(create_app(OneModel(engine), **options)) as url,
         httpx.AsyncClient(base_url=url, timeout=60) as http,
     ):
         name = engine.model_name
@@ -123,6 +124,16 @@ async def test_the_next_turn_finds_its_history_cached_up_to_its_new_messages(
     ]
     second = next(e for e in events if isinstance(e, ChunkPrefilled) and e.request_id == real[1])
     assert second.prefix_shared == predicted
+    # the second turn computes only what is new: well within 1.1x of it
+    assert prompt - cached <= 1.1 * (prompt - predicted)
+    # the log, and replay, tell the engine's own request from the clients'
+    ours = [e for e in events if isinstance(e, Admitted) and e.origin == "next-turn"]
+    assert ours[0].request_id == f"next-{real[0]}"  # (the second turn's may follow)
+    status, summary = replay(str(tmp_path / "on.jsonl"))
+    assert status == 0 and "requests: 2 (" in summary
+    assert "next turns prefilled by the engine: " in summary
+    status, verified = replay(str(tmp_path / "on.jsonl"), "--verify")
+    assert status == 0, verified
     # without it, the turn recomputes from the reminder the client moved
     _, cached_off, _ = await _two_turns(model, tmp_path / "off.jsonl", next_turn=False)
     assert cached_off < cached

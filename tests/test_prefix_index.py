@@ -159,3 +159,22 @@ def test_the_trie_answers_as_a_search_of_every_entry_would() -> None:
             e.trimmable and len(k) > len(key) and k[: len(key)] == key for k, e in live.items()
         )
         assert trie.has_trimmable_extension(key) == extended
+
+
+def test_the_newest_prefix_of_every_session_stays_and_an_older_turn_goes_first() -> None:
+    """Session-aware retention: two agent sessions on a hybrid model (entries only at their
+    own offsets) over one system prompt; the budget holds four entries. The older turns of
+    the busy session go before the other session's only, older, entry, and the shared
+    system prompt (a branch point) stays."""
+    index = PrefixIndex(400)
+    system = list(range(10))
+    a1, b1 = [*system, 100, 101], [*system, 200, 201]
+    for tokens in (system, b1, a1):
+        assert index.add_memory(info(tokens, trimmable=False)) == []
+    a2, a3, a4 = [*a1, 102, 103], [*a1, 102, 103, 104, 105], [*a1, 102, 103, 104, 105, 106]
+    assert index.add_memory(info(a2, trimmable=False)) == []
+    assert index.add_memory(info(a3, trimmable=False)) == [tuple(a1)]  # not b1, older still
+    assert index.add_memory(info(a4, trimmable=False)) == [tuple(a2)]
+    assert index.best([*b1, 7]).num_tokens == len(b1)  # the other session's newest stays
+    assert index.best([*a4, 7]).num_tokens == len(a4)
+    assert index.best([*system, 300, 301]).num_tokens == len(system)  # the shared prefix too

@@ -94,7 +94,11 @@ async def test_over_http_the_admitted_prompt_has_no_injected_turn(demo, tmp_path
                 body["messages"][0]["content"] = content
                 r = await http.post(f"{url}/v1/chat/completions", json=body)
                 assert r.status_code == 200
-    clean, injected = [e.prompt_token_ids for e in read_events(log) if isinstance(e, Admitted)]
+    clean, injected = [
+        e.prompt_token_ids
+        for e in read_events(log)
+        if isinstance(e, Admitted) and e.origin == "client"
+    ]
     assert special_count(demo, list(injected), IM_START) == special_count(
         demo, list(clean), IM_START
     )

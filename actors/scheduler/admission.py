@@ -61,17 +61,24 @@ def check_admissible(
 
 
 def check_queue(
-    states: Mapping[str, RequestState], config: SchedulerConfig, client: str | None = None
+    states: Mapping[str, RequestState],
+    config: SchedulerConfig,
+    client: str | None = None,
+    *,
+    background: bool = False,
 ) -> None:
     """Raise QueueFullError if `max_waiting` requests already wait for their first chunk, or
-    `max_waiting_per_client` of `client`'s do."""
+    `max_waiting_per_client` of `client`'s do. The engine's own requests (background.py) do
+    not count against a client's request; one of them (`background`) counts every request
+    waiting, and waits behind at most half the queue (it is an extra)."""
     num_waiting = mine = 0
     for s in states.values():
-        if s.status is Status.WAITING:
+        if s.status is Status.WAITING and (background or not s.is_background):
             num_waiting += 1
             mine += s.client == client
-    if num_waiting >= config.max_waiting:
-        raise QueueFullError(num_waiting, config.max_waiting)
+    limit = max(1, config.max_waiting // 2) if background else config.max_waiting
+    if num_waiting >= limit:
+        raise QueueFullError(num_waiting, limit)
     if mine >= config.max_waiting_per_client:
         raise QueueFullError(mine, config.max_waiting_per_client, per_client=True)
 

@@ -59,6 +59,7 @@ from stepline.actors.scheduler.admission import (
     check_queue,
     max_output_tokens,
 )
+from stepline.actors.scheduler.background import preemptions
 from stepline.actors.scheduler.bookkeeping import RequestBook
 from stepline.actors.scheduler.cost_model import CostModel
 from stepline.actors.scheduler.drafter import Drafter, SpeculativeConfig, speculates
@@ -97,6 +98,7 @@ from stepline.events.models import (
     Event,
     FinishReason,
     ImageEncoded,
+    Origin,
     Parked,
     RequestParams,
     Resumed,
@@ -189,6 +191,7 @@ class SchedulerCore:
         images: Sequence[PromptImage] = (),
         adapter: str | None = None,
         door: str | None = None,
+        origin: Origin = "client",
     ) -> None:
         """Admit a request of `client` (None: the anonymous one; the policy shares the slots
         fairly between clients) into the waiting queue, its `max_tokens` cut to what the
@@ -196,7 +199,9 @@ class SchedulerCore:
         records the limit it runs to). Raises AdmissionError (EngineDeadError,
         QueueFullError, ...) if it cannot be served. One the full queue refuses is recorded
         as a door's refusal (`refuse`: a lone terminal); one that got as far as the checks of
-        its prompt is recorded as admitted and at once rejected, so the log says why."""
+        its prompt is recorded as admitted and at once rejected, so the log says why. A
+        request of `origin` "next-turn" is the engine's own: it takes only what no client's
+        request wants (background.py)."""
         if self.book.has_seen(request_id):
             raise AdmissionError(f"request id {request_id!r} was already used: send a new one")
         self.book.remember(request_id)
@@ -211,7 +216,7 @@ class SchedulerCore:
                 self.book.own_checkpoints[request_id] = own
         if self.dead_reason is None:
             try:
-                check_queue(self.states, self.config, client)
+                check_queue(self.states, self.config, client, background=origin != "client")
             except QueueFullError as exc:
                 # Refused before it joins the queue, whatever its prompt: at the door, its
                 # kind as the code and the status the API answers it with (`refusal_status`).
@@ -235,6 +240,7 @@ class SchedulerCore:
             **admitted(request_id, ids, params, checkpoints, client, images, self.salt),
             adapter=adapter,
             door=door,
+            origin=origin,
         )
         if refused is not None:
             self._record(
@@ -294,6 +300,15 @@ class SchedulerCore:
         return updates
 
     # -- a step -------------------------------------------------------------------------
+
+    def preemptions(self) -> tuple[str, ...]:
+        """The engine's own running requests (a next turn's prefill) that a waiting client's
+        request needs the seat or the KV of: to end (`abort`, cancelled) before the next step
+        (background.py)."""
+        if not any(s.is_background for s in self.states.values()):
+            return ()
+        live = sorted(self.states.values(), key=lambda s: s.admitted_seq)
+        return preemptions(live, self.config)
 
     def housekeeping(self, *, before_step: bool = False) -> Housekeeping | None:
         """What the executor must do without a step: frees, retirements, entry drops and

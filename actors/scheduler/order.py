@@ -18,6 +18,10 @@ request waits steps aside for it as well: its newest decoding requests are parke
 seat frees (seats.py). A client may also fill at most three quarters of the waiting queue
 (`SchedulerConfig.max_waiting_per_client`, admission.py `check_queue`): the rest is kept
 for others.
+
+The engine's own requests (a next turn's prefill: `RequestState.is_background`) go after
+every client's prompt, start only while no client's request waits, and count in no client's
+share (background.py).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from functools import partial
 
+from stepline.actors.scheduler.background import clients_waiting
 from stepline.actors.scheduler.prefix_index import PrefixPlan
 from stepline.events.fold import RequestState, Status
 
@@ -46,13 +51,13 @@ def is_aged(s: RequestState, step: int) -> bool:
     return step - s.moved_step >= MAX_WAIT_STEPS
 
 
-def admission_key(s: RequestState, step: int, start: int) -> tuple[bool, int, int]:
+def admission_key(s: RequestState, step: int, start: int) -> tuple[bool, bool, int, int]:
     """Sort key of the prompts' order, for a prompt whose next chunk starts at `start`:
-    aged ones first (`is_aged`), oldest first; then the others, shortest prompt left first,
-    ties oldest first."""
+    clients' before the engine's own (background.py); then aged ones first (`is_aged`),
+    oldest first; then the others, shortest prompt left first, ties oldest first."""
     if is_aged(s, step):
-        return (False, 0, s.admitted_seq)
-    return (True, s.num_prompt_tokens - start, s.admitted_seq)
+        return (s.is_background, False, 0, s.admitted_seq)
+    return (s.is_background, True, s.num_prompt_tokens - start, s.admitted_seq)
 
 
 def first_chunk_start(s: RequestState, prefix: PrefixPlan) -> int:
@@ -63,13 +68,16 @@ def first_chunk_start(s: RequestState, prefix: PrefixPlan) -> int:
 def startable(live: list[RequestState], prefix: PrefixPlan) -> list[RequestState]:
     """Waiting requests that may start this step (ordered among the prompts by
     `admission_key`, with each one's cache hit). Only requests the prefix plan looked at
-    may start (it looks at a window of the queue: the others' cache hits are unknown)."""
+    may start (it looks at a window of the queue: the others' cache hits are unknown); the
+    engine's own only while no client's request waits (background.py)."""
+    ours_may = not clients_waiting(live)
     return [
         s
         for s in live
         if s.status is Status.WAITING
         and s.request_id not in prefix.deferred
         and (prefix.considered is None or s.request_id in prefix.considered)
+        and (ours_may or not s.is_background)
     ]
 
 
@@ -91,15 +99,16 @@ def fair_split(
 ) -> tuple[list[Prompt], list[Prompt]]:
     """`fair_order`'s order in two parts: the prompts that keep their place, and those that
     go after them (none with one client waiting)."""
-    if len({s.client for s, _ in prompts if s.status is Status.WAITING}) < 2:
+    waiting = {s.client for s, _ in prompts if s.status is Status.WAITING and not s.is_background}
+    if len(waiting) < 2:
         return prompts, []
-    share = max_num_seqs / len({s.client for s in live})
-    running = Counter(s.client for s in live if s.status in RUNNING)
+    share = max_num_seqs / len({s.client for s in live if not s.is_background})
+    running = Counter(s.client for s in live if s.status in RUNNING and not s.is_background)
     kept: list[Prompt] = []
     held: list[tuple[int, int, Prompt]] = []
     for i, p in enumerate(prompts):
         s = p[0]
-        if s.status is Status.WAITING:
+        if s.status is Status.WAITING and not s.is_background:
             place = running[s.client]  # its client's running requests when it starts
             running[s.client] += 1
             if place >= share:
@@ -150,6 +159,6 @@ class PromptOrder:
 
 
 def _goes_before(
-    key: tuple[bool, int, int], step: int, prefix: PrefixPlan, s: RequestState
+    key: tuple[bool, bool, int, int], step: int, prefix: PrefixPlan, s: RequestState
 ) -> bool:
     return s.status is Status.WAITING and admission_key(s, step, first_chunk_start(s, prefix)) < key

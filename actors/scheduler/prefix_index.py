@@ -14,8 +14,13 @@ says where an entry may be used:
 - at least one prompt token is always left to compute (the first output token needs
   its logits).
 
-The memory tier has a byte budget, least recently used out; the index decides what is
-evicted and the step loop tells the store. The disk tier's budget is the store's (it
+The memory tier has a byte budget; the index decides what is evicted and the step loop tells
+the store. Eviction is session-aware, not plain LRU over entries: an agent's session leaves a
+chain of entries, each turn's a prefix of the next, and only the newest serves its next turn.
+So an entry that a longer one extends along a single path (an older turn of one session) goes
+first, least recently used first; then the rest, least recently used first: the newest prefix
+of every session, and a prefix that sessions share (a branch point: a system prompt), stay
+longest. The disk tier's budget is the store's (it
 owns the files); the index only mirrors which entries are on disk.
 """
 
@@ -154,6 +159,14 @@ class TokenTrie:
         _, depth, partial, matched = self._descend(tokens)
         return depth + matched if partial is not None else depth
 
+    def num_branches(self, tokens: Sequence[int]) -> int:
+        """How many ways longer entries go on from entry `tokens` (0: none extends it; 2 or
+        more: prompts part there); 0 for tokens that are no entry."""
+        nodes, depth, partial, _ = self._descend(tokens)
+        if partial is not None or depth != len(tokens) or nodes[-1].entry is None:
+            return 0
+        return len(nodes[-1].children)
+
     def has_trimmable_extension(self, tokens: Sequence[int]) -> bool:
         """Whether a trimmable entry holds `tokens` and more (so it can serve `tokens`)."""
         nodes, depth, partial, matched = self._descend(tokens)
@@ -283,13 +296,22 @@ class PrefixIndex:
                     self._drop_memory(shorter.tokens)
                     drops.append(shorter.tokens)
         while self.nbytes > self.max_bytes and self._lru:
-            oldest = next(iter(self._lru))
+            oldest = self._next_out()
             self._drop_memory(oldest)
             self.evictions += 1
             drops.append(oldest)
             if oldest not in self._entries:  # gone from every tier
                 self._remember_evicted(oldest)
         return drops
+
+    def _next_out(self) -> Tokens:
+        """The memory entry to evict next: the least recently used of those a longer entry
+        extends along one path (an older turn of one session), else the least recently used."""
+        trie = self._trie
+        for tokens in self._lru:
+            if trie.num_branches(tokens) == 1:
+                return tokens
+        return next(iter(self._lru))
 
     def _remember_evicted(self, tokens: Tokens) -> None:
         if tokens in self._evicted_keys:

@@ -13,7 +13,9 @@ request of its own client starts. Nothing is lost or
 recomputed: a parked request's tokens come exactly as they would have, later.
 
 A parked request keeps its KV (the budget counts it); a prefilling one is never parked (its
-chunks are its own progress). With one client, nothing is ever parked.
+chunks are its own progress). With one client, nothing is ever parked. The engine's own
+requests (background.py) are nobody's share: they are ended, not parked, when a client's
+request needs their seat.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ def share_of(live: Sequence[RequestState], max_num_seqs: int) -> int:
 def seat_moves(live: Sequence[RequestState], max_num_seqs: int) -> SeatMoves:
     """Which requests of `live` (every unfinished request, oldest first) change seat this step
     (see the module docstring)."""
+    if any(s.is_background for s in live):
+        live = [s for s in live if not s.is_background]
     if not any(s.parked or s.status is Status.WAITING for s in live):
         return NO_MOVES  # every step while requests only decode: nothing to weigh
     parked = [s for s in live if s.parked]

@@ -40,6 +40,14 @@ FILE = {"type": _read_file, "metavar": "FILE"}  # the flag names a file; the fie
 JSON_OBJECT = {"type": _json_object, "metavar": "JSON"}
 
 
+def _on(value: str) -> bool:
+    """A yes/no flag's value: on (true, yes, 1) or off (false, no, 0)."""
+    word = value.lower()
+    if word not in ("on", "true", "yes", "1", "off", "false", "no", "0"):
+        raise argparse.ArgumentTypeError(f"{value!r}: say on or off")
+    return word in ("on", "true", "yes", "1")
+
+
 def _base(annotation: Any) -> tuple[Any, bool]:
     """The field's type without None, and whether None is allowed."""
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
@@ -59,8 +67,8 @@ def _flag(name: str, info: FieldInfo, special: dict[str, Any]) -> dict[str, Any]
             kw["type"] = int  # a number among a few (--kv-bits 4|8)
     elif kind is bool:
         if default:  # a flag that is on unless turned off
-            kw.update(choices=[True, False], type=lambda v: v.lower() in ("true", "1", "yes"))
-            kw["metavar"] = "{true,false}"
+            kw.update(choices=[True, False], type=_on)
+            kw["metavar"] = "{on,off}"
         else:
             kw["action"] = "store_true"
     elif typing.get_origin(kind) is tuple:
@@ -69,6 +77,8 @@ def _flag(name: str, info: FieldInfo, special: dict[str, Any]) -> dict[str, Any]
         kw["type"] = kind
     kw.update(special)
     shown = default if not isinstance(default, tuple) else None
+    if isinstance(shown, bool):
+        shown = "on" if shown else "off"
     if shown is not None and "store_true" != kw.get("action"):
         help_text += f" (default: {shown})" if help_text else f"(default: {shown})"
     kw["help"] = help_text

@@ -106,6 +106,12 @@ def _why_lines(s: Summary) -> list[str]:
             f"prefix-cache hits short of the prompt, by why: {misses} "
             "(stepline replay --request ID says where each broke)"
         )
+    if (nt := s.next_turns) is not None:
+        ends = ", ".join(f"{k} {n}" for k, n in nt.outcomes.items())
+        lines.append(
+            f"next turns prefilled by the engine: {_plural(nt.num_requests, 'request')} "
+            f"({ends}), {nt.num_prefilled_tokens} prompt tokens; not in the latencies above"
+        )
     d = s.drafts
     if d is not None:
         lines.append(

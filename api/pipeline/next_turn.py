@@ -8,7 +8,10 @@ included), so every turn would recompute the last answer and whatever follows it
 difference. So when a chat request ends, its conversation as the next request will render
 it — up to where that request's own new message begins — is prefilled at once, while the
 client runs its tools or its user reads: a request of its own (`next-…`, one token, its
-client's), whose cache the prefix cache keeps (the next request then starts from it).
+client's, `Admitted.origin` "next-turn"), whose cache the prefix cache keeps (the next
+request then starts from it). It runs only in what no client's request wants: it starts
+while none waits, and is cancelled when one needs its seat or its KV
+(actors/scheduler/background.py).
 
 What a client rewrites without changing what the model is meant to see is predicted only
 where the conversation itself shows it: a `<system-reminder>` that sits on the newest user
@@ -160,7 +163,11 @@ class NextTurn:
                 return
             params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
             stream = await engine.submit(
-                ids, params=params, request_id=f"next-{self.request_id}", client=self.client
+                ids,
+                params=params,
+                request_id=f"next-{self.request_id}",
+                client=self.client,
+                origin="next-turn",
             )
             async with stream:
                 async for _ in stream:

@@ -242,6 +242,8 @@ def _skip_reason(rec: RecordedRequest, images_at: Path | None = None) -> str | N
         return "rejected when recorded"
     if p.embed is not None:  # the log keeps no vector to compare with
         return "an embedding (no tokens to compare)"
+    if rec.admitted.origin != "client":  # its one token is no answer; a client may preempt it
+        return "the engine's own prefill of a next turn (no client's tokens)"
     if rec.admitted.images and (
         images_at is None or any(not (images_at / i.digest).is_file() for i in rec.admitted.images)
     ):

@@ -202,6 +202,9 @@ class Summary(Report):
     # empty for logs before schema 8, or with no prefix cache
     prefix_misses: dict[str, int] = Field(default_factory=dict)
     drafts: Drafts | None = None  # speculative decoding's drafts (None: nothing drafted)
+    # the engine's own requests (`Admitted.origin`: next turns prefilled), apart from the
+    # clients': their percentiles and misses are not in the figures above; None: there were none
+    next_turns: NextTurns | None = None
     slowest_steps: tuple[SlowStep, ...]
     longest_idle: tuple[IdleGap, ...]
     in_flight: tuple[InFlight, ...]  # unfinished when the log ends
@@ -224,11 +227,23 @@ class _Track:
     admitted_ts: float
     first_scheduled_ts: float | None = None
     chunked: bool = False
+    ours: bool = False  # the engine's own (`Admitted.origin`)
 
     def status(self, num_output: int) -> Status:
         if self.num_computed >= self.num_prompt_tokens:
             return Status.DECODING
         return Status.PREFILLING if self.chunked else Status.WAITING
+
+
+class NextTurns(Report):
+    """The engine's own prefills of chats' next turns (api/pipeline/next_turn.py): how many,
+    how they ended (a client's request needing the seat cancels one), the prompt tokens they
+    computed. Counted in the summary's token totals; left out of its requests, outcomes,
+    latency percentiles and prefix misses (a client waits for none of them)."""
+
+    num_requests: int
+    outcomes: dict[str, int]
+    num_prefilled_tokens: int
 
 
 class Drafts(Report):
@@ -323,6 +338,9 @@ class _Summariser:
         self.limits: Counter[str] = Counter()
         self.held: Counter[str] = Counter()
         self.prefix_misses: Counter[str] = Counter()
+        self.ours: set[str] = set()  # the engine's own requests (next turns), live
+        self.ours_outcomes: Counter[str] = Counter()
+        self.ours_prefilled = 0
         self.drafts = _DraftTally()
         self.num_events = self.num_steps = 0
         self.num_prompt = self.num_cached = self.num_prefilled = self.num_output = 0
@@ -449,6 +467,16 @@ class _Summariser:
         if handler is not None:
             handler(event)
 
+    def next_turns(self) -> NextTurns | None:
+        """The engine's own requests' figures (None: it sent none)."""
+        if not self.ours_outcomes:
+            return None
+        return NextTurns(
+            num_requests=sum(self.ours_outcomes.values()),
+            outcomes=dict(self.ours_outcomes.most_common()),
+            num_prefilled_tokens=self.ours_prefilled,
+        )
+
     def admitted(self, event: Admitted) -> None:
         if event.request_id in self.tracks:
             return
@@ -457,6 +485,7 @@ class _Summariser:
             num_computed=event.num_cached_tokens,
             admitted_step=event.step,
             admitted_ts=event.ts,
+            ours=getattr(event, "origin", "client") != "client",
         )
         self.num_prompt += event.num_prompt_tokens
         self.num_cached += event.num_cached_tokens
@@ -465,11 +494,13 @@ class _Summariser:
             focus.admitted_ts = event.ts
 
     def chunk(self, event: ChunkPrefilled) -> None:
-        if event.prefix_miss is not None:
+        t = self.tracks.get(event.request_id)
+        if t is not None and t.ours:
+            self.ours_prefilled += event.end - event.start
+        elif event.prefix_miss is not None:
             self.prefix_misses[event.prefix_miss] += 1
         self.num_prefilled += event.end - event.start
         self.num_cached += event.num_cached_tokens  # the first chunk says what it reused
-        t = self.tracks.get(event.request_id)
         if t is not None:
             t.num_computed = max(t.num_computed, event.end)
             t.chunked = True
@@ -490,8 +521,11 @@ class _Summariser:
             if event.status is not None:  # refused at a door: never admitted
                 self.run_outcomes[str(event.reason)] += 1
             return  # else a second terminal, or an unknown request: verify's business
-        self.run_outcomes[str(event.reason)] += 1
-        self.e2e.add(event.ts - t.admitted_ts)
+        if t.ours:
+            self.ours_outcomes[str(event.reason)] += 1
+        else:
+            self.run_outcomes[str(event.reason)] += 1
+            self.e2e.add(event.ts - t.admitted_ts)
 
     def model_loaded(self, event: ModelLoaded) -> None:
         self.loads.add(event)
@@ -513,7 +547,7 @@ class _Summariser:
         tracks = self.tracks
         for rid in firsts:
             t = tracks.get(rid)
-            if t is not None:
+            if t is not None and not t.ours:
                 self.ttft.add(ts - t.admitted_ts)
         assert self.run is not None
         run = self.run.index
@@ -573,7 +607,8 @@ class _Summariser:
                 t = tracks.get(rid)
                 if t is not None and t.first_scheduled_ts is None:
                     t.first_scheduled_ts = event.ts
-                    self.queueing.add(event.ts - t.admitted_ts)
+                    if not t.ours:
+                        self.queueing.add(event.ts - t.admitted_ts)
             if event.limits:
                 self.limits.update(filter(None, event.limits[n_decode:]))
         if event.held_reasons:
@@ -771,6 +806,7 @@ def _summary(
         held_reasons=dict(s.held.most_common()),
         prefix_misses=dict(s.prefix_misses.most_common()),
         drafts=s.drafts.report(),
+        next_turns=s.next_turns(),
         slowest_steps=tuple(s.slow_steps.items()),
         longest_idle=tuple(s.idle_gaps.items()),
         in_flight=tuple(s.in_flight),

@@ -67,6 +67,8 @@ class ViolationKind(StrEnum):
     STEP_OVER_BUDGET = "step-over-budget"
     STEP_OVER_MAX_NUM_SEQS = "step-over-max-num-seqs"
     DUPLICATE_STEP_ENTRY = "duplicate-step-entry"  # a request twice in one step
+    # the engine's own request (a next turn's prefill) started while a client's waited
+    NEXT_TURN_BEFORE_CLIENT = "next-turn-before-client"
     UNKNOWN_MODEL = "unknown-model"  # an event of a model its run's header does not list
     CORRUPT_LOG = "corrupt-log"  # a line that cannot be read; verification stops there
 
@@ -352,6 +354,7 @@ class _Verifier:
             )
         ids = event.request_ids
         states = self.states
+        self._check_ours_wait(event)
         if len(set(ids)) == len(ids) and all(
             (state := states.get(rid)) is not None and not state.is_finished for rid in ids
         ):
@@ -382,6 +385,30 @@ class _Verifier:
                     event,
                     request_id=rid,
                 )
+
+    def _check_ours_wait(self, event: StepPlanned) -> None:
+        """The engine's own requests start only while no client's request waits (a client's
+        starting in the same step aside)."""
+        states = self.states
+        starting = [
+            s
+            for rid in event.request_ids
+            if (s := states.get(rid)) is not None and s.status is Status.WAITING
+        ]
+        ours = [s for s in starting if s.is_background]
+        if not ours:
+            return
+        joined = set(event.request_ids)
+        for s in states.values():
+            if s.status is Status.WAITING and not s.is_background and s.request_id not in joined:
+                self.flag(
+                    ViolationKind.NEXT_TURN_BEFORE_CLIENT,
+                    f"step {event.step} starts the engine's own request {ours[0].request_id} "
+                    f"while client request {s.request_id} waits",
+                    event,
+                    request_id=ours[0].request_id,
+                )
+                return
 
 
 def verify(

@@ -33,8 +33,9 @@ let header = null; // the run's header (its config: the step-time target)
 let live = true;
 
 // The door an `admitted` event records: its HTTP path's short name (the path itself for one
-// not listed); none: the Python API.
+// not listed); none: the Python API. The engine's own next-turn prefills say so.
 function doorOf(e) {
+  if (e.origin === "next-turn") return "next turn (engine)";
   if (e.door) return DOORS[e.door] || e.door;
   return "python";
 }
@@ -50,6 +51,7 @@ function apply(e) {
       S.requests.set(e.request_id, {
         id: e.request_id, model: e.model, client: e.client, admittedAt: e.ts, door: doorOf(e),
         doorPath: e.door || "the Python API",
+        origin: e.origin || "client", // "next-turn": the engine's own prefill of a next turn
         prompt: e.num_prompt_tokens, maxTokens: e.params.max_tokens, prefilled: 0, cached: 0,
         chunks: 0, out: 0,
         scheduledAt: null, firstTokenAt: null, state: "waiting",
