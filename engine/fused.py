@@ -393,13 +393,10 @@ def fused_forward_proof(model: Any, kv: KVQuant | None = None) -> Proof:
                 cache = make_cache(model, kv)
                 inner(tokens[:, :num_tokens], cache=cache)
                 return cache
-            cache = share_cache(prompt)
-            for layer in cache:
-                layer.trim(layer.offset - num_tokens)
-            return cache
+            return _trimmed(prompt, num_tokens)
 
         def batch() -> list[Any]:  # rows of 8 and 3 tokens
-            return [type(r[0]).merge(list(r)) for r in zip(at(8), at(3), strict=True)]
+            return _two_rows(at)
 
         last, chunk = mx.array([9, 10]), mx.array([11, 12, 13])
         want_rows = inner(last[:, None], cache=batch())[:, -1, :]
@@ -415,6 +412,19 @@ def fused_forward_proof(model: Any, kv: KVQuant | None = None) -> Proof:
     except Exception as exc:  # noqa: BLE001 - whatever fails here: separate forwards
         log.info("fused_forward_unavailable", reason=repr(exc))
         return False
+
+
+def _trimmed(prompt: list[Any], num_tokens: int) -> list[Any]:
+    """A proof's prompt cache cut to its first `num_tokens`, a cache of its own."""
+    cache = share_cache(prompt)
+    for layer in cache:
+        layer.trim(layer.offset - num_tokens)
+    return cache
+
+
+def _two_rows(at: Callable[[int], list[Any]]) -> list[Any]:
+    """A proof's decode batch: rows of the prompt's first 8 and first 3 tokens."""
+    return [type(r[0]).merge(list(r)) for r in zip(at(8), at(3), strict=True)]
 
 
 def media_fused_proof(model: Any, kv: KVQuant | None = None) -> Proof:
@@ -442,13 +452,10 @@ def media_fused_proof(model: Any, kv: KVQuant | None = None) -> Proof:
         yield
 
         def at(num_tokens: int) -> list[Any]:
-            cache = share_cache(prompt)
-            for layer in cache:
-                layer.trim(layer.offset - num_tokens)
-            return cache
+            return _trimmed(prompt, num_tokens)
 
         def batch() -> list[Any]:  # rows of 8 and 3 tokens
-            return [type(r[0]).merge(list(r)) for r in zip(at(8), at(3), strict=True)]
+            return _two_rows(at)
 
         last, chunk = mx.array([9, 10]), mx.array([11, 12, 13])
         table = inner.embed_tokens(mx.array([[21, 22, 23]]))
