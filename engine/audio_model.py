@@ -22,7 +22,6 @@ audio model is loaded.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -159,18 +158,9 @@ def take_embeddings(model: Any) -> None:
 
 def demo_path(cache_dir: str | Path | None = None) -> Path:
     """The directory of `stepline-demo-audio`, built there on first use."""
-    from stepline.engine.cache_dirs import build_once, cache_root
-    from stepline.engine.vision import _require_mlx_vlm
-
-    _require_mlx_vlm()
-    recipe = json.dumps(
-        {"v": _DEMO_BUILD_VERSION, "demo": _DEMO, "corpus": demo_files.CORPUS_PATH.read_text()},
-        sort_keys=True,
+    return demo_files.multimodal_demo_path(
+        AUDIO_DEMO, _DEMO_BUILD_VERSION, _DEMO, _build_demo, cache_dir
     )
-    digest = hashlib.sha256(recipe.encode()).hexdigest()[:12]
-    final = cache_root(cache_dir) / "models" / f"{AUDIO_DEMO}-{digest}"
-    build_once(final, _build_demo)
-    return final
 
 
 # The demo's shape: the text demo's 2-layer size as Phi-3 (fused qkv, partial rotary), a

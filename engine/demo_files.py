@@ -184,3 +184,24 @@ def sentence_transformers_files(pooling: str, dimension: int) -> dict[str, Any]:
         "2_Normalize/config.json": {},  # sentence-transformers writes none; a folder needs a file
         "config_sentence_transformers.json": {"prompts": {}, "similarity_fn_name": "cosine"},
     }
+
+
+def multimodal_demo_path(
+    name: str, version: int, shape: dict[str, Any], build: Any, cache_dir: str | Path | None
+) -> Path:
+    """The directory of the multimodal demo `name` (mlx-vlm's: the vision, audio and omni
+    demos), built there by `build(directory)` on first use, under a digest of its recipe
+    (`version`, its `shape` and the shared corpus) so a changed recipe builds anew."""
+    import hashlib
+
+    from stepline.engine.cache_dirs import build_once, cache_root
+    from stepline.engine.vision import _require_mlx_vlm
+
+    _require_mlx_vlm()
+    recipe = json.dumps(
+        {"v": version, "demo": shape, "corpus": CORPUS_PATH.read_text()}, sort_keys=True
+    )
+    digest = hashlib.sha256(recipe.encode()).hexdigest()[:12]
+    final = cache_root(cache_dir) / "models" / f"{name}-{digest}"
+    build_once(final, build)
+    return final

@@ -26,7 +26,6 @@ module only when an omni model is loaded.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -289,18 +288,9 @@ def load_omni(path: Path, config: dict[str, Any], fit: Any) -> VisionCheckpoint:
 
 def demo_path(cache_dir: str | Path | None = None) -> Path:
     """The directory of `stepline-demo-omni`, built there on first use."""
-    from stepline.engine.cache_dirs import build_once, cache_root
-    from stepline.engine.vision import _require_mlx_vlm
-
-    _require_mlx_vlm()
-    recipe = json.dumps(
-        {"v": _DEMO_BUILD_VERSION, "demo": _DEMO, "corpus": demo_files.CORPUS_PATH.read_text()},
-        sort_keys=True,
+    return demo_files.multimodal_demo_path(
+        OMNI_DEMO, _DEMO_BUILD_VERSION, _DEMO, _build_demo, cache_dir
     )
-    digest = hashlib.sha256(recipe.encode()).hexdigest()[:12]
-    final = cache_root(cache_dir) / "models" / f"{OMNI_DEMO}-{digest}"
-    build_once(final, _build_demo)
-    return final
 
 
 # The demo's shape: a 2-layer Qwen3-MoE text model of the text demo's width (4 experts, 2 a

@@ -26,7 +26,6 @@ mlx-vlm is imported only here, and this module only when a vision model is loade
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import json
 from collections.abc import Callable, Mapping
@@ -601,19 +600,9 @@ def _load_audio_model(
 def demo_path(cache_dir: str | Path | None = None, name: str = VISION_DEMO) -> Path:
     """The directory of the vision demo `name` (`stepline-demo-vision`, an Idefics3, or
     `stepline-demo-vision-qwen`, a Qwen2.5-VL), built there on first use."""
-    _require_mlx_vlm()
-    from stepline.engine.cache_dirs import build_once, cache_root
-
     qwen = name == VISION_QWEN_DEMO
     shape, build = (_QWEN_DEMO, _build_qwen_demo) if qwen else (_DEMO, _build_demo)
-    recipe = json.dumps(
-        {"v": _DEMO_BUILD_VERSION, "demo": shape, "corpus": demo_files.CORPUS_PATH.read_text()},
-        sort_keys=True,
-    )
-    digest = hashlib.sha256(recipe.encode()).hexdigest()[:12]
-    final = cache_root(cache_dir) / "models" / f"{name}-{digest}"
-    build_once(final, build)
-    return final
+    return demo_files.multimodal_demo_path(name, _DEMO_BUILD_VERSION, shape, build, cache_dir)
 
 
 # The demo's shape: a 2-layer text model of the text demo's size; 64-pixel tiles of 8-pixel
