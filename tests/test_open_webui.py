@@ -24,7 +24,7 @@ import httpx
 import pytest
 import pytest_asyncio
 from browser import CHROMIUM, Page, chromium_page
-from helpers import Served, hold_open, open_served, until_async, wait_finished
+from helpers import Served, hold_open, open_served, until_async, wait_finished, wait_until
 
 pytestmark = [
     pytest.mark.open_webui,
@@ -280,7 +280,7 @@ async def test_stop_in_the_page_cancels_the_answer_on_the_server(
             page, model, "Write a long story about a dragon and a knight, in many chapters."
         )
 
-        async def answering() -> str | None:  # the answer, some tokens out
+        def answering() -> str | None:  # the answer, some tokens out
             for rid in ours(stepline, prefix, before):
                 state = loop.states.get(rid)
                 # the answer sets no max_tokens (so it has the server's cap); the title job
@@ -289,7 +289,10 @@ async def test_stop_in_the_page_cancels_the_answer_on_the_server(
                     return rid if state.num_output_tokens >= 3 else None
             return None
 
-        rid = await until_async(answering, within=WITHIN_S, what="the answer running")
+        # the step loop's own turns, not a poll: its state changes only as it steps
+        await wait_until(loop, lambda: answering() is not None, within=WITHIN_S)
+        rid = answering()
+        assert rid is not None
 
         async def drawn() -> bool:  # Open WebUI's server has it as its task: Stop can end it
             [answer] = answers(await fetch_json(page, f"/api/v1/chats/{chat_id}"))
