@@ -47,6 +47,10 @@ import httpx
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
+# Every server samples the same way: a model's own repetition penalty (stepline's default
+# model has 1.1 in its generation_config.json) is turned off, as greedy runs elsewhere are.
+NO_PENALTY = {"repetition_penalty": 1.0}
+
 
 # -- one request ------------------------------------------------------------------------------
 
@@ -185,6 +189,7 @@ def chat(model: str, user: str, max_tokens: int, system: str | None = None) -> d
         "max_tokens": max_tokens,
         "temperature": 0.0,
         "ignore_eos": True,
+        **NO_PENALTY,
     }
 
 
@@ -226,6 +231,7 @@ async def head_of_line(t: Target, client, prompts: Prompts, args) -> Run:
             "max_tokens": 16,
             "temperature": 0.0,
             "ignore_eos": True,
+            **NO_PENALTY,
         },
         limit_s=args.request_timeout,
     )
