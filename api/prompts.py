@@ -15,7 +15,7 @@ Images (a vision model's prompts): a message's content may hold `{"type": "image
 ...}` parts (`ImageData` from a door, or an image file's bytes from the Python API). The chat
 template renders each as the model's placeholder; the rendering is tokenized around them and
 each image's own token span (its markers and placeholder tokens, the model family's:
-`engine/vision.py`) goes in its place, with what its vision encoder reads.
+`engine/vision/`) goes in its place, with what its vision encoder reads.
 """
 
 from __future__ import annotations
@@ -114,7 +114,8 @@ class Prompts:
         audio: Any = None,
     ):
         self.tokenizer = tokenizer
-        # a vision model's image prompts (`engine.vision.Idefics3Images`, ...); None: text only
+        # a vision model's image prompts (`engine.vision.idefics3.Idefics3Images`, ...);
+        # None: text only
         self.images = images
         # an audio model's clip prompts (`engine.audio_model.Phi4mmAudio`); None: no audio
         self.audio = audio

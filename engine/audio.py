@@ -65,7 +65,7 @@ class AudioData:
     rate: int  # the model's sample rate
     # numpy float32 (num_samples,); None once the encoder's inputs are made from it
     samples: Any = field(default=None, repr=False, compare=False)
-    # those inputs (`engine.vision.Expanded`), where a door made them as it decoded the clip
+    # those inputs (`engine.vision.parts.Expanded`), where a door made them as it decoded the clip
     expanded: Any = field(default=None, repr=False, compare=False)
 
     @property
@@ -251,7 +251,7 @@ def place_audio(
     expanded: Any, audio: AudioData, tokenizer: Any, start: int
 ) -> tuple[list[int], PromptImage]:
     """`audio` in a prompt at token position `start`, as its model's family expanded it
-    (`expanded`: `engine.vision.Expanded`): the span's token ids and its span (a
+    (`expanded`: `engine.vision.parts.Expanded`): the span's token ids and its span (a
     `PromptImage` of medium audio), which keeps the clip's bytes but not its samples."""
     ids = list(tokenizer.encode(expanded.text, add_special_tokens=False))
     placed = PromptImage(

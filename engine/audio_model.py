@@ -16,8 +16,8 @@ carries per-request position state.
 `stepline-demo-audio` is a random-weight Phi-4-multimodal built on first use, with the demo
 tokenizer, for tests and for trying audio offline.
 
-mlx-vlm is imported only here (and in `engine/vision.py`), and this module only when an
-audio model is loaded.
+mlx-vlm is imported only here (and in `engine/vision/`, `engine/omni.py`), and this module
+only when an audio model is loaded.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import numpy as np
 from stepline.engine import demo_files
 from stepline.engine.audio import AudioData
 from stepline.engine.demo_files import AUDIO_DEMO
-from stepline.engine.vision import EncodeJob, Expanded
+from stepline.engine.vision.parts import EncodeJob, Expanded
 
 _DEMO_BUILD_VERSION = 1
 
@@ -215,7 +215,7 @@ def build_phi4mm(out: Path, shape: dict[str, Any]) -> None:
     200011; its model reads `audio_token_index` from the config)."""
     from transformers import PreTrainedTokenizerFast
 
-    from stepline.engine.vision import random_weights
+    from stepline.engine.vision.demos import random_weights
 
     (out / "tokenizer.json").write_text(demo_files.train_tokenizer_json(1024), encoding="utf-8")
     max_context = shape["text"]["max_position_embeddings"]

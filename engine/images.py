@@ -3,7 +3,7 @@ the limits and decoded once, named by their content digest. MLX-free; Pillow (th
 extra) is imported only when an image is decoded.
 
 What a vision model makes of an image (its token span, its pixel values) is the model's
-business (`engine/vision.py`), and where its span sits in a prompt is the scheduler's
+business (`engine/vision/`), and where its span sits in a prompt is the scheduler's
 (`actors/scheduler/spans.py`); here an image is only validated data.
 """
 
@@ -68,7 +68,7 @@ class ImageData:
     media_type: str  # image/png, image/jpeg, ... as the bytes say (not as the client claimed)
     # PIL.Image.Image, mode RGB; None once the vision encoder's inputs are made from it
     pixels: Any = field(repr=False, compare=False)
-    # those inputs (`engine.vision.Expanded`), where a door made them as it decoded the image
+    # those inputs (`engine.vision.parts.Expanded`), where a door made them as it decoded the image
     expanded: Any = field(default=None, repr=False, compare=False)
 
     @property
@@ -258,7 +258,7 @@ def place_image(
     expanded: Any, image: ImageData, tokenizer: Any, start: int
 ) -> tuple[list[int], PromptImage]:
     """`image` in a prompt at token position `start`, as its vision model's family expanded
-    it (`expanded`: `engine.vision.Expanded`, the span's text and the encoder's inputs): the
+    it (`expanded`: `engine.vision.parts.Expanded`, the span's text and the encoder's inputs): the
     span's token ids and the `PromptImage` of [start, start + len(ids)), which keeps the
     image's bytes but not its decoded pixels (the encoder reads `expanded.inputs`)."""
     ids = list(tokenizer.encode(expanded.text, add_special_tokens=False))

@@ -19,7 +19,7 @@ The encoders' work comes in units a step runs some of:
   deepstack features kept with the span and added by the first text layers).
 
 `stepline-demo-omni` is a random-weight thinker built on first use, with the demo tokenizer.
-mlx-vlm is imported only here (and in `engine/vision.py`, `engine/audio_model.py`), and this
+mlx-vlm is imported only here (and in `engine/vision/`, `engine/audio_model.py`), and this
 module only when an omni model is loaded.
 """
 
@@ -37,15 +37,14 @@ import numpy as np
 from stepline.engine import demo_files, mrope
 from stepline.engine.audio import AudioData
 from stepline.engine.demo_files import OMNI_DEMO
-from stepline.engine.vision import (
+from stepline.engine.vision.parts import (
     EncodeJob,
     Expanded,
-    QwenVLImages,
     VisionCheckpoint,
     VisionEncoder,
     VisionParts,
-    _qwen3_tower_inputs,
 )
+from stepline.engine.vision.qwen_vl import QwenVLImages, _qwen3_tower_inputs
 
 _DEMO_BUILD_VERSION = 1
 
@@ -122,8 +121,7 @@ class OmniVisionEncoder(VisionEncoder):
     """The thinker's vision tower, one block a unit, and its prompts' 3-D positions."""
 
     def __init__(self, thinker: Any, text_model: Any):
-        super().__init__(thinker, text_model, "qwen3_omni_moe")
-        self.is_mrope = True
+        super().__init__(thinker, text_model)
         self._image_id = thinker.config.image_token_id
 
     def positions(
@@ -257,7 +255,7 @@ def load_omni(path: Path, config: dict[str, Any], fit: Any) -> VisionCheckpoint:
     from mlx_vlm.utils import load_model as load_vlm
     from mlx_vlm.utils import load_processor
 
-    from stepline.engine.vision import _text_model
+    from stepline.engine.vision.text_model import text_model
 
     vlm = load_vlm(path)
     weights = fit(vlm)
@@ -271,7 +269,7 @@ def load_omni(path: Path, config: dict[str, Any], fit: Any) -> VisionCheckpoint:
     text_config["model_type"] = "qwen3_moe"
     quantized = {k: config[k] for k in ("quantization", "quantization_config") if k in config}
     top = {"model_type": config["model_type"], "text_config": text_config, **quantized}
-    text = _text_model(vlm, top)
+    text = text_model(vlm, top)
     mrope.install(text, thinker)
     parts = VisionParts(
         config["model_type"],
@@ -364,7 +362,7 @@ def build_qwen3_omni(out: Path, shape: Mapping[str, Any]) -> None:
     template that renders an image part and an audio part as Qwen3-Omni's does."""
     from tokenizers import Tokenizer
 
-    from stepline.engine.vision import random_weights
+    from stepline.engine.vision.demos import random_weights
 
     tokenizer = Tokenizer.from_str(demo_files.train_tokenizer_json(1024))
     tokenizer.add_special_tokens(list(OMNI_TOKENS))

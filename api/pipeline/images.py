@@ -72,8 +72,9 @@ class ImageOptions:
     allow_urls: bool = False  # fetch http(s) image URLs
     fetch_timeout_s: float = 10.0  # most time one image URL's fetch takes, redirects included
     limits: ImageLimits = ImageLimits()
-    # the model's vision encoder inputs of a decoded image (`engine.vision` `expand`): made
-    # as soon as it is decoded, and its pixels dropped; None: the pixels are kept
+    # the model's vision encoder inputs of a decoded image (its family's `expand`,
+    # `engine/vision/`): made as soon as it is decoded, and its pixels dropped; None: the
+    # pixels are kept
     expand: Callable[[ImageData], Any] | None = field(default=None, compare=False)
     budget: PixelBudget | None = field(default=None, compare=False)  # the server's, shared
 
