@@ -121,6 +121,15 @@ class VisionEncoder:
         return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=1)
 
 
+def scattered(base: mx.array, mask: mx.array, features: mx.array) -> mx.array:
+    """`base` (1, span, D) with the rows where `mask` (1, span) holds replaced by `features`,
+    in order, cast to `base`'s dtype (mlx-vlm's Qwen3-VL and Qwen3-Omni `masked_scatter`)."""
+    rows = mx.array(np.flatnonzero(np.asarray(mask).reshape(-1)).astype(np.uint32))
+    out = base.reshape(-1, base.shape[-1])
+    out[rows] = features.reshape(-1, base.shape[-1]).astype(base.dtype)
+    return out.reshape(base.shape)
+
+
 @dataclass(frozen=True)
 class VisionParts:
     """What a LoadedModel of a vision-language (or audio) model carries beside the text

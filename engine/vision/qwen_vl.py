@@ -20,7 +20,7 @@ import numpy as np
 from stepline.engine import demo_files, mrope
 from stepline.engine.images import ImageData
 from stepline.engine.vision.demos import random_weights
-from stepline.engine.vision.parts import EncodeJob, Expanded, VisionEncoder
+from stepline.engine.vision.parts import EncodeJob, Expanded, VisionEncoder, scattered
 
 
 class QwenVLImages:
@@ -55,21 +55,31 @@ class QwenVLImages:
 
 
 class QwenVLEncoder(VisionEncoder):
-    """The vision tower of a Qwen2.5-VL or a Qwen3-VL, a block a unit, and its prompts' 3-D
-    positions."""
+    """The vision tower of a Qwen2.5-VL or a Qwen3-VL (Qwen3-Omni's thinker's too), a block a
+    unit, and its prompts' 3-D positions. `image_id`: the image token's id (by default the
+    config's `image_token_index`, as mlx-vlm's Qwen3-VL reads it)."""
+
+    def __init__(self, vlm: Any, text_model: Any, image_id: int | None = None):
+        super().__init__(vlm, text_model)
+        self._image_id = (
+            getattr(vlm.config, "image_token_index", None) if image_id is None else image_id
+        )
 
     def positions(
         self, prompt: list[int], inputs: list[Mapping[str, Any]]
     ) -> tuple[mx.array, int] | None:
         """A prompt's 3-D positions (3, L) and rope delta (`mrope.prompt_positions`), the
-        prompt holding images of encoder `inputs` (in order)."""
-        grids = [i["image_grid_thw"] for i in inputs]
+        prompt holding media of encoder `inputs` (in order): images by their grids, anything
+        else (an omni thinker's clips) as text."""
+        grids = [i["image_grid_thw"] for i in inputs if "image_grid_thw" in i]
         return mrope.prompt_positions(self.vlm, prompt, grids)
 
     def _run_units(self, job: EncodeJob, start: int, end: int) -> None:
-        """Qwen2.5-VL: unit u is block u of the vision tower over the whole image (its
-        windowed or full attention, as the tower's own `__call__` runs it); the last one merges
-        the patches and puts them in the span (mlx-vlm's `get_input_embeddings`)."""
+        """Unit u is block u of the vision tower over the whole image (Qwen2.5-VL's windowed
+        or full attention, as the tower's own `__call__` runs it; Qwen3-VL's full, its
+        deepstack features taken after the blocks that make them); the last one merges the
+        patches and puts them in the span (mlx-vlm's `get_input_embeddings`), with Qwen3-VL's
+        deepstack features at the span's image tokens."""
         vlm, state = self.vlm, job.state
         tower = vlm.vision_tower
         stacked = getattr(tower, "deepstack_visual_indexes", None)  # Qwen3-VL's tower
@@ -90,18 +100,20 @@ class QwenVLEncoder(VisionEncoder):
                 state[f"deepstack{stacked.index(u)}"] = merger(state["hidden"])
         if end == job.units:
             ids = job.span_ids[None]
-            config = vlm.config
-            embeds = vlm.language_model.model.embed_tokens(ids)
             if stacked is None:
+                config = vlm.config
+                embeds = vlm.language_model.model.embed_tokens(ids)
                 features = tower.merger(state["hidden"])[mx.argsort(state["window_index"])]
                 job.embeddings = vlm.merge_input_ids_with_image_features(
                     config.image_token_id, config.video_token_id, features, embeds, ids
                 )
             else:
-                job.embeddings = _scattered(embeds, ids, tower.merger(state["hidden"]), config)
+                embeds = self._embed_tokens(ids)
+                mask = ids == self._image_id
+                job.embeddings = scattered(embeds, mask, tower.merger(state["hidden"]))
                 job.deepstack = mx.stack(
                     [
-                        _scattered(mx.zeros_like(embeds), ids, state[f"deepstack{i}"], config)
+                        scattered(mx.zeros_like(embeds), mask, state[f"deepstack{i}"])
                         for i in range(len(stacked))
                     ]
                 )
@@ -147,15 +159,6 @@ def _qwen3_tower_inputs(tower: Any, inputs: Mapping[str, Any]) -> dict[str, mx.a
     cu_seqlens = mx.cumsum(mx.concatenate(lengths).astype(mx.int32), axis=0)
     cu_seqlens = mx.pad(cu_seqlens, (1, 0), mode="constant", constant_values=0)
     return {"hidden": hidden.reshape(seq_len, -1), "rotary": rotary, "cu_seqlens": cu_seqlens}
-
-
-def _scattered(base: mx.array, ids: mx.array, features: mx.array, config: Any) -> mx.array:
-    """`base` (1, span, D) with the image tokens' rows of `ids` replaced by `features`, in
-    order (mlx-vlm's Qwen3-VL `masked_scatter`)."""
-    from mlx_vlm.models.qwen3_vl.qwen3_vl import masked_scatter
-
-    mask = ids == config.image_token_index
-    return masked_scatter(base, mx.broadcast_to(mask[..., None], base.shape), features)
 
 
 def load_parts(vlm: Any, processor: Any, text_model: Any) -> tuple[QwenVLImages, VisionEncoder]:
