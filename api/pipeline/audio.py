@@ -16,7 +16,6 @@ clip at a time, and the clip's encoder inputs are made at once (its samples drop
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -204,9 +203,7 @@ def _decoded(source: AudioSource, options: AudioOptions) -> AudioData:
     clip = decode_audio(
         data, where=source.where, rate=options.rate, claimed=source.format, limits=options.limits
     )
-    if options.expand is None:
-        return clip
-    return dataclasses.replace(clip, samples=None, expanded=options.expand(clip))
+    return clip if options.expand is None else clip.with_inputs(options.expand(clip))
 
 
 def _with_audio(message: dict[str, Any], clips: Iterator[AudioData]) -> dict[str, Any]:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import dataclasses
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, nullcontext
@@ -331,10 +330,7 @@ def _header(data: bytes, source: ImageSource, limits: ImageLimits) -> ImageHeade
 
 def _decoded(data: bytes, where: str, options: ImageOptions) -> ImageData:
     image = decode_image(data, where=where, limits=options.limits)
-    if options.expand is None:
-        return image
-    expanded = options.expand(image)
-    return dataclasses.replace(image, pixels=None, expanded=expanded)
+    return image if options.expand is None else image.with_inputs(options.expand(image))
 
 
 _NO_SPACE = str.maketrans("", "", " \t\r\n")
