@@ -309,7 +309,7 @@ def build_qwen3_omni(out: Path, shape: Mapping[str, Any]) -> None:
     template that renders an image part and an audio part as Qwen3-Omni's does."""
     from tokenizers import Tokenizer
 
-    from stepline.engine.vision.demos import random_weights
+    from stepline.engine.vision.demos import DEMO_EOS, save_demo
 
     tokenizer = Tokenizer.from_str(demo_files.train_tokenizer_json(1024))
     tokenizer.add_special_tokens(list(OMNI_TOKENS))
@@ -359,10 +359,6 @@ def build_qwen3_omni(out: Path, shape: Mapping[str, Any]) -> None:
     }
     (out / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2) + "\n")
     vocab = tokenizer.get_vocab_size()
-    eos = [
-        demo_files.SPECIAL_TOKENS.index(demo_files.IM_END),
-        demo_files.SPECIAL_TOKENS.index(demo_files.ENDOFTEXT),
-    ]
     thinker = {
         "model_type": "qwen3_omni_moe_thinker",
         "text_config": {**shape["text"], "vocab_size": vocab, "model_type": "qwen3_omni_moe_text"},
@@ -382,16 +378,10 @@ def build_qwen3_omni(out: Path, shape: Mapping[str, Any]) -> None:
         "thinker_config": thinker,
         # mlx-vlm's config reads one (the talker is not built: `enable_audio_output`)
         "talker_config": {"text_config": thinker["text_config"]},
-        "eos_token_id": eos,
+        "eos_token_id": DEMO_EOS,
         "im_start_token_id": demo_files.SPECIAL_TOKENS.index(demo_files.IM_START),
         "im_end_token_id": demo_files.SPECIAL_TOKENS.index(demo_files.IM_END),
         "torch_dtype": "float32",
     }
-    weights = random_weights(config, shape["seed"], shape["init_std"])
-    # As in the text demos: a random model must not rank the special tokens first.
-    head = "thinker.language_model.lm_head.weight"
-    added = len(demo_files.SPECIAL_TOKENS) + len(demo_files.MARKUP_TOKENS)
-    reserved = mx.concatenate([mx.arange(added), mx.arange(min(ids.values()), vocab)])
-    weights[head] = weights[head].at[reserved].multiply(0.0)
-    mx.save_safetensors(str(out / "model.safetensors"), weights)
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    media_ids = mx.arange(min(ids.values()), vocab)  # the media tokens
+    save_demo(out, config, shape, "thinker.language_model.lm_head.weight", media_ids)

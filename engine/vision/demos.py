@@ -1,8 +1,9 @@
 """The vision demos, built on first use like the text demos, with the demo tokenizer, for
 tests and for trying images offline: `stepline-demo-vision` (a random-weight Idefics3,
 `idefics3.DEMO`) and `stepline-demo-vision-qwen` (a random-weight Qwen2.5-VL,
-`qwen_vl.DEMO`); and the seeded random weights that every mlx-vlm demo (the audio and omni
-ones too) and the tests' checkpoints are made of.
+`qwen_vl.DEMO`); and what every mlx-vlm demo's builder (the audio and omni ones too) and the
+tests' checkpoints share: seeded random weights (`random_weights`), the end tokens and the
+saved checkpoint with its special tokens' head rows zeroed (`save_demo`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,11 @@ from stepline.engine import demo_files
 from stepline.engine.demo_files import VISION_DEMO, VISION_QWEN_DEMO
 
 _DEMO_BUILD_VERSION = 1
+# the demo tokenizer's end tokens (`<|im_end|>`, `<|endoftext|>`), every demo's eos_token_id
+DEMO_EOS = [
+    demo_files.SPECIAL_TOKENS.index(demo_files.IM_END),
+    demo_files.SPECIAL_TOKENS.index(demo_files.ENDOFTEXT),
+]
 
 
 def demo_path(cache_dir: str | Path | None = None, name: str = VISION_DEMO) -> Path:
@@ -65,3 +71,18 @@ def random_weights(
             value = init_std * mx.random.normal(dims, key=keys[i])
         weights[name] = value.astype(mx.float32)
     return weights
+
+
+def save_demo(
+    out: Path, config: Mapping[str, Any], shape: Mapping[str, Any], head: str, media_ids: mx.array
+) -> None:
+    """The random-weight checkpoint of `config` (a config.json) at `out`: its weights
+    (`random_weights` of `shape`'s seed and init_std) with the rows of `head` (its lm head's
+    weight) at the demo tokenizer's special and markup tokens and at `media_ids` zeroed (as in
+    the text demos: a random model must not rank the special tokens first), and its config."""
+    weights = random_weights(config, shape["seed"], shape["init_std"])
+    markup = len(demo_files.SPECIAL_TOKENS) + len(demo_files.MARKUP_TOKENS)
+    reserved = mx.concatenate([mx.arange(markup), media_ids])
+    weights[head] = weights[head].at[reserved].multiply(0.0)
+    mx.save_safetensors(str(out / "model.safetensors"), weights)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")

@@ -15,7 +15,7 @@ import numpy as np
 
 from stepline.engine import demo_files
 from stepline.engine.images import ImageData
-from stepline.engine.vision.demos import random_weights
+from stepline.engine.vision.demos import DEMO_EOS, save_demo
 from stepline.engine.vision.parts import EncodeJob, Expanded, VisionEncoder
 
 
@@ -201,10 +201,6 @@ def build_idefics3(out: Path, shape: Mapping[str, Any], tokenizer_from: Path | N
     )
     processor.save_pretrained(str(out))
     vocab = len(processor.tokenizer)
-    eos = [
-        demo_files.SPECIAL_TOKENS.index(demo_files.IM_END),
-        demo_files.SPECIAL_TOKENS.index(demo_files.ENDOFTEXT),
-    ]
     config = {
         "model_type": "idefics3",
         "text_config": {**shape["text"], "vocab_size": vocab},
@@ -212,15 +208,8 @@ def build_idefics3(out: Path, shape: Mapping[str, Any], tokenizer_from: Path | N
         "scale_factor": shape.get("scale_factor", 2),
         "image_token_id": processor.image_token_id,
         "vocab_size": vocab,
-        "eos_token_id": eos,
+        "eos_token_id": DEMO_EOS,
         "torch_dtype": "float32",
     }
-    weights = random_weights(config, shape["seed"], shape["init_std"])
-    # As in the text demos: a random model must not rank the special tokens first.
-    head = "language_model.lm_head.weight"
-    added = len(demo_files.SPECIAL_TOKENS) + len(demo_files.MARKUP_TOKENS)
     image_tokens = mx.arange(len(tokenizer) - len(rows) - 1, vocab)  # markers, <image>, ...
-    reserved = mx.concatenate([mx.arange(added), image_tokens])
-    weights[head] = weights[head].at[reserved].multiply(0.0)
-    mx.save_safetensors(str(out / "model.safetensors"), weights)
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    save_demo(out, config, shape, "language_model.lm_head.weight", image_tokens)

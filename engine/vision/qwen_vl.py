@@ -19,7 +19,7 @@ import numpy as np
 
 from stepline.engine import demo_files, mrope
 from stepline.engine.images import ImageData
-from stepline.engine.vision.demos import random_weights
+from stepline.engine.vision.demos import DEMO_EOS, save_demo
 from stepline.engine.vision.parts import EncodeJob, Expanded, VisionEncoder, scattered
 
 
@@ -249,10 +249,6 @@ def build_qwen2_5_vl(out: Path, shape: Mapping[str, Any]) -> None:
     }
     (out / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2) + "\n")
     vocab = tokenizer.get_vocab_size()
-    eos = [
-        demo_files.SPECIAL_TOKENS.index(demo_files.IM_END),
-        demo_files.SPECIAL_TOKENS.index(demo_files.ENDOFTEXT),
-    ]
     model_type = vision["model_type"]
     text = {**shape["text"], "vocab_size": vocab}
     if model_type == "qwen3_vl":
@@ -268,15 +264,9 @@ def build_qwen2_5_vl(out: Path, shape: Mapping[str, Any]) -> None:
         "video_token_id": ids["<|video_pad|>"],
         "vision_start_token_id": ids["<|vision_start|>"],
         "vision_end_token_id": ids["<|vision_end|>"],
-        "eos_token_id": eos,
+        "eos_token_id": DEMO_EOS,
         "bos_token_id": demo_files.SPECIAL_TOKENS.index(demo_files.ENDOFTEXT),  # as Qwen's
         "torch_dtype": "float32",
     }
-    weights = random_weights(config, shape["seed"], shape["init_std"])
-    # As in the text demos: a random model must not rank the special tokens first.
-    head = "language_model.lm_head.weight"
-    added = len(demo_files.SPECIAL_TOKENS) + len(demo_files.MARKUP_TOKENS)
-    reserved = mx.concatenate([mx.arange(added), mx.arange(min(ids.values()), vocab)])
-    weights[head] = weights[head].at[reserved].multiply(0.0)
-    mx.save_safetensors(str(out / "model.safetensors"), weights)
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    media_ids = mx.arange(min(ids.values()), vocab)  # the vision tokens
+    save_demo(out, config, shape, "language_model.lm_head.weight", media_ids)
