@@ -197,7 +197,7 @@ def _audio_front(tower: Any, features: mx.array, num_frames: int) -> dict[str, A
 def load_omni(path: Path, config: dict[str, Any], fit: Any) -> VisionCheckpoint:
     """The thinker of the omni checkpoint at `path`: its text model (mlx-lm's Qwen3-MoE on
     its weights, its ropes mlx-vlm's), tokenizer, and both media's prompt sides and
-    encoders. Raises VisionUnavailableError as `vision.load_vision` does."""
+    encoders. Raises VisionUnavailableError as `vision.load.load_vision` does."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
     from mlx_vlm.utils import load_model as load_vlm
     from mlx_vlm.utils import load_processor

@@ -137,7 +137,8 @@ class VisionParts:
 
     model_type: str
     encoder: VisionEncoder  # executor thread only
-    # Idefics3Images | Gemma3Images | QwenVLImages: prompt-side, MLX-free calls; None: no images
+    # a family's prompt side (`idefics3.Idefics3Images`, ..., `omni.OmniImages`): MLX-free
+    # calls; None: no images
     images: Any
     audio: Any = None  # `engine.audio_model` Phi4mmAudio: prompt-side; None: no audio tower
     audio_encoder: Any = None  # `engine.audio_model.AudioEncoder`: executor thread only
