@@ -15,12 +15,11 @@ Images (a vision model's prompts): a message's content may hold `{"type": "image
 ...}` parts (`ImageData` from a door, or an image file's bytes from the Python API). The chat
 template renders each as the model's placeholder; the rendering is tokenized around them and
 each image's own token span (its markers and placeholder tokens, the model family's:
-`engine/vision.py`) goes in its place, with what its vision encoder reads.
+`engine/vision/`) goes in its place, with what its vision encoder reads.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 from collections.abc import Callable, Sequence
@@ -35,14 +34,14 @@ from stepline.actors.request import Detokenizer, IncrementalDetokenizer, StreamD
 from stepline.actors.scheduler.admission import ContextLengthExceededError
 from stepline.actors.scheduler.spans import PromptImage
 from stepline.api.request_error import RequestError
-from stepline.engine.audio import AudioData, AudioError, decode_audio, no_audio, place_audio
+from stepline.engine.audio import AudioData, AudioError, decode_audio, no_audio
 from stepline.engine.images import (
     ImageData,
     ImageError,
     decode_image,
-    place_image,
     text_only,
 )
+from stepline.engine.media import place
 
 MAX_CONCURRENT_PREPARE = 4  # prompts tokenized at once, each on a worker thread
 # Where a client's text held an added token's text: private-use characters no template
@@ -114,7 +113,8 @@ class Prompts:
         audio: Any = None,
     ):
         self.tokenizer = tokenizer
-        # a vision model's image prompts (`engine.vision.Idefics3Images`, ...); None: text only
+        # a vision model's image prompts (`engine.vision.idefics3.Idefics3Images`, ...);
+        # None: text only
         self.images = images
         # an audio model's clip prompts (`engine.audio_model.Phi4mmAudio`); None: no audio
         self.audio = audio
@@ -205,8 +205,7 @@ class Prompts:
             raise text_only(where)
         image = _image_data(value, where)
         if image.expanded is None:  # its encoder inputs at once, its pixels let go
-            expanded = self.images.expand(image)
-            image = dataclasses.replace(image, pixels=None, expanded=expanded)
+            image = image.with_inputs(self.images.expand(image))
         return image
 
     def _clip(self, value: Any, where: str) -> AudioData:
@@ -214,8 +213,7 @@ class Prompts:
             raise no_audio(where)
         clip = _audio_data(value, where, self.audio.rate)
         if clip.expanded is None:  # its encoder inputs at once, its samples let go
-            expanded = self.audio.expand(clip)
-            clip = dataclasses.replace(clip, samples=None, expanded=expanded)
+            clip = clip.with_inputs(self.audio.expand(clip))
         return clip
 
     def _encode_images(
@@ -253,7 +251,6 @@ class Prompts:
                     else self._encode(piece, holes)
                 )
             if k < len(images):
-                place = place_audio if isinstance(images[k], AudioData) else place_image
                 span, placed = place(expansions[k], images[k], self.tokenizer, len(ids))
                 spans.append(placed)
                 ids += span

@@ -125,8 +125,9 @@ def _images(engine: Any, rec: RecordedRequest, images_at: Path | None) -> tuple[
     """A recorded request's images and audio clips, read back from beside the log and made
     into what the model's encoders read, at their recorded spans. Raises ValueError for one
     that is gone, or whose span the model makes differently now."""
-    from stepline.engine.audio import decode_audio, no_audio, place_audio
-    from stepline.engine.images import decode_image, place_image, text_only
+    from stepline.engine.audio import decode_audio, no_audio
+    from stepline.engine.images import decode_image, text_only
+    from stepline.engine.media import place
 
     out = []
     for ref in rec.admitted.images:
@@ -142,11 +143,11 @@ def _images(engine: Any, rec: RecordedRequest, images_at: Path | None) -> tuple[
         if ref.medium == "audio":
             family = engine.prompts.audio
             clip = decode_audio(data, where=where, rate=family.rate)
-            _, placed = place_audio(family.expand(clip), clip, engine.tokenizer, ref.start)
+            _, placed = place(family.expand(clip), clip, engine.tokenizer, ref.start)
         else:
             image = decode_image(data, where=where)
             expanded = engine.prompts.images.expand(image)
-            _, placed = place_image(expanded, image, engine.tokenizer, ref.start)
+            _, placed = place(expanded, image, engine.tokenizer, ref.start)
         if placed.end != ref.end:
             raise ValueError(
                 f"the model makes {placed.end - placed.start} tokens of {where}, the log "

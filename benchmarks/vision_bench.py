@@ -78,7 +78,7 @@ def model_path(name: str) -> str:
     from stepline.engine.demo_files import VISION_DEMOS
 
     if name in VISION_DEMOS:
-        from stepline.engine.vision import demo_path
+        from stepline.engine.vision.demos import demo_path
 
         return str(demo_path(name=name))
     if name != SHAPE:
@@ -86,7 +86,7 @@ def model_path(name: str) -> str:
     from stepline.engine.cache_dirs import build_once, cache_root
     from stepline.engine.default_model import default_gguf
     from stepline.engine.models import _gguf_dir
-    from stepline.engine.vision import build_idefics3
+    from stepline.engine.vision.idefics3 import build_idefics3
 
     text = _gguf_dir(default_gguf(cache_root(None)))
     path = cache_root(None) / "models" / f"{SHAPE}-1"

@@ -10,13 +10,12 @@ business (`engine/audio_model.py`), and where its span sits in a prompt is the s
 
 from __future__ import annotations
 
-import hashlib
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import structlog
 
-from stepline.actors.scheduler.spans import PromptImage
+from stepline.engine.media import Decoded, MediaError, MediaKind, digest_of
 
 log = structlog.get_logger(__name__)
 
@@ -30,16 +29,15 @@ MAX_AUDIOS_PER_REQUEST = 4
 FORMATS = ("wav", "mp3", "flac")  # what `input_audio.format` may say
 
 
-class AudioError(ValueError):
+class AudioError(MediaError):
     """A clip the server will not take: corrupt, unsupported, too long or too many. `param`
     names where it came from in the request (`messages.0.content.1`), `code` says what is
     wrong (`invalid_audio`, `audio_too_large`, `audio_too_long`, `too_many_audios`, ...)."""
 
-    def __init__(self, message: str, *, param: str | None = None, code: str = "invalid_audio"):
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.code = code
+    default_code = "invalid_audio"
+
+
+AUDIO = MediaKind("audio", AudioError, many="audio clips", one="clip", option="audio")
 
 
 @dataclass(frozen=True)
@@ -51,10 +49,13 @@ class AudioLimits:
 
 
 @dataclass(frozen=True)
-class AudioData:
+class AudioData(Decoded):
     """One clip of a prompt, decoded and checked: its bytes as sent, their SHA-256 (what the
     prefix cache and the event log know it by), its length, and its samples (mono float32 at
     the model's rate) until the audio encoder's inputs are made from them."""
+
+    kind: ClassVar[MediaKind] = AUDIO
+    decoded_field: ClassVar[str] = "samples"
 
     data: bytes = field(repr=False)
     digest: str
@@ -65,12 +66,8 @@ class AudioData:
     rate: int  # the model's sample rate
     # numpy float32 (num_samples,); None once the encoder's inputs are made from it
     samples: Any = field(default=None, repr=False, compare=False)
-    # those inputs (`engine.vision.Expanded`), where a door made them as it decoded the clip
+    # those inputs (`engine.vision.parts.Expanded`), where a door made them as it decoded the clip
     expanded: Any = field(default=None, repr=False, compare=False)
-
-    @property
-    def num_bytes(self) -> int:
-        return len(self.data)
 
     # what a span's image fields read (`PromptImage.ref`): a clip has no pixels
     width = 0
@@ -137,7 +134,7 @@ def decode_audio(
     samples, num_frames = _samples(data, fmt, info, where, rate)
     return AudioData(
         data=data,
-        digest=hashlib.sha256(data).hexdigest(),
+        digest=digest_of(data),
         format=fmt,
         seconds=round(num_frames / info.sample_rate, 6),
         sample_rate=info.sample_rate,
@@ -245,22 +242,3 @@ def _samples(data: bytes, fmt: str, info: Any, where: str, rate: int) -> tuple[A
 
         samples = np.asarray(resample_audio(samples, info.sample_rate, rate), dtype=np.float32)
     return samples, decoded.num_frames
-
-
-def place_audio(
-    expanded: Any, audio: AudioData, tokenizer: Any, start: int
-) -> tuple[list[int], PromptImage]:
-    """`audio` in a prompt at token position `start`, as its model's family expanded it
-    (`expanded`: `engine.vision.Expanded`): the span's token ids and its span (a
-    `PromptImage` of medium audio), which keeps the clip's bytes but not its samples."""
-    ids = list(tokenizer.encode(expanded.text, add_special_tokens=False))
-    placed = PromptImage(
-        start,
-        start + len(ids),
-        replace(audio, samples=None, expanded=None),
-        expanded.inputs,
-        units=expanded.units,
-        whole=expanded.whole,
-        medium="audio",
-    )
-    return ids, placed

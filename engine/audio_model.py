@@ -16,8 +16,8 @@ carries per-request position state.
 `stepline-demo-audio` is a random-weight Phi-4-multimodal built on first use, with the demo
 tokenizer, for tests and for trying audio offline.
 
-mlx-vlm is imported only here (and in `engine/vision.py`), and this module only when an
-audio model is loaded.
+mlx-vlm is imported only here (and in `engine/vision/`, `engine/omni.py`), and this module
+only when an audio model is loaded.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import numpy as np
 from stepline.engine import demo_files
 from stepline.engine.audio import AudioData
 from stepline.engine.demo_files import AUDIO_DEMO
-from stepline.engine.vision import EncodeJob, Expanded
+from stepline.engine.vision.parts import EncodeJob, Expanded
 
 _DEMO_BUILD_VERSION = 1
 
@@ -215,7 +215,7 @@ def build_phi4mm(out: Path, shape: dict[str, Any]) -> None:
     200011; its model reads `audio_token_index` from the config)."""
     from transformers import PreTrainedTokenizerFast
 
-    from stepline.engine.vision import random_weights
+    from stepline.engine.vision.demos import DEMO_EOS, save_demo
 
     (out / "tokenizer.json").write_text(demo_files.train_tokenizer_json(1024), encoding="utf-8")
     max_context = shape["text"]["max_position_embeddings"]
@@ -231,10 +231,6 @@ def build_phi4mm(out: Path, shape: dict[str, Any]) -> None:
     tokenizer.save_pretrained(str(out))
     vocab = len(tokenizer)
     audio_id = tokenizer.convert_tokens_to_ids(AUDIO_TOKEN)
-    eos = [
-        demo_files.SPECIAL_TOKENS.index(demo_files.IM_END),
-        demo_files.SPECIAL_TOKENS.index(demo_files.ENDOFTEXT),
-    ]
     config = {
         "model_type": "phi4mm",
         **shape["text"],
@@ -243,15 +239,7 @@ def build_phi4mm(out: Path, shape: dict[str, Any]) -> None:
         "mm_hidden_size": shape["vision"]["hidden_size"],
         "vision_config": dict(shape["vision"]),
         "audio_processor": {"name": "cascades", "config": dict(shape["audio"])},
-        "eos_token_id": eos,
+        "eos_token_id": DEMO_EOS,
         "torch_dtype": "float32",
     }
-    weights = random_weights(config, shape["seed"], shape["init_std"])
-    # As in the text demos: a random model must not rank the special tokens first.
-    head = "language_model.lm_head.weight"
-    reserved = mx.array(
-        [*range(len(demo_files.SPECIAL_TOKENS) + len(demo_files.MARKUP_TOKENS)), audio_id]
-    )
-    weights[head] = weights[head].at[reserved].multiply(0.0)
-    mx.save_safetensors(str(out / "model.safetensors"), weights)
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    save_demo(out, config, shape, "language_model.lm_head.weight", mx.array([audio_id]))

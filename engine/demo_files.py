@@ -1,6 +1,6 @@
 """What every demo checkpoint shares: the demo names that are not the text demos'
-(engine/models.py builds those, engine/vision.py the vision one, engine/audio_model.py the
-audio one, engine/omni.py the omni one), and the demo tokenizer: a
+(engine/models.py builds those, engine/vision/demos.py the vision ones,
+engine/audio_model.py the audio one, engine/omni.py the omni one), and the demo tokenizer: a
 byte-level BPE trained on the built-in corpus, its special and markup tokens, its files and
 its Qwen3-style ChatML chat template. Imports no MLX, and nothing of stepline.
 """
@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-VISION_DEMO = "stepline-demo-vision"  # engine/vision.py builds it (the vision extra)
+VISION_DEMO = "stepline-demo-vision"  # engine/vision/demos.py builds it (the vision extra)
 AUDIO_DEMO = "stepline-demo-audio"  # engine/audio_model.py builds it (the vision extra)
 VISION_QWEN_DEMO = "stepline-demo-vision-qwen"  # a Qwen2.5-VL, built there too
 VISION_DEMOS = (VISION_DEMO, VISION_QWEN_DEMO)
@@ -195,9 +195,9 @@ def multimodal_demo_path(
     import hashlib
 
     from stepline.engine.cache_dirs import build_once, cache_root
-    from stepline.engine.vision import _require_mlx_vlm
+    from stepline.engine.vision.load import require_mlx_vlm
 
-    _require_mlx_vlm()
+    require_mlx_vlm()
     recipe = json.dumps(
         {"v": version, "demo": shape, "corpus": CORPUS_PATH.read_text()}, sort_keys=True
     )

@@ -3,21 +3,20 @@ the limits and decoded once, named by their content digest. MLX-free; Pillow (th
 extra) is imported only when an image is decoded.
 
 What a vision model makes of an image (its token span, its pixel values) is the model's
-business (`engine/vision.py`), and where its span sits in a prompt is the scheduler's
+business (`engine/vision/`), and where its span sits in a prompt is the scheduler's
 (`actors/scheduler/spans.py`); here an image is only validated data.
 """
 
 from __future__ import annotations
 
-import hashlib
 import io
 import threading
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import structlog
 
-from stepline.actors.scheduler.spans import PromptImage
+from stepline.engine.media import Decoded, MediaError, MediaKind, digest_of
 
 log = structlog.get_logger(__name__)
 
@@ -37,15 +36,14 @@ class VisionUnavailableError(RuntimeError):
     text model stepline cannot batch); the message says what to do."""
 
 
-class ImageError(ValueError):
+class ImageError(MediaError):
     """An image the server will not take: corrupt, too large, or too many. `param` names
     where it came from in the request (`messages.0.content.1`), `code` says what is wrong."""
 
-    def __init__(self, message: str, *, param: str | None = None, code: str = "invalid_image"):
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.code = code
+    default_code = "invalid_image"
+
+
+IMAGE = MediaKind("image", ImageError, many="images", one="image", option="image")
 
 
 @dataclass(frozen=True)
@@ -56,10 +54,13 @@ class ImageLimits:
 
 
 @dataclass(frozen=True)
-class ImageData:
+class ImageData(Decoded):
     """One image of a prompt, decoded and checked: its bytes as sent, their SHA-256 (what
     the prefix cache and the event log know it by), its size in pixels, and its pixels as
     RGB (Pillow's image, decoded once) until the vision encoder's inputs are made from them."""
+
+    kind: ClassVar[MediaKind] = IMAGE
+    decoded_field: ClassVar[str] = "pixels"
 
     data: bytes = field(repr=False)
     digest: str
@@ -68,12 +69,8 @@ class ImageData:
     media_type: str  # image/png, image/jpeg, ... as the bytes say (not as the client claimed)
     # PIL.Image.Image, mode RGB; None once the vision encoder's inputs are made from it
     pixels: Any = field(repr=False, compare=False)
-    # those inputs (`engine.vision.Expanded`), where a door made them as it decoded the image
+    # those inputs (`engine.vision.parts.Expanded`), where a door made them as it decoded the image
     expanded: Any = field(default=None, repr=False, compare=False)
-
-    @property
-    def num_bytes(self) -> int:
-        return len(self.data)
 
 
 def text_only(where: str | None = None) -> ImageError:
@@ -84,10 +81,6 @@ def text_only(where: str | None = None) -> ImageError:
         param=where,
         code="unsupported_content_type",
     )
-
-
-def digest_of(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 # The formats served (docs/images.md): Pillow is asked to read these only, so an ICO, TIFF,
@@ -252,22 +245,3 @@ def _what(data: bytes) -> tuple[str, str]:
     return "not an image this server can read (corrupt, or a format it does not read)", (
         "invalid_image"
     )
-
-
-def place_image(
-    expanded: Any, image: ImageData, tokenizer: Any, start: int
-) -> tuple[list[int], PromptImage]:
-    """`image` in a prompt at token position `start`, as its vision model's family expanded
-    it (`expanded`: `engine.vision.Expanded`, the span's text and the encoder's inputs): the
-    span's token ids and the `PromptImage` of [start, start + len(ids)), which keeps the
-    image's bytes but not its decoded pixels (the encoder reads `expanded.inputs`)."""
-    ids = list(tokenizer.encode(expanded.text, add_special_tokens=False))
-    placed = PromptImage(
-        start,
-        start + len(ids),
-        replace(image, pixels=None, expanded=None),
-        expanded.inputs,
-        units=expanded.units,
-        whole=expanded.whole,
-    )
-    return ids, placed

@@ -265,7 +265,7 @@ class LoadedModel:
     path: Path
     max_context: int  # config max_position_embeddings
     weights: str = ""  # the weights' dtype as loaded, and why (`fit_dtype`)
-    # a vision-language model's encoder and image prompts (`engine/vision.py`); None: text
+    # a vision-language model's encoder and image prompts (`engine/vision/`); None: text
     vision: Any = None
     # an embedding model's pooling (its sentence-transformers files, `engine/embed.py`);
     # None: a chat model
@@ -513,7 +513,7 @@ def _load_dir(
 
     config = _read_config(path, name)
     if _is_vlm(config):  # a vision-language (or omni) model (mlx-vlm)
-        from stepline.engine.vision import load_vision
+        from stepline.engine.vision.load import load_vision
 
         vision = load_vision(path, lambda whole: fit_dtype(whole, dtype))
         return LoadedModel(
@@ -715,7 +715,7 @@ def model_source(name_or_path: str | None = None) -> ModelSource:
     if name in DEMO_MODELS:
         return ModelSource(demo_model_path(name), name)
     if name in VISION_DEMOS:
-        from stepline.engine.vision import demo_path
+        from stepline.engine.vision.demos import demo_path
 
         return ModelSource(demo_path(name=name), name)
     if name == AUDIO_DEMO:

@@ -15,11 +15,12 @@ The encoders' work comes in units a step runs some of:
 - audio (`OmniAudioEncoder`): one unit per layer of the audio tower over the whole clip (its
   windowed attention as the tower runs it), the convolutional front end with the first, the
   projection with the last;
-- images (`OmniVisionEncoder`): one unit per block of the vision tower (Qwen3-VL's, its
-  deepstack features kept with the span and added by the first text layers).
+- images (`engine/vision/qwen_vl.QwenVLEncoder`, Qwen3-VL's own): one unit per block of
+  the vision tower, its deepstack features kept with the span and added by the first text
+  layers; the prompts' 3-D positions are its too (clips placed as text).
 
 `stepline-demo-omni` is a random-weight thinker built on first use, with the demo tokenizer.
-mlx-vlm is imported only here (and in `engine/vision.py`, `engine/audio_model.py`), and this
+mlx-vlm is imported only here (and in `engine/vision/`, `engine/audio_model.py`), and this
 module only when an omni model is loaded.
 """
 
@@ -37,15 +38,14 @@ import numpy as np
 from stepline.engine import demo_files, mrope
 from stepline.engine.audio import AudioData
 from stepline.engine.demo_files import OMNI_DEMO
-from stepline.engine.vision import (
+from stepline.engine.vision.parts import (
     EncodeJob,
     Expanded,
-    QwenVLImages,
     VisionCheckpoint,
-    VisionEncoder,
     VisionParts,
-    _qwen3_tower_inputs,
+    scattered,
 )
+from stepline.engine.vision.qwen_vl import QwenVLEncoder, QwenVLImages
 
 _DEMO_BUILD_VERSION = 1
 
@@ -118,52 +118,6 @@ class OmniImages(QwenVLImages):
         return dataclasses.replace(super().expand(image), whole=True)
 
 
-class OmniVisionEncoder(VisionEncoder):
-    """The thinker's vision tower, one block a unit, and its prompts' 3-D positions."""
-
-    def __init__(self, thinker: Any, text_model: Any):
-        super().__init__(thinker, text_model, "qwen3_omni_moe")
-        self.is_mrope = True
-        self._image_id = thinker.config.image_token_id
-
-    def positions(
-        self, prompt: list[int], inputs: list[Mapping[str, Any]]
-    ) -> tuple[mx.array, int] | None:
-        """As mlx-vlm's thinker places them: images by their grids, clips as text."""
-        grids = [i["image_grid_thw"] for i in inputs if "image_grid_thw" in i]
-        return mrope.prompt_positions(self.vlm, prompt, grids)
-
-    def run(self, job: EncodeJob, start: int, end: int) -> None:
-        """Units [start, end): blocks of the vision tower; at the last its merger's output
-        in the span, and the deepstack features at the span's image tokens."""
-        assert start == job.done < end <= job.units, (start, end, job.done, job.units)
-        tower, state = self.vlm.vision_tower, job.state
-        stacked = list(tower.deepstack_visual_indexes)
-        if not state:
-            state.update(_qwen3_tower_inputs(tower, job.inputs))
-        for u in range(start, end):
-            state["hidden"] = tower.blocks[u](
-                state["hidden"], cu_seqlens=state["cu_seqlens"], rotary_pos_emb=state["rotary"]
-            )
-            if u in stacked:
-                merger = tower.deepstack_merger_list[stacked.index(u)]
-                state[f"deepstack{stacked.index(u)}"] = merger(state["hidden"])
-        if end == job.units:
-            ids = job.span_ids[None]
-            embeds = self._embed_tokens(ids)
-            mask = ids == self._image_id
-            job.embeddings = _scattered(embeds, mask, tower.merger(state["hidden"]))
-            job.deepstack = mx.stack(
-                [
-                    _scattered(mx.zeros_like(embeds), mask, state[f"deepstack{i}"])
-                    for i in range(len(stacked))
-                ]
-            )
-            state.clear()
-        job.done = end
-        mx.eval(job.embeddings if job.embeddings is not None else list(state.values()))
-
-
 class OmniAudioEncoder:
     """The thinker's audio tower, one layer a unit (executor thread only)."""
 
@@ -195,7 +149,7 @@ class OmniAudioEncoder:
                 h = h[:count]
             elif h.shape[0] < count:
                 h = mx.concatenate([h, mx.zeros((count - h.shape[0], h.shape[1]), h.dtype)])
-            job.embeddings = _scattered(embeds, mask, h.astype(embeds.dtype))
+            job.embeddings = scattered(embeds, mask, h.astype(embeds.dtype))
             state.clear()
         job.done = end
         mx.eval(job.embeddings if job.embeddings is not None else list(state.values()))
@@ -240,24 +194,15 @@ def _audio_front(tower: Any, features: mx.array, num_frames: int) -> dict[str, A
     return {"hidden": hidden, "cu_seqlens": cu_seqlens}
 
 
-def _scattered(base: mx.array, mask: mx.array, features: mx.array) -> mx.array:
-    """`base` (1, span, D) with the rows where `mask` (1, span) holds replaced by
-    `features`, in order (mlx-vlm's thinker's `masked_scatter`)."""
-    rows = mx.array(np.flatnonzero(np.asarray(mask).reshape(-1)).astype(np.uint32))
-    out = base.reshape(-1, base.shape[-1])
-    out[rows] = features.reshape(-1, base.shape[-1]).astype(base.dtype)
-    return out.reshape(base.shape)
-
-
 def load_omni(path: Path, config: dict[str, Any], fit: Any) -> VisionCheckpoint:
     """The thinker of the omni checkpoint at `path`: its text model (mlx-lm's Qwen3-MoE on
     its weights, its ropes mlx-vlm's), tokenizer, and both media's prompt sides and
-    encoders. Raises VisionUnavailableError as `vision.load_vision` does."""
+    encoders. Raises VisionUnavailableError as `vision.load.load_vision` does."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
     from mlx_vlm.utils import load_model as load_vlm
     from mlx_vlm.utils import load_processor
 
-    from stepline.engine.vision import _text_model
+    from stepline.engine.vision.text_model import text_model
 
     vlm = load_vlm(path)
     weights = fit(vlm)
@@ -271,11 +216,11 @@ def load_omni(path: Path, config: dict[str, Any], fit: Any) -> VisionCheckpoint:
     text_config["model_type"] = "qwen3_moe"
     quantized = {k: config[k] for k in ("quantization", "quantization_config") if k in config}
     top = {"model_type": config["model_type"], "text_config": text_config, **quantized}
-    text = _text_model(vlm, top)
+    text = text_model(vlm, top)
     mrope.install(text, thinker)
     parts = VisionParts(
         config["model_type"],
-        OmniVisionEncoder(thinker, text),
+        QwenVLEncoder(thinker, text, image_id=thinker.config.image_token_id),
         images=OmniImages(processor, thinker.config.vision_config.depth),
         audio=OmniAudio(processor.feature_extractor, len(thinker.audio_tower.layers)),
         audio_encoder=OmniAudioEncoder(thinker, text),
@@ -364,7 +309,7 @@ def build_qwen3_omni(out: Path, shape: Mapping[str, Any]) -> None:
     template that renders an image part and an audio part as Qwen3-Omni's does."""
     from tokenizers import Tokenizer
 
-    from stepline.engine.vision import random_weights
+    from stepline.engine.vision.demos import DEMO_EOS, save_demo
 
     tokenizer = Tokenizer.from_str(demo_files.train_tokenizer_json(1024))
     tokenizer.add_special_tokens(list(OMNI_TOKENS))
@@ -414,10 +359,6 @@ def build_qwen3_omni(out: Path, shape: Mapping[str, Any]) -> None:
     }
     (out / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2) + "\n")
     vocab = tokenizer.get_vocab_size()
-    eos = [
-        demo_files.SPECIAL_TOKENS.index(demo_files.IM_END),
-        demo_files.SPECIAL_TOKENS.index(demo_files.ENDOFTEXT),
-    ]
     thinker = {
         "model_type": "qwen3_omni_moe_thinker",
         "text_config": {**shape["text"], "vocab_size": vocab, "model_type": "qwen3_omni_moe_text"},
@@ -437,16 +378,10 @@ def build_qwen3_omni(out: Path, shape: Mapping[str, Any]) -> None:
         "thinker_config": thinker,
         # mlx-vlm's config reads one (the talker is not built: `enable_audio_output`)
         "talker_config": {"text_config": thinker["text_config"]},
-        "eos_token_id": eos,
+        "eos_token_id": DEMO_EOS,
         "im_start_token_id": demo_files.SPECIAL_TOKENS.index(demo_files.IM_START),
         "im_end_token_id": demo_files.SPECIAL_TOKENS.index(demo_files.IM_END),
         "torch_dtype": "float32",
     }
-    weights = random_weights(config, shape["seed"], shape["init_std"])
-    # As in the text demos: a random model must not rank the special tokens first.
-    head = "thinker.language_model.lm_head.weight"
-    added = len(demo_files.SPECIAL_TOKENS) + len(demo_files.MARKUP_TOKENS)
-    reserved = mx.concatenate([mx.arange(added), mx.arange(min(ids.values()), vocab)])
-    weights[head] = weights[head].at[reserved].multiply(0.0)
-    mx.save_safetensors(str(out / "model.safetensors"), weights)
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    media_ids = mx.arange(min(ids.values()), vocab)  # the media tokens
+    save_demo(out, config, shape, "thinker.language_model.lm_head.weight", media_ids)

@@ -239,7 +239,7 @@ class ModelRunner:
 
     def _encode(self, work: ScheduledEncode) -> None:
         """Units of the encoder's work for one image (or clip) of a request's prompt."""
-        from stepline.engine.vision import EncodeJob
+        from stepline.engine.vision.parts import EncodeJob
 
         seq = self._seqs[work.request_id]
         job = seq.encodes.get(work.image)

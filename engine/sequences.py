@@ -34,7 +34,7 @@ class Seq:
     checkpoints: list[int] = field(default_factory=list)
     constraint: Any = None  # llguidance matcher of a grammar-constrained request
     images: tuple[PromptImage, ...] = ()  # the prompt's images (a vision model's)
-    # image (its index) -> its encoder work (`engine.vision.EncodeJob`), its embeddings
+    # image (its index) -> its encoder work (`engine.vision.parts.EncodeJob`), its embeddings
     encodes: dict[int, Any] = field(default_factory=dict)
     # a 3-D M-RoPE model's prompt with images (`engine/mrope.py`): its positions (3, L), and
     # the delta of every position past it (a token's is its index + the delta); None and 0:

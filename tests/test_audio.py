@@ -347,7 +347,7 @@ def test_a_clip_past_the_conformers_window_is_encoded_unit_by_unit_as_mlx_vlm_en
 
     from stepline.engine.audio import decode_audio
     from stepline.engine.models import load_model
-    from stepline.engine.vision import EncodeJob
+    from stepline.engine.vision.parts import EncodeJob
 
     parts = load_model(AUDIO_DEMO).vision
     clip = decode_audio(wav(45.0), where="clip", rate=RATE, limits=AudioLimits(max_seconds=60))

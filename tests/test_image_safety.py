@@ -25,7 +25,8 @@ from stepline.api.pipeline.images import (
     PixelBudget,
     resolve_images,
 )
-from stepline.engine.images import ImageError, ImageLimits, decode_image, place_image, read_header
+from stepline.engine.images import ImageError, ImageLimits, decode_image, read_header
+from stepline.engine.media import place
 
 
 def encoded(image: Image.Image, fmt: str, **options) -> bytes:
@@ -235,7 +236,7 @@ def test_a_placed_image_keeps_its_bytes_not_its_pixels():
             return [7, 7]
 
     image = decode_image(PNG, where="x")
-    ids, placed = place_image(Expanded(), image, Tokenizer(), 3)
+    ids, placed = place(Expanded(), image, Tokenizer(), 3)
     assert ids == [7, 7] and (placed.start, placed.end) == (3, 5)
     assert placed.image.pixels is None and placed.image.data == PNG
     assert placed.digest == image.digest

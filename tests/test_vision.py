@@ -50,7 +50,7 @@ def reference():
     """mlx-vlm's own greedy generation of one chat on the demo, alone: its token ids."""
     from mlx_vlm import generate, load
 
-    from stepline.engine.vision import demo_path
+    from stepline.engine.vision.demos import demo_path
 
     model, processor = load(str(demo_path()))
 
@@ -284,7 +284,7 @@ async def test_a_quantized_checkpoint_kept_quantized_answers_what_mlx_vlm_answer
     from mlx_vlm import generate, load
     from mlx_vlm.convert import convert
 
-    from stepline.engine.vision import demo_path
+    from stepline.engine.vision.demos import demo_path
 
     path = tmp_path / "demo-4bit"
     convert(str(demo_path()), mlx_path=str(path), quantize=True, q_bits=4, q_group_size=32)

@@ -84,7 +84,7 @@ def reference_of(path: Path):
 @pytest.fixture(scope="module")
 def reference():
     """mlx-vlm on the Qwen2.5-VL demo (`reference_of`)."""
-    from stepline.engine.vision import demo_path
+    from stepline.engine.vision.demos import demo_path
 
     return reference_of(demo_path(name=VISION_QWEN_DEMO))
 
@@ -318,7 +318,7 @@ def test_a_qwen_vl_family_not_served_is_refused_naming_the_served_ones(tmp_path:
     import json
 
     from stepline.engine.images import VisionUnavailableError
-    from stepline.engine.vision import load_vision
+    from stepline.engine.vision.load import load_vision
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_vl"}))
     with pytest.raises(VisionUnavailableError, match="'qwen2_vl' are not served yet") as err:

@@ -111,7 +111,7 @@ def tiny_gemma3(path: Path, *, pan_and_scan: bool = False) -> Path:
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
     from stepline.engine import demo_files as text_demo
-    from stepline.engine.vision import random_weights
+    from stepline.engine.vision.demos import random_weights
 
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = Tokenizer.from_str(text_demo.train_tokenizer_json(1024))
@@ -257,7 +257,7 @@ QWEN3_VL = {
 
 def tiny_qwen3_vl(path: Path) -> Path:
     """Write the tiny Qwen3-VL checkpoint into `path` (created if missing) and return it."""
-    from stepline.engine.vision import build_qwen2_5_vl
+    from stepline.engine.vision.qwen_vl import build_qwen2_5_vl
 
     path.mkdir(parents=True, exist_ok=True)
     build_qwen2_5_vl(path, QWEN3_VL)

@@ -17,7 +17,7 @@ A step's time is modelled as a linear function of what it computes:
                                                       request's chunk's)
             + per_encode_unit * image encoder units  (a vision model's encoder: its work for
                                                       an image comes in units of like size,
-                                                      a step runs some: `engine/vision.py`)
+                                                      a step runs some: `engine/vision/`)
             + per_audio_unit * audio encoder units   (an audio tower's, priced apart: an omni
                                                       model's layer of a clip and block of an
                                                       image cost what their towers do)

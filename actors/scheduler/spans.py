@@ -4,7 +4,7 @@ clip: `medium`) stands for,
 (`whole`), and the content digest that keys it in the prefix cache.
 
 What an image is (its bytes, decoded and checked: `engine/images.py`) and what a vision model
-makes of it (`engine/vision.py`) are not the scheduler's business: a span carries them
+makes of it (`engine/vision/`) are not the scheduler's business: a span carries them
 through, unread.
 """
 
@@ -44,7 +44,7 @@ class PromptImage:
     end: int
     image: ImageContent
     inputs: Mapping[str, Any] = field(repr=False, compare=False)
-    units: int = 1  # the encoder's work in units steps run some of (`engine/vision.py`)
+    units: int = 1  # the encoder's work in units steps run some of (`engine/vision/`)
     whole: bool = True  # the span's tokens go in one chunk (else chunked once encoded)
     # "audio": a clip (`engine.audio.AudioData`), heard by the model's audio encoder
     medium: str = "image"

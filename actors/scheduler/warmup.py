@@ -300,7 +300,8 @@ class Warmup:
 
         from PIL import Image
 
-        from stepline.engine.images import ImageData, digest_of, place_image
+        from stepline.engine.images import ImageData
+        from stepline.engine.media import digest_of, place
 
         out = io.BytesIO()
         pixels = Image.new("RGB", size, (rng.randrange(256),) * 3)
@@ -308,7 +309,7 @@ class Warmup:
         png = out.getvalue()
         # Its pixels as made (not decoded again: nothing of a client's file to check).
         data = ImageData(png, digest_of(png), size[0], size[1], "image/png", pixels)
-        span, image = place_image(
+        span, image = place(
             self._vision.images.expand(data), data, self._runner.loaded.tokenizer, len(before)
         )
         return (*before, *span, *after), (image,)
@@ -318,13 +319,14 @@ def _tone_span(audio: Any, tokenizer: Any, before: Sequence[int]) -> tuple[list[
     """A second of a 440 Hz tone at the model's rate, placed after `before`."""
     import numpy as np
 
-    from stepline.engine.audio import AudioData, place_audio
+    from stepline.engine.audio import AudioData
+    from stepline.engine.media import digest_of, place
 
     rate = audio.rate
     samples = (0.1 * np.sin(2 * np.pi * 440 * np.arange(rate) / rate)).astype(np.float32)
     data = samples.tobytes()
-    clip = AudioData(data, hashlib.sha256(data).hexdigest(), "wav", 1.0, rate, rate, rate, samples)
-    return place_audio(audio.expand(clip), clip, tokenizer, len(before))
+    clip = AudioData(data, digest_of(data), "wav", 1.0, rate, rate, rate, samples)
+    return place(audio.expand(clip), clip, tokenizer, len(before))
 
 
 def _measured(done: int, steps: Sequence[Callable[..., None]]) -> _Steps:

@@ -16,16 +16,21 @@ clip at a time, and the clip's encoder inputs are made at once (its samples drop
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 
 from stepline.api.pipeline.errors import APIError
-from stepline.api.pipeline.images import base64_bytes
+from stepline.api.pipeline.media import (
+    check_encoded_size,
+    decoded_base64,
+    placeholders,
+    resolved,
+)
 from stepline.engine.audio import (
+    AUDIO,
     FORMATS,
     AudioData,
     AudioError,
@@ -128,24 +133,6 @@ def audio_url_part(value: Any, where: str) -> dict[str, Any]:
     return audio_part(AudioSource(where, payload, fmt))
 
 
-def _is_placeholder(part: Any) -> bool:
-    return (
-        isinstance(part, dict)
-        and part.get("type") == "audio"
-        and isinstance(part.get("source"), AudioSource)
-    )
-
-
-def _placeholders(messages: Sequence[dict[str, Any]]) -> list[AudioSource]:
-    return [
-        part["source"]
-        for m in messages
-        if isinstance(m.get("content"), list)
-        for part in m["content"]
-        if _is_placeholder(part)
-    ]
-
-
 async def resolve_audio(
     messages: list[dict[str, Any]], options: AudioOptions
 ) -> list[dict[str, Any]]:
@@ -157,23 +144,18 @@ async def resolve_audio(
     Raises AudioError (`param`: the part's field; `code`: what is wrong):
     `unsupported_content_type`, `too_many_audios`, `unsupported_audio_format`,
     `audio_too_large`, `audio_too_long`, `audio_sample_rate_too_high`, `invalid_audio`."""
-    sources = _placeholders(messages)
+    sources = placeholders(messages, AUDIO, AudioSource)
     if not sources:
         return messages
     if not options.accepts_audio:
         raise no_audio(sources[0].where)
     limit = options.limits.max_audios
     if len(sources) > limit:
-        raise AudioError(
-            f"the request has {len(sources)} audio clips: at most {limit} are served in one "
-            "request (max_audios_per_request)",
-            param=sources[limit].where,
-            code="too_many_audios",
-        )
+        raise AUDIO.too_many(len(sources), limit, sources[limit].where)
     for source in sources:
         _check(source, options.limits)
     clips = iter([await anyio.to_thread.run_sync(_decoded, s, options) for s in sources])
-    return [_with_audio(m, clips) for m in messages]
+    return [resolved(m, AUDIO, AudioSource, clips) for m in messages]
 
 
 def _check(source: AudioSource, limits: AudioLimits) -> None:
@@ -185,33 +167,12 @@ def _check(source: AudioSource, limits: AudioLimits) -> None:
             param=source.where,
             code="unsupported_audio_format",
         )
-    if len(source.data) // 4 * 3 > limits.max_bytes + 3:  # past the limit whatever it decodes
-        raise AudioError(
-            f"{source.where} is larger than {limits.max_bytes:,} bytes, the most this server "
-            "takes in one clip (max_audio_bytes)",
-            param=source.where,
-            code="audio_too_large",
-        )
+    check_encoded_size(AUDIO, source.data, source.where, limits.max_bytes)
 
 
 def _decoded(source: AudioSource, options: AudioOptions) -> AudioData:
-    data = base64_bytes(source.data)
-    if data is None:
-        raise AudioError(
-            f"{source.where} is not valid base64: send the clip's bytes base64-encoded",
-            param=source.where,
-        )
+    data = decoded_base64(AUDIO, source.data, source.where)
     clip = decode_audio(
         data, where=source.where, rate=options.rate, claimed=source.format, limits=options.limits
     )
-    if options.expand is None:
-        return clip
-    return dataclasses.replace(clip, samples=None, expanded=options.expand(clip))
-
-
-def _with_audio(message: dict[str, Any], clips: Iterator[AudioData]) -> dict[str, Any]:
-    content = message.get("content")
-    if not isinstance(content, list) or not any(_is_placeholder(p) for p in content):
-        return message
-    parts = [{"type": "audio", "audio": next(clips)} if _is_placeholder(p) else p for p in content]
-    return {**message, "content": parts}
+    return clip if options.expand is None else clip.with_inputs(options.expand(clip))

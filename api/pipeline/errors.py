@@ -188,9 +188,8 @@ def known_error(
     from stepline.api.prompts import PromptTooLongError
     from stepline.api.refusals import REFUSAL_STATUS
     from stepline.api.request_error import RequestError
-    from stepline.engine.audio import AudioError
     from stepline.engine.grammar import GrammarError
-    from stepline.engine.images import ImageError
+    from stepline.engine.media import MediaError
 
     if isinstance(exc, APIError):
         return exc
@@ -232,7 +231,7 @@ def known_error(
             code="images_busy",
             headers={"retry-after": str(retry_after)},
         )
-    if isinstance(exc, ImageError | AudioError):  # corrupt, too large, too many, no encoder
+    if isinstance(exc, MediaError):  # an image or a clip: corrupt, too large, too many, no encoder
         return APIError(400, exc.message, param=exc.param, code=exc.code)
     if isinstance(exc, InputLimitError):
         return APIError(400, exc.message, param=exc.param, code=exc.code)

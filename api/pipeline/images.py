@@ -24,18 +24,22 @@ and the server no more than the budget (a request waits for room, 429 `images_bu
 
 from __future__ import annotations
 
-import base64
-import binascii
-import dataclasses
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 
+from stepline.api.pipeline.media import (
+    check_encoded_size,
+    decoded_base64,
+    placeholders,
+    resolved,
+)
 from stepline.engine.images import (
+    IMAGE,
     ImageData,
     ImageError,
     ImageHeader,
@@ -72,8 +76,9 @@ class ImageOptions:
     allow_urls: bool = False  # fetch http(s) image URLs
     fetch_timeout_s: float = 10.0  # most time one image URL's fetch takes, redirects included
     limits: ImageLimits = ImageLimits()
-    # the model's vision encoder inputs of a decoded image (`engine.vision` `expand`): made
-    # as soon as it is decoded, and its pixels dropped; None: the pixels are kept
+    # the model's vision encoder inputs of a decoded image (its family's `expand`,
+    # `engine/vision/`): made as soon as it is decoded, and its pixels dropped; None: the
+    # pixels are kept
     expand: Callable[[ImageData], Any] | None = field(default=None, compare=False)
     budget: PixelBudget | None = field(default=None, compare=False)  # the server's, shared
 
@@ -180,24 +185,6 @@ def joined_content(contents: Sequence[str | list[dict[str, Any]]], sep: str) -> 
     return parts
 
 
-def _placeholders(messages: Sequence[dict[str, Any]]) -> list[ImageSource]:
-    return [
-        part["source"]
-        for m in messages
-        if isinstance(m.get("content"), list)
-        for part in m["content"]
-        if _is_placeholder(part)
-    ]
-
-
-def _is_placeholder(part: Any) -> bool:
-    return (
-        isinstance(part, dict)
-        and part.get("type") == "image"
-        and isinstance(part.get("source"), ImageSource)
-    )
-
-
 async def resolve_images(
     messages: list[dict[str, Any]], options: ImageOptions
 ) -> list[dict[str, Any]]:
@@ -211,34 +198,19 @@ async def resolve_images(
     URL that is not fetched (`image_url_not_allowed`, `invalid_image_url`), one whose fetch
     failed or took too long (`image_fetch_failed`, `image_fetch_timeout`), bytes or pixels
     past the limits (`image_too_large`), and bytes that are no image (`invalid_image`)."""
-    sources = _placeholders(messages)
+    sources = placeholders(messages, IMAGE, ImageSource)
     if not sources:
         return messages
     if not options.accepts_images:
         raise text_only(sources[0].where)
     limit = options.limits.max_images
     if len(sources) > limit:
-        raise ImageError(
-            f"the request has {len(sources)} images: at most {limit} are served in one request "
-            "(max_images_per_request)",
-            param=sources[limit].where,
-            code="too_many_images",
-        )
+        raise IMAGE.too_many(len(sources), limit, sources[limit].where)
     for source in sources:
         _check(source, options)
     async with _Fetcher(options) as fetcher:
         images = iter([await _image(source, options, fetcher) for source in sources])
-    return [_with_images(m, images) for m in messages]
-
-
-def _with_images(message: dict[str, Any], images: Iterator[ImageData]) -> dict[str, Any]:
-    """`message` with its placeholders replaced by the next of `images` (in the order
-    `_placeholders` found them)."""
-    content = message.get("content")
-    if not isinstance(content, list) or not any(_is_placeholder(p) for p in content):
-        return message
-    parts = [{"type": "image", "image": next(images)} if _is_placeholder(p) else p for p in content]
-    return {**message, "content": parts}
+    return [resolved(m, IMAGE, ImageSource, images) for m in messages]
 
 
 def _check(source: ImageSource, options: ImageOptions) -> None:
@@ -299,8 +271,7 @@ async def _image(source: ImageSource, options: ImageOptions, fetcher: _Fetcher) 
         header = await anyio.to_thread.run_sync(_header, data, source, limits)
     else:
         text = _data_url(source.url, where) if source.url is not None else source.data or ""
-        if len(text) // 4 * 3 > limits.max_bytes + 3:  # past the limit whatever it decodes to
-            raise _too_large(where, limits.max_bytes)
+        check_encoded_size(IMAGE, text, where, limits.max_bytes)
         data, header = await anyio.to_thread.run_sync(_decoded_header, text, source, limits)
     budget = options.budget
     held = nullcontext() if budget is None else budget.hold(header.num_pixels, where)
@@ -311,7 +282,7 @@ async def _image(source: ImageSource, options: ImageOptions, fetcher: _Fetcher) 
 def _decoded_header(
     text: str, source: ImageSource, limits: ImageLimits
 ) -> tuple[bytes, ImageHeader]:
-    data = _base64(text, source.where)
+    data = decoded_base64(IMAGE, text, source.where)
     return data, _header(data, source, limits)
 
 
@@ -330,44 +301,7 @@ def _header(data: bytes, source: ImageSource, limits: ImageLimits) -> ImageHeade
 
 def _decoded(data: bytes, where: str, options: ImageOptions) -> ImageData:
     image = decode_image(data, where=where, limits=options.limits)
-    if options.expand is None:
-        return image
-    expanded = options.expand(image)
-    return dataclasses.replace(image, pixels=None, expanded=expanded)
-
-
-_NO_SPACE = str.maketrans("", "", " \t\r\n")
-
-
-def base64_bytes(text: str) -> bytes | None:
-    """`text` decoded, line breaks (`base64` wraps its output) left out; None for anything
-    else that is not base64. An image's or an audio clip's data (`pipeline/audio.py`)."""
-    for attempt in (text, text.translate(_NO_SPACE)):
-        try:
-            return base64.b64decode(attempt, validate=True)
-        except (binascii.Error, ValueError):
-            pass
-    return None
-
-
-def _base64(text: str, where: str) -> bytes:
-    """`text` decoded (`base64_bytes`). Raises ImageError for text that is not base64."""
-    data = base64_bytes(text)
-    if data is not None:
-        return data
-    raise ImageError(
-        f"{where} is not valid base64: send the image's bytes base64-encoded",
-        param=where,
-    )
-
-
-def _too_large(where: str, max_bytes: int) -> ImageError:
-    return ImageError(
-        f"{where} is larger than {max_bytes:,} bytes, the most this server takes in one image "
-        "(max_image_bytes)",
-        param=where,
-        code="image_too_large",
-    )
+    return image if options.expand is None else image.with_inputs(options.expand(image))
 
 
 def _shown(url: str) -> str:
@@ -423,11 +357,11 @@ class _Fetcher:
                 )
             length = response.headers.get("content-length", "")
             if length.isdigit() and int(length) > max_bytes:
-                raise _too_large(where, max_bytes)
+                raise IMAGE.too_large(where, max_bytes)
             chunks, size = [], 0
             async for chunk in response.aiter_bytes():
                 size += len(chunk)
                 if size > max_bytes:
-                    raise _too_large(where, max_bytes)
+                    raise IMAGE.too_large(where, max_bytes)
                 chunks.append(chunk)
         return b"".join(chunks)

@@ -26,8 +26,7 @@ from stepline.api.pipeline.next_turn import NextTurn
 from stepline.api.pipeline.resume import presented_key
 from stepline.api.pipeline.served import RequestContext
 from stepline.api.prompts import Prepared
-from stepline.engine.audio import AudioError
-from stepline.engine.images import ImageError
+from stepline.engine.media import MediaError
 from stepline.engine.sampling_limits import GREEDY_TEMPERATURE
 
 if TYPE_CHECKING:
@@ -338,5 +337,5 @@ class Starter:
         try:
             messages = await resolve_images(messages, ctx.model.images)
             return await resolve_audio(messages, ctx.model.audio)
-        except (ImageError, ImagesBusyError, AudioError) as exc:
+        except (MediaError, ImagesBusyError) as exc:
             raise known_error(exc) or exc from None
