@@ -11,9 +11,11 @@ alternating, fresh prompts each repeat. For each: output tokens/s (every output 
 the makespan), makespan, TTFT p50, inter-token p50; the ratio of each repeat and their
 median.
 
-For stepline, where the time went (the median repeat's): steps by kind (prefill only,
-prefill beside decode rows, decode only) with their count and the executor's seconds in
-them (a step's seconds include the look-ahead forward it started), the rest of the makespan
+For stepline, where the time went (each repeat's): steps by kind (prefill only,
+prefill beside decode rows, decode only) with their count, the forwards each ran (the
+model body's calls inside the step, its look-ahead's aside: `StepRecorder`) and the
+executor's seconds in them (a step's seconds
+include the look-ahead forward it started), the rest of the makespan
 (the event loop between steps), the decode groups a decode step ran and the keys its
 attention read against the rows' own contexts (the padding). For BatchGenerator, its
 `next()` calls by kind (a prefill pass, or decode only).
@@ -97,12 +99,35 @@ def step_kind(plan: Any) -> str:
 
 class StepRecorder:
     """Wraps the runner's `run` (on the executor's thread): each step's kind, rows, chunk
-    tokens, seconds, and the decode groups' shape before it ran."""
+    tokens, seconds, the forwards it ran (its model body's calls inside the step, less the
+    decode rows' next forward that it builds as it ends, `LookAhead.build` and
+    `.decode_only`: a decode step whose forward was built a step ahead counts none), and
+    the decode groups' shape before it ran."""
 
     def __init__(self, runner: Any):
         self.runner, self.steps, self.plans = runner, [], []
         self._run = runner.run
         runner.run = self.run
+        self._calls = count_calls(runner.model)
+        self._ahead = 0  # body calls while building the next look-ahead
+        self._lookahead = getattr(runner, "lookahead", None)
+        self._builds = {
+            name: getattr(self._lookahead, name)
+            for name in ("build", "decode_only")
+            if hasattr(self._lookahead, name)
+        }
+        for name, method in self._builds.items():
+            setattr(self._lookahead, name, self._building(method))
+
+    def _building(self, method: Any) -> Any:
+        def build(*args: Any, **kwargs: Any) -> Any:
+            calls = self._calls[0]
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self._ahead += self._calls[0] - calls
+
+        return build
 
     def run(self, work: Any) -> Any:
         plan = work.plan
@@ -114,7 +139,9 @@ class StepRecorder:
         )
         batch = getattr(getattr(self.runner, "batch", None), "rows", None)
         contexts = sum(int(q.prompt.shape[0]) + len(q.output) for q in getattr(batch, "seqs", ()))
+        calls, ahead = self._calls[0], self._ahead
         result = self._run(work)
+        forwards = self._calls[0] - calls - (self._ahead - ahead)
         self.plans.append((plan, result.seconds))
         self.steps.append(
             {
@@ -123,6 +150,7 @@ class StepRecorder:
                 "chunk_tokens": sum(c.end - c.start for c in plan.chunks),
                 "chunks": len(plan.chunks),
                 "seconds": result.seconds,
+                "forwards": forwards,
                 "groups": len(groups),
                 "padded_keys": padded,
                 "own_keys": contexts,
@@ -132,6 +160,34 @@ class StepRecorder:
 
     def close(self) -> None:
         self.runner.run = self._run
+        for name, method in self._builds.items():
+            setattr(self._lookahead, name, method)
+        self._calls[1]()
+
+
+def count_calls(model: Any) -> list[Any]:
+    """Count the calls of `model`'s body (`forward.body_of`: its class's, on any thread):
+    [the count so far, a function that stops counting]."""
+    from stepline.engine.forward import body_of
+
+    cls = type(body_of(model))
+    saved = cls.__dict__.get("__call__")
+    original = cls.__call__
+    state: list[Any] = [0, None]
+
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        state[0] += 1
+        return original(self, *args, **kwargs)
+
+    def stop() -> None:
+        if saved is None:
+            del cls.__call__  # type: ignore[misc]
+        else:
+            cls.__call__ = saved  # type: ignore[method-assign]
+
+    cls.__call__ = __call__  # type: ignore[method-assign]
+    state[1] = stop
+    return state
 
 
 def summarize_steps(steps: list[dict], makespan: float) -> dict[str, Any]:
@@ -142,6 +198,7 @@ def summarize_steps(steps: list[dict], makespan: float) -> dict[str, Any]:
         k["seconds"] += s["seconds"]
         k["rows"] += s["decodes"]
         k["chunk_tokens"] += s["chunk_tokens"]
+        k["forwards"] += s.get("forwards", 0)
         k["longest"] = max(k["longest"], s["seconds"])
     decode = [s for s in steps if s["kind"] == "decode"]
     executor = sum(s["seconds"] for s in steps)
@@ -274,8 +331,8 @@ def report_breakdown(f: Figures) -> None:
         print(
             f"    {kind:<8} {int(n):4d} steps {k['seconds']:6.2f} s "
             f"({1e3 * k['seconds'] / n:6.1f} ms each; {k['rows'] / n:4.1f} decode rows, "
-            f"{k['chunk_tokens'] / n:6.1f} prompt tokens a step; longest "
-            f"{1e3 * k['longest']:.0f} ms)"
+            f"{k['chunk_tokens'] / n:6.1f} prompt tokens, {k.get('forwards', 0) / n:4.2f} "
+            f"forwards a step; longest {1e3 * k['longest']:.0f} ms)"
         )
     print(
         f"    executor {b['executor_s']:.2f} s of the makespan's {f.makespan:.2f} s; "

@@ -20,6 +20,12 @@ A hybrid model's recurrent layers (Gated DeltaNet, Mamba2, short convolutions) g
 it runs once per segment, on that segment's rows, against the segment's own state (a
 request's `ArraysCache`, or the decode batch's), as the segment's own forward would. The
 projections, MLPs and experts around them still run once over the whole step.
+A prompt chunk with checkpoints inside it (`Segment.snapshots`) rides it too: its cache at
+each is captured inside the forward (`run`), as a forward that stopped there would leave it:
+its recurrent layers' mixers run piece by piece between the snapshots, their state kept
+between pieces; its KV layers take the whole chunk, and a copy is cut back afterwards (a
+plain or quantized one trimmed; a sliding window's ring, to which a chunk appends in
+temporal order, sliced). `snapshot_fused_proof` checks it on the loaded model.
 
 Covered: a model whose layers call mlx-lm's own `scaled_dot_product_attention` (llama,
 Qwen2/3, Qwen3-MoE, Phi-3, Ministral, Gemma 3 and 4, gpt-oss, ...; inside a wrapper such as
@@ -91,6 +97,9 @@ class Segment:
     embeddings: mx.array | None = None
     # what the first k text layers add at its rows (k, 1, L, D) (Qwen3-VL's deepstack)
     deepstack: mx.array | None = None
+    # a prompt chunk with checkpoints inside it: how many of its tokens each is past its
+    # start (0 < k < size, ascending); its cache is snapshotted there (`run`'s `snapshots`)
+    snapshots: tuple[int, ...] = ()
 
     @property
     def size(self) -> int:
@@ -123,6 +132,7 @@ class _Layout:
         else:
             self.positions = mx.concatenate(positions)
         self.deepstack = _deepstack(segments)
+        self.snapshots = [s.snapshots for s in segments]
         self._masks: dict[tuple[int, type, int | None], Any] = {}
 
     def mask(self, i: int, cache: Any) -> Any:
@@ -213,6 +223,8 @@ class SegmentedState:
     def __init__(self, layout: _Layout, caches: list[Any]):
         self.layout = layout
         self.caches = caches
+        # segment -> its state at each of its snapshots (`Segment.snapshots`), in order
+        self.captured: dict[int, list[Any]] = {}
 
     def make_mask(self, N: int) -> None:  # noqa: N803 - mlx-lm's name
         """None: each segment's mask is its own state's (`_wrap_mixer`)."""
@@ -224,12 +236,20 @@ def _wrap_mixer(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
         if not isinstance(cache, SegmentedState):
             return original(self, x, mask, cache)
         layout, outs, start = cache.layout, [], 0
-        for size, is_batch, state in zip(layout.sizes, layout.is_batch, cache.caches, strict=True):
-            rows = x[start : start + size]
-            if not is_batch:  # (L, 1, D) rows -> one sequence (1, L, D)
-                rows = rows.swapaxes(0, 1)
-            out = original(self, rows, state.make_mask(rows.shape[1]), state)
-            outs.append(out if is_batch else out.swapaxes(0, 1))
+        segments = zip(layout.sizes, layout.is_batch, cache.caches, strict=True)
+        for i, (size, is_batch, state) in enumerate(segments):
+            if is_batch:
+                outs.append(original(self, x[start : start + size], state.make_mask(1), state))
+                start += size
+                continue
+            # a chunk runs piece by piece between its snapshots, each piece's state kept
+            edges = (0, *layout.snapshots[i], size)
+            for a, b in zip(edges, edges[1:], strict=False):
+                rows = x[start + a : start + b].swapaxes(0, 1)  # (L, 1, D) -> (1, L, D)
+                out = original(self, rows, state.make_mask(rows.shape[1]), state)
+                outs.append(out.swapaxes(0, 1))
+                if b < size:
+                    cache.captured.setdefault(i, []).append(share_cache([state])[0])
             start += size
         return mx.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
 
@@ -310,6 +330,11 @@ def install_attention(inner: Any) -> bool:
 def body(model: Any, segments: Sequence[Segment]) -> mx.array:
     """Run every segment's tokens through `model`'s body (`forward.body_of`) in one forward,
     into their caches: the hidden states (N, 1, D), one row per token, in segment order."""
+    return _body(model, segments)[0]
+
+
+def _body(model: Any, segments: Sequence[Segment]) -> tuple[mx.array, list[Any]]:
+    """`body`, and each layer's view of the step (a `SegmentedCache` or `SegmentedState`)."""
     layout = _Layout(segments)
     layers = zip(*(s.cache for s in segments), strict=True)
     caches = [
@@ -321,22 +346,40 @@ def body(model: Any, segments: Sequence[Segment]) -> mx.array:
     tokens = mx.concatenate([s.tokens for s in segments]).astype(mx.int32)[:, None]
     inner = body_of(model)
     if all(s.embeddings is None for s in segments):
-        return inner(tokens, cache=caches)
+        return inner(tokens, cache=caches), caches
     # a media chunk's rows enter as its embeddings, every other row as the table's
     table = inner.embed_tokens
     embeddings = [
         table(s.tokens.astype(mx.int32)) if s.embeddings is None else s.embeddings for s in segments
     ]
-    return inner(tokens, cache=caches, input_embeddings=mx.concatenate(embeddings)[:, None])
+    hidden = inner(tokens, cache=caches, input_embeddings=mx.concatenate(embeddings)[:, None])
+    return hidden, caches
+
+
+@dataclass(frozen=True)
+class Fused:
+    """What one fused forward gave (`run`)."""
+
+    logits: list[mx.array | None]  # each segment's logits of the rows asked for, or None
+    # each segment's caches at its snapshots: {k: its per-layer cache after its first k tokens}
+    snapshots: list[dict[int, list[Any]]]
 
 
 def forward(
     model: Any, segments: Sequence[Segment], rows: Sequence[Sequence[int]]
 ) -> list[mx.array | None]:
+    """`run`'s logits."""
+    return run(model, segments, rows).logits
+
+
+def run(model: Any, segments: Sequence[Segment], rows: Sequence[Sequence[int]]) -> Fused:
     """`body`, then for each segment the logits (len(rows[i]), V) of its rows `rows[i]`
     (None where it wants none): the output head runs on those rows only (the body and the
-    head split as `forward.split_head_works` checks)."""
-    hidden = body(model, segments)
+    head split as `forward.split_head_works` checks); and each segment's cache at each of
+    its `snapshots`, as a forward that stopped there would leave it (lazy, caches of their
+    own): a recurrent layer's state as it was between the pieces its mixer ran
+    (`_wrap_mixer`), a KV layer's cut back from where the step left it (`_cut_back`)."""
+    hidden, layers = _body(model, segments)
     wanted, start = [], 0
     for s, r in zip(segments, rows, strict=True):
         wanted.extend(start + i for i in r)
@@ -347,7 +390,39 @@ def forward(
     for r in rows:
         out.append(logits[start : start + len(r)] if r and logits is not None else None)
         start += len(r)
+    return Fused(out, _snapshots(segments, layers))
+
+
+def _snapshots(segments: Sequence[Segment], layers: list[Any]) -> list[dict[int, list[Any]]]:
+    """Each segment's caches at its snapshots, after `_body` ran them (`layers`: its views)."""
+    out = []
+    for i, s in enumerate(segments):
+        taken: dict[int, list[Any]] = {}
+        for j, k in enumerate(s.snapshots):
+            taken[k] = [
+                layer.captured[i][j]
+                if isinstance(layer, SegmentedState)
+                else _cut_back(layer.caches[i], s.size - k)
+                for layer in layers
+            ]
+        out.append(taken)
     return out
+
+
+def _cut_back(layer: Any, n: int) -> Any:
+    """A copy of KV layer `layer` as it was `n` tokens before the step's chunk ended: a plain
+    or quantized one trimmed; a window's ring with its last `n` keys sliced off (a chunk of
+    more than one token is appended to the ring in temporal order, after what it kept:
+    mlx-lm's `RotatingKVCache._update_concat`, so the ring of a forward that stopped there
+    is a prefix of it)."""
+    (copy,) = share_cache([layer])
+    if type(layer) is RotatingKVCache:
+        kept = layer.keys.shape[2] - n
+        copy.keys, copy.values = layer.keys[..., :kept, :], layer.values[..., :kept, :]
+        copy.offset, copy._idx = layer.offset - n, kept
+    else:
+        copy.trim(n)
+    return copy
 
 
 def can_fuse(cache: list[Any], is_batch: bool) -> bool:
@@ -411,6 +486,73 @@ def fused_forward_proof(model: Any, kv: KVQuant | None = None) -> Proof:
         return _close(got[:3, -1, :], want_chunk) and _close(got[3:, -1, :], want_rows)
     except Exception as exc:  # noqa: BLE001 - whatever fails here: separate forwards
         log.info("fused_forward_unavailable", reason=repr(exc))
+        return False
+
+
+def snapshot_fused_works(model: Any, kv: KVQuant | None = None) -> bool:
+    """Whether a prompt chunk with a checkpoint inside it rides a fused forward on `model`
+    (one whose plain fused forward is proven, `fused_forward_proof`): `snapshot_fused_proof`,
+    every forward at once."""
+    return bool(run_to_end(snapshot_fused_proof(model, kv)))
+
+
+def snapshot_fused_proof(model: Any, kv: KVQuant | None = None) -> Proof:
+    """A four-token chunk with a snapshot after its second token (`Segment.snapshots`),
+    beside a decode batch of two rows, in one fused forward: the chunk's hidden states are
+    those of its two pieces' own forwards (as `step.Forwards.prefill` runs a chunk split at
+    its checkpoints), the batch's its own forward's, and the snapshot and the cache the
+    chunk ends with each give the next token's hidden states of the caches those forwards
+    leave. A forward at a time (`forward.Proof`); False where any differs."""
+    inner = body_of(model)
+    if inner is None or not install_attention(inner):
+        return False
+    try:
+        prompt = make_cache(model, kv)
+        recurrent = any(isinstance(layer, ArraysCache) for layer in prompt)
+        if recurrent and not install_mixers(model):
+            return False
+        tokens = mx.array([[1, 2, 3, 4, 5, 6, 7, 8]])
+        mx.eval(inner(tokens, cache=prompt))
+        yield
+
+        def at(num_tokens: int) -> list[Any]:  # as `fused_forward_proof`'s
+            if recurrent:
+                cache = make_cache(model, kv)
+                inner(tokens[:, :num_tokens], cache=cache)
+                return cache
+            return _trimmed(prompt, num_tokens)
+
+        last, chunk, nxt = mx.array([9, 10]), mx.array([11, 12, 13, 14]), mx.array([[15]])
+        want_rows = inner(last[:, None], cache=_two_rows(at))[:, -1, :]
+        mx.eval(want_rows)
+        yield
+        own = at(5)
+        first = inner(chunk[None, :2], cache=own)[0]
+        mx.eval(first, [c.state for c in own])
+        yield
+        stopped = share_cache(own)  # the cache a forward that stopped at the checkpoint left
+        rest = inner(chunk[None, 2:], cache=own)[0]
+        want_chunk = mx.concatenate([first, rest])
+        want_stopped = inner(nxt, cache=stopped)[0]
+        want_end = inner(nxt, cache=own)[0]
+        mx.eval(want_chunk, want_stopped, want_end)
+        yield
+        segments = [Segment(chunk, at(5), snapshots=(2,)), Segment(last, _two_rows(at), True)]
+        hidden, layers = _body(model, segments)
+        snapshot = _snapshots(segments, layers)[0][2]
+        mx.eval(hidden)
+        yield
+        got_stopped, got_end = inner(nxt, cache=snapshot)[0], inner(nxt, cache=segments[0].cache)[0]
+        mx.eval(got_stopped, got_end)
+        yield
+        return (
+            _close(hidden[:4, -1, :], want_chunk)
+            and _close(hidden[4:, -1, :], want_rows)
+            and _close(got_stopped, want_stopped)
+            and _close(got_end, want_end)
+        )
+    except Exception as exc:  # noqa: BLE001 - whatever fails here: such chunks run apart
+        log.info("fused_snapshot_unavailable", reason=repr(exc))
         return False
 
 

@@ -263,12 +263,14 @@ class ModelRunner:
                 self.store.promote(tokens)
         self._free(work.free, work.retire)
 
-    def _checkpoint(self, seq: Seq, end: int) -> None:
-        """Snapshot `seq`'s cache at `end` prompt tokens: the prefix cache, then the hook."""
+    def _checkpoint(self, seq: Seq, end: int, cache: Cache | None = None) -> None:
+        """Snapshot `seq`'s cache at `end` prompt tokens (`cache`: its cache at `end`, taken
+        inside a fused forward that went on past it; None: its cache now): the prefix cache,
+        then the hook."""
         if not seq.checkpoints:
             self._checkpointed.append(seq)
         seq.checkpoints.append(end)
-        snapshot = snapshot_cache(seq.cache)
+        snapshot = snapshot_cache(seq.cache if cache is None else cache)
         if self.store is not None:
             self.store.put(seq.key_of(end), snapshot)
         if self.on_checkpoint is not None and end != seq.own_checkpoint:

@@ -6,16 +6,17 @@ next look-ahead).
 How a model runs its step's tokens is decided once per model (`forwards_kind`): `Forwards`
 runs a forward per prefill chunk, one for the decode batch and one per drafting row;
 `FusedForwards` runs whatever it can of them as one (`engine/fused.py`: the architectures and
-cache kinds it covers, proven on the loaded model). A new model family or cache kind plugs in
-there: its own `Forwards`, chosen by `forwards_kind`, and what its caches can do
-(`fused.can_fuse`).
+cache kinds it covers, proven on the loaded model), a chunk with checkpoints inside it too
+where the model's snapshots in a fused forward are proven (`SnapshotFusedForwards`). A new
+model family or cache kind plugs in there: its own `Forwards`, chosen by `forwards_kind`, and
+what its caches can do (`fused.can_fuse`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import mlx.core as mx
 import structlog
@@ -30,14 +31,19 @@ from stepline.engine.lookahead import Ahead
 from stepline.engine.lora import Routes
 from stepline.engine.models import LoadedModel
 from stepline.engine.sampling import Sampler
-from stepline.engine.sequences import NO_ROWS, Rows, Seq
+from stepline.engine.sequences import NO_ROWS, Cache, Rows, Seq
 from stepline.engine.step_sampling import Fail, Sampled
 from stepline.engine.verify import Verify
 
 log = structlog.get_logger(__name__)
 
-# Snapshot a request's cache at exactly that many prompt tokens (the runner's checkpoint).
-Checkpoint = Callable[[Seq, int], None]
+
+class Checkpoint(Protocol):
+    """Snapshot a request's cache at exactly `end` prompt tokens (the runner's checkpoint):
+    its cache as it is, or `cache`, its cache at `end` taken inside a fused forward that went
+    on past it (`fused.run`'s snapshots)."""
+
+    def __call__(self, seq: Seq, end: int, cache: Cache | None = None) -> None: ...
 
 
 class CheckpointFailed(Exception):
@@ -70,6 +76,8 @@ class Forwards:
 
     fuses = False  # whether it runs a step's tokens in one forward
     fuses_media = False  # whether a chunk with media tokens rides it (`MediaFusedForwards`)
+    # whether a chunk with a checkpoint inside rides it (`fused.snapshot_fused_proof`)
+    fuses_snapshots = False
 
     def __init__(
         self,
@@ -201,7 +209,7 @@ class FusedForwards(Forwards):
         rows = step.rows if step.ahead is None else NO_ROWS
         verifies = [v for v in step.solo if fused.can_fuse(v.seq.cache or [], is_batch=False)]
         together, with_batch = self.fusable(chunks, failed, rows, len(verifies))
-        if len(together) + with_batch + len(verifies) >= 2:
+        if _num_apart(together, with_batch, len(verifies)) >= 2:
             done = self.run_fused(together, with_batch, failed, fail, verifies)
             if done is not None:
                 out.decoded, out.finals = done
@@ -217,20 +225,21 @@ class FusedForwards(Forwards):
         batch: Rows,
         others: int = 0,
     ) -> tuple[list[ScheduledChunk], bool]:
-        """The chunks a fused forward can take (plain KV caches, no checkpoint inside: a
-        snapshot inside a chunk needs a forward that stops there), and whether the decode
-        rows go with them; ([], False) where fewer than two segments would share it
-        (`others`: segments it has beside them, drafting rows')."""
+        """The chunks a fused forward can take (caches it handles; a checkpoint inside one
+        only where `fuses_snapshots`: otherwise its snapshot needs a forward that stops
+        there), and whether the decode rows go with them; ([], False) where it would not
+        save a forward: they would run fewer than two apart (`others`: segments it has
+        beside them, drafting rows'; a chunk split at its checkpoints is a forward a piece)."""
         together = [
             c
             for c in chunks
             if c.request_id not in failed
-            and not any(c.start < k < c.end for k in c.checkpoints)
+            and (self.fuses_snapshots or not _inside(c))
             and (not self._media(c) or (self.fuses_media and self._media_fits(c)))
             and fused.can_fuse(self.seqs[c.request_id].cache or [], is_batch=False)
         ]
         with_batch = bool(batch) and self.batch.caches.can_fuse()
-        if len(together) + with_batch + others < 2:
+        if _num_apart(together, with_batch, others) < 2:
             return [], False
         return together, with_batch
 
@@ -244,7 +253,8 @@ class FusedForwards(Forwards):
     ) -> tuple[mx.array | None, dict[str, mx.array]] | None:
         """`chunks`, the drafting rows `verifies` (their logits go in each `Verify`) and, if
         `with_batch`, the decode rows in one forward (`engine/fused.py`), evaluated;
-        checkpoints at the chunks' ends are snapshotted after it. Returns the decode rows'
+        checkpoints at the chunks' ends are snapshotted after it, those inside a chunk from
+        the states the forward captured there (`fused.run`). Returns the decode rows'
         logits (None without rows) and each final chunk's last-position logits.
         None if the forward could not be built: every cache is as it was, and the step runs
         them as separate forwards (where a request's fault is pinned on it). A fault while
@@ -274,18 +284,18 @@ class FusedForwards(Forwards):
                 if image.end <= chunk.end:
                     seq.encodes.pop(i, None)
         logits: dict[str, mx.array] = {}
-        for chunk, seq, x in zip(chunks, seqs, out, strict=False):
-            if chunk.end in chunk.checkpoints:
-                try:
-                    self.checkpoint(seq, chunk.end)
-                except Exception as exc:
-                    fail(chunk.request_id, CHECKPOINT_FAILED, exc)
-                    continue
+        for chunk, seq, x, taken in zip(chunks, seqs, out.logits, out.snapshots, strict=False):
+            try:
+                for k in chunk.checkpoints:
+                    self.checkpoint(seq, k, taken.get(k - chunk.start))
+            except Exception as exc:
+                fail(chunk.request_id, CHECKPOINT_FAILED, exc)
+                continue
             if x is not None:
                 logits[chunk.request_id] = x
-        for v, x in zip(verifies, out[len(chunks) :], strict=False):
+        for v, x in zip(verifies, out.logits[len(chunks) :], strict=False):
             v.logits = x
-        decoded = [x for x in out[len(chunks) + len(verifies) :] if x is not None]
+        decoded = [x for x in out.logits[len(chunks) + len(verifies) :] if x is not None]
         if not decoded:
             return None, logits
         return (decoded[0] if len(decoded) == 1 else mx.concatenate(decoded)), logits
@@ -314,15 +324,17 @@ class FusedForwards(Forwards):
         return body_of(self.model).embed_tokens(mx.array([0])).dtype
 
     def _segment(self, seq: Seq, chunk: ScheduledChunk) -> fused.Segment:
-        """`chunk` of `seq` as a fused forward's segment: its tokens, and, under 3-D M-RoPE,
-        its positions (a text chunk's one section, its three sections are one); a chunk with
-        media tokens (`fuses_media` only) carries its input embeddings, all three sections
-        and its deepstack features, as `prefill` gives them to its own forward."""
+        """`chunk` of `seq` as a fused forward's segment: its tokens, its checkpoints inside
+        it (`fuses_snapshots` only) as snapshots, and, under 3-D M-RoPE, its positions (a
+        text chunk's one section, its three sections are one); a chunk with media tokens
+        (`fuses_media` only) carries its input embeddings, all three sections and its
+        deepstack features, as `prefill` gives them to its own forward."""
         start, end = chunk.start, chunk.end
         tokens, cache = seq.prompt[start:end], seq.cache or []
+        snapshots = tuple(k - start for k in _inside(chunk))
         if not self._media(chunk):
             positions = None if seq.positions is None else seq.positions[0, start:end]
-            return fused.Segment(tokens, cache, positions=positions)
+            return fused.Segment(tokens, cache, positions=positions, snapshots=snapshots)
         embeddings = self._embeddings(seq, start, end)
         return fused.Segment(
             tokens,
@@ -330,16 +342,15 @@ class FusedForwards(Forwards):
             positions=None if seq.positions is None else seq.positions[:, start:end],
             embeddings=None if embeddings is None else embeddings[0],
             deepstack=None if seq.positions is None else self._deepstack(seq, start, end),
+            snapshots=snapshots,
         )
 
-    def _forward(
-        self, segments: list[fused.Segment], rows: list[list[int]]
-    ) -> list[mx.array | None] | None:
-        """`fused.forward`, evaluated with the segments' caches; None (every cache put back as
-        it was) where it could not be built."""
+    def _forward(self, segments: list[fused.Segment], rows: list[list[int]]) -> fused.Fused | None:
+        """`fused.run`, evaluated with the segments' caches and snapshots; None (every cache
+        put back as it was) where it could not be built."""
         saved = [[layer.state for layer in s.cache] for s in segments]
         try:
-            out = fused.forward(self.model, segments, rows)
+            out = fused.run(self.model, segments, rows)
         except Exception as exc:
             if is_collective_error(exc):
                 raise
@@ -348,8 +359,23 @@ class FusedForwards(Forwards):
                 for layer, state in zip(s.cache, states, strict=True):
                     layer.state = state
             return None
-        mx.eval([x for x in out if x is not None], [[c.state for c in s.cache] for s in segments])
+        mx.eval(
+            [x for x in out.logits if x is not None],
+            [[c.state for c in s.cache] for s in segments],
+            [[c.state for c in cache] for taken in out.snapshots for cache in taken.values()],
+        )
         return out
+
+
+def _num_apart(chunks: Sequence[ScheduledChunk], with_batch: bool, others: int) -> int:
+    """How many forwards `chunks`, the decode rows (`with_batch`) and `others` segments
+    would run apart: a chunk split at its checkpoints runs a forward a piece."""
+    return sum(1 + len(_inside(c)) for c in chunks) + with_batch + others
+
+
+def _inside(chunk: ScheduledChunk) -> tuple[int, ...]:
+    """`chunk`'s checkpoints inside it (not at its end)."""
+    return tuple(k for k in chunk.checkpoints if chunk.start < k < chunk.end)
 
 
 class MediaFusedForwards(FusedForwards):
@@ -358,6 +384,21 @@ class MediaFusedForwards(FusedForwards):
     deepstack features (`fused.media_fused_proof`, proven on the loaded model)."""
 
     fuses_media = True
+
+
+class SnapshotFusedForwards(FusedForwards):
+    """`FusedForwards` where a prompt chunk with checkpoints inside it rides the fused
+    forward too, its cache snapshotted at each inside it (`fused.snapshot_fused_proof`,
+    proven on the loaded model): on a model whose prefixes serve only at their own offset,
+    every request's final chunk has one (its last token's, `prefix_cache.exact_only`)."""
+
+    fuses_snapshots = True
+
+
+class MediaSnapshotFusedForwards(MediaFusedForwards):
+    """`MediaFusedForwards` and `SnapshotFusedForwards` both."""
+
+    fuses_snapshots = True
 
 
 # How a model runs a step's tokens: its forwards, and whether its body and head run apart.
@@ -384,9 +425,10 @@ def forwards_kind_steps(
     fuses = fuse and split_head and (yield from fused.fused_forward_proof(model, kv))
     if not fuses:
         return Forwards, split_head
+    snapshots = yield from fused.snapshot_fused_proof(model, kv)
     if media and (yield from fused.media_fused_proof(model, kv)):
-        return MediaFusedForwards, split_head
-    return FusedForwards, split_head
+        return (MediaSnapshotFusedForwards if snapshots else MediaFusedForwards), split_head
+    return (SnapshotFusedForwards if snapshots else FusedForwards), split_head
 
 
 def sample(

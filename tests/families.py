@@ -1,7 +1,8 @@
 """Tiny random-weight models of the mlx-lm families people serve, built offline from their
 config keys (width 64, two to four layers), and the fast paths each one's own proofs allow:
-`forward.split_head_works` (logits only where wanted) and `fused.fused_forward_works` (one
-forward per step).
+`forward.split_head_works` (logits only where wanted), `fused.fused_forward_works` (one
+forward per step) and `fused.snapshot_fused_works` (a chunk with a checkpoint inside it in
+that forward).
 
 docs/models.md holds the table `table()` writes, between the markers `BEGIN`, `END`;
 tests/test_families.py checks it still says what the proofs say. After a change to either:
@@ -380,13 +381,14 @@ def model_dir(family: Family, out: Path, seed: int = 7, **config: Any) -> Path:
     return out
 
 
-def proofs(model: Any) -> tuple[bool, bool]:
-    """Whether `model`'s head splits from its body, and whether it fuses a step's forwards
-    (as `engine/step.py`'s `forwards_kind` decides)."""
+def proofs(model: Any) -> tuple[bool, bool, bool]:
+    """Whether `model`'s head splits from its body, whether it fuses a step's forwards, and
+    whether a chunk with a checkpoint inside rides that forward (as `engine/step.py`'s
+    `forwards_kind` decides)."""
     from stepline.engine.step import forwards_kind
 
     kind, split = forwards_kind(model, fuse=True)
-    return split, kind.fuses
+    return split, kind.fuses, kind.fuses_snapshots
 
 
 def cache_kinds(model: Any) -> str:
@@ -403,15 +405,16 @@ def table() -> str:
         return "yes" if ok else "no"
 
     rows = [
-        "| family | mlx-lm module | caches | split head | fused step | layout |",
-        "|---|---|---|---|---|---|",
+        "| family | mlx-lm module | caches | split head | fused step | checkpoints in it "
+        "| layout |",
+        "|---|---|---|---|---|---|---|",
     ]
     for family in FAMILIES:
         model = build(family)
-        split, fuses = proofs(model)
+        split, fuses, snapshots = proofs(model)
         rows.append(
             f"| {family.name} | `{family.module}` | {cache_kinds(model)} | {mark(split)} "
-            f"| {mark(fuses)} | {family.note} |"
+            f"| {mark(fuses)} | {mark(snapshots)} | {family.note} |"
         )
     return "\n".join(rows)
 

@@ -151,7 +151,7 @@ class Counting:
 
     def __init__(self, monkeypatch, runner: ModelRunner):
         self.calls: list[str] = []
-        real_fused, real_forward = fused.forward, step_module.forward
+        real_fused, real_forward = fused.run, step_module.forward
         real_decode = runner.forwards.decode
 
         def fused_forward(*a, **kw):
@@ -166,7 +166,7 @@ class Counting:
             self.calls.append("decode")
             return real_decode(*a, **kw)
 
-        monkeypatch.setattr(fused, "forward", fused_forward)
+        monkeypatch.setattr(fused, "run", fused_forward)
         monkeypatch.setattr(step_module, "forward", chunk_forward)
         runner.forwards.decode = decode_forward
 
@@ -248,33 +248,6 @@ def test_a_mixed_step_runs_one_forward_and_samples_what_separate_forwards_give(p
     for rid, prompt in PROMPTS.items():
         ours = [step[rid] for step in tokens if rid in step]
         assert ours == mlx_lm_greedy(plain.model, prompt, len(ours)), rid
-
-
-def test_checkpoints_at_a_fused_chunks_end_snapshot_exactly_that_prefix(demo, monkeypatch):
-    """A checkpoint at a chunk's end is snapshotted after the fused forward; one inside a
-    chunk makes that chunk run alone (the snapshot needs a forward that stops there)."""
-    snaps: dict[int, list] = {}
-    runner = ModelRunner(demo, on_checkpoint=lambda rid, k, cache: snaps.setdefault(k, cache))
-    counted = Counting(monkeypatch, runner)
-    prompt, other = prompt_ids(40, seed=5), prompt_ids(10, seed=6)
-    news = (NewRequest("r", tuple(prompt), GREEDY), NewRequest("o", tuple(other), GREEDY))
-    plans = [
-        ((ScheduledChunk("r", 0, 16, (16,), False), ScheduledChunk("o", 0, 10, (), True)), ()),
-        ((ScheduledChunk("r", 16, 40, (25, 40), True),), ("o",)),
-    ]
-    for i, (chunks, decodes) in enumerate(plans):
-        num = {rid: 1 for rid in decodes} | {c.request_id: c.num_tokens for c in chunks}
-        plan = StepPlan(step=i + 1, decodes=decodes, chunks=chunks, num_scheduled_tokens=num)
-        result = runner.run(StepWork(plan=plan, admit=news if i == 0 else ()))
-        assert not result.failed
-    # r's second chunk runs alone, in two forwards (to 25, then to 40), and o's decode alone;
-    # then, no prompt left mid-prefill, the next decode forward is built ahead
-    assert counted.take() == ["fused", "chunk", "chunk", "decode", "decode"]
-    assert sorted(snaps) == [16, 25, 40]
-    for k, snap in snaps.items():
-        fresh = _prefilled(demo.model, prompt[:k])
-        nxt = mx.array([[prompt[k - 1]]])
-        assert mx.allclose(demo.model(nxt, cache=snap), demo.model(nxt, cache=fresh), atol=1e-4)
 
 
 def test_a_fault_building_a_fused_forward_ends_only_the_request_it_comes_from(demo):
