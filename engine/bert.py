@@ -26,6 +26,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import structlog
 
 from stepline.actors.scheduler.plan import ScheduledChunk
 from stepline.actors.scheduler.work import (
@@ -41,6 +42,7 @@ from stepline.events.models import EmbedParams
 
 # config.json's model_types served through mlx-embeddings (tested: tests/test_bert.py)
 ENCODER_TYPES = ("bert", "xlm-roberta")
+log = structlog.get_logger(__name__)
 EXTRA_HINT = "install stepline[bert] (pip install 'stepline[bert]'), which brings mlx-embeddings"
 
 
@@ -169,7 +171,9 @@ class EncoderRunner:
                     try:
                         out.update(self._vectors([chunk]))
                     except Exception as exc:
-                        failed[chunk.request_id] = f"{PREFILL_FAILED}: {exc!r}"
+                        rid = chunk.request_id
+                        log.error("request_failed", request_id=rid, error=repr(exc), exc_info=exc)
+                        failed[rid] = PREFILL_FAILED
         self._free(tuple(failed))
         return StepResult(
             seconds=time.perf_counter() - t0,

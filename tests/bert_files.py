@@ -59,8 +59,11 @@ def build_bert_dir(
     positions: int = 64,
     max_seq_length: int | None = None,
     seed: int = 0,
+    shape: tuple[int, int, int, int] = (HIDDEN, 2, 4, 64),
 ) -> Path:
-    """A tiny `model_type` encoder (2 layers, width 32) at `out`, pooled as `pooling` says."""
+    """A `model_type` encoder at `out` (`shape`: width, layers, heads, MLP width; tiny by
+    default, all-MiniLM-L6-v2's (384, 6, 12, 1536) for benchmarks), pooled as `pooling`
+    says."""
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_unflatten
     from mlx_embeddings.models import bert, xlm_roberta
@@ -76,10 +79,10 @@ def build_bert_dir(
     config: dict[str, Any] = {
         "model_type": model_type,
         "architectures": ["BertModel" if model_type == "bert" else "XLMRobertaModel"],
-        "hidden_size": HIDDEN,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "intermediate_size": 64,
+        "hidden_size": shape[0],
+        "num_hidden_layers": shape[1],
+        "num_attention_heads": shape[2],
+        "intermediate_size": shape[3],
         "hidden_act": "gelu",
         # XLM-RoBERTa's positions start past its pad id: 2 more for the same input length
         "max_position_embeddings": positions + (pad_id + 1 if model_type != "bert" else 0),
@@ -94,13 +97,14 @@ def build_bert_dir(
     model = arch.Model(arch.ModelArgs.from_dict(config))
     params = dict(tree_flatten(model.parameters()))
     keys = mx.random.split(mx.random.key(seed), len(params))
+    std = 0.2 if shape[0] <= HIDDEN else 0.05
     new = {}
     for key, name in zip(keys, sorted(params), strict=True):
-        shape = params[name].shape
+        dims = params[name].shape
         if "LayerNorm" in name:  # a real LayerNorm's scale and shift, not random
-            value = mx.ones(shape) if name.endswith("weight") else mx.zeros(shape)
+            value = mx.ones(dims) if name.endswith("weight") else mx.zeros(dims)
         else:
-            value = 0.2 * mx.random.normal(shape, key=key)
+            value = std * mx.random.normal(dims, key=key)
         new[name] = value.astype(mx.float32)
     model.update(tree_unflatten(list(new.items())))
     mx.save_safetensors(str(out / "model.safetensors"), new, metadata={"format": "mlx"})
@@ -112,7 +116,7 @@ def build_bert_dir(
         "do_lower_case": model_type == "bert",
         **tokens,
     }
-    files: dict[str, Any] = sentence_transformers_files(pooling, HIDDEN)
+    files: dict[str, Any] = sentence_transformers_files(pooling, shape[0])
     if not normalize:
         files["modules.json"] = [m for m in files["modules.json"] if "Normalize" not in m["type"]]
         del files["2_Normalize/config.json"]

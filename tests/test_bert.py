@@ -317,3 +317,35 @@ def test_replay_verify_flags_a_whole_prompt_split_and_passes_one_run_alone(tmp_p
     assert verify(_whole_log(tmp_path / "alone.jsonl", [(0, 12)])).ok  # alone, past the budget
     split = verify(_whole_log(tmp_path / "split.jsonl", [(0, 8), (8, 12)]))
     assert ViolationKind.CHUNK_SPLITS_PROMPT in {v.kind for v in split.violations}
+
+
+def test_a_fault_in_one_input_ends_that_request_alone(bert_dir: Path) -> None:
+    """A batch whose forward fails is run again input by input: the input that fails ends
+    with an error, the others of its batch get their vectors."""
+    from stepline.actors.scheduler.plan import ScheduledChunk, StepPlan
+    from stepline.actors.scheduler.work import PREFILL_FAILED, NewRequest, StepWork
+    from stepline.engine.bert import EncoderRunner
+    from stepline.engine.models import load_model
+
+    runner = EncoderRunner(load_model(str(bert_dir)))
+    real = runner.model.hidden
+    poison = 7  # a token id only the faulty input holds
+
+    def hidden(ids: Any, mask: Any) -> Any:
+        if any(poison in row for row in ids.tolist()):  # its batch, and it alone
+            raise RuntimeError("a fault of this input")
+        return real(ids, mask)
+
+    runner.model.hidden = hidden  # type: ignore[method-assign]
+    prompts = {"good": (2, 10, 11, 12, 3), "bad": (2, poison, 11, 3), "also": (2, 13, 3)}
+    work = StepWork(
+        plan=StepPlan(
+            step=1,
+            chunks=tuple(ScheduledChunk(r, 0, len(p), (), True) for r, p in prompts.items()),
+        ),
+        admit=tuple(NewRequest(r, p, WHOLE) for r, p in prompts.items()),
+    )
+    result = runner.run(work)
+    assert dict(result.failed) == {"bad": PREFILL_FAILED}
+    assert set(result.embeddings) == {"good", "also"}
+    assert runner.num_sequences == 2  # the faulty one is freed; the others until their free
