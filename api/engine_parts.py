@@ -41,6 +41,11 @@ from stepline.events.models import LogHeader, new_run_id, new_salt
 log = structlog.get_logger(__name__)
 
 
+def _is_encoder(loaded: Any) -> bool:
+    """Whether the model is a non-causal encoder (engine/bert.py): no KV cache, whole prompts."""
+    return loaded.embedding is not None and loaded.embedding.whole
+
+
 def warn_without_openblas() -> None:
     """Say so when MLX runs on its reference BLAS (7-20x slower on Linux): it is silent
     otherwise, and the usual cause (importing mlx before stepline) is easy to fix."""
@@ -116,7 +121,9 @@ class EngineParts:
         }
         self._open_log(events, config)
         cost_model = warmup = None
-        if options.max_step_ms is not None:
+        # an encoder's steps have no decode rows for a time target to protect, nor decodes
+        # for the warm-up to measure
+        if options.max_step_ms is not None and not _is_encoder(loaded):
             kept, warmup = await self._warmup(sched)
             cost_model = CostModel(seed=kept)
         member = self.member
@@ -178,6 +185,16 @@ class EngineParts:
         from stepline.engine.runner import ModelRunner
 
         loaded, topology, executor = self.loaded, self.topology, self.executor
+        if _is_encoder(loaded):  # a BERT-family embedding model (engine/bert.py)
+            from stepline.engine.bert import EncoderRunner
+
+            if options.speculative_config is not None or topology is not None:
+                raise ValueError(
+                    f"{loaded.name!r} is an encoder (an embedding model): it takes no "
+                    "speculative decoding and no parallel"
+                )
+            self.runner = await executor.call(EncoderRunner, loaded)
+            return
         draft = None
         if options.speculative_config is not None:
             draft, self.draft_window = await executor.call(_draft_model, loaded, options)
@@ -235,6 +252,7 @@ class EngineParts:
                 mlx_cache_gb=options.mlx_cache_gb,
                 prefix_cache_bytes=prefix_bytes,
                 kv=self.runner.kv,
+                kv_cache=not _is_encoder(loaded),
             )
         )
         log.info(

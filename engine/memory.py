@@ -139,12 +139,14 @@ def plan_memory(
     mlx_cache_gb: float | None,
     prefix_cache_bytes: int,
     kv: KVQuant | None = None,
+    kv_cache: bool = True,
 ) -> MemoryPlan:
     """Measure the model's KV footprint, turn the KV budget into tokens, and limit MLX's
     buffer cache. `max_kv_tokens` wins if given; else `max_kv_gb`; else a default fraction
     of the machine's memory. `kv`: how the KV is quantized (its bytes are counted as held).
-    Runs on the executor thread."""
-    footprint = measure_kv_footprint(model, kv)
+    `kv_cache` false: a model that keeps none (an encoder, engine/bert.py). Runs on the
+    executor thread."""
+    footprint = measure_kv_footprint(model, kv) if kv_cache else KVFootprint(0, 0)
     machine = machine_memory_bytes()
     if max_kv_tokens is not None:
         budget = max_kv_tokens * footprint.bytes_per_token

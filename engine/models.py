@@ -27,6 +27,7 @@ import mlx.nn as nn
 import structlog
 from mlx.utils import tree_flatten, tree_unflatten
 
+from stepline.engine.bert import is_encoder
 from stepline.engine.cache_dirs import build_once, cache_root
 from stepline.engine.demo_files import (
     AUDIO_DEMO,
@@ -525,6 +526,13 @@ def _load_dir(
             weights=vision.weights,
             vision=vision.parts,
         )
+    if is_encoder(config):  # a BERT-family encoder (mlx-embeddings: the bert extra)
+        from stepline.engine.bert import load_encoder
+
+        parts = load_encoder(
+            path, name, config, lambda m: fit_dtype(m, dtype, evaluate=not lazy), lazy, tokenizer
+        )
+        return LoadedModel(name=name, path=path, **parts)
     embedding = read_pooling(path)  # before the weights: a pooling it cannot serve
     if tokenizer is None:
         model, tokenizer, config = load(str(path), return_config=True, lazy=lazy)

@@ -342,6 +342,18 @@ def _apply_chunk(state: RequestState, event: ChunkPrefilled) -> RequestState:
                 f"request {rid} has a chunk ending at {event.end}, inside its {what}'s span "
                 f"[{image.start}, {image.end}) (seq {event.seq})",
             )
+    embed = state.params.embed
+    if (
+        embed is not None
+        and embed.whole
+        and (event.start, event.end) != (0, state.num_prompt_tokens)
+    ):
+        raise FoldError(
+            "chunk-splits-prompt",
+            f"request {rid} has a chunk [{event.start}, {event.end}) of its "
+            f"{state.num_prompt_tokens}-token prompt, which goes whole (a non-causal model's; "
+            f"seq {event.seq})",
+        )
     done = event.end == state.num_prompt_tokens
     return state.evolve(
         num_computed_tokens=event.end,

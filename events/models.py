@@ -88,6 +88,9 @@ class EmbedParams(BaseModel):
     # A reranker's (Qwen3-Reranker's "no" and "yes"): the result is the output head's logits
     # of these token ids at the last token, not the hidden state (pooling "last")
     head_tokens: tuple[int, ...] = ()
+    # A non-causal model's (a BERT-family encoder, engine/bert.py): every token attends to
+    # every other, so the prompt goes in one chunk. Left out of the line when false.
+    whole: bool = Field(default=False, exclude_if=lambda whole: not whole)
 
 
 def _absent(value: object) -> bool:

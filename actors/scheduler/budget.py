@@ -205,8 +205,8 @@ class StepBudget:
         n, limit = self._chunk_size(s, start)
         if n < 1 and not self.chunks and s.images:
             n, limit = whole_image_at(s, start), "image"  # nothing else runs beside it
-        if n < 1:  # no time left, or an image span that does not fit: the rest next step
-            return Refused.IMAGE if limit == "image" else Refused.TIME
+        if n < 1:  # no time left, or a span that does not fit: the rest next step
+            return _REFUSED_BY.get(limit, Refused.TIME)
         end = start + n
         own = self._own_forward(s, start, n)
         self.features = self._base(s).with_chunk(start, n, own_forward=own)
@@ -320,7 +320,22 @@ class StepBudget:
             cut = cut_at_images(s, start, n)
             if cut < n:
                 n, limit = cut, "image"
+        if s.params.embed is not None and s.params.embed.whole:
+            n, limit = self._whole(s, start, n, limit)
         return n, limit
+
+    def _whole(
+        self, s: RequestState, start: int, n: int, limit: ChunkLimit
+    ) -> tuple[int, ChunkLimit]:
+        """A prompt that goes in one chunk (`EmbedParams.whole`, a non-causal model's): all of
+        it, or none this step (`limit`: what cut it); as the step's first prompt it runs whole
+        past the budget or the time target, as a whole image span no step holds does."""
+        rest = s.num_prompt_tokens - start
+        if n >= rest:
+            return n, limit
+        if not self.chunks:
+            return rest, "prompt-end"
+        return 0, limit
 
     def _encode_size(self, s: RequestState, i: int) -> int:
         """Encoder units for image `i` of request `s`: what is left, then the time left;
@@ -406,6 +421,14 @@ class StepBudget:
             parks=tuple(rid for rid in seats.parks if rid in decodes),
             resumes=seats.resumes,
         )
+
+
+# What a chunk cut to nothing was cut by -> why its request sat the step out.
+_REFUSED_BY: dict[ChunkLimit, Refused] = {
+    "image": Refused.IMAGE,
+    "budget": Refused.TOKENS,
+    "long-prefill-cap": Refused.TOKENS,
+}
 
 
 def _is_whole(s: RequestState, start: int, n: int) -> bool:

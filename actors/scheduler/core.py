@@ -358,9 +358,11 @@ class SchedulerCore:
         self.book.drafts_planned(plan)
         self.step += 1
         self.in_step = True
-        if plan.num_tokens > self.config.max_step_tokens:  # an image span no step could hold
+        if plan.num_tokens > self.config.max_step_tokens:  # a whole span no step could hold
+            spec = self.states[plan.chunks[0].request_id].params.embed
+            whole_prompt = spec is not None and spec.whole  # a BERT input (engine/bert.py)
             log.info(
-                "image_span_over_budget",
+                "prompt_over_budget" if whole_prompt else "image_span_over_budget",
                 step=self.step,
                 request_id=plan.chunks[0].request_id,
                 num_tokens=plan.num_tokens,

@@ -82,14 +82,15 @@ def outside_images(prefix: PrefixPlan, states: Mapping[str, RequestState]) -> Pr
 
 def whole_prompt_pooled(prefix: PrefixPlan, states: Mapping[str, RequestState]) -> PrefixPlan:
     """`prefix` without a cache hit, or a wait for one, for an embedding request that pools
-    more than its last token (mean, CLS): its hidden states must be computed from the first
-    token on, so it never starts from the prefix cache."""
+    more than its last token (mean, CLS), or whose prompt goes whole (a non-causal model's):
+    its hidden states must be computed from the first token on, so it never starts from the
+    prefix cache."""
     pooled = {
         rid
         for rid in (*prefix.cached, *prefix.deferred)
         if (s := states.get(rid)) is not None
         and s.params.embed is not None
-        and s.params.embed.pooling != "last"
+        and (s.params.embed.pooling != "last" or s.params.embed.whole)
     }
     if not pooled:
         return prefix

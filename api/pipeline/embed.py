@@ -179,7 +179,10 @@ async def run_all(
 async def _prepare(
     serving: Serving, ctx: RequestContext[Any], text: Input, param: str, truncate: bool
 ) -> Prepared:
-    """One input's token ids, checked (an empty one, one past the context: 400 naming it)."""
+    """One input's token ids, checked (an empty one, one past the context: 400 naming it).
+    A text cut to fit (`truncate`) by a model whose prompt goes whole (a BERT-family encoder)
+    is cut as its tokenizer and sentence-transformers cut it: its text, keeping the special
+    tokens around it."""
     engine = ctx.engine
     prepared = await serving.prepare(ctx, prompt=text, param=param)
     n, most = len(prepared.ids), engine.max_context - 1
@@ -194,7 +197,12 @@ async def _prepare(
                 param=param,
                 code="context_length_exceeded",
             )
-        prepared.ids[most:] = []
+        spec = engine.embedding
+        if isinstance(text, str) and spec is not None and spec.whole:
+            hf = getattr(engine.loaded.tokenizer, "_tokenizer", engine.loaded.tokenizer)
+            prepared.ids[:] = hf(text, truncation=True, max_length=most)["input_ids"]
+        else:
+            prepared.ids[most:] = []
     return prepared
 
 

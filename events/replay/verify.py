@@ -57,6 +57,7 @@ class ViolationKind(StrEnum):
     NON_CONTIGUOUS_CHUNK = "non-contiguous-chunk"  # a gap, an overlap or an empty chunk
     CHUNK_PAST_PROMPT = "chunk-past-prompt"
     CHUNK_SPLITS_IMAGE = "chunk-splits-image"  # a chunk ends inside a whole image's span
+    CHUNK_SPLITS_PROMPT = "chunk-splits-prompt"  # a part of a prompt that goes whole (BERT's)
     CHUNK_BEFORE_ENCODING = "chunk-before-encoding"  # an image's tokens before its encoder
     UNKNOWN_IMAGE = "unknown-image"  # encoder work for an image the prompt does not hold
     NON_CONTIGUOUS_ENCODING = "non-contiguous-encoding"  # encoder units skipped or twice
@@ -319,8 +320,9 @@ class _Verifier:
             self.evidence[rid] = event
 
     def _one_image_alone(self, event: StepPlanned) -> bool:
-        """Whether the step's one prompt chunk is an image span whole: a span no step could
-        hold runs alone, past the budget (`policy.oversized_image`)."""
+        """Whether the step's one prompt chunk is an image span whole, or a prompt that goes
+        whole (a non-causal model's): a span no step could hold runs alone, past the budget
+        (`policy.oversized_image`)."""
         chunks = [
             (rid, n)
             for rid, n, kind in zip(event.request_ids, event.num_tokens, event.kinds, strict=True)
@@ -330,7 +332,12 @@ class _Verifier:
             return False
         ((rid, n),) = chunks
         state = self.states.get(rid)
-        return state is not None and any(
+        if state is None:
+            return False
+        embed = state.params.embed
+        if embed is not None and embed.whole:
+            return n == state.num_prompt_tokens
+        return any(
             i.whole and i.end - i.start == n and i.start >= state.num_computed_tokens
             for i in state.images
         )
