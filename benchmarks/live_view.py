@@ -5,7 +5,11 @@
 A burst of `--requests` streamed chats of `--tokens` tokens, sent at once to a real server
 (127.0.0.1), alternately alone and watched by `--pages` dashboard pages (headless Chromium,
 where a `chromium` binary is installed) and `--readers` raw `/v1/events` readers; prints the
-burst's throughput (output tokens a second) and median TTFT both ways, medians of `--rounds`.
+burst's throughput (output tokens a second) and median TTFT both ways, medians of `--rounds`,
+and the CPU seconds a watched burst cost: the browsers' (every process of each Chromium), the
+raw readers' (`curl` processes, as any client outside the server), and the server's event-loop
+thread against an unwatched burst's (what serving the watchers cost it: SSE, /health, the
+page's files), which are less noisy than the throughput on a shared machine.
 Then, with `--stall-s`, a reader that opens `/v1/events` and stops reading for that long while
 bursts run, against none: the server's RSS and the steps' median and p99 time both ways.
 Keep it short on a busy machine (the figures are noisy there: say so).
@@ -16,15 +20,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shutil
 import socket
 import statistics
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
+from starlette.staticfiles import StaticFiles
 
 from stepline.api import Engine
 from stepline.api.http.app import create_app
@@ -53,29 +60,81 @@ async def one_chat(http: httpx.AsyncClient, i: int, tokens: int) -> tuple[float,
     return ttft if ttft is not None else float("nan"), n
 
 
-async def burst(http: httpx.AsyncClient, args: argparse.Namespace) -> tuple[float, float]:
-    """(output tokens a second, median TTFT) of one burst."""
-    t0 = time.perf_counter()
+class Burst(NamedTuple):
+    tok_s: float  # output tokens a second
+    ttft_s: float  # median
+    loop_cpu_s: float  # the event loop's thread (this one): HTTP, step loop, event streams
+    browsers_cpu_s: float = 0.0  # every process of every Chromium
+    readers_cpu_s: float = 0.0  # the raw readers' processes
+
+
+async def burst(
+    http: httpx.AsyncClient, args: argparse.Namespace, watching: Watchers | None = None
+) -> Burst:
+    """One burst, and the CPU its watchers (if any) and the event loop spent meanwhile."""
+    browsers = watching.browsers_cpu_s() if watching else 0.0
+    readers = watching.readers_cpu_s() if watching else 0.0
+    loop, t0 = time.thread_time(), time.perf_counter()
     got = await asyncio.gather(*(one_chat(http, i, args.tokens) for i in range(args.requests)))
-    wall = time.perf_counter() - t0
-    return sum(n for _, n in got) / wall, statistics.median(t for t, _ in got)
+    wall, loop = time.perf_counter() - t0, time.thread_time() - loop
+    return Burst(
+        sum(n for _, n in got) / wall,
+        statistics.median(t for t, _ in got),
+        loop,
+        watching.browsers_cpu_s() - browsers if watching else 0.0,
+        watching.readers_cpu_s() - readers if watching else 0.0,
+    )
 
 
-async def raw_reader(url: str) -> None:
-    async with (
-        httpx.AsyncClient(base_url=url, timeout=None) as http,
-        http.stream("GET", "/v1/events", params={"after": "now"}) as r,
-    ):
-        async for _ in r.aiter_bytes():
-            pass
+def cpu_s(pid: int) -> float:
+    """The CPU seconds (user + system) process `pid` has used; 0 when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def tree_cpu_s(roots: list[int]) -> float:
+    """The CPU seconds of the processes `roots` and all their descendants now alive."""
+    parent = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent[int(entry)] = int(f.read().rpartition(")")[2].split()[1])
+            except OSError:
+                pass
+    tree, todo = set(), list(roots)
+    while todo:
+        pid = todo.pop()
+        if pid not in tree:
+            tree.add(pid)
+            todo += [child for child, up in parent.items() if up == pid]
+    return sum(cpu_s(pid) for pid in tree)
+
+
+class Watchers(NamedTuple):
+    browsers: list[asyncio.subprocess.Process]
+    readers: list[asyncio.subprocess.Process]
+
+    def browsers_cpu_s(self) -> float:
+        return tree_cpu_s([p.pid for p in self.browsers])
+
+    def readers_cpu_s(self) -> float:
+        return tree_cpu_s([p.pid for p in self.readers])
 
 
 @asynccontextmanager
-async def watchers(url: str, args: argparse.Namespace) -> Any:
-    """`--pages` headless Chromium pages on /dashboard/ and `--readers` raw readers."""
+async def watchers(
+    url: str, args: argparse.Namespace, page: str = "/dashboard/"
+) -> AsyncIterator[Watchers]:
+    """`--pages` headless Chromium pages on /dashboard/ and `--readers` raw readers (`curl`
+    processes: a reader's own parsing is not the server's cost)."""
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     async with AsyncExitStack() as stack:
-        procs = []
+        procs, readers = [], []
         if chromium is not None:
             for _ in range(args.pages):
                 profile = stack.enter_context(
@@ -85,20 +144,38 @@ async def watchers(url: str, args: argparse.Namespace) -> Any:
                     await asyncio.create_subprocess_exec(
                         chromium, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
                         f"--user-data-dir={profile}", "--remote-debugging-port=0",
-                        f"{url}/dashboard/",
+                        f"{url}{page}",
                         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
                     )
                 )  # fmt: skip
-        tasks = [asyncio.create_task(raw_reader(url)) for _ in range(args.readers)]
-        await asyncio.sleep(args.settle_s)  # the pages load and connect
+        for _ in range(args.readers):
+            readers.append(
+                await asyncio.create_subprocess_exec(
+                    "curl", "-sN", "-o", "/dev/null", f"{url}/v1/events?after=now",
+                    stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+                )
+            )  # fmt: skip
+        await settled(url, len(procs) + len(readers), args.settle_s)
         try:
-            yield len(procs)
+            yield Watchers(procs, readers)
         finally:
-            for t in tasks:
-                t.cancel()
-            for p in procs:
+            for p in procs + readers:
                 p.terminate()
                 await p.wait()
+
+
+async def settled(url: str, num_readers: int, within_s: float) -> None:
+    """Until `num_readers` follow the events, each caught up (a page has read what memory
+    keeps), and a second more (the pages draw it), or `within_s` at most: a page still
+    loading would be counted as the burst's watcher."""
+    end = time.monotonic() + within_s
+    async with httpx.AsyncClient(base_url=url) as http:
+        while time.monotonic() < end:
+            readers = (await http.get("/v1/events/about")).json()["readers"]
+            if len(readers) >= num_readers and all(r["behind"] == 0 for r in readers):
+                await asyncio.sleep(min(1.0, max(0.0, end - time.monotonic())))
+                return
+            await asyncio.sleep(0.2)
 
 
 def rss_mb() -> float:
@@ -143,27 +220,42 @@ async def stalled(url: str, engine: Any, http: httpx.AsyncClient, args, stall: b
     }
 
 
+def watched_app(engine: Any, args: argparse.Namespace) -> Any:
+    """The server's app; with `--compare-page DIR`, also DIR's page files at /compare-page/
+    (another version of the page, say the one before a change, watched in the same run)."""
+    app = create_app(OneModel(engine))
+    if args.compare_page is not None:
+        app.mount("/compare-page", StaticFiles(directory=args.compare_page, html=True))
+    return app
+
+
 async def main(args: argparse.Namespace) -> None:
+    if shutil.which("chromium") is None and shutil.which("chromium-browser") is None:
+        args.pages = 0
     async with (
         Engine.open(args.model, max_num_seqs=args.max_num_seqs) as engine,
-        serve_in_process(create_app(OneModel(engine))) as url,
+        serve_in_process(watched_app(engine, args)) as url,
         httpx.AsyncClient(base_url=url, timeout=600) as http,
     ):
         await burst(http, args)  # warm
-        alone, watched = [], []
+        pages = {"/dashboard/": f"{args.pages} pages + {args.readers} readers"}
+        if args.compare_page is not None:
+            pages["/compare-page/"] = f"{args.pages} --compare-page + {args.readers} readers"
+        runs: dict[str, list[Burst]] = {"alone": []} | {name: [] for name in pages.values()}
         for _ in range(args.rounds):
-            alone.append(await burst(http, args))
-            async with watchers(url, args) as num_pages:
-                watched.append(await burst(http, args))
+            runs["alone"].append(await burst(http, args))
+            for page, name in pages.items():
+                async with watchers(url, args, page) as watching:
+                    runs[name].append(await burst(http, args, watching))
         med = statistics.median
         print(f"model {args.model}: bursts of {args.requests} chats x {args.tokens} tokens, "
               f"medians of {args.rounds} (a busy machine: noisy)")  # fmt: skip
-        for name, runs in (
-            ("alone", alone),
-            (f"{num_pages} pages + {args.readers} readers", watched),
-        ):
-            print(f"  {name:24} {med(r[0] for r in runs):8.1f} tok/s   "
-                  f"TTFT {1000 * med(r[1] for r in runs):8.1f} ms")  # fmt: skip
+        for name, got in runs.items():
+            print(f"  {name:30} {med(r.tok_s for r in got):6.1f} tok/s   "
+                  f"TTFT {1000 * med(r.ttft_s for r in got):6.1f} ms   "
+                  f"CPU s: event loop {med(r.loop_cpu_s for r in got):.2f}, "
+                  f"browsers {med(r.browsers_cpu_s for r in got):.2f}, "
+                  f"readers {med(r.readers_cpu_s for r in got):.2f}")  # fmt: skip
         if args.stall_s > 0:
             none = await stalled(url, engine, http, args, stall=False)
             one = await stalled(url, engine, http, args, stall=True)
@@ -179,7 +271,13 @@ if __name__ == "__main__":
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--pages", type=int, default=4)
     p.add_argument("--readers", type=int, default=4)
+    p.add_argument(
+        "--compare-page",
+        metavar="DIR",
+        help="also watch with the page files in DIR (another version of api/http/dashboard/, "
+        "e.g. `git archive REV api/http/dashboard | tar -x -C DIR`), alternating in the run",
+    )
     p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--settle-s", type=float, default=3.0)
+    p.add_argument("--settle-s", type=float, default=30.0, help="at most, for the watchers")
     p.add_argument("--stall-s", type=float, default=0.0)
     asyncio.run(main(p.parse_args()))

@@ -25,6 +25,7 @@ function emptyState() {
     cache: { lookups: 0, hits: 0, promptTokens: 0, cachedTokens: 0, misses: [] },
     now: 0, // the last event's time (replay: the scrubbed step's)
     lastStep: 0,
+    slots: 0, // steps seen: each step's slot in the strip
   };
 }
 
@@ -41,7 +42,8 @@ function doorOf(e) {
 }
 
 function stepOf(n) {
-  return S.steps.find((s) => s.step === n);
+  for (let i = S.steps.length - 1; i >= 0; i -= 1) if (S.steps[i].step === n) return S.steps[i];
+  return undefined;
 }
 
 function apply(e) {
@@ -71,8 +73,8 @@ function apply(e) {
     }
     case "step": {
       S.lastStep = Math.max(S.lastStep, e.step);
-      const s = { step: e.step, ts: e.ts, prefill: 0, decode: 0, encode: 0, members: [],
-        budget: e.max_step_tokens, seconds: null, predicted: null, warming: false };
+      const s = { step: e.step, slot: S.slots++, ts: e.ts, prefill: 0, decode: 0, encode: 0,
+        members: [], budget: e.max_step_tokens, seconds: null, predicted: null, warming: false };
       e.request_ids.forEach((rid, i) => {
         s[e.kinds[i]] += e.num_tokens[i];
         s.members.push([rid, e.num_tokens[i], e.kinds[i]]);
@@ -151,23 +153,48 @@ const MISS_WHY = {
 };
 
 // -- drawing ---------------------------------------------------------------------------------
+// Events only fold into S and mark the parts they change; a frame draws those parts at most
+// every FRAME_MS (in an animation frame: none while the page is hidden), and each part
+// changes only the elements whose text or shape changed, so a busy engine's hundreds of
+// events a second cost the page a few small DOM updates a frame, not a page rebuilt.
+
+const FRAME_MS = 200; // the page draws at most this often
+const PARTS = { // which parts of the page each kind of event changes
+  admitted: ["requests", "models"],
+  "chunk-prefilled": ["requests", "models", "cache"],
+  step: ["steps", "requests", "models"],
+  "step-finished": ["steps"],
+  decoding: ["requests"],
+  terminal: ["requests", "models"],
+  "model-loaded": ["models"],
+  "model-unloaded": ["models"],
+  "model-load-failed": ["models"],
+};
+const ALL = ["models", "steps", "requests", "cache"];
 
 const ms = (s) => (s === null || s === undefined ? "–" : `${(s * 1000).toFixed(1)} ms`);
 const secs = (s) => (s === null || s === undefined ? "–" : s < 1 ? ms(s) : `${s.toFixed(2)} s`);
 const gb = (b) => `${(b / 2 ** 30).toFixed(2)} GB`;
 
-function cell(row, text, cls) {
-  const td = row.insertCell();
-  td.textContent = text;
-  if (cls) td.className = cls;
-  return td;
+function escapeHtml(text) {
+  return String(text).replace(/[&<>"]/g,
+    (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" })[c]);
 }
 
-// A request's id, short (its door's prefix and 8 digits), the whole id in its title.
-function idCell(row, id) {
-  const td = cell(row, id.length > 32 ? `${id.slice(0, id.length - 24)}…` : id, "id");
-  td.title = id;
-  return td;
+// An element's text and attributes, written only when they change (a write of the same
+// value still makes the browser lay the page out again).
+function setText(el, text) {
+  if (el.textContent !== text) el.textContent = text;
+}
+function setAttr(el, name, value) {
+  if (el.getAttribute(name) !== value) el.setAttribute(name, value);
+}
+const written = new WeakMap(); // element -> the HTML setHtml last wrote into it
+function setHtml(el, html) {
+  if (written.get(el) !== html) {
+    el.innerHTML = html;
+    written.set(el, html);
+  }
 }
 
 function targetSeconds() {
@@ -184,49 +211,108 @@ function stallOf(s, target) {
   return `step ${s.step} took ${ms(s.seconds)} (target ${ms(target)}): ${cause}`;
 }
 
-function drawSteps() {
-  const svg = $("steps");
-  const target = targetSeconds();
-  const W = 900, H = 160, w = W / STRIP;
-  const top = Math.max(target ? target * 2 : 0, ...S.steps.map((s) => s.seconds || 0), 1e-3);
-  const parts = [];
-  if (target) {
-    const y = H - (target / top) * H;
-    parts.push(`<line x1="0" x2="${W}" y1="${y}" y2="${y}" class="target" stroke="#f59e0b"
-      stroke-dasharray="4 3"/>`);
-  }
-  let stalls = 0;
-  S.steps.forEach((s, i) => {
-    const x = i * w;
-    const h = ((s.seconds || 0) / top) * H;
-    const total = s.prefill + s.decode + s.encode || 1;
-    let y = H;
-    for (const [kind, color] of [["decode", "#10b981"], ["prefill", "#3b82f6"],
-      ["encode", "#a855f7"]]) {
-      const part = (s[kind] / total) * h;
-      if (part > 0) parts.push(`<rect x="${x}" y="${y - part}" width="${w - 1}" height="${part}"
-        fill="${color}"/>`);
-      y -= part;
-    }
-    const stall = stallOf(s, target);
-    if (stall) stalls += 1;
-    const title = stall || `step ${s.step}: ${ms(s.seconds)}, ${s.prefill} prefill + ${s.decode}` +
-      ` decode tokens of ${s.budget}`;
-    if (stall) parts.push(`<rect class="stalled" x="${x}" y="0" width="${w - 1}" height="6"
-      fill="#dc2626"/>`);
-    parts.push(`<rect data-step="${s.step}" x="${x}" y="0" width="${w}" height="${H}"
-      fill="transparent"><title>${escapeHtml(title)}</title></rect>`);
-  });
-  svg.innerHTML = parts.join("");
-  $("step-note").textContent = S.steps.length
-    ? `steps ${S.steps[0].step}–${S.steps[S.steps.length - 1].step}; ${stalls} over target` +
-      (target ? ` (${ms(target)})` : " (no step-time target)")
-    : "no steps yet";
+// -- the step strip: a bar a step, drawn once (when its time is known) at its own slot; the
+// strip moves left and rescales by the transforms of the groups that hold the bars.
+
+const SVG = "http://www.w3.org/2000/svg";
+const W = 900, H = 160, SLOT = W / STRIP;
+const KINDS = [["decode", "#10b981"], ["prefill", "#3b82f6"], ["encode", "#a855f7"]];
+const strip = { of: null, target: undefined, drawn: new Map() }; // step -> its elements
+
+function svgEl(name, attrs) {
+  const el = document.createElementNS(SVG, name);
+  for (const [k, v] of Object.entries(attrs)) el.setAttribute(k, v);
+  return el;
 }
 
-function escapeHtml(text) {
-  return text.replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" })[c]);
+function resetStrip(target) {
+  strip.of = S;
+  strip.target = target;
+  strip.drawn.clear();
+  strip.line = svgEl("line", { x1: 0, x2: W, y1: 0, y2: 0, class: "target", stroke: "#f59e0b",
+    "stroke-dasharray": "4 3", visibility: target ? "visible" : "hidden" });
+  strip.bars = svgEl("g", {}); // in seconds, up from the bottom: scaled to the tallest
+  strip.marks = svgEl("g", {});
+  strip.hits = svgEl("g", {});
+  strip.shift = svgEl("g", {});
+  strip.shift.append(strip.bars, strip.marks, strip.hits);
+  $("steps").replaceChildren(strip.line, strip.shift);
 }
+
+function stepTitle(s, stall) {
+  return stall || `step ${s.step}: ${ms(s.seconds)}, ${s.prefill} prefill + ${s.decode}` +
+    ` decode tokens of ${s.budget}`;
+}
+
+function newStep(s) {
+  const x = s.slot * SLOT;
+  const els = { seconds: undefined, stall: null, mark: null, bars: svgEl("g", {}),
+    title: svgEl("title", {}),
+    hit: svgEl("rect", { "data-step": s.step, x, y: 0, width: SLOT, height: H,
+      fill: "transparent" }) };
+  els.hit.append(els.title);
+  strip.bars.append(els.bars);
+  strip.hits.append(els.hit);
+  return els;
+}
+
+function fillStep(s, els, target) {
+  els.seconds = s.seconds;
+  const x = s.slot * SLOT;
+  const total = s.prefill + s.decode + s.encode || 1;
+  const rects = [];
+  let y = 0;
+  for (const [kind, color] of KINDS) {
+    const part = (s[kind] / total) * (s.seconds || 0);
+    if (part > 0) rects.push(svgEl("rect", { x, y, width: SLOT - 1, height: part, fill: color }));
+    y += part;
+  }
+  els.bars.replaceChildren(...rects);
+  els.stall = stallOf(s, target);
+  if (els.stall && !els.mark) {
+    els.mark = svgEl("rect", { class: "stalled", x, y: 0, width: SLOT - 1, height: 6,
+      fill: "#dc2626" });
+    strip.marks.append(els.mark);
+  }
+  setText(els.title, stepTitle(s, els.stall));
+}
+
+function drawSteps() {
+  const target = targetSeconds();
+  if (strip.of !== S || strip.target !== target) resetStrip(target);
+  const shown = new Set(S.steps);
+  for (const [s, els] of strip.drawn) {
+    if (shown.has(s)) continue;
+    els.bars.remove();
+    els.hit.remove();
+    if (els.mark) els.mark.remove();
+    strip.drawn.delete(s);
+  }
+  let stalls = 0, tallest = 0;
+  for (const s of S.steps) {
+    let els = strip.drawn.get(s);
+    if (!els) strip.drawn.set(s, (els = newStep(s)));
+    if (els.seconds !== s.seconds) fillStep(s, els, target);
+    if (els.stall) stalls += 1;
+    tallest = Math.max(tallest, s.seconds || 0);
+  }
+  const top = Math.max(target ? target * 2 : 0, tallest, 1e-3);
+  const first = S.steps.length ? S.steps[0].slot : 0;
+  setAttr(strip.shift, "transform", `translate(${-first * SLOT},0)`);
+  setAttr(strip.bars, "transform", `translate(0,${H}) scale(1,${-H / top})`);
+  if (target) {
+    const y = String(H - (target / top) * H);
+    setAttr(strip.line, "y1", y);
+    setAttr(strip.line, "y2", y);
+  }
+  setText($("step-note"), S.steps.length
+    ? `steps ${S.steps[0].step}–${S.steps[S.steps.length - 1].step}; ${stalls} over target` +
+      (target ? ` (${ms(target)})` : " (no step-time target)")
+    : "no steps yet");
+}
+
+// -- the requests: a row a request, made when it is first shown, its changing cells written
+// when their text changes.
 
 // When the page first showed each request, and its first token (wall-clock seconds, as the
 // events' `ts`), beside the event times: how far behind the engine the page runs (the browser
@@ -235,7 +321,7 @@ const SHOWN = 200;
 const shown = new Map(); // id -> {admitted, shown, firstToken, firstTokenShown}
 window.steplineShown = shown;
 
-function stampShown(r, row) {
+function stampShown(r) {
   const at = (performance.timeOrigin + performance.now()) / 1000;
   let s = shown.get(r.id);
   if (!s) {
@@ -247,71 +333,127 @@ function stampShown(r, row) {
     s.firstToken = r.firstTokenAt;
     s.firstTokenShown = at;
   }
-  row.dataset.shownAt = s.shown;
+  return s;
 }
 
-function drawRequests() {
-  const body = $("requests").tBodies[0];
-  body.replaceChildren();
-  const now = S.now;
-  for (const r of S.requests.values()) {
-    const row = body.insertRow();
-    row.dataset.request = r.id;
-    row.onclick = () => showTimeline(r.id);
-    idCell(row, r.id);
-    cell(row, r.door).title = r.doorPath;
-    cell(row, r.client ? r.client.slice(0, 8) : "anonymous");
-    cell(row, r.state);
-    const prompt = cell(row, "");
-    const done = r.prompt ? r.prefilled / r.prompt : 1;
-    const cached = r.prompt ? r.cached / r.prompt : 0;
-    prompt.innerHTML = `<span class="bar"><span class="cached" style="width:${cached * 100}%">` +
-      `</span><span style="width:${(done - cached) * 100}%"></span></span>`;
-    prompt.append(`${r.prefilled}/${r.prompt} (${r.chunks} chunks, ${r.cached} cached)`);
-    cell(row, String(r.out));
-    const span = r.firstTokenAt !== null ? (r.lastTokenAt || now) - r.firstTokenAt : 0;
-    cell(row, span > 0 ? `${((r.out - 1) / span).toFixed(1)} tok/s` : "–");
-    cell(row, secs((r.scheduledAt !== null ? r.scheduledAt : now) - r.admittedAt));
-    stampShown(r, row);
+function cell(row, text, cls) {
+  const td = row.insertCell();
+  td.textContent = text;
+  if (cls) td.className = cls;
+  return td;
+}
+
+// A request's id, short (its door's prefix and 8 digits), the whole id in its title.
+function idCell(row, id) {
+  const td = cell(row, id.length > 32 ? `${id.slice(0, id.length - 24)}…` : id, "id");
+  td.title = id;
+  return td;
+}
+
+function newRow(r) {
+  const row = document.createElement("tr");
+  row.dataset.request = r.id;
+  row.onclick = () => showTimeline(r.id);
+  return row;
+}
+
+// `body`'s rows are those of `list`, in its order: `rows` (request -> its row) keeps them,
+// `make` makes a new one, `update` (if any) brings one up to date.
+function syncRows(body, list, rows, make, update) {
+  const wanted = new Set(list);
+  for (const [r, it] of rows) {
+    if (!wanted.has(r)) {
+      it.row.remove();
+      rows.delete(r);
+    }
   }
-  const ended = $("finished").tBodies[0];
-  ended.replaceChildren();
-  for (const r of S.ended) {
-    const row = ended.insertRow();
-    row.dataset.request = r.id;
-    row.onclick = () => showTimeline(r.id);
-    idCell(row, r.id);
-    cell(row, r.door || "–").title = r.doorPath || "";
-    cell(row, r.end);
-    cell(row, String(r.prompt));
-    cell(row, String(r.out));
-    cell(row, r.admittedAt !== null && r.firstTokenAt !== null ? secs(r.firstTokenAt - r.admittedAt) : "–");
-    cell(row, r.admittedAt !== null ? secs(r.endedAt - r.admittedAt) : "–");
-    if (r.admittedAt !== null) stampShown(r, row);
+  let prev = null;
+  for (const r of list) {
+    let it = rows.get(r);
+    if (!it) rows.set(r, (it = make(r)));
+    else if (update) update(r, it);
+    const at = prev ? prev.nextSibling : body.firstChild;
+    if (it.row !== at) body.insertBefore(it.row, at);
+    prev = it.row;
   }
 }
+
+function runningRow(r) {
+  const row = newRow(r);
+  idCell(row, r.id);
+  cell(row, r.door).title = r.doorPath;
+  cell(row, r.client ? r.client.slice(0, 8) : "anonymous");
+  const it = { row, state: cell(row, "") };
+  const prompt = cell(row, "");
+  prompt.innerHTML = '<span class="bar"><span class="cached"></span><span></span></span>';
+  [it.cachedBar, it.doneBar] = prompt.firstChild.children;
+  it.progress = document.createTextNode("");
+  prompt.append(it.progress);
+  it.out = cell(row, "");
+  it.rate = cell(row, "");
+  it.waited = cell(row, "");
+  updateRunning(r, it);
+  row.dataset.shownAt = stampShown(r).shown;
+  return it;
+}
+
+function updateRunning(r, it) {
+  const now = S.now;
+  setText(it.state, r.state);
+  const done = r.prompt ? r.prefilled / r.prompt : 1;
+  const cached = r.prompt ? r.cached / r.prompt : 0;
+  setAttr(it.cachedBar, "style", `width:${cached * 100}%`);
+  setAttr(it.doneBar, "style", `width:${(done - cached) * 100}%`);
+  const progress = `${r.prefilled}/${r.prompt} (${r.chunks} chunks, ${r.cached} cached)`;
+  if (it.progress.data !== progress) it.progress.data = progress;
+  setText(it.out, String(r.out));
+  const span = r.firstTokenAt !== null ? (r.lastTokenAt || now) - r.firstTokenAt : 0;
+  setText(it.rate, span > 0 ? `${((r.out - 1) / span).toFixed(1)} tok/s` : "–");
+  setText(it.waited, secs((r.scheduledAt !== null ? r.scheduledAt : now) - r.admittedAt));
+  stampShown(r);
+}
+
+function endedRow(r) {
+  const row = newRow(r);
+  idCell(row, r.id);
+  cell(row, r.door || "–").title = r.doorPath || "";
+  cell(row, r.end);
+  cell(row, String(r.prompt));
+  cell(row, String(r.out));
+  cell(row, r.admittedAt !== null && r.firstTokenAt !== null
+    ? secs(r.firstTokenAt - r.admittedAt) : "–");
+  cell(row, r.admittedAt !== null ? secs(r.endedAt - r.admittedAt) : "–");
+  if (r.admittedAt !== null) row.dataset.shownAt = stampShown(r).shown;
+  return { row };
+}
+
+const tables = { running: new Map(), ended: new Map() }; // request -> its row
+
+function drawRequests() {
+  syncRows($("requests").tBodies[0], [...S.requests.values()], tables.running, runningRow,
+    updateRunning);
+  syncRows($("finished").tBodies[0], S.ended, tables.ended, endedRow);
+}
+
+// -- models, the cache
 
 let health = null; // /health's body, asked every few seconds (live only)
 
 function drawModels() {
-  const box = $("models");
-  box.replaceChildren();
   const names = header ? (Object.keys(header.models || {}).length ? Object.keys(header.models)
     : [header.model]) : [];
+  const parts = [];
   for (const name of names) {
-    const div = document.createElement("div");
     const known = S.models.get(name);
     const state = (health && health.models && health.models[name] && health.models[name].state)
       || (known ? known.state : live ? "loaded" : "");
-    div.textContent = `${name}: ${state}` + (known && known.bytes ? `, ${gb(known.bytes)}` : "");
-    box.append(div);
+    parts.push(`<div>${escapeHtml(`${name}: ${state}` +
+      (known && known.bytes ? `, ${gb(known.bytes)}` : ""))}</div>`);
   }
   if (health && health.memory_gb) {
     const m = health.memory_gb;
-    const div = document.createElement("div");
-    div.innerHTML = `memory <span class="meter"><span style="width:${Math.min(100,
-      (100 * m.used) / (m.budget || 1))}%"></span></span> ${m.used} of ${m.budget} GB`;
-    box.append(div);
+    parts.push(`<div>memory <span class="meter"><span style="width:${Math.min(100,
+      (100 * m.used) / (m.budget || 1))}%"></span></span> ${m.used} of ${m.budget} GB</div>`);
   }
   let waiting = 0, running = 0, reserved = 0;
   for (const r of S.requests.values()) {
@@ -323,43 +465,53 @@ function drawModels() {
   }
   const kv = header && header.config && header.config.max_kv_tokens;
   if (kv) {
-    const div = document.createElement("div");
-    div.id = "kv";
-    div.title = "running requests' prompt + max_tokens, of the KV budget (--max-kv-gb)";
-    div.innerHTML = `KV <span class="meter"><span style="width:${Math.min(100,
-      (100 * reserved) / kv)}%"></span></span> ${reserved} of ${kv} tokens reserved`;
-    box.append(div);
+    parts.push('<div id="kv" title="running requests\' prompt + max_tokens, of the KV budget ' +
+      `(--max-kv-gb)">KV <span class="meter"><span style="width:${Math.min(100,
+        (100 * reserved) / kv)}%"></span></span> ${reserved} of ${kv} tokens reserved</div>`);
   }
-  $("counts").innerHTML = `<div id="queue">queued <b>${waiting}</b></div>` +
-    `<div id="running">running <b>${running}</b></div>` + `<div>step <b>${S.lastStep}</b></div>`;
+  setHtml($("models"), parts.join(""));
+  setHtml($("counts"), `<div id="queue">queued <b>${waiting}</b></div>` +
+    `<div id="running">running <b>${running}</b></div>` + `<div>step <b>${S.lastStep}</b></div>`);
 }
 
 function drawCache() {
   const c = S.cache;
   const rate = c.lookups ? ((100 * c.hits) / c.lookups).toFixed(0) : "–";
   const tokens = c.promptTokens ? ((100 * c.cachedTokens) / c.promptTokens).toFixed(0) : "–";
-  $("cache").innerHTML = `hit rate <b id="hit-rate">${rate}%</b> of ${c.lookups} requests; ` +
-    `${tokens}% of prompt tokens came from the cache`;
-  const list = $("misses");
-  list.replaceChildren();
-  for (const m of c.misses) {
-    const li = document.createElement("li");
+  setHtml($("cache"), `hit rate <b id="hit-rate">${rate}%</b> of ${c.lookups} requests; ` +
+    `${tokens}% of prompt tokens came from the cache`);
+  const items = c.misses.map((m) => {
     const why = m.why && MISS_WHY[m.why] ? MISS_WHY[m.why](m.shared) : "no cached prefix of them";
-    li.textContent = `${m.id}: ${m.cached} of ${m.prompt} prompt tokens cached; ${why}`;
-    list.append(li);
-  }
+    const text = `${m.id}: ${m.cached} of ${m.prompt} prompt tokens cached; ${why}`;
+    return `<li>${escapeHtml(text)}</li>`;
+  });
+  setHtml($("misses"), items.join(""));
 }
 
-let dirty = true;
-function draw() {
-  if (!dirty) return;
-  dirty = false;
-  drawModels();
-  drawSteps();
-  drawRequests();
-  drawCache();
+// -- when to draw
+
+const dirty = new Set(ALL); // the parts changed since the last frame
+let frameAsked = false;
+let drewAt = -Infinity;
+
+function changed(parts) {
+  for (const p of parts) dirty.add(p);
+  if (frameAsked || dirty.size === 0) return;
+  frameAsked = true;
+  const wait = Math.max(0, drewAt + FRAME_MS - performance.now());
+  setTimeout(() => requestAnimationFrame(draw), wait);
 }
-setInterval(draw, 200);
+
+function draw() {
+  frameAsked = false;
+  drewAt = performance.now();
+  if (dirty.has("models")) drawModels();
+  if (dirty.has("steps")) drawSteps();
+  if (dirty.has("requests")) drawRequests();
+  if (dirty.has("cache")) drawCache();
+  dirty.clear();
+}
+changed(ALL);
 
 // -- the key ---------------------------------------------------------------------------------
 
@@ -412,7 +564,7 @@ function onRun(body) {
   runKey = body.run;
   header = body.header;
   $("run").textContent = `run ${body.run}` + (body.live ? "" : " (recorded)");
-  dirty = true;
+  changed(ALL);
 }
 
 function onEvent(msg) {
@@ -424,7 +576,7 @@ function onEvent(msg) {
     return;
   }
   apply(e);
-  dirty = true;
+  changed(PARTS[e.type] || []);
 }
 
 function connect() {
@@ -484,7 +636,7 @@ async function pollHealth() {
   try {
     const r = await fetch("/health", { signal: AbortSignal.timeout(5000) });
     health = await r.json();
-    dirty = true;
+    changed(["models"]);
     // The server is up but the stream is not (it was opened to a server that went away and
     // never answered): open it again, from the last event read.
     notOpen = source && source.readyState !== EventSource.OPEN ? notOpen + 1 : 0;
@@ -526,7 +678,7 @@ function scrubberGrows(e) {
   if (scrubbed === null) {
     bar.value = bar.max;
     apply(e);
-    dirty = true;
+    changed(PARTS[e.type] || []);
     $("scrubbed").textContent = `step ${bar.value} of ${bar.max}`;
   }
 }
@@ -540,7 +692,7 @@ $("scrubber").oninput = () => {
     apply(e);
   }
   $("scrubbed").textContent = `step ${scrubbed} of ${bar.max}`;
-  dirty = true;
+  changed(ALL);
 };
 
 takeKeyFromUrl();
