@@ -4,9 +4,6 @@ api/http/events.py, and the dashboard it feeds).
 `EventFeed.publish` is called where the step loop hands its events to the log's writer, on
 the event loop's thread: it puts them in a ring of the last `capacity` events and wakes the
 readers that wait. That is O(1) an event: no I/O, no serialising, no lock, never a wait.
-An event is serialised once, by the first reader that sends it; every other reader sends the
-same bytes. A reader sends what has gathered since its last batch in one write, at most every
-WRITE_EVERY_S: what a reader costs the server is a write a batch, not one a step or an event.
 
 Each reader (`EventFeed.follow`) keeps nothing but its place in the ring, so its buffer is
 the ring's window: a reader that stops reading (its socket full) holds no more memory as the
@@ -29,7 +26,6 @@ keep every long prompt alive, and a frame of megabytes helps no dashboard.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -44,7 +40,6 @@ from stepline.events.models import Admitted, Event, LogHeader, TokensSampled
 DEFAULT_CAPACITY = 16384  # events kept in memory (about a minute of a busy engine's steps)
 MAX_BATCH = 1024  # events a reader takes from the ring (or the file) at a time
 GATHER_S = 0.02  # a woken reader lets a few steps' events gather before it reads them
-WRITE_EVERY_S = 0.1  # and reads (so writes) no more often than this: a batch, not a step's
 
 _NO_MODEL = frozenset({"model"})
 
@@ -284,7 +279,6 @@ class EventFeed:
         self, cursor: int, wanted: EventFilter, reader: Reader
     ) -> AsyncIterator[list[Item]]:
         header = self.header
-        read_at = -WRITE_EVERY_S  # when the reader last took a batch (time.monotonic)
         while True:
             reader.at = cursor
             if cursor < self.first - 1:
@@ -295,9 +289,8 @@ class EventFeed:
                 if self.closed:
                     return
                 await self._published()
-                await anyio.sleep(max(GATHER_S, read_at + WRITE_EVERY_S - time.monotonic()))
+                await anyio.sleep(GATHER_S)
                 continue
-            read_at = time.monotonic()
             end = min(self.last, cursor + MAX_BATCH)
             batch: list[Item] = []
             for n in range(cursor + 1, end + 1):
