@@ -83,7 +83,6 @@ class EngineParts:
     member: PoolMember | None = None  # one of several models: the writer is the pool's
     # How long `close` waits for MLX work still running; None: until it ends (see `close`).
     mlx_wait_at_close_s: float | None = None
-    draft_window: int | None = None  # `ModelLimits.draft_window`, where drafts are verified
     adapters: dict[str, Any] = dataclasses.field(default_factory=dict)  # name -> AdapterInfo
 
     async def assemble(
@@ -135,7 +134,6 @@ class EngineParts:
                 max_context=loaded.max_context,
                 eos_token_ids=frozenset(loaded.tokenizer.eos_token_ids or ()),
                 exact_prefixes=exact_prefixes,
-                draft_window=self.draft_window,
             ),
             event_log=self.writer,
             feed=self.feed,
@@ -197,7 +195,7 @@ class EngineParts:
             return
         draft = None
         if options.speculative_config is not None:
-            draft, self.draft_window = await executor.call(_draft_model, loaded, options)
+            draft = await executor.call(_draft_model, loaded, options)
         prefix_dir = options.prefix_cache_dir
         kv = kv_quant(options.kv_bits, options.kv_group_size)
         forwards = None
@@ -480,25 +478,24 @@ def _scheduler_config(options: EngineConfig) -> SchedulerConfig:
     )
 
 
-def _draft_model(loaded: Any, options: EngineConfig) -> tuple[Any, int | None]:
+def _draft_model(loaded: Any, options: EngineConfig) -> Any:
     """Check that `loaded` can verify drafts, and load the draft model where the speculative
-    config names one (same tokenizer, KV caches): its `DraftModel`, else None, and the most
-    tokens a drafting request may hold (`ModelLimits.draft_window`). On the executor's
-    thread."""
+    config names one (same tokenizer, caches whose drafts can be taken back): its
+    `DraftModel`, else None. On the executor's thread."""
     from stepline.engine.draft_model import DraftModel, check_same_tokenizer
     from stepline.engine.models import load_model
     from stepline.engine.verify import check_speculation
 
     spec = options.speculative_config
     assert spec is not None
-    window = check_speculation(loaded.model)
+    check_speculation(loaded.model)
     if spec.model is None:
-        return None, window
+        return None
     draft = load_model(spec.model, options.dtype)
     check_same_tokenizer(loaded.tokenizer, draft.tokenizer, loaded.name, draft.name)
-    windows = [w for w in (window, check_speculation(draft.model)) if w is not None]
+    check_speculation(draft.model)
     log.info("draft_model_loaded", model=draft.name, path=str(draft.path), weights=draft.weights)
-    return DraftModel(draft.model, loaded.vocab_size), min(windows, default=None)
+    return DraftModel(draft.model, loaded.vocab_size)
 
 
 def _advance(steps: Generator[None, None, Any]) -> tuple[bool, Any]:

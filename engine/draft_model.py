@@ -6,21 +6,25 @@ no model to draft with); before the step's forward, the draft model makes them, 
 one token at a time against the request's own draft cache. That cache holds the request's
 tokens but the newest, as the served model's does: on its first draft it is filled with the
 prompt and what was generated so far, and after each step it is cut back past the drafts the
-served model rejected (`trim`); what it misses is fed at the next draft (`propose`).
+served model rejected (`trim`); what it misses is fed at the next draft (`propose`). Where a
+layer cannot be cut back (a recurrent draft model's state, a sliding window's ring its
+drafts wrapped: engine/rollback.py), the cache is put back as it was before the step's
+drafts, and the next draft feeds the tokens kept since.
 
 The draft model must read the same tokens as the served one (`check_same_tokenizer`), and
-keep KV caches (`verify.check_speculation`: a sliding window's ring is cut back only while
-the request's tokens and drafts fit in it, as the scheduler's drafters keep them).
+keep caches whose tokens can be taken back (`verify.check_speculation`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from stepline.engine.rollback import Held
 from stepline.engine.sequences import Seq
 
 if TYPE_CHECKING:
@@ -30,30 +34,43 @@ FEED_CHUNK = 512  # tokens of a draft cache's catch-up per forward (bounds its m
 PROBE = 'The quick brown fox, 3.14159 — naïve café; <tool_call>{"a": [1, 2]}</tool_call>\n'
 
 
+@dataclass(eq=False)
+class _Drafts:
+    """One request's draft cache: how many of its tokens it holds (`fed`), and (while a
+    step's drafts are in it) it as it was before them (`held`, holding `fed_before`)."""
+
+    cache: list[Any]
+    fed: int = 0
+    held: Held | None = field(default=None)
+    fed_before: int = 0
+
+
 class DraftModel:
     """The draft model and its caches, one a drafting request (see the module docstring)."""
 
     def __init__(self, model: Any, vocab: int | None = None) -> None:
         self.model = model
         self.vocab = vocab  # the served model's: a draft past it ends the row's drafts
-        self._caches: dict[str, list[Any]] = {}
+        self._caches: dict[str, _Drafts] = {}
 
     def propose(self, seq: Seq, n: int) -> tuple[int, ...]:
         """Up to `n` greedy drafts after `seq`'s tokens (fewer where one is an id the served
         model does not have)."""
-        cache = self._caches.get(seq.request_id)
-        if cache is None:
-            cache = self._caches[seq.request_id] = make_prompt_cache(self.model)
-        fed = cache[0].offset
+        drafts = self._caches.get(seq.request_id)
+        if drafts is None:
+            drafts = self._caches[seq.request_id] = _Drafts(make_prompt_cache(self.model))
+        cache = drafts.cache
         total = seq.prompt.size + len(seq.output)
-        while fed < total - 1:  # catch up: every token but the newest
-            end = min(total - 1, fed + FEED_CHUNK)
-            self.model(self._tokens(seq, fed, end)[None], cache=cache)
+        while drafts.fed < total - 1:  # catch up: every token but the newest
+            end = min(total - 1, drafts.fed + FEED_CHUNK)
+            self.model(self._tokens(seq, drafts.fed, end)[None], cache=cache)
             mx.eval([c.state for c in cache])
-            fed = end
+            drafts.fed = end
+        drafts.held, drafts.fed_before = Held(cache, n), drafts.fed
         token, out = seq.last_token, []
         for _ in range(n):
             logits = self.model(mx.array([[token]], dtype=mx.int32), cache=cache)
+            drafts.fed += 1
             token = int(mx.argmax(logits[0, -1]).item())
             if self.vocab is not None and token >= self.vocab:
                 break
@@ -77,14 +94,17 @@ class DraftModel:
     def trim(self, seq: Seq) -> None:
         """After `seq`'s step: its draft cache cut back to hold no token past its newest
         one but one (the drafts the served model rejected go)."""
-        cache = self._caches.get(seq.request_id)
-        if cache is None:
+        drafts = self._caches.get(seq.request_id)
+        if drafts is None or drafts.held is None:
             return
-        keep = seq.prompt.size + len(seq.output) - 1
-        over = cache[0].offset - keep
-        if over > 0:
-            for layer in cache:
-                layer.trim(over)
+        held, drafts.held = drafts.held, None
+        over = drafts.fed - (seq.prompt.size + len(seq.output) - 1)
+        if over <= 0:
+            return
+        if held.take_back(over):  # back to before the drafts: the next draft feeds the rest
+            drafts.fed = drafts.fed_before
+        else:
+            drafts.fed -= over
 
     def forget(self, request_id: str) -> None:
         self._caches.pop(request_id, None)

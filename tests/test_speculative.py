@@ -14,6 +14,7 @@ import pytest
 from core_driver import LIMITS, make_core, params
 from families import FAMILIES, model_dir
 from helpers import mlx_lm_greedy
+from mlx_lm.models.cache import ChunkedKVCache, KVCache, make_prompt_cache
 
 from stepline.actors.scheduler.cost_model import StepCost
 from stepline.actors.scheduler.drafter import (
@@ -27,16 +28,17 @@ from stepline.actors.scheduler.drafter import (
     parse_speculative_config,
 )
 from stepline.actors.scheduler.plan import SchedulerConfig
-from stepline.actors.scheduler.step_records import ModelLimits
 from stepline.actors.scheduler.work import StepResult
 from stepline.api import Engine, SamplingParams
 from stepline.api.cli import main
 from stepline.api.config import EngineConfig
 from stepline.api.reexecute import reexecute
-from stepline.engine.models import load_model
+from stepline.engine.draft_model import DraftModel
+from stepline.engine.models import DEMO_MODELS, demo_model_path, load_model
+from stepline.engine.rollback import Held
 from stepline.engine.sampling import RowSampling, Sampler
 from stepline.engine.sequences import Seq
-from stepline.engine.verify import Verify, verify_rows
+from stepline.engine.verify import Verify, check_speculation, verify_rows
 from stepline.events.log import read_events
 from stepline.events.models import RequestParams, StepPlanned, TokensSampled
 from stepline.events.replay.summary import request_why, summarize
@@ -120,17 +122,6 @@ def test_a_batch_row_given_no_drafts_stays_in_the_batch():
     assert not drafter.solo
 
 
-def test_a_drafter_keeps_its_tokens_and_drafts_within_a_sliding_window():
-    """On a model with sliding-window layers the ring must not wrap under drafts: they are
-    cut to the room the window leaves, and drafting stops for good once none is left."""
-    drafter = Drafter(NGRAM, [5, 6, 7, 8, 9, 5, 6, 7, 8], room=11)
-    assert drafter.propose() == (9, 5)  # 9 tokens: room for 2 drafts
-    drafter.planned((9, 5))
-    drafter.extend([9, 5])
-    assert drafter.propose() is None and not drafter.active
-    assert Drafter(NGRAM, [5, 6, 7, 8, 9, 5, 6, 7, 8], room=None).propose() == (9, 5, 6, 7)
-
-
 def test_a_request_whose_drafts_are_rejected_stops_drafting_for_good():
     wrong = Drafter(NGRAM, [1, 2, 3, 4, 1, 2, 3, 4])
     wrong.planned(wrong.propose())
@@ -193,16 +184,11 @@ def test_drafted_tokens_are_draws_from_the_models_own_distribution(seeded: bool)
 # -- the scheduler ------------------------------------------------------------------------
 
 
-def _decoding_core(
-    config: SchedulerConfig,
-    cost: StepCost | None = None,
-    max_tokens: int = 64,
-    limits: ModelLimits = LIMITS,
-):
+def _decoding_core(config: SchedulerConfig, cost: StepCost | None = None, max_tokens: int = 64):
     """A core with request r0 decoding (its first token 1) after a prompt that repeats, so
     that it drafts: its tokens end "15 16 17 18 11", last seen followed by "12 13 14 15"
     (token 2 is the end of sequence)."""
-    core = make_core(config=config, cost=cost, speculative=NGRAM, limits=limits)
+    core = make_core(config=config, cost=cost, speculative=NGRAM, limits=LIMITS)
     core.add("r0", list(range(11, 19)) * 4, params(max_tokens=max_tokens))
     while core.states["r0"].num_output_tokens == 0:
         work = core.schedule()
@@ -223,18 +209,6 @@ def test_drafts_take_what_the_budget_leaves_after_every_decode_rows_token():
 def test_drafts_stop_at_the_tokens_a_request_may_still_make():
     core = _decoding_core(SchedulerConfig(max_step_tokens=64, max_step_ms=None), max_tokens=3)
     assert core.schedule().plan.drafts == {"r0": (12,)}  # 1 made, its own token, then 1 draft
-
-
-def test_drafts_stop_where_a_sliding_window_would_wrap():
-    """The model's smallest window is 35 tokens: r0 holds 33 (its prompt, a token), so 2
-    drafts, then none."""
-    limits = dataclasses.replace(LIMITS, draft_window=35)
-    config = SchedulerConfig(max_step_tokens=64, max_step_ms=None)
-    core = _decoding_core(config, limits=limits)
-    work = core.schedule()
-    assert work.plan.drafts == {"r0": (12, 13)}
-    core.update_from_output(work, StepResult(tokens={"r0": 14}, drafted={"r0": (12, 13)}))
-    assert core.schedule().plan.drafts == {}
 
 
 def test_drafts_are_cut_to_the_time_target_by_the_cost_model():
@@ -370,23 +344,27 @@ async def test_a_drafted_request_ends_at_max_tokens_and_at_its_stop_token_exactl
         assert outs[-1].finish_reason == "stop"
 
 
-async def test_a_model_whose_caches_cannot_be_cut_back_is_refused_with_a_reason():
-    with pytest.raises(ValueError, match="cannot be cut back past rejected drafts"):
-        async with Engine.open("stepline-demo-hybrid", speculative_config=NGRAM_JSON):
-            pass
+def test_a_model_whose_caches_cannot_be_taken_back_is_refused_with_a_reason():
+    """A chunked KV cache (Llama 4's) is no kind `Held` takes tokens back out of."""
+
+    class Chunked:  # a model that makes mlx-lm's chunked cache
+        def make_cache(self) -> list:
+            return [ChunkedKVCache(8), KVCache()]
+
+    with pytest.raises(ValueError, match="ChunkedKVCache layers"):
+        check_speculation(Chunked())
 
 
-async def test_a_sliding_window_model_drafts_until_its_window_would_wrap_with_the_same_tokens(
+async def test_a_sliding_window_model_drafts_past_its_window_with_the_same_tokens(
     tmp_path: Path,
 ):
-    """A Gemma-3-shaped model whose sliding window is 96 tokens, drafted for by another
-    (random weights: most drafts rejected, so cut back out of both models' rings) and by
-    itself (every draft kept: it drafts up to the window): requests draft while their
-    tokens and drafts fit in the window, then decode without, and every request's greedy
-    tokens are mlx-lm's own, as without drafts."""
+    """A Gemma-3-shaped model whose sliding window is 40 tokens, drafted for by another
+    (random weights: most drafts rejected, so taken back out of both models' rings, wrapped
+    or not) and by itself (every draft kept): requests draft inside the window and past it,
+    and every request's greedy tokens are mlx-lm's own, as without drafts."""
     family = next(f for f in FAMILIES if f.module == "gemma3_text")
-    served = str(model_dir(family, tmp_path / "served", sliding_window=96))
-    other = str(model_dir(family, tmp_path / "other", seed=8, sliding_window=96))
+    served = str(model_dir(family, tmp_path / "served", sliding_window=40))
+    other = str(model_dir(family, tmp_path / "other", seed=8, sliding_window=40))
     plain = await _generate(None, model=served)
     reference = load_model(served).model
     for prompt, tokens in zip(PROMPTS, plain, strict=True):
@@ -395,9 +373,8 @@ async def test_a_sliding_window_model_drafts_until_its_window_would_wrap_with_th
         log = tmp_path / f"{Path(draft).name}.jsonl"
         assert await _generate(_draft_config(draft, k=3), log, model=served) == plain
         drafting = _drafting_rows(log)
-        assert drafting and all(held + n <= 96 for held, n in drafting)
-    assert max(held + n for held, n in drafting) == 96  # up to the window's last place
-    assert max(len(p) for p in PROMPTS) + 48 > 96  # and past it, without drafts
+        assert min(held + n for held, n in drafting) <= 40  # inside the window
+        assert max(held + n for held, n in drafting) > 40  # and past it
 
 
 def _drafting_rows(log: Path) -> list[tuple[int, int]]:
@@ -486,3 +463,129 @@ async def test_drafts_where_steps_do_not_fuse_give_the_same_tokens(
 
     monkeypatch.setattr(fused, "fused_forward_proof", never_fuses)
     assert await _generate(spec) == plain
+
+
+# -- models whose caches are not all plain KV -----------------------------------------------
+
+
+def _looping_demo(name: str, out: Path) -> str:
+    """Demo `name` (a hybrid, a sliding window) with weights small enough that its greedy
+    decoding falls into loops now and then, as stepline-demo's does: prompt lookup then
+    drafts, some kept and some rejected."""
+    spec = dataclasses.replace(DEMO_MODELS[name], init_std=0.015)
+    DEMO_MODELS[f"{name}-loops"] = spec
+    try:
+        return str(demo_model_path(f"{name}-loops", cache_dir=out))
+    finally:
+        del DEMO_MODELS[f"{name}-loops"]
+
+
+def _family(module: str, out: Path) -> str:
+    return str(model_dir(next(f for f in FAMILIES if f.module == module), out))
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        pytest.param(lambda out: _looping_demo("stepline-demo-hybrid", out), id="qwen3-next"),
+        pytest.param(lambda out: _looping_demo("stepline-demo-sliding", out), id="gemma3"),
+        pytest.param(lambda out: _family("lfm2", out / "lfm2"), id="lfm2"),
+        pytest.param(lambda out: _family("gpt_oss", out / "gpt-oss"), id="gpt-oss"),
+    ],
+)
+async def test_hybrid_and_sliding_window_models_draft_with_the_same_tokens(
+    build: Callable[[Path], str], tmp_path: Path
+):
+    """A Gated DeltaNet hybrid, a short-convolution hybrid and two sliding-window models (a
+    16-token window, so past it at once), four requests at once, greedy and seeded: with
+    n-gram drafts, each makes exactly the tokens it makes without, while steps keep drafts
+    and reject others (the recurrent state and the wrapped rings put back and run again)."""
+    model = build(tmp_path)
+
+    def params(i: int) -> SamplingParams:
+        if i % 2 == 0:
+            return GREEDY
+        return SamplingParams(
+            max_tokens=48, temperature=0.02, top_p=0.95, seed=100 + i, ignore_eos=True
+        )
+
+    plain = await _generate(None, params=params, model=model)
+    drafted = await _generate(NGRAM_JSON, tmp_path / "drafted.jsonl", params, model=model)
+    assert drafted == plain
+    kept_all, rejected = _drafting_steps(tmp_path / "drafted.jsonl")
+    assert kept_all > 0 and rejected > 0
+
+
+def _drafting_steps(log: Path, max_tokens: int = 48) -> tuple[int, int]:
+    """(drafting rows that kept every draft, those that rejected one) in `log`, not counting
+    a row whose request ended at that step (its drafts cut by `max_tokens`)."""
+    planned: dict[int, dict[str, int]] = {}
+    made: Counter[str] = Counter()
+    kept_all = rejected = 0
+    for e in read_events(log):
+        if isinstance(e, StepPlanned):
+            planned[e.step] = {
+                rid: n
+                for rid, n, kind in zip(e.request_ids, e.num_tokens, e.kinds, strict=True)
+                if kind == "decode" and n > 1
+            }
+        elif isinstance(e, TokensSampled):
+            counts = Counter(e.request_ids)
+            made.update(counts)
+            for rid, n in planned.get(e.step, {}).items():
+                if counts[rid] == n:
+                    kept_all += 1
+                elif made[rid] < max_tokens:
+                    rejected += 1
+    return kept_all, rejected
+
+
+@pytest.mark.parametrize("name", ["stepline-demo-hybrid", "stepline-demo-sliding"])
+def test_a_held_cache_takes_tokens_back_on_every_kind(name: str):
+    """A hybrid's recurrent and attention layers, and a sliding window's ring past its
+    window: a cache held before 5 tokens, 3 of them taken back (and the 2 kept run again,
+    as it says), gives the next token the logits of a cache that took only those 2."""
+    model = load_model(name).model
+    prompt = mx.array([list(range(30, 70))])  # past the 16-token window
+    more, tried = mx.array([[7, 8]]), mx.array([[7, 8, 9, 10, 11]])
+
+    def fed(*parts: mx.array) -> list:
+        cache = make_prompt_cache(model)
+        for part in parts:
+            model(part, cache=cache)
+        return cache
+
+    want = model(mx.array([[12]]), cache=fed(prompt, more))
+    cache = fed(prompt)
+    held = Held(cache, 5)
+    assert not held.trims  # recurrent state; a ring the tokens wrap
+    model(tried, cache=cache)
+    assert held.take_back(3)
+    model(more, cache=cache)
+    got = model(mx.array([[12]]), cache=cache)
+    assert mx.allclose(got, want, atol=1e-5).item()
+
+
+def test_a_recurrent_draft_model_drafts_after_rejections_as_a_fresh_one_would():
+    """A hybrid draft model whose drafts were rejected (its state put back, the kept tokens
+    fed at its next draft) drafts what a draft model that never saw them drafts."""
+    hybrid = load_model("stepline-demo-hybrid").model
+
+    def seq(tokens: list[int]) -> Seq:
+        request = RequestParams(
+            max_tokens=64, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=None
+        )
+        s = Seq("r", mx.array(tokens[:20]), RowSampling(temperature=0.0), None, None, request)
+        s.output.extend(tokens[20:])
+        return s
+
+    prompt = list(range(40, 60)) + [61]
+    drafting = DraftModel(hybrid)
+    row = seq(prompt)
+    drafts = drafting.propose(row, 4)
+    assert len(drafts) == 4
+    target = (drafts[1] + 1) % 1000  # the first draft kept, then the served model's own
+    row.output.extend([drafts[0], target])
+    drafting.trim(row)
+    fresh = DraftModel(hybrid).propose(seq([*prompt, drafts[0], target]), 3)
+    assert drafting.propose(row, 3) == fresh

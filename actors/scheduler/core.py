@@ -248,7 +248,7 @@ class SchedulerCore:
             )
             raise refused
         drafts = self.speculative is not None and speculates(params) and not images
-        drafter = Drafter(self.speculative, ids, self.limits.draft_window) if drafts else None
+        drafter = Drafter(self.speculative, ids) if drafts else None
         self.book.admitted(request_id, images, drafter)
 
     def refuse(self, request_id: str, message: str, *, code: str, status: int) -> Terminal | None:

@@ -23,8 +23,9 @@ Who does what:
   hears how many were accepted; k follows the acceptance (`Drafter.observe`);
 - the policy's step budget (`StepBudget.try_draft`, actors/scheduler/budget.py) fits the
   drafts into the step's token budget and time;
-- the executor (`engine/runner.py`) runs a drafting request against its own KV cache (not
-  the decode batch's: a row's rejected drafts are trimmed from its cache alone).
+- the executor (`engine/runner.py`, `engine/verify.py`) runs a drafting request against its
+  own cache (not the decode batch's: a row's rejected drafts are taken back out of its
+  cache alone).
 
 A request decodes in the batch until its suffix occurred before at least `ENTER_MATCH`
 tokens long (a copy has begun); the plan then gives it drafts and the executor takes its
@@ -35,10 +36,11 @@ batch, where its step costs what it did without drafts. A request leaves the bat
 `MAX_ENTRIES` times, and stops drafting for good when its last `WINDOW` drafting steps kept
 under `MIN_ACCEPTANCE` of their drafts.
 
-On a model with sliding-window layers (a `RotatingKVCache`: a ring of the window's last
-keys), rejected drafts can be cut back only while the ring has not wrapped: a request drafts
-while its tokens and its drafts fit in the model's smallest window (`room`), and stops for
-good once they do not (it only grows).
+Every cache kind takes rejected drafts back (`engine/rollback.py`): KV layers are trimmed;
+a recurrent layer's state (Gated DeltaNet, Mamba2, short convolutions) and a sliding
+window's ring that the drafts wrapped are held before the verify and put back after it,
+and the tokens kept run through the model again: one more forward, in a step that rejected
+a draft. So hybrid and sliding-window models draft as any other, past their window too.
 """
 
 from __future__ import annotations
@@ -149,7 +151,6 @@ class Drafter:
 
     __slots__ = (
         "config",
-        "room",
         "num_tokens",
         "tokens",
         "_index",
@@ -161,13 +162,8 @@ class Drafter:
         "_recent",
     )
 
-    def __init__(
-        self, config: SpeculativeConfig, prompt: Sequence[int], room: int | None = None
-    ) -> None:
+    def __init__(self, config: SpeculativeConfig, prompt: Sequence[int]) -> None:
         self.config = config
-        # the most tokens the request may hold with its drafts (the model's smallest sliding
-        # window, `ModelLimits.draft_window`); None: no bound
-        self.room = room
         self.num_tokens = 0  # its prompt's and output's
         self.tokens: list[int] = []
         self._index: dict[tuple[int, ...], int] = {}
@@ -214,17 +210,11 @@ class Drafter:
         the batch (it stopped, or went back there)."""
         if not self.active:
             return None
-        left = None if self.room is None else self.room - self.num_tokens
-        if left is not None and left <= 0:  # its drafts would wrap a sliding window's ring
-            self.active = False
-            return None
         if self.solo:
-            drafts = self.lookup() if self._idle < SOLO_PATIENCE else None
-        elif self._entries >= MAX_ENTRIES:
+            return self.lookup() if self._idle < SOLO_PATIENCE else None
+        if self._entries >= MAX_ENTRIES:
             return None
-        else:
-            drafts = self.lookup(ENTER_MATCH) or None
-        return drafts if drafts is None or left is None else drafts[:left]
+        return self.lookup(ENTER_MATCH) or None
 
     def planned(self, drafts: tuple[int, ...] | None) -> None:
         """Where the step's plan puts its row: drafting on its own cache if the plan gives it

@@ -40,10 +40,6 @@ class ModelLimits:
     # windows: `engine.prefix_cache.exact_only`): with a prefix cache, every prompt is also
     # snapshotted one token before its end
     exact_prefixes: bool = False
-    # the most tokens a request may hold with its drafts: the smallest sliding window of
-    # the served and draft models (a ring cut back past rejected drafts must not have
-    # wrapped; actors/scheduler/drafter.py); None: no bound
-    draft_window: int | None = None
 
 
 def admitted(
