@@ -216,6 +216,13 @@ class SchedulerCore:
             if own > 0:
                 checkpoints = (*checkpoints, own)
                 self.book.own_checkpoints[request_id] = own
+        if self.index is not None and exact and not images:
+            # Where it parts from a cached prompt that has no snapshot there: a client that
+            # rewrites the same place every turn (a clock line in its system prompt) parts
+            # there again next turn, and finds this one.
+            parting = self.index.parting(prompt_key(ids, images, adapter))
+            if parting is not None and parting < own:
+                checkpoints = (*checkpoints, parting)
         if self.dead_reason is None:
             try:
                 check_queue(self.states, self.config, client, background=origin != "client")
