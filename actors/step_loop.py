@@ -158,6 +158,7 @@ class StepLoop:
     ):
         self.executor = executor
         self.runner = runner
+        self.limits = limits  # the model's: fixed for the loop's life
         self.metrics = metrics or EngineMetrics()
         self.core = SchedulerCore(
             config,

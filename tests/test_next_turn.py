@@ -20,6 +20,7 @@ from stepline.api.http.app import create_app
 from stepline.api.http.serve import serve_in_process
 from stepline.api.pipeline.next_turn import as_resent
 from stepline.api.pipeline.served import OneModel
+from stepline.api.resent import common_prefix
 from stepline.events.log import read_events
 from stepline.events.models import Admitted, ChunkPrefilled, Terminal
 
@@ -173,3 +174,35 @@ async def test_a_next_turn_prefill_its_clients_next_request_outran_is_ended(
     ended = next(e for e in events if isinstance(e, Terminal) and e.request_id == "next-a")
     assert ended.message == STALE
     assert not any(isinstance(e, ChunkPrefilled) and e.request_id == "next-a" for e in events)
+
+
+@pytest.mark.parametrize("model", ["stepline-demo-hybrid", "stepline-demo-sliding"])
+async def test_a_next_turn_not_prefilled_still_starts_where_the_moved_reminder_began(
+    model, model_cache_dir
+):
+    """No next-turn prefill (the Python API makes none; over HTTP: the client's tools were
+    quicker than it): on a cache served only where it was snapshotted, the next turn still
+    reuses the history up to where the client took its reminder off, not only up to the
+    newest user message's start (before the tool's result it carried)."""
+    result = "1 failed, 3 passed: test_parse fails on an empty line. " * 3 + "Done."
+    first = [
+        {"role": "system", "content": "You are a coding agent. Be brief."},
+        {"role": "user", "content": "Fix the failing test."},
+        {"role": "assistant", "content": "Running the tests."},
+        {"role": "user", "content": result + "\n" + REMINDER.format(1)},
+    ]
+    second = [
+        *first[:3],
+        {"role": "user", "content": result},
+        {"role": "assistant", "content": "Reading the parser."},
+        {"role": "user", "content": "Go on.\n" + REMINDER.format(2)},
+    ]
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    async with Engine.open(model, max_step_tokens=64, max_num_seqs=4) as engine:
+        a, b = engine.prepare(messages=first), engine.prepare(messages=second)
+        shared = common_prefix(a.ids, b.ids)
+        assert max(c for c in a.checkpoints if c < shared) > 0  # the newest user message's
+        for messages in (first, second):
+            stream = await engine.submit(messages=messages, params=greedy)
+            outs = [out async for out in stream]
+    assert outs[-1].num_cached_tokens == shared  # everything the client did not rewrite
