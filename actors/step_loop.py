@@ -42,7 +42,7 @@ from stepline.actors.messages import (
 from stepline.actors.metrics import EngineMetrics
 from stepline.actors.request import RequestActor
 from stepline.actors.scheduler.admission import AdmissionError, Refusal
-from stepline.actors.scheduler.background import PREEMPTED
+from stepline.actors.scheduler.background import PREEMPTED, STALE
 from stepline.actors.scheduler.core import (
     EngineDeadError,
     LogPlace,
@@ -158,6 +158,7 @@ class StepLoop:
     ):
         self.executor = executor
         self.runner = runner
+        self.limits = limits  # the model's: fixed for the loop's life
         self.metrics = metrics or EngineMetrics()
         self.core = SchedulerCore(
             config,
@@ -324,6 +325,8 @@ class StepLoop:
         # from one (the next turn of a chat).
         if (before := core.housekeeping(before_step=True)) is not None:
             await self._housekeep(before)
+        for rid in core.stale():  # a next turn's prefill its client's next request outran
+            self._end(rid, FinishReason.CANCELLED, STALE)
         for rid in core.preemptions():  # a next turn's prefill in a client's way
             self._end(rid, FinishReason.CANCELLED, PREEMPTED)
         work = core.schedule()

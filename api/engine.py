@@ -173,6 +173,7 @@ class Engine:
             max_context=self.max_context,
             images=loaded.vision.images if loaded.vision is not None else None,
             audio=loaded.vision.audio if loaded.vision is not None else None,
+            exact_prefixes=step_loop.limits.exact_prefixes,
         )
         # Compiles constrained requests' grammars; shared with the executor's runner.
         self.grammars: GrammarCompiler = step_loop.runner.grammars

@@ -34,6 +34,7 @@ from stepline.actors.request import Detokenizer, IncrementalDetokenizer, StreamD
 from stepline.actors.scheduler.admission import ContextLengthExceededError
 from stepline.actors.scheduler.spans import PromptImage
 from stepline.api.request_error import RequestError
+from stepline.api.resent import as_resent, common_prefix
 from stepline.engine.audio import AudioData, AudioError, decode_audio, no_audio
 from stepline.engine.images import (
     ImageData,
@@ -111,8 +112,12 @@ class Prompts:
         max_context: int,
         images: Any = None,
         audio: Any = None,
+        exact_prefixes: bool = False,
     ):
         self.tokenizer = tokenizer
+        # the model's cache serves a prefix only where it was snapshotted (recurrent layers,
+        # sliding windows: `ModelLimits.exact_prefixes`): chats get one more checkpoint
+        self.exact_prefixes = exact_prefixes
         # a vision model's image prompts (`engine.vision.idefics3.Idefics3Images`, ...);
         # None: text only
         self.images = images
@@ -413,7 +418,9 @@ class Prompts:
         template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """Token offsets of chat boundaries in `ids`: the end of the system prompt, the end
-        of the turns before the last user message, and the end of the prompt itself.
+        of the turns before the last user message, and the end of the prompt itself; for a
+        model whose cache serves only where it was snapshotted (`exact_prefixes`), also where
+        a reminder the client moves begins (`resent_start`).
 
         Found from the chat template's rendering of message prefixes; a boundary whose
         tokens are not an exact prefix of `ids` is left out, never guessed. With `text`, the
@@ -445,7 +452,33 @@ class Prompts:
             prefix = self._encode(prefix_text, holes)
             if 0 < len(prefix) < len(ids) and list(ids[: len(prefix)]) == prefix:
                 found.append(len(prefix))
+        if self.exact_prefixes and (start := self.resent_start(messages, ids, template_kwargs)):
+            found.append(start)
         return found
+
+    def resent_start(
+        self,
+        messages: Sequence[dict],
+        ids: Sequence[int],
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> int | None:
+        """Where the tokens of `messages` (`ids`) part from those of the same history as the
+        client sends it back next turn (`resent.as_resent`: without the reminder it moves),
+        where that is inside the prompt; None where the client rewrites nothing. The next
+        request shares the prompt up to there, whatever its own new messages are, so where
+        its prefilled next turn (api/pipeline/next_turn.py) is late or missed, a recurrent
+        cache still serves it from there rather than from the newest user message's start
+        (before the tool results it carries)."""
+        resent = as_resent(messages)
+        same = len(resent) == len(messages)
+        if same and all(a is b for a, b in zip(resent, messages, strict=True)):
+            return None
+        try:
+            text, holes = self._render(resent, template_kwargs, add_generation_prompt=False)
+        except Exception:  # noqa: BLE001 - a template may refuse the shorter chat
+            return None
+        k = common_prefix(ids, self._encode(text, holes))
+        return k if 0 < k < len(ids) else None
 
     def _split_offset(self, text: str, ids: Sequence[int], at: int) -> int | None:
         """The number of tokens of `text[:at]` within `ids` (the tokens of `text`), when a

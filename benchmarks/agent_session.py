@@ -1,30 +1,43 @@
 """A coding agent's session, built to the shape Claude Code sends, through the Anthropic and
-OpenAI chat doors: prompt tokens computed per turn against the only-new ideal, and why each
-turn's prefix-cache hit stopped where it did (issue 52).
+OpenAI chat doors: prompt tokens computed per turn against the only-new ideal, TTFT per turn,
+and why each turn's prefix-cache hit stopped where it did (issue 52); with `--peer`, the same
+session against mlx_lm.server on the same model directory.
 
-    python -m benchmarks.agent_session --model SmolLM2-135M-Instruct
-    python -m benchmarks.agent_session --model stepline-demo-hybrid --context 8192
+    python -m benchmarks.agent_session --model stepline-demo-hybrid-mid --peer
+    python -m benchmarks.agent_session --no-tool-choice --peer   # SmolLM2: no tool format
 
 The session (deterministic): a long system prompt with tools; each turn the assistant calls
-a tool and the client sends its result (`--result-tokens`, 200-2,000 by default scaled to the
-context) and a short user line; the quirks of the real client are switchable:
+a tool and the client sends its result (`--result-words`) and a short user line; the quirks
+of the real client are switchable:
   --reminder   a `<system-reminder>` appended to the newest user message, different every turn
                (older user messages keep none: it moves)
   --env-line   a line near the end of the system prompt that changes every turn (a clock)
-Each turn forces a tool call (`tool_choice`) of at most `--max-tokens`, and the client takes
-`--think-s` to run it. Per turn it prints the prompt's tokens, those served from the prefix
-cache, those computed, the ideal (what is new since the previous turn's prompt and answer:
-this prompt's tokens less that prompt's and answer's, plus the reminder the client took off
-the previous user message), and the event log's reason for the miss
-(`ChunkPrefilled.prefix_miss`, `prefix_shared`). Token counts do not depend on the machine's
-load; the TTFT column does (run it on a quiet machine for that).
+Each turn forces a tool call (`tool_choice`; `--no-tool-choice` for a template with no
+tool-call format) of at most `--max-tokens`, and the client takes `--think-s` to run it. A
+server that makes no tool call (mlx_lm.server ignores `tool_choice`) gets the tool's result
+as text in the next user message, so its session is the same size. Every request streams:
+TTFT is the time to its first generated delta. Per turn it prints the prompt's tokens, those
+served from the prefix cache (the usage's cached count, mlx_lm.server's too), those computed,
+the ideal (what is new since the previous turn's prompt and answer: this prompt's tokens less
+that prompt's and answer's, plus the reminder the client took off the previous user
+message), TTFT, and the event log's reason for the miss (`ChunkPrefilled.prefix_miss`,
+`prefix_shared`; stepline only). Token counts do not depend on the machine's load; the TTFT
+columns do (compare them within one run, on a quiet machine if you can).
+
+The peer runs in its best configuration for one agent session: its prompt cache (always on
+in mlx-lm 0.32) with `--prompt-cache-size 64` (`--peer-cache-size`) and no byte limit. It has
+no Anthropic door, so it is compared through OpenAI chat.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import os
 import random
+import socket
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -36,6 +49,7 @@ from stepline.api import Engine
 from stepline.api.http.app import create_app
 from stepline.api.http.serve import serve_in_process
 from stepline.api.pipeline.served import OneModel
+from stepline.engine.models import model_source, read_tokenizer
 from stepline.events.log import read_events
 from stepline.events.models import ChunkPrefilled
 
@@ -130,7 +144,7 @@ class Session:
             else:
                 last["content"] = f"{last['content']}\n{reminder(turn)}"
         if self.door == "anthropic":
-            return {
+            body = {
                 "model": a.served_name,
                 "max_tokens": a.max_tokens,
                 "system": system,
@@ -139,14 +153,18 @@ class Session:
                 "messages": messages,
                 "temperature": 0,
             }
-        return {
-            "model": a.served_name,
-            "max_tokens": a.max_tokens,
-            "messages": [{"role": "system", "content": system}, *messages],
-            "tools": openai_tools(),
-            "tool_choice": {"type": "function", "function": {"name": self.tool(turn)}},
-            "temperature": 0,
-        }
+        else:
+            body = {
+                "model": a.served_name,
+                "max_tokens": a.max_tokens,
+                "messages": [{"role": "system", "content": system}, *messages],
+                "tools": openai_tools(),
+                "tool_choice": {"type": "function", "function": {"name": self.tool(turn)}},
+                "temperature": 0,
+            }
+        if not a.tool_choice:  # a template with no tool-call format (SmolLM2's)
+            del body["tool_choice"]
+        return body
 
     def answered(self, turn: int, body: dict[str, Any]) -> None:
         """The answer goes back as it came; then its tools' results and the next user line."""
@@ -161,6 +179,8 @@ class Session:
                 for b in blocks
                 if b["type"] == "tool_use"
             ]
+            if not results:  # a server that ignores `tool_choice`: its result as text
+                nxt = f"Output:\n{result}\n\n{nxt}"
             self.messages.append(
                 {"role": "user", "content": [*results, {"type": "text", "text": nxt}]}
             )
@@ -172,7 +192,90 @@ class Session:
         self.messages.append(echo)
         for call in message.get("tool_calls") or []:
             self.messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
+        if not message.get("tool_calls"):  # a server that ignores `tool_choice`
+            nxt = f"Output:\n{result}\n\n{nxt}"
         self.messages.append({"role": "user", "content": nxt})
+
+
+async def _events(response: httpx.Response) -> Any:
+    async for line in response.aiter_lines():
+        if line.startswith("data:") and line[5:].strip() != "[DONE]":
+            yield json.loads(line[5:])
+
+
+async def streamed(
+    http: httpx.AsyncClient, door: str, body: dict[str, Any]
+) -> tuple[dict[str, Any], str | None, float, float]:
+    """`body` sent streaming: the response as the non-streaming door gives it (rebuilt from
+    the frames), the request id header, the seconds to the first generated delta (text,
+    reasoning or a tool call: TTFT) and to the end."""
+    path = "/v1/messages" if door == "anthropic" else "/v1/chat/completions"
+    extra = {} if door == "anthropic" else {"stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    first = None
+    async with http.stream("POST", path, json={**body, **extra, "stream": True}) as r:
+        if r.is_error:
+            await r.aread()
+            raise SystemExit(f"{r.status_code} {r.text[:500]}")
+        rid = r.headers.get("x-request-id")
+        if door == "anthropic":
+            blocks: list[dict[str, Any]] = []
+            usage: dict[str, Any] = {}
+            async for e in _events(r):
+                if e["type"] == "message_start":
+                    usage.update(e["message"]["usage"])
+                elif e["type"] == "content_block_start":
+                    blocks.append({**e["content_block"], "_json": ""})
+                elif e["type"] == "content_block_delta":
+                    first = first or time.perf_counter()
+                    d, b = e["delta"], blocks[e["index"]]
+                    if d["type"] == "text_delta":
+                        b["text"] += d["text"]
+                    elif d["type"] == "thinking_delta":
+                        b["thinking"] += d["thinking"]
+                    elif d["type"] == "signature_delta":
+                        b["signature"] = d["signature"]
+                    elif d["type"] == "input_json_delta":
+                        b["_json"] += d["partial_json"]
+                elif e["type"] == "message_delta":
+                    usage.update({k: v for k, v in e["usage"].items() if v is not None})
+            for b in blocks:
+                text = b.pop("_json")
+                if b["type"] == "tool_use" and text:
+                    try:
+                        b["input"] = json.loads(text)
+                    except json.JSONDecodeError:  # cut by max_tokens: kept as it started
+                        pass
+            out: dict[str, Any] = {"content": blocks, "usage": usage}
+        else:
+            message: dict[str, Any] = {"role": "assistant", "content": ""}
+            calls: dict[int, dict[str, Any]] = {}
+            usage = {}
+            async for e in _events(r):
+                usage = e.get("usage") or usage
+                for choice in e.get("choices") or []:
+                    d = choice.get("delta") or {}
+                    if d.get("content") or d.get("tool_calls") or d.get("reasoning"):
+                        first = first or time.perf_counter()
+                    message["content"] += d.get("content") or ""
+                    for c in d.get("tool_calls") or []:
+                        call = calls.setdefault(
+                            c.get("index", len(calls)),
+                            {
+                                "id": "",
+                                "type": "function",
+                                "function": {"name": "", "arguments": ""},
+                            },
+                        )
+                        call["id"] = c.get("id") or call["id"]
+                        fn = c.get("function") or {}
+                        call["function"]["name"] += fn.get("name") or ""
+                        call["function"]["arguments"] += fn.get("arguments") or ""
+            if calls:
+                message["tool_calls"] = [calls[i] for i in sorted(calls)]
+            out = {"choices": [{"message": message}], "usage": usage}
+    end = time.perf_counter()
+    return out, rid, (first or end) - t0, end - t0
 
 
 async def run_door(
@@ -182,12 +285,10 @@ async def run_door(
     rows = []
     prev_prompt = prev_out = 0
     for turn in range(args.turns):
-        t0 = time.perf_counter()
-        path = "/v1/messages" if door == "anthropic" else "/v1/chat/completions"
-        r = await http.post(path, json=session.body(turn))
-        if r.is_error:
-            raise SystemExit(f"turn {turn}: {r.status_code} {r.text[:500]}")
-        body = r.json()
+        try:
+            body, rid, ttft, seconds = await streamed(http, door, session.body(turn))
+        except SystemExit as exc:
+            raise SystemExit(f"turn {turn}: {exc}") from None
         usage = body["usage"]
         if door == "anthropic":
             cached = usage.get("cache_read_input_tokens") or 0
@@ -195,17 +296,17 @@ async def run_door(
         else:
             prompt, out = usage["prompt_tokens"], usage["completion_tokens"]
             cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-        seconds = time.perf_counter() - t0
         moved = count(reminder(turn - 1)) if turn and args.reminder else 0
         ideal = prompt if turn == 0 else max(1, prompt - prev_prompt - prev_out + moved)
         rows.append(
             {
                 "turn": turn,
-                "id": r.headers["x-request-id"],
+                "id": rid,
                 "prompt": prompt,
                 "cached": cached,
                 "computed": prompt - cached,
                 "ideal": ideal,
+                "ttft": ttft,
                 "seconds": seconds,
             }
         )
@@ -240,34 +341,96 @@ async def one_door(door: str, args: argparse.Namespace) -> tuple[list[dict], dic
     return rows, misses, ctx
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def one_peer(args: argparse.Namespace) -> list[dict]:
+    """The session through mlx_lm.server's OpenAI chat door (it has no Anthropic one), on the
+    same model directory, in its best configuration for one agent session: its prompt cache
+    (always on in mlx-lm 0.32) holding `--peer-cache-size` prompts and no byte limit. Its
+    usage's `cached_tokens` says what it reused."""
+    source = model_source(args.model)
+    port = free_port()
+    # mlx_lm.server's own main, with OpenBLAS loaded first as stepline loads it (on Linux
+    # MLX's CPU wheel multiplies with a reference BLAS ~60x slower): the same BLAS for both
+    launch = (
+        "import sys, stepline.engine, mlx_lm.server as s; from stepline.engine._blas import status;"
+        " print('BLAS:', status(), file=sys.stderr); sys.argv[0] = 'mlx_lm.server'; s.main()"
+    )
+    command = [
+        sys.executable, "-c", launch, "--model", str(source.path),
+        "--port", str(port), "--prompt-cache-size", str(args.peer_cache_size),
+        "--max-tokens", str(args.max_tokens), "--log-level", "WARNING",
+    ]  # fmt: skip
+    peer_log = Path(tempfile.mkdtemp()) / "mlx_lm.server.log"
+    print(f"peer: mlx_lm.server {' '.join(command[3:])} (log {peer_log})")
+    server = await asyncio.create_subprocess_exec(
+        *command, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stderr=peer_log.open("w")
+    )
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600) as http:
+            deadline = time.monotonic() + 300
+            while True:  # a benchmark may poll: the peer says nothing when it is up
+                try:
+                    if (await http.get("/health")).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                if server.returncode is not None or time.monotonic() > deadline:
+                    raise SystemExit("mlx_lm.server did not start")
+                await asyncio.sleep(0.5)
+            args.served_name = str(source.path)  # the peer loads the model a request names
+            tokenizer = read_tokenizer(source.path)
+            count = lambda text: len(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
+            return await run_door("openai", args, http, count)
+    finally:
+        server.terminate()
+        await server.wait()
+
+
+def print_rows(title: str, rows: list[dict], misses: dict) -> None:
+    print(f"\n{title}:")
+    print(
+        f"{'turn':>4} {'prompt':>7} {'cached':>7} {'computed':>9} {'ideal':>6} "
+        f"{'ttft_s':>7} {'s':>7}  miss"
+    )
+    for row in rows:
+        why, shared = misses.get(row["id"], (None, 0))
+        note = f"{why} at {shared}" if why else "-"
+        print(
+            f"{row['turn']:>4} {row['prompt']:>7} {row['cached']:>7} {row['computed']:>9} "
+            f"{row['ideal']:>6} {row['ttft']:>7.2f} {row['seconds']:>7.2f}  {note}"
+        )
+    computed = sum(r["computed"] for r in rows)
+    ideal = sum(r["ideal"] for r in rows)
+    print(
+        f"prompt {sum(r['prompt'] for r in rows)}, computed {computed} / ideal {ideal} = "
+        f"{computed / ideal:.2f}x; TTFT sum {sum(r['ttft'] for r in rows):.2f} s"
+    )
+
+
 async def main(args: argparse.Namespace) -> None:
     results, misses = {}, {}
     for door in args.doors:
         results[door], found, ctx = await one_door(door, args)
         misses.update(found)
+    if args.peer:
+        results["mlx_lm.server openai"] = await one_peer(args)
     flags = [f for f, on in (("reminder", args.reminder), ("env-line", args.env_line)) if on]
     print(
         f"model {args.model} (context {ctx}), {args.turns} turns, "
         f"quirks: {', '.join(flags) or 'none'}"
     )
     for door, rows in results.items():
-        print(f"\n{door} door:")
-        print(
-            f"{'turn':>4} {'prompt':>7} {'cached':>7} {'computed':>9} {'ideal':>6} {'s':>7}  miss"
-        )
-        for row in rows:
-            why, shared = misses.get(row["id"], (None, 0))
-            note = f"{why} at {shared}" if why else "-"
-            print(
-                f"{row['turn']:>4} {row['prompt']:>7} {row['cached']:>7} {row['computed']:>9} "
-                f"{row['ideal']:>6} {row['seconds']:>7.2f}  {note}"
-            )
-        computed = sum(r["computed"] for r in rows)
-        ideal = sum(r["ideal"] for r in rows)
-        print(
-            f"computed {computed} / ideal {ideal} = {computed / ideal:.2f}x; "
-            f"TTFT sum {sum(r['seconds'] for r in rows):.1f} s"
-        )
+        print_rows(door if door.startswith("mlx_lm") else f"stepline {door}", rows, misses)
+    if args.peer:
+        peer = sum(r["ttft"] for r in results["mlx_lm.server openai"])
+        for door in args.doors:
+            ours = sum(r["ttft"] for r in results[door])
+            print(f"TTFT sum, stepline {door} / mlx_lm.server: {ours / peer:.2f}x")
 
 
 if __name__ == "__main__":
@@ -281,6 +444,18 @@ if __name__ == "__main__":
     p.add_argument("--doors", nargs="+", default=["anthropic", "openai"])
     p.add_argument("--reminder", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--env-line", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument(
+        "--tool-choice",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="force a tool call each turn (off for a template with no tool-call format)",
+    )
+    p.add_argument(
+        "--peer",
+        action="store_true",
+        help="run the same session against mlx_lm.server too (OpenAI chat, prompt cache on)",
+    )
+    p.add_argument("--peer-cache-size", type=int, default=64, help="its --prompt-cache-size")
     p.add_argument(
         "--next-turn",
         action=argparse.BooleanOptionalAction,

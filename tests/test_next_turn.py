@@ -9,17 +9,20 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx
 import pytest
 from helpers import replay, wait_until
 
-from stepline.api import Engine
+from stepline.actors.scheduler.background import STALE
+from stepline.api import Engine, SamplingParams
 from stepline.api.http.app import create_app
 from stepline.api.http.serve import serve_in_process
 from stepline.api.pipeline.next_turn import as_resent
 from stepline.api.pipeline.served import OneModel
+from stepline.api.resent import common_prefix
 from stepline.events.log import read_events
-from stepline.events.models import Admitted, ChunkPrefilled
+from stepline.events.models import Admitted, ChunkPrefilled, Terminal
 
 TOOLS = [
     {
@@ -138,3 +141,68 @@ async def test_the_next_turn_finds_its_history_cached_up_to_its_new_messages(
     _, cached_off, _ = await _two_turns(model, tmp_path / "off.jsonl", next_turn=False)
     assert cached_off < cached
     assert prompt > cached
+
+
+async def test_a_next_turn_prefill_its_clients_next_request_outran_is_ended(
+    model_cache_dir, tmp_path: Path
+):
+    """One seat, held by a chat; a next turn's prefill waits for it; the client's next
+    request arrives, and differs: the prefill is cancelled at once (it frees its place in
+    the queue, and would hold a seat and KV for nothing), not run once the seat is free."""
+    path = tmp_path / "events.jsonl"
+    greedy = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    async with Engine.open("stepline-demo", event_log=path, max_num_seqs=1) as engine:
+        holder = await engine.submit(
+            list(range(5, 25)),
+            params=greedy.model_copy(update={"max_tokens": 1000}),
+            client="x",
+        )
+        history = [5 + i % 300 for i in range(120)]
+        prefill = await engine.submit(
+            history, params=greedy, request_id="next-a", client="x", origin="next-turn"
+        )
+        turn = await engine.submit(
+            [*history[:100], 400, 401], params=greedy, request_id="turn-2", client="x"
+        )
+        with anyio.fail_after(60):
+            outs = [out async for out in prefill]
+            await holder.aclose()  # the seat is the client's next request's now
+            answer = [out async for out in turn]
+    assert outs[-1].finish_reason == "cancelled" and not any(o.token_ids for o in outs)
+    assert answer[-1].finish_reason == "length"
+    events = list(read_events(path))
+    ended = next(e for e in events if isinstance(e, Terminal) and e.request_id == "next-a")
+    assert ended.message == STALE
+    assert not any(isinstance(e, ChunkPrefilled) and e.request_id == "next-a" for e in events)
+
+
+@pytest.mark.parametrize("model", ["stepline-demo-hybrid", "stepline-demo-sliding"])
+async def test_a_next_turn_not_prefilled_still_starts_where_the_moved_reminder_began(
+    model, model_cache_dir
+):
+    """No next-turn prefill (the Python API makes none; over HTTP: the client's tools were
+    quicker than it): on a cache served only where it was snapshotted, the next turn still
+    reuses the history up to where the client took its reminder off, not only up to the
+    newest user message's start (before the tool's result it carried)."""
+    result = "1 failed, 3 passed: test_parse fails on an empty line. " * 3 + "Done."
+    first = [
+        {"role": "system", "content": "You are a coding agent. Be brief."},
+        {"role": "user", "content": "Fix the failing test."},
+        {"role": "assistant", "content": "Running the tests."},
+        {"role": "user", "content": result + "\n" + REMINDER.format(1)},
+    ]
+    second = [
+        *first[:3],
+        {"role": "user", "content": result},
+        {"role": "assistant", "content": "Reading the parser."},
+        {"role": "user", "content": "Go on.\n" + REMINDER.format(2)},
+    ]
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    async with Engine.open(model, max_step_tokens=64, max_num_seqs=4) as engine:
+        a, b = engine.prepare(messages=first), engine.prepare(messages=second)
+        shared = common_prefix(a.ids, b.ids)
+        assert max(c for c in a.checkpoints if c < shared) > 0  # the newest user message's
+        for messages in (first, second):
+            stream = await engine.submit(messages=messages, params=greedy)
+            outs = [out async for out in stream]
+    assert outs[-1].num_cached_tokens == shared  # everything the client did not rewrite

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from core_driver import make_core, params, run_step
 
-from stepline.actors.scheduler.background import PREEMPTED
+from stepline.actors.scheduler.background import PREEMPTED, STALE
 from stepline.actors.scheduler.cost_model import StepCost
 from stepline.actors.scheduler.plan import SchedulerConfig
+from stepline.actors.scheduler.prefix_index import PrefixIndex
 from stepline.events.fold import fold
 from stepline.events.models import FinishReason
 
@@ -103,3 +104,53 @@ def test_a_next_turn_prefill_is_in_no_clients_fair_share():
     core.add("y1", list(range(200, 204)), params(8), client="y")
     # both clients' requests get the two seats (the prefill is ended for the second)
     assert core.preemptions() == ("next-a",)
+
+
+def test_a_next_turn_prefill_its_clients_next_request_does_not_start_with_is_ended():
+    core = make_core(config=_config(max_step_tokens=16, max_step_ms=None))
+    history = list(range(1, 60))
+    core.add("next-a", history, params(1), client="x", origin="next-turn")
+    run_step(core)  # under way
+    assert core.stale() == ()
+    # the client rewrote the end of its history: the prediction serves nothing
+    core.add("turn-2", [*history[:50], 900, 901, 902], params(2), client="x")
+    assert core.stale() == ("next-a",)
+    core.abort("next-a", FinishReason.CANCELLED, STALE)
+    work, _ = run_step(core)
+    assert [c.request_id for c in work.plan.chunks] == ["turn-2"]  # its seat and KV are free
+    ended = fold(core.take_events())["next-a"]
+    assert ended.finish_reason is FinishReason.CANCELLED
+
+
+def test_a_next_turn_prefill_its_clients_next_request_starts_with_goes_on():
+    index = PrefixIndex(max_bytes=1 << 20)
+    core = make_core(config=_config(max_step_tokens=16, max_step_ms=None), index=index)
+    history = list(range(1, 60))
+    core.add("next-a", history, params(1), client="x", origin="next-turn")
+    run_step(core)
+    core.add("turn-2", [*history, 900, 901], params(2), client="x")
+    assert core.stale() == ()
+    work, _ = run_step(core)
+    # the request waits for the prefill's snapshot rather than computing the prefix again
+    assert [c.request_id for c in work.plan.chunks] == ["next-a"]
+
+
+def test_a_next_turn_prefill_not_started_when_its_clients_next_request_arrives_is_ended():
+    core = make_core(config=_config(max_num_seqs=1, max_step_ms=None))
+    core.add("chat", list(range(100, 110)), params(30), client="x")
+    run_step(core)  # decoding: it holds the only seat
+    history = list(range(1, 60))
+    core.add("next-a", history, params(1), client="x", origin="next-turn")
+    assert core.stale() == ()
+    core.add("turn-2", [*history, 900], params(2), client="x")
+    assert core.stale() == ("next-a",)  # it would only ever compute what turn-2 computes
+
+
+def test_another_conversation_or_client_leaves_a_next_turn_prefill_alone():
+    core = make_core(config=_config(max_step_tokens=16, max_step_ms=None))
+    history = list(range(1, 60))
+    core.add("next-a", history, params(1), client="x", origin="next-turn")
+    run_step(core)
+    core.add("subagent", [*history[:20], 700, 701], params(2), client="x")  # its system prompt
+    core.add("other", [*history[:50], 800], params(2), client="y")
+    assert core.stale() == ()

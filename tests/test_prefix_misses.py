@@ -81,6 +81,22 @@ async def test_each_miss_names_where_the_prompt_broke_and_why(model_cache_dir, t
     assert "prefix-cache hits short of the prompt, by why: cold 2, no-snapshot 1" in text
 
 
+@pytest.mark.parametrize("model", ["stepline-demo-hybrid", "stepline-demo-sliding"])
+async def test_a_prompt_rewritten_at_the_same_place_every_turn_misses_there_once(
+    model, model_cache_dir, tmp_path: Path
+):
+    """A client that changes one line inside its prompt every turn (a clock in its system
+    prompt): the second turn finds no snapshot where it parts from the first, and leaves one
+    there, so every later turn computes only from that line on."""
+    path = tmp_path / "events.jsonl"
+    head, tail = ids(40, 7), ids(30, 8)  # longer than the sliding demo's window: it wraps
+    async with Engine.open(model, max_step_tokens=32, max_num_seqs=4, event_log=path) as engine:
+        cached = [(await generate(engine, [*head, 5 + turn, *tail]))[1] for turn in range(4)]
+    assert cached == [0, 0, 40, 40]
+    second = first_chunks(path)[1]
+    assert (second.prefix_miss, second.prefix_shared) == ("no-snapshot", 40)
+
+
 async def test_a_dense_model_misses_where_its_prompt_diverges(model_cache_dir, tmp_path: Path):
     path = tmp_path / "events.jsonl"
     base = ids(50, 5)

@@ -11,6 +11,12 @@ prefilled once it ended, api/pipeline/next_turn.py) take only what no client's r
   all it costs (the next request computes that prefix itself).
 - It takes no room of the waiting queue that a client's request wants (admission.py
   `check_queue`).
+- One that went stale is ended (cancelled: `STALE`), freeing its seat and KV: its client's
+  next request of the same conversation arrived (`stale`), and either does not start with its
+  prompt (the prediction missed: nothing it computes serves) or finds it not started yet
+  (that request computes the prefix itself, in its own chunks). One under way that the
+  request does start with goes on: the request waits for its snapshot (prefix_index.py
+  `plan_prefixes`) and starts from it.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from stepline.events.fold import RequestState, Status
 
 # The message a preempted request ends with (reason cancelled).
 PREEMPTED = "preempted: a client's request needs its seat or its KV"
+STALE = "stale: its client's next request arrived and does not need it"
 
 _RUNNING = (Status.PREFILLING, Status.DECODING)
 
@@ -59,3 +66,30 @@ def preemptions(live: Sequence[RequestState], config: SchedulerConfig) -> tuple[
             ended.append(s)
             gone.add(s.request_id)
     return tuple(s.request_id for s in ended)
+
+
+def stale(live: Sequence[RequestState]) -> tuple[str, ...]:
+    """The engine's own requests (`live`: every unfinished request) that their client's
+    newer request made pointless, oldest first: a client's request of the same client and
+    adapter, admitted after it, of the same conversation (its prompt starts with at least
+    the first half of the prefill's: another session of the client, a subagent, shares its
+    system prompt with it, not its history), that does not start with the whole prompt, or
+    that does while the prefill has not started."""
+    ours = [s for s in live if s.is_background and s.prompt_token_ids]
+    if not ours:
+        return ()
+    clients = [s for s in live if not s.is_background and s.prompt_token_ids]
+    ended = []
+    for s in ours:
+        prompt = s.prompt_token_ids or ()
+        half = prompt[: (len(prompt) + 1) // 2]
+        for c in clients:
+            if c.admitted_seq < s.admitted_seq or (c.client, c.adapter) != (s.client, s.adapter):
+                continue
+            theirs = c.prompt_token_ids or ()
+            if theirs[: len(half)] != half:
+                continue  # another conversation
+            if s.status is Status.WAITING or theirs[: len(prompt)] != prompt:
+                ended.append(s.request_id)
+                break
+    return tuple(ended)

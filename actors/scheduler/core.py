@@ -59,7 +59,7 @@ from stepline.actors.scheduler.admission import (
     check_queue,
     max_output_tokens,
 )
-from stepline.actors.scheduler.background import preemptions
+from stepline.actors.scheduler.background import preemptions, stale
 from stepline.actors.scheduler.bookkeeping import RequestBook
 from stepline.actors.scheduler.cost_model import CostModel
 from stepline.actors.scheduler.drafter import Drafter, SpeculativeConfig, speculates
@@ -209,11 +209,20 @@ class SchedulerCore:
         check_spans(images, len(ids))
         own = len(ids) - 1
         exact = self.limits.exact_prefixes and params.embed is None  # an embedding: no reuse
-        if self.index is not None and exact and own not in checkpoints:
+        # A next turn's prefill too, on any cache: its client's next request, arriving while
+        # it runs, waits for that snapshot rather than computing the prefix beside it.
+        if self.index is not None and (exact or origin != "client") and own not in checkpoints:
             # the same prompt sent again then reuses all but its last token
             if own > 0:
                 checkpoints = (*checkpoints, own)
                 self.book.own_checkpoints[request_id] = own
+        if self.index is not None and exact and not images:
+            # Where it parts from a cached prompt that has no snapshot there: a client that
+            # rewrites the same place every turn (a clock line in its system prompt) parts
+            # there again next turn, and finds this one.
+            parting = self.index.parting(prompt_key(ids, images, adapter))
+            if parting is not None and parting < own:
+                checkpoints = (*checkpoints, parting)
         if self.dead_reason is None:
             try:
                 check_queue(self.states, self.config, client, background=origin != "client")
@@ -309,6 +318,13 @@ class SchedulerCore:
             return ()
         live = sorted(self.states.values(), key=lambda s: s.admitted_seq)
         return preemptions(live, self.config)
+
+    def stale(self) -> tuple[str, ...]:
+        """The engine's own requests (a next turn's prefill) that their client's next request
+        made pointless: to end (`abort`, cancelled) before the next step (background.py)."""
+        if not any(s.is_background for s in self.states.values()):
+            return ()
+        return stale(sorted(self.states.values(), key=lambda s: s.admitted_seq))
 
     def housekeeping(self, *, before_step: bool = False) -> Housekeeping | None:
         """What the executor must do without a step: frees, retirements, entry drops and

@@ -254,6 +254,17 @@ class PrefixIndex:
         n, entry = found
         return Match(entry.tokens, n, "memory" if entry.in_memory else "disk")
 
+    def parting(self, prompt: Sequence[int]) -> int | None:
+        """Where `prompt` parts from the cache with no snapshot to serve it there: how many
+        of its first tokens some entry shares, where that is more than its best hit serves
+        (a cache kind used only at exact offsets: `explain`'s "no-snapshot"); else None."""
+        wanted = prompt[: len(prompt) - 1]
+        shared = self._trie.shared(wanted)
+        if shared == 0:
+            return None
+        match = self.best(prompt)
+        return shared if match is None or match.num_tokens < shared else None
+
     def explain(self, prompt: Sequence[int], cached: int) -> tuple[PrefixMiss | None, int]:
         """Why a prompt whose cache hit serves `cached` tokens gets no more (None: it got
         all but its last token), and how many of its first tokens the entry that explains it

@@ -23,7 +23,6 @@ off. Nothing else is guessed; a prediction that misses costs that prefill and no
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -32,53 +31,15 @@ import structlog
 from stepline.api.params import SamplingParams
 from stepline.api.pipeline.chat import call_arguments, template_call
 from stepline.api.pipeline.model_output import OutputFormat, split_output
+from stepline.api.resent import as_resent, common_prefix
 
 if TYPE_CHECKING:
     from stepline.api.engine import Engine
 
 log = structlog.get_logger(__name__)
 
-REMINDER = re.compile(r"\s*<system-reminder>.*?</system-reminder>\s*", re.DOTALL)
 _DUMMIES = ("a", "b")  # two next user messages: where their renderings part is its start
 _RUNNING: set[asyncio.Task[None]] = set()  # prefills under way (a task needs a reference)
-
-
-def as_resent(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """`messages` as the client will send them back next time: a `<system-reminder>` on the
-    newest user message, where no older user message has one, left off (an emptied message
-    dropped); otherwise as they are."""
-    users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
-    if not users:
-        return list(messages)
-    last = users[-1]
-    if not _has_reminder(messages[last]) or any(_has_reminder(messages[i]) for i in users[:-1]):
-        return list(messages)
-    content = messages[last]["content"]
-    if isinstance(content, str):
-        stripped: Any = REMINDER.sub("\n", content).strip()
-    else:
-        stripped = [
-            p for p in content if not (p.get("type") == "text" and _is_reminder(p.get("text")))
-        ]
-    out = list(messages)
-    if stripped:
-        out[last] = {**messages[last], "content": stripped}
-    else:
-        del out[last]
-    return out
-
-
-def _has_reminder(message: dict[str, Any]) -> bool:
-    content = message.get("content")
-    if isinstance(content, str):
-        return "<system-reminder>" in content
-    if isinstance(content, list):
-        return any(p.get("type") == "text" and _is_reminder(p.get("text")) for p in content)
-    return False
-
-
-def _is_reminder(text: Any) -> bool:
-    return isinstance(text, str) and REMINDER.fullmatch(text) is not None
 
 
 def answer_message(
@@ -102,14 +63,6 @@ def answer_message(
     if delta.reasoning:
         message["reasoning_content"] = delta.reasoning
     return message
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 class NextTurn:
