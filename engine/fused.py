@@ -464,11 +464,7 @@ def fused_forward_proof(model: Any, kv: KVQuant | None = None) -> Proof:
         yield
 
         def at(num_tokens: int) -> list[Any]:  # the prompt's first tokens, a cache of its own
-            if recurrent:  # a state cannot be cut back: the prompt's start, forwarded anew
-                cache = make_cache(model, kv)
-                inner(tokens[:, :num_tokens], cache=cache)
-                return cache
-            return _trimmed(prompt, num_tokens)
+            return _prefix_cache(model, kv, inner, tokens, prompt, num_tokens, recurrent)
 
         def batch() -> list[Any]:  # rows of 8 and 3 tokens
             return _two_rows(at)
@@ -515,12 +511,8 @@ def snapshot_fused_proof(model: Any, kv: KVQuant | None = None) -> Proof:
         mx.eval(inner(tokens, cache=prompt))
         yield
 
-        def at(num_tokens: int) -> list[Any]:  # as `fused_forward_proof`'s
-            if recurrent:
-                cache = make_cache(model, kv)
-                inner(tokens[:, :num_tokens], cache=cache)
-                return cache
-            return _trimmed(prompt, num_tokens)
+        def at(num_tokens: int) -> list[Any]:  # the prompt's first tokens, a cache of its own
+            return _prefix_cache(model, kv, inner, tokens, prompt, num_tokens, recurrent)
 
         last, chunk, nxt = mx.array([9, 10]), mx.array([11, 12, 13, 14]), mx.array([[15]])
         want_rows = inner(last[:, None], cache=_two_rows(at))[:, -1, :]
@@ -554,6 +546,25 @@ def snapshot_fused_proof(model: Any, kv: KVQuant | None = None) -> Proof:
     except Exception as exc:  # noqa: BLE001 - whatever fails here: such chunks run apart
         log.info("fused_snapshot_unavailable", reason=repr(exc))
         return False
+
+
+def _prefix_cache(
+    model: Any,
+    kv: Any,
+    inner: Any,
+    tokens: mx.array,
+    prompt: list[Any],
+    num_tokens: int,
+    recurrent: bool,
+) -> list[Any]:
+    """A proof's cache of `prompt`'s first `num_tokens` tokens, its own: cut back from the
+    prompt's, or where a recurrent state cannot be cut back, the prompt's start forwarded
+    anew."""
+    if recurrent:
+        cache = make_cache(model, kv)
+        inner(tokens[:, :num_tokens], cache=cache)
+        return cache
+    return _trimmed(prompt, num_tokens)
 
 
 def _trimmed(prompt: list[Any], num_tokens: int) -> list[Any]:
