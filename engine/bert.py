@@ -36,7 +36,7 @@ from stepline.actors.scheduler.work import (
     StepResult,
     StepWork,
 )
-from stepline.engine.embed import PADDING, EmbeddingModelError, Pool, read_pooling
+from stepline.engine.embed import EmbeddingModelError, Pool, padding_groups, read_pooling
 from stepline.engine.memory import read_memory_counters
 from stepline.events.models import EmbedParams
 
@@ -163,7 +163,8 @@ class EncoderRunner:
                 failed[c.request_id] = f"{PREFILL_FAILED}: an encoder's prompt goes whole"
         whole = [c for c in chunks if c.request_id not in failed]
         out: dict[str, tuple[float, ...]] = {}
-        for group in _groups(sorted(whole, key=lambda c: -c.num_tokens)):
+        ordered = sorted(whole, key=lambda c: -c.num_tokens)
+        for group in padding_groups(ordered, lambda c: c.num_tokens):
             try:
                 out.update(self._vectors(group))
             except Exception:  # each alone, so that a fault is its own request's
@@ -221,22 +222,3 @@ class EncoderRunner:
     @property
     def num_sequences(self) -> int:
         return len(self._rows)
-
-
-def _groups(whole: list[ScheduledChunk]) -> list[list[ScheduledChunk]]:
-    """`whole` (longest first) in batches that pad at most `PADDING` of their tokens (+ 16),
-    as `engine.embed._groups` batches a causal model's whole prompts."""
-    groups: list[list[ScheduledChunk]] = []
-    real = 0
-    for chunk in whole:
-        n = chunk.num_tokens
-        if (
-            groups
-            and groups[-1][0].num_tokens * (len(groups[-1]) + 1) <= (real + n) * (1 + PADDING) + 16
-        ):
-            groups[-1].append(chunk)
-            real += n
-            continue
-        groups.append([chunk])
-        real = n
-    return groups

@@ -15,7 +15,7 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import mlx.core as mx
 
@@ -182,7 +182,8 @@ class EmbedChunks:
         padding after them), at most `PADDING` more tokens than the rows hold. {} where a
         batch fails: each is then run on its own, where a fault is that request's."""
         out: dict[str, tuple[float, ...]] = {}
-        for group in _groups(sorted(whole, key=lambda cs: -cs[0].num_tokens)):
+        ordered = sorted(whole, key=lambda cs: -cs[0].num_tokens)
+        for group in padding_groups(ordered, lambda cs: cs[0].num_tokens):
             longest = group[0][0].num_tokens
             rows = [
                 mx.pad(s.prompt[: c.end], (0, longest - c.num_tokens))
@@ -240,18 +241,18 @@ class EmbedChunks:
 
 PADDING = 0.25  # a batch of whole prompts pads at most this share of its tokens (+ 16)
 
+T = TypeVar("T")
 
-def _groups(
-    whole: list[tuple[ScheduledChunk, Seq]],
-) -> list[list[tuple[ScheduledChunk, Seq]]]:
-    """`whole` (longest first) in batches that each pad little: a row joins the batch of the
-    longer ones while the batch's padded size stays within `PADDING` of its tokens."""
-    groups: list[list[tuple[ScheduledChunk, Seq]]] = []
+
+def padding_groups(whole: list[T], num_tokens: Callable[[T], int]) -> list[list[T]]:
+    """`whole` (longest first) in batches that each pad little: an item joins the batch of the
+    longer ones while the batch's padded size stays within `PADDING` of its tokens (+ 16)."""
+    groups: list[list[T]] = []
     real = 0
     for item in whole:
-        n = item[0].num_tokens
+        n = num_tokens(item)
         if groups:
-            longest = groups[-1][0][0].num_tokens
+            longest = num_tokens(groups[-1][0])
             if longest * (len(groups[-1]) + 1) <= (real + n) * (1 + PADDING) + 16:
                 groups[-1].append(item)
                 real += n
