@@ -158,6 +158,14 @@ class Served:
 
         return httpx.AsyncClient(base_url=url or self.url, timeout=60, **kw)
 
+    def flushed_log(self) -> Path:
+        """The event log, with every event the engine has appended so far written: its
+        writer is a thread of its own, so a response can come back before its events are
+        on disk."""
+        assert self.event_log is not None, "this engine keeps no event log"
+        self.engine.step_loop.event_log.flush()
+        return self.event_log
+
 
 @asynccontextmanager
 async def open_served(

@@ -141,8 +141,7 @@ async def test_the_ollama_client_embeds(embedder: Served) -> None:
 
 
 async def test_the_log_verifies_after_the_calls(embedder: Served) -> None:
-    assert embedder.event_log is not None
-    code, text = replay(str(embedder.event_log), "--verify")
+    code, text = replay(str(embedder.flushed_log()), "--verify")
     assert code == 0, text
 
 

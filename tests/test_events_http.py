@@ -358,8 +358,7 @@ async def test_a_requests_timeline_is_replays_text(served: Served) -> None:
         assert got.status_code == 200 and got.headers["content-type"].startswith("text/plain")
         missing = await client.get("/v1/events/requests/nobody/timeline")
         assert missing.status_code == 404
-    assert served.event_log is not None
-    code, text = replay(str(served.event_log), "--request", rid)
+    code, text = replay(str(served.flushed_log()), "--request", rid)
     assert code == 0 and got.text == text
     assert got.text.startswith(f"request {rid}")
 

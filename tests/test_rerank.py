@@ -104,9 +104,9 @@ async def test_the_query_is_computed_once_and_the_log_verifies(reranker: Served)
         r = await http.post("/v1/rerank", json={"query": query, "documents": DOCS})
     assert r.status_code == 200
     rid = r.headers["x-request-id"]
-    assert reranker.event_log is not None
+    log = reranker.flushed_log()
     firsts = {}
-    for ev in read_events(reranker.event_log):
+    for ev in read_events(log):
         if ev.type == "chunk-prefilled" and ev.request_id.startswith(rid):
             firsts.setdefault(ev.request_id, ev)
     assert len(firsts) == len(DOCS)
@@ -114,7 +114,7 @@ async def test_the_query_is_computed_once_and_the_log_verifies(reranker: Served)
     # the others start where it ends
     cached = sorted(ev.num_cached_tokens for ev in firsts.values())
     assert 0 < cached[0] < num_shared and cached[1:] == [num_shared] * (len(DOCS) - 1)
-    code, text = replay(str(reranker.event_log), "--verify")
+    code, text = replay(str(log), "--verify")
     assert code == 0, text
 
 
