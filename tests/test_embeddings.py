@@ -119,6 +119,20 @@ async def test_vectors_equal_the_sentence_transformers_definition_alone_chunked_
                     assert np.allclose(out.embedding, ref, rtol=1e-3, atol=1e-4)
 
 
+async def test_a_batch_of_64_gives_every_vector_it_gives_alone(model_cache_dir: Path) -> None:
+    """64 inputs of different lengths sent together (batched whole prompts, padded to each
+    other) each get the vector the definition gives it alone."""
+    from stepline.api import Engine
+
+    texts = [f"{TEXTS[i % len(TEXTS)]} {'and more ' * (i % 7)}{i}" for i in range(64)]
+    async with Engine.open(DEMO, max_step_tokens=512, max_num_seqs=64) as engine:
+        refs = [reference(engine.loaded.model, engine.tokenizer, t, "last", True) for t in texts]
+        outs = await asyncio.gather(*(engine.embed(t) for t in texts))
+    assert [o.finish_reason for o in outs] == ["stop"] * 64
+    worst = min(cosine(o.embedding, ref) for o, ref in zip(outs, refs, strict=True))
+    assert worst >= 0.9999
+
+
 async def _record(log_path: Path) -> list[Any]:
     from stepline.api import Engine
 
