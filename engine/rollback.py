@@ -9,19 +9,27 @@ those layers are held (`Held`) before the forward — their arrays by reference,
 handle of its own, so an update written in place into the ring copies it rather than
 overwrite what is held — and put back as they were, the other layers trimmed to where
 they were, and the caller runs the tokens it keeps through the model again.
+
+A forward that failed part-way (`FusedForwards._forward`: a fused step that could not be
+built) is undone the same way, whatever it wrote: `Held.put_back` puts every layer back as
+it was, the decode batch's too (its KV layers cut back by `trim`, its windows' rings and
+recurrent rows restored).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, RotatingKVCache
 from mlx_lm.models.cache import QuantizedKVCache as MlxQuantizedKVCache
 
-from stepline.engine.kv_quant import QuantizedKVCache
+from stepline.engine.kv_quant import BatchQuantizedKVCache, QuantizedKVCache
 
-# Layers `trim` cuts back after any number of tokens (mlx-lm's and stepline's quantized one).
-_TRIMMED = (KVCache, QuantizedKVCache, MlxQuantizedKVCache)
+# Layers `trim` cuts back after any number of tokens (mlx-lm's and stepline's quantized one,
+# a request's own or the decode batch's).
+_TRIMMED = (KVCache, QuantizedKVCache, MlxQuantizedKVCache, BatchKVCache, BatchQuantizedKVCache)
+# The batch's: `offset` is each row's position, `_idx` the slots in use (what `trim` cuts).
+_BATCHED = (BatchKVCache, BatchQuantizedKVCache)
 
 
 def can_take_back(layer: Any) -> bool:
@@ -36,6 +44,11 @@ def _trims(layer: Any, num_tokens: int) -> bool:
     if type(layer) in _TRIMMED:
         return True
     return type(layer) is RotatingKVCache and layer.offset + num_tokens <= layer.max_size
+
+
+def _size(layer: Any) -> int:
+    """How many tokens `trim` would cut back to take `layer` back to where it is now."""
+    return layer._idx if type(layer) in _BATCHED else layer.offset
 
 
 def _own(a: Any) -> Any:
@@ -56,12 +69,12 @@ class Held:
         self._states: dict[int, tuple] = {}
         for i, layer in enumerate(cache):
             if _trims(layer, num_tokens):
-                self._offsets[i] = layer.offset
-            elif isinstance(layer, ArraysCache):
+                self._offsets[i] = _size(layer)
+            elif isinstance(layer, ArraysCache):  # (`advance` moves its lengths in place)
                 self._states[i] = (
                     [_own(a) for a in layer.cache],
-                    layer.left_padding,
-                    layer.lengths,
+                    _own(layer.left_padding),
+                    _own(layer.lengths),
                 )
             else:  # a ring the forward may wrap
                 self._states[i] = tuple(_own(a) for a in layer.state)
@@ -79,12 +92,17 @@ class Held:
             for layer in self.cache:
                 layer.trim(num_tokens)
             return False
+        self.put_back()
+        return True
+
+    def put_back(self) -> None:
+        """Every layer as it was when held, whatever a forward since wrote into it (all of
+        its tokens or some, some layers or all)."""
         for i, layer in enumerate(self.cache):
             if i in self._offsets:
-                layer.trim(layer.offset - self._offsets[i])
+                layer.trim(_size(layer) - self._offsets[i])
             elif isinstance(layer, ArraysCache):
                 arrays, layer.left_padding, layer.lengths = self._states[i]
                 layer.cache = list(arrays)
             else:
                 layer.state = self._states[i]
-        return True

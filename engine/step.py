@@ -30,6 +30,7 @@ from stepline.engine.kv_quant import KVQuant
 from stepline.engine.lookahead import Ahead
 from stepline.engine.lora import Routes
 from stepline.engine.models import LoadedModel
+from stepline.engine.rollback import Held
 from stepline.engine.sampling import Sampler
 from stepline.engine.sequences import NO_ROWS, Cache, Rows, Seq
 from stepline.engine.step_sampling import Fail, Sampled
@@ -347,18 +348,20 @@ class FusedForwards(Forwards):
 
     def _forward(self, segments: list[fused.Segment], rows: list[list[int]]) -> fused.Fused | None:
         """`fused.run`, evaluated with the segments' caches and snapshots; None (every cache
-        put back as it was) where it could not be built."""
-        saved = [[layer.state for layer in s.cache] for s in segments]
+        put back as it was, `rollback.Held`: a recurrent layer's state and a window's ring
+        included, which the forward wrote over in place) where it could not be built."""
+        held = [Held(s.cache, s.size) for s in segments]
         try:
             out = fused.run(self.model, segments, rows)
         except Exception as exc:
             if is_collective_error(exc):
                 raise
             log.warning("fused_forward_failed", error=repr(exc), num_segments=len(segments))
-            for s, states in zip(segments, saved, strict=True):
-                for layer, state in zip(s.cache, states, strict=True):
-                    layer.state = state
+            for h in held:
+                h.put_back()
             return None
+        # let go before evaluating: a ring held would be copied, not written in place
+        del held
         mx.eval(
             [x for x in out.logits if x is not None],
             [[c.state for c in s.cache] for s in segments],
