@@ -4,9 +4,14 @@
 (in its own venv: the README's Open WebUI command), driven in headless Chromium through the
 OpenAI and the Ollama doors. For each question it prints how long the answer took to end by
 itself (no Stop), its length, and how long after it Open WebUI's background jobs (the title
-and the follow-up suggestions) took to end.
+and the follow-up suggestions) took to end. With `--event-log PATH` the server writes its event
+log there, and the run ends with every request Open WebUI sent, from that log: which job it
+was (answer, title, follow-ups, tags: told by its prompt), its cap and penalty as admitted,
+its prompt and output tokens, how it ended, its queueing and TTFT, its time, and how its text
+ends.
 
     .venv/bin/python benchmarks/open_webui.py [--questions 3] [--open-webui PATH]
+        [--event-log PATH]
 """
 
 from __future__ import annotations
@@ -68,6 +73,58 @@ async def one(webui: str, model: str, question: str) -> tuple[float, int, float,
         return answered - sent, len(answer["content"]), time.monotonic() - answered, chat["title"]
 
 
+# Which Open WebUI job a request is, by the words its prompt begins its task with.
+JOBS = {
+    "Predict 3-5 useful messages": "follow-ups",
+    "Generate a concise title": "title",
+    "Generate 1-3 broad tags": "tags",
+}
+
+
+def report(path: Path) -> None:
+    """Every request of the event log at `path`, one line each, and how its text ends."""
+    from stepline.engine.models import model_source, read_tokenizer
+    from stepline.events.log_reader import read_events
+    from stepline.events.models import Admitted, TokensSampled
+
+    admitted: dict[str, Admitted] = {}
+    first_step: dict[str, float] = {}  # request -> when its first step was planned
+    tokens: dict[str, list[int]] = {}
+    token_ts: dict[str, list[float]] = {}
+    ends: dict[str, tuple[str, float]] = {}
+    for e in read_events(path):
+        if isinstance(e, Admitted):
+            admitted[e.request_id] = e
+        elif e.type == "step":
+            for rid in e.request_ids:
+                first_step.setdefault(rid, e.ts)
+        elif isinstance(e, TokensSampled):
+            for d in e.decodings():
+                tokens.setdefault(d.request_id, []).extend(d.token_ids or ())
+                token_ts.setdefault(d.request_id, []).append(d.ts)
+        elif e.type == "terminal":
+            ends[e.request_id] = (e.reason.value, e.ts)
+    tokenizer = read_tokenizer(model_source(None).path)  # the default model's, as served
+    print(f"\nevery request, from {path}:")
+    for rid, a in admitted.items():
+        prompt = tokenizer.decode(a.prompt_token_ids or ())
+        job = next((j for words, j in JOBS.items() if words in prompt), "answer")
+        if a.origin != "client":  # the engine's own prefill of the chat's next turn
+            job = "next-turn"
+        reason, end_ts = ends.get(rid, ("(none)", float("nan")))
+        ts = token_ts.get(rid, [])
+        out = tokens.get(rid, [])
+        p = a.params
+        print(
+            f"  {rid[:22]:22} {job:10} prompt {a.num_prompt_tokens:5d}, max_tokens "
+            f"{p.max_tokens:5d}, rep {p.repetition_penalty:g}, T {p.temperature:g}; out "
+            f"{len(out):5d}, {reason:9}; queueing {first_step.get(rid, a.ts) - a.ts:6.2f} s, "
+            f"TTFT {(ts[0] - a.ts) if ts else float('nan'):6.2f} s, took {end_ts - a.ts:6.1f} s"
+        )
+        if job not in ("answer", "next-turn"):
+            print(f"      its text ends: {tokenizer.decode(out)[-160:]!r}")
+
+
 async def main(args: argparse.Namespace, url: str) -> None:
     from test_open_webui import OLLAMA_MODEL, OPENAI_MODEL, running_open_webui
 
@@ -107,18 +164,24 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--questions", type=int, default=3)
     parser.add_argument("--open-webui", help="the open-webui executable (default: .venv-openwebui)")
+    parser.add_argument(
+        "--event-log", type=Path, help="the server's event log (then a report of each request)"
+    )
     args = parser.parse_args()
     from test_open_webui import free_port
 
     port = free_port()
     with (Path(tempfile.gettempdir()) / "open-webui-bench-stepline.log").open("wb") as log:
-        serve = subprocess.Popen(  # the default model, every default, as a user starts it
-            [str(ROOT / ".venv" / "bin" / "stepline"), "serve", "--port", str(port)],
-            stdout=log,
-            stderr=log,
-        )
+        argv = [str(ROOT / ".venv" / "bin" / "stepline"), "serve", "--port", str(port)]
+        if args.event_log is not None:  # the only flag: every default stays as a user has it
+            args.event_log.unlink(missing_ok=True)
+            argv += ["--event-log", str(args.event_log)]
+        # the default model, every default, as a user starts it
+        serve = subprocess.Popen(argv, stdout=log, stderr=log)
         try:
             anyio.run(main, args, f"http://127.0.0.1:{port}")
         finally:
             serve.terminate()
             serve.wait(30)
+    if args.event_log is not None:
+        report(args.event_log)
