@@ -208,6 +208,7 @@ async def main() -> None:
     p.add_argument("--streams", type=int, default=4)
     p.add_argument("--max-step-ms", type=float, default=100.0)
     p.add_argument("--stall-only", action="store_true", help="section 1 alone")
+    p.add_argument("--event-log", help="write the engine's event log here (`stepline replay`)")
     p.add_argument("--image-size", type=int, default=96, help="an omni model's image (pixels)")
     p.add_argument(
         "--chunked-span",
@@ -230,7 +231,8 @@ async def main() -> None:
     what = f"a {args.seconds:g} s clip" + (f" and a {size[0]}x{size[1]} image" if omni else "")
     print(f"model {args.model} ({path}), {what}, {args.streams} streams")
 
-    async with Engine.open(path, max_step_ms=args.max_step_ms) as engine:
+    logged = {"event_log": args.event_log} if args.event_log else {}
+    async with Engine.open(path, max_step_ms=args.max_step_ms, **logged) as engine:
         loop = engine.step_loop
         await loop.wait_until(lambda: loop.settled)  # the warm-up: the encoder priced too
         clip = tone(args.seconds, 0)

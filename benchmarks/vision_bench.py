@@ -183,12 +183,14 @@ async def main() -> None:
     p.add_argument("--streams", type=int, default=4)
     p.add_argument("--max-step-ms", type=float, default=100.0)
     p.add_argument("--stall-only", action="store_true", help="section 1 alone")
+    p.add_argument("--event-log", help="write the engine's event log here (`stepline replay`)")
     args = p.parse_args()
     size = tuple(int(x) for x in args.image.split("x"))
     path = model_path(args.model)
     print(f"model {args.model} ({path}), image {args.image}, {args.streams} streams")
 
-    async with Engine.open(path, max_step_ms=args.max_step_ms) as engine:
+    logged = {"event_log": args.event_log} if args.event_log else {}
+    async with Engine.open(path, max_step_ms=args.max_step_ms, **logged) as engine:
         loop = engine.step_loop
         await loop.wait_until(lambda: loop.settled)  # the warm-up: the encoder priced too
         image = picture(size, 0)
