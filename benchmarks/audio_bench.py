@@ -2,7 +2,7 @@
 token against mlx-vlm's own, and what the next turn of its chat recomputes.
 
     .venv/bin/python benchmarks/audio_bench.py [--model phi4mm-audio-shape] [--repeats 3]
-        [--seconds 10] [--streams 4] [--max-step-ms 100] [--stall-only]
+        [--seconds 10] [--streams 4] [--max-step-ms 100] [--stall-only] [--event-log PATH]
 
 --model: `phi4mm-audio-shape` (default) builds, once, a random-weight Phi-4-multimodal with
 Phi-4-multimodal-instruct's audio encoder (its Conformer: 24 blocks of width 1024, 16 heads,

@@ -2,7 +2,7 @@
 first token against mlx-vlm's own, and what the next turn of its chat recomputes.
 
     .venv/bin/python benchmarks/vision_bench.py [--model smolvlm-256m-shape] [--repeats 3]
-        [--image 1024x768] [--streams 4] [--max-step-ms 100] [--stall-only]
+        [--image 1024x768] [--streams 4] [--max-step-ms 100] [--stall-only] [--event-log PATH]
 
 --model: `smolvlm-256m-shape` (default) builds, once, a random-weight checkpoint of
 SmolVLM-256M-Instruct's shape (its SigLIP encoder of 12 layers at 512-pixel tiles, 64 tokens
