@@ -2,7 +2,7 @@
 token against mlx-vlm's own, and what the next turn of its chat recomputes.
 
     .venv/bin/python benchmarks/audio_bench.py [--model phi4mm-audio-shape] [--repeats 3]
-        [--seconds 10] [--streams 4] [--max-step-ms 100] [--stall-only]
+        [--seconds 10] [--streams 4] [--max-step-ms 100] [--stall-only] [--event-log PATH]
 
 --model: `phi4mm-audio-shape` (default) builds, once, a random-weight Phi-4-multimodal with
 Phi-4-multimodal-instruct's audio encoder (its Conformer: 24 blocks of width 1024, 16 heads,
@@ -208,6 +208,7 @@ async def main() -> None:
     p.add_argument("--streams", type=int, default=4)
     p.add_argument("--max-step-ms", type=float, default=100.0)
     p.add_argument("--stall-only", action="store_true", help="section 1 alone")
+    p.add_argument("--event-log", help="write the engine's event log here (`stepline replay`)")
     p.add_argument("--image-size", type=int, default=96, help="an omni model's image (pixels)")
     p.add_argument(
         "--chunked-span",
@@ -230,7 +231,8 @@ async def main() -> None:
     what = f"a {args.seconds:g} s clip" + (f" and a {size[0]}x{size[1]} image" if omni else "")
     print(f"model {args.model} ({path}), {what}, {args.streams} streams")
 
-    async with Engine.open(path, max_step_ms=args.max_step_ms) as engine:
+    logged = {"event_log": args.event_log} if args.event_log else {}
+    async with Engine.open(path, max_step_ms=args.max_step_ms, **logged) as engine:
         loop = engine.step_loop
         await loop.wait_until(lambda: loop.settled)  # the warm-up: the encoder priced too
         clip = tone(args.seconds, 0)

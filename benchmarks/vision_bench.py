@@ -2,7 +2,7 @@
 first token against mlx-vlm's own, and what the next turn of its chat recomputes.
 
     .venv/bin/python benchmarks/vision_bench.py [--model smolvlm-256m-shape] [--repeats 3]
-        [--image 1024x768] [--streams 4] [--max-step-ms 100] [--stall-only]
+        [--image 1024x768] [--streams 4] [--max-step-ms 100] [--stall-only] [--event-log PATH]
 
 --model: `smolvlm-256m-shape` (default) builds, once, a random-weight checkpoint of
 SmolVLM-256M-Instruct's shape (its SigLIP encoder of 12 layers at 512-pixel tiles, 64 tokens
@@ -183,12 +183,14 @@ async def main() -> None:
     p.add_argument("--streams", type=int, default=4)
     p.add_argument("--max-step-ms", type=float, default=100.0)
     p.add_argument("--stall-only", action="store_true", help="section 1 alone")
+    p.add_argument("--event-log", help="write the engine's event log here (`stepline replay`)")
     args = p.parse_args()
     size = tuple(int(x) for x in args.image.split("x"))
     path = model_path(args.model)
     print(f"model {args.model} ({path}), image {args.image}, {args.streams} streams")
 
-    async with Engine.open(path, max_step_ms=args.max_step_ms) as engine:
+    logged = {"event_log": args.event_log} if args.event_log else {}
+    async with Engine.open(path, max_step_ms=args.max_step_ms, **logged) as engine:
         loop = engine.step_loop
         await loop.wait_until(lambda: loop.settled)  # the warm-up: the encoder priced too
         image = picture(size, 0)

@@ -12,9 +12,12 @@ positions in all three sections, as text does; an image's take its grid's (t, h,
 where the text stood, and what follows goes on from the largest plus one.
 
 The encoders' work comes in units a step runs some of:
-- audio (`OmniAudioEncoder`): one unit per layer of the audio tower over the whole clip (its
-  windowed attention as the tower runs it), the convolutional front end with the first, the
-  projection with the last;
+- audio (`OmniAudioEncoder`): one unit per window of the audio tower's convolutional front
+  end (100 feature frames, a second of the clip), then one per layer of the tower over the
+  whole clip (its windowed attention as the tower runs it), the projection with the last:
+  units of like cost whatever the clip's length (with the whole front end in the first
+  layer's unit, a 10 s clip's first unit cost ten layers' time on the demo, and the steps
+  that ran it took 2-4x what the cost model, pricing units of a 1 s clip, predicted);
 - images (`engine/vision/qwen_vl.QwenVLEncoder`, Qwen3-VL's own): one unit per block of
   the vision tower, its deepstack features kept with the span and added by the first text
   layers; the prompts' 3-D positions are its too (clips placed as text).
@@ -82,10 +85,11 @@ class OmniAudio:
     rate = 16_000
     atomic = True  # the seed's thinker keeps its sentinel-wrapped spans whole
 
-    def __init__(self, feature_extractor: Any, num_layers: int):
+    def __init__(self, feature_extractor: Any, num_layers: int, window: int):
         self._features = feature_extractor
         self.rate = int(getattr(feature_extractor, "sampling_rate", self.rate))
         self._num_layers = num_layers
+        self._window = window  # feature frames a window of the tower's front end reads
         self.placeholder = f"{AUDIO_START}{AUDIO_PAD}{AUDIO_END}"  # the template's audio part
 
     def expand(self, audio: AudioData) -> Expanded:
@@ -107,7 +111,8 @@ class OmniAudio:
         count = audio_tokens(frames)
         inputs = {"input_features": features[0, :, :frames], "num_frames": np.int32(frames)}
         text = f"{AUDIO_START}{AUDIO_PAD * count}{AUDIO_END}"
-        return Expanded(text, inputs, units=self._num_layers, whole=self.atomic)
+        units = len(window_lengths(frames, self._window)) + self._num_layers
+        return Expanded(text, inputs, units=units, whole=self.atomic)
 
 
 class OmniImages(QwenVLImages):
@@ -119,7 +124,9 @@ class OmniImages(QwenVLImages):
 
 
 class OmniAudioEncoder:
-    """The thinker's audio tower, one layer a unit (executor thread only)."""
+    """The thinker's audio tower in units (executor thread only): first its convolutional
+    front end a window a unit (`window_lengths`), then a layer a unit, the projection with
+    the last."""
 
     def __init__(self, thinker: Any, text_model: Any):
         self._tower = thinker.audio_tower
@@ -127,19 +134,32 @@ class OmniAudioEncoder:
         self._audio_id = thinker.config.audio_token_id
 
     def run(self, job: EncodeJob, start: int, end: int) -> None:
-        """Units [start, end) of `job`, evaluated: unit u is layer u of the audio tower (the
-        front end before the first, the projection after the last, as mlx-vlm's
-        `AudioModel.__call__` runs them); the span's embeddings at the last."""
+        """Units [start, end) of `job`, evaluated: unit u < W (the clip's W windows) is
+        window u through the front end, and with the last window the windows' frames
+        become the layers' input; unit W + l is layer l of the tower (the projection after
+        the last, as mlx-vlm's `AudioModel.__call__` runs them); the span's embeddings at
+        the last."""
         assert start == job.done < end <= job.units, (start, end, job.done, job.units)
         tower, state = self._tower, job.state
+        num_frames = int(job.inputs["num_frames"])
+        lengths = window_lengths(num_frames, tower.n_window * 2)
+        num_windows = len(lengths)
+        assert job.units == num_windows + len(tower.layers), (job.units, num_windows)
         if start == 0:
-            features = mx.array(job.inputs["input_features"])
-            state.update(_audio_front(tower, features, int(job.inputs["num_frames"])))
-        h = state["hidden"]
+            state["features"] = mx.array(job.inputs["input_features"])
+            state["windows"] = []
         for u in range(start, end):
-            h = tower.layers[u](h, state["cu_seqlens"])
-        state["hidden"] = h
+            if u < num_windows:
+                state["windows"].append(_audio_window(tower, state["features"], lengths, u))
+                if u == num_windows - 1:
+                    windows = state.pop("windows")
+                    del state["features"]
+                    state.update(_audio_frames(tower, windows, lengths, num_frames))
+            else:
+                layer = tower.layers[u - num_windows]
+                state["hidden"] = layer(state["hidden"], state["cu_seqlens"])
         if end == job.units:
+            h = state["hidden"]
             h = tower.proj2(tower.act(tower.proj1(tower.ln_post(h))))
             ids = job.span_ids[None]
             embeds = self._embed_tokens(ids)
@@ -155,39 +175,44 @@ class OmniAudioEncoder:
         mx.eval(job.embeddings if job.embeddings is not None else list(state.values()))
 
 
-def _audio_front(tower: Any, features: mx.array, num_frames: int) -> dict[str, Any]:
-    """What every layer of the audio tower reads (mlx-vlm's `AudioModel.__call__` before its
-    layers): the features (mel, T) cut into windows of `2 * n_window` frames, each through
-    the three convolutions, their valid frames with the sinusoid positions added, and the
-    attention windows' bounds (`n_window_infer` frames of features each)."""
+def window_lengths(num_frames: int, window: int) -> list[int]:
+    """The feature frames of each window the audio tower's front end reads (`window`: its
+    `2 * n_window`), as mlx-vlm's `AudioModel.__call__` cuts a clip of `num_frames`."""
+    lengths = [window] * (num_frames // window)
+    if num_frames % window:
+        lengths.append(num_frames % window)
+    return lengths
+
+
+def _audio_window(tower: Any, features: mx.array, lengths: list[int], i: int) -> mx.array:
+    """Window `i` of the features (mel, T) through the front end's three convolutions, padded
+    to the longest window as mlx-vlm pads every window of its batch: (1, H, W, C)."""
     import mlx.nn as nn
 
-    step = tower.n_window * 2
-    lengths = [step] * (num_frames // step)
-    if num_frames % step:
-        lengths.append(num_frames % step)
-    longest = max(lengths)
-    padded = mx.zeros((len(lengths), tower.num_mel_bins, longest), dtype=features.dtype)
-    at = 0
-    for i, n in enumerate(lengths):
-        padded[i, :, :n] = features[:, at : at + n]
-        at += n
-    padded = padded[:, None, :, :]
-    after = [audio_tokens(n) for n in lengths]
-    pieces = []
-    for i in range(0, len(lengths), tower.conv_chunksize):
-        chunk = padded[i : i + tower.conv_chunksize].transpose(0, 2, 3, 1)
-        h = nn.gelu(tower.conv2d1(chunk))
-        h = nn.gelu(tower.conv2d2(h))
-        pieces.append(nn.gelu(tower.conv2d3(h)))
-    h = mx.concatenate(pieces, axis=0)
+    at, n = sum(lengths[:i]), lengths[i]
+    padded = mx.zeros((1, tower.num_mel_bins, max(lengths)), dtype=features.dtype)
+    padded[0, :, :n] = features[:, at : at + n]
+    h = nn.gelu(tower.conv2d1(padded[:, :, :, None]))
+    h = nn.gelu(tower.conv2d2(h))
+    return nn.gelu(tower.conv2d3(h))
+
+
+def _audio_frames(
+    tower: Any, windows: list[mx.array], lengths: list[int], num_frames: int
+) -> dict[str, Any]:
+    """What every layer of the audio tower reads (mlx-vlm's `AudioModel.__call__` before its
+    layers), from the front end's `windows` (`_audio_window`'s): their valid frames with
+    the sinusoid positions added, and the attention windows' bounds (`n_window_infer`
+    frames of features each)."""
+    h = mx.concatenate(windows, axis=0)
     b, height, width, c = h.shape
     h = tower.conv_out(h.transpose(0, 2, 3, 1).reshape(b, width, c * height))
     seq_len = h.shape[1]
     h = h + tower.positional_embedding(seq_len)[None]
+    after = [audio_tokens(n) for n in lengths]
     rows = [i * seq_len + j for i, n in enumerate(after) for j in range(n)]
     hidden = mx.take(h.reshape(-1, h.shape[-1]), mx.array(np.array(rows, dtype=np.int32)), axis=0)
-    window = max(after) * (tower.n_window_infer // step)
+    window = max(after) * (tower.n_window_infer // (tower.n_window * 2))
     total = audio_tokens(num_frames)
     bounds = [window] * (total // window) + ([total % window] if total % window else [])
     cu_seqlens = mx.pad(mx.cumsum(mx.array(bounds, dtype=mx.int32), axis=0), (1, 0))
@@ -222,7 +247,11 @@ def load_omni(path: Path, config: dict[str, Any], fit: Any) -> VisionCheckpoint:
         config["model_type"],
         QwenVLEncoder(thinker, text, image_id=thinker.config.image_token_id),
         images=OmniImages(processor, thinker.config.vision_config.depth),
-        audio=OmniAudio(processor.feature_extractor, len(thinker.audio_tower.layers)),
+        audio=OmniAudio(
+            processor.feature_extractor,
+            len(thinker.audio_tower.layers),
+            window=thinker.audio_tower.n_window * 2,
+        ),
         audio_encoder=OmniAudioEncoder(thinker, text),
     )
     return VisionCheckpoint(text_model=text, tokenizer=tokenizer, parts=parts, weights=weights)

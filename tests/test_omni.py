@@ -198,10 +198,11 @@ async def test_the_log_records_each_medium_its_encoder_units_and_keeps_both_besi
     (admitted,) = [e for e in events if isinstance(e, Admitted)]
     heard, seen = admitted.images
     assert heard.medium == "audio" and heard.seconds == 2.0 and heard.num_samples == 32_000
-    assert heard.units == 2 and heard.end - heard.start == 28  # 2 layers; 26 frames + markers
+    # 2 s: 2 windows of the front end, then 2 layers; 26 frames + markers
+    assert heard.units == 4 and heard.end - heard.start == 28
     assert seen.medium == "image" and seen.units == 3 and (seen.width, seen.height) == (96, 96)
     encoded = [e for e in events if isinstance(e, ImageEncoded)]
-    assert sum(e.end - e.start for e in encoded if e.image == 0) == 2
+    assert sum(e.end - e.start for e in encoded if e.image == 0) == 4
     assert sum(e.end - e.start for e in encoded if e.image == 1) == 3
     kept = log.with_name(f"{log.name}.images")
     assert (kept / heard.digest).read_bytes() == clip

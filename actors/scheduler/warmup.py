@@ -53,7 +53,8 @@ _FIRST_TOKEN_ID = 3  # past the usual special tokens
 # 4: prompt attention in blocks on the CPU (engine/cpu_attention.py): steps got faster
 # 5: that attention reads no subnormal weights: short prompts' steps got 2x faster
 # 6: an audio encoder's units counted apart from an image encoder's (`audio_units`)
-_RECIPE_VERSION = 6
+# 7: an omni thinker's clip has a unit per window of its audio tower's front end
+_RECIPE_VERSION = 7
 # Kept samples older than this are measured again (the machine may have changed under them).
 MAX_SAMPLE_AGE_S = 7 * 24 * 3600
 
