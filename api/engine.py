@@ -365,7 +365,7 @@ class Engine:
             arrival = self._arrivals.take() or Arrival(self._post)
         try:
             prepared, params, checkpoints, held = await self._prepare_submit(
-                prompt, messages, params, checkpoints, template_kwargs
+                prompt, messages, params, checkpoints, template_kwargs, embedding=embed is not None
             )
             images = prepared.images or tuple(images)
             if any(i.medium == "image" for i in images) and not self.accepts_images:
@@ -455,8 +455,9 @@ class Engine:
         vector is one that ended otherwise (cancelled, error). A reranker's "vector" is its
         answer tokens' logits (`EmbedParams.head_tokens`). `checkpoints` (a last-token
         pooling's only): where a prompt's shared prefix ends, for the prefix cache; `door` as
-        `submit`'s. Raises as
-        `submit` does, and RequestError if the model is not an embedding model."""
+        `submit`'s. Raises as `submit` does (ContextLengthExceededError for an input of more
+        than `max_context - 1` tokens, saying how many this model embeds at most), and
+        RequestError if the model is not an embedding model."""
         spec = self.embedding
         if spec is None:
             raise RequestError(f"{self.model_name} is not an embedding model")
@@ -508,18 +509,28 @@ class Engine:
         params: SamplingParams | None,
         checkpoints: Sequence[int],
         template_kwargs: dict[str, Any] | None,
+        *,
+        embedding: bool = False,
     ) -> tuple[Prepared, SamplingParams, tuple[int, ...], Compiled | None]:
         """A request's checks and token ids (see `submit`), each done once here: its
         prepared prompt (a `Prepared` one as it is), its params, its checkpoints (chat
         boundaries added) and its compiled grammar, if any. A max_tokens past the room its
-        prompt leaves in the context is the scheduler core's to cut (`SchedulerCore.add`)."""
+        prompt leaves in the context is the scheduler core's to cut (`SchedulerCore.add`).
+        A text too long for the context is refused in an `embedding`'s terms, if it is one."""
         params = params or SamplingParams()
         params.check_vocabulary(self.vocab_size)
         held = await self._compiles.compile(params.grammar) if params.grammar is not None else None
         if isinstance(prompt, Prepared):
             prepared = prompt
         else:
-            prepared = await self.prepare_async(prompt, messages, template_kwargs)
+            try:
+                prepared = await self.prepare_async(prompt, messages, template_kwargs)
+            except PromptTooLongError as exc:
+                if not embedding:
+                    raise
+                raise PromptTooLongError(
+                    exc.num_prompt_tokens, exc.max_context, embedding=True
+                ) from None
         return prepared, params, (*checkpoints, *prepared.checkpoints), held
 
     def max_output_tokens(
