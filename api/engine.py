@@ -15,7 +15,6 @@ import asyncio
 import importlib.util
 import sys
 import uuid
-import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
@@ -27,8 +26,6 @@ from stepline.actors.executor import Executor
 from stepline.actors.mailbox import Mailbox
 from stepline.actors.messages import (
     SHUTDOWN_MESSAGE,
-    Arrived,
-    Arriving,
     Cancel,
     EndWarmUp,
     Refuse,
@@ -39,6 +36,7 @@ from stepline.actors.request import RequestActor, RequestOutput
 from stepline.actors.scheduler.admission import max_output_tokens
 from stepline.actors.scheduler.spans import PromptImage
 from stepline.actors.step_loop import LoopSnapshot, StepLoop
+from stepline.api.arrivals import Arrival, TaskArrivals
 from stepline.api.config import EngineConfig, EventLogConfig, launch_rank
 from stepline.api.engine_parts import (
     EngineParts,
@@ -95,45 +93,6 @@ def run(fn: Callable[..., Awaitable[T]], *args: Any) -> T:
     a program of your own gets the same with `uvloop.run(main())`."""
     use_uvloop = importlib.util.find_spec("uvloop") is not None
     return anyio.run(fn, *args, backend_options={"use_uvloop": use_uvloop})
-
-
-class Arrival:
-    """A request on its way to the engine (`Engine.arriving`): the step loop counts it from
-    here (an `Arriving` message) until `submit` hands it over or `done()` (`Arrived`)."""
-
-    def __init__(self, post: Callable[[Any], None]):
-        self._post = post
-        self.open = True
-        post(Arriving())
-
-    def done(self) -> None:
-        """End the count (once); `submit` does, once the request is in the step loop's inbox."""
-        if self.open:
-            self.open = False
-            self._post(Arrived())
-
-
-class TaskArrivals:
-    """The arrivals of callers that do not hold their count (`Engine.arriving` then
-    `arrived()`, api/pool.py), by the task that counted it: `submit` in that task ends it."""
-
-    def __init__(self, post: Callable[[Any], None]):
-        self._post = post
-        self._by_task: weakref.WeakKeyDictionary[asyncio.Task, Arrival] = (
-            weakref.WeakKeyDictionary()
-        )
-
-    def arriving(self) -> Arrival:
-        arrival = Arrival(self._post)
-        if (task := asyncio.current_task()) is not None:
-            self._by_task[task] = arrival
-        return arrival
-
-    def take(self) -> Arrival | None:
-        """This task's open count, no longer this task's to end."""
-        task = asyncio.current_task()
-        arrival = self._by_task.pop(task, None) if task is not None else None
-        return arrival if arrival is not None and arrival.open else None
 
 
 class Engine:
