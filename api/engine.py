@@ -35,6 +35,7 @@ from stepline.actors.request import RequestActor, RequestOutput
 from stepline.actors.scheduler.admission import max_output_tokens
 from stepline.actors.scheduler.spans import PromptImage
 from stepline.actors.step_loop import LoopSnapshot, StepLoop
+from stepline.api.adapters import ServedAdapters
 from stepline.api.arrivals import Arrival, TaskArrivals
 from stepline.api.config import EngineConfig, EventLogConfig, launch_rank
 from stepline.api.engine_parts import (
@@ -53,7 +54,6 @@ from stepline.engine.audio import no_audio
 from stepline.engine.grammar import Compiled, GrammarCompiler
 from stepline.engine.images import text_only
 from stepline.events.models import (
-    AdapterLoaded,
     EmbedParams,
     FinishReason,
     Origin,
@@ -108,16 +108,17 @@ class Engine:
         adapters: dict[str, Any] | None = None,
     ):
         self.loaded = loaded
-        # The LoRA adapters it serves (name -> `engine.lora.AdapterInfo`): models that share
-        # its weights and batch. This is the API's copy; the runner holds the matrices.
-        self.adapters: dict[str, Any] = dict(adapters or {})
-        self._adapter_lock = anyio.Lock()
         self.tokenizer = loaded.tokenizer
         self._detokenizer = detokenizers(loaded.tokenizer)  # one for each request actor
         self.model_name: str = loaded.name
         self.max_context: int = loaded.max_context
         self.vocab_size: int = loaded.vocab_size
         self.config = config
+        # The LoRA adapters it serves (name -> `engine.lora.AdapterInfo`): models that share
+        # its weights and batch.
+        self.adapters = ServedAdapters(
+            loaded.name, adapters or {}, step_loop=step_loop, executor=executor, config=config
+        )
         self.metrics: EngineMetrics = step_loop.metrics
         self._step_loop = step_loop
         self._executor = executor
@@ -314,7 +315,7 @@ class Engine:
         if asyncio.get_running_loop() is not self._loop:
             raise WrongEventLoopError(WRONG_LOOP)
         check_submit_args(params, request_id, checkpoints, template_kwargs, client)
-        self._check_adapter(adapter, embed)
+        self.adapters.check(adapter, embed)
         if embed is not None:  # a last-token pooling may share a prefix (a reranker's query)
             params = None
             checkpoints = checkpoints if embed.pooling == "last" else ()
@@ -361,39 +362,12 @@ class Engine:
             admitted,
         )
 
-    def _check_adapter(self, adapter: str | None, embed: EmbedParams | None) -> None:
-        """Raises RequestError (param `model`) for an adapter this engine does not serve."""
-        if adapter is None:
-            return
-        if adapter not in self.adapters:
-            served = ", ".join(repr(n) for n in (self.model_name, *self.adapters))
-            raise RequestError(f"no LoRA adapter {adapter!r}: served are {served}", param="model")
-        if embed is not None:
-            raise RequestError("LoRA adapters serve generation, not embeddings", param="model")
-
     async def load_adapter(self, name: str, path: str) -> Any:
         """Load LoRA adapter `name` from `path` (an `mlx_lm.lora` directory) while serving:
         between two steps, on the executor. Returns its `engine.lora.AdapterInfo`. Raises
         RequestError for a name in use, AdapterError (a ValueError) for an adapter that does
         not fit the model, saying why."""
-        async with self._adapter_lock:
-            if self.config.get("distributed") is not None:
-                raise RequestError("LoRA adapters are not supported with parallel")
-            if name in self.adapters or name == self.model_name:
-                raise RequestError(f"the name {name!r} is served already", param="lora_name")
-            runner = self._step_loop.runner
-            info = await self._executor.call(runner.load_adapter, name, path)
-            self.adapters[name] = info
-            self._step_loop.log_model_event(
-                AdapterLoaded,
-                name=name,
-                path=info.path,
-                kind=info.kind,
-                rank=info.rank,
-                num_bytes=info.num_bytes,
-            )
-            log.info("adapter_loaded", model=self.model_name, name=name, path=path)
-            return info
+        return await self.adapters.load(name, path)
 
     async def embed(
         self,
