@@ -1,6 +1,7 @@
-"""stepline's ways in: the Python async API (`engine`, `params`, `prompts`, `stream`), the
-options (`config`), several models (`pool`), re-execution, and below it the HTTP pipeline,
-the server, one folder per door and the CLI.
+"""stepline's ways in: the Python async API (`engine`, with `engine_parts`, `arrivals`,
+`submission` and `adapters`; `params`, `prompts`, `stream`), the options (`config`), several
+models (`pool`), re-execution, and below it the HTTP pipeline, the server, one folder per door
+and the CLI.
 
 The top layer: may import everything else of stepline; nothing else imports it.
 """

@@ -15,7 +15,6 @@ import asyncio
 import importlib.util
 import sys
 import uuid
-import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
@@ -24,11 +23,8 @@ import anyio
 import structlog
 
 from stepline.actors.executor import Executor
-from stepline.actors.mailbox import Mailbox
 from stepline.actors.messages import (
     SHUTDOWN_MESSAGE,
-    Arrived,
-    Arriving,
     Cancel,
     EndWarmUp,
     Refuse,
@@ -39,6 +35,8 @@ from stepline.actors.request import RequestActor, RequestOutput
 from stepline.actors.scheduler.admission import max_output_tokens
 from stepline.actors.scheduler.spans import PromptImage
 from stepline.actors.step_loop import LoopSnapshot, StepLoop
+from stepline.api.adapters import ServedAdapters
+from stepline.api.arrivals import Arrival, TaskArrivals
 from stepline.api.config import EngineConfig, EventLogConfig, launch_rank
 from stepline.api.engine_parts import (
     EngineParts,
@@ -47,16 +45,15 @@ from stepline.api.engine_parts import (
     keep_images,
     warn_without_openblas,
 )
-from stepline.api.json_limits import InputLimitError, check_text
 from stepline.api.params import SamplingParams
 from stepline.api.prompts import Prepared, Prompts, PromptTooLongError, detokenizers
 from stepline.api.request_error import RequestError
 from stepline.api.stream import RequestStream
+from stepline.api.submission import check_submit_args, embedding_record, request_actor
 from stepline.engine.audio import no_audio
 from stepline.engine.grammar import Compiled, GrammarCompiler
 from stepline.engine.images import text_only
 from stepline.events.models import (
-    AdapterLoaded,
     EmbedParams,
     FinishReason,
     Origin,
@@ -97,45 +94,6 @@ def run(fn: Callable[..., Awaitable[T]], *args: Any) -> T:
     return anyio.run(fn, *args, backend_options={"use_uvloop": use_uvloop})
 
 
-class Arrival:
-    """A request on its way to the engine (`Engine.arriving`): the step loop counts it from
-    here (an `Arriving` message) until `submit` hands it over or `done()` (`Arrived`)."""
-
-    def __init__(self, post: Callable[[Any], None]):
-        self._post = post
-        self.open = True
-        post(Arriving())
-
-    def done(self) -> None:
-        """End the count (once); `submit` does, once the request is in the step loop's inbox."""
-        if self.open:
-            self.open = False
-            self._post(Arrived())
-
-
-class TaskArrivals:
-    """The arrivals of callers that do not hold their count (`Engine.arriving` then
-    `arrived()`, api/pool.py), by the task that counted it: `submit` in that task ends it."""
-
-    def __init__(self, post: Callable[[Any], None]):
-        self._post = post
-        self._by_task: weakref.WeakKeyDictionary[asyncio.Task, Arrival] = (
-            weakref.WeakKeyDictionary()
-        )
-
-    def arriving(self) -> Arrival:
-        arrival = Arrival(self._post)
-        if (task := asyncio.current_task()) is not None:
-            self._by_task[task] = arrival
-        return arrival
-
-    def take(self) -> Arrival | None:
-        """This task's open count, no longer this task's to end."""
-        task = asyncio.current_task()
-        arrival = self._by_task.pop(task, None) if task is not None else None
-        return arrival if arrival is not None and arrival.open else None
-
-
 class Engine:
     """One model, one step loop, one executor thread. Create with `Engine.open(...)`."""
 
@@ -150,16 +108,17 @@ class Engine:
         adapters: dict[str, Any] | None = None,
     ):
         self.loaded = loaded
-        # The LoRA adapters it serves (name -> `engine.lora.AdapterInfo`): models that share
-        # its weights and batch. This is the API's copy; the runner holds the matrices.
-        self.adapters: dict[str, Any] = dict(adapters or {})
-        self._adapter_lock = anyio.Lock()
         self.tokenizer = loaded.tokenizer
         self._detokenizer = detokenizers(loaded.tokenizer)  # one for each request actor
         self.model_name: str = loaded.name
         self.max_context: int = loaded.max_context
         self.vocab_size: int = loaded.vocab_size
         self.config = config
+        # The LoRA adapters it serves (name -> `engine.lora.AdapterInfo`): models that share
+        # its weights and batch.
+        self.adapters = ServedAdapters(
+            loaded.name, adapters or {}, step_loop=step_loop, executor=executor, config=config
+        )
         self.metrics: EngineMetrics = step_loop.metrics
         self._step_loop = step_loop
         self._executor = executor
@@ -356,7 +315,7 @@ class Engine:
         if asyncio.get_running_loop() is not self._loop:
             raise WrongEventLoopError(WRONG_LOOP)
         check_submit_args(params, request_id, checkpoints, template_kwargs, client)
-        self._check_adapter(adapter, embed)
+        self.adapters.check(adapter, embed)
         if embed is not None:  # a last-token pooling may share a prefix (a reranker's query)
             params = None
             checkpoints = checkpoints if embed.pooling == "last" else ()
@@ -365,7 +324,7 @@ class Engine:
             arrival = self._arrivals.take() or Arrival(self._post)
         try:
             prepared, params, checkpoints, held = await self._prepare_submit(
-                prompt, messages, params, checkpoints, template_kwargs
+                prompt, messages, params, checkpoints, template_kwargs, embedding=embed is not None
             )
             images = prepared.images or tuple(images)
             if any(i.medium == "image" for i in images) and not self.accepts_images:
@@ -403,39 +362,12 @@ class Engine:
             admitted,
         )
 
-    def _check_adapter(self, adapter: str | None, embed: EmbedParams | None) -> None:
-        """Raises RequestError (param `model`) for an adapter this engine does not serve."""
-        if adapter is None:
-            return
-        if adapter not in self.adapters:
-            served = ", ".join(repr(n) for n in (self.model_name, *self.adapters))
-            raise RequestError(f"no LoRA adapter {adapter!r}: served are {served}", param="model")
-        if embed is not None:
-            raise RequestError("LoRA adapters serve generation, not embeddings", param="model")
-
     async def load_adapter(self, name: str, path: str) -> Any:
         """Load LoRA adapter `name` from `path` (an `mlx_lm.lora` directory) while serving:
         between two steps, on the executor. Returns its `engine.lora.AdapterInfo`. Raises
         RequestError for a name in use, AdapterError (a ValueError) for an adapter that does
         not fit the model, saying why."""
-        async with self._adapter_lock:
-            if self.config.get("distributed") is not None:
-                raise RequestError("LoRA adapters are not supported with parallel")
-            if name in self.adapters or name == self.model_name:
-                raise RequestError(f"the name {name!r} is served already", param="lora_name")
-            runner = self._step_loop.runner
-            info = await self._executor.call(runner.load_adapter, name, path)
-            self.adapters[name] = info
-            self._step_loop.log_model_event(
-                AdapterLoaded,
-                name=name,
-                path=info.path,
-                kind=info.kind,
-                rank=info.rank,
-                num_bytes=info.num_bytes,
-            )
-            log.info("adapter_loaded", model=self.model_name, name=name, path=path)
-            return info
+        return await self.adapters.load(name, path)
 
     async def embed(
         self,
@@ -455,8 +387,9 @@ class Engine:
         vector is one that ended otherwise (cancelled, error). A reranker's "vector" is its
         answer tokens' logits (`EmbedParams.head_tokens`). `checkpoints` (a last-token
         pooling's only): where a prompt's shared prefix ends, for the prefix cache; `door` as
-        `submit`'s. Raises as
-        `submit` does, and RequestError if the model is not an embedding model."""
+        `submit`'s. Raises as `submit` does (ContextLengthExceededError for an input of more
+        than `max_context - 1` tokens, saying how many this model embeds at most), and
+        RequestError if the model is not an embedding model."""
         spec = self.embedding
         if spec is None:
             raise RequestError(f"{self.model_name} is not an embedding model")
@@ -508,18 +441,28 @@ class Engine:
         params: SamplingParams | None,
         checkpoints: Sequence[int],
         template_kwargs: dict[str, Any] | None,
+        *,
+        embedding: bool = False,
     ) -> tuple[Prepared, SamplingParams, tuple[int, ...], Compiled | None]:
         """A request's checks and token ids (see `submit`), each done once here: its
         prepared prompt (a `Prepared` one as it is), its params, its checkpoints (chat
         boundaries added) and its compiled grammar, if any. A max_tokens past the room its
-        prompt leaves in the context is the scheduler core's to cut (`SchedulerCore.add`)."""
+        prompt leaves in the context is the scheduler core's to cut (`SchedulerCore.add`).
+        A text too long for the context is refused in an `embedding`'s terms, if it is one."""
         params = params or SamplingParams()
         params.check_vocabulary(self.vocab_size)
         held = await self._compiles.compile(params.grammar) if params.grammar is not None else None
         if isinstance(prompt, Prepared):
             prepared = prompt
         else:
-            prepared = await self.prepare_async(prompt, messages, template_kwargs)
+            try:
+                prepared = await self.prepare_async(prompt, messages, template_kwargs)
+            except PromptTooLongError as exc:
+                if not embedding:
+                    raise
+                raise PromptTooLongError(
+                    exc.num_prompt_tokens, exc.max_context, embedding=True
+                ) from None
         return prepared, params, (*checkpoints, *prepared.checkpoints), held
 
     def max_output_tokens(
@@ -682,79 +625,3 @@ class EngineClosedError(RuntimeError):
 class WrongEventLoopError(RuntimeError):
     """A request was submitted from another event loop than the engine's: its answers could
     never reach it."""
-
-
-def embedding_record(embed: EmbedParams) -> RequestParams:
-    """An embedding request's parameters: nothing to generate, nothing to sample."""
-    return RequestParams(
-        max_tokens=0, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=None, embed=embed
-    )
-
-
-def request_actor(
-    rid: str,
-    num_prompt_tokens: int,
-    params: SamplingParams,
-    held: Compiled | None,
-    detokenizer: Callable[[], Any],
-    send_cancel: Callable[[str, FinishReason], None],
-) -> RequestActor:
-    """A request's actor. One with stop strings is driven by the step loop, which records
-    the end it finds in the step that found it (`RequestActor.take`); any other runs as a
-    task of its own and tells the loop of a fault of its own with a `Cancel`."""
-    driven = bool(params.stop)
-    return RequestActor(
-        rid,
-        num_prompt_tokens=num_prompt_tokens,
-        stop=params.stop,
-        detokenizer=detokenizer(),
-        inbox=None if driven else Mailbox(),
-        output=Mailbox(),
-        on_end=(lambda reason: None) if driven else lambda reason: send_cancel(rid, reason),
-        keep=held,
-    )
-
-
-MAX_REQUEST_ID_CHARS = 256  # a request id is in every event of its request
-MAX_CLIENT_CHARS = 256  # a client is in every request's `admitted` event
-
-
-def check_submit_args(
-    params: Any, request_id: Any, checkpoints: Any, template_kwargs: Any, client: Any = None
-) -> None:
-    """Raise TypeError / RequestError naming the `submit` argument that is of the wrong type or
-    value. Checked before anything reaches the step loop or the event log, where a bad one
-    ended the engine (a float checkpoint, a bytes id) or degraded the log (a lone surrogate)."""
-    if params is not None and not isinstance(params, SamplingParams):
-        raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-    if request_id is not None:
-        _check_name(request_id, "request_id", MAX_REQUEST_ID_CHARS)
-    if client is not None:
-        _check_name(client, "client", MAX_CLIENT_CHARS)
-    if isinstance(checkpoints, str | bytes) or not isinstance(checkpoints, Sequence):
-        raise TypeError(
-            f"checkpoints must be a sequence of token offsets (ints), got "
-            f"{type(checkpoints).__name__}"
-        )
-    for i, c in enumerate(checkpoints):
-        if isinstance(c, bool) or not isinstance(c, int):
-            raise TypeError(
-                f"checkpoints[{i}] must be an int token offset, got {type(c).__name__} {c!r}"
-            )
-        if c < 0:
-            raise RequestError(f"checkpoints[{i}] must be a token offset >= 0, got {c}")
-    if template_kwargs is not None and not isinstance(template_kwargs, dict):
-        raise TypeError(f"template_kwargs must be a dict, got {type(template_kwargs).__name__}")
-
-
-def _check_name(value: Any, name: str, max_chars: int) -> None:
-    """Raise TypeError / RequestError unless `value` is a str of 1 to `max_chars` characters
-    that the event log can write."""
-    if not isinstance(value, str):
-        raise TypeError(f"{name} must be a str, got {type(value).__name__}")
-    if not 0 < len(value) <= max_chars:
-        raise RequestError(f"{name} must have 1 to {max_chars} characters, got {len(value)}")
-    try:
-        check_text(value, name)
-    except InputLimitError as exc:
-        raise RequestError(exc.message) from None

@@ -31,7 +31,7 @@ import tokenizers
 from jinja2 import TemplateError
 
 from stepline.actors.request import Detokenizer, IncrementalDetokenizer, StreamDetokenizer
-from stepline.actors.scheduler.admission import ContextLengthExceededError
+from stepline.actors.scheduler.admission import ContextLengthExceededError, embedding_too_long
 from stepline.actors.scheduler.spans import PromptImage
 from stepline.api.request_error import RequestError
 from stepline.api.resent import as_resent, common_prefix
@@ -61,14 +61,18 @@ class Prepared:
 
 class PromptTooLongError(ContextLengthExceededError):
     """The prompt's text alone proves it longer than the context: `num_prompt_tokens` is a
-    lower bound, found without tokenizing it."""
+    lower bound, found without tokenizing it (`embedding`: of an embedding's input)."""
 
-    def __init__(self, num_prompt_tokens: int, max_context: int):
-        super().__init__(num_prompt_tokens, max_context)
-        self.args = (
-            f"the prompt has at least {num_prompt_tokens} tokens but the model's context is "
-            f"{max_context} tokens: shorten the prompt",
-        )
+    def __init__(self, num_prompt_tokens: int, max_context: int, *, embedding: bool = False):
+        super().__init__(num_prompt_tokens, max_context, embedding=embedding)
+        if embedding:
+            message = embedding_too_long(f"at least {num_prompt_tokens}", max_context)
+        else:
+            message = (
+                f"the prompt has at least {num_prompt_tokens} tokens but the model's context is "
+                f"{max_context} tokens: shorten the prompt"
+            )
+        self.args = (message,)
 
 
 def detokenizers(tokenizer: Any) -> Callable[[], Detokenizer]:

@@ -196,6 +196,38 @@ async def test_a_cancelled_embedding_ends_cancelled_and_the_engine_goes_on(
         assert out.embedding is not None and out.finish_reason == "stop"
 
 
+async def test_an_input_past_the_limit_is_refused_saying_how_many_tokens_an_embedding_takes(
+    model_cache_dir: Path, tmp_path: Path
+) -> None:
+    """No token is generated for an embedding: its refusal says how long an input may be,
+    not that a prompt must leave room for a token, in the Python API and in the log."""
+    from stepline.api import ContextLengthExceededError, Engine
+    from stepline.events.log import read_events
+
+    log_path = tmp_path / "events.jsonl"
+    async with Engine.open(DEMO, max_step_tokens=512, event_log=log_path) as engine:
+        most = engine.max_context - 1
+        with pytest.raises(ContextLengthExceededError) as ids:
+            await engine.embed([1] * (most + 1), request_id="ids")
+        # a text whose length alone proves it too long is refused before it is tokenized
+        with pytest.raises(ContextLengthExceededError) as text:
+            await engine.embed("x" * (engine.max_context * engine.max_chars_per_token))
+        out = await engine.embed([1] * most)  # the limit itself is embedded
+        engine.step_loop.event_log.flush()
+    assert str(ids.value) == (
+        f"the input has {most + 1} tokens, but this model embeds at most {most}: shorten it, "
+        "or split it"
+    )
+    assert f"has at least {engine.max_context} tokens, but this model embeds at most {most}:" in (
+        str(text.value)
+    )
+    assert out.finish_reason == "stop" and out.embedding is not None
+    (refused,) = [
+        e for e in read_events(log_path) if e.type == "terminal" and e.reason.value == "rejected"
+    ]
+    assert refused.request_id == "ids" and refused.message == str(ids.value)
+
+
 async def test_embeddings_beside_decoding_streams_leave_both_unchanged(
     model_cache_dir: Path, tmp_path: Path
 ) -> None:

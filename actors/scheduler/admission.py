@@ -47,14 +47,20 @@ def max_output_tokens(
 
 
 def check_admissible(
-    num_prompt_tokens: int, max_tokens: int, max_context: int, config: SchedulerConfig
+    num_prompt_tokens: int,
+    max_tokens: int,
+    max_context: int,
+    config: SchedulerConfig,
+    *,
+    embedding: bool = False,
 ) -> None:
-    """Raise AdmissionError (subclass by cause) if the request can never run. `max_tokens`
-    is its limit within the context (`max_output_tokens`): its KV is counted up to there."""
+    """Raise AdmissionError (subclass by cause) if the request (`embedding`: an embedding
+    request's input) can never run. `max_tokens` is its limit within the context
+    (`max_output_tokens`): its KV is counted up to there."""
     if num_prompt_tokens < 1:
         raise EmptyPromptError("the prompt is empty: send at least one token")
     if num_prompt_tokens >= max_context:
-        raise ContextLengthExceededError(num_prompt_tokens, max_context)
+        raise ContextLengthExceededError(num_prompt_tokens, max_context, embedding=embedding)
     needed = num_prompt_tokens + max_tokens + config.kv_tokens_per_seq
     if config.max_kv_tokens is not None and needed > config.max_kv_tokens:
         raise KVBudgetExceededError(needed, num_prompt_tokens, max_tokens, config)
@@ -147,14 +153,31 @@ class QueueFullError(AdmissionError):
 
 
 class ContextLengthExceededError(AdmissionError):
-    def __init__(self, num_prompt_tokens: int, max_context: int):
+    """The prompt does not fit the model's context. An `embedding` request's input may have
+    one token less than the context (`max_context - 1`), as a prompt may, though no token
+    is generated: the message says so in an embedding's terms."""
+
+    def __init__(self, num_prompt_tokens: int, max_context: int, *, embedding: bool = False):
         self.num_prompt_tokens = num_prompt_tokens
         self.max_context = max_context
-        super().__init__(
-            f"the prompt has {num_prompt_tokens} tokens but the model's context is {max_context} "
-            f"tokens (prompt must be at most {max_context - 1} so one token can be generated): "
-            "shorten the prompt"
-        )
+        self.embedding = embedding
+        if embedding:
+            message = embedding_too_long(str(num_prompt_tokens), max_context)
+        else:
+            message = (
+                f"the prompt has {num_prompt_tokens} tokens but the model's context is "
+                f"{max_context} tokens (prompt must be at most {max_context - 1} so one token "
+                "can be generated): shorten the prompt"
+            )
+        super().__init__(message)
+
+
+def embedding_too_long(count: str, max_context: int) -> str:
+    """What an embedding input of `count` tokens past the model's limit is told."""
+    return (
+        f"the input has {count} tokens, but this model embeds at most {max_context - 1}: "
+        "shorten it, or split it"
+    )
 
 
 class EngineDeadError(AdmissionError):

@@ -239,7 +239,9 @@ class SchedulerCore:
             # It ends at the context anyway: its KV is counted (and refused) only up to there.
             max_context = self.limits.max_context
             max_tokens = max_output_tokens(params.max_tokens, len(ids), max_context)
-            check_admissible(len(ids), max_tokens, max_context, self.config)
+            check_admissible(
+                len(ids), max_tokens, max_context, self.config, embedding=params.embed is not None
+            )
             if max_tokens < params.max_tokens:
                 params = params.model_copy(update={"max_tokens": max_tokens})
         except AdmissionError as exc:

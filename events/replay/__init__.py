@@ -6,7 +6,7 @@ the log; proportional to the requests in it at most). One concern per module, ga
 - `request_timeline`, `state_at_step`, `step_records` (views.py): one request's life;
   every request's state as of a step, by the same `fold` the engine uses; per step, its
   members, tokens each, budget used and time taken;
-- `summarize` (summary.py): outcomes, latency percentiles, budget utilisation, stalls,
+- `summarize` (summary/): outcomes, latency percentiles, budget utilisation, stalls,
   slowest steps, idle time, requests in flight or interrupted;
 - `verify` (verify.py): every violation of the engine's invariants, with the events
   that show it, by the fold's own rules;

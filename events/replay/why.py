@@ -1,7 +1,7 @@
 """Why one request took the time it took: where its first token's time went, what sized its
 prompt chunks, why it sat steps out, what stalled its stream and whose streams it stalled.
 
-One pass over the request's run (and model) with the summary's own fold (summary.py), told to
+One pass over the request's run (and model) with the summary's own fold (summary/fold.py), told to
 follow the request: the stall threshold and the causes are the summary's, so the figures of
 `--request` and of the summary add up.
 """
