@@ -12,6 +12,13 @@ missed (`Missed`), then goes on from the oldest event still kept. Events the rin
 holds are read back from the log file, where there is one (a reader resuming after a gap, or
 after a restart of the server: the run it had read is in the file).
 
+A page that draws the engine's state now need not read all the ring to get there
+(`EventFeed.follow_view`): it is sent the events its picture needs — the requests' in flight
+and the last VIEW_ENDED that ended, the plans and times of the last VIEW_STEPS steps, the
+models' — then `CaughtUp` (where that catch-up ends, how many of how many it sent, each
+request's tokens so far), then every event after, as any reader. What it sends does not grow
+with what memory keeps, nor with how long a request has run.
+
 Places: the N-th event a run recorded (from 1) is at `Place(run, N)`, written `RUN.N`, where
 RUN is the run's id (`LogHeader.run_id`; `run-I` for the I-th run of an old log that has
 none). In a server of one model N is the event's `seq`; in a log several models share, each
@@ -40,6 +47,9 @@ from stepline.events.models import Admitted, Event, LogHeader, TokensSampled
 DEFAULT_CAPACITY = 16384  # events kept in memory (about a minute of a busy engine's steps)
 MAX_BATCH = 1024  # events a reader takes from the ring (or the file) at a time
 GATHER_S = 0.02  # a woken reader lets a few steps' events gather before it reads them
+VIEW_STEPS = 150  # steps a view's catch-up keeps the plans and times of (the page's strip)
+VIEW_ENDED = 25  # ended requests it keeps the lives of (the page's "recently ended")
+_STEP_TYPES = frozenset({"step", "step-finished"})
 
 _NO_MODEL = frozenset({"model"})
 
@@ -123,7 +133,26 @@ class Missed(NamedTuple):
     reason: str
 
 
-Item = EventFrame | RunStarted | Missed
+class View(NamedTuple):
+    """What a picture of the engine now is folded from (`EventFeed.view`)."""
+
+    places: list[int]  # the events kept, oldest first
+    tokens_out: dict[str, int]  # request shown -> the `decoding` events in memory that hold it
+
+
+class CaughtUp(NamedTuple):
+    """A view's catch-up (`EventFeed.follow_view`) ends at `at`: it sent `sent` of the `kept`
+    events memory held; every event after `at` follows. `tokens_out`: how many `decoding`
+    events in memory held each request it showed (what a fold of them all counts as its
+    tokens out: the catch-up sends only some of them)."""
+
+    at: Place
+    sent: int
+    kept: int
+    tokens_out: dict[str, int]
+
+
+Item = EventFrame | RunStarted | Missed | CaughtUp
 
 
 def frame(place: Place, event: Event) -> bytes:
@@ -274,6 +303,93 @@ class EventFeed:
             cursor = reached
         async for batch in self._from_ring(cursor, wanted, reader or Reader()):
             yield batch
+
+    async def follow_view(
+        self, wanted: EventFilter = EventFilter(), reader: Reader | None = None
+    ) -> AsyncIterator[list[Item]]:
+        """`follow`, for a reader that draws the state now rather than reads the history: the
+        events in memory that `view` picks (and `wanted` takes), then `CaughtUp`, then
+        every event published after, as `follow` goes on. A feed that is not live: `follow`
+        from the file's start."""
+        if not self.live:
+            async for batch in self.follow(None, wanted, reader):
+                yield batch
+            return
+        yield [RunStarted(self.key, self.header, True)]
+        end, kept, header = self.last, self.last - self.first + 1, self.header
+        view = self.view()
+        picked = [
+            EventFrame(Place(self.key, n), self._frame(n))
+            for n in view.places
+            if wanted.matches(self._events[n % self.capacity], header)
+        ]  # made at once: the ring may move on while they are written
+        for i in range(0, len(picked), MAX_BATCH):
+            yield list(picked[i : i + MAX_BATCH])
+        yield [CaughtUp(Place(self.key, end), len(picked), kept, view.tokens_out)]
+        async for batch in self._from_ring(end, wanted, reader or Reader()):
+            yield batch
+
+    def view(self) -> View:
+        """What a picture of the engine now is folded from, of the events in memory (on the
+        event loop's thread, which changes them: three passes over the ring, no await).
+
+        The requests shown are those in flight (admitted, not ended) and the last VIEW_ENDED
+        that ended. Kept: each of their own events (admitted, chunks, end...); the last
+        VIEW_STEPS steps' plans and times, and their tokens that hold a request shown; before
+        those steps, only the first plan and the first and last tokens that hold each
+        request shown (when it was scheduled, its first token, its last); every event of no
+        request and no step (the models')."""
+        first, last, capacity, events = self.first, self.last, self.capacity, self._events
+        ended: set[str] = set()
+        shown: set[str] = set()
+        num_ended = num_steps = 0
+        since = first  # the place of the oldest of the last VIEW_STEPS steps
+        for n in range(last, first - 1, -1):
+            event = events[n % capacity]
+            kind = event.type
+            if kind == "terminal":
+                ended.add(event.request_id)
+                if num_ended < VIEW_ENDED:
+                    num_ended += 1
+                    shown.add(event.request_id)
+            elif kind == "admitted" and event.request_id not in ended:
+                shown.add(event.request_id)
+            elif kind == "step" and num_steps < VIEW_STEPS:
+                num_steps += 1
+                since = n
+        places: list[int] = []
+        tokens_out = dict.fromkeys(shown, 0)
+        scheduled: set[str] = set()  # requests shown whose first plan is kept
+        sampled: set[str] = set()  # ... whose first tokens are kept
+        latest: dict[str, int] = {}  # request shown -> its latest tokens before `since`
+        for n in range(first, last + 1):
+            event = events[n % capacity]
+            kind = event.type
+            if event.request_id is not None:
+                if event.request_id in shown:
+                    places.append(n)
+            elif kind == "decoding":
+                held = shown.intersection(event.request_ids)
+                for rid in held:
+                    tokens_out[rid] += 1
+                if not held:
+                    continue
+                if n >= since or not held <= sampled:
+                    places.append(n)
+                    sampled |= held
+                else:
+                    latest.update(dict.fromkeys(held, n))
+            elif kind == "step":
+                if n >= since:
+                    places.append(n)
+                elif not (held := shown.intersection(event.request_ids)) <= scheduled:
+                    places.append(n)
+                    scheduled |= held
+            elif kind != "step-finished" or n >= since:
+                places.append(n)
+        if latest:
+            places = sorted(set(places).union(latest.values()))
+        return View(places, {rid: n for rid, n in tokens_out.items() if n})
 
     async def _from_ring(
         self, cursor: int, wanted: EventFilter, reader: Reader
@@ -455,6 +571,21 @@ def missed_frame(missed: Missed) -> bytes:
     return b"event: missed\ndata: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
 
 
+def caught_up_frame(caught: CaughtUp) -> bytes:
+    """The `caught-up` frame: a view's catch-up ends; its id is where (EventSource resumes
+    after it), its data how many of the events in memory it sent."""
+    body = {
+        "at": str(caught.at),
+        "sent": caught.sent,
+        "kept": caught.kept,
+        "tokens_out": caught.tokens_out,
+    }
+    return b"event: caught-up\nid: %s\ndata: %s\n\n" % (
+        str(caught.at).encode(),
+        json.dumps(body, separators=(",", ":")).encode(),
+    )
+
+
 def frames(batch: Sequence[Item]) -> bytes:
     """A batch of items as SSE frames."""
     out = []
@@ -463,6 +594,8 @@ def frames(batch: Sequence[Item]) -> bytes:
             out.append(item.frame)
         elif isinstance(item, RunStarted):
             out.append(run_frame(item))
+        elif isinstance(item, CaughtUp):
+            out.append(caught_up_frame(item))
         else:
             out.append(missed_frame(item))
     return b"".join(out)

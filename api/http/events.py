@@ -6,10 +6,13 @@
     GET /dashboard/                         the page (static files in api/http/dashboard/)
 
 `/v1/events` takes `request_id`, `model` and `type` (each repeated, or comma-separated: any
-of them) and `after` (a place, `RUN.N`; `now`: only what comes next; none: from the oldest
-event in memory); a `Last-Event-ID` header (a reconnecting EventSource's) goes before
-`after`. Each event is one frame (`id: RUN.N`, `data: {event}`); `event: run` frames say
-which run the events that follow are of, `event: missed` frames how many did not come and why.
+of them) and `after` (a place, `RUN.N`; `now`: only what comes next; `view`: what a picture of
+the engine now is folded from, then everything after (`EventFeed.follow_view`: the page's
+start); none: from the oldest event in memory); a `Last-Event-ID` header (a reconnecting
+EventSource's) goes before `after`. Each event is one frame (`id: RUN.N`, `data: {event}`);
+`event: run` frames say which run the events that follow are of, `event: missed` frames how
+many did not come and why, an `event: caught-up` frame (its id a place) where a view's
+catch-up ends.
 
 A browser's EventSource cannot send headers, so under `--api-key` these paths (and only
 these) also take the key as the `stepline_api_key` cookie (what the page sets) or an
@@ -20,7 +23,7 @@ holds nothing, and says so when the key is missing.
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +35,7 @@ from starlette.staticfiles import StaticFiles
 
 from stepline.api.pipeline.errors import OPENAI, APIError
 from stepline.api.pipeline.writer import StreamResponse
-from stepline.events.feed import EventFeed, EventFilter, Place, frames, parse_place
+from stepline.events.feed import EventFeed, EventFilter, Item, Place, frames, parse_place
 from stepline.events.models import Event, LogHeader
 
 DASHBOARD_DIR = Path(__file__).parent / "dashboard"
@@ -68,19 +71,26 @@ def _choices(values: Sequence[str] | None) -> frozenset[str] | None:
     return frozenset(v.strip() for value in values for v in value.split(",") if v.strip())
 
 
-def _start(feed: EventFeed, last_event_id: str | None, after: str | None) -> Place | None:
-    """Where a reader starts. Raises APIError 400 for a place that is none."""
+VIEW = "view"  # `after=view`: the page's start (EventFeed.follow_view)
+
+
+def _start(feed: EventFeed, last_event_id: str | None, after: str | None) -> Place | str | None:
+    """Where a reader starts: a place, VIEW, or None (the oldest event in memory). Raises
+    APIError 400 for a place that is none."""
     text, param = (last_event_id, "Last-Event-ID") if last_event_id else (after, "after")
     if not text:
         return None
     if text.strip() == "now" and param == "after":
         return Place(feed.key, feed.last)
+    if text.strip() == VIEW and param == "after":
+        return VIEW
     try:
         return parse_place(text)
     except ValueError:
         raise APIError(
             400,
-            f"{param} must be an event's place, RUN.N, as a frame's id says (or after=now), "
+            f"{param} must be an event's place, RUN.N, as a frame's id says (or after=now, "
+            "after=view), "
             f"got {text!r}",
             param=param,
             code="invalid_value",
@@ -96,7 +106,12 @@ def event_stream(
     async def produce(emit: Any) -> None:
         await emit(b"retry: %d\n\n" % RETRY_MS)
         with feed.reading() as reader:
-            async for batch in feed.follow(start, wanted, reader):
+            batches: AsyncIterator[list[Item]] = (
+                feed.follow_view(wanted, reader)
+                if start == VIEW
+                else feed.follow(start if isinstance(start, Place) else None, wanted, reader)
+            )
+            async for batch in batches:
                 if batch:
                     data = frames(batch)
                     reader.holding = len(data)  # until the socket takes it

@@ -1,11 +1,13 @@
 // The stepline dashboard: a fold of the event log, read live from /v1/events (EventSource),
 // or, served by `stepline replay LOG --serve`, from a recorded log with a step scrubber.
+// Live, it starts from the state now (`after=view`: the events of what it draws, not all
+// that memory keeps), then folds every event that follows.
 // Plain JS, no build step, nothing fetched from elsewhere. See docs/dashboard.md.
 "use strict";
 
 const KEY_COOKIE = "stepline_api_key";
-const STRIP = 150; // steps drawn
-const ENDED = 25; // ended requests listed
+const STRIP = 150; // steps drawn (the server's VIEW_STEPS: what `after=view` sends)
+const ENDED = 25; // ended requests listed (its VIEW_ENDED)
 const MISSES = 10; // prefix-cache misses listed
 // A door's short name, by the HTTP path its requests' `admitted` events record (`door`).
 const DOORS = { "/v1/chat/completions": "chat", "/v1/completions": "completions",
@@ -546,6 +548,9 @@ function setStatus(text, cls) {
 
 let source = null;
 let lastId = null;
+let caughtUp = false; // the view's catch-up has been read (or the page resumed from a place)
+let viewEvents = 0; // events read before it
+window.steplineCaughtUp = null; // the `caught-up` frame's body, and how many events came first
 let runKey = null;
 let recorded = []; // replay: every event, to fold again up to the scrubbed step
 
@@ -569,6 +574,7 @@ function onRun(body) {
 
 function onEvent(msg) {
   lastId = msg.lastEventId || lastId;
+  if (!caughtUp) viewEvents += 1;
   const e = JSON.parse(msg.data);
   if (!live) {
     recorded.push(e);
@@ -576,13 +582,38 @@ function onEvent(msg) {
     return;
   }
   apply(e);
-  changed(PARTS[e.type] || []);
+  if (caughtUp) changed(PARTS[e.type] || []); // (the view is drawn once it is all read)
 }
 
+// The view's catch-up sends only the first and last of a request's tokens before its last
+// steps: its `tokens_out` says how many there were.
+function onCaughtUp(m) {
+  lastId = m.lastEventId || lastId;
+  const body = JSON.parse(m.data);
+  window.steplineCaughtUp = { ...body, received: viewEvents };
+  const ended = new Map(S.ended.map((r) => [r.id, r]));
+  for (const [id, n] of Object.entries(body.tokens_out || {})) {
+    const r = S.requests.get(id) || ended.get(id);
+    if (r) r.out = n;
+  }
+  caughtUp = true;
+  setStatus("live", "live");
+  changed(ALL);
+}
+
+// The first connection of a live page asks for the view (the state now); after that the page
+// goes on from the last event it read (EventSource itself sends its id as Last-Event-ID).
 function connect() {
-  const url = lastId ? `/v1/events?after=${encodeURIComponent(lastId)}` : "/v1/events";
+  let url = "/v1/events";
+  if (lastId) url = `/v1/events?after=${encodeURIComponent(lastId)}`;
+  else if (live) url = "/v1/events?after=view";
+  caughtUp = caughtUp || !!lastId || !live;
   source = new EventSource(url);
-  source.onopen = () => setStatus(live ? "live" : "recorded log", "live");
+  source.onopen = () => {
+    if (!live) setStatus("recorded log", "live");
+    else setStatus(caughtUp ? "live" : "catching up…", caughtUp ? "live" : "");
+  };
+  source.addEventListener("caught-up", onCaughtUp);
   source.onmessage = onEvent;
   source.addEventListener("run", (m) => onRun(JSON.parse(m.data)));
   source.addEventListener("missed", (m) => {
@@ -594,7 +625,16 @@ function connect() {
     if (m.data) $("notes").textContent = `the stream ended: ${JSON.parse(m.data).message}`;
   });
   source.onerror = () => {
-    if (source.readyState === EventSource.CLOSED) {
+    if (!caughtUp) {
+      // Dropped in the middle of the view: read it again, from the state then.
+      source.close();
+      S = emptyState();
+      lastId = null;
+      viewEvents = 0;
+      setStatus("reconnecting…", "down");
+      changed(ALL);
+      setTimeout(start, 2000);
+    } else if (source.readyState === EventSource.CLOSED) {
       // Refused (a 401, or the server is gone): ask again, soon.
       setStatus("reconnecting…", "down");
       source.close();
