@@ -201,3 +201,49 @@ def test_a_place_is_its_run_and_number() -> None:
     for bad in ("12", "abc.", ".3", "a.b"):
         with pytest.raises(ValueError):
             parse_place(bad)
+
+
+async def test_a_views_catch_up_sends_the_state_now_not_all_memory_then_goes_on() -> None:
+    from stepline.events.feed import VIEW_ENDED, VIEW_STEPS, CaughtUp
+
+    feed = EventFeed(header())
+    for i in range(400):  # 400 finished requests' lives: 2,000 events in memory
+        feed.publish(life(f"done{i}", 5 * i + 1))
+    running = life("running", 2001)[:3]  # admitted, scheduled, its first token; not ended
+    feed.publish(running)
+    got: list = []
+    with anyio.fail_after(5):
+        async for batch in feed.follow_view():
+            got.extend(batch)
+            if any(isinstance(i, CaughtUp) for i in got):
+                break
+    caught = next(i for i in got if isinstance(i, CaughtUp))
+    sent = [json.loads(i.frame.split(b"data: ")[1]) for i in got if isinstance(i, EventFrame)]
+    assert isinstance(got[0], RunStarted)
+    # the last steps' plans and times and the shown requests' lives: not all memory holds
+    assert caught.kept == 2003 and caught.sent == len(sent)
+    assert len(sent) <= 2 * VIEW_STEPS + 5 * (VIEW_ENDED + 1) < caught.kept / 4
+    assert str(caught.at) == "run1.2003"  # a resume from it misses nothing
+    # the request in flight, all of its life so far, and the last ones that ended
+    assert [e["type"] for e in sent if e.get("request_id") == "running"] == ["admitted"]
+    assert {"step", "decoding"} <= {
+        e["type"] for e in sent if "running" in e.get("request_ids", ())
+    }
+    ended = {e["request_id"] for e in sent if e["type"] == "terminal"}
+    assert ended == {f"done{i}" for i in range(400 - VIEW_ENDED, 400)}
+    assert caught.tokens_out["running"] == 1
+    assert [e["seq"] for e in sent] == sorted(e["seq"] for e in sent)
+    more: list = []  # then every event published after, as any reader gets it
+
+    async def read() -> None:
+        async for batch in feed.follow(caught.at):
+            more.extend(batch)
+            if len(places(more)) >= 5:
+                break
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(read)
+            await anyio.wait_all_tasks_blocked()
+            feed.publish(life("next", 2004))
+    assert places(more) == [f"run1.{n}" for n in range(2004, 2009)]
