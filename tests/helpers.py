@@ -353,3 +353,22 @@ def small_config(**extra: Any) -> dict:
         "max_position_embeddings": 2048,
         **extra,
     }
+
+
+def run_plans(runner: Any, news: tuple, plans: list, *, look_ahead: bool = False) -> list[dict]:
+    """Each of `plans` ((chunks, decode request ids) a step) run on a ModelRunner, `news`
+    admitted in the first step: every step's sampled tokens (request id -> tokens). No step
+    may fail. `look_ahead`: the runner builds the decode batch's next forward after each."""
+    from stepline.actors.scheduler.plan import StepPlan
+    from stepline.actors.scheduler.work import StepWork
+
+    out = []
+    for i, (chunks, decodes) in enumerate(plans):
+        num = {rid: 1 for rid in decodes} | {c.request_id: c.num_tokens for c in chunks}
+        plan = StepPlan(step=i + 1, decodes=decodes, chunks=chunks, num_scheduled_tokens=num)
+        result = runner.run(StepWork(plan=plan, admit=news if i == 0 else ()))
+        assert not result.failed
+        out.append(dict(result.tokens))
+        if look_ahead:
+            runner.look_ahead()
+    return out

@@ -11,10 +11,10 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
-from helpers import mlx_lm_greedy
+from helpers import mlx_lm_greedy, run_plans
 
-from stepline.actors.scheduler.plan import ScheduledChunk, StepPlan
-from stepline.actors.scheduler.work import NewRequest, StepWork
+from stepline.actors.scheduler.plan import ScheduledChunk
+from stepline.actors.scheduler.work import NewRequest
 from stepline.engine import fused
 from stepline.engine.models import LoadedModel
 from stepline.engine.runner import ModelRunner
@@ -51,14 +51,7 @@ def _steps(runner: ModelRunner, sampled: list[mx.array]) -> list[dict[str, int]]
         ((ScheduledChunk("c", 8, 20, (), True),), ("a", "b")),
         *[((), ("a", "b", "c"))] * 4,
     ]
-    out = []
-    for i, (chunks, decodes) in enumerate(plans):
-        num = {rid: 1 for rid in decodes} | {c.request_id: c.num_tokens for c in chunks}
-        plan = StepPlan(step=i + 1, decodes=decodes, chunks=chunks, num_scheduled_tokens=num)
-        result = runner.run(StepWork(plan=plan, admit=news if i == 0 else ()))
-        assert not result.failed
-        out.append(dict(result.tokens))
-    return out
+    return run_plans(runner, news, plans)
 
 
 @pytest.mark.parametrize("name", ["demo_hybrid", "demo_sliding"])

@@ -12,10 +12,10 @@ from typing import Any
 import anyio
 import mlx.core as mx
 import pytest
-from helpers import mlx_lm_greedy
+from helpers import mlx_lm_greedy, run_plans
 from mlx_lm.models.cache import make_prompt_cache
 
-from stepline.actors.scheduler.plan import ScheduledChunk, StepPlan
+from stepline.actors.scheduler.plan import ScheduledChunk
 from stepline.actors.scheduler.work import NewRequest, StepWork
 from stepline.api import Engine, SamplingParams
 from stepline.engine import fused
@@ -82,15 +82,7 @@ def _steps(runner: ModelRunner) -> list[dict[str, int]]:
         ((ScheduledChunk("r", 16, 40, (25, 39), True),), ("o",)),
         ((), ("o", "r")),
     ]
-    out = []
-    for i, (chunks, decodes) in enumerate(plans):
-        num = {rid: 1 for rid in decodes} | {c.request_id: c.num_tokens for c in chunks}
-        plan = StepPlan(step=i + 1, decodes=decodes, chunks=chunks, num_scheduled_tokens=num)
-        result = runner.run(StepWork(plan=plan, admit=news if i == 0 else ()))
-        assert not result.failed
-        out.append(dict(result.tokens))
-        runner.look_ahead()
-    return out
+    return run_plans(runner, news, plans, look_ahead=True)
 
 
 def _is_prefix(model: Any, snapshot: list, tokens: list[int]) -> bool:
