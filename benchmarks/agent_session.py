@@ -1,9 +1,10 @@
 """A coding agent's session, built to the shape Claude Code sends, through the Anthropic and
 OpenAI chat doors: prompt tokens computed per turn against the only-new ideal, TTFT per turn,
 and why each turn's prefix-cache hit stopped where it did (issue 52); with `--peer`, the same
-session against mlx_lm.server on the same model directory.
+session against mlx_lm.server and vllm-mlx on the same weights.
 
-    python -m benchmarks.agent_session --model stepline-demo-hybrid-mid --peer
+    python -m benchmarks.agent_session --model stepline-demo-hybrid-mid --peer mlx_lm vllm_mlx \\
+        --vllm-mlx-bin /tmp/vm/bin/vllm-mlx
     python -m benchmarks.agent_session --no-tool-choice --peer   # SmolLM2: no tool format
 
 The session (deterministic): a long system prompt with tools; each turn the assistant calls
@@ -24,9 +25,10 @@ message), TTFT, and the event log's reason for the miss (`ChunkPrefilled.prefix_
 `prefix_shared`; stepline only). Token counts do not depend on the machine's load; the TTFT
 columns do (compare them within one run, on a quiet machine if you can).
 
-The peer runs in its best configuration for one agent session: its prompt cache (always on
-in mlx-lm 0.32) with `--prompt-cache-size 64` (`--peer-cache-size`) and no byte limit. It has
-no Anthropic door, so it is compared through OpenAI chat.
+A peer runs in its best configuration for one agent session (`one_peer`): mlx_lm.server's
+prompt cache (always on in mlx-lm 0.32) with `--prompt-cache-size 64` (`--peer-cache-size`)
+and no byte limit, vllm-mlx's prefix cache (on by default). mlx_lm.server has no Anthropic
+door, so every peer is compared through OpenAI chat.
 """
 
 from __future__ import annotations
@@ -34,10 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import socket
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -49,7 +48,7 @@ from stepline.api import Engine
 from stepline.api.http.app import create_app
 from stepline.api.http.serve import serve_in_process
 from stepline.api.pipeline.served import OneModel
-from stepline.engine.models import model_source, read_tokenizer
+from stepline.engine.models import read_tokenizer
 from stepline.events.log import read_events
 from stepline.events.models import ChunkPrefilled
 
@@ -341,54 +340,42 @@ async def one_door(door: str, args: argparse.Namespace) -> tuple[list[dict], dic
     return rows, misses, ctx
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+PEER_NAMES = {"mlx_lm": "mlx_lm.server", "vllm_mlx": "vllm-mlx"}
 
 
-async def one_peer(args: argparse.Namespace) -> list[dict]:
-    """The session through mlx_lm.server's OpenAI chat door (it has no Anthropic one), on the
-    same model directory, in its best configuration for one agent session: its prompt cache
-    (always on in mlx-lm 0.32) holding `--peer-cache-size` prompts and no byte limit. Its
-    usage's `cached_tokens` says what it reused."""
-    source = model_source(args.model)
-    port = free_port()
-    # mlx_lm.server's own main, with OpenBLAS loaded first as stepline loads it (on Linux
-    # MLX's CPU wheel multiplies with a reference BLAS ~60x slower): the same BLAS for both
-    launch = (
-        "import sys, stepline.engine, mlx_lm.server as s; from stepline.engine._blas import status;"
-        " print('BLAS:', status(), file=sys.stderr); sys.argv[0] = 'mlx_lm.server'; s.main()"
-    )
-    command = [
-        sys.executable, "-c", launch, "--model", str(source.path),
-        "--port", str(port), "--prompt-cache-size", str(args.peer_cache_size),
-        "--max-tokens", str(args.max_tokens), "--log-level", "WARNING",
-    ]  # fmt: skip
-    peer_log = Path(tempfile.mkdtemp()) / "mlx_lm.server.log"
-    print(f"peer: mlx_lm.server {' '.join(command[3:])} (log {peer_log})")
-    server = await asyncio.create_subprocess_exec(
-        *command, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stderr=peer_log.open("w")
-    )
+async def one_peer(kind: str, args: argparse.Namespace) -> list[dict]:
+    """The session through a peer's OpenAI chat door (mlx_lm.server has no Anthropic one), on
+    the same weights (`served_model.served_dir`: the default model's GGUF in float32, as
+    `stepline serve` holds it on the CPU backend, not the 4-bit directory, whose CPU quantized
+    matmul is ~17x slower and would lose it the race for a reason that is not its cache), in
+    its best configuration for one agent session:
+    - mlx_lm.server: its prompt cache (always on in mlx-lm 0.32) holding `--peer-cache-size`
+      prompts and no byte limit;
+    - vllm-mlx: its prefix cache (on by default), `--vllm-mlx-args` added.
+    Each is spawned as `benchmarks/http_load.py` spawns it (OpenBLAS loaded as stepline loads
+    it). Its usage's `cached_tokens` says what it reused, where it says it."""
+    from benchmarks.http_load import Spawned
+
+    if kind == "mlx_lm":
+        extra = [
+            "--prompt-cache-size",
+            str(args.peer_cache_size),
+            "--max-tokens",
+            str(args.max_tokens),
+        ]
+    else:
+        extra = args.vllm_mlx_args.split()
+    server = Spawned(kind, args.model, Path(tempfile.mkdtemp()), [], extra, args.vllm_mlx_bin)
+    print(f"peer: {kind} {' '.join(server.proc.args[1:])} (log {server.log_path})")
     try:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600) as http:
-            deadline = time.monotonic() + 300
-            while True:  # a benchmark may poll: the peer says nothing when it is up
-                try:
-                    if (await http.get("/health")).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if server.returncode is not None or time.monotonic() > deadline:
-                    raise SystemExit("mlx_lm.server did not start")
-                await asyncio.sleep(0.5)
-            args.served_name = str(source.path)  # the peer loads the model a request names
-            tokenizer = read_tokenizer(source.path)
+        await server.wait_ready(limit_s=300)
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=600) as http:
+            args.served_name = server.model  # a peer loads the model a request names
+            tokenizer = read_tokenizer(Path(server.model))
             count = lambda text: len(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
             return await run_door("openai", args, http, count)
     finally:
-        server.terminate()
-        await server.wait()
+        server.stop()
 
 
 def print_rows(title: str, rows: list[dict], misses: dict) -> None:
@@ -414,23 +401,26 @@ def print_rows(title: str, rows: list[dict], misses: dict) -> None:
 
 async def main(args: argparse.Namespace) -> None:
     results, misses = {}, {}
+    ctx = None
     for door in args.doors:
         results[door], found, ctx = await one_door(door, args)
         misses.update(found)
-    if args.peer:
-        results["mlx_lm.server openai"] = await one_peer(args)
+    peers = [] if args.peer is None else (args.peer or ["mlx_lm"])
+    for kind in peers:
+        results[f"{PEER_NAMES[kind]} openai"] = await one_peer(kind, args)
     flags = [f for f, on in (("reminder", args.reminder), ("env-line", args.env_line)) if on]
     print(
         f"model {args.model} (context {ctx}), {args.turns} turns, "
         f"quirks: {', '.join(flags) or 'none'}"
     )
     for door, rows in results.items():
-        print_rows(door if door.startswith("mlx_lm") else f"stepline {door}", rows, misses)
-    if args.peer:
-        peer = sum(r["ttft"] for r in results["mlx_lm.server openai"])
+        peer = door.endswith(" openai")
+        print_rows(door if peer else f"stepline {door}", rows, misses)
+    for kind in peers:
+        theirs = sum(r["ttft"] for r in results[f"{PEER_NAMES[kind]} openai"])
         for door in args.doors:
             ours = sum(r["ttft"] for r in results[door])
-            print(f"TTFT sum, stepline {door} / mlx_lm.server: {ours / peer:.2f}x")
+            print(f"TTFT sum, stepline {door} / {PEER_NAMES[kind]}: {ours / theirs:.2f}x")
 
 
 if __name__ == "__main__":
@@ -441,7 +431,9 @@ if __name__ == "__main__":
     p.add_argument("--think-s", type=float, default=1.0, help="the client's tool's time")
     p.add_argument("--system-words", type=int, default=900)
     p.add_argument("--result-words", type=int, nargs=2, default=(60, 220))
-    p.add_argument("--doors", nargs="+", default=["anthropic", "openai"])
+    p.add_argument(
+        "--doors", nargs="*", default=["anthropic", "openai"], help="none: the peer alone"
+    )
     p.add_argument("--reminder", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--env-line", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument(
@@ -452,9 +444,13 @@ if __name__ == "__main__":
     )
     p.add_argument(
         "--peer",
-        action="store_true",
-        help="run the same session against mlx_lm.server too (OpenAI chat, prompt cache on)",
+        nargs="*",
+        choices=sorted(PEER_NAMES),
+        default=None,
+        help="run the same session against peers too (OpenAI chat, their cache on); alone: mlx_lm",
     )
+    p.add_argument("--vllm-mlx-bin", default=None, help="the vllm-mlx executable (default: PATH's)")
+    p.add_argument("--vllm-mlx-args", default="", help="vllm-mlx's own options")
     p.add_argument("--peer-cache-size", type=int, default=64, help="its --prompt-cache-size")
     p.add_argument(
         "--next-turn",
