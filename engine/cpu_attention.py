@@ -12,6 +12,13 @@ vector-friendly elementwise ops: 2^n x 2^f, 2^f from its Taylor series on [-1/2,
 reads no subnormal weight (`weights`). Per layer (9 query heads, 3 KV heads): 128 queries
 at 2,048 keys 28 ms against MLX's 36; a whole 160-token prompt 2.2 against 3.6 ms.
 
+MLX's CPU backend runs each stream's elementwise ops on that stream's one thread (only its
+matrix products are multi-threaded, by the BLAS), so a chunk's softmax kept one core of two
+busy: a 197-token SmolLM2 chunk at offset 3,800 ran at 1.05 cores. The blocks of queries are
+independent, so they alternate between `STREAMS` CPU streams, each its own thread: one
+block's `exp` runs beside another's, and the results are the same numbers (each block's
+arithmetic is unchanged; MLX orders the streams' work by the data it shares).
+
 Decode rows at long context (`row_attention`) take the same softmax.
 
 `install` wraps a model module's `scaled_dot_product_attention` (the name mlx-lm's models
@@ -25,6 +32,7 @@ devices) goes to mlx-lm's own function unchanged.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -46,6 +54,20 @@ DEQUANTIZE = True
 # Decode rows gain from it only at long context: 5 rows beside 2,000 keys, a SmolLM2 decode
 # step 0.25 against 0.30 s; at 400 keys no faster.
 ROW_MIN_KEYS = 1024
+# CPU streams a chunk's blocks of queries alternate between (each stream is one thread of
+# elementwise work): 2, the cores of the machine it was measured on (benchmarks/README.md)
+STREAMS = 2
+_streams = threading.local()  # per thread: the executor's own streams
+
+
+def _block_streams() -> list[mx.Stream]:
+    """The streams a chunk's blocks go to, in turn: this thread's default CPU stream, then
+    `STREAMS - 1` of its own (made once per thread: a stream belongs to whoever made it)."""
+    made = getattr(_streams, "streams", None)
+    if made is None or len(made) != STREAMS:
+        made = [mx.default_stream(mx.cpu)] + [mx.new_stream(mx.cpu) for _ in range(STREAMS - 1)]
+        _streams.streams = made
+    return made
 
 
 def fast_exp(x: mx.array) -> mx.array:
@@ -72,18 +94,21 @@ def causal_attention(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.
     # a group's query heads as rows of one matrix per key head: (B, Hk, group, L, D)
     q = (q * scale).reshape(b, hk, group, length, d)
     outs = []
-    for start in range(0, length, block):
+    starts = range(0, length, block)
+    streams = _block_streams() if len(starts) > 1 else [mx.default_stream(mx.cpu)]
+    for i, start in enumerate(starts):
         end = min(length, start + block)
         seen = s - length + end  # the block's last query sees keys [0, seen)
-        rows = q[:, :, :, start:end].reshape(b, hk, group * (end - start), d)
-        scores = rows @ k[:, :, :seen].swapaxes(-1, -2)  # (B, Hk, group * n, seen)
-        if end - start > 1:
-            position = mx.arange(s - length + start, seen)[:, None]
-            visible = position >= mx.arange(seen)[None]  # (n, seen)
-            scores = scores.reshape(b, hk, group, end - start, seen)
-            scores = mx.where(visible, scores, -mx.inf).reshape(b, hk, -1, seen)
-        out = _attend(scores, v[:, :, :seen])  # (B, Hk, group * n, D)
-        outs.append(out.reshape(b, hk, group, end - start, d))
+        with mx.stream(streams[i % len(streams)]):
+            rows = q[:, :, :, start:end].reshape(b, hk, group * (end - start), d)
+            scores = rows @ k[:, :, :seen].swapaxes(-1, -2)  # (B, Hk, group * n, seen)
+            if end - start > 1:
+                position = mx.arange(s - length + start, seen)[:, None]
+                visible = position >= mx.arange(seen)[None]  # (n, seen)
+                scores = scores.reshape(b, hk, group, end - start, seen)
+                scores = mx.where(visible, scores, -mx.inf).reshape(b, hk, -1, seen)
+            out = _attend(scores, v[:, :, :seen])  # (B, Hk, group * n, D)
+            outs.append(out.reshape(b, hk, group, end - start, d))
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=3)
     return out.reshape(b, h, length, d)
 

@@ -97,3 +97,28 @@ def test_a_model_prefilled_in_chunks_gives_the_logits_of_mlx_lms_attention(demo)
         module.scaled_dot_product_attention = wrapped
     assert mx.allclose(ours, theirs, rtol=1e-4, atol=1e-4).item()
     assert mx.argmax(ours).item() == mx.argmax(theirs).item()
+
+
+def test_blocks_on_two_streams_give_the_one_streams_numbers_on_any_thread(monkeypatch):
+    """A chunk's blocks alternate between CPU streams (one thread of elementwise work each):
+    the same numbers as one stream gives, bit for bit, on the engine's executor thread too."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    mx.random.seed(3)
+    q = mx.random.normal((1, 9, 200, 64))
+    k = mx.random.normal((1, 3, 4000, 64))
+    v = mx.random.normal((1, 3, 4000, 64))
+    monkeypatch.setattr(cpu_attention, "STREAMS", 1)
+    one = causal_attention(q, k, v, scale=0.125)
+    mx.eval(one)
+    monkeypatch.setattr(cpu_attention, "STREAMS", 2)
+
+    def two() -> mx.array:
+        out = causal_attention(q, k, v, scale=0.125)
+        mx.eval(out)
+        return out
+
+    with ThreadPoolExecutor(1) as pool:
+        elsewhere = pool.submit(two).result()
+    assert mx.array_equal(two(), one).item()
+    assert mx.array_equal(elsewhere, one).item()
