@@ -30,6 +30,7 @@ module only when an omni model is loaded.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -86,7 +87,7 @@ class OmniAudio:
     atomic = True  # the seed's thinker keeps its sentinel-wrapped spans whole
 
     def __init__(self, feature_extractor: Any, num_layers: int, window: int):
-        self._features = feature_extractor
+        self._features = whole_clip_features(feature_extractor)
         self.rate = int(getattr(feature_extractor, "sampling_rate", self.rate))
         self._num_layers = num_layers
         self._window = window  # feature frames a window of the tower's front end reads
@@ -113,6 +114,41 @@ class OmniAudio:
         text = f"{AUDIO_START}{AUDIO_PAD * count}{AUDIO_END}"
         units = len(window_lengths(frames, self._window)) + self._num_layers
         return Expanded(text, inputs, units=units, whole=self.atomic)
+
+
+def whole_clip_features(extractor: Any) -> Any:
+    """`extractor`, its log-mel made for a whole clip in a few numpy calls (`log_mel`) where
+    it is transformers' `WhisperFeatureExtractor` without dither (Qwen3-Omni's): the same
+    bits. Its own `spectrogram` loops in Python over every 10 ms frame, holding the GIL
+    ~200 ms for a 10 s clip on a busy 2-core CPU (the request's worker thread) while the
+    streams beside it wait for the step loop; the whole-clip FFT releases it."""
+    from transformers import WhisperFeatureExtractor
+
+    if type(extractor) is WhisperFeatureExtractor and not extractor.dither:
+        extractor._np_extract_fbank_features = functools.partial(log_mel, extractor)
+    return extractor
+
+
+def log_mel(extractor: Any, waveforms: np.ndarray, device: str = "cpu") -> np.ndarray:
+    """Whisper's log-mel of each of `waveforms` (B, N), as `WhisperFeatureExtractor.
+    _np_extract_fbank_features` makes it (its `spectrogram`: frames centred by reflection,
+    a Hann window, float64 FFTs kept as complex64, power, the mel filters, log10; then the
+    last frame dropped, clamped to 8 below the peak, scaled), all frames in one FFT."""
+    n_fft, hop = extractor.n_fft, extractor.hop_length
+    from transformers.audio_utils import window_function
+
+    window = window_function(n_fft, "hann").astype(np.float64)
+    out = []
+    for waveform in waveforms:
+        padded = np.pad(waveform, [(n_fft // 2, n_fft // 2)], mode="reflect").astype(np.float64)
+        frames = np.lib.stride_tricks.sliding_window_view(padded, n_fft)[::hop]
+        spectrum = np.fft.rfft(frames * window, axis=-1).astype(np.complex64)
+        power = np.abs(spectrum, dtype=np.float64) ** 2.0
+        mel = np.maximum(1e-10, np.dot(extractor.mel_filters.T, power.T))
+        log_spec = np.log10(mel).astype(np.float32)[:, :-1]
+        log_spec = np.maximum(log_spec, log_spec.max() - 8.0)
+        out.append((log_spec + 4.0) / 4.0)
+    return np.array(out)
 
 
 class OmniImages(QwenVLImages):

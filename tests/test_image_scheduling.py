@@ -13,6 +13,7 @@ from stepline.actors.scheduler.core import SchedulerCore
 from stepline.actors.scheduler.cost_model import StepCost
 from stepline.actors.scheduler.plan import SchedulerConfig, StepPlan
 from stepline.actors.scheduler.spans import PromptImage, prompt_key
+from stepline.engine.audio import AudioData
 from stepline.engine.images import ImageData
 from stepline.events.fold import Status
 
@@ -148,6 +149,79 @@ def test_a_unit_larger_than_the_target_still_moves_one_a_step():
     core.add("img", range(40), params(1), images=[image(0, 20, units=3, whole=False)])
     encodes = [(e.start, e.end) for p in (step(core) for _ in range(3)) for e in p.encodes]
     assert encodes == [(0, 1), (1, 2), (2, 3)]
+
+
+# An omni thinker's request as audio_bench.py sends stepline-demo-omni: a 10 s clip (10
+# front-end windows and 2 layers: 12 units, a 132-token span) and a 96x96 image (3 units, 38
+# tokens), both atomic, in a 202-token prompt; priced about as the demo's warm-up prices it
+OMNI_COST = StepCost(
+    step=0.003, per_chunk=0.001, per_prefill_token=0.00003, per_decode_row=0.0003,
+    per_separate_decode=0.001, per_encode_unit=0.003, per_audio_unit=0.002,
+)  # fmt: skip
+
+
+def clip(start: int, end: int, units: int) -> PromptImage:
+    data = AudioData(b"clip", "c" * 64, "wav", 10.0, 16_000, 160_000, 16_000)
+    return PromptImage(start, end, data, inputs={}, units=units, whole=True, medium="audio")
+
+
+def omni_request(core: SchedulerCore, rid: str, num_tokens: int = 202) -> None:
+    media = [clip(10, 142, 12), image(150, 188, units=3)]
+    core.add(rid, range(num_tokens), params(1), images=media)
+
+
+def plans_of(core: SchedulerCore, rid: str) -> list[StepPlan]:
+    """The plans of the steps that give `rid` work, until it ends."""
+    plans = []
+    while rid in core.states:
+        plan = step(core)
+        if rid in plan.num_scheduled_tokens or any(e.request_id == rid for e in plan.encodes):
+            plans.append(plan)
+    return plans
+
+
+def test_beside_decode_rows_a_clip_and_an_image_make_no_step_longer_than_their_prompt_as_text():
+    core = make_core(config=TIMED, cost=OMNI_COST)
+    decoding(core, 4)
+    core.add("text", range(202), params(1))
+    (as_text,) = plans_of(core, "text")  # 202 tokens: one chunk, far below the step's time
+    omni_request(core, "omni")
+    plans = plans_of(core, "omni")
+    assert as_text.predicted_seconds is not None
+    for p in plans:
+        assert len(p.decodes) == 4  # the streams decode in every step
+        assert p.predicted_seconds is not None and p.predicted_seconds <= as_text.predicted_seconds
+    audio = [e.num_units for p in plans for e in p.encodes if e.image == 0]
+    assert sum(audio) == 12 and len(audio) > 1  # the clip's units spread over steps
+    # the spans each in one chunk, after their encoders
+    chunks = [(c.start, c.end) for p in plans for c in p.chunks]
+    assert chunks == [(0, 10), (10, 150), (150, 202)]
+
+
+def test_alone_an_omni_request_runs_each_encoder_whole_in_one_step():
+    core = make_core(config=TIMED, cost=OMNI_COST)
+    omni_request(core, "omni")
+    assert work_of(core, "omni") == [
+        ("chunk", 0, 10),
+        ("encode", 0, 12),  # nobody decodes: the clip's encoder in one step
+        ("chunk", 10, 150),
+        ("encode", 0, 3),
+        ("chunk", 150, 202),
+    ]
+
+
+def test_an_image_late_in_a_long_prompt_is_encoded_in_steps_as_long_as_its_text_chunks():
+    core = make_core(config=TIMED, cost=OMNI_COST)
+    decoding(core, 4)
+    core.add("long", range(3000), params(1), images=[image(2900, 2960, units=12)])
+    plans = plans_of(core, "long")
+    text = [p for p in plans if p.chunks and p.chunks[0].end <= 2900]
+    encoding = [p for p in plans if p.encodes]
+    longest = max(p.predicted_seconds or 0.0 for p in text)
+    assert len(text) > 1 and all(p.predicted_seconds <= longest for p in encoding)
+    # 5 units of 3 ms: what a chunk of its prompt gets (the 508 tokens the decode rows leave
+    # of the budget), not a chunk of the 100 tokens left after the image (one unit a step)
+    assert [e.num_units for p in encoding for e in p.encodes] == [5, 5, 2]
 
 
 def test_the_prefix_cache_knows_a_span_by_its_image_and_the_text_around_it_by_its_tokens():

@@ -139,6 +139,24 @@ def test_a_clip_of_any_length_gets_as_many_tokens_as_mlx_vlms_audio_tower_makes_
     assert [audio_tokens(n) for n in range(1, 6001)] == theirs
 
 
+def test_a_clips_features_are_the_whisper_extractors_to_the_bit_for_any_length() -> None:
+    from transformers import WhisperFeatureExtractor
+
+    from stepline.engine.omni import demo_path, whole_clip_features
+
+    ours = whole_clip_features(WhisperFeatureExtractor.from_pretrained(demo_path()))
+    theirs = WhisperFeatureExtractor.from_pretrained(demo_path())
+    assert "_np_extract_fbank_features" in vars(ours)  # its own log-mel, not the loop
+    rng = np.random.default_rng(5)
+    for num_samples in (160, 12_345, 16_000, 44_321, 160_000):
+        clip = (0.2 * rng.standard_normal(num_samples)).astype(np.float32)
+        kw = {"sampling_rate": RATE, "padding": True, "truncation": False}
+        got = ours(clip, return_attention_mask=True, return_tensors="np", **kw)
+        want = theirs(clip, return_attention_mask=True, return_tensors="np", **kw)
+        assert np.array_equal(got["input_features"], want["input_features"]), num_samples
+        assert np.array_equal(got["attention_mask"], want["attention_mask"])
+
+
 async def test_a_prompt_with_a_clip_and_an_image_has_mlx_vlms_ids(reference) -> None:
     async with Engine.open(OMNI_DEMO) as engine:
         prepared = engine.prepare(messages=CHATS[0])

@@ -8,7 +8,9 @@ The room is tokens (`max_step_tokens`), slots (`max_num_seqs`, for a waiting req
 start), KV (`max_kv_tokens`, counted as the running requests decode: in one batch, every
 row padded to the longest), and, with a cost model and decode rows to protect, time: the
 step's predicted seconds stay under `step_seconds`. A chunk is min(remaining prompt, tokens
-left, long-prefill cap, what the time left holds), cut at image spans; the first prompt in
+left, long-prefill cap, what the time left holds), cut at image spans; encoder units, which
+take no tokens, are as many as keep the step within what a chunk of their prompt's length
+would cost (`_as_text`): an image's work per step is a text chunk's. The first prompt in
 the order always gets at least one token, and the step's first work at least one encoder
 unit, so nothing starves. What sized a chunk is its `ScheduledChunk.limit`.
 """
@@ -250,7 +252,7 @@ class StepBudget:
         refused = self._may_start(s)
         if refused is not None:
             return refused
-        k = self._encode_size(s, image)
+        k = self._encode_size(s, image, start)
         if k < 1:
             return Refused.TIME
         done = s.encoded[image]
@@ -337,19 +339,37 @@ class StepBudget:
             return rest, "prompt-end"
         return 0, limit
 
-    def _encode_size(self, s: RequestState, i: int) -> int:
-        """Encoder units for image `i` of request `s`: what is left, then the time left;
+    def _encode_size(self, s: RequestState, i: int, start: int) -> int:
+        """Encoder units for image `i` of request `s` (its prompt's next chunk at `start`):
+        what is left, then the time a text prompt of its length would take (`_as_text`);
         the step's first work always moves (nothing starves)."""
         k = s.images[i].units - s.encoded[i]
         if self._seconds is not None:
             assert self.cost is not None
-            left = self._seconds - self.cost.predict(self._encoding(self.features))
+            left = self._as_text(s, start) - self.cost.predict(self._encoding(self.features))
             # an encoder not priced yet runs a unit a step until the model has its measure
             price = self.cost.per_unit(s.images[i].medium)
             k = min(k, max(0, int(left / price)) if price > 0 else 1)
             if not self.chunks and not self.encodes:
                 k = max(k, 1)
         return k
+
+    def _as_text(self, s: RequestState, start: int) -> float:
+        """The seconds this step would take with a text prompt of request `s`'s length as its
+        next chunk: the tokens `s` computes (its prompt less its cache hit, from its first
+        computed token), cut by the tokens left, the long-prefill cap and the step's time.
+        Its encoder units get that time, not all of `_seconds`: they are work its tokens do
+        not count, and packed to the step's time a short prompt's image made steps 2-3x as
+        long as its text's one chunk; so its encoder takes more steps, not the streams."""
+        assert self.cost is not None and self._seconds is not None
+        first = start if s.status is Status.WAITING else s.num_cached_tokens
+        n = min(s.num_prompt_tokens - first, self.tokens_left)
+        cap = self.config.long_prefill_cap
+        if cap is not None:
+            n = min(n, cap)
+        base = self._encoding(self._base(s))
+        n = min(n, self.cost.max_chunk_tokens(first, self._seconds - self.cost.predict(base)))
+        return self.cost.predict(base.with_chunk(first, max(n, 0)))
 
     def _encoding(self, features: StepFeatures) -> StepFeatures:
         """`features` plus the encoder units taken so far, each medium's priced as its own."""

@@ -29,10 +29,14 @@ decoding there is nobody to protect: a lone prompt prefills in chunks as big as 
 rules allow.
 
 Images (`RequestState.images`, a vision model's prompts). A prompt that reaches an image
-whose encoder work is not done gets encoder units next, not tokens: as many as the time
-left allows (priced `per_encode_unit`, a clip's `per_audio_unit`; at least one for a step's
-first work, so an encoder dearer than the target still moves; all of them without a cost
-model). No chunk reaches into an image before its units are done. Then its tokens are
+whose encoder work is not done gets encoder units next, not tokens: beside decode rows, as
+many as keep the step within what it would take with a text prompt of the request's length
+as its next chunk (its tokens to compute, cut by the token rules and the time left: units
+are work its tokens do not count, and a short prompt's image packed up to the step's time
+stalled the streams 2-3x what its text would); priced `per_encode_unit`, a clip's
+`per_audio_unit`; at least one for a step's first work, so an encoder dearer than the target
+still moves; all of them with nobody decoding, or without a cost model. No chunk reaches
+into an image before its units are done. Then its tokens are
 chunked as text, or, for an image that goes `whole`, in one chunk: cut before it when it
 does not fit what is left of the step, and run alone, past the budget, by the step's first
 prompt when no step would hold it.
