@@ -1,17 +1,28 @@
 """Turns on the one executor thread for the step loops of several models (a server of several
 models, api/pool.py): a loop runs its executor work (a step, housekeeping, a warm-up turn)
 only in its turn, and turns go round robin between the loops that wait for one
-(`model_policy.next_turn`). One loop alone never waits."""
+(`model_policy.next_turn`). One loop alone never waits.
+
+A model loading beside others takes turns too: its load's MLX work is a generator of short
+steps (api/engine_parts.py), and `steps_for_turn` runs as many of them in one turn as fit a
+budget while another model waits, all of them while none does."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Generator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
 
 from stepline.actors.scheduler.model_policy import next_turn
+
+# A load's turn runs its steps for about this long while another model waits for a turn
+# (`steps_for_turn`): the other model's streams pause for one turn (issue 54: a load may
+# stall them 0.3 s at most), and each turn costs the load one of their steps, so a turn of
+# one short step (~50 ms) would leave a load waiting most of its time.
+LOAD_TURN_S = 0.15
 
 
 class Turns:
@@ -107,3 +118,25 @@ class Seat:
                 ahead()
 
         return ahead_unless_waited_for
+
+
+def steps_for_turn(
+    steps: Generator[None, None, Any],
+    others_waiting: Callable[[], bool],
+    budget_s: float,
+    clock: Callable[[], float] = time.perf_counter,
+) -> tuple[bool, Any]:
+    """One turn of generator `steps` (a load's MLX work, on the executor thread): its next
+    step, then the next while no other model waits for a turn (`others_waiting`) or while
+    the turn, with one more step as long as the last, stays within `budget_s`. Returns
+    (True, what it returned) once it ended, else (False, None)."""
+    start = clock()
+    while True:
+        began = clock()
+        try:
+            next(steps)
+        except StopIteration as done:
+            return True, done.value
+        now = clock()
+        if others_waiting() and now - start + (now - began) > budget_s:
+            return False, None

@@ -22,6 +22,7 @@ from typing import Any
 import anyio
 import structlog
 
+from stepline.actors import turns
 from stepline.actors.executor import Executor
 from stepline.actors.scheduler.core import LogPlace
 from stepline.actors.scheduler.cost_model import CostModel
@@ -154,7 +155,7 @@ class EngineParts:
         executor = self.executor
         if options.parallel is None and self.member is not None:
             # One of several models: its tokenizer is read on another thread and its
-            # weights in pieces, each in its turn, so that the other models' steps go on.
+            # weights in pieces, in its turns, so that the other models' steps go on.
             from stepline.engine.models import load_source, model_source, read_tokenizer
 
             source = await self._in_turn(model_source, model)
@@ -199,7 +200,7 @@ class EngineParts:
         prefix_dir = options.prefix_cache_dir
         kv = kv_quant(options.kv_bits, options.kv_group_size)
         forwards = None
-        if self.member is not None:  # beside other models: a forward a job, in turns
+        if self.member is not None:  # beside other models: a few layers a step, in turns
             forwards = await self._steps_in_turns(ModelRunner.proofs(loaded, fuse=True, kv=kv))
         self.runner = await executor.call(
             lambda: ModelRunner(
@@ -238,12 +239,13 @@ class EngineParts:
             )
 
     async def _plan_memory(self, options: EngineConfig, prefix_bytes: int) -> Any:
-        """The memory plan (engine/memory.py) and the KV budget it resolves, logged."""
-        from stepline.engine.memory import plan_memory
+        """The memory plan (engine/memory.py) and the KV budget it resolves, logged; its
+        forward a few layers a step, in this model's turns (`_steps_in_turns`)."""
+        from stepline.engine.memory import plan_memory_steps
 
         loaded = self.loaded
-        memory = await self._in_turn(
-            lambda: plan_memory(
+        memory = await self._steps_in_turns(
+            plan_memory_steps(
                 loaded.model,
                 max_kv_tokens=options.max_kv_tokens,
                 max_kv_gb=options.max_kv_gb,
@@ -340,10 +342,20 @@ class EngineParts:
             return await self.executor.call(fn, *args)
 
     async def _steps_in_turns(self, steps: Generator[None, None, Any]) -> Any:
-        """What generator `steps` returns, each of its steps a job in this model's turn."""
+        """What generator `steps` returns, its steps run in this model's turns: as many a
+        turn as fit `turns.LOAD_TURN_S` while another model waits for one (`steps_for_turn`),
+        all of them in one job where none does or the model is alone."""
+        member = self.member
+        budget = turns.LOAD_TURN_S
+
+        def others_waiting() -> bool:  # (read on the executor thread, as a warm-up reads it)
+            return member is not None and member.turns.others_waiting(member.place.model)
+
         try:
             while True:
-                done, value = await self._in_turn(_advance, steps)
+                done, value = await self._in_turn(
+                    turns.steps_for_turn, steps, others_waiting, budget
+                )
                 if done:
                     return value
         finally:  # its arrays are freed on the executor thread, as every MLX object is
@@ -351,12 +363,11 @@ class EngineParts:
                 await self.executor.call(steps.close)
 
     async def _eval_weights_in_turns(self, loaded: Any) -> None:
-        """Compute a lazily loaded model's weights, a piece a job, each in this model's turn on
-        the executor (`PoolMember.turns`)."""
-        from stepline.engine.models import eval_weights, weight_pieces
+        """Compute a lazily loaded model's weights, 32 MB a step (`weights_steps`), in this
+        model's turns on the executor (`_steps_in_turns`)."""
+        from stepline.engine.models import weights_steps
 
-        for piece in range(await self.executor.call(weight_pieces, loaded.model)):
-            await self._in_turn(eval_weights, loaded.model, piece)
+        await self._steps_in_turns(weights_steps(loaded.model))
 
     async def _warmup(self, sched: SchedulerConfig) -> tuple[list, Warmup | None]:
         """The step-time model's seed: the warm-up's samples kept from an earlier start of
@@ -496,12 +507,3 @@ def _draft_model(loaded: Any, options: EngineConfig) -> Any:
     check_speculation(draft.model)
     log.info("draft_model_loaded", model=draft.name, path=str(draft.path), weights=draft.weights)
     return DraftModel(draft.model, loaded.vocab_size)
-
-
-def _advance(steps: Generator[None, None, Any]) -> tuple[bool, Any]:
-    """One step of generator `steps`: (False, None), or (True, what it returned) at its end."""
-    try:
-        next(steps)
-    except StopIteration as done:
-        return True, done.value
-    return False, None

@@ -203,6 +203,15 @@ async def load_stall() -> None:
     jobs: list[tuple[float, float, str]] = []  # (ended at, seconds, what)
     call = Executor.call
 
+    def what(fn, args) -> str:  # type: ignore[no-untyped-def]
+        """A job's function; a turn of a load's generator (`steps_for_turn`): where it
+        paused."""
+        names, steps = [], args[0] if getattr(fn, "__name__", "") == "steps_for_turn" else None
+        while steps is not None:
+            names.append(steps.__qualname__)
+            steps = getattr(steps, "gi_yieldfrom", None)
+        return " > ".join(names) or getattr(fn, "__qualname__", repr(fn))
+
     async def timed_call(self, fn, *args, after=None):  # type: ignore[no-untyped-def]
         def run(*a):  # type: ignore[no-untyped-def]
             start = time.perf_counter()
@@ -210,7 +219,7 @@ async def load_stall() -> None:
                 return fn(*a)
             finally:
                 end = time.perf_counter()
-                jobs.append((end, end - start, getattr(fn, "__qualname__", repr(fn))))
+                jobs.append((end, end - start, what(fn, a)))
 
         return await call(self, run, *args, after=after)
 
@@ -247,7 +256,7 @@ async def load_stall() -> None:
             tg.cancel_scope.cancel()
     Executor.call = call  # type: ignore[method-assign]
     during = sorted((j for j in jobs if t0 <= j[0] <= t1), key=lambda j: -j[1])
-    steps = [j for j in during if j[2].startswith("ModelRunner.")]
+    steps = [j for j in during if j[2].startswith("ModelRunner.") and "proofs" not in j[2]]
     print(
         f"the other model's steps during the load: {len(steps)}, longest "
         f"{max((j[1] for j in steps), default=0) * 1000:.0f} ms; the load's longest jobs:"

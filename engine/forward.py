@@ -11,6 +11,10 @@ language model a wrapper holds (`language_model`: Qwen3.5/3.6, `mistral3`, Gemma
 Cohere's `logit_scale` (a product).
 `split_head_works` proves, on the loaded model, that body and head give `model(...)`'s
 logits; any architecture laid out otherwise runs the full model.
+
+A proof on a model loading beside others runs a job at a time on the one executor thread
+(`Proof`): `evaluated` computes a forward's arrays a few layers a job, so that the other
+models' steps run between them (a whole forward of SmolLM2 took ~0.5 s of one job).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import Any
 
 import mlx.core as mx
 import structlog
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
 log = structlog.get_logger(__name__)
@@ -30,6 +35,10 @@ log = structlog.get_logger(__name__)
 BODY_NAMES = ("model", "backbone", "transformer")
 EMBEDDING_NAMES = ("embed_tokens", "embeddings", "embedding", "wte", "word_embeddings")
 MAX_WRAPPERS = 3  # `language_model`s looked through to find the text model
+# A proof's forward is computed about this many bytes of layer weights a step (`evaluated`):
+# a few tokens' forward reads each weight once (SmolLM2 in float32: 2 of its 30 layers, ~20-50
+# ms on a 2-core CPU).
+FORWARD_PIECE_BYTES = 32 * 2**20
 
 
 def text_model(model: Any) -> Any:
@@ -64,19 +73,20 @@ def split_head_works(model: Any) -> bool:
 
 
 def split_head_proof(model: Any) -> Proof:
-    """`split_head_works`, a forward at a time: it pauses (yields) after each one, so that a
-    caller may run other work between them (a model loading beside others)."""
+    """`split_head_works`, a few layers of a forward at a time (`evaluated`): it pauses
+    (yields) after each, so that a caller may run other work between them (a model loading
+    beside others)."""
     body = body_of(model)
     if body is None:
         return False
     try:
         tokens = mx.array([[1, 2, 3, 4]])
-        full = model(tokens, cache=make_prompt_cache(model))[:, -1, :]
-        mx.eval(full)
-        yield
-        split = output_head(model, body(tokens, cache=make_prompt_cache(model))[:, -1:, :])
-        mx.eval(split)
-        yield
+        cache = make_prompt_cache(model)
+        full = model(tokens, cache=cache)[:, -1, :]
+        yield from evaluated(model, full, cache)
+        cache = make_prompt_cache(model)
+        split = output_head(model, body(tokens, cache=cache)[:, -1:, :])
+        yield from evaluated(model, split, cache)
         if split.shape[1:] != (1, full.shape[-1]):
             raise ValueError(f"the head gives {split.shape}, the model {full.shape}")
         return bool(mx.allclose(full, split[:, -1, :], atol=1e-4, rtol=1e-4).item())
@@ -85,8 +95,50 @@ def split_head_proof(model: Any) -> Proof:
         return False
 
 
-# A check run a forward at a time: it yields after each forward and returns its answer.
+# A check run a step at a time (a few layers of a forward: `evaluated`): it yields after
+# each and returns its answer.
 Proof = Generator[None, None, bool]
+
+
+def evaluated(model: Any, out: Any, *caches: list[Any]) -> Generator[None, None, None]:
+    """Compute `out`, the arrays that forwards of `model` into `caches` (each a cache per
+    layer) built lazily, a few layers a step (it yields after each): the caches' next layers'
+    states (a layer's keys need every layer before it), about `FORWARD_PIECE_BYTES` of the
+    layers' weights a step for each cache (a forward each), then `out` (the last layers' rest
+    and the head). The same arrays as `mx.eval(out)` computes, the same values: only the
+    order of their evaluation differs."""
+    num_layers = min((len(cache) for cache in caches), default=0)
+    piece_bytes = FORWARD_PIECE_BYTES // max(len(caches), 1)
+    for group in layer_groups(model, num_layers, piece_bytes):
+        mx.eval([[cache[i].state for cache in caches] for i in group])
+        yield
+    mx.eval(out)
+    yield
+
+
+def layer_groups(model: Any, num_layers: int, piece_bytes: int) -> list[range]:
+    """Layers 0 to `num_layers` - 1 in runs of about `piece_bytes` of their weights each (one
+    layer at least): the body's own layers' bytes where it has that many, else an even share
+    of all the model's weights."""
+    layers = getattr(body_of(model), "layers", None)
+    if isinstance(layers, list) and len(layers) == num_layers:
+        sizes = [_bytes(layer) for layer in layers]
+    else:
+        sizes = [_bytes(model) // max(num_layers, 1)] * num_layers
+    groups: list[range] = []
+    start = size = 0
+    for i, n in enumerate(sizes):
+        if i > start and size + n > piece_bytes:
+            groups.append(range(start, i))
+            start, size = i, 0
+        size += n
+    if start < num_layers:
+        groups.append(range(start, num_layers))
+    return groups
+
+
+def _bytes(module: Any) -> int:
+    return sum(a.nbytes for _, a in tree_flatten(module.parameters()))
 
 
 def run_to_end(steps: Generator[None, None, Any]) -> Any:

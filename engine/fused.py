@@ -66,6 +66,7 @@ from stepline.engine import mrope
 from stepline.engine.forward import (
     Proof,
     body_of,
+    evaluated,
     output_head,
     run_to_end,
     wrap_attention,
@@ -448,7 +449,7 @@ def fused_forward_works(model: Any, kv: KVQuant | None = None) -> bool:
 
 
 def fused_forward_proof(model: Any, kv: KVQuant | None = None) -> Proof:
-    """`fused_forward_works`, a forward at a time (`forward.Proof`)."""
+    """`fused_forward_works`, a few layers at a time (`forward.Proof`)."""
     inner = body_of(model)
     if inner is None or not install_attention(inner):
         return False
@@ -460,8 +461,7 @@ def fused_forward_proof(model: Any, kv: KVQuant | None = None) -> Proof:
         if recurrent and not install_mixers(model):
             return False
         tokens = mx.array([[1, 2, 3, 4, 5, 6, 7, 8]])
-        mx.eval(inner(tokens, cache=prompt))
-        yield
+        yield from evaluated(model, inner(tokens, cache=prompt), prompt)
 
         def at(num_tokens: int) -> list[Any]:  # the prompt's first tokens, a cache of its own
             return _prefix_cache(model, kv, inner, tokens, prompt, num_tokens, recurrent)
@@ -470,15 +470,15 @@ def fused_forward_proof(model: Any, kv: KVQuant | None = None) -> Proof:
             return _two_rows(at)
 
         last, chunk = mx.array([9, 10]), mx.array([11, 12, 13])
-        want_rows = inner(last[:, None], cache=batch())[:, -1, :]
-        mx.eval(want_rows)
-        yield
-        want_chunk = inner(chunk[None], cache=at(5))[0]
-        mx.eval(want_chunk)
-        yield
-        got = body(model, [Segment(chunk, at(5)), Segment(last, batch(), is_batch=True)])
-        mx.eval(got)
-        yield
+        rows = batch()
+        want_rows = inner(last[:, None], cache=rows)[:, -1, :]
+        yield from evaluated(model, want_rows, rows)
+        own = at(5)
+        want_chunk = inner(chunk[None], cache=own)[0]
+        yield from evaluated(model, want_chunk, own)
+        segments = [Segment(chunk, at(5)), Segment(last, batch(), is_batch=True)]
+        got = body(model, segments)
+        yield from evaluated(model, got, *(s.cache for s in segments))
         return _close(got[:3, -1, :], want_chunk) and _close(got[3:, -1, :], want_rows)
     except Exception as exc:  # noqa: BLE001 - whatever fails here: separate forwards
         log.info("fused_forward_unavailable", reason=repr(exc))
@@ -498,7 +498,7 @@ def snapshot_fused_proof(model: Any, kv: KVQuant | None = None) -> Proof:
     those of its two pieces' own forwards (as `step.Forwards.prefill` runs a chunk split at
     its checkpoints), the batch's its own forward's, and the snapshot and the cache the
     chunk ends with each give the next token's hidden states of the caches those forwards
-    leave. A forward at a time (`forward.Proof`); False where any differs."""
+    leave. A few layers at a time (`forward.Proof`); False where any differs."""
     inner = body_of(model)
     if inner is None or not install_attention(inner):
         return False
@@ -508,35 +508,30 @@ def snapshot_fused_proof(model: Any, kv: KVQuant | None = None) -> Proof:
         if recurrent and not install_mixers(model):
             return False
         tokens = mx.array([[1, 2, 3, 4, 5, 6, 7, 8]])
-        mx.eval(inner(tokens, cache=prompt))
-        yield
+        yield from evaluated(model, inner(tokens, cache=prompt), prompt)
 
         def at(num_tokens: int) -> list[Any]:  # the prompt's first tokens, a cache of its own
             return _prefix_cache(model, kv, inner, tokens, prompt, num_tokens, recurrent)
 
         last, chunk, nxt = mx.array([9, 10]), mx.array([11, 12, 13, 14]), mx.array([[15]])
-        want_rows = inner(last[:, None], cache=_two_rows(at))[:, -1, :]
-        mx.eval(want_rows)
-        yield
+        rows = _two_rows(at)
+        want_rows = inner(last[:, None], cache=rows)[:, -1, :]
+        yield from evaluated(model, want_rows, rows)
         own = at(5)
         first = inner(chunk[None, :2], cache=own)[0]
-        mx.eval(first, [c.state for c in own])
-        yield
+        yield from evaluated(model, (first, [c.state for c in own]), own)
         stopped = share_cache(own)  # the cache a forward that stopped at the checkpoint left
         rest = inner(chunk[None, 2:], cache=own)[0]
         want_chunk = mx.concatenate([first, rest])
         want_stopped = inner(nxt, cache=stopped)[0]
         want_end = inner(nxt, cache=own)[0]
-        mx.eval(want_chunk, want_stopped, want_end)
-        yield
+        yield from evaluated(model, (want_chunk, want_stopped, want_end), own, stopped)
         segments = [Segment(chunk, at(5), snapshots=(2,)), Segment(last, _two_rows(at), True)]
         hidden, layers = _body(model, segments)
         snapshot = _snapshots(segments, layers)[0][2]
-        mx.eval(hidden)
-        yield
+        yield from evaluated(model, hidden, *(s.cache for s in segments))
         got_stopped, got_end = inner(nxt, cache=snapshot)[0], inner(nxt, cache=segments[0].cache)[0]
-        mx.eval(got_stopped, got_end)
-        yield
+        yield from evaluated(model, (got_stopped, got_end), snapshot, segments[0].cache)
         return (
             _close(hidden[:4, -1, :], want_chunk)
             and _close(hidden[4:, -1, :], want_rows)
@@ -587,7 +582,7 @@ def media_fused_proof(model: Any, kv: KVQuant | None = None) -> Proof:
     the model's rope is M-RoPE (`mrope.MRope`), with deepstack features where its first
     layers add them (`mrope.Deepstack`), beside a decode batch of two rows, gives the
     hidden states of its own forward (`forward.forward`'s, over `mrope.positioned` caches)
-    and of the batch's. A forward at a time (`forward.Proof`); False where it does not."""
+    and of the batch's. A few layers at a time (`forward.Proof`); False where it does not."""
     inner = body_of(model)
     try:
         layers = list(inner.layers)
@@ -601,8 +596,7 @@ def media_fused_proof(model: Any, kv: KVQuant | None = None) -> Proof:
         if any(isinstance(layer, ArraysCache) for layer in prompt):
             return False  # (a recurrent model's media chunks run on their own)
         tokens = mx.array([[1, 2, 3, 4, 5, 6, 7, 8]])
-        mx.eval(inner(tokens, cache=prompt))
-        yield
+        yield from evaluated(model, inner(tokens, cache=prompt), prompt)
 
         def at(num_tokens: int) -> list[Any]:
             return _trimmed(prompt, num_tokens)
@@ -615,19 +609,18 @@ def media_fused_proof(model: Any, kv: KVQuant | None = None) -> Proof:
         embeddings = table[:, ::-1] * 0.5  # (1, 3, D), none of them a token's own
         positions = mx.array([[5, 6, 6], [5, 6, 7], [5, 7, 6]]) if is_mrope else None
         deepstack = mx.stack([table * (0.1 * (i + 1)) for i in range(stacked)]) if stacked else None
-        want_rows = inner(last[:, None], cache=batch())[:, -1, :]
-        mx.eval(want_rows)
-        yield
+        rows = batch()
+        want_rows = inner(last[:, None], cache=rows)[:, -1, :]
+        yield from evaluated(model, want_rows, rows)
         own = at(5) if positions is None else mrope.positioned(at(5), positions, deepstack)
         want_chunk = inner(chunk[None], cache=own, input_embeddings=embeddings)[0]
-        mx.eval(want_chunk)
-        yield
+        yield from evaluated(model, want_chunk, own)
         media = Segment(
             chunk, at(5), positions=positions, embeddings=embeddings[0], deepstack=deepstack
         )
-        got = body(model, [media, Segment(last, batch(), is_batch=True)])
-        mx.eval(got)
-        yield
+        segments = [media, Segment(last, batch(), is_batch=True)]
+        got = body(model, segments)
+        yield from evaluated(model, got, *(s.cache for s in segments))
         return _close(got[:3, -1, :], want_chunk) and _close(got[3:, -1, :], want_rows)
     except Exception as exc:  # noqa: BLE001 - whatever fails here: media chunks run apart
         log.info("fused_media_unavailable", reason=repr(exc))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +18,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from stepline.actors.scheduler.work import MemoryCounters
+from stepline.engine.forward import evaluated, run_to_end
 from stepline.engine.kv_quant import KVQuant, make_cache
 
 # With no --max-kv-gb: the KV of running requests may use this fraction of the machine's
@@ -83,9 +85,14 @@ def measure_kv_footprint(model: Any, kv: KVQuant | None = None) -> KVFootprint:
     than its tokens (alone, and as a row of the batch: each row is as wide as the batch's
     buffer). Any other layer (ArraysCache's recurrent state) costs its bytes once per request.
     """
+    return run_to_end(kv_footprint_steps(model, kv))
+
+
+def kv_footprint_steps(model: Any, kv: KVQuant | None = None) -> Generator[None, None, KVFootprint]:
+    """`measure_kv_footprint`, its forward a few layers a step (`forward.evaluated`)."""
     cache = make_cache(model, kv)
     model(mx.array([[1, 2, 3, 4]]), cache=cache)
-    mx.eval([layer.state for layer in cache])
+    yield from evaluated(model, [layer.state for layer in cache], cache)
     per_token = 0.0
     per_seq = 0
     growth = 0
@@ -146,7 +153,32 @@ def plan_memory(
     of the machine's memory. `kv`: how the KV is quantized (its bytes are counted as held).
     `kv_cache` false: a model that keeps none (an encoder, engine/bert.py). Runs on the
     executor thread."""
-    footprint = measure_kv_footprint(model, kv) if kv_cache else KVFootprint(0, 0)
+    return run_to_end(
+        plan_memory_steps(
+            model,
+            max_kv_tokens=max_kv_tokens,
+            max_kv_gb=max_kv_gb,
+            mlx_cache_gb=mlx_cache_gb,
+            prefix_cache_bytes=prefix_cache_bytes,
+            kv=kv,
+            kv_cache=kv_cache,
+        )
+    )
+
+
+def plan_memory_steps(
+    model: Any,
+    *,
+    max_kv_tokens: int | None,
+    max_kv_gb: float | None,
+    mlx_cache_gb: float | None,
+    prefix_cache_bytes: int,
+    kv: KVQuant | None = None,
+    kv_cache: bool = True,
+) -> Generator[None, None, MemoryPlan]:
+    """`plan_memory`, its forward a few layers a step (a model loading beside others runs
+    each step as a job of its own)."""
+    footprint = (yield from kv_footprint_steps(model, kv)) if kv_cache else KVFootprint(0, 0)
     machine = machine_memory_bytes()
     if max_kv_tokens is not None:
         budget = max_kv_tokens * footprint.bytes_per_token

@@ -18,6 +18,7 @@ import json
 import os
 import re
 import sys
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -453,7 +454,7 @@ def _memory_bytes() -> int:
 def fit_dtype(model: nn.Module, dtype: str = "auto", *, evaluate: bool = True) -> str:
     """Cast ``model``'s weights for the backend, in place; returns what it chose and why.
 
-    With `evaluate` false the new weights are left lazy (`eval_weights` computes them).
+    With `evaluate` false the new weights are left lazy (`weights_steps` computes them).
 
     ``keep``: as stored. ``float32`` / ``bfloat16`` / ``float16``: quantized layers
     dequantized and every floating weight cast. ``auto``: as stored on a GPU backend (MLX
@@ -496,11 +497,15 @@ def fit_dtype(model: nn.Module, dtype: str = "auto", *, evaluate: bool = True) -
                 "of memory; expect slow matrix products on the CPU backend)"
             )
         dtype, why = "float32", "the CPU backend has no fast quantized or 16-bit matmul"
+    target = getattr(mx, dtype)
     if quantized:  # in float32 (scales and biases too): the stored numbers, not rounded
         model.set_dtype(mx.float32)
+    if not evaluate:  # each weight over a piece computed in pieces of its rows
+        _in_row_blocks(model, target)
+    if quantized:
         dequantize_model(model)
-    model.set_dtype(getattr(mx, dtype))
-    if evaluate:  # else the caller evaluates the weights (`eval_weights`)
+    model.set_dtype(target)
+    if evaluate:  # else the caller evaluates the weights (`weights_steps`)
         mx.eval(model.parameters())
     if quantized:
         return f"{dtype} (dequantized from {stored_text}: {why})"
@@ -640,31 +645,123 @@ def estimate_weights_bytes(name_or_path: str | None, dtype: str = "auto") -> int
     return int(size * (target_bits or stored_bits) / stored_bits)
 
 
-# A lazily loaded model's weights are computed this many bytes at a time (`eval_weights`).
+# A lazily loaded model's weights are computed this many bytes at a time (`weights_steps`).
 WEIGHTS_PIECE_BYTES = 32 * 2**20
 
 
-def weight_pieces(model: nn.Module, piece_bytes: int = WEIGHTS_PIECE_BYTES) -> int:
-    """How many pieces of about `piece_bytes` `eval_weights` computes `model`'s weights in."""
-    return len(_pieces(model, piece_bytes))
+def weights_steps(model: nn.Module) -> Generator[None, None, None]:
+    """Compute a lazily loaded `model`'s weights (read, dequantized, cast) about
+    `WEIGHTS_PIECE_BYTES` a step (it yields after each), so that other work on the executor
+    thread can run between them: a weight over that, its blocks of rows (`_in_row_blocks`) a
+    step each and then it whole (one copy); every other weight in pieces of several."""
+    done: set[int] = set()
+    for _, module in model.named_modules():
+        held = vars(module).pop(_BLOCKS, None)
+        if held is None:
+            continue
+        for name, blocks in held.weights.items():
+            for block in blocks:
+                mx.eval(block)
+                yield
+            blocks.clear()  # (the weight holds what it needs of them once computed)
+            mx.eval(module[name])
+            done.add(id(module[name]))
+            yield
+    for piece in _pieces(model, WEIGHTS_PIECE_BYTES, done):
+        mx.eval(piece)
+        yield
 
 
-def eval_weights(model: nn.Module, piece: int, piece_bytes: int = WEIGHTS_PIECE_BYTES) -> None:
-    """Compute piece number `piece` of a lazily loaded `model`'s weights (read, dequantized,
-    cast): one piece a job, so that other work on the executor thread can run between them."""
-    mx.eval(_pieces(model, piece_bytes)[piece])
-
-
-def _pieces(model: nn.Module, piece_bytes: int) -> list[list[mx.array]]:
+def _pieces(model: nn.Module, piece_bytes: int, done: set[int]) -> list[list[mx.array]]:
     pieces: list[list[mx.array]] = [[]]
     size = 0
     for _, array in tree_flatten(model.parameters()):
+        if id(array) in done:
+            continue
         if pieces[-1] and size + array.nbytes > piece_bytes:
             pieces.append([])
             size = 0
         pieces[-1].append(array)
         size += array.nbytes
     return pieces
+
+
+# Where a module keeps the row blocks of its weights still to compute (`_in_row_blocks`).
+_BLOCKS = "_stepline_row_blocks"
+
+
+@dataclass
+class _RowBlocks:
+    """A module's weights still to compute, by name, each as the blocks of its rows: a plain
+    attribute of the module (a dict or a list there would be a parameter)."""
+
+    weights: dict[str, list[mx.array]]
+
+
+def _in_row_blocks(model: nn.Module, dtype: mx.Dtype) -> None:
+    """Make each lazy weight of `model` that is over `WEIGHTS_PIECE_BYTES` in `dtype` the
+    concatenation of blocks of its rows (a quantized layer's dequantized, a float weight
+    cast to `dtype`), each under that, kept in its module for `weights_steps`: the
+    same numbers, computed a block at a time (a quantization's groups lie along rows).
+    Quantized layers so made become mlx-lm's float layers, as `dequantize_model` makes them."""
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
+
+    piece_bytes = WEIGHTS_PIECE_BYTES
+    float_layers = {
+        nn.QuantizedLinear: nn.Linear,
+        nn.QuantizedEmbedding: nn.Embedding,
+        QuantizedSwitchLinear: SwitchLinear,
+    }
+    replaced = []
+    for path, module in model.named_modules():
+        kind = float_layers.get(type(module))
+        if kind is not None:
+            q = module
+            size = q.scales.size * q.group_size * dtype.size  # its bytes once dequantized
+            if size <= piece_bytes:
+                continue
+
+            def dequantized(a: int, b: int, q: Any = q) -> mx.array:
+                biases = q.biases[a:b] if q.get("biases") is not None else None
+                w, scales = q.weight[a:b], q.scales[a:b]
+                return mx.dequantize(w, scales, biases, q.group_size, q.bits, q.mode).astype(dtype)
+
+            blocks = _row_blocks(dequantized, q.weight.shape[0], size, piece_bytes)
+            weight = mx.concatenate(blocks)
+            bias = {} if kind is nn.Embedding else {"bias": "bias" in q}
+            layer = kind(*weight.shape[::-1], **bias)
+            if "bias" in q:
+                layer.bias = q.bias
+            layer.weight = weight
+            setattr(layer, _BLOCKS, _RowBlocks({"weight": blocks}))
+            replaced.append((path, layer))
+            continue
+        held: dict[str, list[mx.array]] = {}
+        for name, array in module.items():
+            if not isinstance(array, mx.array) or array.ndim == 0:
+                continue
+            size = array.size * dtype.size
+            if not mx.issubdtype(array.dtype, mx.floating) or size <= piece_bytes:
+                continue
+
+            def cast(a: int, b: int, array: mx.array = array) -> mx.array:
+                return array[a:b].astype(dtype)
+
+            held[name] = _row_blocks(cast, array.shape[0], size, piece_bytes)
+            module[name] = mx.concatenate(held[name])
+        if held:
+            setattr(module, _BLOCKS, _RowBlocks(held))
+    if replaced:
+        model.update_modules(tree_unflatten(replaced))
+
+
+def _row_blocks(
+    rows_of: Callable[[int, int], mx.array], num_rows: int, size: int, piece_bytes: int
+) -> list[mx.array]:
+    """`rows_of(a, b)` for consecutive row ranges of about `piece_bytes` of the `size` bytes
+    of `num_rows` rows (one row at least)."""
+    step = max(1, num_rows * piece_bytes // size)
+    return [rows_of(a, min(a + step, num_rows)) for a in range(0, num_rows, step)]
 
 
 def load_model(
@@ -683,7 +780,7 @@ def load_model(
     for a GGUF file that cannot be served; DefaultModelUnavailable when the default model
     cannot be downloaded; ValueError for a bad dtype. Errors from mlx_lm for a model that
     was found (e.g. an unsupported architecture) propagate. With `lazy` a text model's weights
-    are not read yet: `eval_weights` computes them, in pieces (a vision model's are read).
+    are not read yet: `weights_steps` computes them, in pieces (a vision model's are read).
     `tokenizer`: the text model's, read beforehand (`read_tokenizer`); else read here.
     """
     return load_source(model_source(name_or_path), dtype, lazy, tokenizer)

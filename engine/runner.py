@@ -121,7 +121,7 @@ class ModelRunner:
         self._seqs: dict[str, Seq] = {}
         self._checkpointed: list[Seq] = []  # requests that reached a checkpoint this step
         # How the model runs a step's tokens, decided once (`engine/step.py`): proven here,
-        # or beforehand a forward at a time (`proofs`, for a model loading beside others).
+        # or beforehand a few layers at a time (`proofs`, for a model loading beside others).
         kind, split_head = forwards or run_to_end(self.proofs(loaded, fuse=fuse, kv=kv))
         self.fuse = kind.fuses  # a step's chunks and decode rows share one forward
         # The decode batch's caches are kept in groups of similar lengths where steps fuse.
@@ -144,9 +144,9 @@ class ModelRunner:
     def proofs(
         loaded: LoadedModel, *, fuse: bool = True, kv: KVQuant | None = None
     ) -> Generator[None, None, Kind]:
-        """What a runner's build checks on the model, a forward at a time (it yields after
-        each): the `forwards` argument of a runner of `loaded` built with the same `fuse`
-        and `kv`."""
+        """What a runner's build checks on the model, a few layers of a forward at a time (it
+        yields after each, `forward.evaluated`): the `forwards` argument of a runner of
+        `loaded` built with the same `fuse` and `kv`."""
         # Prompt attention in cache-sized blocks on the CPU (before `fused` wraps it too).
         cpu_attention.install(loaded.model)
         media = loaded.vision is not None  # its media chunks fused too, where proven

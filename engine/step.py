@@ -422,8 +422,8 @@ def forwards_kind(
 def forwards_kind_steps(
     model: Any, *, fuse: bool, kv: KVQuant | None = None, media: bool = False
 ) -> Generator[None, None, Kind]:
-    """`forwards_kind`, a proof's forward at a time: it yields after each one (a model
-    loading beside others runs each in a job of its own, `ModelRunner.proofs`)."""
+    """`forwards_kind`, a few layers of a proof's forward at a time: it yields after each
+    (a model loading beside others runs each in a job of its own, `ModelRunner.proofs`)."""
     split_head = yield from split_head_proof(model)
     fuses = fuse and split_head and (yield from fused.fused_forward_proof(model, kv))
     if not fuses:

@@ -134,10 +134,15 @@ async def test_a_model_loading_beside_a_streaming_one_lets_its_steps_run_between
 ):
     """A load's MLX work (reading, proving its forwards, planning memory) is many short jobs,
     each in the loading model's turn: the streaming model's steps run between them, so its
-    streams wait for one job at a time, never for the whole load."""
+    streams wait for one job at a time, never for the whole load. With a piece of a layer,
+    each forward of a proof or of the memory plan is a step a layer (and one for its head);
+    with a load's turn of 0 s, each step is a job of its own in a turn of its own."""
+    from stepline.actors import turns
     from stepline.actors.executor import Executor
-    from stepline.api.engine_parts import _advance
-    from stepline.engine.models import eval_weights
+    from stepline.engine import forward
+
+    monkeypatch.setattr(forward, "FORWARD_PIECE_BYTES", 1)
+    monkeypatch.setattr(turns, "LOAD_TURN_S", 0)
 
     ran: list[Any] = []  # what the executor thread ran, in order
     call = Executor.call
@@ -174,9 +179,10 @@ async def test_a_model_loading_beside_a_streaming_one_lets_its_steps_run_between
                 load = ran[start:]
                 tg.cancel_scope.cancel()
             pool.release(b)
-    jobs_of_c = [i for i, fn in enumerate(load) if fn in (_advance, eval_weights)]
-    proofs = [i for i in jobs_of_c if load[i] is _advance]
-    assert len(proofs) >= 6  # split head: 2 forwards; fused: 4 (the demo's steps fuse)
+    jobs_of_c = [i for i, fn in enumerate(load) if fn is turns.steps_for_turn]
+    # split head: 2 forwards, fused: 4 (the demo's steps fuse), the memory plan's: 1; of the
+    # demo's 2 layers each and its head
+    assert len(jobs_of_c) >= 7 * 3
     # Between c's first and last job, b stepped about as often as c ran one: turns.
     between = [fn for fn in load[jobs_of_c[0] : jobs_of_c[-1]] if fn == steps_of_b]
     assert len(between) >= len(jobs_of_c) // 2, (len(between), len(jobs_of_c))
