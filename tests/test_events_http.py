@@ -440,7 +440,7 @@ async def the_page_keeps_up(served: Served, page: Any, rids: list[str]) -> None:
     against the events' times (the same machine's wall clock).
 
     The page runs 0.05-0.2 s behind (it draws at most every 200 ms, the server gathers
-    20 ms of events a write): medians of 0.13-0.21 s, the slowest of 7 up to 0.43 s, on 2
+    20 ms of events a write): medians of 0.17-0.22 s, the slowest of 7 up to 0.43 s, on 2
     cores at a load of 8-9 (two busy loops beside). So the target leaves the median more
     than 0.25 s for a busy machine's scheduling between the server, the browser's processes
     and its renderer, and a median of LAGGED requests spread over a few seconds takes the
