@@ -1,6 +1,7 @@
 """The live view's cost to the engine (issue 57's targets), over HTTP, in one run.
 
     python -m benchmarks.live_view --model SmolLM2-135M-Instruct --rounds 3 --stall-s 60
+    python -m benchmarks.live_view --pages 0 --light-pages 4 --readers 4 --rounds 5
 
 A burst of `--requests` streamed chats of `--tokens` tokens, sent at once to a real server
 (127.0.0.1), alternately alone and watched by `--pages` dashboard pages (headless Chromium,
@@ -10,6 +11,12 @@ and the CPU seconds a watched burst cost: the browsers' (every process of each C
 raw readers' (`curl` processes, as any client outside the server), and the server's event-loop
 thread against an unwatched burst's (what serving the watchers cost it: SSE, /health, the
 page's files), which are less noisy than the throughput on a shared machine.
+
+`--light-pages N` also watches with N pages that do not draw (`light_page`, each a process of
+its own): the HTTP requests a page makes — its files, /v1/events/about, /v1/events?after=view
+held open and read, /health every 3 s — with nothing rendered, so that what a page costs the
+server is measured apart from what drawing it costs a browser on the same cores (a page in a
+browser on another machine costs the server this).
 Then, with `--stall-s`, a reader that opens `/v1/events` and stops reading for that long while
 bursts run, against none: the server's RSS and the steps' median and p99 time both ways.
 Keep it short on a busy machine (the figures are noisy there: say so).
@@ -24,6 +31,7 @@ import os
 import shutil
 import socket
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator
@@ -31,12 +39,9 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any, NamedTuple
 
 import httpx
-from starlette.staticfiles import StaticFiles
 
-from stepline.api import Engine
-from stepline.api.http.app import create_app
-from stepline.api.http.serve import serve_in_process
-from stepline.api.pipeline.served import OneModel
+# (the server's modules are imported where they are used: a light page, a process of this
+# module, `--as-page`, imports none of them)
 
 
 async def one_chat(http: httpx.AsyncClient, i: int, tokens: int) -> tuple[float, int]:
@@ -66,23 +71,23 @@ class Burst(NamedTuple):
     loop_cpu_s: float  # the event loop's thread (this one): HTTP, step loop, event streams
     browsers_cpu_s: float = 0.0  # every process of every Chromium
     readers_cpu_s: float = 0.0  # the raw readers' processes
+    light_cpu_s: float = 0.0  # the light pages' processes
 
 
 async def burst(
     http: httpx.AsyncClient, args: argparse.Namespace, watching: Watchers | None = None
 ) -> Burst:
     """One burst, and the CPU its watchers (if any) and the event loop spent meanwhile."""
-    browsers = watching.browsers_cpu_s() if watching else 0.0
-    readers = watching.readers_cpu_s() if watching else 0.0
+    before = watching.cpu_s() if watching else (0.0, 0.0, 0.0)
     loop, t0 = time.thread_time(), time.perf_counter()
     got = await asyncio.gather(*(one_chat(http, i, args.tokens) for i in range(args.requests)))
     wall, loop = time.perf_counter() - t0, time.thread_time() - loop
+    after = watching.cpu_s() if watching else (0.0, 0.0, 0.0)
     return Burst(
         sum(n for _, n in got) / wall,
         statistics.median(t for t, _ in got),
         loop,
-        watching.browsers_cpu_s() - browsers if watching else 0.0,
-        watching.readers_cpu_s() - readers if watching else 0.0,
+        *(a - b for a, b in zip(after, before, strict=True)),
     )
 
 
@@ -118,24 +123,61 @@ def tree_cpu_s(roots: list[int]) -> float:
 class Watchers(NamedTuple):
     browsers: list[asyncio.subprocess.Process]
     readers: list[asyncio.subprocess.Process]
+    light: list[asyncio.subprocess.Process]
 
-    def browsers_cpu_s(self) -> float:
-        return tree_cpu_s([p.pid for p in self.browsers])
+    def cpu_s(self) -> tuple[float, float, float]:
+        """The CPU seconds the browsers, the raw readers and the light pages have used."""
+        return (
+            tree_cpu_s([p.pid for p in self.browsers]),
+            tree_cpu_s([p.pid for p in self.readers]),
+            tree_cpu_s([p.pid for p in self.light]),
+        )
 
-    def readers_cpu_s(self) -> float:
-        return tree_cpu_s([p.pid for p in self.readers])
+
+async def light_page(url: str) -> None:
+    """What one dashboard page asks the server for, without drawing it (`--light-pages`):
+    its files (and the icon a browser asks for), /v1/events/about, then /v1/events?after=view
+    held open and read as it comes (not parsed: the page's parsing is the browser's cost),
+    and /health every 3 s (dashboard.js's `pollHealth`), until it is stopped."""
+    page = "/dashboard/"
+    async with httpx.AsyncClient(base_url=url, timeout=None) as http:
+        for path in (page, f"{page}dashboard.css", f"{page}dashboard.js", "/favicon.ico"):
+            await http.get(path)
+        await http.get("/v1/events/about")
+
+        async def health() -> None:
+            while True:
+                await asyncio.sleep(3.0)
+                await http.get("/health")
+
+        poll = asyncio.create_task(health())
+        headers = {"accept": "text/event-stream", "cache-control": "no-cache"}
+        try:
+            async with http.stream("GET", "/v1/events?after=view", headers=headers) as r:
+                async for _ in r.aiter_raw():
+                    pass
+        finally:
+            poll.cancel()
 
 
 @asynccontextmanager
 async def watchers(
-    url: str, args: argparse.Namespace, page: str = "/dashboard/"
+    url: str, args: argparse.Namespace, page: str = "/dashboard/", *, light: bool = False
 ) -> AsyncIterator[Watchers]:
-    """`--pages` headless Chromium pages on /dashboard/ and `--readers` raw readers (`curl`
-    processes: a reader's own parsing is not the server's cost)."""
+    """`--pages` headless Chromium pages on `page` (`light`: `--light-pages` light pages on
+    /dashboard/ instead, `light_page`) and `--readers` raw readers (`curl` processes: a reader's own
+    parsing is not the server's cost)."""
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     async with AsyncExitStack() as stack:
-        procs, readers = [], []
-        if chromium is not None:
+        procs, readers, lights = [], [], []
+        for _ in range(args.light_pages if light else 0):
+            lights.append(
+                await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", "benchmarks.live_view", "--as-page", url,
+                    stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+                )
+            )  # fmt: skip
+        if chromium is not None and not light:
             for _ in range(args.pages):
                 profile = stack.enter_context(
                     tempfile.TemporaryDirectory(ignore_cleanup_errors=True)
@@ -155,11 +197,11 @@ async def watchers(
                     stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
                 )
             )  # fmt: skip
-        await settled(url, len(procs) + len(readers), args.settle_s)
+        await settled(url, len(procs) + len(readers) + len(lights), args.settle_s)
         try:
-            yield Watchers(procs, readers)
+            yield Watchers(procs, readers, lights)
         finally:
-            for p in procs + readers:
+            for p in procs + readers + lights:
                 p.terminate()
                 await p.wait()
 
@@ -223,6 +265,11 @@ async def stalled(url: str, engine: Any, http: httpx.AsyncClient, args, stall: b
 def watched_app(engine: Any, args: argparse.Namespace) -> Any:
     """The server's app; with `--compare-page DIR`, also DIR's page files at /compare-page/
     (another version of the page, say the one before a change, watched in the same run)."""
+    from starlette.staticfiles import StaticFiles
+
+    from stepline.api.http.app import create_app
+    from stepline.api.pipeline.served import OneModel
+
     app = create_app(OneModel(engine))
     if args.compare_page is not None:
         app.mount("/compare-page", StaticFiles(directory=args.compare_page, html=True))
@@ -230,32 +277,50 @@ def watched_app(engine: Any, args: argparse.Namespace) -> Any:
 
 
 async def main(args: argparse.Namespace) -> None:
+    from stepline.api import Engine
+    from stepline.api.http.serve import serve_in_process
+
     if shutil.which("chromium") is None and shutil.which("chromium-browser") is None:
         args.pages = 0
     async with (
         Engine.open(args.model, max_num_seqs=args.max_num_seqs) as engine,
         serve_in_process(watched_app(engine, args)) as url,
-        httpx.AsyncClient(base_url=url, timeout=600) as http,
+        # idle connections dropped before the server's 5 s keep-alive timeout drops them: a
+        # burst sent on one the server is closing fails (httpx.ReadError)
+        httpx.AsyncClient(
+            base_url=url, timeout=600, limits=httpx.Limits(keepalive_expiry=2.0)
+        ) as http,
     ):
         await burst(http, args)  # warm
-        pages = {"/dashboard/": f"{args.pages} pages + {args.readers} readers"}
+        # name -> (the page's path, light pages instead of browsers), each watched in turn
+        ways: dict[str, tuple[str, bool]] = {}
+        readers = f"+ {args.readers} readers"
+        if args.pages or not args.light_pages:
+            ways[f"{args.pages} pages {readers}"] = ("/dashboard/", False)
+        if args.light_pages:
+            ways[f"{args.light_pages} light pages {readers}"] = ("/dashboard/", True)
         if args.compare_page is not None:
-            pages["/compare-page/"] = f"{args.pages} --compare-page + {args.readers} readers"
-        runs: dict[str, list[Burst]] = {"alone": []} | {name: [] for name in pages.values()}
+            ways[f"{args.pages} --compare-page {readers}"] = ("/compare-page/", False)
+        runs: dict[str, list[Burst]] = {"alone": []} | {name: [] for name in ways}
         for _ in range(args.rounds):
             runs["alone"].append(await burst(http, args))
-            for page, name in pages.items():
-                async with watchers(url, args, page) as watching:
+            for name, (page, light) in ways.items():
+                async with watchers(url, args, page, light=light) as watching:
                     runs[name].append(await burst(http, args, watching))
         med = statistics.median
         print(f"model {args.model}: bursts of {args.requests} chats x {args.tokens} tokens, "
               f"medians of {args.rounds} (a busy machine: noisy)")  # fmt: skip
         for name, got in runs.items():
-            print(f"  {name:30} {med(r.tok_s for r in got):6.1f} tok/s   "
+            print(f"  {name:34} {med(r.tok_s for r in got):6.1f} tok/s   "
                   f"TTFT {1000 * med(r.ttft_s for r in got):6.1f} ms   "
                   f"CPU s: event loop {med(r.loop_cpu_s for r in got):.2f}, "
                   f"browsers {med(r.browsers_cpu_s for r in got):.2f}, "
-                  f"readers {med(r.readers_cpu_s for r in got):.2f}")  # fmt: skip
+                  f"readers {med(r.readers_cpu_s for r in got):.2f}, "
+                  f"light pages {med(r.light_cpu_s for r in got):.2f}")  # fmt: skip
+            if args.show_rounds:
+                for r in got:
+                    print(f"      {r.tok_s:6.1f} tok/s   TTFT {1000 * r.ttft_s:6.1f} ms   "
+                          f"event loop {r.loop_cpu_s:.2f} s")  # fmt: skip
         if args.stall_s > 0:
             none = await stalled(url, engine, http, args, stall=False)
             one = await stalled(url, engine, http, args, stall=True)
@@ -270,7 +335,15 @@ if __name__ == "__main__":
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--pages", type=int, default=4)
+    p.add_argument(
+        "--light-pages",
+        type=int,
+        default=0,
+        help="also watch with this many pages that make a page's requests and draw nothing",
+    )
     p.add_argument("--readers", type=int, default=4)
+    p.add_argument("--show-rounds", action="store_true", help="print every round's figures")
+    p.add_argument("--as-page", metavar="URL", help=argparse.SUPPRESS)  # one light page
     p.add_argument(
         "--compare-page",
         metavar="DIR",
@@ -280,4 +353,8 @@ if __name__ == "__main__":
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--settle-s", type=float, default=30.0, help="at most, for the watchers")
     p.add_argument("--stall-s", type=float, default=0.0)
-    asyncio.run(main(p.parse_args()))
+    parsed = p.parse_args()
+    if parsed.as_page is not None:
+        asyncio.run(light_page(parsed.as_page))
+    else:
+        asyncio.run(main(parsed))

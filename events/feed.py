@@ -16,8 +16,9 @@ A page that draws the engine's state now need not read all the ring to get there
 (`EventFeed.follow_view`): it is sent the events its picture needs — the requests' in flight
 and the last VIEW_ENDED that ended, the plans and times of the last VIEW_STEPS steps, the
 models' — then `CaughtUp` (where that catch-up ends, how many of how many it sent, each
-request's tokens so far), then every event after, as any reader. What it sends does not grow
-with what memory keeps, nor with how long a request has run.
+request's tokens so far, the prefix cache's lookups over the whole run: `PrefixTally`), then
+every event after, as any reader. What it sends does not grow with what memory keeps, nor
+with how long a request has run.
 
 Places: the N-th event a run recorded (from 1) is at `Place(run, N)`, written `RUN.N`, where
 RUN is the run's id (`LogHeader.run_id`; `run-I` for the I-th run of an old log that has
@@ -35,14 +36,22 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import anyio
 import anyio.lowlevel
 
-from stepline.events.models import Admitted, Event, LogHeader, TokensSampled
+from stepline.events.models import (
+    Admitted,
+    ChunkPrefilled,
+    Event,
+    ImageEncoded,
+    LogHeader,
+    Terminal,
+    TokensSampled,
+)
 
 DEFAULT_CAPACITY = 16384  # events kept in memory (about a minute of a busy engine's steps)
 MAX_BATCH = 1024  # events a reader takes from the ring (or the file) at a time
@@ -140,16 +149,57 @@ class View(NamedTuple):
     tokens_out: dict[str, int]  # request shown -> the `decoding` events in memory that hold it
 
 
+@dataclass
+class PrefixTally:
+    """The prefix cache's lookups in the run so far, a fold of every event published: a
+    request looks its prompt up at its first step (its first `chunk-prefilled` or
+    `image-encoded` event), as the page counts them. Kept here, not read from the metrics:
+    those are one model's, count no prompt tokens, and are not what the page folds; and the
+    ring soon no longer holds a long run's early events."""
+
+    lookups: int = 0  # requests whose first step ran
+    hits: int = 0  # ... that started from a cached prefix
+    prompt_tokens: int = 0  # their prompts' tokens
+    cached_tokens: int = 0  # ... that came from the cache
+    # admitted, no first step yet -> its prompt's tokens (the requests waiting: bounded)
+    _waiting: dict[str, int] = field(default_factory=dict, repr=False)
+
+    def apply(self, event: Event) -> None:
+        if isinstance(event, Admitted):
+            self._waiting[event.request_id] = event.num_prompt_tokens
+        elif isinstance(event, ChunkPrefilled | ImageEncoded):
+            prompt = self._waiting.pop(event.request_id, None)
+            if prompt is not None:
+                self.lookups += 1
+                self.prompt_tokens += prompt
+                if event.num_cached_tokens > 0:
+                    self.hits += 1
+                    self.cached_tokens += event.num_cached_tokens
+        elif isinstance(event, Terminal):
+            self._waiting.pop(event.request_id, None)  # ended before its first step
+
+    def counts(self) -> dict[str, int]:
+        """The counts as the `caught-up` frame sends them."""
+        return {
+            "lookups": self.lookups,
+            "hits": self.hits,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+        }
+
+
 class CaughtUp(NamedTuple):
     """A view's catch-up (`EventFeed.follow_view`) ends at `at`: it sent `sent` of the `kept`
     events memory held; every event after `at` follows. `tokens_out`: how many `decoding`
     events in memory held each request it showed (what a fold of them all counts as its
-    tokens out: the catch-up sends only some of them)."""
+    tokens out: the catch-up sends only some of them). `prefix_cache`: the run's prefix
+    lookups up to `at` (`PrefixTally.counts`), every request's, not only those it shows."""
 
     at: Place
     sent: int
     kept: int
     tokens_out: dict[str, int]
+    prefix_cache: dict[str, int]
 
 
 Item = EventFrame | RunStarted | Missed | CaughtUp
@@ -207,6 +257,7 @@ class EventFeed:
         self._waiter: anyio.Event | None = None  # set at the next publish (or the close)
         self.closed = False  # the server is stopping: readers end once they have it all
         self._readers: dict[int, Reader] = {}  # id() -> each reader following (`reading`)
+        self.prefix = PrefixTally()  # the run's prefix lookups up to `last`
 
     @classmethod
     def of_log(cls, header: LogHeader, writer: Any, capacity: int = DEFAULT_CAPACITY) -> EventFeed:
@@ -223,12 +274,13 @@ class EventFeed:
 
     def publish(self, events: Sequence[Event]) -> None:
         """Keep `events` (in order) for the readers and wake those that wait."""
-        header, capacity = self.header, self.capacity
+        header, capacity, prefix = self.header, self.capacity, self.prefix
         for event in events:
             self.last += 1
             at = self.last % capacity
             self._events[at] = as_streamed(event, header)
             self._frames[at] = None
+            prefix.apply(event)
         if self._waiter is not None:
             self._waiter.set()
             self._waiter = None
@@ -317,7 +369,7 @@ class EventFeed:
             return
         yield [RunStarted(self.key, self.header, True)]
         end, kept, header = self.last, self.last - self.first + 1, self.header
-        view = self.view()
+        view, prefix = self.view(), self.prefix.counts()  # both as of `end`
         picked = [
             EventFrame(Place(self.key, n), self._frame(n))
             for n in view.places
@@ -325,7 +377,7 @@ class EventFeed:
         ]  # made at once: the ring may move on while they are written
         for i in range(0, len(picked), MAX_BATCH):
             yield list(picked[i : i + MAX_BATCH])
-        yield [CaughtUp(Place(self.key, end), len(picked), kept, view.tokens_out)]
+        yield [CaughtUp(Place(self.key, end), len(picked), kept, view.tokens_out, prefix)]
         async for batch in self._from_ring(end, wanted, reader or Reader()):
             yield batch
 
@@ -573,12 +625,14 @@ def missed_frame(missed: Missed) -> bytes:
 
 def caught_up_frame(caught: CaughtUp) -> bytes:
     """The `caught-up` frame: a view's catch-up ends; its id is where (EventSource resumes
-    after it), its data how many of the events in memory it sent."""
+    after it), its data how many of the events in memory it sent, each request's tokens out
+    and the run's prefix lookups so far (what the page starts its counters from)."""
     body = {
         "at": str(caught.at),
         "sent": caught.sent,
         "kept": caught.kept,
         "tokens_out": caught.tokens_out,
+        "prefix_cache": caught.prefix_cache,
     }
     return b"event: caught-up\nid: %s\ndata: %s\n\n" % (
         str(caught.at).encode(),

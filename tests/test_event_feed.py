@@ -21,6 +21,7 @@ from stepline.events.feed import (
 from stepline.events.log import EventLogWriter
 from stepline.events.models import (
     Admitted,
+    ChunkPrefilled,
     FinishReason,
     LogHeader,
     RequestParams,
@@ -247,3 +248,43 @@ async def test_a_views_catch_up_sends_the_state_now_not_all_memory_then_goes_on(
             await anyio.wait_all_tasks_blocked()
             feed.publish(life("next", 2004))
     assert places(more) == [f"run1.{n}" for n in range(2004, 2009)]
+
+
+def looked_up(rid: str, seq: int, cached: int, prompt: int = 8) -> list:
+    """A request's life from `seq` (6 events) whose first chunk started from `cached` of its
+    `prompt` tokens in the prefix cache, then a second chunk."""
+    admitted, step, *rest = life(rid, seq)
+    admitted = admitted.model_copy(update={"num_prompt_tokens": prompt})
+    first = ChunkPrefilled(
+        seq=seq + 2, ts=1.1, step=1, request_id=rid, start=cached, end=prompt - 2,
+        num_cached_tokens=cached,
+    )  # fmt: skip
+    second = ChunkPrefilled(
+        seq=seq + 3, ts=1.1, step=2, request_id=rid, start=prompt - 2, end=prompt
+    )
+    return [admitted, step, first, second] + [e.model_copy(update={"seq": e.seq + 2}) for e in rest]
+
+
+async def test_a_views_catch_up_counts_the_prefix_cache_over_the_whole_run() -> None:
+    from stepline.events.feed import VIEW_ENDED, CaughtUp
+
+    feed = EventFeed(header(), capacity=64)  # 300 requests' lives: memory keeps the last ten
+    for i in range(300):
+        feed.publish(looked_up(f"r{i}", 7 * i + 1, cached=4 if i % 3 == 0 else 0))
+    refused = life("refused", 2101)  # ended before any step looked it up
+    feed.publish([refused[0], refused[-1]])
+    got: list = []
+    with anyio.fail_after(5):
+        async for batch in feed.follow_view():
+            got.extend(batch)
+            if any(isinstance(i, CaughtUp) for i in got):
+                break
+    caught = next(i for i in got if isinstance(i, CaughtUp))
+    shown = {i.frame for i in got if isinstance(i, EventFrame) and b'"admitted"' in i.frame}
+    assert len(shown) <= VIEW_ENDED < 300  # the lives it sends: a few of the run's requests
+    # ... and the hit rate over all 300 that ran: 100 of them started from 4 cached tokens
+    assert caught.prefix_cache == {
+        "lookups": 300, "hits": 100, "prompt_tokens": 300 * 8, "cached_tokens": 100 * 4
+    }  # fmt: skip
+    body = json.loads(frames([caught]).decode().split("data: ", 1)[1])
+    assert body["prefix_cache"] == caught.prefix_cache

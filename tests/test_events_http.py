@@ -18,7 +18,7 @@ import anyio
 import httpx
 import pytest
 from browser import CHROMIUM, chromium_page, needs_chromium
-from helpers import Served
+from helpers import Served, until_async
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -392,18 +392,7 @@ async def test_the_page_shows_requests_as_they_run_in_a_browser(served: Served) 
             cells = await page.evaluate(f"[...{row}.cells].map((c) => c.textContent)")
             title = await page.evaluate(f"{row}.cells[0].title")
             assert title == rid and cells[1] == "chat" and cells[4] == str(made), cells
-            # How far behind the engine the page runs: when it first showed the request, and
-            # its first token, by the page's own clock, against the events' times (the same
-            # machine's wall clock). The target is 0.5 s; the bound here is what no busy
-            # machine misses unless the page stopped following (a figure, not a timing test).
-            lag = await page.evaluate(f"window.steplineShown.get('{rid}')")
-            admitted_lag = lag["shown"] - lag["admitted"]
-            token_lag = lag["firstTokenShown"] - lag["firstToken"]
-            print(
-                f"\npage lag: admitted->shown {admitted_lag:.3f} s, first token->shown "
-                f"{token_lag:.3f} s"
-            )
-            assert -0.05 < admitted_lag < 5 and -0.05 < token_lag < 5, lag
+            await the_page_keeps_up(served, page, [rid])
             assert await page.evaluate("document.querySelectorAll('[data-step]').length") > 0
             kv = await page.evaluate("document.getElementById('kv').textContent")
             assert "tokens reserved" in kv
@@ -438,6 +427,86 @@ async def test_the_page_shows_requests_as_they_run_in_a_browser(served: Served) 
     assert png.startswith(b"\x89PNG")
     if target := os.environ.get("STEPLINE_DASHBOARD_SCREENSHOT"):  # docs/dashboard.png
         await anyio.Path(target).write_bytes(png)
+
+
+LAG_TARGET_S = 0.5  # issue 57: a request on the page within 0.5 s, its first token too
+LAGGED = 7  # requests the page's lag is the median of
+
+
+async def the_page_keeps_up(served: Served, page: Any, rids: list[str]) -> None:
+    """The page shows a new request within LAG_TARGET_S of its admission, and its first
+    token within LAG_TARGET_S of the step that made it: the medians over `rids` and more
+    requests run one after another, by the page's own clock (when it first drew each)
+    against the events' times (the same machine's wall clock).
+
+    The page runs 0.05-0.2 s behind (it draws at most every 200 ms, the server gathers
+    20 ms of events a write): medians of 0.17-0.22 s, the slowest of 7 up to 0.43 s, on 2
+    cores at a load of 8-9 (two busy loops beside). So the target leaves the median more
+    than 0.25 s for a busy machine's scheduling between the server, the browser's processes
+    and its renderer, and a median of LAGGED requests spread over a few seconds takes the
+    target itself, as one request's lag could not: one that waited for a descheduled
+    renderer (or a collection) moves it by a place, while a page that fell behind, or drew
+    only every few frames, fails it."""
+    rids = list(rids)
+    while len(rids) < LAGGED:
+        rids.append(await chat(served, max_tokens=4))
+    shown = " && ".join(
+        f"window.steplineShown.get('{r}') && window.steplineShown.get('{r}').firstTokenShown"
+        for r in rids
+    )
+    await page.shows(shown, within=20, what="every request and its first token in the page")
+    lags = [await page.evaluate(f"window.steplineShown.get('{r}')") for r in rids]
+    admitted = sorted(lag["shown"] - lag["admitted"] for lag in lags)
+    token = sorted(lag["firstTokenShown"] - lag["firstToken"] for lag in lags)
+    print(
+        "\npage lag, s: admitted->shown " + " ".join(f"{x:.3f}" for x in admitted)
+        + "; first token->shown " + " ".join(f"{x:.3f}" for x in token)
+    )  # fmt: skip
+    assert min(admitted + token) > -0.05, lags  # one clock: never shown before it happened
+    assert admitted[LAGGED // 2] <= LAG_TARGET_S, admitted
+    assert token[LAGGED // 2] <= LAG_TARGET_S, token
+
+
+@needs_chromium
+async def test_a_page_opened_late_shows_the_hit_rate_of_the_whole_run_in_a_browser(
+    served: Served,
+) -> None:
+    # More requests than the page lists (the last 25 ended) or memory keeps the lives of
+    for _ in range(30):
+        await chat(served, max_tokens=1)
+
+    async def prefix_counts() -> tuple[int, int]:
+        """The prefix cache's own counters: (requests that started from a cached prefix,
+        requests that did not)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        async with served.http() as http:
+            text = (await http.get("/metrics")).text
+        got = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+        return (
+            int(got["stepline_prefix_cache_hits_total"]),
+            int(got["stepline_prefix_cache_misses_total"]),
+        )
+
+    with anyio.fail_after(120):
+        async with chromium_page(f"{served.url}/dashboard/") as page:
+            await page.shows(
+                "document.getElementById('status').textContent === 'live'",
+                what="the page connected",
+            )
+
+            async def agree() -> Any:  # (a next turn's prefill may look up in between)
+                hits, misses = await prefix_counts()
+                text = await page.evaluate("document.getElementById('cache').textContent")
+                return f"of {hits + misses} requests" in text and (hits, misses, text)
+
+            hits, misses, text = await until_async(
+                agree, within=10, what="the page's hit rate over the cache's counters"
+            )
+            listed = await page.evaluate("document.querySelectorAll('tr[data-request]').length")
+            rate = float(text.split("hit rate ", 1)[1].split("%", 1)[0])
+    assert hits + misses >= 30 > 25 >= listed, (hits, misses, listed)
+    assert abs(rate - 100 * hits / (hits + misses)) <= 0.5, (text, hits, misses)
 
 
 @pytest.mark.skipif(
@@ -638,10 +707,18 @@ async def test_the_page_goes_on_with_the_next_run_after_a_restart_in_a_browser(
         try:
             first_run = await page.evaluate(run_key)
             async with open_served(**on_port) as second:
-                await page.shows(
-                    f"{run_key} !== {json.dumps(first_run)} && {run_key}",
+                old_key = json.dumps(first_run.removeprefix("run "))
+                new_run = await page.shows(
+                    f"!{run_key}.includes({old_key}) && {run_key}",
                     within=30,
                     what="the page on the next run",
+                )
+                # It read the next run from the state now (`after=view`, which ends in a
+                # `caught-up` frame of that run), not from the run's first event on.
+                new_key = json.dumps(new_run.removeprefix("run ") + ".")
+                await page.shows(
+                    f"window.steplineCaughtUp && window.steplineCaughtUp.at.startsWith({new_key})",
+                    what="the next run's view",
                 )
                 rid = await chat(second)
                 row = f"document.querySelector('#finished tr[data-request=\"{rid}\"]')"

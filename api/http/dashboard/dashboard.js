@@ -57,20 +57,22 @@ function apply(e) {
         doorPath: e.door || "the Python API",
         origin: e.origin || "client", // "next-turn": the engine's own prefill of a next turn
         prompt: e.num_prompt_tokens, maxTokens: e.params.max_tokens, prefilled: 0, cached: 0,
-        chunks: 0, out: 0,
+        chunks: 0, out: 0, looked: false, // looked: its first step looked its prompt up
         scheduledAt: null, firstTokenAt: null, state: "waiting",
       });
       break;
     case "chunk-prefilled": {
       const r = S.requests.get(e.request_id);
       if (!r) break;
-      if (r.chunks === 0) {
-        r.cached = e.num_cached_tokens || 0;
-        noteLookup(r, e);
-      }
+      if (!r.looked) noteLookup(r, e);
       r.chunks += 1;
       r.prefilled = e.end;
       r.state = r.prefilled >= r.prompt ? "decoding" : "prefilling";
+      break;
+    }
+    case "image-encoded": { // an image's encoder work: maybe the request's first step
+      const r = S.requests.get(e.request_id);
+      if (r && !r.looked) noteLookup(r, e);
       break;
     }
     case "step": {
@@ -127,7 +129,11 @@ function apply(e) {
   }
 }
 
+// A request's first step (its first chunk, or its first image's encoding) says what the
+// prefix cache gave it (the server's PrefixTally counts the same, for a page's start).
 function noteLookup(r, e) {
+  r.looked = true;
+  r.cached = e.num_cached_tokens || 0;
   const c = S.cache;
   c.lookups += 1;
   c.promptTokens += r.prompt;
@@ -164,6 +170,7 @@ const FRAME_MS = 200; // the page draws at most this often
 const PARTS = { // which parts of the page each kind of event changes
   admitted: ["requests", "models"],
   "chunk-prefilled": ["requests", "models", "cache"],
+  "image-encoded": ["requests", "cache"],
   step: ["steps", "requests", "models"],
   "step-finished": ["steps"],
   decoding: ["requests"],
@@ -555,7 +562,8 @@ let runKey = null;
 let recorded = []; // replay: every event, to fold again up to the scrubbed step
 
 function onRun(body) {
-  if (runKey !== null && body.run !== runKey) {
+  const next = runKey !== null && body.run !== runKey;
+  if (next) {
     // A new run (the server restarted): what was in flight in the old one ended with it.
     for (const r of S.requests.values()) {
       r.end = "interrupted (the run ended)";
@@ -565,11 +573,21 @@ function onRun(body) {
     S.requests.clear();
     S.ended = S.ended.slice(0, ENDED);
     S.steps = [];
+    S.lastStep = 0;
   }
   runKey = body.run;
   header = body.header;
   $("run").textContent = `run ${body.run}` + (body.live ? "" : " (recorded)");
   changed(ALL);
+  if (next && live) {
+    // A resume past the end of the run it had read gets the next run from its first event
+    // (and the one after, if there was one): start from the state now instead.
+    source.close();
+    lastId = null;
+    caughtUp = false;
+    viewEvents = 0;
+    connect();
+  }
 }
 
 function onEvent(msg) {
@@ -586,7 +604,9 @@ function onEvent(msg) {
 }
 
 // The view's catch-up sends only the first and last of a request's tokens before its last
-// steps: its `tokens_out` says how many there were.
+// steps: its `tokens_out` says how many there were. It sends the lives of only the requests
+// it shows: `prefix_cache` counts the prefix lookups of every request the run has had (those
+// it shows among them), which the page's counters go on from.
 function onCaughtUp(m) {
   lastId = m.lastEventId || lastId;
   const body = JSON.parse(m.data);
@@ -596,6 +616,9 @@ function onCaughtUp(m) {
     const r = S.requests.get(id) || ended.get(id);
     if (r) r.out = n;
   }
+  const p = body.prefix_cache;
+  if (p) Object.assign(S.cache, { lookups: p.lookups, hits: p.hits,
+    promptTokens: p.prompt_tokens, cachedTokens: p.cached_tokens });
   caughtUp = true;
   setStatus("live", "live");
   changed(ALL);
@@ -608,23 +631,25 @@ function connect() {
   if (lastId) url = `/v1/events?after=${encodeURIComponent(lastId)}`;
   else if (live) url = "/v1/events?after=view";
   caughtUp = caughtUp || !!lastId || !live;
-  source = new EventSource(url);
-  source.onopen = () => {
+  const src = (source = new EventSource(url));
+  // what a source closed for another still had to hand on is not the page's (a new run)
+  const ours = (f) => (m) => { if (src === source) f(m); };
+  source.onopen = ours(() => {
     if (!live) setStatus("recorded log", "live");
     else setStatus(caughtUp ? "live" : "catching up…", caughtUp ? "live" : "");
-  };
-  source.addEventListener("caught-up", onCaughtUp);
-  source.onmessage = onEvent;
-  source.addEventListener("run", (m) => onRun(JSON.parse(m.data)));
-  source.addEventListener("missed", (m) => {
+  });
+  source.addEventListener("caught-up", ours(onCaughtUp));
+  source.onmessage = ours(onEvent);
+  source.addEventListener("run", ours((m) => onRun(JSON.parse(m.data))));
+  source.addEventListener("missed", ours((m) => {
     const b = JSON.parse(m.data);
     $("notes").textContent = `missed ${b.missed === null ? "some" : b.missed} events after ` +
       `${b.after}: ${b.reason}`;
-  });
-  source.addEventListener("error", (m) => {
+  }));
+  source.addEventListener("error", ours((m) => {
     if (m.data) $("notes").textContent = `the stream ended: ${JSON.parse(m.data).message}`;
-  });
-  source.onerror = () => {
+  }));
+  source.onerror = ours(() => {
     if (!caughtUp) {
       // Dropped in the middle of the view: read it again, from the state then.
       source.close();
@@ -642,7 +667,7 @@ function connect() {
     } else {
       setStatus("reconnecting…", "down"); // EventSource retries with Last-Event-ID
     }
-  };
+  });
 }
 
 async function start() {
