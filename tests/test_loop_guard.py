@@ -12,8 +12,11 @@ import pytest
 from tokenizers import Tokenizer
 
 from stepline.actors.scheduler.loop_guard import (
+    MAX_SHORT_REPEAT,
+    MAX_TEXT_REPEAT,
     MAX_UNIT,
     MIN_DISTINCT,
+    MIN_DISTINCT_LONG,
     MIN_DISTINCT_SHARE,
     MIN_SHORT_TOKENS,
     MIN_SHORT_UNITS,
@@ -36,25 +39,30 @@ def first_trip(tokens: list[int]) -> int | None:
 def first_loop_by_rule(tokens: list[int]) -> int | None:
     """The same, from the rule as the docs state it: the shortest prefix whose end is a unit
     of u <= MAX_UNIT tokens repeated back to back over T tokens (the longest such tail), with
-    T >= max(MIN_UNITS * u, MIN_TOKENS) and at least MIN_DISTINCT different tokens in the
-    unit, different for MIN_DISTINCT_SHARE of it, or T >= max(MIN_SHORT_UNITS * u,
-    MIN_SHORT_TOKENS)."""
+    T >= MIN_TOKENS and T >= u + min((MIN_UNITS - 1) u, MAX_TEXT_REPEAT) where the unit has
+    at least MIN_DISTINCT different tokens, different for MIN_DISTINCT_SHARE of it or at
+    least MIN_DISTINCT_LONG; else T >= MIN_SHORT_TOKENS and T >= u + min((MIN_SHORT_UNITS -
+    1) u, MAX_SHORT_REPEAT)."""
     s = np.array(tokens)
     n = len(s)
     best: int | None = None
     for u in range(1, min(MAX_UNIT, n - 1) + 1):
         differs = np.flatnonzero(s[u:] != s[:-u]) + u  # positions i with s[i] != s[i - u]
+        text_needs = max(u + min((MIN_UNITS - 1) * u, MAX_TEXT_REPEAT), MIN_TOKENS)
+        other_needs = max(u + min((MIN_SHORT_UNITS - 1) * u, MAX_SHORT_REPEAT), MIN_SHORT_TOKENS)
         for m in range(u + 1, n + 1):  # the prefix of m tokens
             if best is not None and m >= best:
                 break
             before = np.searchsorted(differs, m, side="left")  # differences below m
             last_differs = differs[before - 1] if before else u - 1
             tail = (m - 1 - last_differs) + u
-            if tail < max(MIN_UNITS * u, MIN_TOKENS):
+            if tail < text_needs:
                 continue
             distinct = len(set(tokens[m - u : m]))
-            text = distinct >= MIN_DISTINCT and distinct >= MIN_DISTINCT_SHARE * u
-            if text or tail >= max(MIN_SHORT_UNITS * u, MIN_SHORT_TOKENS):
+            text = distinct >= MIN_DISTINCT and (
+                distinct >= MIN_DISTINCT_SHARE * u or distinct >= MIN_DISTINCT_LONG
+            )
+            if (text and tail >= text_needs) or tail >= other_needs:
                 best = m
                 break
     return best
@@ -67,9 +75,13 @@ def test_a_sentence_repeated_verbatim_trips_once_the_repeats_reach_64_tokens():
     assert first_trip(looping) == len(prose) + MIN_TOKENS
 
 
-def test_a_long_unit_needs_four_repeats():
+def test_a_unit_needs_four_repeats_and_a_long_one_its_first_time_and_192_tokens_again():
     unit = list(range(40))
     assert first_trip(unit * 6) == MIN_UNITS * len(unit)
+    paragraph = list(range(165))  # a paragraph that loops, as SmolLM2's about Jupiter did
+    assert first_trip(paragraph * 3) == len(paragraph) + MAX_TEXT_REPEAT
+    repeating_itself = [1000 + t for t in range(20)] * 2 + [2000 + t for t in range(30)] * 3
+    assert first_trip(repeating_itself * 4) == len(repeating_itself) + MAX_TEXT_REPEAT
 
 
 def test_a_unit_of_few_different_tokens_needs_256_tokens():
@@ -78,6 +90,8 @@ def test_a_unit_of_few_different_tokens_needs_256_tokens():
     assert first_trip([5] * 300) == MIN_SHORT_TOKENS  # "\n\n\n..."
     row = [1, 2, 3, 2, 3, 2, 3, 4]  # few different tokens, 8 long: 16 units = 128 < 256
     assert first_trip(row * 40) == MIN_SHORT_TOKENS
+    grid_row = [1, 2, 3, 2, 3, 2, 3, 4] * 4 + [5, 6, 7]  # 35 tokens, 7 different
+    assert first_trip(grid_row * 30) == len(grid_row) + MAX_SHORT_REPEAT
 
 
 def test_units_longer_than_the_window_are_not_looked_for():

@@ -88,18 +88,18 @@ async def test_the_same_request_with_its_own_max_tokens_runs_to_it(served):
 
 @IN_MODULE_LOOP
 async def test_a_streamed_looping_answer_ends_with_finish_reason_length(served):
-    client = served.client()
-    stream = await client.chat.completions.create(
-        model=served.engine.model_name,
-        messages=LOOPING,  # type: ignore[arg-type]
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-    )
     reasons, usage = [], None
-    async for chunk in stream:
-        reasons += [c.finish_reason for c in chunk.choices if c.finish_reason]
-        usage = chunk.usage or usage
+    async with served.client() as client:
+        stream = await client.chat.completions.create(
+            model=served.engine.model_name,
+            messages=LOOPING,  # type: ignore[arg-type]
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        async for chunk in stream:
+            reasons += [c.finish_reason for c in chunk.choices if c.finish_reason]
+            usage = chunk.usage or usage
     assert reasons == ["length"]
     assert usage is not None and usage.completion_tokens < CAP
 
@@ -144,13 +144,14 @@ async def test_with_the_guard_off_the_loop_runs_to_the_default_cap(served):
 
 @IN_MODULE_LOOP
 async def test_with_the_guard_on_a_capped_anthropic_answer_ends_as_max_tokens(served):
-    client = anthropic.AsyncAnthropic(base_url=served.urls["on"], api_key="sk-one", max_retries=0)
-    message = await client.messages.create(
-        model=served.engine.model_name,
-        max_tokens=CAP,
-        messages=LOOPING,  # type: ignore[arg-type]
-        extra_body={"temperature": 0},
-    )
+    on = served.urls["on"]
+    async with anthropic.AsyncAnthropic(base_url=on, api_key="sk-one", max_retries=0) as client:
+        message = await client.messages.create(
+            model=served.engine.model_name,
+            max_tokens=CAP,
+            messages=LOOPING,  # type: ignore[arg-type]
+            extra_body={"temperature": 0},
+        )
     assert message.stop_reason == "max_tokens"
     assert message.usage.output_tokens < CAP
 

@@ -7,11 +7,13 @@ generated tokens (the scheduler core feeds it each sampled token, beside the sto
 length checks: `step_records.cut_at_finish`) and says when they end in a loop:
 
 - a unit of `u` tokens (1 <= u <= MAX_UNIT) repeated back to back, the repeated tail
-  (every unit whole, the last one possibly cut) at least MIN_UNITS units and MIN_TOKENS tokens
-  long, where the unit is text: at least MIN_DISTINCT different tokens, and different tokens
-  for at least half of it (a sentence, a line of prose);
+  (every unit whole, the last one possibly cut) at least MIN_UNITS units long (for a long
+  unit: its first time and MAX_TEXT_REPEAT tokens repeated verbatim) and MIN_TOKENS tokens,
+  where the unit is text: at least MIN_DISTINCT different tokens, and different tokens for at
+  least half of it or at least MIN_DISTINCT_LONG of them (a sentence, a paragraph);
 - any other unit (symbols, numbers, markup, itself repetitive: "0, ", "| --- ", "la femme, ",
-  a row of a grid), a tail of at least MIN_SHORT_UNITS units and MIN_SHORT_TOKENS tokens.
+  a row of a grid), a tail of at least MIN_SHORT_UNITS units (at most its first time and
+  MAX_SHORT_REPEAT tokens) and MIN_SHORT_TOKENS tokens.
 
 Why these never cut legitimate output in practice: code, tables, JSON lists and markdown
 repeat *structure*, not the same tokens: table rows, list items and lines of code differ in
@@ -20,7 +22,9 @@ separator line, a row of zeros, an empty board or grid, a handful of identical p
 lines — units that repeat within themselves ("0, 0, 0", "+---+---+"), which must repeat 16
 times and 256 tokens before the guard trips (a 10 x 10 zero matrix, an empty 8 x 8 chess
 board in ASCII are below that); a sentence of prose repeated verbatim 4 times in a row (at
-least 64 tokens) is a loop. A
+least 64 tokens) is a loop, and so is a paragraph of 165 tokens followed by 192 tokens that
+repeat it word for word (SmolLM2 at greedy on "Tell me about Jupiter.": two paragraphs,
+themselves repeating a sentence, looped to the cap). A
 client that sets its own cap gets it anyway (the guard applies by default only to requests
 that set none: `--loop-guard`).
 
@@ -35,11 +39,31 @@ from collections import deque
 
 MAX_UNIT = 256  # the longest repeated unit looked for, in tokens
 MIN_UNITS = 4  # a text unit repeated this many times ...
+MAX_TEXT_REPEAT = 192  # ... (a long one: its first time, then this many tokens again) ...
 MIN_TOKENS = 64  # ... over at least this many tokens, is a loop
 MIN_DISTINCT = 8  # a text unit: at least this many different tokens, and different tokens
 MIN_DISTINCT_SHARE = 0.5  # ... for at least this share of its length
-MIN_SHORT_UNITS = 16  # a unit of fewer different tokens: this many times ...
+MIN_DISTINCT_LONG = 16  # ... or at least this many (a paragraph that repeats a sentence)
+MIN_SHORT_UNITS = 16  # any other unit: this many times ...
+MAX_SHORT_REPEAT = 512  # ... (a long one: its first time, then this many tokens again) ...
 MIN_SHORT_TOKENS = 256  # ... over at least this many tokens
+
+
+def text_tail(unit: int) -> int:
+    """The repeated tail that makes a loop of a text unit of `unit` tokens."""
+    return max(unit + min((MIN_UNITS - 1) * unit, MAX_TEXT_REPEAT), MIN_TOKENS)
+
+
+def other_tail(unit: int) -> int:
+    """The repeated tail that makes a loop of any other unit of `unit` tokens."""
+    return max(unit + min((MIN_SHORT_UNITS - 1) * unit, MAX_SHORT_REPEAT), MIN_SHORT_TOKENS)
+
+
+def is_text(unit: int, distinct: int) -> bool:
+    """Whether a unit of `unit` tokens, `distinct` of them different, is text."""
+    return distinct >= MIN_DISTINCT and (
+        distinct >= MIN_DISTINCT_SHARE * unit or distinct >= MIN_DISTINCT_LONG
+    )
 
 
 class LoopGuard:
@@ -88,7 +112,7 @@ class LoopGuard:
             r = run[p] + 1 if last[p] == i - 1 else 1
             run[p] = r
             last[p] = i
-            if r + p >= max(MIN_UNITS * p, MIN_TOKENS):
+            if r + p >= text_tail(p):  # (any other unit's is longer)
                 if candidates is None:
                     candidates = [p]
                 else:
@@ -98,10 +122,7 @@ class LoopGuard:
             return False
         for p in candidates:
             tail = run[p] + p
-            if tail >= max(MIN_SHORT_UNITS * p, MIN_SHORT_TOKENS):
-                return True
-            distinct = self._distinct_in_unit(p, i - run[p])
-            if distinct >= MIN_DISTINCT and distinct >= MIN_DISTINCT_SHARE * p:
+            if tail >= other_tail(p) or is_text(p, self._distinct_in_unit(p, i - run[p])):
                 return True
         return False
 
