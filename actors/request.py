@@ -34,7 +34,7 @@ class RequestOutput:
     request_id: str
     text: str  # new text since the previous output ("" for progress-only outputs)
     token_ids: tuple[int, ...]  # new token ids since the previous output
-    finish_reason: str | None  # "stop", "length", "cancelled", "error" on the last output
+    finish_reason: str | None  # "stop", "length", "loop", "cancelled", "error" on the last
     num_prompt_tokens: int
     num_output_tokens: int  # generated so far, in total
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache

@@ -334,6 +334,13 @@ class ServerConfig(_Options):
         "the model's max_new_tokens, else 4096); a request asks for more itself, up to the "
         "room left in the context",
     )
+    loop_guard: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="end an answer that repeats itself verbatim (a sentence looped again and "
+        "again): finish_reason length (Anthropic: max_tokens), reason loop in the event log. "
+        "auto: for requests that set no max_tokens (the default cap applies); on: every "
+        "request; off: none",
+    )
     reasoning_parser: Literal["auto", "qwen3", "deepseek_r1", "think"] | None = Field(
         None,
         description="split the model's think block into `reasoning_content` (OpenAI) / "

@@ -44,6 +44,18 @@ class SamplingParams(BaseModel):
     repetition_penalty: float = Field(
         1.0, gt=0.0, le=MAX_REPETITION_PENALTY, description="1 = off; > 1 penalises"
     )
+    repeat_last_n: int | None = Field(
+        None,
+        ge=-1,
+        le=MAX_INT32,
+        description="the penalties look at the context's last n tokens (prompt and answer: "
+        "Ollama's and llama.cpp's repeat_last_n); 0 = none (no penalty), None or -1 = all",
+    )
+    loop_guard: bool = Field(
+        False,
+        description="end the answer (finish_reason 'loop') once it repeats itself verbatim "
+        "(stepline.actors.scheduler.loop_guard)",
+    )
     logprobs: int | None = Field(None, ge=0, le=20, description="top-k logprobs per token")
     grammar: str | None = Field(None, description="llguidance grammar (stepline.engine.grammar)")
 
@@ -51,6 +63,11 @@ class SamplingParams(BaseModel):
     @classmethod
     def _top_k(cls, v: int) -> int:
         return 0 if v == -1 else v  # both mean off; one spelling in the log
+
+    @field_validator("repeat_last_n")
+    @classmethod
+    def _repeat_last_n(cls, v: int | None) -> int | None:
+        return None if v == -1 else v  # both mean the whole context; one spelling in the log
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -117,7 +117,8 @@ def report(path: Path) -> None:
         p = a.params
         print(
             f"  {rid[:22]:22} {job:10} prompt {a.num_prompt_tokens:5d}, max_tokens "
-            f"{p.max_tokens:5d}, rep {p.repetition_penalty:g}, T {p.temperature:g}; out "
+            f"{p.max_tokens:5d}{' guarded' if p.loop_guard else ''}, rep "
+            f"{p.repetition_penalty:g}, T {p.temperature:g}; out "
             f"{len(out):5d}, {reason:9}; queueing {first_step.get(rid, a.ts) - a.ts:6.2f} s, "
             f"TTFT {(ts[0] - a.ts) if ts else float('nan'):6.2f} s, took {end_ts - a.ts:6.1f} s"
         )

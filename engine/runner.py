@@ -176,6 +176,7 @@ class ModelRunner:
             presence_penalty=p.presence_penalty,
             frequency_penalty=p.frequency_penalty,
             repetition_penalty=p.repetition_penalty,
+            repeat_last_n=p.repeat_last_n,
             logprobs=p.logprobs,
         )
         seq = self._seqs[new.request_id] = Seq(

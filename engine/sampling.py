@@ -65,6 +65,8 @@ class RowSampling:
     presence_penalty: float = 0.0  # OpenAI: subtracted once from every token generated so far
     frequency_penalty: float = 0.0  # OpenAI: subtracted once per time a token was generated
     repetition_penalty: float = 1.0  # HF/mlx-lm, over prompt + generated tokens; > 1 penalises
+    # the penalties look at the context's last n tokens (Ollama's repeat_last_n); None: all
+    repeat_last_n: int | None = None
     logprobs: int | None = None  # None => none; k >= 0 => chosen token's logprob + top k
 
     def __post_init__(self) -> None:
@@ -100,6 +102,13 @@ class RowSampling:
                 f"repetition_penalty must be a number in (0, {MAX_REPETITION_PENALTY:g}] "
                 f"(1 disables it), got {self.repetition_penalty}"
             )
+        if self.repeat_last_n is not None and (
+            not is_int(self.repeat_last_n) or not 0 <= self.repeat_last_n <= MAX_INT32
+        ):
+            raise ValueError(
+                f"repeat_last_n must be None (the whole context) or an integer >= 0, "
+                f"got {self.repeat_last_n!r}"
+            )
         if self.logprobs is not None and (
             not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_INT32
         ):
@@ -111,8 +120,9 @@ class RowSampling:
 
     @property
     def needs_history(self) -> bool:
-        """Whether sampling this row reads its `RowHistory` (it has a penalty)."""
-        return (
+        """Whether sampling this row reads its `RowHistory` (it has a penalty, over a window
+        of at least one token)."""
+        return self.repeat_last_n != 0 and (
             self.presence_penalty != 0
             or self.frequency_penalty != 0
             or self.repetition_penalty != 1

@@ -116,7 +116,7 @@ class FoldError(ValueError):
         super().__init__(message)
 
 
-_NORMAL_ENDS = (FinishReason.STOP, FinishReason.LENGTH)
+_NORMAL_ENDS = (FinishReason.STOP, FinishReason.LENGTH, FinishReason.LOOP)
 
 
 def apply(state: RequestState | None, event: Event | Decoding) -> RequestState:

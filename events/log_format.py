@@ -212,9 +212,17 @@ def _v9_to_v10(raw: dict[str, Any]) -> dict[str, Any]:
     return raw
 
 
+def _v10_to_v11(raw: dict[str, Any]) -> dict[str, Any]:
+    # Schema 11 only added the loop guard's end (`terminal` reason loop), `RequestParams`'s
+    # `loop_guard` and `repeat_last_n`, whose defaults (none, the whole context) are what
+    # every request of a version-10 log ran with.
+    return raw
+
+
 _UPCASTERS[7] = _v7_to_v8
 _UPCASTERS[8] = _v8_to_v9
 _UPCASTERS[9] = _v9_to_v10
+_UPCASTERS[10] = _v10_to_v11
 # upcasters that change nothing (by version): while registered, their records parse as they are
 _NO_OP_UPCASTERS = {
     1: _v1_to_v2,
@@ -224,6 +232,7 @@ _NO_OP_UPCASTERS = {
     7: _v7_to_v8,
     8: _v8_to_v9,
     9: _v9_to_v10,
+    10: _v10_to_v11,
 }
 
 

@@ -37,7 +37,11 @@ nothing. 9 added LoRA adapters (`Admitted.adapter`, `AdapterLoaded`); the 8 -> 9
 changes nothing. 10 says where a request came from (`Admitted.origin`): a client's, or one the
 engine sent itself (a chat's next turn prefilled once it ended, api/pipeline/next_turn.py),
 which takes only what no client's request wants. Every request of a version-9 log was a
-client's (the default), so the 9 -> 10 upcaster changes nothing.
+client's (the default), so the 9 -> 10 upcaster changes nothing. 11 added a request's end by
+its loop guard (`FinishReason.LOOP`: its answer repeated itself verbatim, actors/scheduler/
+loop_guard.py), whether a request has one (`RequestParams.loop_guard`) and the window its
+penalties look at (`RequestParams.repeat_last_n`); a version-10 log has no such end and its
+requests neither (the defaults, left out of the line), so the 10 -> 11 upcaster changes nothing.
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ from typing import Annotated, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
-SCHEMA_VERSION = 10
+SCHEMA_VERSION = 11
 
 # Where a request came from (`Admitted.origin`): a client's (any door, the Python API), or the
 # engine's own prefill of a chat's next turn (api/pipeline/next_turn.py).
@@ -61,6 +65,9 @@ Origin = Literal["client", "next-turn"]
 class FinishReason(StrEnum):
     STOP = "stop"  # a stop token or stop string
     LENGTH = "length"  # max_tokens reached
+    # its loop guard ended it: the answer had been repeating itself verbatim (a door says
+    # "length": OpenAI's finish_reason, Anthropic's "max_tokens", Ollama's done_reason)
+    LOOP = "loop"
     CANCELLED = "cancelled"  # the client went away or cancelled
     ERROR = "error"  # the engine failed while serving it
     REJECTED = "rejected"  # never admitted: it cannot be served (too long, engine dead)
@@ -97,6 +104,10 @@ def _absent(value: object) -> bool:
     return value is None
 
 
+def _is_false(value: object) -> bool:
+    return value is False
+
+
 def _is_image(value: object) -> bool:
     return value == "image"
 
@@ -118,6 +129,12 @@ class RequestParams(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # The last tokens of the context (prompt and answer) the three penalties look at (Ollama's
+    # and llama.cpp's `repeat_last_n`); None: all of them. Written only where set.
+    repeat_last_n: int | None = Field(default=None, exclude_if=_absent)
+    # Whether an answer that repeats itself verbatim ends there (reason loop); written only
+    # where set.
+    loop_guard: bool = Field(default=False, exclude_if=_is_false)
     grammar: str | None = None  # llguidance grammar the output must follow (engine/grammar.py)
     logprobs: int | None = None  # None: no logprobs; k: the chosen token's and the top k
     # An embedding request (max_tokens 0): how its hidden states are pooled. Written only where

@@ -120,6 +120,7 @@ async def test_ollamas_show_lists_the_model_s_parameters_over_ollamas_defaults(t
         "top_p": "0.95",
         "top_k": "20",
         "repeat_penalty": "1",  # Ollama's default: the model's file sets none
+        "repeat_last_n": "64",  # Ollama's too
         "num_predict": str(MAX_NEW_TOKENS),
     }
 

@@ -198,16 +198,28 @@ async def test_a_request_with_no_options_gets_ollamas_default_options(served, c)
     # Ollama's DefaultOptions (api/types.go): the demo model's directory sets none of its own.
     assert (params.temperature, params.top_k, params.top_p) == (0.8, 40, 0.9)
     assert params.repetition_penalty == 1.0 and params.min_p == 0.0
+    assert params.repeat_last_n == 64  # the penalties look at the last 64 tokens
     room = served.engine.max_context - state.num_prompt_tokens
     assert params.max_tokens == min(4096, room)  # the default cap, cut to the room
+    assert params.loop_guard  # no num_predict: an answer that loops ends
     shown = await c.show(MODEL)
     assert "temperature                    0.8" in shown.parameters
     assert "repeat_penalty                 1" in shown.parameters
+    assert "repeat_last_n                  64" in shown.parameters
+
+
+@pytest.mark.parametrize(("n", "window"), [(8, 8), (0, 0), (-1, None)])
+async def test_repeat_last_n_is_the_penalties_window(served, n, window):
+    options = {"repeat_last_n": n, "repeat_penalty": 1.2, "num_predict": 2}
+    state = await _params(served, {"messages": HI, "options": options})
+    assert state.params.repeat_last_n == window  # -1: all of num_ctx, the whole context
+    assert not state.params.loop_guard  # num_predict set: it gets what it asked for
 
 
 async def test_num_predict_minus_one_asks_for_the_whole_context(served):
     state = await _params(served, {"messages": HI, "options": {"num_predict": -1}})
     assert state.params.max_tokens == served.engine.max_context - state.num_prompt_tokens
+    assert not state.params.loop_guard  # it asked for the whole context: it gets it
 
 
 async def test_num_ctx_bounds_the_request_and_past_the_model_s_context_is_refused(served, c):

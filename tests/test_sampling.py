@@ -263,15 +263,22 @@ def test_a_history_with_a_token_outside_the_vocabulary_is_rejected():
 
 
 def penalised_by_hand(raw: mx.array, rows, histories) -> list[list[float]]:
+    """The penalties as their definitions say: over the context's last `repeat_last_n`
+    tokens (all of them where None), the repetition penalty at every distinct token there,
+    presence and frequency at the generated ones."""
     out = raw.tolist()
     for x, row, history in zip(out, rows, histories, strict=True):
-        if history is None:
+        if history is None or not row.needs_history:
             continue
-        for t in history.seen_ids:
+        context = [history.token_at(k) for k in range(history.num_tokens)]
+        n = row.repeat_last_n
+        start = 0 if n is None else max(0, len(context) - n)
+        for t in set(context[start:]):
             rep = row.repetition_penalty
             x[t] = x[t] / rep if x[t] > 0 else x[t] * rep
-        for t, n in Counter(history.generated).items():
-            x[t] -= row.presence_penalty + row.frequency_penalty * n
+        generated = context[max(start, history.num_prompt) :]
+        for t, count in Counter(generated).items():
+            x[t] -= row.presence_penalty + row.frequency_penalty * count
     return out
 
 
@@ -295,6 +302,46 @@ def test_penalties_kept_from_step_to_step_equal_penalties_built_from_the_whole_h
             for token in [(step + i) % 5, 7] if step % 3 else [(step * i) % 32]:
                 if history is not None:
                     history.append(token)  # repeats, new ids, and two tokens in one step
+
+
+def test_a_window_penalises_only_the_last_n_tokens_as_ollama_s_repeat_last_n():
+    logits = [2.0, 1.5, 0.0]
+    history = history_of([0], [2, 2])  # token 0 is the prompt's, three tokens back
+    assert greedy_with(RowSampling(temperature=0, repetition_penalty=2.0), logits, history) == 1
+    windowed = RowSampling(temperature=0, repetition_penalty=2.0, repeat_last_n=2)
+    assert greedy_with(windowed, logits, history) == 0  # 0 is out of the window: 2.0 stays
+    nothing = RowSampling(temperature=0, repetition_penalty=2.0, repeat_last_n=0)
+    assert not nothing.needs_history  # no token to look at: no penalty
+    presence = RowSampling(temperature=0, presence_penalty=1.0, repeat_last_n=1)
+    assert greedy_with(presence, logits, history_of([], [0, 2])) == 0  # 0 left the window
+
+
+def test_windowed_penalties_kept_from_step_to_step_equal_the_definition():
+    """Rows with windows (tokens leave them, come back, several a step) beside rows
+    without: the kept arrays give the logits of arrays built afresh, bit for bit, and those
+    of the penalties computed from their definition."""
+    rows = [
+        RowSampling(temperature=0, repetition_penalty=1.3, repeat_last_n=4),
+        RowSampling(presence_penalty=0.5, frequency_penalty=0.25, repeat_last_n=3),
+        RowSampling(temperature=0),
+        RowSampling(repetition_penalty=0.8, frequency_penalty=-0.4, seed=1),
+        RowSampling(repetition_penalty=1.5, presence_penalty=-0.3, repeat_last_n=1),
+        RowSampling(repetition_penalty=1.2, frequency_penalty=0.7, repeat_last_n=64),
+        RowSampling(repetition_penalty=1.2, repeat_last_n=0),
+    ]
+    prompts = [[1, 2, 2, 9], [3, 3, 4], [], [5], [6, 7], list(range(20)), [1]]
+    histories = [RowHistory(p) for p in prompts]
+    histories[2] = None  # no penalty: no history
+    kept = SamplingRows(rows)
+    for step in range(16):
+        raw = mx.random.normal((len(rows), 32), key=mx.random.key(step))
+        fresh = apply_penalties(raw, SamplingRows(rows).penalties(histories, 32))
+        assert mx.array_equal(apply_penalties(raw, kept.penalties(histories, 32)), fresh)
+        assert mx.allclose(fresh, mx.array(penalised_by_hand(raw, rows, histories)), atol=1e-5)
+        for i, history in enumerate(histories):
+            for token in [(step + i) % 5, 7] if step % 3 else [(step * i) % 32, 9, 9, 1, 2]:
+                if history is not None:
+                    history.append(token)
 
 
 # -- logprobs -------------------------------------------------------------------------------------

@@ -3,9 +3,9 @@
 A request's scheduling facts are its `RequestState` (events/fold.py). The core keeps a few
 facts the fold does not hold, none of them in the log: the ids it has seen (to refuse one
 reused), its recently ended states (for inspection), what the executor must still free,
-and for a live request its drafter, its images' encoder inputs and whether a disk entry
-was loaded for it. `RequestBook` holds them all, and `ended` lets a request go from every
-one at once. It also tells the drafters what each step proposed, planned and kept.
+and for a live request its drafter, its loop guard, its images' encoder inputs and whether
+a disk entry was loaded for it. `RequestBook` holds them all, and `ended` lets a request go
+from every one at once. It also tells the drafters what each step proposed, planned and kept.
 """
 
 from __future__ import annotations
@@ -15,12 +15,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from stepline.actors.scheduler.drafter import Drafter
+from stepline.actors.scheduler.loop_guard import LoopGuard
 from stepline.actors.scheduler.plan import StepPlan
 from stepline.actors.scheduler.spans import PromptImage
 from stepline.events.fold import RequestState, Status
 from stepline.events.models import FinishReason, PrefixMiss
 
-_REUSABLE = (FinishReason.STOP, FinishReason.LENGTH)  # ended cleanly: cache worth keeping
+# ended cleanly: cache worth keeping
+_REUSABLE = (FinishReason.STOP, FinishReason.LENGTH, FinishReason.LOOP)
 _KEEP_IDS = 100_000  # request ids refused as reused within this many requests
 _KEEP_FINISHED = 1024  # ended requests' states kept for inspection
 # ... and at most this many prompt token ids among them (a 128k-token prompt's state holds
@@ -37,6 +39,9 @@ class RequestBook:
         self.to_free: dict[str, bool] = {}
         # live request -> its prompt lookup, while it may draft (actors/scheduler/drafter.py)
         self.drafters: dict[str, Drafter] = {}
+        # live request -> its generated tokens as a loop needs them, where it has a loop guard
+        # (`RequestParams.loop_guard`; actors/scheduler/loop_guard.py)
+        self.loop_guards: dict[str, LoopGuard] = {}
         self.disk_tried: set[str] = set()  # live requests a disk entry was loaded for
         # waiting request -> its images' encoder inputs (pixels: not the fold's, not logged),
         # until its first chunk hands them to the executor
@@ -58,12 +63,18 @@ class RequestBook:
             self._seen.popitem(last=False)
 
     def admitted(
-        self, request_id: str, images: Sequence[PromptImage], drafter: Drafter | None
+        self,
+        request_id: str,
+        images: Sequence[PromptImage],
+        drafter: Drafter | None,
+        loop_guard: bool = False,
     ) -> None:
         if images:  # what the encoder reads, until the executor has it
             self._images[request_id] = tuple(images)
         if drafter is not None:
             self.drafters[request_id] = drafter
+        if loop_guard:
+            self.loop_guards[request_id] = LoopGuard()
 
     def take_images(self, request_id: str) -> tuple[PromptImage, ...]:
         """A starting request's images' encoder inputs, for the executor (once)."""
@@ -100,6 +111,7 @@ class RequestBook:
         self._misses.pop(request_id, None)
         self.own_checkpoints.pop(request_id, None)
         self.drafters.pop(request_id, None)
+        self.loop_guards.pop(request_id, None)
 
     def propose_drafts(
         self, states: Mapping[str, RequestState]

@@ -26,6 +26,8 @@ Who owns which fact about a request:
 | the executor still holds its arrays    | `book.to_free` (until the next step or             |
 |                                        | housekeeping; bookkeeping.py `RequestBook`)        |
 | a disk entry was loaded for it         | `book.disk_tried`                                  |
+| whether its answer now loops           | `book.loop_guards` (its last generated ids, where  |
+|                                        | its params ask for a loop guard: loop_guard.py)    |
 | output ids and text                    | its request actor (detokenizer, stop strings)      |
 | MLX arrays (cache, prompt, sampling)   | the executor's runner (`engine/sequences.Seq`)     |
 
@@ -260,7 +262,7 @@ class SchedulerCore:
             raise refused
         drafts = self.speculative is not None and speculates(params) and not images
         drafter = Drafter(self.speculative, ids) if drafts else None
-        self.book.admitted(request_id, images, drafter)
+        self.book.admitted(request_id, images, drafter, params.loop_guard)
 
     def refuse(self, request_id: str, message: str, *, code: str, status: int) -> Terminal | None:
         """Record a request refused before it reached the engine (at an HTTP door: bad
@@ -497,8 +499,8 @@ class SchedulerCore:
     ) -> None:
         """Record a step's tokens as one event (a row a token: a row that kept drafts has
         several), apply each request's rows with the fold's `apply_sampled`, and end the
-        requests a token ends (stop token, length): the tokens after it are dropped."""
-        kept = cut_at_finish(self.states, live, self.limits)
+        requests a token ends (stop token, length, a loop): the tokens after it are dropped."""
+        kept = cut_at_finish(self.states, live, self.limits, self.book.loop_guards)
         event = self._record(
             TokensSampled,
             request_ids=tuple(rid for rid, tokens, _ in kept for _ in tokens),

@@ -1,7 +1,8 @@
 """What the scheduler core records of a step, as plain functions of the plan, a request's
 state and the executor's result: the fields of its events (`admitted`, `planned`,
 `chunk_records`),
-where a request's sampled tokens end it (`cut_at_finish`), and what the step did for each
+where a request's sampled tokens end it (`cut_at_finish`: a stop token, its length, its loop
+guard), and what the step did for each
 request actor and the metrics (`StepOutcome`). The core stamps and applies the events
 (`SchedulerCore._record`); nothing here changes a state.
 """
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stepline.actors.messages import TokenLogprob, Update
+from stepline.actors.scheduler.loop_guard import LoopGuard
 from stepline.actors.scheduler.plan import (
     ScheduledChunk,
     ScheduledEncode,
@@ -152,15 +154,22 @@ def cut_at_finish(
     states: Mapping[str, RequestState],
     live: Sequence[tuple[str, list[int]]],
     limits: ModelLimits,
+    loop_guards: Mapping[str, LoopGuard] | None = None,
 ) -> list[Sampled]:
     """Each live request's tokens of a step (a row that kept drafts has several), cut after
-    the first that ends it (stop token, length), with why it ended (None: it goes on)."""
+    the first that ends it (stop token, length, or where it has a loop guard in
+    `loop_guards`, the token that closes a loop: each token kept goes into its guard), with
+    why it ended (None: it goes on)."""
     kept: list[Sampled] = []
+    guards = loop_guards or {}
     for rid, tokens in live:
         before = states[rid]
+        guard = guards.get(rid)
         finish = None
         for i, token in enumerate(tokens):
             finish = finish_reason(before, before.num_output_tokens + i + 1, token, limits)
+            if finish is None and guard is not None and guard.add(token):
+                finish = FinishReason.LOOP
             if finish is not None:
                 del tokens[i + 1 :]
                 break

@@ -3,8 +3,9 @@ their translation to what the pipeline takes. No MLX, no engine.
 
 `options` are mapped to sampling: `num_predict` (-1 or -2: as far as the context goes; left
 out: the model's default cap), `temperature`, `top_p`, `top_k`, `min_p`, `seed`, `stop`,
-`presence_penalty`, `frequency_penalty`, `repeat_penalty` (over the whole context:
-`repeat_last_n` is accepted and not applied); what a request leaves out is the model's
+`presence_penalty`, `frequency_penalty`, `repeat_penalty`, `repeat_last_n` (the penalties
+look at the context's last n tokens; 0: none, -1: all of `num_ctx`); what a request leaves
+out is the model's
 default, else Ollama's `DefaultOptions` (api/ollama/serving.py). `num_ctx` is the request's
 context (prompt and answer), at most the model's here. The options that tune Ollama's runtime
 (`num_gpu`, `num_thread`, ...) change no answer here and are accepted; sampling this engine
@@ -50,7 +51,7 @@ class Options(_Request):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repeat_penalty: float | None = Field(None, gt=0.0, le=MAX_REPETITION_PENALTY)
-    repeat_last_n: int | None = None
+    repeat_last_n: int | None = Field(None, ge=-1, le=MAX_INT32)  # 0: none, -1: num_ctx
     num_ctx: int | None = Field(None, ge=1, le=MAX_INT32)
     # Sampling this engine does not do: refused past their neutral values (`check`).
     mirostat: int | None = None
@@ -131,6 +132,10 @@ class OllamaRequest(_Request):
     @property
     def repetition_penalty(self) -> float | None:
         return self.opts.repeat_penalty
+
+    @property
+    def repeat_last_n(self) -> int | None:
+        return self.opts.repeat_last_n
 
     @property
     def stop_strings(self) -> tuple[str, ...]:

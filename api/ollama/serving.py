@@ -64,15 +64,16 @@ if TYPE_CHECKING:
 API_VERSION = "0.12.0"  # the Ollama API these routes follow, for clients that check it
 NEVER = "2999-12-31T23:59:59Z"  # /api/ps's expires_at of a model never unloaded
 # Ollama's `DefaultOptions` (api/types.go) by engine names, under the model's own defaults.
-# repeat_penalty is 1.0 as in Ollama from v0.32.10 on (1.1 before, over the last 64 tokens;
-# this engine's penalty covers the whole context, so 1.1 here would be harsher than Ollama's
-# ever was). num_predict -1 (no limit) is not taken: a request that sets none gets the model's
-# cap, one that sends -1 or -2 the room left in the context.
+# repeat_penalty is 1.0 as in Ollama from v0.32.10 on (1.1 before); the penalties (a model's
+# own repetition_penalty included) look at the last 64 tokens, as Ollama's repeat_last_n.
+# num_predict -1 (no limit) is not taken: a request that sets none gets the model's cap, one
+# that sends -1 or -2 the room left in the context.
 OLLAMA_DEFAULTS: dict[str, Any] = {
     "temperature": 0.8,
     "top_k": 40,
     "top_p": 0.9,
     "repetition_penalty": 1.0,
+    "repeat_last_n": 64,
 }
 # Engine names -> Ollama's option names, for /api/show's `parameters`.
 OPTION_NAMES = {"repetition_penalty": "repeat_penalty"}

@@ -85,6 +85,8 @@ class _SamplingFields(_Request):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=MAX_REPETITION_PENALTY)  # extension
+    # extension (llama.cpp's): the penalties look at the last n tokens; 0 none, -1 all
+    repeat_last_n: int | None = Field(None, ge=-1, le=MAX_INT32)
     ignore_eos: bool = False  # extension: always generate max_tokens (benchmarks)
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -7,7 +7,7 @@ renders pieces in its wire format (`Renderer`).
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
 import anyio
@@ -55,6 +55,21 @@ class Piece:
     @property
     def is_progress(self) -> bool:
         return self.out.is_progress
+
+
+# How an end the APIs have no word for reaches a client: the loop guard's (the answer
+# repeated itself verbatim; actors/scheduler/loop_guard.py) as a length, the nearest standard
+# value (OpenAI's finish_reason, Ollama's done_reason; Anthropic's stop_reason max_tokens,
+# Responses' incomplete max_output_tokens). The event log and the Python API keep "loop".
+AS_SENT = {"loop": "length"}
+
+
+def as_sent(out: RequestOutput) -> RequestOutput:
+    """`out` with its finish reason as the doors send it (`AS_SENT`)."""
+    reason = out.finish_reason
+    if reason is None or reason not in AS_SENT:
+        return out
+    return replace(out, finish_reason=AS_SENT[reason])
 
 
 class RequestFailed(APIError):
@@ -111,7 +126,8 @@ async def pieces(started: Started, splitter: OutputSplitter) -> AsyncIterator[Pi
     APIError for a request that failed or ended without a finish reason. Once it ended,
     `started.after` hears its whole text."""
     texts: list[str] = []
-    async for out in started.stream:
+    async for received in started.stream:
+        out = as_sent(received)
         if out.is_progress:
             yield Piece(OutputDelta(), out)
             continue
@@ -162,6 +178,7 @@ async def collect(request: Request, started: Started) -> list[RequestOutput]:
     await attached(request, read)
     if not outs or outs[-1].finish_reason is None:
         raise client_closed()
+    outs[-1] = as_sent(outs[-1])
     if outs[-1].finish_reason not in ("stop", "length"):
         raise RequestFailed(failure(started, outs[-1]), outs[-1])
     ended(started, outs[-1], [o.text for o in outs])

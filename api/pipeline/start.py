@@ -43,6 +43,7 @@ SAMPLING_FIELDS = (
     "presence_penalty",
     "frequency_penalty",
     "repetition_penalty",
+    "repeat_last_n",
 )
 EFFECTIVE_MAX_TOKENS_HEADER = "x-stepline-max-tokens"  # set when a max_tokens was clamped
 # The tools a request's `tools` lost: hosted ones (Responses), or all of them when the model's
@@ -169,7 +170,14 @@ class Starter:
         if call.think_budget is not None:
             agent = agent.with_think_budget(tokenizer, call.think_budget, prompt_text)
         below = {**call.door_defaults, **defaults.sampling.values()}
-        params = self.sampling(call.sampling, max_tokens, call.logprobs, agent.grammar, below)
+        params = self.sampling(
+            call.sampling,
+            max_tokens,
+            call.logprobs,
+            agent.grammar,
+            below,
+            loop_guard=self.loop_guarded(call),
+        )
         stream = await engine.submit(
             prepared,
             params=params,
@@ -205,6 +213,16 @@ class Starter:
                 calls_as_input=call.calls_as_input,
             ).after
         return started
+
+    def loop_guarded(self, call: Call) -> bool:
+        """Whether the answer ends once it repeats itself verbatim (reason loop:
+        actors/scheduler/loop_guard.py): under `--loop-guard auto`, where the request set no
+        cap of its own (the default one applies); a client that asked for a length, or for
+        the whole context, gets it."""
+        mode = self.config.loop_guard
+        return mode == "on" or (
+            mode == "auto" and call.max_tokens is None and not call.whole_context
+        )
 
     def next_turn_wanted(self, engine: Engine, messages: list[dict[str, Any]]) -> bool:
         """Whether a chat's next turn is prefilled once it ends (`next_turn.py`): where the
@@ -277,13 +295,16 @@ class Starter:
         logprobs: int | None,
         grammar: str | None = None,
         defaults: dict[str, Any] | None = None,
+        *,
+        loop_guard: bool = False,
     ) -> SamplingParams:
         """The one parameter builder of every door: `req`'s sampling fields (those of
         `SAMPLING_FIELDS` it has, already range-checked; `stop_strings`, `ignore_eos`,
         `top_k`, `stop_token_ids`) as engine parameters, over `defaults` (the model's and the
         door's, by engine names: api/defaults.py), over the engine's; the checks that need the model
         (`top_k` and `stop_token_ids` within the vocabulary) are `Engine.submit`'s. A
-        temperature below GREEDY_TEMPERATURE is greedy."""
+        temperature below GREEDY_TEMPERATURE is greedy; `loop_guard`: the answer ends once it
+        loops (`loop_guarded`)."""
         top_k = getattr(req, "top_k", None)
         stop_token_ids = getattr(req, "stop_token_ids", None)
         fields: dict[str, Any] = {
@@ -292,6 +313,7 @@ class Starter:
             "ignore_eos": getattr(req, "ignore_eos", False),
             "logprobs": logprobs,
             "grammar": grammar,
+            "loop_guard": loop_guard,
             **(defaults or {}),
         }
         for name in SAMPLING_FIELDS:

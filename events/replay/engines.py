@@ -25,7 +25,7 @@ from stepline.events.replay.verify import ModelVerifyReports, VerifyReport, veri
 from stepline.events.replay.views import RequestTimeline, request_timeline
 from stepline.events.scan import scan_run_events
 
-_FINISHED = (FinishReason.STOP, FinishReason.LENGTH)
+_FINISHED = (FinishReason.STOP, FinishReason.LENGTH, FinishReason.LOOP)
 _FAILED = (FinishReason.ERROR, FinishReason.REJECTED)
 
 

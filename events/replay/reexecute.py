@@ -35,6 +35,9 @@ from stepline.events.models import (
     TokensSampled,
 )
 
+# The ends a re-execution compares whole (else only the tokens the recorded run produced).
+_NORMAL_ENDS = (FinishReason.STOP, FinishReason.LENGTH, FinishReason.LOOP)
+
 
 class _Report(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -250,7 +253,7 @@ def _skip_reason(rec: RecordedRequest, images_at: Path | None = None) -> str | N
         return "its images were not kept beside the log"
     if p.temperature >= GREEDY_TEMPERATURE and p.seed is None:
         return "sampled without a seed, so not reproducible"
-    if rec.finish is not FinishReason.STOP and rec.finish is not FinishReason.LENGTH:
+    if rec.finish not in _NORMAL_ENDS:
         if not rec.output_token_ids:
             return "produced no token when recorded"
     return None
@@ -287,7 +290,7 @@ def replay_params(rec: RecordedRequest) -> RequestParams:
     """The recorded params; a request cut short (cancelled, error, crash) is asked only for
     as many tokens as it produced, since only those can be compared."""
     p = rec.admitted.params
-    if rec.finish in (FinishReason.STOP, FinishReason.LENGTH):
+    if rec.finish in _NORMAL_ENDS:
         return p
     return p.model_copy(update={"max_tokens": len(rec.output_token_ids)})
 
@@ -421,6 +424,3 @@ def _compare(rec: RecordedRequest, results: Results) -> RequestComparison:
         divergence=divergence,
         note=note,
     )
-
-
-_NORMAL_ENDS = (FinishReason.STOP, FinishReason.LENGTH)
