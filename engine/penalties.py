@@ -206,6 +206,19 @@ class PenaltyArrays:
         on_slots: list[int] = []  # repetition slots of a windowed row whose id came back ...
         on_deltas: list[float] = []  # ... (+1) or left (-1)
         windows = self._windows
+
+        def count(slots: dict[int, int], i: int, row: Penalties, t: int, delta: float) -> None:
+            """Token `t`'s presence/frequency count in row `i` changes by `delta` (its slot
+            made the first time)."""
+            slot = slots.get(t)
+            if slot is None:
+                slots[t] = slot = self._num_add + len(add_index)
+                add_index.append(i * vocab + t)
+                presence.append(row.presence_penalty)
+                frequency.append(row.frequency_penalty)
+            count_slots.append(slot)
+            count_deltas.append(delta)
+
         for j, ((i, row), history) in enumerate(zip(self._rows, self._histories, strict=True)):
             window = windows.get(j)
             if window is not None:
@@ -229,16 +242,8 @@ class PenaltyArrays:
                     slots = self._add_slot[j]
                     for t, before in generated_before.items():
                         delta = window.generated[t] - before
-                        if delta == 0:
-                            continue
-                        slot = slots.get(t)
-                        if slot is None:
-                            slots[t] = slot = self._num_add + len(add_index)
-                            add_index.append(i * vocab + t)
-                            presence.append(row.presence_penalty)
-                            frequency.append(row.frequency_penalty)
-                        count_slots.append(slot)
-                        count_deltas.append(float(delta))
+                        if delta != 0:
+                            count(slots, i, row, t, float(delta))
                 continue
             if history.num_generated == self._num_generated[j]:
                 continue
@@ -250,14 +255,7 @@ class PenaltyArrays:
             if row.presence_penalty != 0 or row.frequency_penalty != 0:
                 slots = self._add_slot[j]
                 for t in history.generated[self._num_generated[j] :]:
-                    slot = slots.get(t)
-                    if slot is None:
-                        slots[t] = slot = self._num_add + len(add_index)
-                        add_index.append(i * vocab + t)
-                        presence.append(row.presence_penalty)
-                        frequency.append(row.frequency_penalty)
-                    count_slots.append(slot)
-                    count_deltas.append(1.0)
+                    count(slots, i, row, t, 1.0)
             self._num_generated[j] = history.num_generated
         self._extend(
             rep_index,
