@@ -247,13 +247,15 @@ async def run_stepline(model: str, burst: Burst, options: dict[str, Any]) -> Fig
 
 @contextlib.contextmanager
 def own_attention(model: Any) -> Iterator[None]:
-    """mlx-lm's own attention function in `model`'s module while the block runs: stepline's
-    engine wraps it for the whole process (engine/fused.py, engine/cpu_attention.py), and
-    BatchGenerator is measured as mlx_lm.server runs it."""
+    """mlx-lm's own attention function in `model`'s module, its own Gated DeltaNet
+    recurrence and expert layers while the block runs: stepline's engine swaps them for the
+    whole process (engine/fused.py, engine/cpu_attention.py, engine/gated_delta.py,
+    engine/experts.py), and BatchGenerator is measured as mlx_lm.server runs it."""
     import importlib
 
     from mlx_lm.models import base
 
+    from stepline.engine import experts, gated_delta
     from stepline.engine.forward import body_of
 
     # a wrapper's attention is its language model's
@@ -262,7 +264,8 @@ def own_attention(model: Any) -> Iterator[None]:
     if mine is not None:
         module.scaled_dot_product_attention = base.scaled_dot_product_attention
     try:
-        yield
+        with gated_delta.mlx_lm_own(), experts.mlx_lm_own():
+            yield
     finally:
         if mine is not None:
             module.scaled_dot_product_attention = mine

@@ -38,7 +38,7 @@ from stepline.actors.scheduler.work import (
     TokenLogprob,
     is_collective_error,
 )
-from stepline.engine import cpu_attention, step_sampling
+from stepline.engine import cpu_attention, experts, gated_delta, step_sampling
 from stepline.engine.constraints import advance
 from stepline.engine.decode_batch import DecodeBatch
 from stepline.engine.draft_model import DraftModel
@@ -149,6 +149,10 @@ class ModelRunner:
         `loaded` built with the same `fuse` and `kv`."""
         # Prompt attention in cache-sized blocks on the CPU (before `fused` wraps it too).
         cpu_attention.install(loaded.model)
+        # Gated DeltaNet's prompt recurrence in blocks of matrix products on the CPU.
+        gated_delta.install(loaded.model)
+        # A mixture's experts, one matrix product each over the tokens routed to it.
+        experts.install()
         media = loaded.vision is not None  # its media chunks fused too, where proven
         return (yield from forwards_kind_steps(loaded.model, fuse=fuse, kv=kv, media=media))
 

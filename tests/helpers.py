@@ -82,14 +82,18 @@ def mlx_lm_greedy(model: Any, prompt: list[int], n: int, stop: Collection[int] =
     import mlx.core as mx  # here: the model-free tests import this module without MLX
     from mlx_lm.generate import generate_step
 
+    from stepline.engine import experts, gated_delta
+
     tokens = []
-    steps = generate_step(
-        mx.array(prompt), model, max_tokens=n, sampler=lambda x: mx.argmax(x, axis=-1)
-    )
-    for token, _ in steps:
-        if int(token) in stop:
-            break
-        tokens.append(int(token))
+    # mlx-lm's own recurrence and experts, not the engine's (`gated_delta`, `experts`)
+    with gated_delta.mlx_lm_own(), experts.mlx_lm_own():
+        steps = generate_step(
+            mx.array(prompt), model, max_tokens=n, sampler=lambda x: mx.argmax(x, axis=-1)
+        )
+        for token, _ in steps:
+            if int(token) in stop:
+                break
+            tokens.append(int(token))
     return tokens
 
 
