@@ -246,10 +246,10 @@ async def run_stepline(model: str, burst: Burst, options: dict[str, Any]) -> Fig
 
 
 @contextlib.contextmanager
-def own_attention(model: Any) -> Iterator[None]:
-    """mlx-lm's own attention function in `model`'s module, its own Gated DeltaNet
-    recurrence and expert layers while the block runs: stepline's engine swaps them for the
-    whole process (engine/fused.py, engine/cpu_attention.py, engine/gated_delta.py,
+def mlx_lm_layers(model: Any) -> Iterator[None]:
+    """mlx-lm's own layers while the block runs (the attention function of `model`'s
+    module, the Gated DeltaNet recurrence, the expert layers): stepline's engine swaps them
+    for the whole process (engine/fused.py, engine/cpu_attention.py, engine/gated_delta.py,
     engine/experts.py), and BatchGenerator is measured as mlx_lm.server runs it."""
     import importlib
 
@@ -272,7 +272,7 @@ def own_attention(model: Any) -> Iterator[None]:
 
 
 def run_batchgen(model: Any, burst: Burst) -> Figures:
-    with own_attention(model):
+    with mlx_lm_layers(model):
         return _run_batchgen(model, burst)
 
 

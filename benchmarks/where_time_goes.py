@@ -51,7 +51,7 @@ from benchmarks.burst import (  # noqa: E402
     StepRecorder,
     figures,
     make_burst,
-    own_attention,
+    mlx_lm_layers,
     p50,
     summarize_steps,
     type_of,
@@ -212,7 +212,7 @@ async def run_stepline(
 def run_batchgen(model: Any, burst: Burst, profile: Profile | None) -> tuple[Any, dict[str, Any]]:
     from mlx_lm.generate import BatchGenerator
 
-    with own_attention(model):
+    with mlx_lm_layers(model):
         gen = BatchGenerator(model)
         kinds: dict[str, list[float]] = defaultdict(list)
         forwards: dict[str, list[int]] = defaultdict(list)

@@ -114,17 +114,6 @@ def chunked(
     return mx.moveaxis(y, 1, 2).astype(out_dtype), s
 
 
-def covers(q: mx.array, g_shape: tuple[int, ...], mask: mx.array | None) -> bool:
-    """Whether `chunked` takes this call: the CPU, a prompt of `MIN_TOKENS` or more,
-    scalar gates and no padding mask (a batch's right-padded rows go to mlx-lm's)."""
-    return (
-        mask is None
-        and q.shape[1] >= MIN_TOKENS
-        and len(g_shape) == 3
-        and (mx.default_device() == mx.cpu or not mx.metal.is_available())
-    )
-
-
 def update(
     q: mx.array,
     k: mx.array,
@@ -137,15 +126,23 @@ def update(
     mask: mx.array | None = None,
     **kwargs: Any,
 ) -> tuple[mx.array, mx.array]:
-    """`gated_delta.gated_delta_update`, its prompt's recurrence in blocks where `covers`."""
-    if mask is not None or q.shape[1] < MIN_TOKENS or kwargs.get("allow_neg_eigval"):
-        return _ORIGINAL(q, k, v, a, b, A_log, dt_bias, state, mask, **kwargs)
+    """`gated_delta.gated_delta_update`, its prompt's recurrence in blocks (`chunked`) on
+    the CPU for a prompt of `MIN_TOKENS` or more with one gate per head and no padding mask
+    (a batch's right-padded rows); anything else is mlx-lm's own call."""
     lower_bound = kwargs.get("lower_bound")
-    if lower_bound is None:
-        g = gated_delta.compute_g(A_log, a, dt_bias)
-    else:
-        g = gated_delta.compute_lower_bound_g(A_log, a, dt_bias, lower_bound)
-    if not covers(q, g.shape, mask):
+    takes = (
+        mask is None
+        and q.shape[1] >= MIN_TOKENS
+        and not kwargs.get("allow_neg_eigval")
+        and mx.default_device() == mx.cpu
+    )
+    if takes:
+        if lower_bound is None:
+            g = gated_delta.compute_g(A_log, a, dt_bias)
+        else:
+            g = gated_delta.compute_lower_bound_g(A_log, a, dt_bias, lower_bound)
+        takes = g.ndim == 3  # per-key gates (B, T, H, Dk): mlx-lm's
+    if not takes:
         return _ORIGINAL(q, k, v, a, b, A_log, dt_bias, state, mask, **kwargs)
     if state is None:
         batch, _, _, key_dim = q.shape
@@ -168,14 +165,6 @@ def install(model: Any) -> bool:
             log.debug("gated_delta_chunked", module=name)
         swapped = swapped or getattr(module, "gated_delta_update", None) is update
     return swapped
-
-
-def uninstall(model: Any) -> None:
-    """Put mlx-lm's own function back in the modules `install` swapped for `model`."""
-    for name in {type(m).__module__ for m in model.modules()}:
-        module = sys.modules.get(name)
-        if getattr(module, "gated_delta_update", None) is update:
-            module.gated_delta_update = _ORIGINAL  # type: ignore[union-attr]
 
 
 @contextlib.contextmanager

@@ -36,6 +36,14 @@ def inputs(length: int, *, gate_shift: float = 0.0, state: bool = True, seed: in
     return q, k, v, a, b, a_log, dt_bias, start
 
 
+def spy(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that grows by one each time `gated_delta.chunked` runs."""
+    calls: list[int] = []
+    own = gated_delta.chunked
+    monkeypatch.setattr(gated_delta, "chunked", lambda *a: calls.append(1) or own(*a))
+    return calls
+
+
 def assert_close(got: mx.array, want: mx.array) -> None:
     assert got.shape == want.shape and got.dtype == want.dtype
     assert mx.allclose(got, want, atol=2e-6, rtol=1e-5), float(mx.abs(got - want).max())
@@ -43,10 +51,14 @@ def assert_close(got: mx.array, want: mx.array) -> None:
 
 @pytest.mark.parametrize("length", [8, 31, 32, 33, 100, 257])
 @pytest.mark.parametrize("gate_shift", [-6.0, 0.0, 6.0], ids=["fast-decay", "mid", "slow-decay"])
-def test_blocks_give_mlx_lms_outputs_and_state(length: int, gate_shift: float):
+def test_blocks_give_mlx_lms_outputs_and_state(
+    length: int, gate_shift: float, monkeypatch: pytest.MonkeyPatch
+):
     args = inputs(length, gate_shift=gate_shift)
     want_y, want_state = mlx_lm_gated_delta.gated_delta_update(*args)
+    blocks = spy(monkeypatch)
     got_y, got_state = gated_delta.update(*args)
+    assert blocks  # the blocks computed it, not mlx-lm's loop
     assert_close(got_y, want_y)
     assert_close(got_state, want_state)
 
@@ -88,7 +100,9 @@ def greedy(model, prompt: list[int], n: int) -> list[int]:
 
 
 @pytest.mark.parametrize("module", ["qwen3_next", "qwen3_5"])
-def test_a_hybrid_models_greedy_answer_is_the_same_with_the_blocks(module: str):
+def test_a_hybrid_models_greedy_answer_is_the_same_with_the_blocks(
+    module: str, monkeypatch: pytest.MonkeyPatch
+):
     """A 300-token prompt through mlx-lm's own generation, then 24 greedy tokens: the same
     answer with the prompt's recurrence in blocks as with mlx-lm's per-token loop."""
     model = build(BY_MODULE[module])
@@ -96,13 +110,12 @@ def test_a_hybrid_models_greedy_answer_is_the_same_with_the_blocks(module: str):
     with gated_delta.mlx_lm_own():
         want = greedy(model, prompt, 24)
     assert gated_delta.install(model)
-    try:
-        assert importlib.import_module(f"mlx_lm.models.{module}").gated_delta_update is (
-            gated_delta.update
-        )
-        assert greedy(model, prompt, 24) == want
-    finally:
-        gated_delta.uninstall(model)
+    assert importlib.import_module(f"mlx_lm.models.{module}").gated_delta_update is (
+        gated_delta.update
+    )
+    blocks = spy(monkeypatch)
+    assert greedy(model, prompt, 24) == want
+    assert blocks  # the prompt's layers went through the blocks
 
 
 def test_a_model_without_gated_deltanet_layers_is_left_alone():
