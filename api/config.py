@@ -338,8 +338,8 @@ class ServerConfig(_Options):
         "auto",
         description="end an answer that repeats itself verbatim (a sentence looped again and "
         "again): finish_reason length (Anthropic: max_tokens), reason loop in the event log. "
-        "auto: for requests that set no max_tokens (the default cap applies); on: every "
-        "request; off: none",
+        "auto: every request but one with ignore_eos (it asks for exactly its length); on: "
+        "every request; off: none",
     )
     reasoning_parser: Literal["auto", "qwen3", "deepseek_r1", "think"] | None = Field(
         None,

@@ -1,9 +1,10 @@
 """The loop guard through the doors (issue 54): an answer that falls into repeating itself
-verbatim ends there when its request set no cap (`--loop-guard auto`), as a length on the
+verbatim ends there (`--loop-guard auto`), with a cap of its own or none, as a length on the
 wire (OpenAI's and Ollama's "length", Anthropic's "max_tokens") and as `loop` in the event
-log; a request with a cap of its own runs to it; an answer that does not loop is the same
-token for token with the guard or without. The demo model (random weights) at greedy falls
-into a loop on `LOOPING`: a deterministic looping answer. Real servers on 127.0.0.1."""
+log; a request that asks for exactly its length (`ignore_eos`) runs to it; an answer that
+does not loop is the same token for token with the guard or without. The demo model (random
+weights) at greedy falls into a loop on `LOOPING`: a deterministic looping answer. Real
+servers on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -75,15 +76,22 @@ async def test_a_looping_answer_with_no_cap_ends_as_a_length_and_the_log_says_lo
 
 
 @IN_MODULE_LOOP
-async def test_the_same_request_with_its_own_max_tokens_runs_to_it(served):
+async def test_a_request_with_its_own_max_tokens_is_guarded_too_and_ignore_eos_runs_to_it(
+    served,
+):
     looped, _ = await _chat(served)
-    body, rid = await _chat(served, max_tokens=CAP - 1)
-    assert body["usage"]["completion_tokens"] == CAP - 1
-    assert body["choices"][0]["finish_reason"] == "length"
+    capped, capped_rid = await _chat(served, max_tokens=CAP - 1)
+    # a cap is no ask for a loop (Open WebUI's title job sends max_tokens 1000)
+    assert capped["choices"][0]["message"]["content"] == looped["choices"][0]["message"]["content"]
+    assert capped["usage"]["completion_tokens"] < CAP - 1
+    assert _terminal(served, capped_rid).reason == "loop"
+    exact, rid = await _chat(served, max_tokens=CAP - 1, ignore_eos=True)
+    assert exact["usage"]["completion_tokens"] == CAP - 1
+    assert exact["choices"][0]["finish_reason"] == "length"
     assert _terminal(served, rid).reason == "length"
     # the same tokens up to where the guard ended the other
     head = looped["choices"][0]["message"]["content"]
-    assert body["choices"][0]["message"]["content"].startswith(head)
+    assert exact["choices"][0]["message"]["content"].startswith(head)
 
 
 @IN_MODULE_LOOP
@@ -105,34 +113,31 @@ async def test_a_streamed_looping_answer_ends_with_finish_reason_length(served):
 
 
 @IN_MODULE_LOOP
-async def test_ollama_s_chat_ends_a_loop_with_done_reason_length_unless_num_predict_is_set(
+async def test_ollama_s_chat_ends_a_loop_with_done_reason_length_with_num_predict_or_without(
     served,
 ):
     async with served.http() as http:
-        r = await http.post(
-            "/api/chat",
-            json={
-                "model": served.engine.model_name,
-                "messages": LOOPING,
-                "stream": False,
-                "options": {"temperature": 0},
-            },
-        )
-        capped = await http.post(
-            "/api/chat",
-            json={
-                "model": served.engine.model_name,
-                "messages": LOOPING,
-                "stream": False,
-                "options": {"temperature": 0, "num_predict": CAP - 1},
-            },
-        )
-    assert r.status_code == 200 and capped.status_code == 200
-    body = r.json()
-    assert body["done_reason"] == "length" and body["eval_count"] < CAP
-    assert _terminal(served, r.headers["x-request-id"]).reason == "loop"
-    assert capped.json()["done_reason"] == "length" and capped.json()["eval_count"] == CAP - 1
-    assert _terminal(served, capped.headers["x-request-id"]).reason == "length"
+        bodies = [
+            {"temperature": 0},
+            {"temperature": 0, "num_predict": CAP - 1},
+        ]
+        replies = [
+            await http.post(
+                "/api/chat",
+                json={
+                    "model": served.engine.model_name,
+                    "messages": LOOPING,
+                    "stream": False,
+                    "options": options,
+                },
+            )
+            for options in bodies
+        ]
+    for r in replies:
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["done_reason"] == "length" and body["eval_count"] < CAP - 1
+        assert _terminal(served, r.headers["x-request-id"]).reason == "loop"
 
 
 @IN_MODULE_LOOP
@@ -143,9 +148,10 @@ async def test_with_the_guard_off_the_loop_runs_to_the_default_cap(served):
 
 
 @IN_MODULE_LOOP
-async def test_with_the_guard_on_a_capped_anthropic_answer_ends_as_max_tokens(served):
-    on = served.urls["on"]
-    async with anthropic.AsyncAnthropic(base_url=on, api_key="sk-one", max_retries=0) as client:
+async def test_an_anthropic_answer_always_capped_ends_a_loop_as_max_tokens(served):
+    async with anthropic.AsyncAnthropic(
+        base_url=served.url, api_key="sk-one", max_retries=0
+    ) as client:
         message = await client.messages.create(
             model=served.engine.model_name,
             max_tokens=CAP,
@@ -154,6 +160,13 @@ async def test_with_the_guard_on_a_capped_anthropic_answer_ends_as_max_tokens(se
         )
     assert message.stop_reason == "max_tokens"
     assert message.usage.output_tokens < CAP
+
+
+@IN_MODULE_LOOP
+async def test_with_the_guard_on_an_ignore_eos_answer_ends_its_loop_too(served):
+    body, rid = await _chat(served, served.urls["on"], max_tokens=CAP - 1, ignore_eos=True)
+    assert body["usage"]["completion_tokens"] < CAP - 1
+    assert _terminal(served, rid).reason == "loop"
 
 
 @IN_MODULE_LOOP
@@ -181,8 +194,14 @@ async def test_the_doors_record_whether_a_request_is_guarded_and_its_penalty_win
             "/v1/chat/completions",
             json={"messages": LOOPING, "max_tokens": 2, "repeat_last_n": 16},
         )
+        exact = await http.post(
+            "/v1/chat/completions",
+            json={"messages": LOOPING, "max_tokens": 2, "ignore_eos": True},
+        )
     state = await wait_finished(served.engine.step_loop, r.headers["x-request-id"])
-    assert not state.params.loop_guard and state.params.repeat_last_n == 16
+    assert state.params.loop_guard and state.params.repeat_last_n == 16
+    state = await wait_finished(served.engine.step_loop, exact.headers["x-request-id"])
+    assert not state.params.loop_guard
 
 
 async def test_a_loop_the_python_api_asked_to_guard_ends_as_loop_and_reexecutes_the_same(

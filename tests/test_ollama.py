@@ -213,13 +213,13 @@ async def test_repeat_last_n_is_the_penalties_window(served, n, window):
     options = {"repeat_last_n": n, "repeat_penalty": 1.2, "num_predict": 2}
     state = await _params(served, {"messages": HI, "options": options})
     assert state.params.repeat_last_n == window  # -1: all of num_ctx, the whole context
-    assert not state.params.loop_guard  # num_predict set: it gets what it asked for
+    assert state.params.loop_guard  # num_predict set: a cap is no ask for a loop
 
 
 async def test_num_predict_minus_one_asks_for_the_whole_context(served):
     state = await _params(served, {"messages": HI, "options": {"num_predict": -1}})
     assert state.params.max_tokens == served.engine.max_context - state.num_prompt_tokens
-    assert not state.params.loop_guard  # it asked for the whole context: it gets it
+    assert state.params.loop_guard  # the whole context, not a loop through it
 
 
 async def test_num_ctx_bounds_the_request_and_past_the_model_s_context_is_refused(served, c):

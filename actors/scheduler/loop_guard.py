@@ -25,8 +25,8 @@ board in ASCII are below that); a sentence of prose repeated verbatim 4 times in
 least 64 tokens) is a loop, and so is a paragraph of 165 tokens followed by 192 tokens that
 repeat it word for word (SmolLM2 at greedy on "Tell me about Jupiter.": two paragraphs,
 themselves repeating a sentence, looped to the cap). A
-client that sets its own cap gets it anyway (the guard applies by default only to requests
-that set none: `--loop-guard`).
+client that asks for exactly its length (`ignore_eos`) gets it: the guard applies by default
+to every other request (`--loop-guard`).
 
 Cost: each token is compared only with the earlier occurrences of the same token among the
 last MAX_UNIT (a few for prose); a run of one token repeated costs O(MAX_UNIT) a token until

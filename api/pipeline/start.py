@@ -216,13 +216,14 @@ class Starter:
 
     def loop_guarded(self, call: Call) -> bool:
         """Whether the answer ends once it repeats itself verbatim (reason loop:
-        actors/scheduler/loop_guard.py): under `--loop-guard auto`, where the request set no
-        cap of its own (the default one applies); a client that asked for a length, or for
-        the whole context, gets it."""
+        actors/scheduler/loop_guard.py): under `--loop-guard auto`, every request but one
+        that asks for exactly its length (`ignore_eos`). A cap of the request's own is no
+        ask for a loop: Open WebUI's title job sends 1,000 tokens and Anthropic's API always
+        carries `max_tokens` (Claude Code's 32,000), and a small model loops to them."""
         mode = self.config.loop_guard
-        return mode == "on" or (
-            mode == "auto" and call.max_tokens is None and not call.whole_context
-        )
+        if mode == "auto":
+            return not getattr(call.sampling, "ignore_eos", False)
+        return mode == "on"
 
     def next_turn_wanted(self, engine: Engine, messages: list[dict[str, Any]]) -> bool:
         """Whether a chat's next turn is prefilled once it ends (`next_turn.py`): where the
