@@ -121,6 +121,7 @@ def start_server(kind: str, model_dir: Path, log_dir: Path, extra: list[str]) ->
     port = free_port()
     if kind == "stepline":
         cmd = [sys.executable, "-m", "stepline.api.cli", "serve", "--model", str(model_dir)]
+        cmd += ["--loop-guard", "off"]  # the same answers as mlx_lm.server's: loops run on
     else:
         cmd = [sys.executable, "-c", MLX_LM_LAUNCHER, "--model", str(model_dir)]
     cmd += ["--host", HOST, "--port", str(port), *extra]
